@@ -1,0 +1,313 @@
+//! Building blocks of a Llama-family decoder: RMSNorm, rotary embeddings, attention, MLP.
+//!
+//! Every op has two forms. `OpMode::Train` uses only ops that have a backward pass in candle
+//! (several fused candle ops silently have none: `rope`, `rms_norm`, `softmax_last_dim`).
+//! `OpMode::Generate` uses the fused ones, whose forward output is the same, for speed.
+
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_nn::{linear_b, linear_no_bias, Linear, VarBuilder};
+
+use crate::config::{ModelConfig, RopeScaling};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpMode {
+    /// Differentiable composite ops (training, all-position logits).
+    Train,
+    /// Fused forward-only ops (generation).
+    Generate,
+}
+
+/// RMSNorm computed in f32 like transformers' `LlamaRMSNorm`, cast back, then scaled.
+#[derive(Debug, Clone)]
+pub struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    pub fn new(size: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
+        Ok(Self { weight: vb.get(size, "weight")?, eps })
+    }
+
+    pub fn forward(&self, x: &Tensor, mode: OpMode) -> Result<Tensor> {
+        match mode {
+            OpMode::Generate => candle_nn::ops::rms_norm(x, &self.weight, self.eps as f32),
+            OpMode::Train => {
+                let xf = x.to_dtype(DType::F32)?;
+                let inv_rms = (xf.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?.sqrt()?.recip()?;
+                xf.broadcast_mul(&inv_rms)?.to_dtype(x.dtype())?.broadcast_mul(&self.weight)
+            }
+        }
+    }
+}
+
+/// Rotary embedding frequencies, with the rope scaling of the config applied.
+#[derive(Debug, Clone)]
+pub struct Rotary {
+    inv_freq: Vec<f64>,
+}
+
+impl Rotary {
+    pub fn new(cfg: &ModelConfig) -> Self {
+        let dim = cfg.head_dim;
+        // transformers computes the base frequencies in f32; do the same so tables match bit for bit
+        // as far as possible.
+        let base: Vec<f64> = (0..dim / 2)
+            .map(|i| (1.0f32 / (cfg.rope_theta as f32).powf((2 * i) as f32 / dim as f32)) as f64)
+            .collect();
+        let inv_freq = match &cfg.rope_scaling {
+            RopeScaling::Default => base,
+            RopeScaling::Linear { factor } => base.iter().map(|f| f / factor).collect(),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                let old = *original_max_position_embeddings as f64;
+                let low_wavelen = old / low_freq_factor;
+                let high_wavelen = old / high_freq_factor;
+                base.iter()
+                    .map(|&f| {
+                        let wavelen = 2.0 * std::f64::consts::PI / f;
+                        if wavelen < high_wavelen {
+                            f
+                        } else if wavelen > low_wavelen {
+                            f / factor
+                        } else {
+                            let smooth =
+                                (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                            (1.0 - smooth) * f / factor + smooth * f
+                        }
+                    })
+                    .collect()
+            }
+        };
+        Self { inv_freq }
+    }
+
+    /// cos and sin tables of shape (seq_len, head_dim / 2) for positions offset..offset+seq_len.
+    pub fn tables(&self, offset: usize, seq_len: usize, dtype: DType, dev: &Device) -> Result<(Tensor, Tensor)> {
+        let half = self.inv_freq.len();
+        let mut cos = Vec::with_capacity(seq_len * half);
+        let mut sin = Vec::with_capacity(seq_len * half);
+        for p in offset..offset + seq_len {
+            for &f in &self.inv_freq {
+                // f32 product like transformers, then cos/sin.
+                let angle = (p as f32 * f as f32) as f64;
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+        let cos = Tensor::from_vec(cos, (seq_len, half), dev)?.to_dtype(dtype)?;
+        let sin = Tensor::from_vec(sin, (seq_len, half), dev)?.to_dtype(dtype)?;
+        Ok((cos, sin))
+    }
+}
+
+/// Per-position inputs shared by all layers of one forward call.
+pub struct PositionInputs {
+    pub cos: Tensor,
+    pub sin: Tensor,
+    /// Additive mask (q_len, kv_len) with -inf where attention is not allowed; None when every key
+    /// is visible (single-token decode without a sliding window).
+    pub mask: Option<Tensor>,
+    pub mode: OpMode,
+}
+
+/// Builds the causal (optionally sliding-window) additive mask for queries at positions
+/// `offset..offset+q_len` over keys `0..offset+q_len`.
+pub fn causal_mask(q_len: usize, offset: usize, window: Option<usize>, dtype: DType, dev: &Device) -> Result<Option<Tensor>> {
+    let kv_len = offset + q_len;
+    let blocked = |i: usize, j: usize| {
+        let qpos = offset + i;
+        j > qpos || window.is_some_and(|w| qpos - j.min(qpos) >= w)
+    };
+    let any_blocked = (0..q_len).any(|i| (0..kv_len).any(|j| blocked(i, j)));
+    if !any_blocked {
+        return Ok(None);
+    }
+    let data: Vec<f32> = (0..q_len)
+        .flat_map(|i| (0..kv_len).map(move |j| if blocked(i, j) { f32::NEG_INFINITY } else { 0.0 }))
+        .collect();
+    Tensor::from_vec(data, (q_len, kv_len), dev)?.to_dtype(dtype).map(Some)
+}
+
+/// Keys and values of past positions for one layer, shape (batch, kv_heads, seq, head_dim).
+#[derive(Debug, Clone, Default)]
+pub struct LayerKvCache {
+    kv: Option<(Tensor, Tensor)>,
+}
+
+impl LayerKvCache {
+    pub fn seq_len(&self) -> usize {
+        self.kv.as_ref().map(|(k, _)| k.dim(2).unwrap_or(0)).unwrap_or(0)
+    }
+
+    fn append(&mut self, k: Tensor, v: Tensor) -> Result<(Tensor, Tensor)> {
+        let (k, v) = match self.kv.take() {
+            None => (k, v),
+            Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
+        };
+        self.kv = Some((k.clone(), v.clone()));
+        Ok((k, v))
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+}
+
+impl Attention {
+    pub fn new(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+        let (h, d) = (cfg.hidden_size, cfg.head_dim);
+        let q_out = cfg.num_attention_heads * d;
+        let kv_out = cfg.num_key_value_heads * d;
+        let (q_norm, k_norm) = if cfg.qk_norm {
+            (
+                Some(RmsNorm::new(d, cfg.rms_norm_eps, vb.pp("q_norm"))?),
+                Some(RmsNorm::new(d, cfg.rms_norm_eps, vb.pp("k_norm"))?),
+            )
+        } else {
+            (None, None)
+        };
+        Ok(Self {
+            q_proj: linear_b(h, q_out, cfg.qkv_bias, vb.pp("q_proj"))?,
+            k_proj: linear_b(h, kv_out, cfg.qkv_bias, vb.pp("k_proj"))?,
+            v_proj: linear_b(h, kv_out, cfg.qkv_bias, vb.pp("v_proj"))?,
+            o_proj: linear_b(q_out, h, cfg.o_bias, vb.pp("o_proj"))?,
+            q_norm,
+            k_norm,
+            num_heads: cfg.num_attention_heads,
+            num_kv_heads: cfg.num_key_value_heads,
+            head_dim: d,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor, pos: &PositionInputs, cache: Option<&mut LayerKvCache>) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let d = self.head_dim;
+        let heads = |proj: &Linear, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
+            let y = proj.forward(x)?.reshape((b, t, n, d))?;
+            let y = match norm {
+                Some(norm) => norm.forward(&y, pos.mode)?,
+                None => y,
+            };
+            y.transpose(1, 2)?.contiguous()
+        };
+        let q = heads(&self.q_proj, self.num_heads, &self.q_norm)?;
+        let k = heads(&self.k_proj, self.num_kv_heads, &self.k_norm)?;
+        let v = heads(&self.v_proj, self.num_kv_heads, &None)?;
+        let (q, k) = match pos.mode {
+            OpMode::Train => (
+                candle_nn::rotary_emb::rope_slow(&q, &pos.cos, &pos.sin)?,
+                candle_nn::rotary_emb::rope_slow(&k, &pos.cos, &pos.sin)?,
+            ),
+            OpMode::Generate => (
+                candle_nn::rotary_emb::rope(&q, &pos.cos, &pos.sin)?,
+                candle_nn::rotary_emb::rope(&k, &pos.cos, &pos.sin)?,
+            ),
+        };
+        let (k, v) = match cache {
+            Some(cache) => cache.append(k, v)?,
+            None => (k, v),
+        };
+        let n_rep = self.num_heads / self.num_kv_heads;
+        let k = repeat_kv(k, n_rep)?;
+        let v = repeat_kv(v, n_rep)?;
+
+        let scale = 1.0 / (d as f64).sqrt();
+        let scores = (q.matmul(&k.t()?)? * scale)?;
+        let scores = match &pos.mask {
+            Some(mask) => scores.broadcast_add(mask)?,
+            None => scores,
+        };
+        // Softmax in f32 like transformers' eager attention, then back to the compute dtype.
+        let scores_f32 = scores.to_dtype(DType::F32)?;
+        let probs = match pos.mode {
+            OpMode::Train => candle_nn::ops::softmax(&scores_f32, D::Minus1)?,
+            OpMode::Generate => candle_nn::ops::softmax_last_dim(&scores_f32)?,
+        }
+        .to_dtype(q.dtype())?;
+        let out = probs.matmul(&v.contiguous()?)?;
+        let out = out.transpose(1, 2)?.reshape((b, t, self.num_heads * d))?;
+        self.o_proj.forward(&out)
+    }
+}
+
+/// (b, kv_heads, t, d) -> (b, kv_heads * n_rep, t, d), each kv head repeated for its query group.
+fn repeat_kv(x: Tensor, n_rep: usize) -> Result<Tensor> {
+    if n_rep == 1 {
+        return Ok(x);
+    }
+    let (b, kvh, t, d) = x.dims4()?;
+    x.unsqueeze(2)?.expand((b, kvh, n_rep, t, d))?.reshape((b, kvh * n_rep, t, d))
+}
+
+#[derive(Debug, Clone)]
+pub struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+impl Mlp {
+    pub fn new(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let lin = |a, b, name: &str| {
+            if cfg.mlp_bias {
+                linear_b(a, b, true, vb.pp(name))
+            } else {
+                linear_no_bias(a, b, vb.pp(name))
+            }
+        };
+        Ok(Self { gate_proj: lin(h, i, "gate_proj")?, up_proj: lin(h, i, "up_proj")?, down_proj: lin(i, h, "down_proj")? })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let gate = candle_nn::ops::silu(&self.gate_proj.forward(x)?)?;
+        self.down_proj.forward(&(gate * self.up_proj.forward(x)?)?)
+    }
+}
+
+/// One transformer block. Constructible on its own from a VarBuilder over just its tensors
+/// (`input_layernorm`, `self_attn.*`, `post_attention_layernorm`, `mlp.*`), which is how the
+/// FSDP engine rebuilds a block from gathered weights.
+#[derive(Debug, Clone)]
+pub struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+}
+
+impl DecoderLayer {
+    pub fn new(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            input_layernorm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
+            self_attn: Attention::new(cfg, vb.pp("self_attn"))?,
+            post_attention_layernorm: RmsNorm::new(
+                cfg.hidden_size,
+                cfg.rms_norm_eps,
+                vb.pp("post_attention_layernorm"),
+            )?,
+            mlp: Mlp::new(cfg, vb.pp("mlp"))?,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor, pos: &PositionInputs, cache: Option<&mut LayerKvCache>) -> Result<Tensor> {
+        let h = self.input_layernorm.forward(x, pos.mode)?;
+        let x = (x + self.self_attn.forward(&h, pos, cache)?)?;
+        let h = self.post_attention_layernorm.forward(&x, pos.mode)?;
+        x + self.mlp.forward(&h)?
+    }
+}

@@ -1,0 +1,14 @@
+//! Llama-family causal language models in plain candle.
+//!
+//! Knows nothing about sharding or distribution: a model is built from a `VarBuilder`, and each
+//! decoder layer can be built on its own from a `VarBuilder` over just that layer's tensors.
+
+pub mod config;
+pub mod layers;
+pub mod model;
+pub mod tensors;
+
+pub use config::{Architecture, ModelConfig, RopeScaling, SUPPORTED_ARCHITECTURES};
+pub use layers::{DecoderLayer, LayerKvCache, OpMode};
+pub use model::{CausalLm, KvCache};
+pub use tensors::{expected_tensors, TensorSpec};

@@ -1,0 +1,103 @@
+//! The whole causal LM: embeddings, decoder layers, final norm, LM head (tied or not).
+
+use candle_core::{DType, Module, Result, Tensor};
+use candle_nn::{Embedding, VarBuilder};
+
+use crate::config::ModelConfig;
+use crate::layers::{causal_mask, DecoderLayer, LayerKvCache, OpMode, PositionInputs, RmsNorm, Rotary};
+
+/// KV cache for all layers of one sequence batch.
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    pub layers: Vec<LayerKvCache>,
+}
+
+impl KvCache {
+    pub fn new(cfg: &ModelConfig) -> Self {
+        Self { layers: vec![LayerKvCache::default(); cfg.num_hidden_layers] }
+    }
+
+    /// Number of positions already cached.
+    pub fn seq_len(&self) -> usize {
+        self.layers.first().map(LayerKvCache::seq_len).unwrap_or(0)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct CausalLm {
+    cfg: ModelConfig,
+    embed_tokens: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    /// `lm_head.weight`; with tied embeddings this is the very same tensor as the embedding table.
+    lm_head: Tensor,
+    rotary: Rotary,
+}
+
+impl CausalLm {
+    pub fn new(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+        let embed_w = vb.get((cfg.vocab_size, cfg.hidden_size), "model.embed_tokens.weight")?;
+        let embed_tokens = Embedding::new(embed_w.clone(), cfg.hidden_size);
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| DecoderLayer::new(cfg, vb.pp(format!("model.layers.{i}"))))
+            .collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("model.norm"))?;
+        let lm_head = if cfg.tie_word_embeddings {
+            embed_w
+        } else {
+            vb.get((cfg.vocab_size, cfg.hidden_size), "lm_head.weight")?
+        };
+        Ok(Self { cfg: cfg.clone(), embed_tokens, layers, norm, lm_head, rotary: Rotary::new(cfg) })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    pub fn device(&self) -> &candle_core::Device {
+        self.lm_head.device()
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.lm_head.dtype()
+    }
+
+    fn position_inputs(&self, offset: usize, q_len: usize, mode: OpMode) -> Result<PositionInputs> {
+        let dev = self.lm_head.device();
+        let (cos, sin) = self.rotary.tables(offset, q_len, self.dtype(), dev)?;
+        let mask = causal_mask(q_len, offset, self.cfg.sliding_window, self.dtype(), dev)?;
+        Ok(PositionInputs { cos, sin, mask, mode })
+    }
+
+    fn logits(&self, h: &Tensor) -> Result<Tensor> {
+        h.broadcast_matmul(&self.lm_head.t()?)
+    }
+
+    /// Logits at every position, (batch, seq, vocab), no cache. Uses only differentiable ops, so it
+    /// is the training forward.
+    pub fn forward(&self, input_ids: &Tensor) -> Result<Tensor> {
+        let (_b, t) = input_ids.dims2()?;
+        let pos = self.position_inputs(0, t, OpMode::Train)?;
+        let mut h = self.embed_tokens.forward(input_ids)?;
+        for layer in &self.layers {
+            h = layer.forward(&h, &pos, None)?;
+        }
+        let h = self.norm.forward(&h, OpMode::Train)?;
+        self.logits(&h)
+    }
+
+    /// Feeds `input_ids` (batch, new_tokens) after the cached positions and returns the logits of
+    /// the last new position, (batch, vocab). Uses fused forward-only ops.
+    pub fn forward_cached(&self, input_ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        let (_b, t) = input_ids.dims2()?;
+        let offset = cache.seq_len();
+        let pos = self.position_inputs(offset, t, OpMode::Generate)?;
+        let mut h = self.embed_tokens.forward(input_ids)?;
+        for (layer, layer_cache) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            h = layer.forward(&h, &pos, Some(layer_cache))?;
+        }
+        let h = h.narrow(1, t - 1, 1)?;
+        let h = self.norm.forward(&h, OpMode::Generate)?;
+        self.logits(&h)?.squeeze(1)
+    }
+}

@@ -1,0 +1,130 @@
+//! Reading a resolved model from disk: config, a check of every tensor's name and shape, and the
+//! model itself built over memory-mapped safetensors.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device};
+use candle_nn::VarBuilder;
+use models::{expected_tensors, CausalLm, ModelConfig};
+
+use super::resolve::ModelFiles;
+
+/// A model ready to run, with the files it came from.
+pub struct LoadedModel {
+    pub model: CausalLm,
+    pub config: ModelConfig,
+    pub files: ModelFiles,
+    pub dtype: DType,
+}
+
+/// Parses `config.json`; errors name the file.
+pub fn read_model_config(path: &Path) -> Result<ModelConfig> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
+    ModelConfig::from_json_str(&text).with_context(|| format!("{}", path.display()))
+}
+
+/// Name, dtype and shape of one stored tensor, and the file holding it.
+#[derive(Debug, Clone)]
+pub struct StoredTensor {
+    pub file: PathBuf,
+    pub dtype: safetensors::Dtype,
+    pub shape: Vec<usize>,
+}
+
+/// Reads the header of every weight file (validating it against the file's length, so truncated
+/// or corrupt files are reported here, by name) and returns what each file holds.
+pub fn read_weight_headers(weights: &[PathBuf]) -> Result<BTreeMap<String, StoredTensor>> {
+    let mut all = BTreeMap::new();
+    for path in weights {
+        let file = std::fs::File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
+        // SAFETY: the map is read-only and dropped before we return; a concurrent writer could
+        // change the bytes under us, which at worst gives a wrong header error.
+        let mmap = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("{}: cannot mmap", path.display()))?;
+        let st = safetensors::SafeTensors::deserialize(&mmap)
+            .map_err(|e| anyhow::anyhow!("{}: not a valid safetensors file: {e}", path.display()))?;
+        for (name, view) in st.tensors() {
+            let dtype = view.dtype();
+            if !matches!(dtype, safetensors::Dtype::F32 | safetensors::Dtype::BF16 | safetensors::Dtype::F16) {
+                bail!("{}: tensor {name} has dtype {dtype:?}; supported: F32, BF16, F16", path.display());
+            }
+            if let Some(prev) = all.insert(
+                name.clone(),
+                StoredTensor { file: path.clone(), dtype, shape: view.shape().to_vec() },
+            ) {
+                bail!("tensor {name} is stored twice: in {} and {}", prev.file.display(), path.display());
+            }
+        }
+    }
+    Ok(all)
+}
+
+/// Compares what is stored with what the config needs. Every problem is listed at once, like
+/// PyTorch's `_IncompatibleKeys`, so a user fixes a checkpoint in one go.
+pub fn check_tensors(cfg: &ModelConfig, stored: &BTreeMap<String, StoredTensor>, source: &str) -> Result<()> {
+    let expected = expected_tensors(cfg);
+    let expected_names: HashMap<&str, &[usize]> =
+        expected.iter().map(|t| (t.name.as_str(), t.shape.as_slice())).collect();
+    let mut missing = vec![];
+    let mut misshaped = vec![];
+    for t in &expected {
+        match stored.get(&t.name) {
+            None => missing.push(t.name.clone()),
+            Some(s) if s.shape != t.shape => {
+                misshaped.push(format!("{} is {:?} in {}, config needs {:?}", t.name, s.shape, s.file.display(), t.shape))
+            }
+            Some(_) => {}
+        }
+    }
+    // A tied checkpoint may still carry `lm_head.weight` (some exporters write both); transformers
+    // ignores it, and so do we.
+    let unexpected: Vec<&String> = stored
+        .keys()
+        .filter(|n| !expected_names.contains_key(n.as_str()))
+        .filter(|n| !(cfg.tie_word_embeddings && n.as_str() == "lm_head.weight"))
+        .filter(|n| !n.ends_with("rotary_emb.inv_freq"))
+        .collect();
+    if missing.is_empty() && misshaped.is_empty() && unexpected.is_empty() {
+        return Ok(());
+    }
+    let mut parts = vec![];
+    let list = |v: Vec<String>| {
+        let n = v.len();
+        let shown: Vec<String> = v.into_iter().take(8).collect();
+        if n > 8 { format!("{} (and {} more)", shown.join(", "), n - 8) } else { shown.join(", ") }
+    };
+    if !missing.is_empty() {
+        parts.push(format!("missing tensors: {}", list(missing)));
+    }
+    if !unexpected.is_empty() {
+        parts.push(format!("unexpected tensors: {}", list(unexpected.into_iter().cloned().collect())));
+    }
+    if !misshaped.is_empty() {
+        parts.push(format!("wrong shapes: {}", list(misshaped)));
+    }
+    bail!("{source}: checkpoint does not match its config.json ({:?}): {}", cfg.architecture, parts.join("; "))
+}
+
+/// Loads the model in `dtype` on `device` after checking every tensor.
+pub fn load_model(files: ModelFiles, dtype: DType, device: &Device) -> Result<LoadedModel> {
+    let config = read_model_config(&files.config)?;
+    let stored = read_weight_headers(&files.weights)?;
+    check_tensors(&config, &stored, &files.source)?;
+    // SAFETY: the files were just validated; they must not be modified while the model lives,
+    // the same contract as every mmap-based loader (transformers included).
+    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files.weights, dtype, device) }
+        .with_context(|| format!("{}: mapping the weights", files.source))?;
+    let model = CausalLm::new(&config, vb).with_context(|| format!("{}: building the model", files.source))?;
+    Ok(LoadedModel { model, config, files, dtype })
+}
+
+/// Parses `--dtype`.
+pub fn parse_dtype(s: &str) -> Result<DType> {
+    Ok(match s {
+        "f32" | "float32" => DType::F32,
+        "bf16" | "bfloat16" => DType::BF16,
+        "f16" | "float16" => DType::F16,
+        other => bail!("--dtype {other:?} is not supported; use f32, bf16 or f16"),
+    })
+}

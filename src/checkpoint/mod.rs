@@ -1,0 +1,10 @@
+//! Finding a model (local directory or Hugging Face Hub), checking and loading its safetensors,
+//! and writing safetensors files atomically.
+
+pub mod hub;
+pub mod load;
+pub mod resolve;
+pub mod write;
+
+pub use load::{load_model, parse_dtype, read_model_config, LoadedModel};
+pub use resolve::{resolve_model, ModelFiles};

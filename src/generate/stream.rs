@@ -1,0 +1,127 @@
+//! Turning generated token ids into text as it is produced: never emit broken UTF-8, stop at stop
+//! strings that may span several tokens, and hold back text that could still become a stop string.
+
+/// Outcome of adding one token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamStep {
+    /// New text that is now safe to show.
+    pub text: String,
+    /// A stop string was completed; `text` ends right before it.
+    pub stopped: bool,
+}
+
+/// Tracks the decoded text of the generated tokens. `decode` turns all generated ids into text;
+/// decoding the whole sequence (not token by token) keeps the tokenizer's decoder rules right
+/// (byte-level merges, leading-space handling).
+pub struct TextStream {
+    stop: Vec<String>,
+    emitted: usize,
+}
+
+impl TextStream {
+    pub fn new(stop: Vec<String>) -> Self {
+        Self { stop: stop.into_iter().filter(|s| !s.is_empty()).collect(), emitted: 0 }
+    }
+
+    /// `full` is the decoding of every generated token so far.
+    pub fn push(&mut self, full: &str) -> StreamStep {
+        // A trailing U+FFFD means the last token ended inside a multi-byte character.
+        let complete = full.trim_end_matches('\u{FFFD}');
+        let search_from = self.emitted.saturating_sub(self.stop.iter().map(String::len).max().unwrap_or(0));
+        let search_from = floor_char_boundary(complete, search_from);
+        let first_stop = self
+            .stop
+            .iter()
+            .filter_map(|s| complete[search_from..].find(s.as_str()).map(|i| search_from + i))
+            .min();
+        if let Some(at) = first_stop {
+            let text = complete.get(self.emitted..at).unwrap_or("").to_string();
+            self.emitted = self.emitted.max(at);
+            return StreamStep { text, stopped: true };
+        }
+        let safe_end = complete.len() - self.held_back(complete);
+        let text = if safe_end > self.emitted { complete[self.emitted..safe_end].to_string() } else { String::new() };
+        self.emitted = self.emitted.max(safe_end);
+        StreamStep { text, stopped: false }
+    }
+
+    /// Everything not yet emitted, at the end of generation (no more tokens will come).
+    pub fn finish(&mut self, full: &str) -> String {
+        let complete = full.trim_end_matches('\u{FFFD}');
+        let rest = complete.get(self.emitted..).unwrap_or("").to_string();
+        self.emitted = complete.len();
+        rest
+    }
+
+    /// The text emitted so far (a prefix of `full`).
+    pub fn emitted_text(&self, full: &str) -> String {
+        full.get(..self.emitted).unwrap_or(full).to_string()
+    }
+
+    /// Length of the longest suffix of `text` that is a proper prefix of some stop string.
+    fn held_back(&self, text: &str) -> usize {
+        let mut hold = 0;
+        for s in &self.stop {
+            for (i, _) in s.char_indices().skip(1) {
+                if i > hold && text.ends_with(&s[..i]) {
+                    hold = i;
+                }
+            }
+        }
+        hold
+    }
+}
+
+fn floor_char_boundary(s: &str, mut i: usize) -> usize {
+    i = i.min(s.len());
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(pieces: &[&str], stop: &[&str]) -> (Vec<String>, bool) {
+        let mut s = TextStream::new(stop.iter().map(|x| x.to_string()).collect());
+        let mut full = String::new();
+        let mut out = vec![];
+        for p in pieces {
+            full.push_str(p);
+            let step = s.push(&full);
+            out.push(step.text);
+            if step.stopped {
+                return (out, true);
+            }
+        }
+        out.push(s.finish(&full));
+        (out, false)
+    }
+
+    #[test]
+    fn stop_string_across_tokens_is_cut_and_never_shown() {
+        let (out, stopped) = run(&["Hello ", "wor", "ld", "###", " end"], &["ld##"]);
+        assert!(stopped);
+        assert_eq!(out.concat(), "Hello wor");
+        assert!(out.iter().all(|o| !o.contains('#')));
+    }
+
+    #[test]
+    fn possible_stop_prefix_is_held_then_released() {
+        let (out, stopped) = run(&["a<", "b"], &["<|end|>"]);
+        assert!(!stopped);
+        assert_eq!(out, vec!["a".to_string(), "<b".to_string(), String::new()]);
+    }
+
+    #[test]
+    fn incomplete_utf8_is_held_back() {
+        // What decoding all ids gives after each token: the second token is the first byte of 'é'.
+        let mut s = TextStream::new(vec![]);
+        assert_eq!(s.push("caf").text, "caf");
+        assert_eq!(s.push("caf\u{FFFD}").text, "");
+        assert_eq!(s.push("café").text, "é");
+        assert_eq!(s.finish("café"), "");
+    }
+}

@@ -1,0 +1,13 @@
+//! fsdp-app: fine-tune and serve Hugging Face causal language models on candle.
+//!
+//! Modules, one job each: `checkpoint` finds and loads model files (local or Hub) and writes
+//! them atomically; `tokenize` wraps tokenizer.json and chat templates; `generate` runs
+//! autoregressive generation; `convert` imports GGUF files; `fixtures` makes tiny test models;
+//! `memory` reports process memory.
+
+pub mod checkpoint;
+pub mod convert;
+pub mod fixtures;
+pub mod generate;
+pub mod memory;
+pub mod tokenize;

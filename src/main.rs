@@ -1,0 +1,218 @@
+//! The `fsdp-app` command line.
+
+use std::collections::HashSet;
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use candle_core::Device;
+use clap::{Args, Parser, Subcommand};
+
+use fsdp_app::checkpoint::{load_model, parse_dtype, resolve_model};
+use fsdp_app::generate::{generate, GenerationDefaults, SamplingParams};
+use fsdp_app::memory::{human_bytes, peak_rss_bytes};
+use fsdp_app::tokenize::{ChatMessage, TextTokenizer};
+
+#[derive(Parser)]
+#[command(name = "fsdp-app", version, about = "Fine-tune and serve Hugging Face causal language models, on candle")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt with a model from a local directory or the Hugging Face Hub.
+    Generate(GenerateArgs),
+    /// Convert a llama.cpp GGUF file into a Hugging Face model directory (safetensors, config,
+    /// tokenizer, chat template).
+    Convert(ConvertArgs),
+    /// Write a tiny random model directory (for tests and for trying fsdp-app offline).
+    Fixture(FixtureArgs),
+}
+
+#[derive(Args)]
+struct ModelArgs {
+    /// Local model directory, or a Hub id such as `HuggingFaceTB/SmolLM2-135M-Instruct`.
+    /// Hub downloads honour HF_ENDPOINT, HF_HOME, HF_HUB_CACHE, HF_TOKEN and HF_HUB_OFFLINE.
+    #[arg(long)]
+    model: String,
+    /// Hub branch, tag or commit (Hub ids only).
+    #[arg(long)]
+    revision: Option<String>,
+    /// Compute dtype: f32 (default; fastest on CPU), bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The prompt text.
+    #[arg(long)]
+    prompt: String,
+    /// Wrap the prompt as a user message in the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// A system message (with --chat).
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
+    #[arg(long, default_value_t = 256)]
+    max_new_tokens: usize,
+    /// Sampling temperature; 0 is greedy. Default: generation_config.json's when it samples, else 0.
+    #[arg(long)]
+    temperature: Option<f64>,
+    /// Keep only the k most likely tokens (sampling only).
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Nucleus sampling: keep the smallest set of tokens with this total probability.
+    #[arg(long)]
+    top_p: Option<f64>,
+    /// Penalise tokens already in the context (1.0 = off), as transformers does.
+    #[arg(long)]
+    repetition_penalty: Option<f32>,
+    #[arg(long, default_value_t = 299_792_458)]
+    seed: u64,
+    /// Stop when the text contains this string (repeatable); the string is not printed.
+    #[arg(long = "stop")]
+    stop: Vec<String>,
+    /// Print one JSON object (text, token ids, finish reason, figures) instead of streaming.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct ConvertArgs {
+    /// The GGUF file.
+    #[arg(long)]
+    gguf: PathBuf,
+    /// Output directory (must not exist, or be empty).
+    #[arg(long)]
+    out: PathBuf,
+    /// dtype of the written safetensors: bf16 (default) or f32.
+    #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
+    dtype: String,
+}
+
+#[derive(Args)]
+struct FixtureArgs {
+    /// Which fixture: llama (GQA, untied, sharded, Llama 3 rope scaling), qwen2 (qkv bias, tied),
+    /// qwen3 (q/k norm), mistral (sliding window).
+    #[arg(long, value_parser = fsdp_app::fixtures::FIXTURE_NAMES.to_vec())]
+    name: String,
+    #[arg(long)]
+    out: PathBuf,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(a) => run_generate(a),
+        Command::Convert(a) => run_convert(a),
+        Command::Fixture(a) => fsdp_app::fixtures::write_fixture(&a.name, &a.out).map(|p| {
+            eprintln!("wrote fixture {} to {}", a.name, p.display());
+        }),
+    };
+    if let Err(e) = result {
+        if std::env::var_os("RUST_BACKTRACE").is_some() {
+            eprintln!("error: {e:?}");
+        } else {
+            eprintln!("error: {e:#}");
+        }
+        std::process::exit(1);
+    }
+}
+
+fn run_convert(a: ConvertArgs) -> Result<()> {
+    let start = Instant::now();
+    let dtype = parse_dtype(&a.dtype)?;
+    let report = fsdp_app::convert::convert_gguf(&a.gguf, &a.out, dtype)?;
+    eprintln!(
+        "converted {} -> {}: {} tensors, {:.1}M parameters, {:.1}s, peak RSS {}",
+        a.gguf.display(),
+        report.out.display(),
+        report.tensors,
+        report.parameters as f64 / 1e6,
+        start.elapsed().as_secs_f64(),
+        peak_rss_bytes().map(human_bytes).unwrap_or_else(|| "n/a".into())
+    );
+    Ok(())
+}
+
+fn run_generate(a: GenerateArgs) -> Result<()> {
+    let dtype = parse_dtype(&a.model.dtype)?;
+    let load_start = Instant::now();
+    let files = resolve_model(&a.model.model, a.model.revision.as_deref())?;
+    let defaults = match &files.generation_config {
+        Some(p) => GenerationDefaults::read(p)?,
+        None => GenerationDefaults::default(),
+    };
+    let loaded = load_model(files, dtype, &Device::Cpu)?;
+    let tokenizer = TextTokenizer::load(&loaded.files, loaded.config.vocab_size)?;
+    let load_s = load_start.elapsed().as_secs_f64();
+
+    let prompt_ids = if a.chat {
+        let template = tokenizer.chat_template.as_ref().with_context(|| {
+            format!("{}: --chat needs a chat template (tokenizer_config.json `chat_template` or chat_template.jinja)", loaded.files.source)
+        })?;
+        let mut messages = vec![];
+        if let Some(s) = &a.system {
+            messages.push(ChatMessage::new("system", s));
+        }
+        messages.push(ChatMessage::new("user", &a.prompt));
+        // transformers' apply_chat_template tokenises the rendered text without adding specials.
+        tokenizer.encode(&template.render(&messages, true)?, false)?
+    } else {
+        tokenizer.encode(&a.prompt, true)?
+    };
+
+    let eos: HashSet<u32> = if defaults.eos_token_ids.is_empty() {
+        loaded.config.eos_token_ids.iter().copied().collect()
+    } else {
+        defaults.eos_token_ids.iter().copied().collect()
+    };
+    let sampling_by_default = defaults.do_sample;
+    let params = SamplingParams {
+        max_new_tokens: a.max_new_tokens,
+        temperature: a.temperature.unwrap_or(if sampling_by_default { defaults.temperature.unwrap_or(1.0) } else { 0.0 }),
+        // transformers samples with top_k = 50 unless told otherwise.
+        top_k: a.top_k.or(if sampling_by_default { Some(defaults.top_k.unwrap_or(50)) } else { None }),
+        top_p: a.top_p.or(if sampling_by_default { defaults.top_p } else { None }),
+        repetition_penalty: a.repetition_penalty.or(defaults.repetition_penalty).unwrap_or(1.0),
+        seed: a.seed,
+        stop: a.stop.clone(),
+    };
+
+    let stdout = std::io::stdout();
+    let stream = !a.json;
+    let out = generate(&loaded.model, &tokenizer, &prompt_ids, &eos, &params, |text| {
+        if stream {
+            let mut lock = stdout.lock();
+            lock.write_all(text.as_bytes())?;
+            lock.flush()?;
+        }
+        Ok(())
+    })?;
+    let rss = peak_rss_bytes();
+    if a.json {
+        let mut v = serde_json::to_value(&out)?;
+        v["peak_rss_bytes"] = serde_json::json!(rss);
+        v["load_s"] = serde_json::json!(load_s);
+        println!("{}", serde_json::to_string(&v)?);
+    } else {
+        println!();
+        eprintln!(
+            "prompt tokens: {} | generated tokens: {} | finish: {:?} | load: {load_s:.2}s | time to first token: {:.3}s | \
+             {:.1} tokens/s | peak RSS: {}",
+            out.prompt_ids.len(),
+            out.generated_ids.len(),
+            out.finish_reason,
+            out.time_to_first_token_s,
+            out.decode_tokens_per_s,
+            rss.map(human_bytes).unwrap_or_else(|| "n/a".into())
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,31 @@
+//! Process memory figures for the CLI's reports.
+
+/// Peak resident set size of this process in bytes (`VmHWM` from /proc), if the OS tells.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// "123.4 MiB" style, for humans.
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 { format!("{bytes} B") } else { format!("{v:.1} {}", UNITS[unit]) }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn peak_rss_is_reported_on_linux() {
+        let rss = super::peak_rss_bytes().expect("VmHWM in /proc/self/status");
+        assert!(rss > 1024 * 1024, "{rss}");
+        assert_eq!(super::human_bytes(1536), "1.5 KiB");
+    }
+}

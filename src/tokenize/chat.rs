@@ -1,0 +1,207 @@
+//! Chat templates rendered with minijinja the way transformers renders them with jinja2:
+//! `trim_blocks`, `lstrip_blocks`, `raise_exception`, a Python-style `tojson`, `strftime_now`,
+//! and Python string/dict methods (`.strip()`, `.items()`, ...).
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use minijinja::{context, Environment, Error, ErrorKind, Value};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: &str, content: &str) -> Self {
+        Self { role: role.to_string(), content: content.to_string() }
+    }
+}
+
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+}
+
+const TEMPLATE_NAME: &str = "chat";
+
+/// Where transformers looks, in its order: `chat_template.jinja`, then `tokenizer_config.json`'s
+/// `chat_template` (a string, or a list of named templates of which we take "default").
+pub fn template_text(jinja_file: Option<&Path>, tokenizer_config: &serde_json::Value) -> Result<Option<String>> {
+    if let Some(p) = jinja_file {
+        return Ok(Some(std::fs::read_to_string(p).with_context(|| format!("{}: cannot read", p.display()))?));
+    }
+    match tokenizer_config.get("chat_template") {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
+        Some(serde_json::Value::Array(list)) => {
+            let default = list.iter().find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"));
+            Ok(default.and_then(|t| t.get("template")).and_then(|t| t.as_str()).map(str::to_string))
+        }
+        Some(_) => bail!("field `chat_template` must be a string or a list of {{name, template}}"),
+    }
+}
+
+fn raise_exception(msg: String) -> Result<Value, Error> {
+    Err(Error::new(ErrorKind::InvalidOperation, msg))
+}
+
+/// `json.dumps(value, ensure_ascii=False)` with Python's default separators, as transformers'
+/// `tojson` does (minijinja's own is compact and HTML-escapes).
+fn tojson(value: Value, indent: Option<usize>) -> Result<Value, Error> {
+    let json: serde_json::Value = serde_json::to_value(&value)
+        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let mut out = String::new();
+    write_py_json(&json, indent, 0, &mut out);
+    Ok(Value::from_safe_string(out))
+}
+
+fn write_py_json(v: &serde_json::Value, indent: Option<usize>, depth: usize, out: &mut String) {
+    use serde_json::Value as J;
+    let newline = |out: &mut String, depth: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * depth));
+        }
+    };
+    let item_sep = if indent.is_some() { "," } else { ", " };
+    match v {
+        J::Array(a) if !a.is_empty() => {
+            out.push('[');
+            for (i, x) in a.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, depth + 1);
+                write_py_json(x, indent, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        J::Object(o) if !o.is_empty() => {
+            out.push('{');
+            for (i, (k, x)) in o.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, depth + 1);
+                out.push_str(&serde_json::to_string(k).unwrap());
+                out.push_str(": ");
+                write_py_json(x, indent, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        other => out.push_str(&serde_json::to_string(other).unwrap()),
+    }
+}
+
+/// `strftime_now(fmt)` as transformers provides it (Llama 3 templates print today's date).
+/// Supports the directives those templates use: %d %m %Y %y %b %B %H %M %S %%.
+fn strftime_now(fmt: String) -> Result<Value, Error> {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    Ok(Value::from(format_utc(secs, &fmt)))
+}
+
+pub(crate) fn format_utc(secs: u64, fmt: &str) -> String {
+    const MONTHS: [&str; 12] =
+        ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
+    let days = (secs / 86_400) as i64;
+    let rem = secs % 86_400;
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let mut out = String::new();
+    let mut chars = fmt.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('d') => out.push_str(&format!("{day:02}")),
+            Some('m') => out.push_str(&format!("{month:02}")),
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", year % 100)),
+            Some('b') => out.push_str(&MONTHS[(month - 1) as usize][..3]),
+            Some('B') => out.push_str(MONTHS[(month - 1) as usize]),
+            Some('H') => out.push_str(&format!("{:02}", rem / 3600)),
+            Some('M') => out.push_str(&format!("{:02}", rem / 60 % 60)),
+            Some('S') => out.push_str(&format!("{:02}", rem % 60)),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+impl ChatTemplate {
+    pub fn new(source: &str, bos_token: Option<String>, eos_token: Option<String>) -> Result<Self> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson);
+        env.add_template_owned(TEMPLATE_NAME, source.to_string()).map_err(|e| anyhow::anyhow!("{e:#}"))?;
+        Ok(Self { env, bos_token, eos_token })
+    }
+
+    /// Renders a conversation; `add_generation_prompt` opens the assistant's turn.
+    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        let tmpl = self.env.get_template(TEMPLATE_NAME)?;
+        tmpl.render(context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token.clone().unwrap_or_default(),
+            eos_token => self.eos_token.clone().unwrap_or_default(),
+        })
+        .map_err(|e| anyhow::anyhow!("rendering the chat template: {e:#}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dates_format_like_strftime() {
+        // 2024-02-29 13:05:09 UTC
+        assert_eq!(format_utc(1_709_211_909, "%d %b %Y %H:%M:%S"), "29 Feb 2024 13:05:09");
+        assert_eq!(format_utc(0, "%Y-%m-%d %B"), "1970-01-01 January");
+    }
+
+    #[test]
+    fn tojson_uses_python_separators() {
+        let t = ChatTemplate::new("{{ x | tojson }}|{{ x | tojson(indent=2) }}", None, None).unwrap();
+        let env = &t.env;
+        let out = env
+            .get_template(TEMPLATE_NAME)
+            .unwrap()
+            .render(context! { x => serde_json::json!({"a": [1, "é<"], "b": {}}) })
+            .unwrap();
+        assert_eq!(out, "{\"a\": [1, \"é<\"], \"b\": {}}|{\n  \"a\": [\n    1,\n    \"é<\"\n  ],\n  \"b\": {}\n}");
+    }
+
+    #[test]
+    fn raise_exception_stops_rendering_with_its_message() {
+        let t = ChatTemplate::new("{{ raise_exception('roles must alternate') }}", None, None).unwrap();
+        let err = t.render(&[], false).unwrap_err();
+        assert!(format!("{err:#}").contains("roles must alternate"), "{err:#}");
+    }
+}

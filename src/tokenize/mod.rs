@@ -1,0 +1,89 @@
+//! Text <-> token ids with the model's own `tokenizer.json`, and its special tokens.
+
+pub mod chat;
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+use tokenizers::Tokenizer;
+
+use crate::checkpoint::ModelFiles;
+pub use chat::{ChatMessage, ChatTemplate};
+
+/// The tokenizer of one model plus what `tokenizer_config.json` says about it.
+pub struct TextTokenizer {
+    pub inner: Tokenizer,
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+    pub chat_template: Option<ChatTemplate>,
+}
+
+/// `"<s>"` or `{"content": "<s>", ...}` as tokenizer_config.json writes special tokens.
+fn token_string(v: Option<&Value>) -> Option<String> {
+    match v? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_string),
+        _ => None,
+    }
+}
+
+impl TextTokenizer {
+    /// Loads `tokenizer.json` and checks it fits a vocabulary of `vocab_size` rows.
+    pub fn load(files: &ModelFiles, vocab_size: usize) -> Result<Self> {
+        let path = files
+            .tokenizer
+            .as_ref()
+            .with_context(|| format!("{}: missing tokenizer.json", files.source))?;
+        let inner = load_tokenizer_json(path)?;
+        let n = inner.get_vocab_size(true);
+        if n > vocab_size {
+            bail!(
+                "{}: tokenizer has {n} tokens but config.json's vocab_size is {vocab_size}; the tokenizer does not \
+                 belong to this model",
+                path.display()
+            );
+        }
+        let tok_cfg: Value = match &files.tokenizer_config {
+            Some(p) => {
+                let text = std::fs::read_to_string(p).with_context(|| format!("{}: cannot read", p.display()))?;
+                serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", p.display()))?
+            }
+            None => Value::Null,
+        };
+        let bos_token = token_string(tok_cfg.get("bos_token"));
+        let eos_token = token_string(tok_cfg.get("eos_token"));
+        let source = files.chat_template.clone().or_else(|| files.tokenizer_config.clone());
+        let template_text = chat::template_text(files.chat_template.as_deref(), &tok_cfg)?;
+        let chat_template = match template_text {
+            Some(t) => Some(
+                ChatTemplate::new(&t, bos_token.clone(), eos_token.clone())
+                    .with_context(|| format!("{}: chat template", source.unwrap().display()))?,
+            ),
+            None => None,
+        };
+        Ok(Self { inner, bos_token, eos_token, chat_template })
+    }
+
+    /// Encodes plain text the way transformers' `tokenizer(text)` does (special tokens per the
+    /// tokenizer's post-processor, e.g. BOS for Llama 3).
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let enc = self.inner.encode(text, add_special_tokens).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        self.inner.decode(ids, skip_special_tokens).map_err(|e| anyhow::anyhow!("decoding: {e}"))
+    }
+
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+}
+
+pub fn load_tokenizer_json(path: &Path) -> Result<Tokenizer> {
+    if !path.is_file() {
+        bail!("{}: missing tokenizer file", path.display());
+    }
+    Tokenizer::from_file(path).map_err(|e| anyhow::anyhow!("{}: not a valid tokenizer.json: {e}", path.display()))
+}
