@@ -191,6 +191,13 @@ pub fn write_fixture(name: &str, out: &Path) -> Result<PathBuf> {
     let tokenizer = train_tokenizer()?;
     let tok_path = staged.path().join("tokenizer.json");
     tokenizer.save(&tok_path, false).map_err(|e| anyhow::anyhow!("writing {}: {e}", tok_path.display()))?;
+    if name.starts_with("qwen") {
+        // Real Qwen checkpoints split digits one by one (and transformers' Qwen2Tokenizer enforces
+        // that pre-tokenizer whatever tokenizer.json says), so the Qwen fixtures carry it too.
+        let mut json: Value = serde_json::from_str(&std::fs::read_to_string(&tok_path)?)?;
+        json["pre_tokenizer"] = crate::convert::gguf_tokenizer::pre_tokenizer("qwen2")?;
+        staged.write_json("tokenizer.json", &json)?;
+    }
     let added: serde_json::Map<String, Value> = SPECIAL_TOKENS
         .iter()
         .map(|t| {

@@ -50,7 +50,7 @@ fn meta_strings(c: &Content, key: &str) -> Result<Vec<String>> {
         .collect()
 }
 
-fn pre_tokenizer(pre: &str) -> Result<Value> {
+pub(crate) fn pre_tokenizer(pre: &str) -> Result<Value> {
     let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
     let split = |pattern: &str| {
         json!({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false})

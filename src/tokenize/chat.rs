@@ -51,7 +51,15 @@ fn raise_exception(msg: String) -> Result<Value, Error> {
 
 /// `json.dumps(value, ensure_ascii=False)` with Python's default separators, as transformers'
 /// `tojson` does (minijinja's own is compact and HTML-escapes).
-fn tojson(value: Value, indent: Option<usize>) -> Result<Value, Error> {
+fn tojson(value: Value, indent: Option<usize>, kwargs: minijinja::value::Kwargs) -> Result<Value, Error> {
+    let indent = match indent {
+        Some(i) => Some(i),
+        None => kwargs.get::<Option<usize>>("indent")?,
+    };
+    // transformers' tojson also takes these; key order is kept as given, like Python dicts.
+    let _: Option<bool> = kwargs.get("sort_keys")?;
+    let _: Option<Value> = kwargs.get("separators")?;
+    kwargs.assert_all_used()?;
     let json: serde_json::Value = serde_json::to_value(&value)
         .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
     let mut out = String::new();

@@ -1,0 +1,102 @@
+//! `cargo bench --bench generation`: greedy generation speed of converted SmolLM2-135M-Instruct
+//! (f32, CPU, batch 1, 128 new tokens) for fsdp-app and for transformers on the same files and
+//! the same number of threads, in one invocation, printed as a table with the ratio.
+//!
+//! Environment: FSDP_SMOLLM2_GGUF (else the GGUF the smollm2 test downloaded to target/smollm2),
+//! FSDP_BENCH_PYTHON (a Python with torch + transformers; default python3), FSDP_BENCH_THREADS
+//! (default 2). Without Python+transformers the transformers row says why it is missing.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use candle_core::{DType, Device};
+use fsdp_app::checkpoint::{load_model, resolve_model};
+use fsdp_app::generate::{generate, GenerationOutput, SamplingParams};
+use fsdp_app::tokenize::{ChatMessage, TextTokenizer};
+
+const NEW_TOKENS: usize = 128;
+const PROMPT: &str = "Write a short story about a lighthouse keeper who finds a message in a bottle.";
+
+fn find_gguf(dir: &Path) -> Option<PathBuf> {
+    for e in std::fs::read_dir(dir).ok()?.flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            if let Some(f) = find_gguf(&p) {
+                return Some(f);
+            }
+        } else if p.file_name().is_some_and(|n| n == "SmolLM2-135M-Instruct.Q4_1.gguf") {
+            return Some(p);
+        }
+    }
+    None
+}
+
+fn main() -> anyhow::Result<()> {
+    let threads: usize = std::env::var("FSDP_BENCH_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(2);
+    // Must be set before candle's thread pool starts.
+    std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let gguf = std::env::var("FSDP_SMOLLM2_GGUF")
+        .map(PathBuf::from)
+        .ok()
+        .or_else(|| find_gguf(&root.join("target").join("smollm2")))
+        .ok_or_else(|| anyhow::anyhow!("no SmolLM2 GGUF: set FSDP_SMOLLM2_GGUF or run `cargo test --test smollm2` once"))?;
+    let tmp = tempfile::tempdir()?;
+    let dir = tmp.path().join("smollm2");
+    fsdp_app::convert::convert_gguf(&gguf, &dir, DType::BF16)?;
+
+    let loaded = load_model(resolve_model(dir.to_str().unwrap(), None)?, DType::F32, &Device::Cpu)?;
+    let tok = TextTokenizer::load(&loaded.files, loaded.config.vocab_size)?;
+    let rendered = tok.chat_template.as_ref().unwrap().render(&[ChatMessage::new("user", PROMPT)], true)?;
+    let prompt = tok.encode(&rendered, false)?;
+    let params = SamplingParams { max_new_tokens: NEW_TOKENS, temperature: 0.0, top_k: None, top_p: None, repetition_penalty: 1.0, seed: 0, stop: vec![] };
+    // No eos: always exactly NEW_TOKENS tokens, like min_new_tokens on the transformers side.
+    let run = || generate(&loaded.model, &tok, &prompt, &HashSet::new(), &params, |_| Ok(()));
+    run()?; // warm-up
+    let ours: Vec<GenerationOutput> = (0..3).map(|_| run()).collect::<anyhow::Result<_>>()?;
+    let best = ours.iter().max_by(|a, b| a.decode_tokens_per_s.total_cmp(&b.decode_tokens_per_s)).unwrap();
+
+    let python = std::env::var("FSDP_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let script = root.join("tests").join("bench").join("transformers_generate.py");
+    let theirs = Command::new(&python)
+        .arg(&script)
+        .arg(&dir)
+        .arg(serde_json::to_string(&prompt)?)
+        .arg(NEW_TOKENS.to_string())
+        .arg(threads.to_string())
+        .output();
+    let theirs: Result<serde_json::Value, String> = match theirs {
+        Ok(o) if o.status.success() => {
+            let line = String::from_utf8_lossy(&o.stdout).lines().last().unwrap_or("").to_string();
+            serde_json::from_str(&line).map_err(|e| format!("bad output: {e}"))
+        }
+        Ok(o) => Err(String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("failed").to_string()),
+        Err(e) => Err(format!("{python}: {e}")),
+    };
+
+    println!("\nGreedy generation, SmolLM2-135M-Instruct (converted, bf16 files, f32 compute), CPU, {threads} threads,");
+    println!("batch 1, prompt {} tokens, {NEW_TOKENS} new tokens\n", prompt.len());
+    println!("| engine | time to first token (s) | decode tokens/s | total (s) |");
+    println!("|---|---|---|---|");
+    println!(
+        "| fsdp-app (candle) | {:.3} | {:.1} | {:.2} |",
+        best.time_to_first_token_s, best.decode_tokens_per_s, best.total_s
+    );
+    match &theirs {
+        Ok(t) => {
+            let tps = t["decode_tokens_per_s"].as_f64().unwrap_or(0.0);
+            println!(
+                "| transformers {} (torch {}) | {:.3} | {:.1} | {:.2} |",
+                t["transformers"].as_str().unwrap_or("?"),
+                t["torch"].as_str().unwrap_or("?"),
+                t["ttft_s"].as_f64().unwrap_or(0.0),
+                tps,
+                t["total_s"].as_f64().unwrap_or(0.0)
+            );
+            println!("\nratio fsdp-app / transformers (decode tokens/s): {:.2}x", best.decode_tokens_per_s / tps);
+        }
+        Err(why) => println!("| transformers | n/a: {why} | | |"),
+    }
+    Ok(())
+}

@@ -1,0 +1,195 @@
+//! The command line as a user meets it: help, generate's streaming and JSON output, stop strings,
+//! and one clear error line (naming the file) for every kind of bad input.
+
+mod common;
+
+use std::path::Path;
+
+use common::*;
+
+fn assert_clean_error(out: &std::process::Output, must_contain: &[&str]) {
+    assert!(!out.status.success(), "expected failure, got success: {}", stdout(out));
+    let err = stderr(out);
+    assert!(!err.contains("panicked") && !err.contains("Stack backtrace"), "{err}");
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one error line expected, got:\n{err}");
+    assert!(lines[0].starts_with("error: "), "{err}");
+    for s in must_contain {
+        assert!(err.contains(s), "error should mention {s:?}: {err}");
+    }
+}
+
+fn gen(dir: &Path, extra: &[&str]) -> std::process::Output {
+    let mut args = vec!["generate", "--model", dir.to_str().unwrap(), "--prompt", "The quick brown"];
+    args.extend_from_slice(extra);
+    run_cli(&args, &[])
+}
+
+#[test]
+fn help_lists_exactly_the_working_subcommands() {
+    let out = run_cli(&["--help"], &[]);
+    assert!(out.status.success());
+    let text = stdout(&out);
+    let listed: Vec<&str> = text
+        .lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .map(|l| l.split_whitespace().next().unwrap())
+        .collect();
+    assert_eq!(listed, vec!["generate", "convert", "fixture", "help"]);
+    for sub in ["generate", "convert", "fixture"] {
+        let h = run_cli(&[sub, "--help"], &[]);
+        assert!(h.status.success());
+        assert!(stdout(&h).contains("Usage: fsdp-app"), "{sub}");
+    }
+    assert!(stdout(&run_cli(&["generate", "--help"], &[])).contains("--repetition-penalty"));
+}
+
+#[test]
+fn streamed_text_equals_json_text_and_figures_are_reported() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = fixture("llama", tmp.path());
+    let streamed = gen(&dir, &["--max-new-tokens", "12"]);
+    assert!(streamed.status.success(), "{}", stderr(&streamed));
+    let report = stderr(&streamed);
+    for field in ["prompt tokens:", "generated tokens: 12", "time to first token:", "tokens/s", "peak RSS:"] {
+        assert!(report.contains(field), "missing {field}: {report}");
+    }
+    let json = gen(&dir, &["--max-new-tokens", "12", "--json"]);
+    assert!(json.status.success());
+    let v: serde_json::Value = serde_json::from_str(stdout(&json).trim()).unwrap();
+    assert_eq!(stdout(&streamed).trim_end_matches('\n'), v["text"].as_str().unwrap());
+    assert_eq!(v["finish_reason"], "length");
+    assert_eq!(v["generated_ids"].as_array().unwrap().len(), 12);
+    assert!(v["prompt_ids"].as_array().unwrap().len() >= 2);
+    assert!(v["peak_rss_bytes"].as_u64().unwrap() > 0);
+    assert!(v["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
+
+    // A stop string cut out of the middle of that text ends generation there, with reason "stop".
+    let text = v["text"].as_str().unwrap().to_string();
+    let chars: Vec<char> = text.chars().collect();
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
+    let stopped = gen(&dir, &["--max-new-tokens", "12", "--json", "--stop", &stop]);
+    let s: serde_json::Value = serde_json::from_str(stdout(&stopped).trim()).unwrap();
+    assert_eq!(s["finish_reason"], "stop");
+    assert_eq!(s["text"].as_str().unwrap(), &text[..text.find(&stop).unwrap()]);
+
+    // Sampling with a seed is reproducible; chat mode renders the template.
+    let a = gen(&dir, &["--max-new-tokens", "8", "--json", "--temperature", "0.9", "--top-p", "0.9", "--top-k", "40", "--seed", "7"]);
+    let b = gen(&dir, &["--max-new-tokens", "8", "--json", "--temperature", "0.9", "--top-p", "0.9", "--top-k", "40", "--seed", "7"]);
+    let ids = |o: &std::process::Output| serde_json::from_str::<serde_json::Value>(stdout(o).trim()).unwrap()["generated_ids"].clone();
+    assert_eq!(ids(&a), ids(&b));
+    assert_ne!(ids(&a), serde_json::json!(v["generated_ids"].as_array().unwrap()[..8]), "sampling should differ from greedy");
+    let chat = gen(&dir, &["--chat", "--system", "Be brief.", "--max-new-tokens", "3", "--json"]);
+    assert!(chat.status.success(), "{}", stderr(&chat));
+}
+
+#[test]
+fn bad_sampling_values_are_rejected_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = fixture("qwen2", tmp.path());
+    assert_clean_error(&gen(&dir, &["--top-p", "1.5"]), &["--top-p"]);
+    assert_clean_error(&gen(&dir, &["--temperature=-1"]), &["--temperature"]);
+    assert_clean_error(&gen(&dir, &["--dtype", "f64"]), &["--dtype"]);
+}
+
+#[test]
+fn bad_model_directories_give_one_clear_line_naming_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+
+    // Missing directory.
+    assert_clean_error(&gen(&root.join("nope"), &[]), &["nope", "does not exist"]);
+
+    // Missing config field.
+    let d = fixture("qwen2", &root.join("a"));
+    let cfg = d.join("config.json");
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    v.as_object_mut().unwrap().remove("hidden_size");
+    std::fs::write(&cfg, v.to_string()).unwrap();
+    assert_clean_error(&gen(&d, &[]), &["config.json", "hidden_size"]);
+
+    // Unsupported architecture lists the supported ones.
+    v["hidden_size"] = 64.into();
+    v["architectures"] = serde_json::json!(["GPT2LMHeadModel"]);
+    std::fs::write(&cfg, v.to_string()).unwrap();
+    assert_clean_error(&gen(&d, &[]), &["GPT2LMHeadModel", "LlamaForCausalLM", "Qwen3ForCausalLM"]);
+
+    // Corrupt safetensors header.
+    let d = fixture("qwen2", &root.join("b"));
+    let w = d.join("model.safetensors");
+    let mut bytes = std::fs::read(&w).unwrap();
+    bytes[8..16].copy_from_slice(b"garbage!");
+    std::fs::write(&w, &bytes).unwrap();
+    assert_clean_error(&gen(&d, &[]), &["model.safetensors", "not a valid safetensors"]);
+
+    // Truncated data.
+    let d = fixture("qwen2", &root.join("c"));
+    let w = d.join("model.safetensors");
+    let bytes = std::fs::read(&w).unwrap();
+    std::fs::write(&w, &bytes[..bytes.len() - 100]).unwrap();
+    assert_clean_error(&gen(&d, &[]), &["model.safetensors", "not a valid safetensors"]);
+
+    // Missing tokenizer.
+    let d = fixture("qwen2", &root.join("d"));
+    std::fs::remove_file(d.join("tokenizer.json")).unwrap();
+    assert_clean_error(&gen(&d, &[]), &["tokenizer.json"]);
+
+    // Mis-shaped tensors are named, with both shapes.
+    let d = fixture("qwen2", &root.join("e"));
+    let cfg = d.join("config.json");
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    v["vocab_size"] = 100.into();
+    std::fs::write(&cfg, v.to_string()).unwrap();
+    assert_clean_error(&gen(&d, &[]), &["model.embed_tokens.weight", "[384, 64]", "[100, 64]"]);
+
+    // Missing and unexpected tensors are listed by name.
+    let d = fixture("llama", &root.join("f"));
+    let idx = d.join("model.safetensors.index.json");
+    std::fs::remove_file(d.join("model-00002-of-00002.safetensors")).unwrap();
+    assert_clean_error(&gen(&d, &[]), &["model.safetensors.index.json", "model-00002-of-00002.safetensors", "missing"]);
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&idx).unwrap()).unwrap();
+    v["weight_map"].as_object_mut().unwrap().retain(|_, f| f == "model-00001-of-00002.safetensors");
+    std::fs::write(&idx, v.to_string()).unwrap();
+    assert_clean_error(&gen(&d, &[]), &["missing tensors", "model.layers.1.input_layernorm.weight", "(and 3 more)"]);
+
+    // Pickle-only directory: refused with the reason and the way out.
+    let p = root.join("pickled");
+    std::fs::create_dir_all(&p).unwrap();
+    std::fs::copy(fixture("qwen3", &root.join("g")).join("config.json"), p.join("config.json")).unwrap();
+    std::fs::write(p.join("pytorch_model.bin"), b"not really").unwrap();
+    assert_clean_error(&gen(&p, &[]), &["pytorch_model.bin", "arbitrary code", "safetensors"]);
+}
+
+#[test]
+fn tokenizer_larger_than_the_vocabulary_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = fixture("qwen2", tmp.path());
+    // Swap in a tokenizer with more tokens than the model has embedding rows.
+    let tok_path = d.join("tokenizer.json");
+    let mut tok: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&tok_path).unwrap()).unwrap();
+    let vocab = tok["model"]["vocab"].as_object_mut().unwrap();
+    for i in 0..100 {
+        let id = 384 + i;
+        vocab.insert(format!("extra{i}"), id.into());
+    }
+    std::fs::write(&tok_path, tok.to_string()).unwrap();
+    let out = gen(&d, &[]);
+    assert_clean_error(&out, &["tokenizer.json", "484 tokens", "vocab_size is 384"]);
+}
+
+#[test]
+fn convert_refuses_what_is_not_gguf_and_leaves_nothing_behind() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bogus = tmp.path().join("bogus.gguf");
+    std::fs::write(&bogus, b"definitely not gguf").unwrap();
+    let out_dir = tmp.path().join("out");
+    let out = run_cli(&["convert", "--gguf", bogus.to_str().unwrap(), "--out", out_dir.to_str().unwrap()], &[]);
+    assert_clean_error(&out, &["bogus.gguf", "not a valid GGUF"]);
+    assert!(!out_dir.exists());
+    let leftovers: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(leftovers.len(), 1, "{leftovers:?}");
+    let missing = run_cli(&["convert", "--gguf", "/nonexistent/x.gguf", "--out", out_dir.to_str().unwrap()], &[]);
+    assert_clean_error(&missing, &["/nonexistent/x.gguf"]);
+}

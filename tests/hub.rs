@@ -1,0 +1,233 @@
+//! Hub downloads for real: a small HTTP server in this test serves fixture files under the Hub's
+//! URL scheme (`/{repo}/resolve/{revision}/{file}`, with the headers the hf-hub client reads), and
+//! the real hf-hub client inside `fsdp-app generate` downloads from it through HF_ENDPOINT.
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use common::*;
+
+const COMMIT: &str = "0123456789abcdef0123456789abcdef01234567";
+
+/// One logged request: path and Authorization header.
+type Log = Arc<Mutex<Vec<(String, Option<String>)>>>;
+
+struct HubServer {
+    port: u16,
+    log: Log,
+    stop: Arc<AtomicBool>,
+}
+
+impl HubServer {
+    /// Serves `files` (name -> bytes) for `repo` at any revision.
+    fn start(repo: &str, files: HashMap<String, Vec<u8>>) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let log: Log = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (log2, stop2, repo) = (log.clone(), stop.clone(), repo.to_string());
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                if stop2.load(Ordering::SeqCst) {
+                    break;
+                }
+                if let Ok(conn) = conn {
+                    handle(conn, &repo, &files, &log2);
+                }
+            }
+        });
+        Self { port, log, stop }
+    }
+
+    fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    fn requested_files(&self) -> Vec<String> {
+        let mut v: Vec<String> =
+            self.log.lock().unwrap().iter().map(|(p, _)| p.rsplit('/').next().unwrap().to_string()).collect();
+        v.sort();
+        v.dedup();
+        v
+    }
+}
+
+impl Drop for HubServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = TcpStream::connect(("127.0.0.1", self.port));
+    }
+}
+
+fn handle(mut conn: TcpStream, repo: &str, files: &HashMap<String, Vec<u8>>, log: &Log) {
+    let mut reader = BufReader::new(conn.try_clone().unwrap());
+    let mut request_line = String::new();
+    if reader.read_line(&mut request_line).is_err() {
+        return;
+    }
+    let path = request_line.split_whitespace().nth(1).unwrap_or("").to_string();
+    let mut headers = HashMap::new();
+    loop {
+        let mut line = String::new();
+        if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+            break;
+        }
+        if let Some((k, v)) = line.trim_end().split_once(':') {
+            headers.insert(k.to_ascii_lowercase(), v.trim().to_string());
+        }
+    }
+    log.lock().unwrap().push((path.clone(), headers.get("authorization").cloned()));
+    let prefix = format!("/{repo}/resolve/");
+    let file = path.strip_prefix(&prefix).and_then(|rest| rest.split_once('/')).map(|(_, f)| f.to_string());
+    let body = file.as_ref().and_then(|f| files.get(f));
+    let response = match body {
+        None => b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nX-Error-Code: EntryNotFound\r\nConnection: close\r\n\r\n".to_vec(),
+        Some(data) => {
+            // hf-hub asks for `bytes=0-0` to learn size, etag and commit, then `bytes=N-`.
+            let start: usize = headers
+                .get("range")
+                .and_then(|r| r.strip_prefix("bytes="))
+                .and_then(|r| r.split('-').next())
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(0);
+            let end = match headers.get("range").map(|r| r.ends_with("-0")) {
+                Some(true) => 1.min(data.len()),
+                _ => data.len(),
+            };
+            let chunk = &data[start.min(data.len())..end.max(start.min(data.len()))];
+            let etag = format!("{:016x}", fnv(data));
+            let mut r = format!(
+                "HTTP/1.1 206 Partial Content\r\nContent-Length: {}\r\nContent-Range: bytes {}-{}/{}\r\nETag: \"{etag}\"\r\nX-Repo-Commit: {COMMIT}\r\nConnection: close\r\n\r\n",
+                chunk.len(),
+                start,
+                (start + chunk.len()).saturating_sub(1),
+                data.len()
+            )
+            .into_bytes();
+            r.extend_from_slice(chunk);
+            r
+        }
+    };
+    let _ = conn.write_all(&response);
+    let _ = conn.flush();
+    // Drain anything left so the client sees a clean close.
+    let _ = conn.set_read_timeout(Some(std::time::Duration::from_millis(10)));
+    let _ = reader.read(&mut [0u8; 16]);
+}
+
+fn fnv(data: &[u8]) -> u64 {
+    data.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ *b as u64).wrapping_mul(0x100_0000_01b3))
+}
+
+fn dir_files(dir: &Path) -> HashMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            (e.file_name().to_string_lossy().to_string(), std::fs::read(e.path()).unwrap())
+        })
+        .collect()
+}
+
+#[test]
+fn downloads_through_hf_endpoint_then_works_offline_from_the_cache() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model_dir = fixture("llama", tmp.path());
+    let mut files = dir_files(&model_dir);
+    // Files a model repo often carries that we must not fetch.
+    files.insert("pytorch_model.bin".into(), vec![0u8; 64]);
+    files.insert("README.md".into(), b"# tiny".to_vec());
+    let server = HubServer::start("acme/tiny-llama", files);
+    let hf_home = tmp.path().join("hf-home");
+    let hf_home_s = hf_home.to_str().unwrap();
+    let endpoint = server.endpoint();
+    let args = ["generate", "--model", "acme/tiny-llama", "--prompt", "The quick brown", "--max-new-tokens", "6", "--json"];
+
+    let online = run_cli(&args, &[("HF_ENDPOINT", &endpoint), ("HF_HOME", hf_home_s), ("HF_TOKEN", "hf_test_token")]);
+    assert!(online.status.success(), "{}", stderr(&online));
+    let out: serde_json::Value = serde_json::from_str(stdout(&online).trim()).unwrap();
+    assert_eq!(out["generated_ids"].as_array().unwrap().len(), 6);
+
+    // Only what a model needs was fetched: config, index, the shards it lists, tokenizer files.
+    let requested = server.requested_files();
+    assert_eq!(
+        requested,
+        vec![
+            "chat_template.jinja", // optional, asked and absent (404)
+            "config.json",
+            "generation_config.json",
+            "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors",
+            "model.safetensors.index.json",
+            "special_tokens_map.json", // optional, absent
+            "tokenizer.json",
+            "tokenizer_config.json",
+        ]
+    );
+    // HF_TOKEN travels as a bearer token.
+    assert!(server.log.lock().unwrap().iter().all(|(_, auth)| auth.as_deref() == Some("Bearer hf_test_token")));
+
+    // The Python client's cache layout under HF_HOME/hub.
+    let repo_cache = hf_home.join("hub").join("models--acme--tiny-llama");
+    assert_eq!(std::fs::read_to_string(repo_cache.join("refs").join("main")).unwrap().trim(), COMMIT);
+    let snapshot = repo_cache.join("snapshots").join(COMMIT);
+    assert!(snapshot.join("config.json").exists());
+    assert!(std::fs::read_dir(repo_cache.join("blobs")).unwrap().count() >= 7);
+
+    // Offline, with the server gone: the cache alone is enough, and gives the same tokens.
+    drop(server);
+    let offline = run_cli(&args, &[("HF_HUB_OFFLINE", "1"), ("HF_HOME", hf_home_s), ("HF_ENDPOINT", "http://127.0.0.1:9")]);
+    assert!(offline.status.success(), "{}", stderr(&offline));
+    let out2: serde_json::Value = serde_json::from_str(stdout(&offline).trim()).unwrap();
+    assert_eq!(out2["generated_ids"], out["generated_ids"]);
+    assert!(stderr(&offline).contains("offline"), "{}", stderr(&offline));
+
+    // Offline and not cached: a clear error naming the repo.
+    let missing = run_cli(
+        &["generate", "--model", "acme/other", "--prompt", "x"],
+        &[("HF_HUB_OFFLINE", "1"), ("HF_HOME", hf_home_s)],
+    );
+    assert!(!missing.status.success());
+    let err = stderr(&missing);
+    assert!(err.contains("acme/other") && err.contains("HF_HUB_OFFLINE"), "{err}");
+}
+
+#[test]
+fn hf_hub_cache_overrides_hf_home_and_revision_is_used() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model_dir = fixture("qwen2", tmp.path());
+    let server = HubServer::start("acme/tiny-qwen", dir_files(&model_dir));
+    let cache = tmp.path().join("explicit-cache");
+    let out = run_cli(
+        &["generate", "--model", "acme/tiny-qwen", "--revision", "v1.0", "--prompt", "Hi", "--max-new-tokens", "2"],
+        &[("HF_ENDPOINT", &server.endpoint()), ("HF_HOME", tmp.path().join("unused").to_str().unwrap()), ("HF_HUB_CACHE", cache.to_str().unwrap())],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(server.log.lock().unwrap().iter().all(|(p, _)| p.starts_with("/acme/tiny-qwen/resolve/v1.0/")));
+    assert!(cache.join("models--acme--tiny-qwen").join("refs").join("v1.0").exists());
+    assert!(!tmp.path().join("unused").exists());
+}
+
+#[test]
+fn a_repo_with_only_pickle_weights_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model_dir = fixture("qwen2", tmp.path());
+    let mut files = dir_files(&model_dir);
+    files.remove("model.safetensors");
+    files.insert("pytorch_model.bin".into(), vec![0u8; 64]);
+    let server = HubServer::start("acme/pickled", files);
+    let out = run_cli(
+        &["generate", "--model", "acme/pickled", "--prompt", "Hi"],
+        &[("HF_ENDPOINT", &server.endpoint()), ("HF_HOME", tmp.path().join("h").to_str().unwrap())],
+    );
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(err.contains("pickle") && err.contains("acme/pickled"), "{err}");
+    assert!(!server.requested_files().contains(&"pytorch_model.bin".to_string()));
+}
