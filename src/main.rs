@@ -28,6 +28,9 @@ enum Command {
     /// Convert a llama.cpp GGUF file into a Hugging Face model directory (safetensors, config,
     /// tokenizer, chat template).
     Convert(ConvertArgs),
+    /// Full fine-tuning with FSDP-style sharding across ranks (`--world-size N` runs N ranks as
+    /// threads of this process).
+    Finetune(Box<FinetuneArgs>),
     /// Write a tiny random model directory (for tests and for trying fsdp-app offline).
     Fixture(FixtureArgs),
 }
@@ -97,6 +100,84 @@ struct ConvertArgs {
 }
 
 #[derive(Args)]
+struct FinetuneArgs {
+    /// Local model directory or Hub id (resolved on rank 0 only).
+    #[arg(long)]
+    model: String,
+    #[arg(long)]
+    revision: Option<String>,
+    /// JSONL training data: {"text": ...} rows, or pre-tokenised {"input_ids": [...], "labels": [...]}.
+    #[arg(long)]
+    data: PathBuf,
+    /// Where metrics.jsonl and the final Hugging Face model go (must be empty or absent).
+    #[arg(long)]
+    output_dir: PathBuf,
+    /// Number of ranks (threads of this process, `local` backend).
+    #[arg(long, default_value_t = 1)]
+    world_size: usize,
+    /// FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD.
+    #[arg(long, default_value = "FULL_SHARD")]
+    sharding_strategy: String,
+    /// HYBRID_SHARD: ranks per shard group (consecutive ranks); replicated across groups.
+    #[arg(long)]
+    shard_group_size: Option<usize>,
+    /// transformer_based_wrap (one unit per decoder layer + root), size_based_wrap or no_wrap.
+    #[arg(long, default_value = "transformer_based_wrap")]
+    wrap_policy: String,
+    /// size_based_wrap: smallest number of parameters in a unit.
+    #[arg(long)]
+    min_num_params: Option<usize>,
+    /// Recompute each unit's forward in backward instead of keeping its graph.
+    #[arg(long)]
+    activation_checkpointing: bool,
+    /// dtype gathered parameters travel in (f32, bf16, f16); compute is f32 on CPU.
+    #[arg(long, default_value = "f32")]
+    param_dtype: String,
+    /// dtype gradients are reduced in (f32, bf16, f16).
+    #[arg(long, default_value = "f32")]
+    reduce_dtype: String,
+    #[arg(long, default_value_t = 2e-5)]
+    lr: f64,
+    #[arg(long, default_value_t = 0.0)]
+    weight_decay: f64,
+    /// Decay every parameter (default: not biases and norm weights).
+    #[arg(long)]
+    weight_decay_all: bool,
+    /// Clip the global gradient norm to this (0 = off).
+    #[arg(long, default_value_t = 1.0)]
+    max_grad_norm: f64,
+    /// Sequences per rank per micro-batch.
+    #[arg(long, default_value_t = 1)]
+    batch_size: usize,
+    /// Micro-batches accumulated per optimizer step.
+    #[arg(long, default_value_t = 1)]
+    grad_accum: usize,
+    #[arg(long, default_value_t = 512)]
+    seq_len: usize,
+    /// Stop after this many optimizer steps (overrides --epochs).
+    #[arg(long)]
+    max_steps: Option<usize>,
+    #[arg(long, default_value_t = 1)]
+    epochs: usize,
+    #[arg(long, default_value_t = 0)]
+    warmup_steps: usize,
+    /// constant, linear or cosine (after linear warmup).
+    #[arg(long, default_value = "linear")]
+    lr_scheduler: String,
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Take samples in file order.
+    #[arg(long)]
+    no_shuffle: bool,
+    /// Seconds a collective may wait for the other ranks before the run fails.
+    #[arg(long, default_value_t = 600)]
+    collective_timeout: u64,
+    /// Largest safetensors file of the final export (e.g. 5GB, 500MB).
+    #[arg(long, default_value = "5GB")]
+    max_shard_size: String,
+}
+
+#[derive(Args)]
 struct FixtureArgs {
     /// Which fixture: llama (GQA, untied, sharded, Llama 3 rope scaling), qwen2 (qkv bias, tied),
     /// qwen3 (q/k norm), mistral (sliding window).
@@ -111,6 +192,7 @@ fn main() {
     let result = match cli.command {
         Command::Generate(a) => run_generate(a),
         Command::Convert(a) => run_convert(a),
+        Command::Finetune(a) => run_finetune(*a),
         Command::Fixture(a) => fsdp_app::fixtures::write_fixture(&a.name, &a.out).map(|p| {
             eprintln!("wrote fixture {} to {}", a.name, p.display());
         }),
@@ -123,6 +205,57 @@ fn main() {
         }
         std::process::exit(1);
     }
+}
+
+fn run_finetune(a: FinetuneArgs) -> Result<()> {
+    use fsdp_app::fsdp::plan::WrapPolicy;
+    let mut wrap: WrapPolicy = a.wrap_policy.parse()?;
+    if let WrapPolicy::SizeBased { min_num_params } = &mut wrap {
+        if let Some(n) = a.min_num_params {
+            *min_num_params = n;
+        }
+    } else if a.min_num_params.is_some() {
+        anyhow::bail!("--min-num-params applies to --wrap-policy size_based_wrap only");
+    }
+    let cfg = fsdp_app::train::finetune::FinetuneConfig {
+        model: a.model,
+        revision: a.revision,
+        data: a.data,
+        output_dir: a.output_dir,
+        world_size: a.world_size,
+        shard_group_size: a.shard_group_size,
+        lr: a.lr,
+        weight_decay: a.weight_decay,
+        weight_decay_all: a.weight_decay_all,
+        max_grad_norm: (a.max_grad_norm > 0.0).then_some(a.max_grad_norm),
+        batch_size: a.batch_size,
+        grad_accum: a.grad_accum,
+        seq_len: a.seq_len,
+        max_steps: a.max_steps,
+        epochs: a.epochs,
+        warmup_steps: a.warmup_steps,
+        schedule: a.lr_scheduler.parse()?,
+        seed: a.seed,
+        shuffle: !a.no_shuffle,
+        strategy: a.sharding_strategy.parse()?,
+        wrap,
+        activation_checkpointing: a.activation_checkpointing,
+        param_dtype: parse_dtype(&a.param_dtype).context("--param-dtype")?,
+        reduce_dtype: parse_dtype(&a.reduce_dtype).context("--reduce-dtype")?,
+        collective_timeout: std::time::Duration::from_secs(a.collective_timeout),
+        max_shard_size: fsdp_app::checkpoint::export::parse_size(&a.max_shard_size).context("--max-shard-size")?,
+        verbose: true,
+    };
+    let start = Instant::now();
+    let summary = fsdp_app::train::finetune::run_local(&cfg)?;
+    eprintln!(
+        "finetune: {} steps in {:.1}s, final loss {:.4}, peak RSS {} (process, all ranks)",
+        summary.losses.len(),
+        start.elapsed().as_secs_f64(),
+        summary.losses.last().copied().unwrap_or(f64::NAN),
+        peak_rss_bytes().map(human_bytes).unwrap_or_else(|| "n/a".into())
+    );
+    Ok(())
 }
 
 fn run_convert(a: ConvertArgs) -> Result<()> {

@@ -6,9 +6,11 @@
 pub mod config;
 pub mod layers;
 pub mod model;
+pub mod staged;
 pub mod tensors;
 
 pub use config::{Architecture, ModelConfig, RopeScaling, SUPPORTED_ARCHITECTURES};
 pub use layers::{DecoderLayer, LayerKvCache, OpMode};
 pub use model::{CausalLm, KvCache};
+pub use staged::{LlamaStages, StagedModel};
 pub use tensors::{expected_tensors, TensorSpec};

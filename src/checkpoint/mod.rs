@@ -1,6 +1,7 @@
 //! Finding a model (local directory or Hugging Face Hub), checking and loading its safetensors,
 //! and writing safetensors files atomically.
 
+pub mod export;
 pub mod hub;
 pub mod load;
 pub mod resolve;

@@ -1,0 +1,108 @@
+//! A causal LM seen as a chain of stages, each a pure function of (its parameters, its input).
+//!
+//! This is the interface a distributed engine drives without knowing the architecture: it asks
+//! which tensors each stage reads, supplies them (gathered from shards, possibly as `Var`s), and
+//! calls the stages in order. Stage 0 maps token ids to hidden states, the middle stages are the
+//! decoder blocks, the last maps hidden states to logits. Nothing here knows about sharding.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Module, Result, Tensor};
+use candle_nn::{Embedding, VarBuilder};
+
+use crate::config::ModelConfig;
+use crate::layers::{causal_mask, DecoderLayer, OpMode, PositionInputs, RmsNorm, Rotary};
+use crate::tensors::{expected_tensors, layer_tensors, TensorSpec};
+
+/// What a distributed engine needs from a model.
+pub trait StagedModel: Send + Sync {
+    /// Every parameter, in a stable order. Tied weights appear once.
+    fn parameters(&self) -> Vec<TensorSpec>;
+    /// Name prefixes of the repeated blocks (for transformer-based wrapping), in order.
+    fn block_prefixes(&self) -> Vec<String>;
+    fn num_stages(&self) -> usize;
+    /// Names of the parameters stage `s` reads.
+    fn stage_parameters(&self, s: usize) -> Vec<String>;
+    /// Runs stage `s`. `params` holds at least `stage_parameters(s)` by full name; `input` is
+    /// token ids (batch, seq) for stage 0 and hidden states for the others. Training-safe ops only.
+    fn forward_stage(&self, s: usize, params: &HashMap<String, Tensor>, input: &Tensor) -> Result<Tensor>;
+}
+
+/// The Llama family as stages: embeddings, one stage per decoder layer, final norm + LM head.
+pub struct LlamaStages {
+    cfg: ModelConfig,
+    rotary: Rotary,
+}
+
+impl LlamaStages {
+    pub fn new(cfg: &ModelConfig) -> Self {
+        Self { cfg: cfg.clone(), rotary: Rotary::new(cfg) }
+    }
+
+    fn head_weight_name(&self) -> &'static str {
+        if self.cfg.tie_word_embeddings {
+            "model.embed_tokens.weight"
+        } else {
+            "lm_head.weight"
+        }
+    }
+
+    fn vb(params: &HashMap<String, Tensor>, names: &[String], like: &Tensor) -> VarBuilder<'static> {
+        // `from_tensors` casts to the given dtype; keep each tensor's own dtype and device.
+        let map: HashMap<String, Tensor> = names.iter().filter_map(|n| params.get(n).map(|t| (n.clone(), t.clone()))).collect();
+        VarBuilder::from_tensors(map, like.dtype(), like.device())
+    }
+}
+
+impl StagedModel for LlamaStages {
+    fn parameters(&self) -> Vec<TensorSpec> {
+        expected_tensors(&self.cfg)
+    }
+
+    fn block_prefixes(&self) -> Vec<String> {
+        (0..self.cfg.num_hidden_layers).map(|i| format!("model.layers.{i}.")).collect()
+    }
+
+    fn num_stages(&self) -> usize {
+        self.cfg.num_hidden_layers + 2
+    }
+
+    fn stage_parameters(&self, s: usize) -> Vec<String> {
+        let last = self.num_stages() - 1;
+        if s == 0 {
+            vec!["model.embed_tokens.weight".to_string()]
+        } else if s == last {
+            vec!["model.norm.weight".to_string(), self.head_weight_name().to_string()]
+        } else {
+            layer_tensors(&self.cfg, s - 1).into_iter().map(|t| t.name).collect()
+        }
+    }
+
+    fn forward_stage(&self, s: usize, params: &HashMap<String, Tensor>, input: &Tensor) -> Result<Tensor> {
+        let last = self.num_stages() - 1;
+        let get = |name: &str| {
+            params.get(name).cloned().ok_or_else(|| candle_core::Error::Msg(format!("stage {s} needs {name}")))
+        };
+        if s == 0 {
+            let w = get("model.embed_tokens.weight")?;
+            return Embedding::new(w, self.cfg.hidden_size).forward(input);
+        }
+        let names = self.stage_parameters(s);
+        let like = get(&names[0])?;
+        if s == last {
+            let norm_vb = Self::vb(params, &names, &like);
+            let norm = RmsNorm::new(self.cfg.hidden_size, self.cfg.rms_norm_eps, norm_vb.pp("model.norm"))?;
+            let h = norm.forward(input, OpMode::Train)?;
+            let head = get(self.head_weight_name())?;
+            return h.broadcast_matmul(&head.t()?);
+        }
+        let layer_vb = Self::vb(params, &names, &like);
+        let layer = DecoderLayer::new(&self.cfg, layer_vb.pp(format!("model.layers.{}", s - 1)))?;
+        let (_b, t, _h) = input.dims3()?;
+        let dtype = if input.dtype() == DType::U32 { like.dtype() } else { input.dtype() };
+        let (cos, sin) = self.rotary.tables(0, t, dtype, input.device())?;
+        let mask = causal_mask(t, 0, self.cfg.sliding_window, dtype, input.device())?;
+        let pos = PositionInputs { cos, sin, mask, mode: OpMode::Train };
+        layer.forward(input, &pos, None)
+    }
+}

@@ -1,0 +1,49 @@
+//! The process group: who we are (rank, world size) and the collectives the FSDP engine needs.
+//!
+//! Every backend implements [`Collective`]. Collectives work on f32 buffers (parameters,
+//! gradients, counts) and on bytes (config and tokenizer files travelling from rank 0). A failure
+//! on one rank must reach every other rank as an error that names the failing rank and the
+//! operation, within a bounded time: no collective may wait forever.
+
+pub mod local;
+
+use anyhow::Result;
+
+/// Collective operations over one group of ranks. A rank's handle is used by that rank only
+/// (it is shared between the engine and the training loop of that rank).
+pub trait Collective: Send + Sync {
+    fn rank(&self) -> usize;
+    fn world_size(&self) -> usize;
+
+    /// Every rank's `shard` (all the same length), concatenated in rank order.
+    fn all_gather(&self, shard: &[f32]) -> Result<Vec<f32>>;
+
+    /// Sums `full` (length divisible by the world size) across ranks and returns this rank's
+    /// chunk of the sum: elements `rank * n .. (rank + 1) * n` with `n = full.len() / world`.
+    fn reduce_scatter(&self, full: &[f32]) -> Result<Vec<f32>>;
+
+    /// Elementwise sum across ranks, in place.
+    fn all_reduce(&self, data: &mut [f32]) -> Result<()>;
+
+    /// Elementwise sum across ranks in f64 (token counts, loss sums, squared norms).
+    fn all_reduce_f64(&self, data: &mut [f64]) -> Result<()>;
+
+    /// `root`'s chunks go one to each rank; returns this rank's. Only `root` passes `Some`.
+    fn scatter(&self, root: usize, chunks: Option<Vec<Vec<f32>>>) -> Result<Vec<f32>>;
+
+    /// `root`'s bytes, on every rank. Only `root` passes `Some`.
+    fn broadcast_bytes(&self, root: usize, bytes: Option<Vec<u8>>) -> Result<Vec<u8>>;
+
+    fn barrier(&self) -> Result<()>;
+
+    /// Tells every other rank that this one failed, so their pending and future collectives
+    /// return an error naming this rank instead of waiting.
+    fn abort(&self, reason: &str);
+}
+
+/// Sums one number across ranks.
+pub fn all_reduce_scalar(group: &dyn Collective, x: f64) -> Result<f64> {
+    let mut buf = [x];
+    group.all_reduce_f64(&mut buf)?;
+    Ok(buf[0])
+}

@@ -1,0 +1,416 @@
+//! The FSDP step engine: fp32 master chunks per rank, one all-gather per unit before it runs,
+//! backward one stage at a time (candle's backward is whole-graph, so each stage's graph is cut
+//! at its input), gradients reduce-scattered per unit as soon as the unit's last stage is done,
+//! then clipping and AdamW on the chunks.
+//!
+//! The engine drives any [`StagedModel`]; it never names an architecture.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor, Var, D};
+use models::StagedModel;
+
+use super::optim::{adamw_step, clip_coefficient, AdamWConfig, AdamWState};
+use super::plan::{ShardingStrategy, UnitPlan};
+use crate::dist::Collective;
+
+/// The three groups a rank belongs to. For FULL_SHARD and SHARD_GRAD_OP `shard` spans the world
+/// and `replicate` is this rank alone; NO_SHARD is the reverse; HYBRID_SHARD splits the world.
+#[derive(Clone)]
+pub struct ProcessGroups {
+    pub world: Arc<dyn Collective>,
+    pub shard: Arc<dyn Collective>,
+    pub replicate: Arc<dyn Collective>,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct FsdpOptions {
+    pub strategy: ShardingStrategy,
+    pub activation_checkpointing: bool,
+    /// dtype the gathered parameters travel in (rounded to it); compute stays f32 on CPU.
+    pub param_dtype: DType,
+    /// dtype gradients are reduced in.
+    pub reduce_dtype: DType,
+}
+
+struct UnitState {
+    plan: UnitPlan,
+    /// This rank's fp32 chunk of each parameter (padded rows included).
+    master: Vec<Vec<f32>>,
+    /// Accumulated, already reduced gradient chunks.
+    grad: Vec<Vec<f32>>,
+    adam: Vec<AdamWState>,
+    /// Full parameters while gathered. Without activation checkpointing they are `Var`s so that
+    /// the forward graph can be kept for backward.
+    gathered: Option<HashMap<String, Var>>,
+    /// Full-size gradients collected during backward, until reduce-scatter.
+    full_grad: Option<Vec<Vec<f32>>>,
+}
+
+/// What one optimizer step did.
+#[derive(Debug, Clone, Copy)]
+pub struct StepStats {
+    pub grad_norm: f64,
+    pub lr: f64,
+}
+
+pub struct FsdpEngine {
+    model: Arc<dyn StagedModel>,
+    units: Vec<UnitState>,
+    /// Units read by each stage.
+    stage_units: Vec<Vec<usize>>,
+    groups: ProcessGroups,
+    opts: FsdpOptions,
+    device: Device,
+    adam: AdamWConfig,
+    /// Parameters that get weight decay.
+    decay: HashMap<String, bool>,
+    pub step: u64,
+}
+
+/// Rounds values through `dtype` (what sending them in that dtype does to them).
+fn round_through(v: &mut [f32], dtype: DType) {
+    match dtype {
+        DType::BF16 => v.iter_mut().for_each(|x| *x = half::bf16::from_f32(*x).to_f32()),
+        DType::F16 => v.iter_mut().for_each(|x| *x = half::f16::from_f32(*x).to_f32()),
+        _ => {}
+    }
+}
+
+impl FsdpEngine {
+    /// An engine whose master chunks are zero until `load_unit` fills them.
+    pub fn new(
+        model: Arc<dyn StagedModel>,
+        plan: Vec<UnitPlan>,
+        groups: ProcessGroups,
+        opts: FsdpOptions,
+        adam: AdamWConfig,
+        weight_decay_all: bool,
+    ) -> Result<Self> {
+        let mut stage_units = vec![vec![]; model.num_stages()];
+        for (s, su) in stage_units.iter_mut().enumerate() {
+            let names = model.stage_parameters(s);
+            for (u, unit) in plan.iter().enumerate() {
+                if unit.params.iter().any(|p| names.contains(&p.spec.name)) {
+                    su.push(u);
+                }
+            }
+        }
+        // transformers' Trainer: no decay for biases and norm weights (the 1-D parameters).
+        let decay = plan
+            .iter()
+            .flat_map(|u| u.params.iter())
+            .map(|p| (p.spec.name.clone(), weight_decay_all || p.spec.shape.len() >= 2))
+            .collect();
+        let units = plan
+            .into_iter()
+            .map(|plan| UnitState {
+                master: plan.params.iter().map(|p| vec![0.0; p.chunk_len()]).collect(),
+                grad: plan.params.iter().map(|p| vec![0.0; p.chunk_len()]).collect(),
+                adam: plan.params.iter().map(|p| AdamWState::new(p.chunk_len())).collect(),
+                plan,
+                gathered: None,
+                full_grad: None,
+            })
+            .collect();
+        Ok(Self { model, units, stage_units, groups, opts, device: Device::Cpu, adam, decay, step: 0 })
+    }
+
+    pub fn units(&self) -> impl Iterator<Item = &UnitPlan> {
+        self.units.iter().map(|u| &u.plan)
+    }
+
+    pub fn groups(&self) -> &ProcessGroups {
+        &self.groups
+    }
+
+    /// Bytes this rank holds for parameters, gradients and optimizer state (fp32 each).
+    pub fn memory_bytes(&self) -> (usize, usize, usize) {
+        let elems: usize = self.units.iter().map(|u| u.plan.chunk_len).sum();
+        (elems * 4, elems * 4, elems * 8)
+    }
+
+    /// Fills unit `u` from rank 0: rank 0 passes every parameter's full values (`Some`), the
+    /// others `None`; each rank receives only its chunks (one scatter per unit).
+    pub fn load_unit(&mut self, u: usize, full: Option<HashMap<String, Vec<f32>>>) -> Result<()> {
+        let world = &self.groups.world;
+        let shard_size = self.groups.shard.world_size();
+        let plan = &self.units[u].plan;
+        let chunks = match full {
+            Some(values) => {
+                // Chunk for shard index k, then one copy per world rank (replicas share chunks).
+                let mut per_shard = vec![Vec::with_capacity(plan.chunk_len); shard_size];
+                for p in &plan.params {
+                    let v = values.get(&p.spec.name).with_context(|| format!("missing tensor {}", p.spec.name))?;
+                    if v.len() != p.numel() {
+                        bail!("tensor {} has {} values, expected {}", p.spec.name, v.len(), p.numel());
+                    }
+                    for (k, buf) in per_shard.iter_mut().enumerate() {
+                        buf.extend(p.chunk_of(v, k));
+                    }
+                }
+                Some((0..world.world_size()).map(|r| per_shard[r % shard_size].clone()).collect())
+            }
+            None => None,
+        };
+        let mine = world.scatter(0, chunks)?;
+        let unit = &mut self.units[u];
+        for (i, p) in unit.plan.params.iter().enumerate() {
+            unit.master[i].copy_from_slice(&mine[p.offset..p.offset + p.chunk_len()]);
+        }
+        Ok(())
+    }
+
+    /// All-gathers unit `u` (one collective) into full f32 tensors.
+    fn gather(&self, u: usize, round: bool) -> Result<HashMap<String, Tensor>> {
+        let unit = &self.units[u];
+        let mut buf: Vec<f32> = Vec::with_capacity(unit.plan.chunk_len);
+        for m in &unit.master {
+            buf.extend_from_slice(m);
+        }
+        if round {
+            round_through(&mut buf, self.opts.param_dtype);
+        }
+        let all = self.groups.shard.all_gather(&buf)?;
+        let shards = self.groups.shard.world_size();
+        let mut out = HashMap::new();
+        for p in &unit.plan.params {
+            let mut full = Vec::with_capacity(p.chunk_len() * shards);
+            for k in 0..shards {
+                let base = k * unit.plan.chunk_len + p.offset;
+                full.extend_from_slice(&all[base..base + p.chunk_len()]);
+            }
+            full.truncate(p.numel());
+            out.insert(p.spec.name.clone(), Tensor::from_vec(full, p.spec.shape.as_slice(), &self.device)?);
+        }
+        Ok(out)
+    }
+
+    /// Full parameters of unit `u` in f32, as stored (for export). Every rank of the shard
+    /// group takes part.
+    pub fn full_unit(&self, u: usize) -> Result<HashMap<String, Tensor>> {
+        self.gather(u, false)
+    }
+
+    fn ensure_gathered(&mut self, s: usize) -> Result<()> {
+        for &u in &self.stage_units[s].clone() {
+            if self.units[u].gathered.is_none() {
+                let full = self.gather(u, true)?;
+                let vars = full
+                    .into_iter()
+                    .map(|(k, t)| Ok((k, Var::from_tensor(&t)?)))
+                    .collect::<Result<HashMap<_, _>>>()?;
+                self.units[u].gathered = Some(vars);
+            }
+        }
+        Ok(())
+    }
+
+    /// Stage `s`'s parameters: the gathered `Var`s themselves (graph-building), or detached
+    /// copies (no graph).
+    fn stage_params(&self, s: usize, with_graph: bool) -> HashMap<String, Tensor> {
+        let mut out = HashMap::new();
+        for &u in &self.stage_units[s] {
+            for (k, v) in self.units[u].gathered.as_ref().expect("gathered") {
+                out.insert(k.clone(), if with_graph { v.as_tensor().clone() } else { v.as_tensor().detach() });
+            }
+        }
+        let wanted = self.model.stage_parameters(s);
+        out.retain(|k, _| wanted.contains(k));
+        out
+    }
+
+    /// Sum of token losses of one micro-batch, labels already aligned with inputs (the shift
+    /// happens here, as in transformers); -100 is ignored.
+    fn loss_sum(logits: &Tensor, labels: &[i64], b: usize, t: usize) -> Result<Tensor> {
+        let v = logits.dim(D::Minus1)?;
+        let logits = logits.narrow(1, 0, t - 1)?.reshape((b * (t - 1), v))?;
+        let mut targets = Vec::with_capacity(b * (t - 1));
+        let mut mask = Vec::with_capacity(b * (t - 1));
+        for row in 0..b {
+            for j in 1..t {
+                let l = labels[row * t + j];
+                let valid = l >= 0;
+                if valid && l as usize >= v {
+                    bail!("label {l} is outside the vocabulary ({v})");
+                }
+                targets.push(if valid { l as u32 } else { 0 });
+                mask.push(if valid { 1f32 } else { 0.0 });
+            }
+        }
+        let n = targets.len();
+        let targets = Tensor::from_vec(targets, (n, 1), logits.device())?;
+        let mask = Tensor::from_vec(mask, n, logits.device())?;
+        let log_probs = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+        let picked = log_probs.gather(&targets, 1)?.squeeze(1)?;
+        Ok((picked * mask)?.sum_all()?.neg()?)
+    }
+
+    /// Forward and backward of one micro-batch. Gradients are scaled by `1 / global_tokens`
+    /// (the target-token count of the whole step, over all ranks and micro-batches) and end up
+    /// reduced into the gradient chunks. Returns this micro-batch's summed token loss.
+    pub fn forward_backward(&mut self, input_ids: &Tensor, labels: &[i64], global_tokens: f64) -> Result<f64> {
+        let (b, t) = input_ids.dims2()?;
+        let n = self.model.num_stages();
+        let ac = self.opts.activation_checkpointing;
+        let mut inputs: Vec<Tensor> = Vec::with_capacity(n);
+        let mut saved: Vec<Option<(Tensor, Option<Var>)>> = (0..n).map(|_| None).collect();
+        let mut x = input_ids.clone();
+        for s in 0..n {
+            self.ensure_gathered(s)?;
+            inputs.push(x.clone());
+            if ac {
+                // No Var anywhere: candle builds no graph.
+                x = self.model.forward_stage(s, &self.stage_params(s, false), &x)?;
+            } else {
+                let input_var = if s == 0 { None } else { Some(Var::from_tensor(&x)?) };
+                let inp = input_var.as_ref().map(|v| v.as_tensor().clone()).unwrap_or_else(|| x.clone());
+                let out = self.model.forward_stage(s, &self.stage_params(s, true), &inp)?;
+                x = out.detach();
+                saved[s] = Some((out, input_var));
+            }
+            // FULL_SHARD frees a unit once its last forward stage ran. Without activation
+            // checkpointing the kept graph still references the weights, so this frees the
+            // buffer only when the graph goes.
+            if ac && self.opts.strategy.reshard_after_forward() {
+                for &u in &self.stage_units[s] {
+                    if !self.units[u].plan.is_root && self.units[u].plan.last_stage == s {
+                        self.units[u].gathered = None;
+                    }
+                }
+            }
+        }
+
+        let mut upstream: Option<Tensor> = None;
+        let mut loss_sum = 0.0;
+        for s in (0..n).rev() {
+            self.ensure_gathered(s)?;
+            let (out, input_var, params): (Tensor, Option<Var>, HashMap<String, Var>) = if ac {
+                // Recompute the stage with fresh Vars for its parameters and input.
+                let vars: HashMap<String, Var> = self
+                    .stage_params(s, false)
+                    .into_iter()
+                    .map(|(k, t)| Ok((k, Var::from_tensor(&t)?)))
+                    .collect::<Result<_>>()?;
+                let ptensors: HashMap<String, Tensor> = vars.iter().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect();
+                let input_var = if s == 0 { None } else { Some(Var::from_tensor(&inputs[s])?) };
+                let inp = input_var.as_ref().map(|v| v.as_tensor().clone()).unwrap_or_else(|| inputs[s].clone());
+                let out = self.model.forward_stage(s, &ptensors, &inp)?;
+                (out, input_var, vars)
+            } else {
+                let (out, iv) = saved[s].take().expect("saved stage");
+                let wanted = self.model.stage_parameters(s);
+                let mut vars = HashMap::new();
+                for &u in &self.stage_units[s] {
+                    for (k, v) in self.units[u].gathered.as_ref().expect("gathered") {
+                        if wanted.contains(k) {
+                            vars.insert(k.clone(), v.clone());
+                        }
+                    }
+                }
+                (out, iv, vars)
+            };
+            let objective = if s == n - 1 {
+                let ls = Self::loss_sum(&out, labels, b, t)?;
+                loss_sum = ls.to_scalar::<f32>()? as f64;
+                (ls / global_tokens)?
+            } else {
+                let g = upstream.take().context("missing upstream gradient")?;
+                (out * g)?.sum_all()?
+            };
+            let grads = objective.backward()?;
+            for (name, var) in &params {
+                let Some(g) = grads.get(var.as_tensor()) else { continue };
+                let g = g.flatten_all()?.to_vec1::<f32>()?;
+                let u = *self.stage_units[s]
+                    .iter()
+                    .find(|&&u| self.units[u].plan.params.iter().any(|p| &p.spec.name == name))
+                    .expect("parameter has a unit");
+                let unit = &mut self.units[u];
+                let idx = unit.plan.params.iter().position(|p| &p.spec.name == name).unwrap();
+                let full = unit
+                    .full_grad
+                    .get_or_insert_with(|| unit.plan.params.iter().map(|p| vec![0.0; p.numel()]).collect());
+                for (a, b) in full[idx].iter_mut().zip(&g) {
+                    *a += *b;
+                }
+            }
+            upstream = match &input_var {
+                Some(v) => Some(grads.get(v.as_tensor()).cloned().context("no gradient reached a stage input")?),
+                None => None,
+            };
+            // A unit whose first stage is done has all its gradients: reduce-scatter and free.
+            for &u in &self.stage_units[s].clone() {
+                if self.units[u].plan.first_stage == s {
+                    self.reduce_scatter_unit(u)?;
+                    self.units[u].gathered = None;
+                }
+            }
+        }
+        Ok(loss_sum)
+    }
+
+    fn reduce_scatter_unit(&mut self, u: usize) -> Result<()> {
+        let shards = self.groups.shard.world_size();
+        let unit = &mut self.units[u];
+        let Some(full) = unit.full_grad.take() else { return Ok(()) };
+        let mut buf = Vec::with_capacity(unit.plan.chunk_len * shards);
+        for k in 0..shards {
+            for (p, g) in unit.plan.params.iter().zip(&full) {
+                buf.extend(p.chunk_of(g, k));
+            }
+        }
+        round_through(&mut buf, self.opts.reduce_dtype);
+        let mine = self.groups.shard.reduce_scatter(&buf)?;
+        for (i, p) in unit.plan.params.iter().enumerate() {
+            for (a, b) in unit.grad[i].iter_mut().zip(&mine[p.offset..p.offset + p.chunk_len()]) {
+                *a += *b;
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends a step: gradients summed over replicas, global-norm clipping (`max_grad_norm` None
+    /// = off), AdamW with learning rate `lr`, gradients zeroed. The norm is before clipping.
+    pub fn optimizer_step(&mut self, lr: f64, max_grad_norm: Option<f64>) -> Result<StepStats> {
+        if self.groups.replicate.world_size() > 1 {
+            for unit in &mut self.units {
+                let mut buf: Vec<f32> = unit.grad.iter().flatten().copied().collect();
+                self.groups.replicate.all_reduce(&mut buf)?;
+                let mut off = 0;
+                for g in &mut unit.grad {
+                    let n = g.len();
+                    g.copy_from_slice(&buf[off..off + n]);
+                    off += n;
+                }
+            }
+        }
+        let local_sq: f64 = self.units.iter().flat_map(|u| u.grad.iter().flatten()).map(|&g| (g as f64) * (g as f64)).sum();
+        let grad_norm = crate::dist::all_reduce_scalar(self.groups.shard.as_ref(), local_sq)?.sqrt();
+        if let Some(max) = max_grad_norm {
+            let coef = clip_coefficient(grad_norm, max) as f32;
+            if coef < 1.0 {
+                self.units.iter_mut().flat_map(|u| u.grad.iter_mut().flatten()).for_each(|g| *g *= coef);
+            }
+        }
+        self.step += 1;
+        for unit in &mut self.units {
+            for (i, p) in unit.plan.params.iter().enumerate() {
+                let wd = if self.decay[&p.spec.name] { self.adam.weight_decay } else { 0.0 };
+                adamw_step(&self.adam, lr, wd, self.step, &mut unit.master[i], &unit.grad[i], &mut unit.adam[i]);
+                unit.grad[i].iter_mut().for_each(|g| *g = 0.0);
+            }
+        }
+        Ok(StepStats { grad_norm, lr })
+    }
+
+    /// This rank's current gradient chunks by parameter name (for tests and inspection).
+    pub fn grad_chunks(&self) -> HashMap<String, Vec<f32>> {
+        self.units
+            .iter()
+            .flat_map(|u| u.plan.params.iter().zip(&u.grad).map(|(p, g)| (p.spec.name.clone(), g.clone())))
+            .collect()
+    }
+}

@@ -1,0 +1,7 @@
+//! FSDP2-style sharding: units from wrap policies (`plan`), the step engine (`engine`), and the
+//! sharded optimizer and schedules (`optim`). Knows no architecture: models come as
+//! [`models::StagedModel`].
+
+pub mod engine;
+pub mod optim;
+pub mod plan;

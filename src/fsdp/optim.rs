@@ -1,0 +1,126 @@
+//! Sharded AdamW on fp32 chunks (exactly torch.optim.AdamW's arithmetic), learning-rate
+//! schedules as transformers' `get_scheduler` defines them, and the clipping coefficient of
+//! torch's `clip_grad_norm_`.
+
+use anyhow::{bail, Result};
+
+#[derive(Debug, Clone, Copy)]
+pub struct AdamWConfig {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        Self { lr: 1e-5, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
+    }
+}
+
+/// Moments of one parameter chunk.
+#[derive(Debug, Clone)]
+pub struct AdamWState {
+    pub exp_avg: Vec<f32>,
+    pub exp_avg_sq: Vec<f32>,
+}
+
+impl AdamWState {
+    pub fn new(len: usize) -> Self {
+        Self { exp_avg: vec![0.0; len], exp_avg_sq: vec![0.0; len] }
+    }
+}
+
+/// One AdamW step on a chunk, `step` counting from 1. Follows torch's single-tensor
+/// implementation operation by operation, in f32:
+/// `p *= 1 - lr*wd; m = lerp(m, g, 1-b1); v = v*b2 + (1-b2)*g*g;
+///  p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)`.
+pub fn adamw_step(cfg: &AdamWConfig, lr: f64, weight_decay: f64, step: u64, param: &mut [f32], grad: &[f32], state: &mut AdamWState) {
+    let decay = (1.0 - lr * weight_decay) as f32;
+    let (b1, b2) = (cfg.beta1 as f32, cfg.beta2 as f32);
+    let bc1 = 1.0 - cfg.beta1.powi(step as i32);
+    let bc2 = 1.0 - cfg.beta2.powi(step as i32);
+    let step_size = (lr / bc1) as f32;
+    let bc2_sqrt = bc2.sqrt() as f32;
+    let eps = cfg.eps as f32;
+    let one_minus_b1 = 1.0 - b1;
+    let one_minus_b2 = 1.0 - b2;
+    for i in 0..param.len() {
+        let g = grad[i];
+        if weight_decay != 0.0 {
+            param[i] *= decay;
+        }
+        let m = &mut state.exp_avg[i];
+        *m += (g - *m) * one_minus_b1;
+        let v = &mut state.exp_avg_sq[i];
+        *v = *v * b2 + one_minus_b2 * g * g;
+        let denom = v.sqrt() / bc2_sqrt + eps;
+        param[i] -= step_size * (*m / denom);
+    }
+}
+
+/// transformers' schedulers: multiplier of the base learning rate at `step` (0-based, the
+/// optimizer step about to be taken).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Schedule {
+    Constant,
+    Linear,
+    Cosine,
+}
+
+impl std::str::FromStr for Schedule {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s {
+            "constant" | "constant_with_warmup" => Self::Constant,
+            "linear" => Self::Linear,
+            "cosine" => Self::Cosine,
+            other => bail!("--lr-scheduler {other:?}: use constant, linear or cosine"),
+        })
+    }
+}
+
+pub fn lr_multiplier(schedule: Schedule, step: usize, warmup: usize, total: usize) -> f64 {
+    if step < warmup {
+        return step as f64 / warmup.max(1) as f64;
+    }
+    match schedule {
+        Schedule::Constant => 1.0,
+        Schedule::Linear => ((total.saturating_sub(step)) as f64 / (total.saturating_sub(warmup)).max(1) as f64).max(0.0),
+        Schedule::Cosine => {
+            let progress = (step - warmup) as f64 / (total.saturating_sub(warmup)).max(1) as f64;
+            (0.5 * (1.0 + (std::f64::consts::PI * progress).cos())).max(0.0)
+        }
+    }
+}
+
+/// torch's `clip_grad_norm_`: the factor gradients are multiplied by (at most 1).
+pub fn clip_coefficient(total_norm: f64, max_norm: f64) -> f64 {
+    (max_norm / (total_norm + 1e-6)).min(1.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedules_match_transformers_formulas() {
+        assert_eq!(lr_multiplier(Schedule::Linear, 0, 2, 10), 0.0);
+        assert_eq!(lr_multiplier(Schedule::Linear, 1, 2, 10), 0.5);
+        assert_eq!(lr_multiplier(Schedule::Linear, 2, 2, 10), 1.0);
+        assert_eq!(lr_multiplier(Schedule::Linear, 6, 2, 10), 0.5);
+        assert!((lr_multiplier(Schedule::Cosine, 6, 2, 10) - 0.5).abs() < 1e-12);
+        assert_eq!(lr_multiplier(Schedule::Constant, 9, 0, 10), 1.0);
+    }
+
+    #[test]
+    fn first_adam_step_moves_by_lr_times_sign() {
+        let cfg = AdamWConfig { lr: 0.1, ..Default::default() };
+        let mut p = vec![1.0f32, 1.0];
+        let mut st = AdamWState::new(2);
+        adamw_step(&cfg, 0.1, 0.0, 1, &mut p, &[0.5, -2.0], &mut st);
+        assert!((p[0] - 0.9).abs() < 1e-6 && (p[1] - 1.1).abs() < 1e-6, "{p:?}");
+        assert!((clip_coefficient(2.0, 1.0) - 0.5).abs() < 1e-6 && clip_coefficient(0.5, 1.0) == 1.0);
+    }
+}

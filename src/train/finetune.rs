@@ -1,0 +1,425 @@
+//! `fsdp-app finetune`: full fine-tuning with the FSDP engine on N ranks.
+//!
+//! Rank 0 alone resolves the model and opens weight files: it sends config and tokenizer as
+//! bytes, then streams the weights unit by unit, each rank receiving only its chunks. Every rank
+//! reads the (small) data file and takes its own micro-batches of each global batch.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use serde_json::{json, Value};
+
+use crate::checkpoint::export::ShardedExport;
+use crate::checkpoint::{load, resolve_model};
+use crate::dist::local::LocalGroup;
+use crate::dist::all_reduce_scalar;
+use crate::fsdp::engine::{FsdpEngine, FsdpOptions, ProcessGroups};
+use crate::fsdp::optim::{lr_multiplier, AdamWConfig, Schedule};
+use crate::fsdp::plan::{plan_units, ShardingStrategy, WrapPolicy};
+use crate::memory::{human_bytes, peak_rss_bytes};
+use crate::train::data::{epoch_order, load_jsonl, Sample};
+
+#[derive(Debug, Clone)]
+pub struct FinetuneConfig {
+    pub model: String,
+    pub revision: Option<String>,
+    pub data: PathBuf,
+    pub output_dir: PathBuf,
+    pub world_size: usize,
+    pub shard_group_size: Option<usize>,
+    pub lr: f64,
+    pub weight_decay: f64,
+    pub weight_decay_all: bool,
+    /// None: no clipping.
+    pub max_grad_norm: Option<f64>,
+    pub batch_size: usize,
+    pub grad_accum: usize,
+    pub seq_len: usize,
+    pub max_steps: Option<usize>,
+    pub epochs: usize,
+    pub warmup_steps: usize,
+    pub schedule: Schedule,
+    pub seed: u64,
+    pub shuffle: bool,
+    pub strategy: ShardingStrategy,
+    pub wrap: WrapPolicy,
+    pub activation_checkpointing: bool,
+    pub param_dtype: DType,
+    pub reduce_dtype: DType,
+    pub collective_timeout: Duration,
+    pub max_shard_size: usize,
+    /// Print per-step lines and a progress bar (rank 0).
+    pub verbose: bool,
+}
+
+/// What a run reports back (rank 0's view).
+#[derive(Debug, Clone)]
+pub struct RunSummary {
+    pub losses: Vec<f64>,
+    pub grad_norms: Vec<f64>,
+    /// Parameter, gradient and optimizer bytes of each rank.
+    pub rank_bytes: Vec<(usize, usize, usize)>,
+    pub total_params: usize,
+    pub output_dir: PathBuf,
+}
+
+/// Checks that need no weights, so a wrong flag fails in milliseconds, not after loading.
+pub fn validate(cfg: &FinetuneConfig) -> Result<()> {
+    if cfg.world_size == 0 {
+        bail!("--world-size must be positive");
+    }
+    for (name, v) in [("--batch-size", cfg.batch_size), ("--grad-accum", cfg.grad_accum), ("--seq-len", cfg.seq_len), ("--epochs", cfg.epochs)] {
+        if v == 0 {
+            bail!("{name} must be positive");
+        }
+    }
+    if cfg.seq_len < 2 {
+        bail!("--seq-len must be at least 2 (a token and the next one to predict)");
+    }
+    if cfg.max_steps == Some(0) {
+        bail!("--max-steps must be positive");
+    }
+    if !(cfg.lr.is_finite() && cfg.lr > 0.0) {
+        bail!("--lr must be a positive number");
+    }
+    match (cfg.strategy, cfg.shard_group_size) {
+        (ShardingStrategy::HybridShard, None) => bail!("HYBRID_SHARD needs --shard-group-size"),
+        (ShardingStrategy::HybridShard, Some(g)) if g == 0 || cfg.world_size % g != 0 => {
+            bail!("--shard-group-size {g} must divide --world-size {}", cfg.world_size)
+        }
+        (s, Some(_)) if s != ShardingStrategy::HybridShard => bail!("--shard-group-size applies to HYBRID_SHARD only"),
+        _ => {}
+    }
+    if !cfg.data.is_file() {
+        bail!("--data {}: no such file", cfg.data.display());
+    }
+    if cfg.output_dir.exists() && std::fs::read_dir(&cfg.output_dir)?.next().is_some() {
+        bail!("--output-dir {} exists and is not empty", cfg.output_dir.display());
+    }
+    Ok(())
+}
+
+/// Shard-group size of a strategy on `world` ranks.
+fn shard_size(cfg: &FinetuneConfig) -> usize {
+    match cfg.strategy {
+        ShardingStrategy::FullShard | ShardingStrategy::ShardGradOp => cfg.world_size,
+        ShardingStrategy::NoShard => 1,
+        ShardingStrategy::HybridShard => cfg.shard_group_size.unwrap_or(cfg.world_size),
+    }
+}
+
+/// Runs the fine-tune with the `local` backend: one thread per rank.
+pub fn run_local(cfg: &FinetuneConfig) -> Result<RunSummary> {
+    validate(cfg)?;
+    let world = cfg.world_size;
+    let g = shard_size(cfg);
+    let mut world_groups: Vec<Option<LocalGroup>> = LocalGroup::create(world, cfg.collective_timeout).into_iter().map(Some).collect();
+    // Shard groups: consecutive ranks; replicate groups: same position in each shard group.
+    let mut shard_groups: Vec<Option<LocalGroup>> = (0..world).map(|_| None).collect();
+    for start in (0..world).step_by(g) {
+        for (i, h) in LocalGroup::create(g, cfg.collective_timeout).into_iter().enumerate() {
+            shard_groups[start + i] = Some(h);
+        }
+    }
+    let mut replicate_groups: Vec<Option<LocalGroup>> = (0..world).map(|_| None).collect();
+    for pos in 0..g {
+        let members: Vec<usize> = (pos..world).step_by(g).collect();
+        for (h, &r) in LocalGroup::create(members.len(), cfg.collective_timeout).into_iter().zip(&members) {
+            replicate_groups[r] = Some(h);
+        }
+    }
+    let handles: Vec<_> = (0..world)
+        .map(|r| {
+            let groups = ProcessGroups {
+                world: Arc::new(world_groups[r].take().unwrap()),
+                shard: Arc::new(shard_groups[r].take().unwrap()),
+                replicate: Arc::new(replicate_groups[r].take().unwrap()),
+            };
+            let cfg = cfg.clone();
+            std::thread::Builder::new()
+                .name(format!("rank-{r}"))
+                .spawn(move || run_rank(groups, &cfg))
+                .expect("spawning a rank thread")
+        })
+        .collect();
+    let mut summary = None;
+    let mut errors = vec![];
+    for (r, h) in handles.into_iter().enumerate() {
+        match h.join() {
+            Ok(Ok(s)) => summary = summary.or(s),
+            Ok(Err(e)) => errors.push((r, e)),
+            Err(_) => errors.push((r, anyhow::anyhow!("rank {r} panicked"))),
+        }
+    }
+    if !errors.is_empty() {
+        // The first rank whose error is not just "another rank failed" is the cause.
+        let (r, e) = errors
+            .iter()
+            .find(|(_, e)| !format!("{e:#}").contains("stopped: rank"))
+            .unwrap_or(&errors[0]);
+        bail!("rank {r}: {e:#}");
+    }
+    summary.context("rank 0 returned no summary")
+}
+
+/// Everything rank 0 sends the others before weights.
+struct ModelBytes {
+    config: String,
+    tokenizer: Option<String>,
+    side_files: Vec<(String, Vec<u8>)>,
+}
+
+fn share_model_files(groups: &ProcessGroups, files: Option<&crate::checkpoint::ModelFiles>) -> Result<ModelBytes> {
+    let payload = match files {
+        Some(f) => {
+            let read = |p: &Path| std::fs::read(p).with_context(|| format!("{}: cannot read", p.display()));
+            let mut side = vec![];
+            for p in [&Some(f.config.clone()), &f.tokenizer, &f.tokenizer_config, &f.generation_config, &f.chat_template, &f.special_tokens_map]
+                .into_iter()
+                .flatten()
+            {
+                let name = p.file_name().unwrap().to_string_lossy().to_string();
+                side.push(json!({"name": name, "data": String::from_utf8_lossy(&read(p)?).to_string()}));
+            }
+            Some(serde_json::to_vec(&json!({"files": side}))?)
+        }
+        None => None,
+    };
+    let bytes = groups.world.broadcast_bytes(0, payload)?;
+    let v: Value = serde_json::from_slice(&bytes)?;
+    let mut out = ModelBytes { config: String::new(), tokenizer: None, side_files: vec![] };
+    for f in v["files"].as_array().context("model files message")? {
+        let name = f["name"].as_str().unwrap_or_default().to_string();
+        let data = f["data"].as_str().unwrap_or_default().to_string();
+        match name.as_str() {
+            "config.json" => out.config = data.clone(),
+            "tokenizer.json" => out.tokenizer = Some(data.clone()),
+            _ => {}
+        }
+        out.side_files.push((name, data.into_bytes()));
+    }
+    Ok(out)
+}
+
+fn run_rank(groups: ProcessGroups, cfg: &FinetuneConfig) -> Result<Option<RunSummary>> {
+    let result = run_rank_inner(&groups, cfg);
+    if let Err(e) = &result {
+        let msg = format!("{e:#}");
+        groups.world.abort(&msg);
+        groups.shard.abort(&msg);
+        groups.replicate.abort(&msg);
+    }
+    result
+}
+
+fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Option<RunSummary>> {
+    let rank = groups_ref.world.rank();
+    let world = groups_ref.world.world_size();
+    let is_root = rank == 0;
+
+    // 1. Rank 0 resolves the model; config and tokenizer travel as bytes.
+    let files = if is_root { Some(resolve_model(&cfg.model, cfg.revision.as_deref())?) } else { None };
+    let bytes = share_model_files(groups_ref, files.as_ref())?;
+    let model_cfg = models::ModelConfig::from_json_str(&bytes.config).context("config.json")?;
+    let staged: Arc<dyn models::StagedModel> = Arc::new(models::LlamaStages::new(&model_cfg));
+    let plan = plan_units(staged.as_ref(), cfg.wrap, shard_size(cfg))?;
+    let total_params: usize = plan.iter().map(|u| u.numel()).sum();
+
+    // 2. Data (before weights: a bad file or batch fails fast).
+    let tokenizer = match &bytes.tokenizer {
+        Some(t) => Some(tokenizers::Tokenizer::from_bytes(t.as_bytes()).map_err(|e| anyhow::anyhow!("tokenizer.json: {e}"))?),
+        None => None,
+    };
+    let encode = |text: &str| -> Result<Vec<u32>> {
+        let tok = tokenizer.as_ref().context("text rows need the model's tokenizer.json")?;
+        Ok(tok.encode(text, true).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?.get_ids().to_vec())
+    };
+    let eos = model_cfg.eos_token_ids.first().copied();
+    let samples = load_jsonl(&cfg.data, cfg.seq_len, &encode, eos, eos.unwrap_or(0))?;
+    let global_batch = cfg.batch_size * world * cfg.grad_accum;
+    let steps_per_epoch = samples.len() / global_batch;
+    if steps_per_epoch == 0 {
+        bail!(
+            "{}: {} samples of {} tokens, fewer than one global batch of {global_batch} (batch size {} x {world} ranks x {} accumulation)",
+            cfg.data.display(),
+            samples.len(),
+            cfg.seq_len,
+            cfg.batch_size,
+            cfg.grad_accum
+        );
+    }
+    let total_steps = cfg.max_steps.unwrap_or(steps_per_epoch * cfg.epochs);
+
+    // 3. The engine, filled by rank 0 one unit at a time.
+    let opts = FsdpOptions {
+        strategy: cfg.strategy,
+        activation_checkpointing: cfg.activation_checkpointing,
+        param_dtype: cfg.param_dtype,
+        reduce_dtype: cfg.reduce_dtype,
+    };
+    let adam = AdamWConfig { lr: cfg.lr, weight_decay: cfg.weight_decay, ..Default::default() };
+    let mut engine = FsdpEngine::new(staged.clone(), plan, groups_ref.clone(), opts, adam, cfg.weight_decay_all)?;
+    let weights = match &files {
+        Some(f) => {
+            let stored = load::read_weight_headers(&f.weights)?;
+            load::check_tensors(&model_cfg, &stored, &f.source)?;
+            // SAFETY: read-only map of files checked above.
+            Some(unsafe { candle_core::safetensors::MmapedSafetensors::multi(&f.weights) }?)
+        }
+        None => None,
+    };
+    let n_units = engine.units().count();
+    let load_start = Instant::now();
+    for u in 0..n_units {
+        let full = match &weights {
+            Some(st) => {
+                let mut m = std::collections::HashMap::new();
+                for p in &engine.units().nth(u).unwrap().params {
+                    let t = st.load(&p.spec.name, &Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?;
+                    m.insert(p.spec.name.clone(), t.to_vec1::<f32>()?);
+                }
+                Some(m)
+            }
+            None => None,
+        };
+        engine.load_unit(u, full)?;
+    }
+    drop(weights);
+    let (pb, gb, ob) = engine.memory_bytes();
+    let mut bytes_all = [pb as f64, gb as f64, ob as f64].repeat(world);
+    bytes_all.iter_mut().enumerate().for_each(|(i, x)| if i / 3 != rank { *x = 0.0 });
+    groups_ref.world.all_reduce_f64(&mut bytes_all)?;
+    let rank_bytes: Vec<(usize, usize, usize)> =
+        bytes_all.chunks(3).map(|c| (c[0] as usize, c[1] as usize, c[2] as usize)).collect();
+    if is_root && cfg.verbose {
+        eprintln!(
+            "fsdp: {world} rank(s), {:?}, {} units, {:.1}M parameters; fp32 master weights and fp32 AdamW moments; \
+             loaded on rank 0 and streamed in {:.2}s",
+            cfg.strategy,
+            n_units,
+            total_params as f64 / 1e6,
+            load_start.elapsed().as_secs_f64()
+        );
+        for (r, (p, g, o)) in rank_bytes.iter().enumerate() {
+            eprintln!(
+                "fsdp: rank {r} holds params {} + grads {} + optimizer {} = {} ({:.3} of the unsharded {})",
+                human_bytes(*p as u64),
+                human_bytes(*g as u64),
+                human_bytes(*o as u64),
+                human_bytes((p + g + o) as u64),
+                (p + g + o) as f64 / (total_params * 16) as f64,
+                human_bytes((total_params * 16) as u64)
+            );
+        }
+    }
+
+    // 4. Training.
+    std::fs::create_dir_all(&cfg.output_dir).ok();
+    let mut metrics = if is_root {
+        Some(std::fs::File::create(cfg.output_dir.join("metrics.jsonl")).context("creating metrics.jsonl")?)
+    } else {
+        None
+    };
+    let progress = (is_root && cfg.verbose).then(|| {
+        let pb = indicatif::ProgressBar::new(total_steps as u64);
+        pb.set_style(indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps {msg}").unwrap());
+        pb
+    });
+    let mut losses = vec![];
+    let mut grad_norms = vec![];
+    let mut order = epoch_order(samples.len(), 0, cfg.seed, cfg.shuffle);
+    for step in 0..total_steps {
+        let epoch = step / steps_per_epoch;
+        let in_epoch = step % steps_per_epoch;
+        if in_epoch == 0 && step > 0 {
+            order = epoch_order(samples.len(), epoch, cfg.seed, cfg.shuffle);
+        }
+        let start = Instant::now();
+        let lr = cfg.lr * lr_multiplier(cfg.schedule, step, cfg.warmup_steps, total_steps);
+        let base = in_epoch * global_batch;
+        let micro: Vec<Vec<&Sample>> = (0..cfg.grad_accum)
+            .map(|a| {
+                let first = base + (a * world + rank) * cfg.batch_size;
+                (first..first + cfg.batch_size).map(|i| &samples[order[i]]).collect()
+            })
+            .collect();
+        let local_targets: usize = micro.iter().flatten().map(|s| s.target_tokens()).sum();
+        let global_targets = all_reduce_scalar(groups_ref.world.as_ref(), local_targets as f64)?;
+        if global_targets == 0.0 {
+            bail!("step {step}: the global batch has no target tokens (every label is -100)");
+        }
+        let mut local_loss = 0.0;
+        for mb in &micro {
+            let ids: Vec<u32> = mb.iter().flat_map(|s| s.input_ids.iter().copied()).collect();
+            let labels: Vec<i64> = mb.iter().flat_map(|s| s.labels.iter().copied()).collect();
+            let input = Tensor::from_vec(ids, (mb.len(), cfg.seq_len), &Device::Cpu)?;
+            local_loss += engine.forward_backward(&input, &labels, global_targets)?;
+        }
+        let loss = all_reduce_scalar(groups_ref.world.as_ref(), local_loss)? / global_targets;
+        let stats = engine.optimizer_step(lr, cfg.max_grad_norm)?;
+        let secs = start.elapsed().as_secs_f64();
+        let tokens = (global_batch * cfg.seq_len) as f64;
+        losses.push(loss);
+        grad_norms.push(stats.grad_norm);
+        if let Some(f) = metrics.as_mut() {
+            let rss = peak_rss_bytes();
+            let row = json!({
+                "step": step + 1, "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": stats.grad_norm,
+                "tokens_per_s": tokens / secs, "peak_rss_bytes": rss, "step_s": secs,
+            });
+            writeln!(f, "{row}")?;
+            f.flush()?;
+            if let Some(pb) = &progress {
+                let line = format!(
+                    "step {:>5} | loss {loss:.4} | lr {lr:.3e} | grad norm {:.4} | {:.0} tokens/s | peak RSS {}",
+                    step + 1,
+                    stats.grad_norm,
+                    tokens / secs,
+                    rss.map(human_bytes).unwrap_or_default()
+                );
+                // A hidden bar (stderr not a terminal) drops println: print plainly then.
+                if pb.is_hidden() {
+                    eprintln!("{line}");
+                } else {
+                    pb.println(line);
+                }
+                pb.set_message(format!("loss {loss:.4}"));
+                pb.inc(1);
+            }
+        }
+    }
+    if let Some(pb) = progress {
+        pb.finish_and_clear();
+    }
+
+    // 5. Export: unit by unit, gathered on every shard-group rank, written by rank 0.
+    let save_dtype = match model_cfg.stored_dtype.as_deref() {
+        Some("bfloat16") => DType::BF16,
+        Some("float16") => DType::F16,
+        _ => DType::F32,
+    };
+    let mut export = if is_root { Some(ShardedExport::new(&cfg.output_dir, save_dtype, cfg.max_shard_size)?) } else { None };
+    for u in 0..n_units {
+        let full = engine.full_unit(u)?;
+        if let Some(ex) = export.as_mut() {
+            let mut names: Vec<&String> = full.keys().collect();
+            names.sort();
+            for n in names {
+                ex.add(n, &full[n])?;
+            }
+        }
+    }
+    groups_ref.world.barrier()?;
+    if let Some(ex) = export {
+        ex.finish(&bytes.side_files)?;
+        if cfg.verbose {
+            eprintln!("wrote {} (loadable with `fsdp-app generate --model {}`)", cfg.output_dir.display(), cfg.output_dir.display());
+        }
+    }
+    Ok(is_root.then(|| RunSummary { losses, grad_norms, rank_bytes, total_params, output_dir: cfg.output_dir.clone() }))
+}
+

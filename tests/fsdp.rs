@@ -1,0 +1,320 @@
+//! The FSDP engine's proofs: N ranks reproduce the single-rank run (losses and final weights),
+//! one step's gradients and 12 AdamW steps match PyTorch + transformers, each rank holds 1/N of
+//! the state, and bad settings fail before any weight is read.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use candle_core::{DType, Device, Tensor};
+use common::*;
+use fsdp_app::dist::local::LocalGroup;
+use fsdp_app::fsdp::engine::{FsdpEngine, FsdpOptions, ProcessGroups};
+use fsdp_app::fsdp::optim::{AdamWConfig, Schedule};
+use fsdp_app::fsdp::plan::{plan_units, ShardingStrategy, WrapPolicy};
+use fsdp_app::train::finetune::{run_local, FinetuneConfig, RunSummary};
+
+fn training_data() -> PathBuf {
+    reference_dir().join("train-data.jsonl")
+}
+
+/// The configuration the PyTorch reference used (see make_training_reference.py).
+fn reference_config(model: &Path, out: &Path) -> FinetuneConfig {
+    FinetuneConfig {
+        model: model.to_str().unwrap().to_string(),
+        revision: None,
+        data: training_data(),
+        output_dir: out.to_path_buf(),
+        world_size: 1,
+        shard_group_size: None,
+        lr: 1e-3,
+        weight_decay: 0.1,
+        weight_decay_all: false,
+        max_grad_norm: Some(1.0),
+        batch_size: 4,
+        grad_accum: 1,
+        seq_len: 16,
+        max_steps: Some(12),
+        epochs: 1,
+        warmup_steps: 2,
+        schedule: Schedule::Linear,
+        seed: 0,
+        shuffle: false,
+        strategy: ShardingStrategy::FullShard,
+        wrap: WrapPolicy::TransformerBased,
+        activation_checkpointing: false,
+        param_dtype: DType::F32,
+        reduce_dtype: DType::F32,
+        collective_timeout: Duration::from_secs(60),
+        max_shard_size: 5_000_000_000,
+        verbose: false,
+    }
+}
+
+fn weights(dir: &Path) -> HashMap<String, Tensor> {
+    let mut all = HashMap::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "safetensors") {
+            all.extend(candle_core::safetensors::load(&p, &Device::Cpu).unwrap());
+        }
+    }
+    all
+}
+
+fn max_rel_diff(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(1e-12)).fold(0.0, f64::max)
+}
+
+fn max_weight_diff(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .map(|(k, t)| (t - &b[k]).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap())
+        .fold(0.0, f32::max)
+}
+
+/// Largest per-tensor relative difference, ||a - b|| / ||b|| (Frobenius norms).
+fn max_rel_weight_diff(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> (f64, String) {
+    assert_eq!(a.len(), b.len());
+    let norm = |t: &Tensor| t.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap().sqrt() as f64;
+    a.iter()
+        .map(|(k, t)| (norm(&(t - &b[k]).unwrap()) / norm(&b[k]).max(1e-12), k.clone()))
+        .fold((0.0, String::new()), |m, x| if x.0 > m.0 { x } else { m })
+}
+
+#[test]
+fn n_ranks_reproduce_one_rank_for_every_strategy() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("llama", tmp.path());
+    let base = |out: &str| {
+        let mut c = reference_config(&model, &tmp.path().join(out));
+        c.max_steps = Some(10);
+        c.batch_size = 4;
+        c
+    };
+    let single: RunSummary = run_local(&base("w1")).unwrap();
+    let single_w = weights(&tmp.path().join("w1"));
+    assert_eq!(single.losses.len(), 10);
+    // World 3 does not divide 64-row weights: padding rows are exercised. Its global batch is 6.
+    let mut c6 = base("w1-batch6");
+    c6.batch_size = 6;
+    let single6: RunSummary = run_local(&c6).unwrap();
+    let single6_w = weights(&tmp.path().join("w1-batch6"));
+
+    let mut cases = vec![];
+    for world in [2usize, 4] {
+        for strategy in [ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp] {
+            for ac in [false, true] {
+                cases.push((world, strategy, ac, None));
+            }
+        }
+    }
+    cases.push((2, ShardingStrategy::NoShard, true, None));
+    cases.push((4, ShardingStrategy::HybridShard, false, Some(2)));
+    cases.push((3, ShardingStrategy::FullShard, true, None));
+    cases.push((3, ShardingStrategy::ShardGradOp, false, None));
+    for (i, (world, strategy, ac, group)) in cases.into_iter().enumerate() {
+        let out = format!("case{i}");
+        let mut c = base(&out);
+        c.world_size = world;
+        let global = if world == 3 { 6 } else { 4 };
+        c.batch_size = global / world; // same global batch as the single-rank run
+        let (single, single_w) = if world == 3 { (&single6, &single6_w) } else { (&single, &single_w) };
+        c.strategy = strategy;
+        c.activation_checkpointing = ac;
+        c.shard_group_size = group;
+        let what = format!("world {world}, {strategy:?}, activation checkpointing {ac}");
+        let run = run_local(&c).unwrap_or_else(|e| panic!("{what}: {e:#}"));
+        let d = max_rel_diff(&run.losses, &single.losses);
+        assert!(d < 1e-5, "{what}: losses differ from world 1 by {d} relative\n{:?}\n{:?}", run.losses, single.losses);
+        let got = weights(&tmp.path().join(&out));
+        let (w, name) = max_rel_weight_diff(&got, single_w);
+        eprintln!("{what}: loss rel diff {d:.2e}, weight rel diff {w:.2e} ({name}), max abs {:.2e}", max_weight_diff(&got, single_w));
+        assert!(w < 1e-5, "{what}: final weights differ by {w} relative ({name})");
+
+        // Each rank holds 1/shards of params + grads + optimizer state, plus padding rows.
+        let shards = match strategy {
+            ShardingStrategy::NoShard => 1,
+            ShardingStrategy::HybridShard => group.unwrap(),
+            _ => world,
+        };
+        let total = run.total_params * 16;
+        for (r, (p, g, o)) in run.rank_bytes.iter().enumerate() {
+            assert_eq!(*g, *p, "{what}: rank {r} gradient bytes");
+            assert_eq!(*o, 2 * p, "{what}: rank {r} optimizer bytes");
+            let held = p + g + o;
+            let ideal = total / shards;
+            // Padding: less than one row per parameter and shard (rows of at most 160 values here).
+            let params_count = 9 * 2 + 3;
+            assert!(held >= ideal && held <= ideal + params_count * 160 * 16, "{what}: rank {r} holds {held}, 1/{shards} is {ideal}");
+        }
+    }
+}
+
+#[test]
+fn losses_of_12_adamw_steps_match_pytorch() {
+    let tmp = tempfile::tempdir().unwrap();
+    for name in ["llama", "qwen2"] {
+        let model = fixture(name, tmp.path());
+        let reference = reference_tensors(&format!("training-{name}.safetensors"));
+        let expected: Vec<f64> = reference["losses"].to_vec1::<f64>().unwrap();
+        let expected_norms: Vec<f64> = reference["grad_norms"].to_vec1::<f64>().unwrap();
+        for world in [1usize, 2] {
+            let mut c = reference_config(&model, &tmp.path().join(format!("{name}-out{world}")));
+            c.world_size = world;
+            c.batch_size = 4 / world;
+            let run = run_local(&c).unwrap();
+            let d = max_rel_diff(&run.losses, &expected);
+            assert!(d < 1e-4, "{name} world {world}: losses differ from PyTorch by {d}\n{:?}\n{expected:?}", run.losses);
+            let dn = max_rel_diff(&run.grad_norms, &expected_norms);
+            assert!(dn < 1e-4, "{name} world {world}: grad norms differ from torch's clip_grad_norm_ by {dn}");
+        }
+    }
+}
+
+/// A world-1 engine over a fixture, weights loaded.
+fn engine_for(dir: &Path, ac: bool) -> FsdpEngine {
+    let files = fsdp_app::checkpoint::resolve_model(dir.to_str().unwrap(), None).unwrap();
+    let cfg = fsdp_app::checkpoint::read_model_config(&files.config).unwrap();
+    let staged: Arc<dyn models::StagedModel> = Arc::new(models::LlamaStages::new(&cfg));
+    let plan = plan_units(staged.as_ref(), WrapPolicy::TransformerBased, 1).unwrap();
+    let g = |_: ()| -> Arc<dyn fsdp_app::dist::Collective> { Arc::new(LocalGroup::create(1, Duration::from_secs(10)).pop().unwrap()) };
+    let groups = ProcessGroups { world: g(()), shard: g(()), replicate: g(()) };
+    let opts = FsdpOptions { strategy: ShardingStrategy::FullShard, activation_checkpointing: ac, param_dtype: DType::F32, reduce_dtype: DType::F32 };
+    let mut engine = FsdpEngine::new(staged, plan, groups, opts, AdamWConfig::default(), false).unwrap();
+    let mut stored = HashMap::new();
+    for p in &files.weights {
+        for (k, t) in candle_core::safetensors::load(p, &Device::Cpu).unwrap() {
+            stored.insert(k, t.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        }
+    }
+    let n = engine.units().count();
+    for u in 0..n {
+        engine.load_unit(u, Some(stored.clone())).unwrap();
+    }
+    engine
+}
+
+#[test]
+fn one_step_gradients_match_pytorch_and_reach_every_parameter() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(training_data())
+        .unwrap()
+        .lines()
+        .take(4)
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for name in ["llama", "qwen2"] {
+        let dir = fixture(name, tmp.path());
+        let reference = reference_tensors(&format!("training-{name}.safetensors"));
+        let eos = 2u32;
+        let mut ids = vec![];
+        let mut labels = vec![];
+        for r in &rows {
+            let mut i: Vec<u32> = r["input_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+            let mut l: Vec<i64> = r["labels"].as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect();
+            i.resize(16, eos);
+            l.resize(16, -100);
+            ids.extend(i);
+            labels.extend(l);
+        }
+        let targets = (0..4).map(|b| labels[b * 16 + 1..(b + 1) * 16].iter().filter(|&&x| x != -100).count()).sum::<usize>();
+        for ac in [false, true] {
+            let mut engine = engine_for(&dir, ac);
+            let input = Tensor::from_vec(ids.clone(), (4, 16), &Device::Cpu).unwrap();
+            engine.forward_backward(&input, &labels, targets as f64).unwrap();
+            let grads = engine.grad_chunks();
+            let mut checked = 0;
+            for (k, g) in &grads {
+                let r = reference.get(k).unwrap_or_else(|| panic!("{name}: no reference gradient for {k}"));
+                let r = r.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let scale = r.iter().fold(0f32, |m, x| m.max(x.abs()));
+                let d = g.iter().zip(&r).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                assert!(d <= 1e-4 * scale.max(1.0), "{name} (ac {ac}): gradient of {k} differs by {d} (max |g| {scale})");
+                assert!(g.iter().any(|x| *x != 0.0), "{name}: {k} got no gradient");
+                checked += 1;
+            }
+            // Tied weights: PyTorch lists lm_head.weight too, as the same tensor as the embedding.
+            let expected = reference.keys().filter(|k| !k.starts_with("losses") && !k.starts_with("grad_norms")).count();
+            let tied_extra = usize::from(reference.contains_key("lm_head.weight") && !grads.contains_key("lm_head.weight"));
+            assert_eq!(checked + tied_extra, expected, "{name}: every parameter compared");
+        }
+    }
+}
+
+#[test]
+fn finetune_cli_reports_steps_writes_metrics_and_a_model_generate_loads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("qwen3", tmp.path());
+    let data = tmp.path().join("text.jsonl");
+    let rows: Vec<String> = (0..24)
+        .map(|i| serde_json::json!({"text": format!("Row {i}: the quick brown fox jumps over the lazy dog {i} times.")}).to_string())
+        .collect();
+    std::fs::write(&data, rows.join("\n")).unwrap();
+    let out = tmp.path().join("run");
+    let o = run_cli(
+        &[
+            "finetune", "--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "--output-dir",
+            out.to_str().unwrap(), "--world-size", "2", "--seq-len", "16", "--batch-size", "2", "--max-steps", "3",
+            "--lr", "1e-3", "--activation-checkpointing", "--warmup-steps", "1", "--lr-scheduler", "cosine",
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let log = stderr(&o);
+    for s in ["rank 0 holds", "rank 1 holds", "step     3 | loss", "tokens/s", "peak RSS", "fp32 master weights"] {
+        assert!(log.contains(s), "missing {s:?} in:\n{log}");
+    }
+    let metrics: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(metrics.len(), 3);
+    for (i, m) in metrics.iter().enumerate() {
+        assert_eq!(m["step"], i + 1);
+        for f in ["loss", "lr", "grad_norm", "tokens_per_s", "peak_rss_bytes"] {
+            assert!(m[f].is_number(), "metrics row {i} lacks {f}: {m}");
+        }
+    }
+    assert_eq!(metrics[0]["lr"], 0.0, "warmup starts at 0 like transformers");
+    let g = run_cli(&["generate", "--model", out.to_str().unwrap(), "--prompt", "Row 1", "--max-new-tokens", "4", "--json"], &[]);
+    assert!(g.status.success(), "{}", stderr(&g));
+    // The exported weights are the trained ones, not the originals.
+    assert!(max_weight_diff(&weights(&out), &weights(&model)) > 0.0);
+}
+
+#[test]
+fn bad_settings_fail_before_loading_weights() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("llama", tmp.path());
+    let data = training_data();
+    let run = |extra: &[&str]| {
+        let out = tmp.path().join(format!("o{}", extra.join("_").replace(['-', '/'], "")));
+        let mut args = vec!["finetune", "--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap(), "--seq-len", "16"];
+        args.extend_from_slice(extra);
+        run_cli(&args, &[])
+    };
+    let check = |o: std::process::Output, needles: &[&str]| {
+        assert!(!o.status.success());
+        let e = stderr(&o);
+        assert!(e.starts_with("error: ") && !e.contains("panicked"), "{e}");
+        for n in needles {
+            assert!(e.contains(n), "{n:?} not in {e}");
+        }
+    };
+    check(run(&["--world-size", "0"]), &["--world-size must be positive"]);
+    check(run(&["--batch-size", "40", "--world-size", "2"]), &["train-data.jsonl", "48 samples", "fewer than one global batch of 80"]);
+    check(run(&["--wrap-policy", "size_based_wrap", "--min-num-params", "100000000"]), &["size_based_wrap", "no run of the model's 2 blocks"]);
+    check(run(&["--sharding-strategy", "HYBRID_SHARD", "--world-size", "3", "--shard-group-size", "2"]), &["--shard-group-size 2 must divide --world-size 3"]);
+    check(run(&["--sharding-strategy", "EVERYTHING"]), &["--sharding-strategy"]);
+
+    let bad = tmp.path().join("bad.jsonl");
+    std::fs::write(&bad, "{\"text\": \"ok\"}\n{\"text\": 5}\n").unwrap();
+    let out = tmp.path().join("bad-out");
+    let o = run_cli(&["finetune", "--model", model.to_str().unwrap(), "--data", bad.to_str().unwrap(), "--output-dir", out.to_str().unwrap()], &[]);
+    check(o, &["bad.jsonl:2", "`text` is not a string"]);
+}
