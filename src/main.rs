@@ -31,6 +31,9 @@ enum Command {
     /// Full fine-tuning with FSDP-style sharding across ranks (`--world-size N` runs N ranks as
     /// threads of this process).
     Finetune(Box<FinetuneArgs>),
+    /// Start this node's ranks as processes with torchrun's variables, e.g.
+    /// `fsdp-app launch --nproc-per-node 2 -- finetune --model M --data D --output-dir O`.
+    Launch(LaunchArgs),
     /// Write a tiny random model directory (for tests and for trying fsdp-app offline).
     Fixture(FixtureArgs),
 }
@@ -112,9 +115,10 @@ struct FinetuneArgs {
     /// Where metrics.jsonl and the final Hugging Face model go (must be empty or absent).
     #[arg(long)]
     output_dir: PathBuf,
-    /// Number of ranks (threads of this process, `local` backend).
-    #[arg(long, default_value_t = 1)]
-    world_size: usize,
+    /// Number of ranks as threads of this process (`local` backend; default 1). Under
+    /// `fsdp-app launch`, torchrun, srun or mpirun the world comes from the environment instead.
+    #[arg(long)]
+    world_size: Option<usize>,
     /// FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD.
     #[arg(long, default_value = "FULL_SHARD")]
     sharding_strategy: String,
@@ -178,6 +182,28 @@ struct FinetuneArgs {
 }
 
 #[derive(Args)]
+struct LaunchArgs {
+    /// Ranks (processes) on this node.
+    #[arg(long)]
+    nproc_per_node: usize,
+    #[arg(long, default_value_t = 1)]
+    nnodes: usize,
+    #[arg(long, default_value_t = 0)]
+    node_rank: usize,
+    /// Address of the node running rank 0.
+    #[arg(long, default_value = "127.0.0.1")]
+    master_addr: String,
+    #[arg(long, default_value_t = fsdp_app::dist::env::DEFAULT_MASTER_PORT)]
+    master_port: u16,
+    /// Seconds the other ranks get to stop by themselves after one fails, before being killed.
+    #[arg(long, default_value_t = 30)]
+    grace: u64,
+    /// The command each rank runs (after `--`).
+    #[arg(last = true, required = true)]
+    command: Vec<String>,
+}
+
+#[derive(Args)]
 struct FixtureArgs {
     /// Which fixture: llama (GQA, untied, sharded, Llama 3 rope scaling), qwen2 (qkv bias, tied),
     /// qwen3 (q/k norm), mistral (sliding window).
@@ -193,6 +219,15 @@ fn main() {
         Command::Generate(a) => run_generate(a),
         Command::Convert(a) => run_convert(a),
         Command::Finetune(a) => run_finetune(*a),
+        Command::Launch(a) => fsdp_app::dist::launch::launch(&fsdp_app::dist::launch::LaunchConfig {
+            nproc_per_node: a.nproc_per_node,
+            nnodes: a.nnodes,
+            node_rank: a.node_rank,
+            master_addr: a.master_addr,
+            master_port: a.master_port,
+            grace: std::time::Duration::from_secs(a.grace),
+            command: a.command,
+        }),
         Command::Fixture(a) => fsdp_app::fixtures::write_fixture(&a.name, &a.out).map(|p| {
             eprintln!("wrote fixture {} to {}", a.name, p.display());
         }),
@@ -222,7 +257,7 @@ fn run_finetune(a: FinetuneArgs) -> Result<()> {
         revision: a.revision,
         data: a.data,
         output_dir: a.output_dir,
-        world_size: a.world_size,
+        world_size: a.world_size.unwrap_or(1),
         shard_group_size: a.shard_group_size,
         lr: a.lr,
         weight_decay: a.weight_decay,
@@ -246,10 +281,19 @@ fn run_finetune(a: FinetuneArgs) -> Result<()> {
         max_shard_size: fsdp_app::checkpoint::export::parse_size(&a.max_shard_size).context("--max-shard-size")?,
         verbose: true,
     };
+    let env = fsdp_app::dist::env::DistEnv::from_env()?;
+    if let (Some(env), Some(w)) = (&env, a.world_size) {
+        if w != env.world_size {
+            anyhow::bail!("--world-size {w} disagrees with the {} environment (WORLD_SIZE {})", env.launcher, env.world_size);
+        }
+    }
     let start = Instant::now();
-    let summary = fsdp_app::train::finetune::run_local(&cfg)?;
+    let Some(summary) = fsdp_app::train::finetune::run(&cfg, env.as_ref())? else {
+        // A rank other than 0: rank 0 reports for the job.
+        return Ok(());
+    };
     eprintln!(
-        "finetune: {} steps in {:.1}s, final loss {:.4}, peak RSS {} (process, all ranks)",
+        "finetune: {} steps in {:.1}s, final loss {:.4}, peak RSS of this process {}",
         summary.losses.len(),
         start.elapsed().as_secs_f64(),
         summary.losses.last().copied().unwrap_or(f64::NAN),

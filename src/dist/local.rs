@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 
-use super::Collective;
+use super::{Collective, ProcessGroups};
 
 #[derive(Clone)]
 enum Deposit {
@@ -144,6 +144,33 @@ impl LocalGroup {
         }
         Ok(all)
     }
+}
+
+/// World, shard and replicate groups for every rank of a `world`-rank job whose shard groups
+/// have `shard_size` consecutive ranks (`shard_size` must divide `world`).
+pub fn create_process_groups(world: usize, shard_size: usize, timeout: Duration) -> Vec<ProcessGroups> {
+    assert!(shard_size > 0 && world % shard_size == 0);
+    let mut world_groups: Vec<Option<LocalGroup>> = LocalGroup::create(world, timeout).into_iter().map(Some).collect();
+    let mut shard_groups: Vec<Option<LocalGroup>> = (0..world).map(|_| None).collect();
+    for start in (0..world).step_by(shard_size) {
+        for (i, h) in LocalGroup::create(shard_size, timeout).into_iter().enumerate() {
+            shard_groups[start + i] = Some(h);
+        }
+    }
+    let mut replicate_groups: Vec<Option<LocalGroup>> = (0..world).map(|_| None).collect();
+    for pos in 0..shard_size {
+        let members: Vec<usize> = (pos..world).step_by(shard_size).collect();
+        for (h, &r) in LocalGroup::create(members.len(), timeout).into_iter().zip(&members) {
+            replicate_groups[r] = Some(h);
+        }
+    }
+    (0..world)
+        .map(|r| ProcessGroups {
+            world: Arc::new(world_groups[r].take().unwrap()),
+            shard: Arc::new(shard_groups[r].take().unwrap()),
+            replicate: Arc::new(replicate_groups[r].take().unwrap()),
+        })
+        .collect()
 }
 
 fn f32s(d: &Deposit) -> &[f32] {

@@ -5,7 +5,12 @@
 //! on one rank must reach every other rank as an error that names the failing rank and the
 //! operation, within a bounded time: no collective may wait forever.
 
+pub mod env;
+pub mod launch;
 pub mod local;
+pub mod tcp;
+
+use std::sync::Arc;
 
 use anyhow::Result;
 
@@ -46,4 +51,23 @@ pub fn all_reduce_scalar(group: &dyn Collective, x: f64) -> Result<f64> {
     let mut buf = [x];
     group.all_reduce_f64(&mut buf)?;
     Ok(buf[0])
+}
+
+/// The three groups a rank belongs to. For FULL_SHARD and SHARD_GRAD_OP `shard` spans the world
+/// and `replicate` is this rank alone; NO_SHARD is the reverse; HYBRID_SHARD splits the world
+/// into shard groups of consecutive ranks, replicated across groups.
+#[derive(Clone)]
+pub struct ProcessGroups {
+    pub world: Arc<dyn Collective>,
+    pub shard: Arc<dyn Collective>,
+    pub replicate: Arc<dyn Collective>,
+}
+
+impl ProcessGroups {
+    /// Tells every group that this rank failed.
+    pub fn abort(&self, reason: &str) {
+        self.world.abort(reason);
+        self.shard.abort(reason);
+        self.replicate.abort(reason);
+    }
 }

@@ -14,16 +14,8 @@ use models::StagedModel;
 
 use super::optim::{adamw_step, clip_coefficient, AdamWConfig, AdamWState};
 use super::plan::{ShardingStrategy, UnitPlan};
-use crate::dist::Collective;
+pub use crate::dist::ProcessGroups;
 
-/// The three groups a rank belongs to. For FULL_SHARD and SHARD_GRAD_OP `shard` spans the world
-/// and `replicate` is this rank alone; NO_SHARD is the reverse; HYBRID_SHARD splits the world.
-#[derive(Clone)]
-pub struct ProcessGroups {
-    pub world: Arc<dyn Collective>,
-    pub shard: Arc<dyn Collective>,
-    pub replicate: Arc<dyn Collective>,
-}
 
 #[derive(Debug, Clone, Copy)]
 pub struct FsdpOptions {

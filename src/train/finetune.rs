@@ -15,8 +15,8 @@ use serde_json::{json, Value};
 
 use crate::checkpoint::export::ShardedExport;
 use crate::checkpoint::{load, resolve_model};
-use crate::dist::local::LocalGroup;
 use crate::dist::all_reduce_scalar;
+use crate::dist::env::DistEnv;
 use crate::fsdp::engine::{FsdpEngine, FsdpOptions, ProcessGroups};
 use crate::fsdp::optim::{lr_multiplier, AdamWConfig, Schedule};
 use crate::fsdp::plan::{plan_units, ShardingStrategy, WrapPolicy};
@@ -112,33 +112,30 @@ fn shard_size(cfg: &FinetuneConfig) -> usize {
     }
 }
 
+/// Runs this process's part of a fine-tune: all ranks as threads (`local` backend) when no
+/// launcher started us, else this process's rank (`tcp` backend). Rank 0 gets the summary.
+pub fn run(cfg: &FinetuneConfig, env: Option<&DistEnv>) -> Result<Option<RunSummary>> {
+    match env {
+        None => run_local(cfg).map(Some),
+        Some(env) => {
+            let mut cfg = cfg.clone();
+            cfg.world_size = env.world_size;
+            validate(&cfg)?;
+            let groups = crate::dist::tcp::connect(env, shard_size(&cfg), cfg.collective_timeout)?;
+            run_rank(groups, &cfg)
+        }
+    }
+}
+
 /// Runs the fine-tune with the `local` backend: one thread per rank.
 pub fn run_local(cfg: &FinetuneConfig) -> Result<RunSummary> {
     validate(cfg)?;
     let world = cfg.world_size;
-    let g = shard_size(cfg);
-    let mut world_groups: Vec<Option<LocalGroup>> = LocalGroup::create(world, cfg.collective_timeout).into_iter().map(Some).collect();
-    // Shard groups: consecutive ranks; replicate groups: same position in each shard group.
-    let mut shard_groups: Vec<Option<LocalGroup>> = (0..world).map(|_| None).collect();
-    for start in (0..world).step_by(g) {
-        for (i, h) in LocalGroup::create(g, cfg.collective_timeout).into_iter().enumerate() {
-            shard_groups[start + i] = Some(h);
-        }
-    }
-    let mut replicate_groups: Vec<Option<LocalGroup>> = (0..world).map(|_| None).collect();
-    for pos in 0..g {
-        let members: Vec<usize> = (pos..world).step_by(g).collect();
-        for (h, &r) in LocalGroup::create(members.len(), cfg.collective_timeout).into_iter().zip(&members) {
-            replicate_groups[r] = Some(h);
-        }
-    }
-    let handles: Vec<_> = (0..world)
-        .map(|r| {
-            let groups = ProcessGroups {
-                world: Arc::new(world_groups[r].take().unwrap()),
-                shard: Arc::new(shard_groups[r].take().unwrap()),
-                replicate: Arc::new(replicate_groups[r].take().unwrap()),
-            };
+    let all_groups = crate::dist::local::create_process_groups(world, shard_size(cfg), cfg.collective_timeout);
+    let handles: Vec<_> = all_groups
+        .into_iter()
+        .enumerate()
+        .map(|(r, groups)| {
             let cfg = cfg.clone();
             std::thread::Builder::new()
                 .name(format!("rank-{r}"))
@@ -208,10 +205,7 @@ fn share_model_files(groups: &ProcessGroups, files: Option<&crate::checkpoint::M
 fn run_rank(groups: ProcessGroups, cfg: &FinetuneConfig) -> Result<Option<RunSummary>> {
     let result = run_rank_inner(&groups, cfg);
     if let Err(e) = &result {
-        let msg = format!("{e:#}");
-        groups.world.abort(&msg);
-        groups.shard.abort(&msg);
-        groups.replicate.abort(&msg);
+        groups.abort(&format!("{e:#}"));
     }
     result
 }
@@ -363,23 +357,30 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
         let stats = engine.optimizer_step(lr, cfg.max_grad_norm)?;
         let secs = start.elapsed().as_secs_f64();
         let tokens = (global_batch * cfg.seq_len) as f64;
+        // Peak RSS of every rank's process (the same process for local ranks).
+        let mut rss_all = vec![0f64; world];
+        rss_all[rank] = peak_rss_bytes().unwrap_or(0) as f64;
+        groups_ref.world.all_reduce_f64(&mut rss_all)?;
         losses.push(loss);
         grad_norms.push(stats.grad_norm);
         if let Some(f) = metrics.as_mut() {
-            let rss = peak_rss_bytes();
+            let rss_per_rank: Vec<u64> = rss_all.iter().map(|&x| x as u64).collect();
+            let rss = rss_per_rank.iter().copied().max();
             let row = json!({
                 "step": step + 1, "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": stats.grad_norm,
-                "tokens_per_s": tokens / secs, "peak_rss_bytes": rss, "step_s": secs,
+                "tokens_per_s": tokens / secs, "peak_rss_bytes": rss, "peak_rss_bytes_per_rank": rss_per_rank,
+                "step_s": secs,
             });
             writeln!(f, "{row}")?;
             f.flush()?;
             if let Some(pb) = &progress {
+                let per_rank: Vec<String> = rss_per_rank.iter().map(|&b| human_bytes(b)).collect();
                 let line = format!(
-                    "step {:>5} | loss {loss:.4} | lr {lr:.3e} | grad norm {:.4} | {:.0} tokens/s | peak RSS {}",
+                    "step {:>5} | loss {loss:.4} | lr {lr:.3e} | grad norm {:.4} | {:.0} tokens/s | peak RSS per rank [{}]",
                     step + 1,
                     stats.grad_norm,
                     tokens / secs,
-                    rss.map(human_bytes).unwrap_or_default()
+                    per_rank.join(", ")
                 );
                 // A hidden bar (stderr not a terminal) drops println: print plainly then.
                 if pb.is_hidden() {

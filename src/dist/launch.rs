@@ -1,0 +1,96 @@
+//! `fsdp-app launch`: starts this node's ranks as child processes with torchrun's variables
+//! (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and watches them:
+//! when one fails, the others are stopped after a grace period, and the launcher exits non-zero
+//! naming the rank that failed first.
+
+use std::process::{Child, Command, ExitStatus};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+#[derive(Debug, Clone)]
+pub struct LaunchConfig {
+    pub nproc_per_node: usize,
+    pub nnodes: usize,
+    pub node_rank: usize,
+    pub master_addr: String,
+    pub master_port: u16,
+    /// How long the other ranks get to stop on their own after one failed.
+    pub grace: Duration,
+    /// The fsdp-app subcommand and its arguments, run in every rank.
+    pub command: Vec<String>,
+}
+
+fn describe(status: &ExitStatus) -> String {
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        if let Some(sig) = status.signal() {
+            return format!("was killed by signal {sig}");
+        }
+    }
+    format!("exited with code {}", status.code().unwrap_or(-1))
+}
+
+/// Runs the ranks of this node until all succeed or one fails.
+pub fn launch(cfg: &LaunchConfig) -> Result<()> {
+    if cfg.nproc_per_node == 0 || cfg.nnodes == 0 {
+        bail!("--nproc-per-node and --nnodes must be positive");
+    }
+    if cfg.node_rank >= cfg.nnodes {
+        bail!("--node-rank {} must be below --nnodes {}", cfg.node_rank, cfg.nnodes);
+    }
+    if cfg.command.is_empty() {
+        bail!("nothing to launch: give the command after `--`, e.g. `fsdp-app launch --nproc-per-node 2 -- finetune ...`");
+    }
+    let exe = std::env::current_exe().context("finding the fsdp-app executable")?;
+    let world = cfg.nnodes * cfg.nproc_per_node;
+    let mut children: Vec<(usize, Child)> = vec![];
+    for local in 0..cfg.nproc_per_node {
+        let rank = cfg.node_rank * cfg.nproc_per_node + local;
+        let child = Command::new(&exe)
+            .args(&cfg.command)
+            .env("RANK", rank.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_WORLD_SIZE", cfg.nproc_per_node.to_string())
+            .env("MASTER_ADDR", &cfg.master_addr)
+            .env("MASTER_PORT", cfg.master_port.to_string())
+            .spawn()
+            .with_context(|| format!("starting rank {rank}"))?;
+        children.push((rank, child));
+    }
+    let mut first_failure: Option<(usize, String)> = None;
+    let mut failed_at: Option<Instant> = None;
+    let mut running: Vec<bool> = vec![true; children.len()];
+    while running.iter().any(|r| *r) {
+        for (i, (rank, child)) in children.iter_mut().enumerate() {
+            if !running[i] {
+                continue;
+            }
+            if let Some(status) = child.try_wait()? {
+                running[i] = false;
+                if !status.success() && first_failure.is_none() {
+                    first_failure = Some((*rank, describe(&status)));
+                    failed_at = Some(Instant::now());
+                }
+            }
+        }
+        if let Some(t) = failed_at {
+            if t.elapsed() > cfg.grace {
+                for (i, (_, child)) in children.iter_mut().enumerate() {
+                    if running[i] {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        running[i] = false;
+                    }
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    if let Some((rank, how)) = first_failure {
+        bail!("rank {rank} {how}; the job failed (the other ranks were stopped)");
+    }
+    Ok(())
+}

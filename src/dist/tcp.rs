@@ -1,0 +1,437 @@
+//! The `tcp` backend: CPU ranks as separate processes (started by `fsdp-app launch`, torchrun,
+//! srun or mpirun), joined through MASTER_ADDR:MASTER_PORT.
+//!
+//! Rank 0 listens there and hosts the rendezvous of the `local` backend; every other rank holds
+//! one connection to it, and a proxy thread on rank 0 performs that rank's collectives on its
+//! behalf. So the collective semantics (and their timeouts) are exactly the local backend's.
+//! A process that dies closes its socket: rank 0 turns that into an abort naming the rank, and
+//! the other ranks see their pending collective fail. When rank 0 dies, the others see their
+//! connection close and stop with a message saying so.
+//!
+//! Traffic goes through rank 0, which suits CPU jobs on one or a few nodes; GPUs use NCCL.
+
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+use super::env::DistEnv;
+use super::local::create_process_groups;
+use super::{Collective, ProcessGroups};
+
+const MAGIC: u32 = 0x4653_4450; // "FSDP"
+
+#[repr(u8)]
+#[derive(Clone, Copy)]
+enum Op {
+    AllGather = 1,
+    ReduceScatter = 2,
+    AllReduce = 3,
+    AllReduceF64 = 4,
+    Scatter = 5,
+    Broadcast = 6,
+    Barrier = 7,
+    Abort = 8,
+    Bye = 9,
+}
+
+/// A length-prefixed little-endian message being built.
+#[derive(Default)]
+struct Msg(Vec<u8>);
+
+impl Msg {
+    fn u8(mut self, x: u8) -> Self {
+        self.0.push(x);
+        self
+    }
+    fn u64(mut self, x: u64) -> Self {
+        self.0.extend_from_slice(&x.to_le_bytes());
+        self
+    }
+    fn bytes(self, b: &[u8]) -> Self {
+        let mut s = self.u64(b.len() as u64);
+        s.0.extend_from_slice(b);
+        s
+    }
+    fn f32s(self, v: &[f32]) -> Self {
+        let mut s = self.u64(v.len() as u64);
+        s.0.reserve(v.len() * 4);
+        for x in v {
+            s.0.extend_from_slice(&x.to_le_bytes());
+        }
+        s
+    }
+    fn f64s(self, v: &[f64]) -> Self {
+        let mut s = self.u64(v.len() as u64);
+        for x in v {
+            s.0.extend_from_slice(&x.to_le_bytes());
+        }
+        s
+    }
+}
+
+/// Reads a message built by [`Msg`].
+struct Reader<'a> {
+    b: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        if self.b.len() < n {
+            bail!("truncated message");
+        }
+        let (a, rest) = self.b.split_at(n);
+        self.b = rest;
+        Ok(a)
+    }
+    fn u8(&mut self) -> Result<u8> {
+        Ok(self.take(1)?[0])
+    }
+    fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().unwrap()))
+    }
+    fn bytes(&mut self) -> Result<Vec<u8>> {
+        let n = self.u64()? as usize;
+        Ok(self.take(n)?.to_vec())
+    }
+    fn f32s(&mut self) -> Result<Vec<f32>> {
+        let n = self.u64()? as usize;
+        Ok(self.take(n * 4)?.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect())
+    }
+    fn f64s(&mut self) -> Result<Vec<f64>> {
+        let n = self.u64()? as usize;
+        Ok(self.take(n * 8)?.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect())
+    }
+}
+
+fn write_frame(w: &mut impl Write, payload: &[u8]) -> std::io::Result<()> {
+    w.write_all(&(payload.len() as u64).to_le_bytes())?;
+    w.write_all(payload)?;
+    w.flush()
+}
+
+fn read_frame(r: &mut impl Read) -> std::io::Result<Vec<u8>> {
+    let mut len = [0u8; 8];
+    r.read_exact(&mut len)?;
+    let mut buf = vec![0u8; u64::from_le_bytes(len) as usize];
+    r.read_exact(&mut buf)?;
+    Ok(buf)
+}
+
+/// Joins the job described by `env`. Rank 0 returns once every rank has connected.
+pub fn connect(env: &DistEnv, shard_size: usize, timeout: Duration) -> Result<ProcessGroups> {
+    if shard_size == 0 || env.world_size % shard_size != 0 {
+        bail!("shard group size {shard_size} does not divide world size {}", env.world_size);
+    }
+    let addr = format!("{}:{}", env.master_addr, env.master_port);
+    if env.rank == 0 {
+        host(env, shard_size, timeout, &addr)
+    } else {
+        join(env, shard_size, timeout, &addr)
+    }
+}
+
+fn host(env: &DistEnv, shard_size: usize, timeout: Duration, addr: &str) -> Result<ProcessGroups> {
+    let listener = TcpListener::bind(addr).with_context(|| format!("rank 0: cannot listen on MASTER_ADDR:MASTER_PORT = {addr}"))?;
+    listener.set_nonblocking(true)?;
+    let mut groups: Vec<Option<ProcessGroups>> =
+        create_process_groups(env.world_size, shard_size, timeout).into_iter().map(Some).collect();
+    let mine = groups[0].take().unwrap();
+    let deadline = Instant::now() + timeout;
+    let mut joined = vec![false; env.world_size];
+    joined[0] = true;
+    while joined.iter().any(|j| !j) {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                stream.set_nonblocking(false)?;
+                stream.set_nodelay(true)?;
+                let mut reader = BufReader::new(stream.try_clone()?);
+                let hello = read_frame(&mut reader).context("rank 0: reading a rank's handshake")?;
+                let mut r = Reader { b: &hello };
+                let (magic, rank, world, shards) = (r.u64()? as u32, r.u64()? as usize, r.u64()? as usize, r.u64()? as usize);
+                if magic != MAGIC || world != env.world_size || shards != shard_size || rank == 0 || rank >= world || joined[rank] {
+                    bail!(
+                        "rank 0: a process joined as rank {rank} of {world} (shard groups of {shards}); this job is {} ranks \
+                         with shard groups of {shard_size}, and rank {rank} {}",
+                        env.world_size,
+                        if rank < world && joined[rank] { "already joined" } else { "is not expected" }
+                    );
+                }
+                joined[rank] = true;
+                let g = groups[rank].take().unwrap();
+                let mut writer = BufWriter::new(stream);
+                write_frame(&mut writer, &Msg::default().u64(MAGIC as u64).0)?;
+                std::thread::Builder::new()
+                    .name(format!("proxy-rank-{rank}"))
+                    .spawn(move || proxy(rank, g, reader, writer))?;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() > deadline {
+                    let missing: Vec<usize> = joined.iter().enumerate().filter(|(_, j)| !**j).map(|(r, _)| r).collect();
+                    let reason = format!("rank(s) {missing:?} did not join at {addr} within {:.0}s", timeout.as_secs_f64());
+                    mine.abort(&reason);
+                    bail!("rank 0: {reason}");
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return Err(e).context("rank 0: accepting connections"),
+        }
+    }
+    Ok(mine)
+}
+
+/// Serves one remote rank's collectives on rank 0.
+fn proxy(rank: usize, groups: ProcessGroups, mut reader: BufReader<TcpStream>, mut writer: BufWriter<TcpStream>) {
+    loop {
+        let frame = match read_frame(&mut reader) {
+            Ok(f) => f,
+            Err(_) => {
+                groups.abort(&format!("rank {rank}'s process disconnected (it exited or was killed)"));
+                return;
+            }
+        };
+        let mut r = Reader { b: &frame };
+        let reply = (|| -> Result<Option<Vec<u8>>> {
+            let op = r.u8()?;
+            let group = match r.u8()? {
+                0 => &groups.world,
+                1 => &groups.shard,
+                _ => &groups.replicate,
+            };
+            let ok = Msg::default().u8(0);
+            Ok(Some(match op {
+                x if x == Op::AllGather as u8 => ok.f32s(&group.all_gather(&r.f32s()?)?).0,
+                x if x == Op::ReduceScatter as u8 => ok.f32s(&group.reduce_scatter(&r.f32s()?)?).0,
+                x if x == Op::AllReduce as u8 => {
+                    let mut v = r.f32s()?;
+                    group.all_reduce(&mut v)?;
+                    ok.f32s(&v).0
+                }
+                x if x == Op::AllReduceF64 as u8 => {
+                    let mut v = r.f64s()?;
+                    group.all_reduce_f64(&mut v)?;
+                    ok.f64s(&v).0
+                }
+                x if x == Op::Scatter as u8 => {
+                    let root = r.u64()? as usize;
+                    let chunks = if r.u8()? == 1 {
+                        let n = r.u64()? as usize;
+                        Some((0..n).map(|_| r.f32s()).collect::<Result<Vec<_>>>()?)
+                    } else {
+                        None
+                    };
+                    ok.f32s(&group.scatter(root, chunks)?).0
+                }
+                x if x == Op::Broadcast as u8 => {
+                    let root = r.u64()? as usize;
+                    let bytes = if r.u8()? == 1 { Some(r.bytes()?) } else { None };
+                    ok.bytes(&group.broadcast_bytes(root, bytes)?).0
+                }
+                x if x == Op::Barrier as u8 => {
+                    group.barrier()?;
+                    ok.0
+                }
+                x if x == Op::Abort as u8 => {
+                    let reason = String::from_utf8_lossy(&r.bytes()?).to_string();
+                    // The remote rank already names itself in `reason`.
+                    groups.world.abort(&reason);
+                    groups.shard.abort(&reason);
+                    groups.replicate.abort(&reason);
+                    return Ok(None);
+                }
+                x if x == Op::Bye as u8 => return Err(anyhow::anyhow!("bye")),
+                other => bail!("unknown operation {other}"),
+            }))
+        })();
+        let out = match reply {
+            Ok(Some(bytes)) => bytes,
+            Ok(None) => continue,
+            Err(e) if e.to_string() == "bye" => return,
+            Err(e) => Msg::default().u8(1).bytes(format!("{e:#}").as_bytes()).0,
+        };
+        if write_frame(&mut writer, &out).is_err() {
+            groups.abort(&format!("rank {rank}'s process disconnected (it exited or was killed)"));
+            return;
+        }
+    }
+}
+
+struct Connection {
+    reader: BufReader<TcpStream>,
+    writer: BufWriter<TcpStream>,
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        let _ = write_frame(&mut self.writer, &Msg::default().u8(Op::Bye as u8).u8(0).0);
+    }
+}
+
+fn join(env: &DistEnv, shard_size: usize, timeout: Duration, addr: &str) -> Result<ProcessGroups> {
+    let deadline = Instant::now() + timeout;
+    let stream = loop {
+        match TcpStream::connect(addr) {
+            Ok(s) => break s,
+            Err(e) => {
+                if Instant::now() > deadline {
+                    return Err(e).with_context(|| {
+                        format!("rank {}: could not reach rank 0 at MASTER_ADDR:MASTER_PORT = {addr} within {:.0}s", env.rank, timeout.as_secs_f64())
+                    });
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    };
+    stream.set_nodelay(true)?;
+    // The rendezvous on rank 0 enforces collective timeouts; this bounds a silent rank 0.
+    stream.set_read_timeout(Some(timeout + Duration::from_secs(30)))?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut writer = BufWriter::new(stream);
+    let hello = Msg::default().u64(MAGIC as u64).u64(env.rank as u64).u64(env.world_size as u64).u64(shard_size as u64);
+    write_frame(&mut writer, &hello.0)?;
+    let ack = read_frame(&mut reader).with_context(|| format!("rank {}: rank 0 refused the handshake", env.rank))?;
+    if (Reader { b: &ack }).u64()? as u32 != MAGIC {
+        bail!("rank {}: {addr} is not an fsdp-app rank 0", env.rank);
+    }
+    let conn = Arc::new(Mutex::new(Connection { reader, writer }));
+    let world = env.world_size;
+    let g = |id: u8, rank: usize, size: usize| -> Arc<dyn Collective> {
+        Arc::new(RemoteGroup { conn: conn.clone(), id, rank, size, world_rank: env.rank })
+    };
+    let shard_rank = env.rank % shard_size;
+    Ok(ProcessGroups {
+        world: g(0, env.rank, world),
+        shard: g(1, shard_rank, shard_size),
+        replicate: g(2, env.rank / shard_size, world / shard_size),
+    })
+}
+
+/// One group as seen by a rank other than 0.
+struct RemoteGroup {
+    conn: Arc<Mutex<Connection>>,
+    id: u8,
+    rank: usize,
+    size: usize,
+    world_rank: usize,
+}
+
+impl RemoteGroup {
+    fn call(&self, op: Op, name: &str, body: impl FnOnce(Msg) -> Msg) -> Result<Vec<u8>> {
+        let mut c = self.conn.lock().unwrap_or_else(|e| e.into_inner());
+        let msg = body(Msg::default().u8(op as u8).u8(self.id));
+        let lost = |e: std::io::Error| {
+            anyhow::anyhow!("{name} on rank {}: lost the connection to rank 0 ({e}); rank 0 exited or failed", self.world_rank)
+        };
+        write_frame(&mut c.writer, &msg.0).map_err(lost)?;
+        let reply = read_frame(&mut c.reader).map_err(lost)?;
+        let mut r = Reader { b: &reply };
+        if r.u8()? != 0 {
+            bail!("{}", String::from_utf8_lossy(&r.bytes()?));
+        }
+        Ok(r.b.to_vec())
+    }
+}
+
+impl Collective for RemoteGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.size
+    }
+    fn all_gather(&self, shard: &[f32]) -> Result<Vec<f32>> {
+        Reader { b: &self.call(Op::AllGather, "all_gather", |m| m.f32s(shard))? }.f32s()
+    }
+    fn reduce_scatter(&self, full: &[f32]) -> Result<Vec<f32>> {
+        Reader { b: &self.call(Op::ReduceScatter, "reduce_scatter", |m| m.f32s(full))? }.f32s()
+    }
+    fn all_reduce(&self, data: &mut [f32]) -> Result<()> {
+        let v = Reader { b: &self.call(Op::AllReduce, "all_reduce", |m| m.f32s(data))? }.f32s()?;
+        data.copy_from_slice(&v);
+        Ok(())
+    }
+    fn all_reduce_f64(&self, data: &mut [f64]) -> Result<()> {
+        let v = Reader { b: &self.call(Op::AllReduceF64, "all_reduce_f64", |m| m.f64s(data))? }.f64s()?;
+        data.copy_from_slice(&v);
+        Ok(())
+    }
+    fn scatter(&self, root: usize, chunks: Option<Vec<Vec<f32>>>) -> Result<Vec<f32>> {
+        let reply = self.call(Op::Scatter, "scatter", |m| {
+            let m = m.u64(root as u64);
+            match &chunks {
+                Some(c) => c.iter().fold(m.u8(1).u64(c.len() as u64), |m, x| m.f32s(x)),
+                None => m.u8(0),
+            }
+        })?;
+        Reader { b: &reply }.f32s()
+    }
+    fn broadcast_bytes(&self, root: usize, bytes: Option<Vec<u8>>) -> Result<Vec<u8>> {
+        let reply = self.call(Op::Broadcast, "broadcast", |m| {
+            let m = m.u64(root as u64);
+            match &bytes {
+                Some(b) => m.u8(1).bytes(b),
+                None => m.u8(0),
+            }
+        })?;
+        Reader { b: &reply }.bytes()
+    }
+    fn barrier(&self) -> Result<()> {
+        self.call(Op::Barrier, "barrier", |m| m).map(|_| ())
+    }
+    fn abort(&self, reason: &str) {
+        if let Ok(mut c) = self.conn.lock() {
+            let msg = Msg::default().u8(Op::Abort as u8).u8(self.id).bytes(format!("rank {} failed: {reason}", self.world_rank).as_bytes());
+            let _ = write_frame(&mut c.writer, &msg.0);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(rank: usize, world: usize, port: u16) -> DistEnv {
+        DistEnv { rank, world_size: world, local_rank: rank, master_addr: "127.0.0.1".into(), master_port: port, launcher: "test" }
+    }
+
+    fn free_port() -> u16 {
+        TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    }
+
+    #[test]
+    fn ranks_over_sockets_compute_like_local_ranks() {
+        let port = free_port();
+        let handles: Vec<_> = (0..3)
+            .map(|r| {
+                std::thread::spawn(move || {
+                    let g = connect(&env(r, 3, port), 3, Duration::from_secs(20)).unwrap();
+                    let gathered = g.world.all_gather(&[r as f32]).unwrap();
+                    let rs = g.shard.reduce_scatter(&[1.0, 2.0, 3.0]).unwrap();
+                    let mut x = [r as f64 + 0.5];
+                    g.world.all_reduce_f64(&mut x).unwrap();
+                    let sc = g.world.scatter(0, (r == 0).then(|| vec![vec![7.0], vec![8.0], vec![9.0]])).unwrap();
+                    let b = g.world.broadcast_bytes(0, (r == 0).then(|| b"hi".to_vec())).unwrap();
+                    g.world.barrier().unwrap();
+                    (gathered, rs, x[0], sc, b)
+                })
+            })
+            .collect();
+        for (r, h) in handles.into_iter().enumerate() {
+            let (gathered, rs, x, sc, b) = h.join().unwrap();
+            assert_eq!(gathered, vec![0.0, 1.0, 2.0]);
+            assert_eq!(rs, vec![3.0 * (r as f32 + 1.0)]);
+            assert_eq!(x, 4.5);
+            assert_eq!(sc, vec![7.0 + r as f32]);
+            assert_eq!(b, b"hi");
+        }
+    }
+
+    #[test]
+    fn a_rank_that_never_joins_is_named() {
+        let port = free_port();
+        let err = connect(&env(0, 2, port), 2, Duration::from_millis(300)).err().unwrap();
+        assert!(err.to_string().contains("rank(s) [1] did not join"), "{err}");
+    }
+}
