@@ -173,6 +173,10 @@ struct FinetuneArgs {
     /// Take samples in file order.
     #[arg(long)]
     no_shuffle: bool,
+    /// Collective backend: auto (local threads, or per-process tcp / mpi under a launcher),
+    /// local, tcp or mpi (build with --features mpi).
+    #[arg(long, default_value = "auto")]
+    backend: String,
     /// Seconds a collective may wait for the other ranks before the run fails.
     #[arg(long, default_value_t = 600)]
     collective_timeout: u64,
@@ -278,6 +282,7 @@ fn run_finetune(a: FinetuneArgs) -> Result<()> {
         param_dtype: parse_dtype(&a.param_dtype).context("--param-dtype")?,
         reduce_dtype: parse_dtype(&a.reduce_dtype).context("--reduce-dtype")?,
         collective_timeout: std::time::Duration::from_secs(a.collective_timeout),
+        backend: a.backend.parse()?,
         max_shard_size: fsdp_app::checkpoint::export::parse_size(&a.max_shard_size).context("--max-shard-size")?,
         verbose: true,
     };

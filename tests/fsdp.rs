@@ -49,6 +49,7 @@ fn reference_config(model: &Path, out: &Path) -> FinetuneConfig {
         param_dtype: DType::F32,
         reduce_dtype: DType::F32,
         collective_timeout: Duration::from_secs(60),
+        backend: fsdp_app::train::finetune::Backend::Auto,
         max_shard_size: 5_000_000_000,
         verbose: false,
     }

@@ -8,6 +8,8 @@
 pub mod env;
 pub mod launch;
 pub mod local;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 pub mod tcp;
 
 use std::sync::Arc;

@@ -51,6 +51,7 @@ pub struct FinetuneConfig {
     pub param_dtype: DType,
     pub reduce_dtype: DType,
     pub collective_timeout: Duration,
+    pub backend: Backend,
     pub max_shard_size: usize,
     /// Print per-step lines and a progress bar (rank 0).
     pub verbose: bool,
@@ -115,15 +116,70 @@ fn shard_size(cfg: &FinetuneConfig) -> usize {
 /// Runs this process's part of a fine-tune: all ranks as threads (`local` backend) when no
 /// launcher started us, else this process's rank (`tcp` backend). Rank 0 gets the summary.
 pub fn run(cfg: &FinetuneConfig, env: Option<&DistEnv>) -> Result<Option<RunSummary>> {
-    match env {
-        None => run_local(cfg).map(Some),
-        Some(env) => {
+    let backend = match (cfg.backend, env) {
+        (Backend::Auto, None) => Backend::Local,
+        (Backend::Auto, Some(e)) if e.launcher == "mpirun" && cfg!(feature = "mpi") => Backend::Mpi,
+        (Backend::Auto, Some(_)) => Backend::Tcp,
+        (b, _) => b,
+    };
+    match (backend, env) {
+        (Backend::Local, None) => run_local(cfg).map(Some),
+        (Backend::Local, Some(e)) => bail!("--backend local runs ranks as threads, but {} started this process as one rank", e.launcher),
+        (Backend::Tcp, None) => bail!("--backend tcp needs a launcher (fsdp-app launch, torchrun, srun or mpirun)"),
+        (Backend::Tcp, Some(env)) => {
             let mut cfg = cfg.clone();
             cfg.world_size = env.world_size;
             validate(&cfg)?;
             let groups = crate::dist::tcp::connect(env, shard_size(&cfg), cfg.collective_timeout)?;
             run_rank(groups, &cfg)
         }
+        (Backend::Mpi, _) => run_mpi(cfg),
+        (Backend::Auto, _) => unreachable!(),
+    }
+}
+
+#[cfg(feature = "mpi")]
+fn run_mpi(cfg: &FinetuneConfig) -> Result<Option<RunSummary>> {
+    let session = crate::dist::mpi::MpiSession::init()?;
+    let mut cfg = cfg.clone();
+    cfg.world_size = session.world_size();
+    let result = (|| {
+        validate(&cfg)?;
+        let groups = session.groups(shard_size(&cfg))?;
+        run_rank(groups, &cfg)
+    })();
+    // Every group is dropped by now; dropping the session finalises MPI.
+    drop(session);
+    result
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_mpi(_cfg: &FinetuneConfig) -> Result<Option<RunSummary>> {
+    bail!("this fsdp-app was built without MPI; rebuild with `cargo build --release --features mpi` (needs libopenmpi-dev)")
+}
+
+/// Which collective backend runs the ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// `local` without a launcher; under a launcher `mpi` for mpirun (when built with MPI),
+    /// else `tcp`.
+    Auto,
+    Local,
+    Tcp,
+    Mpi,
+}
+
+impl std::str::FromStr for Backend {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s {
+            "auto" => Self::Auto,
+            "local" => Self::Local,
+            "tcp" => Self::Tcp,
+            "mpi" => Self::Mpi,
+            "nccl" => bail!("--backend nccl needs a CUDA build (features cuda,nccl), which this build is not"),
+            other => bail!("--backend {other:?}: use auto, local, tcp or mpi"),
+        })
     }
 }
 

@@ -1,0 +1,80 @@
+//! The `mpi` backend under a real `mpirun` (cargo feature `mpi`; CI installs Open MPI): the
+//! same loss curve as the local backend, with 2 and 4 processes, and a failing rank ends the job.
+#![cfg(feature = "mpi")]
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::*;
+
+fn losses(dir: &Path) -> Vec<f64> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap())
+        .collect()
+}
+
+fn mpirun(np: usize, args: &[&str]) -> std::process::Output {
+    Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", &np.to_string()])
+        .arg(bin())
+        .args(args)
+        .output()
+        .expect("mpirun (install openmpi-bin)")
+}
+
+#[test]
+fn mpirun_gives_the_local_loss_curve() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("llama", tmp.path());
+    let data = reference_dir().join("train-data.jsonl");
+    for np in [2usize, 4] {
+        let batch = (4 / np).to_string();
+        let run = |out: &Path, extra: &[&str]| {
+            let mut a = vec![
+                "finetune", "--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "--output-dir",
+                out.to_str().unwrap(), "--seq-len", "16", "--batch-size", &batch, "--max-steps", "6", "--lr", "1e-3",
+                "--no-shuffle",
+            ];
+            a.extend_from_slice(extra);
+            a.into_iter().map(str::to_string).collect::<Vec<_>>()
+        };
+        let local_out = tmp.path().join(format!("local{np}"));
+        let np_s = np.to_string();
+        let args = run(&local_out, &["--world-size", &np_s]);
+        let o = run_cli(&args.iter().map(String::as_str).collect::<Vec<_>>(), &[]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let mpi_out = tmp.path().join(format!("mpi{np}"));
+        let args = run(&mpi_out, &["--backend", "mpi"]);
+        let o = mpirun(np, &args.iter().map(String::as_str).collect::<Vec<_>>());
+        assert!(o.status.success(), "{}", stderr(&o));
+        let (a, b) = (losses(&mpi_out), losses(&local_out));
+        assert_eq!(a.len(), 6);
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() / y.abs() < 1e-6, "np {np}: mpi {a:?} vs local {b:?}");
+        }
+    }
+}
+
+#[test]
+fn a_failing_rank_ends_the_mpi_job() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("qwen2", tmp.path());
+    let w = model.join("model.safetensors");
+    let mut bytes = std::fs::read(&w).unwrap();
+    bytes[8..16].copy_from_slice(b"garbage!");
+    std::fs::write(&w, bytes).unwrap();
+    let data = reference_dir().join("train-data.jsonl");
+    let out = tmp.path().join("out");
+    let o = mpirun(
+        2,
+        &["finetune", "--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap(),
+          "--seq-len", "16", "--batch-size", "2", "--max-steps", "2", "--backend", "mpi"],
+    );
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(err.contains("rank 0 failed") && err.contains("not a valid safetensors"), "{err}");
+}
