@@ -158,7 +158,19 @@ fn random_weights(cfg: &models::ModelConfig, seed: u64) -> Result<Vec<(String, T
 
 /// Writes fixture `name` into `out` (which must not exist or be empty).
 pub fn write_fixture(name: &str, out: &Path) -> Result<PathBuf> {
-    let cfg_json = config_json(name)?;
+    write_fixture_with(name, out, &[])
+}
+
+/// Like [`write_fixture`], with config.json fields replaced (`("hidden_size", 1024)`, ...):
+/// random models of any size for benchmarks. A vocabulary larger than the tokenizer's is fine.
+pub fn write_fixture_with(name: &str, out: &Path, overrides: &[(String, Value)]) -> Result<PathBuf> {
+    let mut cfg_json = config_json(name)?;
+    for (k, v) in overrides {
+        if cfg_json.get(k).is_none() {
+            bail!("fixture {name} has no config field `{k}` to set");
+        }
+        cfg_json[k] = v.clone();
+    }
     let cfg = models::ModelConfig::from_json_str(&cfg_json.to_string()).context("fixture config")?;
     let staged = StagedDir::new(out)?;
     staged.write_json("config.json", &cfg_json)?;

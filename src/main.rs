@@ -215,6 +215,10 @@ struct FixtureArgs {
     name: String,
     #[arg(long)]
     out: PathBuf,
+    /// Replace a config.json field, e.g. `--set hidden_size=1024 --set num_hidden_layers=12`
+    /// (value as JSON), to make random models of any size.
+    #[arg(long = "set", value_name = "FIELD=VALUE")]
+    set: Vec<String>,
 }
 
 fn main() {
@@ -232,9 +236,7 @@ fn main() {
             grace: std::time::Duration::from_secs(a.grace),
             command: a.command,
         }),
-        Command::Fixture(a) => fsdp_app::fixtures::write_fixture(&a.name, &a.out).map(|p| {
-            eprintln!("wrote fixture {} to {}", a.name, p.display());
-        }),
+        Command::Fixture(a) => run_fixture(a),
     };
     if let Err(e) = result {
         if std::env::var_os("RUST_BACKTRACE").is_some() {
@@ -304,6 +306,21 @@ fn run_finetune(a: FinetuneArgs) -> Result<()> {
         summary.losses.last().copied().unwrap_or(f64::NAN),
         peak_rss_bytes().map(human_bytes).unwrap_or_else(|| "n/a".into())
     );
+    Ok(())
+}
+
+fn run_fixture(a: FixtureArgs) -> Result<()> {
+    let overrides = a
+        .set
+        .iter()
+        .map(|kv| {
+            let (k, v) = kv.split_once('=').with_context(|| format!("--set {kv:?}: expected FIELD=VALUE"))?;
+            let v: serde_json::Value = serde_json::from_str(v).with_context(|| format!("--set {kv:?}: the value is not JSON"))?;
+            Ok((k.to_string(), v))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let p = fsdp_app::fixtures::write_fixture_with(&a.name, &a.out, &overrides)?;
+    eprintln!("wrote fixture {} to {}", a.name, p.display());
     Ok(())
 }
 

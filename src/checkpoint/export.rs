@@ -1,89 +1,143 @@
-//! Writing a full Hugging Face model directory a unit at a time: tensors are added as they are
-//! gathered, written out whenever a shard file is full, and named
-//! `model-0000k-of-0000n.safetensors` with `model.safetensors.index.json` (or a single
-//! `model.safetensors`) at the end. config.json is written last, so a directory interrupted
-//! half-way is never taken for a model.
+//! Writing a full Hugging Face model directory a unit at a time, never the whole model in
+//! memory: every tensor's file and byte range are fixed up front from the list of names and
+//! shapes (`model-0000k-of-0000n.safetensors`, split at `max_shard_bytes`, with
+//! `model.safetensors.index.json`; a single `model.safetensors` when everything fits), so each
+//! gathered tensor is written straight to its place and dropped. config.json is moved in last,
+//! so a directory interrupted half-way is never taken for a model.
 
 use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::io::Write;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor};
-use serde_json::json;
+use serde_json::{json, Value};
 
-use super::write::StagedDir;
+use super::write::{tensor_le_bytes, StagedDir};
+
+struct Placement {
+    file: usize,
+    /// Absolute byte offset of the tensor's data in its file.
+    offset: u64,
+    len: u64,
+}
+
+struct ShardFile {
+    tmp_name: String,
+    final_name: String,
+    file: File,
+    names: Vec<String>,
+}
 
 pub struct ShardedExport {
     staged: StagedDir,
     dest: PathBuf,
     dtype: DType,
-    max_shard_bytes: usize,
-    pending: HashMap<String, Tensor>,
-    pending_bytes: usize,
-    /// (temporary file name, tensor names) per written shard.
-    shards: Vec<(String, Vec<String>)>,
-    total_bytes: usize,
+    placements: HashMap<String, Placement>,
+    files: Vec<ShardFile>,
+    written: usize,
+    total_bytes: u64,
+}
+
+fn st_dtype(dtype: DType) -> Result<&'static str> {
+    Ok(match dtype {
+        DType::F32 => "F32",
+        DType::BF16 => "BF16",
+        DType::F16 => "F16",
+        other => bail!("cannot export dtype {other:?}"),
+    })
 }
 
 impl ShardedExport {
-    /// Stages an export whose files will be moved into `dest` (created if needed).
-    pub fn new(dest: &Path, dtype: DType, max_shard_bytes: usize) -> Result<Self> {
+    /// Lays out `tensors` (names and shapes, in the order they will be added) into files of at
+    /// most `max_shard_bytes` (a tensor larger than that gets a file of its own) under a staging
+    /// directory inside `dest` (created if needed).
+    pub fn new(dest: &Path, dtype: DType, max_shard_bytes: usize, tensors: &[(String, Vec<usize>)]) -> Result<Self> {
         std::fs::create_dir_all(dest).with_context(|| format!("creating {}", dest.display()))?;
         let staged = StagedDir::new(&dest.join(".export"))?;
-        Ok(Self {
-            staged,
-            dest: dest.to_path_buf(),
-            dtype,
-            max_shard_bytes,
-            pending: HashMap::new(),
-            pending_bytes: 0,
-            shards: vec![],
-            total_bytes: 0,
-        })
+        let elem = dtype.size_in_bytes() as u64;
+        // Greedy split, in order.
+        let mut groups: Vec<Vec<(String, Vec<usize>)>> = vec![];
+        let mut size = 0u64;
+        for (name, shape) in tensors {
+            let bytes = shape.iter().product::<usize>() as u64 * elem;
+            if groups.is_empty() || (size > 0 && size + bytes > max_shard_bytes as u64) {
+                groups.push(vec![]);
+                size = 0;
+            }
+            groups.last_mut().unwrap().push((name.clone(), shape.clone()));
+            size += bytes;
+        }
+        let n = groups.len();
+        let mut placements = HashMap::new();
+        let mut files = vec![];
+        let mut total_bytes = 0;
+        for (k, group) in groups.into_iter().enumerate() {
+            let final_name = if n == 1 { "model.safetensors".to_string() } else { format!("model-{:05}-of-{n:05}.safetensors", k + 1) };
+            let mut header = serde_json::Map::new();
+            header.insert("__metadata__".into(), json!({"format": "pt"}));
+            let mut rel = 0u64;
+            let mut names = vec![];
+            for (name, shape) in &group {
+                let len = shape.iter().product::<usize>() as u64 * elem;
+                header.insert(name.clone(), json!({"dtype": st_dtype(dtype)?, "shape": shape, "data_offsets": [rel, rel + len]}));
+                rel += len;
+                names.push(name.clone());
+            }
+            let mut header = serde_json::to_vec(&Value::Object(header))?;
+            // Pad the header to 8 bytes, as the safetensors library does, so data is aligned.
+            while header.len() % 8 != 0 {
+                header.push(b' ');
+            }
+            let data_start = 8 + header.len() as u64;
+            let mut r = 0u64;
+            for (name, shape) in &group {
+                let len = shape.iter().product::<usize>() as u64 * elem;
+                placements.insert(name.clone(), Placement { file: k, offset: data_start + r, len });
+                r += len;
+            }
+            total_bytes += rel;
+            let tmp_name = format!("part-{k}.safetensors");
+            let path = staged.path().join(&tmp_name);
+            let mut file = File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+            file.write_all(&(header.len() as u64).to_le_bytes())?;
+            file.write_all(&header)?;
+            file.set_len(data_start + rel)?;
+            files.push(ShardFile { tmp_name, final_name, file, names });
+        }
+        Ok(Self { staged, dest: dest.to_path_buf(), dtype, placements, files, written: 0, total_bytes })
     }
 
+    /// Writes one tensor to its place.
     pub fn add(&mut self, name: &str, tensor: &Tensor) -> Result<()> {
-        let t = tensor.to_dtype(self.dtype)?;
-        let bytes = t.elem_count() * self.dtype.size_in_bytes();
-        if self.pending_bytes > 0 && self.pending_bytes + bytes > self.max_shard_bytes {
-            self.flush()?;
+        let p = self.placements.get(name).with_context(|| format!("export: {name} was not announced"))?;
+        let (_, bytes) = tensor_le_bytes(&tensor.to_dtype(self.dtype)?)?;
+        if bytes.len() as u64 != p.len {
+            bail!("export: {name} has {} bytes, its place has {}", bytes.len(), p.len);
         }
-        self.pending_bytes += bytes;
-        self.total_bytes += bytes;
-        self.pending.insert(name.to_string(), t);
+        self.files[p.file].file.write_all_at(&bytes, p.offset)?;
+        self.written += 1;
         Ok(())
     }
 
-    fn flush(&mut self) -> Result<()> {
-        if self.pending.is_empty() {
-            return Ok(());
+    /// Writes the side files (`name -> bytes`; `config.json` among them goes in last), the
+    /// index, and moves everything into place.
+    pub fn finish(self, side_files: &[(String, Vec<u8>)]) -> Result<PathBuf> {
+        if self.written != self.placements.len() {
+            bail!("export: {} of {} tensors were written", self.written, self.placements.len());
         }
-        let name = format!("part-{}.safetensors", self.shards.len());
-        let mut names: Vec<String> = self.pending.keys().cloned().collect();
-        names.sort();
-        self.staged.write_safetensors(&name, &self.pending)?;
-        self.shards.push((name, names));
-        self.pending.clear();
-        self.pending_bytes = 0;
-        Ok(())
-    }
-
-    /// Writes the side files (`name -> bytes`; `config.json` among them is written last),
-    /// names the shards, and moves everything into place.
-    pub fn finish(mut self, side_files: &[(String, Vec<u8>)]) -> Result<PathBuf> {
-        self.flush()?;
-        let n = self.shards.len();
         let mut renames = vec![];
         let mut weight_map = BTreeMap::new();
-        for (k, (tmp, names)) in self.shards.iter().enumerate() {
-            let final_name =
-                if n == 1 { "model.safetensors".to_string() } else { format!("model-{:05}-of-{:05}.safetensors", k + 1, n) };
-            for t in names {
-                weight_map.insert(t.clone(), json!(final_name));
+        for f in &self.files {
+            f.file.sync_all()?;
+            for t in &f.names {
+                weight_map.insert(t.clone(), json!(f.final_name));
             }
-            renames.push((tmp.clone(), final_name));
+            renames.push((f.tmp_name.clone(), f.final_name.clone()));
         }
-        if n > 1 {
+        if self.files.len() > 1 {
             self.staged.write_json(
                 "model.safetensors.index.json",
                 &json!({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}),
@@ -102,9 +156,14 @@ impl ShardedExport {
         if let Some(c) = config {
             renames.push((c.clone(), c));
         }
-        // Stale weights of an earlier export would mix with these: remove them first.
-        for old in ["model.safetensors", "model.safetensors.index.json", "config.json"] {
-            let _ = std::fs::remove_file(self.dest.join(old));
+        // Weights of an earlier export would mix with these: remove them first.
+        if let Ok(entries) = std::fs::read_dir(&self.dest) {
+            for e in entries.flatten() {
+                let n = e.file_name().to_string_lossy().to_string();
+                if n == "config.json" || n == "model.safetensors.index.json" || (n.starts_with("model") && n.ends_with(".safetensors")) {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
         }
         for (from, to) in renames {
             std::fs::rename(self.staged.path().join(&from), self.dest.join(&to))
@@ -128,7 +187,41 @@ pub fn parse_size(s: &str) -> Result<usize> {
     };
     let v: f64 = num.trim().parse().map_err(|_| anyhow::anyhow!("size {s:?}: use e.g. 5GB, 500MB or a byte count"))?;
     if v <= 0.0 {
-        anyhow::bail!("size {s:?} must be positive");
+        bail!("size {s:?} must be positive");
     }
     Ok((v * mult as f64) as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn streamed_shards_load_back_with_an_index() {
+        let dir = tempfile::tempdir().unwrap();
+        let tensors: Vec<(String, Vec<usize>)> =
+            vec![("a".into(), vec![3, 4]), ("b".into(), vec![5]), ("c".into(), vec![2, 2])];
+        let mut ex = ShardedExport::new(dir.path(), DType::F32, 60, &tensors).unwrap();
+        let vals: HashMap<&str, Tensor> = [
+            ("a", Tensor::arange(0f32, 12.0, &Device::Cpu).unwrap().reshape((3, 4)).unwrap()),
+            ("b", Tensor::arange(0f32, 5.0, &Device::Cpu).unwrap()),
+            ("c", Tensor::arange(0f32, 4.0, &Device::Cpu).unwrap().reshape((2, 2)).unwrap()),
+        ]
+        .into_iter()
+        .collect();
+        for (n, _) in &tensors {
+            ex.add(n, &vals[n.as_str()]).unwrap();
+        }
+        ex.finish(&[("config.json".into(), b"{}".to_vec())]).unwrap();
+        let index: Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("model.safetensors.index.json")).unwrap()).unwrap();
+        assert_eq!(index["weight_map"]["a"], "model-00001-of-00002.safetensors");
+        assert_eq!(index["weight_map"]["c"], "model-00002-of-00002.safetensors");
+        for (n, t) in &vals {
+            let file = index["weight_map"][*n].as_str().unwrap();
+            let back = candle_core::safetensors::load(dir.path().join(file), &Device::Cpu).unwrap();
+            assert_eq!(back[*n].flatten_all().unwrap().to_vec1::<f32>().unwrap(), t.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        }
+        assert!(!dir.path().join(".export").exists());
+    }
 }

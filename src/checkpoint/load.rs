@@ -31,6 +31,28 @@ pub struct StoredTensor {
     pub file: PathBuf,
     pub dtype: safetensors::Dtype,
     pub shape: Vec<usize>,
+    /// Byte range of the data in the file.
+    pub start: u64,
+    pub end: u64,
+}
+
+impl StoredTensor {
+    /// Reads just this tensor's bytes (no mmap of the whole file, so memory stays at the size of
+    /// the tensor) and widens them to f32.
+    pub fn read_f32(&self) -> Result<Vec<f32>> {
+        use std::os::unix::fs::FileExt;
+        let file = std::fs::File::open(&self.file).with_context(|| format!("{}: cannot open", self.file.display()))?;
+        let mut raw = vec![0u8; (self.end - self.start) as usize];
+        file.read_exact_at(&mut raw, self.start).with_context(|| format!("{}: reading tensor data", self.file.display()))?;
+        Ok(match self.dtype {
+            safetensors::Dtype::F32 => raw.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(),
+            safetensors::Dtype::BF16 => {
+                raw.chunks_exact(2).map(|c| half::bf16::from_le_bytes(c.try_into().unwrap()).to_f32()).collect()
+            }
+            safetensors::Dtype::F16 => raw.chunks_exact(2).map(|c| half::f16::from_le_bytes(c.try_into().unwrap()).to_f32()).collect(),
+            other => bail!("{}: dtype {other:?} is not supported", self.file.display()),
+        })
+    }
 }
 
 /// Reads the header of every weight file (validating it against the file's length, so truncated
@@ -44,14 +66,19 @@ pub fn read_weight_headers(weights: &[PathBuf]) -> Result<BTreeMap<String, Store
         let mmap = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("{}: cannot mmap", path.display()))?;
         let st = safetensors::SafeTensors::deserialize(&mmap)
             .map_err(|e| anyhow::anyhow!("{}: not a valid safetensors file: {e}", path.display()))?;
+        let (header_len, metadata) = safetensors::SafeTensors::read_metadata(&mmap)
+            .map_err(|e| anyhow::anyhow!("{}: not a valid safetensors file: {e}", path.display()))?;
+        let data_base = 8 + header_len as u64;
         for (name, view) in st.tensors() {
+            let info = metadata.info(&name).expect("tensor listed in its own header");
+            let (start, end) = (data_base + info.data_offsets.0 as u64, data_base + info.data_offsets.1 as u64);
             let dtype = view.dtype();
             if !matches!(dtype, safetensors::Dtype::F32 | safetensors::Dtype::BF16 | safetensors::Dtype::F16) {
                 bail!("{}: tensor {name} has dtype {dtype:?}; supported: F32, BF16, F16", path.display());
             }
             if let Some(prev) = all.insert(
                 name.clone(),
-                StoredTensor { file: path.clone(), dtype, shape: view.shape().to_vec() },
+                StoredTensor { file: path.clone(), dtype, shape: view.shape().to_vec(), start, end },
             ) {
                 bail!("tensor {name} is stored twice: in {} and {}", prev.file.display(), path.display());
             }

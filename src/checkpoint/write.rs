@@ -119,6 +119,12 @@ impl TensorBytes {
     }
 }
 
+/// A tensor's safetensors dtype and little-endian bytes.
+pub(crate) fn tensor_le_bytes(t: &Tensor) -> Result<(safetensors::Dtype, Vec<u8>)> {
+    let b = TensorBytes::new(t)?;
+    Ok((b.dtype, b.data))
+}
+
 fn bytes_of<T: Copy>(v: &[T]) -> Vec<u8> {
     // SAFETY: f32/bf16/f16 are plain old data; x86-64 and aarch64 are little endian like the format.
     unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }.to_vec()

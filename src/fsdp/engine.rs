@@ -37,8 +37,9 @@ struct UnitState {
     /// Full parameters while gathered. Without activation checkpointing they are `Var`s so that
     /// the forward graph can be kept for backward.
     gathered: Option<HashMap<String, Var>>,
-    /// Full-size gradients collected during backward, until reduce-scatter.
-    full_grad: Option<Vec<Vec<f32>>>,
+    /// Full-size gradients collected during backward, until reduce-scatter, already in the
+    /// rank-major layout reduce-scatter takes (rank k's chunks of every parameter, in order).
+    full_grad: Option<Vec<f32>>,
 }
 
 /// What one optimizer step did.
@@ -60,6 +61,19 @@ pub struct FsdpEngine {
     /// Parameters that get weight decay.
     decay: HashMap<String, bool>,
     pub step: u64,
+}
+
+/// Runs `f` on a contiguous f32 CPU tensor's values without copying them (copying otherwise).
+fn with_f32_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let (candle_core::Storage::Cpu(cpu), Some((a, b))) = (&*storage, layout.contiguous_offsets()) {
+            if let Ok(values) = cpu.as_slice::<f32>() {
+                return Ok(f(&values[a..b]));
+            }
+        }
+    }
+    Ok(f(&t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?))
 }
 
 /// Rounds values through `dtype` (what sending them in that dtype does to them).
@@ -155,8 +169,9 @@ impl FsdpEngine {
         Ok(())
     }
 
-    /// All-gathers unit `u` (one collective) into full f32 tensors.
-    fn gather(&self, u: usize, round: bool) -> Result<HashMap<String, Tensor>> {
+    /// All-gathers unit `u` (one collective) into full f32 parameters, each a `Var` built over
+    /// its own buffer (no extra copy).
+    fn gather(&self, u: usize, round: bool) -> Result<HashMap<String, Var>> {
         let unit = &self.units[u];
         let mut buf: Vec<f32> = Vec::with_capacity(unit.plan.chunk_len);
         for m in &unit.master {
@@ -166,6 +181,7 @@ impl FsdpEngine {
             round_through(&mut buf, self.opts.param_dtype);
         }
         let all = self.groups.shard.all_gather(&buf)?;
+        drop(buf);
         let shards = self.groups.shard.world_size();
         let mut out = HashMap::new();
         for p in &unit.plan.params {
@@ -175,7 +191,7 @@ impl FsdpEngine {
                 full.extend_from_slice(&all[base..base + p.chunk_len()]);
             }
             full.truncate(p.numel());
-            out.insert(p.spec.name.clone(), Tensor::from_vec(full, p.spec.shape.as_slice(), &self.device)?);
+            out.insert(p.spec.name.clone(), Var::from_vec(full, p.spec.shape.as_slice(), &self.device)?);
         }
         Ok(out)
     }
@@ -183,17 +199,13 @@ impl FsdpEngine {
     /// Full parameters of unit `u` in f32, as stored (for export). Every rank of the shard
     /// group takes part.
     pub fn full_unit(&self, u: usize) -> Result<HashMap<String, Tensor>> {
-        self.gather(u, false)
+        Ok(self.gather(u, false)?.into_iter().map(|(k, v)| (k, v.as_detached_tensor())).collect())
     }
 
     fn ensure_gathered(&mut self, s: usize) -> Result<()> {
         for &u in &self.stage_units[s].clone() {
             if self.units[u].gathered.is_none() {
-                let full = self.gather(u, true)?;
-                let vars = full
-                    .into_iter()
-                    .map(|(k, t)| Ok((k, Var::from_tensor(&t)?)))
-                    .collect::<Result<HashMap<_, _>>>()?;
+                let vars = self.gather(u, true)?;
                 self.units[u].gathered = Some(vars);
             }
         }
@@ -279,30 +291,24 @@ impl FsdpEngine {
         let mut loss_sum = 0.0;
         for s in (0..n).rev() {
             self.ensure_gathered(s)?;
-            let (out, input_var, params): (Tensor, Option<Var>, HashMap<String, Var>) = if ac {
-                // Recompute the stage with fresh Vars for its parameters and input.
-                let vars: HashMap<String, Var> = self
-                    .stage_params(s, false)
-                    .into_iter()
-                    .map(|(k, t)| Ok((k, Var::from_tensor(&t)?)))
-                    .collect::<Result<_>>()?;
-                let ptensors: HashMap<String, Tensor> = vars.iter().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect();
-                let input_var = if s == 0 { None } else { Some(Var::from_tensor(&inputs[s])?) };
-                let inp = input_var.as_ref().map(|v| v.as_tensor().clone()).unwrap_or_else(|| inputs[s].clone());
-                let out = self.model.forward_stage(s, &ptensors, &inp)?;
-                (out, input_var, vars)
-            } else {
-                let (out, iv) = saved[s].take().expect("saved stage");
-                let wanted = self.model.stage_parameters(s);
-                let mut vars = HashMap::new();
-                for &u in &self.stage_units[s] {
-                    for (k, v) in self.units[u].gathered.as_ref().expect("gathered") {
-                        if wanted.contains(k) {
-                            vars.insert(k.clone(), v.clone());
-                        }
+            // The stage's parameters are the gathered `Var`s themselves: with activation
+            // checkpointing the stage is recomputed over them (its forward built no graph).
+            let wanted = self.model.stage_parameters(s);
+            let mut params: HashMap<String, Var> = HashMap::new();
+            for &u in &self.stage_units[s] {
+                for (k, v) in self.units[u].gathered.as_ref().expect("gathered") {
+                    if wanted.contains(k) {
+                        params.insert(k.clone(), v.clone());
                     }
                 }
-                (out, iv, vars)
+            }
+            let (out, input_var) = if ac {
+                let ptensors: HashMap<String, Tensor> = params.iter().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect();
+                let input_var = if s == 0 { None } else { Some(Var::from_tensor(&inputs[s])?) };
+                let inp = input_var.as_ref().map(|v| v.as_tensor().clone()).unwrap_or_else(|| inputs[s].clone());
+                (self.model.forward_stage(s, &ptensors, &inp)?, input_var)
+            } else {
+                saved[s].take().expect("saved stage")
             };
             let objective = if s == n - 1 {
                 let ls = Self::loss_sum(&out, labels, b, t)?;
@@ -315,19 +321,25 @@ impl FsdpEngine {
             let grads = objective.backward()?;
             for (name, var) in &params {
                 let Some(g) = grads.get(var.as_tensor()) else { continue };
-                let g = g.flatten_all()?.to_vec1::<f32>()?;
                 let u = *self.stage_units[s]
                     .iter()
                     .find(|&&u| self.units[u].plan.params.iter().any(|p| &p.spec.name == name))
                     .expect("parameter has a unit");
+                let shards = self.groups.shard.world_size();
                 let unit = &mut self.units[u];
-                let idx = unit.plan.params.iter().position(|p| &p.spec.name == name).unwrap();
-                let full = unit
-                    .full_grad
-                    .get_or_insert_with(|| unit.plan.params.iter().map(|p| vec![0.0; p.numel()]).collect());
-                for (a, b) in full[idx].iter_mut().zip(&g) {
-                    *a += *b;
-                }
+                let p = unit.plan.params.iter().find(|p| &p.spec.name == name).unwrap();
+                let packed = unit.full_grad.get_or_insert_with(|| vec![0.0; unit.plan.chunk_len * shards]);
+                with_f32_slice(g, |g| {
+                    // Rank k's rows of this parameter go to rank k's segment of the packed buffer.
+                    for k in 0..shards {
+                        let lo = (k * p.chunk_len()).min(g.len());
+                        let hi = ((k + 1) * p.chunk_len()).min(g.len());
+                        let dst = &mut packed[k * unit.plan.chunk_len + p.offset..][..hi - lo];
+                        for (a, b) in dst.iter_mut().zip(&g[lo..hi]) {
+                            *a += *b;
+                        }
+                    }
+                })?;
             }
             upstream = match &input_var {
                 Some(v) => Some(grads.get(v.as_tensor()).cloned().context("no gradient reached a stage input")?),
@@ -345,17 +357,11 @@ impl FsdpEngine {
     }
 
     fn reduce_scatter_unit(&mut self, u: usize) -> Result<()> {
-        let shards = self.groups.shard.world_size();
         let unit = &mut self.units[u];
-        let Some(full) = unit.full_grad.take() else { return Ok(()) };
-        let mut buf = Vec::with_capacity(unit.plan.chunk_len * shards);
-        for k in 0..shards {
-            for (p, g) in unit.plan.params.iter().zip(&full) {
-                buf.extend(p.chunk_of(g, k));
-            }
-        }
+        let Some(mut buf) = unit.full_grad.take() else { return Ok(()) };
         round_through(&mut buf, self.opts.reduce_dtype);
         let mine = self.groups.shard.reduce_scatter(&buf)?;
+        drop(buf);
         for (i, p) in unit.plan.params.iter().enumerate() {
             for (a, b) in unit.grad[i].iter_mut().zip(&mine[p.offset..p.offset + p.chunk_len()]) {
                 *a += *b;

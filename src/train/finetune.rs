@@ -317,8 +317,7 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
         Some(f) => {
             let stored = load::read_weight_headers(&f.weights)?;
             load::check_tensors(&model_cfg, &stored, &f.source)?;
-            // SAFETY: read-only map of files checked above.
-            Some(unsafe { candle_core::safetensors::MmapedSafetensors::multi(&f.weights) }?)
+            Some(stored)
         }
         None => None,
     };
@@ -329,8 +328,8 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
             Some(st) => {
                 let mut m = std::collections::HashMap::new();
                 for p in &engine.units().nth(u).unwrap().params {
-                    let t = st.load(&p.spec.name, &Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?;
-                    m.insert(p.spec.name.clone(), t.to_vec1::<f32>()?);
+                    // One unit's tensors at a time: rank 0's extra memory is about one unit.
+                    m.insert(p.spec.name.clone(), st[&p.spec.name].read_f32()?);
                 }
                 Some(m)
             }
@@ -459,14 +458,19 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
         Some("float16") => DType::F16,
         _ => DType::F32,
     };
-    let mut export = if is_root { Some(ShardedExport::new(&cfg.output_dir, save_dtype, cfg.max_shard_size)?) } else { None };
+    let mut export = if is_root {
+        // Checkpoint order (embeddings, layers, norm, head), so the shards read naturally.
+        let order = staged.parameters();
+        let specs: Vec<(String, Vec<usize>)> = order.iter().map(|t| (t.name.clone(), t.shape.clone())).collect();
+        Some(ShardedExport::new(&cfg.output_dir, save_dtype, cfg.max_shard_size, &specs)?)
+    } else {
+        None
+    };
     for u in 0..n_units {
         let full = engine.full_unit(u)?;
         if let Some(ex) = export.as_mut() {
-            let mut names: Vec<&String> = full.keys().collect();
-            names.sort();
-            for n in names {
-                ex.add(n, &full[n])?;
+            for (n, t) in &full {
+                ex.add(n, t)?;
             }
         }
     }

@@ -1,0 +1,35 @@
+#!/usr/bin/env python3
+"""The PyTorch side of `cargo bench --bench training`: the same training steps (batch, AdamW,
+clipping, loss normalised by target tokens) on the same model directory and data, plain
+PyTorch + transformers on CPU with a fixed thread count; prints one JSON line."""
+import json
+import sys
+import time
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+model_dir, data_path, batch, seq, steps, threads = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
+torch.set_num_threads(threads)
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+model.train()
+rows = [json.loads(l)["input_ids"][:seq] for l in open(data_path)]
+decay = [p for p in model.parameters() if p.dim() >= 2]
+no_decay = [p for p in model.parameters() if p.dim() < 2]
+opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.0}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-4)
+times, losses = [], []
+for step in range(steps):
+    ids = torch.tensor(rows[step * batch:(step + 1) * batch])
+    t = time.perf_counter()
+    logits = model(ids).logits.float()
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    times.append(time.perf_counter() - t)
+    losses.append(loss.item())
+tps = sorted(batch * seq / x for x in times[1:])
+print(json.dumps({"tokens_per_s": tps[len(tps) // 2], "losses": losses, "torch": torch.__version__,
+                  "transformers": transformers.__version__, "threads": torch.get_num_threads()}))

@@ -1,0 +1,207 @@
+//! `cargo bench --features mpi --bench training`: the FSDP engine's figures.
+//!
+//! (a) peak RSS of each process under `mpirun -np 4` while fine-tuning a generated Llama of
+//!     ~840 MB of f32 weights, next to the naive figure of a process holding the whole model;
+//! (b) training tokens/s at world 1 on CPU for a ~28M-parameter Llama (batch 4 x 128 tokens,
+//!     2 threads) next to PyTorch + transformers doing the same steps in the same run;
+//! (c) the same at world 2 (`local` backend, same global batch), to show the sharding overhead.
+//!
+//! Environment: FSDP_BENCH_PYTHON (Python with torch + transformers; default python3),
+//! FSDP_BENCH_SKIP_MPI=1 to skip (a). Models are generated under target/bench-models once.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use candle_core::DType;
+use fsdp_app::fsdp::optim::Schedule;
+use fsdp_app::fsdp::plan::{ShardingStrategy, WrapPolicy};
+use fsdp_app::memory::human_bytes;
+use fsdp_app::train::finetune::{run_local, Backend, FinetuneConfig};
+use serde_json::{json, Value};
+
+const THREADS: usize = 2;
+
+fn model(root: &Path, name: &str, dims: &[(&str, Value)]) -> anyhow::Result<PathBuf> {
+    let dir = root.join(name);
+    if !dir.join("config.json").exists() {
+        let overrides: Vec<(String, Value)> = dims.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
+        fsdp_app::fixtures::write_fixture_with("llama", &dir, &overrides)?;
+    }
+    Ok(dir)
+}
+
+fn data(path: &Path, rows: usize, len: usize, vocab: usize) -> anyhow::Result<()> {
+    let text: String = (0..rows)
+        .map(|i| json!({"input_ids": (0..len).map(|j| (i * 7919 + j * 104_729) % vocab).collect::<Vec<_>>()}).to_string() + "\n")
+        .collect();
+    std::fs::write(path, text)?;
+    Ok(())
+}
+
+fn metrics(dir: &Path) -> Vec<Value> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn config(model: &Path, data: &Path, out: &Path, world: usize) -> FinetuneConfig {
+    FinetuneConfig {
+        model: model.to_str().unwrap().into(),
+        revision: None,
+        data: data.to_path_buf(),
+        output_dir: out.to_path_buf(),
+        world_size: world,
+        shard_group_size: None,
+        lr: 1e-4,
+        weight_decay: 0.0,
+        weight_decay_all: false,
+        max_grad_norm: Some(1.0),
+        batch_size: 4 / world,
+        grad_accum: 1,
+        seq_len: 128,
+        max_steps: Some(6),
+        epochs: 1,
+        warmup_steps: 0,
+        schedule: Schedule::Constant,
+        seed: 0,
+        shuffle: false,
+        strategy: ShardingStrategy::FullShard,
+        wrap: WrapPolicy::TransformerBased,
+        activation_checkpointing: false,
+        param_dtype: DType::F32,
+        reduce_dtype: DType::F32,
+        collective_timeout: Duration::from_secs(600),
+        backend: Backend::Auto,
+        max_shard_size: 5_000_000_000,
+        verbose: false,
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    std::env::set_var("RAYON_NUM_THREADS", THREADS.to_string());
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let models_dir = root.join("target").join("bench-models");
+    std::fs::create_dir_all(&models_dir)?;
+    let tmp = tempfile::tempdir()?;
+
+    // (b) and (c)
+    let small = model(
+        &models_dir,
+        "llama-28m",
+        &[
+            ("vocab_size", json!(8192)), ("hidden_size", json!(512)), ("intermediate_size", json!(1408)),
+            ("num_hidden_layers", json!(6)), ("num_attention_heads", json!(8)), ("num_key_value_heads", json!(8)),
+            ("head_dim", json!(64)), ("rope_scaling", Value::Null),
+        ],
+    )?;
+    let small_data = tmp.path().join("small.jsonl");
+    data(&small_data, 64, 128, 8192)?;
+    let mut ours = vec![];
+    for world in [1usize, 2] {
+        let out = tmp.path().join(format!("w{world}"));
+        let s = run_local(&config(&small, &small_data, &out, world))?;
+        let tps: Vec<f64> = metrics(&out).iter().skip(1).map(|m| m["tokens_per_s"].as_f64().unwrap()).collect();
+        ours.push((world, median(tps), s.total_params, s.losses.clone()));
+    }
+    let python = std::env::var("FSDP_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let torch = Command::new(&python)
+        .arg(root.join("tests").join("bench").join("torch_train_step.py"))
+        .arg(&small)
+        .arg(&small_data)
+        .args(["4", "128", "6", &THREADS.to_string()])
+        .output();
+    let torch: Result<Value, String> = match torch {
+        Ok(o) if o.status.success() => serde_json::from_str(String::from_utf8_lossy(&o.stdout).lines().last().unwrap_or(""))
+            .map_err(|e| e.to_string()),
+        Ok(o) => Err(String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("failed").to_string()),
+        Err(e) => Err(format!("{python}: {e}")),
+    };
+    println!("\nTraining step, Llama {:.1}M parameters, batch 4 x 128 tokens, AdamW, f32, CPU, {THREADS} threads", ours[0].2 as f64 / 1e6);
+    println!("(median of steps 2-6; FSDP: FULL_SHARD, one unit per layer, no activation checkpointing)\n");
+    println!("| run | tokens/s | vs PyTorch |");
+    println!("|---|---|---|");
+    let torch_tps = torch.as_ref().ok().and_then(|t| t["tokens_per_s"].as_f64());
+    for (world, tps, _, _) in &ours {
+        let ratio = torch_tps.map(|t| format!("{:.2}x", tps / t)).unwrap_or_else(|| "n/a".into());
+        println!("| fsdp-app, world {world} (local) | {tps:.0} | {ratio} |");
+    }
+    match &torch {
+        Ok(t) => println!(
+            "| PyTorch {} + transformers {}, plain (no FSDP) | {:.0} | 1.00x |",
+            t["torch"].as_str().unwrap_or("?"),
+            t["transformers"].as_str().unwrap_or("?"),
+            t["tokens_per_s"].as_f64().unwrap_or(0.0)
+        ),
+        Err(why) => println!("| PyTorch | n/a: {why} | |"),
+    }
+    if let Ok(t) = &torch {
+        let theirs: Vec<f64> = t["losses"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+        let d = ours[0].3.iter().zip(&theirs).map(|(a, b)| ((a - b) / b).abs()).fold(0.0, f64::max);
+        println!("\nsame losses as PyTorch: max relative difference {d:.1e} over 6 steps");
+    }
+
+    // (a)
+    if std::env::var("FSDP_BENCH_SKIP_MPI").is_ok() || !cfg!(feature = "mpi") {
+        println!("\n(a) skipped: needs `--features mpi` and mpirun");
+        return Ok(());
+    }
+    let big = model(
+        &models_dir,
+        "llama-220m",
+        &[
+            ("vocab_size", json!(32000)), ("hidden_size", json!(1024)), ("intermediate_size", json!(2816)),
+            ("num_hidden_layers", json!(12)), ("num_attention_heads", json!(16)), ("num_key_value_heads", json!(16)),
+            ("head_dim", json!(64)), ("rope_scaling", Value::Null),
+        ],
+    )?;
+    let weights_bytes: u64 = std::fs::read_dir(&big)?
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+        .map(|e| e.metadata().unwrap().len())
+        .sum();
+    let big_data = tmp.path().join("big.jsonl");
+    data(&big_data, 16, 64, 32000)?;
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_fsdp-app"));
+    let out = tmp.path().join("mpi");
+    let o = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", "4"])
+        .arg(&exe)
+        .args(["finetune", "--model", big.to_str().unwrap(), "--data", big_data.to_str().unwrap(), "--output-dir"])
+        .arg(&out)
+        .args(["--seq-len", "64", "--batch-size", "1", "--max-steps", "2", "--backend", "mpi", "--activation-checkpointing"])
+        .env("RAYON_NUM_THREADS", "1")
+        .output()?;
+    if !o.status.success() {
+        anyhow::bail!("mpirun failed: {}", String::from_utf8_lossy(&o.stderr));
+    }
+    let m = metrics(&out);
+    let per_rank: Vec<u64> = m.last().unwrap()["peak_rss_bytes_per_rank"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+    let log = String::from_utf8_lossy(&o.stderr).to_string();
+    let shard_line = log.lines().find(|l| l.contains("rank 1 holds")).unwrap_or("").to_string();
+    // Naive: one process holding the whole model, as every rank would when each loads the file.
+    let naive = Command::new(&exe)
+        .args(["generate", "--model", big.to_str().unwrap(), "--prompt", "x", "--max-new-tokens", "1", "--json"])
+        .output()?;
+    let naive_rss = serde_json::from_slice::<Value>(&naive.stdout).ok().and_then(|v| v["peak_rss_bytes"].as_u64());
+    println!("\n(a) mpirun -np 4, fine-tuning a generated Llama with {} of f32 weights (FULL_SHARD, activation checkpointing)", human_bytes(weights_bytes));
+    println!("{}\n", shard_line.trim());
+    println!("| process | peak RSS |");
+    println!("|---|---|");
+    for (r, b) in per_rank.iter().enumerate() {
+        println!("| rank {r} | {} |", human_bytes(*b));
+    }
+    println!("| naive: one process holding the whole model (generate, f32) | {} |", naive_rss.map(human_bytes).unwrap_or_else(|| "n/a".into()));
+    println!(
+        "| naive: every rank holding the whole model + its fp32 shard state | {} |",
+        human_bytes(naive_rss.unwrap_or(weights_bytes) + (weights_bytes * 4) / 4)
+    );
+    Ok(())
+}
