@@ -118,10 +118,7 @@ fn bad_model_directories_give_one_clear_line_naming_the_file() {
 
     // Corrupt safetensors header.
     let d = fixture("qwen2", &root.join("b"));
-    let w = d.join("model.safetensors");
-    let mut bytes = std::fs::read(&w).unwrap();
-    bytes[8..16].copy_from_slice(b"garbage!");
-    std::fs::write(&w, &bytes).unwrap();
+    corrupt_header(&d.join("model.safetensors"));
     assert_clean_error(&gen(&d, &[]), &["model.safetensors", "not a valid safetensors"]);
 
     // Truncated data.

@@ -5,7 +5,6 @@
 mod common;
 
 use std::io::Read;
-use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -13,14 +12,6 @@ use common::*;
 
 fn free_port() -> String {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string()
-}
-
-fn losses(dir: &Path) -> Vec<f64> {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap())
-        .collect()
 }
 
 fn finetune_args<'a>(model: &'a str, out: &'a str, data: &'a str, steps: &'a str) -> Vec<&'a str> {
@@ -53,7 +44,7 @@ fn launched_processes_train_like_local_threads() {
     let o = run_cli(&args, &[]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("peak RSS per rank ["), "{}", stderr(&o));
-    assert_eq!(losses(&launched_out), losses(&local_out), "same collectives, same order: identical losses");
+    assert_eq!(metric_losses(&launched_out), metric_losses(&local_out), "same collectives, same order: identical losses");
 
     // The same processes started by hand with torchrun's variables (as torchrun or srun would).
     let manual_out = tmp.path().join("manual");
@@ -75,7 +66,7 @@ fn launched_processes_train_like_local_threads() {
         let o = c.wait_with_output().unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     }
-    assert_eq!(losses(&manual_out), losses(&local_out));
+    assert_eq!(metric_losses(&manual_out), metric_losses(&local_out));
 }
 
 /// Pids of the launcher's children, in the order it started them (rank order).
@@ -132,10 +123,7 @@ fn a_failing_rank_0_stops_the_others() {
     let tmp = tempfile::tempdir().unwrap();
     let model = fixture("qwen2", tmp.path());
     // A corrupt weight file: only rank 0 reads it, and the others must hear about it.
-    let w = model.join("model.safetensors");
-    let mut bytes = std::fs::read(&w).unwrap();
-    bytes[8..16].copy_from_slice(b"garbage!");
-    std::fs::write(&w, bytes).unwrap();
+    corrupt_header(&model.join("model.safetensors"));
     let data = reference_dir().join("train-data.jsonl");
     let out = tmp.path().join("out");
     let port = free_port();
@@ -146,7 +134,7 @@ fn a_failing_rank_0_stops_the_others() {
     let r = run_cli(&args, &[]);
     assert!(!r.status.success());
     let err = stderr(&r);
-    assert!(err.contains("rank 0 exited with code 1"), "{err}");
+    assert!(err.contains("the job failed:") && err.contains("rank 0 exited with code 1"), "{err}");
     assert!(err.contains("model.safetensors: not a valid safetensors file"), "{err}");
     assert!(err.contains("stopped: rank 0 failed"), "rank 1 should say rank 0 failed: {err}");
     assert!(start.elapsed() < Duration::from_secs(20));

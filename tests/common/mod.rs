@@ -58,3 +58,34 @@ pub fn stderr(o: &Output) -> String {
 pub fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).to_string()
 }
+
+/// Overwrites part of a safetensors header so the file no longer parses.
+pub fn corrupt_header(path: &Path) {
+    let mut bytes = std::fs::read(path).unwrap();
+    bytes[8..16].copy_from_slice(b"garbage!");
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// The `loss` column of a run's metrics.jsonl.
+pub fn metric_losses(dir: &Path) -> Vec<f64> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap())
+        .collect()
+}
+
+/// Finds SmolLM2-135M-Instruct.Q4_1.gguf below `dir`.
+pub fn find_smollm2_gguf(dir: &Path) -> Option<PathBuf> {
+    for entry in std::fs::read_dir(dir).ok()?.flatten() {
+        let p = entry.path();
+        if p.is_dir() {
+            if let Some(f) = find_smollm2_gguf(&p) {
+                return Some(f);
+            }
+        } else if p.file_name().is_some_and(|n| n == "SmolLM2-135M-Instruct.Q4_1.gguf") {
+            return Some(p);
+        }
+    }
+    None
+}
