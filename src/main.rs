@@ -31,6 +31,9 @@ enum Command {
     /// Full fine-tuning with FSDP-style sharding across ranks (`--world-size N` runs N ranks as
     /// threads of this process).
     Finetune(Box<FinetuneArgs>),
+    /// Turn a sharded checkpoint into a Hugging Face model directory (one CPU process, memory
+    /// about one tensor).
+    Merge(MergeArgs),
     /// Start this node's ranks as processes with torchrun's variables, e.g.
     /// `fsdp-app launch --nproc-per-node 2 -- finetune --model M --data D --output-dir O`.
     Launch(LaunchArgs),
@@ -183,6 +186,33 @@ struct FinetuneArgs {
     /// Largest safetensors file of the final export (e.g. 5GB, 500MB).
     #[arg(long, default_value = "5GB")]
     max_shard_size: String,
+    /// Save a sharded checkpoint (weights, AdamW state, data cursor) to
+    /// OUTPUT/checkpoint-STEP every N steps.
+    #[arg(long)]
+    save_steps: Option<usize>,
+    /// Keep only the newest K checkpoints.
+    #[arg(long)]
+    save_total_limit: Option<usize>,
+    /// Continue from a checkpoint directory, or `latest` (the newest complete one in
+    /// --output-dir). Any world size; the global batch must stay the same.
+    #[arg(long)]
+    resume_from_checkpoint: Option<String>,
+    /// Also write a full Hugging Face export to OUTPUT/export-STEP every N steps.
+    #[arg(long)]
+    save_full_every: Option<usize>,
+}
+
+#[derive(Args)]
+struct MergeArgs {
+    /// A sharded checkpoint directory (OUTPUT/checkpoint-STEP).
+    checkpoint: PathBuf,
+    /// Where the Hugging Face model goes (must not exist, or be empty).
+    out: PathBuf,
+    /// dtype of the written weights: f32 (as trained) or bf16.
+    #[arg(long, default_value = "f32", value_parser = ["bf16", "f32", "f16"])]
+    dtype: String,
+    #[arg(long, default_value = "5GB")]
+    max_shard_size: String,
 }
 
 #[derive(Args)]
@@ -227,6 +257,7 @@ fn main() {
         Command::Generate(a) => run_generate(a),
         Command::Convert(a) => run_convert(a),
         Command::Finetune(a) => run_finetune(*a),
+        Command::Merge(a) => run_merge(a),
         Command::Launch(a) => fsdp_app::dist::launch::launch(&fsdp_app::dist::launch::LaunchConfig {
             nproc_per_node: a.nproc_per_node,
             nnodes: a.nnodes,
@@ -285,6 +316,10 @@ fn run_finetune(a: FinetuneArgs) -> Result<()> {
         reduce_dtype: parse_dtype(&a.reduce_dtype).context("--reduce-dtype")?,
         collective_timeout: std::time::Duration::from_secs(a.collective_timeout),
         backend: a.backend.parse()?,
+        save_steps: a.save_steps,
+        save_total_limit: a.save_total_limit,
+        resume_from: a.resume_from_checkpoint,
+        save_full_every: a.save_full_every,
         max_shard_size: fsdp_app::checkpoint::export::parse_size(&a.max_shard_size).context("--max-shard-size")?,
         verbose: true,
     };
@@ -304,6 +339,21 @@ fn run_finetune(a: FinetuneArgs) -> Result<()> {
         summary.losses.len(),
         start.elapsed().as_secs_f64(),
         summary.losses.last().copied().unwrap_or(f64::NAN),
+        peak_rss_bytes().map(human_bytes).unwrap_or_else(|| "n/a".into())
+    );
+    Ok(())
+}
+
+fn run_merge(a: MergeArgs) -> Result<()> {
+    let start = Instant::now();
+    let dtype = parse_dtype(&a.dtype)?;
+    let max = fsdp_app::checkpoint::export::parse_size(&a.max_shard_size).context("--max-shard-size")?;
+    let out = fsdp_app::checkpoint::sharded::merge(&a.checkpoint, &a.out, dtype, max)?;
+    eprintln!(
+        "merged {} -> {} in {:.1}s, peak RSS {}",
+        a.checkpoint.display(),
+        out.display(),
+        start.elapsed().as_secs_f64(),
         peak_rss_bytes().map(human_bytes).unwrap_or_else(|| "n/a".into())
     );
     Ok(())

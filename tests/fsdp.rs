@@ -51,6 +51,10 @@ fn reference_config(model: &Path, out: &Path) -> FinetuneConfig {
         collective_timeout: Duration::from_secs(60),
         backend: fsdp_app::train::finetune::Backend::Auto,
         max_shard_size: 5_000_000_000,
+        save_steps: None,
+        save_total_limit: None,
+        resume_from: None,
+        save_full_every: None,
         verbose: false,
     }
 }

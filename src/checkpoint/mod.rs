@@ -5,6 +5,7 @@ pub mod export;
 pub mod hub;
 pub mod load;
 pub mod resolve;
+pub mod sharded;
 pub mod write;
 
 pub use load::{load_model, parse_dtype, read_model_config, LoadedModel};

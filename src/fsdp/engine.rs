@@ -27,6 +27,27 @@ pub struct FsdpOptions {
     pub reduce_dtype: DType,
 }
 
+/// The three per-parameter parts of the state a checkpoint carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StatePart {
+    Master,
+    ExpAvg,
+    ExpAvgSq,
+}
+
+impl StatePart {
+    pub const ALL: [StatePart; 3] = [StatePart::Master, StatePart::ExpAvg, StatePart::ExpAvgSq];
+
+    /// Suffix of the part's tensor names in checkpoint files.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            StatePart::Master => "",
+            StatePart::ExpAvg => ".exp_avg",
+            StatePart::ExpAvgSq => ".exp_avg_sq",
+        }
+    }
+}
+
 struct UnitState {
     plan: UnitPlan,
     /// This rank's fp32 chunk of each parameter (padded rows included).
@@ -141,6 +162,11 @@ impl FsdpEngine {
     /// Fills unit `u` from rank 0: rank 0 passes every parameter's full values (`Some`), the
     /// others `None`; each rank receives only its chunks (one scatter per unit).
     pub fn load_unit(&mut self, u: usize, full: Option<HashMap<String, Vec<f32>>>) -> Result<()> {
+        self.load_unit_part(u, StatePart::Master, full)
+    }
+
+    /// Like `load_unit`, for one part of the state (weights or an AdamW moment).
+    pub fn load_unit_part(&mut self, u: usize, part: StatePart, full: Option<HashMap<String, Vec<f32>>>) -> Result<()> {
         let world = &self.groups.world;
         let shard_size = self.groups.shard.world_size();
         let plan = &self.units[u].plan;
@@ -168,9 +194,27 @@ impl FsdpEngine {
         let mine = world.scatter(0, chunks)?;
         let unit = &mut self.units[u];
         for (i, p) in unit.plan.params.iter().enumerate() {
-            unit.master[i].copy_from_slice(&mine[p.offset..p.offset + p.chunk_len()]);
+            let dst = match part {
+                StatePart::Master => &mut unit.master[i],
+                StatePart::ExpAvg => &mut unit.adam[i].exp_avg,
+                StatePart::ExpAvgSq => &mut unit.adam[i].exp_avg_sq,
+            };
+            dst.copy_from_slice(&mine[p.offset..p.offset + p.chunk_len()]);
         }
         Ok(())
+    }
+
+    /// This rank's chunk of every parameter: (layout, weights, exp_avg, exp_avg_sq), in unit
+    /// order. What a sharded checkpoint stores.
+    pub fn shard_state(&self) -> Vec<(&super::plan::ParamLayout, &[f32], &[f32], &[f32])> {
+        self.units
+            .iter()
+            .flat_map(|u| {
+                u.plan.params.iter().enumerate().map(move |(i, p)| {
+                    (p, u.master[i].as_slice(), u.adam[i].exp_avg.as_slice(), u.adam[i].exp_avg_sq.as_slice())
+                })
+            })
+            .collect()
     }
 
     /// All-gathers unit `u` (one collective) into full f32 parameters, each a `Var` built over

@@ -14,10 +14,11 @@ use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 
 use crate::checkpoint::export::ShardedExport;
+use crate::checkpoint::sharded::{self, CheckpointReader, SaveExtras};
 use crate::checkpoint::{load, resolve_model};
 use crate::dist::all_reduce_scalar;
 use crate::dist::env::DistEnv;
-use crate::fsdp::engine::{FsdpEngine, FsdpOptions, ProcessGroups};
+use crate::fsdp::engine::{FsdpEngine, FsdpOptions, ProcessGroups, StatePart};
 use crate::fsdp::optim::{lr_multiplier, AdamWConfig, Schedule};
 use crate::fsdp::plan::{plan_units, ShardingStrategy, WrapPolicy};
 use crate::memory::{human_bytes, peak_rss_bytes};
@@ -53,6 +54,14 @@ pub struct FinetuneConfig {
     pub collective_timeout: Duration,
     pub backend: Backend,
     pub max_shard_size: usize,
+    /// Save a sharded checkpoint every this many steps.
+    pub save_steps: Option<usize>,
+    /// Keep only the newest K checkpoints.
+    pub save_total_limit: Option<usize>,
+    /// A checkpoint directory, or "latest" (newest complete one under the output directory).
+    pub resume_from: Option<String>,
+    /// Also write a full Hugging Face export to OUTPUT/export-STEP every this many steps.
+    pub save_full_every: Option<usize>,
     /// Print per-step lines and a progress bar (rank 0).
     pub verbose: bool,
 }
@@ -98,8 +107,13 @@ pub fn validate(cfg: &FinetuneConfig) -> Result<()> {
     if !cfg.data.is_file() {
         bail!("--data {}: no such file", cfg.data.display());
     }
-    if cfg.output_dir.exists() && std::fs::read_dir(&cfg.output_dir)?.next().is_some() {
-        bail!("--output-dir {} exists and is not empty", cfg.output_dir.display());
+    if cfg.resume_from.is_none() && cfg.output_dir.exists() && std::fs::read_dir(&cfg.output_dir)?.next().is_some() {
+        bail!("--output-dir {} exists and is not empty (to continue a run there, add --resume-from-checkpoint latest)", cfg.output_dir.display());
+    }
+    for (name, v) in [("--save-steps", cfg.save_steps), ("--save-total-limit", cfg.save_total_limit), ("--save-full-every", cfg.save_full_every)] {
+        if v == Some(0) {
+            bail!("{name} must be positive");
+        }
     }
     Ok(())
 }
@@ -318,31 +332,120 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
     };
     let adam = AdamWConfig { lr: cfg.lr, weight_decay: cfg.weight_decay, ..Default::default() };
     let mut engine = FsdpEngine::new(staged.clone(), plan, groups_ref.clone(), opts, adam, cfg.weight_decay_all)?;
-    let weights = match &files {
-        Some(f) => {
-            let stored = load::read_weight_headers(&f.weights)?;
-            load::check_tensors(&model_cfg, &stored, &f.source)?;
-            Some(stored)
+    let n_units = engine.units().count();
+    let load_start = Instant::now();
+    // Resuming: rank 0 finds and verifies the checkpoint and checks it belongs to this model and
+    // batch; the others learn the step (or the error) from it.
+    let resume = match &cfg.resume_from {
+        Some(from) => {
+            let found = if is_root {
+                Some((|| -> Result<(CheckpointReader, Value)> {
+                    let (dir, manifest) = if from == "latest" {
+                        sharded::find_latest(&cfg.output_dir)?
+                    } else {
+                        let dir = PathBuf::from(from);
+                        let m = sharded::verify(&dir)?;
+                        (dir, m)
+                    };
+                    let reader = CheckpointReader::open(&dir, manifest)?;
+                    let ckpt_config = String::from_utf8(reader.side_file("config.json").unwrap_or_default()).unwrap_or_default();
+                    if sharded::sha256_hex(bytes.config.as_bytes()) != reader.manifest.config_sha256 {
+                        bail!(
+                            "{} was saved from another model or config: {}",
+                            dir.display(),
+                            sharded::config_differences(&ckpt_config, &bytes.config).join("; ")
+                        );
+                    }
+                    let mut ours: Vec<(String, Vec<usize>)> =
+                        engine.units().flat_map(|u| u.params.iter().map(|p| (p.spec.name.clone(), p.spec.shape.clone()))).collect();
+                    ours.sort();
+                    let theirs: Vec<(String, Vec<usize>)> = reader.manifest.params.iter().map(|p| (p.name.clone(), p.shape.clone())).collect();
+                    if ours != theirs {
+                        bail!("{}: its parameters differ from this model's", dir.display());
+                    }
+                    let state: Value = serde_json::from_slice(&reader.side_file(sharded::TRAINER_STATE).context("trainer_state.json")?)?;
+                    let saved_batch = state["global_batch"].as_u64().unwrap_or(0) as usize;
+                    if saved_batch != global_batch {
+                        bail!(
+                            "{} was saved with a global batch of {saved_batch} sequences; this run has {global_batch} \
+                             (batch size {} x {world} ranks x {} accumulation): keep the global batch to resume",
+                            dir.display(),
+                            cfg.batch_size,
+                            cfg.grad_accum
+                        );
+                    }
+                    Ok((reader, state))
+                })())
+            } else {
+                None
+            };
+            let msg = match &found {
+                Some(Ok((reader, state))) => json!({"ok": true, "step": reader.manifest.step, "dir": reader.dir, "state": state}),
+                Some(Err(e)) => json!({"ok": false, "error": format!("{e:#}")}),
+                None => Value::Null,
+            };
+            let shared: Value = serde_json::from_slice(&groups_ref.world.broadcast_bytes(0, is_root.then(|| msg.to_string().into_bytes()))?)?;
+            if shared["ok"] != json!(true) {
+                match found {
+                    Some(Err(e)) => return Err(e),
+                    _ => bail!("rank 0 could not resume: {}", shared["error"].as_str().unwrap_or("?")),
+                }
+            }
+            Some((found.map(|f| f.unwrap().0), shared["step"].as_u64().unwrap_or(0)))
         }
         None => None,
     };
-    let n_units = engine.units().count();
-    let load_start = Instant::now();
-    for u in 0..n_units {
-        let full = match &weights {
-            Some(st) => {
-                let mut m = std::collections::HashMap::new();
-                for p in &engine.units().nth(u).unwrap().params {
-                    // One unit's tensors at a time: rank 0's extra memory is about one unit.
-                    m.insert(p.spec.name.clone(), st[&p.spec.name].read_f32()?);
+    match &resume {
+        Some((reader, step)) => {
+            for u in 0..n_units {
+                for part in StatePart::ALL {
+                    let full = match reader {
+                        Some(r) => {
+                            let mut m = std::collections::HashMap::new();
+                            for p in &engine.units().nth(u).unwrap().params {
+                                m.insert(p.spec.name.clone(), r.read(&p.spec.name, part)?);
+                            }
+                            Some(m)
+                        }
+                        None => None,
+                    };
+                    engine.load_unit_part(u, part, full)?;
                 }
-                Some(m)
             }
-            None => None,
-        };
-        engine.load_unit(u, full)?;
+            engine.step = *step;
+            if is_root && cfg.verbose {
+                eprintln!("resumed from {} at step {step}", reader.as_ref().unwrap().dir.display());
+            }
+        }
+        None => {
+            let weights = match &files {
+                Some(f) => {
+                    let stored = load::read_weight_headers(&f.weights)?;
+                    load::check_tensors(&model_cfg, &stored, &f.source)?;
+                    Some(stored)
+                }
+                None => None,
+            };
+            for u in 0..n_units {
+                let full = match &weights {
+                    Some(st) => {
+                        let mut m = std::collections::HashMap::new();
+                        for p in &engine.units().nth(u).unwrap().params {
+                            // One unit's tensors at a time: rank 0's extra memory is about one unit.
+                            m.insert(p.spec.name.clone(), st[&p.spec.name].read_f32()?);
+                        }
+                        Some(m)
+                    }
+                    None => None,
+                };
+                engine.load_unit(u, full)?;
+            }
+        }
     }
-    drop(weights);
+    let start_step = engine.step as usize;
+    if start_step > total_steps {
+        bail!("the checkpoint is at step {start_step}, past this run's {total_steps} steps");
+    }
     let (pb, gb, ob) = engine.memory_bytes();
     let mut bytes_all = [pb as f64, gb as f64, ob as f64].repeat(world);
     bytes_all.iter_mut().enumerate().for_each(|(i, x)| if i / 3 != rank { *x = 0.0 });
@@ -374,22 +477,34 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
     // 4. Training.
     std::fs::create_dir_all(&cfg.output_dir).ok();
     let mut metrics = if is_root {
-        Some(std::fs::File::create(cfg.output_dir.join("metrics.jsonl")).context("creating metrics.jsonl")?)
+        // Appended to when resuming: the file keeps the whole run's history.
+        Some(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .truncate(false)
+                .open(cfg.output_dir.join("metrics.jsonl"))
+                .context("opening metrics.jsonl")?,
+        )
     } else {
         None
     };
     let progress = (is_root && cfg.verbose).then(|| {
         let pb = indicatif::ProgressBar::new(total_steps as u64);
+        pb.set_position(start_step as u64);
         pb.set_style(indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps {msg}").unwrap());
         pb
     });
     let mut losses = vec![];
     let mut grad_norms = vec![];
-    let mut order = epoch_order(samples.len(), 0, cfg.seed, cfg.shuffle);
-    for step in 0..total_steps {
+    // The data order is a pure function of (seed, epoch), so the cursor is the step.
+    let mut order_epoch = start_step / steps_per_epoch;
+    let mut order = epoch_order(samples.len(), order_epoch, cfg.seed, cfg.shuffle);
+    for step in start_step..total_steps {
         let epoch = step / steps_per_epoch;
         let in_epoch = step % steps_per_epoch;
-        if in_epoch == 0 && step > 0 {
+        if epoch != order_epoch {
+            order_epoch = epoch;
             order = epoch_order(samples.len(), epoch, cfg.seed, cfg.shuffle);
         }
         let start = Instant::now();
@@ -452,12 +567,55 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
                 pb.inc(1);
             }
         }
+        let done = step + 1;
+        if cfg.save_steps.is_some_and(|n| done % n == 0) {
+            let t = Instant::now();
+            let trainer_state = json!({
+                "step": done, "epoch": done / steps_per_epoch, "samples_seen": done * global_batch,
+                "global_batch": global_batch, "seed": cfg.seed, "shuffle": cfg.shuffle,
+                "lr_schedule": {"type": format!("{:?}", cfg.schedule).to_lowercase(), "base_lr": cfg.lr,
+                                "warmup_steps": cfg.warmup_steps, "total_steps": total_steps},
+                // The only randomness in training is the data order, a function of (seed, epoch).
+                "rng": {"shuffle_seed": cfg.seed},
+            });
+            let extras = SaveExtras {
+                trainer_state,
+                side_files: &bytes.side_files,
+                strategy: format!("{:?}", cfg.strategy),
+                total_limit: cfg.save_total_limit,
+            };
+            let dir = sharded::save(&engine, groups_ref, &cfg.output_dir, &extras)?;
+            if is_root && cfg.verbose {
+                eprintln!("saved {} in {:.2}s", dir.display(), t.elapsed().as_secs_f64());
+            }
+        }
+        if cfg.save_full_every.is_some_and(|n| done % n == 0) && done != total_steps {
+            export_full(&engine, staged.as_ref(), &model_cfg, &bytes.side_files, &cfg.output_dir.join(format!("export-{done}")), cfg.max_shard_size, is_root)?;
+        }
     }
     if let Some(pb) = progress {
         pb.finish_and_clear();
     }
 
     // 5. Export: unit by unit, gathered on every shard-group rank, written by rank 0.
+    export_full(&engine, staged.as_ref(), &model_cfg, &bytes.side_files, &cfg.output_dir, cfg.max_shard_size, is_root)?;
+    if is_root && cfg.verbose {
+        eprintln!("wrote {} (loadable with `fsdp-app generate --model {}`)", cfg.output_dir.display(), cfg.output_dir.display());
+    }
+    Ok(is_root.then(|| RunSummary { losses, grad_norms, rank_bytes, total_params, output_dir: cfg.output_dir.clone() }))
+}
+
+/// Writes the full Hugging Face model into `dir`: each unit is gathered on every rank of the
+/// shard group and rank 0 streams it into the safetensors files, so memory stays at one unit.
+fn export_full(
+    engine: &FsdpEngine,
+    model: &dyn models::StagedModel,
+    model_cfg: &models::ModelConfig,
+    side_files: &[(String, Vec<u8>)],
+    dir: &Path,
+    max_shard_size: usize,
+    is_root: bool,
+) -> Result<()> {
     let save_dtype = match model_cfg.stored_dtype.as_deref() {
         Some("bfloat16") => DType::BF16,
         Some("float16") => DType::F16,
@@ -465,13 +623,12 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
     };
     let mut export = if is_root {
         // Checkpoint order (embeddings, layers, norm, head), so the shards read naturally.
-        let order = staged.parameters();
-        let specs: Vec<(String, Vec<usize>)> = order.iter().map(|t| (t.name.clone(), t.shape.clone())).collect();
-        Some(ShardedExport::new(&cfg.output_dir, save_dtype, cfg.max_shard_size, &specs)?)
+        let specs: Vec<(String, Vec<usize>)> = model.parameters().iter().map(|t| (t.name.clone(), t.shape.clone())).collect();
+        Some(ShardedExport::new(dir, save_dtype, max_shard_size, &specs)?)
     } else {
         None
     };
-    for u in 0..n_units {
+    for u in 0..engine.units().count() {
         let full = engine.full_unit(u)?;
         if let Some(ex) = export.as_mut() {
             for (n, t) in &full {
@@ -479,13 +636,9 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
             }
         }
     }
-    groups_ref.world.barrier()?;
+    engine.groups().world.barrier()?;
     if let Some(ex) = export {
-        ex.finish(&bytes.side_files)?;
-        if cfg.verbose {
-            eprintln!("wrote {} (loadable with `fsdp-app generate --model {}`)", cfg.output_dir.display(), cfg.output_dir.display());
-        }
+        ex.finish(side_files)?;
     }
-    Ok(is_root.then(|| RunSummary { losses, grad_norms, rank_bytes, total_params, output_dir: cfg.output_dir.clone() }))
+    Ok(())
 }
-

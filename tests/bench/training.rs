@@ -81,6 +81,10 @@ fn config(model: &Path, data: &Path, out: &Path, world: usize) -> FinetuneConfig
         collective_timeout: Duration::from_secs(600),
         backend: Backend::Auto,
         max_shard_size: 5_000_000_000,
+        save_steps: None,
+        save_total_limit: None,
+        resume_from: None,
+        save_full_every: None,
         verbose: false,
     }
 }
