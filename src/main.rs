@@ -331,11 +331,16 @@ fn run_finetune(a: FinetuneArgs) -> Result<()> {
     }
     let start = Instant::now();
     let Some(summary) = fsdp_app::train::finetune::run(&cfg, env.as_ref())? else {
-        // A rank other than 0: rank 0 reports for the job.
+        // A rank other than 0: rank 0 reports for the job; each process reports its own memory.
+        eprintln!(
+            "rank {}: done, peak RSS of this process {}",
+            env.as_ref().map(|e| e.rank).unwrap_or(0),
+            peak_rss_bytes().map(human_bytes).unwrap_or_else(|| "n/a".into())
+        );
         return Ok(());
     };
     eprintln!(
-        "finetune: {} steps in {:.1}s, final loss {:.4}, peak RSS of this process {}",
+        "rank 0: finetune: {} steps in {:.1}s, final loss {:.4}, peak RSS of this process {}",
         summary.losses.len(),
         start.elapsed().as_secs_f64(),
         summary.losses.last().copied().unwrap_or(f64::NAN),

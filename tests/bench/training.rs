@@ -180,7 +180,7 @@ fn main() -> anyhow::Result<()> {
         .arg(&exe)
         .args(["finetune", "--model", big.to_str().unwrap(), "--data", big_data.to_str().unwrap(), "--output-dir"])
         .arg(&out)
-        .args(["--seq-len", "64", "--batch-size", "1", "--max-steps", "2", "--backend", "mpi", "--activation-checkpointing"])
+        .args(["--seq-len", "64", "--batch-size", "1", "--max-steps", "2", "--backend", "mpi", "--activation-checkpointing", "--save-steps", "2"])
         .env("RAYON_NUM_THREADS", "1")
         .output()?;
     if !o.status.success() {
@@ -207,5 +207,18 @@ fn main() -> anyhow::Result<()> {
         "| naive: every rank holding the whole model + its fp32 shard state | {} |",
         human_bytes(naive_rss.unwrap_or(weights_bytes) + (weights_bytes * 4) / 4)
     );
+    let process_peaks: Vec<&str> = log.lines().filter(|l| l.contains("peak RSS of this process")).collect();
+    let save_line = log.lines().find(|l| l.starts_with("saved ")).unwrap_or("(no save line)");
+    println!("\nSharded checkpoint of the same job (weights + AdamW moments, 4 ranks): {save_line}");
+    println!("peak RSS of each process over the whole run (training, save, export):");
+    for l in process_peaks {
+        println!("  {l}");
+    }
+    let ckpt = out.join("checkpoint-2");
+    let merged = tmp.path().join("merged");
+    let t = std::time::Instant::now();
+    let m = Command::new(&exe).arg("merge").arg(&ckpt).arg(&merged).output()?;
+    let merge_line = String::from_utf8_lossy(&m.stderr).lines().last().unwrap_or("").to_string();
+    println!("merge (one process): {:.1}s wall; {merge_line}", t.elapsed().as_secs_f64());
     Ok(())
 }
