@@ -40,14 +40,23 @@ fn mpirun_gives_the_local_loss_curve() {
         let o = run_cli(&args.iter().map(String::as_str).collect::<Vec<_>>(), &[]);
         assert!(o.status.success(), "{}", stderr(&o));
         let mpi_out = tmp.path().join(format!("mpi{np}"));
-        let args = run(&mpi_out, &["--backend", "mpi"]);
+        // Saving a checkpoint exercises the byte broadcasts and agreement collectives too.
+        let args = run(&mpi_out, &["--backend", "mpi", "--save-steps", "3"]);
         let o = mpirun(np, &args.iter().map(String::as_str).collect::<Vec<_>>());
         assert!(o.status.success(), "{}", stderr(&o));
+        assert!(mpi_out.join("checkpoint-6").join("manifest.json").exists());
         let (a, b) = (metric_losses(&mpi_out), metric_losses(&local_out));
         assert_eq!(a.len(), 6);
         for (x, y) in a.iter().zip(&b) {
             assert!((x - y).abs() / y.abs() < 1e-6, "np {np}: mpi {a:?} vs local {b:?}");
         }
+        // Resume from step 3 under mpirun: the same last three losses.
+        let resumed = tmp.path().join(format!("resumed{np}"));
+        let ckpt = mpi_out.join("checkpoint-3");
+        let args = run(&resumed, &["--backend", "mpi", "--resume-from-checkpoint", ckpt.to_str().unwrap()]);
+        let o = mpirun(np, &args.iter().map(String::as_str).collect::<Vec<_>>());
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert_eq!(metric_losses(&resumed), a[3..].to_vec());
     }
 }
 

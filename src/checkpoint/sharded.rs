@@ -28,6 +28,8 @@ const FORMAT: &str = "fsdp-app-sharded-v1";
 pub struct ParamEntry {
     pub name: String,
     pub shape: Vec<usize>,
+    /// dtype of the stored weights and moments (always fp32 master state).
+    pub dtype: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -291,7 +293,7 @@ pub fn save(engine: &FsdpEngine, groups: &ProcessGroups, output_dir: &Path, extr
 fn engine_params(engine: &FsdpEngine) -> Vec<ParamEntry> {
     let mut v: Vec<ParamEntry> = engine
         .units()
-        .flat_map(|u| u.params.iter().map(|p| ParamEntry { name: p.spec.name.clone(), shape: p.spec.shape.clone() }))
+        .flat_map(|u| u.params.iter().map(|p| ParamEntry { name: p.spec.name.clone(), shape: p.spec.shape.clone(), dtype: "F32".into() }))
         .collect();
     v.sort_by(|a, b| a.name.cmp(&b.name));
     v

@@ -68,6 +68,9 @@ impl Collective for MpiGroup {
     }
     fn all_gather(&self, shard: &[f32]) -> Result<Vec<f32>> {
         let mut out = vec![0f32; shard.len() * self.world_size()];
+        if shard.is_empty() {
+            return Ok(out);
+        }
         self.comm.all_gather_into(shard, &mut out[..]);
         Ok(out)
     }
@@ -94,6 +97,9 @@ impl Collective for MpiGroup {
         let is_root = self.rank() == root;
         let len = self.broadcast_len(root, chunks.as_ref().and_then(|c| c.first()).map(Vec::len));
         let mut out = vec![0f32; len];
+        if len == 0 {
+            return Ok(out);
+        }
         let root_proc = self.comm.process_at_rank(root as i32);
         if is_root {
             let chunks = chunks.context("scatter: the root has no chunks")?;
@@ -110,7 +116,10 @@ impl Collective for MpiGroup {
     fn broadcast_bytes(&self, root: usize, bytes: Option<Vec<u8>>) -> Result<Vec<u8>> {
         let len = self.broadcast_len(root, bytes.as_ref().map(Vec::len));
         let mut buf = bytes.unwrap_or_else(|| vec![0u8; len]);
-        self.comm.process_at_rank(root as i32).broadcast_into(&mut buf[..]);
+        // MPI rejects the dangling pointer of an empty buffer: nothing to send then.
+        if len > 0 {
+            self.comm.process_at_rank(root as i32).broadcast_into(&mut buf[..]);
+        }
         Ok(buf)
     }
     fn barrier(&self) -> Result<()> {
