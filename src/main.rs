@@ -112,9 +112,21 @@ struct FinetuneArgs {
     model: String,
     #[arg(long)]
     revision: Option<String>,
-    /// JSONL training data: {"text": ...} rows, or pre-tokenised {"input_ids": [...], "labels": [...]}.
+    /// Training data, JSONL (a row per line) or JSON (an array): {"text"}, {"prompt",
+    /// "completion"}, {"messages": [{"role", "content"}]}, ShareGPT {"conversations": [{"from",
+    /// "value"}]}, Alpaca {"instruction", "input", "output"}, or {"input_ids", "labels"}.
     #[arg(long)]
     data: PathBuf,
+    /// Which tokens the loss is on: auto (assistant turns of chats, completions, all of text),
+    /// all, completion (the last assistant turn / the completion) or assistant (every assistant turn).
+    #[arg(long, default_value = "auto")]
+    train_on: String,
+    /// Skip rows that cannot be read (and report how many) instead of stopping.
+    #[arg(long)]
+    skip_bad_rows: bool,
+    /// Print the first training sample with the parts that are not trained on marked.
+    #[arg(long)]
+    show_sample: bool,
     /// Where metrics.jsonl and the final Hugging Face model go (must be empty or absent).
     #[arg(long)]
     output_dir: PathBuf,
@@ -320,6 +332,9 @@ fn run_finetune(a: FinetuneArgs) -> Result<()> {
         save_total_limit: a.save_total_limit,
         resume_from: a.resume_from_checkpoint,
         save_full_every: a.save_full_every,
+        train_on: a.train_on.parse()?,
+        skip_bad_rows: a.skip_bad_rows,
+        show_sample: a.show_sample,
         max_shard_size: fsdp_app::checkpoint::export::parse_size(&a.max_shard_size).context("--max-shard-size")?,
         verbose: true,
     };

@@ -55,6 +55,9 @@ fn reference_config(model: &Path, out: &Path) -> FinetuneConfig {
         save_total_limit: None,
         resume_from: None,
         save_full_every: None,
+        train_on: fsdp_app::train::data::TrainOn::Auto,
+        skip_bad_rows: false,
+        show_sample: false,
         verbose: false,
     }
 }
@@ -321,5 +324,47 @@ fn bad_settings_fail_before_loading_weights() {
     std::fs::write(&bad, "{\"text\": \"ok\"}\n{\"text\": 5}\n").unwrap();
     let out = tmp.path().join("bad-out");
     let o = run_cli(&["finetune", "--model", model.to_str().unwrap(), "--data", bad.to_str().unwrap(), "--output-dir", out.to_str().unwrap()], &[]);
-    check(o, &["bad.jsonl:2", "`text` is not a string"]);
+    check(o, &["bad.jsonl:2", "field `text` must be a string"]);
+}
+
+#[test]
+fn chat_rows_train_on_assistant_turns_rendered_with_the_models_template() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("llama", tmp.path());
+    let data = tmp.path().join("chat.jsonl");
+    let rows: Vec<String> = (0..8)
+        .map(|i| {
+            serde_json::json!({"messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": format!("What is {i} plus {i}?")},
+                {"role": "assistant", "content": format!("It is {}.", 2 * i)},
+            ]})
+            .to_string()
+        })
+        .collect();
+    std::fs::write(&data, rows.join("\n")).unwrap();
+    let out = tmp.path().join("run");
+    let o = run_cli(
+        &["finetune", "--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap(),
+          "--seq-len", "64", "--batch-size", "2", "--max-steps", "2", "--show-sample", "--world-size", "2"],
+        &[],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let log = stderr(&o);
+    // The template's system/user parts are masked; the assistant's answer (and its end token) is trained.
+    assert!(
+        log.contains("[masked]<|endoftext|><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 0 plus 0?<|im_end|>\n<|im_start|>assistant\n[/masked]It is 0.<|im_end|>"),
+        "{log}"
+    );
+    assert!(log.contains("data: 8 rows -> 8 samples of 64 tokens (0 skipped, 0 truncated)"), "{log}");
+    assert!(log.contains("padding efficiency"), "{log}");
+    // A file where nothing is trained on is refused before any weight is read.
+    let none = tmp.path().join("none.jsonl");
+    std::fs::write(&none, "{\"input_ids\": [1, 2, 3], \"labels\": [-100, -100, -100]}\n").unwrap();
+    let o = run_cli(
+        &["finetune", "--model", model.to_str().unwrap(), "--data", none.to_str().unwrap(), "--output-dir",
+          tmp.path().join("x").to_str().unwrap(), "--seq-len", "8"],
+        &[],
+    );
+    assert!(!o.status.success() && stderr(&o).contains("no token is trained on"), "{}", stderr(&o));
 }

@@ -65,6 +65,33 @@ impl TextTokenizer {
         Ok(Self { inner, bos_token, eos_token, chat_template })
     }
 
+    /// Builds a tokenizer from file contents (as they travel from rank 0): tokenizer.json,
+    /// tokenizer_config.json and chat_template.jinja, each optional but the first.
+    pub fn from_bytes(tokenizer_json: &[u8], tokenizer_config: Option<&[u8]>, chat_template_jinja: Option<&[u8]>) -> Result<Self> {
+        let inner = Tokenizer::from_bytes(tokenizer_json).map_err(|e| anyhow::anyhow!("tokenizer.json: {e}"))?;
+        let tok_cfg: Value = match tokenizer_config {
+            Some(b) => serde_json::from_slice(b).context("tokenizer_config.json: invalid JSON")?,
+            None => Value::Null,
+        };
+        let bos_token = token_string(tok_cfg.get("bos_token"));
+        let eos_token = token_string(tok_cfg.get("eos_token"));
+        let template_text = match chat_template_jinja {
+            Some(b) => Some(String::from_utf8_lossy(b).to_string()),
+            None => chat::template_text(None, &tok_cfg)?,
+        };
+        let chat_template = match template_text {
+            Some(t) => Some(ChatTemplate::new(&t, bos_token.clone(), eos_token.clone()).context("chat template")?),
+            None => None,
+        };
+        Ok(Self { inner, bos_token, eos_token, chat_template })
+    }
+
+    /// Token ids and each token's byte range in `text`.
+    pub fn encode_with_offsets(&self, text: &str, add_special_tokens: bool) -> Result<(Vec<u32>, Vec<(usize, usize)>)> {
+        let enc = self.inner.encode(text, add_special_tokens).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
+        Ok((enc.get_ids().to_vec(), enc.get_offsets().to_vec()))
+    }
+
     /// Encodes plain text the way transformers' `tokenizer(text)` does (special tokens per the
     /// tokenizer's post-processor, e.g. BOS for Llama 3).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {

@@ -1,12 +1,23 @@
-//! Training data from JSONL: `{"text": ...}` rows (tokenised, concatenated with the eos token
-//! between documents, cut into `seq_len` blocks) or pre-tokenised `{"input_ids": [...],
-//! "labels": [...]}` rows (labels optional, aligned with input_ids; -100 ignored; short rows
-//! right-padded with ignored labels, long rows cut).
+//! Training samples from JSONL or JSON files, with the loss mask that fits each row shape.
+//!
+//! - `text` rows are tokenised, joined with the eos token between documents and cut into
+//!   `seq_len` blocks (every token trained on), as transformers' run_clm does.
+//! - `prompt`/`completion` rows become one sequence, eos appended; by default only the
+//!   completion (and eos) is trained on.
+//! - chat rows are rendered with the model's chat template; by default only assistant tokens are
+//!   trained on. Assistant spans are found by rendering the conversation's prefixes, so templates
+//!   without `{% generation %}` markers work; tokens are matched to spans by their byte offsets.
+//! - pre-tokenised rows keep their labels (aligned with input_ids; -100 ignored).
+//!
+//! Sequences are right-padded to `seq_len` with ignored labels and cut when longer.
 
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
+
+use super::formats::{parse_row, Example};
+use crate::tokenize::ChatTemplate;
 
 pub const IGNORE_INDEX: i64 = -100;
 
@@ -15,6 +26,8 @@ pub const IGNORE_INDEX: i64 = -100;
 pub struct Sample {
     pub input_ids: Vec<u32>,
     pub labels: Vec<i64>,
+    /// Tokens before padding.
+    pub len: usize,
 }
 
 impl Sample {
@@ -24,86 +37,235 @@ impl Sample {
     }
 }
 
-/// Encodes text; given by the caller so that data code does not depend on a tokenizer type.
-pub type Encode<'a> = &'a dyn Fn(&str) -> Result<Vec<u32>>;
+/// Which tokens the loss is taken on (`--train-on`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TrainOn {
+    /// Chat: assistant messages; prompt/completion: the completion; text: everything.
+    Auto,
+    /// Every token.
+    All,
+    /// Chat: the last assistant message; prompt/completion: the completion.
+    Completion,
+    /// Chat: every assistant message; prompt/completion: the completion.
+    Assistant,
+}
 
-pub fn load_jsonl(path: &Path, seq_len: usize, encode: Encode, eos_id: Option<u32>, pad_id: u32) -> Result<Vec<Sample>> {
+impl std::str::FromStr for TrainOn {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s {
+            "auto" => Self::Auto,
+            "all" => Self::All,
+            "completion" => Self::Completion,
+            "assistant" => Self::Assistant,
+            other => bail!("--train-on {other:?}: use all, completion or assistant"),
+        })
+    }
+}
+
+/// What the data code needs from the model's tokenizer.
+pub struct TextTools<'a> {
+    /// Token ids and their byte ranges in `text`.
+    pub encode: &'a dyn Fn(&str, bool) -> Result<(Vec<u32>, Vec<(usize, usize)>)>,
+    pub decode: &'a dyn Fn(&[u32]) -> Result<String>,
+    pub template: Option<&'a ChatTemplate>,
+    pub eos_id: Option<u32>,
+    pub pad_id: u32,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct DataOptions {
+    pub seq_len: usize,
+    pub train_on: TrainOn,
+    pub skip_bad_rows: bool,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Dataset {
+    pub samples: Vec<Sample>,
+    pub rows: usize,
+    pub skipped: usize,
+    pub truncated: usize,
+    /// Target tokens over all samples.
+    pub supervised_tokens: usize,
+}
+
+impl Dataset {
+    /// Share of sequence positions holding real tokens (the rest is padding).
+    pub fn padding_efficiency(&self, seq_len: usize) -> f64 {
+        let real: usize = self.samples.iter().map(|s| s.len).sum();
+        real as f64 / (self.samples.len() * seq_len).max(1) as f64
+    }
+}
+
+/// Rows of a `.jsonl` file (one object per line) or a `.json` file (an array of objects), each
+/// with its line number (JSON arrays: the element's 1-based index).
+fn read_rows(path: &Path) -> Result<Vec<(usize, Result<Value>)>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
-    let mut samples = vec![];
-    let mut stream: Vec<u32> = vec![];
-    let mut kind: Option<&'static str> = None;
-    for (i, line) in text.lines().enumerate() {
-        let lineno = i + 1;
-        if line.trim().is_empty() {
-            continue;
-        }
-        let row: Value = serde_json::from_str(line)
-            .map_err(|e| anyhow::anyhow!("{}:{lineno}: not valid JSON: {e}", path.display()))?;
-        let this_kind = if row.get("input_ids").is_some() {
-            "input_ids"
-        } else if row.get("text").is_some() {
-            "text"
-        } else {
-            bail!("{}:{lineno}: row has neither `text` nor `input_ids`", path.display());
-        };
-        if *kind.get_or_insert(this_kind) != this_kind {
-            bail!("{}:{lineno}: row uses `{this_kind}` but earlier rows use `{}`; one file, one kind", path.display(), kind.unwrap());
-        }
-        if this_kind == "text" {
-            let t = row["text"].as_str().with_context(|| format!("{}:{lineno}: field `text` is not a string", path.display()))?;
-            stream.extend(encode(t).with_context(|| format!("{}:{lineno}", path.display()))?);
-            if let Some(eos) = eos_id {
-                stream.push(eos);
-            }
-        } else {
-            samples.push(pretokenized(&row, seq_len, pad_id).with_context(|| format!("{}:{lineno}", path.display()))?);
-        }
+    let is_json_array = path.extension().is_some_and(|e| e == "json") || text.trim_start().starts_with('[');
+    if is_json_array {
+        let v: Value = serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{}:{}: not valid JSON: {e}", path.display(), e.line()))?;
+        let rows = v.as_array().with_context(|| format!("{}: a .json data file must hold an array of rows", path.display()))?;
+        return Ok(rows.iter().enumerate().map(|(i, r)| (i + 1, Ok(r.clone()))).collect());
     }
-    if kind == Some("text") {
-        // Whole blocks only, as transformers' run_clm does.
-        for block in stream.chunks_exact(seq_len) {
-            samples.push(Sample { input_ids: block.to_vec(), labels: block.iter().map(|&x| x as i64).collect() });
-        }
-        if samples.is_empty() {
-            bail!("{}: {} tokens in all, fewer than one block of --seq-len {seq_len}", path.display(), stream.len());
-        }
-    }
-    if samples.is_empty() {
-        bail!("{}: no rows", path.display());
-    }
-    Ok(samples)
+    Ok(text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| (i + 1, serde_json::from_str(l).map_err(|e| anyhow::anyhow!("not valid JSON: {e}"))))
+        .collect())
 }
 
-fn id_list(row: &Value, field: &str) -> Result<Option<Vec<i64>>> {
-    match row.get(field) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Array(a)) => a
-            .iter()
-            .map(|x| x.as_i64().with_context(|| format!("field `{field}` must hold integers, found {x}")))
-            .collect::<Result<Vec<_>>>()
-            .map(Some),
-        Some(other) => bail!("field `{field}` must be a list of integers, found {other}"),
-    }
+/// Token labels for `ids` whose byte ranges `offsets` fall inside one of `spans`.
+fn mask_by_spans(ids: &[u32], offsets: &[(usize, usize)], spans: &[(usize, usize)]) -> Vec<i64> {
+    ids.iter()
+        .zip(offsets)
+        .map(|(&id, &(a, b))| {
+            let inside = spans.iter().any(|&(s, e)| a < e && b > s && b > a);
+            if inside { id as i64 } else { IGNORE_INDEX }
+        })
+        .collect()
 }
 
-fn pretokenized(row: &Value, seq_len: usize, pad_id: u32) -> Result<Sample> {
-    let ids = id_list(row, "input_ids")?.context("missing field `input_ids`")?;
-    if ids.is_empty() {
-        bail!("field `input_ids` is empty");
+/// One chat row: the rendered text's tokens and labels.
+fn chat_tokens(messages: &[crate::tokenize::ChatMessage], tools: &TextTools, train_on: TrainOn) -> Result<(Vec<u32>, Vec<i64>)> {
+    let template = tools.template.context("chat rows need a chat template, and this model has none")?;
+    let full = template.render(messages, false)?;
+    let (ids, offsets) = (tools.encode)(&full, false)?;
+    if train_on == TrainOn::All {
+        let labels = ids.iter().map(|&x| x as i64).collect();
+        return Ok((ids, labels));
     }
-    if let Some(bad) = ids.iter().find(|&&x| x < 0 || x > u32::MAX as i64) {
-        bail!("field `input_ids` holds {bad}, not a token id");
-    }
-    let labels = match id_list(row, "labels")? {
-        Some(l) if l.len() != ids.len() => bail!("field `labels` has {} entries but `input_ids` has {}", l.len(), ids.len()),
-        Some(l) => l,
-        None => ids.clone(),
+    let assistant: Vec<usize> = messages.iter().enumerate().filter(|(_, m)| m.role == "assistant").map(|(i, _)| i).collect();
+    let chosen: Vec<usize> = match train_on {
+        TrainOn::Completion => assistant.last().copied().into_iter().collect(),
+        _ => assistant,
     };
-    let mut input_ids: Vec<u32> = ids.iter().take(seq_len).map(|&x| x as u32).collect();
-    let mut labels: Vec<i64> = labels.into_iter().take(seq_len).collect();
-    input_ids.resize(seq_len, pad_id);
-    labels.resize(seq_len, IGNORE_INDEX);
-    Ok(Sample { input_ids, labels })
+    let mut spans = vec![];
+    for i in chosen {
+        let before = template.render(&messages[..i], true)?;
+        let through = template.render(&messages[..=i], false)?;
+        if !full.starts_with(&before) || !full.starts_with(&through) || through.len() < before.len() {
+            bail!(
+                "the chat template does not render the conversation's prefixes as prefixes of the whole, so the assistant \
+                 tokens of message {i} cannot be located; use --train-on all"
+            );
+        }
+        spans.push((before.len(), through.len()));
+    }
+    let labels = mask_by_spans(&ids, &offsets, &spans);
+    Ok((ids, labels))
+}
+
+fn finish(mut ids: Vec<u32>, mut labels: Vec<i64>, opts: &DataOptions, pad_id: u32, truncated: &mut usize) -> Sample {
+    if ids.len() > opts.seq_len {
+        *truncated += 1;
+        ids.truncate(opts.seq_len);
+        labels.truncate(opts.seq_len);
+    }
+    let len = ids.len();
+    ids.resize(opts.seq_len, pad_id);
+    labels.resize(opts.seq_len, IGNORE_INDEX);
+    Sample { input_ids: ids, labels, len }
+}
+
+pub fn load_dataset(path: &Path, opts: &DataOptions, tools: &TextTools) -> Result<Dataset> {
+    let mut out = Dataset::default();
+    let mut stream: Vec<u32> = vec![];
+    let mut longest = 0;
+    for (line, row) in read_rows(path)? {
+        out.rows += 1;
+        let built = (|| -> Result<Option<(Vec<u32>, Vec<i64>)>> {
+            let row = row?;
+            Ok(match parse_row(&row, tools.template.is_some())? {
+                Example::Text(t) => {
+                    stream.extend((tools.encode)(&t, true)?.0);
+                    stream.extend(tools.eos_id);
+                    None
+                }
+                Example::PromptCompletion { prompt, completion } => {
+                    let text = format!("{prompt}{completion}");
+                    let (mut ids, offsets) = (tools.encode)(&text, true)?;
+                    let mut labels = if opts.train_on == TrainOn::All {
+                        ids.iter().map(|&x| x as i64).collect()
+                    } else {
+                        mask_by_spans(&ids, &offsets, &[(prompt.len(), text.len())])
+                    };
+                    if let Some(eos) = tools.eos_id {
+                        ids.push(eos);
+                        labels.push(eos as i64);
+                    }
+                    Some((ids, labels))
+                }
+                Example::Chat(messages) => Some(chat_tokens(&messages, tools, opts.train_on)?),
+                Example::Tokens { input_ids, labels } => {
+                    let ids: Vec<u32> = input_ids.iter().map(|&x| x as u32).collect();
+                    Some((ids, labels.unwrap_or(input_ids)))
+                }
+            })
+        })();
+        match built {
+            Ok(Some((ids, labels))) => {
+                longest = longest.max(ids.len());
+                out.samples.push(finish(ids, labels, opts, tools.pad_id, &mut out.truncated));
+            }
+            Ok(None) => {}
+            Err(e) if opts.skip_bad_rows => {
+                out.skipped += 1;
+                if out.skipped <= 3 {
+                    eprintln!("skipping {}:{line}: {e:#}", path.display());
+                }
+            }
+            Err(e) => return Err(e.context(format!("{}:{line}", path.display()))),
+        }
+    }
+    // Text rows: whole blocks only.
+    for block in stream.chunks_exact(opts.seq_len) {
+        out.samples.push(Sample { input_ids: block.to_vec(), labels: block.iter().map(|&x| x as i64).collect(), len: opts.seq_len });
+    }
+    if out.samples.is_empty() {
+        if !stream.is_empty() {
+            bail!("{}: {} tokens of text in all, fewer than one block of --seq-len {}", path.display(), stream.len(), opts.seq_len);
+        }
+        bail!("{}: no usable rows ({} rows, {} skipped)", path.display(), out.rows, out.skipped);
+    }
+    if out.truncated > 0 && out.truncated == out.samples.len() {
+        bail!(
+            "{}: every one of the {} rows is longer than --seq-len {} (the longest has {longest} tokens); raise --seq-len",
+            path.display(),
+            out.samples.len(),
+            opts.seq_len
+        );
+    }
+    out.supervised_tokens = out.samples.iter().map(Sample::target_tokens).sum();
+    if out.supervised_tokens == 0 {
+        bail!(
+            "{}: no token is trained on (every label is masked); check --train-on and the chat template",
+            path.display()
+        );
+    }
+    Ok(out)
+}
+
+/// One sample as text with the untrained parts marked, for `--show-sample`.
+pub fn describe_sample(s: &Sample, decode: &dyn Fn(&[u32]) -> Result<String>) -> Result<String> {
+    let mut out = String::new();
+    let mut i = 0;
+    while i < s.len {
+        let trained = s.labels[i] != IGNORE_INDEX;
+        let mut j = i;
+        while j < s.len && (s.labels[j] != IGNORE_INDEX) == trained {
+            j += 1;
+        }
+        let text = decode(&s.input_ids[i..j])?;
+        if trained {
+            out.push_str(&text);
+        } else {
+            out.push_str(&format!("[masked]{text}[/masked]"));
+        }
+        i = j;
+    }
+    Ok(out)
 }
 
 /// The order samples are visited in: file order, or a permutation per epoch from the seed.
@@ -124,46 +286,86 @@ pub fn epoch_order(n: usize, epoch: usize, seed: u64, shuffle: bool) -> Vec<usiz
 mod tests {
     use super::*;
 
-    fn write(lines: &str) -> tempfile::NamedTempFile {
-        let f = tempfile::NamedTempFile::new().unwrap();
-        std::fs::write(f.path(), lines).unwrap();
-        f
+    fn write(name: &str, text: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        (d, p)
     }
 
-    fn chars(s: &str) -> Result<Vec<u32>> {
-        Ok(s.bytes().map(|b| b as u32).collect())
+    /// A byte tokenizer: one token per byte, offsets exact.
+    fn bytes(s: &str, _special: bool) -> Result<(Vec<u32>, Vec<(usize, usize)>)> {
+        Ok((s.bytes().map(|b| b as u32).collect(), (0..s.len()).map(|i| (i, i + 1)).collect()))
+    }
+    fn decode(ids: &[u32]) -> Result<String> {
+        Ok(ids.iter().map(|&i| i as u8 as char).collect())
+    }
+
+    fn load(path: &Path, seq_len: usize, train_on: TrainOn, template: Option<&ChatTemplate>) -> Result<Dataset> {
+        let tools = TextTools { encode: &bytes, decode: &decode, template, eos_id: Some(0), pad_id: 9 };
+        load_dataset(path, &DataOptions { seq_len, train_on, skip_bad_rows: false }, &tools)
     }
 
     #[test]
     fn text_rows_are_concatenated_with_eos_and_cut_into_blocks() {
-        let f = write("{\"text\": \"abc\"}\n\n{\"text\": \"defgh\"}\n");
-        let s = load_jsonl(f.path(), 4, &chars, Some(0), 0).unwrap();
+        let (_d, p) = write("a.jsonl", "{\"text\": \"abc\"}\n\n{\"text\": \"defgh\"}\n");
+        let s = load(&p, 4, TrainOn::Auto, None).unwrap().samples;
         assert_eq!(s.len(), 2);
         assert_eq!(s[0].input_ids, vec![97, 98, 99, 0]);
-        assert_eq!(s[1].input_ids, vec![100, 101, 102, 103]);
         assert_eq!(s[1].labels, vec![100, 101, 102, 103]);
     }
 
     #[test]
     fn pretokenized_rows_are_padded_and_cut() {
-        let f = write("{\"input_ids\": [5, 6], \"labels\": [-100, 6]}\n{\"input_ids\": [1, 2, 3, 4, 5]}\n");
-        let s = load_jsonl(f.path(), 4, &chars, None, 9).unwrap();
-        assert_eq!(s[0], Sample { input_ids: vec![5, 6, 9, 9], labels: vec![-100, 6, -100, -100] });
-        assert_eq!(s[0].target_tokens(), 1);
-        assert_eq!(s[1].input_ids, vec![1, 2, 3, 4]);
+        let (_d, p) = write("a.jsonl", "{\"input_ids\": [5, 6], \"labels\": [-100, 6]}\n{\"input_ids\": [1, 2, 3, 4, 5]}\n");
+        let d = load(&p, 4, TrainOn::Auto, None).unwrap();
+        assert_eq!(d.samples[0], Sample { input_ids: vec![5, 6, 9, 9], labels: vec![-100, 6, -100, -100], len: 2 });
+        assert_eq!(d.samples[0].target_tokens(), 1);
+        assert_eq!((d.truncated, d.samples[1].input_ids.clone()), (1, vec![1, 2, 3, 4]));
+        assert!((d.padding_efficiency(4) - 6.0 / 8.0).abs() < 1e-9);
     }
 
     #[test]
-    fn bad_rows_name_file_and_line() {
-        let f = write("{\"text\": \"abc\"}\n{oops\n");
-        let e = format!("{:#}", load_jsonl(f.path(), 2, &chars, None, 0).unwrap_err());
-        assert!(e.contains(":2: not valid JSON"), "{e}");
-        let f = write("{\"txt\": \"abc\"}\n");
-        let e = format!("{:#}", load_jsonl(f.path(), 2, &chars, None, 0).unwrap_err());
-        assert!(e.contains(":1: row has neither `text` nor `input_ids`"), "{e}");
-        let f = write("{\"input_ids\": [1, \"x\"]}\n");
-        let e = format!("{:#}", load_jsonl(f.path(), 2, &chars, None, 0).unwrap_err());
-        assert!(e.contains(":1") && e.contains("input_ids"), "{e}");
+    fn completions_and_assistant_turns_are_the_trained_parts() {
+        let (_d, p) = write("a.json", r#"[{"prompt": "Q:", "completion": "A"}]"#);
+        let d = load(&p, 8, TrainOn::Auto, None).unwrap();
+        assert_eq!(d.samples[0].labels[..4], [-100, -100, 65, 0]);
+        let t = ChatTemplate::new(
+            "{% for m in messages %}<{{ m.role }}>{{ m.content }}</>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}",
+            None,
+            None,
+        )
+        .unwrap();
+        let row = r#"{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "?"}, {"role": "assistant", "content": "ok"}]}"#;
+        let (_d2, p2) = write("c.jsonl", row);
+        let shown = |on: TrainOn| describe_sample(&load(&p2, 80, on, Some(&t)).unwrap().samples[0], &decode).unwrap();
+        assert_eq!(shown(TrainOn::Auto), "[masked]<user>hi</><assistant>[/masked]yo</>[masked]<user>?</><assistant>[/masked]ok</>");
+        assert_eq!(shown(TrainOn::Completion), "[masked]<user>hi</><assistant>yo</><user>?</><assistant>[/masked]ok</>");
+        assert_eq!(shown(TrainOn::All), "<user>hi</><assistant>yo</><user>?</><assistant>ok</>");
+    }
+
+    #[test]
+    fn bad_data_is_named() {
+        let (_d, p) = write("a.jsonl", "{\"text\": \"abc\"}\n{oops\n");
+        let e = format!("{:#}", load(&p, 2, TrainOn::Auto, None).unwrap_err());
+        assert!(e.contains("a.jsonl:2: not valid JSON"), "{e}");
+        let (_d, p) = write("a.jsonl", "{\"txt\": \"abc\"}\n");
+        let e = format!("{:#}", load(&p, 2, TrainOn::Auto, None).unwrap_err());
+        assert!(e.contains("a.jsonl:1: row has none of the known fields"), "{e}");
+        let (_d, p) = write("a.jsonl", "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}\n");
+        let e = format!("{:#}", load(&p, 8, TrainOn::Auto, None).unwrap_err());
+        assert!(e.contains("a.jsonl:1: chat rows need a chat template"), "{e}");
+        let (_d, p) = write("a.jsonl", "{\"prompt\": \"abcdef\", \"completion\": \"g\"}\n");
+        let e = format!("{:#}", load(&p, 3, TrainOn::Auto, None).unwrap_err());
+        assert!(e.contains("every one of the 1 rows is longer than --seq-len 3"), "{e}");
+        let (_d, p) = write("a.jsonl", "{\"input_ids\": [1, 2], \"labels\": [-100, -100]}\n");
+        let e = format!("{:#}", load(&p, 3, TrainOn::Auto, None).unwrap_err());
+        assert!(e.contains("no token is trained on"), "{e}");
+        // --skip-bad-rows counts what it skipped.
+        let (_d, p) = write("a.jsonl", "{\"input_ids\": [1, 2]}\n{oops\n{\"foo\": 1}\n");
+        let tools = TextTools { encode: &bytes, decode: &decode, template: None, eos_id: None, pad_id: 0 };
+        let d = load_dataset(&p, &DataOptions { seq_len: 4, train_on: TrainOn::Auto, skip_bad_rows: true }, &tools).unwrap();
+        assert_eq!((d.rows, d.skipped, d.samples.len()), (3, 2, 1));
     }
 
     #[test]

@@ -22,7 +22,8 @@ use crate::fsdp::engine::{FsdpEngine, FsdpOptions, ProcessGroups, StatePart};
 use crate::fsdp::optim::{lr_multiplier, AdamWConfig, Schedule};
 use crate::fsdp::plan::{plan_units, ShardingStrategy, WrapPolicy};
 use crate::memory::{human_bytes, peak_rss_bytes};
-use crate::train::data::{epoch_order, load_jsonl, Sample};
+use crate::tokenize::TextTokenizer;
+use crate::train::data::{describe_sample, epoch_order, load_dataset, DataOptions, Sample, TextTools, TrainOn};
 
 #[derive(Debug, Clone)]
 pub struct FinetuneConfig {
@@ -62,6 +63,10 @@ pub struct FinetuneConfig {
     pub resume_from: Option<String>,
     /// Also write a full Hugging Face export to OUTPUT/export-STEP every this many steps.
     pub save_full_every: Option<usize>,
+    pub train_on: TrainOn,
+    pub skip_bad_rows: bool,
+    /// Print the first sample with its untrained parts marked.
+    pub show_sample: bool,
     /// Print per-step lines and a progress bar (rank 0).
     pub verbose: bool,
 }
@@ -299,16 +304,43 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
     let total_params: usize = plan.iter().map(|u| u.numel()).sum();
 
     // 2. Data (before weights: a bad file or batch fails fast).
-    let tokenizer = match &bytes.tokenizer {
-        Some(t) => Some(tokenizers::Tokenizer::from_bytes(t.as_bytes()).map_err(|e| anyhow::anyhow!("tokenizer.json: {e}"))?),
+    let side = |name: &str| bytes.side_files.iter().find(|(n, _)| n == name).map(|(_, b)| b.as_slice());
+    let tokenizer = match side("tokenizer.json") {
+        Some(t) => Some(TextTokenizer::from_bytes(t, side("tokenizer_config.json"), side("chat_template.jinja"))?),
         None => None,
     };
-    let encode = |text: &str| -> Result<Vec<u32>> {
-        let tok = tokenizer.as_ref().context("text rows need the model's tokenizer.json")?;
-        Ok(tok.encode(text, true).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?.get_ids().to_vec())
+    let encode = |text: &str, special: bool| -> Result<(Vec<u32>, Vec<(usize, usize)>)> {
+        tokenizer.as_ref().context("text and chat rows need the model's tokenizer.json")?.encode_with_offsets(text, special)
+    };
+    let decode = |ids: &[u32]| -> Result<String> {
+        tokenizer.as_ref().context("no tokenizer.json")?.decode(ids, false)
     };
     let eos = model_cfg.eos_token_ids.first().copied();
-    let samples = load_jsonl(&cfg.data, cfg.seq_len, &encode, eos, eos.unwrap_or(0))?;
+    let tools = TextTools {
+        encode: &encode,
+        decode: &decode,
+        template: tokenizer.as_ref().and_then(|t| t.chat_template.as_ref()),
+        eos_id: eos,
+        pad_id: eos.unwrap_or(0),
+    };
+    let data_opts = DataOptions { seq_len: cfg.seq_len, train_on: cfg.train_on, skip_bad_rows: cfg.skip_bad_rows };
+    let dataset = load_dataset(&cfg.data, &data_opts, &tools)?;
+    if is_root && cfg.verbose {
+        eprintln!(
+            "data: {} rows -> {} samples of {} tokens ({} skipped, {} truncated); {} trained-on tokens; padding efficiency {:.1}%",
+            dataset.rows,
+            dataset.samples.len(),
+            cfg.seq_len,
+            dataset.skipped,
+            dataset.truncated,
+            dataset.supervised_tokens,
+            100.0 * dataset.padding_efficiency(cfg.seq_len)
+        );
+    }
+    if is_root && cfg.show_sample {
+        eprintln!("sample 0 ([masked]...[/masked] is not trained on):\n{}", describe_sample(&dataset.samples[0], &decode)?);
+    }
+    let samples = dataset.samples;
     let global_batch = cfg.batch_size * world * cfg.grad_accum;
     let steps_per_epoch = samples.len() / global_batch;
     if steps_per_epoch == 0 {

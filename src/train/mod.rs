@@ -1,4 +1,6 @@
-//! Training: data files (`data`) and the fine-tuning loop (`finetune`).
+//! Training: row shapes (`formats`), samples and loss masks (`data`), and the fine-tuning loop
+//! (`finetune`).
 
 pub mod data;
 pub mod finetune;
+pub mod formats;

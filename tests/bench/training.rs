@@ -85,6 +85,9 @@ fn config(model: &Path, data: &Path, out: &Path, world: usize) -> FinetuneConfig
         save_total_limit: None,
         resume_from: None,
         save_full_every: None,
+        train_on: fsdp_app::train::data::TrainOn::Auto,
+        skip_bad_rows: false,
+        show_sample: false,
         verbose: false,
     }
 }
