@@ -127,6 +127,16 @@ struct FinetuneArgs {
     /// Print the first training sample with the parts that are not trained on marked.
     #[arg(long)]
     show_sample: bool,
+    /// Evaluation data (same formats as --data).
+    #[arg(long)]
+    eval_data: Option<PathBuf>,
+    /// Hold out this fraction of the training rows (the last ones) for evaluation.
+    #[arg(long)]
+    eval_split: Option<f64>,
+    /// Evaluate every N steps (and at the end); eval loss and perplexity go to the log and
+    /// metrics.jsonl, and the curve to OUTPUT/loss.svg.
+    #[arg(long)]
+    eval_steps: Option<usize>,
     /// Where metrics.jsonl and the final Hugging Face model go (must be empty or absent).
     #[arg(long)]
     output_dir: PathBuf,
@@ -336,6 +346,9 @@ fn run_finetune(a: FinetuneArgs) -> Result<()> {
         train_on: a.train_on.parse()?,
         skip_bad_rows: a.skip_bad_rows,
         show_sample: a.show_sample,
+        eval_data: a.eval_data,
+        eval_split: a.eval_split,
+        eval_steps: a.eval_steps,
         max_shard_size: fsdp_app::checkpoint::export::parse_size(&a.max_shard_size).context("--max-shard-size")?,
         verbose: true,
     };

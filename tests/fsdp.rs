@@ -58,6 +58,9 @@ fn reference_config(model: &Path, out: &Path) -> FinetuneConfig {
         train_on: fsdp_app::train::data::TrainOn::Auto,
         skip_bad_rows: false,
         show_sample: false,
+        eval_data: None,
+        eval_split: None,
+        eval_steps: None,
         verbose: false,
     }
 }
@@ -367,4 +370,41 @@ fn chat_rows_train_on_assistant_turns_rendered_with_the_models_template() {
         &[],
     );
     assert!(!o.status.success() && stderr(&o).contains("no token is trained on"), "{}", stderr(&o));
+}
+
+#[test]
+fn evaluation_reports_loss_and_perplexity_the_same_on_any_world_size() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("llama", tmp.path());
+    let mut evals = vec![];
+    for world in [1usize, 3] {
+        let out = tmp.path().join(format!("w{world}"));
+        let o = run_cli(
+            &["finetune", "--model", model.to_str().unwrap(), "--data", training_data().to_str().unwrap(), "--output-dir",
+              out.to_str().unwrap(), "--seq-len", "16", "--batch-size", &(6 / world).to_string(), "--world-size", &world.to_string(),
+              "--max-steps", "4", "--lr", "1e-3", "--eval-split", "0.25", "--eval-steps", "2", "--no-shuffle"],
+            &[],
+        );
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert!(stderr(&o).contains("eval      2 | loss") && stderr(&o).contains("perplexity"), "{}", stderr(&o));
+        let rows: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .filter(|r: &serde_json::Value| r.get("eval_loss").is_some())
+            .collect();
+        assert_eq!(rows.iter().map(|r| r["step"].as_u64().unwrap()).collect::<Vec<_>>(), vec![2, 4]);
+        for r in &rows {
+            let (l, p) = (r["eval_loss"].as_f64().unwrap(), r["eval_perplexity"].as_f64().unwrap());
+            assert!((p - l.exp()).abs() < 1e-6 * p);
+        }
+        let svg = std::fs::read_to_string(out.join("loss.svg")).unwrap();
+        assert!(svg.contains("<polyline") && svg.contains("eval loss"), "{svg}");
+        evals.push(rows.iter().map(|r| r["eval_loss"].as_f64().unwrap()).collect::<Vec<_>>());
+    }
+    // 12 held-out rows: world 3 evaluates them in differently sized rounds (with masked padding
+    // batches) and must agree with world 1.
+    for (a, b) in evals[0].iter().zip(&evals[1]) {
+        assert!((a - b).abs() / a < 1e-5, "{evals:?}");
+    }
 }

@@ -300,6 +300,28 @@ impl FsdpEngine {
         Ok((picked * mask)?.sum_all()?.neg()?)
     }
 
+    /// Forward only (evaluation): the summed token loss of one micro-batch. Units are gathered
+    /// and freed as in training; no graph is built and no gradient is touched.
+    pub fn forward_loss(&mut self, input_ids: &Tensor, labels: &[i64]) -> Result<f64> {
+        let (b, t) = input_ids.dims2()?;
+        let n = self.model.num_stages();
+        let mut x = input_ids.clone();
+        for s in 0..n {
+            self.ensure_gathered(s)?;
+            x = self.model.forward_stage(s, &self.stage_params(s, false), &x)?;
+            for &u in &self.stage_units[s] {
+                if self.units[u].plan.last_stage == s && (self.opts.strategy.reshard_after_forward() || self.units[u].plan.is_root) {
+                    self.units[u].gathered = None;
+                }
+            }
+        }
+        // Units SHARD_GRAD_OP keeps gathered for a backward that will not come.
+        for u in &mut self.units {
+            u.gathered = None;
+        }
+        Ok(Self::loss_sum(&x, labels, b, t)?.to_scalar::<f32>()? as f64)
+    }
+
     /// Forward and backward of one micro-batch. Gradients are scaled by `1 / global_tokens`
     /// (the target-token count of the whole step, over all ranks and micro-batches) and end up
     /// reduced into the gradient chunks. Returns this micro-batch's summed token loss.

@@ -23,6 +23,7 @@ use crate::fsdp::optim::{lr_multiplier, AdamWConfig, Schedule};
 use crate::fsdp::plan::{plan_units, ShardingStrategy, WrapPolicy};
 use crate::memory::{human_bytes, peak_rss_bytes};
 use crate::tokenize::TextTokenizer;
+use crate::train::report::LossHistory;
 use crate::train::data::{describe_sample, epoch_order, load_dataset, DataOptions, Sample, TextTools, TrainOn};
 
 #[derive(Debug, Clone)]
@@ -65,6 +66,11 @@ pub struct FinetuneConfig {
     pub save_full_every: Option<usize>,
     pub train_on: TrainOn,
     pub skip_bad_rows: bool,
+    /// Evaluation data (same formats), or a fraction of the training rows held out.
+    pub eval_data: Option<PathBuf>,
+    pub eval_split: Option<f64>,
+    /// Evaluate every this many steps (and always at the end when there is eval data).
+    pub eval_steps: Option<usize>,
     /// Print the first sample with its untrained parts marked.
     pub show_sample: bool,
     /// Print per-step lines and a progress bar (rank 0).
@@ -115,7 +121,20 @@ pub fn validate(cfg: &FinetuneConfig) -> Result<()> {
     if cfg.resume_from.is_none() && cfg.output_dir.exists() && std::fs::read_dir(&cfg.output_dir)?.next().is_some() {
         bail!("--output-dir {} exists and is not empty (to continue a run there, add --resume-from-checkpoint latest)", cfg.output_dir.display());
     }
-    for (name, v) in [("--save-steps", cfg.save_steps), ("--save-total-limit", cfg.save_total_limit), ("--save-full-every", cfg.save_full_every)] {
+    if let Some(f) = cfg.eval_split {
+        if !(f > 0.0 && f < 1.0) {
+            bail!("--eval-split must be between 0 and 1, got {f}");
+        }
+        if cfg.eval_data.is_some() {
+            bail!("give --eval-data or --eval-split, not both");
+        }
+    }
+    if let Some(p) = &cfg.eval_data {
+        if !p.is_file() {
+            bail!("--eval-data {}: no such file", p.display());
+        }
+    }
+    for (name, v) in [("--eval-steps", cfg.eval_steps), ("--save-steps", cfg.save_steps), ("--save-total-limit", cfg.save_total_limit), ("--save-full-every", cfg.save_full_every)] {
         if v == Some(0) {
             bail!("{name} must be positive");
         }
@@ -340,7 +359,22 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
     if is_root && cfg.show_sample {
         eprintln!("sample 0 ([masked]...[/masked] is not trained on):\n{}", describe_sample(&dataset.samples[0], &decode)?);
     }
-    let samples = dataset.samples;
+    let mut samples = dataset.samples;
+    let eval_samples: Vec<Sample> = match (&cfg.eval_data, cfg.eval_split) {
+        (Some(p), _) => load_dataset(p, &data_opts, &tools)?.samples,
+        (None, Some(f)) => {
+            // The last rows of the file, so the split is the same on every rank and every run.
+            let n = ((samples.len() as f64 * f).round() as usize).max(1);
+            if n >= samples.len() {
+                bail!("--eval-split {f} leaves no training samples ({} in all)", samples.len());
+            }
+            samples.split_off(samples.len() - n)
+        }
+        (None, None) => vec![],
+    };
+    if is_root && cfg.verbose && !eval_samples.is_empty() {
+        eprintln!("eval: {} samples", eval_samples.len());
+    }
     let global_batch = cfg.batch_size * world * cfg.grad_accum;
     let steps_per_epoch = samples.len() / global_batch;
     if steps_per_epoch == 0 {
@@ -529,6 +563,23 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
     });
     let mut losses = vec![];
     let mut grad_norms = vec![];
+    let mut history = LossHistory::default();
+    let run_eval = |engine: &mut FsdpEngine, step: usize, history: &mut LossHistory, metrics: &mut Option<std::fs::File>| -> Result<()> {
+        if eval_samples.is_empty() {
+            return Ok(());
+        }
+        let (loss, ppl) = evaluate(engine, &eval_samples, cfg.batch_size, cfg.seq_len, rank, world)?;
+        history.eval.push((step, loss));
+        if let Some(f) = metrics.as_mut() {
+            writeln!(f, "{}", json!({"step": step, "eval_loss": loss, "eval_perplexity": ppl}))?;
+            f.flush()?;
+            history.write_svg(&cfg.output_dir.join("loss.svg"))?;
+            if cfg.verbose {
+                eprintln!("eval  {step:>5} | loss {loss:.4} | perplexity {ppl:.3}");
+            }
+        }
+        Ok(())
+    };
     // The data order is a pure function of (seed, epoch), so the cursor is the step.
     let mut order_epoch = start_step / steps_per_epoch;
     let mut order = epoch_order(samples.len(), order_epoch, cfg.seed, cfg.shuffle);
@@ -570,6 +621,7 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
         groups_ref.world.all_reduce_f64(&mut rss_all)?;
         losses.push(loss);
         grad_norms.push(stats.grad_norm);
+        history.train.push((step + 1, loss));
         if let Some(f) = metrics.as_mut() {
             let rss_per_rank: Vec<u64> = rss_all.iter().map(|&x| x as u64).collect();
             let rss = rss_per_rank.iter().copied().max();
@@ -580,6 +632,7 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
             });
             writeln!(f, "{row}")?;
             f.flush()?;
+            history.write_svg(&cfg.output_dir.join("loss.svg"))?;
             if let Some(pb) = &progress {
                 let per_rank: Vec<String> = rss_per_rank.iter().map(|&b| human_bytes(b)).collect();
                 let line = format!(
@@ -600,6 +653,9 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
             }
         }
         let done = step + 1;
+        if cfg.eval_steps.is_some_and(|n| done % n == 0) && done != total_steps {
+            run_eval(&mut engine, done, &mut history, &mut metrics)?;
+        }
         if cfg.save_steps.is_some_and(|n| done % n == 0) {
             let t = Instant::now();
             let trainer_state = json!({
@@ -628,6 +684,7 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
     if let Some(pb) = progress {
         pb.finish_and_clear();
     }
+    run_eval(&mut engine, total_steps, &mut history, &mut metrics)?;
 
     // 5. Export: unit by unit, gathered on every shard-group rank, written by rank 0.
     export_full(&engine, staged.as_ref(), &model_cfg, &bytes.side_files, &cfg.output_dir, cfg.max_shard_size, is_root)?;
@@ -635,6 +692,30 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
         eprintln!("wrote {} (loadable with `fsdp-app generate --model {}`)", cfg.output_dir.display(), cfg.output_dir.display());
     }
     Ok(is_root.then(|| RunSummary { losses, grad_norms, rank_bytes, total_params, output_dir: cfg.output_dir.clone() }))
+}
+
+/// Mean token loss and perplexity over `samples`, each rank taking every world-th batch. Ranks
+/// with no batch left run a fully masked one, so every rank makes the same collectives.
+fn evaluate(engine: &mut FsdpEngine, samples: &[Sample], batch: usize, seq_len: usize, rank: usize, world: usize) -> Result<(f64, f64)> {
+    let rounds = samples.len().div_ceil(batch * world);
+    let (mut loss, mut tokens) = (0.0, 0.0);
+    for r in 0..rounds {
+        let first = (r * world + rank) * batch;
+        let mb: Vec<Sample> = (first..first + batch)
+            .map(|i| match samples.get(i) {
+                Some(s) => s.clone(),
+                None => Sample { input_ids: samples[0].input_ids.clone(), labels: vec![-100; seq_len], len: 0 },
+            })
+            .collect();
+        let ids: Vec<u32> = mb.iter().flat_map(|s| s.input_ids.iter().copied()).collect();
+        let labels: Vec<i64> = mb.iter().flat_map(|s| s.labels.iter().copied()).collect();
+        loss += engine.forward_loss(&Tensor::from_vec(ids, (mb.len(), seq_len), &Device::Cpu)?, &labels)?;
+        tokens += mb.iter().map(Sample::target_tokens).sum::<usize>() as f64;
+    }
+    let mut sums = [loss, tokens];
+    engine.groups().world.all_reduce_f64(&mut sums)?;
+    let mean = sums[0] / sums[1].max(1.0);
+    Ok((mean, mean.exp()))
 }
 
 /// Writes the full Hugging Face model into `dir`: each unit is gathered on every rank of the

@@ -4,3 +4,4 @@
 pub mod data;
 pub mod finetune;
 pub mod formats;
+pub mod report;

@@ -88,6 +88,9 @@ fn config(model: &Path, data: &Path, out: &Path, world: usize) -> FinetuneConfig
         train_on: fsdp_app::train::data::TrainOn::Auto,
         skip_bad_rows: false,
         show_sample: false,
+        eval_data: None,
+        eval_split: None,
+        eval_steps: None,
         verbose: false,
     }
 }
