@@ -121,6 +121,10 @@ struct FinetuneArgs {
     /// all, completion (the last assistant turn / the completion) or assistant (every assistant turn).
     #[arg(long, default_value = "auto")]
     train_on: String,
+    /// Pack several samples into each --seq-len row (they cannot attend to each other; positions
+    /// restart per sample) instead of padding each.
+    #[arg(long)]
+    packing: bool,
     /// Skip rows that cannot be read (and report how many) instead of stopping.
     #[arg(long)]
     skip_bad_rows: bool,
@@ -345,6 +349,7 @@ fn run_finetune(a: FinetuneArgs) -> Result<()> {
         save_full_every: a.save_full_every,
         train_on: a.train_on.parse()?,
         skip_bad_rows: a.skip_bad_rows,
+        packing: a.packing,
         show_sample: a.show_sample,
         eval_data: a.eval_data,
         eval_split: a.eval_split,

@@ -105,12 +105,57 @@ impl Rotary {
     }
 }
 
+impl Rotary {
+    /// cos and sin tables of shape (batch, seq, head_dim / 2) for explicit per-token positions
+    /// (packed sequences restart their positions at each document).
+    pub fn tables_for(&self, positions: &[u32], batch: usize, seq: usize, dtype: DType, dev: &Device) -> Result<(Tensor, Tensor)> {
+        let max = positions.iter().copied().max().unwrap_or(0) as usize + 1;
+        let (cos, sin) = self.tables(0, max, DType::F32, dev)?;
+        let idx = Tensor::from_vec(positions.to_vec(), positions.len(), dev)?;
+        let half = self.inv_freq.len();
+        let pick = |t: &Tensor| -> Result<Tensor> { t.index_select(&idx, 0)?.reshape((batch, seq, half))?.to_dtype(dtype) };
+        Ok((pick(&cos)?, pick(&sin)?))
+    }
+}
+
+/// Additive mask (batch, 1, seq, seq) for packed rows: a token sees earlier tokens of its own
+/// document only (segment ids per token; 0 marks padding, which sees only itself).
+pub fn packed_mask(segments: &[u32], batch: usize, seq: usize, window: Option<usize>, dtype: DType, dev: &Device) -> Result<Tensor> {
+    let mut data = Vec::with_capacity(batch * seq * seq);
+    for b in 0..batch {
+        let seg = &segments[b * seq..(b + 1) * seq];
+        for i in 0..seq {
+            for j in 0..seq {
+                let visible = j <= i
+                    && (seg[i] == seg[j] && (seg[i] != 0 || i == j))
+                    && window.is_none_or(|w| i - j < w);
+                data.push(if visible { 0.0f32 } else { f32::NEG_INFINITY });
+            }
+        }
+    }
+    Tensor::from_vec(data, (batch, 1, seq, seq), dev)?.to_dtype(dtype)
+}
+
+/// Rotary embedding with per-row tables (batch, seq, head_dim / 2), rotate-half layout, built
+/// from differentiable ops.
+fn rope_rows(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let d = x.dim(D::Minus1)?;
+    let cos = Tensor::cat(&[cos, cos], D::Minus1)?.unsqueeze(1)?;
+    let sin = Tensor::cat(&[sin, sin], D::Minus1)?.unsqueeze(1)?;
+    let x1 = x.narrow(D::Minus1, 0, d / 2)?;
+    let x2 = x.narrow(D::Minus1, d / 2, d / 2)?;
+    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+    x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?
+}
+
 /// Per-position inputs shared by all layers of one forward call.
 pub struct PositionInputs {
+    /// (seq, head_dim / 2), or (batch, seq, head_dim / 2) for packed rows.
     pub cos: Tensor,
     pub sin: Tensor,
-    /// Additive mask (q_len, kv_len) with -inf where attention is not allowed; None when every key
-    /// is visible (single-token decode without a sliding window).
+    /// Additive mask (q_len, kv_len), or (batch, 1, q_len, kv_len) for packed rows, with -inf where
+    /// attention is not allowed; None when every key is visible (single-token decode without a
+    /// sliding window).
     pub mask: Option<Tensor>,
     pub mode: OpMode,
 }
@@ -208,6 +253,7 @@ impl Attention {
         let k = heads(&self.k_proj, self.num_kv_heads, &self.k_norm)?;
         let v = heads(&self.v_proj, self.num_kv_heads, &None)?;
         let (q, k) = match pos.mode {
+            _ if pos.cos.rank() == 3 => (rope_rows(&q, &pos.cos, &pos.sin)?, rope_rows(&k, &pos.cos, &pos.sin)?),
             OpMode::Train => (
                 candle_nn::rotary_emb::rope_slow(&q, &pos.cos, &pos.sin)?,
                 candle_nn::rotary_emb::rope_slow(&k, &pos.cos, &pos.sin)?,

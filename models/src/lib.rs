@@ -12,5 +12,5 @@ pub mod tensors;
 pub use config::{Architecture, ModelConfig, RopeScaling, SUPPORTED_ARCHITECTURES};
 pub use layers::{DecoderLayer, LayerKvCache, OpMode};
 pub use model::{CausalLm, KvCache};
-pub use staged::{LlamaStages, StagedModel};
+pub use staged::{LlamaStages, Packing, StagedModel};
 pub use tensors::{expected_tensors, TensorSpec};

@@ -11,8 +11,16 @@ use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{Embedding, VarBuilder};
 
 use crate::config::ModelConfig;
-use crate::layers::{causal_mask, DecoderLayer, OpMode, PositionInputs, RmsNorm, Rotary};
+use crate::layers::{causal_mask, packed_mask, DecoderLayer, OpMode, PositionInputs, RmsNorm, Rotary};
 use crate::tensors::{expected_tensors, layer_tensors, TensorSpec};
+
+/// Several documents packed into each row: per token, its position inside its document and its
+/// document id (0 = padding). Rows are `batch` x `seq`, flattened row-major.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Packing {
+    pub positions: Vec<u32>,
+    pub segments: Vec<u32>,
+}
 
 /// What a distributed engine needs from a model.
 pub trait StagedModel: Send + Sync {
@@ -24,8 +32,9 @@ pub trait StagedModel: Send + Sync {
     /// Names of the parameters stage `s` reads.
     fn stage_parameters(&self, s: usize) -> Vec<String>;
     /// Runs stage `s`. `params` holds at least `stage_parameters(s)` by full name; `input` is
-    /// token ids (batch, seq) for stage 0 and hidden states for the others. Training-safe ops only.
-    fn forward_stage(&self, s: usize, params: &HashMap<String, Tensor>, input: &Tensor) -> Result<Tensor>;
+    /// token ids (batch, seq) for stage 0 and hidden states for the others. With `packing`, tokens
+    /// attend within their own document and positions restart per document. Training-safe ops only.
+    fn forward_stage(&self, s: usize, params: &HashMap<String, Tensor>, input: &Tensor, packing: Option<&Packing>) -> Result<Tensor>;
 }
 
 /// The Llama family as stages: embeddings, one stage per decoder layer, final norm + LM head.
@@ -78,7 +87,7 @@ impl StagedModel for LlamaStages {
         }
     }
 
-    fn forward_stage(&self, s: usize, params: &HashMap<String, Tensor>, input: &Tensor) -> Result<Tensor> {
+    fn forward_stage(&self, s: usize, params: &HashMap<String, Tensor>, input: &Tensor, packing: Option<&Packing>) -> Result<Tensor> {
         let last = self.num_stages() - 1;
         let get = |name: &str| {
             params.get(name).cloned().ok_or_else(|| candle_core::Error::Msg(format!("stage {s} needs {name}")))
@@ -98,10 +107,18 @@ impl StagedModel for LlamaStages {
         }
         let layer_vb = Self::vb(params, &names, &like);
         let layer = DecoderLayer::new(&self.cfg, layer_vb.pp(format!("model.layers.{}", s - 1)))?;
-        let (_b, t, _h) = input.dims3()?;
+        let (b, t, _h) = input.dims3()?;
         let dtype = if input.dtype() == DType::U32 { like.dtype() } else { input.dtype() };
-        let (cos, sin) = self.rotary.tables(0, t, dtype, input.device())?;
-        let mask = causal_mask(t, 0, self.cfg.sliding_window, dtype, input.device())?;
+        let (cos, sin, mask) = match packing {
+            None => {
+                let (cos, sin) = self.rotary.tables(0, t, dtype, input.device())?;
+                (cos, sin, causal_mask(t, 0, self.cfg.sliding_window, dtype, input.device())?)
+            }
+            Some(p) => {
+                let (cos, sin) = self.rotary.tables_for(&p.positions, b, t, dtype, input.device())?;
+                (cos, sin, Some(packed_mask(&p.segments, b, t, self.cfg.sliding_window, dtype, input.device())?))
+            }
+        };
         let pos = PositionInputs { cos, sin, mask, mode: OpMode::Train };
         layer.forward(input, &pos, None)
     }

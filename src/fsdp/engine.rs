@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var, D};
-use models::StagedModel;
+use models::{Packing, StagedModel};
 
 use super::optim::{adamw_step, clip_coefficient, AdamWConfig, AdamWState};
 use super::plan::{ShardingStrategy, UnitPlan};
@@ -302,13 +302,13 @@ impl FsdpEngine {
 
     /// Forward only (evaluation): the summed token loss of one micro-batch. Units are gathered
     /// and freed as in training; no graph is built and no gradient is touched.
-    pub fn forward_loss(&mut self, input_ids: &Tensor, labels: &[i64]) -> Result<f64> {
+    pub fn forward_loss(&mut self, input_ids: &Tensor, labels: &[i64], packing: Option<&Packing>) -> Result<f64> {
         let (b, t) = input_ids.dims2()?;
         let n = self.model.num_stages();
         let mut x = input_ids.clone();
         for s in 0..n {
             self.ensure_gathered(s)?;
-            x = self.model.forward_stage(s, &self.stage_params(s, false), &x)?;
+            x = self.model.forward_stage(s, &self.stage_params(s, false), &x, packing)?;
             for &u in &self.stage_units[s] {
                 if self.units[u].plan.last_stage == s && (self.opts.strategy.reshard_after_forward() || self.units[u].plan.is_root) {
                     self.units[u].gathered = None;
@@ -325,7 +325,7 @@ impl FsdpEngine {
     /// Forward and backward of one micro-batch. Gradients are scaled by `1 / global_tokens`
     /// (the target-token count of the whole step, over all ranks and micro-batches) and end up
     /// reduced into the gradient chunks. Returns this micro-batch's summed token loss.
-    pub fn forward_backward(&mut self, input_ids: &Tensor, labels: &[i64], global_tokens: f64) -> Result<f64> {
+    pub fn forward_backward(&mut self, input_ids: &Tensor, labels: &[i64], global_tokens: f64, packing: Option<&Packing>) -> Result<f64> {
         let (b, t) = input_ids.dims2()?;
         let n = self.model.num_stages();
         let ac = self.opts.activation_checkpointing;
@@ -337,11 +337,11 @@ impl FsdpEngine {
             inputs.push(x.clone());
             if ac {
                 // No Var anywhere: candle builds no graph.
-                x = self.model.forward_stage(s, &self.stage_params(s, false), &x)?;
+                x = self.model.forward_stage(s, &self.stage_params(s, false), &x, packing)?;
             } else {
                 let input_var = if s == 0 { None } else { Some(Var::from_tensor(&x)?) };
                 let inp = input_var.as_ref().map(|v| v.as_tensor().clone()).unwrap_or_else(|| x.clone());
-                let out = self.model.forward_stage(s, &self.stage_params(s, true), &inp)?;
+                let out = self.model.forward_stage(s, &self.stage_params(s, true), &inp, packing)?;
                 x = out.detach();
                 saved[s] = Some((out, input_var));
             }
@@ -376,7 +376,7 @@ impl FsdpEngine {
                 let ptensors: HashMap<String, Tensor> = params.iter().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect();
                 let input_var = if s == 0 { None } else { Some(Var::from_tensor(&inputs[s])?) };
                 let inp = input_var.as_ref().map(|v| v.as_tensor().clone()).unwrap_or_else(|| inputs[s].clone());
-                (self.model.forward_stage(s, &ptensors, &inp)?, input_var)
+                (self.model.forward_stage(s, &ptensors, &inp, packing)?, input_var)
             } else {
                 saved[s].take().expect("saved stage")
             };

@@ -28,6 +28,9 @@ pub struct Sample {
     pub labels: Vec<i64>,
     /// Tokens before padding.
     pub len: usize,
+    /// With `--packing`: the document id of each token (1, 2, ...; 0 = padding). Empty when the
+    /// row holds one document.
+    pub segments: Vec<u32>,
 }
 
 impl Sample {
@@ -78,6 +81,67 @@ pub struct DataOptions {
     pub seq_len: usize,
     pub train_on: TrainOn,
     pub skip_bad_rows: bool,
+    /// Fill each row with several samples that cannot see each other.
+    pub packing: bool,
+}
+
+/// The packing layout of a micro-batch (positions restart per document), or None when no row
+/// is packed.
+pub fn packing_for(rows: &[&Sample]) -> Option<models::Packing> {
+    if rows.iter().all(|s| s.segments.is_empty()) {
+        return None;
+    }
+    let mut positions = vec![];
+    let mut segments = vec![];
+    for s in rows {
+        let seg: Vec<u32> = if s.segments.is_empty() {
+            (0..s.input_ids.len()).map(|i| u32::from(i < s.len)).collect()
+        } else {
+            s.segments.clone()
+        };
+        let mut pos = 0u32;
+        for (i, &g) in seg.iter().enumerate() {
+            if i > 0 && g != seg[i - 1] {
+                pos = 0;
+            }
+            positions.push(pos);
+            pos += 1;
+        }
+        segments.extend(seg);
+    }
+    Some(models::Packing { positions, segments })
+}
+
+/// Greedy, in-order packing of unpadded rows into `seq_len` blocks. The first token of every
+/// document after the first in a block gets an ignored label: it would be predicted from the
+/// previous document.
+fn pack(rows: Vec<(Vec<u32>, Vec<i64>)>, seq_len: usize, pad_id: u32) -> Vec<Sample> {
+    let mut out = vec![];
+    let mut cur = Sample { input_ids: vec![], labels: vec![], len: 0, segments: vec![] };
+    let flush = |cur: &mut Sample, out: &mut Vec<Sample>| {
+        if cur.len > 0 {
+            let mut s = std::mem::replace(cur, Sample { input_ids: vec![], labels: vec![], len: 0, segments: vec![] });
+            s.input_ids.resize(seq_len, pad_id);
+            s.labels.resize(seq_len, IGNORE_INDEX);
+            s.segments.resize(seq_len, 0);
+            out.push(s);
+        }
+    };
+    for (ids, mut labels) in rows {
+        if cur.len + ids.len() > seq_len {
+            flush(&mut cur, &mut out);
+        }
+        let doc = cur.segments.last().copied().unwrap_or(0) + 1;
+        if cur.len > 0 {
+            labels[0] = IGNORE_INDEX;
+        }
+        cur.len += ids.len();
+        cur.segments.extend(std::iter::repeat_n(doc, ids.len()));
+        cur.input_ids.extend(ids);
+        cur.labels.extend(labels);
+    }
+    flush(&mut cur, &mut out);
+    out
 }
 
 #[derive(Debug, Clone, Default)]
@@ -157,21 +221,17 @@ fn chat_tokens(messages: &[crate::tokenize::ChatMessage], tools: &TextTools, tra
     Ok((ids, labels))
 }
 
-fn finish(mut ids: Vec<u32>, mut labels: Vec<i64>, opts: &DataOptions, pad_id: u32, truncated: &mut usize) -> Sample {
-    if ids.len() > opts.seq_len {
-        *truncated += 1;
-        ids.truncate(opts.seq_len);
-        labels.truncate(opts.seq_len);
-    }
+fn pad(mut ids: Vec<u32>, mut labels: Vec<i64>, seq_len: usize, pad_id: u32) -> Sample {
     let len = ids.len();
-    ids.resize(opts.seq_len, pad_id);
-    labels.resize(opts.seq_len, IGNORE_INDEX);
-    Sample { input_ids: ids, labels, len }
+    ids.resize(seq_len, pad_id);
+    labels.resize(seq_len, IGNORE_INDEX);
+    Sample { input_ids: ids, labels, len, segments: vec![] }
 }
 
 pub fn load_dataset(path: &Path, opts: &DataOptions, tools: &TextTools) -> Result<Dataset> {
     let mut out = Dataset::default();
     let mut stream: Vec<u32> = vec![];
+    let mut rows: Vec<(Vec<u32>, Vec<i64>)> = vec![];
     let mut longest = 0;
     for (line, row) in read_rows(path)? {
         out.rows += 1;
@@ -205,9 +265,14 @@ pub fn load_dataset(path: &Path, opts: &DataOptions, tools: &TextTools) -> Resul
             })
         })();
         match built {
-            Ok(Some((ids, labels))) => {
+            Ok(Some((mut ids, mut labels))) => {
                 longest = longest.max(ids.len());
-                out.samples.push(finish(ids, labels, opts, tools.pad_id, &mut out.truncated));
+                if ids.len() > opts.seq_len {
+                    out.truncated += 1;
+                    ids.truncate(opts.seq_len);
+                    labels.truncate(opts.seq_len);
+                }
+                rows.push((ids, labels));
             }
             Ok(None) => {}
             Err(e) if opts.skip_bad_rows => {
@@ -219,9 +284,20 @@ pub fn load_dataset(path: &Path, opts: &DataOptions, tools: &TextTools) -> Resul
             Err(e) => return Err(e.context(format!("{}:{line}", path.display()))),
         }
     }
+    let n_rows = rows.len();
+    if opts.packing {
+        out.samples.extend(pack(rows, opts.seq_len, tools.pad_id));
+    } else {
+        out.samples.extend(rows.into_iter().map(|(ids, labels)| pad(ids, labels, opts.seq_len, tools.pad_id)));
+    }
     // Text rows: whole blocks only.
     for block in stream.chunks_exact(opts.seq_len) {
-        out.samples.push(Sample { input_ids: block.to_vec(), labels: block.iter().map(|&x| x as i64).collect(), len: opts.seq_len });
+        out.samples.push(Sample {
+            input_ids: block.to_vec(),
+            labels: block.iter().map(|&x| x as i64).collect(),
+            len: opts.seq_len,
+            segments: vec![],
+        });
     }
     if out.samples.is_empty() {
         if !stream.is_empty() {
@@ -229,11 +305,10 @@ pub fn load_dataset(path: &Path, opts: &DataOptions, tools: &TextTools) -> Resul
         }
         bail!("{}: no usable rows ({} rows, {} skipped)", path.display(), out.rows, out.skipped);
     }
-    if out.truncated > 0 && out.truncated == out.samples.len() {
+    if out.truncated > 0 && out.truncated == n_rows {
         bail!(
-            "{}: every one of the {} rows is longer than --seq-len {} (the longest has {longest} tokens); raise --seq-len",
+            "{}: every one of the {n_rows} rows is longer than --seq-len {} (the longest has {longest} tokens); raise --seq-len",
             path.display(),
-            out.samples.len(),
             opts.seq_len
         );
     }
@@ -303,7 +378,7 @@ mod tests {
 
     fn load(path: &Path, seq_len: usize, train_on: TrainOn, template: Option<&ChatTemplate>) -> Result<Dataset> {
         let tools = TextTools { encode: &bytes, decode: &decode, template, eos_id: Some(0), pad_id: 9 };
-        load_dataset(path, &DataOptions { seq_len, train_on, skip_bad_rows: false }, &tools)
+        load_dataset(path, &DataOptions { seq_len, train_on, skip_bad_rows: false, packing: false }, &tools)
     }
 
     #[test]
@@ -319,7 +394,7 @@ mod tests {
     fn pretokenized_rows_are_padded_and_cut() {
         let (_d, p) = write("a.jsonl", "{\"input_ids\": [5, 6], \"labels\": [-100, 6]}\n{\"input_ids\": [1, 2, 3, 4, 5]}\n");
         let d = load(&p, 4, TrainOn::Auto, None).unwrap();
-        assert_eq!(d.samples[0], Sample { input_ids: vec![5, 6, 9, 9], labels: vec![-100, 6, -100, -100], len: 2 });
+        assert_eq!(d.samples[0], Sample { input_ids: vec![5, 6, 9, 9], labels: vec![-100, 6, -100, -100], len: 2, segments: vec![] });
         assert_eq!(d.samples[0].target_tokens(), 1);
         assert_eq!((d.truncated, d.samples[1].input_ids.clone()), (1, vec![1, 2, 3, 4]));
         assert!((d.padding_efficiency(4) - 6.0 / 8.0).abs() < 1e-9);
@@ -364,8 +439,23 @@ mod tests {
         // --skip-bad-rows counts what it skipped.
         let (_d, p) = write("a.jsonl", "{\"input_ids\": [1, 2]}\n{oops\n{\"foo\": 1}\n");
         let tools = TextTools { encode: &bytes, decode: &decode, template: None, eos_id: None, pad_id: 0 };
-        let d = load_dataset(&p, &DataOptions { seq_len: 4, train_on: TrainOn::Auto, skip_bad_rows: true }, &tools).unwrap();
+        let d = load_dataset(&p, &DataOptions { seq_len: 4, train_on: TrainOn::Auto, skip_bad_rows: true, packing: false }, &tools).unwrap();
         assert_eq!((d.rows, d.skipped, d.samples.len()), (3, 2, 1));
+    }
+
+    #[test]
+    fn packing_fills_rows_with_separate_documents() {
+        let (_d, p) = write("a.jsonl", "{\"input_ids\": [1, 2, 3]}\n{\"input_ids\": [4, 5]}\n{\"input_ids\": [6, 7, 8, 9]}\n");
+        let tools = TextTools { encode: &bytes, decode: &decode, template: None, eos_id: None, pad_id: 0 };
+        let d = load_dataset(&p, &DataOptions { seq_len: 6, train_on: TrainOn::Auto, skip_bad_rows: false, packing: true }, &tools).unwrap();
+        assert_eq!(d.samples.len(), 2);
+        assert_eq!(d.samples[0].input_ids, vec![1, 2, 3, 4, 5, 0]);
+        assert_eq!(d.samples[0].segments, vec![1, 1, 1, 2, 2, 0]);
+        // Token 4 starts a new document: not predicted from token 3.
+        assert_eq!(d.samples[0].labels, vec![1, 2, 3, -100, 5, -100]);
+        let p = packing_for(&[&d.samples[0]]).unwrap();
+        assert_eq!(p.positions, vec![0, 1, 2, 0, 1, 0]);
+        assert!((d.padding_efficiency(6) - 9.0 / 12.0).abs() < 1e-9);
     }
 
     #[test]

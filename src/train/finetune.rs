@@ -24,7 +24,7 @@ use crate::fsdp::plan::{plan_units, ShardingStrategy, WrapPolicy};
 use crate::memory::{human_bytes, peak_rss_bytes};
 use crate::tokenize::TextTokenizer;
 use crate::train::report::LossHistory;
-use crate::train::data::{describe_sample, epoch_order, load_dataset, DataOptions, Sample, TextTools, TrainOn};
+use crate::train::data::{describe_sample, epoch_order, load_dataset, packing_for, DataOptions, Sample, TextTools, TrainOn};
 
 #[derive(Debug, Clone)]
 pub struct FinetuneConfig {
@@ -66,6 +66,8 @@ pub struct FinetuneConfig {
     pub save_full_every: Option<usize>,
     pub train_on: TrainOn,
     pub skip_bad_rows: bool,
+    /// Several samples per row, unable to see each other.
+    pub packing: bool,
     /// Evaluation data (same formats), or a fraction of the training rows held out.
     pub eval_data: Option<PathBuf>,
     pub eval_split: Option<f64>,
@@ -342,17 +344,18 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
         eos_id: eos,
         pad_id: eos.unwrap_or(0),
     };
-    let data_opts = DataOptions { seq_len: cfg.seq_len, train_on: cfg.train_on, skip_bad_rows: cfg.skip_bad_rows };
+    let data_opts = DataOptions { seq_len: cfg.seq_len, train_on: cfg.train_on, skip_bad_rows: cfg.skip_bad_rows, packing: cfg.packing };
     let dataset = load_dataset(&cfg.data, &data_opts, &tools)?;
     if is_root && cfg.verbose {
         eprintln!(
-            "data: {} rows -> {} samples of {} tokens ({} skipped, {} truncated); {} trained-on tokens; padding efficiency {:.1}%",
+            "data: {} rows -> {} samples of {} tokens ({} skipped, {} truncated); {} trained-on tokens; {} efficiency {:.1}%",
             dataset.rows,
             dataset.samples.len(),
             cfg.seq_len,
             dataset.skipped,
             dataset.truncated,
             dataset.supervised_tokens,
+            if cfg.packing { "packing" } else { "padding" },
             100.0 * dataset.padding_efficiency(cfg.seq_len)
         );
     }
@@ -609,7 +612,7 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
             let ids: Vec<u32> = mb.iter().flat_map(|s| s.input_ids.iter().copied()).collect();
             let labels: Vec<i64> = mb.iter().flat_map(|s| s.labels.iter().copied()).collect();
             let input = Tensor::from_vec(ids, (mb.len(), cfg.seq_len), &Device::Cpu)?;
-            local_loss += engine.forward_backward(&input, &labels, global_targets)?;
+            local_loss += engine.forward_backward(&input, &labels, global_targets, packing_for(mb).as_ref())?;
         }
         let loss = all_reduce_scalar(groups_ref.world.as_ref(), local_loss)? / global_targets;
         let stats = engine.optimizer_step(lr, cfg.max_grad_norm)?;
@@ -704,12 +707,13 @@ fn evaluate(engine: &mut FsdpEngine, samples: &[Sample], batch: usize, seq_len: 
         let mb: Vec<Sample> = (first..first + batch)
             .map(|i| match samples.get(i) {
                 Some(s) => s.clone(),
-                None => Sample { input_ids: samples[0].input_ids.clone(), labels: vec![-100; seq_len], len: 0 },
+                None => Sample { input_ids: samples[0].input_ids.clone(), labels: vec![-100; seq_len], len: 0, segments: vec![] },
             })
             .collect();
         let ids: Vec<u32> = mb.iter().flat_map(|s| s.input_ids.iter().copied()).collect();
         let labels: Vec<i64> = mb.iter().flat_map(|s| s.labels.iter().copied()).collect();
-        loss += engine.forward_loss(&Tensor::from_vec(ids, (mb.len(), seq_len), &Device::Cpu)?, &labels)?;
+        let refs: Vec<&Sample> = mb.iter().collect();
+        loss += engine.forward_loss(&Tensor::from_vec(ids, (mb.len(), seq_len), &Device::Cpu)?, &labels, packing_for(&refs).as_ref())?;
         tokens += mb.iter().map(Sample::target_tokens).sum::<usize>() as f64;
     }
     let mut sums = [loss, tokens];

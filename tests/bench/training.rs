@@ -87,6 +87,7 @@ fn config(model: &Path, data: &Path, out: &Path, world: usize) -> FinetuneConfig
         save_full_every: None,
         train_on: fsdp_app::train::data::TrainOn::Auto,
         skip_bad_rows: false,
+        packing: false,
         show_sample: false,
         eval_data: None,
         eval_split: None,
