@@ -107,16 +107,22 @@ struct ConvertArgs {
 
 #[derive(Args)]
 struct FinetuneArgs {
+    /// YAML settings: Accelerate FSDP plugin keys (fsdp_version, reshard_after_forward,
+    /// mixed_precision, auto_wrap_policy, transformer_cls_names_to_wrap, min_num_params,
+    /// activation_checkpointing, cpu_ram_efficient_loading, state_dict_type) and TrainingArguments
+    /// keys (learning_rate, per_device_train_batch_size, ...). Flags given here win.
+    #[arg(long)]
+    config: Option<PathBuf>,
     /// Local model directory or Hub id (resolved on rank 0 only).
     #[arg(long)]
-    model: String,
+    model: Option<String>,
     #[arg(long)]
     revision: Option<String>,
     /// Training data, JSONL (a row per line) or JSON (an array): {"text"}, {"prompt",
     /// "completion"}, {"messages": [{"role", "content"}]}, ShareGPT {"conversations": [{"from",
     /// "value"}]}, Alpaca {"instruction", "input", "output"}, or {"input_ids", "labels"}.
     #[arg(long)]
-    data: PathBuf,
+    data: Option<PathBuf>,
     /// Which tokens the loss is on: auto (assistant turns of chats, completions, all of text),
     /// all, completion (the last assistant turn / the completion) or assistant (every assistant turn).
     #[arg(long, default_value = "auto")]
@@ -143,7 +149,7 @@ struct FinetuneArgs {
     eval_steps: Option<usize>,
     /// Where metrics.jsonl and the final Hugging Face model go (must be empty or absent).
     #[arg(long)]
-    output_dir: PathBuf,
+    output_dir: Option<PathBuf>,
     /// Number of ranks as threads of this process (`local` backend; default 1). Under
     /// `fsdp-app launch`, torchrun, srun or mpirun the world comes from the environment instead.
     #[arg(long)]
@@ -157,6 +163,10 @@ struct FinetuneArgs {
     /// transformer_based_wrap (one unit per decoder layer + root), size_based_wrap or no_wrap.
     #[arg(long, default_value = "transformer_based_wrap")]
     wrap_policy: String,
+    /// transformer_based_wrap: the layer class(es) that make units; must name the model's decoder
+    /// layer (e.g. LlamaDecoderLayer). Checked, never ignored.
+    #[arg(long)]
+    transformer_cls_names_to_wrap: Option<String>,
     /// size_based_wrap: smallest number of parameters in a unit.
     #[arg(long)]
     min_num_params: Option<usize>,
@@ -277,9 +287,45 @@ struct FixtureArgs {
     set: Vec<String>,
 }
 
+/// Adds the flags a `finetune --config FILE` sets, except those given on the command line.
+fn apply_config_file(argv: Vec<std::ffi::OsString>) -> Result<Vec<std::ffi::OsString>> {
+    use clap::parser::ValueSource;
+    use clap::CommandFactory;
+    let Ok(matches) = Cli::command().try_get_matches_from(&argv) else { return Ok(argv) };
+    let Some(("finetune", sub)) = matches.subcommand() else { return Ok(argv) };
+    let Some(path) = sub.get_one::<PathBuf>("config") else { return Ok(argv) };
+    let mut out = argv.clone();
+    for setting in fsdp_app::train::config_file::load(path)? {
+        if sub.value_source(setting.flag) == Some(ValueSource::CommandLine) {
+            continue;
+        }
+        let flag = format!("--{}", setting.flag.replace('_', "-"));
+        match setting.value.as_str() {
+            "true" if is_switch(setting.flag) => out.push(flag.into()),
+            "false" if is_switch(setting.flag) => {}
+            v => {
+                out.push(flag.into());
+                out.push(v.into());
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn is_switch(flag: &str) -> bool {
+    matches!(flag, "activation_checkpointing" | "weight_decay_all" | "packing" | "skip_bad_rows" | "no_shuffle")
+}
+
 fn main() {
     fsdp_app::tune_cpu_threads();
-    let cli = Cli::parse();
+    let argv = match apply_config_file(std::env::args_os().collect()) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(1);
+        }
+    };
+    let cli = Cli::parse_from(argv);
     let result = match cli.command {
         Command::Generate(a) => run_generate(a),
         Command::Convert(a) => run_convert(a),
@@ -316,11 +362,16 @@ fn run_finetune(a: FinetuneArgs) -> Result<()> {
     } else if a.min_num_params.is_some() {
         anyhow::bail!("--min-num-params applies to --wrap-policy size_based_wrap only");
     }
+    let missing = |flag: &str, key: &str| anyhow::anyhow!("--{flag} is required (or `{key}` in --config)");
+    if a.transformer_cls_names_to_wrap.is_some() && wrap != WrapPolicy::TransformerBased {
+        anyhow::bail!("transformer_cls_names_to_wrap applies to transformer_based_wrap only");
+    }
     let cfg = fsdp_app::train::finetune::FinetuneConfig {
-        model: a.model,
+        model: a.model.ok_or_else(|| missing("model", "model_name_or_path"))?,
         revision: a.revision,
-        data: a.data,
-        output_dir: a.output_dir,
+        data: a.data.ok_or_else(|| missing("data", "train_file"))?,
+        output_dir: a.output_dir.ok_or_else(|| missing("output-dir", "output_dir"))?,
+        layer_class_names: a.transformer_cls_names_to_wrap,
         world_size: a.world_size.unwrap_or(1),
         shard_group_size: a.shard_group_size,
         lr: a.lr,

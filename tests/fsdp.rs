@@ -55,6 +55,7 @@ fn reference_config(model: &Path, out: &Path) -> FinetuneConfig {
         save_total_limit: None,
         resume_from: None,
         save_full_every: None,
+        layer_class_names: None,
         train_on: fsdp_app::train::data::TrainOn::Auto,
         skip_bad_rows: false,
         packing: false,

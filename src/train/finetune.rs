@@ -64,6 +64,8 @@ pub struct FinetuneConfig {
     pub resume_from: Option<String>,
     /// Also write a full Hugging Face export to OUTPUT/export-STEP every this many steps.
     pub save_full_every: Option<usize>,
+    /// `transformer_cls_names_to_wrap`, checked against the model's decoder layer class.
+    pub layer_class_names: Option<String>,
     pub train_on: TrainOn,
     pub skip_bad_rows: bool,
     /// Several samples per row, unable to see each other.
@@ -320,6 +322,9 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
     let files = if is_root { Some(resolve_model(&cfg.model, cfg.revision.as_deref())?) } else { None };
     let bytes = share_model_files(groups_ref, files.as_ref())?;
     let model_cfg = models::ModelConfig::from_json_str(&bytes.config).context("config.json")?;
+    if let Some(names) = &cfg.layer_class_names {
+        crate::train::config_file::check_layer_class(names, model_cfg.architecture)?;
+    }
     let staged: Arc<dyn models::StagedModel> = Arc::new(models::LlamaStages::new(&model_cfg));
     let plan = plan_units(staged.as_ref(), cfg.wrap, shard_size(cfg))?;
     let total_params: usize = plan.iter().map(|u| u.numel()).sum();

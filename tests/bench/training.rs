@@ -85,6 +85,7 @@ fn config(model: &Path, data: &Path, out: &Path, world: usize) -> FinetuneConfig
         save_total_limit: None,
         resume_from: None,
         save_full_every: None,
+        layer_class_names: None,
         train_on: fsdp_app::train::data::TrainOn::Auto,
         skip_bad_rows: false,
         packing: false,

@@ -1,0 +1,65 @@
+//! `finetune --config FILE.yaml`: the presets parse, the file sets flags, flags on the command
+//! line win, and nothing unknown or unsupported is silently ignored.
+
+mod common;
+
+use common::*;
+
+#[test]
+fn every_preset_parses() {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs");
+    let mut n = 0;
+    for e in std::fs::read_dir(&dir).unwrap().flatten() {
+        if e.path().extension().is_some_and(|x| x == "yaml") {
+            let s = fsdp_app::train::config_file::load(&e.path()).unwrap_or_else(|err| panic!("{}: {err:#}", e.path().display()));
+            assert!(!s.is_empty());
+            n += 1;
+        }
+    }
+    assert!(n >= 4, "{n} presets");
+}
+
+#[test]
+fn the_file_sets_flags_and_the_command_line_wins() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("llama", tmp.path());
+    let cfg = tmp.path().join("run.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "model_name_or_path: {}\ntrain_file: {}\nfsdp_version: 2\nreshard_after_forward: false\nauto_wrap_policy: TRANSFORMER_BASED_WRAP\n\
+             transformer_cls_names_to_wrap: LlamaDecoderLayer\nlearning_rate: 1.0e-3\nlr_scheduler_type: constant\nmax_steps: 3\n\
+             per_device_train_batch_size: 2\nmax_seq_length: 16\nworld_size: 2\nshuffle: false\n",
+            model.display(),
+            reference_dir().join("train-data.jsonl").display()
+        ),
+    )
+    .unwrap();
+    let out = tmp.path().join("out");
+    let o = run_cli(&["finetune", "--config", cfg.to_str().unwrap(), "--output-dir", out.to_str().unwrap(), "--lr", "5e-4"], &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("2 rank(s), ShardGradOp"), "{}", stderr(&o));
+    let rows: Vec<serde_json::Value> =
+        std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 3, "max_steps from the file");
+    assert!(rows.iter().all(|r| r["lr"] == 5e-4), "--lr on the command line wins: {rows:?}");
+
+    // A layer class that is not the model's is an error, before any weight is read.
+    let bad = tmp.path().join("bad.yaml");
+    std::fs::write(&bad, std::fs::read_to_string(&cfg).unwrap().replace("LlamaDecoderLayer", "GPT2Block")).unwrap();
+    let o = run_cli(&["finetune", "--config", bad.to_str().unwrap(), "--output-dir", tmp.path().join("o2").to_str().unwrap()], &[]);
+    assert!(!o.status.success() && stderr(&o).contains("this model's decoder layer is LlamaDecoderLayer"), "{}", stderr(&o));
+
+    // Unknown keys and wrong types name the file and the key.
+    let typo = tmp.path().join("typo.yaml");
+    std::fs::write(&typo, "learning_rat: 1e-4\n").unwrap();
+    let o = run_cli(&["finetune", "--config", typo.to_str().unwrap()], &[]);
+    assert!(!o.status.success() && stderr(&o).contains("typo.yaml: unknown key `learning_rat`"), "{}", stderr(&o));
+    std::fs::write(&typo, "per_device_train_batch_size: [1]\n").unwrap();
+    let o = run_cli(&["finetune", "--config", typo.to_str().unwrap()], &[]);
+    assert!(!o.status.success() && stderr(&o).contains("key `per_device_train_batch_size`: expected a non-negative integer, found a list"), "{}", stderr(&o));
+    // Required settings missing from both say where they can come from.
+    std::fs::write(&typo, "learning_rate: 1e-4\n").unwrap();
+    let o = run_cli(&["finetune", "--config", typo.to_str().unwrap()], &[]);
+    assert!(!o.status.success() && stderr(&o).contains("--model is required (or `model_name_or_path` in --config)"), "{}", stderr(&o));
+}
