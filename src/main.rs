@@ -118,7 +118,8 @@ struct FinetuneArgs {
     model: Option<String>,
     #[arg(long)]
     revision: Option<String>,
-    /// Training data, JSONL (a row per line) or JSON (an array): {"text"}, {"prompt",
+    /// Training data: a file, or hf://datasets/ORG/NAME/FILE[@REVISION] (downloaded by rank 0).
+    /// JSONL (a row per line) or JSON (an array): {"text"}, {"prompt",
     /// "completion"}, {"messages": [{"role", "content"}]}, ShareGPT {"conversations": [{"from",
     /// "value"}]}, Alpaca {"instruction", "input", "output"}, or {"input_ids", "labels"}.
     #[arg(long)]

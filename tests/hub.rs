@@ -231,3 +231,30 @@ fn a_repo_with_only_pickle_weights_is_refused() {
     assert!(err.contains("pickle") && err.contains("acme/pickled"), "{err}");
     assert!(!server.requested_files().contains(&"pytorch_model.bin".to_string()));
 }
+
+#[test]
+fn training_data_comes_from_a_hub_dataset_repo() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("llama", tmp.path());
+    let data = std::fs::read(reference_dir().join("train-data.jsonl")).unwrap();
+    let server = HubServer::start("datasets/acme/tokens", [("train.jsonl".to_string(), data)].into_iter().collect());
+    let hf_home = tmp.path().join("hf");
+    let run = |out: &str, env: &[(&str, &str)]| {
+        run_cli(
+            &["finetune", "--model", model.to_str().unwrap(), "--data", "hf://datasets/acme/tokens/train.jsonl", "--output-dir",
+              tmp.path().join(out).to_str().unwrap(), "--seq-len", "16", "--batch-size", "2", "--max-steps", "2", "--world-size", "2"],
+            env,
+        )
+    };
+    let o = run("a", &[("HF_ENDPOINT", &server.endpoint()), ("HF_HOME", hf_home.to_str().unwrap())]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("data: 48 rows"), "{}", stderr(&o));
+    // Downloaded once (by rank 0), into the Python client's dataset cache layout.
+    assert_eq!(server.requested_files(), vec!["train.jsonl"]);
+    assert!(hf_home.join("hub").join("datasets--acme--tokens").join("refs").join("main").exists());
+    drop(server);
+    let o = run("b", &[("HF_HUB_OFFLINE", "1"), ("HF_HOME", hf_home.to_str().unwrap())]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = run("c", &[("HF_HUB_OFFLINE", "1"), ("HF_HOME", tmp.path().join("empty").to_str().unwrap())]);
+    assert!(!o.status.success() && stderr(&o).contains("train.jsonl"), "{}", stderr(&o));
+}

@@ -52,6 +52,7 @@ pub fn endpoint() -> String {
 
 /// A model repository at one revision, either online (download on demand) or offline (cache only).
 pub struct HubRepo {
+    repo_type: RepoType,
     repo_id: String,
     revision: String,
     online: Option<ApiRepo>,
@@ -60,6 +61,15 @@ pub struct HubRepo {
 
 impl HubRepo {
     pub fn open(repo_id: &str, revision: &str) -> Result<Self> {
+        Self::open_typed(RepoType::Model, repo_id, revision)
+    }
+
+    /// A dataset repository (`datasets--org--name` in the cache).
+    pub fn open_dataset(repo_id: &str, revision: &str) -> Result<Self> {
+        Self::open_typed(RepoType::Dataset, repo_id, revision)
+    }
+
+    fn open_typed(repo_type: RepoType, repo_id: &str, revision: &str) -> Result<Self> {
         let cache = cache_dir();
         let online = if offline() {
             None
@@ -70,14 +80,19 @@ impl HubRepo {
                 .with_progress(true)
                 .build()
                 .context("creating the Hugging Face Hub client")?;
-            Some(api.repo(Repo::with_revision(repo_id.to_string(), RepoType::Model, revision.to_string())))
+            Some(api.repo(Repo::with_revision(repo_id.to_string(), repo_type, revision.to_string())))
         };
-        Ok(Self { repo_id: repo_id.to_string(), revision: revision.to_string(), online, cache })
+        Ok(Self { repo_type, repo_id: repo_id.to_string(), revision: revision.to_string(), online, cache })
     }
 
-    /// `models--org--name` under the cache, as the Python client names it.
+    /// `models--org--name` (or `datasets--...`) under the cache, as the Python client names it.
     fn repo_cache_dir(&self) -> PathBuf {
-        self.cache.join(format!("models--{}", self.repo_id.replace('/', "--")))
+        let kind = match self.repo_type {
+            RepoType::Dataset => "datasets",
+            RepoType::Space => "spaces",
+            _ => "models",
+        };
+        self.cache.join(format!("{kind}--{}", self.repo_id.replace('/', "--")))
     }
 
     /// The snapshot directory for the revision, if the cache knows it.

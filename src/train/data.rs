@@ -162,13 +162,34 @@ impl Dataset {
     }
 }
 
+/// Where training data comes from: a local file, or `hf://datasets/ORG/NAME/PATH[@REVISION]`
+/// (the Hub's URL scheme), downloaded with hf-hub into the shared cache.
+pub fn resolve_data(spec: &str) -> Result<std::path::PathBuf> {
+    let Some(rest) = spec.strip_prefix("hf://datasets/") else {
+        let p = std::path::PathBuf::from(spec);
+        if !p.is_file() {
+            bail!("{spec}: no such file (Hub datasets are written hf://datasets/ORG/NAME/FILE)");
+        }
+        return Ok(p);
+    };
+    let (rest, revision) = match rest.rsplit_once('@') {
+        Some((r, rev)) => (r, rev),
+        None => (rest, "main"),
+    };
+    let parts: Vec<&str> = rest.splitn(3, '/').collect();
+    if parts.len() < 3 || parts.iter().any(|p| p.is_empty()) {
+        bail!("{spec}: expected hf://datasets/ORG/NAME/FILE[@REVISION]");
+    }
+    let repo = crate::checkpoint::hub::HubRepo::open_dataset(&format!("{}/{}", parts[0], parts[1]), revision)?;
+    repo.get(parts[2]).with_context(|| format!("dataset file {spec}"))
+}
+
 /// Rows of a `.jsonl` file (one object per line) or a `.json` file (an array of objects), each
 /// with its line number (JSON arrays: the element's 1-based index).
-fn read_rows(path: &Path) -> Result<Vec<(usize, Result<Value>)>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
+fn read_rows(path: &Path, text: &str) -> Result<Vec<(usize, Result<Value>)>> {
     let is_json_array = path.extension().is_some_and(|e| e == "json") || text.trim_start().starts_with('[');
     if is_json_array {
-        let v: Value = serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{}:{}: not valid JSON: {e}", path.display(), e.line()))?;
+        let v: Value = serde_json::from_str(text).map_err(|e| anyhow::anyhow!("{}:{}: not valid JSON: {e}", path.display(), e.line()))?;
         let rows = v.as_array().with_context(|| format!("{}: a .json data file must hold an array of rows", path.display()))?;
         return Ok(rows.iter().enumerate().map(|(i, r)| (i + 1, Ok(r.clone()))).collect());
     }
@@ -229,11 +250,17 @@ fn pad(mut ids: Vec<u32>, mut labels: Vec<i64>, seq_len: usize, pad_id: u32) -> 
 }
 
 pub fn load_dataset(path: &Path, opts: &DataOptions, tools: &TextTools) -> Result<Dataset> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
+    load_dataset_text(path, &text, opts, tools)
+}
+
+/// Like `load_dataset`, for a file's contents (`path` names it in messages and picks the format).
+pub fn load_dataset_text(path: &Path, text: &str, opts: &DataOptions, tools: &TextTools) -> Result<Dataset> {
     let mut out = Dataset::default();
     let mut stream: Vec<u32> = vec![];
     let mut rows: Vec<(Vec<u32>, Vec<i64>)> = vec![];
     let mut longest = 0;
-    for (line, row) in read_rows(path)? {
+    for (line, row) in read_rows(path, text)? {
         out.rows += 1;
         let built = (|| -> Result<Option<(Vec<u32>, Vec<i64>)>> {
             let row = row?;

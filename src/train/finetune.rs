@@ -24,7 +24,7 @@ use crate::fsdp::plan::{plan_units, ShardingStrategy, WrapPolicy};
 use crate::memory::{human_bytes, peak_rss_bytes};
 use crate::tokenize::TextTokenizer;
 use crate::train::report::LossHistory;
-use crate::train::data::{describe_sample, epoch_order, load_dataset, packing_for, DataOptions, Sample, TextTools, TrainOn};
+use crate::train::data::{describe_sample, epoch_order, packing_for, DataOptions, Sample, TextTools, TrainOn};
 
 #[derive(Debug, Clone)]
 pub struct FinetuneConfig {
@@ -119,7 +119,8 @@ pub fn validate(cfg: &FinetuneConfig) -> Result<()> {
         (s, Some(_)) if s != ShardingStrategy::HybridShard => bail!("--shard-group-size applies to HYBRID_SHARD only"),
         _ => {}
     }
-    if !cfg.data.is_file() {
+    let is_hub = |p: &Path| p.to_string_lossy().starts_with("hf://");
+    if !is_hub(&cfg.data) && !cfg.data.is_file() {
         bail!("--data {}: no such file", cfg.data.display());
     }
     if cfg.resume_from.is_none() && cfg.output_dir.exists() && std::fs::read_dir(&cfg.output_dir)?.next().is_some() {
@@ -134,7 +135,7 @@ pub fn validate(cfg: &FinetuneConfig) -> Result<()> {
         }
     }
     if let Some(p) = &cfg.eval_data {
-        if !p.is_file() {
+        if !is_hub(p) && !p.is_file() {
             bail!("--eval-data {}: no such file", p.display());
         }
     }
@@ -350,7 +351,7 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
         pad_id: eos.unwrap_or(0),
     };
     let data_opts = DataOptions { seq_len: cfg.seq_len, train_on: cfg.train_on, skip_bad_rows: cfg.skip_bad_rows, packing: cfg.packing };
-    let dataset = load_dataset(&cfg.data, &data_opts, &tools)?;
+    let dataset = shared_dataset(groups_ref, &cfg.data, &data_opts, &tools)?;
     if is_root && cfg.verbose {
         eprintln!(
             "data: {} rows -> {} samples of {} tokens ({} skipped, {} truncated); {} trained-on tokens; {} efficiency {:.1}%",
@@ -369,7 +370,7 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
     }
     let mut samples = dataset.samples;
     let eval_samples: Vec<Sample> = match (&cfg.eval_data, cfg.eval_split) {
-        (Some(p), _) => load_dataset(p, &data_opts, &tools)?.samples,
+        (Some(p), _) => shared_dataset(groups_ref, p, &data_opts, &tools)?.samples,
         (None, Some(f)) => {
             // The last rows of the file, so the split is the same on every rank and every run.
             let n = ((samples.len() as f64 * f).round() as usize).max(1);
@@ -700,6 +701,31 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
         eprintln!("wrote {} (loadable with `fsdp-app generate --model {}`)", cfg.output_dir.display(), cfg.output_dir.display());
     }
     Ok(is_root.then(|| RunSummary { losses, grad_norms, rank_bytes, total_params, output_dir: cfg.output_dir.clone() }))
+}
+
+/// Rank 0 resolves the data (a local file or a Hub dataset file, downloaded once) and sends its
+/// bytes; every rank builds the same samples from them.
+fn shared_dataset(groups: &ProcessGroups, spec: &Path, opts: &DataOptions, tools: &TextTools) -> Result<crate::train::data::Dataset> {
+    let is_root = groups.world.rank() == 0;
+    let payload = if is_root {
+        let bytes = (|| -> Result<Vec<u8>> {
+            let path = crate::train::data::resolve_data(&spec.to_string_lossy())?;
+            std::fs::read(&path).with_context(|| format!("{}: cannot read", path.display()))
+        })();
+        match bytes {
+            Ok(b) => Some([vec![1u8], b].concat()),
+            Err(e) => Some([vec![0u8], format!("{e:#}").into_bytes()].concat()),
+        }
+    } else {
+        None
+    };
+    let got = groups.world.broadcast_bytes(0, payload)?;
+    let (ok, body) = got.split_first().context("empty data message")?;
+    if *ok == 0 {
+        bail!("{}", String::from_utf8_lossy(body));
+    }
+    let text = String::from_utf8(body.to_vec()).with_context(|| format!("{}: not UTF-8 text", spec.display()))?;
+    crate::train::data::load_dataset_text(spec, &text, opts, tools)
 }
 
 /// Mean token loss and perplexity over `samples`, each rank taking every world-th batch. Ranks
