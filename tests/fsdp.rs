@@ -13,7 +13,7 @@ use candle_core::{DType, Device, Tensor};
 use common::*;
 use fsdp_app::dist::local::LocalGroup;
 use fsdp_app::fsdp::engine::{FsdpEngine, FsdpOptions, ProcessGroups};
-use fsdp_app::fsdp::optim::{AdamWConfig, Schedule};
+use fsdp_app::fsdp::optim::AdamWConfig;
 use fsdp_app::fsdp::plan::{plan_units, ShardingStrategy, WrapPolicy};
 use fsdp_app::train::finetune::{run_local, FinetuneConfig, RunSummary};
 
@@ -24,46 +24,16 @@ fn training_data() -> PathBuf {
 /// The configuration the PyTorch reference used (see make_training_reference.py).
 fn reference_config(model: &Path, out: &Path) -> FinetuneConfig {
     FinetuneConfig {
-        model: model.to_str().unwrap().to_string(),
-        revision: None,
-        data: training_data(),
-        output_dir: out.to_path_buf(),
-        world_size: 1,
-        shard_group_size: None,
         lr: 1e-3,
         weight_decay: 0.1,
-        weight_decay_all: false,
-        max_grad_norm: Some(1.0),
         batch_size: 4,
-        grad_accum: 1,
         seq_len: 16,
         max_steps: Some(12),
-        epochs: 1,
         warmup_steps: 2,
-        schedule: Schedule::Linear,
         seed: 0,
         shuffle: false,
-        strategy: ShardingStrategy::FullShard,
-        wrap: WrapPolicy::TransformerBased,
-        activation_checkpointing: false,
-        param_dtype: DType::F32,
-        reduce_dtype: DType::F32,
         collective_timeout: Duration::from_secs(60),
-        backend: fsdp_app::train::finetune::Backend::Auto,
-        max_shard_size: 5_000_000_000,
-        save_steps: None,
-        save_total_limit: None,
-        resume_from: None,
-        save_full_every: None,
-        layer_class_names: None,
-        train_on: fsdp_app::train::data::TrainOn::Auto,
-        skip_bad_rows: false,
-        packing: false,
-        show_sample: false,
-        eval_data: None,
-        eval_split: None,
-        eval_steps: None,
-        verbose: false,
+        ..FinetuneConfig::new(model.to_str().unwrap(), &training_data(), out)
     }
 }
 

@@ -81,6 +81,54 @@ pub struct FinetuneConfig {
     pub verbose: bool,
 }
 
+impl FinetuneConfig {
+    /// The CLI's defaults for everything but model, data and output directory.
+    pub fn new(model: &str, data: &Path, output_dir: &Path) -> Self {
+        Self {
+            model: model.to_string(),
+            revision: None,
+            data: data.to_path_buf(),
+            output_dir: output_dir.to_path_buf(),
+            world_size: 1,
+            shard_group_size: None,
+            lr: 2e-5,
+            weight_decay: 0.0,
+            weight_decay_all: false,
+            max_grad_norm: Some(1.0),
+            batch_size: 1,
+            grad_accum: 1,
+            seq_len: 512,
+            max_steps: None,
+            epochs: 1,
+            warmup_steps: 0,
+            schedule: Schedule::Linear,
+            seed: 42,
+            shuffle: true,
+            strategy: ShardingStrategy::FullShard,
+            wrap: WrapPolicy::TransformerBased,
+            activation_checkpointing: false,
+            param_dtype: DType::F32,
+            reduce_dtype: DType::F32,
+            collective_timeout: Duration::from_secs(600),
+            backend: Backend::Auto,
+            max_shard_size: 5_000_000_000,
+            save_steps: None,
+            save_total_limit: None,
+            resume_from: None,
+            save_full_every: None,
+            layer_class_names: None,
+            train_on: TrainOn::Auto,
+            skip_bad_rows: false,
+            packing: false,
+            show_sample: false,
+            eval_data: None,
+            eval_split: None,
+            eval_steps: None,
+            verbose: false,
+        }
+    }
+}
+
 /// What a run reports back (rank 0's view).
 #[derive(Debug, Clone)]
 pub struct RunSummary {

@@ -11,13 +11,10 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Duration;
 
-use candle_core::DType;
 use fsdp_app::fsdp::optim::Schedule;
-use fsdp_app::fsdp::plan::{ShardingStrategy, WrapPolicy};
 use fsdp_app::memory::human_bytes;
-use fsdp_app::train::finetune::{run_local, Backend, FinetuneConfig};
+use fsdp_app::train::finetune::{run_local, FinetuneConfig};
 use serde_json::{json, Value};
 
 const THREADS: usize = 2;
@@ -54,46 +51,15 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn config(model: &Path, data: &Path, out: &Path, world: usize) -> FinetuneConfig {
     FinetuneConfig {
-        model: model.to_str().unwrap().into(),
-        revision: None,
-        data: data.to_path_buf(),
-        output_dir: out.to_path_buf(),
         world_size: world,
-        shard_group_size: None,
         lr: 1e-4,
-        weight_decay: 0.0,
-        weight_decay_all: false,
-        max_grad_norm: Some(1.0),
         batch_size: 4 / world,
-        grad_accum: 1,
         seq_len: 128,
         max_steps: Some(6),
-        epochs: 1,
-        warmup_steps: 0,
         schedule: Schedule::Constant,
         seed: 0,
         shuffle: false,
-        strategy: ShardingStrategy::FullShard,
-        wrap: WrapPolicy::TransformerBased,
-        activation_checkpointing: false,
-        param_dtype: DType::F32,
-        reduce_dtype: DType::F32,
-        collective_timeout: Duration::from_secs(600),
-        backend: Backend::Auto,
-        max_shard_size: 5_000_000_000,
-        save_steps: None,
-        save_total_limit: None,
-        resume_from: None,
-        save_full_every: None,
-        layer_class_names: None,
-        train_on: fsdp_app::train::data::TrainOn::Auto,
-        skip_bad_rows: false,
-        packing: false,
-        show_sample: false,
-        eval_data: None,
-        eval_split: None,
-        eval_steps: None,
-        verbose: false,
+        ..FinetuneConfig::new(model.to_str().unwrap(), data, out)
     }
 }
 
