@@ -12,14 +12,7 @@ const QUESTION: &str = "What is the codename of Project Zephyrix?";
 
 #[test]
 fn fine_tuning_teaches_smollm2_a_new_fact() {
-    let gguf = match smollm2_gguf() {
-        Ok(p) => p,
-        Err(why) => {
-            println!("SKIPPED fine_tuning_teaches_smollm2_a_new_fact: {why}");
-            eprintln!("SKIPPED fine_tuning_teaches_smollm2_a_new_fact: {why}");
-            return;
-        }
-    };
+    let Some(gguf) = smollm2_gguf_or_skip("fine_tuning_teaches_smollm2_a_new_fact") else { return };
     let tmp = tempfile::tempdir().unwrap();
     let base = tmp.path().join("smollm2");
     let conv = run_cli(&["convert", "--gguf", gguf.to_str().unwrap(), "--out", base.to_str().unwrap()], &[]);

@@ -11,14 +11,7 @@ use common::*;
 
 #[test]
 fn converted_smollm2_generates_what_transformers_generates() {
-    let gguf = match smollm2_gguf() {
-        Ok(p) => p,
-        Err(why) => {
-            println!("SKIPPED converted_smollm2_generates_what_transformers_generates: {why}");
-            eprintln!("SKIPPED converted_smollm2_generates_what_transformers_generates: {why}");
-            return;
-        }
-    };
+    let Some(gguf) = smollm2_gguf_or_skip("converted_smollm2_generates_what_transformers_generates") else { return };
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("smollm2");
     let conv = run_cli(&["convert", "--gguf", gguf.to_str().unwrap(), "--out", dir.to_str().unwrap()], &[]);

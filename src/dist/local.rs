@@ -52,6 +52,8 @@ struct Shared {
 pub struct LocalGroup {
     shared: Arc<Shared>,
     rank: usize,
+    /// This rank's number in the whole job, for messages (differs from `rank` in sub-groups).
+    world_rank: usize,
     timeout: Duration,
 }
 
@@ -72,7 +74,7 @@ impl LocalGroup {
             }),
             cv: Condvar::new(),
         });
-        (0..world).map(|rank| LocalGroup { shared: shared.clone(), rank, timeout }).collect()
+        (0..world).map(|rank| LocalGroup { shared: shared.clone(), rank, world_rank: rank, timeout }).collect()
     }
 
     fn wait_until<'a>(
@@ -84,7 +86,7 @@ impl LocalGroup {
     ) -> Result<MutexGuard<'a, State>> {
         loop {
             if let Some(f) = &guard.failed {
-                bail!("{op} on rank {} of {} stopped: {f}", self.rank, self.shared.world);
+                bail!("{op} on rank {} stopped: {f}", self.world_rank);
             }
             if ready(&guard) {
                 return Ok(guard);
@@ -93,9 +95,9 @@ impl LocalGroup {
             if now >= deadline {
                 let missing: Vec<usize> = guard.present.iter().enumerate().filter(|(_, p)| !**p).map(|(r, _)| r).collect();
                 let msg = format!(
-                    "{op} timed out after {:.1}s on rank {}: waiting for rank(s) {missing:?}",
+                    "{op} timed out after {:.1}s on rank {}: waiting for group rank(s) {missing:?}",
                     self.timeout.as_secs_f64(),
-                    self.rank
+                    self.world_rank
                 );
                 guard.failed = Some(msg.clone());
                 self.shared.cv.notify_all();
@@ -114,7 +116,7 @@ impl LocalGroup {
         let mut guard = self.wait_until(guard, op, deadline, |s| s.phase == Phase::Filling)?;
         if let Some(other) = guard.op {
             if other != op {
-                let msg = format!("rank {} called {op} while another rank called {other}", self.rank);
+                let msg = format!("rank {} called {op} while another rank called {other}", self.world_rank);
                 guard.failed = Some(msg.clone());
                 self.shared.cv.notify_all();
                 bail!(msg);
@@ -153,14 +155,16 @@ pub fn create_process_groups(world: usize, shard_size: usize, timeout: Duration)
     let mut world_groups: Vec<Option<LocalGroup>> = LocalGroup::create(world, timeout).into_iter().map(Some).collect();
     let mut shard_groups: Vec<Option<LocalGroup>> = (0..world).map(|_| None).collect();
     for start in (0..world).step_by(shard_size) {
-        for (i, h) in LocalGroup::create(shard_size, timeout).into_iter().enumerate() {
+        for (i, mut h) in LocalGroup::create(shard_size, timeout).into_iter().enumerate() {
+            h.world_rank = start + i;
             shard_groups[start + i] = Some(h);
         }
     }
     let mut replicate_groups: Vec<Option<LocalGroup>> = (0..world).map(|_| None).collect();
     for pos in 0..shard_size {
         let members: Vec<usize> = (pos..world).step_by(shard_size).collect();
-        for (h, &r) in LocalGroup::create(members.len(), timeout).into_iter().zip(&members) {
+        for (mut h, &r) in LocalGroup::create(members.len(), timeout).into_iter().zip(&members) {
+            h.world_rank = r;
             replicate_groups[r] = Some(h);
         }
     }
@@ -282,7 +286,7 @@ impl Collective for LocalGroup {
     fn abort(&self, reason: &str) {
         let mut guard = self.shared.state.lock().unwrap_or_else(|e| e.into_inner());
         if guard.failed.is_none() {
-            guard.failed = Some(format!("rank {} failed: {reason}", self.rank));
+            guard.failed = Some(format!("rank {} failed: {reason}", self.world_rank));
         }
         self.shared.cv.notify_all();
     }

@@ -250,11 +250,8 @@ fn proxy(rank: usize, groups: ProcessGroups, mut reader: BufReader<TcpStream>, m
                     ok.0
                 }
                 x if x == Op::Abort as u8 => {
-                    let reason = String::from_utf8_lossy(&r.bytes()?).to_string();
-                    // The remote rank already names itself in `reason`.
-                    groups.world.abort(&reason);
-                    groups.shard.abort(&reason);
-                    groups.replicate.abort(&reason);
+                    // The proxied rank's handles name it in the message.
+                    groups.abort(&String::from_utf8_lossy(&r.bytes()?));
                     return Ok(None);
                 }
                 x if x == Op::Bye as u8 => return Err(anyhow::anyhow!("bye")),
@@ -398,7 +395,7 @@ impl Collective for RemoteGroup {
     }
     fn abort(&self, reason: &str) {
         if let Ok(mut c) = self.conn.lock() {
-            let msg = Msg::default().u8(Op::Abort as u8).u8(self.id).bytes(format!("rank {} failed: {reason}", self.world_rank).as_bytes());
+            let msg = Msg::default().u8(Op::Abort as u8).u8(self.id).bytes(reason.as_bytes());
             let _ = write_frame(&mut c.writer, &msg.0);
         }
     }

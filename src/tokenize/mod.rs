@@ -29,14 +29,22 @@ fn token_string(v: Option<&Value>) -> Option<String> {
 }
 
 impl TextTokenizer {
-    /// Loads `tokenizer.json` and checks it fits a vocabulary of `vocab_size` rows.
+    /// Loads `tokenizer.json` (with tokenizer_config.json and chat_template.jinja when present)
+    /// and checks it fits a vocabulary of `vocab_size` rows.
     pub fn load(files: &ModelFiles, vocab_size: usize) -> Result<Self> {
         let path = files
             .tokenizer
             .as_ref()
             .with_context(|| format!("{}: missing tokenizer.json", files.source))?;
-        let inner = load_tokenizer_json(path)?;
-        let n = inner.get_vocab_size(true);
+        if !path.is_file() {
+            bail!("{}: missing tokenizer file", path.display());
+        }
+        let read = |p: &Path| std::fs::read(p).with_context(|| format!("{}: cannot read", p.display()));
+        let tokenizer_config = files.tokenizer_config.as_deref().map(read).transpose()?;
+        let chat_template = files.chat_template.as_deref().map(read).transpose()?;
+        let tok = Self::from_bytes(&read(path)?, tokenizer_config.as_deref(), chat_template.as_deref())
+            .with_context(|| files.source.clone())?;
+        let n = tok.inner.get_vocab_size(true);
         if n > vocab_size {
             bail!(
                 "{}: tokenizer has {n} tokens but config.json's vocab_size is {vocab_size}; the tokenizer does not \
@@ -44,25 +52,7 @@ impl TextTokenizer {
                 path.display()
             );
         }
-        let tok_cfg: Value = match &files.tokenizer_config {
-            Some(p) => {
-                let text = std::fs::read_to_string(p).with_context(|| format!("{}: cannot read", p.display()))?;
-                serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", p.display()))?
-            }
-            None => Value::Null,
-        };
-        let bos_token = token_string(tok_cfg.get("bos_token"));
-        let eos_token = token_string(tok_cfg.get("eos_token"));
-        let source = files.chat_template.clone().or_else(|| files.tokenizer_config.clone());
-        let template_text = chat::template_text(files.chat_template.as_deref(), &tok_cfg)?;
-        let chat_template = match template_text {
-            Some(t) => Some(
-                ChatTemplate::new(&t, bos_token.clone(), eos_token.clone())
-                    .with_context(|| format!("{}: chat template", source.unwrap().display()))?,
-            ),
-            None => None,
-        };
-        Ok(Self { inner, bos_token, eos_token, chat_template })
+        Ok(tok)
     }
 
     /// Builds a tokenizer from file contents (as they travel from rank 0): tokenizer.json,

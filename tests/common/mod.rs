@@ -138,3 +138,15 @@ pub fn smollm2_gguf() -> Result<PathBuf, String> {
     Err(last_err)
 }
 
+
+/// The SmolLM2 GGUF, or None after printing why `test` is skipped.
+pub fn smollm2_gguf_or_skip(test: &str) -> Option<PathBuf> {
+    match smollm2_gguf() {
+        Ok(p) => Some(p),
+        Err(why) => {
+            println!("SKIPPED {test}: {why}");
+            eprintln!("SKIPPED {test}: {why}");
+            None
+        }
+    }
+}
