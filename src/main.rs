@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use candle_core::Device;
 use clap::{Args, Parser, Subcommand};
 
-use fsdp_app::checkpoint::{load_model, parse_dtype, resolve_model};
+use fsdp_app::checkpoint::{load_model_with_adapter, parse_dtype, resolve_model};
 use fsdp_app::generate::{generate, GenerationDefaults, SamplingParams};
 use fsdp_app::memory::{human_bytes, peak_rss_bytes};
 use fsdp_app::tokenize::{ChatMessage, TextTokenizer};
@@ -59,6 +59,9 @@ struct ModelArgs {
 struct GenerateArgs {
     #[command(flatten)]
     model: ModelArgs,
+    /// A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) to apply.
+    #[arg(long)]
+    adapter: Option<PathBuf>,
     /// The prompt text.
     #[arg(long)]
     prompt: String,
@@ -237,6 +240,29 @@ struct FinetuneArgs {
     /// Also write a full Hugging Face export to OUTPUT/export-STEP every N steps.
     #[arg(long)]
     save_full_every: Option<usize>,
+    /// Train a LoRA adapter (PEFT format, in OUTPUT) on the frozen base instead of every weight.
+    /// Implied by any --lora-* flag.
+    #[arg(long)]
+    lora: bool,
+    /// LoRA rank (default 8, as PEFT).
+    #[arg(long)]
+    lora_r: Option<usize>,
+    /// LoRA alpha; the update is scaled by alpha / r (default 8, as PEFT).
+    #[arg(long)]
+    lora_alpha: Option<f64>,
+    /// Dropout on the adapter's input while training (default 0).
+    #[arg(long)]
+    lora_dropout: Option<f64>,
+    /// Modules to adapt, comma-separated: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+    /// down_proj, or all-linear (default q_proj,v_proj, PEFT's choice for these models).
+    #[arg(long)]
+    lora_targets: Option<String>,
+    /// Continue training this PEFT LoRA adapter directory (its r, alpha, dropout and targets).
+    #[arg(long, conflicts_with_all = ["lora_r", "lora_alpha", "lora_dropout", "lora_targets"])]
+    adapter: Option<PathBuf>,
+    /// With LoRA: also write the merged full model (W + alpha/r * B A) to OUTPUT/merged.
+    #[arg(long)]
+    merge_lora: bool,
 }
 
 #[derive(Args)]
@@ -314,7 +340,19 @@ fn apply_config_file(argv: Vec<std::ffi::OsString>) -> Result<Vec<std::ffi::OsSt
 }
 
 fn is_switch(flag: &str) -> bool {
-    matches!(flag, "activation_checkpointing" | "weight_decay_all" | "packing" | "skip_bad_rows" | "no_shuffle")
+    matches!(flag, "activation_checkpointing" | "weight_decay_all" | "packing" | "skip_bad_rows" | "no_shuffle" | "lora" | "merge_lora")
+}
+
+/// LoRA settings from the finetune flags, or None when no LoRA flag is given.
+fn lora_settings(a: &FinetuneArgs) -> Option<models::LoraSettings> {
+    let on = a.lora || a.lora_r.is_some() || a.lora_alpha.is_some() || a.lora_dropout.is_some() || a.lora_targets.is_some();
+    on.then(|| models::LoraSettings {
+        r: a.lora_r.unwrap_or(8),
+        alpha: a.lora_alpha.unwrap_or(8.0),
+        dropout: a.lora_dropout.unwrap_or(0.0),
+        targets: a.lora_targets.as_deref().unwrap_or("q_proj,v_proj").split(',').map(|t| t.trim().to_string()).filter(|t| !t.is_empty()).collect(),
+        use_rslora: false,
+    })
 }
 
 fn main() {
@@ -367,7 +405,11 @@ fn run_finetune(a: FinetuneArgs) -> Result<()> {
     if a.transformer_cls_names_to_wrap.is_some() && wrap != WrapPolicy::TransformerBased {
         anyhow::bail!("transformer_cls_names_to_wrap applies to transformer_based_wrap only");
     }
+    let lora = lora_settings(&a);
     let cfg = fsdp_app::train::finetune::FinetuneConfig {
+        lora,
+        adapter: a.adapter,
+        merge_lora: a.merge_lora,
         model: a.model.ok_or_else(|| missing("model", "model_name_or_path"))?,
         revision: a.revision,
         data: a.data.ok_or_else(|| missing("data", "train_file"))?,
@@ -489,7 +531,7 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
         Some(p) => GenerationDefaults::read(p)?,
         None => GenerationDefaults::default(),
     };
-    let loaded = load_model(files, dtype, &Device::Cpu)?;
+    let loaded = load_model_with_adapter(files, a.adapter.as_deref(), dtype, &Device::Cpu)?;
     let tokenizer = TextTokenizer::load(&loaded.files, loaded.config.vocab_size)?;
     let load_s = load_start.elapsed().as_secs_f64();
 

@@ -63,3 +63,24 @@ fn the_file_sets_flags_and_the_command_line_wins() {
     let o = run_cli(&["finetune", "--config", typo.to_str().unwrap()], &[]);
     assert!(!o.status.success() && stderr(&o).contains("--model is required (or `model_name_or_path` in --config)"), "{}", stderr(&o));
 }
+
+#[test]
+fn the_lora_preset_trains_an_adapter_and_writes_the_merged_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("llama", tmp.path());
+    let preset = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs/lora.yaml");
+    let out = tmp.path().join("out");
+    let data = reference_dir().join("train-data.jsonl");
+    let o = run_cli(
+        &[
+            "finetune", "--config", preset.to_str().unwrap(), "--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(),
+            "--output-dir", out.to_str().unwrap(), "--max-steps", "2", "--seq-len", "16", "--world-size", "2",
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("lora: r=8 alpha=16 dropout=0.05"), "{}", stderr(&o));
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["target_modules"].as_array().unwrap().len(), 7);
+    assert!(out.join("adapter_model.safetensors").is_file() && out.join("merged/config.json").is_file());
+}

@@ -208,7 +208,7 @@ fn one_step_gradients_match_pytorch_and_reach_every_parameter() {
         for ac in [false, true] {
             let mut engine = engine_for(&dir, ac);
             let input = Tensor::from_vec(ids.clone(), (4, 16), &Device::Cpu).unwrap();
-            engine.forward_backward(&input, &labels, targets as f64, None).unwrap();
+            engine.forward_backward(&input, &labels, targets as f64, &Default::default()).unwrap();
             let grads = engine.grad_chunks();
             let mut checked = 0;
             for (k, g) in &grads {

@@ -4,10 +4,11 @@
 //! (several fused candle ops silently have none: `rope`, `rms_norm`, `softmax_last_dim`).
 //! `OpMode::Generate` uses the fused ones, whose forward output is the same, for speed.
 
-use candle_core::{DType, Device, Module, Result, Tensor, D};
-use candle_nn::{linear_b, linear_no_bias, Linear, VarBuilder};
+use candle_core::{DType, Device, Result, Tensor, D};
+use candle_nn::{linear_b, VarBuilder};
 
 use crate::config::{ModelConfig, RopeScaling};
+use crate::lora::AdaptedLinear;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OpMode {
@@ -158,6 +159,22 @@ pub struct PositionInputs {
     /// sliding window).
     pub mask: Option<Tensor>,
     pub mode: OpMode,
+    /// One LoRA-dropout seed per batch row while training; None disables dropout.
+    pub row_seeds: Option<Vec<u64>>,
+}
+
+/// A linear layer at `vb`'s prefix, with the LoRA adapter of `cfg.lora` when that targets it
+/// (its `lora_A`/`lora_B` tensors must then be in `vb`).
+fn adapted_linear(cfg: &ModelConfig, inp: usize, out: usize, bias: bool, vb: VarBuilder) -> Result<AdaptedLinear> {
+    let base = linear_b(inp, out, bias, vb.clone())?;
+    match &cfg.lora {
+        Some(lora) if lora.targets_module(&vb.prefix()) => {
+            let a = vb.get((lora.r, inp), "lora_A.weight")?;
+            let b = vb.get((out, lora.r), "lora_B.weight")?;
+            Ok(AdaptedLinear::with_adapter(base, a, b, lora, &vb.prefix()))
+        }
+        _ => Ok(AdaptedLinear::plain(base)),
+    }
 }
 
 /// Builds the causal (optionally sliding-window) additive mask for queries at positions
@@ -201,10 +218,10 @@ impl LayerKvCache {
 
 #[derive(Debug, Clone)]
 pub struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    o_proj: Linear,
+    q_proj: AdaptedLinear,
+    k_proj: AdaptedLinear,
+    v_proj: AdaptedLinear,
+    o_proj: AdaptedLinear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
     num_heads: usize,
@@ -226,10 +243,10 @@ impl Attention {
             (None, None)
         };
         Ok(Self {
-            q_proj: linear_b(h, q_out, cfg.qkv_bias, vb.pp("q_proj"))?,
-            k_proj: linear_b(h, kv_out, cfg.qkv_bias, vb.pp("k_proj"))?,
-            v_proj: linear_b(h, kv_out, cfg.qkv_bias, vb.pp("v_proj"))?,
-            o_proj: linear_b(q_out, h, cfg.o_bias, vb.pp("o_proj"))?,
+            q_proj: adapted_linear(cfg, h, q_out, cfg.qkv_bias, vb.pp("q_proj"))?,
+            k_proj: adapted_linear(cfg, h, kv_out, cfg.qkv_bias, vb.pp("k_proj"))?,
+            v_proj: adapted_linear(cfg, h, kv_out, cfg.qkv_bias, vb.pp("v_proj"))?,
+            o_proj: adapted_linear(cfg, q_out, h, cfg.o_bias, vb.pp("o_proj"))?,
             q_norm,
             k_norm,
             num_heads: cfg.num_attention_heads,
@@ -241,8 +258,9 @@ impl Attention {
     pub fn forward(&self, x: &Tensor, pos: &PositionInputs, cache: Option<&mut LayerKvCache>) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let d = self.head_dim;
-        let heads = |proj: &Linear, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
-            let y = proj.forward(x)?.reshape((b, t, n, d))?;
+        let seeds = pos.row_seeds.as_deref();
+        let heads = |proj: &AdaptedLinear, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
+            let y = proj.forward(x, pos.mode, seeds)?.reshape((b, t, n, d))?;
             let y = match norm {
                 Some(norm) => norm.forward(&y, pos.mode)?,
                 None => y,
@@ -286,7 +304,7 @@ impl Attention {
         .to_dtype(q.dtype())?;
         let out = probs.matmul(&v.contiguous()?)?;
         let out = out.transpose(1, 2)?.reshape((b, t, self.num_heads * d))?;
-        self.o_proj.forward(&out)
+        self.o_proj.forward(&out, pos.mode, seeds)
     }
 }
 
@@ -301,27 +319,22 @@ fn repeat_kv(x: Tensor, n_rep: usize) -> Result<Tensor> {
 
 #[derive(Debug, Clone)]
 pub struct Mlp {
-    gate_proj: Linear,
-    up_proj: Linear,
-    down_proj: Linear,
+    gate_proj: AdaptedLinear,
+    up_proj: AdaptedLinear,
+    down_proj: AdaptedLinear,
 }
 
 impl Mlp {
     pub fn new(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
-        let lin = |a, b, name: &str| {
-            if cfg.mlp_bias {
-                linear_b(a, b, true, vb.pp(name))
-            } else {
-                linear_no_bias(a, b, vb.pp(name))
-            }
-        };
+        let lin = |a, b, name: &str| adapted_linear(cfg, a, b, cfg.mlp_bias, vb.pp(name));
         Ok(Self { gate_proj: lin(h, i, "gate_proj")?, up_proj: lin(h, i, "up_proj")?, down_proj: lin(i, h, "down_proj")? })
     }
 
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gate = candle_nn::ops::silu(&self.gate_proj.forward(x)?)?;
-        self.down_proj.forward(&(gate * self.up_proj.forward(x)?)?)
+    pub fn forward(&self, x: &Tensor, pos: &PositionInputs) -> Result<Tensor> {
+        let seeds = pos.row_seeds.as_deref();
+        let gate = candle_nn::ops::silu(&self.gate_proj.forward(x, pos.mode, seeds)?)?;
+        self.down_proj.forward(&(gate * self.up_proj.forward(x, pos.mode, seeds)?)?, pos.mode, seeds)
     }
 }
 
@@ -354,6 +367,6 @@ impl DecoderLayer {
         let h = self.input_layernorm.forward(x, pos.mode)?;
         let x = (x + self.self_attn.forward(&h, pos, cache)?)?;
         let h = self.post_attention_layernorm.forward(&x, pos.mode)?;
-        x + self.mlp.forward(&h)?
+        x + self.mlp.forward(&h, pos)?
     }
 }

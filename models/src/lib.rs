@@ -5,12 +5,14 @@
 
 pub mod config;
 pub mod layers;
+pub mod lora;
 pub mod model;
 pub mod staged;
 pub mod tensors;
 
 pub use config::{Architecture, ModelConfig, RopeScaling, SUPPORTED_ARCHITECTURES};
 pub use layers::{DecoderLayer, LayerKvCache, OpMode};
+pub use lora::LoraSettings;
 pub use model::{CausalLm, KvCache};
-pub use staged::{LlamaStages, Packing, StagedModel};
+pub use staged::{LlamaStages, Packing, StageContext, StagedModel};
 pub use tensors::{expected_tensors, TensorSpec};

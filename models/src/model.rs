@@ -66,7 +66,7 @@ impl CausalLm {
         let dev = self.lm_head.device();
         let (cos, sin) = self.rotary.tables(offset, q_len, self.dtype(), dev)?;
         let mask = causal_mask(q_len, offset, self.cfg.sliding_window, self.dtype(), dev)?;
-        Ok(PositionInputs { cos, sin, mask, mode })
+        Ok(PositionInputs { cos, sin, mask, mode, row_seeds: None })
     }
 
     fn logits(&self, h: &Tensor) -> Result<Tensor> {

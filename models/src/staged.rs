@@ -12,6 +12,7 @@ use candle_nn::{Embedding, VarBuilder};
 
 use crate::config::ModelConfig;
 use crate::layers::{causal_mask, packed_mask, DecoderLayer, OpMode, PositionInputs, RmsNorm, Rotary};
+use crate::lora::{is_adapter_tensor, layer_adapter_tensors};
 use crate::tensors::{expected_tensors, layer_tensors, TensorSpec};
 
 /// Several documents packed into each row: per token, its position inside its document and its
@@ -22,22 +23,36 @@ pub struct Packing {
     pub segments: Vec<u32>,
 }
 
+/// Per-batch inputs every stage sees besides the hidden states.
+#[derive(Debug, Clone, Default)]
+pub struct StageContext {
+    /// Several documents per row (None: one causal sequence per row).
+    pub packing: Option<Packing>,
+    /// One dropout seed per batch row while training (None: no dropout, as in evaluation).
+    pub row_seeds: Option<Vec<u64>>,
+}
+
 /// What a distributed engine needs from a model.
 pub trait StagedModel: Send + Sync {
     /// Every parameter, in a stable order. Tied weights appear once.
     fn parameters(&self) -> Vec<TensorSpec>;
+    /// Whether `name` is trained; frozen parameters (a LoRA base) get no gradient or optimizer
+    /// state.
+    fn trainable(&self, name: &str) -> bool;
     /// Name prefixes of the repeated blocks (for transformer-based wrapping), in order.
     fn block_prefixes(&self) -> Vec<String>;
     fn num_stages(&self) -> usize;
     /// Names of the parameters stage `s` reads.
     fn stage_parameters(&self, s: usize) -> Vec<String>;
     /// Runs stage `s`. `params` holds at least `stage_parameters(s)` by full name; `input` is
-    /// token ids (batch, seq) for stage 0 and hidden states for the others. With `packing`, tokens
-    /// attend within their own document and positions restart per document. Training-safe ops only.
-    fn forward_stage(&self, s: usize, params: &HashMap<String, Tensor>, input: &Tensor, packing: Option<&Packing>) -> Result<Tensor>;
+    /// token ids (batch, seq) for stage 0 and hidden states for the others. With `ctx.packing`,
+    /// tokens attend within their own document and positions restart per document. Training-safe
+    /// ops only.
+    fn forward_stage(&self, s: usize, params: &HashMap<String, Tensor>, input: &Tensor, ctx: &StageContext) -> Result<Tensor>;
 }
 
 /// The Llama family as stages: embeddings, one stage per decoder layer, final norm + LM head.
+/// With `cfg.lora`, each layer's adapter tensors belong to its stage and only they train.
 pub struct LlamaStages {
     cfg: ModelConfig,
     rotary: Rotary,
@@ -65,7 +80,21 @@ impl LlamaStages {
 
 impl StagedModel for LlamaStages {
     fn parameters(&self) -> Vec<TensorSpec> {
-        expected_tensors(&self.cfg)
+        let mut params = expected_tensors(&self.cfg);
+        if let Some(lora) = &self.cfg.lora {
+            // Each layer's adapters right after its base tensors.
+            for i in (0..self.cfg.num_hidden_layers).rev() {
+                let last = format!("model.layers.{i}.");
+                let at = params.iter().rposition(|t| t.name.starts_with(&last)).expect("layer tensors") + 1;
+                let adapters = layer_adapter_tensors(&self.cfg, lora, i);
+                params.splice(at..at, adapters);
+            }
+        }
+        params
+    }
+
+    fn trainable(&self, name: &str) -> bool {
+        self.cfg.lora.is_none() || is_adapter_tensor(name)
     }
 
     fn block_prefixes(&self) -> Vec<String> {
@@ -83,11 +112,15 @@ impl StagedModel for LlamaStages {
         } else if s == last {
             vec!["model.norm.weight".to_string(), self.head_weight_name().to_string()]
         } else {
-            layer_tensors(&self.cfg, s - 1).into_iter().map(|t| t.name).collect()
+            let mut names: Vec<String> = layer_tensors(&self.cfg, s - 1).into_iter().map(|t| t.name).collect();
+            if let Some(lora) = &self.cfg.lora {
+                names.extend(layer_adapter_tensors(&self.cfg, lora, s - 1).into_iter().map(|t| t.name));
+            }
+            names
         }
     }
 
-    fn forward_stage(&self, s: usize, params: &HashMap<String, Tensor>, input: &Tensor, packing: Option<&Packing>) -> Result<Tensor> {
+    fn forward_stage(&self, s: usize, params: &HashMap<String, Tensor>, input: &Tensor, ctx: &StageContext) -> Result<Tensor> {
         let last = self.num_stages() - 1;
         let get = |name: &str| {
             params.get(name).cloned().ok_or_else(|| candle_core::Error::Msg(format!("stage {s} needs {name}")))
@@ -109,7 +142,7 @@ impl StagedModel for LlamaStages {
         let layer = DecoderLayer::new(&self.cfg, layer_vb.pp(format!("model.layers.{}", s - 1)))?;
         let (b, t, _h) = input.dims3()?;
         let dtype = if input.dtype() == DType::U32 { like.dtype() } else { input.dtype() };
-        let (cos, sin, mask) = match packing {
+        let (cos, sin, mask) = match &ctx.packing {
             None => {
                 let (cos, sin) = self.rotary.tables(0, t, dtype, input.device())?;
                 (cos, sin, causal_mask(t, 0, self.cfg.sliding_window, dtype, input.device())?)
@@ -119,7 +152,7 @@ impl StagedModel for LlamaStages {
                 (cos, sin, Some(packed_mask(&p.segments, b, t, self.cfg.sliding_window, dtype, input.device())?))
             }
         };
-        let pos = PositionInputs { cos, sin, mask, mode: OpMode::Train };
+        let pos = PositionInputs { cos, sin, mask, mode: OpMode::Train, row_seeds: ctx.row_seeds.clone() };
         layer.forward(input, &pos, None)
     }
 }

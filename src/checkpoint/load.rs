@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
+use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
 use models::{expected_tensors, CausalLm, ModelConfig};
 
@@ -135,13 +136,48 @@ pub fn check_tensors(cfg: &ModelConfig, stored: &BTreeMap<String, StoredTensor>,
 
 /// Loads the model in `dtype` on `device` after checking every tensor.
 pub fn load_model(files: ModelFiles, dtype: DType, device: &Device) -> Result<LoadedModel> {
-    let config = read_model_config(&files.config)?;
+    load_model_with_adapter(files, None, dtype, device)
+}
+
+/// Looks tensors up in each backend in turn: a LoRA adapter's tensors over the base weights.
+struct Layered(Vec<Box<dyn SimpleBackend>>);
+
+impl SimpleBackend for Layered {
+    fn get(&self, s: candle_core::Shape, name: &str, h: candle_nn::Init, dtype: DType, dev: &Device) -> candle_core::Result<candle_core::Tensor> {
+        match self.0.iter().find(|b| b.contains_tensor(name)) {
+            Some(b) => b.get(s, name, h, dtype, dev),
+            None => self.0[0].get(s, name, h, dtype, dev),
+        }
+    }
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<candle_core::Tensor> {
+        match self.0.iter().find(|b| b.contains_tensor(name)) {
+            Some(b) => b.get_unchecked(name, dtype, dev),
+            None => self.0[0].get_unchecked(name, dtype, dev),
+        }
+    }
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.0.iter().any(|b| b.contains_tensor(name))
+    }
+}
+
+/// Loads the model, with the PEFT LoRA adapter in `adapter` (a directory) applied to its
+/// targeted layers when given.
+pub fn load_model_with_adapter(files: ModelFiles, adapter: Option<&Path>, dtype: DType, device: &Device) -> Result<LoadedModel> {
+    let mut config = read_model_config(&files.config)?;
     let stored = read_weight_headers(&files.weights)?;
     check_tensors(&config, &stored, &files.source)?;
     // SAFETY: the files were just validated; they must not be modified while the model lives,
     // the same contract as every mmap-based loader (transformers included).
-    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files.weights, dtype, device) }
+    let base = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files.weights) }
         .with_context(|| format!("{}: mapping the weights", files.source))?;
+    let mut backends: Vec<Box<dyn SimpleBackend>> = vec![];
+    if let Some(dir) = adapter {
+        let a = super::adapter::read_adapter(dir, &config)?;
+        config.lora = Some(a.settings);
+        backends.push(Box::new(a.tensors));
+    }
+    backends.push(Box::new(base));
+    let vb = VarBuilder::from_backend(Box::new(Layered(backends)), dtype, device.clone());
     let model = CausalLm::new(&config, vb).with_context(|| format!("{}: building the model", files.source))?;
     Ok(LoadedModel { model, config, files, dtype })
 }

@@ -182,7 +182,10 @@ pub fn save(engine: &FsdpEngine, groups: &ProcessGroups, output_dir: &Path, extr
             let mut tensors: Vec<(String, &[f32])> = vec![];
             for (p, w, m, v) in &state {
                 for (part, data) in StatePart::ALL.iter().zip([w, m, v]) {
-                    tensors.push((format!("{}{}", p.spec.name, part.suffix()), data));
+                    // Frozen parameters (a LoRA base) have weights only.
+                    if *part == StatePart::Master || p.trainable {
+                        tensors.push((format!("{}{}", p.spec.name, part.suffix()), data));
+                    }
                 }
             }
             write_flat_safetensors(&tmp_dir.join(&shard_file), &tensors).map(Some)
@@ -448,12 +451,36 @@ pub fn merge(checkpoint: &Path, out: &Path, dtype: candle_core::DType, max_shard
         bail!("{} exists and is not empty", out.display());
     }
     let reader = CheckpointReader::open(checkpoint, manifest)?;
-    let specs: Vec<(String, Vec<usize>)> = reader.manifest.params.iter().map(|p| (p.name.clone(), p.shape.clone())).collect();
+    // A LoRA run's checkpoint: its adapters are folded into the base weights (W + scaling B A).
+    let lora = match reader.side_file(super::adapter::ADAPTER_CONFIG) {
+        Some(bytes) => Some(super::adapter::parse_adapter_config(&String::from_utf8_lossy(&bytes), &checkpoint.join(super::adapter::ADAPTER_CONFIG))?.0),
+        None => None,
+    };
+    let specs: Vec<(String, Vec<usize>)> = reader
+        .manifest
+        .params
+        .iter()
+        .filter(|p| !models::lora::is_adapter_tensor(&p.name))
+        .map(|p| (p.name.clone(), p.shape.clone()))
+        .collect();
+    let all_names: std::collections::HashSet<&str> = reader.manifest.params.iter().map(|p| p.name.as_str()).collect();
     let mut export = super::export::ShardedExport::new(out, dtype, max_shard_size, &specs)?;
+    let tensor = |name: &str, shape: &[usize]| -> Result<candle_core::Tensor> {
+        Ok(candle_core::Tensor::from_vec(reader.read(name, StatePart::Master)?, shape, &candle_core::Device::Cpu)?)
+    };
     for (name, shape) in &specs {
-        let values = reader.read(name, StatePart::Master)?;
-        let t = candle_core::Tensor::from_vec(values, shape.as_slice(), &candle_core::Device::Cpu)?;
-        export.add(name, &t)?;
+        let mut one = std::collections::HashMap::from([(name.clone(), tensor(name, shape)?)]);
+        if let (Some(lora), Some(module)) = (&lora, name.strip_suffix(".weight")) {
+            let (a, b) = (format!("{module}.lora_A.weight"), format!("{module}.lora_B.weight"));
+            if all_names.contains(a.as_str()) && all_names.contains(b.as_str()) {
+                let r = lora.r;
+                one.insert(a.clone(), tensor(&a, &[r, shape[1]])?);
+                one.insert(b.clone(), tensor(&b, &[shape[0], r])?);
+                models::lora::merge_into(&mut one, lora)?;
+            }
+        }
+        export.add(name, &one[name])?;
     }
-    export.finish(&reader.side_files()?)
+    let side: Vec<(String, Vec<u8>)> = reader.side_files()?.into_iter().filter(|(n, _)| n != super::adapter::ADAPTER_CONFIG).collect();
+    export.finish(&side)
 }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var, D};
-use models::{Packing, StagedModel};
+use models::{Packing, StageContext, StagedModel};
 
 use super::optim::{adamw_step, clip_coefficient, AdamWConfig, AdamWState};
 use super::plan::{ShardingStrategy, UnitPlan};
@@ -52,14 +52,16 @@ struct UnitState {
     plan: UnitPlan,
     /// This rank's fp32 chunk of each parameter (padded rows included).
     master: Vec<Vec<f32>>,
-    /// Accumulated, already reduced gradient chunks.
+    /// Accumulated, already reduced gradient chunks (empty for frozen parameters).
     grad: Vec<Vec<f32>>,
+    /// AdamW moments (empty for frozen parameters).
     adam: Vec<AdamWState>,
-    /// Full parameters while gathered. Without activation checkpointing they are `Var`s so that
-    /// the forward graph can be kept for backward.
-    gathered: Option<HashMap<String, Var>>,
-    /// Full-size gradients collected during backward, until reduce-scatter, already in the
-    /// rank-major layout reduce-scatter takes (rank k's chunks of every parameter, in order).
+    /// Full parameters while gathered; the trainable ones are variables (`Var`), so that a
+    /// forward over them builds the graph backward needs.
+    gathered: Option<HashMap<String, Tensor>>,
+    /// Full-size gradients of the trainable parameters collected during backward, until
+    /// reduce-scatter, already in the rank-major layout reduce-scatter takes (rank k's chunks of
+    /// every trainable parameter, in order).
     full_grad: Option<Vec<f32>>,
 }
 
@@ -131,12 +133,13 @@ impl FsdpEngine {
             .flat_map(|u| u.params.iter())
             .map(|p| (p.spec.name.clone(), weight_decay_all || p.spec.shape.len() >= 2))
             .collect();
+        let trained_len = |p: &super::plan::ParamLayout| if p.trainable { p.chunk_len() } else { 0 };
         let units = plan
             .into_iter()
             .map(|plan| UnitState {
                 master: plan.params.iter().map(|p| vec![0.0; p.chunk_len()]).collect(),
-                grad: plan.params.iter().map(|p| vec![0.0; p.chunk_len()]).collect(),
-                adam: plan.params.iter().map(|p| AdamWState::new(p.chunk_len())).collect(),
+                grad: plan.params.iter().map(|p| vec![0.0; trained_len(p)]).collect(),
+                adam: plan.params.iter().map(|p| AdamWState::new(trained_len(p))).collect(),
                 plan,
                 gathered: None,
                 full_grad: None,
@@ -153,10 +156,12 @@ impl FsdpEngine {
         &self.groups
     }
 
-    /// Bytes this rank holds for parameters, gradients and optimizer state (fp32 each).
+    /// Bytes this rank holds for parameters, gradients and optimizer state (fp32 each; frozen
+    /// parameters have neither gradient nor optimizer state).
     pub fn memory_bytes(&self) -> (usize, usize, usize) {
         let elems: usize = self.units.iter().map(|u| u.plan.chunk_len).sum();
-        (elems * 4, elems * 4, elems * 8)
+        let trained: usize = self.units.iter().map(|u| u.plan.grad_chunk_len).sum();
+        (elems * 4, trained * 4, trained * 8)
     }
 
     /// Fills unit `u` from rank 0: rank 0 passes every parameter's full values (`Some`), the
@@ -165,14 +170,25 @@ impl FsdpEngine {
         self.load_unit_part(u, StatePart::Master, full)
     }
 
-    /// Like `load_unit`, for one part of the state (weights or an AdamW moment).
+    /// Like `load_unit`, for one part of the state (weights, or an AdamW moment of the
+    /// trainable parameters).
     pub fn load_unit_part(&mut self, u: usize, part: StatePart, full: Option<HashMap<String, Vec<f32>>>) -> Result<()> {
         let world = &self.groups.world;
         let shard_size = self.groups.shard.world_size();
         let plan = &self.units[u].plan;
+        let moments = part != StatePart::Master;
+        let (buf_len, offset_of) = if moments {
+            (plan.grad_chunk_len, (|p: &super::plan::ParamLayout| p.grad_offset) as fn(&super::plan::ParamLayout) -> usize)
+        } else {
+            (plan.chunk_len, (|p: &super::plan::ParamLayout| p.offset) as fn(&super::plan::ParamLayout) -> usize)
+        };
+        let in_part = |p: &&super::plan::ParamLayout| !moments || p.trainable;
+        if buf_len == 0 {
+            return Ok(());
+        }
         let chunks = match full {
             Some(values) => {
-                for p in &plan.params {
+                for p in plan.params.iter().filter(in_part) {
                     let v = values.get(&p.spec.name).with_context(|| format!("missing tensor {}", p.spec.name))?;
                     if v.len() != p.numel() {
                         bail!("tensor {} has {} values, expected {}", p.spec.name, v.len(), p.numel());
@@ -181,8 +197,8 @@ impl FsdpEngine {
                 // World rank r gets shard r % shard_size (replicas share chunks). Built straight
                 // from the full values: about one unit of extra memory on rank 0.
                 let chunk_for = |k: usize| -> Vec<f32> {
-                    let mut buf = Vec::with_capacity(plan.chunk_len);
-                    for p in &plan.params {
+                    let mut buf = Vec::with_capacity(buf_len);
+                    for p in plan.params.iter().filter(in_part) {
                         buf.extend(p.chunk_of(&values[&p.spec.name], k));
                     }
                     buf
@@ -194,18 +210,22 @@ impl FsdpEngine {
         let mine = world.scatter(0, chunks)?;
         let unit = &mut self.units[u];
         for (i, p) in unit.plan.params.iter().enumerate() {
+            if moments && !p.trainable {
+                continue;
+            }
             let dst = match part {
                 StatePart::Master => &mut unit.master[i],
                 StatePart::ExpAvg => &mut unit.adam[i].exp_avg,
                 StatePart::ExpAvgSq => &mut unit.adam[i].exp_avg_sq,
             };
-            dst.copy_from_slice(&mine[p.offset..p.offset + p.chunk_len()]);
+            let at = offset_of(p);
+            dst.copy_from_slice(&mine[at..at + p.chunk_len()]);
         }
         Ok(())
     }
 
     /// This rank's chunk of every parameter: (layout, weights, exp_avg, exp_avg_sq), in unit
-    /// order. What a sharded checkpoint stores.
+    /// order; the moments are empty for frozen parameters. What a sharded checkpoint stores.
     pub fn shard_state(&self) -> Vec<(&super::plan::ParamLayout, &[f32], &[f32], &[f32])> {
         self.units
             .iter()
@@ -217,9 +237,9 @@ impl FsdpEngine {
             .collect()
     }
 
-    /// All-gathers unit `u` (one collective) into full f32 parameters, each a `Var` built over
-    /// its own buffer (no extra copy).
-    fn gather(&self, u: usize, round: bool) -> Result<HashMap<String, Var>> {
+    /// All-gathers unit `u` (one collective) into full f32 parameters, built over their own
+    /// buffers (no extra copy); the trainable ones are `Var`s.
+    fn gather(&self, u: usize, round: bool) -> Result<HashMap<String, Tensor>> {
         let unit = &self.units[u];
         let mut buf: Vec<f32> = Vec::with_capacity(unit.plan.chunk_len);
         for m in &unit.master {
@@ -239,7 +259,13 @@ impl FsdpEngine {
                 full.extend_from_slice(&all[base..base + p.chunk_len()]);
             }
             full.truncate(p.numel());
-            out.insert(p.spec.name.clone(), Var::from_vec(full, p.spec.shape.as_slice(), &self.device)?);
+            let shape = p.spec.shape.as_slice();
+            let t = if p.trainable {
+                Var::from_vec(full, shape, &self.device)?.as_tensor().clone()
+            } else {
+                Tensor::from_vec(full, shape, &self.device)?
+            };
+            out.insert(p.spec.name.clone(), t);
         }
         Ok(out)
     }
@@ -247,7 +273,7 @@ impl FsdpEngine {
     /// Full parameters of unit `u` in f32, as stored (for export). Every rank of the shard
     /// group takes part.
     pub fn full_unit(&self, u: usize) -> Result<HashMap<String, Tensor>> {
-        Ok(self.gather(u, false)?.into_iter().map(|(k, v)| (k, v.as_detached_tensor())).collect())
+        Ok(self.gather(u, false)?.into_iter().map(|(k, v)| (k, v.detach())).collect())
     }
 
     fn ensure_gathered(&mut self, s: usize) -> Result<()> {
@@ -260,13 +286,13 @@ impl FsdpEngine {
         Ok(())
     }
 
-    /// Stage `s`'s parameters: the gathered `Var`s themselves (graph-building), or detached
-    /// copies (no graph).
+    /// Stage `s`'s parameters: the gathered tensors themselves (graph-building), or detached
+    /// views (no graph).
     fn stage_params(&self, s: usize, with_graph: bool) -> HashMap<String, Tensor> {
         let mut out = HashMap::new();
         for &u in &self.stage_units[s] {
             for (k, v) in self.units[u].gathered.as_ref().expect("gathered") {
-                out.insert(k.clone(), if with_graph { v.as_tensor().clone() } else { v.as_tensor().detach() });
+                out.insert(k.clone(), if with_graph { v.clone() } else { v.detach() });
             }
         }
         let wanted = self.model.stage_parameters(s);
@@ -306,9 +332,10 @@ impl FsdpEngine {
         let (b, t) = input_ids.dims2()?;
         let n = self.model.num_stages();
         let mut x = input_ids.clone();
+        let ctx = StageContext { packing: packing.cloned(), row_seeds: None };
         for s in 0..n {
             self.ensure_gathered(s)?;
-            x = self.model.forward_stage(s, &self.stage_params(s, false), &x, packing)?;
+            x = self.model.forward_stage(s, &self.stage_params(s, false), &x, &ctx)?;
             for &u in &self.stage_units[s] {
                 if self.units[u].plan.last_stage == s && (self.opts.strategy.reshard_after_forward() || self.units[u].plan.is_root) {
                     self.units[u].gathered = None;
@@ -324,8 +351,9 @@ impl FsdpEngine {
 
     /// Forward and backward of one micro-batch. Gradients are scaled by `1 / global_tokens`
     /// (the target-token count of the whole step, over all ranks and micro-batches) and end up
-    /// reduced into the gradient chunks. Returns this micro-batch's summed token loss.
-    pub fn forward_backward(&mut self, input_ids: &Tensor, labels: &[i64], global_tokens: f64, packing: Option<&Packing>) -> Result<f64> {
+    /// reduced into the gradient chunks. `ctx` carries packing and the per-row dropout seeds.
+    /// Returns this micro-batch's summed token loss.
+    pub fn forward_backward(&mut self, input_ids: &Tensor, labels: &[i64], global_tokens: f64, ctx: &StageContext) -> Result<f64> {
         let (b, t) = input_ids.dims2()?;
         let n = self.model.num_stages();
         let ac = self.opts.activation_checkpointing;
@@ -337,11 +365,11 @@ impl FsdpEngine {
             inputs.push(x.clone());
             if ac {
                 // No Var anywhere: candle builds no graph.
-                x = self.model.forward_stage(s, &self.stage_params(s, false), &x, packing)?;
+                x = self.model.forward_stage(s, &self.stage_params(s, false), &x, ctx)?;
             } else {
                 let input_var = if s == 0 { None } else { Some(Var::from_tensor(&x)?) };
                 let inp = input_var.as_ref().map(|v| v.as_tensor().clone()).unwrap_or_else(|| x.clone());
-                let out = self.model.forward_stage(s, &self.stage_params(s, true), &inp, packing)?;
+                let out = self.model.forward_stage(s, &self.stage_params(s, true), &inp, ctx)?;
                 x = out.detach();
                 saved[s] = Some((out, input_var));
             }
@@ -361,10 +389,10 @@ impl FsdpEngine {
         let mut loss_sum = 0.0;
         for s in (0..n).rev() {
             self.ensure_gathered(s)?;
-            // The stage's parameters are the gathered `Var`s themselves: with activation
+            // The stage's parameters are the gathered tensors themselves: with activation
             // checkpointing the stage is recomputed over them (its forward built no graph).
             let wanted = self.model.stage_parameters(s);
-            let mut params: HashMap<String, Var> = HashMap::new();
+            let mut params: HashMap<String, Tensor> = HashMap::new();
             for &u in &self.stage_units[s] {
                 for (k, v) in self.units[u].gathered.as_ref().expect("gathered") {
                     if wanted.contains(k) {
@@ -372,11 +400,21 @@ impl FsdpEngine {
                     }
                 }
             }
+            // A first stage with nothing to train (a frozen embedding) needs no backward.
+            if s == 0 && !params.values().any(|t| t.is_variable()) {
+                saved[s] = None;
+                for &u in &self.stage_units[s].clone() {
+                    if self.units[u].plan.first_stage == s {
+                        self.reduce_scatter_unit(u)?;
+                        self.units[u].gathered = None;
+                    }
+                }
+                continue;
+            }
             let (out, input_var) = if ac {
-                let ptensors: HashMap<String, Tensor> = params.iter().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect();
                 let input_var = if s == 0 { None } else { Some(Var::from_tensor(&inputs[s])?) };
                 let inp = input_var.as_ref().map(|v| v.as_tensor().clone()).unwrap_or_else(|| inputs[s].clone());
-                (self.model.forward_stage(s, &ptensors, &inp, packing)?, input_var)
+                (self.model.forward_stage(s, &params, &inp, ctx)?, input_var)
             } else {
                 saved[s].take().expect("saved stage")
             };
@@ -389,8 +427,11 @@ impl FsdpEngine {
                 (out * g)?.sum_all()?
             };
             let grads = objective.backward()?;
-            for (name, var) in &params {
-                let Some(g) = grads.get(var.as_tensor()) else { continue };
+            for (name, param) in &params {
+                if !param.is_variable() {
+                    continue;
+                }
+                let Some(g) = grads.get(param) else { continue };
                 let u = *self.stage_units[s]
                     .iter()
                     .find(|&&u| self.units[u].plan.params.iter().any(|p| &p.spec.name == name))
@@ -398,13 +439,13 @@ impl FsdpEngine {
                 let shards = self.groups.shard.world_size();
                 let unit = &mut self.units[u];
                 let p = unit.plan.params.iter().find(|p| &p.spec.name == name).unwrap();
-                let packed = unit.full_grad.get_or_insert_with(|| vec![0.0; unit.plan.chunk_len * shards]);
+                let packed = unit.full_grad.get_or_insert_with(|| vec![0.0; unit.plan.grad_chunk_len * shards]);
                 with_f32_slice(g, |g| {
                     // Rank k's rows of this parameter go to rank k's segment of the packed buffer.
                     for k in 0..shards {
                         let lo = (k * p.chunk_len()).min(g.len());
                         let hi = ((k + 1) * p.chunk_len()).min(g.len());
-                        let dst = &mut packed[k * unit.plan.chunk_len + p.offset..][..hi - lo];
+                        let dst = &mut packed[k * unit.plan.grad_chunk_len + p.grad_offset..][..hi - lo];
                         for (a, b) in dst.iter_mut().zip(&g[lo..hi]) {
                             *a += *b;
                         }
@@ -433,7 +474,10 @@ impl FsdpEngine {
         let mine = self.groups.shard.reduce_scatter(&buf)?;
         drop(buf);
         for (i, p) in unit.plan.params.iter().enumerate() {
-            for (a, b) in unit.grad[i].iter_mut().zip(&mine[p.offset..p.offset + p.chunk_len()]) {
+            if !p.trainable {
+                continue;
+            }
+            for (a, b) in unit.grad[i].iter_mut().zip(&mine[p.grad_offset..p.grad_offset + p.chunk_len()]) {
                 *a += *b;
             }
         }
@@ -466,6 +510,9 @@ impl FsdpEngine {
         self.step += 1;
         for unit in &mut self.units {
             for (i, p) in unit.plan.params.iter().enumerate() {
+                if !p.trainable {
+                    continue;
+                }
                 let wd = if self.decay[&p.spec.name] { self.adam.weight_decay } else { 0.0 };
                 adamw_step(&self.adam, lr, wd, self.step, &mut unit.master[i], &unit.grad[i], &mut unit.adam[i]);
                 unit.grad[i].iter_mut().for_each(|g| *g = 0.0);
@@ -478,7 +525,7 @@ impl FsdpEngine {
     pub fn grad_chunks(&self) -> HashMap<String, Vec<f32>> {
         self.units
             .iter()
-            .flat_map(|u| u.plan.params.iter().zip(&u.grad).map(|(p, g)| (p.spec.name.clone(), g.clone())))
+            .flat_map(|u| u.plan.params.iter().zip(&u.grad).filter(|(p, _)| p.trainable).map(|(p, g)| (p.spec.name.clone(), g.clone())))
             .collect()
     }
 }

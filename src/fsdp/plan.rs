@@ -72,6 +72,11 @@ pub struct ParamLayout {
     pub chunk_rows: usize,
     /// Offset of this parameter's chunk inside the unit's per-rank buffer.
     pub offset: usize,
+    /// Trained (has gradient and optimizer state) or frozen (a LoRA base).
+    pub trainable: bool,
+    /// Offset of this parameter's chunk inside the unit's per-rank gradient buffer, which holds
+    /// the trainable parameters only.
+    pub grad_offset: usize,
 }
 
 impl ParamLayout {
@@ -99,6 +104,8 @@ pub struct UnitPlan {
     pub params: Vec<ParamLayout>,
     /// Length of one rank's buffer (sum of the chunk lengths).
     pub chunk_len: usize,
+    /// Length of one rank's gradient buffer (chunks of the trainable parameters).
+    pub grad_chunk_len: usize,
     /// First and last stage that read this unit.
     pub first_stage: usize,
     pub last_stage: usize,
@@ -113,20 +120,25 @@ impl UnitPlan {
     }
 }
 
-fn layout(specs: Vec<TensorSpec>, shards: usize) -> (Vec<ParamLayout>, usize) {
-    let mut offset = 0;
+/// Lays out a unit's parameters; returns them with the per-rank buffer and gradient lengths.
+fn layout(specs: Vec<TensorSpec>, shards: usize, trainable: &dyn Fn(&str) -> bool) -> (Vec<ParamLayout>, usize, usize) {
+    let (mut offset, mut grad_offset) = (0, 0);
     let params = specs
         .into_iter()
         .map(|spec| {
             let rows = spec.shape[0];
             let row_len: usize = spec.shape[1..].iter().product();
             let chunk_rows = rows.div_ceil(shards);
-            let p = ParamLayout { spec, rows, row_len, chunk_rows, offset };
+            let trainable = trainable(&spec.name);
+            let p = ParamLayout { spec, rows, row_len, chunk_rows, offset, trainable, grad_offset };
             offset += p.chunk_len();
+            if trainable {
+                grad_offset += p.chunk_len();
+            }
             p
         })
         .collect();
-    (params, offset)
+    (params, offset, grad_offset)
 }
 
 /// Splits the model's parameters into units and cuts each for `shards` ranks.
@@ -198,8 +210,8 @@ pub fn plan_units(model: &dyn StagedModel, policy: WrapPolicy, shards: usize) ->
             first = first.min(a);
             last = last.max(b);
         }
-        let (params, chunk_len) = layout(specs, shards);
-        units.push(UnitPlan { name, params, chunk_len, first_stage: first, last_stage: last, is_root });
+        let (params, chunk_len, grad_chunk_len) = layout(specs, shards, &|n| model.trainable(n));
+        units.push(UnitPlan { name, params, chunk_len, grad_chunk_len, first_stage: first, last_stage: last, is_root });
         Ok(())
     };
     push("root".to_string(), root, true)?;
@@ -250,8 +262,8 @@ mod tests {
 
     #[test]
     fn chunks_pad_with_zero_rows() {
-        let (ps, len) = layout(vec![TensorSpec { name: "w".into(), shape: vec![3, 2] }], 2);
-        assert_eq!(len, 4);
+        let (ps, len, grad_len) = layout(vec![TensorSpec { name: "w".into(), shape: vec![3, 2] }], 2, &|_| true);
+        assert_eq!((len, grad_len), (4, 4));
         let full = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
         assert_eq!(ps[0].chunk_of(&full, 0), vec![1.0, 2.0, 3.0, 4.0]);
         assert_eq!(ps[0].chunk_of(&full, 1), vec![5.0, 6.0, 0.0, 0.0]);

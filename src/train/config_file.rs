@@ -72,6 +72,13 @@ const SIMPLE: &[(&str, &str, Kind)] = &[
     ("packing", "packing", Kind::Bool),
     ("train_on", "train_on", Kind::Str),
     ("skip_bad_rows", "skip_bad_rows", Kind::Bool),
+    // LoRA, with PEFT's / Axolotl's names.
+    ("lora", "lora", Kind::Bool),
+    ("lora_r", "lora_r", Kind::Int),
+    ("lora_alpha", "lora_alpha", Kind::Float),
+    ("lora_dropout", "lora_dropout", Kind::Float),
+    ("lora_model_dir", "adapter", Kind::Str),
+    ("merge_lora", "merge_lora", Kind::Bool),
 ];
 
 /// Every key the file may hold, for the error on an unknown one.
@@ -85,6 +92,7 @@ pub fn known_keys() -> Vec<&'static str> {
         "cpu_ram_efficient_loading",
         "state_dict_type",
         "shuffle",
+        "lora_target_modules",
     ]);
     k.sort();
     k
@@ -200,6 +208,17 @@ pub fn load(path: &Path) -> Result<Vec<Setting>> {
                 };
                 out.push(set("transformer_cls_names_to_wrap", names.join(",")));
             }
+            "lora_target_modules" => {
+                let names: Vec<String> = match v {
+                    Yaml::String(s) => s.split(',').map(|x| x.trim().to_string()).collect(),
+                    Yaml::Array(a) => a
+                        .iter()
+                        .map(|x| x.as_str().map(str::to_string).ok_or_else(|| err(key, "list entries must be strings".into())))
+                        .collect::<Result<_>>()?,
+                    other => return Err(err(key, format!("expected a module name or a list, found {}", type_name(other)))),
+                };
+                out.push(set("lora_targets", names.join(",")));
+            }
             "cpu_ram_efficient_loading" => match v {
                 Yaml::Boolean(true) => {}
                 Yaml::Boolean(false) => {
@@ -284,6 +303,8 @@ mod tests {
         assert!(e("cpu_ram_efficient_loading: false\n").contains("always loads on rank 0"));
         assert!(e("state_dict_type: FULL_STATE_DICT\n").contains("always sharded"));
         assert!(e("mixed_precision: fp8\n").contains("use no, bf16 or fp16"));
+        assert!(e("lora_target_modules: 3\n").contains("key `lora_target_modules`: expected a module name or a list"));
+        assert!(e("lora_r: 0.5\n").contains("key `lora_r`: expected a non-negative integer"));
         assert!(check_layer_class("GPT2Block", models::Architecture::Llama).unwrap_err().to_string().contains("LlamaDecoderLayer"));
     }
 }

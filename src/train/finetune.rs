@@ -21,6 +21,7 @@ use crate::dist::env::DistEnv;
 use crate::fsdp::engine::{FsdpEngine, FsdpOptions, ProcessGroups, StatePart};
 use crate::fsdp::optim::{lr_multiplier, AdamWConfig, Schedule};
 use crate::fsdp::plan::{plan_units, ShardingStrategy, WrapPolicy};
+use models::{LoraSettings, StageContext};
 use crate::memory::{human_bytes, peak_rss_bytes};
 use crate::tokenize::TextTokenizer;
 use crate::train::report::LossHistory;
@@ -77,6 +78,12 @@ pub struct FinetuneConfig {
     pub eval_steps: Option<usize>,
     /// Print the first sample with its untrained parts marked.
     pub show_sample: bool,
+    /// Train a LoRA adapter on the frozen base instead of every weight.
+    pub lora: Option<LoraSettings>,
+    /// Start from this PEFT adapter directory (its settings replace `lora`).
+    pub adapter: Option<PathBuf>,
+    /// With LoRA: also write the merged full model to OUTPUT/merged.
+    pub merge_lora: bool,
     /// Print per-step lines and a progress bar (rank 0).
     pub verbose: bool,
 }
@@ -124,6 +131,9 @@ impl FinetuneConfig {
             eval_data: None,
             eval_split: None,
             eval_steps: None,
+            lora: None,
+            adapter: None,
+            merge_lora: false,
             verbose: false,
         }
     }
@@ -185,6 +195,14 @@ pub fn validate(cfg: &FinetuneConfig) -> Result<()> {
     if let Some(p) = &cfg.eval_data {
         if !is_hub(p) && !p.is_file() {
             bail!("--eval-data {}: no such file", p.display());
+        }
+    }
+    if cfg.merge_lora && cfg.lora.is_none() && cfg.adapter.is_none() {
+        bail!("--merge-lora needs a LoRA run (--lora-r, --lora-targets, ... or --adapter)");
+    }
+    if let Some(dir) = &cfg.adapter {
+        if !dir.join(crate::checkpoint::adapter::ADAPTER_CONFIG).is_file() {
+            bail!("--adapter {}: no {} there", dir.display(), crate::checkpoint::adapter::ADAPTER_CONFIG);
         }
     }
     for (name, v) in [("--eval-steps", cfg.eval_steps), ("--save-steps", cfg.save_steps), ("--save-total-limit", cfg.save_total_limit), ("--save-full-every", cfg.save_full_every)] {
@@ -370,13 +388,41 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
     // 1. Rank 0 resolves the model; config and tokenizer travel as bytes.
     let files = if is_root { Some(resolve_model(&cfg.model, cfg.revision.as_deref())?) } else { None };
     let bytes = share_model_files(groups_ref, files.as_ref())?;
-    let model_cfg = models::ModelConfig::from_json_str(&bytes.config).context("config.json")?;
+    let mut model_cfg = models::ModelConfig::from_json_str(&bytes.config).context("config.json")?;
     if let Some(names) = &cfg.layer_class_names {
         crate::train::config_file::check_layer_class(names, model_cfg.architecture)?;
+    }
+    // LoRA: rank 0 reads a starting adapter (if any); its settings travel to every rank.
+    let start_adapter = match (&cfg.adapter, is_root) {
+        (Some(dir), true) => Some(crate::checkpoint::adapter::read_adapter(dir, &model_cfg)),
+        _ => None,
+    };
+    let lora_msg = match &start_adapter {
+        Some(Ok(a)) => Some(json!({"ok": true, "config": crate::checkpoint::adapter::adapter_config_json(&a.settings, "")}).to_string().into_bytes()),
+        Some(Err(e)) => Some(json!({"ok": false, "error": format!("{e:#}")}).to_string().into_bytes()),
+        None if is_root => Some(b"{}".to_vec()),
+        None => None,
+    };
+    let lora_shared: Value = serde_json::from_slice(&groups_ref.world.broadcast_bytes(0, lora_msg)?)?;
+    let start_adapter = match start_adapter {
+        Some(Err(e)) => return Err(e),
+        Some(Ok(a)) => Some(a),
+        None => None,
+    };
+    if lora_shared.get("ok") == Some(&json!(false)) {
+        bail!("rank 0 could not read --adapter: {}", lora_shared["error"].as_str().unwrap_or("?"));
+    }
+    model_cfg.lora = match lora_shared.get("config") {
+        Some(c) => Some(crate::checkpoint::adapter::parse_adapter_config(&c.to_string(), Path::new("adapter_config.json"))?.0),
+        None => cfg.lora.clone(),
+    };
+    if let Some(lora) = &model_cfg.lora {
+        lora.validate(&model_cfg)?;
     }
     let staged: Arc<dyn models::StagedModel> = Arc::new(models::LlamaStages::new(&model_cfg));
     let plan = plan_units(staged.as_ref(), cfg.wrap, shard_size(cfg))?;
     let total_params: usize = plan.iter().map(|u| u.numel()).sum();
+    let trainable_params: usize = plan.iter().flat_map(|u| u.params.iter()).filter(|p| p.trainable).map(|p| p.numel()).sum();
 
     // 2. Data (before weights: a bad file or batch fails fast).
     let side = |name: &str| bytes.side_files.iter().find(|(n, _)| n == name).map(|(_, b)| b.as_slice());
@@ -525,7 +571,8 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
                     let full = match reader {
                         Some(r) => {
                             let mut m = std::collections::HashMap::new();
-                            for p in &engine.units().nth(u).unwrap().params {
+                            // Frozen parameters have no optimizer moments.
+                            for p in engine.units().nth(u).unwrap().params.iter().filter(|p| part == StatePart::Master || p.trainable) {
                                 m.insert(p.spec.name.clone(), r.read(&p.spec.name, part)?);
                             }
                             Some(m)
@@ -555,7 +602,15 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
                         let mut m = std::collections::HashMap::new();
                         for p in &engine.units().nth(u).unwrap().params {
                             // One unit's tensors at a time: rank 0's extra memory is about one unit.
-                            m.insert(p.spec.name.clone(), st[&p.spec.name].read_f32()?);
+                            let values = if models::lora::is_adapter_tensor(&p.spec.name) {
+                                match &start_adapter {
+                                    Some(a) => a.tensors[&p.spec.name].flatten_all()?.to_vec1::<f32>()?,
+                                    None => models::lora::init_adapter(&p.spec, cfg.seed),
+                                }
+                            } else {
+                                st[&p.spec.name].read_f32()?
+                            };
+                            m.insert(p.spec.name.clone(), values);
                         }
                         Some(m)
                     }
@@ -584,15 +639,29 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
             total_params as f64 / 1e6,
             load_start.elapsed().as_secs_f64()
         );
+        if let Some(lora) = &model_cfg.lora {
+            eprintln!(
+                "lora: r={} alpha={} dropout={} targets {:?}: {} trainable parameters ({:.3}% of {}); the base is frozen \
+                 (no gradients, no optimizer state)",
+                lora.r,
+                lora.alpha,
+                lora.dropout,
+                lora.targets,
+                trainable_params,
+                100.0 * trainable_params as f64 / total_params as f64,
+                total_params
+            );
+        }
         for (r, (p, g, o)) in rank_bytes.iter().enumerate() {
+            let unsharded = total_params * 4 + trainable_params * 12;
             eprintln!(
                 "fsdp: rank {r} holds params {} + grads {} + optimizer {} = {} ({:.3} of the unsharded {})",
                 human_bytes(*p as u64),
                 human_bytes(*g as u64),
                 human_bytes(*o as u64),
                 human_bytes((p + g + o) as u64),
-                (p + g + o) as f64 / (total_params * 16) as f64,
-                human_bytes((total_params * 16) as u64)
+                (p + g + o) as f64 / unsharded as f64,
+                human_bytes(unsharded as u64)
             );
         }
     }
@@ -618,6 +687,12 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
         pb.set_style(indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps {msg}").unwrap());
         pb
     });
+    // A LoRA checkpoint carries its adapter settings, so `fsdp-app merge` can fold it in.
+    let mut checkpoint_side_files = bytes.side_files.clone();
+    if let Some(lora) = &model_cfg.lora {
+        let config = crate::checkpoint::adapter::adapter_config_json(lora, &cfg.model);
+        checkpoint_side_files.push((crate::checkpoint::adapter::ADAPTER_CONFIG.to_string(), serde_json::to_vec_pretty(&config)?));
+    }
     let mut losses = vec![];
     let mut grad_norms = vec![];
     let mut history = LossHistory::default();
@@ -662,11 +737,16 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
             bail!("step {step}: the global batch has no target tokens (every label is -100)");
         }
         let mut local_loss = 0.0;
-        for mb in &micro {
+        for (a, mb) in micro.iter().enumerate() {
             let ids: Vec<u32> = mb.iter().flat_map(|s| s.input_ids.iter().copied()).collect();
             let labels: Vec<i64> = mb.iter().flat_map(|s| s.labels.iter().copied()).collect();
             let input = Tensor::from_vec(ids, (mb.len(), cfg.seq_len), &Device::Cpu)?;
-            local_loss += engine.forward_backward(&input, &labels, global_targets, packing_for(mb).as_ref())?;
+            // Dropout seeds from (seed, step, place in the global batch): the same masks on any
+            // number of ranks, and in an activation-checkpointing recompute.
+            let first = (a * world + rank) * cfg.batch_size;
+            let row_seeds = (first..first + mb.len()).map(|i| dropout_seed(cfg.seed, step, i)).collect();
+            let ctx = StageContext { packing: packing_for(mb), row_seeds: Some(row_seeds) };
+            local_loss += engine.forward_backward(&input, &labels, global_targets, &ctx)?;
         }
         let loss = all_reduce_scalar(groups_ref.world.as_ref(), local_loss)? / global_targets;
         let stats = engine.optimizer_step(lr, cfg.max_grad_norm)?;
@@ -725,7 +805,7 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
             });
             let extras = SaveExtras {
                 trainer_state,
-                side_files: &bytes.side_files,
+                side_files: &checkpoint_side_files,
                 strategy: format!("{:?}", cfg.strategy),
                 total_limit: cfg.save_total_limit,
             };
@@ -735,7 +815,7 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
             }
         }
         if cfg.save_full_every.is_some_and(|n| done % n == 0) && done != total_steps {
-            export_full(&engine, staged.as_ref(), &model_cfg, &bytes.side_files, &cfg.output_dir.join(format!("export-{done}")), cfg.max_shard_size, is_root)?;
+            export_result(&engine, staged.as_ref(), &model_cfg, &bytes.side_files, &cfg.output_dir.join(format!("export-{done}")), cfg, is_root)?;
         }
     }
     if let Some(pb) = progress {
@@ -744,11 +824,25 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
     run_eval(&mut engine, total_steps, &mut history, &mut metrics)?;
 
     // 5. Export: unit by unit, gathered on every shard-group rank, written by rank 0.
-    export_full(&engine, staged.as_ref(), &model_cfg, &bytes.side_files, &cfg.output_dir, cfg.max_shard_size, is_root)?;
+    export_result(&engine, staged.as_ref(), &model_cfg, &bytes.side_files, &cfg.output_dir, cfg, is_root)?;
     if is_root && cfg.verbose {
-        eprintln!("wrote {} (loadable with `fsdp-app generate --model {}`)", cfg.output_dir.display(), cfg.output_dir.display());
+        let out = cfg.output_dir.display();
+        if model_cfg.lora.is_some() {
+            eprintln!("wrote the LoRA adapter to {out} (use it with `fsdp-app generate --model {} --adapter {out}`)", cfg.model);
+            if cfg.merge_lora {
+                eprintln!("wrote the merged model to {out}/merged (`fsdp-app generate --model {out}/merged`)");
+            }
+        } else {
+            eprintln!("wrote {out} (loadable with `fsdp-app generate --model {out}`)");
+        }
     }
     Ok(is_root.then(|| RunSummary { losses, grad_norms, rank_bytes, total_params, output_dir: cfg.output_dir.clone() }))
+}
+
+/// The dropout seed of the sample at `place` in step `step`'s global batch.
+fn dropout_seed(seed: u64, step: usize, place: usize) -> u64 {
+    let mut state = seed ^ ((step as u64) << 32) ^ place as u64;
+    models::lora::splitmix64(&mut state)
 }
 
 /// Rank 0 resolves the data (a local file or a Hub dataset file, downloaded once) and sends its
@@ -801,8 +895,49 @@ fn evaluate(engine: &mut FsdpEngine, samples: &[Sample], batch: usize, seq_len: 
     Ok((mean, mean.exp()))
 }
 
+/// What a run leaves in `dir`: the full model, or for LoRA the PEFT adapter (plus the merged
+/// model in `dir/merged` with `--merge-lora`).
+fn export_result(
+    engine: &FsdpEngine,
+    model: &dyn models::StagedModel,
+    model_cfg: &models::ModelConfig,
+    side_files: &[(String, Vec<u8>)],
+    dir: &Path,
+    cfg: &FinetuneConfig,
+    is_root: bool,
+) -> Result<()> {
+    let Some(lora) = &model_cfg.lora else {
+        return export_full(engine, model, model_cfg, side_files, dir, cfg.max_shard_size, is_root);
+    };
+    // The adapter is small: gather every unit and keep its adapter tensors on rank 0.
+    let mut adapter = std::collections::HashMap::new();
+    for u in 0..engine.units().count() {
+        let full = engine.full_unit(u)?;
+        if is_root {
+            adapter.extend(full.into_iter().filter(|(n, _)| models::lora::is_adapter_tensor(n)));
+        }
+    }
+    if is_root {
+        let base = match Path::new(&cfg.model).is_dir() {
+            true => std::fs::canonicalize(&cfg.model)?.to_string_lossy().to_string(),
+            false => cfg.model.clone(),
+        };
+        crate::checkpoint::adapter::write_adapter(dir, &adapter, lora, &base)?;
+        // The tokenizer travels with the adapter, as PEFT + Trainer save it.
+        for (name, bytes) in side_files.iter().filter(|(n, _)| n.starts_with("tokenizer") || n == "special_tokens_map.json" || n == "chat_template.jinja") {
+            std::fs::write(dir.join(name), bytes).with_context(|| format!("writing {}", dir.join(name).display()))?;
+        }
+    }
+    engine.groups().world.barrier()?;
+    if cfg.merge_lora {
+        export_full(engine, model, model_cfg, side_files, &dir.join("merged"), cfg.max_shard_size, is_root)?;
+    }
+    Ok(())
+}
+
 /// Writes the full Hugging Face model into `dir`: each unit is gathered on every rank of the
 /// shard group and rank 0 streams it into the safetensors files, so memory stays at one unit.
+/// LoRA adapters are merged into their base weights (`W + scaling * B A`).
 fn export_full(
     engine: &FsdpEngine,
     model: &dyn models::StagedModel,
@@ -819,13 +954,21 @@ fn export_full(
     };
     let mut export = if is_root {
         // Checkpoint order (embeddings, layers, norm, head), so the shards read naturally.
-        let specs: Vec<(String, Vec<usize>)> = model.parameters().iter().map(|t| (t.name.clone(), t.shape.clone())).collect();
+        let specs: Vec<(String, Vec<usize>)> = model
+            .parameters()
+            .iter()
+            .filter(|t| !models::lora::is_adapter_tensor(&t.name))
+            .map(|t| (t.name.clone(), t.shape.clone()))
+            .collect();
         Some(ShardedExport::new(dir, save_dtype, max_shard_size, &specs)?)
     } else {
         None
     };
     for u in 0..engine.units().count() {
-        let full = engine.full_unit(u)?;
+        let mut full = engine.full_unit(u)?;
+        if let (Some(lora), true) = (&model_cfg.lora, export.is_some()) {
+            models::lora::merge_into(&mut full, lora)?;
+        }
         if let Some(ex) = export.as_mut() {
             for (n, t) in &full {
                 ex.add(n, t)?;

@@ -1,0 +1,229 @@
+//! LoRA adapters (Hu et al. 2021) as PEFT defines them: a targeted linear layer computes
+//! `W x + b + scaling * B (A dropout(x))`, with `A: (r, in)`, `B: (out, r)` and
+//! `scaling = alpha / r` (`alpha / sqrt(r)` with rsLoRA).
+//!
+//! Adapter tensors are named after the module they adapt (`<module>.lora_A.weight`,
+//! `<module>.lora_B.weight`); a layer built from a `VarBuilder` that holds them applies them.
+//! This module knows nothing about sharding or files.
+
+use std::collections::HashMap;
+
+use anyhow::{bail, Result};
+use candle_core::{Module, Tensor};
+use candle_nn::Linear;
+
+use crate::config::ModelConfig;
+use crate::layers::OpMode;
+use crate::tensors::{layer_tensors, TensorSpec};
+
+/// The linear modules of a decoder layer LoRA can target (PEFT matches on these names).
+pub const LINEAR_MODULES: &[&str] = &["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+
+/// Rank, scale, dropout and targets of a LoRA adapter (PEFT's `LoraConfig` fields).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraSettings {
+    pub r: usize,
+    pub alpha: f64,
+    pub dropout: f64,
+    /// Module names (`q_proj`, ...) or `all-linear`.
+    pub targets: Vec<String>,
+    pub use_rslora: bool,
+}
+
+impl LoraSettings {
+    pub fn scaling(&self) -> f64 {
+        if self.use_rslora {
+            self.alpha / (self.r as f64).sqrt()
+        } else {
+            self.alpha / self.r as f64
+        }
+    }
+
+    /// Whether the linear module at `path` (e.g. `model.layers.3.self_attn.q_proj`) is adapted.
+    /// PEFT's rule: a target matches the full name or its last dotted components.
+    pub fn targets_module(&self, path: &str) -> bool {
+        self.targets.iter().any(|t| {
+            if t == "all-linear" {
+                return LINEAR_MODULES.iter().any(|m| path.ends_with(&format!(".{m}")));
+            }
+            path == t || path.ends_with(&format!(".{t}"))
+        })
+    }
+
+    /// Checks the settings against a model: positive rank, dropout in [0, 1), and every target
+    /// matching at least one module (the error lists the modules that exist).
+    pub fn validate(&self, cfg: &ModelConfig) -> Result<()> {
+        if self.r == 0 {
+            bail!("--lora-r must be at least 1");
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            bail!("--lora-dropout {} must be in [0, 1)", self.dropout);
+        }
+        if !(self.alpha.is_finite() && self.alpha > 0.0) {
+            bail!("--lora-alpha {} must be a positive number", self.alpha);
+        }
+        if self.targets.is_empty() {
+            bail!("--lora-targets is empty; modules of this model: {}", LINEAR_MODULES.join(", "));
+        }
+        let modules = linear_modules(cfg);
+        for t in &self.targets {
+            let one = LoraSettings { targets: vec![t.clone()], ..self.clone() };
+            if !modules.iter().any(|(path, _, _)| one.targets_module(path)) {
+                bail!(
+                    "--lora-targets {t:?} matches no module of this model; its linear modules are: {} (or all-linear)",
+                    LINEAR_MODULES.join(", ")
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Every linear module of the decoder layers: (path, in_features, out_features), layer by layer.
+pub fn linear_modules(cfg: &ModelConfig) -> Vec<(String, usize, usize)> {
+    let mut out = vec![];
+    for i in 0..cfg.num_hidden_layers {
+        for t in layer_tensors(cfg, i) {
+            if let Some(path) = t.name.strip_suffix(".weight") {
+                if t.shape.len() == 2 {
+                    out.push((path.to_string(), t.shape[1], t.shape[0]));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Adapter tensors of decoder layer `i` for `settings`, in module order.
+pub fn layer_adapter_tensors(cfg: &ModelConfig, settings: &LoraSettings, i: usize) -> Vec<TensorSpec> {
+    let prefix = format!("model.layers.{i}.");
+    linear_modules(cfg)
+        .into_iter()
+        .filter(|(path, _, _)| path.starts_with(&prefix) && settings.targets_module(path))
+        .flat_map(|(path, inp, out)| {
+            [
+                TensorSpec { name: format!("{path}.lora_A.weight"), shape: vec![settings.r, inp] },
+                TensorSpec { name: format!("{path}.lora_B.weight"), shape: vec![out, settings.r] },
+            ]
+        })
+        .collect()
+}
+
+pub fn is_adapter_tensor(name: &str) -> bool {
+    name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight")
+}
+
+/// Folds every adapter in `weights` into its base weight (`W += scaling * B A`) and removes the
+/// adapter tensors: what PEFT's `merge_and_unload` produces.
+pub fn merge_into(weights: &mut HashMap<String, Tensor>, settings: &LoraSettings) -> Result<()> {
+    let a_names: Vec<String> = weights.keys().filter(|k| k.ends_with(".lora_A.weight")).cloned().collect();
+    for a_name in a_names {
+        let module = a_name.trim_end_matches(".lora_A.weight");
+        let b_name = format!("{module}.lora_B.weight");
+        let w_name = format!("{module}.weight");
+        let a = weights.remove(&a_name).expect("listed");
+        let Some(b) = weights.remove(&b_name) else { bail!("adapter {a_name} has no {b_name}") };
+        let Some(w) = weights.get(&w_name) else { bail!("adapter {a_name} adapts {w_name}, which is not here") };
+        let delta = (b.to_dtype(candle_core::DType::F32)?.matmul(&a.to_dtype(candle_core::DType::F32)?)? * settings.scaling())?;
+        let merged = (w.to_dtype(candle_core::DType::F32)? + delta)?.to_dtype(w.dtype())?;
+        weights.insert(w_name, merged);
+    }
+    Ok(())
+}
+
+/// SplitMix64: a tiny, good-enough generator for dropout masks and initialisation, so runs are
+/// reproducible and every rank derives the same mask for the same sample.
+pub fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// FNV-1a of a string: a stable id for a module, mixed into its dropout seed.
+fn name_hash(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+}
+
+/// A linear layer with an optional LoRA adapter.
+#[derive(Debug, Clone)]
+pub struct AdaptedLinear {
+    base: Linear,
+    adapter: Option<Adapter>,
+}
+
+#[derive(Debug, Clone)]
+struct Adapter {
+    a: Tensor,
+    b: Tensor,
+    scaling: f64,
+    dropout: f64,
+    module_id: u64,
+}
+
+impl AdaptedLinear {
+    pub fn plain(base: Linear) -> Self {
+        Self { base, adapter: None }
+    }
+
+    /// `base` plus the adapter `a` (r, in), `b` (out, r) of the module at `path`.
+    pub fn with_adapter(base: Linear, a: Tensor, b: Tensor, settings: &LoraSettings, path: &str) -> Self {
+        let adapter = Adapter { a, b, scaling: settings.scaling(), dropout: settings.dropout, module_id: name_hash(path) };
+        Self { base, adapter: Some(adapter) }
+    }
+
+    /// `row_seeds`: one dropout seed per batch row in training (None: no dropout, as in eval).
+    pub fn forward(&self, x: &Tensor, mode: OpMode, row_seeds: Option<&[u64]>) -> Result<Tensor, candle_core::Error> {
+        let y = self.base.forward(x)?;
+        let Some(ad) = &self.adapter else { return Ok(y) };
+        let x = match row_seeds {
+            Some(seeds) if mode == OpMode::Train && ad.dropout > 0.0 => {
+                let mask = dropout_mask(x.dims(), seeds, ad.module_id, ad.dropout, x.device())?.to_dtype(x.dtype())?;
+                (x * mask)?
+            }
+            _ => x.clone(),
+        };
+        let delta = x.broadcast_matmul(&ad.a.t()?)?.broadcast_matmul(&ad.b.t()?)?;
+        y + (delta * ad.scaling)?
+    }
+}
+
+/// Inverted-dropout mask (0 or 1/(1-p)) for an input of `dims` whose first dimension is the
+/// batch: row r's mask depends only on (`seeds[r]`, the module), so a recomputed forward and any
+/// split of the batch over ranks see the same mask.
+fn dropout_mask(dims: &[usize], seeds: &[u64], module_id: u64, p: f64, dev: &candle_core::Device) -> candle_core::Result<Tensor> {
+    let rows = dims[0];
+    if seeds.len() != rows {
+        candle_core::bail!("{} dropout seeds for a batch of {rows}", seeds.len());
+    }
+    let per_row: usize = dims[1..].iter().product();
+    let keep = 1.0 / (1.0 - p) as f32;
+    let threshold = (p * (1u64 << 53) as f64) as u64;
+    let mut data = Vec::with_capacity(rows * per_row);
+    for &seed in seeds {
+        let mut state = seed ^ module_id.rotate_left(17);
+        for _ in 0..per_row {
+            let u = splitmix64(&mut state) >> 11;
+            data.push(if u < threshold { 0.0 } else { keep });
+        }
+    }
+    Tensor::from_vec(data, dims, dev)
+}
+
+/// PEFT's default initialisation: A ~ kaiming_uniform(a = sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)),
+/// B = 0, so a fresh adapter leaves the model unchanged.
+pub fn init_adapter(spec: &TensorSpec, seed: u64) -> Vec<f32> {
+    let n: usize = spec.shape.iter().product();
+    if spec.name.ends_with(".lora_B.weight") {
+        return vec![0.0; n];
+    }
+    let bound = 1.0 / (spec.shape[1] as f64).sqrt();
+    let mut state = seed ^ name_hash(&spec.name);
+    (0..n)
+        .map(|_| {
+            let u = (splitmix64(&mut state) >> 11) as f64 / (1u64 << 53) as f64;
+            ((2.0 * u - 1.0) * bound) as f32
+        })
+        .collect()
+}
