@@ -39,6 +39,9 @@ enum Command {
     Launch(LaunchArgs),
     /// Write a tiny random model directory (for tests and for trying fsdp-app offline).
     Fixture(FixtureArgs),
+    /// Per-rank memory of a fine-tuning run (parameters, gradients, optimizer, gathered units,
+    /// activations) from config.json alone, without reading weights.
+    Estimate(EstimateArgs),
 }
 
 #[derive(Args)]
@@ -240,6 +243,18 @@ struct FinetuneArgs {
     /// Also write a full Hugging Face export to OUTPUT/export-STEP every N steps.
     #[arg(long)]
     save_full_every: Option<usize>,
+    #[command(flatten)]
+    lora: LoraArgs,
+    /// Continue training this PEFT LoRA adapter directory (its r, alpha, dropout and targets).
+    #[arg(long, conflicts_with_all = ["lora_r", "lora_alpha", "lora_dropout", "lora_targets"])]
+    adapter: Option<PathBuf>,
+    /// With LoRA: also write the merged full model (W + alpha/r * B A) to OUTPUT/merged.
+    #[arg(long)]
+    merge_lora: bool,
+}
+
+#[derive(Args)]
+struct LoraArgs {
     /// Train a LoRA adapter (PEFT format, in OUTPUT) on the frozen base instead of every weight.
     /// Implied by any --lora-* flag.
     #[arg(long)]
@@ -257,12 +272,43 @@ struct FinetuneArgs {
     /// down_proj, or all-linear (default q_proj,v_proj, PEFT's choice for these models).
     #[arg(long)]
     lora_targets: Option<String>,
-    /// Continue training this PEFT LoRA adapter directory (its r, alpha, dropout and targets).
-    #[arg(long, conflicts_with_all = ["lora_r", "lora_alpha", "lora_dropout", "lora_targets"])]
-    adapter: Option<PathBuf>,
-    /// With LoRA: also write the merged full model (W + alpha/r * B A) to OUTPUT/merged.
+}
+
+#[derive(Args)]
+struct EstimateArgs {
+    /// Local model directory or Hub id (only config.json is read or downloaded).
     #[arg(long)]
-    merge_lora: bool,
+    model: String,
+    #[arg(long)]
+    revision: Option<String>,
+    #[arg(long, default_value_t = 1)]
+    world_size: usize,
+    /// FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD.
+    #[arg(long, default_value = "FULL_SHARD")]
+    sharding_strategy: String,
+    #[arg(long)]
+    shard_group_size: Option<usize>,
+    /// transformer_based_wrap, size_based_wrap or no_wrap.
+    #[arg(long, default_value = "transformer_based_wrap")]
+    wrap_policy: String,
+    #[arg(long)]
+    min_num_params: Option<usize>,
+    #[arg(long)]
+    activation_checkpointing: bool,
+    /// Sequences per rank per micro-batch.
+    #[arg(long, default_value_t = 1)]
+    batch_size: usize,
+    #[arg(long, default_value_t = 512)]
+    seq_len: usize,
+    #[command(flatten)]
+    lora: LoraArgs,
+    /// How the ranks run: tcp (processes under `fsdp-app launch`; rank 0 relays collectives),
+    /// mpi, or local (threads of one process, whose memory is the sum of its ranks').
+    #[arg(long, default_value = "tcp", value_parser = ["tcp", "mpi", "local"])]
+    backend: String,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -343,8 +389,8 @@ fn is_switch(flag: &str) -> bool {
     matches!(flag, "activation_checkpointing" | "weight_decay_all" | "packing" | "skip_bad_rows" | "no_shuffle" | "lora" | "merge_lora")
 }
 
-/// LoRA settings from the finetune flags, or None when no LoRA flag is given.
-fn lora_settings(a: &FinetuneArgs) -> Option<models::LoraSettings> {
+/// LoRA settings from the flags, or None when no LoRA flag is given.
+fn lora_settings(a: &LoraArgs) -> Option<models::LoraSettings> {
     let on = a.lora || a.lora_r.is_some() || a.lora_alpha.is_some() || a.lora_dropout.is_some() || a.lora_targets.is_some();
     on.then(|| models::LoraSettings {
         r: a.lora_r.unwrap_or(8),
@@ -380,6 +426,7 @@ fn main() {
             command: a.command,
         }),
         Command::Fixture(a) => run_fixture(a),
+        Command::Estimate(a) => run_estimate(a),
     };
     if let Err(e) = result {
         if std::env::var_os("RUST_BACKTRACE").is_some() {
@@ -405,7 +452,7 @@ fn run_finetune(a: FinetuneArgs) -> Result<()> {
     if a.transformer_cls_names_to_wrap.is_some() && wrap != WrapPolicy::TransformerBased {
         anyhow::bail!("transformer_cls_names_to_wrap applies to transformer_based_wrap only");
     }
-    let lora = lora_settings(&a);
+    let lora = lora_settings(&a.lora);
     let cfg = fsdp_app::train::finetune::FinetuneConfig {
         lora,
         adapter: a.adapter,
@@ -489,6 +536,84 @@ fn run_merge(a: MergeArgs) -> Result<()> {
         start.elapsed().as_secs_f64(),
         peak_rss_bytes().map(human_bytes).unwrap_or_else(|| "n/a".into())
     );
+    Ok(())
+}
+
+fn run_estimate(a: EstimateArgs) -> Result<()> {
+    use fsdp_app::fsdp::plan::{ShardingStrategy, WrapPolicy};
+    use fsdp_app::train::estimate::{estimate, EstimateInput};
+    let config_path = if std::path::Path::new(&a.model).is_dir() {
+        std::path::Path::new(&a.model).join("config.json")
+    } else {
+        fsdp_app::checkpoint::hub::HubRepo::open(&a.model, a.revision.as_deref().unwrap_or("main"))?.get("config.json")?
+    };
+    let mut cfg = fsdp_app::checkpoint::read_model_config(&config_path)?;
+    cfg.lora = lora_settings(&a.lora);
+    if let Some(l) = &cfg.lora {
+        l.validate(&cfg)?;
+    }
+    let strategy: ShardingStrategy = a.sharding_strategy.parse()?;
+    let mut wrap: WrapPolicy = a.wrap_policy.parse()?;
+    if let (WrapPolicy::SizeBased { min_num_params }, Some(n)) = (&mut wrap, a.min_num_params) {
+        *min_num_params = n;
+    }
+    if a.world_size == 0 || a.batch_size == 0 || a.seq_len == 0 {
+        anyhow::bail!("--world-size, --batch-size and --seq-len must be positive");
+    }
+    let shard_size = match strategy {
+        ShardingStrategy::NoShard => 1,
+        ShardingStrategy::HybridShard => {
+            let g = a.shard_group_size.context("HYBRID_SHARD needs --shard-group-size")?;
+            if g == 0 || a.world_size % g != 0 {
+                anyhow::bail!("--shard-group-size {g} must divide --world-size {}", a.world_size);
+            }
+            g
+        }
+        _ => a.world_size,
+    };
+    let input = EstimateInput {
+        world_size: a.world_size,
+        shard_size,
+        strategy,
+        wrap,
+        activation_checkpointing: a.activation_checkpointing,
+        batch_size: a.batch_size,
+        seq_len: a.seq_len,
+        rank0_relays: a.backend == "tcp" && a.world_size > 1,
+    };
+    let staged = models::LlamaStages::new(&cfg);
+    let e = estimate(&staged, &cfg, &input)?;
+    if a.json {
+        let mut m = serde_json::Map::new();
+        for (name, bytes, _) in e.rows() {
+            m.insert(name.replace(' ', "_"), serde_json::json!(bytes));
+        }
+        m.insert("total".into(), serde_json::json!(e.total()));
+        m.insert("rank0_relay".into(), serde_json::json!(e.rank0_relay));
+        m.insert("rank0_total".into(), serde_json::json!(e.rank0_total()));
+        println!("{}", serde_json::Value::Object(m));
+        return Ok(());
+    }
+    println!(
+        "per-rank memory estimate: {} rank(s), {strategy:?}, batch {} x seq {}{}{}",
+        a.world_size,
+        a.batch_size,
+        a.seq_len,
+        if a.activation_checkpointing { ", activation checkpointing" } else { "" },
+        cfg.lora.as_ref().map(|l| format!(", LoRA r={} {:?}", l.r, l.targets)).unwrap_or_default()
+    );
+    for (name, bytes, what) in e.rows() {
+        println!("  {name:<15} {:>12}  {what}", human_bytes(bytes));
+    }
+    println!("  {:<15} {:>12}  peak resident memory of each rank", "total", human_bytes(e.total()));
+    if e.rank0_relay > 0 {
+        println!("  {:<15} {:>12}  rank 0 also relays the others' collectives (tcp backend)", "rank 0 relay", human_bytes(e.rank0_relay));
+        println!("  {:<15} {:>12}", "rank 0 total", human_bytes(e.rank0_total()));
+    }
+    if a.backend == "local" && a.world_size > 1 {
+        let process = e.process + (e.total() - e.process) * a.world_size as u64;
+        println!("  {:<15} {:>12}  the one process holding all {} local ranks", "process total", human_bytes(process), a.world_size);
+    }
     Ok(())
 }
 

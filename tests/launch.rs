@@ -10,10 +10,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-fn free_port() -> String {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string()
-}
-
 fn finetune_args<'a>(model: &'a str, out: &'a str, data: &'a str, steps: &'a str) -> Vec<&'a str> {
     finetune_args_batch(model, out, data, steps, "2")
 }

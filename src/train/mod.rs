@@ -3,6 +3,7 @@
 
 pub mod config_file;
 pub mod data;
+pub mod estimate;
 pub mod finetune;
 pub mod formats;
 pub mod report;

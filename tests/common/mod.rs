@@ -150,3 +150,8 @@ pub fn smollm2_gguf_or_skip(test: &str) -> Option<PathBuf> {
         }
     }
 }
+
+/// A TCP port nobody listens on now (for MASTER_PORT).
+pub fn free_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string()
+}

@@ -1,0 +1,164 @@
+//! `fsdp-app estimate`: per-rank memory of a fine-tuning run from config.json alone (no weights
+//! read), broken down the way the engine spends it.
+//!
+//! Exact parts come from the same unit plan the engine uses (chunk sizes with padding, which
+//! parameters train). The rest counts the f32 tensors our code keeps alive at the peak:
+//! - gathered weights: FULL_SHARD with activation checkpointing holds the root unit plus one
+//!   layer unit; otherwise the kept forward graphs hold every unit until its backward;
+//! - backward of one unit: candle's gradient store holds a full-size gradient of every weight
+//!   of the unit (candle computes weight gradients even for frozen ones) plus the packed buffer
+//!   reduce-scatter sends, for the trainable ones;
+//! - activations: the tensors one decoder layer's training forward creates (counted from
+//!   `models::layers`: norms, projections, rotary, attention scores and softmax, MLP), for every
+//!   layer without activation checkpointing, for one layer plus each layer's input with it;
+//! - the loss stage: logits, their log-softmax and the gradients of both (a few (batch, seq,
+//!   vocab) tensors), often the largest single item for small models with big vocabularies;
+//! - the process itself (binary, tokenizer, data): a measured constant;
+//! - with the tcp backend, rank 0 relays the other ranks' collectives and holds their buffers.
+
+use anyhow::Result;
+use models::{ModelConfig, StagedModel};
+
+use crate::fsdp::plan::{plan_units, ShardingStrategy, UnitPlan, WrapPolicy};
+
+/// What the run looks like.
+#[derive(Debug, Clone)]
+pub struct EstimateInput {
+    pub world_size: usize,
+    /// Ranks a parameter is sharded over (world size, 1 for NO_SHARD, the group for HYBRID).
+    pub shard_size: usize,
+    pub strategy: ShardingStrategy,
+    pub wrap: WrapPolicy,
+    pub activation_checkpointing: bool,
+    pub batch_size: usize,
+    pub seq_len: usize,
+    /// The tcp backend: rank 0 performs the other ranks' collectives on their behalf.
+    pub rank0_relays: bool,
+}
+
+/// Bytes per rank.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Estimate {
+    pub params: u64,
+    pub grads: u64,
+    pub optimizer: u64,
+    pub gathered: u64,
+    pub backward: u64,
+    pub activations: u64,
+    pub loss: u64,
+    pub process: u64,
+    /// Rank 0 only, tcp backend: buffers of the collectives it relays for the others.
+    pub rank0_relay: u64,
+}
+
+impl Estimate {
+    pub fn total(&self) -> u64 {
+        self.params + self.grads + self.optimizer + self.gathered + self.backward + self.activations + self.loss + self.process
+    }
+
+    /// (name, bytes, what it is) rows for the table.
+    pub fn rows(&self) -> Vec<(&'static str, u64, &'static str)> {
+        vec![
+            ("parameters", self.params, "fp32 master chunks (frozen base included)"),
+            ("gradients", self.grads, "fp32 chunks of the trained parameters"),
+            ("optimizer", self.optimizer, "AdamW exp_avg + exp_avg_sq chunks"),
+            ("gathered units", self.gathered, "full weights all-gathered for compute"),
+            ("unit backward", self.backward, "one unit's full-size weight gradients + reduce-scatter buffer"),
+            ("activations", self.activations, "decoder-layer tensors kept for backward"),
+            ("loss", self.loss, "logits, log-softmax and their gradients"),
+            ("process", self.process, "binary, tokenizer, data, allocator"),
+        ]
+    }
+
+    /// Rank 0's peak: every rank's, plus what it relays for the others (tcp backend).
+    pub fn rank0_total(&self) -> u64 {
+        self.total() + self.rank0_relay
+    }
+}
+
+/// Resident memory of the process before any tensor (binary, libraries, tokenizer, thread
+/// stacks), measured on the fixtures and on SmolLM2.
+const PROCESS_BYTES: u64 = 24 << 20;
+
+/// f32 values one decoder layer's training forward creates, per token (see `models::layers`):
+/// `per_hidden` multiples of the hidden size, `per_inter` of the MLP width, `per_qk` of the
+/// query/key width (rotary), `per_kv` of the key/value width, `per_score` of heads x seq.
+struct LayerCounts {
+    per_hidden: f64,
+    per_inter: f64,
+    per_q: f64,
+    per_kv: f64,
+    per_score: f64,
+}
+
+/// Counted from the ops: two RMSNorms (square, scale, two products: 4 each), two residual adds,
+/// the attention output (transpose + reshape copy, o_proj); q: projection, head transpose,
+/// rotary (narrows, cat, neg, two products, sum: 6); k likewise on the kv width, v projection and
+/// transpose, both repeated to all heads; scores: product, scale, mask, softmax (max, sub, exp,
+/// sum, div: 3 full-size), probabilities; MLP: gate, silu, up, product.
+const LAYER: LayerCounts = LayerCounts { per_hidden: 13.0, per_inter: 4.0, per_q: 8.0, per_kv: 10.0, per_score: 7.0 };
+
+fn layer_activation_bytes(cfg: &ModelConfig, batch: usize, seq: usize) -> f64 {
+    let tokens = (batch * seq) as f64;
+    let q = (cfg.num_attention_heads * cfg.head_dim) as f64;
+    let kv = (cfg.num_key_value_heads * cfg.head_dim) as f64;
+    let mut per_token = LAYER.per_hidden * cfg.hidden_size as f64
+        + LAYER.per_inter * cfg.intermediate_size as f64
+        + LAYER.per_q * q
+        + LAYER.per_kv * kv
+        + LAYER.per_score * (cfg.num_attention_heads * seq) as f64;
+    if let Some(lora) = &cfg.lora {
+        // Each adapted projection adds B(A x), its scaled copy and the sum (3 outputs), and with
+        // dropout the mask and the masked input.
+        for (path, inp, out) in models::lora::linear_modules(cfg).into_iter().filter(|(p, _, _)| p.starts_with("model.layers.0.")) {
+            if lora.targets_module(&path) {
+                per_token += 3.0 * out as f64 + lora.r as f64 + if lora.dropout > 0.0 { 2.0 * inp as f64 } else { 0.0 };
+            }
+        }
+    }
+    4.0 * tokens * per_token
+}
+
+/// (batch, seq, vocab) f32 tensors alive at the loss: logits, the shifted copy, log-softmax
+/// (two temporaries), and in backward the gradients of log-softmax and logits.
+const LOSS_TENSORS: f64 = 6.0;
+
+pub fn estimate(model: &dyn StagedModel, cfg: &ModelConfig, input: &EstimateInput) -> Result<Estimate> {
+    let plan: Vec<UnitPlan> = plan_units(model, input.wrap, input.shard_size)?;
+    let chunk: u64 = plan.iter().map(|u| u.chunk_len as u64).sum();
+    let trained_chunk: u64 = plan.iter().map(|u| u.grad_chunk_len as u64).sum();
+    let full = |u: &UnitPlan| u.numel() as u64 * 4;
+    let trained_full = |u: &UnitPlan| (u.grad_chunk_len * input.shard_size) as u64 * 4;
+    let root = plan.iter().filter(|u| u.is_root).map(full).sum::<u64>();
+    let largest = plan.iter().filter(|u| !u.is_root).map(full).max().unwrap_or(0);
+    let keeps_all = !input.activation_checkpointing || !input.strategy.reshard_after_forward();
+    let gathered = if keeps_all { plan.iter().map(full).sum() } else { root + largest };
+    // Backward of the largest unit: full weight gradients (all of its weights) + packed
+    // trainable gradients for reduce-scatter + this rank's reduced slice.
+    let backward = plan.iter().map(|u| full(u) + trained_full(u) + trained_full(u) / input.shard_size as u64).max().unwrap_or(0);
+    let layers = cfg.num_hidden_layers as f64;
+    let layer = layer_activation_bytes(cfg, input.batch_size, input.seq_len);
+    let hidden_in = 4.0 * (input.batch_size * input.seq_len * cfg.hidden_size) as f64;
+    let activations = if input.activation_checkpointing {
+        // Every stage's input is kept; one layer is recomputed: its graph, plus the gradients
+        // of its tensors during backward, of which about half are alive at once (measured).
+        layers * hidden_in + 1.5 * layer
+    } else {
+        // Every layer's graph, plus one layer's worth of gradients during its backward.
+        (layers + 1.0) * layer
+    };
+    let loss = LOSS_TENSORS * 4.0 * (input.batch_size * input.seq_len * cfg.vocab_size) as f64;
+    Ok(Estimate {
+        params: chunk * 4,
+        grads: trained_chunk * 4,
+        optimizer: trained_chunk * 8,
+        gathered,
+        backward,
+        activations: activations as u64,
+        loss: loss as u64,
+        process: PROCESS_BYTES,
+        // The proxy holds each other rank's contribution and its result of the largest
+        // all-gather while it runs.
+        rank0_relay: if input.rank0_relays { (input.world_size as u64 - 1) * 2 * plan.iter().map(full).max().unwrap_or(0) } else { 0 },
+    })
+}
