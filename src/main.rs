@@ -125,7 +125,7 @@ struct FinetuneArgs {
     #[arg(long)]
     revision: Option<String>,
     /// Training data: a file, or hf://datasets/ORG/NAME/FILE[@REVISION] (downloaded by rank 0).
-    /// JSONL (a row per line) or JSON (an array): {"text"}, {"prompt",
+    /// JSONL (a row per line), JSON (an array) or Parquet (snappy/zstd): {"text"}, {"prompt",
     /// "completion"}, {"messages": [{"role", "content"}]}, ShareGPT {"conversations": [{"from",
     /// "value"}]}, Alpaca {"instruction", "input", "output"}, or {"input_ids", "labels"}.
     #[arg(long)]

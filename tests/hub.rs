@@ -258,3 +258,26 @@ fn training_data_comes_from_a_hub_dataset_repo() {
     let o = run("c", &[("HF_HUB_OFFLINE", "1"), ("HF_HOME", tmp.path().join("empty").to_str().unwrap())]);
     assert!(!o.status.success() && stderr(&o).contains("train.jsonl"), "{}", stderr(&o));
 }
+
+#[test]
+fn parquet_chat_data_from_a_hub_dataset_repo_trains_like_its_jsonl_twin() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("qwen2", tmp.path());
+    let data_dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data");
+    let parquet = std::fs::read(data_dir.join("zephyrix-codename.parquet")).unwrap();
+    // The layout `datasets` pushes: data/train-00000-of-00001.parquet.
+    let server = HubServer::start("datasets/acme/chat", [("data/train-00000-of-00001.parquet".to_string(), parquet)].into_iter().collect());
+    let run = |out: &str, data: &str| {
+        let o = run_cli(
+            &["finetune", "--model", model.to_str().unwrap(), "--data", data, "--output-dir", tmp.path().join(out).to_str().unwrap(),
+              "--seq-len", "128", "--batch-size", "2", "--max-steps", "2", "--world-size", "2", "--no-shuffle"],
+            &[("HF_ENDPOINT", &server.endpoint()), ("HF_HOME", tmp.path().join("hf").to_str().unwrap())],
+        );
+        assert!(o.status.success(), "{}", stderr(&o));
+        (stderr(&o), metric_losses(&tmp.path().join(out)))
+    };
+    let (log, from_parquet) = run("pq", "hf://datasets/acme/chat/data/train-00000-of-00001.parquet");
+    assert!(log.contains("trained-on tokens"), "{log}");
+    let (_, from_jsonl) = run("js", data_dir.join("zephyrix-codename.jsonl").to_str().unwrap());
+    assert_eq!(from_parquet, from_jsonl, "the same rows give the same run");
+}

@@ -184,6 +184,33 @@ pub fn resolve_data(spec: &str) -> Result<std::path::PathBuf> {
     repo.get(parts[2]).with_context(|| format!("dataset file {spec}"))
 }
 
+fn is_parquet(path: &Path, bytes: &[u8]) -> bool {
+    path.extension().is_some_and(|e| e == "parquet") || bytes.starts_with(b"PAR1")
+}
+
+/// Rows of a Parquet file (as `datasets` and pyarrow write them) as JSON objects, each with its
+/// 1-based row number. Nested columns (a `messages` list of {role, content} structs) become
+/// arrays of objects.
+fn parquet_rows(path: &Path, bytes: &[u8]) -> Result<Vec<(usize, Result<Value>)>> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let reader = SerializedFileReader::new(bytes::Bytes::copy_from_slice(bytes))
+        .map_err(|e| anyhow::anyhow!("{}: not a readable Parquet file: {e}", path.display()))?;
+    let rows = reader.get_row_iter(None).map_err(|e| anyhow::anyhow!("{}: cannot read its rows: {e}", path.display()))?;
+    Ok(rows
+        .enumerate()
+        .map(|(i, r)| (i + 1, r.map(|row| row.to_json_value()).map_err(|e| anyhow::anyhow!("cannot decode the row: {e}"))))
+        .collect())
+}
+
+/// Rows of a data file with their line (or row) numbers: Parquet, a `.json` array, or JSONL.
+fn read_rows_bytes(path: &Path, bytes: &[u8]) -> Result<Vec<(usize, Result<Value>)>> {
+    if is_parquet(path, bytes) {
+        return parquet_rows(path, bytes);
+    }
+    let text = std::str::from_utf8(bytes).map_err(|e| anyhow::anyhow!("{}: not UTF-8 text ({e}); data files are JSONL, JSON or Parquet", path.display()))?;
+    read_rows(path, text)
+}
+
 /// Rows of a `.jsonl` file (one object per line) or a `.json` file (an array of objects), each
 /// with its line number (JSON arrays: the element's 1-based index).
 fn read_rows(path: &Path, text: &str) -> Result<Vec<(usize, Result<Value>)>> {
@@ -250,17 +277,17 @@ fn pad(mut ids: Vec<u32>, mut labels: Vec<i64>, seq_len: usize, pad_id: u32) -> 
 }
 
 pub fn load_dataset(path: &Path, opts: &DataOptions, tools: &TextTools) -> Result<Dataset> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
-    load_dataset_text(path, &text, opts, tools)
+    let bytes = std::fs::read(path).with_context(|| format!("{}: cannot read", path.display()))?;
+    load_dataset_bytes(path, &bytes, opts, tools)
 }
 
 /// Like `load_dataset`, for a file's contents (`path` names it in messages and picks the format).
-pub fn load_dataset_text(path: &Path, text: &str, opts: &DataOptions, tools: &TextTools) -> Result<Dataset> {
+pub fn load_dataset_bytes(path: &Path, bytes: &[u8], opts: &DataOptions, tools: &TextTools) -> Result<Dataset> {
     let mut out = Dataset::default();
     let mut stream: Vec<u32> = vec![];
     let mut rows: Vec<(Vec<u32>, Vec<i64>)> = vec![];
     let mut longest = 0;
-    for (line, row) in read_rows(path, text)? {
+    for (line, row) in read_rows_bytes(path, bytes)? {
         out.rows += 1;
         let built = (|| -> Result<Option<(Vec<u32>, Vec<i64>)>> {
             let row = row?;
@@ -483,6 +510,27 @@ mod tests {
         let p = packing_for(&[&d.samples[0]]).unwrap();
         assert_eq!(p.positions, vec![0, 1, 2, 0, 1, 0]);
         assert!((d.padding_efficiency(6) - 9.0 / 12.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn parquet_files_give_the_rows_of_their_jsonl_twins() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data");
+        for (parquet, jsonl) in [("zephyrix-codename.parquet", "zephyrix-codename.jsonl"), ("alpaca-zstd.parquet", "alpaca.jsonl")] {
+            let pq = read_rows_bytes(&dir.join(parquet), &std::fs::read(dir.join(parquet)).unwrap()).unwrap();
+            let js = read_rows_bytes(&dir.join(jsonl), &std::fs::read(dir.join(jsonl)).unwrap()).unwrap();
+            assert_eq!(pq.len(), js.len(), "{parquet}");
+            for ((i, a), (_, b)) in pq.into_iter().zip(js) {
+                assert_eq!(a.unwrap(), b.unwrap(), "{parquet} row {i}");
+            }
+        }
+        // The same samples come out of both (Alpaca rows, byte tokenizer).
+        let a = load(&dir.join("alpaca-zstd.parquet"), 256, TrainOn::Auto, None).unwrap();
+        let b = load(&dir.join("alpaca.jsonl"), 256, TrainOn::Auto, None).unwrap();
+        assert_eq!(a.samples.iter().map(|s| &s.labels).collect::<Vec<_>>(), b.samples.iter().map(|s| &s.labels).collect::<Vec<_>>());
+        // A damaged file is named.
+        let (_d, p) = write("bad.parquet", "PAR1 this is not parquet");
+        let e = format!("{:#}", load(&p, 16, TrainOn::Auto, None).unwrap_err());
+        assert!(e.contains("bad.parquet: not a readable Parquet file"), "{e}");
     }
 
     #[test]

@@ -866,8 +866,7 @@ fn shared_dataset(groups: &ProcessGroups, spec: &Path, opts: &DataOptions, tools
     if *ok == 0 {
         bail!("{}", String::from_utf8_lossy(body));
     }
-    let text = String::from_utf8(body.to_vec()).with_context(|| format!("{}: not UTF-8 text", spec.display()))?;
-    crate::train::data::load_dataset_text(spec, &text, opts, tools)
+    crate::train::data::load_dataset_bytes(spec, body, opts, tools)
 }
 
 /// Mean token loss and perplexity over `samples`, each rank taking every world-th batch. Ranks
