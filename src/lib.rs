@@ -5,7 +5,7 @@
 //! autoregressive generation; `convert` imports GGUF files; `fixtures` makes tiny test models;
 //! `memory` reports process memory; `dist` is the process group and its
 //! collectives; `fsdp` shards parameters and runs training steps; `train` holds data loading and
-//! the fine-tuning loop.
+//! the fine-tuning loop; `serve` is the OpenAI-compatible HTTP server.
 
 pub mod checkpoint;
 pub mod convert;
@@ -14,6 +14,7 @@ pub mod fixtures;
 pub mod fsdp;
 pub mod generate;
 pub mod memory;
+pub mod serve;
 pub mod tokenize;
 pub mod train;
 

@@ -39,6 +39,9 @@ enum Command {
     Launch(LaunchArgs),
     /// Write a tiny random model directory (for tests and for trying fsdp-app offline).
     Fixture(FixtureArgs),
+    /// Serve a model over an OpenAI-compatible HTTP API (/v1/models, /v1/completions,
+    /// /v1/chat/completions with SSE streaming, /health, /metrics, /tokenize, /detokenize, /info).
+    Serve(ServeArgs),
     /// Per-rank memory of a fine-tuning run (parameters, gradients, optimizer, gathered units,
     /// activations) from config.json alone, without reading weights.
     Estimate(EstimateArgs),
@@ -275,6 +278,42 @@ struct LoraArgs {
 }
 
 #[derive(Args)]
+struct ServeArgs {
+    /// Local model directory or Hub id.
+    #[arg(long)]
+    model: String,
+    #[arg(long)]
+    revision: Option<String>,
+    /// The model id clients send (default: the --model string).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Address to bind; 127.0.0.1 keeps the server local (use 0.0.0.0 to expose it).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port (0 picks a free one; the chosen address is printed).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Require `Authorization: Bearer KEY` on every route but /health.
+    #[arg(long, env = "FSDP_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Sequences generated together; more wait in the queue.
+    #[arg(long, default_value_t = 8)]
+    max_concurrent_requests: usize,
+    /// Requests that may wait for a slot; beyond that the answer is 429 with Retry-After.
+    #[arg(long, default_value_t = 64)]
+    max_queue: usize,
+    /// Longest prompt in tokens (default: the context minus one).
+    #[arg(long)]
+    max_input_tokens: Option<usize>,
+    /// Longest prompt + completion in tokens (default: the model's context).
+    #[arg(long)]
+    max_total_tokens: Option<usize>,
+    /// Largest request body in bytes.
+    #[arg(long, default_value_t = 4 << 20)]
+    max_body_bytes: usize,
+}
+
+#[derive(Args)]
 struct EstimateArgs {
     /// Local model directory or Hub id (only config.json is read or downloaded).
     #[arg(long)]
@@ -427,6 +466,19 @@ fn main() {
         }),
         Command::Fixture(a) => run_fixture(a),
         Command::Estimate(a) => run_estimate(a),
+        Command::Serve(a) => fsdp_app::serve::run(&fsdp_app::serve::ServeConfig {
+            model: a.model,
+            revision: a.revision,
+            served_model_name: a.served_model_name,
+            host: a.host,
+            port: a.port,
+            api_key: a.api_key,
+            max_concurrent_requests: a.max_concurrent_requests,
+            max_queue: a.max_queue,
+            max_input_tokens: a.max_input_tokens,
+            max_total_tokens: a.max_total_tokens,
+            max_body_bytes: a.max_body_bytes,
+        }),
     };
     if let Err(e) = result {
         if std::env::var_os("RUST_BACKTRACE").is_some() {
@@ -690,6 +742,7 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
         repetition_penalty: a.repetition_penalty.or(defaults.repetition_penalty).unwrap_or(1.0),
         seed: a.seed,
         stop: a.stop.clone(),
+        ..SamplingParams::greedy(a.max_new_tokens)
     };
 
     let stdout = std::io::stdout();

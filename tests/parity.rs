@@ -13,7 +13,7 @@ use fsdp_app::generate::{generate, SamplingParams};
 use fsdp_app::tokenize::{ChatMessage, TextTokenizer};
 
 fn greedy(n: usize) -> SamplingParams {
-    SamplingParams { max_new_tokens: n, temperature: 0.0, top_k: None, top_p: None, repetition_penalty: 1.0, seed: 0, stop: vec![] }
+    SamplingParams::greedy(n)
 }
 
 #[test]

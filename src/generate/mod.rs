@@ -56,6 +56,33 @@ pub struct SamplingParams {
     pub repetition_penalty: f32,
     pub seed: u64,
     pub stop: Vec<String>,
+    /// Drop tokens whose probability is below `min_p` times the most likely one's.
+    pub min_p: Option<f64>,
+    /// OpenAI's penalties on tokens already generated: `presence` once per seen token,
+    /// `frequency` per occurrence, subtracted from the logits.
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// Report the sampled token's log-probability and this many top alternatives.
+    pub logprobs: Option<usize>,
+}
+
+impl SamplingParams {
+    /// Greedy decoding of up to `max_new_tokens` tokens, nothing else.
+    pub fn greedy(max_new_tokens: usize) -> Self {
+        Self {
+            max_new_tokens,
+            temperature: 0.0,
+            top_k: None,
+            top_p: None,
+            repetition_penalty: 1.0,
+            seed: 0,
+            stop: vec![],
+            min_p: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logprobs: None,
+        }
+    }
 }
 
 impl SamplingParams {
@@ -73,6 +100,16 @@ impl SamplingParams {
         }
         if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
             bail!("--repetition-penalty must be > 0, got {}", self.repetition_penalty);
+        }
+        if let Some(p) = self.min_p {
+            if !(0.0..=1.0).contains(&p) {
+                bail!("min_p must be in [0, 1], got {p}");
+            }
+        }
+        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+            if !(-2.0..=2.0).contains(&v) {
+                bail!("{name} must be in [-2, 2], got {v}");
+            }
         }
         Ok(())
     }
@@ -113,6 +150,189 @@ pub struct GenerationOutput {
     pub total_s: f64,
 }
 
+/// One sequence being generated, advanced a token at a time: the unit a serving loop
+/// interleaves (each sequence owns its KV cache, sampler and stop-string state).
+pub struct Sequence {
+    sampler: LogitsProcessor,
+    params: SamplingParams,
+    cache: KvCache,
+    stream: TextStream,
+    eos_ids: HashSet<u32>,
+    repetition_penalty: f32,
+    /// Prompt and generated ids (for the repetition penalty).
+    context: Vec<u32>,
+    prompt_len: usize,
+    generated: Vec<u32>,
+    /// Ids the next forward consumes: the prompt first, then the last sampled token.
+    pending: Vec<u32>,
+    budget: usize,
+    full_text: String,
+    finish: Option<FinishReason>,
+}
+
+/// What one step produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SequenceStep {
+    /// Text now safe to show (may be empty).
+    pub text: String,
+    /// The sampled token, unless it was an eos token.
+    pub token: Option<u32>,
+    /// Its log-probability and the top alternatives, when asked for.
+    pub logprob: Option<TokenLogprob>,
+    /// Set when the sequence is done.
+    pub finished: Option<FinishReason>,
+}
+
+/// Log-probabilities (natural log, of the distribution after penalties, before temperature) of
+/// a sampled token and of the most likely tokens at its position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Applies OpenAI's presence/frequency penalties and min-p filtering to `logits`.
+fn adjust_logits(logits: &mut [f32], generated: &[u32], params: &SamplingParams) {
+    if params.presence_penalty != 0.0 || params.frequency_penalty != 0.0 {
+        let mut counts: std::collections::HashMap<u32, usize> = std::collections::HashMap::new();
+        for &t in generated {
+            *counts.entry(t).or_default() += 1;
+        }
+        for (t, c) in counts {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l -= params.presence_penalty + params.frequency_penalty * c as f32;
+            }
+        }
+    }
+    if let (Some(min_p), true) = (params.min_p, params.temperature > 0.0) {
+        if min_p > 0.0 {
+            // p_i < min_p * p_max  <=>  (l_i - l_max) / T < ln(min_p)
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let cut = max as f64 + params.temperature * min_p.ln();
+            logits.iter_mut().filter(|l| (**l as f64) < cut).for_each(|l| *l = f32::NEG_INFINITY);
+        }
+    }
+}
+
+fn token_logprob(logits: &[f32], token: u32, top: usize) -> TokenLogprob {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let log_sum = logits.iter().map(|l| ((l - max) as f64).exp()).sum::<f64>().ln() as f32 + max;
+    let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+    let top = top.min(logits.len());
+    if top > 0 {
+        order.select_nth_unstable_by(top - 1, |a, b| logits[*b as usize].total_cmp(&logits[*a as usize]));
+        order.truncate(top);
+        order.sort_by(|a, b| logits[*b as usize].total_cmp(&logits[*a as usize]));
+    } else {
+        order.clear();
+    }
+    TokenLogprob { token, logprob: logits[token as usize] - log_sum, top: order.into_iter().map(|t| (t, logits[t as usize] - log_sum)).collect() }
+}
+
+impl Sequence {
+    /// Checks the request against the model's context and prepares its state.
+    pub fn new(model: &CausalLm, prompt_ids: &[u32], eos_ids: &HashSet<u32>, params: &SamplingParams) -> Result<Self> {
+        params.validate()?;
+        if prompt_ids.is_empty() {
+            bail!("the prompt is empty: give at least one token");
+        }
+        let max_ctx = model.config().max_position_embeddings;
+        if prompt_ids.len() >= max_ctx {
+            bail!("the prompt has {} tokens; the model's context is {max_ctx}", prompt_ids.len());
+        }
+        Ok(Self {
+            sampler: LogitsProcessor::from_sampling(params.seed, params.sampling()),
+            params: params.clone(),
+            cache: KvCache::new(model.config()),
+            stream: TextStream::new(params.stop.clone()),
+            eos_ids: eos_ids.clone(),
+            repetition_penalty: params.repetition_penalty,
+            context: prompt_ids.to_vec(),
+            prompt_len: prompt_ids.len(),
+            generated: vec![],
+            pending: prompt_ids.to_vec(),
+            budget: params.max_new_tokens.min(max_ctx - prompt_ids.len()),
+            full_text: String::new(),
+            finish: None,
+        })
+    }
+
+    pub fn prompt_ids(&self) -> &[u32] {
+        &self.context[..self.prompt_len]
+    }
+
+    pub fn generated_ids(&self) -> &[u32] {
+        &self.generated
+    }
+
+    pub fn finish_reason(&self) -> Option<FinishReason> {
+        self.finish
+    }
+
+    /// The text emitted so far (stop strings and held-back text excluded).
+    pub fn text(&self) -> String {
+        self.stream.emitted_text(&self.full_text)
+    }
+
+    /// Runs one forward (the whole prompt on the first call) and samples one token.
+    pub fn step(&mut self, model: &CausalLm, tokenizer: &TextTokenizer) -> Result<SequenceStep> {
+        if let Some(f) = self.finish {
+            return Ok(SequenceStep { text: String::new(), token: None, logprob: None, finished: Some(f) });
+        }
+        if self.generated.len() >= self.budget {
+            return Ok(self.end(FinishReason::Length, None));
+        }
+        let input = Tensor::new(self.pending.as_slice(), model.device())?.unsqueeze(0)?;
+        let logits = model.forward_cached(&input, &mut self.cache)?.squeeze(0)?.to_dtype(DType::F32)?;
+        let logits = if self.repetition_penalty != 1.0 {
+            candle_transformers::utils::apply_repeat_penalty(&logits, self.repetition_penalty, &self.context)?
+        } else {
+            logits
+        };
+        let p = &self.params;
+        let needs_values = p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 || p.min_p.is_some_and(|m| m > 0.0) || p.logprobs.is_some();
+        let (logits, values) = if needs_values {
+            let mut v = logits.to_vec1::<f32>()?;
+            adjust_logits(&mut v, &self.generated, p);
+            (Tensor::new(v.as_slice(), logits.device())?, Some(v))
+        } else {
+            (logits, None)
+        };
+        let next = self.sampler.sample(&logits)?;
+        let logprob = match (&values, p.logprobs) {
+            (Some(v), Some(top)) => Some(token_logprob(v, next, top)),
+            _ => None,
+        };
+        if self.eos_ids.contains(&next) {
+            return Ok(self.end(FinishReason::Stop, None));
+        }
+        self.generated.push(next);
+        self.context.push(next);
+        self.pending = vec![next];
+        self.full_text = tokenizer.decode(&self.generated, true)?;
+        let step = self.stream.push(&self.full_text);
+        if step.stopped {
+            self.finish = Some(FinishReason::Stop);
+            return Ok(SequenceStep { text: step.text, token: Some(next), logprob, finished: self.finish });
+        }
+        if self.generated.len() >= self.budget {
+            let mut out = self.end(FinishReason::Length, Some(next));
+            out.text = step.text + &out.text;
+            out.logprob = logprob;
+            return Ok(out);
+        }
+        Ok(SequenceStep { text: step.text, token: Some(next), logprob, finished: None })
+    }
+
+    /// Ends the sequence at eos or the length limit: text held back for a possible stop string
+    /// is released, since no stop string can complete any more.
+    fn end(&mut self, reason: FinishReason, token: Option<u32>) -> SequenceStep {
+        self.finish = Some(reason);
+        SequenceStep { text: self.stream.finish(&self.full_text), token, logprob: None, finished: Some(reason) }
+    }
+}
+
 /// Generates from `prompt_ids`, calling `on_text` with each piece of text that is safe to show.
 pub fn generate(
     model: &CausalLm,
@@ -122,65 +342,26 @@ pub fn generate(
     params: &SamplingParams,
     mut on_text: impl FnMut(&str) -> Result<()>,
 ) -> Result<GenerationOutput> {
-    params.validate()?;
-    if prompt_ids.is_empty() {
-        bail!("the prompt is empty: give at least one token");
-    }
-    let max_ctx = model.config().max_position_embeddings;
-    if prompt_ids.len() >= max_ctx {
-        bail!("the prompt has {} tokens; the model's context is {max_ctx}", prompt_ids.len());
-    }
-    let device = model.device().clone();
-    let mut sampler = LogitsProcessor::from_sampling(params.seed, params.sampling());
-    let mut cache = KvCache::new(model.config());
-    let mut stream = TextStream::new(params.stop.clone());
-    let mut context: Vec<u32> = prompt_ids.to_vec();
-    let mut generated: Vec<u32> = vec![];
-    let mut finish = FinishReason::Length;
+    let mut seq = Sequence::new(model, prompt_ids, eos_ids, params)?;
     let start = Instant::now();
     let mut first_token_at = None;
-    let mut input = Tensor::new(prompt_ids, &device)?.unsqueeze(0)?;
-    let budget = params.max_new_tokens.min(max_ctx - prompt_ids.len());
-    let mut full_text = String::new();
-    while generated.len() < budget {
-        let logits = model.forward_cached(&input, &mut cache)?.squeeze(0)?.to_dtype(DType::F32)?;
-        let logits = if params.repetition_penalty != 1.0 {
-            candle_transformers::utils::apply_repeat_penalty(&logits, params.repetition_penalty, &context)?
-        } else {
-            logits
-        };
-        let next = sampler.sample(&logits)?;
+    let finish = loop {
+        let step = seq.step(model, tokenizer)?;
         first_token_at.get_or_insert_with(Instant::now);
-        if eos_ids.contains(&next) {
-            finish = FinishReason::Stop;
-            break;
-        }
-        generated.push(next);
-        context.push(next);
-        full_text = tokenizer.decode(&generated, true)?;
-        let step = stream.push(&full_text);
         if !step.text.is_empty() {
             on_text(&step.text)?;
         }
-        if step.stopped {
-            finish = FinishReason::Stop;
-            break;
+        if let Some(f) = step.finished {
+            break f;
         }
-        input = Tensor::new(&[next], &device)?.unsqueeze(0)?;
-    }
-    if finish == FinishReason::Length {
-        let rest = stream.finish(&full_text);
-        if !rest.is_empty() {
-            on_text(&rest)?;
-        }
-    }
+    };
     let end = Instant::now();
     let first = first_token_at.unwrap_or(end);
+    let generated = seq.generated_ids().to_vec();
     let decoded_after_first = generated.len().saturating_sub(1) as f64;
     let decode_s = (end - first).as_secs_f64();
-    let text = stream.emitted_text(&full_text);
     Ok(GenerationOutput {
-        text,
+        text: seq.text(),
         prompt_ids: prompt_ids.to_vec(),
         generated_ids: generated,
         finish_reason: finish,

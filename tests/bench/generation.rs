@@ -40,7 +40,7 @@ fn main() -> anyhow::Result<()> {
     let tok = TextTokenizer::load(&loaded.files, loaded.config.vocab_size)?;
     let rendered = tok.chat_template.as_ref().unwrap().render(&[ChatMessage::new("user", PROMPT)], true)?;
     let prompt = tok.encode(&rendered, false)?;
-    let params = SamplingParams { max_new_tokens: NEW_TOKENS, temperature: 0.0, top_k: None, top_p: None, repetition_penalty: 1.0, seed: 0, stop: vec![] };
+    let params = SamplingParams::greedy(NEW_TOKENS);
     // No eos: always exactly NEW_TOKENS tokens, like min_new_tokens on the transformers side.
     let run = || generate(&loaded.model, &tok, &prompt, &HashSet::new(), &params, |_| Ok(()));
     run()?; // warm-up

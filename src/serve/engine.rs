@@ -1,0 +1,157 @@
+//! The engine thread: it owns the model and interleaves every running sequence a token at a time
+//! (continuous batching at the scheduling level: a new request joins between decode steps, each
+//! sequence keeps its own KV cache). A sequence whose client went away is dropped at its next
+//! step. Requests wait in a queue bounded by the HTTP layer's admission count.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Instant;
+
+use models::CausalLm;
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::metrics::Metrics;
+use crate::generate::{FinishReason, SamplingParams, Sequence, TokenLogprob};
+use crate::tokenize::TextTokenizer;
+
+/// One sequence to generate.
+pub struct Job {
+    pub prompt_ids: Vec<u32>,
+    pub params: SamplingParams,
+    pub events: UnboundedSender<Event>,
+    pub enqueued: Instant,
+}
+
+/// What the engine reports about a sequence.
+#[derive(Debug, Clone)]
+pub enum Event {
+    Delta { text: String, logprob: Option<TokenLogprob> },
+    Done { finish: FinishReason, prompt_tokens: usize, completion_tokens: usize },
+    Error(String),
+}
+
+/// The handle the HTTP side keeps.
+#[derive(Clone)]
+pub struct EngineHandle {
+    jobs: mpsc::Sender<Job>,
+    /// Requests admitted and not finished (queued + running).
+    pub in_flight: Arc<AtomicUsize>,
+    pub running: Arc<AtomicUsize>,
+}
+
+impl EngineHandle {
+    pub fn submit(&self, job: Job) -> Result<(), String> {
+        self.jobs.send(job).map_err(|_| "the engine has stopped".to_string())
+    }
+
+    pub fn queued(&self) -> usize {
+        self.in_flight.load(Ordering::SeqCst).saturating_sub(self.running.load(Ordering::SeqCst))
+    }
+}
+
+struct Running {
+    seq: Sequence,
+    job: Job,
+    last_token_at: Option<Instant>,
+}
+
+/// Starts the engine thread. `max_running` sequences advance together.
+pub fn start(model: CausalLm, tokenizer: Arc<TextTokenizer>, eos: HashSet<u32>, max_running: usize, metrics: Arc<Metrics>) -> EngineHandle {
+    let (tx, rx) = mpsc::channel::<Job>();
+    let running = Arc::new(AtomicUsize::new(0));
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let handle = EngineHandle { jobs: tx, in_flight: in_flight.clone(), running: running.clone() };
+    std::thread::Builder::new()
+        .name("engine".into())
+        .spawn(move || run(model, tokenizer, eos, max_running.max(1), rx, running, metrics))
+        .expect("spawning the engine thread");
+    handle
+}
+
+fn run(
+    model: CausalLm,
+    tokenizer: Arc<TextTokenizer>,
+    eos: HashSet<u32>,
+    max_running: usize,
+    rx: mpsc::Receiver<Job>,
+    running_count: Arc<AtomicUsize>,
+    metrics: Arc<Metrics>,
+) {
+    let mut active: Vec<Running> = vec![];
+    loop {
+        // Admit new sequences between decode steps; block only when idle.
+        while active.len() < max_running {
+            let job = if active.is_empty() {
+                match rx.recv() {
+                    Ok(j) => j,
+                    Err(_) => return,
+                }
+            } else {
+                match rx.try_recv() {
+                    Ok(j) => j,
+                    Err(_) => break,
+                }
+            };
+            if job.events.is_closed() {
+                continue;
+            }
+            match Sequence::new(&model, &job.prompt_ids, &eos, &job.params) {
+                Ok(seq) => active.push(Running { seq, job, last_token_at: None }),
+                Err(e) => {
+                    let _ = job.events.send(Event::Error(format!("{e:#}")));
+                }
+            }
+        }
+        running_count.store(active.len(), Ordering::SeqCst);
+        let mut i = 0;
+        while i < active.len() {
+            let r = &mut active[i];
+            // A client that disconnected: free its slot now.
+            if r.job.events.is_closed() {
+                metrics.cancelled();
+                active.swap_remove(i);
+                continue;
+            }
+            let done = match r.seq.step(&model, &tokenizer) {
+                Ok(step) => {
+                    let now = Instant::now();
+                    if step.token.is_some() || step.finished.is_some() {
+                        match r.last_token_at {
+                            None => metrics.time_to_first_token((now - r.job.enqueued).as_secs_f64()),
+                            Some(t) => metrics.inter_token_latency((now - t).as_secs_f64()),
+                        }
+                        r.last_token_at = Some(now);
+                    }
+                    if step.token.is_some() {
+                        metrics.generated_tokens(1);
+                    }
+                    if !step.text.is_empty() || step.logprob.is_some() {
+                        let _ = r.job.events.send(Event::Delta { text: step.text, logprob: step.logprob });
+                    }
+                    match step.finished {
+                        Some(finish) => {
+                            let _ = r.job.events.send(Event::Done {
+                                finish,
+                                prompt_tokens: r.seq.prompt_ids().len(),
+                                completion_tokens: r.seq.generated_ids().len(),
+                            });
+                            true
+                        }
+                        None => false,
+                    }
+                }
+                Err(e) => {
+                    let _ = r.job.events.send(Event::Error(format!("{e:#}")));
+                    true
+                }
+            };
+            if done {
+                active.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        running_count.store(active.len(), Ordering::SeqCst);
+    }
+}

@@ -1,0 +1,229 @@
+//! `fsdp-app serve`: an OpenAI-compatible HTTP API over one model. One engine thread owns the
+//! model (`engine`); the axum routes (`routes`) validate requests (`request`), admit them into a
+//! bounded queue and stream the engine's tokens back; errors have OpenAI's shape (`error`).
+
+pub mod engine;
+pub mod error;
+pub mod metrics;
+pub mod openapi;
+pub mod request;
+pub mod routes;
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use candle_core::{DType, Device};
+use serde_json::{json, Value};
+
+use self::engine::EngineHandle;
+use self::error::ApiError;
+use self::metrics::Metrics;
+use self::request::Defaults;
+use crate::generate::GenerationDefaults;
+use crate::tokenize::{ChatMessage, TextTokenizer};
+
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    pub model: String,
+    pub revision: Option<String>,
+    /// The id clients use (`model` in requests); default: the --model string.
+    pub served_model_name: Option<String>,
+    pub host: String,
+    pub port: u16,
+    pub api_key: Option<String>,
+    pub max_concurrent_requests: usize,
+    pub max_queue: usize,
+    pub max_input_tokens: Option<usize>,
+    pub max_total_tokens: Option<usize>,
+    pub max_body_bytes: usize,
+}
+
+/// How far past --max-body-bytes a body is still read, to answer 413 cleanly.
+const READ_PAST_LIMIT: usize = 32 << 20;
+
+/// What every route reads.
+pub struct AppState {
+    pub engine: EngineHandle,
+    pub tokenizer: Arc<TextTokenizer>,
+    pub model_id: String,
+    pub created: u64,
+    pub context: usize,
+    pub vocab: usize,
+    pub max_input_tokens: usize,
+    pub max_total_tokens: usize,
+    pub max_concurrent: usize,
+    pub max_queue: usize,
+    pub max_body_bytes: usize,
+    pub api_key: Option<String>,
+    pub defaults: Defaults,
+    pub metrics: Arc<Metrics>,
+}
+
+impl AppState {
+    pub fn model_object(&self) -> Value {
+        json!({"id": self.model_id, "object": "model", "created": self.created, "owned_by": "fsdp-app", "max_model_len": self.context})
+    }
+
+    pub fn check_model(&self, model: &str) -> Result<(), ApiError> {
+        if model != self.model_id {
+            return Err(ApiError::model_not_found(model));
+        }
+        Ok(())
+    }
+
+    /// Token ids of a conversation rendered with the model's chat template, ready for the
+    /// assistant's answer (as transformers' `apply_chat_template(..., add_generation_prompt=True)`).
+    pub fn chat_ids(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, ApiError> {
+        let template = self
+            .tokenizer
+            .chat_template
+            .as_ref()
+            .ok_or_else(|| ApiError::bad_request("This model has no chat template; use /v1/completions."))?;
+        let text = template.render(messages, true).map_err(|e| ApiError::invalid("messages", format!("The chat template failed: {e:#}")))?;
+        self.tokenizer.encode(&text, false).map_err(|e| ApiError::bad_request(format!("{e:#}")))
+    }
+
+    /// OpenAI's logprobs object: chat (`content`: a list) or completions (parallel lists).
+    pub fn logprobs_json(&self, lps: &[crate::generate::TokenLogprob], chat: bool) -> Value {
+        let text = |id: u32| self.tokenizer.decode(&[id], false).unwrap_or_default();
+        if chat {
+            let content: Vec<Value> = lps
+                .iter()
+                .map(|l| {
+                    let t = text(l.token);
+                    json!({
+                        "token": t, "logprob": l.logprob, "bytes": t.as_bytes(),
+                        "top_logprobs": l.top.iter().map(|(id, lp)| { let s = text(*id); json!({"token": s, "logprob": lp, "bytes": s.as_bytes()}) }).collect::<Vec<_>>(),
+                    })
+                })
+                .collect();
+            json!({"content": content})
+        } else {
+            let mut offset = 0;
+            let mut offsets = vec![];
+            let tokens: Vec<String> = lps
+                .iter()
+                .map(|l| {
+                    let t = text(l.token);
+                    offsets.push(offset);
+                    offset += t.len();
+                    t
+                })
+                .collect();
+            json!({
+                "tokens": tokens,
+                "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+                "top_logprobs": lps.iter().map(|l| l.top.iter().map(|(id, lp)| (text(*id), json!(lp))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
+                "text_offset": offsets,
+            })
+        }
+    }
+}
+
+/// Constant-time comparison, so response timing says nothing about the key.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = (a.len() != b.len()) as u8;
+    for i in 0..a.len().max(b.len()) {
+        diff |= a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0);
+    }
+    diff == 0
+}
+
+/// Every route but /health needs `Authorization: Bearer <key>` when a key is set.
+async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    if let Some(key) = &st.api_key {
+        if req.uri().path() != "/health" {
+            let given = req
+                .headers()
+                .get(axum::http::header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "))
+                .unwrap_or("");
+            if !same_secret(given.as_bytes(), key.as_bytes()) {
+                let resp = ApiError::unauthorized().into_response();
+                st.metrics.request(resp.status().as_u16());
+                return resp;
+            }
+        }
+    }
+    let resp = next.run(req).await;
+    st.metrics.request(resp.status().as_u16());
+    resp
+}
+
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/health", get(routes::health))
+        .route("/metrics", get(routes::metrics))
+        .route("/info", get(routes::info))
+        .route("/openapi.json", get(routes::openapi))
+        .route("/tokenize", post(routes::tokenize))
+        .route("/detokenize", post(routes::detokenize))
+        .route("/v1/models", get(routes::models))
+        .route("/v1/models/{id}", get(routes::model))
+        .route("/v1/completions", post(routes::completions))
+        .route("/v1/chat/completions", post(routes::chat_completions))
+        .fallback(routes::not_found)
+        .method_not_allowed_fallback(routes::method_not_allowed)
+        // Read oversized bodies (up to a cap) so the 413 reaches the client; see `json_body`.
+        .layer(DefaultBodyLimit::max(state.max_body_bytes.saturating_add(READ_PAST_LIMIT)))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), auth))
+        .with_state(state)
+}
+
+/// Loads the model, starts the engine and serves until the process ends. Prints the address
+/// it listens on (`listening on http://HOST:PORT`) once ready.
+pub fn run(cfg: &ServeConfig) -> Result<()> {
+    let files = crate::checkpoint::resolve_model(&cfg.model, cfg.revision.as_deref())?;
+    let gen_defaults = match &files.generation_config {
+        Some(p) => GenerationDefaults::read(p)?,
+        None => GenerationDefaults::default(),
+    };
+    let loaded = crate::checkpoint::load_model(files, DType::F32, &Device::Cpu)?;
+    let tokenizer = Arc::new(TextTokenizer::load(&loaded.files, loaded.config.vocab_size)?);
+    let mut eos: HashSet<u32> = gen_defaults.eos_token_ids.iter().copied().collect();
+    eos.extend(loaded.config.eos_token_ids.iter().copied());
+    let context = loaded.config.max_position_embeddings;
+    let vocab = loaded.config.vocab_size;
+    let sampling = gen_defaults.do_sample;
+    let defaults = Defaults {
+        temperature: if sampling { gen_defaults.temperature.unwrap_or(1.0) } else { 0.0 },
+        top_p: if sampling { gen_defaults.top_p } else { None },
+        top_k: if sampling { gen_defaults.top_k } else { None },
+        repetition_penalty: gen_defaults.repetition_penalty.unwrap_or(1.0),
+    };
+    let metrics = Arc::new(Metrics::default());
+    let engine = engine::start(loaded.model, tokenizer.clone(), eos, cfg.max_concurrent_requests, metrics.clone());
+    let max_total_tokens = cfg.max_total_tokens.unwrap_or(context).min(context);
+    let state = Arc::new(AppState {
+        engine,
+        tokenizer,
+        model_id: cfg.served_model_name.clone().unwrap_or_else(|| cfg.model.clone()),
+        created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+        context,
+        vocab,
+        max_input_tokens: cfg.max_input_tokens.unwrap_or(max_total_tokens - 1).min(max_total_tokens - 1),
+        max_total_tokens,
+        max_concurrent: cfg.max_concurrent_requests.max(1),
+        max_queue: cfg.max_queue,
+        max_body_bytes: cfg.max_body_bytes,
+        api_key: cfg.api_key.clone(),
+        defaults,
+        metrics,
+    });
+    let addr: SocketAddr = format!("{}:{}", cfg.host, cfg.port).parse().with_context(|| format!("--host {} --port {}: not an address", cfg.host, cfg.port))?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+        let local = listener.local_addr()?;
+        eprintln!("listening on http://{local} (model {})", state.model_id);
+        axum::serve(listener, router(state)).await.context("the server stopped")
+    })
+}

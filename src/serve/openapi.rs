@@ -1,0 +1,65 @@
+//! The OpenAPI description of the routes (`GET /openapi.json`), for clients and for schema-driven
+//! testing. Kept by hand next to `routes`; the shapes are OpenAI's.
+
+pub const SPEC: &str = r##"{
+  "openapi": "3.0.3",
+  "info": {"title": "fsdp-app serve", "version": "0.1.0", "description": "OpenAI-compatible generation API."},
+  "components": {
+    "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+    "schemas": {
+      "Error": {"type": "object", "required": ["error"], "properties": {"error": {"type": "object", "required": ["message", "type"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": "string", "nullable": true}, "code": {"type": "string", "nullable": true}}}}},
+      "Sampling": {"type": "object", "properties": {
+        "max_tokens": {"type": "integer", "minimum": 1}, "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "top_p": {"type": "number", "exclusiveMinimum": true, "minimum": 0, "maximum": 1}, "top_k": {"type": "integer", "minimum": -1},
+        "min_p": {"type": "number", "minimum": 0, "maximum": 1}, "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+        "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2}, "repetition_penalty": {"type": "number", "exclusiveMinimum": true, "minimum": 0, "maximum": 10},
+        "seed": {"type": "integer"}, "n": {"type": "integer", "minimum": 1, "maximum": 8}, "stream": {"type": "boolean"},
+        "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+        "stop": {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "maxItems": 4, "items": {"type": "string", "minLength": 1}}]},
+        "user": {"type": "string"}}},
+      "CompletionRequest": {"allOf": [{"$ref": "#/components/schemas/Sampling"}, {"type": "object", "required": ["model", "prompt"], "properties": {
+        "model": {"type": "string"}, "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}}]},
+        "echo": {"type": "boolean"}, "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}}]},
+      "ChatRequest": {"allOf": [{"$ref": "#/components/schemas/Sampling"}, {"type": "object", "required": ["model", "messages"], "properties": {
+        "model": {"type": "string"}, "max_completion_tokens": {"type": "integer", "minimum": 1},
+        "logprobs": {"type": "boolean"}, "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+        "messages": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role", "content"], "properties": {
+          "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]}, "content": {"type": "string"}}}}}}]}
+    }
+  },
+  "security": [{"bearer": []}],
+  "paths": {
+    "/health": {"get": {"security": [], "responses": {"200": {"description": "The server is up."}}}},
+    "/metrics": {"get": {"responses": {"200": {"description": "Prometheus metrics.", "content": {"text/plain": {}}}}}},
+    "/info": {"get": {"responses": {"200": {"description": "Limits and sampling defaults.", "content": {"application/json": {}}}}}},
+    "/v1/models": {"get": {"responses": {"200": {"description": "The served model.", "content": {"application/json": {}}}}}},
+    "/v1/models/{id}": {"get": {"parameters": [{"name": "id", "in": "path", "required": true, "schema": {"type": "string"}}],
+      "responses": {"200": {"description": "The model."}, "404": {"description": "No such model.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}}}},
+    "/v1/completions": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/CompletionRequest"}}}},
+      "responses": {"200": {"description": "A text_completion object, or an SSE stream of them ending in [DONE]."},
+        "400": {"description": "Invalid request.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}},
+        "404": {"description": "Unknown model."}, "429": {"description": "The queue is full (Retry-After)."}}}},
+    "/v1/chat/completions": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ChatRequest"}}}},
+      "responses": {"200": {"description": "A chat.completion object, or an SSE stream of chat.completion.chunk ending in [DONE]."},
+        "400": {"description": "Invalid request.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}},
+        "404": {"description": "Unknown model."}, "429": {"description": "The queue is full (Retry-After)."}}}},
+    "/tokenize": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"type": "object", "properties": {
+        "prompt": {"type": "string"}, "add_special_tokens": {"type": "boolean"}}}}}},
+      "responses": {"200": {"description": "Token ids."}, "400": {"description": "Invalid request."}}}},
+    "/detokenize": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"type": "object", "required": ["tokens"], "properties": {
+        "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}}}},
+      "responses": {"200": {"description": "Text."}, "400": {"description": "Invalid request."}}}}
+  }
+}"##;
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_spec_is_json_and_lists_every_route() {
+        let v: serde_json::Value = serde_json::from_str(super::SPEC).unwrap();
+        for p in ["/health", "/metrics", "/info", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"] {
+            assert!(v["paths"].get(p).is_some(), "{p}");
+        }
+    }
+}

@@ -1,0 +1,294 @@
+//! Reading and validating generation requests by hand from JSON, so every wrong type, range or
+//! non-finite number is a 400 that names its parameter (a derive would answer with serde's
+//! messages and miss the ranges).
+
+use serde_json::{Map, Value};
+
+use super::error::ApiError;
+use crate::generate::SamplingParams;
+use crate::tokenize::ChatMessage;
+
+/// The most choices one request may ask for.
+pub const MAX_N: usize = 8;
+/// The most stop strings (OpenAI's limit).
+pub const MAX_STOP: usize = 4;
+
+/// Sampling defaults of the served model (from generation_config.json).
+#[derive(Debug, Clone)]
+pub struct Defaults {
+    pub temperature: f64,
+    pub top_p: Option<f64>,
+    pub top_k: Option<usize>,
+    pub repetition_penalty: f32,
+}
+
+/// What a completion or chat request asks for, checked.
+#[derive(Debug, Clone)]
+pub struct GenerationRequest {
+    pub model: String,
+    pub max_tokens: Option<usize>,
+    pub params: SamplingParams,
+    pub n: usize,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub echo: bool,
+}
+
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+    Chat(Vec<ChatMessage>),
+}
+
+/// A JSON object's fields with typed, named accessors.
+pub struct Fields<'a> {
+    map: &'a Map<String, Value>,
+}
+
+impl<'a> Fields<'a> {
+    pub fn of(v: &'a Value) -> Result<Self, ApiError> {
+        match v {
+            Value::Object(map) => Ok(Self { map }),
+            _ => Err(ApiError::bad_request("The request body must be a JSON object.")),
+        }
+    }
+
+    fn get(&self, k: &str) -> Option<&'a Value> {
+        self.map.get(k).filter(|v| !v.is_null())
+    }
+
+    pub fn string(&self, k: &str) -> Result<Option<&'a str>, ApiError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(_) => Err(ApiError::invalid(k, format!("`{k}` must be a string."))),
+        }
+    }
+
+    pub fn bool(&self, k: &str) -> Result<Option<bool>, ApiError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(_) => Err(ApiError::invalid(k, format!("`{k}` must be a boolean."))),
+        }
+    }
+
+    /// A finite number in [lo, hi].
+    pub fn number(&self, k: &str, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(Value::Number(n)) => {
+                let x = n.as_f64().filter(|x| x.is_finite()).ok_or_else(|| ApiError::invalid(k, format!("`{k}` must be a finite number.")))?;
+                if !(lo..=hi).contains(&x) {
+                    return Err(ApiError::invalid(k, format!("`{k}` must be between {lo} and {hi}, got {x}.")));
+                }
+                Ok(Some(x))
+            }
+            Some(_) => Err(ApiError::invalid(k, format!("`{k}` must be a number."))),
+        }
+    }
+
+    /// An integer in [lo, hi].
+    pub fn integer(&self, k: &str, lo: i64, hi: i64) -> Result<Option<i64>, ApiError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(Value::Number(n)) => {
+                let x = n.as_i64().ok_or_else(|| ApiError::invalid(k, format!("`{k}` must be an integer between {lo} and {hi}.")))?;
+                if !(lo..=hi).contains(&x) {
+                    return Err(ApiError::invalid(k, format!("`{k}` must be between {lo} and {hi}, got {x}.")));
+                }
+                Ok(Some(x))
+            }
+            Some(_) => Err(ApiError::invalid(k, format!("`{k}` must be an integer."))),
+        }
+    }
+
+    pub fn value(&self, k: &str) -> Option<&'a Value> {
+        self.get(k)
+    }
+}
+
+/// The fields both endpoints share. `chat` picks the chat names (`max_completion_tokens`,
+/// `logprobs` as a boolean with `top_logprobs`).
+pub fn parse_common(v: &Value, defaults: &Defaults, chat: bool) -> Result<GenerationRequest, ApiError> {
+    let f = Fields::of(v)?;
+    let model = f.string("model")?.ok_or_else(|| ApiError::invalid("model", "`model` is required."))?.to_string();
+    let max_tokens = match (f.integer("max_tokens", 1, 1 << 31)?, if chat { f.integer("max_completion_tokens", 1, 1 << 31)? } else { None }) {
+        (_, Some(m)) => Some(m as usize),
+        (Some(m), None) => Some(m as usize),
+        (None, None) => None,
+    };
+    let temperature = f.number("temperature", 0.0, 2.0)?.unwrap_or(defaults.temperature);
+    let top_p = match f.number("top_p", 0.0, 1.0)? {
+        Some(p) if p <= 0.0 => return Err(ApiError::invalid("top_p", "`top_p` must be greater than 0 and at most 1.")),
+        Some(p) => Some(p),
+        None => defaults.top_p,
+    };
+    // vLLM's convention: -1 (or 0) disables top-k.
+    let top_k = match f.integer("top_k", -1, 1 << 20)? {
+        Some(k) if k <= 0 => None,
+        Some(k) => Some(k as usize),
+        None => defaults.top_k,
+    };
+    let min_p = f.number("min_p", 0.0, 1.0)?;
+    let presence_penalty = f.number("presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32;
+    let frequency_penalty = f.number("frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32;
+    let repetition_penalty = match f.number("repetition_penalty", 0.0, 10.0)? {
+        Some(p) if p <= 0.0 => return Err(ApiError::invalid("repetition_penalty", "`repetition_penalty` must be greater than 0.")),
+        Some(p) => p as f32,
+        None => defaults.repetition_penalty,
+    };
+    let seed = f.integer("seed", i64::MIN, i64::MAX)?.map(|s| s as u64);
+    let n = f.integer("n", 1, MAX_N as i64)?.unwrap_or(1) as usize;
+    let stop: Vec<String> = match f.value("stop") {
+        None => vec![],
+        Some(Value::String(s)) if !s.is_empty() => vec![s.clone()],
+        Some(Value::Array(a)) if a.len() <= MAX_STOP => a
+            .iter()
+            .map(|x| match x {
+                Value::String(s) if !s.is_empty() => Ok(s.clone()),
+                _ => Err(ApiError::invalid("stop", "`stop` entries must be non-empty strings.")),
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => return Err(ApiError::invalid("stop", format!("`stop` must be a non-empty string or a list of up to {MAX_STOP} of them."))),
+    };
+    let logprobs = if chat {
+        match (f.bool("logprobs")?, f.integer("top_logprobs", 0, 20)?) {
+            (Some(true), top) => Some(top.unwrap_or(0) as usize),
+            (_, Some(_)) => return Err(ApiError::invalid("top_logprobs", "`top_logprobs` needs `logprobs: true`.")),
+            _ => None,
+        }
+    } else {
+        f.integer("logprobs", 0, 20)?.map(|k| k as usize)
+    };
+    let _user = f.string("user")?;
+    let stream = f.bool("stream")?.unwrap_or(false);
+    let include_usage = match f.value("stream_options") {
+        None => false,
+        Some(Value::Object(o)) => match o.get("include_usage") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => return Err(ApiError::invalid("stream_options", "`stream_options.include_usage` must be a boolean.")),
+        },
+        Some(_) => return Err(ApiError::invalid("stream_options", "`stream_options` must be an object.")),
+    };
+    if include_usage && !stream {
+        return Err(ApiError::invalid("stream_options", "`stream_options` is only allowed with `stream: true`."));
+    }
+    let echo = if chat { false } else { f.bool("echo")?.unwrap_or(false) };
+    let params = SamplingParams {
+        max_new_tokens: 0,
+        temperature,
+        top_k,
+        top_p,
+        repetition_penalty,
+        seed: seed.unwrap_or_else(rand_seed),
+        stop,
+        min_p,
+        presence_penalty,
+        frequency_penalty,
+        logprobs,
+    };
+    Ok(GenerationRequest { model, max_tokens, params, n, stream, include_usage, echo })
+}
+
+fn rand_seed() -> u64 {
+    use std::time::{SystemTime, UNIX_EPOCH};
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    let mut s = nanos ^ 0x5DEE_CE66_D1CE_4E5B;
+    models::lora::splitmix64(&mut s)
+}
+
+/// `prompt` of /v1/completions: a string, or a list of token ids.
+pub fn parse_prompt(v: &Value, vocab: usize) -> Result<Prompt, ApiError> {
+    let f = Fields::of(v)?;
+    match f.value("prompt") {
+        Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => Ok(Prompt::Text(a[0].as_str().unwrap().to_string())),
+        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_number) => {
+            let ids = a
+                .iter()
+                .map(|x| x.as_u64().filter(|&i| (i as usize) < vocab).map(|i| i as u32))
+                .collect::<Option<Vec<u32>>>()
+                .ok_or_else(|| ApiError::invalid("prompt", format!("token ids in `prompt` must be integers in [0, {vocab}).")))?;
+            Ok(Prompt::Tokens(ids))
+        }
+        None => Err(ApiError::invalid("prompt", "`prompt` is required.")),
+        Some(_) => Err(ApiError::invalid("prompt", "`prompt` must be a string or a list of token ids (one prompt per request).")),
+    }
+}
+
+/// `messages` of /v1/chat/completions: roles system, user, assistant (and developer, read as
+/// system); content a string or a list of text parts.
+pub fn parse_messages(v: &Value) -> Result<Vec<ChatMessage>, ApiError> {
+    let f = Fields::of(v)?;
+    let Some(Value::Array(items)) = f.value("messages") else {
+        return Err(ApiError::invalid("messages", "`messages` must be a non-empty list of {role, content} objects."));
+    };
+    if items.is_empty() {
+        return Err(ApiError::invalid("messages", "`messages` must not be empty."));
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let param = format!("messages[{i}]");
+            let Value::Object(o) = m else { return Err(ApiError::invalid(&param, format!("`{param}` must be an object."))) };
+            let role = match o.get("role") {
+                Some(Value::String(r)) if ["system", "user", "assistant", "developer", "tool"].contains(&r.as_str()) => {
+                    if r == "developer" { "system".to_string() } else { r.clone() }
+                }
+                _ => return Err(ApiError::invalid(&format!("{param}.role"), "`role` must be system, developer, user, assistant or tool.")),
+            };
+            let content = match o.get("content") {
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Null) | None if role == "assistant" => String::new(),
+                Some(Value::Array(parts)) => parts
+                    .iter()
+                    .map(|p| match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                        (Some("text"), Some(t)) => Ok(t.to_string()),
+                        _ => Err(ApiError::invalid(&format!("{param}.content"), "only text content parts ({\"type\": \"text\", \"text\": ...}) are supported.")),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?
+                    .join(""),
+                _ => return Err(ApiError::invalid(&format!("{param}.content"), "`content` must be a string or a list of text parts.")),
+            };
+            Ok(ChatMessage::new(&role, &content))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn defaults() -> Defaults {
+        Defaults { temperature: 0.0, top_p: None, top_k: None, repetition_penalty: 1.0 }
+    }
+
+    #[test]
+    fn every_bad_parameter_is_named() {
+        for (body, param) in [
+            (json!({"model": "m", "temperature": 2.5}), "temperature"),
+            (json!({"model": "m", "temperature": "hot"}), "temperature"),
+            (json!({"model": "m", "top_p": 0}), "top_p"),
+            (json!({"model": "m", "max_tokens": -1}), "max_tokens"),
+            (json!({"model": "m", "max_tokens": 1.5}), "max_tokens"),
+            (json!({"model": "m", "n": 100}), "n"),
+            (json!({"model": "m", "stop": ["a", "b", "c", "d", "e"]}), "stop"),
+            (json!({"model": "m", "stop": [""]}), "stop"),
+            (json!({"model": "m", "presence_penalty": 3}), "presence_penalty"),
+            (json!({"model": "m", "seed": "x"}), "seed"),
+            (json!({"model": "m", "stream_options": {"include_usage": true}}), "stream_options"),
+            (json!({"temperature": 1}), "model"),
+        ] {
+            let e = parse_common(&body, &defaults(), true).unwrap_err();
+            assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some(param)), "{body}");
+        }
+        let r = parse_common(&json!({"model": "m", "max_completion_tokens": 7, "stop": "x", "top_k": -1, "seed": 3}), &defaults(), true).unwrap();
+        assert_eq!((r.max_tokens, r.params.stop.clone(), r.params.top_k, r.params.seed), (Some(7), vec!["x".to_string()], None, 3));
+        let e = parse_messages(&json!({"messages": [{"role": "wizard", "content": "x"}]})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].role"));
+    }
+}

@@ -1,0 +1,363 @@
+//! The HTTP routes: OpenAI's generation API (`/v1/models`, `/v1/completions`,
+//! `/v1/chat/completions`, JSON or SSE), and `/health`, `/metrics`, `/tokenize`, `/detokenize`,
+//! `/info`, `/openapi.json`. Bodies are read as bytes and parsed here, so malformed JSON, wrong
+//! types and oversized bodies all answer in OpenAI's error shape.
+
+use std::convert::Infallible;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+use super::engine::{Event, Job};
+use super::error::ApiError;
+use super::request::{parse_common, parse_messages, parse_prompt, GenerationRequest, Prompt};
+use super::AppState;
+use crate::generate::TokenLogprob;
+
+fn now_s() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+fn random_id(prefix: &str) -> String {
+    let mut s = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0) ^ std::process::id() as u64;
+    format!("{prefix}-{:016x}", models::lora::splitmix64(&mut s))
+}
+
+/// The body as JSON, or a 400/413 in OpenAI's shape. Bodies over the limit are read to the
+/// end first (up to a hard cap), so the client gets the 413 instead of a broken connection.
+pub fn json_body(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<Value, ApiError> {
+    let bytes = body.map_err(|e| {
+        let status = e.status();
+        ApiError::new(status, "invalid_request_error", format!("Could not read the request body: {}", e.body_text()))
+    })?;
+    if bytes.len() > limit {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            format!("The request body has {} bytes; the limit is {limit} (--max-body-bytes).", bytes.len()),
+        ));
+    }
+    if bytes.is_empty() {
+        return Err(ApiError::bad_request("The request body is empty; send a JSON object."));
+    }
+    let text = std::str::from_utf8(&bytes).map_err(|_| ApiError::bad_request("The request body is not valid UTF-8."))?;
+    serde_json::from_str(text).map_err(|e| ApiError::bad_request(format!("The request body is not valid JSON: {e}")))
+}
+
+pub async fn health() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+pub async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [st.model_object()]}))
+}
+
+pub async fn model(State(st): State<Arc<AppState>>, axum::extract::Path(id): axum::extract::Path<String>) -> Result<Json<Value>, ApiError> {
+    if id != st.model_id {
+        return Err(ApiError::model_not_found(&id));
+    }
+    Ok(Json(st.model_object()))
+}
+
+pub async fn info(State(st): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({
+        "model": st.model_id,
+        "max_model_len": st.context,
+        "max_input_tokens": st.max_input_tokens,
+        "max_total_tokens": st.max_total_tokens,
+        "max_concurrent_requests": st.max_concurrent,
+        "max_queue": st.max_queue,
+        "max_body_bytes": st.max_body_bytes,
+        "max_n": super::request::MAX_N,
+        "max_stop": super::request::MAX_STOP,
+        "sampling_defaults": {
+            "temperature": st.defaults.temperature, "top_p": st.defaults.top_p, "top_k": st.defaults.top_k,
+            "repetition_penalty": st.defaults.repetition_penalty, "max_tokens_completions": 16,
+            "max_tokens_chat": "the rest of the context",
+        },
+        "chat_template": st.tokenizer.chat_template.is_some(),
+    }))
+}
+
+pub async fn metrics(State(st): State<Arc<AppState>>) -> impl IntoResponse {
+    let text = st.metrics.render(st.engine.queued(), st.engine.running.load(Ordering::SeqCst));
+    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
+}
+
+pub async fn openapi() -> impl IntoResponse {
+    ([(axum::http::header::CONTENT_TYPE, "application/json")], super::openapi::SPEC)
+}
+
+pub async fn tokenize(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
+    let v = json_body(body, st.max_body_bytes)?;
+    let ids = if v.get("messages").is_some() {
+        st.chat_ids(&parse_messages(&v)?)?
+    } else {
+        match parse_prompt(&v, st.vocab)? {
+            Prompt::Text(t) => {
+                let special = v.get("add_special_tokens").map(|x| x.as_bool().ok_or_else(|| ApiError::invalid("add_special_tokens", "`add_special_tokens` must be a boolean."))).transpose()?;
+                st.tokenizer.encode(&t, special.unwrap_or(true)).map_err(|e| ApiError::bad_request(format!("{e:#}")))?
+            }
+            Prompt::Tokens(ids) => ids,
+            Prompt::Chat(_) => unreachable!(),
+        }
+    };
+    Ok(Json(json!({"count": ids.len(), "max_model_len": st.context, "tokens": ids})))
+}
+
+pub async fn detokenize(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
+    let v = json_body(body, st.max_body_bytes)?;
+    let ids: Vec<u32> = match v.get("tokens") {
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|x| x.as_u64().filter(|&i| (i as usize) < st.vocab).map(|i| i as u32))
+            .collect::<Option<_>>()
+            .ok_or_else(|| ApiError::invalid("tokens", format!("`tokens` must be integers in [0, {}).", st.vocab)))?,
+        _ => return Err(ApiError::invalid("tokens", "`tokens` must be a list of token ids.")),
+    };
+    let text = st.tokenizer.decode(&ids, false).map_err(|e| ApiError::bad_request(format!("{e:#}")))?;
+    Ok(Json(json!({"prompt": text})))
+}
+
+/// Counts a request as admitted until dropped (when the response is complete or the client is
+/// gone), so the queue bound holds for streams too.
+struct Admission(Arc<AppState>);
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        self.0.engine.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn admit(st: &Arc<AppState>) -> Result<Admission, ApiError> {
+    let cap = st.max_concurrent + st.max_queue;
+    st.engine
+        .in_flight
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < cap).then_some(n + 1))
+        .map_err(|_| ApiError::overloaded(1))?;
+    Ok(Admission(st.clone()))
+}
+
+pub async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let v = json_body(body, st.max_body_bytes)?;
+    let req = parse_common(&v, &st.defaults, false)?;
+    st.check_model(&req.model)?;
+    let (ids, echo_text) = match parse_prompt(&v, st.vocab)? {
+        Prompt::Text(t) => (st.tokenizer.encode(&t, true).map_err(|e| ApiError::bad_request(format!("{e:#}")))?, t),
+        Prompt::Tokens(ids) => {
+            let t = st.tokenizer.decode(&ids, false).unwrap_or_default();
+            (ids, t)
+        }
+        Prompt::Chat(_) => unreachable!(),
+    };
+    let echo = req.echo.then_some(echo_text);
+    run_generation(st, req, ids, Kind::Completion { echo }).await
+}
+
+pub async fn chat_completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let v = json_body(body, st.max_body_bytes)?;
+    let req = parse_common(&v, &st.defaults, true)?;
+    st.check_model(&req.model)?;
+    let messages = parse_messages(&v)?;
+    let ids = st.chat_ids(&messages)?;
+    run_generation(st, req, ids, Kind::Chat).await
+}
+
+enum Kind {
+    Completion { echo: Option<String> },
+    Chat,
+}
+
+async fn run_generation(st: Arc<AppState>, mut req: GenerationRequest, ids: Vec<u32>, kind: Kind) -> Result<Response, ApiError> {
+    let prompt_tokens = ids.len();
+    if prompt_tokens == 0 {
+        return Err(ApiError::invalid(if matches!(kind, Kind::Chat) { "messages" } else { "prompt" }, "The prompt is empty."));
+    }
+    if prompt_tokens > st.max_input_tokens {
+        return Err(ApiError::invalid(
+            if matches!(kind, Kind::Chat) { "messages" } else { "prompt" },
+            format!("The prompt has {prompt_tokens} tokens; this server accepts at most {} input tokens.", st.max_input_tokens),
+        )
+        .with_code("context_length_exceeded"));
+    }
+    let default_max = match kind {
+        Kind::Completion { .. } => 16,
+        Kind::Chat => st.max_total_tokens.saturating_sub(prompt_tokens),
+    };
+    let max_tokens = req.max_tokens.unwrap_or(default_max);
+    if prompt_tokens + max_tokens > st.max_total_tokens || max_tokens == 0 {
+        return Err(ApiError::invalid(
+            if req.max_tokens.is_some() { "max_tokens" } else { "messages" },
+            format!(
+                "This model's maximum context length is {} tokens. However, you requested {} tokens ({prompt_tokens} in the prompt, {max_tokens} for the completion).",
+                st.max_total_tokens,
+                prompt_tokens + max_tokens
+            ),
+        )
+        .with_code("context_length_exceeded"));
+    }
+    req.params.max_new_tokens = max_tokens;
+    let admission = admit(&st)?;
+    let mut receivers = vec![];
+    for i in 0..req.n {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut params = req.params.clone();
+        params.seed = params.seed.wrapping_add(i as u64);
+        st.engine
+            .submit(Job { prompt_ids: ids.clone(), params, events: tx, enqueued: Instant::now() })
+            .map_err(ApiError::internal)?;
+        receivers.push(rx);
+    }
+    let id = random_id(if matches!(kind, Kind::Chat) { "chatcmpl" } else { "cmpl" });
+    let created = now_s();
+    let chat = matches!(kind, Kind::Chat);
+    let echo = match &kind {
+        Kind::Completion { echo } => echo.clone(),
+        Kind::Chat => None,
+    };
+    if req.stream {
+        return Ok(stream_response(st, admission, receivers, id, created, chat, echo, req.include_usage, prompt_tokens));
+    }
+    let mut choices = vec![];
+    let mut completion_tokens = 0;
+    for (index, mut rx) in receivers.into_iter().enumerate() {
+        let mut text = echo.clone().unwrap_or_default();
+        let mut lps: Vec<TokenLogprob> = vec![];
+        let finish = loop {
+            match rx.recv().await {
+                Some(Event::Delta { text: t, logprob }) => {
+                    text.push_str(&t);
+                    lps.extend(logprob);
+                }
+                Some(Event::Done { finish, completion_tokens: c, .. }) => {
+                    completion_tokens += c;
+                    break finish;
+                }
+                Some(Event::Error(e)) => return Err(ApiError::bad_request(e)),
+                None => return Err(ApiError::internal("the engine dropped the request")),
+            }
+        };
+        let logprobs = req.params.logprobs.map(|_| st.logprobs_json(&lps, chat));
+        choices.push(if chat {
+            json!({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish})
+        } else {
+            json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
+        });
+    }
+    drop(admission);
+    let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens});
+    let object = if chat { "chat.completion" } else { "text_completion" };
+    Ok(Json(json!({"id": id, "object": object, "created": created, "model": st.model_id, "choices": choices, "usage": usage})).into_response())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn stream_response(
+    st: Arc<AppState>,
+    admission: Admission,
+    receivers: Vec<mpsc::UnboundedReceiver<Event>>,
+    id: String,
+    created: u64,
+    chat: bool,
+    echo: Option<String>,
+    include_usage: bool,
+    prompt_tokens: usize,
+) -> Response {
+    let (out_tx, out_rx) = mpsc::unbounded_channel::<Result<SseEvent, Infallible>>();
+    let (merged_tx, mut merged_rx) = mpsc::unbounded_channel::<(usize, Event)>();
+    let n = receivers.len();
+    for (index, mut rx) in receivers.into_iter().enumerate() {
+        let merged = merged_tx.clone();
+        tokio::spawn(async move {
+            while let Some(ev) = rx.recv().await {
+                let done = !matches!(ev, Event::Delta { .. });
+                if merged.send((index, ev)).is_err() || done {
+                    break;
+                }
+            }
+        });
+    }
+    drop(merged_tx);
+    let model_id = st.model_id.clone();
+    tokio::spawn(async move {
+        let _admission = admission;
+        let object = if chat { "chat.completion.chunk" } else { "text_completion" };
+        let chunk = |choices: Value, usage: Option<Value>| {
+            let mut v = json!({"id": id, "object": object, "created": created, "model": model_id, "choices": choices});
+            if include_usage {
+                v["usage"] = usage.unwrap_or(Value::Null);
+            }
+            SseEvent::default().data(v.to_string())
+        };
+        // Chat streams open with the role; completions with `echo` start with the prompt.
+        for index in 0..n {
+            let first = if chat {
+                Some(json!([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]))
+            } else {
+                echo.as_ref().map(|e| json!([{"index": index, "text": e, "logprobs": null, "finish_reason": null}]))
+            };
+            if let Some(c) = first {
+                if out_tx.send(Ok(chunk(c, None))).is_err() {
+                    return;
+                }
+            }
+        }
+        let mut finished = 0;
+        let mut completion_tokens = 0;
+        while let Some((index, ev)) = merged_rx.recv().await {
+            let choice = match ev {
+                Event::Delta { text, logprob } => {
+                    let lp = logprob.map(|l| st.logprobs_json(&[l], chat));
+                    if chat {
+                        json!({"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": null})
+                    } else {
+                        json!({"index": index, "text": text, "logprobs": lp, "finish_reason": null})
+                    }
+                }
+                Event::Done { finish, completion_tokens: c, .. } => {
+                    finished += 1;
+                    completion_tokens += c;
+                    if chat {
+                        json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": finish})
+                    } else {
+                        json!({"index": index, "text": "", "logprobs": null, "finish_reason": finish})
+                    }
+                }
+                Event::Error(e) => {
+                    let _ = out_tx.send(Ok(SseEvent::default().data(ApiError::bad_request(e).body().to_string())));
+                    return;
+                }
+            };
+            if out_tx.send(Ok(chunk(json!([choice]), None))).is_err() {
+                return; // the client went away: dropping the receivers cancels the sequences
+            }
+            if finished == n {
+                break;
+            }
+        }
+        if include_usage {
+            let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens});
+            let _ = out_tx.send(Ok(chunk(json!([]), Some(usage))));
+        }
+        let _ = out_tx.send(Ok(SseEvent::default().data("[DONE]")));
+    });
+    Sse::new(UnboundedReceiverStream::new(out_rx)).keep_alive(KeepAlive::default()).into_response()
+}
+
+pub async fn not_found() -> ApiError {
+    ApiError::not_found("No such route.")
+}
+
+pub async fn method_not_allowed() -> ApiError {
+    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "Method not allowed on this route.")
+}

@@ -1,0 +1,263 @@
+//! `fsdp-app serve` as a real process, spoken to over real HTTP: answers equal `generate`'s,
+//! streams equal the JSON answers and end in `data: [DONE]`, every bad request is a 4xx in
+//! OpenAI's error shape (never a 5xx), a full queue answers 429 with Retry-After, and a client
+//! that disconnects frees its slot.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{json, Value};
+
+struct Server {
+    child: Child,
+    base: String,
+}
+
+impl Server {
+    fn start(model: &Path, extra: &[&str]) -> Server {
+        let mut args = vec!["serve", "--model", model.to_str().unwrap(), "--port", "0", "--served-model-name", "tiny"];
+        args.extend_from_slice(extra);
+        let mut child = Command::new(bin()).args(&args).stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
+        let mut err = BufReader::new(child.stderr.take().unwrap());
+        let mut line = String::new();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !line.contains("listening on http://") {
+            line.clear();
+            assert!(err.read_line(&mut line).unwrap() > 0 && Instant::now() < deadline, "server did not start: {line}");
+        }
+        let addr = line.split("http://").nth(1).unwrap().split_whitespace().next().unwrap().to_string();
+        // Keep draining stderr so the server never blocks on it.
+        std::thread::spawn(move || for _ in err.lines() {});
+        Server { child, base: format!("http://{addr}") }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// (status, body) of a POST, whatever the status.
+fn post(url: &str, body: &str, key: Option<&str>) -> (u16, String, Option<String>) {
+    let mut req = ureq::post(url).set("Content-Type", "application/json");
+    if let Some(k) = key {
+        req = req.set("Authorization", &format!("Bearer {k}"));
+    }
+    match req.send_string(body) {
+        Ok(r) => (r.status(), r.into_string().unwrap(), None),
+        Err(ureq::Error::Status(code, r)) => {
+            let retry = r.header("Retry-After").map(str::to_string);
+            (code, r.into_string().unwrap(), retry)
+        }
+        Err(e) => panic!("{url}: {e}"),
+    }
+}
+
+fn post_json(url: &str, body: &Value) -> Value {
+    let (status, text, _) = post(url, &body.to_string(), None);
+    assert_eq!(status, 200, "{text}");
+    serde_json::from_str(&text).unwrap()
+}
+
+fn get_json(url: &str) -> Value {
+    serde_json::from_str(&ureq::get(url).call().unwrap().into_string().unwrap()).unwrap()
+}
+
+/// The data lines of an SSE response.
+fn sse(url: &str, body: &Value) -> Vec<String> {
+    let r = ureq::post(url).set("Content-Type", "application/json").send_string(&body.to_string()).unwrap();
+    assert_eq!(r.header("Content-Type"), Some("text/event-stream"));
+    BufReader::new(r.into_reader()).lines().map(Result::unwrap).filter_map(|l| l.strip_prefix("data: ").map(str::to_string)).collect()
+}
+
+#[test]
+fn answers_equal_generate_and_streams_equal_the_json_answers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("qwen2", tmp.path());
+    let server = Server::start(&model, &[]);
+    let models = get_json(&server.url("/v1/models"));
+    assert_eq!(models["data"][0]["id"], "tiny");
+
+    // Greedy completion == `fsdp-app generate` on the same prompt.
+    let c = post_json(&server.url("/v1/completions"), &json!({"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0}));
+    let g = run_cli(&["generate", "--model", model.to_str().unwrap(), "--prompt", "The quick brown fox", "--max-new-tokens", "12", "--temperature", "0", "--json"], &[]);
+    let g: Value = serde_json::from_str(&stdout(&g)).unwrap();
+    assert_eq!(c["choices"][0]["text"], g["text"]);
+    assert_eq!(c["object"], "text_completion");
+    assert_eq!(c["usage"]["completion_tokens"].as_u64().unwrap() as usize, g["generated_ids"].as_array().unwrap().len());
+
+    // Chat: the streamed deltas add up to the JSON answer; the stream ends in [DONE] after the
+    // usage chunk.
+    let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 10, "temperature": 0});
+    let full = post_json(&server.url("/v1/chat/completions"), &body);
+    assert_eq!(full["object"], "chat.completion");
+    assert_eq!(full["choices"][0]["message"]["role"], "assistant");
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let lines = sse(&server.url("/v1/chat/completions"), &streamed);
+    assert_eq!(lines.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = lines[..lines.len() - 1].iter().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let text: String = chunks.iter().filter_map(|c| c["choices"].get(0).and_then(|ch| ch["delta"]["content"].as_str())).collect();
+    assert_eq!(text, full["choices"][0]["message"]["content"].as_str().unwrap());
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert_eq!(chunks[chunks.len() - 2]["choices"][0]["finish_reason"], full["choices"][0]["finish_reason"]);
+    assert_eq!(chunks.last().unwrap()["usage"], full["usage"]);
+    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
+
+    // Sampling with a seed is reproducible; n gives n choices; a stop string ends the text.
+    let sampled = json!({"model": "tiny", "prompt": "abc", "max_tokens": 8, "temperature": 1.0, "top_p": 0.9, "seed": 7, "n": 3, "min_p": 0.05, "presence_penalty": 0.5});
+    let a = post_json(&server.url("/v1/completions"), &sampled);
+    let b = post_json(&server.url("/v1/completions"), &sampled);
+    assert_eq!(a["choices"], b["choices"]);
+    assert_eq!(a["choices"].as_array().unwrap().len(), 3);
+    let first = g["text"].as_str().unwrap();
+    if let Some(stop) = first.get(3..5).filter(|s| !s.trim().is_empty() && first.is_char_boundary(3) && first.is_char_boundary(5)) {
+        let s = post_json(&server.url("/v1/completions"), &json!({"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "stop": [stop]}));
+        assert_eq!(s["choices"][0]["finish_reason"], "stop");
+        assert_eq!(s["choices"][0]["text"].as_str().unwrap(), &first[..first.find(stop).unwrap()]);
+    }
+
+    // Logprobs: the sampled token's, and top alternatives sorted, with the sampled one among them for greedy.
+    let lp = post_json(&server.url("/v1/chat/completions"), &json!({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0, "logprobs": true, "top_logprobs": 3}));
+    let content = lp["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert!(!content.is_empty());
+    for t in content {
+        let top = t["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        assert!((top[0]["logprob"].as_f64().unwrap() - t["logprob"].as_f64().unwrap()).abs() < 1e-5, "greedy picks the most likely: {t}");
+        assert!(t["logprob"].as_f64().unwrap() <= 0.0);
+    }
+
+    // tokenize / detokenize round trip; info and metrics answer.
+    let tk = post_json(&server.url("/tokenize"), &json!({"prompt": "hello world", "add_special_tokens": false}));
+    let dt = post_json(&server.url("/detokenize"), &json!({"tokens": tk["tokens"]}));
+    assert_eq!(dt["prompt"], "hello world");
+    assert_eq!(tk["count"], tk["tokens"].as_array().unwrap().len());
+    let info = get_json(&server.url("/info"));
+    assert_eq!(info["max_model_len"], 256);
+    let metrics = ureq::get(&server.url("/metrics")).call().unwrap().into_string().unwrap();
+    for m in ["fsdp_requests_total{status=\"200\"}", "fsdp_time_to_first_token_seconds_bucket", "fsdp_inter_token_latency_seconds_count", "fsdp_generated_tokens_total", "fsdp_queue_size", "fsdp_running_sequences"] {
+        assert!(metrics.contains(m), "{m} missing:\n{metrics}");
+    }
+    let spec = get_json(&server.url("/openapi.json"));
+    assert!(spec["paths"]["/v1/chat/completions"].is_object());
+}
+
+#[test]
+fn bad_requests_get_openai_errors_and_never_a_5xx() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("qwen2", tmp.path());
+    let server = Server::start(&model, &["--api-key", "sekret", "--max-body-bytes", "100000"]);
+    let key = Some("sekret");
+    let chat = server.url("/v1/chat/completions");
+    let comp = server.url("/v1/completions");
+    let msgs = json!([{"role": "user", "content": "hi"}]);
+    let cases: Vec<(String, String, u16, Option<&str>, Option<&str>)> = vec![
+        (chat.clone(), json!({"model": "tiny", "messages": msgs, "temperature": 3}).to_string(), 400, Some("temperature"), None),
+        (chat.clone(), json!({"model": "tiny", "messages": msgs, "temperature": "warm"}).to_string(), 400, Some("temperature"), None),
+        (chat.clone(), r#"{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 1e39}"#.to_string(), 400, Some("temperature"), None),
+        (chat.clone(), json!({"model": "tiny", "messages": msgs, "max_tokens": -5}).to_string(), 400, Some("max_tokens"), None),
+        (chat.clone(), json!({"model": "tiny", "messages": msgs, "max_tokens": 10_000_000_000u64}).to_string(), 400, Some("max_tokens"), None),
+        (chat.clone(), json!({"model": "tiny", "messages": msgs, "top_p": 0}).to_string(), 400, Some("top_p"), None),
+        (chat.clone(), json!({"model": "tiny", "messages": msgs, "stop": ["a", "b", "c", "d", "e"]}).to_string(), 400, Some("stop"), None),
+        (chat.clone(), json!({"model": "tiny", "messages": msgs, "n": 1000}).to_string(), 400, Some("n"), None),
+        (chat.clone(), json!({"model": "tiny", "messages": msgs, "top_logprobs": 50, "logprobs": true}).to_string(), 400, Some("top_logprobs"), None),
+        (chat.clone(), json!({"model": "tiny", "messages": []}).to_string(), 400, Some("messages"), None),
+        (chat.clone(), json!({"model": "tiny", "messages": "hi"}).to_string(), 400, Some("messages"), None),
+        (chat.clone(), json!({"model": "tiny", "messages": [{"role": "user", "content": 5}]}).to_string(), 400, Some("messages[0].content"), None),
+        (chat.clone(), json!({"model": "nope", "messages": msgs}).to_string(), 404, Some("model"), Some("model_not_found")),
+        (chat.clone(), json!({"model": "tiny", "messages": msgs, "max_tokens": 300}).to_string(), 400, Some("max_tokens"), Some("context_length_exceeded")),
+        (comp.clone(), json!({"model": "tiny", "prompt": "x".repeat(2000)}).to_string(), 400, Some("prompt"), Some("context_length_exceeded")),
+        (comp.clone(), json!({"model": "tiny", "prompt": [1, 2, 99999999]}).to_string(), 400, Some("prompt"), None),
+        (comp.clone(), json!({"model": "tiny", "prompt": {"a": 1}}).to_string(), 400, Some("prompt"), None),
+        (comp.clone(), "{not json".to_string(), 400, None, None),
+        (comp.clone(), "".to_string(), 400, None, None),
+        (comp.clone(), "[1, 2, 3]".to_string(), 400, None, None),
+        (comp.clone(), "null".to_string(), 400, None, None),
+        (comp.clone(), json!({"model": "tiny", "prompt": "x", "max_tokens": 5, "padding": "y".repeat(200_000)}).to_string(), 413, None, None),
+        (server.url("/v1/nothing"), "{}".to_string(), 404, None, None),
+        (server.url("/detokenize"), json!({"tokens": [-1]}).to_string(), 400, Some("tokens"), None),
+    ];
+    for (url, body, status, param, code) in cases {
+        let (got, text, _) = post(&url, &body, key);
+        assert_eq!(got, status, "{url} {}: {text}", &body[..body.len().min(120)]);
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {text}"));
+        assert!(v["error"]["message"].is_string() && v["error"]["type"].is_string(), "{text}");
+        assert_eq!(v["error"]["param"].as_str(), param, "{text}");
+        if let Some(c) = code {
+            assert_eq!(v["error"]["code"], c, "{text}");
+        }
+    }
+    // The context error gives both counts.
+    let (_, text, _) = post(&chat, &json!({"model": "tiny", "messages": msgs, "max_tokens": 300}).to_string(), key);
+    assert!(text.contains("maximum context length is 256 tokens") && text.contains("300 for the completion"), "{text}");
+    // Non-UTF-8 body.
+    let r = ureq::post(&comp).set("Authorization", "Bearer sekret").send_bytes(&[0xff, 0xfe, 0x00]);
+    assert!(matches!(r, Err(ureq::Error::Status(400, _))));
+    // Wrong and missing keys: 401; /health needs none.
+    for k in [None, Some("wrong"), Some("sekre")] {
+        let (s, text, _) = post(&chat, &json!({"model": "tiny", "messages": msgs}).to_string(), k);
+        assert_eq!(s, 401, "{text}");
+    }
+    assert!(matches!(ureq::get(&server.url("/v1/models")).call(), Err(ureq::Error::Status(401, _))));
+    assert_eq!(ureq::get(&server.url("/health")).call().unwrap().status(), 200);
+    // Still serving.
+    let (s, text, _) = post(&chat, &json!({"model": "tiny", "messages": msgs, "max_tokens": 2}).to_string(), key);
+    assert_eq!(s, 200, "{text}");
+}
+
+#[test]
+fn a_full_queue_answers_429_and_a_disconnected_client_frees_its_slot() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Big enough that 200 tokens take a while on 2 cores.
+    let dir = tmp.path().join("mid");
+    let o = run_cli(
+        &["fixture", "--name", "qwen2", "--out", dir.to_str().unwrap(), "--set", "hidden_size=512", "--set", "intermediate_size=1536",
+          "--set", "num_hidden_layers=8", "--set", "num_attention_heads=8", "--set", "num_key_value_heads=8", "--set", "max_position_embeddings=1024"],
+        &[],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let server = Server::start(&dir, &["--max-concurrent-requests", "1", "--max-queue", "0"]);
+    let url = server.url("/v1/completions");
+    let long = json!({"model": "tiny", "prompt": "count", "max_tokens": 900, "temperature": 0, "stream": true});
+    let resp = ureq::post(&url).send_string(&long.to_string()).unwrap();
+    let mut reader = BufReader::new(resp.into_reader());
+    let mut line = String::new();
+    while !line.starts_with("data: ") {
+        line.clear();
+        reader.read_line(&mut line).unwrap();
+    }
+    // The one slot is taken: the next request is refused at once.
+    let (status, text, retry) = post(&url, &json!({"model": "tiny", "prompt": "x", "max_tokens": 2}).to_string(), None);
+    assert_eq!(status, 429, "{text}");
+    assert!(retry.is_some(), "Retry-After header");
+    assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["error"]["type"], "rate_limit_error");
+    // Hang up mid-stream: the sequence is dropped at its next step and the slot frees.
+    drop(reader);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (status, text, _) = post(&url, &json!({"model": "tiny", "prompt": "x", "max_tokens": 2}).to_string(), None);
+        if status == 200 {
+            break;
+        }
+        assert_eq!(status, 429, "{text}");
+        assert!(Instant::now() < deadline, "the slot was never freed");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut metrics = String::new();
+    ureq::get(&server.url("/metrics")).call().unwrap().into_reader().read_to_string(&mut metrics).unwrap();
+    assert!(metrics.contains("fsdp_cancelled_sequences_total 1"), "{metrics}");
+    assert!(metrics.contains("fsdp_requests_total{status=\"429\"}"), "{metrics}");
+}
