@@ -261,3 +261,135 @@ fn a_full_queue_answers_429_and_a_disconnected_client_frees_its_slot() {
     assert!(metrics.contains("fsdp_cancelled_sequences_total 1"), "{metrics}");
     assert!(metrics.contains("fsdp_requests_total{status=\"429\"}"), "{metrics}");
 }
+
+#[test]
+fn the_official_openai_python_client_works_against_the_server() {
+    let python = match python_with(&["openai"]) {
+        Ok(p) => p,
+        Err(why) => {
+            println!("SKIPPED the_official_openai_python_client_works_against_the_server: {why}");
+            eprintln!("SKIPPED the_official_openai_python_client_works_against_the_server: {why}");
+            return;
+        }
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("mid");
+    let o = run_cli(
+        &["fixture", "--name", "qwen2", "--out", dir.to_str().unwrap(), "--set", "hidden_size=512", "--set", "intermediate_size=1536",
+          "--set", "num_hidden_layers=8", "--set", "num_attention_heads=8", "--set", "num_key_value_heads=8", "--set", "max_position_embeddings=1024"],
+        &[],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let server = Server::start(&dir, &["--api-key", "k3y", "--max-concurrent-requests", "1", "--max-queue", "0"]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests").join("openai_client.py");
+    let out = Command::new(python)
+        .arg(script)
+        .env("BASE_URL", server.url("/v1"))
+        .env("API_KEY", "k3y")
+        .env("MODEL", "tiny")
+        .env("LONG_TOKENS", "900")
+        .output()
+        .unwrap();
+    let log = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("all checks passed"), "{log}");
+}
+
+#[test]
+fn schemathesis_finds_no_server_error_in_the_openapi_spec() {
+    let python = match python_with(&["schemathesis"]) {
+        Ok(p) => p,
+        Err(why) => {
+            println!("SKIPPED schemathesis_finds_no_server_error_in_the_openapi_spec: {why}");
+            eprintln!("SKIPPED schemathesis_finds_no_server_error_in_the_openapi_spec: {why}");
+            return;
+        }
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("qwen2", tmp.path());
+    let server = Server::start(&model, &["--api-key", "k"]);
+    let st = python.parent().unwrap().join("schemathesis");
+    let out = Command::new(st)
+        .args(["run", &server.url("/openapi.json"), "--checks", "not_a_server_error", "-H", "Authorization: Bearer k", "--max-examples", "40", "--seed", "1"])
+        .env("NO_COLOR", "1")
+        .output()
+        .unwrap();
+    let log = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("passed") && !log.contains("failed,"), "{log}");
+}
+
+/// Resident memory of a process in bytes.
+fn rss_of(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: u64 = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
+    kb * 1024
+}
+
+#[test]
+fn sixty_four_streaming_clients_for_30_seconds_get_answers_or_429_and_memory_stays_bounded() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("qwen2", tmp.path());
+    let server = Server::start(&model, &["--max-concurrent-requests", "8", "--max-queue", "16"]);
+    let url = server.url("/v1/chat/completions");
+    let rss_start = rss_of(server.child.id());
+    let stop_at = Instant::now() + Duration::from_secs(30);
+    let workers: Vec<_> = (0..64)
+        .map(|w| {
+            let url = url.clone();
+            std::thread::spawn(move || {
+                let (mut ok, mut limited, mut hung_up) = (0, 0, 0);
+                let mut i = 0u64;
+                while Instant::now() < stop_at {
+                    i += 1;
+                    let body = json!({"model": "tiny", "messages": [{"role": "user", "content": format!("client {w} request {i}")}],
+                                      "max_tokens": 48, "temperature": 0.8, "seed": i, "stream": true});
+                    match ureq::post(&url).send_string(&body.to_string()) {
+                        Ok(r) => {
+                            let mut lines = BufReader::new(r.into_reader()).lines();
+                            if (w + i as usize) % 4 == 0 {
+                                // Hang up after the first event.
+                                let _ = lines.next();
+                                hung_up += 1;
+                                continue;
+                            }
+                            let all: Vec<String> = lines.map(Result::unwrap).filter(|l| l.starts_with("data: ")).collect();
+                            assert_eq!(all.last().map(String::as_str), Some("data: [DONE]"), "client {w}: {all:?}");
+                            ok += 1;
+                        }
+                        Err(ureq::Error::Status(429, r)) => {
+                            assert!(r.header("Retry-After").is_some());
+                            limited += 1;
+                            std::thread::sleep(Duration::from_millis(20));
+                        }
+                        Err(e) => panic!("client {w}: {e}"),
+                    }
+                }
+                (ok, limited, hung_up)
+            })
+        })
+        .collect();
+    let (mut ok, mut limited, mut hung_up) = (0, 0, 0);
+    let mut peak = 0;
+    for h in workers {
+        let (a, b, c) = h.join().unwrap();
+        ok += a;
+        limited += b;
+        hung_up += c;
+        peak = peak.max(rss_of(server.child.id()));
+    }
+    eprintln!("64 clients, 30 s: {ok} complete streams, {hung_up} hung up, {limited} x 429; RSS {} -> {} MiB", rss_start >> 20, peak >> 20);
+    assert!(ok > 64 && limited > 0, "{ok} answers, {limited} refusals");
+    assert!(peak < rss_start + (200 << 20), "memory grew from {rss_start} to {peak}");
+    // Every slot comes back: nothing running or queued once the clients are gone.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let m = ureq::get(&server.url("/metrics")).call().unwrap().into_string().unwrap();
+        if m.contains("fsdp_running_sequences 0") && m.contains("fsdp_queue_size 0") {
+            assert!(!m.contains("status=\"5"), "a 5xx was answered:\n{m}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "slots still taken:\n{m}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

@@ -155,3 +155,35 @@ pub fn smollm2_gguf_or_skip(test: &str) -> Option<PathBuf> {
 pub fn free_port() -> String {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string()
 }
+
+/// A Python with `packages` installed: a virtual environment in target/pyenv made on first use
+/// (with `python3 -m venv` and pip from PyPI), or why there is none. Tests that need it print
+/// SKIPPED with the reason, like the SmolLM2 download.
+pub fn python_with(packages: &[&str]) -> Result<PathBuf, String> {
+    let _lock = PYENV_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let env = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target").join("pyenv");
+    let python = env.join("bin").join("python");
+    if !python.is_file() {
+        let o = Command::new("python3").arg("-m").arg("venv").arg(&env).output().map_err(|e| format!("python3: {e}"))?;
+        if !o.status.success() {
+            return Err(format!("python3 -m venv failed: {}", String::from_utf8_lossy(&o.stderr).trim()));
+        }
+    }
+    let missing: Vec<&&str> = packages
+        .iter()
+        .filter(|p| !Command::new(&python).args(["-c", &format!("import {}", p.replace('-', "_"))]).output().is_ok_and(|o| o.status.success()))
+        .collect();
+    if !missing.is_empty() {
+        let o = Command::new(&python)
+            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
+            .args(missing.iter().map(|p| p.to_string()))
+            .output()
+            .map_err(|e| e.to_string())?;
+        if !o.status.success() {
+            return Err(format!("pip install {missing:?} failed: {}", String::from_utf8_lossy(&o.stderr).trim()));
+        }
+    }
+    Ok(python)
+}
+
+static PYENV_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());

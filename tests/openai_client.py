@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""The official `openai` package against a running `fsdp-app serve` (tests/serve.rs starts it).
+
+    BASE_URL=http://127.0.0.1:8000/v1 API_KEY=k MODEL=tiny python3 tests/openai_client.py
+
+Exits non-zero, naming the check, when the server answers differently from OpenAI's API.
+"""
+import os
+import sys
+
+import openai
+
+base, key, model = os.environ["BASE_URL"], os.environ["API_KEY"], os.environ["MODEL"]
+client = openai.OpenAI(base_url=base, api_key=key, max_retries=0)
+
+
+def check(cond, what):
+    if not cond:
+        print(f"FAILED: {what}", file=sys.stderr)
+        sys.exit(1)
+
+
+models = client.models.list()
+check([m.id for m in models.data] == [model], f"models.list: {models}")
+
+msgs = [{"role": "user", "content": "Say hello"}]
+chat = client.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0)
+check(chat.object == "chat.completion" and chat.choices[0].message.role == "assistant", f"chat: {chat}")
+check(chat.choices[0].finish_reason in ("stop", "length"), "finish_reason")
+check(chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens, "usage")
+
+stream = client.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0, stream=True,
+                                        stream_options={"include_usage": True})
+pieces, usage, finish = [], None, None
+for chunk in stream:
+    if chunk.usage:
+        usage = chunk.usage
+    for c in chunk.choices:
+        if c.delta.content:
+            pieces.append(c.delta.content)
+        finish = c.finish_reason or finish
+check("".join(pieces) == chat.choices[0].message.content, f"streamed {''.join(pieces)!r} vs {chat.choices[0].message.content!r}")
+check(usage is not None and usage.completion_tokens == chat.usage.completion_tokens, f"stream usage {usage}")
+check(finish == chat.choices[0].finish_reason, "stream finish_reason")
+
+comp = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=2)
+check(comp.object == "text_completion" and len(comp.choices) == 1, f"completions: {comp}")
+check(len(comp.choices[0].logprobs.token_logprobs) == comp.usage.completion_tokens or comp.choices[0].finish_reason == "stop", "logprobs")
+pieces = [c.choices[0].text for c in client.completions.create(model=model, prompt="Once upon a time", max_tokens=6, temperature=0, stream=True)]
+check("".join(pieces) == comp.choices[0].text, "streamed completion")
+
+for exc, call in [
+    (openai.BadRequestError, lambda: client.chat.completions.create(model=model, messages=msgs, temperature=5)),
+    (openai.BadRequestError, lambda: client.chat.completions.create(model=model, messages=msgs, max_tokens=100000)),
+    (openai.NotFoundError, lambda: client.chat.completions.create(model="no-such-model", messages=msgs)),
+    (openai.AuthenticationError, lambda: openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).models.list()),
+]:
+    try:
+        call()
+        check(False, f"expected {exc.__name__}")
+    except exc as e:
+        check(e.body is not None and "message" in e.body, f"{exc.__name__} body {e.body}")
+
+# The queue (one slot, no waiting room) is held by a stream we do not read to the end.
+held = client.completions.create(model=model, prompt="x", max_tokens=int(os.environ.get("LONG_TOKENS", "200")), temperature=0, stream=True)
+next(iter(held))
+try:
+    client.completions.create(model=model, prompt="y", max_tokens=2)
+    check(False, "expected RateLimitError while the only slot is busy")
+except openai.RateLimitError as e:
+    check(e.response.headers.get("retry-after") is not None, "Retry-After")
+held.close()
+print("openai client: all checks passed")
