@@ -188,3 +188,33 @@ fn half_precision_files_and_compute_dtypes_load() {
         assert!(d < tol, "file {file_dtype:?}, compute {compute:?}: logits differ by {d}");
     }
 }
+
+#[test]
+fn batched_decode_of_sequences_of_different_lengths_equals_decoding_each_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    for name in FIXTURES {
+        let dir = fixture(name, tmp.path());
+        let m = load_model(resolve_model(dir.to_str().unwrap(), None).unwrap(), DType::F32, &Device::Cpu).unwrap().model;
+        // Prompts longer and shorter than mistral's sliding window of 8.
+        let prompts: Vec<Vec<u32>> = [3usize, 11, 6].iter().map(|&n| (0..n as u32).map(|i| (i * 37 + n as u32 * 5) % 300 + 3).collect()).collect();
+        let mut alone: Vec<models::KvCache> = vec![];
+        let mut next: Vec<u32> = vec![];
+        for p in &prompts {
+            let mut cache = models::KvCache::new(m.config());
+            let logits = m.forward_cached(&Tensor::new(p.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap(), &mut cache).unwrap();
+            next.push(logits.squeeze(0).unwrap().argmax(0).unwrap().to_scalar::<u32>().unwrap());
+            alone.push(cache);
+        }
+        let mut batched = alone.clone();
+        for step in 0..6 {
+            let mut refs: Vec<&mut models::KvCache> = batched.iter_mut().collect();
+            let rows = m.forward_decode_rows(&next, &mut refs).unwrap();
+            for (r, cache) in alone.iter_mut().enumerate() {
+                let one = m.forward_cached(&Tensor::new(&[next[r]], &Device::Cpu).unwrap().unsqueeze(0).unwrap(), cache).unwrap().squeeze(0).unwrap();
+                let d = (rows.get(r).unwrap() - &one).unwrap().abs().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+                assert!(d < 1e-4, "{name} step {step} row {r}: batched logits differ by {d}");
+            }
+            next = (0..prompts.len()).map(|r| rows.get(r).unwrap().argmax(0).unwrap().to_scalar::<u32>().unwrap()).collect();
+        }
+    }
+}

@@ -306,6 +306,43 @@ impl Attention {
         let out = out.transpose(1, 2)?.reshape((b, t, self.num_heads * d))?;
         self.o_proj.forward(&out, pos.mode, seeds)
     }
+
+    /// One new token for each of several independent sequences: `x` is (rows, 1, hidden), row
+    /// r continues the sequence cached in `caches[r]` at position `positions[r]`. Projections
+    /// run batched over the rows (where batching pays on any device); attention runs per row
+    /// over that row's own cache. `cos`/`sin` are (rows, 1, head_dim / 2).
+    pub fn forward_decode_rows(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, positions: &[usize], window: Option<usize>, caches: &mut [&mut LayerKvCache]) -> Result<Tensor> {
+        let (rows, t, _) = x.dims3()?;
+        let d = self.head_dim;
+        let heads = |proj: &AdaptedLinear, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
+            let y = proj.forward(x, OpMode::Generate, None)?.reshape((rows, t, n, d))?;
+            let y = match norm {
+                Some(norm) => norm.forward(&y, OpMode::Generate)?,
+                None => y,
+            };
+            y.transpose(1, 2)?.contiguous()
+        };
+        let q = rope_rows(&heads(&self.q_proj, self.num_heads, &self.q_norm)?, cos, sin)?;
+        let k = rope_rows(&heads(&self.k_proj, self.num_kv_heads, &self.k_norm)?, cos, sin)?;
+        let v = heads(&self.v_proj, self.num_kv_heads, &None)?;
+        let scale = 1.0 / (d as f64).sqrt();
+        let mut outs = Vec::with_capacity(rows);
+        for (r, cache) in caches.iter_mut().enumerate() {
+            let (kr, vr) = cache.append(k.narrow(0, r, 1)?, v.narrow(0, r, 1)?)?;
+            let n_rep = self.num_heads / self.num_kv_heads;
+            let kr = repeat_kv(kr, n_rep)?;
+            let vr = repeat_kv(vr, n_rep)?;
+            let scores = (q.narrow(0, r, 1)?.matmul(&kr.t()?)? * scale)?;
+            let scores = match causal_mask(1, positions[r], window, scores.dtype(), scores.device())? {
+                Some(mask) => scores.broadcast_add(&mask)?,
+                None => scores,
+            };
+            let probs = candle_nn::ops::softmax_last_dim(&scores.to_dtype(DType::F32)?)?.to_dtype(q.dtype())?;
+            outs.push(probs.matmul(&vr.contiguous()?)?);
+        }
+        let out = Tensor::cat(&outs, 0)?.transpose(1, 2)?.reshape((rows, t, self.num_heads * d))?;
+        self.o_proj.forward(&out, OpMode::Generate, None)
+    }
 }
 
 /// (b, kv_heads, t, d) -> (b, kv_heads * n_rep, t, d), each kv head repeated for its query group.
@@ -367,6 +404,14 @@ impl DecoderLayer {
         let h = self.input_layernorm.forward(x, pos.mode)?;
         let x = (x + self.self_attn.forward(&h, pos, cache)?)?;
         let h = self.post_attention_layernorm.forward(&x, pos.mode)?;
+        x + self.mlp.forward(&h, pos)?
+    }
+
+    /// One decode step for several independent sequences (see `Attention::forward_decode_rows`).
+    pub fn forward_decode_rows(&self, x: &Tensor, pos: &PositionInputs, positions: &[usize], window: Option<usize>, caches: &mut [&mut LayerKvCache]) -> Result<Tensor> {
+        let h = self.input_layernorm.forward(x, OpMode::Generate)?;
+        let x = (x + self.self_attn.forward_decode_rows(&h, &pos.cos, &pos.sin, positions, window, caches)?)?;
+        let h = self.post_attention_layernorm.forward(&x, OpMode::Generate)?;
         x + self.mlp.forward(&h, pos)?
     }
 }

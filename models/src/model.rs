@@ -100,4 +100,28 @@ impl CausalLm {
         let h = self.norm.forward(&h, OpMode::Generate)?;
         self.logits(&h)?.squeeze(1)
     }
+
+    /// One new token for each of several independent sequences, each with its own cache (which
+    /// may hold a different number of positions): logits (rows, vocab). The projections and the
+    /// MLP run as one batched matmul over the rows, which is where serving many streams at once
+    /// gains over running them one by one.
+    pub fn forward_decode_rows(&self, tokens: &[u32], caches: &mut [&mut KvCache]) -> Result<Tensor> {
+        let rows = tokens.len();
+        if caches.len() != rows {
+            candle_core::bail!("{rows} tokens for {} caches", caches.len());
+        }
+        let dev = self.lm_head.device();
+        let positions: Vec<usize> = caches.iter().map(|c| c.seq_len()).collect();
+        let pos_u32: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
+        let (cos, sin) = self.rotary.tables_for(&pos_u32, rows, 1, self.dtype(), dev)?;
+        let pos = PositionInputs { cos, sin, mask: None, mode: OpMode::Generate, row_seeds: None };
+        let input = Tensor::new(tokens, dev)?.unsqueeze(1)?;
+        let mut h = self.embed_tokens.forward(&input)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let mut layer_caches: Vec<&mut LayerKvCache> = caches.iter_mut().map(|c| &mut c.layers[i]).collect();
+            h = layer.forward_decode_rows(&h, &pos, &positions, self.cfg.sliding_window, &mut layer_caches)?;
+        }
+        let h = self.norm.forward(&h, OpMode::Generate)?;
+        self.logits(&h)?.squeeze(1)
+    }
 }

@@ -277,14 +277,35 @@ impl Sequence {
 
     /// Runs one forward (the whole prompt on the first call) and samples one token.
     pub fn step(&mut self, model: &CausalLm, tokenizer: &TextTokenizer) -> Result<SequenceStep> {
-        if let Some(f) = self.finish {
-            return Ok(SequenceStep { text: String::new(), token: None, logprob: None, finished: Some(f) });
-        }
-        if self.generated.len() >= self.budget {
-            return Ok(self.end(FinishReason::Length, None));
+        if let Some(done) = self.done_step() {
+            return Ok(done);
         }
         let input = Tensor::new(self.pending.as_slice(), model.device())?.unsqueeze(0)?;
-        let logits = model.forward_cached(&input, &mut self.cache)?.squeeze(0)?.to_dtype(DType::F32)?;
+        let logits = model.forward_cached(&input, &mut self.cache)?.squeeze(0)?;
+        self.accept(logits, tokenizer)
+    }
+
+    /// The step of a sequence that has nothing left to run, if it is one.
+    fn done_step(&mut self) -> Option<SequenceStep> {
+        if let Some(f) = self.finish {
+            return Some(SequenceStep { text: String::new(), token: None, logprob: None, finished: Some(f) });
+        }
+        if self.generated.len() >= self.budget {
+            return Some(self.end(FinishReason::Length, None));
+        }
+        None
+    }
+
+    /// Whether the prompt is in the cache and the next step feeds a single token (so the step
+    /// can join a batched decode, `decode_rows`).
+    pub fn is_decoding(&self) -> bool {
+        self.finish.is_none() && self.pending.len() == 1 && self.cache.seq_len() > 0 && self.generated.len() < self.budget
+    }
+
+    /// Samples from `logits` (vocab) of the sequence's next position: penalties, sampler, eos,
+    /// stop strings, length.
+    fn accept(&mut self, logits: Tensor, tokenizer: &TextTokenizer) -> Result<SequenceStep> {
+        let logits = logits.to_dtype(DType::F32)?;
         let logits = if self.repetition_penalty != 1.0 {
             candle_transformers::utils::apply_repeat_penalty(&logits, self.repetition_penalty, &self.context)?
         } else {
@@ -331,6 +352,49 @@ impl Sequence {
         self.finish = Some(reason);
         SequenceStep { text: self.stream.finish(&self.full_text), token, logprob: None, finished: Some(reason) }
     }
+}
+
+/// One decode step for every sequence in `seqs` that `is_decoding`, batched through
+/// `CausalLm::forward_decode_rows`; the others (prompts not yet run, finished ones) take their
+/// own `step`. Results come in the order of `seqs`.
+pub fn step_all(model: &CausalLm, tokenizer: &TextTokenizer, seqs: &mut [&mut Sequence]) -> Vec<Result<SequenceStep>> {
+    let decoding: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].is_decoding()).collect();
+    let mut out: Vec<Option<Result<SequenceStep>>> = (0..seqs.len()).map(|_| None).collect();
+    if decoding.len() > 1 {
+        let tokens: Vec<u32> = decoding.iter().map(|&i| seqs[i].pending[0]).collect();
+        let batched = {
+            let mut caches: Vec<&mut KvCache> = vec![];
+            let mut rest: &mut [&mut Sequence] = seqs;
+            let mut base = 0;
+            for &i in &decoding {
+                let (_, tail) = rest.split_at_mut(i - base);
+                let (head, tail) = tail.split_at_mut(1);
+                caches.push(&mut head[0].cache);
+                rest = tail;
+                base = i + 1;
+            }
+            model.forward_decode_rows(&tokens, &mut caches)
+        };
+        match batched {
+            Ok(logits) => {
+                for (row, &i) in decoding.iter().enumerate() {
+                    out[i] = Some(logits.get(row).map_err(anyhow::Error::from).and_then(|l| seqs[i].accept(l, tokenizer)));
+                }
+            }
+            Err(e) => {
+                let msg = format!("{e:#}");
+                for &i in &decoding {
+                    out[i] = Some(Err(anyhow::anyhow!("batched decode: {msg}")));
+                }
+            }
+        }
+    }
+    for (i, slot) in out.iter_mut().enumerate() {
+        if slot.is_none() {
+            *slot = Some(seqs[i].step(model, tokenizer));
+        }
+    }
+    out.into_iter().map(Option::unwrap).collect()
 }
 
 /// Generates from `prompt_ids`, calling `on_text` with each piece of text that is safe to show.

@@ -1,7 +1,8 @@
-//! The engine thread: it owns the model and interleaves every running sequence a token at a time
-//! (continuous batching at the scheduling level: a new request joins between decode steps, each
-//! sequence keeps its own KV cache). A sequence whose client went away is dropped at its next
-//! step. Requests wait in a queue bounded by the HTTP layer's admission count.
+//! The engine thread: it owns the model and runs continuous batching: every loop admits waiting
+//! requests (a new one joins between decode steps), runs new prompts, and advances every
+//! decoding sequence by one token in a single batched forward (each sequence keeps its own KV
+//! cache). A sequence whose client went away is dropped before the next step. Requests wait in
+//! a queue bounded by the HTTP layer's admission count.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -12,7 +13,7 @@ use models::CausalLm;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::metrics::Metrics;
-use crate::generate::{FinishReason, SamplingParams, Sequence, TokenLogprob};
+use crate::generate::{step_all, FinishReason, SamplingParams, Sequence, TokenLogprob};
 use crate::tokenize::TextTokenizer;
 
 /// One sequence to generate.
@@ -103,19 +104,25 @@ fn run(
                 }
             }
         }
-        running_count.store(active.len(), Ordering::SeqCst);
-        let mut i = 0;
-        while i < active.len() {
-            let r = &mut active[i];
-            // A client that disconnected: free its slot now.
-            if r.job.events.is_closed() {
+        // A client that disconnected: free its slot now.
+        active.retain(|r| {
+            let gone = r.job.events.is_closed();
+            if gone {
                 metrics.cancelled();
-                active.swap_remove(i);
-                continue;
             }
-            let done = match r.seq.step(&model, &tokenizer) {
+            !gone
+        });
+        running_count.store(active.len(), Ordering::SeqCst);
+        // One step for every sequence: the decoding ones as one batched forward.
+        let results = {
+            let mut seqs: Vec<&mut Sequence> = active.iter_mut().map(|r| &mut r.seq).collect();
+            step_all(&model, &tokenizer, &mut seqs)
+        };
+        let now = Instant::now();
+        let mut done = vec![false; active.len()];
+        for ((r, result), done) in active.iter_mut().zip(results).zip(done.iter_mut()) {
+            *done = match result {
                 Ok(step) => {
-                    let now = Instant::now();
                     if step.token.is_some() || step.finished.is_some() {
                         match r.last_token_at {
                             None => metrics.time_to_first_token((now - r.job.enqueued).as_secs_f64()),
@@ -146,12 +153,9 @@ fn run(
                     true
                 }
             };
-            if done {
-                active.swap_remove(i);
-            } else {
-                i += 1;
-            }
         }
+        let mut flags = done.into_iter();
+        active.retain(|_| !flags.next().unwrap());
         running_count.store(active.len(), Ordering::SeqCst);
     }
 }
