@@ -164,25 +164,12 @@ struct FinetuneArgs {
     /// `fsdp-app launch`, torchrun, srun or mpirun the world comes from the environment instead.
     #[arg(long)]
     world_size: Option<usize>,
-    /// FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD.
-    #[arg(long, default_value = "FULL_SHARD")]
-    sharding_strategy: String,
-    /// HYBRID_SHARD: ranks per shard group (consecutive ranks); replicated across groups.
-    #[arg(long)]
-    shard_group_size: Option<usize>,
-    /// transformer_based_wrap (one unit per decoder layer + root), size_based_wrap or no_wrap.
-    #[arg(long, default_value = "transformer_based_wrap")]
-    wrap_policy: String,
+    #[command(flatten)]
+    sharding: ShardingArgs,
     /// transformer_based_wrap: the layer class(es) that make units; must name the model's decoder
     /// layer (e.g. LlamaDecoderLayer). Checked, never ignored.
     #[arg(long)]
     transformer_cls_names_to_wrap: Option<String>,
-    /// size_based_wrap: smallest number of parameters in a unit.
-    #[arg(long)]
-    min_num_params: Option<usize>,
-    /// Recompute each unit's forward in backward instead of keeping its graph.
-    #[arg(long)]
-    activation_checkpointing: bool,
     /// dtype gathered parameters travel in (f32, bf16, f16); compute is f32 on CPU.
     #[arg(long, default_value = "f32")]
     param_dtype: String,
@@ -256,6 +243,44 @@ struct FinetuneArgs {
     merge_lora: bool,
 }
 
+/// How parameters are sharded and wrapped (finetune and estimate).
+#[derive(Args)]
+struct ShardingArgs {
+    /// FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD.
+    #[arg(long, default_value = "FULL_SHARD")]
+    sharding_strategy: String,
+    /// HYBRID_SHARD: ranks per shard group (consecutive ranks); replicated across groups.
+    #[arg(long)]
+    shard_group_size: Option<usize>,
+    /// transformer_based_wrap (one unit per decoder layer + root), size_based_wrap or no_wrap.
+    #[arg(long, default_value = "transformer_based_wrap")]
+    wrap_policy: String,
+    /// size_based_wrap: smallest number of parameters in a unit.
+    #[arg(long)]
+    min_num_params: Option<usize>,
+    /// Recompute each unit's forward in backward instead of keeping its graph.
+    #[arg(long)]
+    activation_checkpointing: bool,
+}
+
+impl ShardingArgs {
+    fn strategy(&self) -> Result<fsdp_app::fsdp::plan::ShardingStrategy> {
+        self.sharding_strategy.parse()
+    }
+
+    /// The wrap policy, with --min-num-params applied (and refused for other policies).
+    fn wrap(&self) -> Result<fsdp_app::fsdp::plan::WrapPolicy> {
+        use fsdp_app::fsdp::plan::WrapPolicy;
+        let mut wrap: WrapPolicy = self.wrap_policy.parse()?;
+        match (&mut wrap, self.min_num_params) {
+            (WrapPolicy::SizeBased { min_num_params }, Some(n)) => *min_num_params = n,
+            (_, Some(_)) => anyhow::bail!("--min-num-params applies to --wrap-policy size_based_wrap only"),
+            _ => {}
+        }
+        Ok(wrap)
+    }
+}
+
 #[derive(Args)]
 struct LoraArgs {
     /// Train a LoRA adapter (PEFT format, in OUTPUT) on the frozen base instead of every weight.
@@ -322,18 +347,8 @@ struct EstimateArgs {
     revision: Option<String>,
     #[arg(long, default_value_t = 1)]
     world_size: usize,
-    /// FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD.
-    #[arg(long, default_value = "FULL_SHARD")]
-    sharding_strategy: String,
-    #[arg(long)]
-    shard_group_size: Option<usize>,
-    /// transformer_based_wrap, size_based_wrap or no_wrap.
-    #[arg(long, default_value = "transformer_based_wrap")]
-    wrap_policy: String,
-    #[arg(long)]
-    min_num_params: Option<usize>,
-    #[arg(long)]
-    activation_checkpointing: bool,
+    #[command(flatten)]
+    sharding: ShardingArgs,
     /// Sequences per rank per micro-batch.
     #[arg(long, default_value_t = 1)]
     batch_size: usize,
@@ -492,14 +507,7 @@ fn main() {
 
 fn run_finetune(a: FinetuneArgs) -> Result<()> {
     use fsdp_app::fsdp::plan::WrapPolicy;
-    let mut wrap: WrapPolicy = a.wrap_policy.parse()?;
-    if let WrapPolicy::SizeBased { min_num_params } = &mut wrap {
-        if let Some(n) = a.min_num_params {
-            *min_num_params = n;
-        }
-    } else if a.min_num_params.is_some() {
-        anyhow::bail!("--min-num-params applies to --wrap-policy size_based_wrap only");
-    }
+    let wrap = a.sharding.wrap()?;
     let missing = |flag: &str, key: &str| anyhow::anyhow!("--{flag} is required (or `{key}` in --config)");
     if a.transformer_cls_names_to_wrap.is_some() && wrap != WrapPolicy::TransformerBased {
         anyhow::bail!("transformer_cls_names_to_wrap applies to transformer_based_wrap only");
@@ -515,7 +523,7 @@ fn run_finetune(a: FinetuneArgs) -> Result<()> {
         output_dir: a.output_dir.ok_or_else(|| missing("output-dir", "output_dir"))?,
         layer_class_names: a.transformer_cls_names_to_wrap,
         world_size: a.world_size.unwrap_or(1),
-        shard_group_size: a.shard_group_size,
+        shard_group_size: a.sharding.shard_group_size,
         lr: a.lr,
         weight_decay: a.weight_decay,
         weight_decay_all: a.weight_decay_all,
@@ -529,9 +537,9 @@ fn run_finetune(a: FinetuneArgs) -> Result<()> {
         schedule: a.lr_scheduler.parse()?,
         seed: a.seed,
         shuffle: !a.no_shuffle,
-        strategy: a.sharding_strategy.parse()?,
+        strategy: a.sharding.strategy()?,
         wrap,
-        activation_checkpointing: a.activation_checkpointing,
+        activation_checkpointing: a.sharding.activation_checkpointing,
         param_dtype: parse_dtype(&a.param_dtype).context("--param-dtype")?,
         reduce_dtype: parse_dtype(&a.reduce_dtype).context("--reduce-dtype")?,
         collective_timeout: std::time::Duration::from_secs(a.collective_timeout),
@@ -592,7 +600,6 @@ fn run_merge(a: MergeArgs) -> Result<()> {
 }
 
 fn run_estimate(a: EstimateArgs) -> Result<()> {
-    use fsdp_app::fsdp::plan::{ShardingStrategy, WrapPolicy};
     use fsdp_app::train::estimate::{estimate, EstimateInput};
     let config_path = if std::path::Path::new(&a.model).is_dir() {
         std::path::Path::new(&a.model).join("config.json")
@@ -604,31 +611,18 @@ fn run_estimate(a: EstimateArgs) -> Result<()> {
     if let Some(l) = &cfg.lora {
         l.validate(&cfg)?;
     }
-    let strategy: ShardingStrategy = a.sharding_strategy.parse()?;
-    let mut wrap: WrapPolicy = a.wrap_policy.parse()?;
-    if let (WrapPolicy::SizeBased { min_num_params }, Some(n)) = (&mut wrap, a.min_num_params) {
-        *min_num_params = n;
-    }
+    let strategy = a.sharding.strategy()?;
+    let wrap = a.sharding.wrap()?;
     if a.world_size == 0 || a.batch_size == 0 || a.seq_len == 0 {
         anyhow::bail!("--world-size, --batch-size and --seq-len must be positive");
     }
-    let shard_size = match strategy {
-        ShardingStrategy::NoShard => 1,
-        ShardingStrategy::HybridShard => {
-            let g = a.shard_group_size.context("HYBRID_SHARD needs --shard-group-size")?;
-            if g == 0 || a.world_size % g != 0 {
-                anyhow::bail!("--shard-group-size {g} must divide --world-size {}", a.world_size);
-            }
-            g
-        }
-        _ => a.world_size,
-    };
+    let shard_size = strategy.shard_count(a.world_size, a.sharding.shard_group_size)?;
     let input = EstimateInput {
         world_size: a.world_size,
         shard_size,
         strategy,
         wrap,
-        activation_checkpointing: a.activation_checkpointing,
+        activation_checkpointing: a.sharding.activation_checkpointing,
         batch_size: a.batch_size,
         seq_len: a.seq_len,
         rank0_relays: a.backend == "tcp" && a.world_size > 1,
@@ -651,7 +645,7 @@ fn run_estimate(a: EstimateArgs) -> Result<()> {
         a.world_size,
         a.batch_size,
         a.seq_len,
-        if a.activation_checkpointing { ", activation checkpointing" } else { "" },
+        if a.sharding.activation_checkpointing { ", activation checkpointing" } else { "" },
         cfg.lora.as_ref().map(|l| format!(", LoRA r={} {:?}", l.r, l.targets)).unwrap_or_default()
     );
     for (name, bytes, what) in e.rows() {

@@ -23,18 +23,7 @@ fn training_data() -> PathBuf {
 
 /// The configuration the PyTorch reference used (see make_training_reference.py).
 fn reference_config(model: &Path, out: &Path) -> FinetuneConfig {
-    FinetuneConfig {
-        lr: 1e-3,
-        weight_decay: 0.1,
-        batch_size: 4,
-        seq_len: 16,
-        max_steps: Some(12),
-        warmup_steps: 2,
-        seed: 0,
-        shuffle: false,
-        collective_timeout: Duration::from_secs(60),
-        ..FinetuneConfig::new(model.to_str().unwrap(), &training_data(), out)
-    }
+    reference_training_config(model, out)
 }
 
 fn weights(dir: &Path) -> HashMap<String, Tensor> {

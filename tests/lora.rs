@@ -7,7 +7,6 @@ mod common;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
 use common::*;
@@ -33,21 +32,10 @@ fn logits_with(model: &Path, adapter: Option<&Path>, ids: &[u32]) -> Tensor {
     m.model.forward(&input).unwrap().squeeze(0).unwrap()
 }
 
-/// The settings of make_lora_reference.py's training run.
+/// The settings of make_lora_reference.py's training run: the shared reference run, from PEFT's
+/// adapter.
 fn reference_config(model: &Path, out: &Path) -> FinetuneConfig {
-    FinetuneConfig {
-        lr: 1e-3,
-        weight_decay: 0.1,
-        batch_size: 4,
-        seq_len: 16,
-        max_steps: Some(12),
-        warmup_steps: 2,
-        seed: 0,
-        shuffle: false,
-        collective_timeout: Duration::from_secs(60),
-        adapter: Some(peft_adapter()),
-        ..FinetuneConfig::new(model.to_str().unwrap(), &reference_dir().join("train-data.jsonl"), out)
-    }
+    FinetuneConfig { adapter: Some(peft_adapter()), ..reference_training_config(model, out) }
 }
 
 #[test]

@@ -48,6 +48,19 @@ impl Drop for Server {
     }
 }
 
+/// A qwen2 model big enough that a long completion takes a while on 2 cores (so a request can
+/// hold the only slot), with a 1024-token context.
+fn slow_model(root: &Path) -> std::path::PathBuf {
+    let dir = root.join("slow");
+    let o = run_cli(
+        &["fixture", "--name", "qwen2", "--out", dir.to_str().unwrap(), "--set", "hidden_size=512", "--set", "intermediate_size=1536",
+          "--set", "num_hidden_layers=8", "--set", "num_attention_heads=8", "--set", "num_key_value_heads=8", "--set", "max_position_embeddings=1024"],
+        &[],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    dir
+}
+
 /// (status, body) of a POST, whatever the status.
 fn post(url: &str, body: &str, key: Option<&str>) -> (u16, String, Option<String>) {
     let mut req = ureq::post(url).set("Content-Type", "application/json");
@@ -221,14 +234,7 @@ fn bad_requests_get_openai_errors_and_never_a_5xx() {
 #[test]
 fn a_full_queue_answers_429_and_a_disconnected_client_frees_its_slot() {
     let tmp = tempfile::tempdir().unwrap();
-    // Big enough that 200 tokens take a while on 2 cores.
-    let dir = tmp.path().join("mid");
-    let o = run_cli(
-        &["fixture", "--name", "qwen2", "--out", dir.to_str().unwrap(), "--set", "hidden_size=512", "--set", "intermediate_size=1536",
-          "--set", "num_hidden_layers=8", "--set", "num_attention_heads=8", "--set", "num_key_value_heads=8", "--set", "max_position_embeddings=1024"],
-        &[],
-    );
-    assert!(o.status.success(), "{}", stderr(&o));
+    let dir = slow_model(tmp.path());
     let server = Server::start(&dir, &["--max-concurrent-requests", "1", "--max-queue", "0"]);
     let url = server.url("/v1/completions");
     let long = json!({"model": "tiny", "prompt": "count", "max_tokens": 900, "temperature": 0, "stream": true});
@@ -264,22 +270,9 @@ fn a_full_queue_answers_429_and_a_disconnected_client_frees_its_slot() {
 
 #[test]
 fn the_official_openai_python_client_works_against_the_server() {
-    let python = match python_with(&["openai"]) {
-        Ok(p) => p,
-        Err(why) => {
-            println!("SKIPPED the_official_openai_python_client_works_against_the_server: {why}");
-            eprintln!("SKIPPED the_official_openai_python_client_works_against_the_server: {why}");
-            return;
-        }
-    };
+    let Some(python) = python_or_skip("the_official_openai_python_client_works_against_the_server", &["openai"]) else { return };
     let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("mid");
-    let o = run_cli(
-        &["fixture", "--name", "qwen2", "--out", dir.to_str().unwrap(), "--set", "hidden_size=512", "--set", "intermediate_size=1536",
-          "--set", "num_hidden_layers=8", "--set", "num_attention_heads=8", "--set", "num_key_value_heads=8", "--set", "max_position_embeddings=1024"],
-        &[],
-    );
-    assert!(o.status.success(), "{}", stderr(&o));
+    let dir = slow_model(tmp.path());
     let server = Server::start(&dir, &["--api-key", "k3y", "--max-concurrent-requests", "1", "--max-queue", "0"]);
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests").join("openai_client.py");
     let out = Command::new(python)
@@ -297,14 +290,7 @@ fn the_official_openai_python_client_works_against_the_server() {
 
 #[test]
 fn schemathesis_finds_no_server_error_in_the_openapi_spec() {
-    let python = match python_with(&["schemathesis"]) {
-        Ok(p) => p,
-        Err(why) => {
-            println!("SKIPPED schemathesis_finds_no_server_error_in_the_openapi_spec: {why}");
-            eprintln!("SKIPPED schemathesis_finds_no_server_error_in_the_openapi_spec: {why}");
-            return;
-        }
-    };
+    let Some(python) = python_or_skip("schemathesis_finds_no_server_error_in_the_openapi_spec", &["schemathesis"]) else { return };
     let tmp = tempfile::tempdir().unwrap();
     let model = fixture("qwen2", tmp.path());
     let server = Server::start(&model, &["--api-key", "k"]);

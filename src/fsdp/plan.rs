@@ -60,6 +60,19 @@ impl ShardingStrategy {
     pub fn reshard_after_forward(self) -> bool {
         matches!(self, Self::FullShard | Self::HybridShard)
     }
+
+    /// Ranks each parameter is sharded over, for `world` ranks (and `--shard-group-size` for
+    /// HYBRID_SHARD, which must divide `world`).
+    pub fn shard_count(self, world: usize, group: Option<usize>) -> Result<usize> {
+        Ok(match (self, group) {
+            (Self::FullShard | Self::ShardGradOp, None) => world,
+            (Self::NoShard, None) => 1,
+            (Self::HybridShard, None) => bail!("HYBRID_SHARD needs --shard-group-size"),
+            (Self::HybridShard, Some(g)) if g == 0 || world % g != 0 => bail!("--shard-group-size {g} must divide --world-size {world}"),
+            (Self::HybridShard, Some(g)) => g,
+            (_, Some(_)) => bail!("--shard-group-size applies to HYBRID_SHARD only"),
+        })
+    }
 }
 
 /// One parameter's place in its unit: dim 0 padded to a multiple of the shard count, cut into

@@ -125,6 +125,15 @@ fn scalar(y: &Yaml, kind: Kind) -> Option<String> {
     }
 }
 
+/// `a,b` or `[a, b]` as the comma-separated value a flag takes; None for anything else.
+fn name_list(v: &Yaml) -> Option<String> {
+    match v {
+        Yaml::String(s) => Some(s.split(',').map(str::trim).collect::<Vec<_>>().join(",")),
+        Yaml::Array(a) => a.iter().map(|x| x.as_str().map(str::to_string)).collect::<Option<Vec<_>>>().map(|n| n.join(",")),
+        _ => None,
+    }
+}
+
 fn want(kind: Kind) -> &'static str {
     match kind {
         Kind::Bool => "true or false",
@@ -198,26 +207,12 @@ pub fn load(path: &Path) -> Result<Vec<Setting>> {
                 other => return Err(err(key, format!("expected no, bf16, fp16 or a mapping, found {}", type_name(other)))),
             },
             "transformer_cls_names_to_wrap" => {
-                let names: Vec<String> = match v {
-                    Yaml::String(s) => s.split(',').map(|x| x.trim().to_string()).collect(),
-                    Yaml::Array(a) => a
-                        .iter()
-                        .map(|x| x.as_str().map(str::to_string).ok_or_else(|| err(key, "list entries must be strings".into())))
-                        .collect::<Result<_>>()?,
-                    other => return Err(err(key, format!("expected a class name or a list, found {}", type_name(other)))),
-                };
-                out.push(set("transformer_cls_names_to_wrap", names.join(",")));
+                let names = name_list(v).ok_or_else(|| err(key, format!("expected a class name or a list of them, found {}", type_name(v))))?;
+                out.push(set("transformer_cls_names_to_wrap", names));
             }
             "lora_target_modules" => {
-                let names: Vec<String> = match v {
-                    Yaml::String(s) => s.split(',').map(|x| x.trim().to_string()).collect(),
-                    Yaml::Array(a) => a
-                        .iter()
-                        .map(|x| x.as_str().map(str::to_string).ok_or_else(|| err(key, "list entries must be strings".into())))
-                        .collect::<Result<_>>()?,
-                    other => return Err(err(key, format!("expected a module name or a list, found {}", type_name(other)))),
-                };
-                out.push(set("lora_targets", names.join(",")));
+                let names = name_list(v).ok_or_else(|| err(key, format!("expected a module name or a list of them, found {}", type_name(v))))?;
+                out.push(set("lora_targets", names));
             }
             "cpu_ram_efficient_loading" => match v {
                 Yaml::Boolean(true) => {}

@@ -169,14 +169,7 @@ pub fn validate(cfg: &FinetuneConfig) -> Result<()> {
     if !(cfg.lr.is_finite() && cfg.lr > 0.0) {
         bail!("--lr must be a positive number");
     }
-    match (cfg.strategy, cfg.shard_group_size) {
-        (ShardingStrategy::HybridShard, None) => bail!("HYBRID_SHARD needs --shard-group-size"),
-        (ShardingStrategy::HybridShard, Some(g)) if g == 0 || cfg.world_size % g != 0 => {
-            bail!("--shard-group-size {g} must divide --world-size {}", cfg.world_size)
-        }
-        (s, Some(_)) if s != ShardingStrategy::HybridShard => bail!("--shard-group-size applies to HYBRID_SHARD only"),
-        _ => {}
-    }
+    cfg.strategy.shard_count(cfg.world_size, cfg.shard_group_size)?;
     let is_hub = |p: &Path| p.to_string_lossy().starts_with("hf://");
     if !is_hub(&cfg.data) && !cfg.data.is_file() {
         bail!("--data {}: no such file", cfg.data.display());
@@ -215,11 +208,8 @@ pub fn validate(cfg: &FinetuneConfig) -> Result<()> {
 
 /// Shard-group size of a strategy on `world` ranks.
 fn shard_size(cfg: &FinetuneConfig) -> usize {
-    match cfg.strategy {
-        ShardingStrategy::FullShard | ShardingStrategy::ShardGradOp => cfg.world_size,
-        ShardingStrategy::NoShard => 1,
-        ShardingStrategy::HybridShard => cfg.shard_group_size.unwrap_or(cfg.world_size),
-    }
+    // `validate` has checked the combination.
+    cfg.strategy.shard_count(cfg.world_size, cfg.shard_group_size).unwrap_or(cfg.world_size)
 }
 
 /// Runs this process's part of a fine-tune: all ranks as threads (`local` backend) when no

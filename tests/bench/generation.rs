@@ -27,11 +27,7 @@ fn main() -> anyhow::Result<()> {
     fsdp_app::tune_cpu_threads();
     std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let gguf = std::env::var("FSDP_SMOLLM2_GGUF")
-        .map(PathBuf::from)
-        .ok()
-        .or_else(|| common::find_smollm2_gguf(&root.join("target").join("smollm2")))
-        .ok_or_else(|| anyhow::anyhow!("no SmolLM2 GGUF: set FSDP_SMOLLM2_GGUF or run `cargo test --test smollm2` once"))?;
+    let gguf = common::bench_smollm2_gguf()?;
     let tmp = tempfile::tempdir()?;
     let dir = tmp.path().join("smollm2");
     fsdp_app::convert::convert_gguf(&gguf, &dir, DType::BF16)?;

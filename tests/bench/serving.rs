@@ -9,7 +9,6 @@
 mod common;
 
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -44,12 +43,8 @@ fn stream_once(url: &str, i: usize) -> (usize, f64, f64) {
 }
 
 fn main() -> anyhow::Result<()> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let gguf = std::env::var("FSDP_SMOLLM2_GGUF")
-        .map(PathBuf::from)
-        .ok()
-        .or_else(|| common::find_smollm2_gguf(&root.join("target").join("smollm2")))
-        .ok_or_else(|| anyhow::anyhow!("no SmolLM2 GGUF: set FSDP_SMOLLM2_GGUF or run `cargo test --test smollm2` once"))?;
+
+    let gguf = common::bench_smollm2_gguf()?;
     let tmp = tempfile::tempdir()?;
     let dir = tmp.path().join("smollm2");
     fsdp_app::convert::convert_gguf(&gguf, &dir, DType::BF16)?;

@@ -186,4 +186,42 @@ pub fn python_with(packages: &[&str]) -> Result<PathBuf, String> {
     Ok(python)
 }
 
+/// `python_with(packages)`, or None after printing why `test` is skipped.
+pub fn python_or_skip(test: &str, packages: &[&str]) -> Option<PathBuf> {
+    match python_with(packages) {
+        Ok(p) => Some(p),
+        Err(why) => {
+            println!("SKIPPED {test}: {why}");
+            eprintln!("SKIPPED {test}: {why}");
+            None
+        }
+    }
+}
+
+/// The GGUF the benchmarks convert: FSDP_SMOLLM2_GGUF, or the one the smollm2 test downloaded.
+pub fn bench_smollm2_gguf() -> anyhow::Result<PathBuf> {
+    std::env::var("FSDP_SMOLLM2_GGUF")
+        .map(PathBuf::from)
+        .ok()
+        .or_else(|| find_smollm2_gguf(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target").join("smollm2")))
+        .ok_or_else(|| anyhow::anyhow!("no SmolLM2 GGUF: set FSDP_SMOLLM2_GGUF or run `cargo test --test smollm2` once"))
+}
+
+/// The fine-tuning settings of the PyTorch / PEFT training references (make_training_reference.py,
+/// make_lora_reference.py): 12 AdamW steps of batch 4 x 16 tokens on train-data.jsonl.
+pub fn reference_training_config(model: &Path, out: &Path) -> fsdp_app::train::finetune::FinetuneConfig {
+    fsdp_app::train::finetune::FinetuneConfig {
+        lr: 1e-3,
+        weight_decay: 0.1,
+        batch_size: 4,
+        seq_len: 16,
+        max_steps: Some(12),
+        warmup_steps: 2,
+        seed: 0,
+        shuffle: false,
+        collective_timeout: std::time::Duration::from_secs(60),
+        ..fsdp_app::train::finetune::FinetuneConfig::new(model.to_str().unwrap(), &reference_dir().join("train-data.jsonl"), out)
+    }
+}
+
 static PYENV_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
