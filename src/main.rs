@@ -333,9 +333,12 @@ struct ServeArgs {
     /// Longest prompt + completion in tokens (default: the model's context).
     #[arg(long)]
     max_total_tokens: Option<usize>,
-    /// Largest request body in bytes.
+    /// Largest request body in bytes (file uploads: up to 512 MiB).
     #[arg(long, default_value_t = 4 << 20)]
     max_body_bytes: usize,
+    /// Where uploaded files, fine-tuning jobs (SQLite) and fine-tuned models are kept.
+    #[arg(long, default_value = "fsdp-serve-data")]
+    data_dir: PathBuf,
 }
 
 #[derive(Args)]
@@ -493,6 +496,7 @@ fn main() {
             max_input_tokens: a.max_input_tokens,
             max_total_tokens: a.max_total_tokens,
             max_body_bytes: a.max_body_bytes,
+            data_dir: a.data_dir,
         }),
     };
     if let Err(e) = result {

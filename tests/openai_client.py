@@ -7,6 +7,7 @@ Exits non-zero, naming the check, when the server answers differently from OpenA
 """
 import os
 import sys
+import time
 
 import openai
 
@@ -60,6 +61,36 @@ for exc, call in [
         check(False, f"expected {exc.__name__}")
     except exc as e:
         check(e.body is not None and "message" in e.body, f"{exc.__name__} body {e.body}")
+
+# Fine-tuning: upload, create, wait, events, list, chat with the result, cancel another.
+uploaded = client.files.create(file=open(os.environ["TRAIN_FILE"], "rb"), purpose="fine-tune")
+check(uploaded.id.startswith("file-") and uploaded.purpose == "fine-tune", f"files.create: {uploaded}")
+small = {"fsdp_app": {"seq_len": 128, "max_steps": 2}}
+job = client.fine_tuning.jobs.create(model=model, training_file=uploaded.id, suffix="py",
+                                     hyperparameters={"n_epochs": 1, "batch_size": 1}, extra_body=small)
+check(job.object == "fine_tuning.job" and job.status in ("queued", "running"), f"jobs.create: {job}")
+deadline = time.time() + 300
+while True:
+    got = client.fine_tuning.jobs.retrieve(job.id)
+    if got.status in ("succeeded", "failed", "cancelled"):
+        break
+    check(time.time() < deadline, f"the job did not finish: {got}")
+    time.sleep(0.5)
+check(got.status == "succeeded" and got.fine_tuned_model == f"ft:{model}:py:{job.id}", f"jobs.retrieve: {got}")
+events = client.fine_tuning.jobs.list_events(job.id, limit=50)
+check(any("training loss" in e.message for e in events.data), f"list_events: {[e.message for e in events.data]}")
+check(any(j.id == job.id for j in client.fine_tuning.jobs.list(limit=10).data), "jobs.list")
+check(any(m.id == got.fine_tuned_model for m in client.models.list().data), "the fine-tuned model is listed")
+answer = client.chat.completions.create(model=got.fine_tuned_model, messages=msgs, max_tokens=3)
+check(answer.model == got.fine_tuned_model, f"chat with the fine-tuned model: {answer}")
+longer = client.fine_tuning.jobs.create(model=model, training_file=uploaded.id, hyperparameters={"n_epochs": 50},
+                                        extra_body={"fsdp_app": {"seq_len": 128, "max_steps": 100000}})
+check(client.fine_tuning.jobs.cancel(longer.id).status == "cancelled", "jobs.cancel")
+try:
+    client.fine_tuning.jobs.retrieve("ftjob-nope")
+    check(False, "expected NotFoundError")
+except openai.NotFoundError:
+    pass
 
 # The queue (one slot, no waiting room) is held by a stream we do not read to the end.
 held = client.completions.create(model=model, prompt="x", max_tokens=int(os.environ.get("LONG_TOKENS", "200")), temperature=0, stream=True)

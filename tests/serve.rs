@@ -16,11 +16,19 @@ use serde_json::{json, Value};
 struct Server {
     child: Child,
     base: String,
+    _data: Option<tempfile::TempDir>,
 }
 
 impl Server {
+    /// Starts `fsdp-app serve` on a free port; its data directory is a fresh temporary one
+    /// unless `extra` names one.
     fn start(model: &Path, extra: &[&str]) -> Server {
+        let data = (!extra.contains(&"--data-dir")).then(|| tempfile::tempdir().unwrap());
+        let data_arg = data.as_ref().map(|d| d.path().to_str().unwrap().to_string());
         let mut args = vec!["serve", "--model", model.to_str().unwrap(), "--port", "0", "--served-model-name", "tiny"];
+        if let Some(d) = &data_arg {
+            args.extend(["--data-dir", d.as_str()]);
+        }
         args.extend_from_slice(extra);
         let mut child = Command::new(bin()).args(&args).stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
         let mut err = BufReader::new(child.stderr.take().unwrap());
@@ -33,7 +41,7 @@ impl Server {
         let addr = line.split("http://").nth(1).unwrap().split_whitespace().next().unwrap().to_string();
         // Keep draining stderr so the server never blocks on it.
         std::thread::spawn(move || for _ in err.lines() {});
-        Server { child, base: format!("http://{addr}") }
+        Server { child, base: format!("http://{addr}"), _data: data }
     }
 
     fn url(&self, path: &str) -> String {
@@ -281,6 +289,7 @@ fn the_official_openai_python_client_works_against_the_server() {
         .env("API_KEY", "k3y")
         .env("MODEL", "tiny")
         .env("LONG_TOKENS", "900")
+        .env("TRAIN_FILE", Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/zephyrix-codename.jsonl"))
         .output()
         .unwrap();
     let log = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
@@ -378,4 +387,147 @@ fn sixty_four_streaming_clients_for_30_seconds_get_answers_or_429_and_memory_sta
         assert!(Instant::now() < deadline, "slots still taken:\n{m}");
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// POST /v1/files as multipart/form-data, the way client libraries send it.
+fn upload(server: &Server, filename: &str, bytes: &[u8]) -> (u16, Value) {
+    let boundary = "----fsdpappboundary7MA4YWxkTrZu0gW";
+    let mut body = format!("--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nfine-tune\r\n").into_bytes();
+    body.extend(format!("--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{filename}\"\r\nContent-Type: application/jsonl\r\n\r\n").as_bytes());
+    body.extend_from_slice(bytes);
+    body.extend(format!("\r\n--{boundary}--\r\n").as_bytes());
+    let r = ureq::post(&server.url("/v1/files")).set("Content-Type", &format!("multipart/form-data; boundary={boundary}")).send_bytes(&body);
+    let (status, text) = match r {
+        Ok(r) => (r.status(), r.into_string().unwrap()),
+        Err(ureq::Error::Status(c, r)) => (c, r.into_string().unwrap()),
+        Err(e) => panic!("{e}"),
+    };
+    (status, serde_json::from_str(&text).unwrap())
+}
+
+fn wait_for_status(server: &Server, id: &str, want: &[&str], secs: u64) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        let job = get_json(&server.url(&format!("/v1/fine_tuning/jobs/{id}")));
+        if want.contains(&job["status"].as_str().unwrap()) {
+            return job;
+        }
+        assert!(Instant::now() < deadline, "job {id} never reached {want:?}: {job}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn first_token_logprob(server: &Server, model: &str) -> f64 {
+    let r = post_json(&server.url("/v1/chat/completions"), &json!({"model": model, "messages": [{"role": "user", "content": "What is the codename?"}],
+        "max_tokens": 1, "temperature": 0, "logprobs": true}));
+    r["choices"][0]["logprobs"]["content"][0]["logprob"].as_f64().unwrap()
+}
+
+#[test]
+fn fine_tuning_jobs_run_to_a_served_model_persist_and_survive_a_restart() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("qwen2", tmp.path());
+    let data_dir = tmp.path().join("data");
+    let chat = std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/zephyrix-codename.jsonl")).unwrap();
+    let server = Server::start(&model, &["--data-dir", data_dir.to_str().unwrap()]);
+
+    // Files: validated on upload, listed, read back, deleted.
+    let (s, bad) = upload(&server, "bad.jsonl", b"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}\n{\"foo\": 1}\n");
+    assert_eq!((s, bad["error"]["param"].as_str()), (400, Some("file")), "{bad}");
+    assert!(bad["error"]["message"].as_str().unwrap().starts_with("Line 2:"), "{bad}");
+    let (s, file) = upload(&server, "../../etc/passwd", &chat);
+    assert_eq!(s, 200, "{file}");
+    let file_id = file["id"].as_str().unwrap().to_string();
+    assert_eq!(file["bytes"], chat.len());
+    let content = ureq::get(&server.url(&format!("/v1/files/{file_id}/content"))).call().unwrap().into_string().unwrap();
+    assert_eq!(content.as_bytes(), chat.as_slice());
+    assert!(!data_dir.join("etc").exists() && !tmp.path().join("etc").exists(), "a file name is never a path");
+    let (_, spare) = upload(&server, "spare.jsonl", &chat);
+    let spare_id = spare["id"].as_str().unwrap();
+    assert_eq!(ureq::delete(&server.url(&format!("/v1/files/{spare_id}"))).call().unwrap().into_string().unwrap().contains("\"deleted\":true"), true);
+    assert!(matches!(ureq::get(&server.url(&format!("/v1/files/{spare_id}"))).call(), Err(ureq::Error::Status(404, _))));
+
+    // A job: Idempotency-Key makes a retried create return the same job.
+    let create = json!({"model": "tiny", "training_file": file_id, "suffix": "zephyrix", "seed": 3,
+        "hyperparameters": {"n_epochs": 1, "batch_size": 2, "learning_rate_multiplier": 100},
+        "fsdp_app": {"world_size": 2, "seq_len": 128, "max_steps": 4}});
+    let post_with_key = |body: &Value, key: &str| -> Value {
+        let r = ureq::post(&server.url("/v1/fine_tuning/jobs")).set("Idempotency-Key", key).send_string(&body.to_string()).unwrap();
+        serde_json::from_str(&r.into_string().unwrap()).unwrap()
+    };
+    let job = post_with_key(&create, "retry-1");
+    let again = post_with_key(&create, "retry-1");
+    assert_eq!(job["id"], again["id"]);
+    let job_id = job["id"].as_str().unwrap().to_string();
+    let done = wait_for_status(&server, &job_id, &["succeeded", "failed"], 180);
+    assert_eq!(done["status"], "succeeded", "{done}");
+    let ft = done["fine_tuned_model"].as_str().unwrap().to_string();
+    assert_eq!(ft, format!("ft:tiny:zephyrix:{job_id}"));
+    let events = get_json(&server.url(&format!("/v1/fine_tuning/jobs/{job_id}/events?limit=100")));
+    let messages: Vec<&str> = events["data"].as_array().unwrap().iter().map(|e| e["message"].as_str().unwrap()).collect();
+    assert!(messages.iter().any(|m| m.starts_with("Step 4: training loss=")), "{messages:?}");
+    assert!(events["data"].as_array().unwrap().iter().any(|e| e["type"] == "metrics" && e["data"]["train_loss"].is_number()));
+    let ckpts = get_json(&server.url(&format!("/v1/fine_tuning/jobs/{job_id}/checkpoints")));
+    assert_eq!(ckpts["data"][0]["step_number"], 4);
+    // The fine-tuned model is listed and answers, differently from the base.
+    let models = get_json(&server.url("/v1/models"));
+    assert!(models["data"].as_array().unwrap().iter().any(|m| m["id"] == json!(ft)), "{models}");
+    let (base_lp, ft_lp) = (first_token_logprob(&server, "tiny"), first_token_logprob(&server, &ft));
+    assert!((base_lp - ft_lp).abs() > 1e-4, "fine-tuning changed nothing: {base_lp} vs {ft_lp}");
+
+    // A LoRA job serves its merged model.
+    let mut lora = create.clone();
+    lora["fsdp_app"]["lora"] = json!({"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]});
+    lora["suffix"] = json!("lora");
+    let lora_job = post_json(&server.url("/v1/fine_tuning/jobs"), &lora);
+    let lora_done = wait_for_status(&server, lora_job["id"].as_str().unwrap(), &["succeeded", "failed"], 180);
+    assert_eq!(lora_done["status"], "succeeded", "{lora_done}");
+    first_token_logprob(&server, lora_done["fine_tuned_model"].as_str().unwrap());
+
+    // Cancel stops a running job; list pages newest first.
+    let mut long = create.clone();
+    long["fsdp_app"]["max_steps"] = json!(100000);
+    long["hyperparameters"]["n_epochs"] = json!(50);
+    let long_job = post_json(&server.url("/v1/fine_tuning/jobs"), &long);
+    let long_id = long_job["id"].as_str().unwrap().to_string();
+    wait_for_status(&server, &long_id, &["running"], 60);
+    let cancelled = post_json(&server.url(&format!("/v1/fine_tuning/jobs/{long_id}/cancel")), &json!({}));
+    assert_eq!(cancelled["status"], "cancelled");
+    let (s, text, _) = post(&server.url(&format!("/v1/fine_tuning/jobs/{long_id}/cancel")), "{}", None);
+    assert_eq!(s, 400, "{text}");
+    let page = get_json(&server.url("/v1/fine_tuning/jobs?limit=2"));
+    assert_eq!(page["data"][0]["id"], json!(long_id));
+    assert_eq!(page["has_more"], true);
+    let rest = get_json(&server.url(&format!("/v1/fine_tuning/jobs?limit=2&after={}", page["data"][1]["id"].as_str().unwrap())));
+    assert_eq!(rest["data"][0]["id"], json!(job_id));
+    assert_eq!(rest["has_more"], false);
+
+    // Bad creates are 400s naming the field; unknown ids 404.
+    for (body, param) in [
+        (json!({"model": "tiny"}), "training_file"),
+        (json!({"model": "tiny", "training_file": "file-nope"}), "training_file"),
+        (json!({"model": "other", "training_file": file_id}), "model"),
+        (json!({"model": "tiny", "training_file": file_id, "hyperparameters": {"n_epochs": 0}}), "hyperparameters.n_epochs"),
+        (json!({"model": "tiny", "training_file": file_id, "suffix": "a/b"}), "suffix"),
+        (json!({"model": "tiny", "training_file": file_id, "fsdp_app": {"lora": {"targets": ["qkv"]}}}), "fsdp_app.lora.targets"),
+    ] {
+        let (s, text, _) = post(&server.url("/v1/fine_tuning/jobs"), &body.to_string(), None);
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!((s, v["error"]["param"].as_str()), (400, Some(param)), "{text}");
+    }
+    assert!(matches!(ureq::get(&server.url("/v1/fine_tuning/jobs/ftjob-nope")).call(), Err(ureq::Error::Status(404, _))));
+
+    // A job running when the server dies is marked failed at the next start; files, jobs and
+    // fine-tuned models persist.
+    let crash_job = post_json(&server.url("/v1/fine_tuning/jobs"), &long);
+    let crash_id = crash_job["id"].as_str().unwrap().to_string();
+    wait_for_status(&server, &crash_id, &["running"], 60);
+    drop(server); // SIGKILL
+    let server = Server::start(&model, &["--data-dir", data_dir.to_str().unwrap()]);
+    let crashed = get_json(&server.url(&format!("/v1/fine_tuning/jobs/{crash_id}")));
+    assert_eq!(crashed["status"], "failed");
+    assert_eq!(crashed["error"]["code"], "server_restarted");
+    assert_eq!(get_json(&server.url(&format!("/v1/files/{file_id}")))["id"], json!(file_id));
+    assert_eq!(get_json(&server.url(&format!("/v1/fine_tuning/jobs/{job_id}")))["status"], "succeeded");
+    assert!((first_token_logprob(&server, &ft) - ft_lp).abs() < 1e-5, "the fine-tuned model is served after a restart");
 }

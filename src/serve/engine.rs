@@ -36,18 +36,13 @@ pub enum Event {
 #[derive(Clone)]
 pub struct EngineHandle {
     jobs: mpsc::Sender<Job>,
-    /// Requests admitted and not finished (queued + running).
-    pub in_flight: Arc<AtomicUsize>,
+    /// Sequences being generated now.
     pub running: Arc<AtomicUsize>,
 }
 
 impl EngineHandle {
     pub fn submit(&self, job: Job) -> Result<(), String> {
         self.jobs.send(job).map_err(|_| "the engine has stopped".to_string())
-    }
-
-    pub fn queued(&self) -> usize {
-        self.in_flight.load(Ordering::SeqCst).saturating_sub(self.running.load(Ordering::SeqCst))
     }
 }
 
@@ -61,8 +56,7 @@ struct Running {
 pub fn start(model: CausalLm, tokenizer: Arc<TextTokenizer>, eos: HashSet<u32>, max_running: usize, metrics: Arc<Metrics>) -> EngineHandle {
     let (tx, rx) = mpsc::channel::<Job>();
     let running = Arc::new(AtomicUsize::new(0));
-    let in_flight = Arc::new(AtomicUsize::new(0));
-    let handle = EngineHandle { jobs: tx, in_flight: in_flight.clone(), running: running.clone() };
+    let handle = EngineHandle { jobs: tx, running: running.clone() };
     std::thread::Builder::new()
         .name("engine".into())
         .spawn(move || run(model, tokenizer, eos, max_running.max(1), rx, running, metrics))

@@ -4,14 +4,19 @@
 
 pub mod engine;
 pub mod error;
+pub mod files;
+pub mod jobs;
 pub mod metrics;
 pub mod openapi;
 pub mod request;
 pub mod routes;
+pub mod store;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicUsize;
+use std::sync::{Arc, RwLock};
 
 use anyhow::{Context, Result};
 use axum::extract::{DefaultBodyLimit, Request, State};
@@ -43,39 +48,98 @@ pub struct ServeConfig {
     pub max_input_tokens: Option<usize>,
     pub max_total_tokens: Option<usize>,
     pub max_body_bytes: usize,
+    /// Where files, jobs (SQLite) and fine-tuned models live.
+    pub data_dir: PathBuf,
 }
 
 /// How far past --max-body-bytes a body is still read, to answer 413 cleanly.
 const READ_PAST_LIMIT: usize = 32 << 20;
 
-/// What every route reads.
-pub struct AppState {
+/// One model being served: its engine thread, tokenizer and limits.
+pub struct ServedModel {
+    pub id: String,
     pub engine: EngineHandle,
     pub tokenizer: Arc<TextTokenizer>,
-    pub model_id: String,
     pub created: u64,
     pub context: usize,
     pub vocab: usize,
     pub max_input_tokens: usize,
     pub max_total_tokens: usize,
+    pub defaults: Defaults,
+}
+
+/// What every route reads.
+pub struct AppState {
+    /// Loaded models by id: the base model, and fine-tuned ones once first asked for.
+    pub models: RwLock<HashMap<String, Arc<ServedModel>>>,
+    pub base_id: String,
+    /// The --model the server was started with (what jobs fine-tune).
+    pub base_source: String,
+    pub store: Arc<store::Store>,
+    pub jobs_wakeup: jobs::Wakeup,
+    /// Requests admitted and not finished (queued + running), over all models.
+    pub in_flight: Arc<AtomicUsize>,
     pub max_concurrent: usize,
     pub max_queue: usize,
     pub max_body_bytes: usize,
+    pub limit_input: Option<usize>,
+    pub limit_total: Option<usize>,
     pub api_key: Option<String>,
-    pub defaults: Defaults,
     pub metrics: Arc<Metrics>,
 }
 
 impl AppState {
-    pub fn model_object(&self) -> Value {
-        json!({"id": self.model_id, "object": "model", "created": self.created, "owned_by": "fsdp-app", "max_model_len": self.context})
+    /// The model `id`: loaded already, or a fine-tuned model from a succeeded job, loaded now.
+    pub fn model(&self, id: &str) -> Result<Arc<ServedModel>, ApiError> {
+        if let Some(m) = self.models.read().unwrap().get(id) {
+            return Ok(m.clone());
+        }
+        let dir = self
+            .store
+            .fine_tuned_models()
+            .map_err(|e| ApiError::internal(format!("{e:#}")))?
+            .into_iter()
+            .find(|(m, _)| m == id)
+            .map(|(_, d)| d)
+            .ok_or_else(|| ApiError::model_not_found(id))?;
+        let mut models = self.models.write().unwrap();
+        if let Some(m) = models.get(id) {
+            return Ok(m.clone());
+        }
+        let served = tokio::task::block_in_place(|| load_served(id, &dir.to_string_lossy(), None, self))
+            .map_err(|e| ApiError::internal(format!("loading {id}: {e:#}")))?;
+        let served = Arc::new(served);
+        models.insert(id.to_string(), served.clone());
+        Ok(served)
     }
 
-    pub fn check_model(&self, model: &str) -> Result<(), ApiError> {
-        if model != self.model_id {
-            return Err(ApiError::model_not_found(model));
+    pub fn base(&self) -> Arc<ServedModel> {
+        self.models.read().unwrap()[&self.base_id].clone()
+    }
+
+    /// Every servable model: the loaded ones and every succeeded job's.
+    pub fn model_objects(&self) -> Vec<Value> {
+        let mut out: Vec<Value> = vec![self.base().object()];
+        if let Ok(ft) = self.store.fine_tuned_models() {
+            for (id, _) in ft {
+                out.push(json!({"id": id, "object": "model", "created": self.base().created, "owned_by": "fsdp-app", "parent": self.base_id}));
+            }
         }
-        Ok(())
+        out
+    }
+
+    pub fn running(&self) -> usize {
+        self.models.read().unwrap().values().map(|m| m.engine.running.load(std::sync::atomic::Ordering::SeqCst)).sum()
+    }
+
+    pub fn queued(&self) -> usize {
+        self.in_flight.load(std::sync::atomic::Ordering::SeqCst).saturating_sub(self.running())
+    }
+}
+
+impl ServedModel {
+    pub fn object(&self) -> Value {
+        json!({"id": self.id, "object": "model", "created": self.created, "owned_by": "fsdp-app", "max_model_len": self.context})
     }
 
     /// Token ids of a conversation rendered with the model's chat template, ready for the
@@ -170,6 +234,14 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models/{id}", get(routes::model))
         .route("/v1/completions", post(routes::completions))
         .route("/v1/chat/completions", post(routes::chat_completions))
+        .route("/v1/files", post(files::upload).get(files::list).layer(DefaultBodyLimit::max(files::MAX_UPLOAD_BYTES)))
+        .route("/v1/files/{id}", get(files::get_one).delete(files::delete))
+        .route("/v1/files/{id}/content", get(files::content))
+        .route("/v1/fine_tuning/jobs", post(jobs::create).get(jobs::list))
+        .route("/v1/fine_tuning/jobs/{id}", get(jobs::get_one))
+        .route("/v1/fine_tuning/jobs/{id}/cancel", post(jobs::cancel))
+        .route("/v1/fine_tuning/jobs/{id}/events", get(jobs::events))
+        .route("/v1/fine_tuning/jobs/{id}/checkpoints", get(jobs::checkpoints))
         .fallback(routes::not_found)
         .method_not_allowed_fallback(routes::method_not_allowed)
         // Read oversized bodies (up to a cap) so the 413 reaches the client; see `json_body`.
@@ -178,10 +250,21 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
-/// Loads the model, starts the engine and serves until the process ends. Prints the address
-/// it listens on (`listening on http://HOST:PORT`) once ready.
-pub fn run(cfg: &ServeConfig) -> Result<()> {
-    let files = crate::checkpoint::resolve_model(&cfg.model, cfg.revision.as_deref())?;
+/// Loads a model directory (or Hub id) and starts its engine thread.
+fn load_served(id: &str, source: &str, revision: Option<&str>, st_limits: &AppState) -> Result<ServedModel> {
+    load_served_with(id, source, revision, st_limits.max_concurrent, st_limits.limit_input, st_limits.limit_total, st_limits.metrics.clone())
+}
+
+fn load_served_with(
+    id: &str,
+    source: &str,
+    revision: Option<&str>,
+    max_running: usize,
+    limit_input: Option<usize>,
+    limit_total: Option<usize>,
+    metrics: Arc<Metrics>,
+) -> Result<ServedModel> {
+    let files = crate::checkpoint::resolve_model(source, revision)?;
     let gen_defaults = match &files.generation_config {
         Some(p) => GenerationDefaults::read(p)?,
         None => GenerationDefaults::default(),
@@ -199,31 +282,58 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
         top_k: if sampling { gen_defaults.top_k } else { None },
         repetition_penalty: gen_defaults.repetition_penalty.unwrap_or(1.0),
     };
-    let metrics = Arc::new(Metrics::default());
-    let engine = engine::start(loaded.model, tokenizer.clone(), eos, cfg.max_concurrent_requests, metrics.clone());
-    let max_total_tokens = cfg.max_total_tokens.unwrap_or(context).min(context);
-    let state = Arc::new(AppState {
+    let engine = engine::start(loaded.model, tokenizer.clone(), eos, max_running, metrics);
+    let max_total_tokens = limit_total.unwrap_or(context).min(context);
+    Ok(ServedModel {
+        id: id.to_string(),
         engine,
         tokenizer,
-        model_id: cfg.served_model_name.clone().unwrap_or_else(|| cfg.model.clone()),
         created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
         context,
         vocab,
-        max_input_tokens: cfg.max_input_tokens.unwrap_or(max_total_tokens - 1).min(max_total_tokens - 1),
+        max_input_tokens: limit_input.unwrap_or(max_total_tokens - 1).min(max_total_tokens - 1),
         max_total_tokens,
-        max_concurrent: cfg.max_concurrent_requests.max(1),
+        defaults,
+    })
+}
+
+/// Loads the model, opens the data directory, starts the engine and the job runner, and serves
+/// until the process ends. Prints the address it listens on (`listening on http://HOST:PORT`)
+/// once ready.
+pub fn run(cfg: &ServeConfig) -> Result<()> {
+    let metrics = Arc::new(Metrics::default());
+    let base_id = cfg.served_model_name.clone().unwrap_or_else(|| cfg.model.clone());
+    let max_concurrent = cfg.max_concurrent_requests.max(1);
+    let base = load_served_with(&base_id, &cfg.model, cfg.revision.as_deref(), max_concurrent, cfg.max_input_tokens, cfg.max_total_tokens, metrics.clone())?;
+    let store = Arc::new(store::Store::open(&cfg.data_dir)?);
+    let failed = store.recover()?;
+    if failed > 0 {
+        eprintln!("{failed} job(s) were running when the server last stopped; marked failed");
+    }
+    // A local base model is fine-tuned from its absolute path, whatever the jobs' working directory.
+    let base_source = if Path::new(&cfg.model).is_dir() { std::fs::canonicalize(&cfg.model)?.to_string_lossy().to_string() } else { cfg.model.clone() };
+    let state = Arc::new(AppState {
+        models: RwLock::new(HashMap::from([(base_id.clone(), Arc::new(base))])),
+        base_id,
+        base_source,
+        store: store.clone(),
+        jobs_wakeup: jobs::Wakeup::default(),
+        in_flight: Arc::new(AtomicUsize::new(0)),
+        max_concurrent,
         max_queue: cfg.max_queue,
         max_body_bytes: cfg.max_body_bytes,
+        limit_input: cfg.max_input_tokens,
+        limit_total: cfg.max_total_tokens,
         api_key: cfg.api_key.clone(),
-        defaults,
         metrics,
     });
+    jobs::start_runner(state.clone());
     let addr: SocketAddr = format!("{}:{}", cfg.host, cfg.port).parse().with_context(|| format!("--host {} --port {}: not an address", cfg.host, cfg.port))?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
         let local = listener.local_addr()?;
-        eprintln!("listening on http://{local} (model {})", state.model_id);
+        eprintln!("listening on http://{local} (model {})", state.base_id);
         axum::serve(listener, router(state)).await.context("the server stopped")
     })
 }

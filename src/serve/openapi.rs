@@ -49,7 +49,40 @@ pub const SPEC: &str = r##"{
       "responses": {"200": {"description": "Token ids."}, "400": {"description": "Invalid request."}}}},
     "/detokenize": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"type": "object", "required": ["tokens"], "properties": {
         "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}}}},
-      "responses": {"200": {"description": "Text."}, "400": {"description": "Invalid request."}}}}
+      "responses": {"200": {"description": "Text."}, "400": {"description": "Invalid request."}}}},
+    "/v1/files": {
+      "get": {"responses": {"200": {"description": "Uploaded files."}}},
+      "post": {"requestBody": {"required": true, "content": {"multipart/form-data": {"schema": {"type": "object", "required": ["purpose", "file"], "properties": {
+        "purpose": {"type": "string", "enum": ["fine-tune"]}, "file": {"type": "string", "format": "binary"}}}}}},
+        "responses": {"200": {"description": "The file object."}, "400": {"description": "Invalid file (the line is named)."}}}},
+    "/v1/files/{id}": {
+      "get": {"parameters": [{"name": "id", "in": "path", "required": true, "schema": {"type": "string"}}], "responses": {"200": {"description": "The file."}, "404": {"description": "No such file."}}},
+      "delete": {"parameters": [{"name": "id", "in": "path", "required": true, "schema": {"type": "string"}}], "responses": {"200": {"description": "Deleted."}, "404": {"description": "No such file."}}}},
+    "/v1/files/{id}/content": {"get": {"parameters": [{"name": "id", "in": "path", "required": true, "schema": {"type": "string"}}],
+      "responses": {"200": {"description": "The JSONL contents."}, "404": {"description": "No such file."}}}},
+    "/v1/fine_tuning/jobs": {
+      "get": {"parameters": [{"name": "after", "in": "query", "schema": {"type": "string"}}, {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}}],
+        "responses": {"200": {"description": "Jobs, newest first, with has_more."}, "400": {"description": "Invalid paging."}}},
+      "post": {"parameters": [{"name": "Idempotency-Key", "in": "header", "schema": {"type": "string"}}],
+        "requestBody": {"required": true, "content": {"application/json": {"schema": {"type": "object", "required": ["model", "training_file"], "properties": {
+          "model": {"type": "string"}, "training_file": {"type": "string"}, "validation_file": {"type": "string"}, "suffix": {"type": "string", "maxLength": 64},
+          "seed": {"type": "integer", "minimum": 0}, "hyperparameters": {"type": "object", "properties": {
+            "n_epochs": {"oneOf": [{"type": "integer", "minimum": 1, "maximum": 50}, {"type": "string", "enum": ["auto"]}]},
+            "batch_size": {"oneOf": [{"type": "integer", "minimum": 1, "maximum": 256}, {"type": "string", "enum": ["auto"]}]},
+            "learning_rate_multiplier": {"oneOf": [{"type": "number", "minimum": 0.001, "maximum": 100}, {"type": "string", "enum": ["auto"]}]}}},
+          "fsdp_app": {"type": "object", "properties": {"world_size": {"type": "integer", "minimum": 1, "maximum": 16}, "seq_len": {"type": "integer", "minimum": 16},
+            "max_steps": {"type": "integer", "minimum": 1}, "lora": {"type": "object", "properties": {"r": {"type": "integer", "minimum": 1}, "alpha": {"type": "number"},
+            "dropout": {"type": "number", "minimum": 0, "maximum": 0.99}, "targets": {"type": "array", "items": {"type": "string"}}}}}}}}}}},
+        "responses": {"200": {"description": "The job."}, "400": {"description": "Invalid request."}}}},
+    "/v1/fine_tuning/jobs/{id}": {"get": {"parameters": [{"name": "id", "in": "path", "required": true, "schema": {"type": "string"}}],
+      "responses": {"200": {"description": "The job."}, "404": {"description": "No such job."}}}},
+    "/v1/fine_tuning/jobs/{id}/cancel": {"post": {"parameters": [{"name": "id", "in": "path", "required": true, "schema": {"type": "string"}}],
+      "responses": {"200": {"description": "The cancelled job."}, "400": {"description": "Already finished."}, "404": {"description": "No such job."}}}},
+    "/v1/fine_tuning/jobs/{id}/events": {"get": {"parameters": [{"name": "id", "in": "path", "required": true, "schema": {"type": "string"}},
+        {"name": "after", "in": "query", "schema": {"type": "string"}}, {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}}],
+      "responses": {"200": {"description": "Events, newest first."}, "404": {"description": "No such job."}}}},
+    "/v1/fine_tuning/jobs/{id}/checkpoints": {"get": {"parameters": [{"name": "id", "in": "path", "required": true, "schema": {"type": "string"}}],
+      "responses": {"200": {"description": "Checkpoints."}, "404": {"description": "No such job."}}}}
   }
 }"##;
 
@@ -58,7 +91,7 @@ mod tests {
     #[test]
     fn the_spec_is_json_and_lists_every_route() {
         let v: serde_json::Value = serde_json::from_str(super::SPEC).unwrap();
-        for p in ["/health", "/metrics", "/info", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"] {
+        for p in ["/health", "/metrics", "/info", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/files", "/v1/fine_tuning/jobs"] {
             assert!(v["paths"].get(p).is_some(), "{p}");
         }
     }

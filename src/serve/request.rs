@@ -108,6 +108,12 @@ impl<'a> Fields<'a> {
     }
 }
 
+/// The `model` field, checked (the model is looked up before the rest is parsed, because the
+/// sampling defaults are the model's).
+pub fn model_field(v: &Value) -> Result<&str, ApiError> {
+    Fields::of(v)?.string("model")?.ok_or_else(|| ApiError::invalid("model", "`model` is required."))
+}
+
 /// The fields both endpoints share. `chat` picks the chat names (`max_completion_tokens`,
 /// `logprobs` as a boolean with `top_logprobs`).
 pub fn parse_common(v: &Value, defaults: &Defaults, chat: bool) -> Result<GenerationRequest, ApiError> {

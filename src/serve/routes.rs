@@ -21,8 +21,8 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use super::engine::{Event, Job};
 use super::error::ApiError;
-use super::request::{parse_common, parse_messages, parse_prompt, GenerationRequest, Prompt};
-use super::AppState;
+use super::request::{model_field, parse_common, parse_messages, parse_prompt, GenerationRequest, Prompt};
+use super::{AppState, ServedModel};
 use crate::generate::TokenLogprob;
 
 fn now_s() -> u64 {
@@ -60,38 +60,37 @@ pub async fn health() -> Json<Value> {
 }
 
 pub async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
-    Json(json!({"object": "list", "data": [st.model_object()]}))
+    Json(json!({"object": "list", "data": st.model_objects()}))
 }
 
 pub async fn model(State(st): State<Arc<AppState>>, axum::extract::Path(id): axum::extract::Path<String>) -> Result<Json<Value>, ApiError> {
-    if id != st.model_id {
-        return Err(ApiError::model_not_found(&id));
-    }
-    Ok(Json(st.model_object()))
+    st.model_objects().into_iter().find(|m| m["id"] == json!(id)).map(Json).ok_or_else(|| ApiError::model_not_found(&id))
 }
 
 pub async fn info(State(st): State<Arc<AppState>>) -> Json<Value> {
+    let m = st.base();
     Json(json!({
-        "model": st.model_id,
-        "max_model_len": st.context,
-        "max_input_tokens": st.max_input_tokens,
-        "max_total_tokens": st.max_total_tokens,
+        "model": m.id,
+        "max_model_len": m.context,
+        "max_input_tokens": m.max_input_tokens,
+        "max_total_tokens": m.max_total_tokens,
         "max_concurrent_requests": st.max_concurrent,
         "max_queue": st.max_queue,
         "max_body_bytes": st.max_body_bytes,
         "max_n": super::request::MAX_N,
         "max_stop": super::request::MAX_STOP,
         "sampling_defaults": {
-            "temperature": st.defaults.temperature, "top_p": st.defaults.top_p, "top_k": st.defaults.top_k,
-            "repetition_penalty": st.defaults.repetition_penalty, "max_tokens_completions": 16,
+            "temperature": m.defaults.temperature, "top_p": m.defaults.top_p, "top_k": m.defaults.top_k,
+            "repetition_penalty": m.defaults.repetition_penalty, "max_tokens_completions": 16,
             "max_tokens_chat": "the rest of the context",
         },
-        "chat_template": st.tokenizer.chat_template.is_some(),
+        "chat_template": m.tokenizer.chat_template.is_some(),
+        "data_dir_jobs": true,
     }))
 }
 
 pub async fn metrics(State(st): State<Arc<AppState>>) -> impl IntoResponse {
-    let text = st.metrics.render(st.engine.queued(), st.engine.running.load(Ordering::SeqCst));
+    let text = st.metrics.render(st.queued(), st.running());
     ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
 }
 
@@ -99,34 +98,44 @@ pub async fn openapi() -> impl IntoResponse {
     ([(axum::http::header::CONTENT_TYPE, "application/json")], super::openapi::SPEC)
 }
 
+/// The model a utility request names (`model`, optional), else the base model.
+fn model_or_base(st: &AppState, v: &Value) -> Result<Arc<ServedModel>, ApiError> {
+    match v.get("model") {
+        None | Some(Value::Null) => Ok(st.base()),
+        Some(_) => st.model(model_field(v)?),
+    }
+}
+
 pub async fn tokenize(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
     let v = json_body(body, st.max_body_bytes)?;
+    let m = model_or_base(&st, &v)?;
     let ids = if v.get("messages").is_some() {
-        st.chat_ids(&parse_messages(&v)?)?
+        m.chat_ids(&parse_messages(&v)?)?
     } else {
-        match parse_prompt(&v, st.vocab)? {
+        match parse_prompt(&v, m.vocab)? {
             Prompt::Text(t) => {
                 let special = v.get("add_special_tokens").map(|x| x.as_bool().ok_or_else(|| ApiError::invalid("add_special_tokens", "`add_special_tokens` must be a boolean."))).transpose()?;
-                st.tokenizer.encode(&t, special.unwrap_or(true)).map_err(|e| ApiError::bad_request(format!("{e:#}")))?
+                m.tokenizer.encode(&t, special.unwrap_or(true)).map_err(|e| ApiError::bad_request(format!("{e:#}")))?
             }
             Prompt::Tokens(ids) => ids,
             Prompt::Chat(_) => unreachable!(),
         }
     };
-    Ok(Json(json!({"count": ids.len(), "max_model_len": st.context, "tokens": ids})))
+    Ok(Json(json!({"count": ids.len(), "max_model_len": m.context, "tokens": ids})))
 }
 
 pub async fn detokenize(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
     let v = json_body(body, st.max_body_bytes)?;
+    let m = model_or_base(&st, &v)?;
     let ids: Vec<u32> = match v.get("tokens") {
         Some(Value::Array(a)) => a
             .iter()
-            .map(|x| x.as_u64().filter(|&i| (i as usize) < st.vocab).map(|i| i as u32))
+            .map(|x| x.as_u64().filter(|&i| (i as usize) < m.vocab).map(|i| i as u32))
             .collect::<Option<_>>()
-            .ok_or_else(|| ApiError::invalid("tokens", format!("`tokens` must be integers in [0, {}).", st.vocab)))?,
+            .ok_or_else(|| ApiError::invalid("tokens", format!("`tokens` must be integers in [0, {}).", m.vocab)))?,
         _ => return Err(ApiError::invalid("tokens", "`tokens` must be a list of token ids.")),
     };
-    let text = st.tokenizer.decode(&ids, false).map_err(|e| ApiError::bad_request(format!("{e:#}")))?;
+    let text = m.tokenizer.decode(&ids, false).map_err(|e| ApiError::bad_request(format!("{e:#}")))?;
     Ok(Json(json!({"prompt": text})))
 }
 
@@ -136,14 +145,13 @@ struct Admission(Arc<AppState>);
 
 impl Drop for Admission {
     fn drop(&mut self) {
-        self.0.engine.in_flight.fetch_sub(1, Ordering::SeqCst);
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
 fn admit(st: &Arc<AppState>) -> Result<Admission, ApiError> {
     let cap = st.max_concurrent + st.max_queue;
-    st.engine
-        .in_flight
+    st.in_flight
         .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < cap).then_some(n + 1))
         .map_err(|_| ApiError::overloaded(1))?;
     Ok(Admission(st.clone()))
@@ -151,27 +159,27 @@ fn admit(st: &Arc<AppState>) -> Result<Admission, ApiError> {
 
 pub async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let v = json_body(body, st.max_body_bytes)?;
-    let req = parse_common(&v, &st.defaults, false)?;
-    st.check_model(&req.model)?;
-    let (ids, echo_text) = match parse_prompt(&v, st.vocab)? {
-        Prompt::Text(t) => (st.tokenizer.encode(&t, true).map_err(|e| ApiError::bad_request(format!("{e:#}")))?, t),
+    let m = st.model(model_field(&v)?)?;
+    let req = parse_common(&v, &m.defaults, false)?;
+    let (ids, echo_text) = match parse_prompt(&v, m.vocab)? {
+        Prompt::Text(t) => (m.tokenizer.encode(&t, true).map_err(|e| ApiError::bad_request(format!("{e:#}")))?, t),
         Prompt::Tokens(ids) => {
-            let t = st.tokenizer.decode(&ids, false).unwrap_or_default();
+            let t = m.tokenizer.decode(&ids, false).unwrap_or_default();
             (ids, t)
         }
         Prompt::Chat(_) => unreachable!(),
     };
     let echo = req.echo.then_some(echo_text);
-    run_generation(st, req, ids, Kind::Completion { echo }).await
+    run_generation(st, m, req, ids, Kind::Completion { echo }).await
 }
 
 pub async fn chat_completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let v = json_body(body, st.max_body_bytes)?;
-    let req = parse_common(&v, &st.defaults, true)?;
-    st.check_model(&req.model)?;
+    let m = st.model(model_field(&v)?)?;
+    let req = parse_common(&v, &m.defaults, true)?;
     let messages = parse_messages(&v)?;
-    let ids = st.chat_ids(&messages)?;
-    run_generation(st, req, ids, Kind::Chat).await
+    let ids = m.chat_ids(&messages)?;
+    run_generation(st, m, req, ids, Kind::Chat).await
 }
 
 enum Kind {
@@ -179,29 +187,29 @@ enum Kind {
     Chat,
 }
 
-async fn run_generation(st: Arc<AppState>, mut req: GenerationRequest, ids: Vec<u32>, kind: Kind) -> Result<Response, ApiError> {
+async fn run_generation(st: Arc<AppState>, m: Arc<ServedModel>, mut req: GenerationRequest, ids: Vec<u32>, kind: Kind) -> Result<Response, ApiError> {
     let prompt_tokens = ids.len();
     if prompt_tokens == 0 {
         return Err(ApiError::invalid(if matches!(kind, Kind::Chat) { "messages" } else { "prompt" }, "The prompt is empty."));
     }
-    if prompt_tokens > st.max_input_tokens {
+    if prompt_tokens > m.max_input_tokens {
         return Err(ApiError::invalid(
             if matches!(kind, Kind::Chat) { "messages" } else { "prompt" },
-            format!("The prompt has {prompt_tokens} tokens; this server accepts at most {} input tokens.", st.max_input_tokens),
+            format!("The prompt has {prompt_tokens} tokens; this server accepts at most {} input tokens.", m.max_input_tokens),
         )
         .with_code("context_length_exceeded"));
     }
     let default_max = match kind {
         Kind::Completion { .. } => 16,
-        Kind::Chat => st.max_total_tokens.saturating_sub(prompt_tokens),
+        Kind::Chat => m.max_total_tokens.saturating_sub(prompt_tokens),
     };
     let max_tokens = req.max_tokens.unwrap_or(default_max);
-    if prompt_tokens + max_tokens > st.max_total_tokens || max_tokens == 0 {
+    if prompt_tokens + max_tokens > m.max_total_tokens || max_tokens == 0 {
         return Err(ApiError::invalid(
             if req.max_tokens.is_some() { "max_tokens" } else { "messages" },
             format!(
                 "This model's maximum context length is {} tokens. However, you requested {} tokens ({prompt_tokens} in the prompt, {max_tokens} for the completion).",
-                st.max_total_tokens,
+                m.max_total_tokens,
                 prompt_tokens + max_tokens
             ),
         )
@@ -214,7 +222,7 @@ async fn run_generation(st: Arc<AppState>, mut req: GenerationRequest, ids: Vec<
         let (tx, rx) = mpsc::unbounded_channel();
         let mut params = req.params.clone();
         params.seed = params.seed.wrapping_add(i as u64);
-        st.engine
+        m.engine
             .submit(Job { prompt_ids: ids.clone(), params, events: tx, enqueued: Instant::now() })
             .map_err(ApiError::internal)?;
         receivers.push(rx);
@@ -227,7 +235,7 @@ async fn run_generation(st: Arc<AppState>, mut req: GenerationRequest, ids: Vec<
         Kind::Chat => None,
     };
     if req.stream {
-        return Ok(stream_response(st, admission, receivers, id, created, chat, echo, req.include_usage, prompt_tokens));
+        return Ok(stream_response(m, admission, receivers, id, created, chat, echo, req.include_usage, prompt_tokens));
     }
     let mut choices = vec![];
     let mut completion_tokens = 0;
@@ -248,7 +256,7 @@ async fn run_generation(st: Arc<AppState>, mut req: GenerationRequest, ids: Vec<
                 None => return Err(ApiError::internal("the engine dropped the request")),
             }
         };
-        let logprobs = req.params.logprobs.map(|_| st.logprobs_json(&lps, chat));
+        let logprobs = req.params.logprobs.map(|_| m.logprobs_json(&lps, chat));
         choices.push(if chat {
             json!({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish})
         } else {
@@ -258,12 +266,12 @@ async fn run_generation(st: Arc<AppState>, mut req: GenerationRequest, ids: Vec<
     drop(admission);
     let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens});
     let object = if chat { "chat.completion" } else { "text_completion" };
-    Ok(Json(json!({"id": id, "object": object, "created": created, "model": st.model_id, "choices": choices, "usage": usage})).into_response())
+    Ok(Json(json!({"id": id, "object": object, "created": created, "model": m.id, "choices": choices, "usage": usage})).into_response())
 }
 
 #[allow(clippy::too_many_arguments)]
 fn stream_response(
-    st: Arc<AppState>,
+    m: Arc<ServedModel>,
     admission: Admission,
     receivers: Vec<mpsc::UnboundedReceiver<Event>>,
     id: String,
@@ -288,7 +296,7 @@ fn stream_response(
         });
     }
     drop(merged_tx);
-    let model_id = st.model_id.clone();
+    let model_id = m.id.clone();
     tokio::spawn(async move {
         let _admission = admission;
         let object = if chat { "chat.completion.chunk" } else { "text_completion" };
@@ -317,7 +325,7 @@ fn stream_response(
         while let Some((index, ev)) = merged_rx.recv().await {
             let choice = match ev {
                 Event::Delta { text, logprob } => {
-                    let lp = logprob.map(|l| st.logprobs_json(&[l], chat));
+                    let lp = logprob.map(|l| m.logprobs_json(&[l], chat));
                     if chat {
                         json!({"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": null})
                     } else {
