@@ -11,6 +11,7 @@ pub mod openapi;
 pub mod request;
 pub mod routes;
 pub mod store;
+pub mod web;
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -200,10 +201,11 @@ fn same_secret(a: &[u8], b: &[u8]) -> bool {
     diff == 0
 }
 
-/// Every route but /health needs `Authorization: Bearer <key>` when a key is set.
+/// Every route but /health and the static pages needs `Authorization: Bearer <key>` when a key
+/// is set.
 async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     if let Some(key) = &st.api_key {
-        if req.uri().path() != "/health" {
+        if req.uri().path() != "/health" && !web::PUBLIC_PATHS.contains(&req.uri().path()) {
             let given = req
                 .headers()
                 .get(axum::http::header::AUTHORIZATION)
@@ -225,6 +227,10 @@ async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Resp
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/health", get(routes::health))
+        .route("/", get(web::index))
+        .route("/finetune", get(web::finetune))
+        .route("/web/app.js", get(web::app_js))
+        .route("/web/app.css", get(web::app_css))
         .route("/metrics", get(routes::metrics))
         .route("/info", get(routes::info))
         .route("/openapi.json", get(routes::openapi))

@@ -1,0 +1,90 @@
+//! The web pages in real headless Chromium: `tests/web/browser_test.mjs` (playwright-core,
+//! installed by npm into target/web-test on first use) drives Debian's chromium against a running
+//! server. Prints SKIPPED with the reason when chromium or npm is missing (.ci/run installs
+//! chromium).
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use common::*;
+
+fn chromium() -> Result<PathBuf, String> {
+    if let Ok(p) = std::env::var("CHROMIUM") {
+        return Ok(p.into());
+    }
+    for p in ["/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome"] {
+        if Path::new(p).is_file() {
+            return Ok(p.into());
+        }
+    }
+    Err("no chromium (apt-get install chromium, or set CHROMIUM)".into())
+}
+
+/// target/web-test with playwright-core installed.
+fn playwright() -> Result<PathBuf, String> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target").join("web-test");
+    if dir.join("node_modules").join("playwright-core").is_dir() {
+        return Ok(dir);
+    }
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let o = Command::new("npm")
+        .args(["install", "--silent", "--no-audit", "--no-fund", "--prefix"])
+        .arg(&dir)
+        .arg("playwright-core@1")
+        .output()
+        .map_err(|e| format!("npm: {e}"))?;
+    if !o.status.success() {
+        return Err(format!("npm install playwright-core failed: {}", String::from_utf8_lossy(&o.stderr).trim()));
+    }
+    Ok(dir)
+}
+
+#[test]
+fn the_pages_chat_and_fine_tune_in_headless_chromium() {
+    let (browser, modules) = match (chromium(), playwright()) {
+        (Ok(b), Ok(m)) => (b, m),
+        (Err(why), _) | (_, Err(why)) => {
+            println!("SKIPPED the_pages_chat_and_fine_tune_in_headless_chromium: {why}");
+            eprintln!("SKIPPED the_pages_chat_and_fine_tune_in_headless_chromium: {why}");
+            return;
+        }
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("qwen2", tmp.path());
+    let data = tmp.path().join("data");
+    let mut server = Command::new(bin())
+        .args(["serve", "--model", model.to_str().unwrap(), "--port", "0", "--served-model-name", "tiny", "--api-key", "web-key", "--data-dir"])
+        .arg(&data)
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(server.stderr.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("listening on http://") {
+        line.clear();
+        assert!(err.read_line(&mut line).unwrap() > 0, "the server did not start");
+    }
+    std::thread::spawn(move || for _ in err.lines() {});
+    let addr = line.split("http://").nth(1).unwrap().split_whitespace().next().unwrap().to_string();
+    // ES modules resolve `playwright-core` from the script's own directory: run a copy placed
+    // next to the installed node_modules.
+    let script = modules.join("browser_test.mjs");
+    std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests").join("web").join("browser_test.mjs"), &script).unwrap();
+    let out = Command::new("node")
+        .arg(&script)
+        .env("BASE", format!("http://{addr}"))
+        .env("KEY", "web-key")
+        .env("CHROMIUM", &browser)
+        .env("TRAIN_FILE", Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/zephyrix-codename.jsonl"))
+        .output()
+        .unwrap();
+    let _ = server.kill();
+    let _ = server.wait();
+    let log = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("browser: all checks passed"), "{log}");
+}
