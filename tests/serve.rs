@@ -208,6 +208,9 @@ fn bad_requests_get_openai_errors_and_never_a_5xx() {
         (comp.clone(), "[1, 2, 3]".to_string(), 400, None, None),
         (comp.clone(), "null".to_string(), 400, None, None),
         (comp.clone(), json!({"model": "tiny", "prompt": "x", "max_tokens": 5, "padding": "y".repeat(200_000)}).to_string(), 413, None, None),
+        (comp.clone(), json!({"model": "tiny", "prompt": "z".repeat(10 << 20)}).to_string(), 413, None, None),
+        (chat.clone(), json!({"model": "tiny", "messages": msgs, "max_tokens": 4, "temperature": -1}).to_string(), 400, Some("temperature"), None),
+        (chat.clone(), json!({"model": "tiny", "messages": msgs, "seed": 1e300}).to_string(), 400, Some("seed"), None),
         (server.url("/v1/nothing"), "{}".to_string(), 404, None, None),
         (server.url("/detokenize"), json!({"tokens": [-1]}).to_string(), 400, Some("tokens"), None),
     ];
