@@ -6,7 +6,7 @@
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -24,15 +24,6 @@ use super::error::ApiError;
 use super::request::{model_field, parse_common, parse_messages, parse_prompt, GenerationRequest, Prompt};
 use super::{AppState, ServedModel};
 use crate::generate::TokenLogprob;
-
-fn now_s() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
-}
-
-fn random_id(prefix: &str) -> String {
-    let mut s = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0) ^ std::process::id() as u64;
-    format!("{prefix}-{:016x}", models::lora::splitmix64(&mut s))
-}
 
 /// The body as JSON, or a 400/413 in OpenAI's shape. Bodies over the limit are read to the
 /// end first (up to a hard cap), so the client gets the 413 instead of a broken connection.
@@ -227,8 +218,8 @@ async fn run_generation(st: Arc<AppState>, m: Arc<ServedModel>, mut req: Generat
             .map_err(ApiError::internal)?;
         receivers.push(rx);
     }
-    let id = random_id(if matches!(kind, Kind::Chat) { "chatcmpl" } else { "cmpl" });
-    let created = now_s();
+    let id = super::store::new_id(if matches!(kind, Kind::Chat) { "chatcmpl" } else { "cmpl" });
+    let created = super::store::now_s() as u64;
     let chat = matches!(kind, Kind::Chat);
     let echo = match &kind {
         Kind::Completion { echo } => echo.clone(),
