@@ -7,6 +7,7 @@ pub mod config;
 pub mod layers;
 pub mod lora;
 pub mod model;
+pub mod rng;
 pub mod staged;
 pub mod tensors;
 

@@ -14,6 +14,7 @@ use candle_nn::Linear;
 
 use crate::config::ModelConfig;
 use crate::layers::OpMode;
+use crate::rng::splitmix64;
 use crate::tensors::{layer_tensors, TensorSpec};
 
 /// The linear modules of a decoder layer LoRA can target (PEFT matches on these names).
@@ -129,16 +130,6 @@ pub fn merge_into(weights: &mut HashMap<String, Tensor>, settings: &LoraSettings
         weights.insert(w_name, merged);
     }
     Ok(())
-}
-
-/// SplitMix64: a tiny, good-enough generator for dropout masks and initialisation, so runs are
-/// reproducible and every rank derives the same mask for the same sample.
-pub fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 /// FNV-1a of a string: a stable id for a module, mixed into its dropout seed.

@@ -176,12 +176,9 @@ impl FsdpEngine {
         let world = &self.groups.world;
         let shard_size = self.groups.shard.world_size();
         let plan = &self.units[u].plan;
+        // Moments exist for the trainable parameters only, laid out like their gradients.
         let moments = part != StatePart::Master;
-        let (buf_len, offset_of) = if moments {
-            (plan.grad_chunk_len, (|p: &super::plan::ParamLayout| p.grad_offset) as fn(&super::plan::ParamLayout) -> usize)
-        } else {
-            (plan.chunk_len, (|p: &super::plan::ParamLayout| p.offset) as fn(&super::plan::ParamLayout) -> usize)
-        };
+        let buf_len = if moments { plan.grad_chunk_len } else { plan.chunk_len };
         let in_part = |p: &&super::plan::ParamLayout| !moments || p.trainable;
         if buf_len == 0 {
             return Ok(());
@@ -218,7 +215,7 @@ impl FsdpEngine {
                 StatePart::ExpAvg => &mut unit.adam[i].exp_avg,
                 StatePart::ExpAvgSq => &mut unit.adam[i].exp_avg_sq,
             };
-            let at = offset_of(p);
+            let at = if moments { p.grad_offset } else { p.offset };
             dst.copy_from_slice(&mine[at..at + p.chunk_len()]);
         }
         Ok(())
@@ -403,12 +400,7 @@ impl FsdpEngine {
             // A first stage with nothing to train (a frozen embedding) needs no backward.
             if s == 0 && !params.values().any(|t| t.is_variable()) {
                 saved[s] = None;
-                for &u in &self.stage_units[s].clone() {
-                    if self.units[u].plan.first_stage == s {
-                        self.reduce_scatter_unit(u)?;
-                        self.units[u].gathered = None;
-                    }
-                }
+                self.finish_units_starting_at(s)?;
                 continue;
             }
             let (out, input_var) = if ac {
@@ -456,15 +448,21 @@ impl FsdpEngine {
                 Some(v) => Some(grads.get(v.as_tensor()).cloned().context("no gradient reached a stage input")?),
                 None => None,
             };
-            // A unit whose first stage is done has all its gradients: reduce-scatter and free.
-            for &u in &self.stage_units[s].clone() {
-                if self.units[u].plan.first_stage == s {
-                    self.reduce_scatter_unit(u)?;
-                    self.units[u].gathered = None;
-                }
-            }
+            self.finish_units_starting_at(s)?;
         }
         Ok(loss_sum)
+    }
+
+    /// After stage `s`'s backward, a unit whose first stage is `s` has all its gradients:
+    /// reduce-scatter them and free its gathered weights.
+    fn finish_units_starting_at(&mut self, s: usize) -> Result<()> {
+        for &u in &self.stage_units[s].clone() {
+            if self.units[u].plan.first_stage == s {
+                self.reduce_scatter_unit(u)?;
+                self.units[u].gathered = None;
+            }
+        }
+        Ok(())
     }
 
     fn reduce_scatter_unit(&mut self, u: usize) -> Result<()> {

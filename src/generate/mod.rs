@@ -158,7 +158,6 @@ pub struct Sequence {
     cache: KvCache,
     stream: TextStream,
     eos_ids: HashSet<u32>,
-    repetition_penalty: f32,
     /// Prompt and generated ids (for the repetition penalty).
     context: Vec<u32>,
     prompt_len: usize,
@@ -247,7 +246,6 @@ impl Sequence {
             cache: KvCache::new(model.config()),
             stream: TextStream::new(params.stop.clone()),
             eos_ids: eos_ids.clone(),
-            repetition_penalty: params.repetition_penalty,
             context: prompt_ids.to_vec(),
             prompt_len: prompt_ids.len(),
             generated: vec![],
@@ -306,8 +304,8 @@ impl Sequence {
     /// stop strings, length.
     fn accept(&mut self, logits: Tensor, tokenizer: &TextTokenizer) -> Result<SequenceStep> {
         let logits = logits.to_dtype(DType::F32)?;
-        let logits = if self.repetition_penalty != 1.0 {
-            candle_transformers::utils::apply_repeat_penalty(&logits, self.repetition_penalty, &self.context)?
+        let logits = if self.params.repetition_penalty != 1.0 {
+            candle_transformers::utils::apply_repeat_penalty(&logits, self.params.repetition_penalty, &self.context)?
         } else {
             logits
         };
@@ -363,16 +361,7 @@ pub fn step_all(model: &CausalLm, tokenizer: &TextTokenizer, seqs: &mut [&mut Se
     if decoding.len() > 1 {
         let tokens: Vec<u32> = decoding.iter().map(|&i| seqs[i].pending[0]).collect();
         let batched = {
-            let mut caches: Vec<&mut KvCache> = vec![];
-            let mut rest: &mut [&mut Sequence] = seqs;
-            let mut base = 0;
-            for &i in &decoding {
-                let (_, tail) = rest.split_at_mut(i - base);
-                let (head, tail) = tail.split_at_mut(1);
-                caches.push(&mut head[0].cache);
-                rest = tail;
-                base = i + 1;
-            }
+            let mut caches: Vec<&mut KvCache> = seqs.iter_mut().filter(|q| q.is_decoding()).map(|q| &mut q.cache).collect();
             model.forward_decode_rows(&tokens, &mut caches)
         };
         match batched {

@@ -120,11 +120,10 @@ impl AppState {
 
     /// Every servable model: the loaded ones and every succeeded job's.
     pub fn model_objects(&self) -> Vec<Value> {
-        let mut out: Vec<Value> = vec![self.base().object()];
-        if let Ok(ft) = self.store.fine_tuned_models() {
-            for (id, _) in ft {
-                out.push(json!({"id": id, "object": "model", "created": self.base().created, "owned_by": "fsdp-app", "parent": self.base_id}));
-            }
+        let base = self.base();
+        let mut out: Vec<Value> = vec![base.object()];
+        for (id, _) in self.store.fine_tuned_models().unwrap_or_default() {
+            out.push(json!({"id": id, "object": "model", "created": base.created, "owned_by": "fsdp-app", "parent": self.base_id}));
         }
         out
     }

@@ -188,7 +188,7 @@ pub fn parse_common(v: &Value, defaults: &Defaults, chat: bool) -> Result<Genera
         top_k,
         top_p,
         repetition_penalty,
-        seed: seed.unwrap_or_else(rand_seed),
+        seed: seed.unwrap_or_else(super::store::fresh_seed),
         stop,
         min_p,
         presence_penalty,
@@ -196,13 +196,6 @@ pub fn parse_common(v: &Value, defaults: &Defaults, chat: bool) -> Result<Genera
         logprobs,
     };
     Ok(GenerationRequest { model, max_tokens, params, n, stream, include_usage, echo })
-}
-
-fn rand_seed() -> u64 {
-    use std::time::{SystemTime, UNIX_EPOCH};
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
-    let mut s = nanos ^ 0x5DEE_CE66_D1CE_4E5B;
-    models::lora::splitmix64(&mut s)
 }
 
 /// `prompt` of /v1/completions: a string, or a list of token ids.

@@ -832,7 +832,7 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
 /// The dropout seed of the sample at `place` in step `step`'s global batch.
 fn dropout_seed(seed: u64, step: usize, place: usize) -> u64 {
     let mut state = seed ^ ((step as u64) << 32) ^ place as u64;
-    models::lora::splitmix64(&mut state)
+    models::rng::splitmix64(&mut state)
 }
 
 /// Rank 0 resolves the data (a local file or a Hub dataset file, downloaded once) and sends its
@@ -896,16 +896,13 @@ fn export_result(
     is_root: bool,
 ) -> Result<()> {
     let Some(lora) = &model_cfg.lora else {
-        return export_full(engine, model, model_cfg, side_files, dir, cfg.max_shard_size, is_root);
+        return export_full(engine, model, model_cfg, side_files, Some(dir), cfg.max_shard_size, is_root, None);
     };
-    // The adapter is small: gather every unit and keep its adapter tensors on rank 0.
+    // One pass over the units: the adapter tensors are kept (they are small) and, with
+    // --merge-lora, the merged model is streamed to OUTPUT/merged at the same time.
     let mut adapter = std::collections::HashMap::new();
-    for u in 0..engine.units().count() {
-        let full = engine.full_unit(u)?;
-        if is_root {
-            adapter.extend(full.into_iter().filter(|(n, _)| models::lora::is_adapter_tensor(n)));
-        }
-    }
+    let merged_dir = dir.join("merged");
+    export_full(engine, model, model_cfg, side_files, cfg.merge_lora.then_some(merged_dir.as_path()), cfg.max_shard_size, is_root, Some(&mut adapter))?;
     if is_root {
         let base = match Path::new(&cfg.model).is_dir() {
             true => std::fs::canonicalize(&cfg.model)?.to_string_lossy().to_string(),
@@ -918,30 +915,30 @@ fn export_result(
         }
     }
     engine.groups().world.barrier()?;
-    if cfg.merge_lora {
-        export_full(engine, model, model_cfg, side_files, &dir.join("merged"), cfg.max_shard_size, is_root)?;
-    }
     Ok(())
 }
 
 /// Writes the full Hugging Face model into `dir`: each unit is gathered on every rank of the
 /// shard group and rank 0 streams it into the safetensors files, so memory stays at one unit.
-/// LoRA adapters are merged into their base weights (`W + scaling * B A`).
+/// LoRA adapters are merged into their base weights (`W + scaling * B A`); `keep_adapter` gets
+/// a copy of them (rank 0). With `dir` None no model is written (the pass only collects).
+#[allow(clippy::too_many_arguments)]
 fn export_full(
     engine: &FsdpEngine,
     model: &dyn models::StagedModel,
     model_cfg: &models::ModelConfig,
     side_files: &[(String, Vec<u8>)],
-    dir: &Path,
+    dir: Option<&Path>,
     max_shard_size: usize,
     is_root: bool,
+    mut keep_adapter: Option<&mut std::collections::HashMap<String, Tensor>>,
 ) -> Result<()> {
     let save_dtype = match model_cfg.stored_dtype.as_deref() {
         Some("bfloat16") => DType::BF16,
         Some("float16") => DType::F16,
         _ => DType::F32,
     };
-    let mut export = if is_root {
+    let mut export = if let (true, Some(dir)) = (is_root, dir) {
         // Checkpoint order (embeddings, layers, norm, head), so the shards read naturally.
         let specs: Vec<(String, Vec<usize>)> = model
             .parameters()
@@ -955,6 +952,9 @@ fn export_full(
     };
     for u in 0..engine.units().count() {
         let mut full = engine.full_unit(u)?;
+        if let (Some(keep), true) = (keep_adapter.as_deref_mut(), is_root) {
+            keep.extend(full.iter().filter(|(n, _)| models::lora::is_adapter_tensor(n)).map(|(n, t)| (n.clone(), t.clone())));
+        }
         if let (Some(lora), true) = (&model_cfg.lora, export.is_some()) {
             models::lora::merge_into(&mut full, lora)?;
         }
