@@ -9,6 +9,7 @@
 
 pub mod checkpoint;
 pub mod convert;
+pub mod device;
 pub mod dist;
 pub mod fixtures;
 pub mod fsdp;

@@ -6,7 +6,6 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use candle_core::Device;
 use clap::{Args, Parser, Subcommand};
 
 use fsdp_app::checkpoint::{load_model_with_adapter, parse_dtype, resolve_model};
@@ -59,6 +58,9 @@ struct ModelArgs {
     /// Compute dtype: f32 (default; fastest on CPU), bf16 or f16.
     #[arg(long, default_value = "f32")]
     dtype: String,
+    /// Where to run: cpu, cuda (GPU 0) or cuda:N; GPUs need a CUDA build (scripts/build-cuda.sh).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 #[derive(Args)]
@@ -170,7 +172,8 @@ struct FinetuneArgs {
     /// layer (e.g. LlamaDecoderLayer). Checked, never ignored.
     #[arg(long)]
     transformer_cls_names_to_wrap: Option<String>,
-    /// dtype gathered parameters travel in (f32, bf16, f16); compute is f32 on CPU.
+    /// dtype gathered parameters travel in (f32, bf16, f16); on a GPU also the compute dtype,
+    /// on CPU compute is f32.
     #[arg(long, default_value = "f32")]
     param_dtype: String,
     /// dtype gradients are reduced in (f32, bf16, f16).
@@ -209,10 +212,14 @@ struct FinetuneArgs {
     /// Take samples in file order.
     #[arg(long)]
     no_shuffle: bool,
-    /// Collective backend: auto (local threads, or per-process tcp / mpi under a launcher),
-    /// local, tcp or mpi (build with --features mpi).
+    /// Collective backend: auto (local threads; under a launcher nccl with --device cuda, else
+    /// tcp, or mpi under mpirun), local, tcp, mpi (build with --features mpi) or nccl (CUDA build).
     #[arg(long, default_value = "auto")]
     backend: String,
+    /// Where each rank computes: cpu, or cuda (each rank its LOCAL_RANK GPU; CUDA build). The fp32
+    /// master weights, gradients and AdamW state stay in host memory.
+    #[arg(long, default_value = "cpu")]
+    device: String,
     /// Seconds a collective may wait for the other ranks before the run fails.
     #[arg(long, default_value_t = 600)]
     collective_timeout: u64,
@@ -548,6 +555,7 @@ fn run_finetune(a: FinetuneArgs) -> Result<()> {
         reduce_dtype: parse_dtype(&a.reduce_dtype).context("--reduce-dtype")?,
         collective_timeout: std::time::Duration::from_secs(a.collective_timeout),
         backend: a.backend.parse()?,
+        device: a.device.parse()?,
         save_steps: a.save_steps,
         save_total_limit: a.save_total_limit,
         resume_from: a.resume_from_checkpoint,
@@ -700,13 +708,14 @@ fn run_convert(a: ConvertArgs) -> Result<()> {
 
 fn run_generate(a: GenerateArgs) -> Result<()> {
     let dtype = parse_dtype(&a.model.dtype)?;
+    let device = a.model.device.parse::<fsdp_app::device::DeviceSpec>()?.open(0)?;
     let load_start = Instant::now();
     let files = resolve_model(&a.model.model, a.model.revision.as_deref())?;
     let defaults = match &files.generation_config {
         Some(p) => GenerationDefaults::read(p)?,
         None => GenerationDefaults::default(),
     };
-    let loaded = load_model_with_adapter(files, a.adapter.as_deref(), dtype, &Device::Cpu)?;
+    let loaded = load_model_with_adapter(files, a.adapter.as_deref(), dtype, &device)?;
     let tokenizer = TextTokenizer::load(&loaded.files, loaded.config.vocab_size)?;
     let load_s = load_start.elapsed().as_secs_f64();
 

@@ -190,3 +190,25 @@ fn convert_refuses_what_is_not_gguf_and_leaves_nothing_behind() {
     let missing = run_cli(&["convert", "--gguf", "/nonexistent/x.gguf", "--out", out_dir.to_str().unwrap()], &[]);
     assert_clean_error(&missing, &["/nonexistent/x.gguf"]);
 }
+
+/// A build without CUDA (the default, and CI's) says how to get a GPU build, names the flag,
+/// and writes nothing; a bad --device value is named before anything runs.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn gpu_flags_on_a_cpu_build_give_one_clear_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = fixture("llama", tmp.path());
+    let data = reference_dir().join("train-data.jsonl");
+    let out_dir = tmp.path().join("out");
+    let finetune = |extra: &[&str]| {
+        let mut args = vec!["finetune", "--model", dir.to_str().unwrap(), "--data", data.to_str().unwrap()];
+        args.extend_from_slice(&["--output-dir", out_dir.to_str().unwrap(), "--seq-len", "16", "--max-steps", "1"]);
+        args.extend_from_slice(extra);
+        run_cli(&args, &[])
+    };
+    assert_clean_error(&finetune(&["--device", "cuda"]), &["--device cuda:0", "built without CUDA", "scripts/build-cuda.sh"]);
+    assert_clean_error(&finetune(&["--device", "cuda", "--backend", "nccl"]), &["--backend nccl", "scripts/build-cuda.sh"]);
+    assert_clean_error(&finetune(&["--device", "tpu"]), &["--device \"tpu\"", "cpu, cuda or cuda:N"]);
+    assert!(!out_dir.exists() || std::fs::read_dir(&out_dir).unwrap().next().is_none(), "a failed start left files behind");
+    assert_clean_error(&gen(&dir, &["--device", "cuda:1"]), &["--device cuda:1", "built without CUDA"]);
+}

@@ -10,6 +10,8 @@ pub mod launch;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod tcp;
 
 use std::sync::Arc;
@@ -71,5 +73,52 @@ impl ProcessGroups {
         self.world.abort(reason);
         self.shard.abort(reason);
         self.replicate.abort(reason);
+    }
+}
+
+/// Which of the job's communicators (one for the world, one per shard group, one per replica
+/// group; numbered in that order) a rank belongs to. Shard groups are runs of `shard_size`
+/// consecutive ranks and replica groups take every `shard_size`-th rank, as in
+/// [`local::create_process_groups`]. Backends that need one id per communicator (NCCL) number
+/// them this way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CommunicatorSlots {
+    /// How many communicators the job has.
+    pub count: usize,
+    pub world: usize,
+    pub shard: usize,
+    pub replicate: usize,
+}
+
+pub fn communicator_slots(rank: usize, world: usize, shard_size: usize) -> CommunicatorSlots {
+    let shard_groups = world / shard_size;
+    CommunicatorSlots { count: 1 + shard_groups + shard_size, world: 0, shard: 1 + rank / shard_size, replicate: 1 + shard_groups + rank % shard_size }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Ranks get the same communicator exactly when the local backend puts them in the same group.
+    #[test]
+    fn communicator_slots_follow_the_local_groups() {
+        for (world, shard) in [(1, 1), (4, 4), (4, 2), (4, 1), (6, 3)] {
+            let groups = local::create_process_groups(world, shard, std::time::Duration::from_secs(5));
+            let slots: Vec<_> = (0..world).map(|r| communicator_slots(r, world, shard)).collect();
+            for a in 0..world {
+                assert!(slots[a].shard < slots[a].count && slots[a].replicate < slots[a].count);
+                assert_ne!(slots[a].shard, slots[a].replicate);
+                for b in 0..world {
+                    // Same group of the local backend <=> same slot; the group sizes tell.
+                    let same_shard = a / shard == b / shard;
+                    assert_eq!(slots[a].shard == slots[b].shard, same_shard, "world {world} shard {shard}: {a} {b}");
+                    assert_eq!(slots[a].replicate == slots[b].replicate, a % shard == b % shard);
+                }
+                assert_eq!(groups[a].shard.world_size(), shard);
+                assert_eq!(groups[a].shard.rank(), a % shard);
+                assert_eq!(groups[a].replicate.world_size(), world / shard);
+                assert_eq!(groups[a].replicate.rank(), a / shard);
+            }
+        }
     }
 }

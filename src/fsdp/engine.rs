@@ -21,7 +21,9 @@ pub use crate::dist::ProcessGroups;
 pub struct FsdpOptions {
     pub strategy: ShardingStrategy,
     pub activation_checkpointing: bool,
-    /// dtype the gathered parameters travel in (rounded to it); compute stays f32 on CPU.
+    /// dtype the gathered parameters travel in (rounded to it). On a GPU it is also the compute
+    /// dtype (FSDP2's `MixedPrecisionPolicy.param_dtype`); on CPU compute stays f32, where bf16
+    /// matmuls are slower and no more accurate.
     pub param_dtype: DType,
     /// dtype gradients are reduced in.
     pub reduce_dtype: DType,
@@ -148,6 +150,27 @@ impl FsdpEngine {
         Ok(Self { model, units, stage_units, groups, opts, device: Device::Cpu, adam, decay, step: 0 })
     }
 
+    /// Runs the units on `device` (default: CPU). The fp32 master chunks, gradients and AdamW
+    /// state stay in host memory (like FSDP2's `CPUOffloadPolicy`): a unit's parameters go to the
+    /// device when it is gathered and its gradients come back when it is reduce-scattered.
+    pub fn with_device(mut self, device: Device) -> Self {
+        self.device = device;
+        self
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// dtype the units compute in: `param_dtype` on a GPU, f32 on CPU.
+    fn compute_dtype(&self) -> DType {
+        if self.device.is_cpu() {
+            DType::F32
+        } else {
+            self.opts.param_dtype
+        }
+    }
+
     pub fn units(&self) -> impl Iterator<Item = &UnitPlan> {
         self.units.iter().map(|u| &u.plan)
     }
@@ -257,10 +280,12 @@ impl FsdpEngine {
             }
             full.truncate(p.numel());
             let shape = p.spec.shape.as_slice();
-            let t = if p.trainable {
-                Var::from_vec(full, shape, &self.device)?.as_tensor().clone()
-            } else {
-                Tensor::from_vec(full, shape, &self.device)?
+            let dtype = if round { self.compute_dtype() } else { DType::F32 };
+            let t = match (p.trainable, dtype) {
+                // Straight from the buffer (no copy) in the common f32 case.
+                (true, DType::F32) => Var::from_vec(full, shape, &self.device)?.as_tensor().clone(),
+                (true, dt) => Var::from_tensor(&Tensor::from_vec(full, shape, &self.device)?.to_dtype(dt)?)?.as_tensor().clone(),
+                (false, dt) => Tensor::from_vec(full, shape, &self.device)?.to_dtype(dt)?,
             };
             out.insert(p.spec.name.clone(), t);
         }
@@ -301,7 +326,8 @@ impl FsdpEngine {
     /// happens here, as in transformers); -100 is ignored.
     fn loss_sum(logits: &Tensor, labels: &[i64], b: usize, t: usize) -> Result<Tensor> {
         let v = logits.dim(D::Minus1)?;
-        let logits = logits.narrow(1, 0, t - 1)?.reshape((b * (t - 1), v))?;
+        // In f32 whatever the compute dtype, as transformers' loss upcasts the logits.
+        let logits = logits.narrow(1, 0, t - 1)?.reshape((b * (t - 1), v))?.to_dtype(DType::F32)?;
         let mut targets = Vec::with_capacity(b * (t - 1));
         let mut mask = Vec::with_capacity(b * (t - 1));
         for row in 0..b {

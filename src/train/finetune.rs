@@ -56,6 +56,8 @@ pub struct FinetuneConfig {
     pub reduce_dtype: DType,
     pub collective_timeout: Duration,
     pub backend: Backend,
+    /// Where the units compute (`cuda` = each rank's LOCAL_RANK GPU).
+    pub device: crate::device::DeviceSpec,
     pub max_shard_size: usize,
     /// Save a sharded checkpoint every this many steps.
     pub save_steps: Option<usize>,
@@ -118,6 +120,7 @@ impl FinetuneConfig {
             reduce_dtype: DType::F32,
             collective_timeout: Duration::from_secs(600),
             backend: Backend::Auto,
+            device: crate::device::DeviceSpec::Cpu,
             max_shard_size: 5_000_000_000,
             save_steps: None,
             save_total_limit: None,
@@ -154,6 +157,10 @@ pub struct RunSummary {
 pub fn validate(cfg: &FinetuneConfig) -> Result<()> {
     if cfg.world_size == 0 {
         bail!("--world-size must be positive");
+    }
+    if cfg.device.is_cuda() && !cfg!(feature = "cuda") {
+        // The error that says how to get a CUDA build, before anything is read.
+        cfg.device.open(0)?;
     }
     for (name, v) in [("--batch-size", cfg.batch_size), ("--grad-accum", cfg.grad_accum), ("--seq-len", cfg.seq_len), ("--epochs", cfg.epochs)] {
         if v == 0 {
@@ -217,6 +224,7 @@ fn shard_size(cfg: &FinetuneConfig) -> usize {
 pub fn run(cfg: &FinetuneConfig, env: Option<&DistEnv>) -> Result<Option<RunSummary>> {
     let backend = match (cfg.backend, env) {
         (Backend::Auto, None) => Backend::Local,
+        (Backend::Auto, Some(_)) if cfg.device.is_cuda() && cfg!(feature = "nccl") => Backend::Nccl,
         (Backend::Auto, Some(e)) if e.launcher == "mpirun" && cfg!(feature = "mpi") => Backend::Mpi,
         (Backend::Auto, Some(_)) => Backend::Tcp,
         (b, _) => b,
@@ -230,13 +238,15 @@ pub fn run(cfg: &FinetuneConfig, env: Option<&DistEnv>) -> Result<Option<RunSumm
             cfg.world_size = env.world_size;
             validate(&cfg)?;
             let (groups, proxies) = crate::dist::tcp::connect(env, shard_size(&cfg), cfg.collective_timeout)?;
-            let result = run_rank(groups, &cfg);
+            let result = run_rank(groups, &cfg, None);
             if result.is_err() {
                 // Let the proxies tell the other ranks why before this process exits.
                 proxies.wait_for_ranks(Duration::from_secs(5));
             }
             result
         }
+        (Backend::Nccl, None) => bail!("--backend nccl needs a launcher (fsdp-app launch, torchrun, srun or mpirun): one process per GPU"),
+        (Backend::Nccl, Some(env)) => run_nccl(cfg, env),
         (Backend::Mpi, _) => run_mpi(cfg),
         (Backend::Auto, _) => unreachable!(),
     }
@@ -250,7 +260,7 @@ fn run_mpi(cfg: &FinetuneConfig) -> Result<Option<RunSummary>> {
     let result = (|| {
         validate(&cfg)?;
         let groups = session.groups(shard_size(&cfg))?;
-        run_rank(groups, &cfg)
+        run_rank(groups, &cfg, None)
     })();
     // Every group is dropped by now; dropping the session finalises MPI.
     drop(session);
@@ -262,6 +272,30 @@ fn run_mpi(_cfg: &FinetuneConfig) -> Result<Option<RunSummary>> {
     bail!("this fsdp-app was built without MPI; rebuild with `cargo build --release --features mpi` (needs libopenmpi-dev)")
 }
 
+/// One process per GPU: NCCL for the step's collectives, the tcp backend as control plane.
+#[cfg(feature = "nccl")]
+fn run_nccl(cfg: &FinetuneConfig, env: &DistEnv) -> Result<Option<RunSummary>> {
+    let mut cfg = cfg.clone();
+    cfg.world_size = env.world_size;
+    validate(&cfg)?;
+    if !cfg.device.is_cuda() {
+        bail!("--backend nccl runs on GPUs: add --device cuda");
+    }
+    // One Device per process: the communicators and the engine share its stream.
+    let device = cfg.device.open(env.local_rank)?;
+    let (groups, proxies) = crate::dist::nccl::connect(env, shard_size(&cfg), cfg.collective_timeout, &device)?;
+    let result = run_rank(groups, &cfg, Some(device));
+    if result.is_err() {
+        proxies.wait_for_ranks(Duration::from_secs(5));
+    }
+    result
+}
+
+#[cfg(not(feature = "nccl"))]
+fn run_nccl(_cfg: &FinetuneConfig, _env: &DistEnv) -> Result<Option<RunSummary>> {
+    bail!("--backend nccl: this fsdp-app was built without NCCL; build one with scripts/build-cuda.sh (features cuda,nccl)")
+}
+
 /// Which collective backend runs the ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
@@ -271,6 +305,8 @@ pub enum Backend {
     Local,
     Tcp,
     Mpi,
+    /// One process per GPU (features cuda,nccl).
+    Nccl,
 }
 
 impl std::str::FromStr for Backend {
@@ -281,8 +317,9 @@ impl std::str::FromStr for Backend {
             "local" => Self::Local,
             "tcp" => Self::Tcp,
             "mpi" => Self::Mpi,
-            "nccl" => bail!("--backend nccl needs a CUDA build (features cuda,nccl), which this build is not"),
-            other => bail!("--backend {other:?}: use auto, local, tcp or mpi"),
+            "nccl" if cfg!(feature = "nccl") => Self::Nccl,
+            "nccl" => bail!("--backend nccl needs a CUDA build (features cuda,nccl; scripts/build-cuda.sh), which this build is not"),
+            other => bail!("--backend {other:?}: use auto, local, tcp, mpi or nccl"),
         })
     }
 }
@@ -299,7 +336,7 @@ pub fn run_local(cfg: &FinetuneConfig) -> Result<RunSummary> {
             let cfg = cfg.clone();
             std::thread::Builder::new()
                 .name(format!("rank-{r}"))
-                .spawn(move || run_rank(groups, &cfg))
+                .spawn(move || run_rank(groups, &cfg, None))
                 .expect("spawning a rank thread")
         })
         .collect();
@@ -362,15 +399,16 @@ fn share_model_files(groups: &ProcessGroups, files: Option<&crate::checkpoint::M
     Ok(out)
 }
 
-fn run_rank(groups: ProcessGroups, cfg: &FinetuneConfig) -> Result<Option<RunSummary>> {
-    let result = run_rank_inner(&groups, cfg);
+/// `device`: the rank's device when the backend already opened it (NCCL), else opened here.
+fn run_rank(groups: ProcessGroups, cfg: &FinetuneConfig, device: Option<Device>) -> Result<Option<RunSummary>> {
+    let result = run_rank_inner(&groups, cfg, device);
     if let Err(e) = &result {
         groups.abort(&format!("{e:#}"));
     }
     result
 }
 
-fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Option<RunSummary>> {
+fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig, device: Option<Device>) -> Result<Option<RunSummary>> {
     let rank = groups_ref.world.rank();
     let world = groups_ref.world.world_size();
     let is_root = rank == 0;
@@ -490,7 +528,12 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
         reduce_dtype: cfg.reduce_dtype,
     };
     let adam = AdamWConfig { lr: cfg.lr, weight_decay: cfg.weight_decay, ..Default::default() };
-    let mut engine = FsdpEngine::new(staged.clone(), plan, groups_ref.clone(), opts, adam, cfg.weight_decay_all)?;
+    // A rank's GPU: its LOCAL_RANK under a launcher, its rank for `local` threads.
+    let device = match device {
+        Some(d) => d,
+        None => cfg.device.open(crate::dist::env::DistEnv::from_env()?.map(|e| e.local_rank).unwrap_or(rank))?,
+    };
+    let mut engine = FsdpEngine::new(staged.clone(), plan, groups_ref.clone(), opts, adam, cfg.weight_decay_all)?.with_device(device);
     let n_units = engine.units().count();
     let load_start = Instant::now();
     // Resuming: rank 0 finds and verifies the checkpoint and checks it belongs to this model and
@@ -730,7 +773,7 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Op
         for (a, mb) in micro.iter().enumerate() {
             let ids: Vec<u32> = mb.iter().flat_map(|s| s.input_ids.iter().copied()).collect();
             let labels: Vec<i64> = mb.iter().flat_map(|s| s.labels.iter().copied()).collect();
-            let input = Tensor::from_vec(ids, (mb.len(), cfg.seq_len), &Device::Cpu)?;
+            let input = Tensor::from_vec(ids, (mb.len(), cfg.seq_len), engine.device())?;
             // Dropout seeds from (seed, step, place in the global batch): the same masks on any
             // number of ranks, and in an activation-checkpointing recompute.
             let first = (a * world + rank) * cfg.batch_size;
@@ -875,7 +918,7 @@ fn evaluate(engine: &mut FsdpEngine, samples: &[Sample], batch: usize, seq_len: 
         let ids: Vec<u32> = mb.iter().flat_map(|s| s.input_ids.iter().copied()).collect();
         let labels: Vec<i64> = mb.iter().flat_map(|s| s.labels.iter().copied()).collect();
         let refs: Vec<&Sample> = mb.iter().collect();
-        loss += engine.forward_loss(&Tensor::from_vec(ids, (mb.len(), seq_len), &Device::Cpu)?, &labels, packing_for(&refs).as_ref())?;
+        loss += engine.forward_loss(&Tensor::from_vec(ids, (mb.len(), seq_len), engine.device())?, &labels, packing_for(&refs).as_ref())?;
         tokens += mb.iter().map(Sample::target_tokens).sum::<usize>() as f64;
     }
     let mut sums = [loss, tokens];

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Runs the CUDA build (made by scripts/build-cuda.sh, carried in .gpubin/) on a GPU machine:
+#
+#   bash scripts/gpu-run.sh check   # tests/cuda.rs (CUDA vs CPU, NCCL world 1) + a launched run
+#   bash scripts/gpu-run.sh bench   # tests/bench/gpu.rs: training MFU and generation vs PyTorch
+#
+# With the device tool: run(command="bash scripts/gpu-run.sh check", carry=[".gpubin"]).
+# Needs the NVIDIA driver and a Python venv with torch (its nvidia/cu13 and nvidia/nccl wheels
+# provide libcublas, libcudart, libcurand and libnccl); FSDP_BENCH_PYTHON names it (default: the
+# first of /opt/torch/.venv/bin/python and python3 that imports torch).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-check}
+
+PY=${FSDP_BENCH_PYTHON:-}
+if [ -z "$PY" ]; then
+  for c in /opt/torch/.venv/bin/python python3; do
+    if command -v "$c" >/dev/null && "$c" -c 'import torch' 2>/dev/null; then PY=$c; break; fi
+  done
+fi
+[ -n "$PY" ] || { echo "no Python with torch found: set FSDP_BENCH_PYTHON" >&2; exit 2; }
+export FSDP_BENCH_PYTHON=$PY
+SP=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+export LD_LIBRARY_PATH=$SP/nvidia/cu13/lib:$SP/nvidia/nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+
+BIN=${GPUBIN:-/tmp/gpubin}
+mkdir -p "$BIN"
+for f in .gpubin/*.gz; do
+  gunzip -c "$f" > "$BIN/$(basename "$f" .gz)"
+  chmod +x "$BIN/$(basename "$f" .gz)"
+done
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+if ldd "$BIN/fsdp-app" | grep 'not found'; then echo "missing libraries (above)" >&2; exit 2; fi
+
+case "$what" in
+  check)
+    "$BIN/cuda-tests" --test-threads 1 --nocapture
+    # The CLI end to end: one rank under the launcher, NCCL backend, bf16 compute.
+    work=$(mktemp -d)
+    "$BIN/fsdp-app" fixture --name llama --out "$work/model"
+    "$BIN/fsdp-app" launch --nproc-per-node 1 -- finetune --model "$work/model" \
+      --data tests/reference/train-data.jsonl --output-dir "$work/out" --device cuda --backend nccl \
+      --param-dtype bf16 --activation-checkpointing --seq-len 16 --batch-size 4 --max-steps 6 --no-shuffle
+    "$BIN/fsdp-app" generate --model "$work/out" --device cuda --prompt "Hello" --max-new-tokens 8 --json
+    ;;
+  bench)
+    "$BIN/gpu-bench"
+    ;;
+  *) echo "usage: $0 check|bench" >&2; exit 2 ;;
+esac

@@ -1,0 +1,110 @@
+//! Where tensors live: the `--device` flag (`cpu`, `cuda`, `cuda:N`) and opening it.
+//!
+//! `cuda` without an ordinal means "this rank's GPU": LOCAL_RANK under a launcher (torchrun's
+//! convention, one process per GPU), else GPU 0. A binary built without the `cuda` feature says
+//! so and how to get one, instead of candle's generic "not compiled with cuda support".
+
+use anyhow::{bail, Context, Result};
+use candle_core::Device;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceSpec {
+    #[default]
+    Cpu,
+    /// A GPU: the given ordinal, or the rank's local GPU when `None`.
+    Cuda(Option<usize>),
+}
+
+impl std::str::FromStr for DeviceSpec {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s.trim() {
+            "cpu" => Self::Cpu,
+            "cuda" | "gpu" => Self::Cuda(None),
+            other => match other.strip_prefix("cuda:") {
+                Some(n) => Self::Cuda(Some(n.parse().with_context(|| format!("--device {other:?}: the GPU ordinal must be a number, e.g. cuda:0"))?)),
+                None => bail!("--device {other:?}: use cpu, cuda or cuda:N"),
+            },
+        })
+    }
+}
+
+impl std::fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Cpu => write!(f, "cpu"),
+            Self::Cuda(None) => write!(f, "cuda"),
+            Self::Cuda(Some(n)) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl DeviceSpec {
+    pub fn is_cuda(self) -> bool {
+        matches!(self, Self::Cuda(_))
+    }
+
+    /// The GPU ordinal this process uses (`local_rank` for a bare `cuda`).
+    pub fn ordinal(self, local_rank: usize) -> Option<usize> {
+        match self {
+            Self::Cpu => None,
+            Self::Cuda(n) => Some(n.unwrap_or(local_rank)),
+        }
+    }
+
+    /// Opens the device for the process whose local rank is `local_rank`.
+    pub fn open(self, local_rank: usize) -> Result<Device> {
+        match self.ordinal(local_rank) {
+            None => Ok(Device::Cpu),
+            Some(n) => open_cuda(n),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda(ordinal: usize) -> Result<Device> {
+    Device::new_cuda(ordinal).with_context(|| format!("--device cuda:{ordinal}: cannot open GPU {ordinal} (is it there, and is the driver loaded?)"))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda(ordinal: usize) -> Result<Device> {
+    bail!(
+        "--device cuda:{ordinal}: this fsdp-app was built without CUDA; build one with scripts/build-cuda.sh \
+         (features cuda,nccl), or use --device cpu"
+    )
+}
+
+/// A short name of an open device for messages and reports ("cpu", "cuda:0").
+pub fn describe(device: &Device) -> String {
+    match device.location() {
+        candle_core::DeviceLocation::Cpu => "cpu".into(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_resolves_the_rank_gpu() {
+        assert_eq!("cpu".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cpu);
+        assert_eq!("cuda".parse::<DeviceSpec>().unwrap().ordinal(3), Some(3));
+        assert_eq!("cuda:1".parse::<DeviceSpec>().unwrap().ordinal(3), Some(1));
+        assert_eq!(DeviceSpec::Cpu.ordinal(3), None);
+        assert_eq!("cuda:2".parse::<DeviceSpec>().unwrap().to_string(), "cuda:2");
+        let e = "cuda:x".parse::<DeviceSpec>().unwrap_err().to_string();
+        assert!(e.contains("ordinal"), "{e}");
+        let e = "tpu".parse::<DeviceSpec>().unwrap_err().to_string();
+        assert!(e.contains("--device \"tpu\""), "{e}");
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn a_cpu_build_names_the_way_to_a_cuda_one() {
+        let e = DeviceSpec::Cuda(None).open(0).unwrap_err().to_string();
+        assert!(e.contains("built without CUDA") && e.contains("scripts/build-cuda.sh"), "{e}");
+        assert!(DeviceSpec::Cpu.open(0).unwrap().is_cpu());
+    }
+}

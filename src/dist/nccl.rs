@@ -1,0 +1,224 @@
+//! The `nccl` backend: one process per GPU (started by `fsdp-app launch`, torchrun, srun or
+//! mpirun), NCCL moving the training traffic between the GPUs.
+//!
+//! Two layers, as PyTorch pairs NCCL with its TCPStore: the `tcp` backend's groups (joined at
+//! MASTER_ADDR:MASTER_PORT) are the control plane (the rendezvous itself, rank 0's config and
+//! tokenizer bytes, the loading scatter, barriers and aborts), and one NCCL communicator per group
+//! (world, shard, replicate) carries the all-gathers, reduce-scatters and all-reduces of every
+//! step. Rank 0 makes the communicators' unique ids and broadcasts them over the control plane.
+//!
+//! Each communicator is created on candle's own CUDA stream for the rank's device, so its
+//! collectives are ordered with the kernels of that device without extra synchronisation.
+//! The host-side API of [`Collective`] copies the buffers in and out of the device; the engine
+//! keeps its fp32 state in host memory (see `FsdpEngine::with_device`).
+//!
+//! NCCL waits forever for a peer that died. Every collective therefore records an event behind
+//! its kernels and waits for it with the collective timeout; past it, the communicator is
+//! aborted (`ncclCommAbort`) and the call fails naming the operation and the group. The launcher
+//! also stops the remaining ranks when one exits.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
+use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, ReduceOp};
+use candle_core::Device;
+
+use super::env::DistEnv;
+use super::tcp::Proxies;
+use super::{communicator_slots, Collective, ProcessGroups};
+
+/// NCCL unique ids are 128 bytes.
+const ID_LEN: usize = 128;
+
+fn nccl_err<E: std::fmt::Debug>(what: &str) -> impl FnOnce(E) -> anyhow::Error + '_ {
+    move |e| anyhow!("nccl {what}: {e:?}")
+}
+
+/// NCCL communicators hold raw pointers, so `Comm` is neither `Send` nor `Sync`. NCCL allows a
+/// communicator to be used from any thread as long as calls on it are not concurrent; the
+/// mutex in [`NcclGroup`] serialises them.
+struct CommHandle(Comm);
+unsafe impl Send for CommHandle {}
+
+/// One group's communicator next to the same group's control-plane handle.
+pub struct NcclGroup {
+    control: Arc<dyn Collective>,
+    /// `None` once aborted.
+    comm: Mutex<Option<CommHandle>>,
+    stream: Arc<CudaStream>,
+    timeout: Duration,
+    /// "world", "shard" or "replicate", for messages.
+    name: &'static str,
+}
+
+/// Joins the job described by `env` with the GPU `device` (this rank's, already opened: the
+/// engine must use the same `Device`, whose stream the communicators share).
+pub fn connect(env: &DistEnv, shard_size: usize, timeout: Duration, device: &Device) -> Result<(ProcessGroups, Proxies)> {
+    let cuda = device.as_cuda_device().context("--backend nccl needs --device cuda")?;
+    let stream = cuda.cuda_stream();
+    let (control, proxies) = super::tcp::connect(env, shard_size, timeout)?;
+    let slots = communicator_slots(env.rank, env.world_size, shard_size);
+    let ids = if env.rank == 0 {
+        let mut bytes = Vec::with_capacity(slots.count * ID_LEN);
+        for _ in 0..slots.count {
+            let id = Id::new().map_err(nccl_err("creating a unique id (is libnccl.so.2 on LD_LIBRARY_PATH?)"))?;
+            bytes.extend(id.internal().iter().map(|&c| c as u8));
+        }
+        Some(bytes)
+    } else {
+        None
+    };
+    let ids = control.world.broadcast_bytes(0, ids)?;
+    if ids.len() != slots.count * ID_LEN {
+        bail!("nccl rendezvous: rank 0 sent {} bytes of unique ids, expected {}", ids.len(), slots.count * ID_LEN);
+    }
+    let id_at = |slot: usize| {
+        let mut raw = [0 as std::ffi::c_char; ID_LEN];
+        for (d, s) in raw.iter_mut().zip(&ids[slot * ID_LEN..(slot + 1) * ID_LEN]) {
+            *d = *s as std::ffi::c_char;
+        }
+        Id::uninit(raw)
+    };
+    // Every rank creates the communicators in the same order (world, shard, replicate): each
+    // creation waits for the group's members, and the groups of one kind are disjoint.
+    let make = |ctl: &Arc<dyn Collective>, slot: usize, name: &'static str| -> Result<Arc<dyn Collective>> {
+        let comm = Comm::from_rank(stream.clone(), ctl.rank(), ctl.world_size(), id_at(slot))
+            .map_err(nccl_err(&format!("creating the {name} communicator (rank {} of {})", ctl.rank(), ctl.world_size())))?;
+        Ok(Arc::new(NcclGroup { control: ctl.clone(), comm: Mutex::new(Some(CommHandle(comm))), stream: stream.clone(), timeout, name }))
+    };
+    let groups = ProcessGroups {
+        world: make(&control.world, slots.world, "world")?,
+        shard: make(&control.shard, slots.shard, "shard")?,
+        replicate: make(&control.replicate, slots.replicate, "replicate")?,
+    };
+    Ok((groups, proxies))
+}
+
+impl NcclGroup {
+    /// Runs one collective: `launch` enqueues it on the stream and returns the device buffer it
+    /// fills; we wait for it (bounded) and copy the result to the host.
+    fn run<T: DeviceRepr + Default + Clone>(&self, op: &str, launch: impl FnOnce(&Comm, &Arc<CudaStream>) -> Result<CudaSlice<T>>) -> Result<Vec<T>> {
+        let mut guard = self.comm.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(comm) = guard.as_ref() else {
+            bail!("nccl {op} on the {} group: the communicator was aborted after an earlier failure", self.name);
+        };
+        let out = launch(&comm.0, &self.stream)?;
+        let done = self.stream.record_event(None).map_err(nccl_err(op))?;
+        let start = Instant::now();
+        let mut spins = 0u32;
+        while !done.try_is_complete().map_err(nccl_err(op))? {
+            if start.elapsed() > self.timeout {
+                // Frees the GPU from the stuck kernels; later calls see `None`.
+                drop(guard.take());
+                bail!(
+                    "nccl {op} on the {} group did not complete within {:.0}s: another rank died or stopped calling collectives",
+                    self.name,
+                    self.timeout.as_secs_f64()
+                );
+            }
+            // Spin briefly (most collectives finish in microseconds), then sleep.
+            spins += 1;
+            if spins < 2000 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        }
+        self.stream.clone_dtoh(&out).map_err(nccl_err(op))
+    }
+
+    fn to_device<T: DeviceRepr>(stream: &Arc<CudaStream>, host: &[T], op: &str) -> Result<CudaSlice<T>> {
+        stream.clone_htod(host).map_err(nccl_err(op))
+    }
+}
+
+impl Collective for NcclGroup {
+    fn rank(&self) -> usize {
+        self.control.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.control.world_size()
+    }
+
+    fn all_gather(&self, shard: &[f32]) -> Result<Vec<f32>> {
+        let n = shard.len() * self.world_size();
+        self.run("all_gather", |comm, stream| {
+            let send = Self::to_device(stream, shard, "all_gather")?;
+            let mut recv = stream.alloc_zeros::<f32>(n).map_err(nccl_err("all_gather"))?;
+            comm.all_gather(&send, &mut recv).map_err(nccl_err("all_gather"))?;
+            Ok(recv)
+        })
+    }
+
+    fn reduce_scatter(&self, full: &[f32]) -> Result<Vec<f32>> {
+        let world = self.world_size();
+        if full.len() % world != 0 {
+            bail!("reduce_scatter: {} values do not split over {world} ranks", full.len());
+        }
+        self.run("reduce_scatter", |comm, stream| {
+            let send = Self::to_device(stream, full, "reduce_scatter")?;
+            let mut recv = stream.alloc_zeros::<f32>(full.len() / world).map_err(nccl_err("reduce_scatter"))?;
+            comm.reduce_scatter(&send, &mut recv, &ReduceOp::Sum).map_err(nccl_err("reduce_scatter"))?;
+            Ok(recv)
+        })
+    }
+
+    fn all_reduce(&self, data: &mut [f32]) -> Result<()> {
+        let out = self.run("all_reduce", |comm, stream| {
+            let mut buf = Self::to_device(stream, data, "all_reduce")?;
+            comm.all_reduce_in_place(&mut buf, &ReduceOp::Sum).map_err(nccl_err("all_reduce"))?;
+            Ok(buf)
+        })?;
+        data.copy_from_slice(&out);
+        Ok(())
+    }
+
+    fn all_reduce_f64(&self, data: &mut [f64]) -> Result<()> {
+        let out = self.run("all_reduce_f64", |comm, stream| {
+            let mut buf = Self::to_device(stream, data, "all_reduce_f64")?;
+            comm.all_reduce_in_place(&mut buf, &ReduceOp::Sum).map_err(nccl_err("all_reduce_f64"))?;
+            Ok(buf)
+        })?;
+        data.copy_from_slice(&out);
+        Ok(())
+    }
+
+    /// Loading traffic (rank 0 to each rank once per unit) stays on the control plane: it is
+    /// host data on rank 0 anyway, and NCCL has no scatter.
+    fn scatter(&self, root: usize, chunks: Option<Vec<Vec<f32>>>) -> Result<Vec<f32>> {
+        self.control.scatter(root, chunks)
+    }
+
+    fn broadcast_bytes(&self, root: usize, bytes: Option<Vec<u8>>) -> Result<Vec<u8>> {
+        self.control.broadcast_bytes(root, bytes)
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.control.barrier()
+    }
+
+    fn abort(&self, reason: &str) {
+        self.control.abort(reason);
+        // ncclCommAbort: a collective still queued on this GPU must not keep it busy.
+        let comm = self.comm.lock().unwrap_or_else(|p| p.into_inner()).take();
+        drop_quietly(comm);
+    }
+}
+
+impl Drop for NcclGroup {
+    fn drop(&mut self) {
+        let comm = self.comm.get_mut().unwrap_or_else(|p| p.into_inner()).take();
+        drop_quietly(comm);
+    }
+}
+
+/// cudarc's `Comm` drop panics when ncclCommAbort fails (e.g. the driver is already tearing
+/// down at exit); a failed clean-up must not turn into a panic.
+fn drop_quietly(comm: Option<CommHandle>) {
+    if let Some(c) = comm {
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(c)));
+    }
+}

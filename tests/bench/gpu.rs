@@ -1,0 +1,187 @@
+//! `cargo bench --features cuda,nccl --bench gpu` (or the binary scripts/build-cuda.sh carries to
+//! the GPU machine, run by scripts/gpu-bench.sh): the GPU figures, each next to PyTorch on the
+//! same GPU in the same run.
+//!
+//! (a) fine-tuning tokens/s and MFU of a ~1.1B-parameter Llama (random weights, bf16 compute,
+//!     fp32 master, seq 2048, activation checkpointing), one rank through the NCCL backend,
+//!     next to PyTorch FSDP2 (`fully_shard` per decoder layer, MixedPrecisionPolicy bf16/fp32,
+//!     world size 1) on the same model directory and data;
+//! (b) greedy generation tokens/s at batch 1 and 16 (bf16, 128 new tokens after a 128-token
+//!     prompt) next to transformers' `generate`.
+//!
+//! MFU = tokens/s x (6 x parameters without the input embedding + 12 x layers x hidden x seq)
+//! / peak, the PaLM paper's count (activation recomputation not counted); peak = the GPU's bf16
+//! dense figure, FSDP_GPU_PEAK_TFLOPS (default 989.4, H100 SXM and H200).
+//!
+//! Environment: FSDP_BENCH_PYTHON (a Python with torch + transformers; default python3),
+//! FSDP_BENCH_DIR (where the model is generated; default a temporary directory),
+//! FSDP_BENCH_STEPS (training steps, default 8; the first 2 are warm-up).
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use candle_core::{DType, Device};
+use fsdp_app::checkpoint::{load_model, resolve_model};
+use fsdp_app::fsdp::optim::Schedule;
+use fsdp_app::generate::{step_all, SamplingParams, Sequence};
+use fsdp_app::tokenize::TextTokenizer;
+use serde_json::{json, Value};
+
+const SEQ: usize = 2048;
+const VOCAB: usize = 32000;
+const HIDDEN: usize = 2048;
+const LAYERS: usize = 16;
+const PROMPT: usize = 128;
+const NEW_TOKENS: usize = 128;
+
+fn python_json(python: &str, script: &Path, args: &[String]) -> Result<Value, String> {
+    match Command::new(python).arg(script).args(args).output() {
+        Ok(o) if o.status.success() => {
+            serde_json::from_str(String::from_utf8_lossy(&o.stdout).lines().last().unwrap_or("")).map_err(|e| e.to_string())
+        }
+        Ok(o) => Err(String::from_utf8_lossy(&o.stderr).lines().rev().take(3).collect::<Vec<_>>().join(" | ")),
+        Err(e) => Err(format!("{python}: {e}")),
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Model FLOPs per trained token (PaLM appendix B).
+fn flops_per_token(params_without_embedding: f64) -> f64 {
+    6.0 * params_without_embedding + 12.0 * (LAYERS * HIDDEN * SEQ) as f64
+}
+
+fn main() -> anyhow::Result<()> {
+    let python = std::env::var("FSDP_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let peak = std::env::var("FSDP_GPU_PEAK_TFLOPS").ok().and_then(|v| v.parse::<f64>().ok()).unwrap_or(989.4) * 1e12;
+    let steps: usize = std::env::var("FSDP_BENCH_STEPS").ok().and_then(|v| v.parse().ok()).unwrap_or(8);
+    let scripts = {
+        let built = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests").join("bench");
+        if built.exists() { built } else { PathBuf::from("tests").join("bench") }
+    };
+    let tmp = tempfile::tempdir()?;
+    let root = std::env::var("FSDP_BENCH_DIR").map(PathBuf::from).unwrap_or_else(|_| tmp.path().to_path_buf());
+    let model = root.join("llama-1b");
+    if !model.join("config.json").exists() {
+        let dims = [
+            ("vocab_size", json!(VOCAB)), ("hidden_size", json!(HIDDEN)), ("intermediate_size", json!(8192)),
+            ("num_hidden_layers", json!(LAYERS)), ("num_attention_heads", json!(32)), ("num_key_value_heads", json!(8)),
+            ("head_dim", json!(64)), ("max_position_embeddings", json!(4096)), ("rope_scaling", Value::Null),
+            ("tie_word_embeddings", json!(false)),
+        ];
+        let overrides: Vec<(String, Value)> = dims.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
+        fsdp_app::fixtures::write_fixture_with("llama", &model, &overrides)?;
+    }
+    let data = root.join("train-2048.jsonl");
+    let rows = 2 * steps;
+    let text: String = (0..rows)
+        .map(|i| json!({"input_ids": (0..SEQ).map(|j| (i * 7919 + j * 104_729) % VOCAB).collect::<Vec<_>>()}).to_string() + "\n")
+        .collect();
+    std::fs::write(&data, text)?;
+
+    // (a) ours: one rank under a launcher's environment, NCCL backend, like `fsdp-app launch
+    // --nproc-per-node 1 -- finetune --device cuda --param-dtype bf16 ...`.
+    let out = root.join("ours-out");
+    let _ = std::fs::remove_dir_all(&out);
+    let cfg = fsdp_app::train::finetune::FinetuneConfig {
+        lr: 1e-5,
+        batch_size: 1,
+        seq_len: SEQ,
+        max_steps: Some(steps),
+        schedule: Schedule::Constant,
+        shuffle: false,
+        activation_checkpointing: true,
+        param_dtype: DType::BF16,
+        reduce_dtype: DType::F32,
+        device: fsdp_app::device::DeviceSpec::Cuda(Some(0)),
+        backend: if cfg!(feature = "nccl") { fsdp_app::train::finetune::Backend::Nccl } else { fsdp_app::train::finetune::Backend::Local },
+        verbose: true,
+        ..fsdp_app::train::finetune::FinetuneConfig::new(model.to_str().unwrap(), &data, &out)
+    };
+    let env = fsdp_app::dist::env::DistEnv {
+        rank: 0,
+        world_size: 1,
+        local_rank: 0,
+        master_addr: "127.0.0.1".into(),
+        master_port: std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port(),
+        launcher: "torchrun",
+    };
+    let summary = fsdp_app::train::finetune::run(&cfg, cfg!(feature = "nccl").then_some(&env))?.expect("rank 0 summary");
+    let metrics: Vec<Value> = std::fs::read_to_string(out.join("metrics.jsonl"))?.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let ours_tps = median(metrics.iter().skip(2).map(|m| m["tokens_per_s"].as_f64().unwrap_or(0.0)).collect());
+    let embedding = (VOCAB * HIDDEN) as f64;
+    let fpt = flops_per_token(summary.total_params as f64 - embedding);
+    let torch = python_json(
+        &python,
+        &scripts.join("torch_gpu_train.py"),
+        &[model.display().to_string(), data.display().to_string(), SEQ.to_string(), steps.to_string()],
+    );
+
+    println!("\n(a) Fine-tuning, Llama {:.2}B parameters (random), batch 1 x {SEQ} tokens, bf16 compute, fp32 master + AdamW,", summary.total_params as f64 / 1e9);
+    println!("    activation checkpointing on, 1 GPU; median of steps 3-{steps}; MFU against {:.0} TFLOPS bf16 dense\n", peak / 1e12);
+    println!("| run | tokens/s | MFU | vs PyTorch |");
+    println!("|---|---|---|---|");
+    let torch_tps = torch.as_ref().ok().and_then(|t| t["tokens_per_s"].as_f64());
+    let ratio = |x: f64| torch_tps.map(|t| format!("{:.2}x", x / t)).unwrap_or_else(|| "n/a".into());
+    println!("| fsdp-app (nccl backend, world 1) | {ours_tps:.0} | {:.1}% | {} |", 100.0 * ours_tps * fpt / peak, ratio(ours_tps));
+    match &torch {
+        Ok(t) => {
+            let tps = t["tokens_per_s"].as_f64().unwrap_or(0.0);
+            println!("| PyTorch {} FSDP2 fully_shard (world 1) | {tps:.0} | {:.1}% | 1.00x |", t["torch"].as_str().unwrap_or("?"), 100.0 * tps * fpt / peak);
+            println!("\nPyTorch peak GPU memory {:.1} GiB", t["peak_gpu_gib"].as_f64().unwrap_or(0.0));
+        }
+        Err(why) => println!("| PyTorch | n/a: {why} | | |"),
+    }
+
+    // (b) generation.
+    let dev = Device::new_cuda(0)?;
+    let loaded = load_model(resolve_model(model.to_str().unwrap(), None)?, DType::BF16, &dev)?;
+    let tok = TextTokenizer::load(&loaded.files, loaded.config.vocab_size)?;
+    let prompt: Vec<u32> = (0..PROMPT).map(|j| ((j * 104_729 + 17) % VOCAB) as u32).collect();
+    let params = SamplingParams::greedy(NEW_TOKENS);
+    let run = |batch: usize| -> anyhow::Result<f64> {
+        let mut seqs: Vec<Sequence> = (0..batch).map(|_| Sequence::new(&loaded.model, &prompt, &HashSet::new(), &params)).collect::<anyhow::Result<_>>()?;
+        // Prefill (not timed), then the decode steps.
+        {
+            let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
+            for r in step_all(&loaded.model, &tok, &mut refs) {
+                r?;
+            }
+        }
+        let start = Instant::now();
+        let mut tokens = 0;
+        while seqs.iter().any(|s| s.finish_reason().is_none()) {
+            let mut refs: Vec<&mut Sequence> = seqs.iter_mut().filter(|s| s.finish_reason().is_none()).collect();
+            for r in step_all(&loaded.model, &tok, &mut refs) {
+                r?;
+                tokens += 1;
+            }
+        }
+        Ok(tokens as f64 / start.elapsed().as_secs_f64())
+    };
+    run(2)?; // warm-up: the first use of each kernel compiles its PTX
+    println!("\n(b) Greedy generation, same model, bf16, {PROMPT}-token prompt, {NEW_TOKENS} new tokens; decode tokens/s (all sequences)\n");
+    println!("| batch | fsdp-app | transformers | ratio |");
+    println!("|---|---|---|---|");
+    for batch in [1usize, 16] {
+        let ours = median((0..3).map(|_| run(batch)).collect::<anyhow::Result<Vec<_>>>()?);
+        let theirs = python_json(
+            &python,
+            &scripts.join("transformers_gpu_generate.py"),
+            &[model.display().to_string(), batch.to_string(), PROMPT.to_string(), NEW_TOKENS.to_string()],
+        );
+        match theirs {
+            Ok(t) => {
+                let tps = t["decode_tokens_per_s"].as_f64().unwrap_or(0.0);
+                println!("| {batch} | {ours:.0} | {tps:.0} | {:.2}x |", ours / tps);
+            }
+            Err(why) => println!("| {batch} | {ours:.0} | n/a: {why} | |"),
+        }
+    }
+    Ok(())
+}
