@@ -217,9 +217,13 @@ struct FinetuneArgs {
     #[arg(long, default_value = "auto")]
     backend: String,
     /// Where each rank computes: cpu, or cuda (each rank its LOCAL_RANK GPU; CUDA build). The fp32
-    /// master weights, gradients and AdamW state stay in host memory.
+    /// master weights, gradients and AdamW state move to the GPU too (see --cpu-offload).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// With --device cuda: keep the fp32 master weights, gradients and AdamW state in host
+    /// memory (FSDP2's CPUOffloadPolicy) instead of on the GPU; AdamW then runs on the CPU.
+    #[arg(long)]
+    cpu_offload: bool,
     /// Seconds a collective may wait for the other ranks before the run fails.
     #[arg(long, default_value_t = 600)]
     collective_timeout: u64,
@@ -556,6 +560,7 @@ fn run_finetune(a: FinetuneArgs) -> Result<()> {
         collective_timeout: std::time::Duration::from_secs(a.collective_timeout),
         backend: a.backend.parse()?,
         device: a.device.parse()?,
+        cpu_offload: a.cpu_offload.then_some(true),
         save_steps: a.save_steps,
         save_total_limit: a.save_total_limit,
         resume_from: a.resume_from_checkpoint,

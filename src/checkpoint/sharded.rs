@@ -141,7 +141,10 @@ fn fault_pause_in_save() -> Option<std::time::Duration> {
 }
 
 /// Saves `OUTPUT/checkpoint-STEP`. Every rank calls it; every rank gets the same outcome.
-pub fn save(engine: &FsdpEngine, groups: &ProcessGroups, output_dir: &Path, extras: &SaveExtras) -> Result<PathBuf> {
+/// With device-resident state (GPUs) the shards are copied to the host first.
+pub fn save(engine: &mut FsdpEngine, groups: &ProcessGroups, output_dir: &Path, extras: &SaveExtras) -> Result<PathBuf> {
+    engine.sync_host()?;
+    let engine = &*engine;
     let rank = groups.world.rank();
     let world = groups.world.world_size();
     let shard_size = groups.shard.world_size();

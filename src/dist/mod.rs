@@ -17,6 +17,7 @@ pub mod tcp;
 use std::sync::Arc;
 
 use anyhow::Result;
+use candle_core::Tensor;
 
 /// Collective operations over one group of ranks. A rank's handle is used by that rank only
 /// (it is shared between the engine and the training loop of that rank).
@@ -48,6 +49,30 @@ pub trait Collective: Send + Sync {
     /// Tells every other rank that this one failed, so their pending and future collectives
     /// return an error naming this rank instead of waiting.
     fn abort(&self, reason: &str);
+
+    /// `all_gather` of a 1-D f32 tensor, the result on the tensor's device. Backends that move
+    /// device memory themselves (NCCL) override the three tensor collectives; the others go
+    /// through host memory.
+    fn all_gather_tensor(&self, shard: &Tensor) -> Result<Tensor> {
+        let all = self.all_gather(&shard.to_vec1::<f32>()?)?;
+        let n = all.len();
+        Ok(Tensor::from_vec(all, n, shard.device())?)
+    }
+
+    /// `reduce_scatter` of a 1-D f32 tensor, the result on the tensor's device.
+    fn reduce_scatter_tensor(&self, full: &Tensor) -> Result<Tensor> {
+        let mine = self.reduce_scatter(&full.to_vec1::<f32>()?)?;
+        let n = mine.len();
+        Ok(Tensor::from_vec(mine, n, full.device())?)
+    }
+
+    /// `all_reduce` (sum) of a 1-D f32 tensor, into a new tensor on its device.
+    fn all_reduce_tensor(&self, data: &Tensor) -> Result<Tensor> {
+        let mut v = data.to_vec1::<f32>()?;
+        self.all_reduce(&mut v)?;
+        let n = v.len();
+        Ok(Tensor::from_vec(v, n, data.device())?)
+    }
 }
 
 /// Sums one number across ranks.

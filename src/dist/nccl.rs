@@ -9,8 +9,9 @@
 //!
 //! Each communicator is created on candle's own CUDA stream for the rank's device, so its
 //! collectives are ordered with the kernels of that device without extra synchronisation.
-//! The host-side API of [`Collective`] copies the buffers in and out of the device; the engine
-//! keeps its fp32 state in host memory (see `FsdpEngine::with_device`).
+//! The engine's per-step collectives take device tensors (`*_tensor`): NCCL reads and writes
+//! their device memory directly. The host-slice API copies buffers in and out of the device
+//! (used with `--cpu-offload`, and for the few host-side counts).
 //!
 //! NCCL waits forever for a peer that died. Every collective therefore records an event behind
 //! its kernels and waits for it with the collective timeout; past it, the communicator is
@@ -21,9 +22,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, CudaView, DeviceRepr};
 use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, ReduceOp};
-use candle_core::Device;
+use candle_core::cuda_backend::CudaStorage;
+use candle_core::op::BackpropOp;
+use candle_core::{CudaDevice, DType, Device, Storage, Tensor};
 
 use super::env::DistEnv;
 use super::tcp::Proxies;
@@ -48,6 +51,8 @@ pub struct NcclGroup {
     /// `None` once aborted.
     comm: Mutex<Option<CommHandle>>,
     stream: Arc<CudaStream>,
+    /// candle's device the stream belongs to (results become tensors on it).
+    device: CudaDevice,
     timeout: Duration,
     /// "world", "shard" or "replicate", for messages.
     name: &'static str,
@@ -86,7 +91,14 @@ pub fn connect(env: &DistEnv, shard_size: usize, timeout: Duration, device: &Dev
     let make = |ctl: &Arc<dyn Collective>, slot: usize, name: &'static str| -> Result<Arc<dyn Collective>> {
         let comm = Comm::from_rank(stream.clone(), ctl.rank(), ctl.world_size(), id_at(slot))
             .map_err(nccl_err(&format!("creating the {name} communicator (rank {} of {})", ctl.rank(), ctl.world_size())))?;
-        Ok(Arc::new(NcclGroup { control: ctl.clone(), comm: Mutex::new(Some(CommHandle(comm))), stream: stream.clone(), timeout, name }))
+        Ok(Arc::new(NcclGroup {
+            control: ctl.clone(),
+            comm: Mutex::new(Some(CommHandle(comm))),
+            stream: stream.clone(),
+            device: cuda.clone(),
+            timeout,
+            name,
+        }))
     };
     let groups = ProcessGroups {
         world: make(&control.world, slots.world, "world")?,
@@ -100,6 +112,12 @@ impl NcclGroup {
     /// Runs one collective: `launch` enqueues it on the stream and returns the device buffer it
     /// fills; we wait for it (bounded) and copy the result to the host.
     fn run<T: DeviceRepr + Default + Clone>(&self, op: &str, launch: impl FnOnce(&Comm, &Arc<CudaStream>) -> Result<CudaSlice<T>>) -> Result<Vec<T>> {
+        let out = self.run_on_device(op, launch)?;
+        self.stream.clone_dtoh(&out).map_err(nccl_err(op))
+    }
+
+    /// Like `run`, the result left on the device.
+    fn run_on_device<T: DeviceRepr>(&self, op: &str, launch: impl FnOnce(&Comm, &Arc<CudaStream>) -> Result<CudaSlice<T>>) -> Result<CudaSlice<T>> {
         let mut guard = self.comm.lock().unwrap_or_else(|p| p.into_inner());
         let Some(comm) = guard.as_ref() else {
             bail!("nccl {op} on the {} group: the communicator was aborted after an earlier failure", self.name);
@@ -126,7 +144,26 @@ impl NcclGroup {
                 std::thread::sleep(Duration::from_micros(200));
             }
         }
-        self.stream.clone_dtoh(&out).map_err(nccl_err(op))
+        Ok(out)
+    }
+
+    /// Runs `f` on the device memory of a 1-D f32 tensor on this group's GPU.
+    fn with_view<R>(&self, t: &Tensor, op: &str, f: impl FnOnce(&CudaView<'_, f32>) -> Result<R>) -> Result<R> {
+        if t.dtype() != DType::F32 || t.rank() != 1 {
+            bail!("nccl {op}: expected a 1-D f32 tensor, got {:?} {:?}", t.dtype(), t.shape());
+        }
+        let t = t.contiguous()?;
+        let (storage, layout) = t.storage_and_layout();
+        let Storage::Cuda(cuda) = &*storage else { bail!("nccl {op}: the tensor is not on the GPU") };
+        let (start, end) = layout.contiguous_offsets().context("contiguous tensor")?;
+        let view = cuda.as_cuda_slice::<f32>()?.slice(start..end);
+        f(&view)
+    }
+
+    /// A tensor over a device buffer this group filled.
+    fn tensor(&self, slice: CudaSlice<f32>) -> Tensor {
+        let n = slice.len();
+        Tensor::from_storage(Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, self.device.clone())), n, BackpropOp::none(), false)
     }
 
     fn to_device<T: DeviceRepr>(stream: &Arc<CudaStream>, host: &[T], op: &str) -> Result<CudaSlice<T>> {
@@ -184,6 +221,46 @@ impl Collective for NcclGroup {
         })?;
         data.copy_from_slice(&out);
         Ok(())
+    }
+
+    fn all_gather_tensor(&self, shard: &Tensor) -> Result<Tensor> {
+        let n = shard.elem_count() * self.world_size();
+        let out = self.with_view(shard, "all_gather", |send| {
+            self.run_on_device("all_gather", |comm, stream| {
+                let mut recv = stream.alloc_zeros::<f32>(n).map_err(nccl_err("all_gather"))?;
+                comm.all_gather(send, &mut recv).map_err(nccl_err("all_gather"))?;
+                Ok(recv)
+            })
+        })?;
+        Ok(self.tensor(out))
+    }
+
+    fn reduce_scatter_tensor(&self, full: &Tensor) -> Result<Tensor> {
+        let world = self.world_size();
+        if full.elem_count() % world != 0 {
+            bail!("reduce_scatter: {} values do not split over {world} ranks", full.elem_count());
+        }
+        let n = full.elem_count() / world;
+        let out = self.with_view(full, "reduce_scatter", |send| {
+            self.run_on_device("reduce_scatter", |comm, stream| {
+                let mut recv = stream.alloc_zeros::<f32>(n).map_err(nccl_err("reduce_scatter"))?;
+                comm.reduce_scatter(send, &mut recv, &ReduceOp::Sum).map_err(nccl_err("reduce_scatter"))?;
+                Ok(recv)
+            })
+        })?;
+        Ok(self.tensor(out))
+    }
+
+    fn all_reduce_tensor(&self, data: &Tensor) -> Result<Tensor> {
+        let n = data.elem_count();
+        let out = self.with_view(data, "all_reduce", |send| {
+            self.run_on_device("all_reduce", |comm, stream| {
+                let mut recv = stream.alloc_zeros::<f32>(n).map_err(nccl_err("all_reduce"))?;
+                comm.all_reduce(send, &mut recv, &ReduceOp::Sum).map_err(nccl_err("all_reduce"))?;
+                Ok(recv)
+            })
+        })?;
+        Ok(self.tensor(out))
     }
 
     /// Loading traffic (rank 0 to each rank once per unit) stays on the control plane: it is

@@ -65,6 +65,23 @@ struct UnitState {
     /// reduce-scatter, already in the rank-major layout reduce-scatter takes (rank k's chunks of
     /// every trainable parameter, in order).
     full_grad: Option<Vec<f32>>,
+    /// The same state on the compute device (see [`DeviceState`]); `None` until first used,
+    /// and again after `load_unit_part` replaced the host copy.
+    dev: Option<DeviceState>,
+    /// With device state: full-size f32 gradients by parameter name until reduce-scatter.
+    dev_full_grads: HashMap<String, Tensor>,
+}
+
+/// A unit's fp32 state as tensors on the compute device, one per parameter chunk (padded rows
+/// included): what GPUs train from, so that a step moves only collectives' data. The host
+/// vectors of [`UnitState`] are emptied on upload (no second copy in host memory) and refilled
+/// by [`FsdpEngine::sync_host`] when the state is saved or inspected.
+struct DeviceState {
+    master: Vec<Tensor>,
+    /// Reduced gradient, exp_avg and exp_avg_sq of each trainable chunk (`None` when frozen).
+    grad: Vec<Option<Tensor>>,
+    exp_avg: Vec<Option<Tensor>>,
+    exp_avg_sq: Vec<Option<Tensor>>,
 }
 
 /// What one optimizer step did.
@@ -85,6 +102,10 @@ pub struct FsdpEngine {
     adam: AdamWConfig,
     /// Parameters that get weight decay.
     decay: HashMap<String, bool>,
+    /// Master weights, gradients and moments live on `device` (GPUs) instead of in host vectors.
+    state_on_device: bool,
+    /// The device state changed since the host mirror was last refreshed.
+    host_stale: bool,
     pub step: u64,
 }
 
@@ -145,17 +166,90 @@ impl FsdpEngine {
                 plan,
                 gathered: None,
                 full_grad: None,
+                dev: None,
+                dev_full_grads: HashMap::new(),
             })
             .collect();
-        Ok(Self { model, units, stage_units, groups, opts, device: Device::Cpu, adam, decay, step: 0 })
+        Ok(Self {
+            model,
+            units,
+            stage_units,
+            groups,
+            opts,
+            device: Device::Cpu,
+            adam,
+            decay,
+            state_on_device: false,
+            host_stale: false,
+            step: 0,
+        })
     }
 
-    /// Runs the units on `device` (default: CPU). The fp32 master chunks, gradients and AdamW
-    /// state stay in host memory (like FSDP2's `CPUOffloadPolicy`): a unit's parameters go to the
-    /// device when it is gathered and its gradients come back when it is reduce-scattered.
+    /// Runs the units on `device` (default: CPU). On a GPU the fp32 master chunks, gradients
+    /// and AdamW moments move there too (see `with_cpu_offload`).
     pub fn with_device(mut self, device: Device) -> Self {
+        self.state_on_device = !device.is_cpu();
         self.device = device;
         self
+    }
+
+    /// `true`: keep master chunks, gradients and moments in host memory, as FSDP2's
+    /// `CPUOffloadPolicy` does (a unit's parameters go to the device when gathered, its
+    /// gradients come back when reduce-scattered, AdamW runs on the CPU). `false`: keep them on
+    /// the device, as tensors (on CPU this runs the GPU's code path, for tests).
+    pub fn with_cpu_offload(mut self, offload: bool) -> Self {
+        self.state_on_device = !offload;
+        self
+    }
+
+    /// Refreshes the host copy of the state from the device (before checkpointing or
+    /// inspecting it); nothing to do when the state lives in host memory. The device copy
+    /// stays the one training uses.
+    pub fn sync_host(&mut self) -> Result<()> {
+        if !self.host_stale {
+            return Ok(());
+        }
+        for unit in &mut self.units {
+            let Some(dev) = &unit.dev else { continue };
+            for i in 0..unit.plan.params.len() {
+                unit.master[i] = dev.master[i].to_vec1::<f32>()?;
+                if let (Some(g), Some(m), Some(v)) = (&dev.grad[i], &dev.exp_avg[i], &dev.exp_avg_sq[i]) {
+                    unit.grad[i] = g.to_vec1::<f32>()?;
+                    unit.adam[i].exp_avg = m.to_vec1::<f32>()?;
+                    unit.adam[i].exp_avg_sq = v.to_vec1::<f32>()?;
+                }
+            }
+        }
+        self.host_stale = false;
+        Ok(())
+    }
+
+    /// Uploads unit `u`'s host state to the device unless it is there already.
+    fn ensure_device_state(&mut self, u: usize) -> Result<()> {
+        if self.units[u].dev.is_some() {
+            return Ok(());
+        }
+        let dev = &self.device;
+        let unit = &self.units[u];
+        let upload = |v: &[f32]| Tensor::from_slice(v, v.len(), dev);
+        let mut state = DeviceState { master: vec![], grad: vec![], exp_avg: vec![], exp_avg_sq: vec![] };
+        for (i, p) in unit.plan.params.iter().enumerate() {
+            state.master.push(upload(&unit.master[i])?);
+            let trained = |v: &[f32]| -> Result<Option<Tensor>> { Ok(if p.trainable { Some(upload(v)?) } else { None }) };
+            state.grad.push(trained(&unit.grad[i])?);
+            state.exp_avg.push(trained(&unit.adam[i].exp_avg)?);
+            state.exp_avg_sq.push(trained(&unit.adam[i].exp_avg_sq)?);
+        }
+        let unit = &mut self.units[u];
+        unit.dev = Some(state);
+        // The device copy is the truth from now on; free the host one.
+        for i in 0..unit.plan.params.len() {
+            unit.master[i] = Vec::new();
+            unit.grad[i] = Vec::new();
+            unit.adam[i] = AdamWState::new(0);
+        }
+        self.host_stale = true;
+        Ok(())
     }
 
     pub fn device(&self) -> &Device {
@@ -228,6 +322,11 @@ impl FsdpEngine {
             None => None,
         };
         let mine = world.scatter(0, chunks)?;
+        if self.units[u].dev.is_some() {
+            // Loading into a unit that trains from device state: bring the rest of its state
+            // back to the host first, then the host copy becomes the truth again.
+            self.sync_host()?;
+        }
         let unit = &mut self.units[u];
         for (i, p) in unit.plan.params.iter().enumerate() {
             if moments && !p.trainable {
@@ -241,12 +340,16 @@ impl FsdpEngine {
             let at = if moments { p.grad_offset } else { p.offset };
             dst.copy_from_slice(&mine[at..at + p.chunk_len()]);
         }
+        // The host copy is the truth now; the device copy is rebuilt from it when next used.
+        unit.dev = None;
         Ok(())
     }
 
     /// This rank's chunk of every parameter: (layout, weights, exp_avg, exp_avg_sq), in unit
     /// order; the moments are empty for frozen parameters. What a sharded checkpoint stores.
+    /// With device state, `sync_host` must have run since the last step.
     pub fn shard_state(&self) -> Vec<(&super::plan::ParamLayout, &[f32], &[f32], &[f32])> {
+        assert!(!self.host_stale, "shard_state: the host copy is stale; call sync_host first");
         self.units
             .iter()
             .flat_map(|u| {
@@ -260,6 +363,10 @@ impl FsdpEngine {
     /// All-gathers unit `u` (one collective) into full f32 parameters, built over their own
     /// buffers (no extra copy); the trainable ones are `Var`s.
     fn gather(&self, u: usize, round: bool) -> Result<HashMap<String, Tensor>> {
+        // Device state, once uploaded, is the truth; before that the host copy is.
+        if self.units[u].dev.is_some() {
+            return self.gather_on_device(u, round);
+        }
         let unit = &self.units[u];
         let mut buf: Vec<f32> = Vec::with_capacity(unit.plan.chunk_len);
         for m in &unit.master {
@@ -292,6 +399,30 @@ impl FsdpEngine {
         Ok(out)
     }
 
+    /// `gather` from device state: one all-gather of the unit's chunks on the device, the full
+    /// parameters cut out of its result there.
+    fn gather_on_device(&self, u: usize, round: bool) -> Result<HashMap<String, Tensor>> {
+        let unit = &self.units[u];
+        let dev = unit.dev.as_ref().expect("device state");
+        let mut flat = Tensor::cat(&dev.master, 0)?;
+        if round && self.opts.param_dtype != DType::F32 {
+            flat = flat.to_dtype(self.opts.param_dtype)?.to_dtype(DType::F32)?;
+        }
+        let shards = self.groups.shard.world_size();
+        // Rank-major: row k is rank k's chunks of every parameter.
+        let all = self.groups.shard.all_gather_tensor(&flat)?.reshape((shards, unit.plan.chunk_len))?;
+        let dtype = if round { self.compute_dtype() } else { DType::F32 };
+        let mut out = HashMap::new();
+        for p in &unit.plan.params {
+            let full = all.narrow(1, p.offset, p.chunk_len())?.flatten_all()?.narrow(0, 0, p.numel())?;
+            let t = full.reshape(p.spec.shape.as_slice())?.to_dtype(dtype)?;
+            // `Var::from_tensor` copies: the variable owns its buffer, not a view of `all`.
+            let t = if p.trainable { Var::from_tensor(&t)?.as_tensor().clone() } else { t.contiguous()? };
+            out.insert(p.spec.name.clone(), t);
+        }
+        Ok(out)
+    }
+
     /// Full parameters of unit `u` in f32, as stored (for export). Every rank of the shard
     /// group takes part.
     pub fn full_unit(&self, u: usize) -> Result<HashMap<String, Tensor>> {
@@ -301,6 +432,9 @@ impl FsdpEngine {
     fn ensure_gathered(&mut self, s: usize) -> Result<()> {
         for &u in &self.stage_units[s].clone() {
             if self.units[u].gathered.is_none() {
+                if self.state_on_device {
+                    self.ensure_device_state(u)?;
+                }
                 let vars = self.gather(u, true)?;
                 self.units[u].gathered = Some(vars);
             }
@@ -454,6 +588,21 @@ impl FsdpEngine {
                     .iter()
                     .find(|&&u| self.units[u].plan.params.iter().any(|p| &p.spec.name == name))
                     .expect("parameter has a unit");
+                if self.state_on_device {
+                    // Summed on the device (a tied weight gets two contributions).
+                    let g = g.to_dtype(DType::F32)?.flatten_all()?;
+                    let slot = self.units[u].dev_full_grads.entry(name.clone());
+                    match slot {
+                        std::collections::hash_map::Entry::Occupied(mut e) => {
+                            let sum = (e.get() + &g)?;
+                            e.insert(sum);
+                        }
+                        std::collections::hash_map::Entry::Vacant(e) => {
+                            e.insert(g);
+                        }
+                    }
+                    continue;
+                }
                 let shards = self.groups.shard.world_size();
                 let unit = &mut self.units[u];
                 let p = unit.plan.params.iter().find(|p| &p.spec.name == name).unwrap();
@@ -492,6 +641,9 @@ impl FsdpEngine {
     }
 
     fn reduce_scatter_unit(&mut self, u: usize) -> Result<()> {
+        if self.state_on_device {
+            return self.reduce_scatter_unit_on_device(u);
+        }
         let unit = &mut self.units[u];
         let Some(mut buf) = unit.full_grad.take() else { return Ok(()) };
         round_through(&mut buf, self.opts.reduce_dtype);
@@ -508,9 +660,109 @@ impl FsdpEngine {
         Ok(())
     }
 
+    /// `reduce_scatter_unit` with device state: the unit's full gradients packed rank-major on
+    /// the device (zero rows for padding and for parameters that got no gradient), one
+    /// reduce-scatter, this rank's chunks added to the gradient chunks.
+    fn reduce_scatter_unit_on_device(&mut self, u: usize) -> Result<()> {
+        let shards = self.groups.shard.world_size();
+        let unit = &mut self.units[u];
+        if unit.dev_full_grads.is_empty() {
+            return Ok(());
+        }
+        let mut columns = vec![];
+        for p in unit.plan.params.iter().filter(|p| p.trainable) {
+            let padded = shards * p.chunk_len();
+            let col = match unit.dev_full_grads.remove(&p.spec.name) {
+                Some(g) if padded > p.numel() => Tensor::cat(&[g, Tensor::zeros(padded - p.numel(), DType::F32, &self.device)?], 0)?,
+                Some(g) => g,
+                None => Tensor::zeros(padded, DType::F32, &self.device)?,
+            };
+            columns.push(col.reshape((shards, p.chunk_len()))?);
+        }
+        unit.dev_full_grads.clear();
+        let mut packed = Tensor::cat(&columns, 1)?.flatten_all()?;
+        drop(columns);
+        if self.opts.reduce_dtype != DType::F32 {
+            packed = packed.to_dtype(self.opts.reduce_dtype)?.to_dtype(DType::F32)?;
+        }
+        let mine = self.groups.shard.reduce_scatter_tensor(&packed)?;
+        drop(packed);
+        let dev = unit.dev.as_mut().expect("device state of a gathered unit");
+        for (i, p) in unit.plan.params.iter().enumerate() {
+            if let Some(g) = &mut dev.grad[i] {
+                *g = (&*g + mine.narrow(0, p.grad_offset, p.chunk_len())?)?;
+            }
+        }
+        self.host_stale = true;
+        Ok(())
+    }
+
+    /// `optimizer_step` with device state: the same arithmetic as `adamw_step`, as tensor
+    /// operations on the device.
+    fn optimizer_step_on_device(&mut self, lr: f64, max_grad_norm: Option<f64>) -> Result<StepStats> {
+        for u in 0..self.units.len() {
+            self.ensure_device_state(u)?;
+        }
+        if self.groups.replicate.world_size() > 1 {
+            for unit in &mut self.units {
+                let dev = unit.dev.as_mut().expect("device state");
+                let grads: Vec<Tensor> = dev.grad.iter().flatten().cloned().collect();
+                if grads.is_empty() {
+                    continue;
+                }
+                let summed = self.groups.replicate.all_reduce_tensor(&Tensor::cat(&grads, 0)?)?;
+                let mut off = 0;
+                for g in dev.grad.iter_mut().flatten() {
+                    let n = g.dim(0)?;
+                    *g = summed.narrow(0, off, n)?.contiguous()?;
+                    off += n;
+                }
+            }
+        }
+        let mut local_sq = 0f64;
+        for unit in &self.units {
+            for g in unit.dev.as_ref().expect("device state").grad.iter().flatten() {
+                local_sq += g.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+            }
+        }
+        let grad_norm = crate::dist::all_reduce_scalar(self.groups.shard.as_ref(), local_sq)?.sqrt();
+        let coef = match max_grad_norm {
+            Some(max) => clip_coefficient(grad_norm, max),
+            None => 1.0,
+        };
+        self.step += 1;
+        let cfg = self.adam;
+        let bc1 = 1.0 - cfg.beta1.powi(self.step as i32);
+        let bc2 = 1.0 - cfg.beta2.powi(self.step as i32);
+        let (step_size, bc2_sqrt) = ((lr / bc1) as f32 as f64, bc2.sqrt() as f32 as f64);
+        for unit in &mut self.units {
+            let dev = unit.dev.as_mut().expect("device state");
+            for (i, p) in unit.plan.params.iter().enumerate() {
+                let (Some(g), Some(m), Some(v)) = (&mut dev.grad[i], &mut dev.exp_avg[i], &mut dev.exp_avg_sq[i]) else { continue };
+                let grad = if coef < 1.0 { g.affine(coef as f32 as f64, 0.0)? } else { g.clone() };
+                let wd = if self.decay[&p.spec.name] { cfg.weight_decay } else { 0.0 };
+                let mut param = dev.master[i].clone();
+                if wd != 0.0 {
+                    param = param.affine((1.0 - lr * wd) as f32 as f64, 0.0)?;
+                }
+                // m = lerp(m, g, 1 - b1); v = v * b2 + (1 - b2) * g * g
+                *m = (&*m + (&grad - &*m)?.affine(1.0 - cfg.beta1 as f32 as f64, 0.0)?)?;
+                *v = ((&*v).affine(cfg.beta2 as f32 as f64, 0.0)? + grad.sqr()?.affine(1.0 - cfg.beta2 as f32 as f64, 0.0)?)?;
+                let denom = (v.sqrt()?.affine(1.0 / bc2_sqrt, 0.0)? + cfg.eps as f32 as f64)?;
+                dev.master[i] = (param - (&*m / denom)?.affine(step_size, 0.0)?)?;
+                *g = g.zeros_like()?;
+            }
+        }
+        self.host_stale = true;
+        Ok(StepStats { grad_norm, lr })
+    }
+
     /// Ends a step: gradients summed over replicas, global-norm clipping (`max_grad_norm` None
     /// = off), AdamW with learning rate `lr`, gradients zeroed. The norm is before clipping.
     pub fn optimizer_step(&mut self, lr: f64, max_grad_norm: Option<f64>) -> Result<StepStats> {
+        if self.state_on_device {
+            return self.optimizer_step_on_device(lr, max_grad_norm);
+        }
         if self.groups.replicate.world_size() > 1 {
             for unit in &mut self.units {
                 let mut buf: Vec<f32> = unit.grad.iter().flatten().copied().collect();
@@ -546,7 +798,8 @@ impl FsdpEngine {
     }
 
     /// This rank's current gradient chunks by parameter name (for tests and inspection).
-    pub fn grad_chunks(&self) -> HashMap<String, Vec<f32>> {
+    pub fn grad_chunks(&mut self) -> HashMap<String, Vec<f32>> {
+        self.sync_host().expect("copying the state from the device");
         self.units
             .iter()
             .flat_map(|u| u.plan.params.iter().zip(&u.grad).filter(|(p, _)| p.trainable).map(|(p, g)| (p.spec.name.clone(), g.clone())))

@@ -58,6 +58,10 @@ pub struct FinetuneConfig {
     pub backend: Backend,
     /// Where the units compute (`cuda` = each rank's LOCAL_RANK GPU).
     pub device: crate::device::DeviceSpec,
+    /// Where master weights, gradients and AdamW moments live: `Some(true)` host memory
+    /// (FSDP2's CPUOffloadPolicy), `Some(false)` the device, `None` the device's default (host
+    /// on CPU, device on a GPU).
+    pub cpu_offload: Option<bool>,
     pub max_shard_size: usize,
     /// Save a sharded checkpoint every this many steps.
     pub save_steps: Option<usize>,
@@ -121,6 +125,7 @@ impl FinetuneConfig {
             collective_timeout: Duration::from_secs(600),
             backend: Backend::Auto,
             device: crate::device::DeviceSpec::Cpu,
+            cpu_offload: None,
             max_shard_size: 5_000_000_000,
             save_steps: None,
             save_total_limit: None,
@@ -534,6 +539,9 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig, device: Opti
         None => cfg.device.open(crate::dist::env::DistEnv::from_env()?.map(|e| e.local_rank).unwrap_or(rank))?,
     };
     let mut engine = FsdpEngine::new(staged.clone(), plan, groups_ref.clone(), opts, adam, cfg.weight_decay_all)?.with_device(device);
+    if let Some(offload) = cfg.cpu_offload {
+        engine = engine.with_cpu_offload(offload);
+    }
     let n_units = engine.units().count();
     let load_start = Instant::now();
     // Resuming: rank 0 finds and verifies the checkpoint and checks it belongs to this model and
@@ -842,7 +850,7 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig, device: Opti
                 strategy: format!("{:?}", cfg.strategy),
                 total_limit: cfg.save_total_limit,
             };
-            let dir = sharded::save(&engine, groups_ref, &cfg.output_dir, &extras)?;
+            let dir = sharded::save(&mut engine, groups_ref, &cfg.output_dir, &extras)?;
             if is_root && cfg.verbose {
                 eprintln!("saved {} in {:.2}s", dir.display(), t.elapsed().as_secs_f64());
             }
