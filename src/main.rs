@@ -347,6 +347,12 @@ struct ServeArgs {
     /// Largest request body in bytes (file uploads: up to 512 MiB).
     #[arg(long, default_value_t = 4 << 20)]
     max_body_bytes: usize,
+    /// Where the models compute: cpu, cuda (GPU 0) or cuda:N (CUDA build).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Compute dtype: f32 (default; fastest on CPU), bf16 (GPUs) or f16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
     /// Where uploaded files, fine-tuning jobs (SQLite) and fine-tuned models are kept.
     #[arg(long, default_value = "fsdp-serve-data")]
     data_dir: PathBuf,
@@ -495,20 +501,7 @@ fn main() {
         }),
         Command::Fixture(a) => run_fixture(a),
         Command::Estimate(a) => run_estimate(a),
-        Command::Serve(a) => fsdp_app::serve::run(&fsdp_app::serve::ServeConfig {
-            model: a.model,
-            revision: a.revision,
-            served_model_name: a.served_model_name,
-            host: a.host,
-            port: a.port,
-            api_key: a.api_key,
-            max_concurrent_requests: a.max_concurrent_requests,
-            max_queue: a.max_queue,
-            max_input_tokens: a.max_input_tokens,
-            max_total_tokens: a.max_total_tokens,
-            max_body_bytes: a.max_body_bytes,
-            data_dir: a.data_dir,
-        }),
+        Command::Serve(a) => run_serve(a),
     };
     if let Err(e) = result {
         if std::env::var_os("RUST_BACKTRACE").is_some() {
@@ -518,6 +511,25 @@ fn main() {
         }
         std::process::exit(1);
     }
+}
+
+fn run_serve(a: ServeArgs) -> Result<()> {
+    fsdp_app::serve::run(&fsdp_app::serve::ServeConfig {
+        model: a.model,
+        revision: a.revision,
+        served_model_name: a.served_model_name,
+        host: a.host,
+        port: a.port,
+        api_key: a.api_key,
+        max_concurrent_requests: a.max_concurrent_requests,
+        max_queue: a.max_queue,
+        max_input_tokens: a.max_input_tokens,
+        max_total_tokens: a.max_total_tokens,
+        max_body_bytes: a.max_body_bytes,
+        data_dir: a.data_dir,
+        device: a.device.parse()?,
+        dtype: parse_dtype(&a.dtype).context("--dtype")?,
+    })
 }
 
 fn run_finetune(a: FinetuneArgs) -> Result<()> {

@@ -211,4 +211,7 @@ fn gpu_flags_on_a_cpu_build_give_one_clear_line() {
     assert_clean_error(&finetune(&["--device", "tpu"]), &["--device \"tpu\"", "cpu, cuda or cuda:N"]);
     assert!(!out_dir.exists() || std::fs::read_dir(&out_dir).unwrap().next().is_none(), "a failed start left files behind");
     assert_clean_error(&gen(&dir, &["--device", "cuda:1"]), &["--device cuda:1", "built without CUDA"]);
+    let data_dir = tmp.path().join("serve-data");
+    let serve = run_cli(&["serve", "--model", dir.to_str().unwrap(), "--port", "0", "--data-dir", data_dir.to_str().unwrap(), "--device", "cuda"], &[]);
+    assert_clean_error(&serve, &["--device cuda:0", "built without CUDA"]);
 }

@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, CudaView, DeviceRepr};
+use candle_core::cuda_backend::cudarc::nccl::result::NcclError;
 use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, ReduceOp};
 use candle_core::cuda_backend::CudaStorage;
 use candle_core::op::BackpropOp;
@@ -110,14 +111,8 @@ pub fn connect(env: &DistEnv, shard_size: usize, timeout: Duration, device: &Dev
 
 impl NcclGroup {
     /// Runs one collective: `launch` enqueues it on the stream and returns the device buffer it
-    /// fills; we wait for it (bounded) and copy the result to the host.
-    fn run<T: DeviceRepr + Default + Clone>(&self, op: &str, launch: impl FnOnce(&Comm, &Arc<CudaStream>) -> Result<CudaSlice<T>>) -> Result<Vec<T>> {
-        let out = self.run_on_device(op, launch)?;
-        self.stream.clone_dtoh(&out).map_err(nccl_err(op))
-    }
-
-    /// Like `run`, the result left on the device.
-    fn run_on_device<T: DeviceRepr>(&self, op: &str, launch: impl FnOnce(&Comm, &Arc<CudaStream>) -> Result<CudaSlice<T>>) -> Result<CudaSlice<T>> {
+    /// fills; we wait for it, bounded by the collective timeout.
+    fn run<T: DeviceRepr>(&self, op: &str, launch: impl FnOnce(&Comm, &Arc<CudaStream>) -> Result<CudaSlice<T>>) -> Result<CudaSlice<T>> {
         let mut guard = self.comm.lock().unwrap_or_else(|p| p.into_inner());
         let Some(comm) = guard.as_ref() else {
             bail!("nccl {op} on the {} group: the communicator was aborted after an earlier failure", self.name);
@@ -129,7 +124,7 @@ impl NcclGroup {
         while !done.try_is_complete().map_err(nccl_err(op))? {
             if start.elapsed() > self.timeout {
                 // Frees the GPU from the stuck kernels; later calls see `None`.
-                drop(guard.take());
+                drop_quietly(guard.take());
                 bail!(
                     "nccl {op} on the {} group did not complete within {:.0}s: another rank died or stopped calling collectives",
                     self.name,
@@ -147,27 +142,35 @@ impl NcclGroup {
         Ok(out)
     }
 
-    /// Runs `f` on the device memory of a 1-D f32 tensor on this group's GPU.
-    fn with_view<R>(&self, t: &Tensor, op: &str, f: impl FnOnce(&CudaView<'_, f32>) -> Result<R>) -> Result<R> {
-        if t.dtype() != DType::F32 || t.rank() != 1 {
-            bail!("nccl {op}: expected a 1-D f32 tensor, got {:?} {:?}", t.dtype(), t.shape());
+    /// One collective from a 1-D f32 tensor on this GPU into a new one of `out_len` values:
+    /// NCCL reads the input's device memory and writes the output's.
+    fn run_tensor(
+        &self,
+        op: &'static str,
+        input: &Tensor,
+        out_len: usize,
+        call: impl FnOnce(&Comm, &CudaView<'_, f32>, &mut CudaSlice<f32>) -> Result<(), NcclError>,
+    ) -> Result<Tensor> {
+        if input.dtype() != DType::F32 || input.rank() != 1 {
+            bail!("nccl {op}: expected a 1-D f32 tensor, got {:?} {:?}", input.dtype(), input.shape());
         }
-        let t = t.contiguous()?;
-        let (storage, layout) = t.storage_and_layout();
+        let input = input.contiguous()?;
+        let (storage, layout) = input.storage_and_layout();
         let Storage::Cuda(cuda) = &*storage else { bail!("nccl {op}: the tensor is not on the GPU") };
         let (start, end) = layout.contiguous_offsets().context("contiguous tensor")?;
-        let view = cuda.as_cuda_slice::<f32>()?.slice(start..end);
-        f(&view)
+        let send = cuda.as_cuda_slice::<f32>()?.slice(start..end);
+        let out = self.run(op, |comm, stream| {
+            let mut recv = stream.alloc_zeros::<f32>(out_len).map_err(nccl_err(op))?;
+            call(comm, &send, &mut recv).map_err(nccl_err(op))?;
+            Ok(recv)
+        })?;
+        let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(out, self.device.clone()));
+        Ok(Tensor::from_storage(storage, out_len, BackpropOp::none(), false))
     }
 
-    /// A tensor over a device buffer this group filled.
-    fn tensor(&self, slice: CudaSlice<f32>) -> Tensor {
-        let n = slice.len();
-        Tensor::from_storage(Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, self.device.clone())), n, BackpropOp::none(), false)
-    }
-
-    fn to_device<T: DeviceRepr>(stream: &Arc<CudaStream>, host: &[T], op: &str) -> Result<CudaSlice<T>> {
-        stream.clone_htod(host).map_err(nccl_err(op))
+    /// Host values as a tensor on this group's GPU (for the host-slice API).
+    fn upload(&self, v: &[f32]) -> Result<Tensor> {
+        Ok(Tensor::from_slice(v, v.len(), &Device::Cuda(self.device.clone()))?)
     }
 }
 
@@ -180,59 +183,9 @@ impl Collective for NcclGroup {
         self.control.world_size()
     }
 
-    fn all_gather(&self, shard: &[f32]) -> Result<Vec<f32>> {
-        let n = shard.len() * self.world_size();
-        self.run("all_gather", |comm, stream| {
-            let send = Self::to_device(stream, shard, "all_gather")?;
-            let mut recv = stream.alloc_zeros::<f32>(n).map_err(nccl_err("all_gather"))?;
-            comm.all_gather(&send, &mut recv).map_err(nccl_err("all_gather"))?;
-            Ok(recv)
-        })
-    }
-
-    fn reduce_scatter(&self, full: &[f32]) -> Result<Vec<f32>> {
-        let world = self.world_size();
-        if full.len() % world != 0 {
-            bail!("reduce_scatter: {} values do not split over {world} ranks", full.len());
-        }
-        self.run("reduce_scatter", |comm, stream| {
-            let send = Self::to_device(stream, full, "reduce_scatter")?;
-            let mut recv = stream.alloc_zeros::<f32>(full.len() / world).map_err(nccl_err("reduce_scatter"))?;
-            comm.reduce_scatter(&send, &mut recv, &ReduceOp::Sum).map_err(nccl_err("reduce_scatter"))?;
-            Ok(recv)
-        })
-    }
-
-    fn all_reduce(&self, data: &mut [f32]) -> Result<()> {
-        let out = self.run("all_reduce", |comm, stream| {
-            let mut buf = Self::to_device(stream, data, "all_reduce")?;
-            comm.all_reduce_in_place(&mut buf, &ReduceOp::Sum).map_err(nccl_err("all_reduce"))?;
-            Ok(buf)
-        })?;
-        data.copy_from_slice(&out);
-        Ok(())
-    }
-
-    fn all_reduce_f64(&self, data: &mut [f64]) -> Result<()> {
-        let out = self.run("all_reduce_f64", |comm, stream| {
-            let mut buf = Self::to_device(stream, data, "all_reduce_f64")?;
-            comm.all_reduce_in_place(&mut buf, &ReduceOp::Sum).map_err(nccl_err("all_reduce_f64"))?;
-            Ok(buf)
-        })?;
-        data.copy_from_slice(&out);
-        Ok(())
-    }
-
     fn all_gather_tensor(&self, shard: &Tensor) -> Result<Tensor> {
         let n = shard.elem_count() * self.world_size();
-        let out = self.with_view(shard, "all_gather", |send| {
-            self.run_on_device("all_gather", |comm, stream| {
-                let mut recv = stream.alloc_zeros::<f32>(n).map_err(nccl_err("all_gather"))?;
-                comm.all_gather(send, &mut recv).map_err(nccl_err("all_gather"))?;
-                Ok(recv)
-            })
-        })?;
-        Ok(self.tensor(out))
+        self.run_tensor("all_gather", shard, n, |comm, send, recv| comm.all_gather(send, recv).map(drop))
     }
 
     fn reduce_scatter_tensor(&self, full: &Tensor) -> Result<Tensor> {
@@ -240,27 +193,36 @@ impl Collective for NcclGroup {
         if full.elem_count() % world != 0 {
             bail!("reduce_scatter: {} values do not split over {world} ranks", full.elem_count());
         }
-        let n = full.elem_count() / world;
-        let out = self.with_view(full, "reduce_scatter", |send| {
-            self.run_on_device("reduce_scatter", |comm, stream| {
-                let mut recv = stream.alloc_zeros::<f32>(n).map_err(nccl_err("reduce_scatter"))?;
-                comm.reduce_scatter(send, &mut recv, &ReduceOp::Sum).map_err(nccl_err("reduce_scatter"))?;
-                Ok(recv)
-            })
-        })?;
-        Ok(self.tensor(out))
+        self.run_tensor("reduce_scatter", full, full.elem_count() / world, |comm, send, recv| {
+            comm.reduce_scatter(send, recv, &ReduceOp::Sum).map(drop)
+        })
     }
 
     fn all_reduce_tensor(&self, data: &Tensor) -> Result<Tensor> {
-        let n = data.elem_count();
-        let out = self.with_view(data, "all_reduce", |send| {
-            self.run_on_device("all_reduce", |comm, stream| {
-                let mut recv = stream.alloc_zeros::<f32>(n).map_err(nccl_err("all_reduce"))?;
-                comm.all_reduce(send, &mut recv, &ReduceOp::Sum).map_err(nccl_err("all_reduce"))?;
-                Ok(recv)
-            })
+        self.run_tensor("all_reduce", data, data.elem_count(), |comm, send, recv| comm.all_reduce(send, recv, &ReduceOp::Sum).map(drop))
+    }
+
+    fn all_gather(&self, shard: &[f32]) -> Result<Vec<f32>> {
+        Ok(self.all_gather_tensor(&self.upload(shard)?)?.to_vec1()?)
+    }
+
+    fn reduce_scatter(&self, full: &[f32]) -> Result<Vec<f32>> {
+        Ok(self.reduce_scatter_tensor(&self.upload(full)?)?.to_vec1()?)
+    }
+
+    fn all_reduce(&self, data: &mut [f32]) -> Result<()> {
+        data.copy_from_slice(&self.all_reduce_tensor(&self.upload(data)?)?.to_vec1::<f32>()?);
+        Ok(())
+    }
+
+    fn all_reduce_f64(&self, data: &mut [f64]) -> Result<()> {
+        let out = self.run("all_reduce_f64", |comm, stream| {
+            let mut buf = stream.clone_htod(data).map_err(nccl_err("all_reduce_f64"))?;
+            comm.all_reduce_in_place(&mut buf, &ReduceOp::Sum).map_err(nccl_err("all_reduce_f64"))?;
+            Ok(buf)
         })?;
-        Ok(self.tensor(out))
+        data.copy_from_slice(&self.stream.clone_dtoh(&out).map_err(nccl_err("all_reduce_f64"))?);
+        Ok(())
     }
 
     /// Loading traffic (rank 0 to each rank once per unit) stays on the control plane: it is

@@ -3,6 +3,11 @@
 //! at its input), gradients reduce-scattered per unit as soon as the unit's last stage is done,
 //! then clipping and AdamW on the chunks.
 //!
+//! The state lives in one of two places: host vectors (CPU runs, and `--cpu-offload` on a GPU;
+//! the collectives take slices and AdamW is a loop) or device tensors (GPU runs; the collectives
+//! take tensors and AdamW is tensor operations). The two paths compute the same numbers; a test
+//! runs both on CPU.
+//!
 //! The engine drives any [`StagedModel`]; it never names an architecture.
 
 use std::collections::HashMap;
@@ -12,7 +17,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var, D};
 use models::{Packing, StageContext, StagedModel};
 
-use super::optim::{adamw_step, clip_coefficient, AdamWConfig, AdamWState};
+use super::optim::{adamw_step, adamw_step_tensors, clip_coefficient, AdamWConfig, AdamWState, AdamWTensors};
 use super::plan::{ShardingStrategy, UnitPlan};
 pub use crate::dist::ProcessGroups;
 
@@ -731,25 +736,15 @@ impl FsdpEngine {
             None => 1.0,
         };
         self.step += 1;
-        let cfg = self.adam;
-        let bc1 = 1.0 - cfg.beta1.powi(self.step as i32);
-        let bc2 = 1.0 - cfg.beta2.powi(self.step as i32);
-        let (step_size, bc2_sqrt) = ((lr / bc1) as f32 as f64, bc2.sqrt() as f32 as f64);
         for unit in &mut self.units {
             let dev = unit.dev.as_mut().expect("device state");
             for (i, p) in unit.plan.params.iter().enumerate() {
                 let (Some(g), Some(m), Some(v)) = (&mut dev.grad[i], &mut dev.exp_avg[i], &mut dev.exp_avg_sq[i]) else { continue };
                 let grad = if coef < 1.0 { g.affine(coef as f32 as f64, 0.0)? } else { g.clone() };
-                let wd = if self.decay[&p.spec.name] { cfg.weight_decay } else { 0.0 };
-                let mut param = dev.master[i].clone();
-                if wd != 0.0 {
-                    param = param.affine((1.0 - lr * wd) as f32 as f64, 0.0)?;
-                }
-                // m = lerp(m, g, 1 - b1); v = v * b2 + (1 - b2) * g * g
-                *m = (&*m + (&grad - &*m)?.affine(1.0 - cfg.beta1 as f32 as f64, 0.0)?)?;
-                *v = ((&*v).affine(cfg.beta2 as f32 as f64, 0.0)? + grad.sqr()?.affine(1.0 - cfg.beta2 as f32 as f64, 0.0)?)?;
-                let denom = (v.sqrt()?.affine(1.0 / bc2_sqrt, 0.0)? + cfg.eps as f32 as f64)?;
-                dev.master[i] = (param - (&*m / denom)?.affine(step_size, 0.0)?)?;
+                let wd = if self.decay[&p.spec.name] { self.adam.weight_decay } else { 0.0 };
+                let mut moments = AdamWTensors { exp_avg: m.clone(), exp_avg_sq: v.clone() };
+                dev.master[i] = adamw_step_tensors(&self.adam, lr, wd, self.step, &dev.master[i], &grad, &mut moments)?;
+                (*m, *v) = (moments.exp_avg, moments.exp_avg_sq);
                 *g = g.zeros_like()?;
             }
         }

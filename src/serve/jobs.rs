@@ -284,6 +284,11 @@ fn command_line(st: &AppState, job: &JobRow) -> Vec<String> {
             "--merge-lora".into(),
         ]);
     }
+    // Jobs train where the server computes: on a GPU server each rank takes its LOCAL_RANK GPU,
+    // in bf16 with fp32 master weights.
+    if !st.placement.device.is_cpu() {
+        args.extend(["--device".into(), "cuda".into(), "--param-dtype".into(), "bf16".into()]);
+    }
     args
 }
 

@@ -51,6 +51,16 @@ pub struct ServeConfig {
     pub max_body_bytes: usize,
     /// Where files, jobs (SQLite) and fine-tuned models live.
     pub data_dir: PathBuf,
+    /// Where and in which dtype the models compute.
+    pub device: crate::device::DeviceSpec,
+    pub dtype: DType,
+}
+
+/// Where served models compute; the base model and fine-tuned ones alike.
+#[derive(Debug, Clone)]
+pub struct Placement {
+    pub device: Device,
+    pub dtype: DType,
 }
 
 /// How far past --max-body-bytes a body is still read, to answer 413 cleanly.
@@ -87,6 +97,7 @@ pub struct AppState {
     pub limit_total: Option<usize>,
     pub api_key: Option<String>,
     pub metrics: Arc<Metrics>,
+    pub placement: Placement,
 }
 
 impl AppState {
@@ -257,24 +268,27 @@ pub fn router(state: Arc<AppState>) -> Router {
 
 /// Loads a model directory (or Hub id) and starts its engine thread.
 fn load_served(id: &str, source: &str, revision: Option<&str>, st_limits: &AppState) -> Result<ServedModel> {
-    load_served_with(id, source, revision, st_limits.max_concurrent, st_limits.limit_input, st_limits.limit_total, st_limits.metrics.clone())
+    let limits = (st_limits.max_concurrent, st_limits.limit_input, st_limits.limit_total);
+    load_served_with(id, source, revision, limits, st_limits.metrics.clone(), &st_limits.placement)
 }
 
+/// `limits`: (sequences run together, longest prompt, longest prompt + completion).
 fn load_served_with(
     id: &str,
     source: &str,
     revision: Option<&str>,
-    max_running: usize,
-    limit_input: Option<usize>,
-    limit_total: Option<usize>,
+    (max_running, limit_input, limit_total): (usize, Option<usize>, Option<usize>),
     metrics: Arc<Metrics>,
+    placement: &Placement,
 ) -> Result<ServedModel> {
     let files = crate::checkpoint::resolve_model(source, revision)?;
     let gen_defaults = match &files.generation_config {
         Some(p) => GenerationDefaults::read(p)?,
         None => GenerationDefaults::default(),
     };
-    let loaded = crate::checkpoint::load_model(files, DType::F32, &Device::Cpu)?;
+    let loaded = crate::checkpoint::load_model(files, placement.dtype, &placement.device)?;
+    // The engine thread computes on its own (per-thread) stream: the weights must have landed.
+    placement.device.synchronize()?;
     let tokenizer = Arc::new(TextTokenizer::load(&loaded.files, loaded.config.vocab_size)?);
     let mut eos: HashSet<u32> = gen_defaults.eos_token_ids.iter().copied().collect();
     eos.extend(loaded.config.eos_token_ids.iter().copied());
@@ -309,7 +323,9 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
     let metrics = Arc::new(Metrics::default());
     let base_id = cfg.served_model_name.clone().unwrap_or_else(|| cfg.model.clone());
     let max_concurrent = cfg.max_concurrent_requests.max(1);
-    let base = load_served_with(&base_id, &cfg.model, cfg.revision.as_deref(), max_concurrent, cfg.max_input_tokens, cfg.max_total_tokens, metrics.clone())?;
+    let placement = Placement { device: cfg.device.open(0)?, dtype: cfg.dtype };
+    let limits = (max_concurrent, cfg.max_input_tokens, cfg.max_total_tokens);
+    let base = load_served_with(&base_id, &cfg.model, cfg.revision.as_deref(), limits, metrics.clone(), &placement)?;
     let store = Arc::new(store::Store::open(&cfg.data_dir)?);
     let failed = store.recover()?;
     if failed > 0 {
@@ -331,6 +347,7 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
         limit_total: cfg.max_total_tokens,
         api_key: cfg.api_key.clone(),
         metrics,
+        placement,
     });
     jobs::start_runner(state.clone());
     let addr: SocketAddr = format!("{}:{}", cfg.host, cfg.port).parse().with_context(|| format!("--host {} --port {}: not an address", cfg.host, cfg.port))?;
