@@ -8,6 +8,18 @@ pub fn peak_rss_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
+/// Memory in use on `device`'s GPU as the driver reports it (total minus free: this process's
+/// allocations and the pools it keeps, plus any other process on that GPU); `None` on CPU.
+pub fn gpu_memory_used(device: &candle_core::Device) -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        let (free, total) = d.cuda_stream().context().mem_get_info().ok()?;
+        return Some((total - free) as u64);
+    }
+    let _ = device;
+    None
+}
+
 /// "123.4 MiB" style, for humans.
 pub fn human_bytes(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];

@@ -191,7 +191,11 @@ mod nccl {
             let d = run.losses.iter().zip(&cpu.losses).map(|(a, b)| (a - b).abs() / b).fold(0.0, f64::max);
             eprintln!("nccl ac {ac}: max rel loss diff from CPU {d:.2e}");
             assert!(d < 2e-4, "nccl ac {ac}: losses differ from CPU by {d}\n{:?}\n{:?}", run.losses, cpu.losses);
-            assert!(tmp.path().join(format!("nccl-ac{ac}")).join("config.json").exists());
+            let out = tmp.path().join(format!("nccl-ac{ac}"));
+            assert!(out.join("config.json").exists());
+            // The per-step report carries the GPU's memory in use.
+            let last: serde_json::Value = serde_json::from_str(std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().last().unwrap()).unwrap();
+            assert!(last["gpu_memory_bytes_per_rank"][0].as_u64().unwrap() > 1 << 20, "{last}");
         }
     }
 }

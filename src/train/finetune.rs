@@ -794,32 +794,43 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig, device: Opti
         let secs = start.elapsed().as_secs_f64();
         let tokens = (global_batch * cfg.seq_len) as f64;
         // Peak RSS of every rank's process (the same process for local ranks).
-        let mut rss_all = vec![0f64; world];
+        // ...and, on GPUs, the device memory in use at the end of the step (second half).
+        let mut rss_all = vec![0f64; 2 * world];
         rss_all[rank] = peak_rss_bytes().unwrap_or(0) as f64;
+        let gpu_mem = crate::memory::gpu_memory_used(engine.device());
+        rss_all[world + rank] = gpu_mem.unwrap_or(0) as f64;
         groups_ref.world.all_reduce_f64(&mut rss_all)?;
+        let gpu_per_rank: Option<Vec<u64>> = gpu_mem.map(|_| rss_all[world..].iter().map(|&x| x as u64).collect());
+        rss_all.truncate(world);
         losses.push(loss);
         grad_norms.push(stats.grad_norm);
         history.train.push((step + 1, loss));
         if let Some(f) = metrics.as_mut() {
             let rss_per_rank: Vec<u64> = rss_all.iter().map(|&x| x as u64).collect();
             let rss = rss_per_rank.iter().copied().max();
-            let row = json!({
+            let mut row = json!({
                 "step": step + 1, "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": stats.grad_norm,
                 "tokens_per_s": tokens / secs, "peak_rss_bytes": rss, "peak_rss_bytes_per_rank": rss_per_rank,
                 "step_s": secs,
             });
+            if let Some(g) = &gpu_per_rank {
+                row["gpu_memory_bytes_per_rank"] = json!(g);
+            }
             writeln!(f, "{row}")?;
             f.flush()?;
             history.write_svg(&cfg.output_dir.join("loss.svg"))?;
             if let Some(pb) = &progress {
                 let per_rank: Vec<String> = rss_per_rank.iter().map(|&b| human_bytes(b)).collect();
-                let line = format!(
+                let mut line = format!(
                     "step {:>5} | loss {loss:.4} | lr {lr:.3e} | grad norm {:.4} | {:.0} tokens/s | peak RSS per rank [{}]",
                     step + 1,
                     stats.grad_norm,
                     tokens / secs,
                     per_rank.join(", ")
                 );
+                if let Some(g) = &gpu_per_rank {
+                    line += &format!(" | GPU memory per rank [{}]", g.iter().map(|&b| human_bytes(b)).collect::<Vec<_>>().join(", "));
+                }
                 // A hidden bar (stderr not a terminal) drops println: print plainly then.
                 if pb.is_hidden() {
                     eprintln!("{line}");

@@ -133,7 +133,12 @@ fn main() -> anyhow::Result<()> {
         Ok(t) => {
             let tps = t["tokens_per_s"].as_f64().unwrap_or(0.0);
             println!("| PyTorch {} FSDP2 fully_shard (world 1) | {tps:.0} | {:.1}% | 1.00x |", t["torch"].as_str().unwrap_or("?"), 100.0 * tps * fpt / peak);
-            println!("\nPyTorch peak GPU memory {:.1} GiB", t["peak_gpu_gib"].as_f64().unwrap_or(0.0));
+            let ours_gpu = metrics.last().and_then(|m| m["gpu_memory_bytes_per_rank"][0].as_f64()).unwrap_or(0.0) / (1u64 << 30) as f64;
+            println!(
+                "\nGPU memory: fsdp-app {ours_gpu:.1} GiB in use at the last step's end (driver: allocations + pools); \
+                 PyTorch {:.1} GiB peak allocated",
+                t["peak_gpu_gib"].as_f64().unwrap_or(0.0)
+            );
         }
         Err(why) => println!("| PyTorch | n/a: {why} | | |"),
     }
