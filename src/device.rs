@@ -69,7 +69,7 @@ fn open_cuda(ordinal: usize) -> Result<Device> {
 #[cfg(not(feature = "cuda"))]
 fn open_cuda(ordinal: usize) -> Result<Device> {
     bail!(
-        "--device cuda:{ordinal}: this fsdp-app was built without CUDA; build one with scripts/build-cuda.sh \
+        "--device cuda:{ordinal}: this fsdp-app was built without CUDA; build one with tests/gpu/build-cuda.sh \
          (features cuda,nccl), or use --device cpu"
     )
 }
@@ -104,7 +104,7 @@ mod tests {
     #[test]
     fn a_cpu_build_names_the_way_to_a_cuda_one() {
         let e = DeviceSpec::Cuda(None).open(0).unwrap_err().to_string();
-        assert!(e.contains("built without CUDA") && e.contains("scripts/build-cuda.sh"), "{e}");
+        assert!(e.contains("built without CUDA") && e.contains("tests/gpu/build-cuda.sh"), "{e}");
         assert!(DeviceSpec::Cpu.open(0).unwrap().is_cpu());
     }
 }

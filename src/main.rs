@@ -58,7 +58,7 @@ struct ModelArgs {
     /// Compute dtype: f32 (default; fastest on CPU), bf16 or f16.
     #[arg(long, default_value = "f32")]
     dtype: String,
-    /// Where to run: cpu, cuda (GPU 0) or cuda:N; GPUs need a CUDA build (scripts/build-cuda.sh).
+    /// Where to run: cpu, cuda (GPU 0) or cuda:N; GPUs need a CUDA build (tests/gpu/build-cuda.sh).
     #[arg(long, default_value = "cpu")]
     device: String,
 }

@@ -206,8 +206,8 @@ fn gpu_flags_on_a_cpu_build_give_one_clear_line() {
         args.extend_from_slice(extra);
         run_cli(&args, &[])
     };
-    assert_clean_error(&finetune(&["--device", "cuda"]), &["--device cuda:0", "built without CUDA", "scripts/build-cuda.sh"]);
-    assert_clean_error(&finetune(&["--device", "cuda", "--backend", "nccl"]), &["--backend nccl", "scripts/build-cuda.sh"]);
+    assert_clean_error(&finetune(&["--device", "cuda"]), &["--device cuda:0", "built without CUDA", "tests/gpu/build-cuda.sh"]);
+    assert_clean_error(&finetune(&["--device", "cuda", "--backend", "nccl"]), &["--backend nccl", "tests/gpu/build-cuda.sh"]);
     assert_clean_error(&finetune(&["--device", "tpu"]), &["--device \"tpu\"", "cpu, cuda or cuda:N"]);
     assert!(!out_dir.exists() || std::fs::read_dir(&out_dir).unwrap().next().is_none(), "a failed start left files behind");
     assert_clean_error(&gen(&dir, &["--device", "cuda:1"]), &["--device cuda:1", "built without CUDA"]);

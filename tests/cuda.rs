@@ -3,7 +3,7 @@
 //! NCCL backend at world size 1 through the multi-GPU code path (TCP rendezvous of the unique
 //! ids, communicators on candle's stream, all-gathers and reduce-scatters of real units).
 //!
-//! Built only with `--features cuda` (the NCCL tests with `nccl`): `scripts/build-cuda.sh` makes
+//! Built only with `--features cuda` (the NCCL tests with `nccl`): `tests/gpu/build-cuda.sh` makes
 //! the binary and `scripts/gpu-check.sh` runs it on the GPU machine. There is no skipping: on a
 //! machine without a GPU these tests fail.
 #![cfg(feature = "cuda")]

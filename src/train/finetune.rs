@@ -298,7 +298,7 @@ fn run_nccl(cfg: &FinetuneConfig, env: &DistEnv) -> Result<Option<RunSummary>> {
 
 #[cfg(not(feature = "nccl"))]
 fn run_nccl(_cfg: &FinetuneConfig, _env: &DistEnv) -> Result<Option<RunSummary>> {
-    bail!("--backend nccl: this fsdp-app was built without NCCL; build one with scripts/build-cuda.sh (features cuda,nccl)")
+    bail!("--backend nccl: this fsdp-app was built without NCCL; build one with tests/gpu/build-cuda.sh (features cuda,nccl)")
 }
 
 /// Which collective backend runs the ranks.
@@ -323,7 +323,7 @@ impl std::str::FromStr for Backend {
             "tcp" => Self::Tcp,
             "mpi" => Self::Mpi,
             "nccl" if cfg!(feature = "nccl") => Self::Nccl,
-            "nccl" => bail!("--backend nccl needs a CUDA build (features cuda,nccl; scripts/build-cuda.sh), which this build is not"),
+            "nccl" => bail!("--backend nccl needs a CUDA build (features cuda,nccl; tests/gpu/build-cuda.sh), which this build is not"),
             other => bail!("--backend {other:?}: use auto, local, tcp, mpi or nccl"),
         })
     }

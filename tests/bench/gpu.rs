@@ -1,4 +1,4 @@
-//! `cargo bench --features cuda,nccl --bench gpu` (or the binary scripts/build-cuda.sh carries to
+//! `cargo bench --features cuda,nccl --bench gpu` (or the binary tests/gpu/build-cuda.sh carries to
 //! the GPU machine, run by scripts/gpu-bench.sh): the GPU figures, each next to PyTorch on the
 //! same GPU in the same run.
 //!

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# Runs the CUDA build (made by scripts/build-cuda.sh, carried in .gpubin/) on a GPU machine:
+# Runs the CUDA build (made by tests/gpu/build-cuda.sh, carried in .gpubin/) on a GPU machine:
 #
-#   bash scripts/gpu-run.sh check   # tests/cuda.rs (CUDA vs CPU, NCCL world 1) + a launched run
-#   bash scripts/gpu-run.sh bench   # tests/bench/gpu.rs: training MFU and generation vs PyTorch
+#   bash tests/gpu/run.sh check   # tests/cuda.rs (CUDA vs CPU, NCCL world 1) + a launched run
+#   bash tests/gpu/run.sh bench   # tests/bench/gpu.rs: training MFU and generation vs PyTorch
 #
-# With the device tool: run(command="bash scripts/gpu-run.sh check", carry=[".gpubin"]).
+# With the device tool: run(command="bash tests/gpu/run.sh check", carry=[".gpubin"]).
 # Needs the NVIDIA driver and a Python venv with torch (its nvidia/cu13 and nvidia/nccl wheels
 # provide libcublas, libcudart, libcurand and libnccl); FSDP_BENCH_PYTHON names it (default: the
 # first of /opt/torch/.venv/bin/python and python3 that imports torch).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 what=${1:-check}
 
 PY=${FSDP_BENCH_PYTHON:-}
