@@ -4,7 +4,7 @@
 //! ids, communicators on candle's stream, all-gathers and reduce-scatters of real units).
 //!
 //! Built only with `--features cuda` (the NCCL tests with `nccl`): `tests/gpu/build-cuda.sh` makes
-//! the binary and `scripts/gpu-check.sh` runs it on the GPU machine. There is no skipping: on a
+//! the binary and `tests/gpu/run.sh check` runs it on the GPU machine. There is no skipping: on a
 //! machine without a GPU these tests fail.
 #![cfg(feature = "cuda")]
 
@@ -172,7 +172,42 @@ mod nccl {
             assert_eq!(f, [1.5, -2.25]);
             assert_eq!(g.broadcast_bytes(0, Some(b"tokenizer".to_vec())).unwrap(), b"tokenizer");
             g.barrier().unwrap();
+            // The engine's device-tensor collectives, in f32 and in the bf16/f16 the parameters
+            // are gathered in: the result stays on the GPU, in the input's dtype.
+            let t = Tensor::from_vec(v.clone(), v.len(), &dev).unwrap();
+            for dt in [DType::F32, DType::BF16, DType::F16] {
+                let x = t.to_dtype(dt).unwrap();
+                for (op, y) in [
+                    ("all_gather", g.all_gather_tensor(&x).unwrap()),
+                    ("reduce_scatter", g.reduce_scatter_tensor(&x).unwrap()),
+                    ("all_reduce", g.all_reduce_tensor(&x).unwrap()),
+                ] {
+                    assert!(y.device().is_cuda() && y.dtype() == dt, "{op} {dt:?}: got {:?} on {:?}", y.dtype(), y.device());
+                    assert_eq!(values(&y), values(&x), "{op} {dt:?}");
+                }
+            }
         }
+    }
+
+    /// bf16 training through NCCL (NCCL all-gathers the bf16 chunks in device memory) computes
+    /// what the same GPU computes with the local backend (whose tensor collectives go through
+    /// host memory in f32): the dtype on the wire changes the traffic, not the values.
+    #[test]
+    fn bf16_gathers_through_nccl_match_the_host_path() {
+        let tmp = tempfile::tempdir().unwrap();
+        let model = fixture("llama", tmp.path());
+        let mut host = reference_training_config(&model, &tmp.path().join("host"));
+        host.device = fsdp_app::device::DeviceSpec::Cuda(Some(0));
+        host.param_dtype = DType::BF16;
+        let host = run_local(&host).unwrap();
+        let mut c = reference_training_config(&model, &tmp.path().join("nccl-bf16"));
+        c.device = fsdp_app::device::DeviceSpec::Cuda(None);
+        c.backend = fsdp_app::train::finetune::Backend::Nccl;
+        c.param_dtype = DType::BF16;
+        let run = fsdp_app::train::finetune::run(&c, Some(&env())).unwrap().expect("rank 0 summary");
+        let d = run.losses.iter().zip(&host.losses).map(|(a, b)| (a - b).abs() / b).fold(0.0, f64::max);
+        eprintln!("bf16 nccl vs host path: losses {:?} vs {:?}, max rel diff {d:.2e}", run.losses, host.losses);
+        assert!(d < 1e-6, "bf16 through nccl differs from the host path by {d}");
     }
 
     /// `finetune --backend nccl --device cuda` as one rank under a launcher's environment: the

@@ -425,17 +425,21 @@ fn device_resident_state_reproduces_the_host_path() {
     let tmp = tempfile::tempdir().unwrap();
     let model = fixture("llama", tmp.path());
     let lora = models::LoraSettings { r: 4, alpha: 16.0, dropout: 0.0, targets: vec!["all-linear".into()], use_rslora: false };
-    let cases: Vec<(usize, ShardingStrategy, bool, Option<usize>, usize, bool)> = vec![
-        (1, ShardingStrategy::FullShard, false, None, 1, false),
-        (2, ShardingStrategy::FullShard, true, None, 2, false),
-        (4, ShardingStrategy::ShardGradOp, false, None, 1, false),
-        (3, ShardingStrategy::FullShard, true, None, 1, false),
-        (2, ShardingStrategy::NoShard, false, None, 1, false),
-        (4, ShardingStrategy::HybridShard, true, Some(2), 1, false),
-        (2, ShardingStrategy::FullShard, false, None, 1, true),
+    // (world, strategy, AC, shard group, accumulation, LoRA, bf16 mixed precision)
+    let cases: Vec<(usize, ShardingStrategy, bool, Option<usize>, usize, bool, bool)> = vec![
+        (1, ShardingStrategy::FullShard, false, None, 1, false, false),
+        (2, ShardingStrategy::FullShard, true, None, 2, false, false),
+        (4, ShardingStrategy::ShardGradOp, false, None, 1, false, false),
+        (3, ShardingStrategy::FullShard, true, None, 1, false, false),
+        (2, ShardingStrategy::NoShard, false, None, 1, false, false),
+        (4, ShardingStrategy::HybridShard, true, Some(2), 1, false, false),
+        (2, ShardingStrategy::FullShard, false, None, 1, true, false),
+        // The device path all-gathers bf16 chunks (cast before the gather), the host path
+        // rounds after it: the same values.
+        (2, ShardingStrategy::FullShard, true, None, 1, false, true),
     ];
-    for (i, (world, strategy, ac, group, accum, with_lora)) in cases.into_iter().enumerate() {
-        let what = format!("world {world} {strategy:?} ac {ac} accum {accum} lora {with_lora}");
+    for (i, (world, strategy, ac, group, accum, with_lora, mixed)) in cases.into_iter().enumerate() {
+        let what = format!("world {world} {strategy:?} ac {ac} accum {accum} lora {with_lora} bf16 {mixed}");
         let config = |name: &str, offload: bool| {
             let mut c = reference_config(&model, &tmp.path().join(format!("{name}{i}")));
             c.max_steps = Some(6);
@@ -448,6 +452,10 @@ fn device_resident_state_reproduces_the_host_path() {
             c.cpu_offload = Some(offload);
             c.lora = with_lora.then(|| lora.clone());
             c.weight_decay = 0.1;
+            if mixed {
+                c.param_dtype = DType::BF16;
+                c.reduce_dtype = DType::BF16;
+            }
             c
         };
         let host = run_local(&config("host", true)).unwrap_or_else(|e| panic!("{what}: {e:#}"));

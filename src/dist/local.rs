@@ -333,6 +333,32 @@ mod tests {
         }
     }
 
+    /// The trait's host-memory tensor collectives keep the input's dtype: parameters
+    /// gathered in bf16 come back in bf16, with the values each rank sent.
+    #[test]
+    fn tensor_collectives_keep_the_dtype() {
+        use candle_core::{DType, Device, Tensor};
+        let out = on_ranks(2, |g| {
+            let r = g.rank() as f32;
+            // 1/3 is not a bf16 value: the gather must carry the rounded one, not re-round it.
+            let shard = Tensor::new(&[r + 1.0 / 3.0, -r], &Device::Cpu).unwrap().to_dtype(DType::BF16).unwrap();
+            let gathered = g.all_gather_tensor(&shard).unwrap();
+            let summed = g.reduce_scatter_tensor(&Tensor::new(&[1f32, 2., 3., 4.], &Device::Cpu).unwrap()).unwrap();
+            (shard.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap(), gathered.dtype(), gathered.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap(), summed.to_vec1::<f32>().unwrap())
+        });
+        let sent: Vec<f32> = out.iter().flat_map(|(s, ..)| s.clone()).collect();
+        for (r, (_, dtype, gathered, summed)) in out.into_iter().enumerate() {
+            assert_eq!(dtype, DType::BF16);
+            assert_eq!(gathered, sent);
+            assert_eq!(summed, vec![2.0 * (2 * r + 1) as f32, 2.0 * (2 * r + 2) as f32]);
+        }
+        assert!(is_rounded_to_bf16(sent[0]));
+    }
+
+    fn is_rounded_to_bf16(x: f32) -> bool {
+        x != 1.0 / 3.0 && half::bf16::from_f32(x).to_f32() == x
+    }
+
     #[test]
     fn a_failing_rank_stops_the_others_with_its_name() {
         let out = on_ranks(3, |g| {

@@ -16,8 +16,8 @@ pub mod tcp;
 
 use std::sync::Arc;
 
-use anyhow::Result;
-use candle_core::Tensor;
+use anyhow::{bail, Result};
+use candle_core::{DType, Tensor};
 
 /// Collective operations over one group of ranks. A rank's handle is used by that rank only
 /// (it is shared between the engine and the training loop of that rank).
@@ -50,29 +50,41 @@ pub trait Collective: Send + Sync {
     /// return an error naming this rank instead of waiting.
     fn abort(&self, reason: &str);
 
-    /// `all_gather` of a 1-D f32 tensor, the result on the tensor's device. Backends that move
+    /// `all_gather` of a 1-D tensor (f32, or bf16/f16 for parameters gathered in
+    /// `param_dtype`), the result on the tensor's device in its dtype. Backends that move
     /// device memory themselves (NCCL) override the three tensor collectives; the others go
-    /// through host memory.
+    /// through host memory in f32 (exact for bf16/f16 values).
     fn all_gather_tensor(&self, shard: &Tensor) -> Result<Tensor> {
-        let all = self.all_gather(&shard.to_vec1::<f32>()?)?;
-        let n = all.len();
-        Ok(Tensor::from_vec(all, n, shard.device())?)
+        let all = self.all_gather(&host_f32(shard)?)?;
+        back_to_device(all, shard)
     }
 
-    /// `reduce_scatter` of a 1-D f32 tensor, the result on the tensor's device.
+    /// `reduce_scatter` (sum) of a 1-D tensor, the result on the tensor's device in its dtype.
     fn reduce_scatter_tensor(&self, full: &Tensor) -> Result<Tensor> {
-        let mine = self.reduce_scatter(&full.to_vec1::<f32>()?)?;
-        let n = mine.len();
-        Ok(Tensor::from_vec(mine, n, full.device())?)
+        let mine = self.reduce_scatter(&host_f32(full)?)?;
+        back_to_device(mine, full)
     }
 
-    /// `all_reduce` (sum) of a 1-D f32 tensor, into a new tensor on its device.
+    /// `all_reduce` (sum) of a 1-D tensor, into a new tensor on its device, in its dtype.
     fn all_reduce_tensor(&self, data: &Tensor) -> Result<Tensor> {
-        let mut v = data.to_vec1::<f32>()?;
+        let mut v = host_f32(data)?;
         self.all_reduce(&mut v)?;
-        let n = v.len();
-        Ok(Tensor::from_vec(v, n, data.device())?)
+        back_to_device(v, data)
     }
+}
+
+/// A 1-D tensor's values in host memory, as f32.
+fn host_f32(t: &Tensor) -> Result<Vec<f32>> {
+    if t.rank() != 1 {
+        bail!("tensor collective: expected a 1-D tensor, got shape {:?}", t.shape());
+    }
+    Ok(t.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+}
+
+/// `values` as a tensor on `like`'s device, in `like`'s dtype.
+fn back_to_device(values: Vec<f32>, like: &Tensor) -> Result<Tensor> {
+    let n = values.len();
+    Ok(Tensor::from_vec(values, n, like.device())?.to_dtype(like.dtype())?)
 }
 
 /// Sums one number across ranks.

@@ -22,10 +22,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, CudaView, DeviceRepr};
-use candle_core::cuda_backend::cudarc::nccl::result::NcclError;
-use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, ReduceOp};
-use candle_core::cuda_backend::CudaStorage;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, NcclType, ReduceOp};
+use candle_core::cuda_backend::{CudaDType, CudaStorage};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, DType, Device, Storage, Tensor};
 
@@ -109,6 +108,24 @@ pub fn connect(env: &DistEnv, shard_size: usize, timeout: Duration, device: &Dev
     Ok((groups, proxies))
 }
 
+/// The collectives the engine runs on device tensors.
+#[derive(Clone, Copy)]
+enum TensorOp {
+    AllGather,
+    ReduceScatter,
+    AllReduce,
+}
+
+impl TensorOp {
+    fn name(self) -> &'static str {
+        match self {
+            TensorOp::AllGather => "all_gather",
+            TensorOp::ReduceScatter => "reduce_scatter",
+            TensorOp::AllReduce => "all_reduce",
+        }
+    }
+}
+
 impl NcclGroup {
     /// Runs one collective: `launch` enqueues it on the stream and returns the device buffer it
     /// fills; we wait for it, bounded by the collective timeout.
@@ -142,26 +159,37 @@ impl NcclGroup {
         Ok(out)
     }
 
-    /// One collective from a 1-D f32 tensor on this GPU into a new one of `out_len` values:
-    /// NCCL reads the input's device memory and writes the output's.
-    fn run_tensor(
-        &self,
-        op: &'static str,
-        input: &Tensor,
-        out_len: usize,
-        call: impl FnOnce(&Comm, &CudaView<'_, f32>, &mut CudaSlice<f32>) -> Result<(), NcclError>,
-    ) -> Result<Tensor> {
-        if input.dtype() != DType::F32 || input.rank() != 1 {
-            bail!("nccl {op}: expected a 1-D f32 tensor, got {:?} {:?}", input.dtype(), input.shape());
+    /// One collective from a 1-D tensor on this GPU into a new one of `out_len` values of the
+    /// same dtype: NCCL reads the input's device memory and writes the output's. f32 for
+    /// gradients and counts; bf16/f16 for all-gathers of parameters in `param_dtype` (half
+    /// the traffic, as FSDP2 gathers).
+    fn run_tensor(&self, op: TensorOp, input: &Tensor, out_len: usize) -> Result<Tensor> {
+        match input.dtype() {
+            DType::F32 => self.run_tensor_typed::<f32>(op, input, out_len),
+            DType::BF16 => self.run_tensor_typed::<half::bf16>(op, input, out_len),
+            DType::F16 => self.run_tensor_typed::<half::f16>(op, input, out_len),
+            dt => bail!("nccl {}: expected an f32, bf16 or f16 tensor, got {dt:?}", op.name()),
+        }
+    }
+
+    fn run_tensor_typed<T: NcclType + DeviceRepr + ValidAsZeroBits + CudaDType>(&self, op: TensorOp, input: &Tensor, out_len: usize) -> Result<Tensor> {
+        let name = op.name();
+        if input.rank() != 1 {
+            bail!("nccl {name}: expected a 1-D tensor, got shape {:?}", input.shape());
         }
         let input = input.contiguous()?;
         let (storage, layout) = input.storage_and_layout();
-        let Storage::Cuda(cuda) = &*storage else { bail!("nccl {op}: the tensor is not on the GPU") };
+        let Storage::Cuda(cuda) = &*storage else { bail!("nccl {name}: the tensor is not on the GPU") };
         let (start, end) = layout.contiguous_offsets().context("contiguous tensor")?;
-        let send = cuda.as_cuda_slice::<f32>()?.slice(start..end);
-        let out = self.run(op, |comm, stream| {
-            let mut recv = stream.alloc_zeros::<f32>(out_len).map_err(nccl_err(op))?;
-            call(comm, &send, &mut recv).map_err(nccl_err(op))?;
+        let send = cuda.as_cuda_slice::<T>()?.slice(start..end);
+        let out = self.run(name, |comm, stream| {
+            let mut recv = stream.alloc_zeros::<T>(out_len).map_err(nccl_err(name))?;
+            match op {
+                TensorOp::AllGather => comm.all_gather(&send, &mut recv).map(drop),
+                TensorOp::ReduceScatter => comm.reduce_scatter(&send, &mut recv, &ReduceOp::Sum).map(drop),
+                TensorOp::AllReduce => comm.all_reduce(&send, &mut recv, &ReduceOp::Sum).map(drop),
+            }
+            .map_err(nccl_err(name))?;
             Ok(recv)
         })?;
         let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(out, self.device.clone()));
@@ -185,7 +213,7 @@ impl Collective for NcclGroup {
 
     fn all_gather_tensor(&self, shard: &Tensor) -> Result<Tensor> {
         let n = shard.elem_count() * self.world_size();
-        self.run_tensor("all_gather", shard, n, |comm, send, recv| comm.all_gather(send, recv).map(drop))
+        self.run_tensor(TensorOp::AllGather, shard, n)
     }
 
     fn reduce_scatter_tensor(&self, full: &Tensor) -> Result<Tensor> {
@@ -193,13 +221,11 @@ impl Collective for NcclGroup {
         if full.elem_count() % world != 0 {
             bail!("reduce_scatter: {} values do not split over {world} ranks", full.elem_count());
         }
-        self.run_tensor("reduce_scatter", full, full.elem_count() / world, |comm, send, recv| {
-            comm.reduce_scatter(send, recv, &ReduceOp::Sum).map(drop)
-        })
+        self.run_tensor(TensorOp::ReduceScatter, full, full.elem_count() / world)
     }
 
     fn all_reduce_tensor(&self, data: &Tensor) -> Result<Tensor> {
-        self.run_tensor("all_reduce", data, data.elem_count(), |comm, send, recv| comm.all_reduce(send, recv, &ReduceOp::Sum).map(drop))
+        self.run_tensor(TensorOp::AllReduce, data, data.elem_count())
     }
 
     fn all_gather(&self, shard: &[f32]) -> Result<Vec<f32>> {

@@ -405,13 +405,15 @@ impl FsdpEngine {
     }
 
     /// `gather` from device state: one all-gather of the unit's chunks on the device, the full
-    /// parameters cut out of its result there.
+    /// parameters cut out of its result there. For compute the chunks are cast to
+    /// `param_dtype` before the all-gather, as FSDP2 does: the same values as casting after it
+    /// (the cast is elementwise), with half the traffic and half the gathered buffer in bf16.
     fn gather_on_device(&self, u: usize, round: bool) -> Result<HashMap<String, Tensor>> {
         let unit = &self.units[u];
         let dev = unit.dev.as_ref().expect("device state");
         let mut flat = Tensor::cat(&dev.master, 0)?;
         if round && self.opts.param_dtype != DType::F32 {
-            flat = flat.to_dtype(self.opts.param_dtype)?.to_dtype(DType::F32)?;
+            flat = flat.to_dtype(self.opts.param_dtype)?;
         }
         let shards = self.groups.shard.world_size();
         // Rank-major: row k is rank k's chunks of every parameter.
