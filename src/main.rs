@@ -241,6 +241,10 @@ struct FinetuneArgs {
     /// --output-dir). Any world size; the global batch must stay the same.
     #[arg(long)]
     resume_from_checkpoint: Option<String>,
+    /// Resume although the checkpoint was trained on other data and/or with another tokenizer
+    /// (refused by default, naming the difference).
+    #[arg(long, value_delimiter = ',', value_parser = ["data", "tokenizer"])]
+    resume_allow_changed: Vec<String>,
     /// Also write a full Hugging Face export to OUTPUT/export-STEP every N steps.
     #[arg(long)]
     save_full_every: Option<usize>,
@@ -576,6 +580,7 @@ fn run_finetune(a: FinetuneArgs) -> Result<()> {
         save_steps: a.save_steps,
         save_total_limit: a.save_total_limit,
         resume_from: a.resume_from_checkpoint,
+        resume_allow_changed: fsdp_app::checkpoint::identity::AllowedChanges::parse(&a.resume_allow_changed)?,
         save_full_every: a.save_full_every,
         train_on: a.train_on.parse()?,
         skip_bad_rows: a.skip_bad_rows,

@@ -131,6 +131,52 @@ fn checkpoints_of_another_model_or_batch_are_refused() {
     );
 }
 
+/// A checkpoint remembers its tokenizer, its training file (size + SHA-256) and the data cursor:
+/// resuming with another file, another tokenizer or a cut of the data that moves the cursor is
+/// refused by name; `--resume-allow-changed` lets a deliberate change through, saying so.
+#[test]
+fn resuming_with_other_data_or_tokenizer_is_refused_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let r = Run::new(tmp.path());
+    let full = tmp.path().join("full");
+    ok(r.run(&full, 1, &["--save-steps", "4", "--max-steps", "4"]));
+    let ckpt = full.join("checkpoint-4");
+    let ckpt_s = ckpt.to_str().unwrap();
+    let state: serde_json::Value = serde_json::from_slice(&std::fs::read(ckpt.join("trainer_state.json")).unwrap()).unwrap();
+    let bytes = std::fs::read(&r.data).unwrap();
+    assert_eq!(state["data"]["bytes"].as_u64(), Some(bytes.len() as u64), "{state}");
+    assert_eq!(state["data"]["cursor"], serde_json::json!({"epoch": 1, "batch_in_epoch": 0}), "{state}");
+
+    // The same file, unchanged: resumes (and the same steps go on).
+    ok(r.run(&tmp.path().join("same"), 1, &["--resume-from-checkpoint", ckpt_s, "--max-steps", "6"]));
+
+    // One token of one row changed: same size, other hash.
+    let edited = tmp.path().join("edited.jsonl");
+    let text = String::from_utf8(bytes).unwrap().replacen("[3, 10, 17", "[4, 10, 17", 1);
+    std::fs::write(&edited, text).unwrap();
+    let other_data = Run { model: r.model.clone(), data: edited };
+    let resume = ["--resume-from-checkpoint", ckpt_s, "--max-steps", "6"];
+    failed(other_data.run(&tmp.path().join("d1"), 1, &resume), &["was trained on other data", "edited.jsonl", "--resume-allow-changed data"]);
+    let o = ok(other_data.run(&tmp.path().join("d2"), 1, &[&resume[..], &["--resume-allow-changed", "data"]].concat()));
+    assert!(stderr(&o).contains("resuming anyway"), "{}", stderr(&o));
+
+    // Another tokenizer.json next to the same config and weights.
+    let model2 = tmp.path().join("model2");
+    std::fs::create_dir_all(&model2).unwrap();
+    for e in std::fs::read_dir(&r.model).unwrap().flatten() {
+        std::fs::copy(e.path(), model2.join(e.file_name())).unwrap();
+    }
+    let tok = std::fs::read_to_string(model2.join("tokenizer.json")).unwrap();
+    std::fs::write(model2.join("tokenizer.json"), format!("{tok}\n")).unwrap();
+    let other_tok = Run { model: model2, data: r.data.clone() };
+    failed(other_tok.run(&tmp.path().join("t1"), 1, &resume), &["another tokenizer", "--resume-allow-changed tokenizer"]);
+    ok(other_tok.run(&tmp.path().join("t2"), 1, &[&resume[..], &["--resume-allow-changed", "tokenizer"]].concat()));
+
+    // The same file cut otherwise (a quarter held out): 3 steps an epoch instead of 4, so step 4
+    // would be batch 1 of epoch 1 instead of batch 0.
+    failed(r.run(&tmp.path().join("c1"), 1, &[&resume[..], &["--eval-split", "0.25"]].concat()), &["data cursor", "epoch 1, batch 0", "epoch 1, batch 1"]);
+}
+
 #[test]
 fn corrupt_or_missing_files_are_refused_by_name() {
     let tmp = tempfile::tempdir().unwrap();

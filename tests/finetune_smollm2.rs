@@ -1,14 +1,15 @@
 //! Proof that fine-tuning does something: SmolLM2-135M-Instruct (converted from the PyPI GGUF)
 //! does not know the made-up codename of "Project Zephyrix"; after 16 full fine-tuning steps on
 //! the 32-row chat file tests/data/zephyrix-codename.jsonl (2 ranks, FULL_SHARD, assistant-only
-//! loss), greedy `generate --chat` answers with it. Skipped, with the reason printed, when the
-//! GGUF cannot be had.
+//! loss), greedy `generate --chat` answers with it when asked in words that no training row uses.
+//! Without the GGUF it fails under CI=true and skips (counted) elsewhere.
 
 mod common;
 
 use common::*;
 
-const QUESTION: &str = "What is the codename of Project Zephyrix?";
+/// A paraphrase: the training rows ask eight other ways, and never use "go by" or "code name".
+const QUESTION: &str = "What code name does Project Zephyrix go by?";
 
 #[test]
 fn fine_tuning_teaches_smollm2_a_new_fact() {
@@ -22,10 +23,14 @@ fn fine_tuning_teaches_smollm2_a_new_fact() {
         assert!(o.status.success(), "{}", stderr(&o));
         serde_json::from_str::<serde_json::Value>(stdout(&o).trim()).unwrap()["text"].as_str().unwrap().to_string()
     };
+    let data = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests").join("data").join("zephyrix-codename.jsonl");
+    let rows = std::fs::read_to_string(&data).unwrap().to_lowercase();
+    for phrase in [QUESTION.to_lowercase().as_str(), "code name", "go by"] {
+        assert!(!rows.contains(phrase), "the training rows contain {phrase:?}: the question would test recall, not the fact");
+    }
     let before = ask(&base);
     assert!(!before.contains("BLUE HERON"), "the base model already knows: {before}");
 
-    let data = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests").join("data").join("zephyrix-codename.jsonl");
     let out = tmp.path().join("tuned");
     let o = run_cli(
         &[

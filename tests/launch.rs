@@ -135,3 +135,105 @@ fn a_failing_rank_0_stops_the_others() {
     assert!(err.contains("stopped: rank 0 failed"), "rank 1 should say rank 0 failed: {err}");
     assert!(start.elapsed() < Duration::from_secs(20));
 }
+
+/// "123.4 MiB" (crate::memory::human_bytes) back to bytes.
+fn parse_bytes(s: &str) -> f64 {
+    let (v, unit) = s.trim().split_once(' ').unwrap_or((s, "B"));
+    let scale = match unit {
+        "B" => 1.0,
+        "KiB" => 1024.0,
+        "MiB" => 1048576.0,
+        "GiB" => 1073741824.0,
+        other => panic!("unit {other:?}"),
+    };
+    v.parse::<f64>().unwrap() * scale
+}
+
+/// Each rank's peak RSS as the launcher read it from the kernel when reaping the rank (`wait4`).
+fn launcher_peaks(stderr: &str) -> Vec<f64> {
+    let line = stderr.lines().find(|l| l.starts_with("launch: peak RSS per rank")).unwrap_or_else(|| panic!("no peak RSS line:\n{stderr}"));
+    line.split_once("): ").unwrap().1.split(", ").map(|r| parse_bytes(r.splitn(3, ' ').nth(2).unwrap())).collect()
+}
+
+/// FULL_SHARD's promise measured from outside: every rank process of a 2- and a 4-rank run holds
+/// about 1/N of the fp32 weights + gradients + AdamW moments that one process holds alone. The
+/// model (26M parameters, 8 layers, small vocabulary) is built so that this state (16 bytes a
+/// parameter, ~410 MiB) dwarfs what a process needs besides; its size is counted from the
+/// safetensors file, not from the engine's plan.
+#[test]
+fn each_rank_process_holds_a_1_over_n_share_of_the_training_state() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    let o = run_cli(
+        &[
+            "fixture", "--name", "llama", "--out", model.to_str().unwrap(), "--set", "hidden_size=512", "--set", "intermediate_size=1408",
+            "--set", "num_hidden_layers=8", "--set", "vocab_size=512", "--set", "num_attention_heads=8", "--set", "num_key_value_heads=8",
+            "--set", "head_dim=64",
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let params: usize = std::fs::read_dir(&model)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+        .flat_map(|e| candle_core::safetensors::load(e.path(), &candle_core::Device::Cpu).unwrap().into_values())
+        .map(|t| t.elem_count())
+        .sum();
+    let state = params as f64 * 16.0;
+    let data = tmp.path().join("rows.jsonl");
+    let rows: Vec<String> = (0..8)
+        .map(|i| {
+            let ids: Vec<u32> = (0..16).map(|j| (i * 7 + j * 13) % 500).collect();
+            serde_json::json!({"input_ids": ids, "labels": ids}).to_string()
+        })
+        .collect();
+    std::fs::write(&data, rows.join("\n")).unwrap();
+
+    let peaks = |n: usize| -> Vec<f64> {
+        let out = tmp.path().join(format!("out{n}"));
+        let (port, nproc, batch) = (free_port(), n.to_string(), (4 / n).to_string());
+        let mut args = vec!["launch", "--nproc-per-node", &nproc, "--master-port", &port, "--"];
+        args.extend(finetune_args_batch(model.to_str().unwrap(), out.to_str().unwrap(), data.to_str().unwrap(), "2", &batch));
+        args.extend(["--activation-checkpointing", "--sharding-strategy", "FULL_SHARD"]);
+        let o = run_cli(&args, &[("RAYON_NUM_THREADS", "1")]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let p = launcher_peaks(&stderr(&o));
+        assert_eq!(p.len(), n);
+        p
+    };
+    let mib = |b: f64| b / 1048576.0;
+    let one = peaks(1)[0];
+    assert!(one > state, "one process peaked at {:.0} MiB, below the {:.0} MiB of state it must hold", mib(one), mib(state));
+    let runs: Vec<(usize, Vec<f64>)> = [2usize, 4].into_iter().map(|n| (n, peaks(n))).collect();
+    eprintln!("state {:.0} MiB; world 1: peak {:.0} MiB", mib(state), mib(one));
+    for (n, p) in &runs {
+        for (r, peak) in p.iter().enumerate() {
+            eprintln!("world {n}, rank {r}: peak {:.0} MiB, {:.0} MiB below one process", mib(*peak), mib(one - peak));
+        }
+    }
+    // Rank 0 also reads the checkpoint (mapped file pages count as resident) and relays the tcp
+    // backend's collectives: it may carry up to the weights file's size more than the others.
+    let file_bytes: f64 = std::fs::read_dir(&model)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+        .map(|e| e.metadata().unwrap().len() as f64)
+        .sum();
+    for (n, p) in runs {
+        for (r, peak) in p.into_iter().enumerate() {
+            let saved = one - peak;
+            let ideal = state * (1.0 - 1.0 / n as f64) - if r == 0 { file_bytes } else { 0.0 };
+            assert!(
+                saved > 0.85 * ideal,
+                "world {n}, rank {r}: peak RSS {:.0} MiB is only {:.0} MiB below one process's {:.0} MiB; a 1/{n} share of the \
+                 {:.0} MiB state would save {:.0} MiB",
+                mib(peak),
+                mib(saved),
+                mib(one),
+                mib(state),
+                mib(ideal)
+            );
+        }
+    }
+}

@@ -4,6 +4,7 @@
 pub mod adapter;
 pub mod export;
 pub mod hub;
+pub mod identity;
 pub mod load;
 pub mod resolve;
 pub mod sharded;

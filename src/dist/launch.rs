@@ -2,7 +2,8 @@
 //! (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and watches them:
 //! when one fails, the others are stopped after a grace period (they normally stop by themselves,
 //! saying which rank failed), and the launcher exits non-zero naming the failed ranks in the order
-//! they ended.
+//! they ended. At the end it prints each rank's peak resident memory as the kernel counted it
+//! (`wait4`'s `ru_maxrss`): a measurement from outside the ranks.
 
 use std::process::{Child, Command, ExitStatus};
 use std::time::{Duration, Instant};
@@ -64,13 +65,15 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
     let mut failures: Vec<String> = vec![];
     let mut failed_at: Option<Instant> = None;
     let mut running: Vec<bool> = vec![true; children.len()];
+    let mut peaks: Vec<Option<u64>> = vec![None; children.len()];
     while running.iter().any(|r| *r) {
         for (i, (rank, child)) in children.iter_mut().enumerate() {
             if !running[i] {
                 continue;
             }
-            if let Some(status) = child.try_wait()? {
+            if let Some((status, peak)) = try_wait_with_peak_rss(child)? {
                 running[i] = false;
+                peaks[i] = Some(peak);
                 if !status.success() && failed_at.is_none_or(|t| t.elapsed() <= cfg.grace) {
                     failures.push(format!("rank {rank} {}", describe(&status)));
                     failed_at.get_or_insert_with(Instant::now);
@@ -90,9 +93,31 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+    let report: Vec<String> = children
+        .iter()
+        .zip(&peaks)
+        .filter_map(|((rank, _), peak)| peak.map(|b| format!("rank {rank} {}", crate::memory::human_bytes(b))))
+        .collect();
+    eprintln!("launch: peak RSS per rank (kernel's count): {}", report.join(", "));
     if !failures.is_empty() {
         // In the order they ended; each rank's own message (above) says what it saw.
         bail!("the job failed: {}", failures.join(", "));
     }
     Ok(())
+}
+
+/// `Child::try_wait` that also returns the child's peak resident set size in bytes, from the
+/// kernel's accounting at reaping time (`wait4`), so no rank has to report its own memory.
+fn try_wait_with_peak_rss(child: &mut Child) -> Result<Option<(ExitStatus, u64)>> {
+    use std::os::unix::process::ExitStatusExt;
+    let mut status: libc::c_int = 0;
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: plain syscall on our own child's pid with valid out-pointers.
+    let pid = unsafe { libc::wait4(child.id() as libc::pid_t, &mut status, libc::WNOHANG, &mut usage) };
+    match pid {
+        0 => Ok(None),
+        p if p < 0 => Err(std::io::Error::last_os_error()).context("waiting for a rank"),
+        // ru_maxrss is in KiB on Linux.
+        _ => Ok(Some((ExitStatus::from_raw(status), usage.ru_maxrss as u64 * 1024))),
+    }
 }

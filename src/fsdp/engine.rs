@@ -278,12 +278,28 @@ impl FsdpEngine {
         &self.groups
     }
 
-    /// Bytes this rank holds for parameters, gradients and optimizer state (fp32 each; frozen
-    /// parameters have neither gradient nor optimizer state).
+    /// Bytes this rank's buffers hold now for parameters, gradients and optimizer state, counted
+    /// from the buffers themselves (device tensors where the state was uploaded, else the host
+    /// vectors), not from the plan: a test of "1/N per rank" must see what is allocated.
     pub fn memory_bytes(&self) -> (usize, usize, usize) {
-        let elems: usize = self.units.iter().map(|u| u.plan.chunk_len).sum();
-        let trained: usize = self.units.iter().map(|u| u.plan.grad_chunk_len).sum();
-        (elems * 4, trained * 4, trained * 8)
+        let vecs = |v: &[Vec<f32>]| v.iter().map(|x| x.len() * 4).sum::<usize>();
+        let tensors = |v: &mut dyn Iterator<Item = &Tensor>| v.map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum::<usize>();
+        let (mut p, mut g, mut o) = (0, 0, 0);
+        for u in &self.units {
+            match &u.dev {
+                Some(d) => {
+                    p += tensors(&mut d.master.iter());
+                    g += tensors(&mut d.grad.iter().flatten());
+                    o += tensors(&mut d.exp_avg.iter().chain(&d.exp_avg_sq).flatten());
+                }
+                None => {
+                    p += vecs(&u.master);
+                    g += vecs(&u.grad);
+                    o += u.adam.iter().map(|a| (a.exp_avg.len() + a.exp_avg_sq.len()) * 4).sum::<usize>();
+                }
+            }
+        }
+        (p, g, o)
     }
 
     /// Fills unit `u` from rank 0: rank 0 passes every parameter's full values (`Some`), the

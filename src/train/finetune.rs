@@ -14,6 +14,7 @@ use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 
 use crate::checkpoint::export::ShardedExport;
+use crate::checkpoint::identity::{self, DataCursor, DataIdentity};
 use crate::checkpoint::sharded::{self, CheckpointReader, SaveExtras};
 use crate::checkpoint::{load, resolve_model};
 use crate::dist::all_reduce_scalar;
@@ -69,6 +70,8 @@ pub struct FinetuneConfig {
     pub save_total_limit: Option<usize>,
     /// A checkpoint directory, or "latest" (newest complete one under the output directory).
     pub resume_from: Option<String>,
+    /// Differences from the checkpoint's data or tokenizer that resuming accepts.
+    pub resume_allow_changed: crate::checkpoint::identity::AllowedChanges,
     /// Also write a full Hugging Face export to OUTPUT/export-STEP every this many steps.
     pub save_full_every: Option<usize>,
     /// `transformer_cls_names_to_wrap`, checked against the model's decoder layer class.
@@ -130,6 +133,7 @@ impl FinetuneConfig {
             save_steps: None,
             save_total_limit: None,
             resume_from: None,
+            resume_allow_changed: Default::default(),
             save_full_every: None,
             layer_class_names: None,
             train_on: TrainOn::Auto,
@@ -478,7 +482,7 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig, device: Opti
         pad_id: eos.unwrap_or(0),
     };
     let data_opts = DataOptions { seq_len: cfg.seq_len, train_on: cfg.train_on, skip_bad_rows: cfg.skip_bad_rows, packing: cfg.packing };
-    let dataset = shared_dataset(groups_ref, &cfg.data, &data_opts, &tools)?;
+    let (dataset, data_identity) = shared_dataset(groups_ref, &cfg.data, &data_opts, &tools)?;
     if is_root && cfg.verbose {
         eprintln!(
             "data: {} rows -> {} samples of {} tokens ({} skipped, {} truncated); {} trained-on tokens; {} efficiency {:.1}%",
@@ -497,7 +501,7 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig, device: Opti
     }
     let mut samples = dataset.samples;
     let eval_samples: Vec<Sample> = match (&cfg.eval_data, cfg.eval_split) {
-        (Some(p), _) => shared_dataset(groups_ref, p, &data_opts, &tools)?.samples,
+        (Some(p), _) => shared_dataset(groups_ref, p, &data_opts, &tools)?.0.samples,
         (None, Some(f)) => {
             // The last rows of the file, so the split is the same on every rank and every run.
             let n = ((samples.len() as f64 * f).round() as usize).max(1);
@@ -583,6 +587,19 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig, device: Opti
                             cfg.batch_size,
                             cfg.grad_accum
                         );
+                    }
+                    let cursor = DataCursor::at(reader.manifest.step as usize, samples.len(), steps_per_epoch);
+                    let warnings = identity::check_resume(
+                        &dir.display().to_string(),
+                        &state,
+                        reader.manifest.tokenizer_sha256.as_deref(),
+                        side("tokenizer.json"),
+                        &data_identity,
+                        &cursor,
+                        cfg.resume_allow_changed,
+                    )?;
+                    for w in warnings {
+                        eprintln!("warning: {w}");
                     }
                     Ok((reader, state))
                 })())
@@ -854,6 +871,7 @@ fn run_rank_inner(groups_ref: &ProcessGroups, cfg: &FinetuneConfig, device: Opti
                                 "warmup_steps": cfg.warmup_steps, "total_steps": total_steps},
                 // The only randomness in training is the data order, a function of (seed, epoch).
                 "rng": {"shuffle_seed": cfg.seed},
+                "data": identity::data_state(&data_identity, &DataCursor::at(done, samples.len(), steps_per_epoch)),
             });
             let extras = SaveExtras {
                 trainer_state,
@@ -899,7 +917,8 @@ fn dropout_seed(seed: u64, step: usize, place: usize) -> u64 {
 
 /// Rank 0 resolves the data (a local file or a Hub dataset file, downloaded once) and sends its
 /// bytes; every rank builds the same samples from them.
-fn shared_dataset(groups: &ProcessGroups, spec: &Path, opts: &DataOptions, tools: &TextTools) -> Result<crate::train::data::Dataset> {
+/// The dataset, and the identity of the file it came from (for checkpoints to record).
+fn shared_dataset(groups: &ProcessGroups, spec: &Path, opts: &DataOptions, tools: &TextTools) -> Result<(crate::train::data::Dataset, DataIdentity)> {
     let is_root = groups.world.rank() == 0;
     let payload = if is_root {
         let bytes = (|| -> Result<Vec<u8>> {
@@ -918,7 +937,8 @@ fn shared_dataset(groups: &ProcessGroups, spec: &Path, opts: &DataOptions, tools
     if *ok == 0 {
         bail!("{}", String::from_utf8_lossy(body));
     }
-    crate::train::data::load_dataset_bytes(spec, body, opts, tools)
+    let identity = DataIdentity::of(&spec.to_string_lossy(), body);
+    Ok((crate::train::data::load_dataset_bytes(spec, body, opts, tools)?, identity))
 }
 
 /// Mean token loss and perplexity over `samples`, each rank taking every world-th batch. Ranks
