@@ -114,10 +114,10 @@ fn n_ranks_reproduce_one_rank_for_every_strategy() {
             _ => world,
         };
         let total = run.total_params * 16;
-        for (r, (p, g, o)) in run.rank_bytes.iter().enumerate() {
-            assert_eq!(*g, *p, "{what}: rank {r} gradient bytes");
-            assert_eq!(*o, 2 * p, "{what}: rank {r} optimizer bytes");
-            let held = p + g + o;
+        for (r, b) in run.rank_bytes.iter().enumerate() {
+            assert_eq!(b.grads, b.params, "{what}: rank {r} gradient bytes");
+            assert_eq!(b.optimizer, 2 * b.params, "{what}: rank {r} optimizer bytes");
+            let held = b.total();
             let ideal = total / shards;
             // Padding: less than one row per parameter and shard (rows of at most 160 values here).
             let params_count = 9 * 2 + 3;

@@ -88,11 +88,11 @@ fn lora_training_reproduces_peft_on_one_and_two_ranks() {
         assert!(dn < 1e-4, "world {world} ac {ac}: grad norms differ by {dn}");
         // The frozen base has no gradient and no optimizer state: only the adapters' bytes.
         let trainable: usize = reference.keys().filter(|k| k.starts_with("grad.")).map(|k| reference[k].elem_count()).sum();
-        let total: usize = run.rank_bytes.iter().map(|b| b.0).sum::<usize>() / 4;
-        for (r, (p, g, o)) in run.rank_bytes.iter().enumerate() {
-            assert_eq!(*g, trainable.div_ceil(world) * 4, "rank {r}: gradient bytes are the adapters' share");
-            assert_eq!(*o, 2 * g, "rank {r}: two AdamW moments per trained value");
-            assert!(*p >= total / world * 4 * 9 / 10, "rank {r}: holds its share of the (frozen) base");
+        let total: usize = run.rank_bytes.iter().map(|b| b.params).sum::<usize>() / 4;
+        for (r, b) in run.rank_bytes.iter().enumerate() {
+            assert_eq!(b.grads, trainable.div_ceil(world) * 4, "rank {r}: gradient bytes are the adapters' share");
+            assert_eq!(b.optimizer, 2 * b.grads, "rank {r}: two AdamW moments per trained value");
+            assert!(b.params >= total / world * 4 * 9 / 10, "rank {r}: holds its share of the (frozen) base");
         }
         assert!(trainable * 20 < run.total_params, "the adapters are a small part of the model");
     }

@@ -7,6 +7,7 @@ pub mod hub;
 pub mod identity;
 pub mod load;
 pub mod resolve;
+pub mod resume;
 pub mod sharded;
 pub mod write;
 

@@ -183,11 +183,11 @@ pub fn save(engine: &mut FsdpEngine, groups: &ProcessGroups, output_dir: &Path, 
             }
             let state = engine.shard_state();
             let mut tensors: Vec<(String, &[f32])> = vec![];
-            for (p, w, m, v) in &state {
-                for (part, data) in StatePart::ALL.iter().zip([w, m, v]) {
+            for shard in &state {
+                for (part, data) in StatePart::ALL.iter().zip([shard.weights, shard.exp_avg, shard.exp_avg_sq]) {
                     // Frozen parameters (a LoRA base) have weights only.
-                    if *part == StatePart::Master || p.trainable {
-                        tensors.push((format!("{}{}", p.spec.name, part.suffix()), data));
+                    if *part == StatePart::Master || shard.layout.trainable {
+                        tensors.push((format!("{}{}", shard.layout.spec.name, part.suffix()), data));
                     }
                 }
             }

@@ -40,6 +40,8 @@ struct State {
     phase: Phase,
     op: Option<&'static str>,
     failed: Option<String>,
+    /// The rank that aborted the group, and why (see [`super::DistError::PeerFailed`]).
+    aborted_by: Option<(usize, String)>,
 }
 
 struct Shared {
@@ -71,6 +73,7 @@ impl LocalGroup {
                 phase: Phase::Filling,
                 op: None,
                 failed: None,
+                aborted_by: None,
             }),
             cv: Condvar::new(),
         });
@@ -85,6 +88,10 @@ impl LocalGroup {
         ready: impl Fn(&State) -> bool,
     ) -> Result<MutexGuard<'a, State>> {
         loop {
+            if let Some((failed_rank, reason)) = &guard.aborted_by {
+                let e = super::DistError::PeerFailed { op: op.into(), rank: self.world_rank, failed_rank: *failed_rank, reason: reason.clone() };
+                return Err(e.into());
+            }
             if let Some(f) = &guard.failed {
                 bail!("{op} on rank {} stopped: {f}", self.world_rank);
             }
@@ -285,8 +292,8 @@ impl Collective for LocalGroup {
 
     fn abort(&self, reason: &str) {
         let mut guard = self.shared.state.lock().unwrap_or_else(|e| e.into_inner());
-        if guard.failed.is_none() {
-            guard.failed = Some(format!("rank {} failed: {reason}", self.world_rank));
+        if guard.failed.is_none() && guard.aborted_by.is_none() {
+            guard.aborted_by = Some((self.world_rank, reason.to_string()));
         }
         self.shared.cv.notify_all();
     }

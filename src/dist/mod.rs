@@ -87,6 +87,59 @@ fn back_to_device(values: Vec<f32>, like: &Tensor) -> Result<Tensor> {
     Ok(Tensor::from_vec(values, n, like.device())?.to_dtype(like.dtype())?)
 }
 
+/// Failures of a collective that callers tell apart (by type, not by message).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DistError {
+    /// Another rank failed and said so (`abort`): this rank's `op` stopped because of it.
+    PeerFailed { op: String, rank: usize, failed_rank: usize, reason: String },
+    /// Rank 0 could not do `what`; every other rank learns its message.
+    RootFailed { what: String, message: String },
+}
+
+impl std::fmt::Display for DistError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::PeerFailed { op, rank, failed_rank, reason } => write!(f, "{op} on rank {rank} stopped: rank {failed_rank} failed: {reason}"),
+            Self::RootFailed { what, message } => write!(f, "rank 0 could not {what}: {message}"),
+        }
+    }
+}
+
+impl std::error::Error for DistError {}
+
+impl DistError {
+    /// Whether `e` only says that another rank failed (so it is not the cause of a failed run).
+    pub fn is_echo(e: &anyhow::Error) -> bool {
+        e.chain().any(|c| matches!(c.downcast_ref::<DistError>(), Some(DistError::PeerFailed { .. } | DistError::RootFailed { .. })))
+    }
+}
+
+/// "Rank 0 tries, everyone learns the outcome": rank 0 runs `work`, which returns what rank 0
+/// keeps and the bytes every rank needs; the others get the bytes, or
+/// [`DistError::RootFailed`] with rank 0's message when `work` failed (rank 0 gets its own
+/// error back). Only rank 0 calls `work`.
+pub fn root_tries<T>(group: &dyn Collective, what: &str, work: impl FnOnce() -> Result<(T, Vec<u8>)>) -> Result<(Option<T>, Vec<u8>)> {
+    if group.rank() == 0 {
+        match work() {
+            Ok((keep, bytes)) => {
+                let sent = group.broadcast_bytes(0, Some([vec![1u8], bytes].concat()))?;
+                Ok((Some(keep), sent[1..].to_vec()))
+            }
+            Err(e) => {
+                group.broadcast_bytes(0, Some([vec![0u8], format!("{e:#}").into_bytes()].concat()))?;
+                Err(e)
+            }
+        }
+    } else {
+        let got = group.broadcast_bytes(0, None)?;
+        match got.split_first() {
+            Some((1, bytes)) => Ok((None, bytes.to_vec())),
+            Some((_, message)) => Err(DistError::RootFailed { what: what.into(), message: String::from_utf8_lossy(message).into() }.into()),
+            None => bail!("{what}: rank 0 sent an empty message"),
+        }
+    }
+}
+
 /// Sums one number across ranks.
 pub fn all_reduce_scalar(group: &dyn Collective, x: f64) -> Result<f64> {
     let mut buf = [x];

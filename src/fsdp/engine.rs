@@ -89,6 +89,37 @@ struct DeviceState {
     exp_avg_sq: Vec<Option<Tensor>>,
 }
 
+/// Bytes a rank's buffers hold for the training state (fp32 each).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StateBytes {
+    pub params: usize,
+    pub grads: usize,
+    pub optimizer: usize,
+}
+
+impl StateBytes {
+    pub fn total(&self) -> usize {
+        self.params + self.grads + self.optimizer
+    }
+}
+
+/// This rank's chunk of one parameter, as a sharded checkpoint stores it.
+pub struct ParamShard<'a> {
+    pub layout: &'a super::plan::ParamLayout,
+    pub weights: &'a [f32],
+    /// AdamW moments (empty for frozen parameters).
+    pub exp_avg: &'a [f32],
+    pub exp_avg_sq: &'a [f32],
+}
+
+/// What a gather is for: compute (rounded to `param_dtype`, the compute dtype) or reading the
+/// stored f32 values (export).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GatherFor {
+    Compute,
+    Export,
+}
+
 /// What one optimizer step did.
 #[derive(Debug, Clone, Copy)]
 pub struct StepStats {
@@ -281,25 +312,25 @@ impl FsdpEngine {
     /// Bytes this rank's buffers hold now for parameters, gradients and optimizer state, counted
     /// from the buffers themselves (device tensors where the state was uploaded, else the host
     /// vectors), not from the plan: a test of "1/N per rank" must see what is allocated.
-    pub fn memory_bytes(&self) -> (usize, usize, usize) {
+    pub fn memory_bytes(&self) -> StateBytes {
         let vecs = |v: &[Vec<f32>]| v.iter().map(|x| x.len() * 4).sum::<usize>();
         let tensors = |v: &mut dyn Iterator<Item = &Tensor>| v.map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum::<usize>();
-        let (mut p, mut g, mut o) = (0, 0, 0);
+        let mut b = StateBytes::default();
         for u in &self.units {
             match &u.dev {
                 Some(d) => {
-                    p += tensors(&mut d.master.iter());
-                    g += tensors(&mut d.grad.iter().flatten());
-                    o += tensors(&mut d.exp_avg.iter().chain(&d.exp_avg_sq).flatten());
+                    b.params += tensors(&mut d.master.iter());
+                    b.grads += tensors(&mut d.grad.iter().flatten());
+                    b.optimizer += tensors(&mut d.exp_avg.iter().chain(&d.exp_avg_sq).flatten());
                 }
                 None => {
-                    p += vecs(&u.master);
-                    g += vecs(&u.grad);
-                    o += u.adam.iter().map(|a| (a.exp_avg.len() + a.exp_avg_sq.len()) * 4).sum::<usize>();
+                    b.params += vecs(&u.master);
+                    b.grads += vecs(&u.grad);
+                    b.optimizer += u.adam.iter().map(|a| (a.exp_avg.len() + a.exp_avg_sq.len()) * 4).sum::<usize>();
                 }
             }
         }
-        (p, g, o)
+        b
     }
 
     /// Fills unit `u` from rank 0: rank 0 passes every parameter's full values (`Some`), the
@@ -369,13 +400,16 @@ impl FsdpEngine {
     /// This rank's chunk of every parameter: (layout, weights, exp_avg, exp_avg_sq), in unit
     /// order; the moments are empty for frozen parameters. What a sharded checkpoint stores.
     /// With device state, `sync_host` must have run since the last step.
-    pub fn shard_state(&self) -> Vec<(&super::plan::ParamLayout, &[f32], &[f32], &[f32])> {
+    pub fn shard_state(&self) -> Vec<ParamShard<'_>> {
         assert!(!self.host_stale, "shard_state: the host copy is stale; call sync_host first");
         self.units
             .iter()
             .flat_map(|u| {
-                u.plan.params.iter().enumerate().map(move |(i, p)| {
-                    (p, u.master[i].as_slice(), u.adam[i].exp_avg.as_slice(), u.adam[i].exp_avg_sq.as_slice())
+                u.plan.params.iter().enumerate().map(move |(i, p)| ParamShard {
+                    layout: p,
+                    weights: u.master[i].as_slice(),
+                    exp_avg: u.adam[i].exp_avg.as_slice(),
+                    exp_avg_sq: u.adam[i].exp_avg_sq.as_slice(),
                 })
             })
             .collect()
@@ -383,17 +417,17 @@ impl FsdpEngine {
 
     /// All-gathers unit `u` (one collective) into full f32 parameters, built over their own
     /// buffers (no extra copy); the trainable ones are `Var`s.
-    fn gather(&self, u: usize, round: bool) -> Result<HashMap<String, Tensor>> {
+    fn gather(&self, u: usize, purpose: GatherFor) -> Result<HashMap<String, Tensor>> {
         // Device state, once uploaded, is the truth; before that the host copy is.
         if self.units[u].dev.is_some() {
-            return self.gather_on_device(u, round);
+            return self.gather_on_device(u, purpose);
         }
         let unit = &self.units[u];
         let mut buf: Vec<f32> = Vec::with_capacity(unit.plan.chunk_len);
         for m in &unit.master {
             buf.extend_from_slice(m);
         }
-        if round {
+        if purpose == GatherFor::Compute {
             round_through(&mut buf, self.opts.param_dtype);
         }
         let all = self.groups.shard.all_gather(&buf)?;
@@ -408,7 +442,7 @@ impl FsdpEngine {
             }
             full.truncate(p.numel());
             let shape = p.spec.shape.as_slice();
-            let dtype = if round { self.compute_dtype() } else { DType::F32 };
+            let dtype = if purpose == GatherFor::Compute { self.compute_dtype() } else { DType::F32 };
             let t = match (p.trainable, dtype) {
                 // Straight from the buffer (no copy) in the common f32 case.
                 (true, DType::F32) => Var::from_vec(full, shape, &self.device)?.as_tensor().clone(),
@@ -424,10 +458,11 @@ impl FsdpEngine {
     /// parameters cut out of its result there. For compute the chunks are cast to
     /// `param_dtype` before the all-gather, as FSDP2 does: the same values as casting after it
     /// (the cast is elementwise), with half the traffic and half the gathered buffer in bf16.
-    fn gather_on_device(&self, u: usize, round: bool) -> Result<HashMap<String, Tensor>> {
+    fn gather_on_device(&self, u: usize, purpose: GatherFor) -> Result<HashMap<String, Tensor>> {
         let unit = &self.units[u];
         let dev = unit.dev.as_ref().expect("device state");
         let mut flat = Tensor::cat(&dev.master, 0)?;
+        let round = purpose == GatherFor::Compute;
         if round && self.opts.param_dtype != DType::F32 {
             flat = flat.to_dtype(self.opts.param_dtype)?;
         }
@@ -449,7 +484,7 @@ impl FsdpEngine {
     /// Full parameters of unit `u` in f32, as stored (for export). Every rank of the shard
     /// group takes part.
     pub fn full_unit(&self, u: usize) -> Result<HashMap<String, Tensor>> {
-        Ok(self.gather(u, false)?.into_iter().map(|(k, v)| (k, v.detach())).collect())
+        Ok(self.gather(u, GatherFor::Export)?.into_iter().map(|(k, v)| (k, v.detach())).collect())
     }
 
     fn ensure_gathered(&mut self, s: usize) -> Result<()> {
@@ -458,7 +493,7 @@ impl FsdpEngine {
                 if self.state_on_device {
                     self.ensure_device_state(u)?;
                 }
-                let vars = self.gather(u, true)?;
+                let vars = self.gather(u, GatherFor::Compute)?;
                 self.units[u].gathered = Some(vars);
             }
         }

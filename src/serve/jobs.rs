@@ -20,6 +20,7 @@ use super::error::ApiError;
 use super::request::Fields;
 use super::store::{JobRow, NewJob};
 use super::AppState;
+use crate::train::finetune::FinetuneArgs;
 
 fn internal(e: anyhow::Error) -> ApiError {
     ApiError::internal(format!("{e:#}"))
@@ -245,51 +246,53 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(29500)
 }
 
-/// The `fsdp-app launch ... -- finetune ...` command line of a job.
-fn command_line(st: &AppState, job: &JobRow) -> Vec<String> {
+/// A job's fine-tuning settings: the `finetune` defaults with what the job asks for. The child
+/// reads them from a file (`finetune --args-file`), so no flag is spelled twice.
+fn finetune_args(st: &AppState, job: &JobRow, world: u64) -> FinetuneArgs {
     let h = &job.hyperparameters;
     let e = &job.extensions;
-    let world = e["world_size"].as_u64().unwrap_or(1).max(1);
-    let global_batch = h["batch_size"].as_u64().unwrap_or(1).max(1);
-    let per_rank = global_batch.div_ceil(world).max(1);
+    let mut a = FinetuneArgs::defaults();
+    a.model = Some(st.base_source.clone());
+    a.data = Some(st.store.file_path(&job.training_file));
+    a.eval_data = job.validation_file.as_ref().map(|v| st.store.file_path(v));
+    a.output_dir = Some(job.output_dir.clone().into());
+    a.epochs = h["n_epochs"].as_u64().unwrap_or(3) as usize;
+    a.batch_size = h["batch_size"].as_u64().unwrap_or(1).max(1).div_ceil(world).max(1) as usize;
+    a.seed = job.seed as u64;
+    a.seq_len = e["seq_len"].as_u64().unwrap_or(512) as usize;
+    a.lr_scheduler = "linear".into();
+    a.max_steps = e["max_steps"].as_u64().map(|s| s as usize);
     let lora = e.get("lora").filter(|l| !l.is_null());
     // OpenAI scales a base rate; ours: 2e-5 for full fine-tuning, 2e-4 for LoRA.
     let base_lr = if lora.is_some() { 2e-4 } else { 2e-5 };
-    let lr = base_lr * h["learning_rate_multiplier"].as_f64().unwrap_or(1.0);
-    let mut args: Vec<String> = vec![
-        "launch".into(), "--nproc-per-node".into(), world.to_string(), "--master-port".into(), free_port().to_string(), "--".into(),
-        "finetune".into(), "--model".into(), st.base_source.clone(),
-        "--data".into(), st.store.file_path(&job.training_file).to_string_lossy().to_string(),
-        "--output-dir".into(), job.output_dir.clone(),
-        "--epochs".into(), h["n_epochs"].as_u64().unwrap_or(3).to_string(),
-        "--batch-size".into(), per_rank.to_string(),
-        "--lr".into(), lr.to_string(),
-        "--seed".into(), job.seed.to_string(),
-        "--seq-len".into(), e["seq_len"].as_u64().unwrap_or(512).to_string(),
-        "--lr-scheduler".into(), "linear".into(),
-    ];
-    if let Some(steps) = e["max_steps"].as_u64() {
-        args.extend(["--max-steps".into(), steps.to_string()]);
-    }
-    if let Some(v) = &job.validation_file {
-        args.extend(["--eval-data".into(), st.store.file_path(v).to_string_lossy().to_string()]);
-    }
+    a.lr = base_lr * h["learning_rate_multiplier"].as_f64().unwrap_or(1.0);
     if let Some(l) = lora {
-        let targets: Vec<String> = l["targets"].as_array().map(|a| a.iter().filter_map(|t| t.as_str().map(str::to_string)).collect()).unwrap_or_default();
-        args.extend([
-            "--lora-r".into(), l["r"].as_u64().unwrap_or(8).to_string(),
-            "--lora-alpha".into(), l["alpha"].as_f64().unwrap_or(16.0).to_string(),
-            "--lora-dropout".into(), l["dropout"].as_f64().unwrap_or(0.0).to_string(),
-            "--lora-targets".into(), targets.join(","),
-            "--merge-lora".into(),
-        ]);
+        let targets: Vec<&str> = l["targets"].as_array().map(|a| a.iter().filter_map(|t| t.as_str()).collect()).unwrap_or_default();
+        a.lora.lora_r = Some(l["r"].as_u64().unwrap_or(8) as usize);
+        a.lora.lora_alpha = Some(l["alpha"].as_f64().unwrap_or(16.0));
+        a.lora.lora_dropout = Some(l["dropout"].as_f64().unwrap_or(0.0));
+        a.lora.lora_targets = Some(targets.join(","));
+        a.merge_lora = true;
     }
     // Jobs train where the server computes: on a GPU server each rank takes its LOCAL_RANK GPU,
     // in bf16 with fp32 master weights.
     if !st.placement.device.is_cpu() {
-        args.extend(["--device".into(), "cuda".into(), "--param-dtype".into(), "bf16".into()]);
+        a.device = "cuda".into();
+        a.param_dtype = "bf16".into();
     }
-    args
+    a
+}
+
+/// The `fsdp-app launch ... -- finetune --args-file FILE` command line of a job, after writing
+/// its settings to FILE (next to the job's log).
+fn command_line(st: &AppState, job: &JobRow) -> anyhow::Result<Vec<String>> {
+    let world = job.extensions["world_size"].as_u64().unwrap_or(1).max(1);
+    let settings = FsPath::new(&job.output_dir).with_extension("args.json");
+    finetune_args(st, job, world).write_file(&settings)?;
+    Ok(vec![
+        "launch".into(), "--nproc-per-node".into(), world.to_string(), "--master-port".into(), free_port().to_string(), "--".into(),
+        "finetune".into(), "--args-file".into(), settings.to_string_lossy().to_string(),
+    ])
 }
 
 /// Lines of metrics.jsonl added since `offset`.
@@ -323,7 +326,7 @@ fn run_job(st: &AppState, job: &JobRow) -> anyhow::Result<()> {
     let log_path = FsPath::new(&job.output_dir).with_extension("log");
     let log = std::fs::File::create(&log_path)?;
     let mut cmd = std::process::Command::new(std::env::current_exe()?);
-    cmd.args(command_line(st, job)).stdout(log.try_clone()?).stderr(log).stdin(std::process::Stdio::null());
+    cmd.args(command_line(st, job)?).stdout(log.try_clone()?).stderr(log).stdin(std::process::Stdio::null());
     // Its own process group: cancel stops the launcher and every rank at once.
     std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
     let mut child = cmd.spawn()?;

@@ -1,0 +1,98 @@
+//! `fsdp-app estimate`: per-rank memory of a fine-tuning run from config.json alone.
+
+use anyhow::Result;
+use clap::Args;
+
+use fsdp_app::memory::human_bytes;
+use fsdp_app::train::finetune::args::{lora_settings, LoraArgs, ShardingArgs};
+
+#[derive(Args)]
+pub struct EstimateArgs {
+    /// Local model directory or Hub id (only config.json is read or downloaded).
+    #[arg(long)]
+    model: String,
+    #[arg(long)]
+    revision: Option<String>,
+    #[arg(long, default_value_t = 1)]
+    world_size: usize,
+    #[command(flatten)]
+    sharding: ShardingArgs,
+    /// Sequences per rank per micro-batch.
+    #[arg(long, default_value_t = 1)]
+    batch_size: usize,
+    #[arg(long, default_value_t = 512)]
+    seq_len: usize,
+    #[command(flatten)]
+    lora: LoraArgs,
+    /// How the ranks run: tcp (processes under `fsdp-app launch`; rank 0 relays collectives),
+    /// mpi, or local (threads of one process, whose memory is the sum of its ranks').
+    #[arg(long, default_value = "tcp", value_parser = ["tcp", "mpi", "local"])]
+    backend: String,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(a: EstimateArgs) -> Result<()> {
+    use fsdp_app::train::estimate::{estimate, EstimateInput};
+    let config_path = if std::path::Path::new(&a.model).is_dir() {
+        std::path::Path::new(&a.model).join("config.json")
+    } else {
+        fsdp_app::checkpoint::hub::HubRepo::open(&a.model, a.revision.as_deref().unwrap_or("main"))?.get("config.json")?
+    };
+    let mut cfg = fsdp_app::checkpoint::read_model_config(&config_path)?;
+    cfg.lora = lora_settings(&a.lora);
+    if let Some(l) = &cfg.lora {
+        l.validate(&cfg)?;
+    }
+    let strategy = a.sharding.strategy()?;
+    let wrap = a.sharding.wrap()?;
+    if a.world_size == 0 || a.batch_size == 0 || a.seq_len == 0 {
+        anyhow::bail!("--world-size, --batch-size and --seq-len must be positive");
+    }
+    let shard_size = strategy.shard_count(a.world_size, a.sharding.shard_group_size)?;
+    let input = EstimateInput {
+        world_size: a.world_size,
+        shard_size,
+        strategy,
+        wrap,
+        activation_checkpointing: a.sharding.activation_checkpointing,
+        batch_size: a.batch_size,
+        seq_len: a.seq_len,
+        rank0_relays: a.backend == "tcp" && a.world_size > 1,
+    };
+    let staged = models::LlamaStages::new(&cfg);
+    let e = estimate(&staged, &cfg, &input)?;
+    if a.json {
+        let mut m = serde_json::Map::new();
+        for (name, bytes, _) in e.rows() {
+            m.insert(name.replace(' ', "_"), serde_json::json!(bytes));
+        }
+        m.insert("total".into(), serde_json::json!(e.total()));
+        m.insert("rank0_relay".into(), serde_json::json!(e.rank0_relay));
+        m.insert("rank0_total".into(), serde_json::json!(e.rank0_total()));
+        println!("{}", serde_json::Value::Object(m));
+        return Ok(());
+    }
+    println!(
+        "per-rank memory estimate: {} rank(s), {strategy:?}, batch {} x seq {}{}{}",
+        a.world_size,
+        a.batch_size,
+        a.seq_len,
+        if a.sharding.activation_checkpointing { ", activation checkpointing" } else { "" },
+        cfg.lora.as_ref().map(|l| format!(", LoRA r={} {:?}", l.r, l.targets)).unwrap_or_default()
+    );
+    for (name, bytes, what) in e.rows() {
+        println!("  {name:<15} {:>12}  {what}", human_bytes(bytes));
+    }
+    println!("  {:<15} {:>12}  peak resident memory of each rank", "total", human_bytes(e.total()));
+    if e.rank0_relay > 0 {
+        println!("  {:<15} {:>12}  rank 0 also relays the others' collectives (tcp backend)", "rank 0 relay", human_bytes(e.rank0_relay));
+        println!("  {:<15} {:>12}", "rank 0 total", human_bytes(e.rank0_total()));
+    }
+    if a.backend == "local" && a.world_size > 1 {
+        let process = e.process + (e.total() - e.process) * a.world_size as u64;
+        println!("  {:<15} {:>12}  the one process holding all {} local ranks", "process total", human_bytes(process), a.world_size);
+    }
+    Ok(())
+}

@@ -1,0 +1,149 @@
+//! `fsdp-app generate`: one prompt, streamed to stdout (or one JSON object with --json).
+
+use std::collections::HashSet;
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::Args;
+
+use fsdp_app::checkpoint::{load_model_with_adapter, parse_dtype, resolve_model};
+use fsdp_app::generate::{generate, GenerationDefaults, SamplingParams};
+use fsdp_app::memory::{human_bytes, peak_rss_bytes};
+use fsdp_app::tokenize::{ChatMessage, TextTokenizer};
+
+#[derive(Args)]
+pub struct ModelArgs {
+    /// Local model directory, or a Hub id such as `HuggingFaceTB/SmolLM2-135M-Instruct`.
+    /// Hub downloads honour HF_ENDPOINT, HF_HOME, HF_HUB_CACHE, HF_TOKEN and HF_HUB_OFFLINE.
+    #[arg(long)]
+    model: String,
+    /// Hub branch, tag or commit (Hub ids only).
+    #[arg(long)]
+    revision: Option<String>,
+    /// Compute dtype: f32 (default; fastest on CPU), bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Where to run: cpu, cuda (GPU 0) or cuda:N; GPUs need a CUDA build (tests/gpu/build-cuda.sh).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+}
+
+#[derive(Args)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) to apply.
+    #[arg(long)]
+    adapter: Option<PathBuf>,
+    /// The prompt text.
+    #[arg(long)]
+    prompt: String,
+    /// Wrap the prompt as a user message in the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// A system message (with --chat).
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
+    #[arg(long, default_value_t = 256)]
+    max_new_tokens: usize,
+    /// Sampling temperature; 0 is greedy. Default: generation_config.json's when it samples, else 0.
+    #[arg(long)]
+    temperature: Option<f64>,
+    /// Keep only the k most likely tokens (sampling only).
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Nucleus sampling: keep the smallest set of tokens with this total probability.
+    #[arg(long)]
+    top_p: Option<f64>,
+    /// Penalise tokens already in the context (1.0 = off), as transformers does.
+    #[arg(long)]
+    repetition_penalty: Option<f32>,
+    #[arg(long, default_value_t = 299_792_458)]
+    seed: u64,
+    /// Stop when the text contains this string (repeatable); the string is not printed.
+    #[arg(long = "stop")]
+    stop: Vec<String>,
+    /// Print one JSON object (text, token ids, finish reason, figures) instead of streaming.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(a: GenerateArgs) -> Result<()> {
+    let dtype = parse_dtype(&a.model.dtype)?;
+    let device = a.model.device.parse::<fsdp_app::device::DeviceSpec>()?.open(0)?;
+    let load_start = Instant::now();
+    let files = resolve_model(&a.model.model, a.model.revision.as_deref())?;
+    let defaults = match &files.generation_config {
+        Some(p) => GenerationDefaults::read(p)?,
+        None => GenerationDefaults::default(),
+    };
+    let loaded = load_model_with_adapter(files, a.adapter.as_deref(), dtype, &device)?;
+    let tokenizer = TextTokenizer::load(&loaded.files, loaded.config.vocab_size)?;
+    let load_s = load_start.elapsed().as_secs_f64();
+
+    let prompt_ids = if a.chat {
+        let template = tokenizer.chat_template.as_ref().with_context(|| {
+            format!("{}: --chat needs a chat template (tokenizer_config.json `chat_template` or chat_template.jinja)", loaded.files.source)
+        })?;
+        let mut messages = vec![];
+        if let Some(s) = &a.system {
+            messages.push(ChatMessage::new("system", s));
+        }
+        messages.push(ChatMessage::new("user", &a.prompt));
+        // transformers' apply_chat_template tokenises the rendered text without adding specials.
+        tokenizer.encode(&template.render(&messages, true)?, false)?
+    } else {
+        tokenizer.encode(&a.prompt, true)?
+    };
+
+    let eos: HashSet<u32> = if defaults.eos_token_ids.is_empty() {
+        loaded.config.eos_token_ids.iter().copied().collect()
+    } else {
+        defaults.eos_token_ids.iter().copied().collect()
+    };
+    let sampling_by_default = defaults.do_sample;
+    let params = SamplingParams {
+        max_new_tokens: a.max_new_tokens,
+        temperature: a.temperature.unwrap_or(if sampling_by_default { defaults.temperature.unwrap_or(1.0) } else { 0.0 }),
+        // transformers samples with top_k = 50 unless told otherwise.
+        top_k: a.top_k.or(if sampling_by_default { Some(defaults.top_k.unwrap_or(50)) } else { None }),
+        top_p: a.top_p.or(if sampling_by_default { defaults.top_p } else { None }),
+        repetition_penalty: a.repetition_penalty.or(defaults.repetition_penalty).unwrap_or(1.0),
+        seed: a.seed,
+        stop: a.stop.clone(),
+        ..SamplingParams::greedy(a.max_new_tokens)
+    };
+
+    let stdout = std::io::stdout();
+    let stream = !a.json;
+    let out = generate(&loaded.model, &tokenizer, &prompt_ids, &eos, &params, |text| {
+        if stream {
+            let mut lock = stdout.lock();
+            lock.write_all(text.as_bytes())?;
+            lock.flush()?;
+        }
+        Ok(())
+    })?;
+    let rss = peak_rss_bytes();
+    if a.json {
+        let mut v = serde_json::to_value(&out)?;
+        v["peak_rss_bytes"] = serde_json::json!(rss);
+        v["load_s"] = serde_json::json!(load_s);
+        println!("{}", serde_json::to_string(&v)?);
+    } else {
+        println!();
+        eprintln!(
+            "prompt tokens: {} | generated tokens: {} | finish: {:?} | load: {load_s:.2}s | time to first token: {:.3}s | \
+             {:.1} tokens/s | peak RSS: {}",
+            out.prompt_ids.len(),
+            out.generated_ids.len(),
+            out.finish_reason,
+            out.time_to_first_token_s,
+            out.decode_tokens_per_s,
+            rss.map(human_bytes).unwrap_or_else(|| "n/a".into())
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,84 @@
+//! The command line, one file per command. Each command's argument struct converts into the
+//! library's settings; the library does the work.
+
+mod estimate;
+mod finetune;
+mod generate;
+mod launch;
+mod model_files;
+mod serve;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+use estimate::EstimateArgs;
+use fsdp_app::train::finetune::FinetuneArgs;
+use generate::GenerateArgs;
+use launch::LaunchArgs;
+use model_files::{ConvertArgs, FixtureArgs, MergeArgs};
+use serve::ServeArgs;
+
+#[derive(Parser)]
+#[command(name = "fsdp-app", version, about = "Fine-tune and serve Hugging Face causal language models, on candle")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt with a model from a local directory or the Hugging Face Hub.
+    Generate(GenerateArgs),
+    /// Convert a llama.cpp GGUF file into a Hugging Face model directory (safetensors, config,
+    /// tokenizer, chat template).
+    Convert(ConvertArgs),
+    /// Full fine-tuning with FSDP-style sharding across ranks (`--world-size N` runs N ranks as
+    /// threads of this process).
+    Finetune(Box<FinetuneArgs>),
+    /// Turn a sharded checkpoint into a Hugging Face model directory (one CPU process, memory
+    /// about one tensor).
+    Merge(MergeArgs),
+    /// Start this node's ranks as processes with torchrun's variables, e.g.
+    /// `fsdp-app launch --nproc-per-node 2 -- finetune --model M --data D --output-dir O`.
+    Launch(LaunchArgs),
+    /// Write a tiny random model directory (for tests and for trying fsdp-app offline).
+    Fixture(FixtureArgs),
+    /// Serve a model over an OpenAI-compatible HTTP API (/v1/models, /v1/completions,
+    /// /v1/chat/completions with SSE streaming, /health, /metrics, /tokenize, /detokenize, /info).
+    Serve(ServeArgs),
+    /// Per-rank memory of a fine-tuning run (parameters, gradients, optimizer, gathered units,
+    /// activations) from config.json alone, without reading weights.
+    Estimate(EstimateArgs),
+}
+
+
+/// Parses the command line and runs the command; errors are printed in one line (a chain
+/// without backtrace frames unless RUST_BACKTRACE is set) with exit code 1.
+pub fn main() {
+    let argv = match finetune::apply_config_file(std::env::args_os().collect()) {
+        Ok(a) => a,
+        Err(e) => exit_with(e),
+    };
+    let result: Result<()> = match Cli::parse_from(argv).command {
+        Command::Generate(a) => generate::run(a),
+        Command::Convert(a) => model_files::run_convert(a),
+        Command::Finetune(a) => finetune::run(*a),
+        Command::Merge(a) => model_files::run_merge(a),
+        Command::Launch(a) => fsdp_app::dist::launch::launch(&a.into()),
+        Command::Fixture(a) => model_files::run_fixture(a),
+        Command::Estimate(a) => estimate::run(a),
+        Command::Serve(a) => serve::run(a),
+    };
+    if let Err(e) = result {
+        exit_with(e);
+    }
+}
+
+fn exit_with(e: anyhow::Error) -> ! {
+    if std::env::var_os("RUST_BACKTRACE").is_some() {
+        eprintln!("error: {e:?}");
+    } else {
+        eprintln!("error: {e:#}");
+    }
+    std::process::exit(1)
+}

@@ -1,0 +1,81 @@
+//! `fsdp-app serve`: the OpenAI-compatible HTTP server.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Args;
+
+use fsdp_app::checkpoint::parse_dtype;
+use fsdp_app::serve::ServeConfig;
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// Local model directory or Hub id.
+    #[arg(long)]
+    model: String,
+    #[arg(long)]
+    revision: Option<String>,
+    /// The model id clients send (default: the --model string).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Address to bind; 127.0.0.1 keeps the server local (use 0.0.0.0 to expose it).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port (0 picks a free one; the chosen address is printed).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Require `Authorization: Bearer KEY` on every route but /health.
+    #[arg(long, env = "FSDP_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Sequences generated together; more wait in the queue.
+    #[arg(long, default_value_t = 8)]
+    max_concurrent_requests: usize,
+    /// Requests that may wait for a slot; beyond that the answer is 429 with Retry-After.
+    #[arg(long, default_value_t = 64)]
+    max_queue: usize,
+    /// Longest prompt in tokens (default: the context minus one).
+    #[arg(long)]
+    max_input_tokens: Option<usize>,
+    /// Longest prompt + completion in tokens (default: the model's context).
+    #[arg(long)]
+    max_total_tokens: Option<usize>,
+    /// Largest request body in bytes (file uploads: up to 512 MiB).
+    #[arg(long, default_value_t = 4 << 20)]
+    max_body_bytes: usize,
+    /// Where the models compute: cpu, cuda (GPU 0) or cuda:N (CUDA build).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Compute dtype: f32 (default; fastest on CPU), bf16 (GPUs) or f16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Where uploaded files, fine-tuning jobs (SQLite) and fine-tuned models are kept.
+    #[arg(long, default_value = "fsdp-serve-data")]
+    data_dir: PathBuf,
+}
+
+impl TryFrom<ServeArgs> for ServeConfig {
+    type Error = anyhow::Error;
+
+    fn try_from(a: ServeArgs) -> Result<Self> {
+        Ok(ServeConfig {
+            model: a.model,
+            revision: a.revision,
+            served_model_name: a.served_model_name,
+            host: a.host,
+            port: a.port,
+            api_key: a.api_key,
+            max_concurrent_requests: a.max_concurrent_requests,
+            max_queue: a.max_queue,
+            max_input_tokens: a.max_input_tokens,
+            max_total_tokens: a.max_total_tokens,
+            max_body_bytes: a.max_body_bytes,
+            data_dir: a.data_dir,
+            device: a.device.parse()?,
+            dtype: parse_dtype(&a.dtype).context("--dtype")?,
+        })
+    }
+}
+
+pub fn run(a: ServeArgs) -> Result<()> {
+    fsdp_app::serve::run(&ServeConfig::try_from(a)?)
+}

@@ -1,0 +1,321 @@
+//! Every fine-tuning setting as users spell it: the `finetune` flags, their defaults (clap's, the
+//! only place they are written), and the conversion into [`FinetuneConfig`]. The CLI parses
+//! them, a YAML `--config` becomes the same flags, and the jobs API serialises a filled-in
+//! `FinetuneArgs` for its child (`finetune --args-file`): one path for all three.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser};
+use serde::{Deserialize, Serialize};
+
+use super::config::FinetuneConfig;
+use crate::checkpoint::identity::AllowedChanges;
+use crate::checkpoint::parse_dtype;
+use crate::fsdp::plan::{ShardingStrategy, WrapPolicy};
+
+#[derive(Args, Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FinetuneArgs {
+    /// YAML settings: Accelerate FSDP plugin keys (fsdp_version, reshard_after_forward,
+    /// mixed_precision, auto_wrap_policy, transformer_cls_names_to_wrap, min_num_params,
+    /// activation_checkpointing, cpu_ram_efficient_loading, state_dict_type) and TrainingArguments
+    /// keys (learning_rate, per_device_train_batch_size, ...). Flags given here win.
+    #[arg(long)]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// Every setting from a JSON file written by fsdp-app itself (the jobs API's children); no
+    /// other flag may be given with it.
+    #[arg(long, conflicts_with = "config")]
+    #[serde(skip)]
+    pub args_file: Option<PathBuf>,
+    /// Local model directory or Hub id (resolved on rank 0 only).
+    #[arg(long)]
+    pub model: Option<String>,
+    #[arg(long)]
+    pub revision: Option<String>,
+    /// Training data: a file, or hf://datasets/ORG/NAME/FILE[@REVISION] (downloaded by rank 0).
+    /// JSONL (a row per line), JSON (an array) or Parquet (snappy/zstd): {"text"}, {"prompt",
+    /// "completion"}, {"messages": [{"role", "content"}]}, ShareGPT {"conversations": [{"from",
+    /// "value"}]}, Alpaca {"instruction", "input", "output"}, or {"input_ids", "labels"}.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Which tokens the loss is on: auto (assistant turns of chats, completions, all of text),
+    /// all, completion (the last assistant turn / the completion) or assistant (every assistant turn).
+    #[arg(long, default_value = "auto")]
+    pub train_on: String,
+    /// Pack several samples into each --seq-len row (they cannot attend to each other; positions
+    /// restart per sample) instead of padding each.
+    #[arg(long)]
+    pub packing: bool,
+    /// Skip rows that cannot be read (and report how many) instead of stopping.
+    #[arg(long)]
+    pub skip_bad_rows: bool,
+    /// Print the first training sample with the parts that are not trained on marked.
+    #[arg(long)]
+    pub show_sample: bool,
+    /// Evaluation data (same formats as --data).
+    #[arg(long)]
+    pub eval_data: Option<PathBuf>,
+    /// Hold out this fraction of the training rows (the last ones) for evaluation.
+    #[arg(long)]
+    pub eval_split: Option<f64>,
+    /// Evaluate every N steps (and at the end); eval loss and perplexity go to the log and
+    /// metrics.jsonl, and the curve to OUTPUT/loss.svg.
+    #[arg(long)]
+    pub eval_steps: Option<usize>,
+    /// Where metrics.jsonl and the final Hugging Face model go (must be empty or absent).
+    #[arg(long)]
+    pub output_dir: Option<PathBuf>,
+    /// Number of ranks as threads of this process (`local` backend; default 1). Under
+    /// `fsdp-app launch`, torchrun, srun or mpirun the world comes from the environment instead.
+    #[arg(long)]
+    pub world_size: Option<usize>,
+    #[command(flatten)]
+    pub sharding: ShardingArgs,
+    /// transformer_based_wrap: the layer class(es) that make units; must name the model's decoder
+    /// layer (e.g. LlamaDecoderLayer). Checked, never ignored.
+    #[arg(long)]
+    pub transformer_cls_names_to_wrap: Option<String>,
+    /// dtype gathered parameters travel in (f32, bf16, f16); on a GPU also the compute dtype,
+    /// on CPU compute is f32.
+    #[arg(long, default_value = "f32")]
+    pub param_dtype: String,
+    /// dtype gradients are reduced in (f32, bf16, f16).
+    #[arg(long, default_value = "f32")]
+    pub reduce_dtype: String,
+    #[arg(long, default_value_t = 2e-5)]
+    pub lr: f64,
+    #[arg(long, default_value_t = 0.0)]
+    pub weight_decay: f64,
+    /// Decay every parameter (default: not biases and norm weights).
+    #[arg(long)]
+    pub weight_decay_all: bool,
+    /// Clip the global gradient norm to this (0 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub max_grad_norm: f64,
+    /// Sequences per rank per micro-batch.
+    #[arg(long, default_value_t = 1)]
+    pub batch_size: usize,
+    /// Micro-batches accumulated per optimizer step.
+    #[arg(long, default_value_t = 1)]
+    pub grad_accum: usize,
+    #[arg(long, default_value_t = 512)]
+    pub seq_len: usize,
+    /// Stop after this many optimizer steps (overrides --epochs).
+    #[arg(long)]
+    pub max_steps: Option<usize>,
+    #[arg(long, default_value_t = 1)]
+    pub epochs: usize,
+    #[arg(long, default_value_t = 0)]
+    pub warmup_steps: usize,
+    /// constant, linear or cosine (after linear warmup).
+    #[arg(long, default_value = "linear")]
+    pub lr_scheduler: String,
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Take samples in file order.
+    #[arg(long)]
+    pub no_shuffle: bool,
+    /// Collective backend: auto (local threads; under a launcher nccl with --device cuda, else
+    /// tcp, or mpi under mpirun), local, tcp, mpi (build with --features mpi) or nccl (CUDA build).
+    #[arg(long, default_value = "auto")]
+    pub backend: String,
+    /// Where each rank computes: cpu, or cuda (each rank its LOCAL_RANK GPU; CUDA build). The fp32
+    /// master weights, gradients and AdamW state move to the GPU too (see --cpu-offload).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// With --device cuda: keep the fp32 master weights, gradients and AdamW state in host
+    /// memory (FSDP2's CPUOffloadPolicy) instead of on the GPU; AdamW then runs on the CPU.
+    #[arg(long)]
+    pub cpu_offload: bool,
+    /// Seconds a collective may wait for the other ranks before the run fails.
+    #[arg(long, default_value_t = 600)]
+    pub collective_timeout: u64,
+    /// Largest safetensors file of the final export (e.g. 5GB, 500MB).
+    #[arg(long, default_value = "5GB")]
+    pub max_shard_size: String,
+    /// Save a sharded checkpoint (weights, AdamW state, data cursor) to
+    /// OUTPUT/checkpoint-STEP every N steps.
+    #[arg(long)]
+    pub save_steps: Option<usize>,
+    /// Keep only the newest K checkpoints.
+    #[arg(long)]
+    pub save_total_limit: Option<usize>,
+    /// Continue from a checkpoint directory, or `latest` (the newest complete one in
+    /// --output-dir). Any world size; the global batch must stay the same.
+    #[arg(long)]
+    pub resume_from_checkpoint: Option<String>,
+    /// Resume although the checkpoint was trained on other data and/or with another tokenizer
+    /// (refused by default, naming the difference).
+    #[arg(long, value_delimiter = ',', value_parser = ["data", "tokenizer"])]
+    pub resume_allow_changed: Vec<String>,
+    /// Also write a full Hugging Face export to OUTPUT/export-STEP every N steps.
+    #[arg(long)]
+    pub save_full_every: Option<usize>,
+    #[command(flatten)]
+    pub lora: LoraArgs,
+    /// Continue training this PEFT LoRA adapter directory (its r, alpha, dropout and targets).
+    #[arg(long, conflicts_with_all = ["lora_r", "lora_alpha", "lora_dropout", "lora_targets"])]
+    pub adapter: Option<PathBuf>,
+    /// With LoRA: also write the merged full model (W + alpha/r * B A) to OUTPUT/merged.
+    #[arg(long)]
+    pub merge_lora: bool,
+}
+
+/// How parameters are sharded and wrapped (finetune and estimate).
+#[derive(Args, Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShardingArgs {
+    /// FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD.
+    #[arg(long, default_value = "FULL_SHARD")]
+    pub sharding_strategy: String,
+    /// HYBRID_SHARD: ranks per shard group (consecutive ranks); replicated across groups.
+    #[arg(long)]
+    pub shard_group_size: Option<usize>,
+    /// transformer_based_wrap (one unit per decoder layer + root), size_based_wrap or no_wrap.
+    #[arg(long, default_value = "transformer_based_wrap")]
+    pub wrap_policy: String,
+    /// size_based_wrap: smallest number of parameters in a unit.
+    #[arg(long)]
+    pub min_num_params: Option<usize>,
+    /// Recompute each unit's forward in backward instead of keeping its graph.
+    #[arg(long)]
+    pub activation_checkpointing: bool,
+}
+
+impl ShardingArgs {
+    pub fn strategy(&self) -> Result<ShardingStrategy> {
+        self.sharding_strategy.parse()
+    }
+
+    /// The wrap policy, with --min-num-params applied (and refused for other policies).
+    pub fn wrap(&self) -> Result<WrapPolicy> {
+        let mut wrap: WrapPolicy = self.wrap_policy.parse()?;
+        match (&mut wrap, self.min_num_params) {
+            (WrapPolicy::SizeBased { min_num_params }, Some(n)) => *min_num_params = n,
+            (_, Some(_)) => bail!("--min-num-params applies to --wrap-policy size_based_wrap only"),
+            _ => {}
+        }
+        Ok(wrap)
+    }
+}
+
+#[derive(Args, Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoraArgs {
+    /// Train a LoRA adapter (PEFT format, in OUTPUT) on the frozen base instead of every weight.
+    /// Implied by any --lora-* flag.
+    #[arg(long)]
+    pub lora: bool,
+    /// LoRA rank (default 8, as PEFT).
+    #[arg(long)]
+    pub lora_r: Option<usize>,
+    /// LoRA alpha; the update is scaled by alpha / r (default 8, as PEFT).
+    #[arg(long)]
+    pub lora_alpha: Option<f64>,
+    /// Dropout on the adapter's input while training (default 0).
+    #[arg(long)]
+    pub lora_dropout: Option<f64>,
+    /// Modules to adapt, comma-separated: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+    /// down_proj, or all-linear (default q_proj,v_proj, PEFT's choice for these models).
+    #[arg(long)]
+    pub lora_targets: Option<String>,
+}
+
+/// LoRA settings from the flags, or None when no LoRA flag is given.
+pub fn lora_settings(a: &LoraArgs) -> Option<models::LoraSettings> {
+    let on = a.lora || a.lora_r.is_some() || a.lora_alpha.is_some() || a.lora_dropout.is_some() || a.lora_targets.is_some();
+    on.then(|| models::LoraSettings {
+        r: a.lora_r.unwrap_or(8),
+        alpha: a.lora_alpha.unwrap_or(8.0),
+        dropout: a.lora_dropout.unwrap_or(0.0),
+        targets: a.lora_targets.as_deref().unwrap_or("q_proj,v_proj").split(',').map(|t| t.trim().to_string()).filter(|t| !t.is_empty()).collect(),
+        use_rslora: false,
+    })
+}
+
+impl FinetuneArgs {
+    /// Every flag at its default (model, data and output directory unset).
+    pub fn defaults() -> Self {
+        #[derive(Parser)]
+        struct Only {
+            #[command(flatten)]
+            args: FinetuneArgs,
+        }
+        Only::try_parse_from(["finetune"]).expect("every finetune flag has a default or is optional").args
+    }
+
+    /// A settings file written by [`FinetuneArgs::write_file`] (the jobs runner's).
+    pub fn read_file(path: &std::path::Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
+        serde_json::from_str(&text).with_context(|| format!("{}: not a finetune settings file", path.display()))
+    }
+
+    /// Writes the settings as JSON (temporary name, then rename).
+    pub fn write_file(&self, path: &std::path::Path) -> Result<()> {
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(&tmp, serde_json::to_vec_pretty(self)?).with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+    }
+}
+
+impl TryFrom<FinetuneArgs> for FinetuneConfig {
+    type Error = anyhow::Error;
+
+    fn try_from(a: FinetuneArgs) -> Result<Self> {
+        let wrap = a.sharding.wrap()?;
+        let missing = |flag: &str, key: &str| anyhow::anyhow!("--{flag} is required (or `{key}` in --config)");
+        if a.transformer_cls_names_to_wrap.is_some() && wrap != WrapPolicy::TransformerBased {
+            bail!("transformer_cls_names_to_wrap applies to transformer_based_wrap only");
+        }
+        Ok(FinetuneConfig {
+            lora: lora_settings(&a.lora),
+            adapter: a.adapter,
+            merge_lora: a.merge_lora,
+            model: a.model.ok_or_else(|| missing("model", "model_name_or_path"))?,
+            revision: a.revision,
+            data: a.data.ok_or_else(|| missing("data", "train_file"))?,
+            output_dir: a.output_dir.ok_or_else(|| missing("output-dir", "output_dir"))?,
+            layer_class_names: a.transformer_cls_names_to_wrap,
+            world_size: a.world_size.unwrap_or(1),
+            shard_group_size: a.sharding.shard_group_size,
+            lr: a.lr,
+            weight_decay: a.weight_decay,
+            weight_decay_all: a.weight_decay_all,
+            max_grad_norm: (a.max_grad_norm > 0.0).then_some(a.max_grad_norm),
+            batch_size: a.batch_size,
+            grad_accum: a.grad_accum,
+            seq_len: a.seq_len,
+            max_steps: a.max_steps,
+            epochs: a.epochs,
+            warmup_steps: a.warmup_steps,
+            schedule: a.lr_scheduler.parse()?,
+            seed: a.seed,
+            shuffle: !a.no_shuffle,
+            strategy: a.sharding.strategy()?,
+            wrap,
+            activation_checkpointing: a.sharding.activation_checkpointing,
+            param_dtype: parse_dtype(&a.param_dtype).context("--param-dtype")?,
+            reduce_dtype: parse_dtype(&a.reduce_dtype).context("--reduce-dtype")?,
+            collective_timeout: std::time::Duration::from_secs(a.collective_timeout),
+            backend: a.backend.parse()?,
+            device: a.device.parse()?,
+            cpu_offload: a.cpu_offload.then_some(true),
+            save_steps: a.save_steps,
+            save_total_limit: a.save_total_limit,
+            resume_from: a.resume_from_checkpoint,
+            resume_allow_changed: AllowedChanges::parse(&a.resume_allow_changed)?,
+            save_full_every: a.save_full_every,
+            train_on: a.train_on.parse()?,
+            skip_bad_rows: a.skip_bad_rows,
+            packing: a.packing,
+            show_sample: a.show_sample,
+            eval_data: a.eval_data,
+            eval_split: a.eval_split,
+            eval_steps: a.eval_steps,
+            max_shard_size: crate::checkpoint::export::parse_size(&a.max_shard_size).context("--max-shard-size")?,
+            verbose: true,
+        })
+    }
+}

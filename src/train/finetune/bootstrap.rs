@@ -1,0 +1,205 @@
+//! Phase 1, bootstrap: rank 0 resolves the model, a starting adapter and the data, and every
+//! rank learns them as bytes (config, tokenizer and side files; adapter settings; the data file).
+//! No rank but 0 ever opens a model or data file.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+
+use super::config::{shard_size, FinetuneConfig};
+use crate::checkpoint::adapter::{adapter_config_json, parse_adapter_config, read_adapter, Adapter};
+use crate::checkpoint::identity::DataIdentity;
+use crate::checkpoint::{resolve_model, ModelFiles};
+use crate::dist::{root_tries, ProcessGroups};
+use crate::fsdp::plan::{plan_units, UnitPlan};
+use crate::tokenize::TextTokenizer;
+use crate::train::data::{describe_sample, DataOptions, Dataset, Sample, TextTools};
+
+/// What every rank knows before weights move.
+pub(super) struct Bootstrap {
+    /// Rank 0's resolved model files (the others: `None`).
+    pub files: Option<ModelFiles>,
+    /// config.json as text, for checkpoints to compare against.
+    pub config_json: String,
+    /// config.json, tokenizer files, generation_config.json, ... as rank 0 read them.
+    pub side_files: Vec<(String, Vec<u8>)>,
+    /// The model's config with the run's LoRA settings (from `--adapter` or the flags).
+    pub model_cfg: models::ModelConfig,
+    /// Rank 0's starting adapter (`--adapter`).
+    pub start_adapter: Option<Adapter>,
+    pub staged: Arc<dyn models::StagedModel>,
+    pub plan: Vec<UnitPlan>,
+    pub data: TrainingData,
+}
+
+impl Bootstrap {
+    pub fn side_file(&self, name: &str) -> Option<&[u8]> {
+        self.side_files.iter().find(|(n, _)| n == name).map(|(_, b)| b.as_slice())
+    }
+
+    pub fn total_params(&self) -> usize {
+        self.plan.iter().map(|u| u.numel()).sum()
+    }
+
+    pub fn trainable_params(&self) -> usize {
+        self.plan.iter().flat_map(|u| u.params.iter()).filter(|p| p.trainable).map(|p| p.numel()).sum()
+    }
+}
+
+/// The samples and how the run walks them.
+pub(super) struct TrainingData {
+    pub samples: Vec<Sample>,
+    pub eval_samples: Vec<Sample>,
+    pub identity: DataIdentity,
+    /// Sequences per optimizer step over all ranks and micro-batches.
+    pub global_batch: usize,
+    pub steps_per_epoch: usize,
+    pub total_steps: usize,
+}
+
+pub(super) fn bootstrap(groups: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Bootstrap> {
+    let (files, side_files) = share_model_files(groups, cfg)?;
+    let config_json = String::from_utf8(side_files.iter().find(|(n, _)| n == "config.json").context("config.json")?.1.clone())
+        .context("config.json is not UTF-8")?;
+    let mut model_cfg = models::ModelConfig::from_json_str(&config_json).context("config.json")?;
+    if let Some(names) = &cfg.layer_class_names {
+        crate::train::config_file::check_layer_class(names, model_cfg.architecture)?;
+    }
+    let (start_adapter, lora) = share_adapter(groups, cfg, &model_cfg)?;
+    model_cfg.lora = lora;
+    if let Some(lora) = &model_cfg.lora {
+        lora.validate(&model_cfg)?;
+    }
+    let staged: Arc<dyn models::StagedModel> = Arc::new(models::LlamaStages::new(&model_cfg));
+    let plan = plan_units(staged.as_ref(), cfg.wrap, shard_size(cfg))?;
+    // Data before weights: a bad file or batch fails fast.
+    let data = load_data(groups, cfg, &model_cfg, &side_files)?;
+    Ok(Bootstrap { files, config_json, side_files, model_cfg, start_adapter, staged, plan, data })
+}
+
+/// Rank 0 resolves the model (local directory or Hub) and sends config and tokenizer files.
+fn share_model_files(groups: &ProcessGroups, cfg: &FinetuneConfig) -> Result<(Option<ModelFiles>, Vec<(String, Vec<u8>)>)> {
+    let (files, bytes) = root_tries(groups.world.as_ref(), "resolve the model", || {
+        let f = resolve_model(&cfg.model, cfg.revision.as_deref())?;
+        let read = |p: &Path| std::fs::read(p).with_context(|| format!("{}: cannot read", p.display()));
+        let mut side = vec![];
+        for p in [&Some(f.config.clone()), &f.tokenizer, &f.tokenizer_config, &f.generation_config, &f.chat_template, &f.special_tokens_map]
+            .into_iter()
+            .flatten()
+        {
+            let name = p.file_name().unwrap().to_string_lossy().to_string();
+            side.push(json!({"name": name, "data": String::from_utf8_lossy(&read(p)?).to_string()}));
+        }
+        Ok((f, serde_json::to_vec(&json!({"files": side}))?))
+    })?;
+    let v: Value = serde_json::from_slice(&bytes)?;
+    let side = v["files"]
+        .as_array()
+        .context("model files message")?
+        .iter()
+        .map(|f| (f["name"].as_str().unwrap_or_default().to_string(), f["data"].as_str().unwrap_or_default().as_bytes().to_vec()))
+        .collect();
+    Ok((files, side))
+}
+
+/// LoRA: rank 0 reads a starting adapter (if any); its settings travel to every rank. Returns
+/// rank 0's adapter and the run's LoRA settings (the adapter's, else the flags').
+fn share_adapter(groups: &ProcessGroups, cfg: &FinetuneConfig, model_cfg: &models::ModelConfig) -> Result<(Option<Adapter>, Option<models::LoraSettings>)> {
+    let (adapter, bytes) = root_tries(groups.world.as_ref(), "read --adapter", || {
+        Ok(match &cfg.adapter {
+            Some(dir) => {
+                let a = read_adapter(dir, model_cfg)?;
+                let config = adapter_config_json(&a.settings, "").to_string().into_bytes();
+                (Some(a), config)
+            }
+            None => (None, vec![]),
+        })
+    })?;
+    let lora = match bytes.is_empty() {
+        true => cfg.lora.clone(),
+        false => Some(parse_adapter_config(&String::from_utf8_lossy(&bytes), Path::new("adapter_config.json"))?.0),
+    };
+    Ok((adapter.flatten(), lora))
+}
+
+/// Tokenises the training (and eval) data and works out the batch arithmetic.
+fn load_data(groups: &ProcessGroups, cfg: &FinetuneConfig, model_cfg: &models::ModelConfig, side_files: &[(String, Vec<u8>)]) -> Result<TrainingData> {
+    let is_root = groups.world.rank() == 0;
+    let side = |name: &str| side_files.iter().find(|(n, _)| n == name).map(|(_, b)| b.as_slice());
+    let tokenizer = match side("tokenizer.json") {
+        Some(t) => Some(TextTokenizer::from_bytes(t, side("tokenizer_config.json"), side("chat_template.jinja"))?),
+        None => None,
+    };
+    let encode = |text: &str, special: bool| tokenizer.as_ref().context("text and chat rows need the model's tokenizer.json")?.encode_with_offsets(text, special);
+    let decode = |ids: &[u32]| tokenizer.as_ref().context("no tokenizer.json")?.decode(ids, false);
+    let eos = model_cfg.eos_token_ids.first().copied();
+    let template = tokenizer.as_ref().and_then(|t| t.chat_template.as_ref());
+    let tools = TextTools { encode: &encode, decode: &decode, template, eos_id: eos, pad_id: eos.unwrap_or(0) };
+    let opts = DataOptions { seq_len: cfg.seq_len, train_on: cfg.train_on, skip_bad_rows: cfg.skip_bad_rows, packing: cfg.packing };
+    let (dataset, identity) = shared_dataset(groups, &cfg.data, &opts, &tools)?;
+    if is_root && cfg.verbose {
+        report_dataset(&dataset, cfg);
+    }
+    if is_root && cfg.show_sample {
+        eprintln!("sample 0 ([masked]...[/masked] is not trained on):\n{}", describe_sample(&dataset.samples[0], &decode)?);
+    }
+    let mut samples = dataset.samples;
+    let eval_samples: Vec<Sample> = match (&cfg.eval_data, cfg.eval_split) {
+        (Some(p), _) => shared_dataset(groups, p, &opts, &tools)?.0.samples,
+        (None, Some(f)) => {
+            // The last rows of the file, so the split is the same on every rank and every run.
+            let n = ((samples.len() as f64 * f).round() as usize).max(1);
+            if n >= samples.len() {
+                bail!("--eval-split {f} leaves no training samples ({} in all)", samples.len());
+            }
+            samples.split_off(samples.len() - n)
+        }
+        (None, None) => vec![],
+    };
+    if is_root && cfg.verbose && !eval_samples.is_empty() {
+        eprintln!("eval: {} samples", eval_samples.len());
+    }
+    let world = groups.world.world_size();
+    let global_batch = cfg.batch_size * world * cfg.grad_accum;
+    let steps_per_epoch = samples.len() / global_batch;
+    if steps_per_epoch == 0 {
+        bail!(
+            "{}: {} samples of {} tokens, fewer than one global batch of {global_batch} (batch size {} x {world} ranks x {} accumulation)",
+            cfg.data.display(),
+            samples.len(),
+            cfg.seq_len,
+            cfg.batch_size,
+            cfg.grad_accum
+        );
+    }
+    let total_steps = cfg.max_steps.unwrap_or(steps_per_epoch * cfg.epochs);
+    Ok(TrainingData { samples, eval_samples, identity, global_batch, steps_per_epoch, total_steps })
+}
+
+fn report_dataset(dataset: &Dataset, cfg: &FinetuneConfig) {
+    eprintln!(
+        "data: {} rows -> {} samples of {} tokens ({} skipped, {} truncated); {} trained-on tokens; {} efficiency {:.1}%",
+        dataset.rows,
+        dataset.samples.len(),
+        cfg.seq_len,
+        dataset.skipped,
+        dataset.truncated,
+        dataset.supervised_tokens,
+        if cfg.packing { "packing" } else { "padding" },
+        100.0 * dataset.padding_efficiency(cfg.seq_len)
+    );
+}
+
+/// Rank 0 resolves the data (a local file or a Hub dataset file, downloaded once) and sends its
+/// bytes; every rank builds the same samples from them. Also returns the file's identity, for
+/// checkpoints to record.
+fn shared_dataset(groups: &ProcessGroups, spec: &Path, opts: &DataOptions, tools: &TextTools) -> Result<(Dataset, DataIdentity)> {
+    let (_, body) = root_tries(groups.world.as_ref(), "read the data", || {
+        let path = crate::train::data::resolve_data(&spec.to_string_lossy())?;
+        Ok(((), std::fs::read(&path).with_context(|| format!("{}: cannot read", path.display()))?))
+    })?;
+    let identity = DataIdentity::of(&spec.to_string_lossy(), &body);
+    Ok((crate::train::data::load_dataset_bytes(spec, &body, opts, tools)?, identity))
+}

@@ -1,0 +1,189 @@
+//! Every setting of a fine-tuning run, its defaults, and the checks that need no weights.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Result};
+use candle_core::DType;
+
+use super::args::FinetuneArgs;
+use crate::checkpoint::identity::AllowedChanges;
+use crate::fsdp::optim::Schedule;
+use crate::fsdp::plan::{ShardingStrategy, WrapPolicy};
+use crate::train::data::TrainOn;
+use models::LoraSettings;
+
+#[derive(Debug, Clone)]
+pub struct FinetuneConfig {
+    pub model: String,
+    pub revision: Option<String>,
+    pub data: PathBuf,
+    pub output_dir: PathBuf,
+    pub world_size: usize,
+    pub shard_group_size: Option<usize>,
+    pub lr: f64,
+    pub weight_decay: f64,
+    pub weight_decay_all: bool,
+    /// None: no clipping.
+    pub max_grad_norm: Option<f64>,
+    pub batch_size: usize,
+    pub grad_accum: usize,
+    pub seq_len: usize,
+    pub max_steps: Option<usize>,
+    pub epochs: usize,
+    pub warmup_steps: usize,
+    pub schedule: Schedule,
+    pub seed: u64,
+    pub shuffle: bool,
+    pub strategy: ShardingStrategy,
+    pub wrap: WrapPolicy,
+    pub activation_checkpointing: bool,
+    pub param_dtype: DType,
+    pub reduce_dtype: DType,
+    pub collective_timeout: Duration,
+    pub backend: Backend,
+    /// Where the units compute (`cuda` = each rank's LOCAL_RANK GPU).
+    pub device: crate::device::DeviceSpec,
+    /// Where master weights, gradients and AdamW moments live: `Some(true)` host memory
+    /// (FSDP2's CPUOffloadPolicy), `Some(false)` the device, `None` the device's default (host
+    /// on CPU, device on a GPU).
+    pub cpu_offload: Option<bool>,
+    pub max_shard_size: usize,
+    /// Save a sharded checkpoint every this many steps.
+    pub save_steps: Option<usize>,
+    /// Keep only the newest K checkpoints.
+    pub save_total_limit: Option<usize>,
+    /// A checkpoint directory, or "latest" (newest complete one under the output directory).
+    pub resume_from: Option<String>,
+    /// Differences from the checkpoint's data or tokenizer that resuming accepts.
+    pub resume_allow_changed: AllowedChanges,
+    /// Also write a full Hugging Face export to OUTPUT/export-STEP every this many steps.
+    pub save_full_every: Option<usize>,
+    /// `transformer_cls_names_to_wrap`, checked against the model's decoder layer class.
+    pub layer_class_names: Option<String>,
+    pub train_on: TrainOn,
+    pub skip_bad_rows: bool,
+    /// Several samples per row, unable to see each other.
+    pub packing: bool,
+    /// Evaluation data (same formats), or a fraction of the training rows held out.
+    pub eval_data: Option<PathBuf>,
+    pub eval_split: Option<f64>,
+    /// Evaluate every this many steps (and always at the end when there is eval data).
+    pub eval_steps: Option<usize>,
+    /// Print the first sample with its untrained parts marked.
+    pub show_sample: bool,
+    /// Train a LoRA adapter on the frozen base instead of every weight.
+    pub lora: Option<LoraSettings>,
+    /// Start from this PEFT adapter directory (its settings replace `lora`).
+    pub adapter: Option<PathBuf>,
+    /// With LoRA: also write the merged full model to OUTPUT/merged.
+    pub merge_lora: bool,
+    /// Print per-step lines and a progress bar (rank 0).
+    pub verbose: bool,
+}
+
+impl FinetuneConfig {
+    /// The CLI's defaults (from [`FinetuneArgs`], where they are written) for everything but
+    /// model, data and output directory; quiet.
+    pub fn new(model: &str, data: &Path, output_dir: &Path) -> Self {
+        let mut a = FinetuneArgs::defaults();
+        (a.model, a.data, a.output_dir) = (Some(model.to_string()), Some(data.to_path_buf()), Some(output_dir.to_path_buf()));
+        let mut cfg = Self::try_from(a).expect("the default settings convert");
+        cfg.verbose = false;
+        cfg
+    }
+}
+
+/// Checks that need no weights, so a wrong flag fails in milliseconds, not after loading.
+pub fn validate(cfg: &FinetuneConfig) -> Result<()> {
+    if cfg.world_size == 0 {
+        bail!("--world-size must be positive");
+    }
+    if cfg.device.is_cuda() && !cfg!(feature = "cuda") {
+        // The error that says how to get a CUDA build, before anything is read.
+        cfg.device.open(0)?;
+    }
+    for (name, v) in [("--batch-size", cfg.batch_size), ("--grad-accum", cfg.grad_accum), ("--seq-len", cfg.seq_len), ("--epochs", cfg.epochs)] {
+        if v == 0 {
+            bail!("{name} must be positive");
+        }
+    }
+    if cfg.seq_len < 2 {
+        bail!("--seq-len must be at least 2 (a token and the next one to predict)");
+    }
+    if cfg.max_steps == Some(0) {
+        bail!("--max-steps must be positive");
+    }
+    if !(cfg.lr.is_finite() && cfg.lr > 0.0) {
+        bail!("--lr must be a positive number");
+    }
+    cfg.strategy.shard_count(cfg.world_size, cfg.shard_group_size)?;
+    let is_hub = |p: &Path| p.to_string_lossy().starts_with("hf://");
+    if !is_hub(&cfg.data) && !cfg.data.is_file() {
+        bail!("--data {}: no such file", cfg.data.display());
+    }
+    if cfg.resume_from.is_none() && cfg.output_dir.exists() && std::fs::read_dir(&cfg.output_dir)?.next().is_some() {
+        bail!("--output-dir {} exists and is not empty (to continue a run there, add --resume-from-checkpoint latest)", cfg.output_dir.display());
+    }
+    if let Some(f) = cfg.eval_split {
+        if !(f > 0.0 && f < 1.0) {
+            bail!("--eval-split must be between 0 and 1, got {f}");
+        }
+        if cfg.eval_data.is_some() {
+            bail!("give --eval-data or --eval-split, not both");
+        }
+    }
+    if let Some(p) = &cfg.eval_data {
+        if !is_hub(p) && !p.is_file() {
+            bail!("--eval-data {}: no such file", p.display());
+        }
+    }
+    if cfg.merge_lora && cfg.lora.is_none() && cfg.adapter.is_none() {
+        bail!("--merge-lora needs a LoRA run (--lora-r, --lora-targets, ... or --adapter)");
+    }
+    if let Some(dir) = &cfg.adapter {
+        if !dir.join(crate::checkpoint::adapter::ADAPTER_CONFIG).is_file() {
+            bail!("--adapter {}: no {} there", dir.display(), crate::checkpoint::adapter::ADAPTER_CONFIG);
+        }
+    }
+    for (name, v) in [("--eval-steps", cfg.eval_steps), ("--save-steps", cfg.save_steps), ("--save-total-limit", cfg.save_total_limit), ("--save-full-every", cfg.save_full_every)] {
+        if v == Some(0) {
+            bail!("{name} must be positive");
+        }
+    }
+    Ok(())
+}
+
+/// Shard-group size of a strategy on `world` ranks.
+pub(super) fn shard_size(cfg: &FinetuneConfig) -> usize {
+    // `validate` has checked the combination.
+    cfg.strategy.shard_count(cfg.world_size, cfg.shard_group_size).unwrap_or(cfg.world_size)
+}
+
+/// Which collective backend runs the ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// `local` without a launcher; under a launcher `mpi` for mpirun (when built with MPI),
+    /// else `tcp`.
+    Auto,
+    Local,
+    Tcp,
+    Mpi,
+    /// One process per GPU (features cuda,nccl).
+    Nccl,
+}
+
+impl std::str::FromStr for Backend {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s {
+            "auto" => Self::Auto,
+            "local" => Self::Local,
+            "tcp" => Self::Tcp,
+            "mpi" => Self::Mpi,
+            "nccl" if cfg!(feature = "nccl") => Self::Nccl,
+            "nccl" => bail!("--backend nccl needs a CUDA build (features cuda,nccl; tests/gpu/build-cuda.sh), which this build is not"),
+            other => bail!("--backend {other:?}: use auto, local, tcp, mpi or nccl"),
+        })
+    }
+}

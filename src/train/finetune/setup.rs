@@ -1,0 +1,168 @@
+//! Phases 2 and 3: build the FSDP engine on the rank's device, then fill it, either from the
+//! model's weights (rank 0 streams one unit at a time, each rank keeps its chunks) or from a
+//! sharded checkpoint (resume).
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use candle_core::Device;
+use serde_json::json;
+
+use super::bootstrap::Bootstrap;
+use super::config::FinetuneConfig;
+use crate::checkpoint::identity::DataIdentity;
+use crate::checkpoint::load;
+use crate::checkpoint::resume::{self, ResumingRun};
+use crate::dist::{root_tries, ProcessGroups};
+use crate::fsdp::engine::{FsdpEngine, FsdpOptions, StateBytes};
+use crate::fsdp::optim::AdamWConfig;
+use crate::memory::human_bytes;
+
+/// The engine on this rank's device: `device` when the backend already opened it (NCCL), else
+/// the rank's GPU (its LOCAL_RANK under a launcher, its rank for `local` threads) or the CPU.
+pub(super) fn build_engine(groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &Bootstrap, device: Option<Device>) -> Result<FsdpEngine> {
+    let opts = FsdpOptions {
+        strategy: cfg.strategy,
+        activation_checkpointing: cfg.activation_checkpointing,
+        param_dtype: cfg.param_dtype,
+        reduce_dtype: cfg.reduce_dtype,
+    };
+    let adam = AdamWConfig { lr: cfg.lr, weight_decay: cfg.weight_decay, ..Default::default() };
+    let device = match device {
+        Some(d) => d,
+        None => cfg.device.open(crate::dist::env::DistEnv::from_env()?.map(|e| e.local_rank).unwrap_or(groups.world.rank()))?,
+    };
+    let mut engine = FsdpEngine::new(boot.staged.clone(), boot.plan.clone(), groups.clone(), opts, adam, cfg.weight_decay_all)?.with_device(device);
+    if let Some(offload) = cfg.cpu_offload {
+        engine = engine.with_cpu_offload(offload);
+    }
+    Ok(engine)
+}
+
+/// Fills the engine from `--resume-from-checkpoint` or from the model's weights, then reports
+/// what each rank holds. Returns every rank's state bytes.
+pub(super) fn load_or_resume(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &Bootstrap) -> Result<Vec<StateBytes>> {
+    let start = Instant::now();
+    match &cfg.resume_from {
+        Some(from) => resume_from(engine, groups, cfg, boot, from)?,
+        None => load_weights(engine, cfg, boot)?,
+    }
+    if engine.step as usize > boot.data.total_steps {
+        bail!("the checkpoint is at step {}, past this run's {} steps", engine.step, boot.data.total_steps);
+    }
+    let bytes = all_state_bytes(engine, groups)?;
+    if groups.world.rank() == 0 && cfg.verbose {
+        report(cfg, boot, engine.units().count(), &bytes, start.elapsed().as_secs_f64());
+    }
+    Ok(bytes)
+}
+
+/// Rank 0 opens and checks the checkpoint; every rank learns the step (or rank 0's error) and
+/// loads its chunks.
+fn resume_from(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &Bootstrap, from: &str) -> Result<()> {
+    let (reader, bytes) = root_tries(groups.world.as_ref(), "resume", || {
+        let mut params: Vec<(String, Vec<usize>)> =
+            engine.units().flat_map(|u| u.params.iter().map(|p| (p.spec.name.clone(), p.spec.shape.clone()))).collect();
+        params.sort();
+        let data: &DataIdentity = &boot.data.identity;
+        let run = ResumingRun {
+            config_json: &boot.config_json,
+            params,
+            global_batch: boot.data.global_batch,
+            tokenizer: boot.side_file("tokenizer.json"),
+            data,
+            samples: boot.data.samples.len(),
+            steps_per_epoch: boot.data.steps_per_epoch,
+            allow: cfg.resume_allow_changed,
+        };
+        let (reader, _state) = resume::open_for_resume(from, &cfg.output_dir, &run)?;
+        let msg = json!({"step": reader.manifest.step}).to_string().into_bytes();
+        Ok((reader, msg))
+    })?;
+    let step = serde_json::from_slice::<serde_json::Value>(&bytes)?["step"].as_u64().unwrap_or(0);
+    resume::load_state(engine, reader.as_ref())?;
+    engine.step = step;
+    if let (Some(r), true) = (&reader, cfg.verbose) {
+        eprintln!("resumed from {} at step {step}", r.dir.display());
+    }
+    Ok(())
+}
+
+/// Rank 0 streams the model's weights one unit at a time (its extra memory is about one unit);
+/// LoRA adapters come from `--adapter` or are initialised as PEFT does.
+fn load_weights(engine: &mut FsdpEngine, cfg: &FinetuneConfig, boot: &Bootstrap) -> Result<()> {
+    let weights = match &boot.files {
+        Some(f) => {
+            let stored = load::read_weight_headers(&f.weights)?;
+            load::check_tensors(&boot.model_cfg, &stored, &f.source)?;
+            Some(stored)
+        }
+        None => None,
+    };
+    for u in 0..engine.units().count() {
+        let full = match &weights {
+            Some(st) => {
+                let mut m = std::collections::HashMap::new();
+                for p in &engine.units().nth(u).unwrap().params {
+                    let values = if models::lora::is_adapter_tensor(&p.spec.name) {
+                        match &boot.start_adapter {
+                            Some(a) => a.tensors[&p.spec.name].flatten_all()?.to_vec1::<f32>()?,
+                            None => models::lora::init_adapter(&p.spec, cfg.seed),
+                        }
+                    } else {
+                        st[&p.spec.name].read_f32()?
+                    };
+                    m.insert(p.spec.name.clone(), values);
+                }
+                Some(m)
+            }
+            None => None,
+        };
+        engine.load_unit(u, full)?;
+    }
+    Ok(())
+}
+
+/// Every rank's parameter, gradient and optimizer bytes, as each rank's buffers hold them.
+fn all_state_bytes(engine: &FsdpEngine, groups: &ProcessGroups) -> Result<Vec<StateBytes>> {
+    let (rank, world) = (groups.world.rank(), groups.world.world_size());
+    let mine = engine.memory_bytes();
+    let mut all = vec![0f64; 3 * world];
+    all[3 * rank..3 * rank + 3].copy_from_slice(&[mine.params as f64, mine.grads as f64, mine.optimizer as f64]);
+    groups.world.all_reduce_f64(&mut all)?;
+    Ok(all.chunks(3).map(|c| StateBytes { params: c[0] as usize, grads: c[1] as usize, optimizer: c[2] as usize }).collect())
+}
+
+fn report(cfg: &FinetuneConfig, boot: &Bootstrap, n_units: usize, bytes: &[StateBytes], load_s: f64) {
+    let (total, trainable) = (boot.total_params(), boot.trainable_params());
+    eprintln!(
+        "fsdp: {} rank(s), {:?}, {n_units} units, {:.1}M parameters; fp32 master weights and fp32 AdamW moments; \
+         loaded on rank 0 and streamed in {load_s:.2}s",
+        bytes.len(),
+        cfg.strategy,
+        total as f64 / 1e6,
+    );
+    if let Some(lora) = &boot.model_cfg.lora {
+        eprintln!(
+            "lora: r={} alpha={} dropout={} targets {:?}: {trainable} trainable parameters ({:.3}% of {total}); the base is frozen \
+             (no gradients, no optimizer state)",
+            lora.r,
+            lora.alpha,
+            lora.dropout,
+            lora.targets,
+            100.0 * trainable as f64 / total as f64,
+        );
+    }
+    let unsharded = total * 4 + trainable * 12;
+    for (r, b) in bytes.iter().enumerate() {
+        eprintln!(
+            "fsdp: rank {r} holds params {} + grads {} + optimizer {} = {} ({:.3} of the unsharded {})",
+            human_bytes(b.params as u64),
+            human_bytes(b.grads as u64),
+            human_bytes(b.optimizer as u64),
+            human_bytes(b.total() as u64),
+            b.total() as f64 / unsharded as f64,
+            human_bytes(unsharded as u64)
+        );
+    }
+}

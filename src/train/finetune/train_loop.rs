@@ -1,0 +1,177 @@
+//! Phase 4, the loop: for each step, take this rank's micro-batches, forward + backward each,
+//! one optimizer step; then log, and maybe evaluate, save a checkpoint, or export.
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use candle_core::Tensor;
+use models::StageContext;
+use serde_json::json;
+
+use super::bootstrap::Bootstrap;
+use super::config::FinetuneConfig;
+use super::export::export_result;
+use super::metrics_log::{MetricsLog, StepReport};
+use crate::checkpoint::identity::{self, DataCursor};
+use crate::checkpoint::sharded::{self, SaveExtras};
+use crate::dist::{all_reduce_scalar, ProcessGroups};
+use crate::fsdp::engine::FsdpEngine;
+use crate::fsdp::optim::lr_multiplier;
+use crate::train::data::{epoch_order, packing_for, Sample};
+
+/// Losses and gradient norms of the steps this process ran.
+#[derive(Default)]
+pub(super) struct Curve {
+    pub losses: Vec<f64>,
+    pub grad_norms: Vec<f64>,
+}
+
+pub(super) fn train(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &Bootstrap) -> Result<Curve> {
+    let data = &boot.data;
+    let start_step = engine.step as usize;
+    let mut log = MetricsLog::open(groups, cfg, data.total_steps, start_step)?;
+    let checkpoint_files = checkpoint_side_files(cfg, boot)?;
+    let mut curve = Curve::default();
+    // The data order is a pure function of (seed, epoch), so the cursor is the step.
+    let mut order_epoch = start_step / data.steps_per_epoch;
+    let mut order = epoch_order(data.samples.len(), order_epoch, cfg.seed, cfg.shuffle);
+    for step in start_step..data.total_steps {
+        let epoch = step / data.steps_per_epoch;
+        if epoch != order_epoch {
+            order_epoch = epoch;
+            order = epoch_order(data.samples.len(), epoch, cfg.seed, cfg.shuffle);
+        }
+        let start = Instant::now();
+        let lr = cfg.lr * lr_multiplier(cfg.schedule, step, cfg.warmup_steps, data.total_steps);
+        let micro = micro_batches(groups, cfg, boot, &order, step);
+        let (loss, grad_norm) = train_step(engine, groups, cfg, &micro, step, lr)?;
+        curve.losses.push(loss);
+        curve.grad_norms.push(grad_norm);
+        let tokens = (data.global_batch * cfg.seq_len) as f64;
+        log.step(groups, engine.device(), &StepReport { step: step + 1, epoch, loss, lr, grad_norm, tokens, secs: start.elapsed().as_secs_f64() })?;
+        let done = step + 1;
+        if cfg.eval_steps.is_some_and(|n| done % n == 0) && done != data.total_steps {
+            run_eval(engine, groups, cfg, boot, done, &mut log)?;
+        }
+        if cfg.save_steps.is_some_and(|n| done % n == 0) {
+            save_checkpoint(engine, groups, cfg, boot, done, &checkpoint_files)?;
+        }
+        if cfg.save_full_every.is_some_and(|n| done % n == 0) && done != data.total_steps {
+            export_result(engine, boot, &cfg.output_dir.join(format!("export-{done}")), cfg)?;
+        }
+    }
+    log.finish();
+    run_eval(engine, groups, cfg, boot, data.total_steps, &mut log)?;
+    Ok(curve)
+}
+
+/// This rank's micro-batches of step `step`'s global batch: micro-batch `a` takes, for each
+/// rank in turn, `batch_size` consecutive samples of the epoch's order.
+fn micro_batches<'a>(groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &'a Bootstrap, order: &[usize], step: usize) -> Vec<Vec<&'a Sample>> {
+    let (rank, world) = (groups.world.rank(), groups.world.world_size());
+    let base = (step % boot.data.steps_per_epoch) * boot.data.global_batch;
+    (0..cfg.grad_accum)
+        .map(|a| {
+            let first = base + (a * world + rank) * cfg.batch_size;
+            (first..first + cfg.batch_size).map(|i| &boot.data.samples[order[i]]).collect()
+        })
+        .collect()
+}
+
+/// Forward + backward of every micro-batch (the loss normalised by the global batch's target
+/// tokens, so N ranks give one rank's gradients), then the optimizer step. Returns the global
+/// mean loss and the gradient norm.
+fn train_step(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, micro: &[Vec<&Sample>], step: usize, lr: f64) -> Result<(f64, f64)> {
+    let (rank, world) = (groups.world.rank(), groups.world.world_size());
+    let local_targets: usize = micro.iter().flatten().map(|s| s.target_tokens()).sum();
+    let global_targets = all_reduce_scalar(groups.world.as_ref(), local_targets as f64)?;
+    if global_targets == 0.0 {
+        bail!("step {step}: the global batch has no target tokens (every label is -100)");
+    }
+    let mut local_loss = 0.0;
+    for (a, mb) in micro.iter().enumerate() {
+        let ids: Vec<u32> = mb.iter().flat_map(|s| s.input_ids.iter().copied()).collect();
+        let labels: Vec<i64> = mb.iter().flat_map(|s| s.labels.iter().copied()).collect();
+        let input = Tensor::from_vec(ids, (mb.len(), cfg.seq_len), engine.device())?;
+        // Dropout seeds from (seed, step, place in the global batch): the same masks on any
+        // number of ranks, and in an activation-checkpointing recompute.
+        let first = (a * world + rank) * cfg.batch_size;
+        let row_seeds = (first..first + mb.len()).map(|i| dropout_seed(cfg.seed, step, i)).collect();
+        let ctx = StageContext { packing: packing_for(mb), row_seeds: Some(row_seeds) };
+        local_loss += engine.forward_backward(&input, &labels, global_targets, &ctx)?;
+    }
+    let loss = all_reduce_scalar(groups.world.as_ref(), local_loss)? / global_targets;
+    let stats = engine.optimizer_step(lr, cfg.max_grad_norm)?;
+    Ok((loss, stats.grad_norm))
+}
+
+/// The dropout seed of the sample at `place` in step `step`'s global batch.
+fn dropout_seed(seed: u64, step: usize, place: usize) -> u64 {
+    let mut state = seed ^ ((step as u64) << 32) ^ place as u64;
+    models::rng::splitmix64(&mut state)
+}
+
+/// The model's side files, plus (LoRA) the adapter settings, so `fsdp-app merge` can fold the
+/// adapter of a checkpoint in.
+fn checkpoint_side_files(cfg: &FinetuneConfig, boot: &Bootstrap) -> Result<Vec<(String, Vec<u8>)>> {
+    let mut files = boot.side_files.clone();
+    if let Some(lora) = &boot.model_cfg.lora {
+        let config = crate::checkpoint::adapter::adapter_config_json(lora, &cfg.model);
+        files.push((crate::checkpoint::adapter::ADAPTER_CONFIG.to_string(), serde_json::to_vec_pretty(&config)?));
+    }
+    Ok(files)
+}
+
+fn save_checkpoint(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &Bootstrap, done: usize, side_files: &[(String, Vec<u8>)]) -> Result<()> {
+    let t = Instant::now();
+    let data = &boot.data;
+    let trainer_state = json!({
+        "step": done, "epoch": done / data.steps_per_epoch, "samples_seen": done * data.global_batch,
+        "global_batch": data.global_batch, "seed": cfg.seed, "shuffle": cfg.shuffle,
+        "lr_schedule": {"type": format!("{:?}", cfg.schedule).to_lowercase(), "base_lr": cfg.lr,
+                        "warmup_steps": cfg.warmup_steps, "total_steps": data.total_steps},
+        // The only randomness in training is the data order, a function of (seed, epoch).
+        "rng": {"shuffle_seed": cfg.seed},
+        "data": identity::data_state(&data.identity, &DataCursor::at(done, data.samples.len(), data.steps_per_epoch)),
+    });
+    let extras = SaveExtras { trainer_state, side_files, strategy: format!("{:?}", cfg.strategy), total_limit: cfg.save_total_limit };
+    let dir = sharded::save(engine, groups, &cfg.output_dir, &extras)?;
+    if groups.world.rank() == 0 && cfg.verbose {
+        eprintln!("saved {} in {:.2}s", dir.display(), t.elapsed().as_secs_f64());
+    }
+    Ok(())
+}
+
+fn run_eval(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &Bootstrap, step: usize, log: &mut MetricsLog) -> Result<()> {
+    if boot.data.eval_samples.is_empty() {
+        return Ok(());
+    }
+    let (loss, ppl) = evaluate(engine, groups, &boot.data.eval_samples, cfg.batch_size, cfg.seq_len)?;
+    log.eval(step, loss, ppl)
+}
+
+/// Mean token loss and perplexity over `samples`, each rank taking every world-th batch. Ranks
+/// with no batch left run a fully masked one, so every rank makes the same collectives.
+fn evaluate(engine: &mut FsdpEngine, groups: &ProcessGroups, samples: &[Sample], batch: usize, seq_len: usize) -> Result<(f64, f64)> {
+    let (rank, world) = (groups.world.rank(), groups.world.world_size());
+    let rounds = samples.len().div_ceil(batch * world);
+    let (mut loss, mut tokens) = (0.0, 0.0);
+    for r in 0..rounds {
+        let first = (r * world + rank) * batch;
+        let mb: Vec<Sample> = (first..first + batch)
+            .map(|i| match samples.get(i) {
+                Some(s) => s.clone(),
+                None => Sample { input_ids: samples[0].input_ids.clone(), labels: vec![-100; seq_len], len: 0, segments: vec![] },
+            })
+            .collect();
+        let ids: Vec<u32> = mb.iter().flat_map(|s| s.input_ids.iter().copied()).collect();
+        let labels: Vec<i64> = mb.iter().flat_map(|s| s.labels.iter().copied()).collect();
+        let refs: Vec<&Sample> = mb.iter().collect();
+        loss += engine.forward_loss(&Tensor::from_vec(ids, (mb.len(), seq_len), engine.device())?, &labels, packing_for(&refs).as_ref())?;
+        tokens += mb.iter().map(Sample::target_tokens).sum::<usize>() as f64;
+    }
+    let mut sums = [loss, tokens];
+    groups.world.all_reduce_f64(&mut sums)?;
+    let mean = sums[0] / sums[1].max(1.0);
+    Ok((mean, mean.exp()))
+}
