@@ -18,6 +18,7 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, Tokenizer};
 
 use crate::checkpoint::write::StagedDir;
+use models::rng::SplitMix64;
 
 pub const FIXTURE_NAMES: &[&str] = &["llama", "qwen2", "qwen3", "mistral"];
 
@@ -43,21 +44,6 @@ const CORPUS: &[&str] = &[
     "The model answered the question, then the user asked another question about the weather.",
     "Tokens, tokens everywhere: the tokenizer merges frequent pairs of bytes into new tokens.",
 ];
-
-/// SplitMix64: tiny, fast, and the same on every platform, unlike library RNGs whose streams
-/// may change between versions.
-pub(crate) struct SplitMix64(pub(crate) u64);
-
-impl SplitMix64 {
-    pub(crate) fn next_u64(&mut self) -> u64 {
-        models::rng::splitmix64(&mut self.0)
-    }
-
-    /// Uniform in [-1, 1).
-    fn next_signed(&mut self) -> f32 {
-        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-}
 
 fn config_json(name: &str) -> Result<Value> {
     let common = json!({

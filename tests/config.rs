@@ -84,3 +84,37 @@ fn the_lora_preset_trains_an_adapter_and_writes_the_merged_model() {
     assert_eq!(cfg["target_modules"].as_array().unwrap().len(), 7);
     assert!(out.join("adapter_model.safetensors").is_file() && out.join("merged/config.json").is_file());
 }
+
+/// `finetune --args-file`: the settings the jobs API writes for its children. The file trains
+/// exactly like the same flags; another flag beside it, or an unknown key in it, is refused.
+#[test]
+fn an_args_file_trains_like_the_flags_and_refuses_company() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("llama", tmp.path());
+    let data = reference_dir().join("train-data.jsonl");
+    let (m, d) = (model.to_str().unwrap(), data.to_str().unwrap());
+    let by_flags = tmp.path().join("flags");
+    let o = run_cli(
+        &["finetune", "--model", m, "--data", d, "--output-dir", by_flags.to_str().unwrap(), "--seq-len", "16", "--batch-size", "4",
+          "--max-steps", "3", "--lr", "1e-3", "--no-shuffle"],
+        &[],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    let mut args = fsdp_app::train::finetune::FinetuneArgs::defaults();
+    let by_file = tmp.path().join("file");
+    (args.model, args.data, args.output_dir) = (Some(m.into()), Some(data.clone()), Some(by_file.clone()));
+    (args.seq_len, args.batch_size, args.max_steps, args.lr, args.no_shuffle) = (16, 4, Some(3), 1e-3, true);
+    let file = tmp.path().join("job.args.json");
+    args.write_file(&file).unwrap();
+    let o = run_cli(&["finetune", "--args-file", file.to_str().unwrap()], &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(metric_losses(&by_file), metric_losses(&by_flags));
+
+    let o = run_cli(&["finetune", "--args-file", file.to_str().unwrap(), "--lr", "1"], &[]);
+    assert!(!o.status.success() && stderr(&o).contains("give no other finetune flag"), "{}", stderr(&o));
+    let text = std::fs::read_to_string(&file).unwrap().replacen('{', "{\"learning_rat\": 1,", 1);
+    std::fs::write(&file, text).unwrap();
+    let o = run_cli(&["finetune", "--args-file", file.to_str().unwrap()], &[]);
+    assert!(!o.status.success() && stderr(&o).contains("learning_rat") && stderr(&o).contains("job.args.json"), "{}", stderr(&o));
+}

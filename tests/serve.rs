@@ -176,6 +176,36 @@ fn answers_equal_generate_and_streams_equal_the_json_answers() {
     assert!(spec["paths"]["/v1/chat/completions"].is_object());
 }
 
+/// `generate` and `serve` decide a model's defaults in one place (generate::ModelDefaults): with
+/// a generation_config that samples (and names no top_k, so transformers' 50 applies), the same
+/// seed gives the same tokens from both; so do explicit sampling settings.
+#[test]
+fn generate_and_serve_sample_the_same_tokens_for_the_same_seed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("qwen2", tmp.path());
+    std::fs::write(model.join("generation_config.json"), r#"{"bos_token_id": 0, "eos_token_id": 2, "do_sample": true, "temperature": 0.9}"#).unwrap();
+    let server = Server::start(&model, &[]);
+    let m = model.to_str().unwrap();
+    for (request, flags) in [
+        (json!({"seed": 7}), vec!["--seed", "7"]),
+        (json!({"seed": 11, "temperature": 1.3, "top_p": 0.8, "top_k": 20}), vec!["--seed", "11", "--temperature", "1.3", "--top-p", "0.8", "--top-k", "20"]),
+    ] {
+        let mut body = json!({"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 24});
+        body.as_object_mut().unwrap().extend(request.as_object().unwrap().clone());
+        let c = post_json(&server.url("/v1/completions"), &body);
+        let mut args = vec!["generate", "--model", m, "--prompt", "The quick brown fox", "--max-new-tokens", "24", "--json"];
+        args.extend(flags);
+        let g = run_cli(&args, &[]);
+        assert!(g.status.success(), "{}", stderr(&g));
+        let g: Value = serde_json::from_str(&stdout(&g)).unwrap();
+        assert_eq!(c["choices"][0]["text"], g["text"], "{request}");
+        assert_eq!(c["usage"]["completion_tokens"].as_u64().unwrap() as usize, g["generated_ids"].as_array().unwrap().len(), "{request}");
+    }
+    // The defaults the server reports are the ones both used.
+    let info = get_json(&server.url("/info"));
+    assert_eq!((info["sampling_defaults"]["temperature"].as_f64(), info["sampling_defaults"]["top_k"].as_u64()), (Some(0.9), Some(50)), "{info}");
+}
+
 #[test]
 fn bad_requests_get_openai_errors_and_never_a_5xx() {
     let tmp = tempfile::tempdir().unwrap();

@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use super::load::StoredTensor;
-use crate::dist::ProcessGroups;
+use crate::dist::{root_tries, ProcessGroups};
 use crate::fsdp::engine::{FsdpEngine, StatePart};
 
 pub const MANIFEST: &str = "manifest.json";
@@ -131,13 +131,24 @@ pub struct SaveExtras<'a> {
     pub total_limit: Option<usize>,
 }
 
-/// Test hooks: make a rank fail while writing, or every rank pause just before writing its
-/// shard, to test the failure paths for real (kills during a save). Unset in normal use.
+/// Test hooks (cargo feature `fault-injection`, which only the tests enable): make a rank fail
+/// while writing, or every rank pause just before writing its shard, to test the failure paths
+/// for real (kills during a save). A release build has no such hook.
+#[cfg(feature = "fault-injection")]
 fn fault_fail_rank() -> Option<usize> {
     std::env::var("FSDP_FAULT_SAVE_FAIL_RANK").ok().and_then(|v| v.parse().ok())
 }
+#[cfg(feature = "fault-injection")]
 fn fault_pause_in_save() -> Option<std::time::Duration> {
     std::env::var("FSDP_FAULT_PAUSE_IN_SAVE_MS").ok().and_then(|v| v.parse().ok()).map(std::time::Duration::from_millis)
+}
+#[cfg(not(feature = "fault-injection"))]
+fn fault_fail_rank() -> Option<usize> {
+    None
+}
+#[cfg(not(feature = "fault-injection"))]
+fn fault_pause_in_save() -> Option<std::time::Duration> {
+    None
 }
 
 /// Saves `OUTPUT/checkpoint-STEP`. Every rank calls it; every rank gets the same outcome.
@@ -155,20 +166,13 @@ pub fn save(engine: &mut FsdpEngine, groups: &ProcessGroups, output_dir: &Path, 
     let tmp_dir = output_dir.join(format!(".checkpoint-{step}.tmp"));
 
     // 1. Rank 0 prepares the temporary directory; everyone learns whether that worked.
-    let prep = if rank == 0 {
-        (|| -> Result<()> {
-            if tmp_dir.exists() {
-                std::fs::remove_dir_all(&tmp_dir)?;
-            }
-            std::fs::create_dir_all(&tmp_dir).with_context(|| format!("creating {}", tmp_dir.display()))
-        })()
-    } else {
-        Ok(())
-    };
-    let prep_msg = groups.world.broadcast_bytes(0, (rank == 0).then(|| prep.as_ref().err().map(|e| format!("{e:#}")).unwrap_or_default().into_bytes()))?;
-    if !prep_msg.is_empty() {
-        bail!("checkpoint {step}: rank 0 could not prepare {}: {}", tmp_dir.display(), String::from_utf8_lossy(&prep_msg));
-    }
+    root_tries(groups.world.as_ref(), &format!("prepare checkpoint {step} in {}", tmp_dir.display()), || {
+        if tmp_dir.exists() {
+            std::fs::remove_dir_all(&tmp_dir)?;
+        }
+        std::fs::create_dir_all(&tmp_dir).with_context(|| format!("checkpoint {step}: creating {}", tmp_dir.display()))?;
+        Ok(((), vec![]))
+    })?;
 
     if let Some(d) = fault_pause_in_save() {
         std::thread::sleep(d);
@@ -221,9 +225,10 @@ pub fn save(engine: &mut FsdpEngine, groups: &ProcessGroups, output_dir: &Path, 
         bail!("checkpoint {step} not saved: writing failed on rank(s) {failed:?}{own}");
     }
 
-    // 4. Rank 0: trainer state and side files, then the manifest, then the rename.
-    let commit = if rank == 0 {
-        (|| -> Result<PathBuf> {
+    // 4. Rank 0: trainer state and side files, then the manifest, then the rename; everyone
+    // learns the outcome.
+    let committed = root_tries(groups.world.as_ref(), &format!("save checkpoint {step}"), || {
+        let dir = (|| -> Result<PathBuf> {
             let mut files = vec![];
             let mut shard_files = vec![];
             for k in 0..shard_size {
@@ -281,19 +286,13 @@ pub fn save(engine: &mut FsdpEngine, groups: &ProcessGroups, output_dir: &Path, 
                 prune(output_dir, k)?;
             }
             Ok(final_dir.clone())
-        })()
-    } else {
-        Ok(final_dir.clone())
-    };
-    // 5. Everyone agrees on the commit's outcome.
-    let msg = groups.world.broadcast_bytes(0, (rank == 0).then(|| commit.as_ref().err().map(|e| format!("{e:#}")).unwrap_or_default().into_bytes()))?;
-    if !msg.is_empty() {
-        if rank == 0 {
+        })();
+        if dir.is_err() {
             let _ = std::fs::remove_dir_all(&tmp_dir);
         }
-        bail!("checkpoint {step} not saved: rank 0: {}", String::from_utf8_lossy(&msg));
-    }
-    commit
+        Ok((dir?, vec![]))
+    });
+    committed.map(|_| final_dir.clone()).with_context(|| format!("checkpoint {step} not saved"))
 }
 
 fn engine_params(engine: &FsdpEngine) -> Vec<ParamEntry> {

@@ -1,6 +1,5 @@
 //! `fsdp-app generate`: one prompt, streamed to stdout (or one JSON object with --json).
 
-use std::collections::HashSet;
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -9,7 +8,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 
 use fsdp_app::checkpoint::{load_model_with_adapter, parse_dtype, resolve_model};
-use fsdp_app::generate::{generate, GenerationDefaults, SamplingParams};
+use fsdp_app::generate::{generate, ModelDefaults, SamplingParams};
 use fsdp_app::memory::{human_bytes, peak_rss_bytes};
 use fsdp_app::tokenize::{ChatMessage, TextTokenizer};
 
@@ -75,10 +74,6 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let device = a.model.device.parse::<fsdp_app::device::DeviceSpec>()?.open(0)?;
     let load_start = Instant::now();
     let files = resolve_model(&a.model.model, a.model.revision.as_deref())?;
-    let defaults = match &files.generation_config {
-        Some(p) => GenerationDefaults::read(p)?,
-        None => GenerationDefaults::default(),
-    };
     let loaded = load_model_with_adapter(files, a.adapter.as_deref(), dtype, &device)?;
     let tokenizer = TextTokenizer::load(&loaded.files, loaded.config.vocab_size)?;
     let load_s = load_start.elapsed().as_secs_f64();
@@ -98,19 +93,13 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         tokenizer.encode(&a.prompt, true)?
     };
 
-    let eos: HashSet<u32> = if defaults.eos_token_ids.is_empty() {
-        loaded.config.eos_token_ids.iter().copied().collect()
-    } else {
-        defaults.eos_token_ids.iter().copied().collect()
-    };
-    let sampling_by_default = defaults.do_sample;
+    let defaults = ModelDefaults::of(&loaded.files, &loaded.config.eos_token_ids)?;
     let params = SamplingParams {
         max_new_tokens: a.max_new_tokens,
-        temperature: a.temperature.unwrap_or(if sampling_by_default { defaults.temperature.unwrap_or(1.0) } else { 0.0 }),
-        // transformers samples with top_k = 50 unless told otherwise.
-        top_k: a.top_k.or(if sampling_by_default { Some(defaults.top_k.unwrap_or(50)) } else { None }),
-        top_p: a.top_p.or(if sampling_by_default { defaults.top_p } else { None }),
-        repetition_penalty: a.repetition_penalty.or(defaults.repetition_penalty).unwrap_or(1.0),
+        temperature: a.temperature.unwrap_or(defaults.temperature),
+        top_k: a.top_k.or(defaults.top_k),
+        top_p: a.top_p.or(defaults.top_p),
+        repetition_penalty: a.repetition_penalty.unwrap_or(defaults.repetition_penalty),
         seed: a.seed,
         stop: a.stop.clone(),
         ..SamplingParams::greedy(a.max_new_tokens)
@@ -118,7 +107,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
 
     let stdout = std::io::stdout();
     let stream = !a.json;
-    let out = generate(&loaded.model, &tokenizer, &prompt_ids, &eos, &params, |text| {
+    let out = generate(&loaded.model, &tokenizer, &prompt_ids, &defaults.eos_token_ids, &params, |text| {
         if stream {
             let mut lock = stdout.lock();
             lock.write_all(text.as_bytes())?;

@@ -46,6 +46,45 @@ impl GenerationDefaults {
     }
 }
 
+/// What a model generates with when the command line or a request says nothing: decided once,
+/// here, for `generate` and `serve` alike.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelDefaults {
+    /// Generation stops at any of these: generation_config.json's eos ids and config.json's
+    /// (their union: a chat model's end-of-turn token may be in only one of them).
+    pub eos_token_ids: HashSet<u32>,
+    /// generation_config's temperature when it samples (`do_sample`; 1.0 if unset), else 0.
+    pub temperature: f64,
+    /// When the model samples by default: generation_config's top_k, else transformers' 50.
+    pub top_k: Option<usize>,
+    pub top_p: Option<f64>,
+    pub repetition_penalty: f32,
+}
+
+impl ModelDefaults {
+    /// From generation_config.json (`None` when the model has none) and config.json's eos ids.
+    pub fn decide(generation_config: Option<&GenerationDefaults>, config_eos: &[u32]) -> Self {
+        let g = generation_config.cloned().unwrap_or_default();
+        let mut eos: HashSet<u32> = g.eos_token_ids.iter().copied().collect();
+        eos.extend(config_eos.iter().copied());
+        let sampling = g.do_sample;
+        Self {
+            eos_token_ids: eos,
+            temperature: if sampling { g.temperature.unwrap_or(1.0) } else { 0.0 },
+            // transformers samples with top_k = 50 unless told otherwise.
+            top_k: if sampling { Some(g.top_k.unwrap_or(50)) } else { None },
+            top_p: if sampling { g.top_p } else { None },
+            repetition_penalty: g.repetition_penalty.unwrap_or(1.0),
+        }
+    }
+
+    /// The model's defaults from its resolved files.
+    pub fn of(files: &crate::checkpoint::ModelFiles, config_eos: &[u32]) -> Result<Self> {
+        let g = files.generation_config.as_deref().map(GenerationDefaults::read).transpose()?;
+        Ok(Self::decide(g.as_ref(), config_eos))
+    }
+}
+
 /// Sampling settings of one request. `temperature == 0` is greedy.
 #[derive(Debug, Clone)]
 pub struct SamplingParams {

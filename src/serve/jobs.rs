@@ -115,7 +115,7 @@ fn extensions(v: &Value) -> Result<Value, ApiError> {
 }
 
 pub async fn create(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>) -> Result<Response, ApiError> {
-    let v = super::routes::json_body(body, st.max_body_bytes)?;
+    let v = super::request::json_body(body, st.max_body_bytes)?;
     let f = Fields::of(&v)?;
     let model = f.string("model")?.ok_or_else(|| ApiError::invalid("model", "`model` is required."))?;
     if model != st.base_id {
@@ -228,6 +228,20 @@ pub fn start_runner(st: Arc<AppState>) {
             }
         })
         .expect("spawning the job runner");
+}
+
+/// At start-up: marks the jobs that were running when the server stopped as failed, and stops
+/// their training processes (a group led by one of our processes only: pids get reused).
+/// Returns how many jobs failed so.
+pub fn recover(store: &super::store::Store) -> anyhow::Result<usize> {
+    let groups = store.recover()?;
+    for pgid in &groups {
+        let cmdline = String::from_utf8_lossy(&std::fs::read(format!("/proc/{pgid}/cmdline")).unwrap_or_default()).to_string();
+        if cmdline.contains("fsdp-app") || cmdline.contains("finetune") {
+            kill_group(*pgid);
+        }
+    }
+    Ok(groups.len())
 }
 
 /// SIGKILL to the process group `pgid` (a job's launcher and its ranks). Refuses the groups a

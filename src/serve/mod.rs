@@ -5,6 +5,7 @@
 pub mod engine;
 pub mod error;
 pub mod files;
+pub mod ids;
 pub mod jobs;
 pub mod metrics;
 pub mod openapi;
@@ -13,7 +14,7 @@ pub mod routes;
 pub mod store;
 pub mod web;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicUsize;
@@ -31,8 +32,7 @@ use serde_json::{json, Value};
 use self::engine::EngineHandle;
 use self::error::ApiError;
 use self::metrics::Metrics;
-use self::request::Defaults;
-use crate::generate::GenerationDefaults;
+use crate::generate::ModelDefaults;
 use crate::tokenize::{ChatMessage, TextTokenizer};
 
 #[derive(Debug, Clone)]
@@ -76,7 +76,7 @@ pub struct ServedModel {
     pub vocab: usize,
     pub max_input_tokens: usize,
     pub max_total_tokens: usize,
-    pub defaults: Defaults,
+    pub defaults: ModelDefaults,
 }
 
 /// What every route reads.
@@ -260,7 +260,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/fine_tuning/jobs/{id}/checkpoints", get(jobs::checkpoints))
         .fallback(routes::not_found)
         .method_not_allowed_fallback(routes::method_not_allowed)
-        // Read oversized bodies (up to a cap) so the 413 reaches the client; see `json_body`.
+        // Read oversized bodies (up to a cap) so the 413 reaches the client; see `request::json_body`.
         .layer(DefaultBodyLimit::max(state.max_body_bytes.saturating_add(READ_PAST_LIMIT)))
         .layer(axum::middleware::from_fn_with_state(state.clone(), auth))
         .with_state(state)
@@ -282,25 +282,14 @@ fn load_served_with(
     placement: &Placement,
 ) -> Result<ServedModel> {
     let files = crate::checkpoint::resolve_model(source, revision)?;
-    let gen_defaults = match &files.generation_config {
-        Some(p) => GenerationDefaults::read(p)?,
-        None => GenerationDefaults::default(),
-    };
     let loaded = crate::checkpoint::load_model(files, placement.dtype, &placement.device)?;
     // The engine thread computes on its own (per-thread) stream: the weights must have landed.
     placement.device.synchronize()?;
     let tokenizer = Arc::new(TextTokenizer::load(&loaded.files, loaded.config.vocab_size)?);
-    let mut eos: HashSet<u32> = gen_defaults.eos_token_ids.iter().copied().collect();
-    eos.extend(loaded.config.eos_token_ids.iter().copied());
+    let defaults = ModelDefaults::of(&loaded.files, &loaded.config.eos_token_ids)?;
+    let eos = defaults.eos_token_ids.clone();
     let context = loaded.config.max_position_embeddings;
     let vocab = loaded.config.vocab_size;
-    let sampling = gen_defaults.do_sample;
-    let defaults = Defaults {
-        temperature: if sampling { gen_defaults.temperature.unwrap_or(1.0) } else { 0.0 },
-        top_p: if sampling { gen_defaults.top_p } else { None },
-        top_k: if sampling { gen_defaults.top_k } else { None },
-        repetition_penalty: gen_defaults.repetition_penalty.unwrap_or(1.0),
-    };
     let engine = engine::start(loaded.model, tokenizer.clone(), eos, max_running, metrics);
     let max_total_tokens = limit_total.unwrap_or(context).min(context);
     Ok(ServedModel {
@@ -327,7 +316,7 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
     let limits = (max_concurrent, cfg.max_input_tokens, cfg.max_total_tokens);
     let base = load_served_with(&base_id, &cfg.model, cfg.revision.as_deref(), limits, metrics.clone(), &placement)?;
     let store = Arc::new(store::Store::open(&cfg.data_dir)?);
-    let failed = store.recover()?;
+    let failed = jobs::recover(&store)?;
     if failed > 0 {
         eprintln!("{failed} job(s) were running when the server last stopped; marked failed");
     }

@@ -2,25 +2,19 @@
 //! non-finite number is a 400 that names its parameter (a derive would answer with serde's
 //! messages and miss the ranges).
 
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::http::StatusCode;
 use serde_json::{Map, Value};
 
 use super::error::ApiError;
-use crate::generate::SamplingParams;
+use crate::generate::{ModelDefaults, SamplingParams};
 use crate::tokenize::ChatMessage;
 
 /// The most choices one request may ask for.
 pub const MAX_N: usize = 8;
 /// The most stop strings (OpenAI's limit).
 pub const MAX_STOP: usize = 4;
-
-/// Sampling defaults of the served model (from generation_config.json).
-#[derive(Debug, Clone)]
-pub struct Defaults {
-    pub temperature: f64,
-    pub top_p: Option<f64>,
-    pub top_k: Option<usize>,
-    pub repetition_penalty: f32,
-}
 
 /// What a completion or chat request asks for, checked.
 #[derive(Debug, Clone)]
@@ -116,7 +110,7 @@ pub fn model_field(v: &Value) -> Result<&str, ApiError> {
 
 /// The fields both endpoints share. `chat` picks the chat names (`max_completion_tokens`,
 /// `logprobs` as a boolean with `top_logprobs`).
-pub fn parse_common(v: &Value, defaults: &Defaults, chat: bool) -> Result<GenerationRequest, ApiError> {
+pub fn parse_common(v: &Value, defaults: &ModelDefaults, chat: bool) -> Result<GenerationRequest, ApiError> {
     let f = Fields::of(v)?;
     let model = f.string("model")?.ok_or_else(|| ApiError::invalid("model", "`model` is required."))?.to_string();
     let max_tokens = match (f.integer("max_tokens", 1, 1 << 31)?, if chat { f.integer("max_completion_tokens", 1, 1 << 31)? } else { None }) {
@@ -188,7 +182,7 @@ pub fn parse_common(v: &Value, defaults: &Defaults, chat: bool) -> Result<Genera
         top_k,
         top_p,
         repetition_penalty,
-        seed: seed.unwrap_or_else(super::store::fresh_seed),
+        seed: seed.unwrap_or_else(super::ids::fresh_seed),
         stop,
         min_p,
         presence_penalty,
@@ -257,13 +251,34 @@ pub fn parse_messages(v: &Value) -> Result<Vec<ChatMessage>, ApiError> {
         .collect()
 }
 
+/// The body as JSON, or a 400/413 in OpenAI's shape. Bodies over the limit are read to the
+/// end first (up to a hard cap), so the client gets the 413 instead of a broken connection.
+pub fn json_body(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<Value, ApiError> {
+    let bytes = body.map_err(|e| {
+        let status = e.status();
+        ApiError::new(status, "invalid_request_error", format!("Could not read the request body: {}", e.body_text()))
+    })?;
+    if bytes.len() > limit {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            format!("The request body has {} bytes; the limit is {limit} (--max-body-bytes).", bytes.len()),
+        ));
+    }
+    if bytes.is_empty() {
+        return Err(ApiError::bad_request("The request body is empty; send a JSON object."));
+    }
+    let text = std::str::from_utf8(&bytes).map_err(|_| ApiError::bad_request("The request body is not valid UTF-8."))?;
+    serde_json::from_str(text).map_err(|e| ApiError::bad_request(format!("The request body is not valid JSON: {e}")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
 
-    fn defaults() -> Defaults {
-        Defaults { temperature: 0.0, top_p: None, top_k: None, repetition_penalty: 1.0 }
+    fn defaults() -> ModelDefaults {
+        ModelDefaults::decide(None, &[])
     }
 
     #[test]

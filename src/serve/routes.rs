@@ -21,30 +21,9 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use super::engine::{Event, Job};
 use super::error::ApiError;
-use super::request::{model_field, parse_common, parse_messages, parse_prompt, GenerationRequest, Prompt};
+use super::request::{json_body, model_field, parse_common, parse_messages, parse_prompt, GenerationRequest, Prompt};
 use super::{AppState, ServedModel};
 use crate::generate::TokenLogprob;
-
-/// The body as JSON, or a 400/413 in OpenAI's shape. Bodies over the limit are read to the
-/// end first (up to a hard cap), so the client gets the 413 instead of a broken connection.
-pub fn json_body(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<Value, ApiError> {
-    let bytes = body.map_err(|e| {
-        let status = e.status();
-        ApiError::new(status, "invalid_request_error", format!("Could not read the request body: {}", e.body_text()))
-    })?;
-    if bytes.len() > limit {
-        return Err(ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "invalid_request_error",
-            format!("The request body has {} bytes; the limit is {limit} (--max-body-bytes).", bytes.len()),
-        ));
-    }
-    if bytes.is_empty() {
-        return Err(ApiError::bad_request("The request body is empty; send a JSON object."));
-    }
-    let text = std::str::from_utf8(&bytes).map_err(|_| ApiError::bad_request("The request body is not valid UTF-8."))?;
-    serde_json::from_str(text).map_err(|e| ApiError::bad_request(format!("The request body is not valid JSON: {e}")))
-}
 
 pub async fn health() -> Json<Value> {
     Json(json!({"status": "ok"}))
@@ -218,8 +197,8 @@ async fn run_generation(st: Arc<AppState>, m: Arc<ServedModel>, mut req: Generat
             .map_err(ApiError::internal)?;
         receivers.push(rx);
     }
-    let id = super::store::new_id(if matches!(kind, Kind::Chat) { "chatcmpl" } else { "cmpl" });
-    let created = super::store::now_s() as u64;
+    let id = super::ids::new_id(if matches!(kind, Kind::Chat) { "chatcmpl" } else { "cmpl" });
+    let created = super::ids::now_s() as u64;
     let chat = matches!(kind, Kind::Chat);
     let echo = match &kind {
         Kind::Completion { echo } => echo.clone(),

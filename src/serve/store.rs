@@ -9,31 +9,11 @@ use anyhow::{Context, Result};
 use rusqlite::{params, Connection, OptionalExtension};
 use serde_json::{json, Value};
 
+use super::ids::{new_id, now_s};
+
 pub struct Store {
     conn: Mutex<Connection>,
     dir: PathBuf,
-}
-
-pub fn now_s() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0)
-}
-
-/// A random id with OpenAI's prefixes (`file-`, `ftjob-`, `ftevent-`, `ftckpt-`).
-pub fn new_id(prefix: &str) -> String {
-    let mut s = fresh_seed();
-    let a = models::rng::splitmix64(&mut s);
-    let b = models::rng::splitmix64(&mut s);
-    format!("{prefix}-{a:016x}{:08x}", b as u32)
-}
-
-/// A seed no other call in this process (or another process at the same instant) gets: time,
-/// pid and a counter mixed. For ids and for requests that give no `seed`.
-pub fn fresh_seed() -> u64 {
-    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let mut s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
-        ^ ((std::process::id() as u64) << 32)
-        ^ COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    models::rng::splitmix64(&mut s)
 }
 
 /// A job as the runner needs it.
@@ -253,32 +233,22 @@ impl Store {
         Ok(())
     }
 
-    /// At start-up: a job that was running when the server stopped is marked failed, and its
-    /// training processes (their own process group, which outlives a killed server) are stopped;
-    /// queued jobs stay queued and run.
-    pub fn recover(&self) -> Result<usize> {
+    /// At start-up: a job that was running when the server stopped is marked failed; queued
+    /// jobs stay queued and run. Returns the process groups those jobs ran in, for the jobs
+    /// runner to stop (they outlive a killed server).
+    pub fn recover(&self) -> Result<Vec<u32>> {
         let jobs: Vec<(String, Option<i64>)> = {
             let db = self.db();
             let mut st = db.prepare("SELECT id, pgid FROM jobs WHERE status IN ('validating_files', 'running')")?;
             let rows = st.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?.collect::<rusqlite::Result<_>>()?;
             rows
         };
-        for (_, pgid) in &jobs {
-            // Only a group led by one of our processes (pids get reused).
-            if let Some(pgid) = pgid {
-                let cmdline = std::fs::read(format!("/proc/{pgid}/cmdline")).unwrap_or_default();
-                if String::from_utf8_lossy(&cmdline).contains("fsdp-app") || String::from_utf8_lossy(&cmdline).contains("finetune") {
-                    super::jobs::kill_group(*pgid as u32);
-                }
-            }
-        }
-        let ids: Vec<String> = jobs.into_iter().map(|(id, _)| id).collect();
-        for id in &ids {
+        for (id, _) in &jobs {
             let err = json!({"code": "server_restarted", "message": "The server stopped while this job was running; create a new job to train again.", "param": null});
             self.set_status(id, "failed", Some(err), None, None)?;
             self.add_event(id, "error", "The server stopped while this job was running", "message", None)?;
         }
-        Ok(ids.len())
+        Ok(jobs.into_iter().filter_map(|(_, pgid)| pgid.map(|p| p as u32)).collect())
     }
 
     // ---- events and checkpoints ----

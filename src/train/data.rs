@@ -402,7 +402,7 @@ pub fn epoch_order(n: usize, epoch: usize, seed: u64, shuffle: bool) -> Vec<usiz
     let mut order: Vec<usize> = (0..n).collect();
     if shuffle {
         // Fisher-Yates with SplitMix64: the same on every rank and every machine.
-        let mut rng = crate::fixtures::SplitMix64(seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let mut rng = models::rng::SplitMix64(seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
         for i in (1..n).rev() {
             let j = (rng.next_u64() % (i as u64 + 1)) as usize;
             order.swap(i, j);

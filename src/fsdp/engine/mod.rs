@@ -17,6 +17,10 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var, D};
 use models::{Packing, StageContext, StagedModel};
 
+mod collectives;
+mod state;
+mod step;
+
 use super::optim::{adamw_step, adamw_step_tensors, clip_coefficient, AdamWConfig, AdamWState, AdamWTensors};
 use super::plan::{ShardingStrategy, UnitPlan};
 pub use crate::dist::ProcessGroups;
@@ -105,7 +109,7 @@ impl StateBytes {
 
 /// This rank's chunk of one parameter, as a sharded checkpoint stores it.
 pub struct ParamShard<'a> {
-    pub layout: &'a super::plan::ParamLayout,
+    pub layout: &'a crate::fsdp::plan::ParamLayout,
     pub weights: &'a [f32],
     /// AdamW moments (empty for frozen parameters).
     pub exp_avg: &'a [f32],
@@ -192,7 +196,7 @@ impl FsdpEngine {
             .flat_map(|u| u.params.iter())
             .map(|p| (p.spec.name.clone(), weight_decay_all || p.spec.shape.len() >= 2))
             .collect();
-        let trained_len = |p: &super::plan::ParamLayout| if p.trainable { p.chunk_len() } else { 0 };
+        let trained_len = |p: &crate::fsdp::plan::ParamLayout| if p.trainable { p.chunk_len() } else { 0 };
         let units = plan
             .into_iter()
             .map(|plan| UnitState {
@@ -238,55 +242,6 @@ impl FsdpEngine {
         self
     }
 
-    /// Refreshes the host copy of the state from the device (before checkpointing or
-    /// inspecting it); nothing to do when the state lives in host memory. The device copy
-    /// stays the one training uses.
-    pub fn sync_host(&mut self) -> Result<()> {
-        if !self.host_stale {
-            return Ok(());
-        }
-        for unit in &mut self.units {
-            let Some(dev) = &unit.dev else { continue };
-            for i in 0..unit.plan.params.len() {
-                unit.master[i] = dev.master[i].to_vec1::<f32>()?;
-                if let (Some(g), Some(m), Some(v)) = (&dev.grad[i], &dev.exp_avg[i], &dev.exp_avg_sq[i]) {
-                    unit.grad[i] = g.to_vec1::<f32>()?;
-                    unit.adam[i].exp_avg = m.to_vec1::<f32>()?;
-                    unit.adam[i].exp_avg_sq = v.to_vec1::<f32>()?;
-                }
-            }
-        }
-        self.host_stale = false;
-        Ok(())
-    }
-
-    /// Uploads unit `u`'s host state to the device unless it is there already.
-    fn ensure_device_state(&mut self, u: usize) -> Result<()> {
-        if self.units[u].dev.is_some() {
-            return Ok(());
-        }
-        let dev = &self.device;
-        let unit = &self.units[u];
-        let upload = |v: &[f32]| Tensor::from_slice(v, v.len(), dev);
-        let mut state = DeviceState { master: vec![], grad: vec![], exp_avg: vec![], exp_avg_sq: vec![] };
-        for (i, p) in unit.plan.params.iter().enumerate() {
-            state.master.push(upload(&unit.master[i])?);
-            let trained = |v: &[f32]| -> Result<Option<Tensor>> { Ok(if p.trainable { Some(upload(v)?) } else { None }) };
-            state.grad.push(trained(&unit.grad[i])?);
-            state.exp_avg.push(trained(&unit.adam[i].exp_avg)?);
-            state.exp_avg_sq.push(trained(&unit.adam[i].exp_avg_sq)?);
-        }
-        let unit = &mut self.units[u];
-        unit.dev = Some(state);
-        // The device copy is the truth from now on; free the host one.
-        for i in 0..unit.plan.params.len() {
-            unit.master[i] = Vec::new();
-            unit.grad[i] = Vec::new();
-            unit.adam[i] = AdamWState::new(0);
-        }
-        self.host_stale = true;
-        Ok(())
-    }
 
     pub fn device(&self) -> &Device {
         &self.device
@@ -309,183 +264,6 @@ impl FsdpEngine {
         &self.groups
     }
 
-    /// Bytes this rank's buffers hold now for parameters, gradients and optimizer state, counted
-    /// from the buffers themselves (device tensors where the state was uploaded, else the host
-    /// vectors), not from the plan: a test of "1/N per rank" must see what is allocated.
-    pub fn memory_bytes(&self) -> StateBytes {
-        let vecs = |v: &[Vec<f32>]| v.iter().map(|x| x.len() * 4).sum::<usize>();
-        let tensors = |v: &mut dyn Iterator<Item = &Tensor>| v.map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum::<usize>();
-        let mut b = StateBytes::default();
-        for u in &self.units {
-            match &u.dev {
-                Some(d) => {
-                    b.params += tensors(&mut d.master.iter());
-                    b.grads += tensors(&mut d.grad.iter().flatten());
-                    b.optimizer += tensors(&mut d.exp_avg.iter().chain(&d.exp_avg_sq).flatten());
-                }
-                None => {
-                    b.params += vecs(&u.master);
-                    b.grads += vecs(&u.grad);
-                    b.optimizer += u.adam.iter().map(|a| (a.exp_avg.len() + a.exp_avg_sq.len()) * 4).sum::<usize>();
-                }
-            }
-        }
-        b
-    }
-
-    /// Fills unit `u` from rank 0: rank 0 passes every parameter's full values (`Some`), the
-    /// others `None`; each rank receives only its chunks (one scatter per unit).
-    pub fn load_unit(&mut self, u: usize, full: Option<HashMap<String, Vec<f32>>>) -> Result<()> {
-        self.load_unit_part(u, StatePart::Master, full)
-    }
-
-    /// Like `load_unit`, for one part of the state (weights, or an AdamW moment of the
-    /// trainable parameters).
-    pub fn load_unit_part(&mut self, u: usize, part: StatePart, full: Option<HashMap<String, Vec<f32>>>) -> Result<()> {
-        let world = &self.groups.world;
-        let shard_size = self.groups.shard.world_size();
-        let plan = &self.units[u].plan;
-        // Moments exist for the trainable parameters only, laid out like their gradients.
-        let moments = part != StatePart::Master;
-        let buf_len = if moments { plan.grad_chunk_len } else { plan.chunk_len };
-        let in_part = |p: &&super::plan::ParamLayout| !moments || p.trainable;
-        if buf_len == 0 {
-            return Ok(());
-        }
-        let chunks = match full {
-            Some(values) => {
-                for p in plan.params.iter().filter(in_part) {
-                    let v = values.get(&p.spec.name).with_context(|| format!("missing tensor {}", p.spec.name))?;
-                    if v.len() != p.numel() {
-                        bail!("tensor {} has {} values, expected {}", p.spec.name, v.len(), p.numel());
-                    }
-                }
-                // World rank r gets shard r % shard_size (replicas share chunks). Built straight
-                // from the full values: about one unit of extra memory on rank 0.
-                let chunk_for = |k: usize| -> Vec<f32> {
-                    let mut buf = Vec::with_capacity(buf_len);
-                    for p in plan.params.iter().filter(in_part) {
-                        buf.extend(p.chunk_of(&values[&p.spec.name], k));
-                    }
-                    buf
-                };
-                Some((0..world.world_size()).map(|r| chunk_for(r % shard_size)).collect())
-            }
-            None => None,
-        };
-        let mine = world.scatter(0, chunks)?;
-        if self.units[u].dev.is_some() {
-            // Loading into a unit that trains from device state: bring the rest of its state
-            // back to the host first, then the host copy becomes the truth again.
-            self.sync_host()?;
-        }
-        let unit = &mut self.units[u];
-        for (i, p) in unit.plan.params.iter().enumerate() {
-            if moments && !p.trainable {
-                continue;
-            }
-            let dst = match part {
-                StatePart::Master => &mut unit.master[i],
-                StatePart::ExpAvg => &mut unit.adam[i].exp_avg,
-                StatePart::ExpAvgSq => &mut unit.adam[i].exp_avg_sq,
-            };
-            let at = if moments { p.grad_offset } else { p.offset };
-            dst.copy_from_slice(&mine[at..at + p.chunk_len()]);
-        }
-        // The host copy is the truth now; the device copy is rebuilt from it when next used.
-        unit.dev = None;
-        Ok(())
-    }
-
-    /// This rank's chunk of every parameter: (layout, weights, exp_avg, exp_avg_sq), in unit
-    /// order; the moments are empty for frozen parameters. What a sharded checkpoint stores.
-    /// With device state, `sync_host` must have run since the last step.
-    pub fn shard_state(&self) -> Vec<ParamShard<'_>> {
-        assert!(!self.host_stale, "shard_state: the host copy is stale; call sync_host first");
-        self.units
-            .iter()
-            .flat_map(|u| {
-                u.plan.params.iter().enumerate().map(move |(i, p)| ParamShard {
-                    layout: p,
-                    weights: u.master[i].as_slice(),
-                    exp_avg: u.adam[i].exp_avg.as_slice(),
-                    exp_avg_sq: u.adam[i].exp_avg_sq.as_slice(),
-                })
-            })
-            .collect()
-    }
-
-    /// All-gathers unit `u` (one collective) into full f32 parameters, built over their own
-    /// buffers (no extra copy); the trainable ones are `Var`s.
-    fn gather(&self, u: usize, purpose: GatherFor) -> Result<HashMap<String, Tensor>> {
-        // Device state, once uploaded, is the truth; before that the host copy is.
-        if self.units[u].dev.is_some() {
-            return self.gather_on_device(u, purpose);
-        }
-        let unit = &self.units[u];
-        let mut buf: Vec<f32> = Vec::with_capacity(unit.plan.chunk_len);
-        for m in &unit.master {
-            buf.extend_from_slice(m);
-        }
-        if purpose == GatherFor::Compute {
-            round_through(&mut buf, self.opts.param_dtype);
-        }
-        let all = self.groups.shard.all_gather(&buf)?;
-        drop(buf);
-        let shards = self.groups.shard.world_size();
-        let mut out = HashMap::new();
-        for p in &unit.plan.params {
-            let mut full = Vec::with_capacity(p.chunk_len() * shards);
-            for k in 0..shards {
-                let base = k * unit.plan.chunk_len + p.offset;
-                full.extend_from_slice(&all[base..base + p.chunk_len()]);
-            }
-            full.truncate(p.numel());
-            let shape = p.spec.shape.as_slice();
-            let dtype = if purpose == GatherFor::Compute { self.compute_dtype() } else { DType::F32 };
-            let t = match (p.trainable, dtype) {
-                // Straight from the buffer (no copy) in the common f32 case.
-                (true, DType::F32) => Var::from_vec(full, shape, &self.device)?.as_tensor().clone(),
-                (true, dt) => Var::from_tensor(&Tensor::from_vec(full, shape, &self.device)?.to_dtype(dt)?)?.as_tensor().clone(),
-                (false, dt) => Tensor::from_vec(full, shape, &self.device)?.to_dtype(dt)?,
-            };
-            out.insert(p.spec.name.clone(), t);
-        }
-        Ok(out)
-    }
-
-    /// `gather` from device state: one all-gather of the unit's chunks on the device, the full
-    /// parameters cut out of its result there. For compute the chunks are cast to
-    /// `param_dtype` before the all-gather, as FSDP2 does: the same values as casting after it
-    /// (the cast is elementwise), with half the traffic and half the gathered buffer in bf16.
-    fn gather_on_device(&self, u: usize, purpose: GatherFor) -> Result<HashMap<String, Tensor>> {
-        let unit = &self.units[u];
-        let dev = unit.dev.as_ref().expect("device state");
-        let mut flat = Tensor::cat(&dev.master, 0)?;
-        let round = purpose == GatherFor::Compute;
-        if round && self.opts.param_dtype != DType::F32 {
-            flat = flat.to_dtype(self.opts.param_dtype)?;
-        }
-        let shards = self.groups.shard.world_size();
-        // Rank-major: row k is rank k's chunks of every parameter.
-        let all = self.groups.shard.all_gather_tensor(&flat)?.reshape((shards, unit.plan.chunk_len))?;
-        let dtype = if round { self.compute_dtype() } else { DType::F32 };
-        let mut out = HashMap::new();
-        for p in &unit.plan.params {
-            let full = all.narrow(1, p.offset, p.chunk_len())?.flatten_all()?.narrow(0, 0, p.numel())?;
-            let t = full.reshape(p.spec.shape.as_slice())?.to_dtype(dtype)?;
-            // `Var::from_tensor` copies: the variable owns its buffer, not a view of `all`.
-            let t = if p.trainable { Var::from_tensor(&t)?.as_tensor().clone() } else { t.contiguous()? };
-            out.insert(p.spec.name.clone(), t);
-        }
-        Ok(out)
-    }
-
-    /// Full parameters of unit `u` in f32, as stored (for export). Every rank of the shard
-    /// group takes part.
-    pub fn full_unit(&self, u: usize) -> Result<HashMap<String, Tensor>> {
-        Ok(self.gather(u, GatherFor::Export)?.into_iter().map(|(k, v)| (k, v.detach())).collect())
-    }
 
     fn ensure_gathered(&mut self, s: usize) -> Result<()> {
         for &u in &self.stage_units[s].clone() {
@@ -698,159 +476,4 @@ impl FsdpEngine {
         Ok(())
     }
 
-    fn reduce_scatter_unit(&mut self, u: usize) -> Result<()> {
-        if self.state_on_device {
-            return self.reduce_scatter_unit_on_device(u);
-        }
-        let unit = &mut self.units[u];
-        let Some(mut buf) = unit.full_grad.take() else { return Ok(()) };
-        round_through(&mut buf, self.opts.reduce_dtype);
-        let mine = self.groups.shard.reduce_scatter(&buf)?;
-        drop(buf);
-        for (i, p) in unit.plan.params.iter().enumerate() {
-            if !p.trainable {
-                continue;
-            }
-            for (a, b) in unit.grad[i].iter_mut().zip(&mine[p.grad_offset..p.grad_offset + p.chunk_len()]) {
-                *a += *b;
-            }
-        }
-        Ok(())
-    }
-
-    /// `reduce_scatter_unit` with device state: the unit's full gradients packed rank-major on
-    /// the device (zero rows for padding and for parameters that got no gradient), one
-    /// reduce-scatter, this rank's chunks added to the gradient chunks.
-    fn reduce_scatter_unit_on_device(&mut self, u: usize) -> Result<()> {
-        let shards = self.groups.shard.world_size();
-        let unit = &mut self.units[u];
-        if unit.dev_full_grads.is_empty() {
-            return Ok(());
-        }
-        let mut columns = vec![];
-        for p in unit.plan.params.iter().filter(|p| p.trainable) {
-            let padded = shards * p.chunk_len();
-            let col = match unit.dev_full_grads.remove(&p.spec.name) {
-                Some(g) if padded > p.numel() => Tensor::cat(&[g, Tensor::zeros(padded - p.numel(), DType::F32, &self.device)?], 0)?,
-                Some(g) => g,
-                None => Tensor::zeros(padded, DType::F32, &self.device)?,
-            };
-            columns.push(col.reshape((shards, p.chunk_len()))?);
-        }
-        unit.dev_full_grads.clear();
-        let mut packed = Tensor::cat(&columns, 1)?.flatten_all()?;
-        drop(columns);
-        if self.opts.reduce_dtype != DType::F32 {
-            packed = packed.to_dtype(self.opts.reduce_dtype)?.to_dtype(DType::F32)?;
-        }
-        let mine = self.groups.shard.reduce_scatter_tensor(&packed)?;
-        drop(packed);
-        let dev = unit.dev.as_mut().expect("device state of a gathered unit");
-        for (i, p) in unit.plan.params.iter().enumerate() {
-            if let Some(g) = &mut dev.grad[i] {
-                *g = (&*g + mine.narrow(0, p.grad_offset, p.chunk_len())?)?;
-            }
-        }
-        self.host_stale = true;
-        Ok(())
-    }
-
-    /// `optimizer_step` with device state: the same arithmetic as `adamw_step`, as tensor
-    /// operations on the device.
-    fn optimizer_step_on_device(&mut self, lr: f64, max_grad_norm: Option<f64>) -> Result<StepStats> {
-        for u in 0..self.units.len() {
-            self.ensure_device_state(u)?;
-        }
-        if self.groups.replicate.world_size() > 1 {
-            for unit in &mut self.units {
-                let dev = unit.dev.as_mut().expect("device state");
-                let grads: Vec<Tensor> = dev.grad.iter().flatten().cloned().collect();
-                if grads.is_empty() {
-                    continue;
-                }
-                let summed = self.groups.replicate.all_reduce_tensor(&Tensor::cat(&grads, 0)?)?;
-                let mut off = 0;
-                for g in dev.grad.iter_mut().flatten() {
-                    let n = g.dim(0)?;
-                    *g = summed.narrow(0, off, n)?.contiguous()?;
-                    off += n;
-                }
-            }
-        }
-        let mut local_sq = 0f64;
-        for unit in &self.units {
-            for g in unit.dev.as_ref().expect("device state").grad.iter().flatten() {
-                local_sq += g.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
-            }
-        }
-        let grad_norm = crate::dist::all_reduce_scalar(self.groups.shard.as_ref(), local_sq)?.sqrt();
-        let coef = match max_grad_norm {
-            Some(max) => clip_coefficient(grad_norm, max),
-            None => 1.0,
-        };
-        self.step += 1;
-        for unit in &mut self.units {
-            let dev = unit.dev.as_mut().expect("device state");
-            for (i, p) in unit.plan.params.iter().enumerate() {
-                let (Some(g), Some(m), Some(v)) = (&mut dev.grad[i], &mut dev.exp_avg[i], &mut dev.exp_avg_sq[i]) else { continue };
-                let grad = if coef < 1.0 { g.affine(coef as f32 as f64, 0.0)? } else { g.clone() };
-                let wd = if self.decay[&p.spec.name] { self.adam.weight_decay } else { 0.0 };
-                let mut moments = AdamWTensors { exp_avg: m.clone(), exp_avg_sq: v.clone() };
-                dev.master[i] = adamw_step_tensors(&self.adam, lr, wd, self.step, &dev.master[i], &grad, &mut moments)?;
-                (*m, *v) = (moments.exp_avg, moments.exp_avg_sq);
-                *g = g.zeros_like()?;
-            }
-        }
-        self.host_stale = true;
-        Ok(StepStats { grad_norm, lr })
-    }
-
-    /// Ends a step: gradients summed over replicas, global-norm clipping (`max_grad_norm` None
-    /// = off), AdamW with learning rate `lr`, gradients zeroed. The norm is before clipping.
-    pub fn optimizer_step(&mut self, lr: f64, max_grad_norm: Option<f64>) -> Result<StepStats> {
-        if self.state_on_device {
-            return self.optimizer_step_on_device(lr, max_grad_norm);
-        }
-        if self.groups.replicate.world_size() > 1 {
-            for unit in &mut self.units {
-                let mut buf: Vec<f32> = unit.grad.iter().flatten().copied().collect();
-                self.groups.replicate.all_reduce(&mut buf)?;
-                let mut off = 0;
-                for g in &mut unit.grad {
-                    let n = g.len();
-                    g.copy_from_slice(&buf[off..off + n]);
-                    off += n;
-                }
-            }
-        }
-        let local_sq: f64 = self.units.iter().flat_map(|u| u.grad.iter().flatten()).map(|&g| (g as f64) * (g as f64)).sum();
-        let grad_norm = crate::dist::all_reduce_scalar(self.groups.shard.as_ref(), local_sq)?.sqrt();
-        if let Some(max) = max_grad_norm {
-            let coef = clip_coefficient(grad_norm, max) as f32;
-            if coef < 1.0 {
-                self.units.iter_mut().flat_map(|u| u.grad.iter_mut().flatten()).for_each(|g| *g *= coef);
-            }
-        }
-        self.step += 1;
-        for unit in &mut self.units {
-            for (i, p) in unit.plan.params.iter().enumerate() {
-                if !p.trainable {
-                    continue;
-                }
-                let wd = if self.decay[&p.spec.name] { self.adam.weight_decay } else { 0.0 };
-                adamw_step(&self.adam, lr, wd, self.step, &mut unit.master[i], &unit.grad[i], &mut unit.adam[i]);
-                unit.grad[i].iter_mut().for_each(|g| *g = 0.0);
-            }
-        }
-        Ok(StepStats { grad_norm, lr })
-    }
-
-    /// This rank's current gradient chunks by parameter name (for tests and inspection).
-    pub fn grad_chunks(&mut self) -> HashMap<String, Vec<f32>> {
-        self.sync_host().expect("copying the state from the device");
-        self.units
-            .iter()
-            .flat_map(|u| u.plan.params.iter().zip(&u.grad).filter(|(p, _)| p.trainable).map(|(p, g)| (p.spec.name.clone(), g.clone())))
-            .collect()
-    }
 }
