@@ -67,7 +67,7 @@ fn logits_on_cuda_match_cpu() {
 fn engine_for(dir: &Path, device: &Device, param_dtype: DType, ac: bool) -> FsdpEngine {
     let files = resolve_model(dir.to_str().unwrap(), None).unwrap();
     let cfg = fsdp_app::checkpoint::read_model_config(&files.config).unwrap();
-    let staged: Arc<dyn models::StagedModel> = Arc::new(models::LlamaStages::new(&cfg));
+    let staged: Arc<dyn models::StagedModel> = Arc::new(models::LlamaStages::new(&cfg, None));
     let plan = plan_units(staged.as_ref(), WrapPolicy::TransformerBased, 1).unwrap();
     let g = |_: ()| -> Arc<dyn fsdp_app::dist::Collective> { Arc::new(LocalGroup::create(1, Duration::from_secs(10)).pop().unwrap()) };
     let groups = ProcessGroups { world: g(()), shard: g(()), replicate: g(()) };

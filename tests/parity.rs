@@ -105,7 +105,7 @@ fn every_parameter_gets_a_nonzero_gradient() {
             }
         }
         let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
-        let model = models::CausalLm::new(&cfg, vb).unwrap();
+        let model = models::CausalLm::new(&cfg, None, vb).unwrap();
         let ids: Vec<u32> = (0..12).map(|i| (i * 13 + 1) % 384).collect();
         let input = Tensor::new(ids.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
         let logits = model.forward(&input).unwrap().squeeze(0).unwrap();
@@ -151,7 +151,7 @@ fn decoder_layers_built_alone_reassemble_the_model() {
                 .iter()
                 .filter_map(|(k, t)| k.strip_prefix(&prefix).map(|rest| (rest.to_string(), t.clone())))
                 .collect();
-            let layer = models::DecoderLayer::new(cfg, candle_nn::VarBuilder::from_tensors(own, DType::F32, &Device::Cpu)).unwrap();
+            let layer = models::DecoderLayer::new(cfg, None, candle_nn::VarBuilder::from_tensors(own, DType::F32, &Device::Cpu)).unwrap();
             h = layer.forward(&h, &pos, None).unwrap();
         }
         let norm_vb = candle_nn::VarBuilder::from_tensors(

@@ -92,9 +92,6 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
     /// `torch_dtype` / `dtype` as written in the file (informational).
     pub stored_dtype: Option<String>,
-    /// A LoRA adapter applied to the targeted linear layers (not part of config.json: set by
-    /// the caller from `--lora-*` flags or an adapter's `adapter_config.json`).
-    pub lora: Option<crate::lora::LoraSettings>,
 }
 
 /// The raw JSON fields we read. Everything optional is defaulted the way transformers does.
@@ -206,7 +203,6 @@ impl ModelConfig {
             bos_token_id: token_id_list(&raw.bos_token_id).first().copied(),
             eos_token_ids: token_id_list(&raw.eos_token_id),
             stored_dtype: raw.dtype.or(raw.torch_dtype),
-            lora: None,
         };
         cfg.validate()?;
         Ok(cfg)

@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Result, Tensor, D};
 use candle_nn::{linear_b, VarBuilder};
 
 use crate::config::{ModelConfig, RopeScaling};
-use crate::lora::AdaptedLinear;
+use crate::lora::{AdaptedLinear, LoraSettings};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OpMode {
@@ -163,11 +163,11 @@ pub struct PositionInputs {
     pub row_seeds: Option<Vec<u64>>,
 }
 
-/// A linear layer at `vb`'s prefix, with the LoRA adapter of `cfg.lora` when that targets it
+/// A linear layer at `vb`'s prefix, with the LoRA adapter of `lora` when that targets it
 /// (its `lora_A`/`lora_B` tensors must then be in `vb`).
-fn adapted_linear(cfg: &ModelConfig, inp: usize, out: usize, bias: bool, vb: VarBuilder) -> Result<AdaptedLinear> {
+fn adapted_linear(lora: Option<&LoraSettings>, inp: usize, out: usize, bias: bool, vb: VarBuilder) -> Result<AdaptedLinear> {
     let base = linear_b(inp, out, bias, vb.clone())?;
-    match &cfg.lora {
+    match lora {
         Some(lora) if lora.targets_module(&vb.prefix()) => {
             let a = vb.get((lora.r, inp), "lora_A.weight")?;
             let b = vb.get((out, lora.r), "lora_B.weight")?;
@@ -230,7 +230,7 @@ pub struct Attention {
 }
 
 impl Attention {
-    pub fn new(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+    pub fn new(cfg: &ModelConfig, lora: Option<&LoraSettings>, vb: VarBuilder) -> Result<Self> {
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
         let q_out = cfg.num_attention_heads * d;
         let kv_out = cfg.num_key_value_heads * d;
@@ -243,10 +243,10 @@ impl Attention {
             (None, None)
         };
         Ok(Self {
-            q_proj: adapted_linear(cfg, h, q_out, cfg.qkv_bias, vb.pp("q_proj"))?,
-            k_proj: adapted_linear(cfg, h, kv_out, cfg.qkv_bias, vb.pp("k_proj"))?,
-            v_proj: adapted_linear(cfg, h, kv_out, cfg.qkv_bias, vb.pp("v_proj"))?,
-            o_proj: adapted_linear(cfg, q_out, h, cfg.o_bias, vb.pp("o_proj"))?,
+            q_proj: adapted_linear(lora, h, q_out, cfg.qkv_bias, vb.pp("q_proj"))?,
+            k_proj: adapted_linear(lora, h, kv_out, cfg.qkv_bias, vb.pp("k_proj"))?,
+            v_proj: adapted_linear(lora, h, kv_out, cfg.qkv_bias, vb.pp("v_proj"))?,
+            o_proj: adapted_linear(lora, q_out, h, cfg.o_bias, vb.pp("o_proj"))?,
             q_norm,
             k_norm,
             num_heads: cfg.num_attention_heads,
@@ -362,9 +362,9 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    pub fn new(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+    pub fn new(cfg: &ModelConfig, lora: Option<&LoraSettings>, vb: VarBuilder) -> Result<Self> {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
-        let lin = |a, b, name: &str| adapted_linear(cfg, a, b, cfg.mlp_bias, vb.pp(name));
+        let lin = |a, b, name: &str| adapted_linear(lora, a, b, cfg.mlp_bias, vb.pp(name));
         Ok(Self { gate_proj: lin(h, i, "gate_proj")?, up_proj: lin(h, i, "up_proj")?, down_proj: lin(i, h, "down_proj")? })
     }
 
@@ -387,16 +387,17 @@ pub struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    pub fn new(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+    /// The layer at `vb`; `lora` adds the adapters it targets (their tensors must be in `vb`).
+    pub fn new(cfg: &ModelConfig, lora: Option<&LoraSettings>, vb: VarBuilder) -> Result<Self> {
         Ok(Self {
             input_layernorm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
-            self_attn: Attention::new(cfg, vb.pp("self_attn"))?,
+            self_attn: Attention::new(cfg, lora, vb.pp("self_attn"))?,
             post_attention_layernorm: RmsNorm::new(
                 cfg.hidden_size,
                 cfg.rms_norm_eps,
                 vb.pp("post_attention_layernorm"),
             )?,
-            mlp: Mlp::new(cfg, vb.pp("mlp"))?,
+            mlp: Mlp::new(cfg, lora, vb.pp("mlp"))?,
         })
     }
 

@@ -35,11 +35,13 @@ pub struct CausalLm {
 }
 
 impl CausalLm {
-    pub fn new(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+    /// The model in `vb`; `lora` adds adapters to the layers it targets (a load option, as
+    /// config.json knows nothing of adapters).
+    pub fn new(cfg: &ModelConfig, lora: Option<&crate::lora::LoraSettings>, vb: VarBuilder) -> Result<Self> {
         let embed_w = vb.get((cfg.vocab_size, cfg.hidden_size), "model.embed_tokens.weight")?;
         let embed_tokens = Embedding::new(embed_w.clone(), cfg.hidden_size);
         let layers = (0..cfg.num_hidden_layers)
-            .map(|i| DecoderLayer::new(cfg, vb.pp(format!("model.layers.{i}"))))
+            .map(|i| DecoderLayer::new(cfg, lora, vb.pp(format!("model.layers.{i}"))))
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("model.norm"))?;
         let lm_head = if cfg.tie_word_embeddings {

@@ -12,7 +12,7 @@ use candle_nn::{Embedding, VarBuilder};
 
 use crate::config::ModelConfig;
 use crate::layers::{causal_mask, packed_mask, DecoderLayer, OpMode, PositionInputs, RmsNorm, Rotary};
-use crate::lora::{is_adapter_tensor, layer_adapter_tensors};
+use crate::lora::{is_adapter_tensor, layer_adapter_tensors, LoraSettings};
 use crate::tensors::{expected_tensors, layer_tensors, TensorSpec};
 
 /// Several documents packed into each row: per token, its position inside its document and its
@@ -52,15 +52,16 @@ pub trait StagedModel: Send + Sync {
 }
 
 /// The Llama family as stages: embeddings, one stage per decoder layer, final norm + LM head.
-/// With `cfg.lora`, each layer's adapter tensors belong to its stage and only they train.
+/// With `lora`, each layer's adapter tensors belong to its stage and only they train.
 pub struct LlamaStages {
     cfg: ModelConfig,
+    lora: Option<LoraSettings>,
     rotary: Rotary,
 }
 
 impl LlamaStages {
-    pub fn new(cfg: &ModelConfig) -> Self {
-        Self { cfg: cfg.clone(), rotary: Rotary::new(cfg) }
+    pub fn new(cfg: &ModelConfig, lora: Option<LoraSettings>) -> Self {
+        Self { cfg: cfg.clone(), lora, rotary: Rotary::new(cfg) }
     }
 
     fn head_weight_name(&self) -> &'static str {
@@ -81,7 +82,7 @@ impl LlamaStages {
 impl StagedModel for LlamaStages {
     fn parameters(&self) -> Vec<TensorSpec> {
         let mut params = expected_tensors(&self.cfg);
-        if let Some(lora) = &self.cfg.lora {
+        if let Some(lora) = &self.lora {
             // Each layer's adapters right after its base tensors.
             for i in (0..self.cfg.num_hidden_layers).rev() {
                 let last = format!("model.layers.{i}.");
@@ -94,7 +95,7 @@ impl StagedModel for LlamaStages {
     }
 
     fn trainable(&self, name: &str) -> bool {
-        self.cfg.lora.is_none() || is_adapter_tensor(name)
+        self.lora.is_none() || is_adapter_tensor(name)
     }
 
     fn block_prefixes(&self) -> Vec<String> {
@@ -113,7 +114,7 @@ impl StagedModel for LlamaStages {
             vec!["model.norm.weight".to_string(), self.head_weight_name().to_string()]
         } else {
             let mut names: Vec<String> = layer_tensors(&self.cfg, s - 1).into_iter().map(|t| t.name).collect();
-            if let Some(lora) = &self.cfg.lora {
+            if let Some(lora) = &self.lora {
                 names.extend(layer_adapter_tensors(&self.cfg, lora, s - 1).into_iter().map(|t| t.name));
             }
             names
@@ -139,7 +140,7 @@ impl StagedModel for LlamaStages {
             return h.broadcast_matmul(&head.t()?);
         }
         let layer_vb = Self::vb(params, &names, &like);
-        let layer = DecoderLayer::new(&self.cfg, layer_vb.pp(format!("model.layers.{}", s - 1)))?;
+        let layer = DecoderLayer::new(&self.cfg, self.lora.as_ref(), layer_vb.pp(format!("model.layers.{}", s - 1)))?;
         let (b, t, _h) = input.dims3()?;
         let dtype = if input.dtype() == DType::U32 { like.dtype() } else { input.dtype() };
         let (cos, sin, mask) = match &ctx.packing {

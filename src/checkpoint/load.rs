@@ -163,7 +163,7 @@ impl SimpleBackend for Layered {
 /// Loads the model, with the PEFT LoRA adapter in `adapter` (a directory) applied to its
 /// targeted layers when given.
 pub fn load_model_with_adapter(files: ModelFiles, adapter: Option<&Path>, dtype: DType, device: &Device) -> Result<LoadedModel> {
-    let mut config = read_model_config(&files.config)?;
+    let config = read_model_config(&files.config)?;
     let stored = read_weight_headers(&files.weights)?;
     check_tensors(&config, &stored, &files.source)?;
     // SAFETY: the files were just validated; they must not be modified while the model lives,
@@ -171,14 +171,15 @@ pub fn load_model_with_adapter(files: ModelFiles, adapter: Option<&Path>, dtype:
     let base = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files.weights) }
         .with_context(|| format!("{}: mapping the weights", files.source))?;
     let mut backends: Vec<Box<dyn SimpleBackend>> = vec![];
+    let mut lora = None;
     if let Some(dir) = adapter {
         let a = super::adapter::read_adapter(dir, &config)?;
-        config.lora = Some(a.settings);
+        lora = Some(a.settings);
         backends.push(Box::new(a.tensors));
     }
     backends.push(Box::new(base));
     let vb = VarBuilder::from_backend(Box::new(Layered(backends)), dtype, device.clone());
-    let model = CausalLm::new(&config, vb).with_context(|| format!("{}: building the model", files.source))?;
+    let model = CausalLm::new(&config, lora.as_ref(), vb).with_context(|| format!("{}: building the model", files.source))?;
     Ok(LoadedModel { model, config, files, dtype })
 }
 

@@ -40,9 +40,9 @@ pub fn run(a: EstimateArgs) -> Result<()> {
     } else {
         fsdp_app::checkpoint::hub::HubRepo::open(&a.model, a.revision.as_deref().unwrap_or("main"))?.get("config.json")?
     };
-    let mut cfg = fsdp_app::checkpoint::read_model_config(&config_path)?;
-    cfg.lora = lora_settings(&a.lora);
-    if let Some(l) = &cfg.lora {
+    let cfg = fsdp_app::checkpoint::read_model_config(&config_path)?;
+    let lora = lora_settings(&a.lora);
+    if let Some(l) = &lora {
         l.validate(&cfg)?;
     }
     let strategy = a.sharding.strategy()?;
@@ -60,8 +60,9 @@ pub fn run(a: EstimateArgs) -> Result<()> {
         batch_size: a.batch_size,
         seq_len: a.seq_len,
         rank0_relays: a.backend == "tcp" && a.world_size > 1,
+        lora: lora.clone(),
     };
-    let staged = models::LlamaStages::new(&cfg);
+    let staged = models::LlamaStages::new(&cfg, lora.clone());
     let e = estimate(&staged, &cfg, &input)?;
     if a.json {
         let mut m = serde_json::Map::new();
@@ -80,7 +81,7 @@ pub fn run(a: EstimateArgs) -> Result<()> {
         a.batch_size,
         a.seq_len,
         if a.sharding.activation_checkpointing { ", activation checkpointing" } else { "" },
-        cfg.lora.as_ref().map(|l| format!(", LoRA r={} {:?}", l.r, l.targets)).unwrap_or_default()
+        lora.as_ref().map(|l| format!(", LoRA r={} {:?}", l.r, l.targets)).unwrap_or_default()
     );
     for (name, bytes, what) in e.rows() {
         println!("  {name:<15} {:>12}  {what}", human_bytes(bytes));

@@ -101,14 +101,10 @@ impl LocalGroup {
             let now = Instant::now();
             if now >= deadline {
                 let missing: Vec<usize> = guard.present.iter().enumerate().filter(|(_, p)| !**p).map(|(r, _)| r).collect();
-                let msg = format!(
-                    "{op} timed out after {:.1}s on rank {}: waiting for group rank(s) {missing:?}",
-                    self.timeout.as_secs_f64(),
-                    self.world_rank
-                );
-                guard.failed = Some(msg.clone());
+                let e = super::DistError::Timeout { op: op.into(), rank: self.world_rank, waited_s: self.timeout.as_secs_f64(), missing };
+                guard.failed = Some(e.to_string());
                 self.shared.cv.notify_all();
-                bail!(msg);
+                return Err(e.into());
             }
             guard = self.shared.cv.wait_timeout(guard, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
         }

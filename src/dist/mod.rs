@@ -88,12 +88,14 @@ fn back_to_device(values: Vec<f32>, like: &Tensor) -> Result<Tensor> {
 }
 
 /// Failures of a collective that callers tell apart (by type, not by message).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum DistError {
     /// Another rank failed and said so (`abort`): this rank's `op` stopped because of it.
     PeerFailed { op: String, rank: usize, failed_rank: usize, reason: String },
     /// Rank 0 could not do `what`; every other rank learns its message.
     RootFailed { what: String, message: String },
+    /// `op` on `rank` waited `waited_s` seconds for the group ranks in `missing`.
+    Timeout { op: String, rank: usize, waited_s: f64, missing: Vec<usize> },
 }
 
 impl std::fmt::Display for DistError {
@@ -101,6 +103,9 @@ impl std::fmt::Display for DistError {
         match self {
             Self::PeerFailed { op, rank, failed_rank, reason } => write!(f, "{op} on rank {rank} stopped: rank {failed_rank} failed: {reason}"),
             Self::RootFailed { what, message } => write!(f, "rank 0 could not {what}: {message}"),
+            Self::Timeout { op, rank, waited_s, missing } => {
+                write!(f, "{op} timed out after {waited_s:.1}s on rank {rank}: waiting for group rank(s) {missing:?}")
+            }
         }
     }
 }

@@ -248,7 +248,7 @@ mod tests {
 
     #[test]
     fn transformer_wrap_gives_one_unit_per_block_plus_root() {
-        let m = models::LlamaStages::new(&cfg());
+        let m = models::LlamaStages::new(&cfg(), None);
         let units = plan_units(&m, WrapPolicy::TransformerBased, 4).unwrap();
         assert_eq!(units.len(), 4);
         assert!(units[0].is_root && units[0].first_stage == 0 && units[0].last_stage == 4);
@@ -263,7 +263,7 @@ mod tests {
 
     #[test]
     fn size_wrap_groups_blocks_and_refuses_impossible_thresholds() {
-        let m = models::LlamaStages::new(&cfg());
+        let m = models::LlamaStages::new(&cfg(), None);
         let per_block: usize = models::tensors::layer_tensors(&cfg(), 0).iter().map(|t| t.shape.iter().product::<usize>()).sum();
         let units = plan_units(&m, WrapPolicy::SizeBased { min_num_params: 2 * per_block }, 2).unwrap();
         assert_eq!(units.iter().map(|u| u.name.as_str()).collect::<Vec<_>>(), ["root", "blocks.0-1"]);

@@ -34,6 +34,8 @@ pub struct EstimateInput {
     pub seq_len: usize,
     /// The tcp backend: rank 0 performs the other ranks' collectives on their behalf.
     pub rank0_relays: bool,
+    /// LoRA adapters (the base is frozen).
+    pub lora: Option<models::LoraSettings>,
 }
 
 /// Bytes per rank.
@@ -98,7 +100,7 @@ struct LayerCounts {
 /// sum, div: 3 full-size), probabilities; MLP: gate, silu, up, product.
 const LAYER: LayerCounts = LayerCounts { per_hidden: 13.0, per_inter: 4.0, per_q: 8.0, per_kv: 10.0, per_score: 7.0 };
 
-fn layer_activation_bytes(cfg: &ModelConfig, batch: usize, seq: usize) -> f64 {
+fn layer_activation_bytes(cfg: &ModelConfig, lora: Option<&models::LoraSettings>, batch: usize, seq: usize) -> f64 {
     let tokens = (batch * seq) as f64;
     let q = (cfg.num_attention_heads * cfg.head_dim) as f64;
     let kv = (cfg.num_key_value_heads * cfg.head_dim) as f64;
@@ -107,7 +109,7 @@ fn layer_activation_bytes(cfg: &ModelConfig, batch: usize, seq: usize) -> f64 {
         + LAYER.per_q * q
         + LAYER.per_kv * kv
         + LAYER.per_score * (cfg.num_attention_heads * seq) as f64;
-    if let Some(lora) = &cfg.lora {
+    if let Some(lora) = lora {
         // Each adapted projection adds B(A x), its scaled copy and the sum (3 outputs), and with
         // dropout the mask and the masked input.
         for (path, inp, out) in models::lora::linear_modules(cfg).into_iter().filter(|(p, _, _)| p.starts_with("model.layers.0.")) {
@@ -137,7 +139,7 @@ pub fn estimate(model: &dyn StagedModel, cfg: &ModelConfig, input: &EstimateInpu
     // trainable gradients for reduce-scatter + this rank's reduced slice.
     let backward = plan.iter().map(|u| full(u) + trained_full(u) + trained_full(u) / input.shard_size as u64).max().unwrap_or(0);
     let layers = cfg.num_hidden_layers as f64;
-    let layer = layer_activation_bytes(cfg, input.batch_size, input.seq_len);
+    let layer = layer_activation_bytes(cfg, input.lora.as_ref(), input.batch_size, input.seq_len);
     let hidden_in = 4.0 * (input.batch_size * input.seq_len * cfg.hidden_size) as f64;
     let activations = if input.activation_checkpointing {
         // Every stage's input is kept; one layer is recomputed: its graph, plus the gradients

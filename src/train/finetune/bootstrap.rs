@@ -25,8 +25,10 @@ pub(super) struct Bootstrap {
     pub config_json: String,
     /// config.json, tokenizer files, generation_config.json, ... as rank 0 read them.
     pub side_files: Vec<(String, Vec<u8>)>,
-    /// The model's config with the run's LoRA settings (from `--adapter` or the flags).
+    /// config.json, parsed.
     pub model_cfg: models::ModelConfig,
+    /// The run's LoRA settings (from `--adapter` or the flags); `None` for full fine-tuning.
+    pub lora: Option<models::LoraSettings>,
     /// Rank 0's starting adapter (`--adapter`).
     pub start_adapter: Option<Adapter>,
     pub staged: Arc<dyn models::StagedModel>,
@@ -63,20 +65,19 @@ pub(super) fn bootstrap(groups: &ProcessGroups, cfg: &FinetuneConfig) -> Result<
     let (files, side_files) = share_model_files(groups, cfg)?;
     let config_json = String::from_utf8(side_files.iter().find(|(n, _)| n == "config.json").context("config.json")?.1.clone())
         .context("config.json is not UTF-8")?;
-    let mut model_cfg = models::ModelConfig::from_json_str(&config_json).context("config.json")?;
+    let model_cfg = models::ModelConfig::from_json_str(&config_json).context("config.json")?;
     if let Some(names) = &cfg.layer_class_names {
         crate::train::config_file::check_layer_class(names, model_cfg.architecture)?;
     }
     let (start_adapter, lora) = share_adapter(groups, cfg, &model_cfg)?;
-    model_cfg.lora = lora;
-    if let Some(lora) = &model_cfg.lora {
+    if let Some(lora) = &lora {
         lora.validate(&model_cfg)?;
     }
-    let staged: Arc<dyn models::StagedModel> = Arc::new(models::LlamaStages::new(&model_cfg));
+    let staged: Arc<dyn models::StagedModel> = Arc::new(models::LlamaStages::new(&model_cfg, lora.clone()));
     let plan = plan_units(staged.as_ref(), cfg.wrap, shard_size(cfg))?;
     // Data before weights: a bad file or batch fails fast.
     let data = load_data(groups, cfg, &model_cfg, &side_files)?;
-    Ok(Bootstrap { files, config_json, side_files, model_cfg, start_adapter, staged, plan, data })
+    Ok(Bootstrap { files, config_json, side_files, model_cfg, lora, start_adapter, staged, plan, data })
 }
 
 /// Rank 0 resolves the model (local directory or Hub) and sends config and tokenizer files.

@@ -54,7 +54,7 @@ fn run_rank_phases(groups: &ProcessGroups, cfg: &FinetuneConfig, device: Option<
     export::export_result(&engine, &boot, &cfg.output_dir, cfg)?;
     let is_root = groups.world.rank() == 0;
     if is_root && cfg.verbose {
-        say_where_the_result_is(cfg, boot.model_cfg.lora.is_some());
+        say_where_the_result_is(cfg, boot.lora.is_some());
     }
     let summary = RunSummary { losses: curve.losses, grad_norms: curve.grad_norms, rank_bytes, total_params: boot.total_params(), output_dir: cfg.output_dir.clone() };
     Ok(is_root.then_some(summary))

@@ -142,7 +142,7 @@ fn report(cfg: &FinetuneConfig, boot: &Bootstrap, n_units: usize, bytes: &[State
         cfg.strategy,
         total as f64 / 1e6,
     );
-    if let Some(lora) = &boot.model_cfg.lora {
+    if let Some(lora) = &boot.lora {
         eprintln!(
             "lora: r={} alpha={} dropout={} targets {:?}: {trainable} trainable parameters ({:.3}% of {total}); the base is frozen \
              (no gradients, no optimizer state)",

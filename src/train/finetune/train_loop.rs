@@ -115,7 +115,7 @@ fn dropout_seed(seed: u64, step: usize, place: usize) -> u64 {
 /// adapter of a checkpoint in.
 fn checkpoint_side_files(cfg: &FinetuneConfig, boot: &Bootstrap) -> Result<Vec<(String, Vec<u8>)>> {
     let mut files = boot.side_files.clone();
-    if let Some(lora) = &boot.model_cfg.lora {
+    if let Some(lora) = &boot.lora {
         let config = crate::checkpoint::adapter::adapter_config_json(lora, &cfg.model);
         files.push((crate::checkpoint::adapter::ADAPTER_CONFIG.to_string(), serde_json::to_vec_pretty(&config)?));
     }
