@@ -215,3 +215,26 @@ fn gpu_flags_on_a_cpu_build_give_one_clear_line() {
     let serve = run_cli(&["serve", "--model", dir.to_str().unwrap(), "--port", "0", "--data-dir", data_dir.to_str().unwrap(), "--device", "cuda"], &[]);
     assert_clean_error(&serve, &["--device cuda:0", "built without CUDA"]);
 }
+
+/// The CPU kernels pick AVX-512, AVX2 or plain code at run time; `FSDP_SIMD` forces a lower
+/// level. Every level this machine has generates the same greedy tokens (decoding takes the
+/// matrix-vector kernel at every step).
+#[test]
+fn every_simd_level_generates_the_same_tokens() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = fixture("llama", tmp.path());
+    let ids = |level: &str| {
+        let o = run_cli(
+            &["generate", "--model", dir.to_str().unwrap(), "--prompt", "The quick brown fox", "--max-new-tokens", "24", "--temperature", "0", "--json"],
+            &[("FSDP_SIMD", level)],
+        );
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+        v["generated_ids"].clone()
+    };
+    let best = ids("best");
+    assert_eq!(best.as_array().map(Vec::len), Some(24));
+    for level in ["avx2", "scalar"] {
+        assert_eq!(ids(level), best, "FSDP_SIMD={level}");
+    }
+}

@@ -33,6 +33,9 @@ impl RmsNorm {
     pub fn forward(&self, x: &Tensor, mode: OpMode) -> Result<Tensor> {
         match mode {
             OpMode::Generate => candle_nn::ops::rms_norm(x, &self.weight, self.eps as f32),
+            OpMode::Train if crate::fused::applies(x) && self.weight.dtype() == DType::F32 => {
+                crate::fused::rms_norm(x, &self.weight, self.eps)
+            }
             OpMode::Train => {
                 let xf = x.to_dtype(DType::F32)?;
                 let inv_rms = (xf.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?.sqrt()?.recip()?;
@@ -272,6 +275,9 @@ impl Attention {
         let v = heads(&self.v_proj, self.num_kv_heads, &None)?;
         let (q, k) = match pos.mode {
             _ if pos.cos.rank() == 3 => (rope_rows(&q, &pos.cos, &pos.sin)?, rope_rows(&k, &pos.cos, &pos.sin)?),
+            OpMode::Train if crate::fused::applies(&q) && pos.cos.dtype() == DType::F32 => {
+                (crate::fused::rope(&q, &pos.cos, &pos.sin)?, crate::fused::rope(&k, &pos.cos, &pos.sin)?)
+            }
             OpMode::Train => (
                 candle_nn::rotary_emb::rope_slow(&q, &pos.cos, &pos.sin)?,
                 candle_nn::rotary_emb::rope_slow(&k, &pos.cos, &pos.sin)?,
@@ -370,8 +376,12 @@ impl Mlp {
 
     pub fn forward(&self, x: &Tensor, pos: &PositionInputs) -> Result<Tensor> {
         let seeds = pos.row_seeds.as_deref();
-        let gate = candle_nn::ops::silu(&self.gate_proj.forward(x, pos.mode, seeds)?)?;
-        self.down_proj.forward(&(gate * self.up_proj.forward(x, pos.mode, seeds)?)?, pos.mode, seeds)
+        let (gate, up) = (self.gate_proj.forward(x, pos.mode, seeds)?, self.up_proj.forward(x, pos.mode, seeds)?);
+        let h = match crate::fused::applies(&gate) {
+            true => crate::fused::swiglu(&gate, &up)?,
+            false => (candle_nn::ops::silu(&gate)? * up)?,
+        };
+        self.down_proj.forward(&h, pos.mode, seeds)
     }
 }
 

@@ -4,6 +4,8 @@
 //! decoder layer can be built on its own from a `VarBuilder` over just that layer's tensors.
 
 pub mod config;
+pub mod fused;
+pub mod kernels;
 pub mod layers;
 pub mod lora;
 pub mod model;

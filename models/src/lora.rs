@@ -166,7 +166,14 @@ impl AdaptedLinear {
 
     /// `row_seeds`: one dropout seed per batch row in training (None: no dropout, as in eval).
     pub fn forward(&self, x: &Tensor, mode: OpMode, row_seeds: Option<&[u64]>) -> Result<Tensor, candle_core::Error> {
-        let y = self.base.forward(x)?;
+        // Decoding's few rows take the matrix-vector kernel; everything else candle's matmul.
+        let y = match crate::kernels::gemv_t(x, self.base.weight())? {
+            Some(y) => match self.base.bias() {
+                Some(b) => y.broadcast_add(b)?,
+                None => y,
+            },
+            None => self.base.forward(x)?,
+        };
         let Some(ad) = &self.adapter else { return Ok(y) };
         let x = match row_seeds {
             Some(seeds) if mode == OpMode::Train && ad.dropout > 0.0 => {

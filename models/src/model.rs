@@ -72,7 +72,11 @@ impl CausalLm {
     }
 
     fn logits(&self, h: &Tensor) -> Result<Tensor> {
-        h.broadcast_matmul(&self.lm_head.t()?)
+        // Decoding's last positions: the head is the largest matrix, read once per token.
+        match crate::kernels::gemv_t(h, &self.lm_head)? {
+            Some(logits) => Ok(logits),
+            None => h.broadcast_matmul(&self.lm_head.t()?),
+        }
     }
 
     /// Logits at every position, (batch, seq, vocab), no cache. Uses only differentiable ops, so it

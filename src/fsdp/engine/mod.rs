@@ -296,6 +296,12 @@ impl FsdpEngine {
     /// happens here, as in transformers); -100 is ignored.
     fn loss_sum(logits: &Tensor, labels: &[i64], b: usize, t: usize) -> Result<Tensor> {
         let v = logits.dim(D::Minus1)?;
+        if models::fused::applies(logits) {
+            // Every position, the last of each row ignored: no copy of the logits, and no
+            // (rows, vocab) log-probabilities kept for backward.
+            let targets: Vec<i64> = (0..b * t).map(|i| if i % t == t - 1 { -100 } else { labels[i + 1] }).collect();
+            return Ok(models::fused::cross_entropy_rows(&logits.reshape((b * t, v))?, &targets)?.sum_all()?);
+        }
         // In f32 whatever the compute dtype, as transformers' loss upcasts the logits.
         let logits = logits.narrow(1, 0, t - 1)?.reshape((b * (t - 1), v))?.to_dtype(DType::F32)?;
         let mut targets = Vec::with_capacity(b * (t - 1));

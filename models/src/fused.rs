@@ -1,0 +1,440 @@
+//! Fused CPU ops that train: each is a candle custom op whose forward is one pass over the data
+//! (one output allocation, split over the threads) and whose `bwd` is exact, itself one fused
+//! pass. They replace composite chains of candle ops (a temporary tensor per step) on the
+//! training path. On other devices, and for dtypes other than f32, callers keep the composite
+//! ops (same values; see each op's test against them).
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+/// Whether the fused ops apply: f32 tensors in host memory.
+pub fn applies(x: &Tensor) -> bool {
+    x.device().is_cpu() && x.dtype() == DType::F32
+}
+
+fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&s.as_slice::<f32>()?[a..b]),
+        None => candle_core::bail!("fused op: the input is not contiguous"),
+    }
+}
+
+/// Rows of at least this many values each go to one thread task.
+const MIN_TASK: usize = 1 << 14;
+
+fn rows_per_task(row: usize) -> usize {
+    (MIN_TASK / row.max(1)).max(1)
+}
+
+// ---------------------------------------------------------------- RMSNorm
+
+/// `x / sqrt(mean(x^2) + eps) * w` over the last dimension (transformers' `LlamaRMSNorm` in f32).
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    x.contiguous()?.apply_op2(&w.contiguous()?, RmsNorm { eps: eps as f32 })
+}
+
+struct RmsNorm {
+    eps: f32,
+}
+
+fn inv_rms(row: &[f32], eps: f32) -> f32 {
+    let ss: f32 = row.iter().map(|v| v * v).sum();
+    1.0 / (ss / row.len() as f32 + eps).sqrt()
+}
+
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "fused-rms-norm"
+    }
+
+    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ws: &CpuStorage, wl: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (x, w) = (f32_slice(xs, xl)?, f32_slice(ws, wl)?);
+        let n = w.len();
+        let mut y = vec![0f32; x.len()];
+        y.par_chunks_mut(n * rows_per_task(n)).zip(x.par_chunks(n * rows_per_task(n))).for_each(|(ys, xs)| {
+            for (yr, xr) in ys.chunks_mut(n).zip(xs.chunks(n)) {
+                let r = inv_rms(xr, self.eps);
+                for i in 0..n {
+                    yr[i] = xr[i] * r * w[i];
+                }
+            }
+        });
+        Ok((CpuStorage::F32(y), xl.shape().clone()))
+    }
+
+    /// With r = 1/rms(x): dx_j = r w_j g_j - r^3 x_j / n * sum_i g_i w_i x_i and
+    /// dw_i = sum over rows of g_i x_i r.
+    fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let g = g.contiguous()?;
+        let both = x.apply_op3_no_bwd(w, &g, &RmsNormBackward { eps: self.eps })?;
+        let rows = x.elem_count() / w.elem_count();
+        let dx = both.narrow(0, 0, rows)?.reshape(x.shape())?;
+        let dw = both.narrow(0, rows, 1)?.reshape(w.shape())?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+/// (x, w, g) -> (rows + 1, n): the rows of dx, then dw.
+struct RmsNormBackward {
+    eps: f32,
+}
+
+impl CustomOp3 for RmsNormBackward {
+    fn name(&self) -> &'static str {
+        "fused-rms-norm-backward"
+    }
+
+    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ws: &CpuStorage, wl: &Layout, gs: &CpuStorage, gl: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (x, w, g) = (f32_slice(xs, xl)?, f32_slice(ws, wl)?, f32_slice(gs, gl)?);
+        let n = w.len();
+        let rows = x.len() / n;
+        let mut out = vec![0f32; (rows + 1) * n];
+        let (dx, _) = out.split_at_mut(rows * n);
+        let per = n * rows_per_task(n);
+        // dx per row, and each task's partial dw, summed after.
+        let partial: Vec<Vec<f32>> = dx
+            .par_chunks_mut(per)
+            .zip(x.par_chunks(per).zip(g.par_chunks(per)))
+            .map(|(dxs, (xs, gs))| {
+                let mut dw = vec![0f32; n];
+                for ((dxr, xr), gr) in dxs.chunks_mut(n).zip(xs.chunks(n)).zip(gs.chunks(n)) {
+                    let r = inv_rms(xr, self.eps);
+                    let mut dot = 0f32;
+                    for i in 0..n {
+                        dot += gr[i] * w[i] * xr[i];
+                        dw[i] += gr[i] * xr[i] * r;
+                    }
+                    let c = r * r * r * dot / n as f32;
+                    for j in 0..n {
+                        dxr[j] = r * w[j] * gr[j] - c * xr[j];
+                    }
+                }
+                dw
+            })
+            .collect();
+        let dw = &mut out[rows * n..];
+        for p in partial {
+            for i in 0..n {
+                dw[i] += p[i];
+            }
+        }
+        Ok((CpuStorage::F32(out), Shape::from((rows + 1, n))))
+    }
+}
+
+// ---------------------------------------------------------------- SwiGLU
+
+/// `silu(a) * b`, the Llama MLP's gate.
+pub fn swiglu(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    a.contiguous()?.apply_op2(&b.contiguous()?, SwiGlu)
+}
+
+struct SwiGlu;
+
+fn sigmoid(v: f32) -> f32 {
+    1.0 / (1.0 + (-v).exp())
+}
+
+impl CustomOp2 for SwiGlu {
+    fn name(&self) -> &'static str {
+        "fused-swiglu"
+    }
+
+    fn cpu_fwd(&self, a_s: &CpuStorage, al: &Layout, b_s: &CpuStorage, bl: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (a, b) = (f32_slice(a_s, al)?, f32_slice(b_s, bl)?);
+        if a.len() != b.len() {
+            candle_core::bail!("swiglu: {} vs {} values", a.len(), b.len());
+        }
+        let mut y = vec![0f32; a.len()];
+        y.par_chunks_mut(MIN_TASK).zip(a.par_chunks(MIN_TASK).zip(b.par_chunks(MIN_TASK))).for_each(|(ys, (as_, bs))| {
+            for i in 0..ys.len() {
+                ys[i] = as_[i] * sigmoid(as_[i]) * bs[i];
+            }
+        });
+        Ok((CpuStorage::F32(y), al.shape().clone()))
+    }
+
+    /// da = g b s (1 + a (1 - s)) with s = sigmoid(a); db = g a s.
+    fn bwd(&self, a: &Tensor, b: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let both = a.apply_op3_no_bwd(b, &g.contiguous()?, &SwiGluBackward)?;
+        let n = a.elem_count();
+        let da = both.narrow(0, 0, n)?.reshape(a.shape())?;
+        let db = both.narrow(0, n, n)?.reshape(b.shape())?;
+        Ok((Some(da), Some(db)))
+    }
+}
+
+/// (a, b, g) -> (2n): da then db.
+struct SwiGluBackward;
+
+impl CustomOp3 for SwiGluBackward {
+    fn name(&self) -> &'static str {
+        "fused-swiglu-backward"
+    }
+
+    fn cpu_fwd(&self, a_s: &CpuStorage, al: &Layout, b_s: &CpuStorage, bl: &Layout, g_s: &CpuStorage, gl: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (a, b, g) = (f32_slice(a_s, al)?, f32_slice(b_s, bl)?, f32_slice(g_s, gl)?);
+        let n = a.len();
+        let mut out = vec![0f32; 2 * n];
+        let (da, db) = out.split_at_mut(n);
+        da.par_chunks_mut(MIN_TASK).zip(db.par_chunks_mut(MIN_TASK)).enumerate().for_each(|(c, (das, dbs))| {
+            let off = c * MIN_TASK;
+            for i in 0..das.len() {
+                let (av, bv, gv) = (a[off + i], b[off + i], g[off + i]);
+                let s = sigmoid(av);
+                das[i] = gv * bv * s * (1.0 + av * (1.0 - s));
+                dbs[i] = gv * av * s;
+            }
+        });
+        Ok((CpuStorage::F32(out), Shape::from(2 * n)))
+    }
+}
+
+// ---------------------------------------------------------------- rotary embedding
+
+/// Rotary embedding of `x` (batch, heads, seq, head_dim) with `cos`/`sin` tables (seq,
+/// head_dim / 2), halves rotated as transformers' `rotate_half` does (what candle's `rope_slow`
+/// computes, without concatenating the tables at every call).
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    x.contiguous()?.apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rope { inverse: false })
+}
+
+/// `inverse` rotates by the negative angle: the backward of a rotation is its inverse.
+struct Rope {
+    inverse: bool,
+}
+
+impl CustomOp3 for Rope {
+    fn name(&self) -> &'static str {
+        "fused-rope"
+    }
+
+    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, cs: &CpuStorage, cl: &Layout, ss: &CpuStorage, sl: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (x, cos, sin) = (f32_slice(xs, xl)?, f32_slice(cs, cl)?, f32_slice(ss, sl)?);
+        let dims = xl.shape().dims();
+        let (seq, d) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+        let half = d / 2;
+        if cos.len() != seq * half || sin.len() != cos.len() {
+            candle_core::bail!("rope: tables of {} values for {seq} positions of {half}", cos.len());
+        }
+        let sign = if self.inverse { -1.0f32 } else { 1.0 };
+        let mut y = vec![0f32; x.len()];
+        y.par_chunks_mut(seq * d).zip(x.par_chunks(seq * d)).for_each(|(ys, xs)| {
+            for p in 0..seq {
+                let (c, s) = (&cos[p * half..(p + 1) * half], &sin[p * half..(p + 1) * half]);
+                let (xr, yr) = (&xs[p * d..(p + 1) * d], &mut ys[p * d..(p + 1) * d]);
+                for i in 0..half {
+                    let (x1, x2, si) = (xr[i], xr[i + half], sign * s[i]);
+                    yr[i] = x1 * c[i] - x2 * si;
+                    yr[i + half] = x2 * c[i] + x1 * si;
+                }
+            }
+        });
+        Ok((CpuStorage::F32(y), xl.shape().clone()))
+    }
+
+    fn bwd(&self, _x: &Tensor, cos: &Tensor, sin: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dx = g.contiguous()?.apply_op3_no_bwd(cos, sin, &Rope { inverse: !self.inverse })?;
+        Ok((Some(dx), None, None))
+    }
+}
+
+// ---------------------------------------------------------------- cross-entropy
+
+/// Per-row `-log softmax(logits)[target]` of (rows, vocab) logits, 0 for rows whose target is
+/// negative (ignored). Neither pass keeps the (rows, vocab) log-probabilities: the forward
+/// needs each row's max and log-sum-exp, the backward recomputes softmax row by row.
+pub fn cross_entropy_rows(logits: &Tensor, targets: &[i64]) -> Result<Tensor> {
+    let (rows, vocab) = logits.dims2()?;
+    if targets.len() != rows {
+        candle_core::bail!("cross_entropy_rows: {} targets for {rows} rows", targets.len());
+    }
+    if let Some(t) = targets.iter().find(|&&t| t >= vocab as i64) {
+        candle_core::bail!("label {t} is outside the vocabulary ({vocab})");
+    }
+    logits.contiguous()?.apply_op1(CrossEntropy { targets: targets.to_vec() })
+}
+
+struct CrossEntropy {
+    targets: Vec<i64>,
+}
+
+/// (max, log-sum-exp) of a row.
+fn row_lse(row: &[f32]) -> (f32, f32) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f32 = row.iter().map(|v| (v - max).exp()).sum();
+    (max, max + sum.ln())
+}
+
+impl CustomOp1 for CrossEntropy {
+    fn name(&self) -> &'static str {
+        "fused-cross-entropy"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = f32_slice(s, l)?;
+        let rows = self.targets.len();
+        let vocab = x.len() / rows.max(1);
+        let loss: Vec<f32> = x
+            .par_chunks(vocab)
+            .zip(self.targets.par_iter())
+            .map(|(row, &t)| if t < 0 { 0.0 } else { row_lse(row).1 - row[t as usize] })
+            .collect();
+        Ok((CpuStorage::F32(loss), Shape::from(rows)))
+    }
+
+    /// d logits[r, j] = g[r] * (softmax(logits[r])_j - [j == target_r]); 0 for ignored rows.
+    fn bwd(&self, logits: &Tensor, _loss: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        let g = g.contiguous()?;
+        Ok(Some(logits.apply_op2_no_bwd(&g, &CrossEntropyBackward { targets: self.targets.clone() })?))
+    }
+}
+
+struct CrossEntropyBackward {
+    targets: Vec<i64>,
+}
+
+impl CustomOp2 for CrossEntropyBackward {
+    fn name(&self) -> &'static str {
+        "fused-cross-entropy-backward"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout, gs: &CpuStorage, gl: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (x, g) = (f32_slice(s, l)?, f32_slice(gs, gl)?);
+        let rows = self.targets.len();
+        let vocab = x.len() / rows.max(1);
+        let mut dx = vec![0f32; x.len()];
+        dx.par_chunks_mut(vocab).zip(x.par_chunks(vocab)).enumerate().for_each(|(r, (dr, row))| {
+            let t = self.targets[r];
+            if t < 0 {
+                return;
+            }
+            let (_, lse) = row_lse(row);
+            for j in 0..vocab {
+                dr[j] = g[r] * (row[j] - lse).exp();
+            }
+            dr[t as usize] -= g[r];
+        });
+        Ok((CpuStorage::F32(dx), l.shape().clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var, D};
+
+    /// RMSNorm as composite candle ops (what the training path used before).
+    fn rms_norm_composite(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+        let inv = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+        x.broadcast_mul(&inv)?.broadcast_mul(w)
+    }
+
+    fn rand(shape: &[usize], seed: u64, scale: f32) -> Tensor {
+        let n: usize = shape.iter().product();
+        let mut r = crate::rng::SplitMix64(seed);
+        Tensor::from_vec((0..n).map(|_| r.next_signed() * scale).collect::<Vec<f32>>(), shape, &Device::Cpu).unwrap()
+    }
+
+    fn max_rel(a: &Tensor, b: &Tensor) -> f32 {
+        let (a, b) = (a.flatten_all().unwrap().to_vec1::<f32>().unwrap(), b.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        a.iter().zip(&b).map(|(x, y)| (x - y).abs() / y.abs().max(1e-2)).fold(0f32, f32::max)
+    }
+
+    /// Gradients of `sum(f(vars) * probe)` for the fused and the composite form of an op.
+    fn grads(vars: &[Var], probe: &Tensor, f: &dyn Fn(&[Tensor]) -> Result<Tensor>) -> Vec<Tensor> {
+        let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let loss = (f(&ts).unwrap() * probe).unwrap().sum_all().unwrap();
+        let g = loss.backward().unwrap();
+        vars.iter().map(|v| g.get(v.as_tensor()).unwrap().clone()).collect()
+    }
+
+    /// Central finite differences of `sum(f(x) * probe)` at a few coordinates of input `which`,
+    /// in f64 through the composite form.
+    fn check_fd(inputs: &[Tensor], which: usize, probe: &Tensor, analytic: &Tensor, f: &dyn Fn(&[Tensor]) -> Result<Tensor>) {
+        let base: Vec<Tensor> = inputs.iter().map(|t| t.to_dtype(DType::F64).unwrap()).collect();
+        let probe = probe.to_dtype(DType::F64).unwrap();
+        let flat = base[which].flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let an = analytic.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for k in [0, flat.len() / 3, flat.len() - 1] {
+            let eval = |delta: f64| {
+                let mut v = flat.clone();
+                v[k] += delta;
+                let mut args = base.clone();
+                args[which] = Tensor::from_vec(v, base[which].shape(), &Device::Cpu).unwrap();
+                (f(&args).unwrap() * &probe).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap()
+            };
+            let h = 1e-5;
+            let numeric = (eval(h) - eval(-h)) / (2.0 * h);
+            assert!((numeric - an[k] as f64).abs() < 1e-3 * numeric.abs().max(1.0), "input {which}[{k}]: numeric {numeric}, analytic {}", an[k]);
+        }
+    }
+
+    #[test]
+    fn rms_norm_matches_the_composite_op_and_finite_differences() {
+        let (x, w) = (rand(&[3, 5, 64], 1, 2.0), rand(&[64], 2, 1.0));
+        let probe = rand(&[3, 5, 64], 3, 1.0);
+        assert!(max_rel(&rms_norm(&x, &w, 1e-6).unwrap(), &rms_norm_composite(&x, &w, 1e-6).unwrap()) < 1e-5);
+        let vars = [Var::from_tensor(&x).unwrap(), Var::from_tensor(&w).unwrap()];
+        let fused = grads(&vars, &probe, &|t| rms_norm(&t[0], &t[1], 1e-6));
+        let composite = grads(&vars, &probe, &|t| rms_norm_composite(&t[0], &t[1], 1e-6));
+        for (a, b) in fused.iter().zip(&composite) {
+            assert!(max_rel(a, b) < 1e-4, "{}", max_rel(a, b));
+        }
+        for which in 0..2 {
+            check_fd(&[x.clone(), w.clone()], which, &probe, &fused[which], &|t| rms_norm_composite(&t[0], &t[1], 1e-6));
+        }
+    }
+
+    #[test]
+    fn swiglu_matches_the_composite_op_and_finite_differences() {
+        let (a, b) = (rand(&[2, 7, 96], 4, 4.0), rand(&[2, 7, 96], 5, 2.0));
+        let probe = rand(&[2, 7, 96], 6, 1.0);
+        let composite = |t: &[Tensor]| candle_nn::ops::silu(&t[0])? * &t[1];
+        assert!(max_rel(&swiglu(&a, &b).unwrap(), &composite(&[a.clone(), b.clone()]).unwrap()) < 1e-5);
+        let vars = [Var::from_tensor(&a).unwrap(), Var::from_tensor(&b).unwrap()];
+        let fused = grads(&vars, &probe, &|t| swiglu(&t[0], &t[1]));
+        let reference = grads(&vars, &probe, &composite);
+        for (x, y) in fused.iter().zip(&reference) {
+            assert!(max_rel(x, y) < 1e-4, "{}", max_rel(x, y));
+        }
+        for which in 0..2 {
+            check_fd(&[a.clone(), b.clone()], which, &probe, &fused[which], &composite);
+        }
+    }
+
+    #[test]
+    fn cross_entropy_matches_log_softmax_and_finite_differences() {
+        let logits = rand(&[6, 50], 7, 5.0);
+        let targets = [3i64, -100, 49, 0, 17, -100];
+        let probe = rand(&[6], 8, 1.0);
+        let composite = |t: &[Tensor]| -> Result<Tensor> {
+            let lp = candle_nn::ops::log_softmax(&t[0], D::Minus1)?;
+            let idx = Tensor::from_vec(targets.iter().map(|&t| t.max(0) as u32).collect::<Vec<_>>(), (6, 1), &Device::Cpu)?;
+            let mask = Tensor::from_vec(targets.iter().map(|&t| if t < 0 { 0.0 } else { 1.0 }).collect::<Vec<f32>>(), 6, &Device::Cpu)?.to_dtype(t[0].dtype())?;
+            (lp.gather(&idx, 1)?.squeeze(1)?.neg()? * mask)
+        };
+        let got = cross_entropy_rows(&logits, &targets).unwrap();
+        assert!(max_rel(&got, &composite(&[logits.clone()]).unwrap()) < 1e-5);
+        let var = [Var::from_tensor(&logits).unwrap()];
+        let fused = grads(&var, &probe, &|t| cross_entropy_rows(&t[0], &targets));
+        let reference = grads(&var, &probe, &composite);
+        assert!(max_rel(&fused[0], &reference[0]) < 1e-4);
+        check_fd(&[logits], 0, &probe, &fused[0], &composite);
+        assert!(cross_entropy_rows(&rand(&[2, 4], 9, 1.0), &[4, 0]).is_err());
+    }
+
+    #[test]
+    fn rope_matches_rope_slow_and_finite_differences() {
+        let x = rand(&[2, 3, 5, 16], 10, 2.0);
+        let (cos, sin) = (rand(&[5, 8], 11, 1.0), rand(&[5, 8], 12, 1.0));
+        let probe = rand(&[2, 3, 5, 16], 13, 1.0);
+        let composite = |t: &[Tensor]| candle_nn::rotary_emb::rope_slow(&t[0], &cos.to_dtype(t[0].dtype())?, &sin.to_dtype(t[0].dtype())?);
+        assert!(max_rel(&rope(&x, &cos, &sin).unwrap(), &composite(&[x.clone()]).unwrap()) < 1e-5);
+        let var = [Var::from_tensor(&x).unwrap()];
+        let fused = grads(&var, &probe, &|t| rope(&t[0], &cos, &sin));
+        let reference = grads(&var, &probe, &composite);
+        assert!(max_rel(&fused[0], &reference[0]) < 1e-5);
+        check_fd(&[x], 0, &probe, &fused[0], &composite);
+    }
+}

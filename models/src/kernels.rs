@@ -1,0 +1,229 @@
+//! CPU kernels where candle's generic path is slow for our shapes, picked at run time by what the
+//! processor has (AVX-512, AVX2 + FMA, or plain code), so one binary runs everywhere.
+//! `FSDP_SIMD=avx512|avx2|scalar` forces a lower level (never one the CPU lacks), so tests can
+//! compare every path on one machine.
+//!
+//! The first kernel is decoding's matrix-vector product: with one or a few rows, `x @ W^T` reads
+//! the whole weight matrix once per token and is bound by memory bandwidth. gemm's blocked
+//! kernels are built for large tiles (packing, AVX-512 tiles that batch-1 decoding wastes); a
+//! plain dot product per weight row, split over the threads, streams the weights at full speed.
+
+use std::sync::OnceLock;
+
+use candle_core::{DType, Device, Result, Tensor};
+use rayon::prelude::*;
+
+/// Largest number of rows that take the matrix-vector path.
+pub const GEMV_MAX_ROWS: usize = 4;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum SimdLevel {
+    Scalar,
+    Avx2,
+    Avx512,
+}
+
+impl SimdLevel {
+    /// The best level this CPU has.
+    pub fn detected() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") {
+                return Self::Avx512;
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                return Self::Avx2;
+            }
+        }
+        Self::Scalar
+    }
+
+    /// The level in use: `FSDP_SIMD`'s (at most what the CPU has), else the detected one.
+    pub fn current() -> Self {
+        static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
+        *LEVEL.get_or_init(|| {
+            let best = Self::detected();
+            match std::env::var("FSDP_SIMD").as_deref() {
+                Ok("scalar") => Self::Scalar,
+                Ok("avx2") => best.min(Self::Avx2),
+                _ => best,
+            }
+        })
+    }
+}
+
+/// `x @ w^T` for an f32 CPU `x` of shape (.., in) with at most [`GEMV_MAX_ROWS`] rows in all and
+/// a contiguous f32 CPU `w` (out, in), when neither needs a gradient; `None` when the call is
+/// not for this kernel (the caller then takes candle's matmul).
+pub fn gemv_t(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
+    let rows = x.elem_count() / x.dim(candle_core::D::Minus1)?;
+    let eligible = matches!(x.device(), Device::Cpu)
+        && matches!(w.device(), Device::Cpu)
+        && x.dtype() == DType::F32
+        && w.dtype() == DType::F32
+        && rows <= GEMV_MAX_ROWS
+        && w.rank() == 2
+        && w.is_contiguous()
+        && !x.track_op()
+        && !w.track_op();
+    if !eligible {
+        return Ok(None);
+    }
+    let (out_dim, in_dim) = w.dims2()?;
+    if x.dim(candle_core::D::Minus1)? != in_dim {
+        return Ok(None);
+    }
+    let xs = x.flatten_all()?.to_vec1::<f32>()?;
+    let (storage, layout) = w.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else { return Ok(None) };
+    let ws = &cpu.as_slice::<f32>()?[layout.start_offset()..layout.start_offset() + out_dim * in_dim];
+    let y = gemv_rows(&xs, rows, ws, out_dim, in_dim, SimdLevel::current());
+    drop(storage);
+    let mut dims = x.dims().to_vec();
+    *dims.last_mut().unwrap() = out_dim;
+    Ok(Some(Tensor::from_vec(y, dims, &Device::Cpu)?))
+}
+
+/// `y[r, o] = dot(x[r, ..], w[o, ..])` for `rows` rows, the weight rows split over the threads.
+pub fn gemv_rows(x: &[f32], rows: usize, w: &[f32], out_dim: usize, in_dim: usize, level: SimdLevel) -> Vec<f32> {
+    // Blocks of weight rows per task: big enough to amortise scheduling, small enough to balance.
+    const BLOCK: usize = 64;
+    let mut yt = vec![0f32; out_dim * rows]; // (out, rows): each task writes its own block
+    yt.par_chunks_mut(BLOCK * rows).enumerate().for_each(|(blk, out)| {
+        let first = blk * BLOCK;
+        for (j, o) in (first..(first + BLOCK).min(out_dim)).enumerate() {
+            let wrow = &w[o * in_dim..(o + 1) * in_dim];
+            for r in 0..rows {
+                out[j * rows + r] = dot(&x[r * in_dim..(r + 1) * in_dim], wrow, level);
+            }
+        }
+    });
+    let mut y = vec![0f32; rows * out_dim];
+    for o in 0..out_dim {
+        for r in 0..rows {
+            y[r * out_dim + o] = yt[o * rows + r];
+        }
+    }
+    y
+}
+
+/// Dot product at `level` (which the caller has checked the CPU supports).
+pub fn dot(a: &[f32], b: &[f32], level: SimdLevel) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: `level` never exceeds what `SimdLevel::detected` found on this CPU.
+        match level {
+            SimdLevel::Avx512 => return unsafe { x86::dot_avx512(a, b) },
+            SimdLevel::Avx2 => return unsafe { x86::dot_avx2(a, b) },
+            SimdLevel::Scalar => {}
+        }
+    }
+    let _ = level;
+    dot_scalar(a, b)
+}
+
+/// Eight partial sums, as the vector kernels keep, so the three levels round alike.
+fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let chunks = a.len() / 8;
+    for c in 0..chunks {
+        for l in 0..8 {
+            acc[l] += a[c * 8 + l] * b[c * 8 + l];
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for i in chunks * 8..a.len() {
+        s += a[i] * b[i];
+    }
+    s
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len();
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut acc = [_mm512_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 64 <= n {
+            for (k, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i + 16 * k)), _mm512_loadu_ps(pb.add(i + 16 * k)), *acc);
+            }
+            i += 64;
+        }
+        while i + 16 <= n {
+            acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc[0]);
+            i += 16;
+        }
+        let sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+        let mut s = _mm512_reduce_add_ps(sum);
+        while i < n {
+            s += *pa.add(i) * *pb.add(i);
+            i += 1;
+        }
+        s
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len();
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 32 <= n {
+            for (k, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8 * k)), _mm256_loadu_ps(pb.add(i + 8 * k)), *acc);
+            }
+            i += 32;
+        }
+        while i + 8 <= n {
+            acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc[0]);
+            i += 8;
+        }
+        let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), sum);
+        let mut s: f32 = lanes.iter().sum();
+        while i < n {
+            s += *pa.add(i) * *pb.add(i);
+            i += 1;
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(n: usize, seed: u64) -> Vec<f32> {
+        let mut r = crate::rng::SplitMix64(seed);
+        (0..n).map(|_| r.next_signed()).collect()
+    }
+
+    /// Every level this CPU has gives candle's matmul, for odd sizes (tails) and 1-4 rows.
+    #[test]
+    fn every_level_matches_candle_matmul() {
+        let best = SimdLevel::detected();
+        for (rows, inp, out) in [(1, 576, 1536), (3, 77, 130), (4, 1000, 65), (2, 15, 3)] {
+            let x = Tensor::from_vec(data(rows * inp, 1), (rows, inp), &Device::Cpu).unwrap();
+            let w = Tensor::from_vec(data(out * inp, 2), (out, inp), &Device::Cpu).unwrap();
+            let want: Vec<f32> = x.matmul(&w.t().unwrap()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let (xs, ws) = (x.flatten_all().unwrap().to_vec1::<f32>().unwrap(), w.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            for level in [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512].into_iter().filter(|l| *l <= best) {
+                let got = gemv_rows(&xs, rows, &ws, out, inp, level);
+                // Relative to the scale of a sum of `inp` products (different summation orders).
+                let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs() / (b.abs() + (inp as f32).sqrt())).fold(0f32, f32::max);
+                assert!(worst < 1e-5, "{level:?} rows {rows} in {inp} out {out}: off by {worst}");
+            }
+        }
+        let y = gemv_t(&Tensor::from_vec(data(576, 3), (1, 1, 576), &Device::Cpu).unwrap(), &Tensor::from_vec(data(576 * 9, 4), (9, 576), &Device::Cpu).unwrap())
+            .unwrap()
+            .expect("a 1-row f32 product takes the gemv path");
+        assert_eq!(y.dims(), &[1, 1, 9]);
+    }
+}
