@@ -23,11 +23,26 @@ pub mod train;
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// mimalloc returns ("purges") freed memory to the kernel after 10 ms; a training step frees
+/// and reallocates the same large buffers every few milliseconds, and each purge turns into page
+/// faults and page clearing on the next step. Keep freed memory in the process instead.
+fn keep_freed_memory() {
+    extern "C" {
+        fn mi_option_set(option: i32, value: std::ffi::c_long);
+    }
+    // `mi_option_purge_delay` in the mimalloc (v3) that libmimalloc-sys 0.1.49 builds:
+    // -1 = never purge.
+    const MI_OPTION_PURGE_DELAY: i32 = 15;
+    // SAFETY: sets a plain integer option; mimalloc reads it on its next purge decision.
+    unsafe { mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
+}
+
 /// candle's CPU worker threads spin 25,000 times before parking while waiting for work; on small
 /// machines the spinning steals the cores the compute needs (measured here: fine-tuning SmolLM2
 /// on 2 cores ran 2.5x faster with 1,000). Applies unless the user set the variable; call it
 /// before any tensor work.
 pub fn tune_cpu_threads() {
+    keep_freed_memory();
     const VAR: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
     if std::env::var_os(VAR).is_none() {
         std::env::set_var(VAR, "1000");

@@ -7,6 +7,8 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use crate::kernels::exp_inplace;
+
 /// Whether the fused ops apply: f32 tensors in host memory.
 pub fn applies(x: &Tensor) -> bool {
     x.device().is_cpu() && x.dtype() == DType::F32
@@ -131,8 +133,11 @@ pub fn swiglu(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 struct SwiGlu;
 
-fn sigmoid(v: f32) -> f32 {
-    1.0 / (1.0 + (-v).exp())
+/// Sigmoid of a slice into `out` (through the vectorised exp).
+fn sigmoid_into(v: &[f32], out: &mut [f32]) {
+    out.iter_mut().zip(v).for_each(|(o, x)| *o = -x);
+    exp_inplace(out);
+    out.iter_mut().for_each(|o| *o = 1.0 / (1.0 + *o));
 }
 
 impl CustomOp2 for SwiGlu {
@@ -147,8 +152,9 @@ impl CustomOp2 for SwiGlu {
         }
         let mut y = vec![0f32; a.len()];
         y.par_chunks_mut(MIN_TASK).zip(a.par_chunks(MIN_TASK).zip(b.par_chunks(MIN_TASK))).for_each(|(ys, (as_, bs))| {
+            sigmoid_into(as_, ys);
             for i in 0..ys.len() {
-                ys[i] = as_[i] * sigmoid(as_[i]) * bs[i];
+                ys[i] *= as_[i] * bs[i];
             }
         });
         Ok((CpuStorage::F32(y), al.shape().clone()))
@@ -179,14 +185,135 @@ impl CustomOp3 for SwiGluBackward {
         let (da, db) = out.split_at_mut(n);
         da.par_chunks_mut(MIN_TASK).zip(db.par_chunks_mut(MIN_TASK)).enumerate().for_each(|(c, (das, dbs))| {
             let off = c * MIN_TASK;
+            let mut s = vec![0f32; das.len()];
+            sigmoid_into(&a[off..off + das.len()], &mut s);
             for i in 0..das.len() {
-                let (av, bv, gv) = (a[off + i], b[off + i], g[off + i]);
-                let s = sigmoid(av);
+                let (av, bv, gv, s) = (a[off + i], b[off + i], g[off + i], s[i]);
                 das[i] = gv * bv * s * (1.0 + av * (1.0 - s));
                 dbs[i] = gv * av * s;
             }
         });
         Ok((CpuStorage::F32(out), Shape::from(2 * n)))
+    }
+}
+
+// ---------------------------------------------------------------- attention softmax
+
+/// `softmax(scores * scale + mask)` over the last dimension of (batch, heads, q_len, k_len)
+/// scores; `mask` is additive, (q_len, k_len) or (batch, 1, q_len, k_len). One pass instead of
+/// scale, add, max, subtract, exp, sum and divide, and a backward that needs only the output.
+pub fn masked_softmax(scores: &Tensor, mask: Option<&Tensor>, scale: f64) -> Result<Tensor> {
+    let op = MaskedSoftmax { scale: scale as f32 };
+    match mask {
+        Some(m) => scores.contiguous()?.apply_op2(&m.contiguous()?, op),
+        None => scores.contiguous()?.apply_op1(op),
+    }
+}
+
+#[derive(Clone, Copy)]
+struct MaskedSoftmax {
+    scale: f32,
+}
+
+impl MaskedSoftmax {
+    fn run(&self, x: &[f32], dims: &[usize], mask: Option<(&[f32], &[usize])>) -> Result<Vec<f32>> {
+        let (b, h, tq, tk) = match dims {
+            [b, h, tq, tk] => (*b, *h, *tq, *tk),
+            _ => candle_core::bail!("masked_softmax: expected (batch, heads, q, k) scores, got {dims:?}"),
+        };
+        // Row r of the scores (batch bi, query i) reads mask row `mask_row(r)`.
+        let mask_row = |r: usize| -> usize {
+            let (bi, i) = (r / (h * tq), r % tq);
+            match mask {
+                Some((_, [_, _, _, _])) => bi * tq + i,
+                _ => i,
+            }
+        };
+        if let Some((m, md)) = mask {
+            let rows = if md.len() == 4 { b * tq } else { tq };
+            if m.len() != rows * tk {
+                candle_core::bail!("masked_softmax: a mask of shape {md:?} for scores {dims:?}");
+            }
+        }
+        let mut y = vec![0f32; x.len()];
+        let per = tk * rows_per_task(tk);
+        y.par_chunks_mut(per).zip(x.par_chunks(per)).enumerate().for_each(|(c, (ys, xs))| {
+            let first_row = c * (per / tk);
+            for (k, (yr, xr)) in ys.chunks_mut(tk).zip(xs.chunks(tk)).enumerate() {
+                let mr = mask.map(|(m, _)| &m[mask_row(first_row + k) * tk..][..tk]);
+                let mut max = f32::NEG_INFINITY;
+                for j in 0..tk {
+                    let v = xr[j] * self.scale + mr.map_or(0.0, |m| m[j]);
+                    yr[j] = v;
+                    max = max.max(v);
+                }
+                yr.iter_mut().for_each(|v| *v -= max);
+                exp_inplace(yr);
+                let inv = 1.0 / yr.iter().sum::<f32>();
+                yr.iter_mut().for_each(|v| *v *= inv);
+            }
+        });
+        Ok(y)
+    }
+
+    /// dx = scale * y * (g - sum(g * y)) per row.
+    fn backward(&self, y: &Tensor, g: &Tensor) -> Result<Tensor> {
+        y.apply_op2_no_bwd(&g.contiguous()?, &SoftmaxBackward { scale: self.scale })
+    }
+}
+
+impl CustomOp1 for MaskedSoftmax {
+    fn name(&self) -> &'static str {
+        "fused-masked-softmax"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        Ok((CpuStorage::F32(self.run(f32_slice(s, l)?, l.dims(), None)?), l.shape().clone()))
+    }
+
+    fn bwd(&self, _x: &Tensor, y: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(self.backward(y, g)?))
+    }
+}
+
+impl CustomOp2 for MaskedSoftmax {
+    fn name(&self) -> &'static str {
+        "fused-masked-softmax"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout, ms: &CpuStorage, ml: &Layout) -> Result<(CpuStorage, Shape)> {
+        let y = self.run(f32_slice(s, l)?, l.dims(), Some((f32_slice(ms, ml)?, ml.dims())))?;
+        Ok((CpuStorage::F32(y), l.shape().clone()))
+    }
+
+    fn bwd(&self, _x: &Tensor, _mask: &Tensor, y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((Some(self.backward(y, g)?), None))
+    }
+}
+
+struct SoftmaxBackward {
+    scale: f32,
+}
+
+impl CustomOp2 for SoftmaxBackward {
+    fn name(&self) -> &'static str {
+        "fused-softmax-backward"
+    }
+
+    fn cpu_fwd(&self, ys: &CpuStorage, yl: &Layout, gs: &CpuStorage, gl: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (y, g) = (f32_slice(ys, yl)?, f32_slice(gs, gl)?);
+        let tk = *yl.dims().last().unwrap_or(&1);
+        let per = tk * rows_per_task(tk);
+        let mut dx = vec![0f32; y.len()];
+        dx.par_chunks_mut(per).zip(y.par_chunks(per).zip(g.par_chunks(per))).for_each(|(ds, (ys, gs))| {
+            for ((dr, yr), gr) in ds.chunks_mut(tk).zip(ys.chunks(tk)).zip(gs.chunks(tk)) {
+                let dot: f32 = yr.iter().zip(gr).map(|(a, b)| a * b).sum();
+                for j in 0..tk {
+                    dr[j] = self.scale * yr[j] * (gr[j] - dot);
+                }
+            }
+        });
+        Ok((CpuStorage::F32(dx), yl.shape().clone()))
     }
 }
 
@@ -259,11 +386,12 @@ struct CrossEntropy {
     targets: Vec<i64>,
 }
 
-/// (max, log-sum-exp) of a row.
-fn row_lse(row: &[f32]) -> (f32, f32) {
+/// The log-sum-exp of a row (`scratch`: a buffer of the row's length).
+fn row_lse(row: &[f32], scratch: &mut [f32]) -> f32 {
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f32 = row.iter().map(|v| (v - max).exp()).sum();
-    (max, max + sum.ln())
+    scratch.iter_mut().zip(row).for_each(|(s, v)| *s = v - max);
+    exp_inplace(scratch);
+    max + scratch.iter().sum::<f32>().ln()
 }
 
 impl CustomOp1 for CrossEntropy {
@@ -278,15 +406,16 @@ impl CustomOp1 for CrossEntropy {
         let loss: Vec<f32> = x
             .par_chunks(vocab)
             .zip(self.targets.par_iter())
-            .map(|(row, &t)| if t < 0 { 0.0 } else { row_lse(row).1 - row[t as usize] })
+            .map_init(|| vec![0f32; vocab], |scratch, (row, &t)| if t < 0 { 0.0 } else { row_lse(row, scratch) - row[t as usize] })
             .collect();
         Ok((CpuStorage::F32(loss), Shape::from(rows)))
     }
 
     /// d logits[r, j] = g[r] * (softmax(logits[r])_j - [j == target_r]); 0 for ignored rows.
-    fn bwd(&self, logits: &Tensor, _loss: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
-        let g = g.contiguous()?;
-        Ok(Some(logits.apply_op2_no_bwd(&g, &CrossEntropyBackward { targets: self.targets.clone() })?))
+    /// Each row's log-sum-exp comes back from its loss (loss + logits[target]).
+    fn bwd(&self, logits: &Tensor, loss: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        let g_and_loss = Tensor::stack(&[&g.contiguous()?, loss], 0)?;
+        Ok(Some(logits.apply_op2_no_bwd(&g_and_loss, &CrossEntropyBackward { targets: self.targets.clone() })?))
     }
 }
 
@@ -299,9 +428,11 @@ impl CustomOp2 for CrossEntropyBackward {
         "fused-cross-entropy-backward"
     }
 
+    /// `gl` holds (2, rows): the upstream gradient, then the forward's losses.
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout, gs: &CpuStorage, gl: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (x, g) = (f32_slice(s, l)?, f32_slice(gs, gl)?);
         let rows = self.targets.len();
+        let (x, gl_) = (f32_slice(s, l)?, f32_slice(gs, gl)?);
+        let (g, loss) = gl_.split_at(rows);
         let vocab = x.len() / rows.max(1);
         let mut dx = vec![0f32; x.len()];
         dx.par_chunks_mut(vocab).zip(x.par_chunks(vocab)).enumerate().for_each(|(r, (dr, row))| {
@@ -309,10 +440,10 @@ impl CustomOp2 for CrossEntropyBackward {
             if t < 0 {
                 return;
             }
-            let (_, lse) = row_lse(row);
-            for j in 0..vocab {
-                dr[j] = g[r] * (row[j] - lse).exp();
-            }
+            let lse = loss[r] + row[t as usize];
+            dr.iter_mut().zip(row).for_each(|(d, v)| *d = v - lse);
+            exp_inplace(dr);
+            dr.iter_mut().for_each(|d| *d *= g[r]);
             dr[t as usize] -= g[r];
         });
         Ok((CpuStorage::F32(dx), l.shape().clone()))
@@ -412,7 +543,7 @@ mod tests {
             let lp = candle_nn::ops::log_softmax(&t[0], D::Minus1)?;
             let idx = Tensor::from_vec(targets.iter().map(|&t| t.max(0) as u32).collect::<Vec<_>>(), (6, 1), &Device::Cpu)?;
             let mask = Tensor::from_vec(targets.iter().map(|&t| if t < 0 { 0.0 } else { 1.0 }).collect::<Vec<f32>>(), 6, &Device::Cpu)?.to_dtype(t[0].dtype())?;
-            (lp.gather(&idx, 1)?.squeeze(1)?.neg()? * mask)
+            lp.gather(&idx, 1)?.squeeze(1)?.neg()? * mask
         };
         let got = cross_entropy_rows(&logits, &targets).unwrap();
         assert!(max_rel(&got, &composite(&[logits.clone()]).unwrap()) < 1e-5);
@@ -436,5 +567,29 @@ mod tests {
         let reference = grads(&var, &probe, &composite);
         assert!(max_rel(&fused[0], &reference[0]) < 1e-5);
         check_fd(&[x], 0, &probe, &fused[0], &composite);
+    }
+
+    #[test]
+    fn masked_softmax_matches_the_composite_ops_and_finite_differences() {
+        let x = rand(&[2, 3, 6, 6], 14, 3.0);
+        let probe = rand(&[2, 3, 6, 6], 15, 1.0);
+        let causal = Tensor::from_vec((0..36).map(|k| if k % 6 > k / 6 { f32::NEG_INFINITY } else { 0.0 }).collect::<Vec<f32>>(), (6, 6), &Device::Cpu).unwrap();
+        let packed = causal.unsqueeze(0).unwrap().unsqueeze(0).unwrap().repeat((2, 1, 1, 1)).unwrap();
+        for mask in [None, Some(&causal), Some(&packed)] {
+            let composite = |t: &[Tensor]| -> Result<Tensor> {
+                let s = (&t[0] * 0.125)?;
+                let s = match mask {
+                    Some(m) => s.broadcast_add(&m.to_dtype(t[0].dtype())?)?,
+                    None => s,
+                };
+                candle_nn::ops::softmax(&s, D::Minus1)
+            };
+            assert!(max_rel(&masked_softmax(&x, mask, 0.125).unwrap(), &composite(&[x.clone()]).unwrap()) < 1e-5);
+            let var = [Var::from_tensor(&x).unwrap()];
+            let fused = grads(&var, &probe, &|t| masked_softmax(&t[0], mask, 0.125));
+            let reference = grads(&var, &probe, &composite);
+            assert!(max_rel(&fused[0], &reference[0]) < 1e-4, "{}", max_rel(&fused[0], &reference[0]));
+            check_fd(&[x.clone()], 0, &probe, &fused[0], &composite);
+        }
     }
 }

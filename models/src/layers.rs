@@ -296,6 +296,11 @@ impl Attention {
         let v = repeat_kv(v, n_rep)?;
 
         let scale = 1.0 / (d as f64).sqrt();
+        if pos.mode == OpMode::Train && crate::fused::applies(&q) && pos.mask.as_ref().is_none_or(|m| m.dtype() == DType::F32) {
+            let probs = crate::fused::masked_softmax(&q.matmul(&k.t()?)?, pos.mask.as_ref(), scale)?;
+            let out = probs.matmul(&v.contiguous()?)?.transpose(1, 2)?.reshape((b, t, self.num_heads * d))?;
+            return self.o_proj.forward(&out, pos.mode, seeds);
+        }
         let scores = (q.matmul(&k.t()?)? * scale)?;
         let scores = match &pos.mask {
             Some(mask) => scores.broadcast_add(mask)?,

@@ -4,6 +4,7 @@
 
 use anyhow::{bail, Result};
 use candle_core::Tensor;
+use rayon::prelude::*;
 
 #[derive(Debug, Clone, Copy)]
 pub struct AdamWConfig {
@@ -47,18 +48,23 @@ pub fn adamw_step(cfg: &AdamWConfig, lr: f64, weight_decay: f64, step: u64, para
     let eps = cfg.eps as f32;
     let one_minus_b1 = 1.0 - b1;
     let one_minus_b2 = 1.0 - b2;
-    for i in 0..param.len() {
-        let g = grad[i];
-        if weight_decay != 0.0 {
-            param[i] *= decay;
+    // Elementwise, so split over the threads (the same values as one loop).
+    const CHUNK: usize = 1 << 16;
+    let moments = state.exp_avg.par_chunks_mut(CHUNK).zip(state.exp_avg_sq.par_chunks_mut(CHUNK));
+    param.par_chunks_mut(CHUNK).zip(grad.par_chunks(CHUNK)).zip(moments).for_each(|((param, grad), (ms, vs))| {
+        for i in 0..param.len() {
+            let g = grad[i];
+            if weight_decay != 0.0 {
+                param[i] *= decay;
+            }
+            let m = &mut ms[i];
+            *m += (g - *m) * one_minus_b1;
+            let v = &mut vs[i];
+            *v = *v * b2 + one_minus_b2 * g * g;
+            let denom = v.sqrt() / bc2_sqrt + eps;
+            param[i] -= step_size * (*m / denom);
         }
-        let m = &mut state.exp_avg[i];
-        *m += (g - *m) * one_minus_b1;
-        let v = &mut state.exp_avg_sq[i];
-        *v = *v * b2 + one_minus_b2 * g * g;
-        let denom = v.sqrt() / bc2_sqrt + eps;
-        param[i] -= step_size * (*m / denom);
-    }
+    });
 }
 
 /// A chunk's moments as tensors on the compute device (device-resident state).

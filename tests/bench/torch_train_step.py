@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM
 
 model_dir, data_path, batch, seq, steps, threads = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
 torch.set_num_threads(threads)
-model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+# transformers' default attention (sdpa): the peer as users run it.
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 model.train()
 rows = [json.loads(l)["input_ids"][:seq] for l in open(data_path)]
 decay = [p for p in model.parameters() if p.dim() >= 2]

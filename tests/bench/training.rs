@@ -44,6 +44,54 @@ fn metrics(dir: &Path) -> Vec<Value> {
         .collect()
 }
 
+/// SmolLM2-135M-Instruct converted from the GGUF to f32 safetensors (once).
+fn smollm2(models_dir: &Path) -> anyhow::Result<PathBuf> {
+    let dir = models_dir.join("smollm2-135m-f32");
+    if !dir.join("config.json").exists() {
+        let gguf = std::env::var("FSDP_SMOLLM2_GGUF")
+            .map(PathBuf::from)
+            .or_else(|_| common_gguf(models_dir))
+            .map_err(|_| anyhow::anyhow!("no SmolLM2 GGUF: set FSDP_SMOLLM2_GGUF or run `cargo test --test smollm2` once"))?;
+        fsdp_app::convert::convert_gguf(&gguf, &dir, candle_core::DType::F32)?;
+    }
+    Ok(dir)
+}
+
+/// The GGUF the smollm2 test downloads to target/smollm2.
+fn common_gguf(models_dir: &Path) -> Result<PathBuf, ()> {
+    let root = models_dir.parent().ok_or(())?.join("smollm2");
+    find(&root).ok_or(())
+}
+
+fn find(dir: &Path) -> Option<PathBuf> {
+    for e in std::fs::read_dir(dir).ok()?.flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            if let Some(f) = find(&p) {
+                return Some(f);
+            }
+        } else if p.file_name().is_some_and(|n| n == "SmolLM2-135M-Instruct.Q4_1.gguf") {
+            return Some(p);
+        }
+    }
+    None
+}
+
+/// PyTorch + transformers doing the same steps (tests/bench/torch_train_step.py).
+fn torch_run(python: &str, root: &Path, model: &Path, data: &Path, batch: usize, steps: usize) -> Result<Value, String> {
+    let o = Command::new(python)
+        .arg(root.join("tests").join("bench").join("torch_train_step.py"))
+        .arg(model)
+        .arg(data)
+        .args([batch.to_string(), "128".into(), steps.to_string(), THREADS.to_string()])
+        .output();
+    match o {
+        Ok(o) if o.status.success() => serde_json::from_str(String::from_utf8_lossy(&o.stdout).lines().last().unwrap_or("")).map_err(|e| e.to_string()),
+        Ok(o) => Err(String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("failed").to_string()),
+        Err(e) => Err(format!("{python}: {e}")),
+    }
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -71,7 +119,8 @@ fn main() -> anyhow::Result<()> {
     std::fs::create_dir_all(&models_dir)?;
     let tmp = tempfile::tempdir()?;
 
-    // (b) and (c)
+    // (b) and (c): each model at world 1 (and the small one at world 2), then PyTorch on the
+    // same files and rows, alternating.
     let small = model(
         &models_dir,
         "llama-28m",
@@ -83,48 +132,50 @@ fn main() -> anyhow::Result<()> {
     )?;
     let small_data = tmp.path().join("small.jsonl");
     data(&small_data, 64, 128, 8192)?;
-    let mut ours = vec![];
-    for world in [1usize, 2] {
-        let out = tmp.path().join(format!("w{world}"));
-        let s = run_local(&config(&small, &small_data, &out, world))?;
-        let tps: Vec<f64> = metrics(&out).iter().skip(1).map(|m| m["tokens_per_s"].as_f64().unwrap()).collect();
-        ours.push((world, median(tps), s.total_params, s.losses.clone()));
+    let mut runs = vec![("Llama 28M (vocab 8192, hidden 512, 6 layers)".to_string(), small.clone(), small_data.clone(), 4usize, 6usize, vec![1usize, 2])];
+    match smollm2(&models_dir) {
+        Ok(dir) => {
+            let d = tmp.path().join("smollm2.jsonl");
+            data(&d, 16, 128, 49152)?;
+            runs.push(("SmolLM2-135M (converted from the GGUF, f32)".to_string(), dir, d, 2, 4, vec![1]));
+        }
+        Err(e) => println!("SmolLM2 row skipped: {e:#}"),
     }
     let python = std::env::var("FSDP_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
-    let torch = Command::new(&python)
-        .arg(root.join("tests").join("bench").join("torch_train_step.py"))
-        .arg(&small)
-        .arg(&small_data)
-        .args(["4", "128", "6", &THREADS.to_string()])
-        .output();
-    let torch: Result<Value, String> = match torch {
-        Ok(o) if o.status.success() => serde_json::from_str(String::from_utf8_lossy(&o.stdout).lines().last().unwrap_or(""))
-            .map_err(|e| e.to_string()),
-        Ok(o) => Err(String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("failed").to_string()),
-        Err(e) => Err(format!("{python}: {e}")),
-    };
-    println!("\nTraining step, Llama {:.1}M parameters, batch 4 x 128 tokens, AdamW, f32, CPU, {THREADS} threads", ours[0].2 as f64 / 1e6);
-    println!("(median of steps 2-6; FSDP: FULL_SHARD, one unit per layer, no activation checkpointing)\n");
-    println!("| run | tokens/s | vs PyTorch |");
-    println!("|---|---|---|");
-    let torch_tps = torch.as_ref().ok().and_then(|t| t["tokens_per_s"].as_f64());
-    for (world, tps, _, _) in &ours {
-        let ratio = torch_tps.map(|t| format!("{:.2}x", tps / t)).unwrap_or_else(|| "n/a".into());
-        println!("| fsdp-app, world {world} (local) | {tps:.0} | {ratio} |");
-    }
-    match &torch {
-        Ok(t) => println!(
-            "| PyTorch {} + transformers {}, plain (no FSDP) | {:.0} | 1.00x |",
-            t["torch"].as_str().unwrap_or("?"),
-            t["transformers"].as_str().unwrap_or("?"),
-            t["tokens_per_s"].as_f64().unwrap_or(0.0)
-        ),
-        Err(why) => println!("| PyTorch | n/a: {why} | |"),
-    }
-    if let Ok(t) = &torch {
-        let theirs: Vec<f64> = t["losses"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
-        let d = ours[0].3.iter().zip(&theirs).map(|(a, b)| ((a - b) / b).abs()).fold(0.0, f64::max);
-        println!("\nsame losses as PyTorch: max relative difference {d:.1e} over 6 steps");
+    for (name, dir, rows, batch, steps, worlds) in &runs {
+        let mut ours = vec![];
+        for &world in worlds {
+            let out = tmp.path().join(format!("{}-w{world}", dir.file_name().unwrap().to_string_lossy()));
+            let mut c = config(dir, rows, &out, world);
+            (c.batch_size, c.max_steps) = (batch / world, Some(*steps));
+            let s = run_local(&c)?;
+            let tps: Vec<f64> = metrics(&out).iter().skip(1).map(|m| m["tokens_per_s"].as_f64().unwrap()).collect();
+            ours.push((world, median(tps), s.total_params, s.losses.clone()));
+        }
+        let torch = torch_run(&python, &root, dir, rows, *batch, *steps);
+        println!("\nTraining step, {name}, {:.1}M parameters, batch {batch} x 128 tokens, AdamW, f32, CPU, {THREADS} threads", ours[0].2 as f64 / 1e6);
+        println!("(median of steps 2-{steps}; FSDP: FULL_SHARD, one unit per layer, no activation checkpointing)\n");
+        println!("| run | tokens/s | vs PyTorch |");
+        println!("|---|---|---|");
+        let torch_tps = torch.as_ref().ok().and_then(|t| t["tokens_per_s"].as_f64());
+        for (world, tps, _, _) in &ours {
+            let ratio = torch_tps.map(|t| format!("{:.2}x", tps / t)).unwrap_or_else(|| "n/a".into());
+            println!("| fsdp-app, world {world} (local) | {tps:.0} | {ratio} |");
+        }
+        match &torch {
+            Ok(t) => println!(
+                "| PyTorch {} + transformers {} (sdpa), plain (no FSDP) | {:.0} | 1.00x |",
+                t["torch"].as_str().unwrap_or("?"),
+                t["transformers"].as_str().unwrap_or("?"),
+                t["tokens_per_s"].as_f64().unwrap_or(0.0)
+            ),
+            Err(why) => println!("| PyTorch | n/a: {why} | |"),
+        }
+        if let Ok(t) = &torch {
+            let theirs: Vec<f64> = t["losses"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+            let d = ours[0].3.iter().zip(&theirs).map(|(a, b)| ((a - b) / b).abs()).fold(0.0, f64::max);
+            println!("\nsame losses as PyTorch: max relative difference {d:.1e} over {steps} steps");
+        }
     }
 
     // (a)
