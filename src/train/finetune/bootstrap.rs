@@ -54,7 +54,9 @@ impl Bootstrap {
 pub(super) struct TrainingData {
     pub samples: Vec<Sample>,
     pub eval_samples: Vec<Sample>,
-    pub identity: DataIdentity,
+    /// The training file's identity, for checkpoints to record: rank 0 only (the one that reads
+    /// the file, writes checkpoints and checks resumes), so no other rank hashes it.
+    pub identity: Option<DataIdentity>,
     /// Sequences per optimizer step over all ranks and micro-batches.
     pub global_batch: usize,
     pub steps_per_epoch: usize,
@@ -194,13 +196,12 @@ fn report_dataset(dataset: &Dataset, cfg: &FinetuneConfig) {
 }
 
 /// Rank 0 resolves the data (a local file or a Hub dataset file, downloaded once) and sends its
-/// bytes; every rank builds the same samples from them. Also returns the file's identity, for
-/// checkpoints to record.
-fn shared_dataset(groups: &ProcessGroups, spec: &Path, opts: &DataOptions, tools: &TextTools) -> Result<(Dataset, DataIdentity)> {
-    let (_, body) = root_tries(groups.world.as_ref(), "read the data", || {
+/// bytes; every rank builds the same samples from them. Rank 0 also returns the file's identity.
+fn shared_dataset(groups: &ProcessGroups, spec: &Path, opts: &DataOptions, tools: &TextTools) -> Result<(Dataset, Option<DataIdentity>)> {
+    let (identity, body) = root_tries(groups.world.as_ref(), "read the data", || {
         let path = crate::train::data::resolve_data(&spec.to_string_lossy())?;
-        Ok(((), std::fs::read(&path).with_context(|| format!("{}: cannot read", path.display()))?))
+        let bytes = std::fs::read(&path).with_context(|| format!("{}: cannot read", path.display()))?;
+        Ok((DataIdentity::of(&spec.to_string_lossy(), &bytes), bytes))
     })?;
-    let identity = DataIdentity::of(&spec.to_string_lossy(), &body);
     Ok((crate::train::data::load_dataset_bytes(spec, &body, opts, tools)?, identity))
 }

@@ -4,13 +4,12 @@
 
 use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use serde_json::json;
 
 use super::bootstrap::Bootstrap;
 use super::config::FinetuneConfig;
-use crate::checkpoint::identity::DataIdentity;
 use crate::checkpoint::load;
 use crate::checkpoint::resume::{self, ResumingRun};
 use crate::dist::{root_tries, ProcessGroups};
@@ -64,7 +63,7 @@ fn resume_from(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneCo
         let mut params: Vec<(String, Vec<usize>)> =
             engine.units().flat_map(|u| u.params.iter().map(|p| (p.spec.name.clone(), p.spec.shape.clone()))).collect();
         params.sort();
-        let data: &DataIdentity = &boot.data.identity;
+        let data = boot.data.identity.as_ref().context("rank 0 knows the data's identity")?;
         let run = ResumingRun {
             config_json: &boot.config_json,
             params,

@@ -132,7 +132,8 @@ fn save_checkpoint(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &Finetu
                         "warmup_steps": cfg.warmup_steps, "total_steps": data.total_steps},
         // The only randomness in training is the data order, a function of (seed, epoch).
         "rng": {"shuffle_seed": cfg.seed},
-        "data": identity::data_state(&data.identity, &DataCursor::at(done, data.samples.len(), data.steps_per_epoch)),
+        // Rank 0 writes the trainer state; only it knows the data's identity.
+        "data": data.identity.as_ref().map(|i| identity::data_state(i, &DataCursor::at(done, data.samples.len(), data.steps_per_epoch))),
     });
     let extras = SaveExtras { trainer_state, side_files, strategy: format!("{:?}", cfg.strategy), total_limit: cfg.save_total_limit };
     let dir = sharded::save(engine, groups, &cfg.output_dir, &extras)?;
