@@ -65,6 +65,23 @@ fn launched_processes_train_like_local_threads() {
     assert_eq!(metric_losses(&manual_out), metric_losses(&local_out));
 }
 
+/// Rank 0 finishes a successful run before the others have heard the last barrier's reply
+/// (its proxies answer late here): it must wait for them, not exit and close their sockets.
+#[test]
+fn rank_0_waits_for_the_others_to_hear_the_last_barrier() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("llama", tmp.path());
+    let data = reference_dir().join("train-data.jsonl");
+    let out = tmp.path().join("out");
+    let port = free_port();
+    let mut args = vec!["launch", "--nproc-per-node", "2", "--master-port", &port, "--"];
+    let (m, o, d) = (model.to_str().unwrap().to_string(), out.to_str().unwrap().to_string(), data.to_str().unwrap().to_string());
+    args.extend(finetune_args(&m, &o, &d, "1"));
+    let r = run_cli(&args, &[("FSDP_FAULT_SLOW_BARRIER_REPLY_MS", "1500")]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    assert!(out.join("model.safetensors").exists() || out.join("model.safetensors.index.json").exists());
+}
+
 /// Pids of the launcher's children, in the order it started them (rank order).
 fn children_of(pid: u32) -> Vec<u32> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();

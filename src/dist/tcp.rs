@@ -198,6 +198,16 @@ fn host(env: &DistEnv, shard_size: usize, timeout: Duration, addr: &str, proxies
     Ok(mine)
 }
 
+/// Test hook (cargo feature `fault-injection`): rank 0's proxies answer a barrier late, so
+/// rank 0's own thread is past the barrier well before the other ranks hear of it, which is
+/// how a run's last barrier races rank 0's exit. A release build has no such hook.
+fn slow_barrier_reply() {
+    #[cfg(feature = "fault-injection")]
+    if let Some(ms) = std::env::var("FSDP_FAULT_SLOW_BARRIER_REPLY_MS").ok().and_then(|v| v.parse().ok()) {
+        std::thread::sleep(Duration::from_millis(ms));
+    }
+}
+
 /// Serves one remote rank's collectives on rank 0.
 fn proxy(rank: usize, groups: ProcessGroups, mut reader: BufReader<TcpStream>, mut writer: BufWriter<TcpStream>) {
     loop {
@@ -247,6 +257,7 @@ fn proxy(rank: usize, groups: ProcessGroups, mut reader: BufReader<TcpStream>, m
                 }
                 x if x == Op::Barrier as u8 => {
                     group.barrier()?;
+                    slow_barrier_reply();
                     ok.0
                 }
                 x if x == Op::Abort as u8 => {

@@ -8,11 +8,12 @@
 //! - backward of one unit: candle's gradient store holds a full-size gradient of every weight
 //!   of the unit (candle computes weight gradients even for frozen ones) plus the packed buffer
 //!   reduce-scatter sends, for the trainable ones;
-//! - activations: the tensors one decoder layer's training forward creates (counted from
-//!   `models::layers`: norms, projections, rotary, attention scores and softmax, MLP), for every
-//!   layer without activation checkpointing, for one layer plus each layer's input with it;
-//! - the loss stage: logits, their log-softmax and the gradients of both (a few (batch, seq,
-//!   vocab) tensors), often the largest single item for small models with big vocabularies;
+//! - activations: the tensors one decoder layer's training forward keeps (counted from
+//!   `models::layers`: norms, projections, rotary, attention scores and probabilities, MLP),
+//!   for every layer without activation checkpointing; with it, a measured number of
+//!   hidden-size values per layer;
+//! - the loss stage: logits and their gradients (a few (batch, seq, vocab) tensors), often the
+//!   largest single item for small models with big vocabularies;
 //! - the process itself (binary, tokenizer, data): a measured constant;
 //! - with the tcp backend, rank 0 relays the other ranks' collectives and holds their buffers.
 
@@ -84,7 +85,7 @@ const PROCESS_BYTES: u64 = 24 << 20;
 
 /// f32 values one decoder layer's training forward creates, per token (see `models::layers`):
 /// `per_hidden` multiples of the hidden size, `per_inter` of the MLP width, `per_qk` of the
-/// query/key width (rotary), `per_kv` of the key/value width, `per_score` of heads x seq.
+/// query width, `per_kv` of the key/value width, `per_score` of heads x seq.
 struct LayerCounts {
     per_hidden: f64,
     per_inter: f64,
@@ -93,12 +94,19 @@ struct LayerCounts {
     per_score: f64,
 }
 
-/// Counted from the ops: two RMSNorms (square, scale, two products: 4 each), two residual adds,
-/// the attention output (transpose + reshape copy, o_proj); q: projection, head transpose,
-/// rotary (narrows, cat, neg, two products, sum: 6); k likewise on the kv width, v projection and
-/// transpose, both repeated to all heads; scores: product, scale, mask, softmax (max, sub, exp,
-/// sum, div: 3 full-size), probabilities; MLP: gate, silu, up, product.
-const LAYER: LayerCounts = LayerCounts { per_hidden: 13.0, per_inter: 4.0, per_q: 8.0, per_kv: 10.0, per_score: 7.0 };
+/// Counted from the training forward's ops (fused RMSNorm, rotary, softmax and SwiGLU keep one
+/// output each): two norms, two residual adds, o_proj and down_proj (hidden); gate, up and their
+/// SwiGLU (MLP width); q projection, its head-major copy, rotary, the attention output and its
+/// token-major copy (query width); k projection, copy, rotary, v projection, copy (key/value
+/// width); scores and probabilities (heads x seq). With grouped-query attention k and v are also
+/// repeated to the query width (two more, see `layer_activation_bytes`).
+const LAYER: LayerCounts = LayerCounts { per_hidden: 6.0, per_inter: 3.0, per_q: 5.0, per_kv: 5.0, per_score: 2.0 };
+
+/// What the counted tensors cost in resident memory: the allocator's size classes and the
+/// short-lived temporaries of each op (gradient accumulation makes a zero tensor and a sum)
+/// add about a quarter. Fitted by least squares on nine shapes (hidden 256-1024, 2-16 layers,
+/// seq 128-512, vocab 2k-16k; within 8% on each): tests/estimate_fit/ has the rows and the fit.
+const RESIDENT_PER_COUNTED: f64 = 1.25;
 
 fn layer_activation_bytes(cfg: &ModelConfig, lora: Option<&models::LoraSettings>, batch: usize, seq: usize) -> f64 {
     let tokens = (batch * seq) as f64;
@@ -109,6 +117,9 @@ fn layer_activation_bytes(cfg: &ModelConfig, lora: Option<&models::LoraSettings>
         + LAYER.per_q * q
         + LAYER.per_kv * kv
         + LAYER.per_score * (cfg.num_attention_heads * seq) as f64;
+    if cfg.num_key_value_heads < cfg.num_attention_heads {
+        per_token += 2.0 * q;
+    }
     if let Some(lora) = lora {
         // Each adapted projection adds B(A x), its scaled copy and the sum (3 outputs), and with
         // dropout the mask and the masked input.
@@ -118,12 +129,22 @@ fn layer_activation_bytes(cfg: &ModelConfig, lora: Option<&models::LoraSettings>
             }
         }
     }
-    4.0 * tokens * per_token
+    RESIDENT_PER_COUNTED * 4.0 * tokens * per_token
 }
 
-/// (batch, seq, vocab) f32 tensors alive at the loss: logits, the shifted copy, log-softmax
-/// (two temporaries), and in backward the gradients of log-softmax and logits.
+/// With activation checkpointing: hidden-size values per token kept for each layer (see below).
+const AC_HIDDEN_PER_LAYER: f64 = 15.0;
+
+/// (batch, seq, vocab) f32 tensors alive at the loss: logits, the shifted copy, and in backward
+/// their gradients and the zero-padded gradient of the shift (the fused cross-entropy keeps no
+/// log-probabilities).
 const LOSS_TENSORS: f64 = 6.0;
+
+/// Candle's weight gradient of a batched matmul is made per batch row and then summed, and a
+/// unit's projections overlap in backward: about this many copies of the largest weights one
+/// backward works on (a layer's projections, or the (vocab, hidden) head) are alive at once
+/// beyond the gradients themselves (same fit as above).
+const WEIGHT_GRAD_TEMPORARIES: f64 = 3.5;
 
 pub fn estimate(model: &dyn StagedModel, cfg: &ModelConfig, input: &EstimateInput) -> Result<Estimate> {
     let plan: Vec<UnitPlan> = plan_units(model, input.wrap, input.shard_size)?;
@@ -137,14 +158,22 @@ pub fn estimate(model: &dyn StagedModel, cfg: &ModelConfig, input: &EstimateInpu
     let gathered = if keeps_all { plan.iter().map(full).sum() } else { root + largest };
     // Backward of the largest unit: full weight gradients (all of its weights) + packed
     // trainable gradients for reduce-scatter + this rank's reduced slice.
-    let backward = plan.iter().map(|u| full(u) + trained_full(u) + trained_full(u) / input.shard_size as u64).max().unwrap_or(0);
+    let backward = plan.iter().map(|u| full(u) + trained_full(u) + trained_full(u) / input.shard_size as u64).max().unwrap_or(0)
+        + match input.lora {
+            // The frozen base weights' products leave no such temporaries (measured: with them
+            // counted, the two-rank LoRA runs of tests/estimate.rs come out 20% high).
+            Some(_) => 0,
+            None => (WEIGHT_GRAD_TEMPORARIES * largest.max(4 * (cfg.vocab_size * cfg.hidden_size) as u64) as f64) as u64,
+        };
     let layers = cfg.num_hidden_layers as f64;
     let layer = layer_activation_bytes(cfg, input.lora.as_ref(), input.batch_size, input.seq_len);
     let hidden_in = 4.0 * (input.batch_size * input.seq_len * cfg.hidden_size) as f64;
     let activations = if input.activation_checkpointing {
-        // Every stage's input is kept; one layer is recomputed: its graph, plus the gradients
-        // of its tensors during backward, of which about half are alive at once (measured).
-        layers * hidden_in + 1.5 * layer
+        // Every stage's input is kept, and what the gradient hand-off between recomputed
+        // layers keeps: about 15 hidden-size values per token and layer in all (fitted on the
+        // two-rank runs of tests/estimate.rs). The recomputed layer's own graph only lives
+        // once the loss stage's larger tensors are gone, so it does not add to the peak there.
+        AC_HIDDEN_PER_LAYER * layers * hidden_in
     } else {
         // Every layer's graph, plus one layer's worth of gradients during its backward.
         (layers + 1.0) * layer

@@ -31,10 +31,7 @@ pub fn run(cfg: &FinetuneConfig, env: Option<&DistEnv>) -> Result<Option<RunSumm
             validate(&cfg)?;
             let (groups, proxies) = crate::dist::tcp::connect(env, shard_size(&cfg), cfg.collective_timeout)?;
             let result = run_rank(groups, &cfg, None);
-            if result.is_err() {
-                // Let the proxies tell the other ranks why before this process exits.
-                proxies.wait_for_ranks(Duration::from_secs(5));
-            }
+            proxies.wait_for_ranks(linger(&result, &cfg));
             result
         }
         (Backend::Nccl, None) => bail!("--backend nccl needs a launcher (fsdp-app launch, torchrun, srun or mpirun): one process per GPU"),
@@ -77,15 +74,24 @@ fn run_nccl(cfg: &FinetuneConfig, env: &DistEnv) -> Result<Option<RunSummary>> {
     let device = cfg.device.open(env.local_rank)?;
     let (groups, proxies) = crate::dist::nccl::connect(env, shard_size(&cfg), cfg.collective_timeout, &device)?;
     let result = run_rank(groups, &cfg, Some(device));
-    if result.is_err() {
-        proxies.wait_for_ranks(Duration::from_secs(5));
-    }
+    proxies.wait_for_ranks(linger(&result, &cfg));
     result
 }
 
 #[cfg(not(feature = "nccl"))]
 fn run_nccl(_cfg: &FinetuneConfig, _env: &DistEnv) -> Result<Option<RunSummary>> {
     bail!("--backend nccl: this fsdp-app was built without NCCL; build one with tests/gpu/build-cuda.sh (features cuda,nccl)")
+}
+
+/// How long rank 0 waits, before its process exits, for the other ranks to disconnect. Its
+/// proxy threads still have to deliver the last replies (the final barrier's, or why the run
+/// failed): leaving at once closes their sockets first, and a rank whose run succeeded would
+/// fail reading "rank 0 exited". After success the others leave right after that barrier.
+fn linger<T>(result: &Result<T>, cfg: &FinetuneConfig) -> Duration {
+    match result {
+        Ok(_) => cfg.collective_timeout.min(Duration::from_secs(60)),
+        Err(_) => Duration::from_secs(5),
+    }
 }
 
 /// Runs the fine-tune with the `local` backend: one thread per rank.
