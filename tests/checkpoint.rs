@@ -299,4 +299,9 @@ fn exports_and_merges_give_the_trained_weights() {
     let m16 = tmp.path().join("merged16");
     ok(run_cli(&["merge", out.join("checkpoint-8").to_str().unwrap(), m16.to_str().unwrap(), "--dtype", "bf16"], &[]));
     assert!(weights(&m16).values().all(|t| t.dtype() == DType::BF16));
+    // Its config says so, or transformers would load the tensors upcast to the old dtype.
+    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(m16.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["torch_dtype"], "bfloat16", "{config}");
+    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(merged.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["torch_dtype"], "float32", "{config}");
 }

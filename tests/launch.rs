@@ -5,6 +5,7 @@
 mod common;
 
 use std::io::Read;
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -80,6 +81,51 @@ fn rank_0_waits_for_the_others_to_hear_the_last_barrier() {
     let r = run_cli(&args, &[("FSDP_FAULT_SLOW_BARRIER_REPLY_MS", "1500")]);
     assert!(r.status.success(), "{}", stderr(&r));
     assert!(out.join("model.safetensors").exists() || out.join("model.safetensors.index.json").exists());
+}
+
+/// torchrun's own flags, as existing launch scripts spell them, start the same job.
+#[test]
+fn torchrun_flags_launch_as_torchrun_takes_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("llama", tmp.path());
+    let data = reference_dir().join("train-data.jsonl");
+    let (m, d) = (model.to_str().unwrap().to_string(), data.to_str().unwrap().to_string());
+    let outs: Vec<String> = ["underscores", "standalone", "endpoint"].iter().map(|n| tmp.path().join(n).to_str().unwrap().to_string()).collect();
+    let (port, port2) = (free_port(), free_port());
+    let endpoint = format!("127.0.0.1:{port2}");
+    let flag_sets: [Vec<&str>; 3] = [
+        // Underscores, the command last without `--` (as torchrun takes its script).
+        vec!["--nproc_per_node", "2", "--nnodes", "1", "--node_rank", "0", "--master_addr", "127.0.0.1", "--master_port", &port, "--max_restarts", "0"],
+        vec!["--standalone", "--nproc-per-node", "2", "--"],
+        vec!["--rdzv-backend", "static", "--rdzv_endpoint", &endpoint, "--nproc_per_node", "2"],
+    ];
+    for (flags, out) in flag_sets.iter().zip(&outs) {
+        let mut args = vec!["launch"];
+        args.extend(flags.iter().copied());
+        args.extend(finetune_args(&m, out, &d, "2"));
+        let o = run_cli(&args, &[]);
+        assert!(o.status.success(), "{flags:?}: {}", stderr(&o));
+    }
+    let losses = metric_losses(Path::new(&outs[0]));
+    assert_eq!(losses.len(), 2);
+    for out in &outs[1..] {
+        assert_eq!(metric_losses(Path::new(out)), losses, "{out}");
+    }
+    // What torchrun does and we do not is refused before any rank starts, naming the flag.
+    let refused: [(&[&str], &str); 5] = [
+        (&["--nproc_per_node", "2", "--max-restarts", "3"], "--max-restarts 3"),
+        (&["--nproc_per_node", "2", "--standalone", "--nnodes", "2"], "--standalone is one node"),
+        (&["--nproc_per_node", "2", "--rdzv-endpoint", "nohost"], "--rdzv-endpoint nohost"),
+        (&["--nproc_per_node", "2", "--nnodes", "2", "--rdzv-backend", "c10d"], "dynamic rendezvous"),
+        (&["--nproc_per_node", "gpu"], "no GPU is visible"),
+    ];
+    for (flags, expected) in refused {
+        let mut args = vec!["launch"];
+        args.extend(flags.iter().copied());
+        args.extend(["finetune", "--model", &m]);
+        let o = run_cli(&args, &[("CUDA_VISIBLE_DEVICES", "")]);
+        assert!(!o.status.success() && stderr(&o).contains(expected), "{flags:?}: {}", stderr(&o));
+    }
 }
 
 /// Pids of the launcher's children, in the order it started them (rank order).

@@ -41,6 +41,24 @@ pub struct ShardedExport {
     total_bytes: u64,
 }
 
+/// config.json saying the dtype the tensors were written in (`torch_dtype`, and `dtype` as
+/// transformers 5 writes it), so transformers loads them as they are instead of upcasting.
+fn config_with_dtype(bytes: &[u8], dtype: DType) -> Result<Vec<u8>> {
+    let mut config: Value = serde_json::from_slice(bytes).context("config.json of the export is not JSON")?;
+    let name = match dtype {
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        DType::F32 => "float32",
+        other => bail!("cannot export dtype {other:?}"),
+    };
+    let obj = config.as_object_mut().context("config.json of the export is not a JSON object")?;
+    obj.insert("torch_dtype".into(), json!(name));
+    if obj.contains_key("dtype") {
+        obj.insert("dtype".into(), json!(name));
+    }
+    Ok(serde_json::to_vec_pretty(&config)?)
+}
+
 fn st_dtype(dtype: DType) -> Result<&'static str> {
     Ok(match dtype {
         DType::F32 => "F32",
@@ -146,7 +164,11 @@ impl ShardedExport {
         }
         let mut config = None;
         for (name, bytes) in side_files {
-            self.staged.write_bytes(name, bytes)?;
+            if name == "config.json" {
+                self.staged.write_bytes(name, &config_with_dtype(bytes, self.dtype)?)?;
+            } else {
+                self.staged.write_bytes(name, bytes)?;
+            }
             if name == "config.json" {
                 config = Some(name.clone());
             } else {

@@ -64,7 +64,7 @@ pub fn main() {
         Command::Convert(a) => model_files::run_convert(a),
         Command::Finetune(a) => finetune::run(*a),
         Command::Merge(a) => model_files::run_merge(a),
-        Command::Launch(a) => fsdp_app::dist::launch::launch(&a.into()),
+        Command::Launch(a) => launch::run(a),
         Command::Fixture(a) => model_files::run_fixture(a),
         Command::Estimate(a) => estimate::run(a),
         Command::Serve(a) => serve::run(a),
