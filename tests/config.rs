@@ -118,3 +118,70 @@ fn an_args_file_trains_like_the_flags_and_refuses_company() {
     let o = run_cli(&["finetune", "--args-file", file.to_str().unwrap()], &[]);
     assert!(!o.status.success() && stderr(&o).contains("learning_rat") && stderr(&o).contains("job.args.json"), "{}", stderr(&o));
 }
+
+/// Accelerate's own files as `accelerate config` writes them (configs/accelerate-fsdp1.yaml,
+/// accelerate-fsdp2.yaml: 2 processes, bf16, activation checkpointing), with a TrainingArguments
+/// file next to them: a 2-rank fine-tune whose log shows every setting honoured.
+#[test]
+fn accelerate_files_as_written_launch_a_two_rank_run_that_honours_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("llama", tmp.path());
+    let data = reference_dir().join("train-data.jsonl");
+    let configs = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs");
+    let training = tmp.path().join("training.yaml");
+    std::fs::write(&training, "learning_rate: 1.0e-3\nper_device_train_batch_size: 2\ngradient_accumulation_steps: 2\nmax_steps: 4\nwarmup_ratio: 0.5\nlogging_steps: 2\n").unwrap();
+    for (name, strategy) in [("accelerate-fsdp1.yaml", "FULL_SHARD"), ("accelerate-fsdp2.yaml", "FULL_SHARD")] {
+        let out = tmp.path().join(name);
+        let port = free_port();
+        let accel = configs.join(name);
+        let o = run_cli(
+            &[
+                "launch", "--config", accel.to_str().unwrap(), "--master-port", &port, "finetune", "--config", training.to_str().unwrap(),
+                "--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap(), "--seq-len", "16",
+            ],
+            &[],
+        );
+        let err = stderr(&o);
+        assert!(o.status.success(), "{name}: {err}");
+        let expected = format!(
+            "settings: sharding_strategy {strategy} (reshard_after_forward true), activation_checkpointing true, param_dtype bf16, \
+             reduce_dtype bf16, world_size 2, batch 2 per rank x 2 accumulation x 2 ranks = 8 sequences of 16 tokens, lr 1e-3 (Linear, 2 warmup of 4 steps)"
+        );
+        assert!(err.contains(&expected), "{name}: wanted {expected:?} in\n{err}");
+        // logging_steps 2: step lines 2 and 4 only; metrics.jsonl has all four.
+        assert!(err.contains("step     2 |") && err.contains("step     4 |") && !err.contains("step     1 |"), "{err}");
+        assert_eq!(metric_losses(&out).len(), 4);
+    }
+}
+
+/// What we cannot honour is refused before any rank starts, naming the file and the key; two
+/// keys that disagree are named with their values.
+#[test]
+fn deepspeed_files_and_conflicting_pairs_are_refused_by_key() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("llama", tmp.path());
+    let ds = tmp.path().join("ds.yaml");
+    std::fs::write(
+        &ds,
+        "compute_environment: LOCAL_MACHINE\ndeepspeed_config:\n  zero_stage: 3\n  offload_optimizer_device: none\ndistributed_type: DEEPSPEED\n\
+         mixed_precision: bf16\nnum_machines: 1\nnum_processes: 2\nuse_cpu: false\n",
+    )
+    .unwrap();
+    let o = run_cli(&["launch", "--config", ds.to_str().unwrap(), "finetune", "--model", model.to_str().unwrap()], &[]);
+    assert!(!o.status.success() && stderr(&o).contains("ds.yaml: key `deepspeed_config`"), "{}", stderr(&o));
+    let both = tmp.path().join("both.yaml");
+    std::fs::write(&both, "sharding_strategy: FULL_SHARD\nreshard_after_forward: false\n").unwrap();
+    let o = run_cli(&["finetune", "--config", both.to_str().unwrap(), "--model", model.to_str().unwrap()], &[]);
+    let err = stderr(&o);
+    assert!(!o.status.success() && err.contains("both.yaml: key `sharding_strategy` (FULL_SHARD)") && err.contains("key `reshard_after_forward` (false)"), "{err}");
+    // Across two files.
+    let accel = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs/accelerate-fsdp2.yaml");
+    let other = tmp.path().join("train.yaml");
+    std::fs::write(&other, "gradient_checkpointing: false\n").unwrap();
+    let o = run_cli(&["finetune", "--config", accel.to_str().unwrap(), "--config", other.to_str().unwrap(), "--model", model.to_str().unwrap()], &[]);
+    let err = stderr(&o);
+    assert!(
+        !o.status.success() && err.contains("key `fsdp_config.fsdp_activation_checkpointing` (true)") && err.contains("train.yaml: key `gradient_checkpointing` (false)"),
+        "{err}"
+    );
+}

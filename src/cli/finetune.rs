@@ -15,9 +15,12 @@ pub fn apply_config_file(argv: Vec<std::ffi::OsString>) -> Result<Vec<std::ffi::
     use clap::CommandFactory;
     let Ok(matches) = super::Cli::command().try_get_matches_from(&argv) else { return Ok(argv) };
     let Some(("finetune", sub)) = matches.subcommand() else { return Ok(argv) };
-    let Some(path) = sub.get_one::<PathBuf>("config") else { return Ok(argv) };
+    let paths: Vec<PathBuf> = sub.get_many::<PathBuf>("config").map(|p| p.cloned().collect()).unwrap_or_default();
+    if paths.is_empty() {
+        return Ok(argv);
+    }
     let mut out = argv.clone();
-    for setting in fsdp_app::train::config_file::load(path)? {
+    for setting in fsdp_app::train::config_file::load_all(&paths)? {
         if sub.value_source(setting.flag) == Some(ValueSource::CommandLine) {
             continue;
         }

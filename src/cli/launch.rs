@@ -2,22 +2,33 @@
 //! torchrun's, in both its spellings (`--nproc_per_node` and `--nproc-per-node`), so existing
 //! launch scripts keep working: `--standalone`, a static `--rdzv-endpoint HOST:PORT`, and
 //! `--max-restarts 0` too. What torchrun does and we do not (restarting failed ranks, dynamic
-//! rendezvous across nodes) is refused naming the flag.
+//! rendezvous across nodes) is refused naming the flag. `--config FILE` reads Accelerate's
+//! launch keys (num_processes, num_machines, machine_rank, main_process_ip, main_process_port,
+//! gpu_ids) and hands the file to the `finetune` it starts; flags given here win.
+
+use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use fsdp_app::dist::launch::LaunchConfig;
+use fsdp_app::train::accelerate_config::LaunchSettings;
 
 #[derive(Args)]
 pub struct LaunchArgs {
     /// Ranks (processes) on this node: a number, or torchrun's `auto` (one per GPU, else one
     /// per CPU core), `gpu` or `cpu`.
     #[arg(long, alias = "nproc_per_node")]
-    nproc_per_node: String,
-    #[arg(long, default_value_t = 1)]
-    nnodes: usize,
-    #[arg(long, alias = "node_rank", default_value_t = 0)]
-    node_rank: usize,
+    nproc_per_node: Option<String>,
+    /// Nodes in the job (default 1).
+    #[arg(long)]
+    nnodes: Option<usize>,
+    /// This node's index (default 0).
+    #[arg(long, alias = "node_rank")]
+    node_rank: Option<usize>,
+    /// An Accelerate config file (as `accelerate config` writes it) or an fsdp-app one: its
+    /// launch keys set what these flags do not, and a `finetune` command gets `--config FILE`.
+    #[arg(long, alias = "config_file", alias = "config-file")]
+    config: Option<PathBuf>,
     /// Address of the node running rank 0.
     #[arg(long, alias = "master_addr")]
     master_addr: Option<String>,
@@ -56,14 +67,33 @@ impl LaunchArgs {
         if self.max_restarts != 0 {
             bail!("--max-restarts {}: fsdp-app does not restart failed ranks; a failed job ends, and `finetune --resume` continues it from its last checkpoint", self.max_restarts);
         }
+        let file = match &self.config {
+            // The whole file is checked now, so a refused key stops the job before any rank runs.
+            Some(path) => {
+                fsdp_app::train::config_file::load(path)?;
+                fsdp_app::train::accelerate_config::launch_settings(path)?
+            }
+            None => LaunchSettings::default(),
+        };
+        let nnodes = self.nnodes.or(file.num_machines).unwrap_or(1);
+        let node_rank = self.node_rank.or(file.machine_rank).unwrap_or(0);
+        let nproc_per_node = match (&self.nproc_per_node, file.num_processes) {
+            (Some(n), _) => parse_nproc(n)?,
+            // Accelerate's num_processes counts every machine's processes.
+            (None, Some(total)) if nnodes > 0 && total % nnodes == 0 && total > 0 => total / nnodes,
+            (None, Some(total)) => bail!("num_processes {total} in {} is not a multiple of {nnodes} machines", self.config.as_ref().unwrap().display()),
+            (None, None) => bail!("--nproc-per-node is required (or num_processes in an Accelerate --config file)"),
+        };
+        let master_addr_flag = self.master_addr.clone().or(file.main_process_ip.clone());
+        let master_port_flag = self.master_port.or(file.main_process_port);
         let explicit = self.master_addr.is_some() || self.master_port.is_some();
         let (master_addr, master_port) = match (&self.rdzv_endpoint, self.standalone) {
             (Some(_), true) => bail!("--standalone picks its own rendezvous address; drop --rdzv-endpoint {}", self.rdzv_endpoint.as_deref().unwrap()),
             (Some(_), false) if explicit => bail!("--rdzv-endpoint and --master-addr/--master-port both say where rank 0 listens: give one"),
             (Some(endpoint), false) => parse_endpoint(endpoint)?,
             (None, true) => {
-                if self.nnodes != 1 {
-                    bail!("--standalone is one node, but --nnodes is {}", self.nnodes);
+                if nnodes != 1 {
+                    bail!("--standalone is one node, but --nnodes is {nnodes}");
                 }
                 if explicit {
                     bail!("--standalone picks its own rendezvous address; drop --master-addr/--master-port");
@@ -71,24 +101,32 @@ impl LaunchArgs {
                 ("127.0.0.1".to_string(), free_local_port()?)
             }
             (None, false) => (
-                self.master_addr.clone().unwrap_or_else(|| "127.0.0.1".to_string()),
-                self.master_port.unwrap_or(fsdp_app::dist::env::DEFAULT_MASTER_PORT),
+                master_addr_flag.unwrap_or_else(|| "127.0.0.1".to_string()),
+                master_port_flag.unwrap_or(fsdp_app::dist::env::DEFAULT_MASTER_PORT),
             ),
         };
         match self.rdzv_backend.as_deref() {
             None | Some("static") => {}
-            Some("c10d") if self.nnodes == 1 => {}
+            Some("c10d") if nnodes == 1 => {}
             Some("c10d") => bail!("--rdzv-backend c10d: dynamic rendezvous across nodes is not supported; use the static one (give each node its --node-rank)"),
             Some(other) => bail!("--rdzv-backend {other}: not supported (use static, or c10d on one node)"),
         }
+        let mut command = self.command;
+        if let Some(path) = &self.config {
+            let given = path.to_string_lossy().to_string();
+            if command.first().map(String::as_str) == Some("finetune") && !command.contains(&given) {
+                command.splice(1..1, ["--config".to_string(), given]);
+            }
+        }
         Ok(LaunchConfig {
-            nproc_per_node: parse_nproc(&self.nproc_per_node)?,
-            nnodes: self.nnodes,
-            node_rank: self.node_rank,
+            nproc_per_node,
+            nnodes,
+            node_rank,
             master_addr,
             master_port,
             grace: std::time::Duration::from_secs(self.grace),
-            command: self.command,
+            command,
+            env: file.gpu_ids.map(|ids| vec![("CUDA_VISIBLE_DEVICES".to_string(), ids)]).unwrap_or_default(),
         })
     }
 }

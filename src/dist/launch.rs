@@ -21,6 +21,8 @@ pub struct LaunchConfig {
     pub grace: Duration,
     /// The fsdp-app subcommand and its arguments, run in every rank.
     pub command: Vec<String>,
+    /// Extra environment of every rank (e.g. CUDA_VISIBLE_DEVICES from Accelerate's gpu_ids).
+    pub env: Vec<(String, String)>,
 }
 
 fn describe(status: &ExitStatus) -> String {
@@ -58,6 +60,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
             .env("LOCAL_WORLD_SIZE", cfg.nproc_per_node.to_string())
             .env("MASTER_ADDR", &cfg.master_addr)
             .env("MASTER_PORT", cfg.master_port.to_string())
+            .envs(cfg.env.iter().map(|(k, v)| (k, v)))
             .spawn()
             .with_context(|| format!("starting rank {rank}"))?;
         children.push((rank, child));

@@ -10,13 +10,18 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use yaml_rust2::{Yaml, YamlLoader};
 
+use crate::train::accelerate_config::Outcome;
+
 /// A setting from the file: the flag (clap id) it sets and its value as the flag would take it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Setting {
     pub flag: &'static str,
     pub value: String,
-    /// The key it came from, for messages.
+    /// The key it came from (`fsdp_config.fsdp_x` for nested ones) and its value as written,
+    /// and the file, for messages.
     pub key: String,
+    pub written: String,
+    pub file: std::path::PathBuf,
 }
 
 #[derive(Clone, Copy)]
@@ -67,6 +72,9 @@ const SIMPLE: &[(&str, &str, Kind)] = &[
     ("save_steps", "save_steps", Kind::Int),
     ("save_total_limit", "save_total_limit", Kind::Int),
     ("save_full_every", "save_full_every", Kind::Int),
+    ("warmup_ratio", "warmup_ratio", Kind::Float),
+    ("logging_steps", "logging_steps", Kind::Int),
+    ("gradient_checkpointing", "activation_checkpointing", Kind::Bool),
     ("resume_from_checkpoint", "resume_from_checkpoint", Kind::Str),
     ("max_shard_size", "max_shard_size", Kind::Str),
     ("packing", "packing", Kind::Bool),
@@ -93,6 +101,13 @@ pub fn known_keys() -> Vec<&'static str> {
         "state_dict_type",
         "shuffle",
         "lora_target_modules",
+        "bf16",
+        "fp16",
+        "fsdp_config",
+        "distributed_type",
+        "compute_environment",
+        "use_cpu",
+        "(Accelerate's environment keys: debug, num_machines, machine_rank, main_process_ip, main_process_port, gpu_ids, tpu_*, ...)",
     ]);
     k.sort();
     k
@@ -152,6 +167,23 @@ fn dtype_name(s: &str) -> Option<&'static str> {
     }
 }
 
+/// Reads every `--config` file (an Accelerate file and a TrainingArguments one, or one file
+/// with both) into the flags they set. Two keys that set one flag to different values, in one
+/// file or across files, are an error naming both.
+pub fn load_all(paths: &[std::path::PathBuf]) -> Result<Vec<Setting>> {
+    let mut all: Vec<Setting> = vec![];
+    for path in paths {
+        for s in load(path)? {
+            if let Some(other) = all.iter().find(|o| o.flag == s.flag && o.value != s.value) {
+                let at = |x: &Setting| format!("{}: key `{}` ({})", x.file.display(), x.key, x.written);
+                bail!("conflicting settings: {} and {} both set --{} ({} vs {})", at(other), at(&s), s.flag.replace('_', "-"), other.value, s.value);
+            }
+            all.push(s);
+        }
+    }
+    Ok(all)
+}
+
 /// Reads `path` into the flags it sets.
 pub fn load(path: &Path) -> Result<Vec<Setting>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
@@ -161,82 +193,116 @@ pub fn load(path: &Path) -> Result<Vec<Setting>> {
         bail!("{}: the top level must be a mapping of keys to values, found {}", path.display(), type_name(&doc));
     };
     let mut out = vec![];
-    let err = |key: &str, msg: String| anyhow::anyhow!("{}: key `{key}`: {msg}", path.display());
     for (k, v) in map.iter() {
         let Yaml::String(key) = k else { bail!("{}: keys must be strings, found {}", path.display(), type_name(k)) };
-        let set = |flag: &'static str, value: String| Setting { flag, value, key: key.clone() };
-        if let Some((_, flag, kind)) = SIMPLE.iter().find(|(name, _, _)| name == key) {
-            let value = scalar(v, *kind).ok_or_else(|| err(key, format!("expected {}, found {}", want(*kind), type_name(v))))?;
-            out.push(set(flag, value));
+        if key == "fsdp_config" {
+            let Yaml::Hash(inner) = v else { bail!("{}: key `fsdp_config`: expected a mapping, found {}", path.display(), type_name(v)) };
+            for (ik, iv) in inner.iter() {
+                let name = format!("fsdp_config.{}", ik.as_str().unwrap_or("?"));
+                let written = show(iv);
+                match crate::train::accelerate_config::fsdp_key(ik.as_str().unwrap_or(""), iv) {
+                    Outcome::Flags(f) => out.extend(f.into_iter().map(|(flag, value)| Setting { flag, value, key: name.clone(), written: written.clone(), file: path.into() })),
+                    Outcome::Refused(why) => bail!("{}: key `{name}`: {why}", path.display()),
+                    Outcome::NotOurs => unreachable!("fsdp_key decides every key"),
+                }
+            }
             continue;
         }
-        match key.as_str() {
-            "fsdp_version" => match v {
-                Yaml::Integer(2) => {}
-                Yaml::Integer(n) => return Err(err(key, format!("fsdp-app implements FSDP2 semantics; version {n} is not available"))),
-                other => return Err(err(key, format!("expected 2, found {}", type_name(other)))),
-            },
-            "reshard_after_forward" => match v {
-                Yaml::Boolean(b) => out.push(set("sharding_strategy", if *b { "FULL_SHARD" } else { "SHARD_GRAD_OP" }.into())),
-                other => return Err(err(key, format!("expected true or false, found {}", type_name(other)))),
-            },
-            "shuffle" => match v {
-                Yaml::Boolean(false) => out.push(set("no_shuffle", "true".into())),
-                Yaml::Boolean(true) => {}
-                other => return Err(err(key, format!("expected true or false, found {}", type_name(other)))),
-            },
-            "mixed_precision" => match v {
-                Yaml::String(s) => {
-                    let d = dtype_name(s).ok_or_else(|| err(key, format!("{s:?}: use no, bf16 or fp16")))?;
-                    out.push(set("param_dtype", d.into()));
-                    out.push(set("reduce_dtype", d.into()));
-                }
-                Yaml::Hash(h) => {
-                    for (pk, pv) in h.iter() {
-                        let (Yaml::String(pk), Yaml::String(pv)) = (pk, pv) else {
-                            return Err(err(key, "entries must be `param_dtype: bf16` style strings".into()));
-                        };
-                        let d = dtype_name(pv).ok_or_else(|| err(key, format!("{pk}: {pv:?} is not a dtype (fp32, bf16, fp16)")))?;
-                        match pk.as_str() {
-                            "param_dtype" => out.push(set("param_dtype", d.into())),
-                            "reduce_dtype" => out.push(set("reduce_dtype", d.into())),
-                            other => return Err(err(key, format!("unknown entry `{other}`; use param_dtype and reduce_dtype"))),
-                        }
-                    }
-                }
-                other => return Err(err(key, format!("expected no, bf16, fp16 or a mapping, found {}", type_name(other)))),
-            },
-            "transformer_cls_names_to_wrap" => {
-                let names = name_list(v).ok_or_else(|| err(key, format!("expected a class name or a list of them, found {}", type_name(v))))?;
-                out.push(set("transformer_cls_names_to_wrap", names));
-            }
-            "lora_target_modules" => {
-                let names = name_list(v).ok_or_else(|| err(key, format!("expected a module name or a list of them, found {}", type_name(v))))?;
-                out.push(set("lora_targets", names));
-            }
-            "cpu_ram_efficient_loading" => match v {
-                Yaml::Boolean(true) => {}
-                Yaml::Boolean(false) => {
-                    return Err(err(key, "fsdp-app always loads on rank 0 and streams to the others; `false` is not available".into()))
-                }
-                other => return Err(err(key, format!("expected true, found {}", type_name(other)))),
-            },
-            "state_dict_type" => match v {
-                Yaml::String(s) if s == "SHARDED_STATE_DICT" => {}
-                Yaml::String(s) if s == "FULL_STATE_DICT" => {
-                    return Err(err(
-                        key,
-                        "checkpoints are always sharded (re-cut for any world size); for a full model use --save-full-every \
-                         or `fsdp-app merge`"
-                            .into(),
-                    ))
-                }
-                other => return Err(err(key, format!("expected SHARDED_STATE_DICT, found {}", type_name(other)))),
-            },
-            other => bail!("{}: unknown key `{other}`; known keys: {}", path.display(), known_keys().join(", ")),
-        }
+        let written = show(v);
+        let flags = key_flags(key, v).map_err(|why| match why.strip_prefix("unknown key") {
+            Some(rest) => anyhow::anyhow!("{}: unknown key `{key}`{rest}", path.display()),
+            None => anyhow::anyhow!("{}: key `{key}`: {why}", path.display()),
+        })?;
+        out.extend(flags.into_iter().map(|(flag, value)| Setting { flag, value, key: key.clone(), written: written.clone(), file: path.into() }));
     }
+    hybrid_groups_from_machines(&map, &mut out, path);
     Ok(out)
+}
+
+/// Accelerate's HYBRID_SHARD shards inside a machine and replicates across machines: with no
+/// `shard_group_size` of ours, the group is the ranks of one machine.
+fn hybrid_groups_from_machines(map: &yaml_rust2::yaml::Hash, out: &mut Vec<Setting>, path: &Path) {
+    let int = |k: &str| map.get(&Yaml::String(k.into())).and_then(Yaml::as_i64).filter(|n| *n > 0);
+    let hybrid = out.iter().any(|s| s.flag == "sharding_strategy" && s.value == "HYBRID_SHARD");
+    if let (true, false, Some(procs), Some(machines)) = (hybrid, out.iter().any(|s| s.flag == "shard_group_size"), int("num_processes"), int("num_machines")) {
+        let written = format!("num_processes {procs} / num_machines {machines}");
+        out.push(Setting { flag: "shard_group_size", value: (procs / machines).to_string(), key: "num_machines".into(), written, file: path.into() });
+    }
+}
+
+/// A value as the file writes it, for messages.
+fn show(v: &Yaml) -> String {
+    match v {
+        Yaml::String(s) => s.clone(),
+        Yaml::Integer(i) => i.to_string(),
+        Yaml::Real(r) => r.clone(),
+        Yaml::Boolean(b) => b.to_string(),
+        Yaml::Null => "null".into(),
+        other => type_name(other).to_string(),
+    }
+}
+
+/// The flags one top-level key sets, or why it is refused.
+fn key_flags(key: &str, v: &Yaml) -> std::result::Result<Vec<(&'static str, String)>, String> {
+    if let Some((_, flag, kind)) = SIMPLE.iter().find(|(name, _, _)| *name == key) {
+        let value = scalar(v, *kind).ok_or_else(|| format!("expected {}, found {}", want(*kind), type_name(v)))?;
+        return Ok(vec![(*flag, value)]);
+    }
+    let boolean = |v: &Yaml| match v {
+        Yaml::Boolean(b) => Ok(*b),
+        other => Err(format!("expected true or false, found {}", type_name(other))),
+    };
+    match key {
+        "fsdp_version" | "reshard_after_forward" => match crate::train::accelerate_config::fsdp_key(&format!("fsdp_{key}").replace("fsdp_fsdp_", "fsdp_"), v) {
+            Outcome::Flags(f) => Ok(f),
+            Outcome::Refused(why) => Err(why),
+            Outcome::NotOurs => unreachable!(),
+        },
+        "shuffle" => Ok(if boolean(v)? { vec![] } else { vec![("no_shuffle", "true".into())] }),
+        // TrainingArguments: bf16 / fp16 compute with fp32 master weights, which is FSDP's
+        // param_dtype (reductions stay fp32).
+        "bf16" => Ok(if boolean(v)? { vec![("param_dtype", "bf16".into())] } else { vec![] }),
+        "fp16" => Ok(if boolean(v)? { vec![("param_dtype", "f16".into())] } else { vec![] }),
+        "mixed_precision" => match v {
+            Yaml::String(s) => {
+                let d = dtype_name(s).ok_or_else(|| format!("{s:?}: use no, bf16 or fp16"))?;
+                Ok(vec![("param_dtype", d.into()), ("reduce_dtype", d.into())])
+            }
+            Yaml::Hash(h) => h
+                .iter()
+                .map(|(pk, pv)| {
+                    let (Yaml::String(pk), Yaml::String(pv)) = (pk, pv) else {
+                        return Err("entries must be `param_dtype: bf16` style strings".to_string());
+                    };
+                    let d = dtype_name(pv).ok_or_else(|| format!("{pk}: {pv:?} is not a dtype (fp32, bf16, fp16)"))?;
+                    match pk.as_str() {
+                        "param_dtype" => Ok(("param_dtype", d.to_string())),
+                        "reduce_dtype" => Ok(("reduce_dtype", d.to_string())),
+                        other => Err(format!("unknown entry `{other}`; use param_dtype and reduce_dtype")),
+                    }
+                })
+                .collect(),
+            other => Err(format!("expected no, bf16, fp16 or a mapping, found {}", type_name(other))),
+        },
+        "transformer_cls_names_to_wrap" => {
+            let names = name_list(v).ok_or_else(|| format!("expected a class name or a list of them, found {}", type_name(v)))?;
+            Ok(vec![("transformer_cls_names_to_wrap", names)])
+        }
+        "lora_target_modules" => {
+            let names = name_list(v).ok_or_else(|| format!("expected a module name or a list of them, found {}", type_name(v)))?;
+            Ok(vec![("lora_targets", names)])
+        }
+        "cpu_ram_efficient_loading" | "state_dict_type" => match crate::train::accelerate_config::fsdp_key(&format!("fsdp_{key}"), v) {
+            Outcome::Flags(f) => Ok(f),
+            Outcome::Refused(why) => Err(why),
+            Outcome::NotOurs => unreachable!(),
+        },
+        other => match crate::train::accelerate_config::top_level(other, v) {
+            Outcome::Flags(f) => Ok(f),
+            Outcome::Refused(why) => Err(why),
+            Outcome::NotOurs => Err(format!("unknown key; known keys: {}", known_keys().join(", "))),
+        },
+    }
 }
 
 /// Checks `transformer_cls_names_to_wrap` against the model: it must name the model's decoder
@@ -290,13 +356,52 @@ mod tests {
     }
 
     #[test]
+    fn accelerate_files_as_written_become_flags_or_are_refused_by_key() {
+        let flags = |t: &str| parse(t).unwrap().into_iter().map(|x| (x.flag, x.value)).collect::<Vec<_>>();
+        // FSDP1 flavour: strategies by number, hybrid groups from the machines.
+        let f = flags(
+            "compute_environment: LOCAL_MACHINE\ndebug: false\ndistributed_type: FSDP\ndowncast_bf16: 'no'\nfsdp_config:\n  \
+             fsdp_sharding_strategy: 4\n  fsdp_version: 1\n  fsdp_backward_prefetch: BACKWARD_PRE\n  fsdp_use_orig_params: true\n\
+             machine_rank: 0\nmixed_precision: 'no'\nnum_machines: 2\nnum_processes: 4\ntpu_env: []\nuse_cpu: true\n",
+        );
+        assert!(f.contains(&("sharding_strategy", "HYBRID_SHARD".into())) && f.contains(&("shard_group_size", "2".into())), "{f:?}");
+        assert!(f.contains(&("device", "cpu".into())) && f.contains(&("world_size", "4".into())), "{f:?}");
+        assert_eq!(flags("fsdp_config:\n  fsdp_reshard_after_forward: false\n"), vec![("sharding_strategy", "SHARD_GRAD_OP".into())]);
+        assert_eq!(flags("distributed_type: MULTI_CPU\n"), vec![("sharding_strategy", "NO_SHARD".into())]);
+        assert_eq!(flags("warmup_ratio: 0.1\nbf16: true\ngradient_checkpointing: true\n").len(), 3);
+        let e = |t: &str| format!("{:#}", parse(t).unwrap_err());
+        assert!(e("distributed_type: DEEPSPEED\n").contains("key `distributed_type`: DEEPSPEED"));
+        assert!(e("fsdp_config:\n  fsdp_sharding_strategy: 5\n").contains("key `fsdp_config.fsdp_sharding_strategy`: HYBRID_SHARD_ZERO2"));
+        assert!(e("fsdp_config:\n  fsdp_sync_module_states: false\n").contains("fsdp_config.fsdp_sync_module_states"));
+        assert!(e("fsdp_config:\n  fsdp_foo: 1\n").contains("unknown FSDP setting `fsdp_foo`"));
+        assert!(e("compute_environment: AMAZON_SAGEMAKER\n").contains("only LOCAL_MACHINE"));
+        assert!(e("deepspeed_config:\n  zero_stage: 3\n").contains("key `deepspeed_config`"));
+    }
+
+    #[test]
+    fn two_keys_setting_one_flag_differently_are_named_with_their_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a.yaml"), dir.path().join("b.yaml"));
+        std::fs::write(&a, "sharding_strategy: FULL_SHARD\nreshard_after_forward: false\n").unwrap();
+        let e = format!("{:#}", load_all(std::slice::from_ref(&a)).unwrap_err());
+        assert!(e.contains("key `sharding_strategy` (FULL_SHARD)") && e.contains("key `reshard_after_forward` (false)") && e.contains("a.yaml"), "{e}");
+        std::fs::write(&a, "mixed_precision: bf16\n").unwrap();
+        std::fs::write(&b, "bf16: false\nfp16: true\n").unwrap();
+        let e = format!("{:#}", load_all(&[a.clone(), b.clone()]).unwrap_err());
+        assert!(e.contains("a.yaml: key `mixed_precision` (bf16)") && e.contains("b.yaml: key `fp16` (true)"), "{e}");
+        // Agreeing keys are fine.
+        std::fs::write(&b, "bf16: true\nlearning_rate: 1e-4\n").unwrap();
+        assert_eq!(load_all(&[a, b]).unwrap().len(), 4);
+    }
+
+    #[test]
     fn unknown_keys_wrong_types_and_unsupported_values_are_named() {
         let e = |t: &str| format!("{:#}", parse(t).unwrap_err());
-        assert!(e("learning_rat: 1e-5\n").contains("unknown key `learning_rat`"));
+        assert!(e("learning_rat: 1e-5\n").contains("unknown key `learning_rat`; known keys"));
         assert!(e("per_device_train_batch_size: two\n").contains("key `per_device_train_batch_size`: expected a non-negative integer, found a string"));
-        assert!(e("fsdp_version: 1\n").contains("FSDP2"));
-        assert!(e("cpu_ram_efficient_loading: false\n").contains("always loads on rank 0"));
-        assert!(e("state_dict_type: FULL_STATE_DICT\n").contains("always sharded"));
+        assert!(e("fsdp_version: 3\n").contains("expected 1 or 2"));
+        assert!(e("cpu_ram_efficient_loading: false\n").contains("always loads the checkpoint on rank 0"));
+        assert!(e("state_dict_type: LOCAL_STATE_DICT\n").contains("use SHARDED_STATE_DICT or FULL_STATE_DICT"));
         assert!(e("mixed_precision: fp8\n").contains("use no, bf16 or fp16"));
         assert!(e("lora_target_modules: 3\n").contains("key `lora_target_modules`: expected a module name or a list"));
         assert!(e("lora_r: 0.5\n").contains("key `lora_r`: expected a non-negative integer"));

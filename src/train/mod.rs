@@ -1,6 +1,7 @@
 //! Training: row shapes (`formats`), samples and loss masks (`data`), and the fine-tuning loop
 //! (`finetune`).
 
+pub mod accelerate_config;
 pub mod config_file;
 pub mod data;
 pub mod estimate;

@@ -21,9 +21,11 @@ pub struct FinetuneArgs {
     /// mixed_precision, auto_wrap_policy, transformer_cls_names_to_wrap, min_num_params,
     /// activation_checkpointing, cpu_ram_efficient_loading, state_dict_type) and TrainingArguments
     /// keys (learning_rate, per_device_train_batch_size, ...). Flags given here win.
+    /// Give it twice for two files (e.g. Accelerate's and a TrainingArguments one); two keys
+    /// that set one flag differently are an error naming both.
     #[arg(long)]
     #[serde(skip)]
-    pub config: Option<PathBuf>,
+    pub config: Vec<PathBuf>,
     /// Every setting from a JSON file written by fsdp-app itself (the jobs API's children); no
     /// other flag may be given with it.
     #[arg(long, conflicts_with = "config")]
@@ -109,6 +111,12 @@ pub struct FinetuneArgs {
     pub epochs: usize,
     #[arg(long, default_value_t = 0)]
     pub warmup_steps: usize,
+    /// Warmup as a fraction of the run's optimizer steps (instead of --warmup-steps).
+    #[arg(long)]
+    pub warmup_ratio: Option<f64>,
+    /// Print a step line every N steps (metrics.jsonl records every step).
+    #[arg(long, default_value_t = 1)]
+    pub logging_steps: usize,
     /// constant, linear or cosine (after linear warmup).
     #[arg(long, default_value = "linear")]
     pub lr_scheduler: String,
@@ -290,6 +298,8 @@ impl TryFrom<FinetuneArgs> for FinetuneConfig {
             max_steps: a.max_steps,
             epochs: a.epochs,
             warmup_steps: a.warmup_steps,
+            warmup_ratio: a.warmup_ratio,
+            logging_steps: a.logging_steps,
             schedule: a.lr_scheduler.parse()?,
             seed: a.seed,
             shuffle: !a.no_shuffle,

@@ -32,6 +32,11 @@ pub struct FinetuneConfig {
     pub max_steps: Option<usize>,
     pub epochs: usize,
     pub warmup_steps: usize,
+    /// Warmup as a fraction of the run's steps (TrainingArguments' warmup_ratio), instead of
+    /// `warmup_steps`.
+    pub warmup_ratio: Option<f64>,
+    /// Print a step line every this many steps (metrics.jsonl has every step).
+    pub logging_steps: usize,
     pub schedule: Schedule,
     pub seed: u64,
     pub shuffle: bool,
@@ -83,6 +88,15 @@ pub struct FinetuneConfig {
 }
 
 impl FinetuneConfig {
+    /// Warmup steps of a run of `total_steps`: `warmup_steps`, or `warmup_ratio` of the run
+    /// rounded up (as TrainingArguments does).
+    pub fn warmup_for(&self, total_steps: usize) -> usize {
+        match self.warmup_ratio {
+            Some(r) => (r * total_steps as f64).ceil() as usize,
+            None => self.warmup_steps,
+        }
+    }
+
     /// The CLI's defaults (from [`FinetuneArgs`], where they are written) for everything but
     /// model, data and output directory; quiet.
     pub fn new(model: &str, data: &Path, output_dir: &Path) -> Self {
@@ -110,6 +124,17 @@ pub fn validate(cfg: &FinetuneConfig) -> Result<()> {
     }
     if cfg.seq_len < 2 {
         bail!("--seq-len must be at least 2 (a token and the next one to predict)");
+    }
+    if let Some(r) = cfg.warmup_ratio {
+        if !(0.0..=1.0).contains(&r) {
+            bail!("--warmup-ratio must be between 0 and 1, got {r}");
+        }
+        if cfg.warmup_steps > 0 {
+            bail!("give --warmup-steps ({}) or --warmup-ratio ({r}), not both", cfg.warmup_steps);
+        }
+    }
+    if cfg.logging_steps == 0 {
+        bail!("--logging-steps must be positive");
     }
     if cfg.max_steps == Some(0) {
         bail!("--max-steps must be positive");

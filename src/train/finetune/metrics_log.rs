@@ -33,6 +33,9 @@ pub(super) struct MetricsLog {
     history: LossHistory,
     output_dir: std::path::PathBuf,
     verbose: bool,
+    /// Step lines every this many steps, and at the last one.
+    logging_steps: usize,
+    total_steps: usize,
 }
 
 impl MetricsLog {
@@ -56,7 +59,15 @@ impl MetricsLog {
             pb.set_style(indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps {msg}").unwrap());
             pb
         });
-        Ok(Self { metrics, progress, history: LossHistory::default(), output_dir: cfg.output_dir.clone(), verbose: cfg.verbose })
+        Ok(Self {
+            metrics,
+            progress,
+            history: LossHistory::default(),
+            output_dir: cfg.output_dir.clone(),
+            verbose: cfg.verbose,
+            logging_steps: cfg.logging_steps,
+            total_steps,
+        })
     }
 
     /// Records a step. Every rank calls it: the memory figures are gathered from all ranks.
@@ -75,25 +86,28 @@ impl MetricsLog {
         writeln!(f, "{row}")?;
         f.flush()?;
         self.history.write_svg(&self.output_dir.join("loss.svg"))?;
+        let shown = r.step % self.logging_steps == 0 || r.step == self.total_steps;
         if let Some(pb) = &self.progress {
-            let list = |v: &[u64]| v.iter().map(|&b| human_bytes(b)).collect::<Vec<_>>().join(", ");
-            let mut line = format!(
-                "step {:>5} | loss {:.4} | lr {:.3e} | grad norm {:.4} | {:.0} tokens/s | peak RSS per rank [{}]",
-                r.step,
-                r.loss,
-                r.lr,
-                r.grad_norm,
-                r.tokens / r.secs,
-                list(&rss)
-            );
-            if let Some(g) = &gpu {
-                line += &format!(" | GPU memory per rank [{}]", list(g));
-            }
-            // A hidden bar (stderr not a terminal) drops println: print plainly then.
-            if pb.is_hidden() {
-                eprintln!("{line}");
-            } else {
-                pb.println(line);
+            if shown {
+                let list = |v: &[u64]| v.iter().map(|&b| human_bytes(b)).collect::<Vec<_>>().join(", ");
+                let mut line = format!(
+                    "step {:>5} | loss {:.4} | lr {:.3e} | grad norm {:.4} | {:.0} tokens/s | peak RSS per rank [{}]",
+                    r.step,
+                    r.loss,
+                    r.lr,
+                    r.grad_norm,
+                    r.tokens / r.secs,
+                    list(&rss)
+                );
+                if let Some(g) = &gpu {
+                    line += &format!(" | GPU memory per rank [{}]", list(g));
+                }
+                // A hidden bar (stderr not a terminal) drops println: print plainly then.
+                if pb.is_hidden() {
+                    eprintln!("{line}");
+                } else {
+                    pb.println(line);
+                }
             }
             pb.set_message(format!("loss {:.4}", r.loss));
             pb.inc(1);

@@ -10,6 +10,7 @@ use serde_json::json;
 
 use super::bootstrap::Bootstrap;
 use super::config::FinetuneConfig;
+use crate::fsdp::plan::ShardingStrategy;
 use crate::checkpoint::load;
 use crate::checkpoint::resume::{self, ResumingRun};
 use crate::dist::{root_tries, ProcessGroups};
@@ -141,6 +142,7 @@ fn report(cfg: &FinetuneConfig, boot: &Bootstrap, n_units: usize, bytes: &[State
         cfg.strategy,
         total as f64 / 1e6,
     );
+    eprintln!("{}", effective_settings(cfg, bytes.len(), boot.data.total_steps));
     if let Some(lora) = &boot.lora {
         eprintln!(
             "lora: r={} alpha={} dropout={} targets {:?}: {trainable} trainable parameters ({:.3}% of {total}); the base is frozen \
@@ -164,4 +166,33 @@ fn report(cfg: &FinetuneConfig, boot: &Bootstrap, n_units: usize, bytes: &[State
             human_bytes(unsharded as u64)
         );
     }
+}
+
+/// The settings the run uses, whatever set them (flags, `--config` files, defaults), in the
+/// words of PyTorch FSDP and TrainingArguments, so a user can see a config file was honoured.
+fn effective_settings(cfg: &FinetuneConfig, world: usize, total_steps: usize) -> String {
+    let strategy = match cfg.strategy {
+        ShardingStrategy::FullShard => "FULL_SHARD",
+        ShardingStrategy::ShardGradOp => "SHARD_GRAD_OP",
+        ShardingStrategy::NoShard => "NO_SHARD",
+        ShardingStrategy::HybridShard => "HYBRID_SHARD",
+    };
+    let dtype = |d: candle_core::DType| format!("{d:?}").to_lowercase();
+    format!(
+        "settings: sharding_strategy {strategy} (reshard_after_forward {}), activation_checkpointing {}, \
+         param_dtype {}, reduce_dtype {}, world_size {world}, batch {} per rank x {} accumulation x {world} ranks = {} sequences of {} tokens, \
+         lr {:e} ({:?}, {} warmup of {total_steps} steps), device {}",
+        cfg.strategy.reshard_after_forward(),
+        cfg.activation_checkpointing,
+        dtype(cfg.param_dtype),
+        dtype(cfg.reduce_dtype),
+        cfg.batch_size,
+        cfg.grad_accum,
+        cfg.batch_size * cfg.grad_accum * world,
+        cfg.seq_len,
+        cfg.lr,
+        cfg.schedule,
+        cfg.warmup_for(total_steps),
+        if cfg.device.is_cuda() { "cuda" } else { "cpu" },
+    )
 }

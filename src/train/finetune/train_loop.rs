@@ -42,7 +42,7 @@ pub(super) fn train(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &Finet
             order = epoch_order(data.samples.len(), epoch, cfg.seed, cfg.shuffle);
         }
         let start = Instant::now();
-        let lr = cfg.lr * lr_multiplier(cfg.schedule, step, cfg.warmup_steps, data.total_steps);
+        let lr = cfg.lr * lr_multiplier(cfg.schedule, step, cfg.warmup_for(data.total_steps), data.total_steps);
         let micro = micro_batches(groups, cfg, boot, &order, step);
         let (loss, grad_norm) = train_step(engine, groups, cfg, &micro, step, lr)?;
         curve.losses.push(loss);
@@ -129,7 +129,7 @@ fn save_checkpoint(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &Finetu
         "step": done, "epoch": done / data.steps_per_epoch, "samples_seen": done * data.global_batch,
         "global_batch": data.global_batch, "seed": cfg.seed, "shuffle": cfg.shuffle,
         "lr_schedule": {"type": format!("{:?}", cfg.schedule).to_lowercase(), "base_lr": cfg.lr,
-                        "warmup_steps": cfg.warmup_steps, "total_steps": data.total_steps},
+                        "warmup_steps": cfg.warmup_for(data.total_steps), "total_steps": data.total_steps},
         // The only randomness in training is the data order, a function of (seed, epoch).
         "rng": {"shuffle_seed": cfg.seed},
         // Rank 0 writes the trainer state; only it knows the data's identity.
