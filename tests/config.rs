@@ -129,7 +129,7 @@ fn accelerate_files_as_written_launch_a_two_rank_run_that_honours_them() {
     let data = reference_dir().join("train-data.jsonl");
     let configs = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs");
     let training = tmp.path().join("training.yaml");
-    std::fs::write(&training, "learning_rate: 1.0e-3\nper_device_train_batch_size: 2\ngradient_accumulation_steps: 2\nmax_steps: 4\nwarmup_ratio: 0.5\nlogging_steps: 2\n").unwrap();
+    std::fs::write(&training, "learning_rate: 1.0e-3\nper_device_train_batch_size: 2\ngradient_accumulation_steps: 2\nmax_steps: 4\nwarmup_ratio: 0.5\nlogging_steps: 2\ngradient_checkpointing: true\n").unwrap();
     for (name, strategy) in [("accelerate-fsdp1.yaml", "FULL_SHARD"), ("accelerate-fsdp2.yaml", "FULL_SHARD")] {
         let out = tmp.path().join(name);
         let port = free_port();
@@ -184,4 +184,45 @@ fn deepspeed_files_and_conflicting_pairs_are_refused_by_key() {
         !o.status.success() && err.contains("key `fsdp_config.fsdp_activation_checkpointing` (true)") && err.contains("train.yaml: key `gradient_checkpointing` (false)"),
         "{err}"
     );
+}
+
+/// `--auto-find-batch-size` with a budget between what micro-batches of 2 and 4 need: it takes
+/// 2 with twice the accumulation, and trains exactly the run asked for (same global batch, same
+/// losses); a budget nothing fits is refused with both figures.
+#[test]
+fn auto_batch_size_fits_the_budget_and_keeps_the_loss_curve() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("llama", tmp.path());
+    let m = model.to_str().unwrap();
+    let data = reference_dir().join("train-data.jsonl");
+    let needs = |batch: &str| -> f64 {
+        let o = run_cli(&["estimate", "--model", m, "--world-size", "2", "--batch-size", batch, "--seq-len", "16", "--json"], &[]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_str::<serde_json::Value>(&stdout(&o)).unwrap()["rank0_total"].as_f64().unwrap()
+    };
+    let (two, four) = (needs("2"), needs("4"));
+    assert!(two < four);
+    let budget = format!("{}", ((two + four) / 2.0) as u64);
+    let run = |name: &str, extra: &[&str]| {
+        let out = tmp.path().join(name);
+        let mut args = vec![
+            "finetune", "--model", m, "--data", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap(), "--world-size", "2", "--seq-len", "16",
+            "--max-steps", "4", "--lr", "1e-3", "--no-shuffle",
+        ];
+        args.extend_from_slice(extra);
+        let o = run_cli(&args, &[]);
+        (o.status.success(), stderr(&o), out)
+    };
+    let (ok, err, fixed) = run("fixed", &["--batch-size", "4"]);
+    assert!(ok, "{err}");
+    let (ok, err, auto) = run("auto", &["--batch-size", "4", "--auto-find-batch-size", "--max-memory-per-rank", &budget]);
+    assert!(ok, "{err}");
+    assert!(err.contains("micro-batch 2 x 2 accumulation") && err.contains("the same 8 sequences per step"), "{err}");
+    let (a, b) = (metric_losses(&fixed), metric_losses(&auto));
+    assert_eq!(a.len(), 4);
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-5 * x.abs(), "fixed {a:?} vs auto {b:?}");
+    }
+    let (ok, err, _) = run("none", &["--batch-size", "4", "--auto-find-batch-size", "--max-memory-per-rank", "1MB"]);
+    assert!(!ok && err.contains("even a micro-batch of 1 needs") && err.contains("over the budget of"), "{err}");
 }

@@ -38,7 +38,7 @@ pub fn apply_config_file(argv: Vec<std::ffi::OsString>) -> Result<Vec<std::ffi::
 }
 
 fn is_switch(flag: &str) -> bool {
-    matches!(flag, "activation_checkpointing" | "weight_decay_all" | "packing" | "skip_bad_rows" | "no_shuffle" | "lora" | "merge_lora")
+    matches!(flag, "activation_checkpointing" | "weight_decay_all" | "packing" | "skip_bad_rows" | "no_shuffle" | "lora" | "merge_lora" | "auto_find_batch_size")
 }
 
 pub fn run(a: FinetuneArgs) -> Result<()> {

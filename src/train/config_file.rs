@@ -62,6 +62,8 @@ const SIMPLE: &[(&str, &str, Kind)] = &[
     ("max_grad_norm", "max_grad_norm", Kind::Float),
     ("per_device_train_batch_size", "batch_size", Kind::Int),
     ("gradient_accumulation_steps", "grad_accum", Kind::Int),
+    ("auto_find_batch_size", "auto_find_batch_size", Kind::Bool),
+    ("max_memory_per_rank", "max_memory_per_rank", Kind::Str),
     ("max_seq_length", "seq_len", Kind::Int),
     ("max_length", "seq_len", Kind::Int),
     ("max_steps", "max_steps", Kind::Int),
@@ -174,11 +176,16 @@ pub fn load_all(paths: &[std::path::PathBuf]) -> Result<Vec<Setting>> {
     let mut all: Vec<Setting> = vec![];
     for path in paths {
         for s in load(path)? {
-            if let Some(other) = all.iter().find(|o| o.flag == s.flag && o.value != s.value) {
-                let at = |x: &Setting| format!("{}: key `{}` ({})", x.file.display(), x.key, x.written);
-                bail!("conflicting settings: {} and {} both set --{} ({} vs {})", at(other), at(&s), s.flag.replace('_', "-"), other.value, s.value);
+            match all.iter().find(|o| o.flag == s.flag) {
+                Some(other) if other.value != s.value => {
+                    let at = |x: &Setting| format!("{}: key `{}` ({})", x.file.display(), x.key, x.written);
+                    bail!("conflicting settings: {} and {} both set --{} ({} vs {})", at(other), at(&s), s.flag.replace('_', "-"), other.value, s.value);
+                }
+                // Two keys saying the same thing (fsdp_activation_checkpointing and
+                // gradient_checkpointing): one flag.
+                Some(_) => {}
+                None => all.push(s),
             }
-            all.push(s);
         }
     }
     Ok(all)
@@ -391,7 +398,7 @@ mod tests {
         assert!(e.contains("a.yaml: key `mixed_precision` (bf16)") && e.contains("b.yaml: key `fp16` (true)"), "{e}");
         // Agreeing keys are fine.
         std::fs::write(&b, "bf16: true\nlearning_rate: 1e-4\n").unwrap();
-        assert_eq!(load_all(&[a, b]).unwrap().len(), 4);
+        assert_eq!(load_all(&[a, b]).unwrap().len(), 3);
     }
 
     #[test]

@@ -102,6 +102,14 @@ pub struct FinetuneArgs {
     /// Micro-batches accumulated per optimizer step.
     #[arg(long, default_value_t = 1)]
     pub grad_accum: usize,
+    /// Take the largest micro-batch (a divisor of --batch-size) whose estimated memory per rank
+    /// fits --max-memory-per-rank, accumulating more to keep the same global batch.
+    #[arg(long)]
+    pub auto_find_batch_size: bool,
+    /// Memory budget per rank for --auto-find-batch-size (e.g. 2GB, 800MB); default: the
+    /// machine's available memory shared by its ranks.
+    #[arg(long, requires = "auto_find_batch_size")]
+    pub max_memory_per_rank: Option<String>,
     #[arg(long, default_value_t = 512)]
     pub seq_len: usize,
     /// Stop after this many optimizer steps (overrides --epochs).
@@ -294,6 +302,8 @@ impl TryFrom<FinetuneArgs> for FinetuneConfig {
             max_grad_norm: (a.max_grad_norm > 0.0).then_some(a.max_grad_norm),
             batch_size: a.batch_size,
             grad_accum: a.grad_accum,
+            auto_find_batch_size: a.auto_find_batch_size,
+            max_memory_per_rank: a.max_memory_per_rank.as_deref().map(crate::checkpoint::export::parse_size).transpose().context("--max-memory-per-rank")?,
             seq_len: a.seq_len,
             max_steps: a.max_steps,
             epochs: a.epochs,

@@ -28,6 +28,10 @@ pub struct FinetuneConfig {
     pub max_grad_norm: Option<f64>,
     pub batch_size: usize,
     pub grad_accum: usize,
+    /// Lower the micro-batch (raising the accumulation) until the estimate fits
+    /// `max_memory_per_rank` (default: the available memory shared by this machine's ranks).
+    pub auto_find_batch_size: bool,
+    pub max_memory_per_rank: Option<usize>,
     pub seq_len: usize,
     pub max_steps: Option<usize>,
     pub epochs: usize,
