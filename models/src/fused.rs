@@ -197,138 +197,26 @@ impl CustomOp3 for SwiGluBackward {
     }
 }
 
-// ---------------------------------------------------------------- attention softmax
-
-/// `softmax(scores * scale + mask)` over the last dimension of (batch, heads, q_len, k_len)
-/// scores; `mask` is additive, (q_len, k_len) or (batch, 1, q_len, k_len). One pass instead of
-/// scale, add, max, subtract, exp, sum and divide, and a backward that needs only the output.
-pub fn masked_softmax(scores: &Tensor, mask: Option<&Tensor>, scale: f64) -> Result<Tensor> {
-    let op = MaskedSoftmax { scale: scale as f32 };
-    match mask {
-        Some(m) => scores.contiguous()?.apply_op2(&m.contiguous()?, op),
-        None => scores.contiguous()?.apply_op1(op),
-    }
-}
-
-#[derive(Clone, Copy)]
-struct MaskedSoftmax {
-    scale: f32,
-}
-
-impl MaskedSoftmax {
-    fn run(&self, x: &[f32], dims: &[usize], mask: Option<(&[f32], &[usize])>) -> Result<Vec<f32>> {
-        let (b, h, tq, tk) = match dims {
-            [b, h, tq, tk] => (*b, *h, *tq, *tk),
-            _ => candle_core::bail!("masked_softmax: expected (batch, heads, q, k) scores, got {dims:?}"),
-        };
-        // Row r of the scores (batch bi, query i) reads mask row `mask_row(r)`.
-        let mask_row = |r: usize| -> usize {
-            let (bi, i) = (r / (h * tq), r % tq);
-            match mask {
-                Some((_, [_, _, _, _])) => bi * tq + i,
-                _ => i,
-            }
-        };
-        if let Some((m, md)) = mask {
-            let rows = if md.len() == 4 { b * tq } else { tq };
-            if m.len() != rows * tk {
-                candle_core::bail!("masked_softmax: a mask of shape {md:?} for scores {dims:?}");
-            }
-        }
-        let mut y = vec![0f32; x.len()];
-        let per = tk * rows_per_task(tk);
-        y.par_chunks_mut(per).zip(x.par_chunks(per)).enumerate().for_each(|(c, (ys, xs))| {
-            let first_row = c * (per / tk);
-            for (k, (yr, xr)) in ys.chunks_mut(tk).zip(xs.chunks(tk)).enumerate() {
-                let mr = mask.map(|(m, _)| &m[mask_row(first_row + k) * tk..][..tk]);
-                let mut max = f32::NEG_INFINITY;
-                for j in 0..tk {
-                    let v = xr[j] * self.scale + mr.map_or(0.0, |m| m[j]);
-                    yr[j] = v;
-                    max = max.max(v);
-                }
-                yr.iter_mut().for_each(|v| *v -= max);
-                exp_inplace(yr);
-                let inv = 1.0 / yr.iter().sum::<f32>();
-                yr.iter_mut().for_each(|v| *v *= inv);
-            }
-        });
-        Ok(y)
-    }
-
-    /// dx = scale * y * (g - sum(g * y)) per row.
-    fn backward(&self, y: &Tensor, g: &Tensor) -> Result<Tensor> {
-        y.apply_op2_no_bwd(&g.contiguous()?, &SoftmaxBackward { scale: self.scale })
-    }
-}
-
-impl CustomOp1 for MaskedSoftmax {
-    fn name(&self) -> &'static str {
-        "fused-masked-softmax"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        Ok((CpuStorage::F32(self.run(f32_slice(s, l)?, l.dims(), None)?), l.shape().clone()))
-    }
-
-    fn bwd(&self, _x: &Tensor, y: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(self.backward(y, g)?))
-    }
-}
-
-impl CustomOp2 for MaskedSoftmax {
-    fn name(&self) -> &'static str {
-        "fused-masked-softmax"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout, ms: &CpuStorage, ml: &Layout) -> Result<(CpuStorage, Shape)> {
-        let y = self.run(f32_slice(s, l)?, l.dims(), Some((f32_slice(ms, ml)?, ml.dims())))?;
-        Ok((CpuStorage::F32(y), l.shape().clone()))
-    }
-
-    fn bwd(&self, _x: &Tensor, _mask: &Tensor, y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        Ok((Some(self.backward(y, g)?), None))
-    }
-}
-
-struct SoftmaxBackward {
-    scale: f32,
-}
-
-impl CustomOp2 for SoftmaxBackward {
-    fn name(&self) -> &'static str {
-        "fused-softmax-backward"
-    }
-
-    fn cpu_fwd(&self, ys: &CpuStorage, yl: &Layout, gs: &CpuStorage, gl: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (y, g) = (f32_slice(ys, yl)?, f32_slice(gs, gl)?);
-        let tk = *yl.dims().last().unwrap_or(&1);
-        let per = tk * rows_per_task(tk);
-        let mut dx = vec![0f32; y.len()];
-        dx.par_chunks_mut(per).zip(y.par_chunks(per).zip(g.par_chunks(per))).for_each(|(ds, (ys, gs))| {
-            for ((dr, yr), gr) in ds.chunks_mut(tk).zip(ys.chunks(tk)).zip(gs.chunks(tk)) {
-                let dot: f32 = yr.iter().zip(gr).map(|(a, b)| a * b).sum();
-                for j in 0..tk {
-                    dr[j] = self.scale * yr[j] * (gr[j] - dot);
-                }
-            }
-        });
-        Ok((CpuStorage::F32(dx), yl.shape().clone()))
-    }
-}
-
 // ---------------------------------------------------------------- rotary embedding
 
 /// Rotary embedding of `x` (batch, heads, seq, head_dim) with `cos`/`sin` tables (seq,
 /// head_dim / 2), halves rotated as transformers' `rotate_half` does (what candle's `rope_slow`
 /// computes, without concatenating the tables at every call).
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    x.contiguous()?.apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rope { inverse: false })
+    x.contiguous()?.apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rope { inverse: false, token_major: false })
+}
+
+/// [`rope`] for `x` in the projections' token-major layout (batch, seq, heads, head_dim), as
+/// [`crate::attention::attention`] reads it.
+pub fn rope_token_major(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    x.contiguous()?.apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rope { inverse: false, token_major: true })
 }
 
 /// `inverse` rotates by the negative angle: the backward of a rotation is its inverse.
+/// `token_major`: x is (batch, seq, heads, head_dim), else (batch, heads, seq, head_dim).
 struct Rope {
     inverse: bool,
+    token_major: bool,
 }
 
 impl CustomOp3 for Rope {
@@ -339,21 +227,28 @@ impl CustomOp3 for Rope {
     fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, cs: &CpuStorage, cl: &Layout, ss: &CpuStorage, sl: &Layout) -> Result<(CpuStorage, Shape)> {
         let (x, cos, sin) = (f32_slice(xs, xl)?, f32_slice(cs, cl)?, f32_slice(ss, sl)?);
         let dims = xl.shape().dims();
-        let (seq, d) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+        // Rows of head_dim values; `heads` consecutive rows share a position when token-major.
+        let (seq, heads, d) = match (self.token_major, dims) {
+            (true, [_, t, h, d]) => (*t, *h, *d),
+            (false, [.., t, d]) => (*t, 1, *d),
+            _ => candle_core::bail!("rope: unexpected shape {dims:?}"),
+        };
         let half = d / 2;
         if cos.len() != seq * half || sin.len() != cos.len() {
             candle_core::bail!("rope: tables of {} values for {seq} positions of {half}", cos.len());
         }
         let sign = if self.inverse { -1.0f32 } else { 1.0 };
         let mut y = vec![0f32; x.len()];
-        y.par_chunks_mut(seq * d).zip(x.par_chunks(seq * d)).for_each(|(ys, xs)| {
-            for p in 0..seq {
-                let (c, s) = (&cos[p * half..(p + 1) * half], &sin[p * half..(p + 1) * half]);
-                let (xr, yr) = (&xs[p * d..(p + 1) * d], &mut ys[p * d..(p + 1) * d]);
+        let position = |row: usize| if self.token_major { (row / heads) % seq } else { row % seq };
+        let per = d * seq;
+        y.par_chunks_mut(per).zip(x.par_chunks(per)).enumerate().for_each(|(c, (ys, xs))| {
+            for (r, (yr, xr)) in ys.chunks_mut(d).zip(xs.chunks(d)).enumerate() {
+                let p = position(c * seq + r);
+                let (co, s) = (&cos[p * half..(p + 1) * half], &sin[p * half..(p + 1) * half]);
                 for i in 0..half {
                     let (x1, x2, si) = (xr[i], xr[i + half], sign * s[i]);
-                    yr[i] = x1 * c[i] - x2 * si;
-                    yr[i + half] = x2 * c[i] + x1 * si;
+                    yr[i] = x1 * co[i] - x2 * si;
+                    yr[i + half] = x2 * co[i] + x1 * si;
                 }
             }
         });
@@ -361,7 +256,7 @@ impl CustomOp3 for Rope {
     }
 
     fn bwd(&self, _x: &Tensor, cos: &Tensor, sin: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let dx = g.contiguous()?.apply_op3_no_bwd(cos, sin, &Rope { inverse: !self.inverse })?;
+        let dx = g.contiguous()?.apply_op3_no_bwd(cos, sin, &Rope { inverse: !self.inverse, token_major: self.token_major })?;
         Ok((Some(dx), None, None))
     }
 }
@@ -453,52 +348,13 @@ impl CustomOp2 for CrossEntropyBackward {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::{check_fd, grads, max_rel, rand};
     use candle_core::{Device, Var, D};
 
     /// RMSNorm as composite candle ops (what the training path used before).
     fn rms_norm_composite(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
         let inv = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
         x.broadcast_mul(&inv)?.broadcast_mul(w)
-    }
-
-    fn rand(shape: &[usize], seed: u64, scale: f32) -> Tensor {
-        let n: usize = shape.iter().product();
-        let mut r = crate::rng::SplitMix64(seed);
-        Tensor::from_vec((0..n).map(|_| r.next_signed() * scale).collect::<Vec<f32>>(), shape, &Device::Cpu).unwrap()
-    }
-
-    fn max_rel(a: &Tensor, b: &Tensor) -> f32 {
-        let (a, b) = (a.flatten_all().unwrap().to_vec1::<f32>().unwrap(), b.flatten_all().unwrap().to_vec1::<f32>().unwrap());
-        a.iter().zip(&b).map(|(x, y)| (x - y).abs() / y.abs().max(1e-2)).fold(0f32, f32::max)
-    }
-
-    /// Gradients of `sum(f(vars) * probe)` for the fused and the composite form of an op.
-    fn grads(vars: &[Var], probe: &Tensor, f: &dyn Fn(&[Tensor]) -> Result<Tensor>) -> Vec<Tensor> {
-        let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-        let loss = (f(&ts).unwrap() * probe).unwrap().sum_all().unwrap();
-        let g = loss.backward().unwrap();
-        vars.iter().map(|v| g.get(v.as_tensor()).unwrap().clone()).collect()
-    }
-
-    /// Central finite differences of `sum(f(x) * probe)` at a few coordinates of input `which`,
-    /// in f64 through the composite form.
-    fn check_fd(inputs: &[Tensor], which: usize, probe: &Tensor, analytic: &Tensor, f: &dyn Fn(&[Tensor]) -> Result<Tensor>) {
-        let base: Vec<Tensor> = inputs.iter().map(|t| t.to_dtype(DType::F64).unwrap()).collect();
-        let probe = probe.to_dtype(DType::F64).unwrap();
-        let flat = base[which].flatten_all().unwrap().to_vec1::<f64>().unwrap();
-        let an = analytic.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        for k in [0, flat.len() / 3, flat.len() - 1] {
-            let eval = |delta: f64| {
-                let mut v = flat.clone();
-                v[k] += delta;
-                let mut args = base.clone();
-                args[which] = Tensor::from_vec(v, base[which].shape(), &Device::Cpu).unwrap();
-                (f(&args).unwrap() * &probe).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap()
-            };
-            let h = 1e-5;
-            let numeric = (eval(h) - eval(-h)) / (2.0 * h);
-            assert!((numeric - an[k] as f64).abs() < 1e-3 * numeric.abs().max(1.0), "input {which}[{k}]: numeric {numeric}, analytic {}", an[k]);
-        }
     }
 
     #[test]
@@ -566,30 +422,14 @@ mod tests {
         let fused = grads(&var, &probe, &|t| rope(&t[0], &cos, &sin));
         let reference = grads(&var, &probe, &composite);
         assert!(max_rel(&fused[0], &reference[0]) < 1e-5);
-        check_fd(&[x], 0, &probe, &fused[0], &composite);
-    }
-
-    #[test]
-    fn masked_softmax_matches_the_composite_ops_and_finite_differences() {
-        let x = rand(&[2, 3, 6, 6], 14, 3.0);
-        let probe = rand(&[2, 3, 6, 6], 15, 1.0);
-        let causal = Tensor::from_vec((0..36).map(|k| if k % 6 > k / 6 { f32::NEG_INFINITY } else { 0.0 }).collect::<Vec<f32>>(), (6, 6), &Device::Cpu).unwrap();
-        let packed = causal.unsqueeze(0).unwrap().unsqueeze(0).unwrap().repeat((2, 1, 1, 1)).unwrap();
-        for mask in [None, Some(&causal), Some(&packed)] {
-            let composite = |t: &[Tensor]| -> Result<Tensor> {
-                let s = (&t[0] * 0.125)?;
-                let s = match mask {
-                    Some(m) => s.broadcast_add(&m.to_dtype(t[0].dtype())?)?,
-                    None => s,
-                };
-                candle_nn::ops::softmax(&s, D::Minus1)
-            };
-            assert!(max_rel(&masked_softmax(&x, mask, 0.125).unwrap(), &composite(&[x.clone()]).unwrap()) < 1e-5);
-            let var = [Var::from_tensor(&x).unwrap()];
-            let fused = grads(&var, &probe, &|t| masked_softmax(&t[0], mask, 0.125));
-            let reference = grads(&var, &probe, &composite);
-            assert!(max_rel(&fused[0], &reference[0]) < 1e-4, "{}", max_rel(&fused[0], &reference[0]));
-            check_fd(&[x.clone()], 0, &probe, &fused[0], &composite);
-        }
+        check_fd(&[x.clone()], 0, &probe, &fused[0], &composite);
+        // Token-major (batch, seq, heads, head_dim): the same rotation, transposed.
+        let xt = x.transpose(1, 2).unwrap().contiguous().unwrap();
+        let want = rope(&x, &cos, &sin).unwrap().transpose(1, 2).unwrap();
+        assert!(max_rel(&rope_token_major(&xt, &cos, &sin).unwrap(), &want) < 1e-6);
+        let var = [Var::from_tensor(&xt).unwrap()];
+        let probe_t = probe.transpose(1, 2).unwrap().contiguous().unwrap();
+        let token_major = grads(&var, &probe_t, &|t| rope_token_major(&t[0], &cos, &sin));
+        assert!(max_rel(&token_major[0], &fused[0].transpose(1, 2).unwrap()) < 1e-6);
     }
 }

@@ -262,6 +262,29 @@ impl Attention {
         let (b, t, _) = x.dims3()?;
         let d = self.head_dim;
         let seeds = pos.row_seeds.as_deref();
+        let scale = 1.0 / (d as f64).sqrt();
+        let fused = pos.mode == OpMode::Train
+            && cache.is_none()
+            && crate::fused::applies(x)
+            && pos.cos.rank() == 2
+            && pos.cos.dtype() == DType::F32
+            && pos.mask.as_ref().is_none_or(|m| m.dtype() == DType::F32);
+        if fused {
+            // Token-major all the way: rotary and attention read the projections in place and
+            // the attention writes what o_proj takes (see crate::attention).
+            let tokens = |proj: &AdaptedLinear, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
+                let y = proj.forward(x, pos.mode, seeds)?.reshape((b, t, n, d))?;
+                match norm {
+                    Some(norm) => norm.forward(&y, pos.mode),
+                    None => Ok(y),
+                }
+            };
+            let q = crate::fused::rope_token_major(&tokens(&self.q_proj, self.num_heads, &self.q_norm)?, &pos.cos, &pos.sin)?;
+            let k = crate::fused::rope_token_major(&tokens(&self.k_proj, self.num_kv_heads, &self.k_norm)?, &pos.cos, &pos.sin)?;
+            let v = tokens(&self.v_proj, self.num_kv_heads, &None)?;
+            let out = crate::attention::attention(&q, &k, &v, pos.mask.as_ref(), scale)?;
+            return self.o_proj.forward(&out, pos.mode, seeds);
+        }
         let heads = |proj: &AdaptedLinear, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
             let y = proj.forward(x, pos.mode, seeds)?.reshape((b, t, n, d))?;
             let y = match norm {
@@ -295,12 +318,6 @@ impl Attention {
         let k = repeat_kv(k, n_rep)?;
         let v = repeat_kv(v, n_rep)?;
 
-        let scale = 1.0 / (d as f64).sqrt();
-        if pos.mode == OpMode::Train && crate::fused::applies(&q) && pos.mask.as_ref().is_none_or(|m| m.dtype() == DType::F32) {
-            let probs = crate::fused::masked_softmax(&q.matmul(&k.t()?)?, pos.mask.as_ref(), scale)?;
-            let out = probs.matmul(&v.contiguous()?)?.transpose(1, 2)?.reshape((b, t, self.num_heads * d))?;
-            return self.o_proj.forward(&out, pos.mode, seeds);
-        }
         let scores = (q.matmul(&k.t()?)? * scale)?;
         let scores = match &pos.mask {
             Some(mask) => scores.broadcast_add(mask)?,

@@ -3,15 +3,20 @@
 //! Knows nothing about sharding or distribution: a model is built from a `VarBuilder`, and each
 //! decoder layer can be built on its own from a `VarBuilder` over just that layer's tensors.
 
+pub mod attention;
 pub mod config;
 pub mod fused;
 pub mod kernels;
 pub mod layers;
+pub mod linear;
 pub mod lora;
 pub mod model;
 pub mod rng;
 pub mod staged;
 pub mod tensors;
+
+#[cfg(test)]
+mod testing;
 
 pub use config::{Architecture, ModelConfig, RopeScaling, SUPPORTED_ARCHITECTURES};
 pub use layers::{DecoderLayer, LayerKvCache, OpMode};

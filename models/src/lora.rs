@@ -167,7 +167,12 @@ impl AdaptedLinear {
     /// `row_seeds`: one dropout seed per batch row in training (None: no dropout, as in eval).
     pub fn forward(&self, x: &Tensor, mode: OpMode, row_seeds: Option<&[u64]>) -> Result<Tensor, candle_core::Error> {
         // Decoding's few rows take the matrix-vector kernel; everything else candle's matmul.
-        let y = match crate::kernels::gemv_t(x, self.base.weight())? {
+        // Training on the CPU: one op whose backward computes only the gradients that exist.
+        let product = match mode == OpMode::Train && crate::fused::applies(x) && self.base.weight().dtype() == x.dtype() {
+            true => Some(crate::linear::linear(x, self.base.weight())?),
+            false => crate::kernels::gemv_t(x, self.base.weight())?,
+        };
+        let y = match product {
             Some(y) => match self.base.bias() {
                 Some(b) => y.broadcast_add(b)?,
                 None => y,

@@ -137,6 +137,10 @@ impl StagedModel for LlamaStages {
             let norm = RmsNorm::new(self.cfg.hidden_size, self.cfg.rms_norm_eps, norm_vb.pp("model.norm"))?;
             let h = norm.forward(input, OpMode::Train)?;
             let head = get(self.head_weight_name())?;
+            if crate::fused::applies(&h) && head.dtype() == h.dtype() {
+                // One product over all rows, forward and backward (no per-row weight gradients).
+                return crate::linear::linear(&h, &head);
+            }
             return h.broadcast_matmul(&head.t()?);
         }
         let layer_vb = Self::vb(params, &names, &like);

@@ -47,6 +47,8 @@ pub struct Estimate {
     pub optimizer: u64,
     pub gathered: u64,
     pub backward: u64,
+    /// Transient copies around a unit's weight gradients (see WEIGHT_GRAD_TEMPORARIES).
+    pub temporaries: u64,
     pub activations: u64,
     pub loss: u64,
     pub process: u64,
@@ -56,7 +58,7 @@ pub struct Estimate {
 
 impl Estimate {
     pub fn total(&self) -> u64 {
-        self.params + self.grads + self.optimizer + self.gathered + self.backward + self.activations + self.loss + self.process
+        self.params + self.grads + self.optimizer + self.gathered + self.backward + self.temporaries + self.activations + self.loss + self.process
     }
 
     /// (name, bytes, what it is) rows for the table.
@@ -67,8 +69,9 @@ impl Estimate {
             ("optimizer", self.optimizer, "AdamW exp_avg + exp_avg_sq chunks"),
             ("gathered units", self.gathered, "full weights all-gathered for compute"),
             ("unit backward", self.backward, "one unit's full-size weight gradients + reduce-scatter buffer"),
+            ("gradient temporaries", self.temporaries, "transient copies around a unit's weight gradients (measured)"),
             ("activations", self.activations, "decoder-layer tensors kept for backward"),
-            ("loss", self.loss, "logits, log-softmax and their gradients"),
+            ("loss", self.loss, "logits and their gradient"),
             ("process", self.process, "binary, tokenizer, data, allocator"),
         ]
     }
@@ -83,30 +86,28 @@ impl Estimate {
 /// stacks), measured on the fixtures and on SmolLM2.
 const PROCESS_BYTES: u64 = 24 << 20;
 
-/// f32 values one decoder layer's training forward creates, per token (see `models::layers`):
-/// `per_hidden` multiples of the hidden size, `per_inter` of the MLP width, `per_qk` of the
-/// query width, `per_kv` of the key/value width, `per_score` of heads x seq.
+/// f32 values one decoder layer's training forward keeps, per token (see `models::layers`):
+/// `per_hidden` multiples of the hidden size, `per_inter` of the MLP width, `per_q` of the
+/// query width, `per_kv` of the key/value width.
 struct LayerCounts {
     per_hidden: f64,
     per_inter: f64,
     per_q: f64,
     per_kv: f64,
-    per_score: f64,
 }
 
-/// Counted from the training forward's ops (fused RMSNorm, rotary, softmax and SwiGLU keep one
-/// output each): two norms, two residual adds, o_proj and down_proj (hidden); gate, up and their
-/// SwiGLU (MLP width); q projection, its head-major copy, rotary, the attention output and its
-/// token-major copy (query width); k projection, copy, rotary, v projection, copy (key/value
-/// width); scores and probabilities (heads x seq). With grouped-query attention k and v are also
-/// repeated to the query width (two more, see `layer_activation_bytes`).
-const LAYER: LayerCounts = LayerCounts { per_hidden: 6.0, per_inter: 3.0, per_q: 5.0, per_kv: 5.0, per_score: 2.0 };
+/// Counted from the training forward's ops (fused RMSNorm, rotary, attention, SwiGLU and
+/// linear keep one output each; the attention keeps no (seq, seq) probabilities and reads k/v
+/// heads in place): two norms, two residual adds, o_proj and down_proj (hidden); gate, up and
+/// their SwiGLU (MLP width); q projection, rotary and the attention output (query width);
+/// k projection, rotary and v projection (key/value width).
+const LAYER: LayerCounts = LayerCounts { per_hidden: 6.0, per_inter: 3.0, per_q: 3.0, per_kv: 3.0 };
 
 /// What the counted tensors cost in resident memory: the allocator's size classes and the
-/// short-lived temporaries of each op (gradient accumulation makes a zero tensor and a sum)
-/// add about a quarter. Fitted by least squares on nine shapes (hidden 256-1024, 2-16 layers,
-/// seq 128-512, vocab 2k-16k; within 8% on each): tests/estimate_fit/ has the rows and the fit.
-const RESIDENT_PER_COUNTED: f64 = 1.25;
+/// short-lived tensors of the backward (gradient accumulation makes a zero tensor and a sum)
+/// add about 60%. Fitted by least squares on nine shapes (hidden 256-1024, 2-16 layers, seq
+/// 128-512, vocab 2k-16k; within 5% on each): tests/estimate_fit/ has the rows and the fit.
+const RESIDENT_PER_COUNTED: f64 = 1.6;
 
 fn layer_activation_bytes(cfg: &ModelConfig, lora: Option<&models::LoraSettings>, batch: usize, seq: usize) -> f64 {
     let tokens = (batch * seq) as f64;
@@ -115,11 +116,7 @@ fn layer_activation_bytes(cfg: &ModelConfig, lora: Option<&models::LoraSettings>
     let mut per_token = LAYER.per_hidden * cfg.hidden_size as f64
         + LAYER.per_inter * cfg.intermediate_size as f64
         + LAYER.per_q * q
-        + LAYER.per_kv * kv
-        + LAYER.per_score * (cfg.num_attention_heads * seq) as f64;
-    if cfg.num_key_value_heads < cfg.num_attention_heads {
-        per_token += 2.0 * q;
-    }
+        + LAYER.per_kv * kv;
     if let Some(lora) = lora {
         // Each adapted projection adds B(A x), its scaled copy and the sum (3 outputs), and with
         // dropout the mask and the masked input.
@@ -133,18 +130,24 @@ fn layer_activation_bytes(cfg: &ModelConfig, lora: Option<&models::LoraSettings>
 }
 
 /// With activation checkpointing: hidden-size values per token kept for each layer (see below).
-const AC_HIDDEN_PER_LAYER: f64 = 15.0;
+const AC_HIDDEN_PER_LAYER: f64 = 8.0;
 
-/// (batch, seq, vocab) f32 tensors alive at the loss: logits, the shifted copy, and in backward
-/// their gradients and the zero-padded gradient of the shift (the fused cross-entropy keeps no
-/// log-probabilities).
-const LOSS_TENSORS: f64 = 6.0;
+/// With activation checkpointing the step's peak is at the loss stage (the kept layer inputs
+/// are small): the logits, their gradient and the backward's accumulation copies of both are
+/// alive at once, about this many (batch, seq, vocab) tensors. Fitted on the two-rank runs of
+/// tests/estimate.rs (within 7% on each rank).
+const LOSS_TENSORS_AT_PEAK: f64 = 9.0;
 
-/// Candle's weight gradient of a batched matmul is made per batch row and then summed, and a
-/// unit's projections overlap in backward: about this many copies of the largest weights one
-/// backward works on (a layer's projections, or the (vocab, hidden) head) are alive at once
-/// beyond the gradients themselves (same fit as above).
-const WEIGHT_GRAD_TEMPORARIES: f64 = 3.5;
+/// (batch, seq, vocab) f32 tensors alive at the peak without activation checkpointing, which
+/// comes in the layers' backward: the logits' gradient (the fused cross-entropy keeps no
+/// log-probabilities). Same fit as above.
+const LOSS_TENSORS: f64 = 1.0;
+
+/// Transient weight-sized buffers of a unit's backward beyond the gradients themselves (the
+/// gradient store's zero-and-sum accumulation, the packing for reduce-scatter): about this many
+/// copies of the largest weights one backward works on (a layer's projections, or the (vocab,
+/// hidden) head). Same fit as above.
+const WEIGHT_GRAD_TEMPORARIES: f64 = 2.3;
 
 pub fn estimate(model: &dyn StagedModel, cfg: &ModelConfig, input: &EstimateInput) -> Result<Estimate> {
     let plan: Vec<UnitPlan> = plan_units(model, input.wrap, input.shard_size)?;
@@ -158,8 +161,8 @@ pub fn estimate(model: &dyn StagedModel, cfg: &ModelConfig, input: &EstimateInpu
     let gathered = if keeps_all { plan.iter().map(full).sum() } else { root + largest };
     // Backward of the largest unit: full weight gradients (all of its weights) + packed
     // trainable gradients for reduce-scatter + this rank's reduced slice.
-    let backward = plan.iter().map(|u| full(u) + trained_full(u) + trained_full(u) / input.shard_size as u64).max().unwrap_or(0)
-        + match input.lora {
+    let backward = plan.iter().map(|u| full(u) + trained_full(u) + trained_full(u) / input.shard_size as u64).max().unwrap_or(0);
+    let temporaries = match input.lora {
             // The frozen base weights' products leave no such temporaries (measured: with them
             // counted, the two-rank LoRA runs of tests/estimate.rs come out 20% high).
             Some(_) => 0,
@@ -170,7 +173,7 @@ pub fn estimate(model: &dyn StagedModel, cfg: &ModelConfig, input: &EstimateInpu
     let hidden_in = 4.0 * (input.batch_size * input.seq_len * cfg.hidden_size) as f64;
     let activations = if input.activation_checkpointing {
         // Every stage's input is kept, and what the gradient hand-off between recomputed
-        // layers keeps: about 15 hidden-size values per token and layer in all (fitted on the
+        // layers keeps: about 8 hidden-size values per token and layer in all (fitted on the
         // two-rank runs of tests/estimate.rs). The recomputed layer's own graph only lives
         // once the loss stage's larger tensors are gone, so it does not add to the peak there.
         AC_HIDDEN_PER_LAYER * layers * hidden_in
@@ -178,13 +181,15 @@ pub fn estimate(model: &dyn StagedModel, cfg: &ModelConfig, input: &EstimateInpu
         // Every layer's graph, plus one layer's worth of gradients during its backward.
         (layers + 1.0) * layer
     };
-    let loss = LOSS_TENSORS * 4.0 * (input.batch_size * input.seq_len * cfg.vocab_size) as f64;
+    let loss_tensors = if input.activation_checkpointing { LOSS_TENSORS_AT_PEAK } else { LOSS_TENSORS };
+    let loss = loss_tensors * 4.0 * (input.batch_size * input.seq_len * cfg.vocab_size) as f64;
     Ok(Estimate {
         params: chunk * 4,
         grads: trained_chunk * 4,
         optimizer: trained_chunk * 8,
         gathered,
         backward,
+        temporaries,
         activations: activations as u64,
         loss: loss as u64,
         process: PROCESS_BYTES,

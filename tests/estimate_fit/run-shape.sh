@@ -12,7 +12,7 @@ python3 -c "
 import json
 rows=[json.dumps({'input_ids':[(i*7+j*13)%384 for j in range($seq)],'labels':[(i*7+j*13)%384 for j in range($seq)]}) for i in range(16)]
 open('rows_$seq.jsonl','w').write('\n'.join(rows))"
-rm -rf o_$n_$seq
+rm -rf "o_${n}_$seq"
 $B finetune --model m_$n --output-dir o_${n}_$seq --data rows_$seq.jsonl --max-steps 2 --lr 1e-4 --batch-size 2 --seq-len $seq >/dev/null 2>&1 || echo FAIL
 meas=$(tail -1 o_${n}_$seq/metrics.jsonl | python3 -c "import json,sys; print(json.load(sys.stdin)['peak_rss_bytes_per_rank'][0])")
 est=$($B estimate --model m_$n --batch-size 2 --seq-len $seq --json)

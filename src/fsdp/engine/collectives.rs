@@ -19,9 +19,9 @@ impl FsdpEngine {
         if purpose == GatherFor::Compute {
             round_through(&mut buf, self.opts.param_dtype);
         }
-        let all = self.groups.shard.all_gather(&buf)?;
-        drop(buf);
         let shards = self.groups.shard.world_size();
+        // A shard group of one rank gathers its own chunk: no collective, no copy.
+        let all = if shards == 1 { buf } else { self.groups.shard.all_gather(&buf)? };
         let mut out = HashMap::new();
         for p in &unit.plan.params {
             let mut full = Vec::with_capacity(p.chunk_len() * shards);
@@ -83,8 +83,7 @@ impl FsdpEngine {
         let unit = &mut self.units[u];
         let Some(mut buf) = unit.full_grad.take() else { return Ok(()) };
         round_through(&mut buf, self.opts.reduce_dtype);
-        let mine = self.groups.shard.reduce_scatter(&buf)?;
-        drop(buf);
+        let mine = if self.groups.shard.world_size() == 1 { buf } else { self.groups.shard.reduce_scatter(&buf)? };
         for (i, p) in unit.plan.params.iter().enumerate() {
             if !p.trainable {
                 continue;

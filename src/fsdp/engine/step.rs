@@ -72,14 +72,10 @@ impl FsdpEngine {
                 }
             }
         }
-        let local_sq: f64 = self.units.iter().flat_map(|u| u.grad.iter().flatten()).map(|&g| (g as f64) * (g as f64)).sum();
+        let local_sq: f64 = self.units.iter().flat_map(|u| u.grad.iter()).map(|g| crate::fsdp::optim::sum_of_squares(g)).sum();
         let grad_norm = crate::dist::all_reduce_scalar(self.groups.shard.as_ref(), local_sq)?.sqrt();
-        if let Some(max) = max_grad_norm {
-            let coef = clip_coefficient(grad_norm, max) as f32;
-            if coef < 1.0 {
-                self.units.iter_mut().flat_map(|u| u.grad.iter_mut().flatten()).for_each(|g| *g *= coef);
-            }
-        }
+        // Clipping scales each gradient as AdamW reads it.
+        let clip = max_grad_norm.map(|max| clip_coefficient(grad_norm, max) as f32).filter(|c| *c < 1.0);
         self.step += 1;
         for unit in &mut self.units {
             for (i, p) in unit.plan.params.iter().enumerate() {
@@ -87,8 +83,8 @@ impl FsdpEngine {
                     continue;
                 }
                 let wd = if self.decay[&p.spec.name] { self.adam.weight_decay } else { 0.0 };
-                adamw_step(&self.adam, lr, wd, self.step, &mut unit.master[i], &unit.grad[i], &mut unit.adam[i]);
-                unit.grad[i].iter_mut().for_each(|g| *g = 0.0);
+                adamw_step(&self.adam, lr, wd, self.step, &mut unit.master[i], &unit.grad[i], &mut unit.adam[i], clip);
+                unit.grad[i].fill(0.0);
             }
         }
         Ok(StepStats { grad_norm, lr })
