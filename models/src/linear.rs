@@ -25,7 +25,13 @@ fn slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
 
 /// `lhs (m × k) · rhs (k × n)` as a new (m × n) buffer, matrices as (slice, column stride, row
 /// stride), over the threads when the product is big enough to pay for them (candle's rule).
-fn product(m: usize, n: usize, k: usize, lhs: (&[f32], isize, isize), rhs: (&[f32], isize, isize)) -> Vec<f32> {
+fn product(
+    m: usize,
+    n: usize,
+    k: usize,
+    lhs: (&[f32], isize, isize),
+    rhs: (&[f32], isize, isize),
+) -> Vec<f32> {
     let par = match m * n * k {
         x if x < 4096 => gemm::Parallelism::None,
         _ => gemm::Parallelism::Rayon(rayon::current_num_threads()),
@@ -36,8 +42,25 @@ fn product(m: usize, n: usize, k: usize, lhs: (&[f32], isize, isize), rhs: (&[f3
     // for m × n values, all of which gemm writes before the length is set.
     unsafe {
         gemm::gemm(
-            m, n, k, dst.as_mut_ptr(), 1, n as isize, false, lhs.0.as_ptr(), lhs.1, lhs.2, rhs.0.as_ptr(), rhs.1, rhs.2, 0.0, 1.0, false, false,
-            false, par,
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            lhs.0.as_ptr(),
+            lhs.1,
+            lhs.2,
+            rhs.0.as_ptr(),
+            rhs.1,
+            rhs.2,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            par,
         );
         dst.set_len(m * n);
     }
@@ -51,18 +74,36 @@ impl CustomOp2 for Linear {
         "fused-linear"
     }
 
-    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ws: &CpuStorage, wl: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let (x, w) = (slice(xs, xl)?, slice(ws, wl)?);
         let (out_dim, in_dim) = (wl.dims()[0], wl.dims()[1]);
         let rows = x.len() / in_dim;
         // wᵀ is (in, out): element (i, o) at o * in + i.
-        let y = product(rows, out_dim, in_dim, (x, 1, in_dim as isize), (w, in_dim as isize, 1));
+        let y = product(
+            rows,
+            out_dim,
+            in_dim,
+            (x, 1, in_dim as isize),
+            (w, in_dim as isize, 1),
+        );
         let mut dims = xl.dims().to_vec();
         *dims.last_mut().unwrap() = out_dim;
         Ok((CpuStorage::F32(y), Shape::from(dims)))
     }
 
-    fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, gy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        gy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let gy = gy.contiguous()?;
         let dx = gy.apply_op2_no_bwd(w, &InputGrad)?;
         let dw = match w.track_op() {
@@ -81,11 +122,23 @@ impl CustomOp2 for InputGrad {
         "fused-linear-input-grad"
     }
 
-    fn cpu_fwd(&self, gs: &CpuStorage, gl: &Layout, ws: &CpuStorage, wl: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        gs: &CpuStorage,
+        gl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let (g, w) = (slice(gs, gl)?, slice(ws, wl)?);
         let (out_dim, in_dim) = (wl.dims()[0], wl.dims()[1]);
         let rows = g.len() / out_dim;
-        let dx = product(rows, in_dim, out_dim, (g, 1, out_dim as isize), (w, 1, in_dim as isize));
+        let dx = product(
+            rows,
+            in_dim,
+            out_dim,
+            (g, 1, out_dim as isize),
+            (w, 1, in_dim as isize),
+        );
         let mut dims = gl.dims().to_vec();
         *dims.last_mut().unwrap() = in_dim;
         Ok((CpuStorage::F32(dx), Shape::from(dims)))
@@ -100,12 +153,24 @@ impl CustomOp2 for WeightGrad {
         "fused-linear-weight-grad"
     }
 
-    fn cpu_fwd(&self, gs: &CpuStorage, gl: &Layout, xs: &CpuStorage, xl: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        gs: &CpuStorage,
+        gl: &Layout,
+        xs: &CpuStorage,
+        xl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let (g, x) = (slice(gs, gl)?, slice(xs, xl)?);
         let (out_dim, in_dim) = (*gl.dims().last().unwrap(), *xl.dims().last().unwrap());
         let rows = g.len() / out_dim;
         // gyᵀ is (out, rows): element (o, r) at r * out + o.
-        let dw = product(out_dim, in_dim, rows, (g, out_dim as isize, 1), (x, 1, in_dim as isize));
+        let dw = product(
+            out_dim,
+            in_dim,
+            rows,
+            (g, out_dim as isize, 1),
+            (x, 1, in_dim as isize),
+        );
         Ok((CpuStorage::F32(dw), Shape::from((out_dim, in_dim))))
     }
 }
@@ -121,7 +186,12 @@ mod tests {
         let (x, w) = (rand(&[2, 7, 24], 31, 1.0), rand(&[40, 24], 32, 0.5));
         let probe = rand(&[2, 7, 40], 33, 1.0);
         let composite = |t: &[Tensor]| candle_nn::Linear::new(t[1].clone(), None).forward_t(&t[0]);
-        assert!(max_rel(&linear(&x, &w).unwrap(), &composite(&[x.clone(), w.clone()]).unwrap()) < 1e-5);
+        assert!(
+            max_rel(
+                &linear(&x, &w).unwrap(),
+                &composite(&[x.clone(), w.clone()]).unwrap()
+            ) < 1e-5
+        );
         let vars = [Var::from_tensor(&x).unwrap(), Var::from_tensor(&w).unwrap()];
         let fused = grads(&vars, &probe, &|t| linear(&t[0], &t[1]));
         let want = grads(&vars, &probe, &composite);
@@ -131,7 +201,12 @@ mod tests {
         }
         // A frozen weight (not a variable) gets no gradient; the input still does.
         let xv = Var::from_tensor(&x).unwrap();
-        let g = (linear(xv.as_tensor(), &w).unwrap() * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+        let g = (linear(xv.as_tensor(), &w).unwrap() * &probe)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
         assert!(g.get(&w).is_none() && g.get(xv.as_tensor()).is_some());
     }
 

@@ -13,7 +13,11 @@ use crate::memory::human_bytes;
 use crate::train::estimate::{estimate, EstimateInput};
 
 /// `cfg` with the micro-batch that fits (unchanged without `--auto-find-batch-size`).
-pub(super) fn fit(groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &Bootstrap) -> Result<FinetuneConfig> {
+pub(super) fn fit(
+    groups: &ProcessGroups,
+    cfg: &FinetuneConfig,
+    boot: &Bootstrap,
+) -> Result<FinetuneConfig> {
     let mut out = cfg.clone();
     if !cfg.auto_find_batch_size {
         return Ok(out);
@@ -59,7 +63,12 @@ pub(super) fn fit(groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &Bootstrap
             out.batch_size = micro;
             out.grad_accum = cfg.grad_accum * (asked / micro);
             if groups.world.rank() == 0 && cfg.verbose {
-                let why = tried.first().map(|(b, n): &(usize, u64)| format!("micro-batch {b} needs ~{} per rank", human_bytes(*n))).unwrap_or_default();
+                let why = tried
+                    .first()
+                    .map(|(b, n): &(usize, u64)| {
+                        format!("micro-batch {b} needs ~{} per rank", human_bytes(*n))
+                    })
+                    .unwrap_or_default();
                 eprintln!(
                     "auto batch size: budget {} per rank{}; micro-batch {micro} x {} accumulation (~{} per rank), the same {} sequences per step",
                     human_bytes(budget as u64),
@@ -89,11 +98,17 @@ fn available_memory() -> Result<u64> {
         .lines()
         .find_map(|l| l.strip_prefix("MemAvailable:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .ok_or_else(|| anyhow::anyhow!("/proc/meminfo has no MemAvailable: give --max-memory-per-rank"))?;
+        .ok_or_else(|| {
+            anyhow::anyhow!("/proc/meminfo has no MemAvailable: give --max-memory-per-rank")
+        })?;
     Ok(kib * 1024)
 }
 
 /// Ranks sharing this machine: LOCAL_WORLD_SIZE under a launcher, else all (threads).
 fn local_ranks(world: usize) -> usize {
-    std::env::var("LOCAL_WORLD_SIZE").ok().and_then(|v| v.parse().ok()).filter(|n| *n > 0).unwrap_or(world)
+    std::env::var("LOCAL_WORLD_SIZE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(world)
 }
