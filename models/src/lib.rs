@@ -6,6 +6,7 @@
 pub mod attention;
 pub mod config;
 pub mod fused;
+pub mod head_loss;
 pub mod kernels;
 pub mod layers;
 pub mod linear;

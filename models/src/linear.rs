@@ -25,7 +25,7 @@ fn slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
 
 /// `lhs (m × k) · rhs (k × n)` as a new (m × n) buffer, matrices as (slice, column stride, row
 /// stride), over the threads when the product is big enough to pay for them (candle's rule).
-fn product(
+pub(crate) fn product(
     m: usize,
     n: usize,
     k: usize,
@@ -65,6 +65,46 @@ fn product(
         dst.set_len(m * n);
     }
     dst
+}
+
+/// `dst (m × n) += lhs (m × k) · rhs (k × n)` into an existing row-major buffer.
+pub(crate) fn product_add(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    lhs: (&[f32], isize, isize),
+    rhs: (&[f32], isize, isize),
+) {
+    assert_eq!(dst.len(), m * n);
+    let par = match m * n * k {
+        x if x < 4096 => gemm::Parallelism::None,
+        _ => gemm::Parallelism::Rayon(rayon::current_num_threads()),
+    };
+    // SAFETY: as in `product`; dst holds m × n initialised values.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            true,
+            lhs.0.as_ptr(),
+            lhs.1,
+            lhs.2,
+            rhs.0.as_ptr(),
+            rhs.1,
+            rhs.2,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            par,
+        )
+    }
 }
 
 struct Linear;

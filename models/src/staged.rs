@@ -30,6 +30,11 @@ pub struct StageContext {
     pub packing: Option<Packing>,
     /// One dropout seed per batch row while training (None: no dropout, as in evaluation).
     pub row_seeds: Option<Vec<u64>>,
+    /// Next-token targets per position (row-major, negative where nothing is predicted). Given,
+    /// the last stage returns per-position losses instead of logits: on the CPU the head and
+    /// the cross-entropy then run as one op that never holds (positions, vocab) logits
+    /// (`crate::head_loss`), as transformers' models return the loss when given labels.
+    pub targets: Option<std::sync::Arc<[i64]>>,
 }
 
 /// What a distributed engine needs from a model.
@@ -137,11 +142,20 @@ impl StagedModel for LlamaStages {
             let norm = RmsNorm::new(self.cfg.hidden_size, self.cfg.rms_norm_eps, norm_vb.pp("model.norm"))?;
             let h = norm.forward(input, OpMode::Train)?;
             let head = get(self.head_weight_name())?;
-            if crate::fused::applies(&h) && head.dtype() == h.dtype() {
+            let logits = if crate::fused::applies(&h) && head.dtype() == h.dtype() {
+                if let Some(targets) = &ctx.targets {
+                    let (b, t, hidden) = h.dims3()?;
+                    return crate::head_loss::head_cross_entropy(&h.reshape((b * t, hidden))?, &head, targets);
+                }
                 // One product over all rows, forward and backward (no per-row weight gradients).
-                return crate::linear::linear(&h, &head);
-            }
-            return h.broadcast_matmul(&head.t()?);
+                crate::linear::linear(&h, &head)?
+            } else {
+                h.broadcast_matmul(&head.t()?)?
+            };
+            return match &ctx.targets {
+                Some(targets) => per_position_loss(&logits, targets),
+                None => Ok(logits),
+            };
         }
         let layer_vb = Self::vb(params, &names, &like);
         let layer = DecoderLayer::new(&self.cfg, self.lora.as_ref(), layer_vb.pp(format!("model.layers.{}", s - 1)))?;
@@ -160,4 +174,22 @@ impl StagedModel for LlamaStages {
         let pos = PositionInputs { cos, sin, mask, mode: OpMode::Train, row_seeds: ctx.row_seeds.clone() };
         layer.forward(input, &pos, None)
     }
+}
+
+/// `-log softmax(logits)[target]` per position of (batch, seq, vocab) logits, in f32 (as
+/// transformers' loss upcasts), 0 where the target is negative: the composite form of
+/// `crate::head_loss` for other devices and dtypes.
+fn per_position_loss(logits: &Tensor, targets: &[i64]) -> Result<Tensor> {
+    let (b, t, v) = logits.dims3()?;
+    if targets.len() != b * t {
+        candle_core::bail!("{} targets for {} positions", targets.len(), b * t);
+    }
+    if let Some(l) = targets.iter().find(|&&l| l >= v as i64) {
+        candle_core::bail!("label {l} is outside the vocabulary ({v})");
+    }
+    let dev = logits.device();
+    let log_probs = candle_nn::ops::log_softmax(&logits.reshape((b * t, v))?.to_dtype(DType::F32)?, candle_core::D::Minus1)?;
+    let index = Tensor::from_vec(targets.iter().map(|&l| l.max(0) as u32).collect::<Vec<_>>(), (b * t, 1), dev)?;
+    let mask = Tensor::from_vec(targets.iter().map(|&l| if l < 0 { 0f32 } else { 1.0 }).collect::<Vec<_>>(), b * t, dev)?;
+    log_probs.gather(&index, 1)?.squeeze(1)?.neg()? * mask
 }

@@ -71,7 +71,7 @@ impl Estimate {
             ("unit backward", self.backward, "one unit's full-size weight gradients + reduce-scatter buffer"),
             ("gradient temporaries", self.temporaries, "transient copies around a unit's weight gradients (measured)"),
             ("activations", self.activations, "decoder-layer tensors kept for backward"),
-            ("loss", self.loss, "logits and their gradient"),
+            ("loss", self.loss, "the fused head and loss's chunk of logits (more at the peak with checkpointing)"),
             ("process", self.process, "binary, tokenizer, data, allocator"),
         ]
     }
@@ -105,9 +105,9 @@ const LAYER: LayerCounts = LayerCounts { per_hidden: 6.0, per_inter: 3.0, per_q:
 
 /// What the counted tensors cost in resident memory: the allocator's size classes and the
 /// short-lived tensors of the backward (gradient accumulation makes a zero tensor and a sum)
-/// add about 60%. Fitted by least squares on nine shapes (hidden 256-1024, 2-16 layers, seq
+/// add about 55%. Fitted by least squares on nine shapes (hidden 256-1024, 2-16 layers, seq
 /// 128-512, vocab 2k-16k; within 5% on each): tests/estimate_fit/ has the rows and the fit.
-const RESIDENT_PER_COUNTED: f64 = 1.6;
+const RESIDENT_PER_COUNTED: f64 = 1.55;
 
 fn layer_activation_bytes(cfg: &ModelConfig, lora: Option<&models::LoraSettings>, batch: usize, seq: usize) -> f64 {
     let tokens = (batch * seq) as f64;
@@ -133,21 +133,21 @@ fn layer_activation_bytes(cfg: &ModelConfig, lora: Option<&models::LoraSettings>
 const AC_HIDDEN_PER_LAYER: f64 = 8.0;
 
 /// With activation checkpointing the step's peak is at the loss stage (the kept layer inputs
-/// are small): the logits, their gradient and the backward's accumulation copies of both are
-/// alive at once, about this many (batch, seq, vocab) tensors. Fitted on the two-rank runs of
-/// tests/estimate.rs (within 7% on each rank).
-const LOSS_TENSORS_AT_PEAK: f64 = 9.0;
+/// are small): the fused head and loss hold a chunk of logits and the head's gradient there,
+/// and the allocator keeps what earlier steps freed; about this many (batch, seq, vocab) f32
+/// tensors' worth, fitted on the two-rank runs of tests/estimate.rs.
+const LOSS_TENSORS_AT_PEAK: f64 = 7.0;
 
-/// (batch, seq, vocab) f32 tensors alive at the peak without activation checkpointing, which
-/// comes in the layers' backward: the logits' gradient (the fused cross-entropy keeps no
-/// log-probabilities). Same fit as above.
-const LOSS_TENSORS: f64 = 1.0;
+/// Without activation checkpointing the peak comes in the layers' backward, when the fused head
+/// and loss (`models::head_loss`) have long freed their chunk of logits: the loss row counts
+/// that chunk, at most this many values (the op's bound).
+const LOSS_CHUNK_VALUES: f64 = (8 << 20) as f64;
 
 /// Transient weight-sized buffers of a unit's backward beyond the gradients themselves (the
 /// gradient store's zero-and-sum accumulation, the packing for reduce-scatter): about this many
 /// copies of the largest weights one backward works on (a layer's projections, or the (vocab,
 /// hidden) head). Same fit as above.
-const WEIGHT_GRAD_TEMPORARIES: f64 = 2.3;
+const WEIGHT_GRAD_TEMPORARIES: f64 = 2.9;
 
 pub fn estimate(model: &dyn StagedModel, cfg: &ModelConfig, input: &EstimateInput) -> Result<Estimate> {
     let plan: Vec<UnitPlan> = plan_units(model, input.wrap, input.shard_size)?;
@@ -181,8 +181,8 @@ pub fn estimate(model: &dyn StagedModel, cfg: &ModelConfig, input: &EstimateInpu
         // Every layer's graph, plus one layer's worth of gradients during its backward.
         (layers + 1.0) * layer
     };
-    let loss_tensors = if input.activation_checkpointing { LOSS_TENSORS_AT_PEAK } else { LOSS_TENSORS };
-    let loss = loss_tensors * 4.0 * (input.batch_size * input.seq_len * cfg.vocab_size) as f64;
+    let logits = (input.batch_size * input.seq_len * cfg.vocab_size) as f64;
+    let loss = 4.0 * if input.activation_checkpointing { LOSS_TENSORS_AT_PEAK * logits } else { logits.min(LOSS_CHUNK_VALUES) };
     Ok(Estimate {
         params: chunk * 4,
         grads: trained_chunk * 4,
@@ -193,8 +193,9 @@ pub fn estimate(model: &dyn StagedModel, cfg: &ModelConfig, input: &EstimateInpu
         activations: activations as u64,
         loss: loss as u64,
         process: PROCESS_BYTES,
-        // The proxy holds each other rank's contribution and its result of the largest
-        // all-gather while it runs.
-        rank0_relay: if input.rank0_relays { (input.world_size as u64 - 1) * 2 * plan.iter().map(full).max().unwrap_or(0) } else { 0 },
+        // The proxy of each other rank holds, for the largest all-gather, the message it read,
+        // its floats, the gathered result and the reply it writes: four unit-sized buffers
+        // (measured: rank 0 peaks 90-190 MiB above rank 1 on the 27M model of tests/estimate.rs).
+        rank0_relay: if input.rank0_relays { (input.world_size as u64 - 1) * 4 * plan.iter().map(full).max().unwrap_or(0) } else { 0 },
     })
 }

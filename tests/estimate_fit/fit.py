@@ -28,6 +28,6 @@ for line in open(path):
 A = np.array(A, float)
 y = np.array([m - b for _, _, m, b in rows])
 x, _ = nnls(A, y)
-print(f"RESIDENT_PER_COUNTED {x[0]:.3f}  WEIGHT_GRAD_TEMPORARIES {x[1]:.3f}  LOSS_TENSORS {x[2]:.3f}")
+print(f"RESIDENT_PER_COUNTED {x[0]:.3f}  WEIGHT_GRAD_TEMPORARIES {x[1]:.3f}  (batch, seq, vocab) tensors {x[2]:.3f}")
 for (name, seq, meas, base), pred in zip(rows, A @ x):
     print(f"  {name:4} seq {seq:4}: measured {meas / 2**20:7.1f} MiB, fitted {(base + pred) / 2**20:7.1f} MiB ({(base + pred) / meas * 100 - 100:+.1f}%)")

@@ -295,6 +295,10 @@ impl FsdpEngine {
     /// Sum of token losses of one micro-batch, labels already aligned with inputs (the shift
     /// happens here, as in transformers); -100 is ignored.
     fn loss_sum(logits: &Tensor, labels: &[i64], b: usize, t: usize) -> Result<Tensor> {
+        // Per-position losses: the model ran its head and the loss together (targets given).
+        if logits.rank() == 1 {
+            return Ok(logits.sum_all()?);
+        }
         let v = logits.dim(D::Minus1)?;
         if models::fused::applies(logits) {
             // Every position, the last of each row ignored: no copy of the logits, and no
@@ -331,7 +335,7 @@ impl FsdpEngine {
         let (b, t) = input_ids.dims2()?;
         let n = self.model.num_stages();
         let mut x = input_ids.clone();
-        let ctx = StageContext { packing: packing.cloned(), row_seeds: None };
+        let ctx = StageContext { packing: packing.cloned(), row_seeds: None, targets: None };
         for s in 0..n {
             self.ensure_gathered(s)?;
             x = self.model.forward_stage(s, &self.stage_params(s, false), &x, &ctx)?;
@@ -354,6 +358,16 @@ impl FsdpEngine {
     /// Returns this micro-batch's summed token loss.
     pub fn forward_backward(&mut self, input_ids: &Tensor, labels: &[i64], global_tokens: f64, ctx: &StageContext) -> Result<f64> {
         let (b, t) = input_ids.dims2()?;
+        // On the CPU in f32 the model's last stage takes the next-token targets and returns
+        // per-position losses, its head and loss fused (no (positions, vocab) logits).
+        let with_targets;
+        let ctx = if self.device.is_cpu() && self.compute_dtype() == DType::F32 {
+            let targets: Vec<i64> = (0..b * t).map(|i| if i % t == t - 1 { -100 } else { labels[i + 1] }).collect();
+            with_targets = StageContext { targets: Some(targets.into()), ..ctx.clone() };
+            &with_targets
+        } else {
+            ctx
+        };
         let n = self.model.num_stages();
         let ac = self.opts.activation_checkpointing;
         let mut inputs: Vec<Tensor> = Vec::with_capacity(n);

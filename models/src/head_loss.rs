@@ -1,0 +1,312 @@
+//! The language-model head and its cross-entropy as one op for training on CPU: per-position
+//! losses of `h (rows, hidden) · Wᵀ (hidden, vocab)` against next-token targets, a chunk of rows
+//! at a time, so that no (rows, vocab) logits or logit gradients ever exist. Each chunk's logits
+//! live in one scratch buffer (at most [`CHUNK_VALUES`] values), become the losses and, in
+//! place, d loss / d logits, which two products turn into the chunk's `dh` and its share of
+//! `dW`. The gradients are made in the forward, as Liger's fused linear cross-entropy does, and
+//! the backward scales them by the upstream gradient (recomputing only when that gradient is not
+//! the same for every position, which the training loss never does).
+
+use std::sync::Mutex;
+
+use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Storage, Tensor};
+use rayon::prelude::*;
+
+use crate::kernels::exp_inplace;
+use crate::linear::{product, product_add};
+
+/// Most logits alive at once (32 MiB of f32).
+const CHUNK_VALUES: usize = 8 << 20;
+
+/// Per-position `-log softmax(h Wᵀ)[target]` for `h` (rows, hidden) and `w` (vocab, hidden),
+/// 0 where the target is negative (ignored): a (rows,) tensor. f32 on the CPU.
+pub fn head_cross_entropy(h: &Tensor, w: &Tensor, targets: &[i64]) -> Result<Tensor> {
+    head_cross_entropy_in_chunks(h, w, targets, CHUNK_VALUES)
+}
+
+/// [`head_cross_entropy`] with at most `chunk_values` logits alive at once.
+fn head_cross_entropy_in_chunks(
+    h: &Tensor,
+    w: &Tensor,
+    targets: &[i64],
+    chunk_values: usize,
+) -> Result<Tensor> {
+    let (rows, hidden) = h.dims2()?;
+    let (vocab, w_hidden) = w.dims2()?;
+    if w_hidden != hidden || targets.len() != rows {
+        candle_core::bail!(
+            "head_cross_entropy: h {:?}, head {:?}, {} targets",
+            h.dims(),
+            w.dims(),
+            targets.len()
+        );
+    }
+    if let Some(t) = targets.iter().find(|&&t| t >= vocab as i64) {
+        candle_core::bail!("label {t} is outside the vocabulary ({vocab})");
+    }
+    let op = HeadCrossEntropy {
+        targets: targets.to_vec(),
+        chunk_values,
+        // Gradients only where a backward can come (not in activation checkpointing's first,
+        // graph-less forward, nor in evaluation).
+        want_dh: h.track_op(),
+        want_dw: w.track_op(),
+        saved: Mutex::new(None),
+    };
+    h.contiguous()?.apply_op2(&w.contiguous()?, op)
+}
+
+struct HeadCrossEntropy {
+    targets: Vec<i64>,
+    chunk_values: usize,
+    want_dh: bool,
+    want_dw: bool,
+    /// The forward's gradients for an upstream gradient of 1 per position: (dh, dW).
+    saved: Mutex<Option<(Vec<f32>, Option<Vec<f32>>)>>,
+}
+
+/// What one pass computes: per-position losses and, if asked, the gradients of
+/// `Σ weight[r] · loss[r]`.
+struct Pass {
+    loss: Vec<f32>,
+    dh: Vec<f32>,
+    dw: Option<Vec<f32>>,
+}
+
+impl HeadCrossEntropy {
+    /// `weight`: the upstream gradient per position (None: 1 everywhere); `grads`: make dh
+    /// (and dW if `want_dw`).
+    fn run(
+        &self,
+        h: &[f32],
+        w: &[f32],
+        hidden: usize,
+        weight: Option<&[f32]>,
+        grads: bool,
+    ) -> Pass {
+        let (rows, vocab) = (h.len() / hidden, w.len() / hidden);
+        let chunk = (self.chunk_values / vocab).clamp(1, rows.max(1));
+        let mut loss = vec![0f32; rows];
+        let mut dh = if grads {
+            Vec::with_capacity(rows * hidden)
+        } else {
+            vec![]
+        };
+        let mut dw = (grads && self.want_dw).then(|| vec![0f32; vocab * hidden]);
+        for first in (0..rows).step_by(chunk) {
+            let n = chunk.min(rows - first);
+            let hc = &h[first * hidden..(first + n) * hidden];
+            // (n, vocab) logits: hc (n, hidden) · Wᵀ, element (i, o) of Wᵀ at o * hidden + i.
+            let mut logits = product(
+                n,
+                vocab,
+                hidden,
+                (hc, 1, hidden as isize),
+                (w, hidden as isize, 1),
+            );
+            let targets = &self.targets[first..first + n];
+            logits
+                .par_chunks_mut(vocab)
+                .zip(loss[first..first + n].par_iter_mut())
+                .enumerate()
+                .for_each(|(r, (row, l))| {
+                    let t = targets[r];
+                    if t < 0 {
+                        *l = 0.0;
+                        row.fill(0.0);
+                        return;
+                    }
+                    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    row.iter_mut().for_each(|x| *x -= max);
+                    let z_target = row[t as usize];
+                    exp_inplace(row);
+                    let sum: f32 = row.iter().sum();
+                    *l = sum.ln() - z_target;
+                    if grads {
+                        // d loss / d logits = softmax - onehot(target), times the upstream weight.
+                        let scale = weight.map_or(1.0, |wt| wt[first + r]);
+                        let inv = scale / sum;
+                        row.iter_mut().for_each(|x| *x *= inv);
+                        row[t as usize] -= scale;
+                    }
+                });
+            if !grads {
+                continue;
+            }
+            // dh rows: dlogits (n, vocab) · W (vocab, hidden).
+            dh.extend_from_slice(&product(
+                n,
+                hidden,
+                vocab,
+                (&logits, 1, vocab as isize),
+                (w, 1, hidden as isize),
+            ));
+            // dW += dlogitsᵀ (vocab, n) · hc (n, hidden).
+            if let Some(dw) = dw.as_mut() {
+                product_add(
+                    vocab,
+                    hidden,
+                    n,
+                    dw,
+                    (&logits, vocab as isize, 1),
+                    (hc, 1, hidden as isize),
+                );
+            }
+        }
+        Pass { loss, dh, dw }
+    }
+}
+
+fn slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&s.as_slice::<f32>()?[a..b]),
+        None => candle_core::bail!("head_cross_entropy: the input is not contiguous"),
+    }
+}
+
+impl CustomOp2 for HeadCrossEntropy {
+    fn name(&self) -> &'static str {
+        "fused-head-cross-entropy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        hs: &CpuStorage,
+        hl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (h, w) = (slice(hs, hl)?, slice(ws, wl)?);
+        let hidden = hl.dims()[1];
+        let grads = self.want_dh || self.want_dw;
+        let pass = self.run(h, w, hidden, None, grads);
+        if grads {
+            *self.saved.lock().unwrap_or_else(|e| e.into_inner()) = Some((pass.dh, pass.dw));
+        }
+        let rows = pass.loss.len();
+        Ok((CpuStorage::F32(pass.loss), Shape::from(rows)))
+    }
+
+    fn bwd(
+        &self,
+        h: &Tensor,
+        w: &Tensor,
+        _loss: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let g: Vec<f32> = g.flatten_all()?.to_vec1()?;
+        // The training loss weighs every position alike (sum / target count): then the
+        // forward's gradients, scaled, are exact. Ignored positions have zero gradient anyway.
+        let counted: Vec<f32> = g
+            .iter()
+            .zip(&self.targets)
+            .filter(|(_, &t)| t >= 0)
+            .map(|(&x, _)| x)
+            .collect();
+        let uniform = counted
+            .first()
+            .copied()
+            .filter(|s| counted.iter().all(|x| x == s));
+        let saved = self.saved.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let (dh, dw) = match (uniform.or(counted.is_empty().then_some(0.0)), saved) {
+            (Some(s), Some((mut dh, mut dw))) => {
+                dh.iter_mut().for_each(|x| *x *= s);
+                if let Some(dw) = dw.as_mut() {
+                    dw.iter_mut().for_each(|x| *x *= s);
+                }
+                (dh, dw)
+            }
+            _ => {
+                // Recompute with the upstream gradient as per-position weights.
+                let (hg, hl) = h.storage_and_layout();
+                let (wg, wl) = w.storage_and_layout();
+                let (Storage::Cpu(hc), Storage::Cpu(wc)) = (&*hg, &*wg) else {
+                    candle_core::bail!("head_cross_entropy: the backward runs on the CPU")
+                };
+                let pass = self.run(slice(hc, hl)?, slice(wc, wl)?, hl.dims()[1], Some(&g), true);
+                (pass.dh, pass.dw)
+            }
+        };
+        let dh = Tensor::from_vec(dh, h.shape(), h.device())?;
+        let dw = match (dw, self.want_dw) {
+            (Some(dw), true) => Some(Tensor::from_vec(dw, w.shape(), w.device())?),
+            _ => None,
+        };
+        Ok((Some(dh), dw))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{check_fd, grads, max_rel, rand};
+    use candle_core::Var;
+
+    /// The head as a matmul, then log-softmax over the (rows, vocab) logits (any float dtype,
+    /// so finite differences can run it in f64).
+    fn composite(t: &[Tensor], targets: &[i64]) -> Result<Tensor> {
+        let dev = t[0].device();
+        let lp = candle_nn::ops::log_softmax(&t[0].matmul(&t[1].t()?)?, candle_core::D::Minus1)?;
+        let idx = Tensor::from_vec(
+            targets.iter().map(|&t| t.max(0) as u32).collect::<Vec<_>>(),
+            (targets.len(), 1),
+            dev,
+        )?;
+        let mask = Tensor::from_vec(
+            targets
+                .iter()
+                .map(|&t| if t < 0 { 0f32 } else { 1.0 })
+                .collect::<Vec<_>>(),
+            targets.len(),
+            dev,
+        )?;
+        lp.gather(&idx, 1)?.squeeze(1)?.neg()? * mask.to_dtype(t[0].dtype())?
+    }
+
+    #[test]
+    fn head_cross_entropy_matches_the_composite_ops_and_finite_differences() {
+        let (h, w) = (rand(&[9, 16], 41, 1.0), rand(&[37, 16], 42, 0.7));
+        let targets = [3i64, -100, 36, 0, 17, -100, 5, 5, 20];
+        let inputs = [h.clone(), w.clone()];
+        let reference = |t: &[Tensor]| composite(t, &targets);
+        // One chunk of all rows, and chunks of 2 rows (dW summed over five chunks).
+        for chunk in [CHUNK_VALUES, 2 * 37] {
+            let fused_loss =
+                |t: &[Tensor]| head_cross_entropy_in_chunks(&t[0], &t[1], &targets, chunk);
+            assert!(max_rel(&fused_loss(&inputs).unwrap(), &reference(&inputs).unwrap()) < 1e-5);
+            // A uniform upstream gradient (the training loss: a sum over positions, scaled)
+            // takes the forward's gradients; a per-position one recomputes.
+            let uniform = Tensor::full(0.25f32, 9, &candle_core::Device::Cpu).unwrap();
+            for probe in [uniform, rand(&[9], 43, 1.0)] {
+                let vars = inputs.each_ref().map(|t| Var::from_tensor(t).unwrap());
+                let fused = grads(&vars, &probe, &fused_loss);
+                let want = grads(&vars, &probe, &reference);
+                for (which, (a, b)) in fused.iter().zip(&want).enumerate() {
+                    assert!(
+                        max_rel(a, b) < 1e-4,
+                        "chunk {chunk}, input {which}: {}",
+                        max_rel(a, b)
+                    );
+                    check_fd(&inputs, which, &probe, a, &reference);
+                }
+            }
+        }
+        assert!(head_cross_entropy(&h, &w, &[37; 9])
+            .unwrap_err()
+            .to_string()
+            .contains("outside the vocabulary"));
+    }
+
+    #[test]
+    fn a_frozen_head_gets_no_gradient() {
+        let (h, w) = (rand(&[4, 8], 45, 1.0), rand(&[11, 8], 46, 1.0));
+        let hv = Var::from_tensor(&h).unwrap();
+        let g = head_cross_entropy(hv.as_tensor(), &w, &[1, 2, -100, 10])
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        assert!(g.get(&w).is_none() && g.get(hv.as_tensor()).is_some());
+    }
+}
