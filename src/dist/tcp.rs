@@ -208,75 +208,121 @@ fn slow_barrier_reply() {
     }
 }
 
+/// One request of a remote rank, decoded (its frame already dropped, so the relay holds one
+/// copy of the data while the collective runs).
+enum Request {
+    AllGather(Vec<f32>),
+    ReduceScatter(Vec<f32>),
+    AllReduce(Vec<f32>),
+    AllReduceF64(Vec<f64>),
+    Scatter { root: usize, chunks: Option<Vec<Vec<f32>>> },
+    Broadcast { root: usize, bytes: Option<Vec<u8>> },
+    Barrier,
+    Abort(String),
+    Bye,
+}
+
+fn decode(frame: &[u8]) -> Result<(u8, Request)> {
+    let mut r = Reader { b: frame };
+    let op = r.u8()?;
+    let group = r.u8()?;
+    let req = match op {
+        x if x == Op::AllGather as u8 => Request::AllGather(r.f32s()?),
+        x if x == Op::ReduceScatter as u8 => Request::ReduceScatter(r.f32s()?),
+        x if x == Op::AllReduce as u8 => Request::AllReduce(r.f32s()?),
+        x if x == Op::AllReduceF64 as u8 => Request::AllReduceF64(r.f64s()?),
+        x if x == Op::Scatter as u8 => {
+            let root = r.u64()? as usize;
+            let chunks = if r.u8()? == 1 {
+                let n = r.u64()? as usize;
+                Some((0..n).map(|_| r.f32s()).collect::<Result<Vec<_>>>()?)
+            } else {
+                None
+            };
+            Request::Scatter { root, chunks }
+        }
+        x if x == Op::Broadcast as u8 => {
+            let root = r.u64()? as usize;
+            Request::Broadcast { root, bytes: if r.u8()? == 1 { Some(r.bytes()?) } else { None } }
+        }
+        x if x == Op::Barrier as u8 => Request::Barrier,
+        // The proxied rank's handles name it in the message.
+        x if x == Op::Abort as u8 => Request::Abort(String::from_utf8_lossy(&r.bytes()?).to_string()),
+        x if x == Op::Bye as u8 => Request::Bye,
+        other => bail!("unknown operation {other}"),
+    };
+    Ok((group, req))
+}
+
+/// A success reply carrying f32 values, written from the values themselves (no serialised
+/// copy of a possibly unit-sized result).
+fn write_f32_reply(w: &mut impl Write, values: &[f32]) -> std::io::Result<()> {
+    let len = 1 + 8 + 4 * values.len() as u64;
+    w.write_all(&len.to_le_bytes())?;
+    w.write_all(&[0u8])?;
+    w.write_all(&(values.len() as u64).to_le_bytes())?;
+    for chunk in values.chunks(1 << 14) {
+        let bytes: Vec<u8> = chunk.iter().flat_map(|x| x.to_le_bytes()).collect();
+        w.write_all(&bytes)?;
+    }
+    w.flush()
+}
+
 /// Serves one remote rank's collectives on rank 0.
 fn proxy(rank: usize, groups: ProcessGroups, mut reader: BufReader<TcpStream>, mut writer: BufWriter<TcpStream>) {
+    let gone = |groups: &ProcessGroups| groups.abort(&format!("rank {rank}'s process disconnected (it exited or was killed)"));
     loop {
-        let frame = match read_frame(&mut reader) {
-            Ok(f) => f,
-            Err(_) => {
-                groups.abort(&format!("rank {rank}'s process disconnected (it exited or was killed)"));
-                return;
+        let Ok(frame) = read_frame(&mut reader) else {
+            gone(&groups);
+            return;
+        };
+        let decoded = decode(&frame);
+        drop(frame);
+        let ok = Msg::default().u8(0);
+        let written = match decoded {
+            Ok((_, Request::Bye)) => return,
+            Ok((_, Request::Abort(why))) => {
+                groups.abort(&why);
+                continue;
             }
+            Ok((group, req)) => {
+                let group = match group {
+                    0 => &groups.world,
+                    1 => &groups.shard,
+                    _ => &groups.replicate,
+                };
+                let result = (|| -> Result<Result<Vec<f32>, Vec<u8>>> {
+                    Ok(match req {
+                        Request::AllGather(v) => Ok(group.all_gather(&v)?),
+                        Request::ReduceScatter(v) => Ok(group.reduce_scatter(&v)?),
+                        Request::AllReduce(mut v) => {
+                            group.all_reduce(&mut v)?;
+                            Ok(v)
+                        }
+                        Request::AllReduceF64(mut v) => {
+                            group.all_reduce_f64(&mut v)?;
+                            Err(ok.f64s(&v).0)
+                        }
+                        Request::Scatter { root, chunks } => Ok(group.scatter(root, chunks)?),
+                        Request::Broadcast { root, bytes } => Err(ok.bytes(&group.broadcast_bytes(root, bytes)?).0),
+                        Request::Barrier => {
+                            group.barrier()?;
+                            slow_barrier_reply();
+                            Err(ok.0)
+                        }
+                        Request::Abort(_) | Request::Bye => unreachable!("handled above"),
+                    })
+                })();
+                match result {
+                    Ok(Ok(values)) => write_f32_reply(&mut writer, &values),
+                    Ok(Err(reply)) => write_frame(&mut writer, &reply),
+                    Err(e) => write_frame(&mut writer, &Msg::default().u8(1).bytes(format!("{e:#}").as_bytes()).0),
+                }
+            }
+            Err(e) => write_frame(&mut writer, &Msg::default().u8(1).bytes(format!("{e:#}").as_bytes()).0),
         };
-        let mut r = Reader { b: &frame };
-        let reply = (|| -> Result<Option<Vec<u8>>> {
-            let op = r.u8()?;
-            let group = match r.u8()? {
-                0 => &groups.world,
-                1 => &groups.shard,
-                _ => &groups.replicate,
-            };
-            let ok = Msg::default().u8(0);
-            Ok(Some(match op {
-                x if x == Op::AllGather as u8 => ok.f32s(&group.all_gather(&r.f32s()?)?).0,
-                x if x == Op::ReduceScatter as u8 => ok.f32s(&group.reduce_scatter(&r.f32s()?)?).0,
-                x if x == Op::AllReduce as u8 => {
-                    let mut v = r.f32s()?;
-                    group.all_reduce(&mut v)?;
-                    ok.f32s(&v).0
-                }
-                x if x == Op::AllReduceF64 as u8 => {
-                    let mut v = r.f64s()?;
-                    group.all_reduce_f64(&mut v)?;
-                    ok.f64s(&v).0
-                }
-                x if x == Op::Scatter as u8 => {
-                    let root = r.u64()? as usize;
-                    let chunks = if r.u8()? == 1 {
-                        let n = r.u64()? as usize;
-                        Some((0..n).map(|_| r.f32s()).collect::<Result<Vec<_>>>()?)
-                    } else {
-                        None
-                    };
-                    ok.f32s(&group.scatter(root, chunks)?).0
-                }
-                x if x == Op::Broadcast as u8 => {
-                    let root = r.u64()? as usize;
-                    let bytes = if r.u8()? == 1 { Some(r.bytes()?) } else { None };
-                    ok.bytes(&group.broadcast_bytes(root, bytes)?).0
-                }
-                x if x == Op::Barrier as u8 => {
-                    group.barrier()?;
-                    slow_barrier_reply();
-                    ok.0
-                }
-                x if x == Op::Abort as u8 => {
-                    // The proxied rank's handles name it in the message.
-                    groups.abort(&String::from_utf8_lossy(&r.bytes()?));
-                    return Ok(None);
-                }
-                x if x == Op::Bye as u8 => return Err(anyhow::anyhow!("bye")),
-                other => bail!("unknown operation {other}"),
-            }))
-        })();
-        let out = match reply {
-            Ok(Some(bytes)) => bytes,
-            Ok(None) => continue,
-            Err(e) if e.to_string() == "bye" => return,
-            Err(e) => Msg::default().u8(1).bytes(format!("{e:#}").as_bytes()).0,
-        };
-        if write_frame(&mut writer, &out).is_err() {
-            groups.abort(&format!("rank {rank}'s process disconnected (it exited or was killed)"));
+        if written.is_err() {
+            gone(&groups);
             return;
         }
     }
