@@ -514,6 +514,17 @@ fn fine_tuning_jobs_run_to_a_served_model_persist_and_survive_a_restart() {
     let job = post_with_key(&create, "retry-1");
     let again = post_with_key(&create, "retry-1");
     assert_eq!(job["id"], again["id"]);
+    // The same key with other settings is a client error naming the key, not the old job.
+    let mut other = create.clone();
+    other["seed"] = json!(4);
+    match ureq::post(&server.url("/v1/fine_tuning/jobs")).set("Idempotency-Key", "retry-1").send_string(&other.to_string()) {
+        Err(ureq::Error::Status(409, r)) => {
+            let body: Value = serde_json::from_str(&r.into_string().unwrap()).unwrap();
+            assert_eq!(body["error"]["code"], "idempotency_key_reused", "{body}");
+            assert!(body["error"]["message"].as_str().unwrap().contains("retry-1"), "{body}");
+        }
+        other => panic!("a reused key with another body: {other:?}"),
+    }
     let job_id = job["id"].as_str().unwrap().to_string();
     let done = wait_for_status(&server, &job_id, &["succeeded", "failed"], 180);
     assert_eq!(done["status"], "succeeded", "{done}");

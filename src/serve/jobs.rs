@@ -18,7 +18,7 @@ use serde_json::{json, Value};
 
 use super::error::ApiError;
 use super::request::Fields;
-use super::store::{JobRow, NewJob};
+use super::store::{CreatedJob, JobRow, NewJob};
 use super::AppState;
 use crate::train::finetune::FinetuneArgs;
 
@@ -150,10 +150,26 @@ pub async fn create(State(st): State<Arc<AppState>>, headers: HeaderMap, body: R
         seed,
     };
     let key = headers.get("idempotency-key").and_then(|h| h.to_str().ok()).filter(|k| !k.is_empty() && k.len() <= 255);
-    let (row, created) = st.store.create_job(job, key).map_err(internal)?;
-    if created {
-        st.jobs_wakeup.notify();
-    }
+    let row = match st.store.create_job(job, key).map_err(internal)? {
+        CreatedJob::New(row) => {
+            st.jobs_wakeup.notify();
+            row
+        }
+        CreatedJob::Existing(row) => row,
+        // As Stripe-style idempotency does: a key names one request, not a slot to reuse.
+        CreatedJob::KeyReused(row) => {
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                "invalid_request_error",
+                format!(
+                    "Idempotency-Key {:?} was already used for job {} with other settings; use a new key for a different job.",
+                    key.unwrap_or_default(),
+                    row.id
+                ),
+            )
+            .with_code("idempotency_key_reused"))
+        }
+    };
     Ok((StatusCode::OK, Json(row.to_json())).into_response())
 }
 

@@ -81,6 +81,7 @@ fn job_from_row(r: &rusqlite::Row) -> rusqlite::Result<JobRow> {
 }
 
 /// What a create request asks for, validated by the route.
+#[derive(PartialEq)]
 pub struct NewJob {
     pub model: String,
     pub training_file: String,
@@ -89,6 +90,15 @@ pub struct NewJob {
     pub extensions: Value,
     pub suffix: Option<String>,
     pub seed: i64,
+}
+
+/// What a create with an `Idempotency-Key` came to.
+pub enum CreatedJob {
+    New(JobRow),
+    /// A retry: the key's job, created with the same settings.
+    Existing(JobRow),
+    /// The key was used for a job with other settings.
+    KeyReused(JobRow),
 }
 
 impl Store {
@@ -171,12 +181,22 @@ impl Store {
     // ---- jobs ----
 
     /// Creates a queued job, or returns the job an earlier request with the same
-    /// `Idempotency-Key` created (`false`: not new).
-    pub fn create_job(&self, job: NewJob, idempotency_key: Option<&str>) -> Result<(JobRow, bool)> {
+    /// `Idempotency-Key` and the same settings created.
+    pub fn create_job(&self, job: NewJob, idempotency_key: Option<&str>) -> Result<CreatedJob> {
         if let Some(key) = idempotency_key {
             let existing: Option<String> = self.db().query_row("SELECT id FROM jobs WHERE idempotency_key = ?1", [key], |r| r.get(0)).optional()?;
             if let Some(id) = existing {
-                return Ok((self.job(&id)?.context("job vanished")?, false));
+                let row = self.job(&id)?.context("job vanished")?;
+                let same = NewJob {
+                    model: row.model.clone(),
+                    training_file: row.training_file.clone(),
+                    validation_file: row.validation_file.clone(),
+                    hyperparameters: row.hyperparameters.clone(),
+                    extensions: row.extensions.clone(),
+                    suffix: row.suffix.clone(),
+                    seed: row.seed,
+                } == job;
+                return Ok(if same { CreatedJob::Existing(row) } else { CreatedJob::KeyReused(row) });
             }
         }
         let id = new_id("ftjob");
@@ -188,7 +208,7 @@ impl Store {
                     job.suffix, job.seed, now_s(), out.to_string_lossy(), idempotency_key],
         )?;
         self.add_event(&id, "info", "Created fine-tuning job", "message", None)?;
-        Ok((self.job(&id)?.context("job vanished")?, true))
+        Ok(CreatedJob::New(self.job(&id)?.context("job vanished")?))
     }
 
     pub fn job(&self, id: &str) -> Result<Option<JobRow>> {
