@@ -10,6 +10,7 @@
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 use rayon::prelude::*;
 
+use crate::fused::f32_slice;
 use crate::kernels::exp_inplace;
 
 /// `softmax(q kᵀ · scale + mask) v` for q (batch, seq, heads, head_dim) and k, v (batch, seq,
@@ -187,13 +188,6 @@ fn probabilities(
     }
 }
 
-fn cpu_f32<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&s.as_slice::<f32>()?[a..b]),
-        None => candle_core::bail!("attention: the input is not contiguous"),
-    }
-}
-
 impl Attention {
     fn mask_data(&self) -> Result<Option<(Vec<f32>, bool)>> {
         match &self.mask {
@@ -360,7 +354,7 @@ impl CustomOp3 for Attention {
         vl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let dims = Dims::of(ql.dims(), kl.dims());
-        let out = self.forward(dims, cpu_f32(qs, ql)?, cpu_f32(ks, kl)?, cpu_f32(vs, vl)?)?;
+        let out = self.forward(dims, f32_slice(qs, ql)?, f32_slice(ks, kl)?, f32_slice(vs, vl)?)?;
         Ok((CpuStorage::F32(out), ql.shape().clone()))
     }
 
@@ -378,7 +372,7 @@ impl CustomOp3 for Attention {
         let guards = [q, k, v, o, &dout].map(|t| t.storage_and_layout());
         let slice = |i: usize| -> Result<&[f32]> {
             match &*guards[i].0 {
-                Storage::Cpu(cpu) => cpu_f32(cpu, guards[i].1),
+                Storage::Cpu(cpu) => f32_slice(cpu, guards[i].1),
                 _ => candle_core::bail!("attention: the backward runs on the CPU"),
             }
         };

@@ -14,7 +14,8 @@ pub fn applies(x: &Tensor) -> bool {
     x.device().is_cpu() && x.dtype() == DType::F32
 }
 
-fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
+/// The f32 values of a contiguous CPU input of a custom op (every fused op's inputs are).
+pub(crate) fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
     match l.contiguous_offsets() {
         Some((a, b)) => Ok(&s.as_slice::<f32>()?[a..b]),
         None => candle_core::bail!("fused op: the input is not contiguous"),

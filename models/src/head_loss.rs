@@ -9,6 +9,7 @@
 
 use std::sync::Mutex;
 
+use crate::fused::f32_slice;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Storage, Tensor};
 use rayon::prelude::*;
 
@@ -157,13 +158,6 @@ impl HeadCrossEntropy {
     }
 }
 
-fn slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&s.as_slice::<f32>()?[a..b]),
-        None => candle_core::bail!("head_cross_entropy: the input is not contiguous"),
-    }
-}
-
 impl CustomOp2 for HeadCrossEntropy {
     fn name(&self) -> &'static str {
         "fused-head-cross-entropy"
@@ -176,7 +170,7 @@ impl CustomOp2 for HeadCrossEntropy {
         ws: &CpuStorage,
         wl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (h, w) = (slice(hs, hl)?, slice(ws, wl)?);
+        let (h, w) = (f32_slice(hs, hl)?, f32_slice(ws, wl)?);
         let hidden = hl.dims()[1];
         let grads = self.want_dh || self.want_dw;
         let pass = self.run(h, w, hidden, None, grads);
@@ -223,7 +217,7 @@ impl CustomOp2 for HeadCrossEntropy {
                 let (Storage::Cpu(hc), Storage::Cpu(wc)) = (&*hg, &*wg) else {
                     candle_core::bail!("head_cross_entropy: the backward runs on the CPU")
                 };
-                let pass = self.run(slice(hc, hl)?, slice(wc, wl)?, hl.dims()[1], Some(&g), true);
+                let pass = self.run(f32_slice(hc, hl)?, f32_slice(wc, wl)?, hl.dims()[1], Some(&g), true);
                 (pass.dh, pass.dw)
             }
         };

@@ -5,6 +5,7 @@
 //! matrix product each over all rows, and a W that trains nothing (a LoRA base) gets no
 //! gradient computed at all.
 
+use crate::fused::f32_slice;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 /// `x (.., in) · wᵀ` for `w (out, in)`: (.., out). f32 on the CPU (see [`crate::fused::applies`]).
@@ -16,95 +17,42 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op2(&w.contiguous()?, Linear)
 }
 
-fn slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&s.as_slice::<f32>()?[a..b]),
-        None => candle_core::bail!("linear: the input is not contiguous"),
-    }
-}
-
-/// `lhs (m × k) · rhs (k × n)` as a new (m × n) buffer, matrices as (slice, column stride, row
-/// stride), over the threads when the product is big enough to pay for them (candle's rule).
-pub(crate) fn product(
-    m: usize,
-    n: usize,
-    k: usize,
-    lhs: (&[f32], isize, isize),
-    rhs: (&[f32], isize, isize),
-) -> Vec<f32> {
+/// `dst (m × n, row-major) = [dst +] lhs (m × k) · rhs (k × n)`, matrices as (slice, column
+/// stride, row stride), over the threads when the product is big enough to pay for them
+/// (candle's rule). With `accumulate` false dst is only written, never read.
+///
+/// # Safety
+/// `dst` must have room for m × n values (initialised when `accumulate`), and the slices must
+/// hold the strided matrices they describe.
+unsafe fn gemm_rows(m: usize, n: usize, k: usize, dst: *mut f32, accumulate: bool, lhs: (&[f32], isize, isize), rhs: (&[f32], isize, isize)) {
     let par = match m * n * k {
         x if x < 4096 => gemm::Parallelism::None,
         _ => gemm::Parallelism::Rayon(rayon::current_num_threads()),
     };
+    let alpha = if accumulate { 1.0 } else { 0.0 };
+    gemm::gemm(
+        m, n, k, dst, 1, n as isize, accumulate, lhs.0.as_ptr(), lhs.1, lhs.2, rhs.0.as_ptr(), rhs.1, rhs.2, alpha, 1.0, false, false, false, par,
+    )
+}
+
+/// `lhs (m × k) · rhs (k × n)` as a new (m × n) buffer (see [`gemm_rows`] for the layout).
+pub(crate) fn product(m: usize, n: usize, k: usize, lhs: (&[f32], isize, isize), rhs: (&[f32], isize, isize)) -> Vec<f32> {
     // Not zeroed first: the product overwrites every element (it does not read dst).
     let mut dst: Vec<f32> = Vec::with_capacity(m * n);
-    // SAFETY: the callers pass slices holding the strided matrices they describe; dst has room
-    // for m × n values, all of which gemm writes before the length is set.
+    // SAFETY: dst has room for m × n values, all of which gemm writes before the length is set;
+    // the callers pass slices holding the matrices they describe.
     unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            false,
-            lhs.0.as_ptr(),
-            lhs.1,
-            lhs.2,
-            rhs.0.as_ptr(),
-            rhs.1,
-            rhs.2,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            par,
-        );
+        gemm_rows(m, n, k, dst.as_mut_ptr(), false, lhs, rhs);
         dst.set_len(m * n);
     }
     dst
 }
 
 /// `dst (m × n) += lhs (m × k) · rhs (k × n)` into an existing row-major buffer.
-pub(crate) fn product_add(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: &mut [f32],
-    lhs: (&[f32], isize, isize),
-    rhs: (&[f32], isize, isize),
-) {
+pub(crate) fn product_add(m: usize, n: usize, k: usize, dst: &mut [f32], lhs: (&[f32], isize, isize), rhs: (&[f32], isize, isize)) {
     assert_eq!(dst.len(), m * n);
-    let par = match m * n * k {
-        x if x < 4096 => gemm::Parallelism::None,
-        _ => gemm::Parallelism::Rayon(rayon::current_num_threads()),
-    };
-    // SAFETY: as in `product`; dst holds m × n initialised values.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            true,
-            lhs.0.as_ptr(),
-            lhs.1,
-            lhs.2,
-            rhs.0.as_ptr(),
-            rhs.1,
-            rhs.2,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            par,
-        )
-    }
+    // SAFETY: dst holds m × n initialised values; the slices hold the matrices they describe.
+    unsafe { gemm_rows(m, n, k, dst.as_mut_ptr(), true, lhs, rhs) }
 }
 
 struct Linear;
@@ -121,7 +69,7 @@ impl CustomOp2 for Linear {
         ws: &CpuStorage,
         wl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (x, w) = (slice(xs, xl)?, slice(ws, wl)?);
+        let (x, w) = (f32_slice(xs, xl)?, f32_slice(ws, wl)?);
         let (out_dim, in_dim) = (wl.dims()[0], wl.dims()[1]);
         let rows = x.len() / in_dim;
         // wᵀ is (in, out): element (i, o) at o * in + i.
@@ -169,7 +117,7 @@ impl CustomOp2 for InputGrad {
         ws: &CpuStorage,
         wl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (g, w) = (slice(gs, gl)?, slice(ws, wl)?);
+        let (g, w) = (f32_slice(gs, gl)?, f32_slice(ws, wl)?);
         let (out_dim, in_dim) = (wl.dims()[0], wl.dims()[1]);
         let rows = g.len() / out_dim;
         let dx = product(
@@ -200,7 +148,7 @@ impl CustomOp2 for WeightGrad {
         xs: &CpuStorage,
         xl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (g, x) = (slice(gs, gl)?, slice(xs, xl)?);
+        let (g, x) = (f32_slice(gs, gl)?, f32_slice(xs, xl)?);
         let (out_dim, in_dim) = (*gl.dims().last().unwrap(), *xl.dims().last().unwrap());
         let rows = g.len() / out_dim;
         // gyᵀ is (out, rows): element (o, r) at r * out + o.

@@ -141,13 +141,9 @@ fn strategy(v: &Yaml) -> Result<&'static str, String> {
     }
 }
 
-/// One key of the `fsdp_config:` block.
-pub fn fsdp_key(key: &str, v: &Yaml) -> Outcome {
-    let outcome = |r: Result<Flags, String>| match r {
-        Ok(f) => Outcome::Flags(f),
-        Err(e) => Outcome::Refused(e),
-    };
-    outcome(match key {
+/// One key of the `fsdp_config:` block: its flags, or why it is refused.
+pub fn fsdp_key(key: &str, v: &Yaml) -> Result<Flags, String> {
+    match key {
         "fsdp_version" => match v {
             // FSDP1 files run with FSDP2's per-parameter sharding: same results, same strategies.
             Yaml::Integer(1) | Yaml::Integer(2) => Ok(vec![]),
@@ -207,7 +203,7 @@ pub fn fsdp_key(key: &str, v: &Yaml) -> Outcome {
              fsdp_offload_params, fsdp_cpu_ram_efficient_loading, fsdp_sync_module_states, fsdp_state_dict_type, \
              fsdp_backward_prefetch, fsdp_forward_prefetch, fsdp_use_orig_params"
         )),
-    })
+    }
 }
 
 /// What `fsdp-app launch --config FILE` takes from an Accelerate file.

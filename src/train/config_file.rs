@@ -10,7 +10,7 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use yaml_rust2::{Yaml, YamlLoader};
 
-use crate::train::accelerate_config::Outcome;
+use crate::train::accelerate_config::{fsdp_key, Outcome};
 
 /// A setting from the file: the flag (clap id) it sets and its value as the flag would take it.
 #[derive(Debug, Clone, PartialEq)]
@@ -207,11 +207,8 @@ pub fn load(path: &Path) -> Result<Vec<Setting>> {
             for (ik, iv) in inner.iter() {
                 let name = format!("fsdp_config.{}", ik.as_str().unwrap_or("?"));
                 let written = show(iv);
-                match crate::train::accelerate_config::fsdp_key(ik.as_str().unwrap_or(""), iv) {
-                    Outcome::Flags(f) => out.extend(f.into_iter().map(|(flag, value)| Setting { flag, value, key: name.clone(), written: written.clone(), file: path.into() })),
-                    Outcome::Refused(why) => bail!("{}: key `{name}`: {why}", path.display()),
-                    Outcome::NotOurs => unreachable!("fsdp_key decides every key"),
-                }
+                let flags = fsdp_key(ik.as_str().unwrap_or(""), iv).map_err(|why| anyhow::anyhow!("{}: key `{name}`: {why}", path.display()))?;
+                out.extend(flags.into_iter().map(|(flag, value)| Setting { flag, value, key: name.clone(), written: written.clone(), file: path.into() }));
             }
             continue;
         }
@@ -260,11 +257,9 @@ fn key_flags(key: &str, v: &Yaml) -> std::result::Result<Vec<(&'static str, Stri
         other => Err(format!("expected true or false, found {}", type_name(other))),
     };
     match key {
-        "fsdp_version" | "reshard_after_forward" => match crate::train::accelerate_config::fsdp_key(&format!("fsdp_{key}").replace("fsdp_fsdp_", "fsdp_"), v) {
-            Outcome::Flags(f) => Ok(f),
-            Outcome::Refused(why) => Err(why),
-            Outcome::NotOurs => unreachable!(),
-        },
+        // Our short names of Accelerate's FSDP settings: the same rules as in `fsdp_config`.
+        "fsdp_version" => fsdp_key(key, v),
+        "reshard_after_forward" | "cpu_ram_efficient_loading" | "state_dict_type" => fsdp_key(&format!("fsdp_{key}"), v),
         "shuffle" => Ok(if boolean(v)? { vec![] } else { vec![("no_shuffle", "true".into())] }),
         // TrainingArguments: bf16 / fp16 compute with fp32 master weights, which is FSDP's
         // param_dtype (reductions stay fp32).
@@ -299,11 +294,6 @@ fn key_flags(key: &str, v: &Yaml) -> std::result::Result<Vec<(&'static str, Stri
             let names = name_list(v).ok_or_else(|| format!("expected a module name or a list of them, found {}", type_name(v)))?;
             Ok(vec![("lora_targets", names)])
         }
-        "cpu_ram_efficient_loading" | "state_dict_type" => match crate::train::accelerate_config::fsdp_key(&format!("fsdp_{key}"), v) {
-            Outcome::Flags(f) => Ok(f),
-            Outcome::Refused(why) => Err(why),
-            Outcome::NotOurs => unreachable!(),
-        },
         other => match crate::train::accelerate_config::top_level(other, v) {
             Outcome::Flags(f) => Ok(f),
             Outcome::Refused(why) => Err(why),
