@@ -122,8 +122,7 @@ pub struct UnitPlan {
     /// First and last stage that read this unit.
     pub first_stage: usize,
     pub last_stage: usize,
-    /// The root unit (embeddings, head) stays gathered from the first forward stage to the end
-    /// of backward, as FSDP2 does for the root module.
+    /// A unit of the parameters outside the transformer blocks (embeddings, final norm, head).
     pub is_root: bool,
 }
 
@@ -227,11 +226,61 @@ pub fn plan_units(model: &dyn StagedModel, policy: WrapPolicy, shards: usize) ->
         units.push(UnitPlan { name, params, chunk_len, grad_chunk_len, first_stage: first, last_stage: last, is_root });
         Ok(())
     };
-    push("root".to_string(), root, true)?;
+    // Blocks wrapped one per unit: the rest is cut as torchtitan does. Under the other policies
+    // it stays one root unit, as PyTorch leaves unwrapped modules to the root.
+    let roots = match policy {
+        WrapPolicy::TransformerBased => split_root(root, &stages_of),
+        _ => vec![("root".to_string(), root)],
+    };
+    for (name, ps) in roots {
+        push(name, ps, true)?;
+    }
     for (name, ps) in groups {
         push(name, ps, false)?;
     }
     Ok(units)
+}
+
+/// Cuts the parameters outside the blocks into units as torchtitan shards them: the embedding
+/// alone, the final norm and head together, so that each is gathered only around the stages
+/// that read it. Parameters whose stages overlap share a unit, so a tied embedding (read by the
+/// first stage and, as the head, by the last) makes one unit with the final norm. A parameter
+/// no stage reads goes to the first group (and `push` reports it).
+fn split_root(root: Vec<TensorSpec>, stages_of: &HashMap<String, (usize, usize)>) -> Vec<(String, Vec<TensorSpec>)> {
+    // (stage range, parameters), merged while ranges overlap; ranges sorted by first stage.
+    let mut groups: Vec<((usize, usize), Vec<TensorSpec>)> = vec![];
+    let mut sorted: Vec<(Option<(usize, usize)>, TensorSpec)> = root.into_iter().map(|t| (stages_of.get(&t.name).copied(), t)).collect();
+    sorted.sort_by_key(|(r, _)| r.map(|r| r.0).unwrap_or(0));
+    for (range, t) in sorted {
+        let Some((a, b)) = range else {
+            match groups.first_mut() {
+                Some(g) => g.1.push(t),
+                None => groups.push(((0, 0), vec![t])),
+            }
+            continue;
+        };
+        match groups.iter_mut().find(|((lo, hi), _)| a <= *hi && *lo <= b) {
+            Some(((lo, hi), ps)) => {
+                (*lo, *hi) = ((*lo).min(a), (*hi).max(b));
+                ps.push(t);
+            }
+            None => groups.push(((a, b), vec![t])),
+        }
+    }
+    let n = groups.len();
+    groups
+        .into_iter()
+        .enumerate()
+        .map(|(i, (_, ps))| {
+            let name = match (n, i) {
+                (1, _) => "root".to_string(),
+                (_, 0) => "embeddings".to_string(),
+                (_, i) if i == n - 1 => "head".to_string(),
+                (_, i) => format!("root.{i}"),
+            };
+            (name, ps)
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -259,6 +308,22 @@ mod tests {
         assert_eq!(total, models::expected_tensors(&cfg()).iter().map(|t| t.shape.iter().product::<usize>()).sum::<usize>());
         // vocab 10 rows on 4 ranks: padded to 12, 3 rows each.
         assert_eq!(units[0].params[0].chunk_rows, 3);
+    }
+
+    #[test]
+    fn an_untied_model_gets_an_embedding_unit_and_a_head_unit() {
+        let mut c = cfg();
+        c.tie_word_embeddings = false;
+        let m = models::LlamaStages::new(&c, None);
+        let units = plan_units(&m, WrapPolicy::TransformerBased, 2).unwrap();
+        let names = |u: &UnitPlan| u.params.iter().map(|p| p.spec.name.clone()).collect::<Vec<_>>();
+        assert_eq!(units.iter().map(|u| u.name.as_str()).collect::<Vec<_>>(), ["embeddings", "head", "model.layers.0", "model.layers.1", "model.layers.2"]);
+        assert_eq!(names(&units[0]), ["model.embed_tokens.weight"]);
+        assert_eq!((units[0].first_stage, units[0].last_stage), (0, 0));
+        assert_eq!(names(&units[1]), ["model.norm.weight", "lm_head.weight"]);
+        assert_eq!((units[1].first_stage, units[1].last_stage), (4, 4));
+        // no_wrap keeps everything in one unit.
+        assert_eq!(plan_units(&m, WrapPolicy::NoWrap, 2).unwrap().len(), 1);
     }
 
     #[test]

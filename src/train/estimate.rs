@@ -3,8 +3,10 @@
 //!
 //! Exact parts come from the same unit plan the engine uses (chunk sizes with padding, which
 //! parameters train). The rest counts the f32 tensors our code keeps alive at the peak:
-//! - gathered weights: FULL_SHARD with activation checkpointing holds the root unit plus one
-//!   layer unit; otherwise the kept forward graphs hold every unit until its backward;
+//! - gathered weights: FULL_SHARD holds the unit(s) of the running stage (the others are
+//!   resharded, their bytes freed even where a kept graph points at them), counted twice for
+//!   the moment a gather holds its result and the cut-out parameters; SHARD_GRAD_OP and
+//!   NO_SHARD keep every unit from its forward to its backward;
 //! - backward of one unit: candle's gradient store holds a full-size gradient of every weight
 //!   of the unit (candle computes weight gradients even for frozen ones) plus the packed buffer
 //!   reduce-scatter sends, for the trainable ones;
@@ -155,10 +157,13 @@ pub fn estimate(model: &dyn StagedModel, cfg: &ModelConfig, input: &EstimateInpu
     let trained_chunk: u64 = plan.iter().map(|u| u.grad_chunk_len as u64).sum();
     let full = |u: &UnitPlan| u.numel() as u64 * 4;
     let trained_full = |u: &UnitPlan| (u.grad_chunk_len * input.shard_size) as u64 * 4;
-    let root = plan.iter().filter(|u| u.is_root).map(full).sum::<u64>();
     let largest = plan.iter().filter(|u| !u.is_root).map(full).max().unwrap_or(0);
-    let keeps_all = !input.activation_checkpointing || !input.strategy.reshard_after_forward();
-    let gathered = if keeps_all { plan.iter().map(full).sum() } else { root + largest };
+    // The most weight one stage reads (a layer, or the head with the final norm).
+    let stage_units = (0..model.num_stages()).map(|s| {
+        let reads = model.stage_parameters(s);
+        plan.iter().filter(|u| u.params.iter().any(|p| reads.contains(&p.spec.name))).map(full).sum::<u64>()
+    });
+    let gathered = if input.strategy.reshard_after_forward() { 2 * stage_units.max().unwrap_or(0) } else { plan.iter().map(full).sum() };
     // Backward of the largest unit: full weight gradients (all of its weights) + packed
     // trainable gradients for reduce-scatter + this rank's reduced slice.
     let backward = plan.iter().map(|u| full(u) + trained_full(u) + trained_full(u) / input.shard_size as u64).max().unwrap_or(0);

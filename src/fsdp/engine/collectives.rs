@@ -11,6 +11,36 @@ impl FsdpEngine {
         if self.units[u].dev.is_some() {
             return self.gather_on_device(u, purpose);
         }
+        let values = self.gather_host_values(u, purpose)?;
+        let mut out = HashMap::new();
+        for (p, full) in self.units[u].plan.params.iter().zip(values) {
+            let shape = p.spec.shape.as_slice();
+            let dtype = if purpose == GatherFor::Compute { self.compute_dtype() } else { DType::F32 };
+            let t = match (p.trainable, dtype) {
+                // Straight from the buffer (no copy) in the common f32 case.
+                (true, DType::F32) => Var::from_vec(full, shape, &self.device)?.as_tensor().clone(),
+                (true, dt) => Var::from_tensor(&Tensor::from_vec(full, shape, &self.device)?.to_dtype(dt)?)?.as_tensor().clone(),
+                (false, dt) => Tensor::from_vec(full, shape, &self.device)?.to_dtype(dt)?,
+            };
+            out.insert(p.spec.name.clone(), t);
+        }
+        Ok(out)
+    }
+
+    /// The full values of unit `u`'s parameters for compute, in plan order, as one f32 vector
+    /// each: what a freed unit is refilled with.
+    pub(super) fn gather_full_values(&self, u: usize) -> Result<Vec<Vec<f32>>> {
+        if self.units[u].dev.is_none() {
+            return self.gather_host_values(u, GatherFor::Compute);
+        }
+        let gathered = self.gather_on_device(u, GatherFor::Compute)?;
+        let plan = &self.units[u].plan;
+        plan.params.iter().map(|p| Ok(gathered[&p.spec.name].flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)).collect()
+    }
+
+    /// All-gathers unit `u`'s host chunks (one collective) and cuts the result into the full
+    /// parameters, in plan order.
+    fn gather_host_values(&self, u: usize, purpose: GatherFor) -> Result<Vec<Vec<f32>>> {
         let unit = &self.units[u];
         let mut buf: Vec<f32> = Vec::with_capacity(unit.plan.chunk_len);
         for m in &unit.master {
@@ -22,7 +52,7 @@ impl FsdpEngine {
         let shards = self.groups.shard.world_size();
         // A shard group of one rank gathers its own chunk: no collective, no copy.
         let all = if shards == 1 { buf } else { self.groups.shard.all_gather(&buf)? };
-        let mut out = HashMap::new();
+        let mut out = Vec::with_capacity(unit.plan.params.len());
         for p in &unit.plan.params {
             let mut full = Vec::with_capacity(p.chunk_len() * shards);
             for k in 0..shards {
@@ -30,15 +60,7 @@ impl FsdpEngine {
                 full.extend_from_slice(&all[base..base + p.chunk_len()]);
             }
             full.truncate(p.numel());
-            let shape = p.spec.shape.as_slice();
-            let dtype = if purpose == GatherFor::Compute { self.compute_dtype() } else { DType::F32 };
-            let t = match (p.trainable, dtype) {
-                // Straight from the buffer (no copy) in the common f32 case.
-                (true, DType::F32) => Var::from_vec(full, shape, &self.device)?.as_tensor().clone(),
-                (true, dt) => Var::from_tensor(&Tensor::from_vec(full, shape, &self.device)?.to_dtype(dt)?)?.as_tensor().clone(),
-                (false, dt) => Tensor::from_vec(full, shape, &self.device)?.to_dtype(dt)?,
-            };
-            out.insert(p.spec.name.clone(), t);
+            out.push(full);
         }
         Ok(out)
     }

@@ -18,6 +18,7 @@ use candle_core::{DType, Device, Tensor, Var, D};
 use models::{Packing, StageContext, StagedModel};
 
 mod collectives;
+mod reshard;
 mod state;
 mod step;
 
@@ -70,6 +71,9 @@ struct UnitState {
     /// Full parameters while gathered; the trainable ones are variables (`Var`), so that a
     /// forward over them builds the graph backward needs.
     gathered: Option<HashMap<String, Tensor>>,
+    /// The gathered tensors' bytes were freed in place (FULL_SHARD between a unit's forward
+    /// and its backward, see `reshard`); they are refilled before the unit runs again.
+    freed: bool,
     /// Full-size gradients of the trainable parameters collected during backward, until
     /// reduce-scatter, already in the rank-major layout reduce-scatter takes (rank k's chunks of
     /// every trainable parameter, in order).
@@ -205,6 +209,7 @@ impl FsdpEngine {
                 adam: plan.params.iter().map(|p| AdamWState::new(trained_len(p))).collect(),
                 plan,
                 gathered: None,
+                freed: false,
                 full_grad: None,
                 dev: None,
                 dev_full_grads: HashMap::new(),
@@ -265,6 +270,7 @@ impl FsdpEngine {
     }
 
 
+    /// Gathers the units stage `s` reads, or refills those whose bytes were freed.
     fn ensure_gathered(&mut self, s: usize) -> Result<()> {
         for &u in &self.stage_units[s].clone() {
             if self.units[u].gathered.is_none() {
@@ -273,9 +279,56 @@ impl FsdpEngine {
                 }
                 let vars = self.gather(u, GatherFor::Compute)?;
                 self.units[u].gathered = Some(vars);
+            } else if self.units[u].freed {
+                self.refill(u)?;
             }
         }
         Ok(())
+    }
+
+    /// Frees unit `u`'s gathered parameters until it runs again. On the CPU their bytes go and
+    /// the tensors stay (a kept graph points at them; see `reshard`). On a GPU the tensors are
+    /// dropped, which frees them when no graph holds them (activation checkpointing, or after
+    /// a backward); a forward graph kept without checkpointing still holds them there.
+    fn reshard(&mut self, u: usize) -> Result<()> {
+        let unit = &mut self.units[u];
+        let Some(params) = &unit.gathered else { return Ok(()) };
+        if !self.device.is_cpu() {
+            unit.gathered = None;
+            return Ok(());
+        }
+        if !unit.freed {
+            for t in params.values() {
+                reshard::free(t)?;
+            }
+            unit.freed = true;
+        }
+        Ok(())
+    }
+
+    /// Refills unit `u`'s freed tensors in place from a new all-gather.
+    fn refill(&mut self, u: usize) -> Result<()> {
+        let values = self.gather_full_values(u)?;
+        let unit = &mut self.units[u];
+        let params = unit.gathered.as_ref().expect("a freed unit keeps its tensors");
+        for (p, v) in unit.plan.params.iter().zip(values) {
+            reshard::refill(&params[&p.spec.name], v)?;
+        }
+        unit.freed = false;
+        Ok(())
+    }
+
+    /// Whether a unit read by stage `s` can be resharded after the stage's forward: FULL_SHARD,
+    /// the next stage does not read it, and `s` is not the last stage (its backward follows at
+    /// once, so FSDP2 and torchtitan keep the last unit gathered).
+    fn reshard_after_forward(&self, u: usize, s: usize) -> bool {
+        self.opts.strategy.reshard_after_forward() && s + 1 < self.model.num_stages() && !self.stage_units[s + 1].contains(&u)
+    }
+
+    /// Whether stage `s` has a parameter to train.
+    fn stage_trains(&self, s: usize) -> bool {
+        let wanted = self.model.stage_parameters(s);
+        self.stage_units[s].iter().any(|&u| self.units[u].plan.params.iter().any(|p| p.trainable && wanted.contains(&p.spec.name)))
     }
 
     /// Stage `s`'s parameters: the gathered tensors themselves (graph-building), or detached
@@ -339,15 +392,18 @@ impl FsdpEngine {
         for s in 0..n {
             self.ensure_gathered(s)?;
             x = self.model.forward_stage(s, &self.stage_params(s, false), &x, &ctx)?;
-            for &u in &self.stage_units[s] {
-                if self.units[u].plan.last_stage == s && (self.opts.strategy.reshard_after_forward() || self.units[u].plan.is_root) {
+            // No graph: a unit no later stage reads can go now.
+            for u in self.stage_units[s].clone() {
+                if self.units[u].plan.last_stage == s && self.opts.strategy.reshard_after_forward() {
                     self.units[u].gathered = None;
+                } else if self.reshard_after_forward(u, s) {
+                    self.reshard(u)?;
                 }
             }
         }
         // Units SHARD_GRAD_OP keeps gathered for a backward that will not come.
         for u in &mut self.units {
-            u.gathered = None;
+            (u.gathered, u.freed) = (None, false);
         }
         Ok(Self::loss_sum(&x, labels, b, t)?.to_scalar::<f32>()? as f64)
     }
@@ -386,14 +442,10 @@ impl FsdpEngine {
                 x = out.detach();
                 saved[s] = Some((out, input_var));
             }
-            // FULL_SHARD frees a unit once its last forward stage ran. Without activation
-            // checkpointing the kept graph still references the weights, so this frees the
-            // buffer only when the graph goes.
-            if ac && self.opts.strategy.reshard_after_forward() {
-                for &u in &self.stage_units[s] {
-                    if !self.units[u].plan.is_root && self.units[u].plan.last_stage == s {
-                        self.units[u].gathered = None;
-                    }
+            // FULL_SHARD frees a unit after its forward, with or without a kept graph.
+            for u in self.stage_units[s].clone() {
+                if self.reshard_after_forward(u, s) {
+                    self.reshard(u)?;
                 }
             }
         }
@@ -401,6 +453,13 @@ impl FsdpEngine {
         let mut upstream: Option<Tensor> = None;
         let mut loss_sum = 0.0;
         for s in (0..n).rev() {
+            // A first stage with nothing to train (a frozen embedding) needs no backward, and
+            // its units no gather.
+            if s == 0 && !self.stage_trains(0) {
+                saved[s] = None;
+                self.finish_units_after_backward(s)?;
+                continue;
+            }
             self.ensure_gathered(s)?;
             // The stage's parameters are the gathered tensors themselves: with activation
             // checkpointing the stage is recomputed over them (its forward built no graph).
@@ -412,12 +471,6 @@ impl FsdpEngine {
                         params.insert(k.clone(), v.clone());
                     }
                 }
-            }
-            // A first stage with nothing to train (a frozen embedding) needs no backward.
-            if s == 0 && !params.values().any(|t| t.is_variable()) {
-                saved[s] = None;
-                self.finish_units_starting_at(s)?;
-                continue;
             }
             let (out, input_var) = if ac {
                 let input_var = if s == 0 { None } else { Some(Var::from_tensor(&inputs[s])?) };
@@ -479,18 +532,22 @@ impl FsdpEngine {
                 Some(v) => Some(grads.get(v.as_tensor()).cloned().context("no gradient reached a stage input")?),
                 None => None,
             };
-            self.finish_units_starting_at(s)?;
+            drop(grads);
+            self.finish_units_after_backward(s)?;
         }
         Ok(loss_sum)
     }
 
     /// After stage `s`'s backward, a unit whose first stage is `s` has all its gradients:
-    /// reduce-scatter them and free its gathered weights.
-    fn finish_units_starting_at(&mut self, s: usize) -> Result<()> {
-        for &u in &self.stage_units[s].clone() {
+    /// reduce-scatter them and drop its gathered weights. Under FULL_SHARD, a unit an earlier
+    /// stage reads again (a tied embedding) is resharded until that stage's backward.
+    fn finish_units_after_backward(&mut self, s: usize) -> Result<()> {
+        for u in self.stage_units[s].clone() {
             if self.units[u].plan.first_stage == s {
                 self.reduce_scatter_unit(u)?;
-                self.units[u].gathered = None;
+                (self.units[u].gathered, self.units[u].freed) = (None, false);
+            } else if self.opts.strategy.reshard_after_forward() && !self.stage_units[s - 1].contains(&u) {
+                self.reshard(u)?;
             }
         }
         Ok(())

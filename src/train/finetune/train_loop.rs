@@ -17,7 +17,7 @@ use crate::checkpoint::sharded::{self, SaveExtras};
 use crate::dist::{all_reduce_scalar, ProcessGroups};
 use crate::fsdp::engine::FsdpEngine;
 use crate::fsdp::optim::lr_multiplier;
-use crate::train::data::{epoch_order, packing_for, Sample};
+use crate::train::data::{collate, epoch_order, Sample};
 
 /// Losses and gradient norms of the steps this process ran.
 #[derive(Default)]
@@ -44,10 +44,9 @@ pub(super) fn train(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &Finet
         let start = Instant::now();
         let lr = cfg.lr * lr_multiplier(cfg.schedule, step, cfg.warmup_for(data.total_steps), data.total_steps);
         let micro = micro_batches(groups, cfg, boot, &order, step);
-        let (loss, grad_norm) = train_step(engine, groups, cfg, &micro, step, lr)?;
+        let StepOutcome { loss, grad_norm, tokens } = train_step(engine, groups, cfg, &micro, step, lr)?;
         curve.losses.push(loss);
         curve.grad_norms.push(grad_norm);
-        let tokens = (data.global_batch * cfg.seq_len) as f64;
         log.step(groups, engine.device(), &StepReport { step: step + 1, epoch, loss, lr, grad_norm, tokens, secs: start.elapsed().as_secs_f64() })?;
         let done = step + 1;
         if cfg.eval_steps.is_some_and(|n| done % n == 0) && done != data.total_steps {
@@ -78,31 +77,41 @@ fn micro_batches<'a>(groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &'a Boo
         .collect()
 }
 
+/// What one step did, over all ranks.
+struct StepOutcome {
+    /// Mean token loss of the global batch.
+    loss: f64,
+    grad_norm: f64,
+    /// Real (unpadded) tokens of the global batch: what tokens/s counts.
+    tokens: f64,
+}
+
 /// Forward + backward of every micro-batch (the loss normalised by the global batch's target
-/// tokens, so N ranks give one rank's gradients), then the optimizer step. Returns the global
-/// mean loss and the gradient norm.
-fn train_step(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, micro: &[Vec<&Sample>], step: usize, lr: f64) -> Result<(f64, f64)> {
+/// tokens, so N ranks give one rank's gradients), then the optimizer step.
+fn train_step(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, micro: &[Vec<&Sample>], step: usize, lr: f64) -> Result<StepOutcome> {
     let (rank, world) = (groups.world.rank(), groups.world.world_size());
     let local_targets: usize = micro.iter().flatten().map(|s| s.target_tokens()).sum();
-    let global_targets = all_reduce_scalar(groups.world.as_ref(), local_targets as f64)?;
+    let local_tokens: usize = micro.iter().flatten().map(|s| s.len).sum();
+    let mut counts = [local_targets as f64, local_tokens as f64];
+    groups.world.all_reduce_f64(&mut counts)?;
+    let [global_targets, tokens] = counts;
     if global_targets == 0.0 {
         bail!("step {step}: the global batch has no target tokens (every label is -100)");
     }
     let mut local_loss = 0.0;
     for (a, mb) in micro.iter().enumerate() {
-        let ids: Vec<u32> = mb.iter().flat_map(|s| s.input_ids.iter().copied()).collect();
-        let labels: Vec<i64> = mb.iter().flat_map(|s| s.labels.iter().copied()).collect();
-        let input = Tensor::from_vec(ids, (mb.len(), cfg.seq_len), engine.device())?;
+        let batch = collate(mb);
+        let input = Tensor::from_vec(batch.input_ids, (batch.rows, batch.width), engine.device())?;
         // Dropout seeds from (seed, step, place in the global batch): the same masks on any
         // number of ranks, and in an activation-checkpointing recompute.
         let first = (a * world + rank) * cfg.batch_size;
         let row_seeds = (first..first + mb.len()).map(|i| dropout_seed(cfg.seed, step, i)).collect();
-        let ctx = StageContext { packing: packing_for(mb), row_seeds: Some(row_seeds), targets: None };
-        local_loss += engine.forward_backward(&input, &labels, global_targets, &ctx)?;
+        let ctx = StageContext { packing: batch.packing, row_seeds: Some(row_seeds), targets: None };
+        local_loss += engine.forward_backward(&input, &batch.labels, global_targets, &ctx)?;
     }
     let loss = all_reduce_scalar(groups.world.as_ref(), local_loss)? / global_targets;
     let stats = engine.optimizer_step(lr, cfg.max_grad_norm)?;
-    Ok((loss, stats.grad_norm))
+    Ok(StepOutcome { loss, grad_norm: stats.grad_norm, tokens })
 }
 
 /// The dropout seed of the sample at `place` in step `step`'s global batch.
@@ -165,10 +174,10 @@ fn evaluate(engine: &mut FsdpEngine, groups: &ProcessGroups, samples: &[Sample],
                 None => Sample { input_ids: samples[0].input_ids.clone(), labels: vec![-100; seq_len], len: 0, segments: vec![] },
             })
             .collect();
-        let ids: Vec<u32> = mb.iter().flat_map(|s| s.input_ids.iter().copied()).collect();
-        let labels: Vec<i64> = mb.iter().flat_map(|s| s.labels.iter().copied()).collect();
         let refs: Vec<&Sample> = mb.iter().collect();
-        loss += engine.forward_loss(&Tensor::from_vec(ids, (mb.len(), seq_len), engine.device())?, &labels, packing_for(&refs).as_ref())?;
+        let batch = collate(&refs);
+        let input = Tensor::from_vec(batch.input_ids, (batch.rows, batch.width), engine.device())?;
+        loss += engine.forward_loss(&input, &batch.labels, batch.packing.as_ref())?;
         tokens += mb.iter().map(Sample::target_tokens).sum::<usize>() as f64;
     }
     let mut sums = [loss, tokens];
