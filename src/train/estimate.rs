@@ -138,7 +138,7 @@ const AC_HIDDEN_PER_LAYER: f64 = 8.0;
 /// are small): the fused head and loss hold a chunk of logits and the head's gradient there,
 /// and the allocator keeps what earlier steps freed; about this many (batch, seq, vocab) f32
 /// tensors' worth, fitted on the two-rank runs of tests/estimate.rs.
-const LOSS_TENSORS_AT_PEAK: f64 = 7.0;
+const LOSS_TENSORS_AT_PEAK: f64 = 6.0;
 
 /// Without activation checkpointing the peak comes in the layers' backward, when the fused head
 /// and loss (`models::head_loss`) have long freed their chunk of logits: the loss row counts

@@ -1,12 +1,16 @@
 //! `cargo bench --features mpi --bench training`: the FSDP engine's figures.
 //!
-//! (a) peak RSS of each process under `mpirun -np 4` while fine-tuning a generated Llama of
-//!     ~840 MB of f32 weights, next to the naive figure of a process holding the whole model;
+//! (a) peak RSS of each rank (VmHWM) while fine-tuning a generated 220M Llama (~840 MB of f32
+//!     weights) under mpirun at world 1, 2 and 4 (FULL_SHARD with and without activation
+//!     checkpointing, SHARD_GRAD_OP, NO_SHARD), next to PyTorch FSDP2 on CPU doing the same job
+//!     under torchrun (tests/bench/torch_fsdp2_memory.py), in the same run; then the sharded
+//!     checkpoint's save and merge;
 //! (b) training tokens/s at world 1 on CPU for a ~28M-parameter Llama (batch 4 x 128 tokens,
 //!     2 threads) next to PyTorch + transformers doing the same steps in the same run;
 //! (c) the same at world 2 (`local` backend, same global batch), to show the sharding overhead.
 //!
-//! Environment: FSDP_BENCH_PYTHON (Python with torch + transformers; default python3),
+//! Environment: FSDP_BENCH_PYTHON (Python with torch + transformers, torchrun beside it;
+//! default python3),
 //! FSDP_BENCH_SKIP_MPI=1 to skip (a). Models are generated under target/bench-models once.
 
 use std::path::{Path, PathBuf};
@@ -215,39 +219,69 @@ fn main() -> anyhow::Result<()> {
     let big_data = tmp.path().join("big.jsonl");
     data(&big_data, 16, 64, 32000)?;
     let exe = PathBuf::from(env!("CARGO_BIN_EXE_fsdp-app"));
-    let out = tmp.path().join("mpi");
-    let o = Command::new("mpirun")
-        .args(["--allow-run-as-root", "--oversubscribe", "-np", "4"])
-        .arg(&exe)
-        .args(["finetune", "--model", big.to_str().unwrap(), "--data", big_data.to_str().unwrap(), "--output-dir"])
-        .arg(&out)
-        .args(["--seq-len", "64", "--batch-size", "1", "--max-steps", "2", "--backend", "mpi", "--activation-checkpointing", "--save-steps", "2"])
-        .env("RAYON_NUM_THREADS", "1")
-        .output()?;
-    if !o.status.success() {
-        anyhow::bail!("mpirun failed: {}", String::from_utf8_lossy(&o.stderr));
+    println!("\n(a) Per-rank peak RSS (VmHWM), fine-tuning a generated Llama with {} of f32 weights (vocab 32000, hidden 1024, 12 layers),", human_bytes(weights_bytes));
+    println!("seq 64, batch 1 per rank, 3 steps, AdamW, 1 thread per rank; fsdp-app under mpirun (mpi backend), PyTorch FSDP2 under torchrun");
+    println!("(gloo, meta init, fully_shard per layer and root, set_model_state_dict(broadcast_from_rank0=True)) in the same run\n");
+    println!("| run | world | strategy | activation checkpointing | rank 0 | other ranks (max) | tokens/s |");
+    println!("|---|---|---|---|---|---|---|");
+    let row = |who: &str, world: usize, strategy: &str, ac: bool, peaks: &[u64], tps: Option<f64>| {
+        let others = peaks.iter().skip(1).max().map(|b| human_bytes(*b)).unwrap_or_else(|| "-".into());
+        let tps = tps.map(|t| format!("{t:.0}")).unwrap_or_else(|| "n/a".into());
+        println!("| {who} | {world} | {strategy} | {} | {} | {others} | {tps} |", if ac { "on" } else { "off" }, peaks.first().map(|b| human_bytes(*b)).unwrap_or_default());
+    };
+    let mut save_log = String::new();
+    let mut out_of_saved = PathBuf::new();
+    for (world, strategy, ac) in [(1usize, "FULL_SHARD", false), (2, "FULL_SHARD", false), (4, "FULL_SHARD", false), (4, "FULL_SHARD", true), (4, "SHARD_GRAD_OP", false), (4, "NO_SHARD", false)] {
+        let out = tmp.path().join(format!("mpi-{world}-{strategy}-{ac}"));
+        let mut cmd = Command::new("mpirun");
+        cmd.args(["--allow-run-as-root", "--oversubscribe", "-np", &world.to_string()]).arg(&exe);
+        cmd.args(["finetune", "--model", big.to_str().unwrap(), "--data", big_data.to_str().unwrap(), "--output-dir"]).arg(&out);
+        cmd.args(["--seq-len", "64", "--batch-size", "1", "--max-steps", "3", "--backend", "mpi", "--sharding-strategy", strategy]);
+        if ac {
+            // This run also saves a sharded checkpoint (below).
+            cmd.args(["--activation-checkpointing", "--save-steps", "3"]);
+        }
+        let o = cmd.env("RAYON_NUM_THREADS", "1").output()?;
+        if !o.status.success() {
+            anyhow::bail!("mpirun failed: {}", String::from_utf8_lossy(&o.stderr));
+        }
+        let m = metrics(&out);
+        let last = m.last().unwrap();
+        let peaks: Vec<u64> = last["peak_rss_bytes_per_rank"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+        let tps = median(m.iter().skip(1).map(|r| r["tokens_per_s"].as_f64().unwrap()).collect());
+        row("fsdp-app", world, strategy, ac, &peaks, Some(tps));
+        if ac {
+            save_log = String::from_utf8_lossy(&o.stderr).to_string();
+            out_of_saved = out;
+        }
     }
-    let m = metrics(&out);
-    let per_rank: Vec<u64> = m.last().unwrap()["peak_rss_bytes_per_rank"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
-    let log = String::from_utf8_lossy(&o.stderr).to_string();
-    let shard_line = log.lines().find(|l| l.contains("rank 1 holds")).unwrap_or("").to_string();
-    // Naive: one process holding the whole model, as every rank would when each loads the file.
-    let naive = Command::new(&exe)
-        .args(["generate", "--model", big.to_str().unwrap(), "--prompt", "x", "--max-new-tokens", "1", "--json"])
-        .output()?;
-    let naive_rss = serde_json::from_slice::<Value>(&naive.stdout).ok().and_then(|v| v["peak_rss_bytes"].as_u64());
-    println!("\n(a) mpirun -np 4, fine-tuning a generated Llama with {} of f32 weights (FULL_SHARD, activation checkpointing)", human_bytes(weights_bytes));
-    println!("{}\n", shard_line.trim());
-    println!("| process | peak RSS |");
-    println!("|---|---|");
-    for (r, b) in per_rank.iter().enumerate() {
-        println!("| rank {r} | {} |", human_bytes(*b));
+    let torchrun = PathBuf::from(&python).with_file_name("torchrun");
+    for (world, strategy, ac) in [(1usize, "FULL_SHARD", false), (4, "FULL_SHARD", false), (4, "FULL_SHARD", true), (4, "SHARD_GRAD_OP", false)] {
+        let o = Command::new(&torchrun)
+            .args(["--nproc-per-node", &world.to_string(), "--master-port", "29613"])
+            .arg(root.join("tests").join("bench").join("torch_fsdp2_memory.py"))
+            .arg(&big)
+            .arg(&big_data)
+            .args(["64", "3", if ac { "1" } else { "0" }, strategy])
+            .output();
+        let parsed = match o {
+            Ok(o) if o.status.success() => serde_json::from_str::<Value>(String::from_utf8_lossy(&o.stdout).lines().last().unwrap_or("")).ok(),
+            Ok(o) => {
+                println!("| PyTorch FSDP2 | {world} | {strategy} | {ac} | n/a: {} | | |", String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("failed"));
+                None
+            }
+            Err(e) => {
+                println!("| PyTorch FSDP2 | {world} | {strategy} | {ac} | n/a: {}: {e} | | |", torchrun.display());
+                None
+            }
+        };
+        if let Some(t) = parsed {
+            let peaks: Vec<u64> = t["peak_rss_bytes_per_rank"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+            row(&format!("PyTorch {} FSDP2", t["torch"].as_str().unwrap_or("?")), world, strategy, ac, &peaks, t["tokens_per_s"].as_f64());
+        }
     }
-    println!("| naive: one process holding the whole model (generate, f32) | {} |", naive_rss.map(human_bytes).unwrap_or_else(|| "n/a".into()));
-    println!(
-        "| naive: every rank holding the whole model + its fp32 shard state | {} |",
-        human_bytes(naive_rss.unwrap_or(weights_bytes) + (weights_bytes * 4) / 4)
-    );
+    let log = save_log;
+    let out = out_of_saved;
     let process_peaks: Vec<&str> = log.lines().filter(|l| l.contains("peak RSS of this process")).collect();
     let save_line = log.lines().find(|l| l.starts_with("saved ")).unwrap_or("(no save line)");
     println!("\nSharded checkpoint of the same job (weights + AdamW moments, 4 ranks): {save_line}");
@@ -255,7 +289,7 @@ fn main() -> anyhow::Result<()> {
     for l in process_peaks {
         println!("  {l}");
     }
-    let ckpt = out.join("checkpoint-2");
+    let ckpt = out.join("checkpoint-3");
     let merged = tmp.path().join("merged");
     let t = std::time::Instant::now();
     let m = Command::new(&exe).arg("merge").arg(&ckpt).arg(&merged).output()?;

@@ -485,14 +485,24 @@ impl FsdpEngine {
                 (ls / global_tokens)?
             } else {
                 let g = upstream.take().context("missing upstream gradient")?;
-                (out * g)?.sum_all()?
+                (&out * g)?.sum_all()?
             };
-            let grads = objective.backward()?;
+            let mut grads = objective.backward()?;
+            drop(out);
+            // The graph has done its work: drop it (and what its ops saved, such as the fused
+            // head's weight gradient) before the gradients are packed, and drop each gradient
+            // once packed, so that a large unit's backward holds one gradient copy at a time.
+            drop(objective);
+            let upstream_grad = match &input_var {
+                Some(v) => Some(grads.remove(v.as_tensor()).context("no gradient reached a stage input")?),
+                None => None,
+            };
             for (name, param) in &params {
                 if !param.is_variable() {
                     continue;
                 }
-                let Some(g) = grads.get(param) else { continue };
+                let Some(g) = grads.remove(param) else { continue };
+                let g = &g;
                 let u = *self.stage_units[s]
                     .iter()
                     .find(|&&u| self.units[u].plan.params.iter().any(|p| &p.spec.name == name))
@@ -528,10 +538,7 @@ impl FsdpEngine {
                     }
                 })?;
             }
-            upstream = match &input_var {
-                Some(v) => Some(grads.get(v.as_tensor()).cloned().context("no gradient reached a stage input")?),
-                None => None,
-            };
+            upstream = upstream_grad;
             drop(grads);
             self.finish_units_after_backward(s)?;
         }
