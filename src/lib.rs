@@ -49,6 +49,10 @@ extern "C" {
 const MI_OPTION_PURGE_DELAY: i32 = 15;
 
 fn keep_freed_memory() {
+    // The user's own MIMALLOC_PURGE_DELAY wins (mimalloc reads it itself).
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
+        return;
+    }
     // SAFETY: sets a plain integer option; mimalloc reads it on its next purge decision.
     unsafe { mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
 }

@@ -15,14 +15,17 @@ use rayon::prelude::*;
 
 use crate::kernels::exp_inplace;
 use crate::linear::{product, product_add};
+use crate::weight_grads::WeightGradTarget;
 
 /// Most logits alive at once (32 MiB of f32).
 const CHUNK_VALUES: usize = 8 << 20;
 
 /// Per-position `-log softmax(h Wᵀ)[target]` for `h` (rows, hidden) and `w` (vocab, hidden),
 /// 0 where the target is negative (ignored): a (rows,) tensor. f32 on the CPU.
-pub fn head_cross_entropy(h: &Tensor, w: &Tensor, targets: &[i64]) -> Result<Tensor> {
-    head_cross_entropy_in_chunks(h, w, targets, CHUNK_VALUES)
+/// With `grad_to`, the head's gradient goes there instead of to candle's gradient store (see
+/// `crate::weight_grads`).
+pub fn head_cross_entropy(h: &Tensor, w: &Tensor, targets: &[i64], grad_to: Option<WeightGradTarget>) -> Result<Tensor> {
+    head_cross_entropy_in_chunks(h, w, targets, CHUNK_VALUES, grad_to)
 }
 
 /// [`head_cross_entropy`] with at most `chunk_values` logits alive at once.
@@ -31,6 +34,7 @@ fn head_cross_entropy_in_chunks(
     w: &Tensor,
     targets: &[i64],
     chunk_values: usize,
+    grad_to: Option<WeightGradTarget>,
 ) -> Result<Tensor> {
     let (rows, hidden) = h.dims2()?;
     let (vocab, w_hidden) = w.dims2()?;
@@ -53,6 +57,7 @@ fn head_cross_entropy_in_chunks(
         want_dh: h.track_op(),
         want_dw: w.track_op(),
         saved: Mutex::new(None),
+        grad_to,
     };
     h.contiguous()?.apply_op2(&w.contiguous()?, op)
 }
@@ -64,6 +69,8 @@ struct HeadCrossEntropy {
     want_dw: bool,
     /// The forward's gradients for an upstream gradient of 1 per position: (dh, dW).
     saved: Mutex<Option<(Vec<f32>, Option<Vec<f32>>)>>,
+    /// Where dW goes instead of candle's gradient store.
+    grad_to: Option<WeightGradTarget>,
 }
 
 /// What one pass computes: per-position losses and, if asked, the gradients of
@@ -226,7 +233,13 @@ impl CustomOp2 for HeadCrossEntropy {
             (Some(dw), true) => Some(Tensor::from_vec(dw, w.shape(), w.device())?),
             _ => None,
         };
-        Ok((Some(dh), dw))
+        match (dw, &self.grad_to) {
+            (Some(dw), Some(t)) => {
+                t.sink.add(&t.name, dw)?;
+                Ok((Some(dh), None))
+            }
+            (dw, _) => Ok((Some(dh), dw)),
+        }
     }
 }
 
@@ -266,7 +279,7 @@ mod tests {
         // One chunk of all rows, and chunks of 2 rows (dW summed over five chunks).
         for chunk in [CHUNK_VALUES, 2 * 37] {
             let fused_loss =
-                |t: &[Tensor]| head_cross_entropy_in_chunks(&t[0], &t[1], &targets, chunk);
+                |t: &[Tensor]| head_cross_entropy_in_chunks(&t[0], &t[1], &targets, chunk, None);
             assert!(max_rel(&fused_loss(&inputs).unwrap(), &reference(&inputs).unwrap()) < 1e-5);
             // A uniform upstream gradient (the training loss: a sum over positions, scaled)
             // takes the forward's gradients; a per-position one recomputes.
@@ -285,7 +298,7 @@ mod tests {
                 }
             }
         }
-        assert!(head_cross_entropy(&h, &w, &[37; 9])
+        assert!(head_cross_entropy(&h, &w, &[37; 9], None)
             .unwrap_err()
             .to_string()
             .contains("outside the vocabulary"));
@@ -295,7 +308,7 @@ mod tests {
     fn a_frozen_head_gets_no_gradient() {
         let (h, w) = (rand(&[4, 8], 45, 1.0), rand(&[11, 8], 46, 1.0));
         let hv = Var::from_tensor(&h).unwrap();
-        let g = head_cross_entropy(hv.as_tensor(), &w, &[1, 2, -100, 10])
+        let g = head_cross_entropy(hv.as_tensor(), &w, &[1, 2, -100, 10], None)
             .unwrap()
             .sum_all()
             .unwrap()

@@ -5,6 +5,7 @@
 
 pub mod attention;
 pub mod config;
+pub mod embedding;
 pub mod fused;
 pub mod head_loss;
 pub mod kernels;
@@ -15,6 +16,7 @@ pub mod model;
 pub mod rng;
 pub mod staged;
 pub mod tensors;
+pub mod weight_grads;
 
 #[cfg(test)]
 mod testing;

@@ -10,6 +10,8 @@ use std::collections::HashMap;
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{Embedding, VarBuilder};
 
+use crate::weight_grads::{WeightGradTarget, WeightGrads};
+
 use crate::config::ModelConfig;
 use crate::layers::{causal_mask, packed_mask, DecoderLayer, OpMode, PositionInputs, RmsNorm, Rotary};
 use crate::lora::{is_adapter_tensor, layer_adapter_tensors, LoraSettings};
@@ -35,6 +37,9 @@ pub struct StageContext {
     /// the cross-entropy then run as one op that never holds (positions, vocab) logits
     /// (`crate::head_loss`), as transformers' models return the loss when given labels.
     pub targets: Option<std::sync::Arc<[i64]>>,
+    /// Given, the CPU training ops of the embedding and the fused head hand their weight's
+    /// gradient to it instead of to candle's gradient store (`crate::weight_grads`).
+    pub weight_grads: Option<WeightGrads>,
 }
 
 /// What a distributed engine needs from a model.
@@ -131,8 +136,13 @@ impl StagedModel for LlamaStages {
         let get = |name: &str| {
             params.get(name).cloned().ok_or_else(|| candle_core::Error::Msg(format!("stage {s} needs {name}")))
         };
+        let grad_to = |name: &str| ctx.weight_grads.clone().map(|sink| WeightGradTarget { sink, name: name.to_string() });
         if s == 0 {
-            let w = get("model.embed_tokens.weight")?;
+            let name = "model.embed_tokens.weight";
+            let w = get(name)?;
+            if w.device().is_cpu() && w.dtype() == candle_core::DType::F32 {
+                return crate::embedding::embedding(&w, input, grad_to(name));
+            }
             return Embedding::new(w, self.cfg.hidden_size).forward(input);
         }
         let names = self.stage_parameters(s);
@@ -145,7 +155,7 @@ impl StagedModel for LlamaStages {
             let logits = if crate::fused::applies(&h) && head.dtype() == h.dtype() {
                 if let Some(targets) = &ctx.targets {
                     let (b, t, hidden) = h.dims3()?;
-                    return crate::head_loss::head_cross_entropy(&h.reshape((b * t, hidden))?, &head, targets);
+                    return crate::head_loss::head_cross_entropy(&h.reshape((b * t, hidden))?, &head, targets, grad_to(self.head_weight_name()));
                 }
                 // One product over all rows, forward and backward (no per-row weight gradients).
                 crate::linear::linear(&h, &head)?

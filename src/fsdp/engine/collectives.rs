@@ -38,27 +38,48 @@ impl FsdpEngine {
         plan.params.iter().map(|p| Ok(gathered[&p.spec.name].flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)).collect()
     }
 
-    /// All-gathers unit `u`'s host chunks (one collective) and cuts the result into the full
-    /// parameters, in plan order.
+    /// All-gathers unit `u`'s host chunks (one collective for the packed parameters, one for
+    /// each that travels alone, see `grads.rs`) and cuts the result into the full parameters,
+    /// in plan order.
     fn gather_host_values(&self, u: usize, purpose: GatherFor) -> Result<Vec<Vec<f32>>> {
         let unit = &self.units[u];
-        let mut buf: Vec<f32> = Vec::with_capacity(unit.plan.chunk_len);
-        for m in &unit.master {
-            buf.extend_from_slice(m);
-        }
-        if purpose == GatherFor::Compute {
-            round_through(&mut buf, self.opts.param_dtype);
-        }
         let shards = self.groups.shard.world_size();
-        // A shard group of one rank gathers its own chunk: no collective, no copy.
-        let all = if shards == 1 { buf } else { self.groups.shard.all_gather(&buf)? };
-        let mut out = Vec::with_capacity(unit.plan.params.len());
-        for p in &unit.plan.params {
-            let mut full = Vec::with_capacity(p.chunk_len() * shards);
-            for k in 0..shards {
-                let base = k * unit.plan.chunk_len + p.offset;
-                full.extend_from_slice(&all[base..base + p.chunk_len()]);
+        let round = |v: &mut Vec<f32>| {
+            if purpose == GatherFor::Compute {
+                round_through(v, self.opts.param_dtype);
             }
+        };
+        let (offsets, seg) = self.packed_layout(u, false);
+        let mut buf: Vec<f32> = Vec::with_capacity(seg);
+        for (m, at) in unit.master.iter().zip(&offsets) {
+            if at.is_some() {
+                buf.extend_from_slice(m);
+            }
+        }
+        round(&mut buf);
+        // A shard group of one rank gathers its own chunk: no collective.
+        let all = if shards == 1 || seg == 0 { buf } else { self.groups.shard.all_gather(&buf)? };
+        let mut out = Vec::with_capacity(unit.plan.params.len());
+        for (i, p) in unit.plan.params.iter().enumerate() {
+            let mut full = match offsets[i] {
+                Some(at) => {
+                    let mut full = Vec::with_capacity(p.chunk_len() * shards);
+                    for k in 0..shards {
+                        full.extend_from_slice(&all[k * seg + at..][..p.chunk_len()]);
+                    }
+                    full
+                }
+                // Straight into its own buffer: rank-major chunks of whole rows are the rows.
+                None => {
+                    let mut mine = unit.master[i].clone();
+                    round(&mut mine);
+                    if shards == 1 {
+                        mine
+                    } else {
+                        self.groups.shard.all_gather(&mine)?
+                    }
+                }
+            };
             full.truncate(p.numel());
             out.push(full);
         }
@@ -98,19 +119,20 @@ impl FsdpEngine {
         Ok(self.gather(u, GatherFor::Export)?.into_iter().map(|(k, v)| (k, v.detach())).collect())
     }
 
+    /// Reduce-scatters unit `u`'s packed gradients (those of the parameters that do not travel
+    /// alone) and adds this rank's chunks to its gradient chunks.
     pub(super) fn reduce_scatter_unit(&mut self, u: usize) -> Result<()> {
         if self.state_on_device {
             return self.reduce_scatter_unit_on_device(u);
         }
+        let (offsets, _) = self.packed_layout(u, true);
         let unit = &mut self.units[u];
         let Some(mut buf) = unit.full_grad.take() else { return Ok(()) };
         round_through(&mut buf, self.opts.reduce_dtype);
         let mine = if self.groups.shard.world_size() == 1 { buf } else { self.groups.shard.reduce_scatter(&buf)? };
         for (i, p) in unit.plan.params.iter().enumerate() {
-            if !p.trainable {
-                continue;
-            }
-            for (a, b) in unit.grad[i].iter_mut().zip(&mine[p.grad_offset..p.grad_offset + p.chunk_len()]) {
+            let Some(at) = offsets[i] else { continue };
+            for (a, b) in unit.grad[i].iter_mut().zip(&mine[at..at + p.chunk_len()]) {
                 *a += *b;
             }
         }

@@ -18,6 +18,7 @@ use candle_core::{DType, Device, Tensor, Var, D};
 use models::{Packing, StageContext, StagedModel};
 
 mod collectives;
+mod grads;
 mod reshard;
 mod state;
 mod step;
@@ -388,7 +389,7 @@ impl FsdpEngine {
         let (b, t) = input_ids.dims2()?;
         let n = self.model.num_stages();
         let mut x = input_ids.clone();
-        let ctx = StageContext { packing: packing.cloned(), row_seeds: None, targets: None };
+        let ctx = StageContext { packing: packing.cloned(), ..Default::default() };
         for s in 0..n {
             self.ensure_gathered(s)?;
             x = self.model.forward_stage(s, &self.stage_params(s, false), &x, &ctx)?;
@@ -415,11 +416,13 @@ impl FsdpEngine {
     pub fn forward_backward(&mut self, input_ids: &Tensor, labels: &[i64], global_tokens: f64, ctx: &StageContext) -> Result<f64> {
         let (b, t) = input_ids.dims2()?;
         // On the CPU in f32 the model's last stage takes the next-token targets and returns
-        // per-position losses, its head and loss fused (no (positions, vocab) logits).
+        // per-position losses, its head and loss fused (no (positions, vocab) logits), and the
+        // embedding and head hand their weight gradients to a sink, not to candle's store.
+        let weight_grads = models::weight_grads::WeightGrads::new();
         let with_targets;
         let ctx = if self.device.is_cpu() && self.compute_dtype() == DType::F32 {
             let targets: Vec<i64> = (0..b * t).map(|i| if i % t == t - 1 { -100 } else { labels[i + 1] }).collect();
-            with_targets = StageContext { targets: Some(targets.into()), ..ctx.clone() };
+            with_targets = StageContext { targets: Some(targets.into()), weight_grads: Some(weight_grads.clone()), ..ctx.clone() };
             &with_targets
         } else {
             ctx
@@ -497,46 +500,13 @@ impl FsdpEngine {
                 Some(v) => Some(grads.remove(v.as_tensor()).context("no gradient reached a stage input")?),
                 None => None,
             };
-            for (name, param) in &params {
-                if !param.is_variable() {
-                    continue;
-                }
-                let Some(g) = grads.remove(param) else { continue };
-                let g = &g;
-                let u = *self.stage_units[s]
-                    .iter()
-                    .find(|&&u| self.units[u].plan.params.iter().any(|p| &p.spec.name == name))
-                    .expect("parameter has a unit");
-                if self.state_on_device {
-                    // Summed on the device (a tied weight gets two contributions).
-                    let g = g.to_dtype(DType::F32)?.flatten_all()?;
-                    let slot = self.units[u].dev_full_grads.entry(name.clone());
-                    match slot {
-                        std::collections::hash_map::Entry::Occupied(mut e) => {
-                            let sum = (e.get() + &g)?;
-                            e.insert(sum);
-                        }
-                        std::collections::hash_map::Entry::Vacant(e) => {
-                            e.insert(g);
-                        }
-                    }
-                    continue;
-                }
-                let shards = self.groups.shard.world_size();
-                let unit = &mut self.units[u];
-                let p = unit.plan.params.iter().find(|p| &p.spec.name == name).unwrap();
-                let packed = unit.full_grad.get_or_insert_with(|| vec![0.0; unit.plan.grad_chunk_len * shards]);
-                with_f32_slice(g, |g| {
-                    // Rank k's rows of this parameter go to rank k's segment of the packed buffer.
-                    for k in 0..shards {
-                        let lo = (k * p.chunk_len()).min(g.len());
-                        let hi = ((k + 1) * p.chunk_len()).min(g.len());
-                        let dst = &mut packed[k * unit.plan.grad_chunk_len + p.grad_offset..][..hi - lo];
-                        for (a, b) in dst.iter_mut().zip(&g[lo..hi]) {
-                            *a += *b;
-                        }
-                    }
-                })?;
+            if self.state_on_device {
+                self.take_stage_grads_device(s, &params, &mut grads, &weight_grads)?;
+            } else {
+                self.take_stage_grads_host(s, &params, &mut grads, &weight_grads)?;
+            }
+            if let Some(name) = weight_grads.names().first() {
+                bail!("stage {s} left a gradient for {name}, which it does not read");
             }
             upstream = upstream_grad;
             drop(grads);

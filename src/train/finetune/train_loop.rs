@@ -106,7 +106,7 @@ fn train_step(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneCon
         // number of ranks, and in an activation-checkpointing recompute.
         let first = (a * world + rank) * cfg.batch_size;
         let row_seeds = (first..first + mb.len()).map(|i| dropout_seed(cfg.seed, step, i)).collect();
-        let ctx = StageContext { packing: batch.packing, row_seeds: Some(row_seeds), targets: None };
+        let ctx = StageContext { packing: batch.packing, row_seeds: Some(row_seeds), ..Default::default() };
         local_loss += engine.forward_backward(&input, &batch.labels, global_targets, &ctx)?;
     }
     let loss = all_reduce_scalar(groups.world.as_ref(), local_loss)? / global_targets;
