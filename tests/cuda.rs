@@ -20,6 +20,8 @@ use common::*;
 use fsdp_app::checkpoint::{load_model, resolve_model};
 use fsdp_app::dist::local::LocalGroup;
 use fsdp_app::fsdp::engine::{FsdpEngine, FsdpOptions, ProcessGroups};
+use fsdp_app::train::loss::{next_token_targets, summed_token_loss};
+use models::StageContext;
 use fsdp_app::fsdp::optim::AdamWConfig;
 use fsdp_app::fsdp::plan::{plan_units, ShardingStrategy, WrapPolicy};
 use fsdp_app::train::finetune::run_local;
@@ -72,7 +74,7 @@ fn engine_for(dir: &Path, device: &Device, param_dtype: DType, ac: bool) -> Fsdp
     let g = |_: ()| -> Arc<dyn fsdp_app::dist::Collective> { Arc::new(LocalGroup::create(1, Duration::from_secs(10)).pop().unwrap()) };
     let groups = ProcessGroups { world: g(()), shard: g(()), replicate: g(()) };
     let opts = FsdpOptions { strategy: ShardingStrategy::FullShard, activation_checkpointing: ac, param_dtype, reduce_dtype: DType::F32 };
-    let mut engine = FsdpEngine::new(staged, plan, groups, opts, AdamWConfig::default(), false).unwrap().with_device(device.clone());
+    let mut engine = FsdpEngine::new(staged, plan, groups, opts, AdamWConfig::default(), false).unwrap().with_device(device.clone(), true).unwrap();
     let mut stored = HashMap::new();
     for p in &files.weights {
         for (k, t) in candle_core::safetensors::load(p, &Device::Cpu).unwrap() {
@@ -97,7 +99,8 @@ fn gradients_on_cuda_match_cpu() {
         let grads = |device: &Device, dtype: DType, ac: bool| {
             let mut engine = engine_for(&dir, device, dtype, ac);
             let input = Tensor::from_vec(ids.clone(), (4, 16), device).unwrap();
-            let loss = engine.forward_backward(&input, &labels, targets, &Default::default()).unwrap();
+            let ctx = StageContext { targets: Some(next_token_targets(&labels, 4, 16)), ..Default::default() };
+            let loss = engine.forward_backward(&input, &ctx, &summed_token_loss, 1.0 / targets).unwrap();
             (loss, engine.grad_chunks())
         };
         let (cpu_loss, cpu) = grads(&Device::Cpu, DType::F32, false);

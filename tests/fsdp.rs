@@ -16,6 +16,8 @@ use fsdp_app::fsdp::engine::{FsdpEngine, FsdpOptions, ProcessGroups};
 use fsdp_app::fsdp::optim::AdamWConfig;
 use fsdp_app::fsdp::plan::{plan_units, ShardingStrategy, WrapPolicy};
 use fsdp_app::train::finetune::{run_local, FinetuneConfig, RunSummary};
+use fsdp_app::train::loss::{next_token_targets, summed_token_loss};
+use models::StageContext;
 
 fn training_data() -> PathBuf {
     reference_dir().join("train-data.jsonl")
@@ -201,7 +203,8 @@ fn one_step_gradients_match_pytorch_and_reach_every_parameter() {
         for ac in [false, true] {
             let mut engine = engine_for(&dir, ac);
             let input = Tensor::from_vec(ids.clone(), (4, 16), &Device::Cpu).unwrap();
-            engine.forward_backward(&input, &labels, targets as f64, &Default::default()).unwrap();
+            let ctx = StageContext { targets: Some(next_token_targets(&labels, 4, 16)), ..Default::default() };
+            engine.forward_backward(&input, &ctx, &summed_token_loss, 1.0 / targets as f64).unwrap();
             let grads = engine.grad_chunks();
             let mut checked = 0;
             for (k, g) in &grads {
@@ -389,7 +392,8 @@ fn packed_documents_do_not_see_each_other() {
             let mut labels: Vec<i64> = d.iter().map(|&x| x as i64).collect();
             ids.resize(16, 2);
             labels.resize(16, -100);
-            unpacked += engine.forward_loss(&Tensor::from_vec(ids, (1, 16), &Device::Cpu).unwrap(), &labels, None).unwrap();
+            let ctx = StageContext { targets: Some(next_token_targets(&labels, 1, 16)), ..Default::default() };
+            unpacked += engine.forward_loss(&Tensor::from_vec(ids, (1, 16), &Device::Cpu).unwrap(), &ctx, &summed_token_loss).unwrap();
         }
         let mut ids = vec![];
         let mut labels = vec![];
@@ -404,7 +408,8 @@ fn packed_documents_do_not_see_each_other() {
             }
         }
         let packing = models::Packing { positions, segments };
-        let packed = engine.forward_loss(&Tensor::from_vec(ids, (1, 16), &Device::Cpu).unwrap(), &labels, Some(&packing)).unwrap();
+        let ctx = StageContext { packing: Some(packing), targets: Some(next_token_targets(&labels, 1, 16)), ..Default::default() };
+        let packed = engine.forward_loss(&Tensor::from_vec(ids, (1, 16), &Device::Cpu).unwrap(), &ctx, &summed_token_loss).unwrap();
         assert!((packed - unpacked).abs() / unpacked < 1e-5, "{name}: packed {packed} vs unpacked {unpacked}");
     }
     // And a packed run trains, reporting its packing efficiency.

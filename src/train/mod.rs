@@ -1,5 +1,5 @@
-//! Training: row shapes (`formats`), samples and loss masks (`data`), and the fine-tuning loop
-//! (`finetune`).
+//! Training: row shapes (`formats`), samples and loss masks (`data`), the objective (`loss`),
+//! and the fine-tuning loop (`finetune`).
 
 pub mod accelerate_config;
 pub mod config_file;
@@ -7,4 +7,5 @@ pub mod data;
 pub mod estimate;
 pub mod finetune;
 pub mod formats;
+pub mod loss;
 pub mod report;

@@ -3,27 +3,27 @@
 //! at its input), gradients reduce-scattered per unit as soon as the unit's last stage is done,
 //! then clipping and AdamW on the chunks.
 //!
-//! The state lives in one of two places: host vectors (CPU runs, and `--cpu-offload` on a GPU;
-//! the collectives take slices and AdamW is a loop) or device tensors (GPU runs; the collectives
-//! take tensors and AdamW is tensor operations). The two paths compute the same numbers; a test
-//! runs both on CPU.
-//!
-//! The engine drives any [`StagedModel`]; it never names an architecture.
+//! Where each unit's state lives (host vectors or device tensors) is one storage abstraction
+//! with two implementations (`shards`, `host`, `device`); the engine drives it without asking
+//! which. The engine drives any [`StagedModel`] and takes the loss from the caller: it never
+//! names an architecture or a loss.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor, Var, D};
-use models::{Packing, StageContext, StagedModel};
+use candle_core::{DType, Device, Tensor, Var};
+use models::{StageContext, StagedModel};
 
-mod collectives;
-mod grads;
+mod device;
+mod host;
 mod reshard;
+mod shards;
 mod state;
 mod step;
 
-use super::optim::{adamw_step, adamw_step_tensors, clip_coefficient, AdamWConfig, AdamWState, AdamWTensors};
+use self::shards::{UnitCtx, UnitShards};
+use super::optim::{clip_coefficient, AdamWConfig};
 use super::plan::{ShardingStrategy, UnitPlan};
 pub use crate::dist::ProcessGroups;
 
@@ -63,39 +63,16 @@ impl StatePart {
 
 struct UnitState {
     plan: UnitPlan,
-    /// This rank's fp32 chunk of each parameter (padded rows included).
-    master: Vec<Vec<f32>>,
-    /// Accumulated, already reduced gradient chunks (empty for frozen parameters).
-    grad: Vec<Vec<f32>>,
-    /// AdamW moments (empty for frozen parameters).
-    adam: Vec<AdamWState>,
+    /// This rank's share of the unit's state, where it lives.
+    shards: Box<dyn UnitShards>,
+    /// With device state: its host copy, made by `sync_host` for checkpoints and inspection.
+    host_copy: Option<host::HostShards>,
     /// Full parameters while gathered; the trainable ones are variables (`Var`), so that a
     /// forward over them builds the graph backward needs.
     gathered: Option<HashMap<String, Tensor>>,
     /// The gathered tensors' bytes were freed in place (FULL_SHARD between a unit's forward
     /// and its backward, see `reshard`); they are refilled before the unit runs again.
     freed: bool,
-    /// Full-size gradients of the trainable parameters collected during backward, until
-    /// reduce-scatter, already in the rank-major layout reduce-scatter takes (rank k's chunks of
-    /// every trainable parameter, in order).
-    full_grad: Option<Vec<f32>>,
-    /// The same state on the compute device (see [`DeviceState`]); `None` until first used,
-    /// and again after `load_unit_part` replaced the host copy.
-    dev: Option<DeviceState>,
-    /// With device state: full-size f32 gradients by parameter name until reduce-scatter.
-    dev_full_grads: HashMap<String, Tensor>,
-}
-
-/// A unit's fp32 state as tensors on the compute device, one per parameter chunk (padded rows
-/// included): what GPUs train from, so that a step moves only collectives' data. The host
-/// vectors of [`UnitState`] are emptied on upload (no second copy in host memory) and refilled
-/// by [`FsdpEngine::sync_host`] when the state is saved or inspected.
-struct DeviceState {
-    master: Vec<Tensor>,
-    /// Reduced gradient, exp_avg and exp_avg_sq of each trainable chunk (`None` when frozen).
-    grad: Vec<Option<Tensor>>,
-    exp_avg: Vec<Option<Tensor>>,
-    exp_avg_sq: Vec<Option<Tensor>>,
 }
 
 /// Bytes a rank's buffers hold for the training state (fp32 each).
@@ -129,6 +106,10 @@ enum GatherFor {
     Export,
 }
 
+/// Turns the last stage's output into a micro-batch's loss (a scalar), as the trainer defines
+/// it: the engine knows no loss.
+pub type LossFn<'a> = &'a dyn Fn(&Tensor) -> candle_core::Result<Tensor>;
+
 /// What one optimizer step did.
 #[derive(Debug, Clone, Copy)]
 pub struct StepStats {
@@ -147,33 +128,17 @@ pub struct FsdpEngine {
     adam: AdamWConfig,
     /// Parameters that get weight decay.
     decay: HashMap<String, bool>,
-    /// Master weights, gradients and moments live on `device` (GPUs) instead of in host vectors.
-    state_on_device: bool,
-    /// The device state changed since the host mirror was last refreshed.
+    /// The state changed since `sync_host` last copied device state to the host.
     host_stale: bool,
     pub step: u64,
 }
 
-/// Runs `f` on a contiguous f32 CPU tensor's values without copying them (copying otherwise).
-fn with_f32_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
-    {
-        let (storage, layout) = t.storage_and_layout();
-        if let (candle_core::Storage::Cpu(cpu), Some((a, b))) = (&*storage, layout.contiguous_offsets()) {
-            if let Ok(values) = cpu.as_slice::<f32>() {
-                return Ok(f(&values[a..b]));
-            }
-        }
-    }
-    Ok(f(&t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?))
-}
-
-/// Rounds values through `dtype` (what sending them in that dtype does to them).
-fn round_through(v: &mut [f32], dtype: DType) {
-    match dtype {
-        DType::BF16 => v.iter_mut().for_each(|x| *x = half::bf16::from_f32(*x).to_f32()),
-        DType::F16 => v.iter_mut().for_each(|x| *x = half::f16::from_f32(*x).to_f32()),
-        _ => {}
-    }
+/// What unit storage needs to act, from the engine's disjoint fields (so that a unit's storage
+/// can be borrowed mutably beside it).
+fn unit_ctx<'a>(plan: &'a UnitPlan, groups: &'a ProcessGroups, opts: &'a FsdpOptions, device: &'a Device) -> UnitCtx<'a> {
+    // On the CPU compute stays f32, where bf16 matmuls are slower and no more accurate.
+    let compute_dtype = if device.is_cpu() { DType::F32 } else { opts.param_dtype };
+    UnitCtx { plan, shard: groups.shard.as_ref(), opts, device, compute_dtype }
 }
 
 impl FsdpEngine {
@@ -201,20 +166,9 @@ impl FsdpEngine {
             .flat_map(|u| u.params.iter())
             .map(|p| (p.spec.name.clone(), weight_decay_all || p.spec.shape.len() >= 2))
             .collect();
-        let trained_len = |p: &crate::fsdp::plan::ParamLayout| if p.trainable { p.chunk_len() } else { 0 };
         let units = plan
             .into_iter()
-            .map(|plan| UnitState {
-                master: plan.params.iter().map(|p| vec![0.0; p.chunk_len()]).collect(),
-                grad: plan.params.iter().map(|p| vec![0.0; trained_len(p)]).collect(),
-                adam: plan.params.iter().map(|p| AdamWState::new(trained_len(p))).collect(),
-                plan,
-                gathered: None,
-                freed: false,
-                full_grad: None,
-                dev: None,
-                dev_full_grads: HashMap::new(),
-            })
+            .map(|plan| UnitState { shards: Box::new(host::HostShards::zeros(&plan)), plan, host_copy: None, gathered: None, freed: false })
             .collect();
         Ok(Self {
             model,
@@ -225,41 +179,40 @@ impl FsdpEngine {
             device: Device::Cpu,
             adam,
             decay,
-            state_on_device: false,
             host_stale: false,
             step: 0,
         })
     }
 
-    /// Runs the units on `device` (default: CPU). On a GPU the fp32 master chunks, gradients
-    /// and AdamW moments move there too (see `with_cpu_offload`).
-    pub fn with_device(mut self, device: Device) -> Self {
-        self.state_on_device = !device.is_cpu();
+    /// Runs the units on `device` (default: CPU), with the fp32 master chunks, gradients and
+    /// AdamW moments as tensors on it (`state_on_device`, what GPUs train from; on the CPU this
+    /// runs the GPU's code path, for tests) or in host vectors (CPU runs, and `--cpu-offload`
+    /// on a GPU as FSDP2's `CPUOffloadPolicy`: a unit's parameters go to the device when
+    /// gathered, its gradients come back when reduce-scattered, AdamW runs on the CPU).
+    pub fn with_device(mut self, device: Device, state_on_device: bool) -> Result<Self> {
         self.device = device;
-        self
+        self.place_state(state_on_device)?;
+        Ok(self)
     }
 
-    /// `true`: keep master chunks, gradients and moments in host memory, as FSDP2's
-    /// `CPUOffloadPolicy` does (a unit's parameters go to the device when gathered, its
-    /// gradients come back when reduce-scattered, AdamW runs on the CPU). `false`: keep them on
-    /// the device, as tensors (on CPU this runs the GPU's code path, for tests).
-    pub fn with_cpu_offload(mut self, offload: bool) -> Self {
-        self.state_on_device = !offload;
-        self
+    /// Moves every unit's state to device tensors or to host vectors.
+    fn place_state(&mut self, on_device: bool) -> Result<()> {
+        for unit in &mut self.units {
+            let cx = unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device);
+            match (on_device, unit.shards.as_host()) {
+                (true, Some(host)) => unit.shards = Box::new(device::DeviceShards::upload(host, &cx)?),
+                (false, None) => unit.shards = Box::new(unit.shards.to_host(&cx)?),
+                _ => {}
+            }
+            unit.host_copy = None;
+        }
+        self.host_stale = true;
+        Ok(())
     }
 
 
     pub fn device(&self) -> &Device {
         &self.device
-    }
-
-    /// dtype the units compute in: `param_dtype` on a GPU, f32 on CPU.
-    fn compute_dtype(&self) -> DType {
-        if self.device.is_cpu() {
-            DType::F32
-        } else {
-            self.opts.param_dtype
-        }
     }
 
     pub fn units(&self) -> impl Iterator<Item = &UnitPlan> {
@@ -275,11 +228,10 @@ impl FsdpEngine {
     fn ensure_gathered(&mut self, s: usize) -> Result<()> {
         for &u in &self.stage_units[s].clone() {
             if self.units[u].gathered.is_none() {
-                if self.state_on_device {
-                    self.ensure_device_state(u)?;
-                }
-                let vars = self.gather(u, GatherFor::Compute)?;
-                self.units[u].gathered = Some(vars);
+                let unit = &self.units[u];
+                let tensors = unit.shards.gather(&unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device), GatherFor::Compute)?;
+                let named = unit.plan.params.iter().map(|p| p.spec.name.clone()).zip(tensors).collect();
+                self.units[u].gathered = Some(named);
             } else if self.units[u].freed {
                 self.refill(u)?;
             }
@@ -309,7 +261,8 @@ impl FsdpEngine {
 
     /// Refills unit `u`'s freed tensors in place from a new all-gather.
     fn refill(&mut self, u: usize) -> Result<()> {
-        let values = self.gather_full_values(u)?;
+        let unit = &self.units[u];
+        let values = unit.shards.gather_values(&unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device))?;
         let unit = &mut self.units[u];
         let params = unit.gathered.as_ref().expect("a freed unit keeps its tensors");
         for (p, v) in unit.plan.params.iter().zip(values) {
@@ -346,53 +299,14 @@ impl FsdpEngine {
         out
     }
 
-    /// Sum of token losses of one micro-batch, labels already aligned with inputs (the shift
-    /// happens here, as in transformers); -100 is ignored.
-    fn loss_sum(logits: &Tensor, labels: &[i64], b: usize, t: usize) -> Result<Tensor> {
-        // Per-position losses: the model ran its head and the loss together (targets given).
-        if logits.rank() == 1 {
-            return Ok(logits.sum_all()?);
-        }
-        let v = logits.dim(D::Minus1)?;
-        if models::fused::applies(logits) {
-            // Every position, the last of each row ignored: no copy of the logits, and no
-            // (rows, vocab) log-probabilities kept for backward.
-            let targets: Vec<i64> = (0..b * t).map(|i| if i % t == t - 1 { -100 } else { labels[i + 1] }).collect();
-            return Ok(models::fused::cross_entropy_rows(&logits.reshape((b * t, v))?, &targets)?.sum_all()?);
-        }
-        // In f32 whatever the compute dtype, as transformers' loss upcasts the logits.
-        let logits = logits.narrow(1, 0, t - 1)?.reshape((b * (t - 1), v))?.to_dtype(DType::F32)?;
-        let mut targets = Vec::with_capacity(b * (t - 1));
-        let mut mask = Vec::with_capacity(b * (t - 1));
-        for row in 0..b {
-            for j in 1..t {
-                let l = labels[row * t + j];
-                let valid = l >= 0;
-                if valid && l as usize >= v {
-                    bail!("label {l} is outside the vocabulary ({v})");
-                }
-                targets.push(if valid { l as u32 } else { 0 });
-                mask.push(if valid { 1f32 } else { 0.0 });
-            }
-        }
-        let n = targets.len();
-        let targets = Tensor::from_vec(targets, (n, 1), logits.device())?;
-        let mask = Tensor::from_vec(mask, n, logits.device())?;
-        let log_probs = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
-        let picked = log_probs.gather(&targets, 1)?.squeeze(1)?;
-        Ok((picked * mask)?.sum_all()?.neg()?)
-    }
-
     /// Forward only (evaluation): the summed token loss of one micro-batch. Units are gathered
     /// and freed as in training; no graph is built and no gradient is touched.
-    pub fn forward_loss(&mut self, input_ids: &Tensor, labels: &[i64], packing: Option<&Packing>) -> Result<f64> {
-        let (b, t) = input_ids.dims2()?;
+    pub fn forward_loss(&mut self, input_ids: &Tensor, ctx: &StageContext, loss: LossFn) -> Result<f64> {
         let n = self.model.num_stages();
         let mut x = input_ids.clone();
-        let ctx = StageContext { packing: packing.cloned(), ..Default::default() };
         for s in 0..n {
             self.ensure_gathered(s)?;
-            x = self.model.forward_stage(s, &self.stage_params(s, false), &x, &ctx)?;
+            x = self.model.forward_stage(s, &self.stage_params(s, false), &x, ctx)?;
             // No graph: a unit no later stage reads can go now.
             for u in self.stage_units[s].clone() {
                 if self.units[u].plan.last_stage == s && self.opts.strategy.reshard_after_forward() {
@@ -406,27 +320,19 @@ impl FsdpEngine {
         for u in &mut self.units {
             (u.gathered, u.freed) = (None, false);
         }
-        Ok(Self::loss_sum(&x, labels, b, t)?.to_scalar::<f32>()? as f64)
+        Ok(loss(&x)?.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64)
     }
 
-    /// Forward and backward of one micro-batch. Gradients are scaled by `1 / global_tokens`
-    /// (the target-token count of the whole step, over all ranks and micro-batches) and end up
-    /// reduced into the gradient chunks. `ctx` carries packing and the per-row dropout seeds.
-    /// Returns this micro-batch's summed token loss.
-    pub fn forward_backward(&mut self, input_ids: &Tensor, labels: &[i64], global_tokens: f64, ctx: &StageContext) -> Result<f64> {
-        let (b, t) = input_ids.dims2()?;
-        // On the CPU in f32 the model's last stage takes the next-token targets and returns
-        // per-position losses, its head and loss fused (no (positions, vocab) logits), and the
-        // embedding and head hand their weight gradients to a sink, not to candle's store.
+    /// Forward and backward of one micro-batch: `loss` turns the last stage's output into the
+    /// micro-batch's loss, whose gradients, times `grad_scale`, end up reduced into the gradient
+    /// chunks (the trainer passes 1 / the step's target tokens over all ranks and
+    /// micro-batches). `ctx` carries what the model's stages take (packing, dropout seeds,
+    /// targets). Returns the value of `loss`.
+    pub fn forward_backward(&mut self, input_ids: &Tensor, ctx: &StageContext, loss: LossFn, grad_scale: f64) -> Result<f64> {
+        // Ops that can (the embedding and the fused head, on the CPU) hand their weight
+        // gradients to this sink instead of candle's gradient store.
         let weight_grads = models::weight_grads::WeightGrads::new();
-        let with_targets;
-        let ctx = if self.device.is_cpu() && self.compute_dtype() == DType::F32 {
-            let targets: Vec<i64> = (0..b * t).map(|i| if i % t == t - 1 { -100 } else { labels[i + 1] }).collect();
-            with_targets = StageContext { targets: Some(targets.into()), weight_grads: Some(weight_grads.clone()), ..ctx.clone() };
-            &with_targets
-        } else {
-            ctx
-        };
+        let ctx = &StageContext { weight_grads: Some(weight_grads.clone()), ..ctx.clone() };
         let n = self.model.num_stages();
         let ac = self.opts.activation_checkpointing;
         let mut inputs: Vec<Tensor> = Vec::with_capacity(n);
@@ -483,9 +389,9 @@ impl FsdpEngine {
                 saved[s].take().expect("saved stage")
             };
             let objective = if s == n - 1 {
-                let ls = Self::loss_sum(&out, labels, b, t)?;
-                loss_sum = ls.to_scalar::<f32>()? as f64;
-                (ls / global_tokens)?
+                let l = loss(&out)?;
+                loss_sum = l.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
+                (l * grad_scale)?
             } else {
                 let g = upstream.take().context("missing upstream gradient")?;
                 (&out * g)?.sum_all()?
@@ -500,11 +406,7 @@ impl FsdpEngine {
                 Some(v) => Some(grads.remove(v.as_tensor()).context("no gradient reached a stage input")?),
                 None => None,
             };
-            if self.state_on_device {
-                self.take_stage_grads_device(s, &params, &mut grads, &weight_grads)?;
-            } else {
-                self.take_stage_grads_host(s, &params, &mut grads, &weight_grads)?;
-            }
+            self.take_stage_grads(s, &params, &mut grads, &weight_grads)?;
             if let Some(name) = weight_grads.names().first() {
                 bail!("stage {s} left a gradient for {name}, which it does not read");
             }
@@ -521,8 +423,10 @@ impl FsdpEngine {
     fn finish_units_after_backward(&mut self, s: usize) -> Result<()> {
         for u in self.stage_units[s].clone() {
             if self.units[u].plan.first_stage == s {
-                self.reduce_scatter_unit(u)?;
-                (self.units[u].gathered, self.units[u].freed) = (None, false);
+                let unit = &mut self.units[u];
+                unit.shards.reduce_scatter(&unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device))?;
+                (unit.gathered, unit.freed) = (None, false);
+                self.host_stale = true;
             } else if self.opts.strategy.reshard_after_forward() && !self.stage_units[s - 1].contains(&u) {
                 self.reshard(u)?;
             }
@@ -530,4 +434,20 @@ impl FsdpEngine {
         Ok(())
     }
 
+    /// Hands stage `s`'s weight gradients to the units' storage, in plan order (the same on
+    /// every rank: some storage reduce-scatters as it takes them), each taken from the stage's
+    /// weight-gradient sink where the model's op put it, else from candle's gradient store,
+    /// and dropped once handed over.
+    fn take_stage_grads(&mut self, s: usize, params: &HashMap<String, Tensor>, grads: &mut candle_core::backprop::GradStore, sink: &models::weight_grads::WeightGrads) -> Result<()> {
+        for u in self.stage_units[s].clone() {
+            let unit = &mut self.units[u];
+            let cx = unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device);
+            for (i, p) in unit.plan.params.iter().enumerate() {
+                let Some(param) = params.get(&p.spec.name).filter(|t| t.is_variable()) else { continue };
+                let g = sink.take(&p.spec.name).or_else(|| grads.remove(param));
+                unit.shards.add_grad(&cx, i, g)?;
+            }
+        }
+        Ok(())
+    }
 }

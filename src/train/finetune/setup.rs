@@ -32,11 +32,9 @@ pub(super) fn build_engine(groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &
         Some(d) => d,
         None => cfg.device.open(crate::dist::env::DistEnv::from_env()?.map(|e| e.local_rank).unwrap_or(groups.world.rank()))?,
     };
-    let mut engine = FsdpEngine::new(boot.staged.clone(), boot.plan.clone(), groups.clone(), opts, adam, cfg.weight_decay_all)?.with_device(device);
-    if let Some(offload) = cfg.cpu_offload {
-        engine = engine.with_cpu_offload(offload);
-    }
-    Ok(engine)
+    // The state lives on a GPU unless `--cpu-offload` (or a test) says otherwise.
+    let state_on_device = cfg.cpu_offload.map(|offload| !offload).unwrap_or(!device.is_cpu());
+    FsdpEngine::new(boot.staged.clone(), boot.plan.clone(), groups.clone(), opts, adam, cfg.weight_decay_all)?.with_device(device, state_on_device)
 }
 
 /// Fills the engine from `--resume-from-checkpoint` or from the model's weights, then reports

@@ -18,6 +18,7 @@ use crate::dist::{all_reduce_scalar, ProcessGroups};
 use crate::fsdp::engine::FsdpEngine;
 use crate::fsdp::optim::lr_multiplier;
 use crate::train::data::{collate, epoch_order, Sample};
+use crate::train::loss::{next_token_targets, summed_token_loss};
 
 /// Losses and gradient norms of the steps this process ran.
 #[derive(Default)]
@@ -106,8 +107,9 @@ fn train_step(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneCon
         // number of ranks, and in an activation-checkpointing recompute.
         let first = (a * world + rank) * cfg.batch_size;
         let row_seeds = (first..first + mb.len()).map(|i| dropout_seed(cfg.seed, step, i)).collect();
-        let ctx = StageContext { packing: batch.packing, row_seeds: Some(row_seeds), ..Default::default() };
-        local_loss += engine.forward_backward(&input, &batch.labels, global_targets, &ctx)?;
+        let targets = next_token_targets(&batch.labels, batch.rows, batch.width);
+        let ctx = StageContext { packing: batch.packing, row_seeds: Some(row_seeds), targets: Some(targets), ..Default::default() };
+        local_loss += engine.forward_backward(&input, &ctx, &summed_token_loss, 1.0 / global_targets)?;
     }
     let loss = all_reduce_scalar(groups.world.as_ref(), local_loss)? / global_targets;
     let stats = engine.optimizer_step(lr, cfg.max_grad_norm)?;
@@ -177,7 +179,8 @@ fn evaluate(engine: &mut FsdpEngine, groups: &ProcessGroups, samples: &[Sample],
         let refs: Vec<&Sample> = mb.iter().collect();
         let batch = collate(&refs);
         let input = Tensor::from_vec(batch.input_ids, (batch.rows, batch.width), engine.device())?;
-        loss += engine.forward_loss(&input, &batch.labels, batch.packing.as_ref())?;
+        let ctx = StageContext { packing: batch.packing, targets: Some(next_token_targets(&batch.labels, batch.rows, batch.width)), ..Default::default() };
+        loss += engine.forward_loss(&input, &ctx, &summed_token_loss)?;
         tokens += mb.iter().map(Sample::target_tokens).sum::<usize>() as f64;
     }
     let mut sums = [loss, tokens];

@@ -1,0 +1,195 @@
+//! A unit's state as tensors on the compute device, one per parameter chunk (padded rows
+//! included): what GPUs train from, so that a step moves only collectives' data (see `shards`).
+
+use candle_core::{DType, Tensor, Var};
+
+use super::host::HostShards;
+use super::shards::{AdamWStep, UnitCtx, UnitShards};
+use super::{GatherFor, StateBytes, StatePart};
+use crate::dist::Collective;
+use crate::fsdp::optim::{adamw_step_tensors, AdamWState, AdamWTensors};
+
+pub(super) struct DeviceShards {
+    master: Vec<Tensor>,
+    /// Reduced gradient, exp_avg and exp_avg_sq of each trainable chunk (`None` when frozen).
+    grad: Vec<Option<Tensor>>,
+    exp_avg: Vec<Option<Tensor>>,
+    exp_avg_sq: Vec<Option<Tensor>>,
+    /// Full-size f32 gradients collected during backward, until reduce-scatter (summed when a
+    /// tied weight gets two contributions).
+    full_grads: Vec<Option<Tensor>>,
+}
+
+impl DeviceShards {
+    /// Uploads host state to `cx.device`.
+    pub fn upload(host: &HostShards, cx: &UnitCtx) -> anyhow::Result<Self> {
+        let upload = |v: &[f32]| Tensor::from_slice(v, v.len(), cx.device);
+        let mut s = Self { master: vec![], grad: vec![], exp_avg: vec![], exp_avg_sq: vec![], full_grads: vec![] };
+        for (i, p) in cx.plan.params.iter().enumerate() {
+            s.master.push(upload(&host.master[i])?);
+            let trained = |v: &[f32]| -> candle_core::Result<Option<Tensor>> { if p.trainable { upload(v).map(Some) } else { Ok(None) } };
+            s.grad.push(trained(&host.grad[i])?);
+            s.exp_avg.push(trained(&host.adam[i].exp_avg)?);
+            s.exp_avg_sq.push(trained(&host.adam[i].exp_avg_sq)?);
+            s.full_grads.push(None);
+        }
+        Ok(s)
+    }
+}
+
+impl UnitShards for DeviceShards {
+    /// One all-gather of the unit's chunks on the device, the full parameters cut out of its
+    /// result there. For compute the chunks are cast to `param_dtype` before the all-gather,
+    /// as FSDP2 does: the same values as casting after it (the cast is elementwise), with half
+    /// the traffic and half the gathered buffer in bf16.
+    fn gather(&self, cx: &UnitCtx, purpose: GatherFor) -> anyhow::Result<Vec<Tensor>> {
+        let mut flat = Tensor::cat(&self.master, 0)?;
+        let round = purpose == GatherFor::Compute;
+        if round && cx.opts.param_dtype != DType::F32 {
+            flat = flat.to_dtype(cx.opts.param_dtype)?;
+        }
+        // Rank-major: row k is rank k's chunks of every parameter.
+        let all = cx.shard.all_gather_tensor(&flat)?.reshape((cx.shards(), cx.plan.chunk_len))?;
+        let dtype = if round { cx.compute_dtype } else { DType::F32 };
+        let mut out = Vec::with_capacity(cx.plan.params.len());
+        for p in &cx.plan.params {
+            let full = all.narrow(1, p.offset, p.chunk_len())?.flatten_all()?.narrow(0, 0, p.numel())?;
+            let t = full.reshape(p.spec.shape.as_slice())?.to_dtype(dtype)?;
+            // `Var::from_tensor` copies: the variable owns its buffer, not a view of `all`.
+            out.push(if p.trainable { Var::from_tensor(&t)?.as_tensor().clone() } else { t.contiguous()? });
+        }
+        Ok(out)
+    }
+
+    fn gather_values(&self, cx: &UnitCtx) -> anyhow::Result<Vec<Vec<f32>>> {
+        self.gather(cx, GatherFor::Compute)?.iter().map(|t| Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)).collect()
+    }
+
+    fn add_grad(&mut self, _: &UnitCtx, i: usize, grad: Option<Tensor>) -> anyhow::Result<()> {
+        let Some(g) = grad else { return Ok(()) };
+        let g = g.to_dtype(DType::F32)?.flatten_all()?;
+        self.full_grads[i] = Some(match self.full_grads[i].take() {
+            Some(prev) => (prev + g)?,
+            None => g,
+        });
+        Ok(())
+    }
+
+    /// The unit's full gradients packed rank-major on the device (zero rows for padding and
+    /// for parameters that got no gradient), one reduce-scatter, this rank's chunks added to
+    /// the gradient chunks.
+    fn reduce_scatter(&mut self, cx: &UnitCtx) -> anyhow::Result<()> {
+        if self.full_grads.iter().all(Option::is_none) {
+            return Ok(());
+        }
+        let shards = cx.shards();
+        let mut columns = vec![];
+        for (i, p) in cx.plan.params.iter().enumerate() {
+            if !p.trainable {
+                continue;
+            }
+            let padded = shards * p.chunk_len();
+            let col = match self.full_grads[i].take() {
+                Some(g) if padded > p.numel() => Tensor::cat(&[g, Tensor::zeros(padded - p.numel(), DType::F32, cx.device)?], 0)?,
+                Some(g) => g,
+                None => Tensor::zeros(padded, DType::F32, cx.device)?,
+            };
+            columns.push(col.reshape((shards, p.chunk_len()))?);
+        }
+        let mut packed = Tensor::cat(&columns, 1)?.flatten_all()?;
+        drop(columns);
+        if cx.opts.reduce_dtype != DType::F32 {
+            packed = packed.to_dtype(cx.opts.reduce_dtype)?.to_dtype(DType::F32)?;
+        }
+        let mine = cx.shard.reduce_scatter_tensor(&packed)?;
+        drop(packed);
+        for (i, p) in cx.plan.params.iter().enumerate() {
+            if let Some(g) = &mut self.grad[i] {
+                *g = (&*g + mine.narrow(0, p.grad_offset, p.chunk_len())?)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn all_reduce_grads(&mut self, replicate: &dyn Collective) -> anyhow::Result<()> {
+        let grads: Vec<Tensor> = self.grad.iter().flatten().cloned().collect();
+        if grads.is_empty() {
+            return Ok(());
+        }
+        let summed = replicate.all_reduce_tensor(&Tensor::cat(&grads, 0)?)?;
+        let mut off = 0;
+        for g in self.grad.iter_mut().flatten() {
+            let n = g.dim(0)?;
+            *g = summed.narrow(0, off, n)?.contiguous()?;
+            off += n;
+        }
+        Ok(())
+    }
+
+    fn grad_sq_sum(&self) -> anyhow::Result<f64> {
+        let mut sum = 0f64;
+        for g in self.grad.iter().flatten() {
+            sum += g.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+        }
+        Ok(sum)
+    }
+
+    /// The same arithmetic as the host loop, as tensor operations on the device.
+    fn adamw(&mut self, cx: &UnitCtx, step: &AdamWStep) -> anyhow::Result<()> {
+        for i in 0..cx.plan.params.len() {
+            let (Some(g), Some(m), Some(v)) = (&mut self.grad[i], &mut self.exp_avg[i], &mut self.exp_avg_sq[i]) else { continue };
+            let grad = match step.clip {
+                Some(c) => g.affine(c as f64, 0.0)?,
+                None => g.clone(),
+            };
+            let mut moments = AdamWTensors { exp_avg: m.clone(), exp_avg_sq: v.clone() };
+            self.master[i] = adamw_step_tensors(step.cfg, step.lr, step.weight_decay[i], step.step, &self.master[i], &grad, &mut moments)?;
+            (*m, *v) = (moments.exp_avg, moments.exp_avg_sq);
+            *g = g.zeros_like()?;
+        }
+        Ok(())
+    }
+
+    fn bytes(&self) -> StateBytes {
+        let sum = |v: &mut dyn Iterator<Item = &Tensor>| v.map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum::<usize>();
+        StateBytes {
+            params: sum(&mut self.master.iter()),
+            grads: sum(&mut self.grad.iter().flatten()),
+            optimizer: sum(&mut self.exp_avg.iter().chain(&self.exp_avg_sq).flatten()),
+        }
+    }
+
+    fn load_part(&mut self, cx: &UnitCtx, part: StatePart, chunks: &[f32]) -> anyhow::Result<()> {
+        let moments = part != StatePart::Master;
+        for (i, p) in cx.plan.params.iter().enumerate() {
+            if moments && !p.trainable {
+                continue;
+            }
+            let at = if moments { p.grad_offset } else { p.offset };
+            let t = Tensor::from_slice(&chunks[at..at + p.chunk_len()], p.chunk_len(), cx.device)?;
+            match part {
+                StatePart::Master => self.master[i] = t,
+                StatePart::ExpAvg => self.exp_avg[i] = Some(t),
+                StatePart::ExpAvgSq => self.exp_avg_sq[i] = Some(t),
+            }
+        }
+        Ok(())
+    }
+
+    fn to_host(&self, cx: &UnitCtx) -> anyhow::Result<HostShards> {
+        let host = |t: &Option<Tensor>| -> anyhow::Result<Vec<f32>> { Ok(match t { Some(t) => t.to_vec1::<f32>()?, None => vec![] }) };
+        let mut master = vec![];
+        let mut grad = vec![];
+        let mut adam = vec![];
+        for i in 0..cx.plan.params.len() {
+            master.push(self.master[i].to_vec1::<f32>()?);
+            grad.push(host(&self.grad[i])?);
+            adam.push(AdamWState { exp_avg: host(&self.exp_avg[i])?, exp_avg_sq: host(&self.exp_avg_sq[i])? });
+        }
+        Ok(HostShards::from_parts(master, grad, adam))
+    }
+
+    fn as_host(&self) -> Option<&HostShards> {
+        None
+    }
+}

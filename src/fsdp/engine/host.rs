@@ -1,0 +1,260 @@
+//! A unit's state in host vectors (see `shards`).
+//!
+//! A unit's parameters normally share one collective: their chunks are packed rank-major into
+//! one buffer (all-gather) and their full gradients likewise (reduce-scatter). For a parameter
+//! as large as a vocabulary-sized embedding or head that packing is a second full copy at the
+//! worst moment, so such a parameter is all-gathered straight into its own full buffer and its
+//! gradient reduce-scattered straight from the gradient tensor, in its own collective. Every
+//! rank takes the same decisions in the same (plan) order, so collectives stay matched.
+
+use candle_core::{DType, Tensor, Var};
+
+use super::shards::{round_through, with_f32_slice, AdamWStep, UnitCtx, UnitShards};
+use super::{GatherFor, StateBytes, StatePart};
+use crate::dist::Collective;
+use crate::fsdp::optim::{adamw_step, sum_of_squares, AdamWState};
+use crate::fsdp::plan::{ParamLayout, UnitPlan};
+
+/// Parameters with at least this many values (16 MiB in f32) travel alone.
+const LARGE_PARAM: usize = 1 << 22;
+
+pub(crate) struct HostShards {
+    /// This rank's fp32 chunk of each parameter (padded rows included).
+    pub master: Vec<Vec<f32>>,
+    /// Accumulated, already reduced gradient chunks (empty for frozen parameters).
+    pub grad: Vec<Vec<f32>>,
+    /// AdamW moments (empty for frozen parameters).
+    pub adam: Vec<AdamWState>,
+    /// Full-size gradients of the packed trainable parameters collected during backward, until
+    /// reduce-scatter, in the rank-major layout reduce-scatter takes.
+    packed_grad: Option<Vec<f32>>,
+}
+
+impl HostShards {
+    /// Zero state for `plan`.
+    pub fn zeros(plan: &UnitPlan) -> Self {
+        let trained = |p: &ParamLayout| if p.trainable { p.chunk_len() } else { 0 };
+        Self {
+            master: plan.params.iter().map(|p| vec![0.0; p.chunk_len()]).collect(),
+            grad: plan.params.iter().map(|p| vec![0.0; trained(p)]).collect(),
+            adam: plan.params.iter().map(|p| AdamWState::new(trained(p))).collect(),
+            packed_grad: None,
+        }
+    }
+
+    /// State from its parts (the device storage's copy back).
+    pub fn from_parts(master: Vec<Vec<f32>>, grad: Vec<Vec<f32>>, adam: Vec<AdamWState>) -> Self {
+        Self { master, grad, adam, packed_grad: None }
+    }
+}
+
+/// Whether `p` is gathered and reduce-scattered in its own collective: f32 gradients, and rows
+/// that divide evenly over the shards, so that the gradient tensor is already rank-major.
+fn travels_alone(cx: &UnitCtx, p: &ParamLayout) -> bool {
+    cx.opts.reduce_dtype == DType::F32 && p.numel() >= LARGE_PARAM && p.rows % cx.shards() == 0
+}
+
+/// Offsets of the packed parameters in a rank's segment of the packed buffer (`None` for those
+/// that travel alone, and with `grads` for frozen ones), and the segment's length.
+fn packed_layout(cx: &UnitCtx, grads: bool) -> (Vec<Option<usize>>, usize) {
+    let mut len = 0;
+    let offsets = cx
+        .plan
+        .params
+        .iter()
+        .map(|p| {
+            if travels_alone(cx, p) || (grads && !p.trainable) {
+                return None;
+            }
+            len += p.chunk_len();
+            Some(len - p.chunk_len())
+        })
+        .collect();
+    (offsets, len)
+}
+
+fn add_into(dst: &mut [f32], src: &[f32]) {
+    dst.iter_mut().zip(src).for_each(|(a, b)| *a += *b);
+}
+
+impl UnitShards for HostShards {
+    fn gather(&self, cx: &UnitCtx, purpose: GatherFor) -> anyhow::Result<Vec<Tensor>> {
+        let dtype = if purpose == GatherFor::Compute { cx.compute_dtype } else { DType::F32 };
+        let values = self.gather_for(cx, purpose)?;
+        let mut out = Vec::with_capacity(values.len());
+        for (p, full) in cx.plan.params.iter().zip(values) {
+            let shape = p.spec.shape.as_slice();
+            out.push(match (p.trainable, dtype) {
+                // Straight from the buffer (no copy) in the common f32 case.
+                (true, DType::F32) => Var::from_vec(full, shape, cx.device)?.as_tensor().clone(),
+                (true, dt) => Var::from_tensor(&Tensor::from_vec(full, shape, cx.device)?.to_dtype(dt)?)?.as_tensor().clone(),
+                (false, dt) => Tensor::from_vec(full, shape, cx.device)?.to_dtype(dt)?,
+            });
+        }
+        Ok(out)
+    }
+
+    fn gather_values(&self, cx: &UnitCtx) -> anyhow::Result<Vec<Vec<f32>>> {
+        self.gather_for(cx, GatherFor::Compute)
+    }
+
+    fn add_grad(&mut self, cx: &UnitCtx, i: usize, grad: Option<Tensor>) -> anyhow::Result<()> {
+        let p = &cx.plan.params[i];
+        let shards = cx.shards();
+        if travels_alone(cx, p) {
+            match &grad {
+                // One shard: the gradient is this rank's chunk.
+                Some(g) if shards == 1 => with_f32_slice(g, |g| add_into(&mut self.grad[i], g))?,
+                Some(g) => {
+                    let chunk = with_f32_slice(g, |g| cx.shard.reduce_scatter(g))??;
+                    add_into(&mut self.grad[i], &chunk);
+                }
+                // Every rank makes the collective, with zeros where no gradient came.
+                None if shards > 1 => {
+                    let chunk = cx.shard.reduce_scatter(&vec![0.0; p.chunk_len() * shards])?;
+                    add_into(&mut self.grad[i], &chunk);
+                }
+                None => {}
+            }
+            return Ok(());
+        }
+        let Some(g) = grad else { return Ok(()) };
+        let (offsets, seg) = packed_layout(cx, true);
+        let at = offsets[i].expect("a trainable packed parameter has an offset");
+        let chunk = p.chunk_len();
+        let packed = self.packed_grad.get_or_insert_with(|| vec![0.0; seg * shards]);
+        with_f32_slice(&g, |g| {
+            // Rank k's rows of this parameter go to rank k's segment of the packed buffer.
+            for k in 0..shards {
+                let lo = (k * chunk).min(g.len());
+                let hi = ((k + 1) * chunk).min(g.len());
+                add_into(&mut packed[k * seg + at..][..hi - lo], &g[lo..hi]);
+            }
+        })
+    }
+
+    fn reduce_scatter(&mut self, cx: &UnitCtx) -> anyhow::Result<()> {
+        let Some(mut buf) = self.packed_grad.take() else { return Ok(()) };
+        let (offsets, _) = packed_layout(cx, true);
+        round_through(&mut buf, cx.opts.reduce_dtype);
+        let mine = if cx.shards() == 1 { buf } else { cx.shard.reduce_scatter(&buf)? };
+        for (i, p) in cx.plan.params.iter().enumerate() {
+            if let Some(at) = offsets[i] {
+                add_into(&mut self.grad[i], &mine[at..at + p.chunk_len()]);
+            }
+        }
+        Ok(())
+    }
+
+    fn all_reduce_grads(&mut self, replicate: &dyn Collective) -> anyhow::Result<()> {
+        let mut buf: Vec<f32> = self.grad.iter().flatten().copied().collect();
+        if buf.is_empty() {
+            return Ok(());
+        }
+        replicate.all_reduce(&mut buf)?;
+        let mut off = 0;
+        for g in &mut self.grad {
+            let n = g.len();
+            g.copy_from_slice(&buf[off..off + n]);
+            off += n;
+        }
+        Ok(())
+    }
+
+    fn grad_sq_sum(&self) -> anyhow::Result<f64> {
+        Ok(self.grad.iter().map(|g| sum_of_squares(g)).sum())
+    }
+
+    fn adamw(&mut self, cx: &UnitCtx, step: &AdamWStep) -> anyhow::Result<()> {
+        for (i, p) in cx.plan.params.iter().enumerate() {
+            if !p.trainable {
+                continue;
+            }
+            adamw_step(step.cfg, step.lr, step.weight_decay[i], step.step, &mut self.master[i], &self.grad[i], &mut self.adam[i], step.clip);
+            self.grad[i].fill(0.0);
+        }
+        Ok(())
+    }
+
+    fn bytes(&self) -> StateBytes {
+        let vecs = |v: &[Vec<f32>]| v.iter().map(|x| x.len() * 4).sum::<usize>();
+        StateBytes {
+            params: vecs(&self.master),
+            grads: vecs(&self.grad),
+            optimizer: self.adam.iter().map(|a| (a.exp_avg.len() + a.exp_avg_sq.len()) * 4).sum(),
+        }
+    }
+
+    fn load_part(&mut self, cx: &UnitCtx, part: StatePart, chunks: &[f32]) -> anyhow::Result<()> {
+        let moments = part != StatePart::Master;
+        for (i, p) in cx.plan.params.iter().enumerate() {
+            if moments && !p.trainable {
+                continue;
+            }
+            let dst = match part {
+                StatePart::Master => &mut self.master[i],
+                StatePart::ExpAvg => &mut self.adam[i].exp_avg,
+                StatePart::ExpAvgSq => &mut self.adam[i].exp_avg_sq,
+            };
+            let at = if moments { p.grad_offset } else { p.offset };
+            dst.copy_from_slice(&chunks[at..at + p.chunk_len()]);
+        }
+        Ok(())
+    }
+
+    fn to_host(&self, _: &UnitCtx) -> anyhow::Result<HostShards> {
+        Ok(HostShards::from_parts(self.master.clone(), self.grad.clone(), self.adam.clone()))
+    }
+
+    fn as_host(&self) -> Option<&HostShards> {
+        Some(self)
+    }
+}
+
+impl HostShards {
+    /// All-gathers the unit's chunks (one collective for the packed parameters, one for each
+    /// that travels alone) and cuts the result into the full parameters, in plan order.
+    fn gather_for(&self, cx: &UnitCtx, purpose: GatherFor) -> anyhow::Result<Vec<Vec<f32>>> {
+        let shards = cx.shards();
+        let round = |v: &mut Vec<f32>| {
+            if purpose == GatherFor::Compute {
+                round_through(v, cx.opts.param_dtype);
+            }
+        };
+        let (offsets, seg) = packed_layout(cx, false);
+        let mut buf: Vec<f32> = Vec::with_capacity(seg);
+        for (m, at) in self.master.iter().zip(&offsets) {
+            if at.is_some() {
+                buf.extend_from_slice(m);
+            }
+        }
+        round(&mut buf);
+        // A shard group of one rank gathers its own chunk: no collective.
+        let all = if shards == 1 || seg == 0 { buf } else { cx.shard.all_gather(&buf)? };
+        let mut out = Vec::with_capacity(cx.plan.params.len());
+        for (i, p) in cx.plan.params.iter().enumerate() {
+            let mut full = match offsets[i] {
+                Some(at) => {
+                    let mut full = Vec::with_capacity(p.chunk_len() * shards);
+                    for k in 0..shards {
+                        full.extend_from_slice(&all[k * seg + at..][..p.chunk_len()]);
+                    }
+                    full
+                }
+                // Straight into its own buffer: rank-major chunks of whole rows are the rows.
+                None => {
+                    let mut mine = self.master[i].clone();
+                    round(&mut mine);
+                    if shards == 1 {
+                        mine
+                    } else {
+                        cx.shard.all_gather(&mine)?
+                    }
+                }
+            };
+            full.truncate(p.numel());
+            out.push(full);
+        }
+        Ok(out)
+    }
+}

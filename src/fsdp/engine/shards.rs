@@ -1,0 +1,108 @@
+//! One unit's share of the training state on this rank: fp32 master chunks, reduced gradient
+//! chunks and AdamW moments, and what a step does with them (all-gather, gradient collection,
+//! reduce-scatter, AdamW). Two implementations, picked once per engine:
+//! - [`HostShards`](super::host::HostShards): host vectors (CPU runs, and `--cpu-offload` on a
+//!   GPU, as FSDP2's `CPUOffloadPolicy`); collectives take slices, AdamW is a vectorised loop;
+//! - [`DeviceShards`](super::device::DeviceShards): tensors on the compute device (GPU runs);
+//!   collectives take tensors, AdamW is tensor operations, a step moves only collectives' data.
+//!
+//! Both compute the same numbers; a test runs both on the CPU. The engine drives either through
+//! [`UnitShards`] and never asks which it has.
+
+use candle_core::{DType, Device, Tensor};
+
+use super::{FsdpOptions, GatherFor, StateBytes, StatePart};
+use crate::dist::Collective;
+use crate::fsdp::optim::AdamWConfig;
+use crate::fsdp::plan::UnitPlan;
+
+/// What a unit's storage needs to know to act: its plan, its shard group, the run's options.
+pub(super) struct UnitCtx<'a> {
+    pub plan: &'a UnitPlan,
+    pub shard: &'a dyn Collective,
+    pub opts: &'a FsdpOptions,
+    pub device: &'a Device,
+    /// dtype the units compute in (`param_dtype` on a GPU, f32 on the CPU).
+    pub compute_dtype: DType,
+}
+
+impl UnitCtx<'_> {
+    pub fn shards(&self) -> usize {
+        self.shard.world_size()
+    }
+}
+
+/// One optimizer step's settings, per unit.
+pub(super) struct AdamWStep<'a> {
+    pub cfg: &'a AdamWConfig,
+    pub lr: f64,
+    /// Counting from 1.
+    pub step: u64,
+    /// Weight decay of each parameter of the unit, in plan order.
+    pub weight_decay: Vec<f64>,
+    /// Gradient-clipping coefficient (None: no clipping this step).
+    pub clip: Option<f32>,
+}
+
+pub(super) trait UnitShards: Send {
+    /// All-gathers the unit: its full parameters in plan order, for compute (rounded to
+    /// `param_dtype`, in the compute dtype, trainable ones as `Var`s) or as stored (export).
+    fn gather(&self, cx: &UnitCtx, purpose: GatherFor) -> anyhow::Result<Vec<Tensor>>;
+
+    /// The full parameters for compute as f32 vectors, in plan order: what a freed unit is
+    /// refilled with (see `reshard`).
+    fn gather_values(&self, cx: &UnitCtx) -> anyhow::Result<Vec<Vec<f32>>>;
+
+    /// Takes parameter `i`'s full gradient from a stage's backward (`None`: this backward gave
+    /// it none). Every rank calls it for the same parameters in the same order, since some
+    /// storage reduce-scatters here.
+    fn add_grad(&mut self, cx: &UnitCtx, i: usize, grad: Option<Tensor>) -> anyhow::Result<()>;
+
+    /// After the unit's backward: reduce-scatters what `add_grad` collected and adds this
+    /// rank's chunks to the gradient chunks.
+    fn reduce_scatter(&mut self, cx: &UnitCtx) -> anyhow::Result<()>;
+
+    /// Sums the gradient chunks over the replicas (NO_SHARD, HYBRID_SHARD).
+    fn all_reduce_grads(&mut self, replicate: &dyn Collective) -> anyhow::Result<()>;
+
+    /// Sum of squares of this rank's gradient chunks (for the global norm).
+    fn grad_sq_sum(&self) -> anyhow::Result<f64>;
+
+    /// AdamW on every trainable chunk, then the gradients zeroed.
+    fn adamw(&mut self, cx: &UnitCtx, step: &AdamWStep) -> anyhow::Result<()>;
+
+    /// Bytes held for parameters, gradients and optimizer state, counted from the buffers.
+    fn bytes(&self) -> StateBytes;
+
+    /// Replaces one part of the state with this rank's `chunks` (laid out as the plan's per-rank
+    /// buffer of that part: `offset` for weights, `grad_offset` for moments).
+    fn load_part(&mut self, cx: &UnitCtx, part: StatePart, chunks: &[f32]) -> anyhow::Result<()>;
+
+    /// The state as host vectors: itself for host storage, a fresh copy from the device.
+    fn to_host(&self, cx: &UnitCtx) -> anyhow::Result<super::host::HostShards>;
+
+    /// The host storage itself, if this is one.
+    fn as_host(&self) -> Option<&super::host::HostShards>;
+}
+
+/// Runs `f` on a contiguous f32 CPU tensor's values without copying them (copying otherwise).
+pub(super) fn with_f32_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> anyhow::Result<R> {
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let (candle_core::Storage::Cpu(cpu), Some((a, b))) = (&*storage, layout.contiguous_offsets()) {
+            if let Ok(values) = cpu.as_slice::<f32>() {
+                return Ok(f(&values[a..b]));
+            }
+        }
+    }
+    Ok(f(&t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?))
+}
+
+/// Rounds values through `dtype` (what sending them in that dtype does to them).
+pub(super) fn round_through(v: &mut [f32], dtype: DType) {
+    match dtype {
+        DType::BF16 => v.iter_mut().for_each(|x| *x = half::bf16::from_f32(*x).to_f32()),
+        DType::F16 => v.iter_mut().for_each(|x| *x = half::f16::from_f32(*x).to_f32()),
+        _ => {}
+    }
+}
