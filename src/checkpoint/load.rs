@@ -38,6 +38,38 @@ pub struct StoredTensor {
 }
 
 impl StoredTensor {
+    /// Appends values `range` (flat, row-major) of this tensor as f32 to `dst`, reading just
+    /// those bytes, in blocks (no copy of the whole tensor in memory).
+    pub fn append_f32(&self, range: std::ops::Range<usize>, dst: &mut Vec<f32>) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        let width = match self.dtype {
+            safetensors::Dtype::F32 => 4,
+            safetensors::Dtype::BF16 | safetensors::Dtype::F16 => 2,
+            other => bail!("{}: dtype {other:?} is not supported", self.file.display()),
+        };
+        let count = (self.end - self.start) as usize / width;
+        if range.end > count {
+            bail!("{}: values {range:?} are past the tensor's {count}", self.file.display());
+        }
+        let file = std::fs::File::open(&self.file).with_context(|| format!("{}: cannot open", self.file.display()))?;
+        const BLOCK: usize = 1 << 20;
+        let mut raw = vec![0u8; BLOCK.min(range.len()) * width];
+        dst.reserve(range.len());
+        let mut at = range.start;
+        while at < range.end {
+            let n = BLOCK.min(range.end - at);
+            let bytes = &mut raw[..n * width];
+            file.read_exact_at(bytes, self.start + (at * width) as u64).with_context(|| format!("{}: reading tensor data", self.file.display()))?;
+            match self.dtype {
+                safetensors::Dtype::F32 => dst.extend(bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap()))),
+                safetensors::Dtype::BF16 => dst.extend(bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes(c.try_into().unwrap()).to_f32())),
+                _ => dst.extend(bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes(c.try_into().unwrap()).to_f32())),
+            }
+            at += n;
+        }
+        Ok(())
+    }
+
     /// Reads just this tensor's bytes (no mmap of the whole file, so memory stays at the size of
     /// the tensor) and widens them to f32.
     pub fn read_f32(&self) -> Result<Vec<f32>> {
@@ -191,4 +223,33 @@ pub fn parse_dtype(s: &str) -> Result<DType> {
         "f16" | "float16" => DType::F16,
         other => bail!("--dtype {other:?} is not supported; use f32, bf16 or f16"),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Tensor;
+
+    #[test]
+    fn row_ranges_read_in_place_match_the_whole_tensor() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.safetensors");
+        // Over two of the reader's blocks of 1M values.
+        let n = 2_100_000;
+        let values: Vec<f32> = (0..n).map(|i| (i % 1000) as f32 * 0.5 - 7.0).collect();
+        let t = Tensor::from_vec(values.clone(), (n,), &Device::Cpu).unwrap();
+        let tensors = std::collections::HashMap::from([("f".to_string(), t.clone()), ("b".to_string(), t.to_dtype(DType::BF16).unwrap())]);
+        candle_core::safetensors::save(&tensors, &path).unwrap();
+        let stored = read_weight_headers(&[path]).unwrap();
+        for name in ["f", "b"] {
+            let whole = stored[name].read_f32().unwrap();
+            let mut parts = vec![];
+            for range in [0..1, 1..1500, 1500..n] {
+                stored[name].append_f32(range, &mut parts).unwrap();
+            }
+            assert_eq!(parts, whole, "{name}");
+        }
+        assert_eq!(stored["f"].read_f32().unwrap(), values);
+        assert!(stored["f"].append_f32(n - 1..n + 1, &mut vec![]).is_err());
+    }
 }

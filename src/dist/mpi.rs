@@ -118,10 +118,17 @@ impl Collective for MpiGroup {
             if chunks.len() != self.world_size() || chunks.iter().any(|c| c.len() != len) {
                 bail!("scatter: the root needs {} chunks of equal length", self.world_size());
             }
-            let flat: Vec<f32> = chunks.concat();
-            root_proc.scatter_into_root(&flat[..], &mut out[..]);
+            // Chunk by chunk, point to point: MPI_Scatter would need them concatenated, a second
+            // copy of the unit on the root.
+            for (k, chunk) in chunks.into_iter().enumerate() {
+                if k == root {
+                    out = chunk;
+                } else {
+                    self.comm.process_at_rank(k as i32).send(&chunk[..]);
+                }
+            }
         } else {
-            root_proc.scatter_into(&mut out[..]);
+            root_proc.receive_into(&mut out[..]);
         }
         Ok(out)
     }

@@ -26,6 +26,7 @@ use self::shards::{UnitCtx, UnitShards};
 use super::optim::{clip_coefficient, AdamWConfig};
 use super::plan::{ShardingStrategy, UnitPlan};
 pub use crate::dist::ProcessGroups;
+pub use state::ParamSource;
 
 
 #[derive(Debug, Clone, Copy)]

@@ -3,6 +3,7 @@
 
 use super::host::HostShards;
 use super::*;
+use crate::fsdp::plan::ParamLayout;
 
 impl FsdpEngine {
     /// Refreshes the host copy of device-resident state (before checkpointing or inspecting
@@ -47,6 +48,12 @@ impl FsdpEngine {
     /// Like `load_unit`, for one part of the state (weights, or an AdamW moment of the
     /// trainable parameters).
     pub fn load_unit_part(&mut self, u: usize, part: StatePart, full: Option<HashMap<String, Vec<f32>>>) -> Result<()> {
+        self.load_unit_part_from(u, part, full.as_ref().map(|m| m as &dyn ParamSource))
+    }
+
+    /// Like `load_unit_part`, rank 0 reading the values from `source` a chunk of rows at a time:
+    /// it holds the unit's chunks for every rank (one unit) and never a full parameter.
+    pub fn load_unit_part_from(&mut self, u: usize, part: StatePart, source: Option<&dyn ParamSource>) -> Result<()> {
         let world = &self.groups.world;
         let shard_size = self.groups.shard.world_size();
         let plan = &self.units[u].plan;
@@ -57,24 +64,23 @@ impl FsdpEngine {
         if buf_len == 0 {
             return Ok(());
         }
-        let chunks = match full {
-            Some(values) => {
-                for p in plan.params.iter().filter(in_part) {
-                    let v = values.get(&p.spec.name).with_context(|| format!("missing tensor {}", p.spec.name))?;
-                    if v.len() != p.numel() {
-                        bail!("tensor {} has {} values, expected {}", p.spec.name, v.len(), p.numel());
-                    }
-                }
-                // World rank r gets shard r % shard_size (replicas share chunks). Built straight
-                // from the full values: about one unit of extra memory on rank 0.
-                let chunk_for = |k: usize| -> Vec<f32> {
+        let chunks = match source {
+            // World rank r gets shard r % shard_size (replicas share chunks): its rows of each
+            // parameter, zero rows for padding.
+            Some(source) => {
+                let mut all = Vec::with_capacity(world.world_size());
+                for r in 0..world.world_size() {
+                    let k = r % shard_size;
                     let mut buf = Vec::with_capacity(buf_len);
                     for p in plan.params.iter().filter(in_part) {
-                        buf.extend(p.chunk_of(&values[&p.spec.name], k));
+                        let rows = (k * p.chunk_rows).min(p.rows)..((k + 1) * p.chunk_rows).min(p.rows);
+                        let want = buf.len() + p.chunk_len();
+                        source.append_rows(p, rows, &mut buf)?;
+                        buf.resize(want, 0.0);
                     }
-                    buf
-                };
-                Some((0..world.world_size()).map(|r| chunk_for(r % shard_size)).collect())
+                    all.push(buf);
+                }
+                Some(all)
             }
             None => None,
         };
@@ -131,5 +137,24 @@ impl FsdpEngine {
         let unit = &self.units[u];
         let tensors = unit.shards.gather(&unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device), GatherFor::Export)?;
         Ok(unit.plan.params.iter().zip(tensors).map(|(p, t)| (p.spec.name.clone(), t.detach())).collect())
+    }
+}
+
+/// Where rank 0 reads full parameter values from when filling a unit, a range of rows at a
+/// time, so that no full parameter need exist in memory (weight files read in place), or a map
+/// of full values.
+pub trait ParamSource {
+    /// Appends rows `rows` of parameter `p` (row-major, f32) to `dst`.
+    fn append_rows(&self, p: &ParamLayout, rows: std::ops::Range<usize>, dst: &mut Vec<f32>) -> Result<()>;
+}
+
+impl ParamSource for HashMap<String, Vec<f32>> {
+    fn append_rows(&self, p: &ParamLayout, rows: std::ops::Range<usize>, dst: &mut Vec<f32>) -> Result<()> {
+        let v = self.get(&p.spec.name).with_context(|| format!("missing tensor {}", p.spec.name))?;
+        if v.len() != p.numel() {
+            bail!("tensor {} has {} values, expected {}", p.spec.name, v.len(), p.numel());
+        }
+        dst.extend_from_slice(&v[rows.start * p.row_len..rows.end * p.row_len]);
+        Ok(())
     }
 }

@@ -14,7 +14,8 @@ use crate::fsdp::plan::ShardingStrategy;
 use crate::checkpoint::load;
 use crate::checkpoint::resume::{self, ResumingRun};
 use crate::dist::{root_tries, ProcessGroups};
-use crate::fsdp::engine::{FsdpEngine, FsdpOptions, StateBytes};
+use crate::fsdp::engine::{FsdpEngine, FsdpOptions, ParamSource, StateBytes, StatePart};
+use crate::fsdp::plan::ParamLayout;
 use crate::fsdp::optim::AdamWConfig;
 use crate::memory::human_bytes;
 
@@ -86,10 +87,11 @@ fn resume_from(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneCo
     Ok(())
 }
 
-/// Rank 0 streams the model's weights one unit at a time (its extra memory is about one unit);
-/// LoRA adapters come from `--adapter` or are initialised as PEFT does.
+/// Rank 0 streams the model's weights one unit at a time, reading each rank's rows straight
+/// from the files (its extra memory is about one unit); LoRA adapters come from `--adapter` or
+/// are initialised as PEFT does.
 fn load_weights(engine: &mut FsdpEngine, cfg: &FinetuneConfig, boot: &Bootstrap) -> Result<()> {
-    let weights = match &boot.files {
+    let stored = match &boot.files {
         Some(f) => {
             let stored = load::read_weight_headers(&f.weights)?;
             load::check_tensors(&boot.model_cfg, &stored, &f.source)?;
@@ -98,27 +100,40 @@ fn load_weights(engine: &mut FsdpEngine, cfg: &FinetuneConfig, boot: &Bootstrap)
         None => None,
     };
     for u in 0..engine.units().count() {
-        let full = match &weights {
-            Some(st) => {
-                let mut m = std::collections::HashMap::new();
-                for p in &engine.units().nth(u).unwrap().params {
-                    let values = if models::lora::is_adapter_tensor(&p.spec.name) {
-                        match &boot.start_adapter {
-                            Some(a) => a.tensors[&p.spec.name].flatten_all()?.to_vec1::<f32>()?,
-                            None => models::lora::init_adapter(&p.spec, cfg.seed),
-                        }
-                    } else {
-                        st[&p.spec.name].read_f32()?
+        let source = match &stored {
+            Some(stored) => {
+                // Adapter tensors are small: made or read whole.
+                let mut adapters = std::collections::HashMap::new();
+                for p in engine.units().nth(u).unwrap().params.iter().filter(|p| models::lora::is_adapter_tensor(&p.spec.name)) {
+                    let values = match &boot.start_adapter {
+                        Some(a) => a.tensors[&p.spec.name].flatten_all()?.to_vec1::<f32>()?,
+                        None => models::lora::init_adapter(&p.spec, cfg.seed),
                     };
-                    m.insert(p.spec.name.clone(), values);
+                    adapters.insert(p.spec.name.clone(), values);
                 }
-                Some(m)
+                Some(WeightFiles { stored, adapters })
             }
             None => None,
         };
-        engine.load_unit(u, full)?;
+        engine.load_unit_part_from(u, StatePart::Master, source.as_ref().map(|s| s as &dyn ParamSource))?;
     }
     Ok(())
+}
+
+/// The model's weight files (read in place, a row range at a time) and its adapters.
+struct WeightFiles<'a> {
+    stored: &'a std::collections::BTreeMap<String, load::StoredTensor>,
+    adapters: std::collections::HashMap<String, Vec<f32>>,
+}
+
+impl ParamSource for WeightFiles<'_> {
+    fn append_rows(&self, p: &ParamLayout, rows: std::ops::Range<usize>, dst: &mut Vec<f32>) -> Result<()> {
+        if self.adapters.contains_key(&p.spec.name) {
+            return self.adapters.append_rows(p, rows, dst);
+        }
+        let t = self.stored.get(&p.spec.name).with_context(|| format!("missing tensor {}", p.spec.name))?;
+        t.append_f32(rows.start * p.row_len..rows.end * p.row_len, dst)
+    }
 }
 
 /// Every rank's parameter, gradient and optimizer bytes, as each rank's buffers hold them.
