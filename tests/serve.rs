@@ -491,6 +491,9 @@ fn fine_tuning_jobs_run_to_a_served_model_persist_and_survive_a_restart() {
     let (s, bad) = upload(&server, "bad.jsonl", b"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}\n{\"foo\": 1}\n");
     assert_eq!((s, bad["error"]["param"].as_str()), (400, Some("file")), "{bad}");
     assert!(bad["error"]["message"].as_str().unwrap().starts_with("Line 2:"), "{bad}");
+    // A UTF-8 byte-order mark (as Windows editors write it) is read past.
+    let (s, bom) = upload(&server, "bom.jsonl", &[b"\xef\xbb\xbf".as_slice(), chat.as_slice()].concat());
+    assert_eq!((s, bom["purpose"].as_str()), (200, Some("fine-tune")), "{bom}");
     let (s, file) = upload(&server, "../../etc/passwd", &chat);
     assert_eq!(s, 200, "{file}");
     let file_id = file["id"].as_str().unwrap().to_string();

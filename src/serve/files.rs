@@ -22,6 +22,7 @@ fn internal(e: anyhow::Error) -> ApiError {
 /// `prompt`/`completion`, `text`, ...). The error names the line.
 pub fn validate_jsonl(bytes: &[u8]) -> Result<usize, ApiError> {
     let text = std::str::from_utf8(bytes).map_err(|e| ApiError::invalid("file", format!("The file is not UTF-8 text: {e}.")))?;
+    let text = crate::train::data::without_bom(text);
     let mut rows = 0;
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {

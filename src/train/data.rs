@@ -246,7 +246,13 @@ fn read_rows_bytes(path: &Path, bytes: &[u8]) -> Result<Vec<(usize, Result<Value
         return parquet_rows(path, bytes);
     }
     let text = std::str::from_utf8(bytes).map_err(|e| anyhow::anyhow!("{}: not UTF-8 text ({e}); data files are JSONL, JSON or Parquet", path.display()))?;
-    read_rows(path, text)
+    read_rows(path, without_bom(text))
+}
+
+/// `text` without a leading UTF-8 byte-order mark, which Windows editors and Excel write at the
+/// start of a file and which would make the first row invalid JSON.
+pub fn without_bom(text: &str) -> &str {
+    text.strip_prefix('\u{feff}').unwrap_or(text)
 }
 
 /// Rows of a `.jsonl` file (one object per line) or a `.json` file (an array of objects), each
@@ -479,6 +485,15 @@ mod tests {
         let batch = collate(&[&packed[0]]);
         assert_eq!(batch.width, 8);
         assert_eq!(batch.packing.unwrap().segments, [1, 1, 1, 2, 2, 2, 0, 0]);
+    }
+
+    #[test]
+    fn a_byte_order_mark_does_not_break_the_first_row() {
+        let (_d, p) = write("bom.jsonl", "\u{feff}{\"text\": \"ab\"}\n{\"text\": \"cd\"}\n");
+        let rows = read_rows_bytes(&p, &std::fs::read(&p).unwrap()).unwrap();
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[0].1.as_ref().unwrap()["text"], "ab");
+        assert_eq!(without_bom("x"), "x");
     }
 
     /// A byte tokenizer: one token per byte, offsets exact.
