@@ -601,3 +601,25 @@ fn fine_tuning_jobs_run_to_a_served_model_persist_and_survive_a_restart() {
     assert_eq!(get_json(&server.url(&format!("/v1/fine_tuning/jobs/{job_id}")))["status"], "succeeded");
     assert!((first_token_logprob(&server, &ft) - ft_lp).abs() < 1e-5, "the fine-tuned model is served after a restart");
 }
+
+/// A job that fails at run time says why: the training's own first error (here: no token of
+/// the file is trained on), as the job's error and as an event, not "rank 0 exited with code 1".
+#[test]
+fn a_failed_job_says_why() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("qwen2", tmp.path());
+    let server = Server::start(&model, &[]);
+    // Chat rows with no assistant turn: nothing to train on.
+    let rows = b"{\"messages\": [{\"role\": \"user\", \"content\": \"hello\"}]}\n{\"messages\": [{\"role\": \"user\", \"content\": \"again\"}]}\n";
+    let (s, file) = upload(&server, "user-only.jsonl", rows);
+    assert_eq!(s, 200, "{file}");
+    let job = post_json(&server.url("/v1/fine_tuning/jobs"), &json!({"model": "tiny", "training_file": file["id"],
+        "fsdp_app": {"world_size": 1, "seq_len": 64, "max_steps": 1}}));
+    let id = job["id"].as_str().unwrap();
+    let done = wait_for_status(&server, id, &["failed", "succeeded"], 120);
+    assert_eq!(done["status"], "failed", "{done}");
+    let message = done["error"]["message"].as_str().unwrap();
+    assert!(message.contains("no token is trained on") && !message.contains("exited with"), "{done}");
+    let events = get_json(&server.url(&format!("/v1/fine_tuning/jobs/{id}/events")));
+    assert!(events["data"].as_array().unwrap().iter().any(|e| e["message"].as_str().unwrap().contains("no token is trained on")), "{events}");
+}

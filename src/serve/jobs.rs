@@ -222,6 +222,14 @@ pub async fn checkpoints(State(st): State<Arc<AppState>>, Path(id): Path<String>
     Ok(Json(json!({"object": "list", "data": rows, "has_more": false, "first_id": null, "last_id": null})))
 }
 
+/// Why a training run failed, from its log: the first error a rank reported (`error: ...`), not
+/// the launcher's summary that follows it ("the job failed: rank 0 exited with code 1") nor a
+/// backtrace frame; the summary when it is all there is.
+fn failure_cause(log: &str) -> Option<String> {
+    let errors: Vec<&str> = log.lines().filter_map(|l| l.strip_prefix("error: ")).map(str::trim).filter(|l| !l.is_empty()).collect();
+    errors.iter().find(|l| !l.starts_with("the job failed:")).or(errors.last()).map(|l| l.to_string())
+}
+
 // ---- the runner ----
 
 /// Starts the thread that runs queued jobs, one at a time.
@@ -393,8 +401,7 @@ fn run_job(st: &AppState, job: &JobRow) -> anyhow::Result<()> {
     };
     if !status.success() {
         let text = std::fs::read_to_string(&log_path).unwrap_or_default();
-        let tail: Vec<&str> = text.lines().filter(|l| l.contains("error")).collect();
-        let message = tail.last().map(|s| s.to_string()).unwrap_or_else(|| format!("the training processes exited with {status}"));
+        let message = failure_cause(&text).unwrap_or_else(|| format!("the training processes exited with {status}"));
         store.set_status(&job.id, "failed", Some(json!({"code": "training_failed", "message": message, "param": null})), None, None)?;
         store.add_event(&job.id, "error", &format!("Training failed: {message}"), "message", None)?;
         return Ok(());
@@ -406,4 +413,17 @@ fn run_job(st: &AppState, job: &JobRow) -> anyhow::Result<()> {
         store.add_event(&job.id, "info", "The job has successfully completed", "message", None)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_job_names_the_ranks_first_error_not_the_launcher_nor_a_backtrace() {
+        let log = "data: 2 rows\nerror: d.jsonl: no token is trained on (every label is masked)\n\nStack backtrace:\n   0: anyhow::error::<impl anyhow::Error>::msg\n             at src/error.rs:1:1\nlaunch: peak RSS per rank\nerror: the job failed: rank 0 exited with code 1\n\nStack backtrace:\n   0: main\n";
+        assert_eq!(failure_cause(log).unwrap(), "d.jsonl: no token is trained on (every label is masked)");
+        assert_eq!(failure_cause("error: the job failed: rank 1 was killed by signal 9\n").unwrap(), "the job failed: rank 1 was killed by signal 9");
+        assert_eq!(failure_cause("no errors here\n"), None);
+    }
 }
