@@ -85,75 +85,10 @@ pub struct DataOptions {
     pub packing: bool,
 }
 
-/// A micro-batch as the model takes it: rows cut to the longest row's length rounded up to a
-/// multiple of 8 (at most the samples' length), not padded to `--seq-len`.
-pub struct Collated {
-    pub input_ids: Vec<u32>,
-    pub labels: Vec<i64>,
-    pub rows: usize,
-    pub width: usize,
-    pub packing: Option<models::Packing>,
-    /// Tokens before padding, summed over the rows.
-    pub real_tokens: usize,
-}
-
-/// Collates `rows` (every sample `seq_len` long, padded at the end) into one micro-batch
-/// padded only to its longest row. Padding sits after every real token and causal attention
-/// never looks ahead, so the real positions compute what they would at full length.
-pub fn collate(rows: &[&Sample]) -> Collated {
-    let full = rows.first().map_or(0, |s| s.input_ids.len());
-    let longest = rows.iter().map(|s| s.len).max().unwrap_or(0);
-    // Multiples of 8 keep the kernels' row blocks whole; at least 2 tokens for one target.
-    let width = longest.max(2).next_multiple_of(8).min(full);
-    let cut = |s: &&Sample| Sample {
-        input_ids: s.input_ids[..width].to_vec(),
-        labels: s.labels[..width].to_vec(),
-        len: s.len.min(width),
-        segments: if s.segments.is_empty() { vec![] } else { s.segments[..width].to_vec() },
-    };
-    let cut_rows: Vec<Sample> = rows.iter().map(cut).collect();
-    let refs: Vec<&Sample> = cut_rows.iter().collect();
-    Collated {
-        input_ids: cut_rows.iter().flat_map(|s| s.input_ids.iter().copied()).collect(),
-        labels: cut_rows.iter().flat_map(|s| s.labels.iter().copied()).collect(),
-        rows: rows.len(),
-        width,
-        packing: packing_for(&refs),
-        real_tokens: rows.iter().map(|s| s.len).sum(),
-    }
-}
-
-/// The packing layout of a micro-batch (positions restart per document), or None when no row
-/// is packed.
-pub fn packing_for(rows: &[&Sample]) -> Option<models::Packing> {
-    if rows.iter().all(|s| s.segments.is_empty()) {
-        return None;
-    }
-    let mut positions = vec![];
-    let mut segments = vec![];
-    for s in rows {
-        let seg: Vec<u32> = if s.segments.is_empty() {
-            (0..s.input_ids.len()).map(|i| u32::from(i < s.len)).collect()
-        } else {
-            s.segments.clone()
-        };
-        let mut pos = 0u32;
-        for (i, &g) in seg.iter().enumerate() {
-            if i > 0 && g != seg[i - 1] {
-                pos = 0;
-            }
-            positions.push(pos);
-            pos += 1;
-        }
-        segments.extend(seg);
-    }
-    Some(models::Packing { positions, segments })
-}
-
 /// Greedy, in-order packing of unpadded rows into `seq_len` blocks. The first token of every
 /// document after the first in a block gets an ignored label: it would be predicted from the
 /// previous document.
-fn pack(rows: Vec<(Vec<u32>, Vec<i64>)>, seq_len: usize, pad_id: u32) -> Vec<Sample> {
+pub(crate) fn pack(rows: Vec<(Vec<u32>, Vec<i64>)>, seq_len: usize, pad_id: u32) -> Vec<Sample> {
     let mut out = vec![];
     let mut cur = Sample { input_ids: vec![], labels: vec![], len: 0, segments: vec![] };
     let flush = |cur: &mut Sample, out: &mut Vec<Sample>| {
@@ -313,7 +248,7 @@ fn chat_tokens(messages: &[crate::tokenize::ChatMessage], tools: &TextTools, tra
     Ok((ids, labels))
 }
 
-fn pad(mut ids: Vec<u32>, mut labels: Vec<i64>, seq_len: usize, pad_id: u32) -> Sample {
+pub(crate) fn pad(mut ids: Vec<u32>, mut labels: Vec<i64>, seq_len: usize, pad_id: u32) -> Sample {
     let len = ids.len();
     ids.resize(seq_len, pad_id);
     labels.resize(seq_len, IGNORE_INDEX);
@@ -467,27 +402,6 @@ mod tests {
     }
 
     #[test]
-    fn a_micro_batch_is_padded_to_its_longest_row_rounded_up_to_8() {
-        let a = pad((1..=5).collect(), (1..=5).collect(), 32, 0);
-        let b = pad((1..=11).collect(), (1..=11).collect(), 32, 0);
-        let batch = collate(&[&a, &b]);
-        assert_eq!((batch.rows, batch.width, batch.real_tokens), (2, 16, 16));
-        assert_eq!(batch.input_ids.len(), 32);
-        assert_eq!(&batch.input_ids[..6], &[1, 2, 3, 4, 5, 0]);
-        assert_eq!(batch.labels[16 + 10], 11);
-        assert_eq!(batch.labels[16 + 11], IGNORE_INDEX);
-        assert!(batch.packing.is_none());
-        // Never wider than the samples themselves.
-        let full = pad((1..=30).collect(), (1..=30).collect(), 30, 0);
-        assert_eq!(collate(&[&full]).width, 30);
-        // Packed rows keep their document ids, cut to the width.
-        let packed = pack(vec![((1..=3).collect(), (1..=3).collect()), ((4..=6).collect(), (4..=6).collect())], 32, 0);
-        let batch = collate(&[&packed[0]]);
-        assert_eq!(batch.width, 8);
-        assert_eq!(batch.packing.unwrap().segments, [1, 1, 1, 2, 2, 2, 0, 0]);
-    }
-
-    #[test]
     fn a_byte_order_mark_does_not_break_the_first_row() {
         let (_d, p) = write("bom.jsonl", "\u{feff}{\"text\": \"ab\"}\n{\"text\": \"cd\"}\n");
         let rows = read_rows_bytes(&p, &std::fs::read(&p).unwrap()).unwrap();
@@ -581,7 +495,7 @@ mod tests {
         assert_eq!(d.samples[0].segments, vec![1, 1, 1, 2, 2, 0]);
         // Token 4 starts a new document: not predicted from token 3.
         assert_eq!(d.samples[0].labels, vec![1, 2, 3, -100, 5, -100]);
-        let p = packing_for(&[&d.samples[0]]).unwrap();
+        let p = crate::train::batch::packing_for(&[&d.samples[0]]).unwrap();
         assert_eq!(p.positions, vec![0, 1, 2, 0, 1, 0]);
         assert!((d.padding_efficiency(6) - 9.0 / 12.0).abs() < 1e-9);
     }

@@ -17,7 +17,8 @@ use crate::checkpoint::sharded::{self, SaveExtras};
 use crate::dist::{all_reduce_scalar, ProcessGroups};
 use crate::fsdp::engine::FsdpEngine;
 use crate::fsdp::optim::lr_multiplier;
-use crate::train::data::{collate, epoch_order, Sample};
+use crate::train::batch::collate;
+use crate::train::data::{epoch_order, Sample};
 use crate::train::loss::{next_token_targets, summed_token_loss};
 
 /// Losses and gradient norms of the steps this process ran.
