@@ -73,18 +73,10 @@ impl StoredTensor {
     /// Reads just this tensor's bytes (no mmap of the whole file, so memory stays at the size of
     /// the tensor) and widens them to f32.
     pub fn read_f32(&self) -> Result<Vec<f32>> {
-        use std::os::unix::fs::FileExt;
-        let file = std::fs::File::open(&self.file).with_context(|| format!("{}: cannot open", self.file.display()))?;
-        let mut raw = vec![0u8; (self.end - self.start) as usize];
-        file.read_exact_at(&mut raw, self.start).with_context(|| format!("{}: reading tensor data", self.file.display()))?;
-        Ok(match self.dtype {
-            safetensors::Dtype::F32 => raw.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(),
-            safetensors::Dtype::BF16 => {
-                raw.chunks_exact(2).map(|c| half::bf16::from_le_bytes(c.try_into().unwrap()).to_f32()).collect()
-            }
-            safetensors::Dtype::F16 => raw.chunks_exact(2).map(|c| half::f16::from_le_bytes(c.try_into().unwrap()).to_f32()).collect(),
-            other => bail!("{}: dtype {other:?} is not supported", self.file.display()),
-        })
+        let count = self.shape.iter().product();
+        let mut values = Vec::new();
+        self.append_f32(0..count, &mut values)?;
+        Ok(values)
     }
 }
 

@@ -108,11 +108,11 @@ impl Collective for MpiGroup {
     fn scatter(&self, root: usize, chunks: Option<Vec<Vec<f32>>>) -> Result<Vec<f32>> {
         let is_root = self.rank() == root;
         let len = self.broadcast_len(root, chunks.as_ref().and_then(|c| c.first()).map(Vec::len));
-        let mut out = vec![0f32; len];
         if len == 0 {
-            return Ok(out);
+            return Ok(vec![]);
         }
         let root_proc = self.comm.process_at_rank(root as i32);
+        let mut out = vec![];
         if is_root {
             let chunks = chunks.context("scatter: the root has no chunks")?;
             if chunks.len() != self.world_size() || chunks.iter().any(|c| c.len() != len) {
@@ -128,6 +128,7 @@ impl Collective for MpiGroup {
                 }
             }
         } else {
+            out = vec![0f32; len];
             root_proc.receive_into(&mut out[..]);
         }
         Ok(out)

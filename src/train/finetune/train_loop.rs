@@ -93,7 +93,8 @@ struct StepOutcome {
 fn train_step(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, micro: &[Vec<&Sample>], step: usize, lr: f64) -> Result<StepOutcome> {
     let (rank, world) = (groups.world.rank(), groups.world.world_size());
     let local_targets: usize = micro.iter().flatten().map(|s| s.target_tokens()).sum();
-    let local_tokens: usize = micro.iter().flatten().map(|s| s.len).sum();
+    let batches: Vec<_> = micro.iter().map(|mb| collate(mb)).collect();
+    let local_tokens: usize = batches.iter().map(|b| b.real_tokens).sum();
     let mut counts = [local_targets as f64, local_tokens as f64];
     groups.world.all_reduce_f64(&mut counts)?;
     let [global_targets, tokens] = counts;
@@ -101,13 +102,12 @@ fn train_step(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneCon
         bail!("step {step}: the global batch has no target tokens (every label is -100)");
     }
     let mut local_loss = 0.0;
-    for (a, mb) in micro.iter().enumerate() {
-        let batch = collate(mb);
+    for (a, batch) in batches.into_iter().enumerate() {
         let input = Tensor::from_vec(batch.input_ids, (batch.rows, batch.width), engine.device())?;
         // Dropout seeds from (seed, step, place in the global batch): the same masks on any
         // number of ranks, and in an activation-checkpointing recompute.
         let first = (a * world + rank) * cfg.batch_size;
-        let row_seeds = (first..first + mb.len()).map(|i| dropout_seed(cfg.seed, step, i)).collect();
+        let row_seeds = (first..first + batch.rows).map(|i| dropout_seed(cfg.seed, step, i)).collect();
         let targets = next_token_targets(&batch.labels, batch.rows, batch.width);
         let ctx = StageContext { packing: batch.packing, row_seeds: Some(row_seeds), targets: Some(targets), ..Default::default() };
         local_loss += engine.forward_backward(&input, &ctx, &summed_token_loss, 1.0 / global_targets)?;
