@@ -128,6 +128,38 @@ fn n_ranks_reproduce_one_rank_for_every_strategy() {
     }
 }
 
+/// Vocabulary-sized weights (an embedding and a head of 8192 x 512 = 4M values) travel alone,
+/// and their gradients come from the model's ops as rows made on demand (ids and upstream rows;
+/// logit gradients and the head's input), reduce-scattered in rounds of rows: N ranks still
+/// reproduce one rank, with and without activation checkpointing.
+#[test]
+fn vocabulary_sized_gradients_reduced_by_rows_reproduce_one_rank() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("wide-vocab");
+    let set = |k: &str, v: u64| (k.to_string(), serde_json::json!(v));
+    let overrides = [set("vocab_size", 8192), set("hidden_size", 512), set("intermediate_size", 128), set("num_hidden_layers", 1), set("num_attention_heads", 8), set("num_key_value_heads", 8)];
+    fsdp_app::fixtures::write_fixture_with("llama", &model, &overrides).unwrap();
+    let base = |out: &str, world: usize, ac: bool| {
+        let mut c = reference_config(&model, &tmp.path().join(out));
+        c.max_steps = Some(3);
+        c.batch_size = 4 / world;
+        c.world_size = world;
+        c.activation_checkpointing = ac;
+        c
+    };
+    let single = run_local(&base("w1", 1, false)).unwrap();
+    let single_w = weights(&tmp.path().join("w1"));
+    for (world, ac) in [(2, false), (4, false), (2, true)] {
+        let out = format!("w{world}-ac{ac}");
+        let run = run_local(&base(&out, world, ac)).unwrap();
+        let what = format!("world {world}, activation checkpointing {ac}");
+        let d = max_rel_diff(&run.losses, &single.losses);
+        assert!(d < 1e-5, "{what}: losses differ from world 1 by {d} relative");
+        let (w, name) = max_rel_weight_diff(&weights(&tmp.path().join(&out)), &single_w);
+        assert!(w < 1e-5, "{what}: final weights differ by {w} relative ({name})");
+    }
+}
+
 #[test]
 fn losses_of_12_adamw_steps_match_pytorch() {
     let tmp = tempfile::tempdir().unwrap();

@@ -1,12 +1,16 @@
 //! Token embedding for training on the CPU: rows of the table picked by id, with a backward that
 //! builds the table's gradient in one buffer (rows of the upstream gradient added at their ids)
 //! and, given a [`WeightGradTarget`], hands it to the trainer instead of candle's gradient store
-//! (see `crate::weight_grads`). The backward never reads the table itself.
+//! (see `crate::weight_grads`), as rows made on demand: a trainer reducing the gradient a range
+//! of rows at a time never holds the (vocab, hidden) buffer. The backward never reads the table
+//! itself.
+
+use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Storage, Tensor};
 
 use crate::fused::f32_slice;
-use crate::weight_grads::WeightGradTarget;
+use crate::weight_grads::{GradRows, WeightGradTarget};
 
 /// `w[ids]`: (ids..., hidden) rows of the (vocab, hidden) f32 table `w`; `ids` u32.
 pub fn embedding(w: &Tensor, ids: &Tensor, grad_to: Option<WeightGradTarget>) -> Result<Tensor> {
@@ -56,21 +60,46 @@ impl CustomOp2 for Embed {
         let grad = grad.contiguous()?;
         let (gs, gl) = grad.storage_and_layout();
         let Storage::Cpu(gc) = &*gs else { candle_core::bail!("embedding: the backward runs on the CPU") };
-        let g = f32_slice(gc, gl)?;
-        let mut dw = vec![0f32; vocab * hidden];
-        for (r, &id) in ids.iter().enumerate() {
-            let id = id as usize;
-            for (a, b) in dw[id * hidden..(id + 1) * hidden].iter_mut().zip(&g[r * hidden..(r + 1) * hidden]) {
-                *a += *b;
-            }
-        }
-        let dw = Tensor::from_vec(dw, (vocab, hidden), w.device())?;
+        let rows = EmbeddingGradRows { ids, upstream: f32_slice(gc, gl)?.to_vec(), vocab, hidden };
         match &self.grad_to {
             Some(t) => {
-                t.sink.add(&t.name, dw)?;
+                t.sink.add_rows(&t.name, Arc::new(rows))?;
                 Ok((None, None))
             }
-            None => Ok((Some(dw), None)),
+            None => {
+                let mut dw = vec![0f32; vocab * hidden];
+                rows.add_rows(0, &mut dw);
+                Ok((Some(Tensor::from_vec(dw, (vocab, hidden), w.device())?), None))
+            }
+        }
+    }
+}
+
+/// The table's gradient: upstream row `r` added at row `ids[r]`.
+#[derive(Debug)]
+struct EmbeddingGradRows {
+    ids: Vec<u32>,
+    upstream: Vec<f32>,
+    vocab: usize,
+    hidden: usize,
+}
+
+impl GradRows for EmbeddingGradRows {
+    fn dims(&self) -> (usize, usize) {
+        (self.vocab, self.hidden)
+    }
+
+    fn add_rows(&self, first: usize, out: &mut [f32]) {
+        let h = self.hidden;
+        let range = first..first + out.len() / h;
+        for (r, &id) in self.ids.iter().enumerate() {
+            let id = id as usize;
+            if range.contains(&id) {
+                let at = (id - first) * h;
+                for (a, b) in out[at..at + h].iter_mut().zip(&self.upstream[r * h..(r + 1) * h]) {
+                    *a += *b;
+                }
+            }
         }
     }
 }
@@ -100,7 +129,13 @@ mod tests {
         let out = embedding(w.as_tensor(), &ids, Some(WeightGradTarget { sink: sink.clone(), name: "e".into() })).unwrap();
         let g = (out * &up).unwrap().sum_all().unwrap().backward().unwrap();
         assert!(g.get(w.as_tensor()).is_none());
-        assert_eq!(sink.take("e").unwrap().to_vec2::<f32>().unwrap(), expected);
+        let from_sink = sink.take("e").unwrap();
+        assert!(from_sink.as_dense().is_none(), "the sink gets rows, not a (vocab, hidden) buffer");
+        assert_eq!(from_sink.clone().into_tensor(&dev).unwrap().to_vec2::<f32>().unwrap(), expected);
+        // Any range of rows on its own: rows 1..3.
+        let mut some = vec![0f32; 2 * 3];
+        from_sink.add_rows(1, &mut some).unwrap();
+        assert_eq!(some, expected[1..3].concat());
         // An id outside the table is an error.
         assert!(embedding(w.as_tensor(), &Tensor::new(&[4u32], &dev).unwrap(), None).is_err());
     }

@@ -6,8 +6,12 @@
 //! `dW`. The gradients are made in the forward, as Liger's fused linear cross-entropy does, and
 //! the backward scales them by the upstream gradient (recomputing only when that gradient is not
 //! the same for every position, which the training loss never does).
+//!
+//! Handing dW to a trainer's sink with fewer rows than hidden units, the op keeps the
+//! (rows, vocab) logit gradients instead of the (vocab, hidden) dW, smaller then, and the
+//! trainer makes dW from them a range of vocabulary rows at a time (`crate::weight_grads`).
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use crate::fused::f32_slice;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Storage, Tensor};
@@ -15,7 +19,7 @@ use rayon::prelude::*;
 
 use crate::kernels::exp_inplace;
 use crate::linear::{product, product_add};
-use crate::weight_grads::WeightGradTarget;
+use crate::weight_grads::{GradRows, WeightGradTarget};
 
 /// Most logits alive at once (32 MiB of f32).
 const CHUNK_VALUES: usize = 8 << 20;
@@ -68,7 +72,7 @@ struct HeadCrossEntropy {
     want_dh: bool,
     want_dw: bool,
     /// The forward's gradients for an upstream gradient of 1 per position: (dh, dW).
-    saved: Mutex<Option<(Vec<f32>, Option<Vec<f32>>)>>,
+    saved: Mutex<Option<(Vec<f32>, WeightGrad)>>,
     /// Where dW goes instead of candle's gradient store.
     grad_to: Option<WeightGradTarget>,
 }
@@ -78,7 +82,24 @@ struct HeadCrossEntropy {
 struct Pass {
     loss: Vec<f32>,
     dh: Vec<f32>,
-    dw: Option<Vec<f32>>,
+    dw: WeightGrad,
+}
+
+/// The head's weight gradient as a pass leaves it.
+enum WeightGrad {
+    None,
+    /// dW itself, (vocab, hidden).
+    Dense(Vec<f32>),
+    /// d loss / d logits, (rows, vocab): dW = dlogitsᵀ · h.
+    Logits(Vec<f32>),
+}
+
+impl WeightGrad {
+    fn scale(&mut self, s: f32) {
+        if let WeightGrad::Dense(v) | WeightGrad::Logits(v) = self {
+            v.iter_mut().for_each(|x| *x *= s);
+        }
+    }
 }
 
 impl HeadCrossEntropy {
@@ -93,14 +114,17 @@ impl HeadCrossEntropy {
         grads: bool,
     ) -> Pass {
         let (rows, vocab) = (h.len() / hidden, w.len() / hidden);
-        let chunk = (self.chunk_values / vocab).clamp(1, rows.max(1));
+        // Logit gradients smaller than dW are kept for a sink to make dW from, all rows at once.
+        let keep_logits = grads && self.want_dw && self.grad_to.is_some() && rows <= hidden;
+        let chunk = if keep_logits { rows.max(1) } else { (self.chunk_values / vocab).clamp(1, rows.max(1)) };
         let mut loss = vec![0f32; rows];
         let mut dh = if grads {
             Vec::with_capacity(rows * hidden)
         } else {
             vec![]
         };
-        let mut dw = (grads && self.want_dw).then(|| vec![0f32; vocab * hidden]);
+        let mut dw = (grads && self.want_dw && !keep_logits).then(|| vec![0f32; vocab * hidden]);
+        let mut kept = None;
         for first in (0..rows).step_by(chunk) {
             let n = chunk.min(rows - first);
             let hc = &h[first * hidden..(first + n) * hidden];
@@ -149,6 +173,10 @@ impl HeadCrossEntropy {
                 (&logits, 1, vocab as isize),
                 (w, 1, hidden as isize),
             ));
+            if keep_logits {
+                kept = Some(logits);
+                continue;
+            }
             // dW += dlogitsᵀ (vocab, n) · hc (n, hidden).
             if let Some(dw) = dw.as_mut() {
                 product_add(
@@ -161,7 +189,34 @@ impl HeadCrossEntropy {
                 );
             }
         }
+        let dw = match (dw, kept) {
+            (Some(dw), _) => WeightGrad::Dense(dw),
+            (None, Some(logits)) => WeightGrad::Logits(logits),
+            (None, None) => WeightGrad::None,
+        };
         Pass { loss, dh, dw }
+    }
+}
+
+/// dW made by rows from the logit gradients: rows `v` of dW = Σ_r dlogits[r, v] · h[r].
+#[derive(Debug)]
+struct HeadGradRows {
+    dlogits: Vec<f32>,
+    h: Vec<f32>,
+    vocab: usize,
+    hidden: usize,
+}
+
+impl GradRows for HeadGradRows {
+    fn dims(&self) -> (usize, usize) {
+        (self.vocab, self.hidden)
+    }
+
+    fn add_rows(&self, first: usize, out: &mut [f32]) {
+        let (v, h) = (self.vocab, self.hidden);
+        let (n, rows) = (out.len() / h, self.h.len() / h);
+        // out (n, hidden) += dlogits[:, first..first + n]ᵀ (n, rows) · h (rows, hidden).
+        product_add(n, h, rows, out, (&self.dlogits[first..], v as isize, 1), (&self.h, 1, h as isize));
     }
 }
 
@@ -212,9 +267,7 @@ impl CustomOp2 for HeadCrossEntropy {
         let (dh, dw) = match (uniform.or(counted.is_empty().then_some(0.0)), saved) {
             (Some(s), Some((mut dh, mut dw))) => {
                 dh.iter_mut().for_each(|x| *x *= s);
-                if let Some(dw) = dw.as_mut() {
-                    dw.iter_mut().for_each(|x| *x *= s);
-                }
+                dw.scale(s);
                 (dh, dw)
             }
             _ => {
@@ -228,11 +281,18 @@ impl CustomOp2 for HeadCrossEntropy {
                 (pass.dh, pass.dw)
             }
         };
-        let dh = Tensor::from_vec(dh, h.shape(), h.device())?;
-        let dw = match (dw, self.want_dw) {
-            (Some(dw), true) => Some(Tensor::from_vec(dw, w.shape(), w.device())?),
+        let (vocab, hidden) = w.dims2()?;
+        let dw = match dw {
+            WeightGrad::Logits(dlogits) => {
+                let t = self.grad_to.as_ref().expect("logit gradients are kept only for a sink");
+                let h = h.flatten_all()?.to_vec1::<f32>()?;
+                t.sink.add_rows(&t.name, Arc::new(HeadGradRows { dlogits, h, vocab, hidden }))?;
+                None
+            }
+            WeightGrad::Dense(dw) if self.want_dw => Some(Tensor::from_vec(dw, w.shape(), w.device())?),
             _ => None,
         };
+        let dh = Tensor::from_vec(dh, h.shape(), h.device())?;
         match (dw, &self.grad_to) {
             (Some(dw), Some(t)) => {
                 t.sink.add(&t.name, dw)?;
@@ -302,6 +362,34 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("outside the vocabulary"));
+    }
+
+    /// Through a sink, with fewer rows than hidden units: the sink gets dW as rows made from the
+    /// kept logit gradients (no (vocab, hidden) buffer), equal to the composite ops' dW, for a
+    /// uniform and a per-position upstream gradient.
+    #[test]
+    fn a_sink_gets_the_head_gradient_by_rows() {
+        use crate::weight_grads::WeightGrads;
+        let (h, w) = (rand(&[5, 16], 51, 1.0), rand(&[37, 16], 52, 0.7));
+        let targets = [3i64, -100, 36, 0, 17];
+        for probe in [Tensor::full(0.5f32, 5, &candle_core::Device::Cpu).unwrap(), rand(&[5], 53, 1.0)] {
+            let vars = [h.clone(), w.clone()].map(|t| Var::from_tensor(&t).unwrap());
+            let want = grads(&vars, &probe, &|t: &[Tensor]| composite(t, &targets));
+            let sink = WeightGrads::new();
+            let target = WeightGradTarget { sink: sink.clone(), name: "lm_head.weight".into() };
+            let loss = head_cross_entropy(vars[0].as_tensor(), vars[1].as_tensor(), &targets, Some(target)).unwrap();
+            let g = (loss * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+            assert!(g.get(vars[1].as_tensor()).is_none(), "dW goes to the sink, not to candle");
+            assert!(max_rel(g.get(vars[0].as_tensor()).unwrap(), &want[0]) < 1e-4);
+            let dw = sink.take("lm_head.weight").unwrap();
+            assert!(dw.as_dense().is_none(), "kept as logit gradients");
+            assert!(max_rel(&dw.clone().into_tensor(&candle_core::Device::Cpu).unwrap(), &want[1]) < 1e-4);
+            // Rows 10..20 alone.
+            let mut part = vec![0f32; 10 * 16];
+            dw.add_rows(10, &mut part).unwrap();
+            let expected = want[1].narrow(0, 10, 10).unwrap().flatten_all().unwrap();
+            assert!(max_rel(&Tensor::new(part.as_slice(), &candle_core::Device::Cpu).unwrap(), &expected) < 1e-4);
+        }
     }
 
     #[test]

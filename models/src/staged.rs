@@ -59,6 +59,13 @@ pub trait StagedModel: Send + Sync {
     /// tokens attend within their own document and positions restart per document. Training-safe
     /// ops only.
     fn forward_stage(&self, s: usize, params: &HashMap<String, Tensor>, input: &Tensor, ctx: &StageContext) -> Result<Tensor>;
+    /// Whether stage `s`'s backward reads its parameters' values. One that does not (an
+    /// embedding lookup, whose gradient needs only the ids) lets an engine keep its forward
+    /// graph under activation checkpointing (it holds activations only) and leave its
+    /// parameters unallocated for the backward.
+    fn stage_backward_reads_params(&self, _s: usize) -> bool {
+        true
+    }
 }
 
 /// The Llama family as stages: embeddings, one stage per decoder layer, final norm + LM head.
@@ -129,6 +136,12 @@ impl StagedModel for LlamaStages {
             }
             names
         }
+    }
+
+    fn stage_backward_reads_params(&self, s: usize) -> bool {
+        // The embedding's gradient (ours and candle's index_select) is built from the ids and
+        // the upstream gradient alone.
+        s != 0
     }
 
     fn forward_stage(&self, s: usize, params: &HashMap<String, Tensor>, input: &Tensor, ctx: &StageContext) -> Result<Tensor> {

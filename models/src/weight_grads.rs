@@ -4,33 +4,139 @@
 //! op given a [`WeightGrads`] (through `StageContext`) deposits its weight's gradient here under
 //! the parameter's name and returns none to candle; the trainer takes it after the stage's
 //! backward. Contributions to one name are summed.
+//!
+//! A gradient can also come as [`GradRows`]: what it takes to make any range of its rows (an
+//! embedding's ids and upstream rows; a head's logit gradients and inputs), smaller than the
+//! (vocab, hidden) gradient itself. A sharded trainer then makes and reduces it a range of rows
+//! at a time, and a full-size copy never exists.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use candle_core::{Result, Tensor};
+use candle_core::{Device, Result, Tensor};
+
+/// A (rows, cols) weight gradient made a range of rows at a time.
+pub trait GradRows: Send + Sync + std::fmt::Debug {
+    /// (rows, cols) of the whole gradient.
+    fn dims(&self) -> (usize, usize);
+    /// Adds rows `first .. first + out.len() / cols` of the gradient into `out` (row-major).
+    fn add_rows(&self, first: usize, out: &mut [f32]);
+}
+
+/// One contribution to a weight's gradient.
+#[derive(Debug, Clone)]
+enum Part {
+    Dense(Tensor),
+    Rows(Arc<dyn GradRows>),
+}
+
+/// A weight's gradient: the sum of its contributions.
+#[derive(Debug, Clone)]
+pub struct WeightGrad {
+    parts: Vec<Part>,
+}
+
+impl WeightGrad {
+    pub fn dense(t: Tensor) -> Self {
+        Self { parts: vec![Part::Dense(t)] }
+    }
+
+    pub fn rows(r: Arc<dyn GradRows>) -> Self {
+        Self { parts: vec![Part::Rows(r)] }
+    }
+
+    /// The gradient as one tensor, when it is one already.
+    pub fn as_dense(&self) -> Option<&Tensor> {
+        match self.parts.as_slice() {
+            [Part::Dense(t)] => Some(t),
+            _ => None,
+        }
+    }
+
+    /// (rows, cols) of a 2-D gradient (a 1-D one is (len, 1)).
+    pub fn dims(&self) -> Result<(usize, usize)> {
+        match &self.parts[0] {
+            Part::Rows(r) => Ok(r.dims()),
+            Part::Dense(t) => match t.dims() {
+                [n] => Ok((*n, 1)),
+                [r, c] => Ok((*r, *c)),
+                d => candle_core::bail!("a weight gradient of shape {d:?}"),
+            },
+        }
+    }
+
+    /// Adds rows `first .. first + out.len() / cols` of the gradient into `out`.
+    pub fn add_rows(&self, first: usize, out: &mut [f32]) -> Result<()> {
+        let (_, cols) = self.dims()?;
+        let n = out.len() / cols;
+        for part in &self.parts {
+            match part {
+                Part::Rows(r) => r.add_rows(first, out),
+                Part::Dense(t) => {
+                    let rows = t.flatten_to(0)?.reshape(((), cols))?.narrow(0, first, n)?.flatten_all()?;
+                    for (o, g) in out.iter_mut().zip(rows.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?) {
+                        *o += g;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The whole gradient as one tensor (made on `device` when it comes in rows).
+    pub fn into_tensor(self, device: &Device) -> Result<Tensor> {
+        if let Some(t) = self.as_dense() {
+            return Ok(t.clone());
+        }
+        let (rows, cols) = self.dims()?;
+        let mut all = vec![0f32; rows * cols];
+        self.add_rows(0, &mut all)?;
+        Tensor::from_vec(all, (rows, cols), device)
+    }
+
+    fn add(&mut self, part: Part) -> Result<()> {
+        // Two dense contributions become one tensor: no more full-size buffers than needed.
+        if let (Part::Dense(new), Some(at)) = (&part, self.parts.iter().position(|p| matches!(p, Part::Dense(_)))) {
+            let Part::Dense(old) = &self.parts[at] else { unreachable!() };
+            self.parts[at] = Part::Dense((old + new)?);
+            return Ok(());
+        }
+        self.parts.push(part);
+        Ok(())
+    }
+}
 
 #[derive(Debug, Clone, Default)]
-pub struct WeightGrads(Arc<Mutex<HashMap<String, Tensor>>>);
+pub struct WeightGrads(Arc<Mutex<HashMap<String, WeightGrad>>>);
 
 impl WeightGrads {
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// Adds `grad` to what `name` holds.
+    /// Adds a dense `grad` to what `name` holds.
     pub fn add(&self, name: &str, grad: Tensor) -> Result<()> {
+        self.add_part(name, Part::Dense(grad))
+    }
+
+    /// Adds a gradient made by rows to what `name` holds.
+    pub fn add_rows(&self, name: &str, grad: Arc<dyn GradRows>) -> Result<()> {
+        self.add_part(name, Part::Rows(grad))
+    }
+
+    fn add_part(&self, name: &str, part: Part) -> Result<()> {
         let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        let sum = match map.remove(name) {
-            Some(prev) => (prev + grad)?,
-            None => grad,
-        };
-        map.insert(name.to_string(), sum);
-        Ok(())
+        match map.get_mut(name) {
+            Some(g) => g.add(part),
+            None => {
+                map.insert(name.to_string(), WeightGrad { parts: vec![part] });
+                Ok(())
+            }
+        }
     }
 
     /// Takes `name`'s gradient out (None when no op deposited one).
-    pub fn take(&self, name: &str) -> Option<Tensor> {
+    pub fn take(&self, name: &str) -> Option<WeightGrad> {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).remove(name)
     }
 

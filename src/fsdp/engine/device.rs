@@ -4,7 +4,7 @@
 use candle_core::{DType, Tensor, Var};
 
 use super::host::HostShards;
-use super::shards::{AdamWStep, UnitCtx, UnitShards};
+use super::shards::{AdamWStep, UnitCtx, UnitShards, WeightGrad};
 use super::{GatherFor, StateBytes, StatePart};
 use crate::dist::Collective;
 use crate::fsdp::optim::{adamw_step_tensors, AdamWState, AdamWTensors};
@@ -65,9 +65,9 @@ impl UnitShards for DeviceShards {
         self.gather(cx, GatherFor::Compute)?.iter().map(|t| Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)).collect()
     }
 
-    fn add_grad(&mut self, _: &UnitCtx, i: usize, grad: Option<Tensor>) -> anyhow::Result<()> {
+    fn add_grad(&mut self, cx: &UnitCtx, i: usize, grad: Option<WeightGrad>) -> anyhow::Result<()> {
         let Some(g) = grad else { return Ok(()) };
-        let g = g.to_dtype(DType::F32)?.flatten_all()?;
+        let g = g.into_tensor(cx.device)?.to_device(cx.device)?.to_dtype(DType::F32)?.flatten_all()?;
         self.full_grads[i] = Some(match self.full_grads[i].take() {
             Some(prev) => (prev + g)?,
             None => g,

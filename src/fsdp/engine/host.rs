@@ -9,7 +9,7 @@
 
 use candle_core::{DType, Tensor, Var};
 
-use super::shards::{round_through, with_f32_slice, AdamWStep, UnitCtx, UnitShards};
+use super::shards::{round_through, with_f32_slice, AdamWStep, UnitCtx, UnitShards, WeightGrad};
 use super::{GatherFor, StateBytes, StatePart};
 use crate::dist::Collective;
 use crate::fsdp::optim::{adamw_step, sum_of_squares, AdamWState};
@@ -45,6 +45,37 @@ impl HostShards {
     /// State from its parts (the device storage's copy back).
     pub fn from_parts(master: Vec<Vec<f32>>, grad: Vec<Vec<f32>>, adam: Vec<AdamWState>) -> Self {
         Self { master, grad, adam, packed_grad: None }
+    }
+}
+
+/// Most values in one round of a gradient reduce-scattered by rows (8 MiB of f32).
+const ROUND_VALUES: usize = 1 << 21;
+
+impl HostShards {
+    /// Reduce-scatters parameter `i`'s gradient made by rows, in rounds: round `j` holds, for
+    /// every rank, the `j`-th slice of that rank's rows, so that no full-size copy of the
+    /// gradient exists (a (vocab, hidden) head or embedding gradient is the largest buffer of a
+    /// step otherwise). Every rank runs the same rounds.
+    fn add_grad_by_rows(&mut self, cx: &UnitCtx, i: usize, g: &WeightGrad) -> anyhow::Result<()> {
+        let p = &cx.plan.params[i];
+        let (rows, cols) = g.dims()?;
+        anyhow::ensure!(rows * cols == p.numel(), "{}: a gradient of {rows} x {cols} for {} values", p.spec.name, p.numel());
+        let shards = cx.shards();
+        if shards == 1 {
+            return Ok(g.add_rows(0, &mut self.grad[i])?);
+        }
+        let mine = rows / shards;
+        let per_round = (ROUND_VALUES / (cols * shards)).clamp(1, mine.max(1));
+        for first in (0..mine).step_by(per_round) {
+            let n = per_round.min(mine - first);
+            let mut round = vec![0f32; shards * n * cols];
+            for (k, slice) in round.chunks_mut(n * cols).enumerate() {
+                g.add_rows(k * mine + first, slice)?;
+            }
+            let part = cx.shard.reduce_scatter(&round)?;
+            add_into(&mut self.grad[i][first * cols..(first + n) * cols], &part);
+        }
+        Ok(())
     }
 }
 
@@ -98,17 +129,18 @@ impl UnitShards for HostShards {
         self.gather_for(cx, GatherFor::Compute)
     }
 
-    fn add_grad(&mut self, cx: &UnitCtx, i: usize, grad: Option<Tensor>) -> anyhow::Result<()> {
+    fn add_grad(&mut self, cx: &UnitCtx, i: usize, grad: Option<WeightGrad>) -> anyhow::Result<()> {
         let p = &cx.plan.params[i];
         let shards = cx.shards();
         if travels_alone(cx, p) {
-            match &grad {
+            match grad.as_ref().map(|g| (g, g.as_dense())) {
                 // One shard: the gradient is this rank's chunk.
-                Some(g) if shards == 1 => with_f32_slice(g, |g| add_into(&mut self.grad[i], g))?,
-                Some(g) => {
+                Some((_, Some(g))) if shards == 1 => with_f32_slice(g, |g| add_into(&mut self.grad[i], g))?,
+                Some((_, Some(g))) => {
                     let chunk = with_f32_slice(g, |g| cx.shard.reduce_scatter(g))??;
                     add_into(&mut self.grad[i], &chunk);
                 }
+                Some((g, None)) => self.add_grad_by_rows(cx, i, g)?,
                 // Every rank makes the collective, with zeros where no gradient came.
                 None if shards > 1 => {
                     let chunk = cx.shard.reduce_scatter(&vec![0.0; p.chunk_len() * shards])?;
@@ -119,6 +151,7 @@ impl UnitShards for HostShards {
             return Ok(());
         }
         let Some(g) = grad else { return Ok(()) };
+        let g = g.into_tensor(&candle_core::Device::Cpu)?;
         let (offsets, seg) = packed_layout(cx, true);
         let at = offsets[i].expect("a trainable packed parameter has an offset");
         let chunk = p.chunk_len();

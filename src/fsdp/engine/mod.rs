@@ -22,7 +22,7 @@ mod shards;
 mod state;
 mod step;
 
-use self::shards::{UnitCtx, UnitShards};
+use self::shards::{UnitCtx, UnitShards, WeightGrad};
 use super::optim::{clip_coefficient, AdamWConfig};
 use super::plan::{ShardingStrategy, UnitPlan};
 pub use crate::dist::ProcessGroups;
@@ -227,13 +227,19 @@ impl FsdpEngine {
 
     /// Gathers the units stage `s` reads, or refills those whose bytes were freed.
     fn ensure_gathered(&mut self, s: usize) -> Result<()> {
+        self.gather_stage(s, true)
+    }
+
+    /// As [`Self::ensure_gathered`], but with `refill` false a freed unit stays freed (its
+    /// tensors are there for the graph, their values are not needed).
+    fn gather_stage(&mut self, s: usize, refill: bool) -> Result<()> {
         for &u in &self.stage_units[s].clone() {
             if self.units[u].gathered.is_none() {
                 let unit = &self.units[u];
                 let tensors = unit.shards.gather(&unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device), GatherFor::Compute)?;
                 let named = unit.plan.params.iter().map(|p| p.spec.name.clone()).zip(tensors).collect();
                 self.units[u].gathered = Some(named);
-            } else if self.units[u].freed {
+            } else if self.units[u].freed && refill {
                 self.refill(u)?;
             }
         }
@@ -278,6 +284,14 @@ impl FsdpEngine {
     /// once, so FSDP2 and torchtitan keep the last unit gathered).
     fn reshard_after_forward(&self, u: usize, s: usize) -> bool {
         self.opts.strategy.reshard_after_forward() && s + 1 < self.model.num_stages() && !self.stage_units[s + 1].contains(&u)
+    }
+
+    /// Whether activation checkpointing recomputes stage `s` in its backward. A stage whose
+    /// backward reads no parameter (an embedding) keeps its forward graph instead where the
+    /// engine can free the parameters' bytes under it (the CPU; see `reshard`): the graph then
+    /// holds activations only, and the backward needs no gather.
+    fn recomputes(&self, s: usize) -> bool {
+        self.model.stage_backward_reads_params(s) || !self.device.is_cpu()
     }
 
     /// Whether stage `s` has a parameter to train.
@@ -342,7 +356,7 @@ impl FsdpEngine {
         for s in 0..n {
             self.ensure_gathered(s)?;
             inputs.push(x.clone());
-            if ac {
+            if ac && self.recomputes(s) {
                 // No Var anywhere: candle builds no graph.
                 x = self.model.forward_stage(s, &self.stage_params(s, false), &x, ctx)?;
             } else {
@@ -370,7 +384,10 @@ impl FsdpEngine {
                 self.finish_units_after_backward(s)?;
                 continue;
             }
-            self.ensure_gathered(s)?;
+            let recompute = ac && self.recomputes(s);
+            // A kept graph whose backward reads no parameter needs their tensors, not their
+            // values: freed ones stay freed.
+            self.gather_stage(s, recompute || self.model.stage_backward_reads_params(s))?;
             // The stage's parameters are the gathered tensors themselves: with activation
             // checkpointing the stage is recomputed over them (its forward built no graph).
             let wanted = self.model.stage_parameters(s);
@@ -382,7 +399,7 @@ impl FsdpEngine {
                     }
                 }
             }
-            let (out, input_var) = if ac {
+            let (out, input_var) = if recompute {
                 let input_var = if s == 0 { None } else { Some(Var::from_tensor(&inputs[s])?) };
                 let inp = input_var.as_ref().map(|v| v.as_tensor().clone()).unwrap_or_else(|| inputs[s].clone());
                 (self.model.forward_stage(s, &params, &inp, ctx)?, input_var)
@@ -407,6 +424,14 @@ impl FsdpEngine {
                 Some(v) => Some(grads.remove(v.as_tensor()).context("no gradient reached a stage input")?),
                 None => None,
             };
+            // Units whose backward is done free their gathered bytes before their gradients are
+            // reduced: some are made only now, a range of rows at a time (see
+            // `models::weight_grads`), and need the weights no more.
+            for u in self.stage_units[s].clone() {
+                if self.units[u].plan.first_stage == s {
+                    self.reshard(u)?;
+                }
+            }
             self.take_stage_grads(s, &params, &mut grads, &weight_grads)?;
             if let Some(name) = weight_grads.names().first() {
                 bail!("stage {s} left a gradient for {name}, which it does not read");
@@ -445,7 +470,7 @@ impl FsdpEngine {
             let cx = unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device);
             for (i, p) in unit.plan.params.iter().enumerate() {
                 let Some(param) = params.get(&p.spec.name).filter(|t| t.is_variable()) else { continue };
-                let g = sink.take(&p.spec.name).or_else(|| grads.remove(param));
+                let g = sink.take(&p.spec.name).or_else(|| grads.remove(param).map(WeightGrad::dense));
                 unit.shards.add_grad(&cx, i, g)?;
             }
         }

@@ -15,6 +15,7 @@ use super::{FsdpOptions, GatherFor, StateBytes, StatePart};
 use crate::dist::Collective;
 use crate::fsdp::optim::AdamWConfig;
 use crate::fsdp::plan::UnitPlan;
+pub(super) use models::weight_grads::WeightGrad;
 
 /// What a unit's storage needs to know to act: its plan, its shard group, the run's options.
 pub(super) struct UnitCtx<'a> {
@@ -53,10 +54,10 @@ pub(super) trait UnitShards: Send {
     /// refilled with (see `reshard`).
     fn gather_values(&self, cx: &UnitCtx) -> anyhow::Result<Vec<Vec<f32>>>;
 
-    /// Takes parameter `i`'s full gradient from a stage's backward (`None`: this backward gave
-    /// it none). Every rank calls it for the same parameters in the same order, since some
-    /// storage reduce-scatters here.
-    fn add_grad(&mut self, cx: &UnitCtx, i: usize, grad: Option<Tensor>) -> anyhow::Result<()>;
+    /// Takes parameter `i`'s gradient from a stage's backward (`None`: this backward gave it
+    /// none), whole or made by rows. Every rank calls it for the same parameters in the same
+    /// order, since some storage reduce-scatters here.
+    fn add_grad(&mut self, cx: &UnitCtx, i: usize, grad: Option<WeightGrad>) -> anyhow::Result<()>;
 
     /// After the unit's backward: reduce-scatters what `add_grad` collected and adds this
     /// rank's chunks to the gradient chunks.
