@@ -164,14 +164,26 @@ pub fn estimate(model: &dyn StagedModel, cfg: &ModelConfig, input: &EstimateInpu
         plan.iter().filter(|u| u.params.iter().any(|p| reads.contains(&p.spec.name))).map(full).sum::<u64>()
     });
     let gathered = if input.strategy.reshard_after_forward() { 2 * stage_units.max().unwrap_or(0) } else { plan.iter().map(full).sum() };
-    // Backward of the largest unit: full weight gradients (all of its weights) + packed
-    // trainable gradients for reduce-scatter + this rank's reduced slice.
-    let backward = plan.iter().map(|u| full(u) + trained_full(u) + trained_full(u) / input.shard_size as u64).max().unwrap_or(0);
+    // Vocabulary-sized weights that travel alone get their gradients as rows, reduce-scattered a
+    // round at a time (`models::weight_grads`): no full-size gradient. The embedding's always;
+    // the head's while the logit gradients it keeps instead, (tokens, vocab), are no larger
+    // than dW (tokens <= hidden).
+    let (vocab, hidden, tokens) = (cfg.vocab_size, cfg.hidden_size, input.batch_size * input.seq_len);
+    let vocab_travels_alone = crate::fsdp::engine::travels_alone_shape(vocab * hidden, vocab, input.shard_size);
+    let head_names = model.stage_parameters(model.num_stages() - 1);
+    let by_rows = |p: &crate::fsdp::plan::ParamLayout| p.rows == vocab && vocab_travels_alone && (tokens <= hidden || !head_names.contains(&p.spec.name));
+    let head_by_rows = plan.iter().flat_map(|u| &u.params).filter(|p| p.rows == vocab && head_names.contains(&p.spec.name)).all(by_rows);
+    // Backward of the largest unit: full weight gradients (all of its weights but those made
+    // by rows) + packed trainable gradients for reduce-scatter + this rank's reduced slice.
+    let dense_full = |u: &UnitPlan| u.params.iter().filter(|p| !by_rows(p)).map(|p| p.numel() as u64 * 4).sum::<u64>();
+    let dense_trained = |u: &UnitPlan| if u.params.iter().any(by_rows) { dense_full(u) } else { trained_full(u) };
+    let backward = plan.iter().map(|u| dense_full(u) + dense_trained(u) + dense_trained(u) / input.shard_size as u64).max().unwrap_or(0);
     let temporaries = match input.lora {
             // The frozen base weights' products leave no such temporaries (measured: with them
             // counted, the two-rank LoRA runs of tests/estimate.rs come out 20% high).
             Some(_) => 0,
-            None => (WEIGHT_GRAD_TEMPORARIES * largest.max(4 * (cfg.vocab_size * cfg.hidden_size) as u64) as f64) as u64,
+            None if head_by_rows => (WEIGHT_GRAD_TEMPORARIES * largest as f64) as u64,
+            None => (WEIGHT_GRAD_TEMPORARIES * largest.max(4 * (vocab * hidden) as u64) as f64) as u64,
         };
     let layers = cfg.num_hidden_layers as f64;
     let layer = layer_activation_bytes(cfg, input.lora.as_ref(), input.batch_size, input.seq_len);

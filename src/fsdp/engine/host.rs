@@ -82,7 +82,13 @@ impl HostShards {
 /// Whether `p` is gathered and reduce-scattered in its own collective: f32 gradients, and rows
 /// that divide evenly over the shards, so that the gradient tensor is already rank-major.
 fn travels_alone(cx: &UnitCtx, p: &ParamLayout) -> bool {
-    cx.opts.reduce_dtype == DType::F32 && p.numel() >= LARGE_PARAM && p.rows % cx.shards() == 0
+    cx.opts.reduce_dtype == DType::F32 && travels_alone_shape(p.numel(), p.rows, cx.shards())
+}
+
+/// Whether a parameter of `numel` values in `rows` rows, sharded over `shards` ranks, travels
+/// alone with f32 gradients (`estimate` asks too).
+pub fn travels_alone_shape(numel: usize, rows: usize, shards: usize) -> bool {
+    numel >= LARGE_PARAM && rows % shards == 0
 }
 
 /// Offsets of the packed parameters in a rank's segment of the packed buffer (`None` for those

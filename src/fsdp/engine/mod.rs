@@ -27,6 +27,7 @@ use super::optim::{clip_coefficient, AdamWConfig};
 use super::plan::{ShardingStrategy, UnitPlan};
 pub use crate::dist::ProcessGroups;
 pub use state::ParamSource;
+pub use host::travels_alone_shape;
 
 
 #[derive(Debug, Clone, Copy)]
