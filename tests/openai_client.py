@@ -62,6 +62,19 @@ for exc, call in [
     except exc as e:
         check(e.body is not None and "message" in e.body, f"{exc.__name__} body {e.body}")
 
+# What the server does not implement is a BadRequestError naming it, never a silent 200.
+for param, call in [
+    ("foo_bar", lambda: client.chat.completions.create(model=model, messages=msgs, max_tokens=2, extra_body={"foo_bar": 1})),
+    ("tools", lambda: client.chat.completions.create(model=model, messages=msgs, max_tokens=2,
+                                                     tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])),
+    ("suffix", lambda: client.completions.create(model=model, prompt="x", max_tokens=2, suffix="y")),
+]:
+    try:
+        call()
+        check(False, f"expected BadRequestError for {param}")
+    except openai.BadRequestError as e:
+        check(e.body.get("param") == param and param in e.body.get("message", ""), f"{param}: {e.body}")
+
 # Fine-tuning: upload, create, wait, events, list, chat with the result, cancel another.
 uploaded = client.files.create(file=open(os.environ["TRAIN_FILE"], "rb"), purpose="fine-tune")
 check(uploaded.id.startswith("file-") and uploaded.purpose == "fine-tune", f"files.create: {uploaded}")
@@ -83,6 +96,13 @@ check(any(j.id == job.id for j in client.fine_tuning.jobs.list(limit=10).data), 
 check(any(m.id == got.fine_tuned_model for m in client.models.list().data), "the fine-tuned model is listed")
 answer = client.chat.completions.create(model=got.fine_tuned_model, messages=msgs, max_tokens=3)
 check(answer.model == got.fine_tuned_model, f"chat with the fine-tuned model: {answer}")
+for param, extra in [("method.type", {"method": {"type": "dpo"}}), ("integrations", {"integrations": [{"type": "wandb", "wandb": {"project": "p"}}]}),
+                     ("fsdp_app.foo", {"fsdp_app": {"foo": 1}})]:
+    try:
+        client.fine_tuning.jobs.create(model=model, training_file=uploaded.id, extra_body=extra)
+        check(False, f"expected BadRequestError for {param}")
+    except openai.BadRequestError as e:
+        check(e.body.get("param") == param, f"{param}: {e.body}")
 longer = client.fine_tuning.jobs.create(model=model, training_file=uploaded.id, hyperparameters={"n_epochs": 50},
                                         extra_body={"fsdp_app": {"seq_len": 128, "max_steps": 100000}})
 check(client.fine_tuning.jobs.cancel(longer.id).status == "cancelled", "jobs.cancel")

@@ -95,6 +95,22 @@ impl CausalLm {
     /// Feeds `input_ids` (batch, new_tokens) after the cached positions and returns the logits of
     /// the last new position, (batch, vocab). Uses fused forward-only ops.
     pub fn forward_cached(&self, input_ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        let h = self.hidden_cached(input_ids, cache)?;
+        let t = h.dim(1)?;
+        let h = self.norm.forward(&h.narrow(1, t - 1, 1)?, OpMode::Generate)?;
+        self.logits(&h)?.squeeze(1)
+    }
+
+    /// As [`Self::forward_cached`], with the logits of every new position, (batch, new_tokens,
+    /// vocab): to score a prompt as it is fed.
+    pub fn forward_cached_all(&self, input_ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        let h = self.hidden_cached(input_ids, cache)?;
+        let h = self.norm.forward(&h, OpMode::Generate)?;
+        self.logits(&h)
+    }
+
+    /// The last layer's hidden states of the new positions, the cache extended by them.
+    fn hidden_cached(&self, input_ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
         let (_b, t) = input_ids.dims2()?;
         let offset = cache.seq_len();
         let pos = self.position_inputs(offset, t, OpMode::Generate)?;
@@ -102,9 +118,7 @@ impl CausalLm {
         for (layer, layer_cache) in self.layers.iter().zip(cache.layers.iter_mut()) {
             h = layer.forward(&h, &pos, Some(layer_cache))?;
         }
-        let h = h.narrow(1, t - 1, 1)?;
-        let h = self.norm.forward(&h, OpMode::Generate)?;
-        self.logits(&h)?.squeeze(1)
+        Ok(h)
     }
 
     /// One new token for each of several independent sequences, each with its own cache (which

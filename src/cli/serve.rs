@@ -42,6 +42,11 @@ pub struct ServeArgs {
     /// Largest request body in bytes (file uploads: up to 512 MiB).
     #[arg(long, default_value_t = 4 << 20)]
     max_body_bytes: usize,
+    /// Ignore request fields this server does not implement (tools, response_format, unknown
+    /// keys), listing them in the `x-fsdp-app-ignored-params` response header, instead of
+    /// answering 400 naming them.
+    #[arg(long)]
+    lenient: bool,
     /// Where the models compute: cpu, cuda (GPU 0) or cuda:N (CUDA build).
     #[arg(long, default_value = "cpu")]
     device: String,
@@ -69,6 +74,7 @@ impl TryFrom<ServeArgs> for ServeConfig {
             max_input_tokens: a.max_input_tokens,
             max_total_tokens: a.max_total_tokens,
             max_body_bytes: a.max_body_bytes,
+            lenient: a.lenient,
             data_dir: a.data_dir,
             device: a.device.parse()?,
             dtype: parse_dtype(&a.dtype).context("--dtype")?,

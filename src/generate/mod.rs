@@ -103,6 +103,13 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     /// Report the sampled token's log-probability and this many top alternatives.
     pub logprobs: Option<usize>,
+    /// OpenAI's `logit_bias`: added to these tokens' logits before sampling (-100 bans a
+    /// token, 100 all but forces it).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Score the prompt too: each prompt token's log-probability given the tokens before it
+    /// (none for the first) with this many top alternatives, in the first step's
+    /// `prompt_logprobs` (OpenAI's `echo` with `logprobs`).
+    pub prompt_logprobs: Option<usize>,
 }
 
 impl SamplingParams {
@@ -120,6 +127,8 @@ impl SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             logprobs: None,
+            logit_bias: vec![],
+            prompt_logprobs: None,
         }
     }
 }
@@ -219,6 +228,8 @@ pub struct SequenceStep {
     pub logprob: Option<TokenLogprob>,
     /// Set when the sequence is done.
     pub finished: Option<FinishReason>,
+    /// On the first step, with `SamplingParams::prompt_logprobs`: prompt tokens 1.. scored.
+    pub prompt_logprobs: Option<Vec<TokenLogprob>>,
 }
 
 /// Log-probabilities (natural log, of the distribution after penalties, before temperature) of
@@ -230,8 +241,14 @@ pub struct TokenLogprob {
     pub top: Vec<(u32, f32)>,
 }
 
-/// Applies OpenAI's presence/frequency penalties and min-p filtering to `logits`.
+/// Applies OpenAI's logit bias and presence/frequency penalties, then min-p filtering, to
+/// `logits`.
 fn adjust_logits(logits: &mut [f32], generated: &[u32], params: &SamplingParams) {
+    for &(t, bias) in &params.logit_bias {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l += bias;
+        }
+    }
     if params.presence_penalty != 0.0 || params.frequency_penalty != 0.0 {
         let mut counts: std::collections::HashMap<u32, usize> = std::collections::HashMap::new();
         for &t in generated {
@@ -318,6 +335,16 @@ impl Sequence {
             return Ok(done);
         }
         let input = Tensor::new(self.pending.as_slice(), model.device())?.unsqueeze(0)?;
+        if let (Some(top), 0) = (self.params.prompt_logprobs, self.cache.seq_len()) {
+            // The prompt's logits at every position: position i scores prompt token i + 1.
+            let all = model.forward_cached_all(&input, &mut self.cache)?.squeeze(0)?.to_dtype(DType::F32)?;
+            let t = all.dim(0)?;
+            let rows = all.to_vec2::<f32>()?;
+            let scored = (0..t - 1).map(|i| token_logprob(&rows[i], self.pending[i + 1], top)).collect();
+            let mut step = self.accept(all.get(t - 1)?, tokenizer)?;
+            step.prompt_logprobs = Some(scored);
+            return Ok(step);
+        }
         let logits = model.forward_cached(&input, &mut self.cache)?.squeeze(0)?;
         self.accept(logits, tokenizer)
     }
@@ -325,7 +352,7 @@ impl Sequence {
     /// The step of a sequence that has nothing left to run, if it is one.
     fn done_step(&mut self) -> Option<SequenceStep> {
         if let Some(f) = self.finish {
-            return Some(SequenceStep { text: String::new(), token: None, logprob: None, finished: Some(f) });
+            return Some(SequenceStep { text: String::new(), token: None, logprob: None, finished: Some(f), prompt_logprobs: None });
         }
         if self.generated.len() >= self.budget {
             return Some(self.end(FinishReason::Length, None));
@@ -349,7 +376,7 @@ impl Sequence {
             logits
         };
         let p = &self.params;
-        let needs_values = p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 || p.min_p.is_some_and(|m| m > 0.0) || p.logprobs.is_some();
+        let needs_values = p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 || p.min_p.is_some_and(|m| m > 0.0) || p.logprobs.is_some() || !p.logit_bias.is_empty();
         let (logits, values) = if needs_values {
             let mut v = logits.to_vec1::<f32>()?;
             adjust_logits(&mut v, &self.generated, p);
@@ -372,7 +399,7 @@ impl Sequence {
         let step = self.stream.push(&self.full_text);
         if step.stopped {
             self.finish = Some(FinishReason::Stop);
-            return Ok(SequenceStep { text: step.text, token: Some(next), logprob, finished: self.finish });
+            return Ok(SequenceStep { text: step.text, token: Some(next), logprob, finished: self.finish, prompt_logprobs: None });
         }
         if self.generated.len() >= self.budget {
             let mut out = self.end(FinishReason::Length, Some(next));
@@ -380,14 +407,14 @@ impl Sequence {
             out.logprob = logprob;
             return Ok(out);
         }
-        Ok(SequenceStep { text: step.text, token: Some(next), logprob, finished: None })
+        Ok(SequenceStep { text: step.text, token: Some(next), logprob, finished: None, prompt_logprobs: None })
     }
 
     /// Ends the sequence at eos or the length limit: text held back for a possible stop string
     /// is released, since no stop string can complete any more.
     fn end(&mut self, reason: FinishReason, token: Option<u32>) -> SequenceStep {
         self.finish = Some(reason);
-        SequenceStep { text: self.stream.finish(&self.full_text), token, logprob: None, finished: Some(reason) }
+        SequenceStep { text: self.stream.finish(&self.full_text), token, logprob: None, finished: Some(reason), prompt_logprobs: None }
     }
 }
 

@@ -27,6 +27,8 @@ pub struct Job {
 /// What the engine reports about a sequence.
 #[derive(Debug, Clone)]
 pub enum Event {
+    /// The prompt's tokens 1.. scored (first, when asked for).
+    PromptLogprobs(Vec<TokenLogprob>),
     Delta { text: String, logprob: Option<TokenLogprob> },
     Done { finish: FinishReason, prompt_tokens: usize, completion_tokens: usize },
     Error(String),
@@ -126,6 +128,9 @@ fn run(
                     }
                     if step.token.is_some() {
                         metrics.generated_tokens(1);
+                    }
+                    if let Some(scored) = step.prompt_logprobs {
+                        let _ = r.job.events.send(Event::PromptLogprobs(scored));
                     }
                     if !step.text.is_empty() || step.logprob.is_some() {
                         let _ = r.job.events.send(Event::Delta { text: step.text, logprob: step.logprob });

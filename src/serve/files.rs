@@ -38,9 +38,10 @@ pub fn validate_jsonl(bytes: &[u8]) -> Result<usize, ApiError> {
     Ok(rows)
 }
 
-pub async fn upload(State(st): State<Arc<AppState>>, multipart: Result<Multipart, axum::extract::multipart::MultipartRejection>) -> Result<Json<Value>, ApiError> {
+pub async fn upload(State(st): State<Arc<AppState>>, multipart: Result<Multipart, axum::extract::multipart::MultipartRejection>) -> Result<axum::response::Response, ApiError> {
     let mut multipart = multipart.map_err(|e| ApiError::bad_request(format!("Expected a multipart/form-data body: {}", e.body_text())))?;
     let (mut purpose, mut file): (Option<String>, Option<(String, Vec<u8>)>) = (None, None);
+    let mut ignored = vec![];
     while let Some(field) = multipart.next_field().await.map_err(|e| ApiError::bad_request(format!("Malformed multipart body: {e}")))? {
         match field.name() {
             Some("purpose") => purpose = Some(field.text().await.map_err(|e| ApiError::invalid("purpose", e.to_string()))?),
@@ -49,7 +50,14 @@ pub async fn upload(State(st): State<Arc<AppState>>, multipart: Result<Multipart
                 let bytes = field.bytes().await.map_err(|e| ApiError::invalid("file", e.to_string()))?;
                 file = Some((name, bytes.to_vec()));
             }
-            _ => {}
+            // OpenAI's upload takes `file` and `purpose` only.
+            other => {
+                let name = other.unwrap_or("(unnamed)").to_string();
+                if !st.lenient {
+                    return Err(ApiError::invalid(&name, format!("Unrecognized request argument supplied: {name}")).with_code("unsupported_parameter"));
+                }
+                ignored.push(name);
+            }
         }
     }
     match purpose.as_deref() {
@@ -61,7 +69,8 @@ pub async fn upload(State(st): State<Arc<AppState>>, multipart: Result<Multipart
     validate_jsonl(&bytes)?;
     // The client's file name is only a label: the stored path is the server's choice.
     let label: String = name.chars().filter(|c| !c.is_control()).take(255).collect();
-    Ok(Json(st.store.add_file(&label, "fine-tune", &bytes).map_err(internal)?))
+    let resp = Json(st.store.add_file(&label, "fine-tune", &bytes).map_err(internal)?).into_response();
+    Ok(super::routes::with_ignored(resp, &ignored))
 }
 
 pub async fn list(State(st): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {

@@ -43,15 +43,37 @@ impl Wakeup {
     }
 }
 
-/// `hyperparameters` (or `method.supervised.hyperparameters`): n_epochs, batch_size and
-/// learning_rate_multiplier, each a number or "auto".
-fn hyperparameters(v: &Value) -> Result<Value, ApiError> {
-    let h = v
-        .get("hyperparameters")
-        .filter(|x| !x.is_null())
-        .or_else(|| v.pointer("/method/supervised/hyperparameters"))
-        .cloned()
-        .unwrap_or(json!({}));
+/// `method`: `{"type": "supervised", "supervised": {"hyperparameters": {...}}}`, OpenAI's
+/// form; DPO and reinforcement fine-tuning are not implemented. Returns the method's
+/// hyperparameters, if it gives any.
+fn method(v: &Value, lenient: bool) -> Result<Option<Value>, ApiError> {
+    let Some(m) = v.get("method").filter(|x| !x.is_null()) else { return Ok(None) };
+    if !m.is_object() {
+        return Err(ApiError::invalid("method", "`method` must be an object such as {\"type\": \"supervised\"}."));
+    }
+    match m.get("type").and_then(Value::as_str) {
+        Some("supervised") => {}
+        Some(t @ ("dpo" | "reinforcement")) => {
+            return Err(ApiError::invalid("method.type", format!("`method.type` {t:?} is not supported by this server; use \"supervised\".")).with_code("unsupported_parameter"))
+        }
+        _ => return Err(ApiError::invalid("method.type", "`method.type` must be \"supervised\".")),
+    }
+    super::fields::check(m, &["type", "supervised"], "method", lenient)?;
+    let Some(s) = m.get("supervised").filter(|x| !x.is_null()) else { return Ok(None) };
+    super::fields::check(s, &["hyperparameters"], "method.supervised", lenient)?;
+    Ok(s.get("hyperparameters").filter(|x| !x.is_null()).cloned())
+}
+
+/// `hyperparameters` (or `method.supervised.hyperparameters`, not both): n_epochs, batch_size
+/// and learning_rate_multiplier, each a number or "auto".
+fn hyperparameters(v: &Value, lenient: bool) -> Result<Value, ApiError> {
+    let top = v.get("hyperparameters").filter(|x| !x.is_null()).cloned();
+    let h = match (top, method(v, lenient)?) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid("hyperparameters", "Give `hyperparameters` or `method.supervised.hyperparameters`, not both."))
+        }
+        (h, m) => h.or(m).unwrap_or(json!({})),
+    };
     if !h.is_object() {
         return Err(ApiError::invalid("hyperparameters", "`hyperparameters` must be an object."));
     }
@@ -82,9 +104,10 @@ fn hyperparameters(v: &Value) -> Result<Value, ApiError> {
 }
 
 /// Our extensions, under `fsdp_app`: world_size, seq_len, max_steps, lora {r, alpha, dropout, targets}.
-fn extensions(v: &Value) -> Result<Value, ApiError> {
+fn extensions(v: &Value, lenient: bool) -> Result<Value, ApiError> {
     let Some(e) = v.get("fsdp_app").filter(|x| !x.is_null()) else { return Ok(json!({"world_size": 1, "seq_len": 512, "max_steps": null, "lora": null})) };
     let f = Fields::of(e).map_err(|_| ApiError::invalid("fsdp_app", "`fsdp_app` must be an object."))?;
+    super::fields::check(e, super::fields::JOB_EXTENSION, "fsdp_app", lenient)?;
     let named = |err: ApiError| ApiError { param: err.param.map(|p| format!("fsdp_app.{p}")), ..err };
     let world = f.integer("world_size", 1, 16).map_err(named)?.unwrap_or(1);
     let seq = f.integer("seq_len", 16, 32768).map_err(named)?.unwrap_or(512);
@@ -93,6 +116,7 @@ fn extensions(v: &Value) -> Result<Value, ApiError> {
         None => Value::Null,
         Some(l) => {
             let lf = Fields::of(l).map_err(|_| ApiError::invalid("fsdp_app.lora", "`lora` must be an object."))?;
+            super::fields::check(l, super::fields::JOB_LORA, "fsdp_app.lora", lenient)?;
             let named = |err: ApiError| ApiError { param: err.param.map(|p| format!("fsdp_app.lora.{p}")), ..err };
             let targets: Vec<String> = match lf.value("targets") {
                 None => vec!["q_proj".into(), "v_proj".into()],
@@ -117,6 +141,7 @@ fn extensions(v: &Value) -> Result<Value, ApiError> {
 pub async fn create(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>) -> Result<Response, ApiError> {
     let v = super::request::json_body(body, st.max_body_bytes)?;
     let f = Fields::of(&v)?;
+    let ignored = super::fields::check(&v, super::fields::JOB, "", st.lenient)?;
     let model = f.string("model")?.ok_or_else(|| ApiError::invalid("model", "`model` is required."))?;
     if model != st.base_id {
         return Err(ApiError::invalid("model", format!("This server fine-tunes `{}` only.", st.base_id)).with_code("model_not_available"));
@@ -144,8 +169,8 @@ pub async fn create(State(st): State<Arc<AppState>>, headers: HeaderMap, body: R
         model: model.to_string(),
         training_file,
         validation_file,
-        hyperparameters: hyperparameters(&v)?,
-        extensions: extensions(&v)?,
+        hyperparameters: hyperparameters(&v, st.lenient)?,
+        extensions: extensions(&v, st.lenient)?,
         suffix,
         seed,
     };
@@ -170,7 +195,7 @@ pub async fn create(State(st): State<Arc<AppState>>, headers: HeaderMap, body: R
             .with_code("idempotency_key_reused"))
         }
     };
-    Ok((StatusCode::OK, Json(row.to_json())).into_response())
+    Ok(super::routes::with_ignored((StatusCode::OK, Json(row.to_json())).into_response(), &ignored))
 }
 
 fn page(q: &HashMap<String, String>) -> Result<(Option<String>, usize), ApiError> {

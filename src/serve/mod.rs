@@ -4,6 +4,7 @@
 
 pub mod engine;
 pub mod error;
+pub mod fields;
 pub mod files;
 pub mod ids;
 pub mod jobs;
@@ -49,6 +50,9 @@ pub struct ServeConfig {
     pub max_input_tokens: Option<usize>,
     pub max_total_tokens: Option<usize>,
     pub max_body_bytes: usize,
+    /// Ignore request fields this server does not implement (listed in a response header)
+    /// instead of answering 400 (see `fields`).
+    pub lenient: bool,
     /// Where files, jobs (SQLite) and fine-tuned models live.
     pub data_dir: PathBuf,
     /// Where and in which dtype the models compute.
@@ -93,6 +97,7 @@ pub struct AppState {
     pub max_concurrent: usize,
     pub max_queue: usize,
     pub max_body_bytes: usize,
+    pub lenient: bool,
     pub limit_input: Option<usize>,
     pub limit_total: Option<usize>,
     pub api_key: Option<String>,
@@ -165,40 +170,40 @@ impl ServedModel {
         self.tokenizer.encode(&text, false).map_err(|e| ApiError::bad_request(format!("{e:#}")))
     }
 
-    /// OpenAI's logprobs object: chat (`content`: a list) or completions (parallel lists).
-    pub fn logprobs_json(&self, lps: &[crate::generate::TokenLogprob], chat: bool) -> Value {
-        let text = |id: u32| self.tokenizer.decode(&[id], false).unwrap_or_default();
-        if chat {
-            let content: Vec<Value> = lps
-                .iter()
-                .map(|l| {
-                    let t = text(l.token);
-                    json!({
-                        "token": t, "logprob": l.logprob, "bytes": t.as_bytes(),
-                        "top_logprobs": l.top.iter().map(|(id, lp)| { let s = text(*id); json!({"token": s, "logprob": lp, "bytes": s.as_bytes()}) }).collect::<Vec<_>>(),
-                    })
-                })
-                .collect();
-            json!({"content": content})
-        } else {
-            let mut offset = 0;
-            let mut offsets = vec![];
-            let tokens: Vec<String> = lps
-                .iter()
-                .map(|l| {
-                    let t = text(l.token);
-                    offsets.push(offset);
-                    offset += t.len();
-                    t
-                })
-                .collect();
-            json!({
-                "tokens": tokens,
-                "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
-                "top_logprobs": lps.iter().map(|l| l.top.iter().map(|(id, lp)| (text(*id), json!(lp))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
-                "text_offset": offsets,
-            })
+    /// Completions' `logprobs` for tokens scored or not (`None`: the prompt's first token, which
+    /// nothing before it scores): `text_offset` counts characters of the returned text, from
+    /// `start` (where the first of these tokens begins in it). Returns the object and where
+    /// the next token would begin. Prompt tokens are shown with special tokens as "" (they are
+    /// not in the echoed prompt text); generated ones as decoded.
+    pub fn completion_logprobs_json(&self, tokens: &[(u32, Option<&crate::generate::TokenLogprob>)], start: usize, prompt: bool) -> (Value, usize) {
+        let text = |id: u32| self.tokenizer.decode(&[id], prompt).unwrap_or_default();
+        let mut offset = start;
+        let (mut strings, mut offsets, mut lps, mut tops) = (vec![], vec![], vec![], vec![]);
+        for (id, lp) in tokens {
+            let t = text(*id);
+            offsets.push(offset);
+            offset += t.chars().count();
+            strings.push(t);
+            lps.push(lp.map(|l| json!(l.logprob)).unwrap_or(Value::Null));
+            tops.push(lp.map(|l| Value::Object(l.top.iter().map(|(id, lp)| (self.tokenizer.decode(&[*id], false).unwrap_or_default(), json!(lp))).collect())).unwrap_or(Value::Null));
         }
+        (json!({"tokens": strings, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}), offset)
+    }
+
+    /// Chat's `logprobs`: `{"content": [{token, logprob, bytes, top_logprobs}]}`.
+    pub fn chat_logprobs_json(&self, lps: &[crate::generate::TokenLogprob]) -> Value {
+        let text = |id: u32| self.tokenizer.decode(&[id], false).unwrap_or_default();
+        let content: Vec<Value> = lps
+            .iter()
+            .map(|l| {
+                let t = text(l.token);
+                json!({
+                    "token": t, "logprob": l.logprob, "bytes": t.as_bytes(),
+                    "top_logprobs": l.top.iter().map(|(id, lp)| { let s = text(*id); json!({"token": s, "logprob": lp, "bytes": s.as_bytes()}) }).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        json!({"content": content})
     }
 }
 
@@ -332,6 +337,7 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
         max_concurrent,
         max_queue: cfg.max_queue,
         max_body_bytes: cfg.max_body_bytes,
+        lenient: cfg.lenient,
         limit_input: cfg.max_input_tokens,
         limit_total: cfg.max_total_tokens,
         api_key: cfg.api_key.clone(),

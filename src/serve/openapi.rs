@@ -3,7 +3,7 @@
 
 pub const SPEC: &str = r##"{
   "openapi": "3.0.3",
-  "info": {"title": "fsdp-app serve", "version": "0.1.0", "description": "OpenAI-compatible generation API."},
+  "info": {"title": "fsdp-app serve", "version": "0.1.0", "description": "OpenAI-compatible generation API. Request fields not listed here are refused with 400 naming them (param), unless the server runs with --lenient, which ignores them and lists them in the x-fsdp-app-ignored-params response header."},
   "components": {
     "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
     "schemas": {
@@ -17,15 +17,17 @@ pub const SPEC: &str = r##"{
         "seed": {"type": "integer"}, "n": {"type": "integer", "minimum": 1, "maximum": 8}, "stream": {"type": "boolean"},
         "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
         "stop": {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "maxItems": 4, "items": {"type": "string", "minLength": 1}}]},
+        "logit_bias": {"type": "object", "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
         "user": {"type": "string"}}},
       "CompletionRequest": {"allOf": [{"$ref": "#/components/schemas/Sampling"}, {"type": "object", "required": ["model", "prompt"], "properties": {
         "model": {"type": "string"}, "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}}]},
-        "echo": {"type": "boolean"}, "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}}]},
+        "echo": {"type": "boolean"}, "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}, "best_of": {"type": "integer", "minimum": 1, "maximum": 8}}}]},
       "ChatRequest": {"allOf": [{"$ref": "#/components/schemas/Sampling"}, {"type": "object", "required": ["model", "messages"], "properties": {
         "model": {"type": "string"}, "max_completion_tokens": {"type": "integer", "minimum": 1},
         "logprobs": {"type": "boolean"}, "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
-        "messages": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role", "content"], "properties": {
-          "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]}, "content": {"type": "string"}}}}}}]}
+        "messages": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role", "content"], "additionalProperties": false, "properties": {
+          "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+          "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}]}}}}}}]}
     }
   },
   "security": [{"bearer": []}],
@@ -66,7 +68,9 @@ pub const SPEC: &str = r##"{
       "post": {"parameters": [{"name": "Idempotency-Key", "in": "header", "schema": {"type": "string"}}],
         "requestBody": {"required": true, "content": {"application/json": {"schema": {"type": "object", "required": ["model", "training_file"], "properties": {
           "model": {"type": "string"}, "training_file": {"type": "string"}, "validation_file": {"type": "string"}, "suffix": {"type": "string", "maxLength": 64},
-          "seed": {"type": "integer", "minimum": 0}, "hyperparameters": {"type": "object", "properties": {
+          "seed": {"type": "integer", "minimum": 0},
+          "method": {"type": "object", "required": ["type"], "properties": {"type": {"type": "string", "enum": ["supervised"]}, "supervised": {"type": "object", "properties": {"hyperparameters": {"type": "object"}}}}},
+          "hyperparameters": {"type": "object", "properties": {
             "n_epochs": {"oneOf": [{"type": "integer", "minimum": 1, "maximum": 50}, {"type": "string", "enum": ["auto"]}]},
             "batch_size": {"oneOf": [{"type": "integer", "minimum": 1, "maximum": 256}, {"type": "string", "enum": ["auto"]}]},
             "learning_rate_multiplier": {"oneOf": [{"type": "number", "minimum": 0.001, "maximum": 100}, {"type": "string", "enum": ["auto"]}]}}},
@@ -95,5 +99,31 @@ mod tests {
         for p in ["/health", "/metrics", "/info", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/files", "/v1/fine_tuning/jobs"] {
             assert!(v["paths"].get(p).is_some(), "{p}");
         }
+    }
+
+    /// The fields the spec lists are the fields the server accepts (`fields`), no more, no less.
+    #[test]
+    fn the_spec_lists_the_accepted_fields() {
+        use std::collections::BTreeSet;
+        let v: serde_json::Value = serde_json::from_str(super::SPEC).unwrap();
+        let props = |schema: &serde_json::Value| -> BTreeSet<String> {
+            let mut out = BTreeSet::new();
+            for part in schema.get("allOf").and_then(|a| a.as_array()).cloned().unwrap_or_else(|| vec![schema.clone()]) {
+                let part = match part.get("$ref").and_then(|r| r.as_str()) {
+                    Some(r) => v["components"]["schemas"][r.rsplit('/').next().unwrap()].clone(),
+                    None => part,
+                };
+                out.extend(part["properties"].as_object().unwrap().keys().cloned());
+            }
+            out
+        };
+        let set = |f: &[&str]| f.iter().map(|s| s.to_string()).collect::<BTreeSet<_>>();
+        let schemas = &v["components"]["schemas"];
+        assert_eq!(props(&schemas["CompletionRequest"]), set(crate::serve::fields::COMPLETIONS));
+        assert_eq!(props(&schemas["ChatRequest"]), set(crate::serve::fields::CHAT));
+        assert_eq!(props(&schemas["ChatRequest"]["allOf"][1]["properties"]["messages"]["items"]), set(crate::serve::fields::MESSAGE));
+        let job = &v["paths"]["/v1/fine_tuning/jobs"]["post"]["requestBody"]["content"]["application/json"]["schema"];
+        assert_eq!(props(job), set(crate::serve::fields::JOB));
+        assert_eq!(props(&job["properties"]["fsdp_app"]), set(crate::serve::fields::JOB_EXTENSION));
     }
 }

@@ -15,6 +15,8 @@ use crate::tokenize::ChatMessage;
 pub const MAX_N: usize = 8;
 /// The most stop strings (OpenAI's limit).
 pub const MAX_STOP: usize = 4;
+/// The most `logit_bias` entries.
+pub const MAX_LOGIT_BIAS: usize = 1024;
 
 /// What a completion or chat request asks for, checked.
 #[derive(Debug, Clone)]
@@ -140,6 +142,12 @@ pub fn parse_common(v: &Value, defaults: &ModelDefaults, chat: bool) -> Result<G
     };
     let seed = f.integer("seed", i64::MIN, i64::MAX)?.map(|s| s as u64);
     let n = f.integer("n", 1, MAX_N as i64)?.unwrap_or(1) as usize;
+    // best_of = n is n choices; ranking more candidates than are returned is not implemented.
+    if let Some(b) = f.integer("best_of", 1, MAX_N as i64)? {
+        if b as usize != n {
+            return Err(ApiError::invalid("best_of", format!("`best_of` other than `n` ({n}) is not supported by this server.")).with_code("unsupported_parameter"));
+        }
+    }
     let stop: Vec<String> = match f.value("stop") {
         None => vec![],
         Some(Value::String(s)) if !s.is_empty() => vec![s.clone()],
@@ -188,8 +196,27 @@ pub fn parse_common(v: &Value, defaults: &ModelDefaults, chat: bool) -> Result<G
         presence_penalty,
         frequency_penalty,
         logprobs,
+        logit_bias: vec![],
+        prompt_logprobs: None,
     };
     Ok(GenerationRequest { model, max_tokens, params, n, stream, include_usage, echo })
+}
+
+/// `logit_bias`: an object from token ids (as strings, OpenAI's form) to a bias in [-100, 100].
+pub fn parse_logit_bias(v: &Value, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    const P: &str = "logit_bias";
+    let Some(bias) = Fields::of(v)?.value(P) else { return Ok(vec![]) };
+    let Value::Object(map) = bias else { return Err(ApiError::invalid(P, "`logit_bias` must be an object from token ids to numbers in [-100, 100].")) };
+    if map.len() > MAX_LOGIT_BIAS {
+        return Err(ApiError::invalid(P, format!("`logit_bias` has {} entries; at most {MAX_LOGIT_BIAS}.", map.len())));
+    }
+    map.iter()
+        .map(|(k, b)| {
+            let id = k.parse::<u32>().ok().filter(|&i| (i as usize) < vocab).ok_or_else(|| ApiError::invalid(P, format!("`logit_bias` key {k:?} is not a token id in [0, {vocab}).")))?;
+            let b = b.as_f64().filter(|b| (-100.0..=100.0).contains(b)).ok_or_else(|| ApiError::invalid(P, format!("`logit_bias` for token {id} must be a number in [-100, 100], got {b}.")))?;
+            Ok((id, b as f32))
+        })
+        .collect()
 }
 
 /// `prompt` of /v1/completions: a string, or a list of token ids.
@@ -212,8 +239,10 @@ pub fn parse_prompt(v: &Value, vocab: usize) -> Result<Prompt, ApiError> {
 }
 
 /// `messages` of /v1/chat/completions: roles system, user, assistant (and developer, read as
-/// system); content a string or a list of text parts.
-pub fn parse_messages(v: &Value) -> Result<Vec<ChatMessage>, ApiError> {
+/// system); content a string or a list of text parts (joined with newlines, as vLLM does).
+/// Message fields other than `role` and `content` are refused (or, `lenient`, added to
+/// `ignored`).
+pub fn parse_messages(v: &Value, lenient: bool, ignored: &mut Vec<String>) -> Result<Vec<ChatMessage>, ApiError> {
     let f = Fields::of(v)?;
     let Some(Value::Array(items)) = f.value("messages") else {
         return Err(ApiError::invalid("messages", "`messages` must be a non-empty list of {role, content} objects."));
@@ -227,6 +256,7 @@ pub fn parse_messages(v: &Value) -> Result<Vec<ChatMessage>, ApiError> {
         .map(|(i, m)| {
             let param = format!("messages[{i}]");
             let Value::Object(o) = m else { return Err(ApiError::invalid(&param, format!("`{param}` must be an object."))) };
+            ignored.extend(super::fields::check(m, super::fields::MESSAGE, &param, lenient)?);
             let role = match o.get("role") {
                 Some(Value::String(r)) if ["system", "user", "assistant", "developer", "tool"].contains(&r.as_str()) => {
                     if r == "developer" { "system".to_string() } else { r.clone() }
@@ -243,7 +273,7 @@ pub fn parse_messages(v: &Value) -> Result<Vec<ChatMessage>, ApiError> {
                         _ => Err(ApiError::invalid(&format!("{param}.content"), "only text content parts ({\"type\": \"text\", \"text\": ...}) are supported.")),
                     })
                     .collect::<Result<Vec<_>, _>>()?
-                    .join(""),
+                    .join("\n"),
                 _ => return Err(ApiError::invalid(&format!("{param}.content"), "`content` must be a string or a list of text parts.")),
             };
             Ok(ChatMessage::new(&role, &content))
@@ -302,7 +332,14 @@ mod tests {
         }
         let r = parse_common(&json!({"model": "m", "max_completion_tokens": 7, "stop": "x", "top_k": -1, "seed": 3}), &defaults(), true).unwrap();
         assert_eq!((r.max_tokens, r.params.stop.clone(), r.params.top_k, r.params.seed), (Some(7), vec!["x".to_string()], None, 3));
-        let e = parse_messages(&json!({"messages": [{"role": "wizard", "content": "x"}]})).unwrap_err();
+        let e = parse_messages(&json!({"messages": [{"role": "wizard", "content": "x"}]}), false, &mut vec![]).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("messages[0].role"));
+        let parts = json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]});
+        assert_eq!(parse_messages(&parts, false, &mut vec![]).unwrap()[0].content, "a\nb");
+        for (bias, ok) in [(json!({"5": -100}), true), (json!({"50": 1}), false), (json!({"x": 1}), false), (json!({"5": 101}), false), (json!([1]), false)] {
+            assert_eq!(parse_logit_bias(&json!({"logit_bias": bias}), 10).is_ok(), ok, "{bias}");
+        }
+        let e = parse_common(&json!({"model": "m", "n": 2, "best_of": 3}), &defaults(), false).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("best_of"));
     }
 }

@@ -21,7 +21,8 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use super::engine::{Event, Job};
 use super::error::ApiError;
-use super::request::{json_body, model_field, parse_common, parse_messages, parse_prompt, GenerationRequest, Prompt};
+use super::fields;
+use super::request::{json_body, model_field, parse_common, parse_logit_bias, parse_messages, parse_prompt, GenerationRequest, Prompt};
 use super::{AppState, ServedModel};
 use crate::generate::TokenLogprob;
 
@@ -80,7 +81,7 @@ pub async fn tokenize(State(st): State<Arc<AppState>>, body: Result<Bytes, Bytes
     let v = json_body(body, st.max_body_bytes)?;
     let m = model_or_base(&st, &v)?;
     let ids = if v.get("messages").is_some() {
-        m.chat_ids(&parse_messages(&v)?)?
+        m.chat_ids(&parse_messages(&v, st.lenient, &mut vec![])?)?
     } else {
         match parse_prompt(&v, m.vocab)? {
             Prompt::Text(t) => {
@@ -109,28 +110,35 @@ pub async fn detokenize(State(st): State<Arc<AppState>>, body: Result<Bytes, Byt
     Ok(Json(json!({"prompt": text})))
 }
 
-/// Counts a request as admitted until dropped (when the response is complete or the client is
-/// gone), so the queue bound holds for streams too.
-struct Admission(Arc<AppState>);
+/// Counts a request's sequences as admitted until dropped (when the response is complete or
+/// the client is gone), so the queue bound holds for streams too.
+struct Admission(Arc<AppState>, usize);
 
 impl Drop for Admission {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+        self.0.in_flight.fetch_sub(self.1, Ordering::SeqCst);
     }
 }
 
-fn admit(st: &Arc<AppState>) -> Result<Admission, ApiError> {
+/// Admits a request of `sequences` sequences (its `n`): each takes a generation slot or a
+/// queue place, as n separate requests would.
+fn admit(st: &Arc<AppState>, sequences: usize) -> Result<Admission, ApiError> {
     let cap = st.max_concurrent + st.max_queue;
+    if sequences > cap {
+        return Err(ApiError::invalid("n", format!("`n` = {sequences} is more sequences than this server admits at once ({cap}: --max-concurrent-requests + --max-queue).")));
+    }
     st.in_flight
-        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < cap).then_some(n + 1))
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n + sequences <= cap).then_some(n + sequences))
         .map_err(|_| ApiError::overloaded(1))?;
-    Ok(Admission(st.clone()))
+    Ok(Admission(st.clone(), sequences))
 }
 
 pub async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let v = json_body(body, st.max_body_bytes)?;
+    let ignored = fields::check(&v, fields::COMPLETIONS, "", st.lenient)?;
     let m = st.model(model_field(&v)?)?;
-    let req = parse_common(&v, &m.defaults, false)?;
+    let mut req = parse_common(&v, &m.defaults, false)?;
+    req.params.logit_bias = parse_logit_bias(&v, m.vocab)?;
     let (ids, echo_text) = match parse_prompt(&v, m.vocab)? {
         Prompt::Text(t) => (m.tokenizer.encode(&t, true).map_err(|e| ApiError::bad_request(format!("{e:#}")))?, t),
         Prompt::Tokens(ids) => {
@@ -140,16 +148,32 @@ pub async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, By
         Prompt::Chat(_) => unreachable!(),
     };
     let echo = req.echo.then_some(echo_text);
-    run_generation(st, m, req, ids, Kind::Completion { echo }).await
+    // Echo with logprobs scores the prompt too (OpenAI's shape: the first token's is null).
+    if echo.is_some() {
+        req.params.prompt_logprobs = req.params.logprobs;
+    }
+    Ok(with_ignored(run_generation(st, m, req, ids, Kind::Completion { echo }).await?, &ignored))
 }
 
 pub async fn chat_completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let v = json_body(body, st.max_body_bytes)?;
+    let mut ignored = fields::check(&v, fields::CHAT, "", st.lenient)?;
     let m = st.model(model_field(&v)?)?;
-    let req = parse_common(&v, &m.defaults, true)?;
-    let messages = parse_messages(&v)?;
+    let mut req = parse_common(&v, &m.defaults, true)?;
+    req.params.logit_bias = parse_logit_bias(&v, m.vocab)?;
+    let messages = parse_messages(&v, st.lenient, &mut ignored)?;
     let ids = m.chat_ids(&messages)?;
-    run_generation(st, m, req, ids, Kind::Chat).await
+    Ok(with_ignored(run_generation(st, m, req, ids, Kind::Chat).await?, &ignored))
+}
+
+/// Lists the fields `--lenient` ignored in the response's header (see `fields`).
+pub fn with_ignored(mut resp: Response, ignored: &[String]) -> Response {
+    if !ignored.is_empty() {
+        if let Ok(v) = axum::http::HeaderValue::from_str(&ignored.join(", ")) {
+            resp.headers_mut().insert(fields::IGNORED_HEADER, v);
+        }
+    }
+    resp
 }
 
 enum Kind {
@@ -186,7 +210,7 @@ async fn run_generation(st: Arc<AppState>, m: Arc<ServedModel>, mut req: Generat
         .with_code("context_length_exceeded"));
     }
     req.params.max_new_tokens = max_tokens;
-    let admission = admit(&st)?;
+    let admission = admit(&st, req.n)?;
     let mut receivers = vec![];
     for i in 0..req.n {
         let (tx, rx) = mpsc::unbounded_channel();
@@ -205,15 +229,18 @@ async fn run_generation(st: Arc<AppState>, m: Arc<ServedModel>, mut req: Generat
         Kind::Chat => None,
     };
     if req.stream {
-        return Ok(stream_response(m, admission, receivers, id, created, chat, echo, req.include_usage, prompt_tokens));
+        let scored_echo = echo.is_some() && req.params.prompt_logprobs.is_some();
+        return Ok(stream_response(m, admission, receivers, id, created, chat, echo.map(|e| (e, ids, scored_echo)), req.include_usage, prompt_tokens));
     }
     let mut choices = vec![];
     let mut completion_tokens = 0;
     for (index, mut rx) in receivers.into_iter().enumerate() {
         let mut text = echo.clone().unwrap_or_default();
         let mut lps: Vec<TokenLogprob> = vec![];
+        let mut prompt_lps: Option<Vec<TokenLogprob>> = None;
         let finish = loop {
             match rx.recv().await {
+                Some(Event::PromptLogprobs(v)) => prompt_lps = Some(v),
                 Some(Event::Delta { text: t, logprob }) => {
                     text.push_str(&t);
                     lps.extend(logprob);
@@ -226,7 +253,7 @@ async fn run_generation(st: Arc<AppState>, m: Arc<ServedModel>, mut req: Generat
                 None => return Err(ApiError::internal("the engine dropped the request")),
             }
         };
-        let logprobs = req.params.logprobs.map(|_| m.logprobs_json(&lps, chat));
+        let logprobs = req.params.logprobs.map(|_| if chat { m.chat_logprobs_json(&lps) } else { completion_logprobs(&m, &ids, prompt_lps.as_deref(), &lps, echo.as_deref()) });
         choices.push(if chat {
             json!({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish})
         } else {
@@ -239,6 +266,28 @@ async fn run_generation(st: Arc<AppState>, m: Arc<ServedModel>, mut req: Generat
     Ok(Json(json!({"id": id, "object": object, "created": created, "model": m.id, "choices": choices, "usage": usage})).into_response())
 }
 
+/// Completions' `logprobs`: with `echo`, the prompt's tokens first (scored by `prompt`, the
+/// first one null), then the generated ones; `text_offset` in characters of the returned text.
+fn completion_logprobs(m: &ServedModel, prompt_ids: &[u32], prompt: Option<&[TokenLogprob]>, generated: &[TokenLogprob], echo: Option<&str>) -> Value {
+    let start = echo.map_or(0, |e| e.chars().count());
+    let gen: Vec<(u32, Option<&TokenLogprob>)> = generated.iter().map(|l| (l.token, Some(l))).collect();
+    let (mut out, _) = m.completion_logprobs_json(&gen, start, false);
+    if let (Some(_), Some(scored)) = (echo, prompt) {
+        let (mut all, _) = m.completion_logprobs_json(&prompt_entries(prompt_ids, scored), 0, true);
+        for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+            let tail = out[key].as_array().cloned().unwrap_or_default();
+            all[key].as_array_mut().expect("an array").extend(tail);
+        }
+        out = all;
+    }
+    out
+}
+
+/// The prompt's tokens with their scores (`scored[i]` scores token i + 1).
+fn prompt_entries<'a>(prompt_ids: &[u32], scored: &'a [TokenLogprob]) -> Vec<(u32, Option<&'a TokenLogprob>)> {
+    prompt_ids.iter().enumerate().map(|(i, &id)| (id, i.checked_sub(1).and_then(|j| scored.get(j)))).collect()
+}
+
 #[allow(clippy::too_many_arguments)]
 fn stream_response(
     m: Arc<ServedModel>,
@@ -247,7 +296,9 @@ fn stream_response(
     id: String,
     created: u64,
     chat: bool,
-    echo: Option<String>,
+    // Completions' echo: the prompt text, its ids, and whether its chunk waits for the
+    // prompt's scores.
+    echo: Option<(String, Vec<u32>, bool)>,
     include_usage: bool,
     prompt_tokens: usize,
 ) -> Response {
@@ -258,7 +309,7 @@ fn stream_response(
         let merged = merged_tx.clone();
         tokio::spawn(async move {
             while let Some(ev) = rx.recv().await {
-                let done = !matches!(ev, Event::Delta { .. });
+                let done = !matches!(ev, Event::Delta { .. } | Event::PromptLogprobs(_));
                 if merged.send((index, ev)).is_err() || done {
                     break;
                 }
@@ -277,12 +328,15 @@ fn stream_response(
             }
             SseEvent::default().data(v.to_string())
         };
-        // Chat streams open with the role; completions with `echo` start with the prompt.
+        // Chat streams open with the role; completions with `echo` start with the prompt (with
+        // its scores, once they come, when logprobs are asked for).
+        let start = echo.as_ref().map_or(0, |(e, _, _)| e.chars().count());
+        let mut offsets = vec![start; n];
         for index in 0..n {
             let first = if chat {
                 Some(json!([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]))
             } else {
-                echo.as_ref().map(|e| json!([{"index": index, "text": e, "logprobs": null, "finish_reason": null}]))
+                echo.as_ref().filter(|(_, _, scored)| !scored).map(|(e, _, _)| json!([{"index": index, "text": e, "logprobs": null, "finish_reason": null}]))
             };
             if let Some(c) = first {
                 if out_tx.send(Ok(chunk(c, None))).is_err() {
@@ -294,8 +348,21 @@ fn stream_response(
         let mut completion_tokens = 0;
         while let Some((index, ev)) = merged_rx.recv().await {
             let choice = match ev {
+                Event::PromptLogprobs(scored) => {
+                    let Some((e, ids, _)) = &echo else { continue };
+                    let (lp, _) = m.completion_logprobs_json(&prompt_entries(ids, &scored), 0, true);
+                    json!({"index": index, "text": e, "logprobs": lp, "finish_reason": null})
+                }
                 Event::Delta { text, logprob } => {
-                    let lp = logprob.map(|l| m.logprobs_json(&[l], chat));
+                    let lp = logprob.map(|l| {
+                        if chat {
+                            m.chat_logprobs_json(&[l])
+                        } else {
+                            let (v, next) = m.completion_logprobs_json(&[(l.token, Some(&l))], offsets[index], false);
+                            offsets[index] = next;
+                            v
+                        }
+                    });
                     if chat {
                         json!({"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": null})
                     } else {

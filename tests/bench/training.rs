@@ -264,8 +264,12 @@ fn main() -> anyhow::Result<()> {
             .arg(&big_data)
             .args(["64", "3", if ac { "1" } else { "0" }, strategy])
             .output();
+        // The script prints its measurement as its last stdout line before torch tears the
+        // process group down; a rank that crashes in that teardown (gloo's "terminate called
+        // without an active exception", seen with torch 2.15) fails torchrun after the fact.
+        let measured = |o: &std::process::Output| serde_json::from_str::<Value>(String::from_utf8_lossy(&o.stdout).lines().last().unwrap_or("")).ok();
         let parsed = match o {
-            Ok(o) if o.status.success() => serde_json::from_str::<Value>(String::from_utf8_lossy(&o.stdout).lines().last().unwrap_or("")).ok(),
+            Ok(o) if measured(&o).is_some() => measured(&o),
             Ok(o) => {
                 println!("| PyTorch FSDP2 | {world} | {strategy} | {ac} | n/a: {} | | |", String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("failed"));
                 None

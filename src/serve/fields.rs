@@ -1,0 +1,98 @@
+//! Which request fields each endpoint implements, and what happens to the others.
+//!
+//! OpenAI answers an argument it does not know with 400 ("Unrecognized request argument
+//! supplied: foo_bar"). A server that answers 200 and ignores `tools` or `response_format`
+//! breaks agent and structured-output code far from the cause, so by default every field we do
+//! not implement is a 400 naming it (`param`): OpenAI's parameters we do not implement say so,
+//! others get OpenAI's own message. `serve --lenient` ignores them instead and lists them in the
+//! response header [`IGNORED_HEADER`], for clients that send noise. A field whose value is
+//! `null` counts as absent, as in OpenAI's API.
+
+use serde_json::Value;
+
+use super::error::ApiError;
+
+/// The response header that lists, under `--lenient`, the fields a request carried and this
+/// server ignored (comma-separated).
+pub const IGNORED_HEADER: &str = "x-fsdp-app-ignored-params";
+
+/// `/v1/completions`.
+pub const COMPLETIONS: &[&str] = &[
+    "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "seed", "n", "stop", "logprobs", "echo", "logit_bias", "user", "stream", "stream_options",
+    "best_of",
+];
+
+/// `/v1/chat/completions`.
+pub const CHAT: &[&str] = &[
+    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "n", "stop", "logprobs", "top_logprobs",
+    "logit_bias", "user", "stream", "stream_options",
+];
+
+/// One chat message.
+pub const MESSAGE: &[&str] = &["role", "content"];
+
+/// `POST /v1/fine_tuning/jobs`.
+pub const JOB: &[&str] = &["model", "training_file", "validation_file", "hyperparameters", "suffix", "seed", "method", "fsdp_app"];
+
+/// `fsdp_app` of a job (our extension).
+pub const JOB_EXTENSION: &[&str] = &["world_size", "seq_len", "max_steps", "lora"];
+
+/// `fsdp_app.lora` of a job.
+pub const JOB_LORA: &[&str] = &["r", "alpha", "dropout", "targets"];
+
+/// Parameters of OpenAI's API this server knows and does not implement: refused as such, not as
+/// unknown.
+const NOT_IMPLEMENTED: &[&str] = &[
+    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format", "suffix", "store",
+    "metadata", "service_tier", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options",
+    "verbosity", "integrations", "name", "tool_calls", "tool_call_id", "refusal",
+];
+
+/// Checks the keys of the object `v` (named `at` in messages: "" for the body, "messages[0]"
+/// for a message) against `accepted`. Returns the keys to ignore (`lenient`), or the 400 for
+/// the first one that is not accepted.
+pub fn check(v: &Value, accepted: &[&str], at: &str, lenient: bool) -> Result<Vec<String>, ApiError> {
+    let Value::Object(map) = v else { return Ok(vec![]) };
+    let mut ignored = vec![];
+    for (k, val) in map {
+        if val.is_null() || accepted.contains(&k.as_str()) {
+            continue;
+        }
+        let param = if at.is_empty() { k.clone() } else { format!("{at}.{k}") };
+        if lenient {
+            ignored.push(param);
+            continue;
+        }
+        let message = if NOT_IMPLEMENTED.contains(&k.as_str()) {
+            format!("`{param}` is not supported by this server (fsdp-app); remove it, or start the server with --lenient to have it ignored.")
+        } else {
+            format!("Unrecognized request argument supplied: {param}")
+        };
+        return Err(ApiError::invalid(&param, message).with_code("unsupported_parameter"));
+    }
+    Ok(ignored)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn unknown_and_unimplemented_fields_are_named_or_listed() {
+        let body = json!({"model": "m", "prompt": "x", "foo_bar": 1});
+        let e = check(&body, COMPLETIONS, "", false).unwrap_err();
+        assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some("foo_bar")));
+        assert!(e.message.contains("Unrecognized request argument supplied: foo_bar"), "{}", e.message);
+        let e = check(&json!({"model": "m", "tools": []}), CHAT, "", false).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("tools"));
+        assert!(e.message.contains("not supported"), "{}", e.message);
+        let e = check(&json!({"role": "user", "content": "x", "name": "bob"}), MESSAGE, "messages[2]", false).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[2].name"));
+        // null is absent; lenient lists instead of refusing.
+        assert!(check(&json!({"model": "m", "tools": null}), CHAT, "", false).unwrap().is_empty());
+        assert_eq!(check(&body, COMPLETIONS, "", true).unwrap(), vec!["foo_bar".to_string()]);
+    }
+}
