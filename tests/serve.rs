@@ -246,7 +246,9 @@ fn bad_requests_get_openai_errors_and_never_a_5xx() {
         // Fields this server does not implement are refused by name, never ignored.
         (comp.clone(), json!({"model": "tiny", "prompt": "x", "foo_bar": 1}).to_string(), 400, Some("foo_bar"), Some("unsupported_parameter")),
         (chat.clone(), json!({"model": "tiny", "messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}]}).to_string(), 400, Some("tools"), Some("unsupported_parameter")),
-        (chat.clone(), json!({"model": "tiny", "messages": msgs, "response_format": {"type": "json_object"}}).to_string(), 400, Some("response_format"), Some("unsupported_parameter")),
+        (chat.clone(), json!({"model": "tiny", "messages": msgs, "response_format": {"type": "xml"}}).to_string(), 400, Some("response_format.type"), None),
+        (chat.clone(), json!({"model": "tiny", "messages": msgs, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nosuchtype"}}}}}}).to_string(), 400, Some("response_format.json_schema.schema"), None),
+        (chat.clone(), json!({"model": "tiny", "messages": msgs, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}}).to_string(), 400, Some("response_format.json_schema.name"), None),
         (chat.clone(), json!({"model": "tiny", "messages": [{"role": "user", "content": "hi", "name": "bob"}]}).to_string(), 400, Some("messages[0].name"), Some("unsupported_parameter")),
         (comp.clone(), json!({"model": "tiny", "prompt": "x", "suffix": "y"}).to_string(), 400, Some("suffix"), Some("unsupported_parameter")),
         (comp.clone(), json!({"model": "tiny", "prompt": "x", "best_of": 2}).to_string(), 400, Some("best_of"), Some("unsupported_parameter")),
@@ -407,7 +409,7 @@ fn a_full_queue_answers_429_and_a_disconnected_client_frees_its_slot() {
 
 #[test]
 fn the_official_openai_python_client_works_against_the_server() {
-    let Some(python) = python_or_skip("the_official_openai_python_client_works_against_the_server", &["openai"]) else { return };
+    let Some(python) = python_or_skip("the_official_openai_python_client_works_against_the_server", &["openai", "jsonschema"]) else { return };
     let tmp = tempfile::tempdir().unwrap();
     let dir = slow_model(tmp.path());
     let server = Server::start(&dir, &["--api-key", "k3y", "--max-concurrent-requests", "1", "--max-queue", "0"]);

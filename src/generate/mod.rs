@@ -1,6 +1,7 @@
 //! Autoregressive generation with a KV cache: sampling settings, eos and stop-string handling,
 //! streamed text, and the figures a user wants (time to first token, tokens/s).
 
+pub mod constraint;
 pub mod stream;
 
 use std::collections::HashSet;
@@ -215,6 +216,8 @@ pub struct Sequence {
     budget: usize,
     full_text: String,
     finish: Option<FinishReason>,
+    /// The grammar the answer must follow (structured output), if any.
+    constraint: Option<llguidance::Matcher>,
 }
 
 /// What one step produced.
@@ -309,7 +312,13 @@ impl Sequence {
             budget: params.max_new_tokens.min(max_ctx - prompt_ids.len()),
             full_text: String::new(),
             finish: None,
+            constraint: None,
         })
+    }
+
+    /// Makes the answer follow `matcher`'s grammar (see `constraint`).
+    pub fn constrain(&mut self, matcher: llguidance::Matcher) {
+        self.constraint = Some(matcher);
     }
 
     pub fn prompt_ids(&self) -> &[u32] {
@@ -376,9 +385,12 @@ impl Sequence {
             logits
         };
         let p = &self.params;
-        let needs_values = p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 || p.min_p.is_some_and(|m| m > 0.0) || p.logprobs.is_some() || !p.logit_bias.is_empty();
+        let needs_values = p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 || p.min_p.is_some_and(|m| m > 0.0) || p.logprobs.is_some() || !p.logit_bias.is_empty() || self.constraint.is_some();
         let (logits, values) = if needs_values {
             let mut v = logits.to_vec1::<f32>()?;
+            if let Some(m) = &mut self.constraint {
+                constraint::mask_logits(m, &mut v)?;
+            }
             adjust_logits(&mut v, &self.generated, p);
             (Tensor::new(v.as_slice(), logits.device())?, Some(v))
         } else {
@@ -391,6 +403,9 @@ impl Sequence {
         };
         if self.eos_ids.contains(&next) {
             return Ok(self.end(FinishReason::Stop, None));
+        }
+        if let Some(m) = &mut self.constraint {
+            m.consume_token(next).map_err(|e| anyhow::anyhow!("the output grammar refused token {next}: {e}"))?;
         }
         self.generated.push(next);
         self.context.push(next);

@@ -20,6 +20,8 @@ use crate::tokenize::TextTokenizer;
 pub struct Job {
     pub prompt_ids: Vec<u32>,
     pub params: SamplingParams,
+    /// The grammar the answer must follow (`response_format`).
+    pub constraint: Option<llguidance::Matcher>,
     pub events: UnboundedSender<Event>,
     pub enqueued: Instant,
 }
@@ -79,7 +81,7 @@ fn run(
     loop {
         // Admit new sequences between decode steps; block only when idle.
         while active.len() < max_running {
-            let job = if active.is_empty() {
+            let mut job = if active.is_empty() {
                 match rx.recv() {
                     Ok(j) => j,
                     Err(_) => return,
@@ -94,7 +96,12 @@ fn run(
                 continue;
             }
             match Sequence::new(&model, &job.prompt_ids, &eos, &job.params) {
-                Ok(seq) => active.push(Running { seq, job, last_token_at: None }),
+                Ok(mut seq) => {
+                    if let Some(m) = job.constraint.take() {
+                        seq.constrain(m);
+                    }
+                    active.push(Running { seq, job, last_token_at: None })
+                }
                 Err(e) => {
                     let _ = job.events.send(Event::Error(format!("{e:#}")));
                 }

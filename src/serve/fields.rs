@@ -27,7 +27,7 @@ pub const COMPLETIONS: &[&str] = &[
 pub const CHAT: &[&str] = &[
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "n", "stop", "logprobs", "top_logprobs",
-    "logit_bias", "user", "stream", "stream_options",
+    "logit_bias", "user", "stream", "stream_options", "response_format",
 ];
 
 /// One chat message.
@@ -45,7 +45,7 @@ pub const JOB_LORA: &[&str] = &["r", "alpha", "dropout", "targets"];
 /// Parameters of OpenAI's API this server knows and does not implement: refused as such, not as
 /// unknown.
 const NOT_IMPLEMENTED: &[&str] = &[
-    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format", "suffix", "store",
+    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "suffix", "store",
     "metadata", "service_tier", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options",
     "verbosity", "integrations", "name", "tool_calls", "tool_call_id", "refusal",
 ];

@@ -81,6 +81,9 @@ pub struct ServedModel {
     pub max_input_tokens: usize,
     pub max_total_tokens: usize,
     pub defaults: ModelDefaults,
+    /// The grammar engine's view of the vocabulary, for `response_format`; or why this
+    /// model's tokenizer cannot have one.
+    pub grammars: std::result::Result<Arc<crate::generate::constraint::Grammars>, String>,
 }
 
 /// What every route reads.
@@ -295,6 +298,14 @@ fn load_served_with(
     let eos = defaults.eos_token_ids.clone();
     let context = loaded.config.max_position_embeddings;
     let vocab = loaded.config.vocab_size;
+    // A constrained answer ends with the tokenizer's eos token (a chat model's end of turn).
+    let answer_end = tokenizer.eos_token.as_deref().and_then(|t| tokenizer.inner.token_to_id(t)).filter(|id| eos.contains(id)).or_else(|| eos.iter().min().copied());
+    let grammars = match answer_end {
+        None => Err("the model has no eos token to end a constrained answer".to_string()),
+        Some(end) => crate::generate::constraint::Grammars::new(&tokenizer.inner.to_string(false).map_err(|e| anyhow::anyhow!("{e}"))?, vocab, end)
+            .map(Arc::new)
+            .map_err(|e| format!("{e:#}")),
+    };
     let engine = engine::start(loaded.model, tokenizer.clone(), eos, max_running, metrics);
     let max_total_tokens = limit_total.unwrap_or(context).min(context);
     Ok(ServedModel {
@@ -307,6 +318,7 @@ fn load_served_with(
         max_input_tokens: limit_input.unwrap_or(max_total_tokens - 1).min(max_total_tokens - 1),
         max_total_tokens,
         defaults,
+        grammars,
     })
 }
 

@@ -25,6 +25,8 @@ pub const SPEC: &str = r##"{
       "ChatRequest": {"allOf": [{"$ref": "#/components/schemas/Sampling"}, {"type": "object", "required": ["model", "messages"], "properties": {
         "model": {"type": "string"}, "max_completion_tokens": {"type": "integer", "minimum": 1},
         "logprobs": {"type": "boolean"}, "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+        "response_format": {"type": "object", "required": ["type"], "properties": {"type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+          "json_schema": {"type": "object", "required": ["name", "schema"], "properties": {"name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": "boolean"}, "description": {"type": "string"}}}}},
         "messages": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role", "content"], "additionalProperties": false, "properties": {
           "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
           "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}]}}}}}}]}

@@ -8,6 +8,7 @@ use axum::http::StatusCode;
 use serde_json::{Map, Value};
 
 use super::error::ApiError;
+use crate::generate::constraint::OutputFormat;
 use crate::generate::{ModelDefaults, SamplingParams};
 use crate::tokenize::ChatMessage;
 
@@ -217,6 +218,48 @@ pub fn parse_logit_bias(v: &Value, vocab: usize) -> Result<Vec<(u32, f32)>, ApiE
             Ok((id, b as f32))
         })
         .collect()
+}
+
+/// `response_format` of chat: `text` (no constraint), `json_object`, or `json_schema` with
+/// `{name, schema, strict, description}`. The schema is enforced whether or not `strict` is set
+/// (a looser promise would be one more thing that silently differs). Unknown keys inside are
+/// refused, or listed in `ignored` under `lenient`.
+pub fn parse_response_format(v: &Value, lenient: bool, ignored: &mut Vec<String>) -> Result<Option<OutputFormat>, ApiError> {
+    const P: &str = "response_format";
+    let Some(rf) = Fields::of(v)?.value(P) else { return Ok(None) };
+    if !rf.is_object() {
+        return Err(ApiError::invalid(P, "`response_format` must be an object such as {\"type\": \"json_object\"}."));
+    }
+    match rf.get("type").and_then(Value::as_str) {
+        Some("text") => {
+            ignored.extend(super::fields::check(rf, &["type"], P, lenient)?);
+            Ok(None)
+        }
+        Some("json_object") => {
+            ignored.extend(super::fields::check(rf, &["type"], P, lenient)?);
+            Ok(Some(OutputFormat::JsonObject))
+        }
+        Some("json_schema") => {
+            ignored.extend(super::fields::check(rf, &["type", "json_schema"], P, lenient)?);
+            const J: &str = "response_format.json_schema";
+            let Some(js) = rf.get("json_schema").filter(|j| j.is_object()) else {
+                return Err(ApiError::invalid(J, "`response_format.json_schema` must be an object with `name` and `schema`."));
+            };
+            ignored.extend(super::fields::check(js, &["name", "schema", "strict", "description"], J, lenient)?);
+            let f = Fields::of(js)?;
+            let name = f.string("name").map_err(|_| ApiError::invalid(&format!("{J}.name"), "`name` must be a string."))?;
+            if !name.is_some_and(|n| !n.is_empty() && n.len() <= 64 && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')) {
+                return Err(ApiError::invalid(&format!("{J}.name"), "`name` is required: 1 to 64 letters, digits, '_' or '-'."));
+            }
+            f.bool("strict").map_err(|_| ApiError::invalid(&format!("{J}.strict"), "`strict` must be a boolean."))?;
+            f.string("description").map_err(|_| ApiError::invalid(&format!("{J}.description"), "`description` must be a string."))?;
+            match f.value("schema") {
+                Some(schema @ Value::Object(_)) => Ok(Some(OutputFormat::JsonSchema(schema.clone()))),
+                _ => Err(ApiError::invalid(&format!("{J}.schema"), "`schema` must be a JSON schema object.")),
+            }
+        }
+        _ => Err(ApiError::invalid(&format!("{P}.type"), "`response_format.type` must be text, json_object or json_schema.")),
+    }
 }
 
 /// `prompt` of /v1/completions: a string, or a list of token ids.

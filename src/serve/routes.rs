@@ -22,8 +22,9 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use super::engine::{Event, Job};
 use super::error::ApiError;
 use super::fields;
-use super::request::{json_body, model_field, parse_common, parse_logit_bias, parse_messages, parse_prompt, GenerationRequest, Prompt};
+use super::request::{json_body, model_field, parse_common, parse_logit_bias, parse_messages, parse_prompt, parse_response_format, GenerationRequest, Prompt};
 use super::{AppState, ServedModel};
+use crate::generate::constraint::OutputFormat;
 use crate::generate::TokenLogprob;
 
 pub async fn health() -> Json<Value> {
@@ -152,7 +153,7 @@ pub async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, By
     if echo.is_some() {
         req.params.prompt_logprobs = req.params.logprobs;
     }
-    Ok(with_ignored(run_generation(st, m, req, ids, Kind::Completion { echo }).await?, &ignored))
+    Ok(with_ignored(run_generation(st, m, req, ids, Kind::Completion { echo }, vec![]).await?, &ignored))
 }
 
 pub async fn chat_completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
@@ -162,8 +163,18 @@ pub async fn chat_completions(State(st): State<Arc<AppState>>, body: Result<Byte
     let mut req = parse_common(&v, &m.defaults, true)?;
     req.params.logit_bias = parse_logit_bias(&v, m.vocab)?;
     let messages = parse_messages(&v, st.lenient, &mut ignored)?;
+    let format = parse_response_format(&v, st.lenient, &mut ignored)?;
+    let constraints = match &format {
+        None => vec![],
+        Some(f) => {
+            let grammars = m.grammars.as_ref().map_err(|why| ApiError::invalid("response_format", format!("Structured output is not available for this model: {why}.")))?;
+            let param = if matches!(f, OutputFormat::JsonSchema(_)) { "response_format.json_schema.schema" } else { "response_format" };
+            // One matcher per choice: each answer walks the grammar on its own.
+            (0..req.n).map(|_| grammars.matcher(f)).collect::<anyhow::Result<Vec<_>>>().map_err(|e| ApiError::invalid(param, format!("The schema cannot be used: {e:#}")))?
+        }
+    };
     let ids = m.chat_ids(&messages)?;
-    Ok(with_ignored(run_generation(st, m, req, ids, Kind::Chat).await?, &ignored))
+    Ok(with_ignored(run_generation(st, m, req, ids, Kind::Chat, constraints).await?, &ignored))
 }
 
 /// Lists the fields `--lenient` ignored in the response's header (see `fields`).
@@ -181,7 +192,8 @@ enum Kind {
     Chat,
 }
 
-async fn run_generation(st: Arc<AppState>, m: Arc<ServedModel>, mut req: GenerationRequest, ids: Vec<u32>, kind: Kind) -> Result<Response, ApiError> {
+/// Runs `req.n` answers to `ids`; `constraints`: one grammar matcher per answer, or none.
+async fn run_generation(st: Arc<AppState>, m: Arc<ServedModel>, mut req: GenerationRequest, ids: Vec<u32>, kind: Kind, constraints: Vec<llguidance::Matcher>) -> Result<Response, ApiError> {
     let prompt_tokens = ids.len();
     if prompt_tokens == 0 {
         return Err(ApiError::invalid(if matches!(kind, Kind::Chat) { "messages" } else { "prompt" }, "The prompt is empty."));
@@ -212,12 +224,13 @@ async fn run_generation(st: Arc<AppState>, m: Arc<ServedModel>, mut req: Generat
     req.params.max_new_tokens = max_tokens;
     let admission = admit(&st, req.n)?;
     let mut receivers = vec![];
+    let mut constraints = constraints.into_iter();
     for i in 0..req.n {
         let (tx, rx) = mpsc::unbounded_channel();
         let mut params = req.params.clone();
         params.seed = params.seed.wrapping_add(i as u64);
         m.engine
-            .submit(Job { prompt_ids: ids.clone(), params, events: tx, enqueued: Instant::now() })
+            .submit(Job { prompt_ids: ids.clone(), params, constraint: constraints.next(), events: tx, enqueued: Instant::now() })
             .map_err(ApiError::internal)?;
         receivers.push(rx);
     }
