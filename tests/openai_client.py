@@ -97,11 +97,51 @@ obj = client.chat.completions.create(model=model, messages=msgs, max_tokens=20, 
                                      logit_bias={str(close[0]): 100}).choices[0].message.content
 check(isinstance(json.loads(obj), dict), f"json_object answer {obj!r}")
 
+# Function calling. A named function and `required` are constrained to the parameter schema:
+# the arguments parse and validate, whatever the (random) model would have said.
+weather = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+           "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["C", "F"]}}}
+time_of = {"type": "object", "additionalProperties": False, "required": ["zone"], "properties": {"zone": {"enum": ["UTC", "CET"]}}}
+tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": weather}},
+         {"type": "function", "function": {"name": "get_time", "parameters": time_of}}]
+ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+named = client.chat.completions.create(model=model, messages=ask, tools=tools, max_tokens=60, temperature=1,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+msg = named.choices[0].message
+check(named.choices[0].finish_reason == "tool_calls" and msg.tool_calls and len(msg.tool_calls) == 1, f"named tool call: {named}")
+call = msg.tool_calls[0]
+check(call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather", f"named call {call}")
+jsonschema.validate(json.loads(call.function.arguments), weather)
+for parallel in [True, False]:
+    req = client.chat.completions.create(model=model, messages=ask, tools=tools, tool_choice="required", parallel_tool_calls=parallel,
+                                         max_tokens=100, temperature=0.9, seed=11)
+    calls = req.choices[0].message.tool_calls
+    check(req.choices[0].finish_reason == "tool_calls" and calls and (parallel or len(calls) == 1), f"required (parallel {parallel}): {req}")
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), weather if c.function.name == "get_weather" else time_of)
+# Streamed: delta.tool_calls chunks whose argument fragments concatenate to the JSON.
+stream = client.chat.completions.create(model=model, messages=ask, tools=tools, max_tokens=60, temperature=1, stream=True,
+                                        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+name, args, finish = None, "", None
+for chunk in stream:
+    for c in chunk.choices:
+        for tc in c.delta.tool_calls or []:
+            name = tc.function.name or name
+            args += tc.function.arguments or ""
+        finish = c.finish_reason or finish
+check(name == "get_weather" and finish == "tool_calls", f"streamed tool call {name} {finish}")
+jsonschema.validate(json.loads(args), weather)
+# A conversation with a call and its result goes on; `auto` may answer in text.
+history = ask + [{"role": "assistant", "content": None, "tool_calls": [{"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+                 {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]
+follow = client.chat.completions.create(model=model, messages=history, tools=tools, max_tokens=8, temperature=0)
+check(follow.choices[0].finish_reason in ("stop", "length", "tool_calls"), f"after a tool result: {follow}")
+check(follow.choices[0].message.content is not None or follow.choices[0].message.tool_calls, f"after a tool result: {follow}")
+
 # What the server does not implement is a BadRequestError naming it, never a silent 200.
 for param, call in [
     ("foo_bar", lambda: client.chat.completions.create(model=model, messages=msgs, max_tokens=2, extra_body={"foo_bar": 1})),
-    ("tools", lambda: client.chat.completions.create(model=model, messages=msgs, max_tokens=2,
-                                                     tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])),
+    ("store", lambda: client.chat.completions.create(model=model, messages=msgs, max_tokens=2, store=True)),
     ("suffix", lambda: client.completions.create(model=model, prompt="x", max_tokens=2, suffix="y")),
 ]:
     try:

@@ -245,7 +245,10 @@ fn bad_requests_get_openai_errors_and_never_a_5xx() {
         (server.url("/detokenize"), json!({"tokens": [-1]}).to_string(), 400, Some("tokens"), None),
         // Fields this server does not implement are refused by name, never ignored.
         (comp.clone(), json!({"model": "tiny", "prompt": "x", "foo_bar": 1}).to_string(), 400, Some("foo_bar"), Some("unsupported_parameter")),
-        (chat.clone(), json!({"model": "tiny", "messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}]}).to_string(), 400, Some("tools"), Some("unsupported_parameter")),
+        (chat.clone(), json!({"model": "tiny", "messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}).to_string(), 400, Some("tool_choice"), None),
+        (chat.clone(), json!({"model": "tiny", "messages": msgs, "tools": [{"type": "retrieval"}]}).to_string(), 400, Some("tools[0].type"), None),
+        (chat.clone(), json!({"model": "tiny", "messages": [{"role": "tool", "content": "18C"}]}).to_string(), 400, Some("messages[0].tool_call_id"), None),
+        (chat.clone(), json!({"model": "tiny", "messages": msgs, "store": true}).to_string(), 400, Some("store"), Some("unsupported_parameter")),
         (chat.clone(), json!({"model": "tiny", "messages": msgs, "response_format": {"type": "xml"}}).to_string(), 400, Some("response_format.type"), None),
         (chat.clone(), json!({"model": "tiny", "messages": msgs, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nosuchtype"}}}}}}).to_string(), 400, Some("response_format.json_schema.schema"), None),
         (chat.clone(), json!({"model": "tiny", "messages": msgs, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}}).to_string(), 400, Some("response_format.json_schema.name"), None),

@@ -27,11 +27,12 @@ pub const COMPLETIONS: &[&str] = &[
 pub const CHAT: &[&str] = &[
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "n", "stop", "logprobs", "top_logprobs",
-    "logit_bias", "user", "stream", "stream_options", "response_format",
+    "logit_bias", "user", "stream", "stream_options", "response_format", "tools", "tool_choice", "parallel_tool_calls",
+    "functions", "function_call",
 ];
 
 /// One chat message.
-pub const MESSAGE: &[&str] = &["role", "content"];
+pub const MESSAGE: &[&str] = &["role", "content", "tool_calls", "tool_call_id"];
 
 /// `POST /v1/fine_tuning/jobs`.
 pub const JOB: &[&str] = &["model", "training_file", "validation_file", "hyperparameters", "suffix", "seed", "method", "fsdp_app"];
@@ -45,9 +46,9 @@ pub const JOB_LORA: &[&str] = &["r", "alpha", "dropout", "targets"];
 /// Parameters of OpenAI's API this server knows and does not implement: refused as such, not as
 /// unknown.
 const NOT_IMPLEMENTED: &[&str] = &[
-    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "suffix", "store",
+    "suffix", "store",
     "metadata", "service_tier", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options",
-    "verbosity", "integrations", "name", "tool_calls", "tool_call_id", "refusal",
+    "verbosity", "integrations", "name", "refusal",
 ];
 
 /// Checks the keys of the object `v` (named `at` in messages: "" for the body, "messages[0]"
@@ -86,13 +87,14 @@ mod tests {
         let e = check(&body, COMPLETIONS, "", false).unwrap_err();
         assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some("foo_bar")));
         assert!(e.message.contains("Unrecognized request argument supplied: foo_bar"), "{}", e.message);
-        let e = check(&json!({"model": "m", "tools": []}), CHAT, "", false).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("tools"));
+        let e = check(&json!({"model": "m", "store": true}), CHAT, "", false).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("store"));
         assert!(e.message.contains("not supported"), "{}", e.message);
         let e = check(&json!({"role": "user", "content": "x", "name": "bob"}), MESSAGE, "messages[2]", false).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("messages[2].name"));
         // null is absent; lenient lists instead of refusing.
-        assert!(check(&json!({"model": "m", "tools": null}), CHAT, "", false).unwrap().is_empty());
+        assert!(check(&json!({"model": "m", "store": null}), CHAT, "", false).unwrap().is_empty());
         assert_eq!(check(&body, COMPLETIONS, "", true).unwrap(), vec!["foo_bar".to_string()]);
+        assert!(check(&json!({"model": "m", "tools": []}), COMPLETIONS, "", false).is_err(), "completions take no tools");
     }
 }

@@ -13,6 +13,7 @@ pub mod openapi;
 pub mod request;
 pub mod routes;
 pub mod store;
+pub mod tools;
 pub mod web;
 
 use std::collections::HashMap;
@@ -164,12 +165,26 @@ impl ServedModel {
     /// Token ids of a conversation rendered with the model's chat template, ready for the
     /// assistant's answer (as transformers' `apply_chat_template(..., add_generation_prompt=True)`).
     pub fn chat_ids(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, ApiError> {
+        self.chat_ids_with_tools(messages, None)
+    }
+
+    /// The prompt of a conversation with functions: through the template when it reads
+    /// `tools`, else in the generic format (`tools::generic_messages`).
+    pub fn chat_ids_with_tools(&self, messages: &[ChatMessage], tools: Option<&tools::Tools>) -> Result<Vec<u32>, ApiError> {
         let template = self
             .tokenizer
             .chat_template
             .as_ref()
             .ok_or_else(|| ApiError::bad_request("This model has no chat template; use /v1/completions."))?;
-        let text = template.render(messages, true).map_err(|e| ApiError::invalid("messages", format!("The chat template failed: {e:#}")))?;
+        let has_tool_turns = messages.iter().any(|m| m.tool_calls.is_some() || m.role == "tool");
+        let rendered = if template.takes_tools {
+            template.render_with_tools(messages, tools.map(|t| &t.definitions), true)
+        } else if tools.is_some() || has_tool_turns {
+            template.render(&tools::generic_messages(tools, messages), true)
+        } else {
+            template.render(messages, true)
+        };
+        let text = rendered.map_err(|e| ApiError::invalid("messages", format!("The chat template failed: {e:#}")))?;
         self.tokenizer.encode(&text, false).map_err(|e| ApiError::bad_request(format!("{e:#}")))
     }
 

@@ -306,6 +306,17 @@ pub fn parse_messages(v: &Value, lenient: bool, ignored: &mut Vec<String>) -> Re
                 }
                 _ => return Err(ApiError::invalid(&format!("{param}.role"), "`role` must be system, developer, user, assistant or tool.")),
             };
+            let tool_calls = match o.get("tool_calls").filter(|c| !c.is_null()) {
+                Some(_) if role != "assistant" => return Err(ApiError::invalid(&format!("{param}.tool_calls"), "only assistant messages carry `tool_calls`.")),
+                Some(c) => Some(super::tools::message_tool_calls(c, &format!("{param}.tool_calls"))?),
+                None => None,
+            };
+            let tool_call_id = match (role.as_str(), o.get("tool_call_id")) {
+                ("tool", Some(Value::String(id))) => Some(id.clone()),
+                ("tool", _) => return Err(ApiError::invalid(&format!("{param}.tool_call_id"), "a tool message needs `tool_call_id`, the id of the call it answers.")),
+                (_, None | Some(Value::Null)) => None,
+                (_, Some(_)) => return Err(ApiError::invalid(&format!("{param}.tool_call_id"), "only tool messages carry `tool_call_id`.")),
+            };
             let content = match o.get("content") {
                 Some(Value::String(s)) => s.clone(),
                 Some(Value::Null) | None if role == "assistant" => String::new(),
@@ -319,7 +330,9 @@ pub fn parse_messages(v: &Value, lenient: bool, ignored: &mut Vec<String>) -> Re
                     .join("\n"),
                 _ => return Err(ApiError::invalid(&format!("{param}.content"), "`content` must be a string or a list of text parts.")),
             };
-            Ok(ChatMessage::new(&role, &content))
+            let mut message = ChatMessage::new(&role, &content);
+            (message.tool_calls, message.tool_call_id) = (tool_calls, tool_call_id);
+            Ok(message)
         })
         .collect()
 }

@@ -24,6 +24,7 @@ use super::error::ApiError;
 use super::fields;
 use super::request::{json_body, model_field, parse_common, parse_logit_bias, parse_messages, parse_prompt, parse_response_format, GenerationRequest, Prompt};
 use super::{AppState, ServedModel};
+use super::tools::{ToolChoice, Tools};
 use crate::generate::constraint::OutputFormat;
 use crate::generate::TokenLogprob;
 
@@ -163,18 +164,28 @@ pub async fn chat_completions(State(st): State<Arc<AppState>>, body: Result<Byte
     let mut req = parse_common(&v, &m.defaults, true)?;
     req.params.logit_bias = parse_logit_bias(&v, m.vocab)?;
     let messages = parse_messages(&v, st.lenient, &mut ignored)?;
-    let format = parse_response_format(&v, st.lenient, &mut ignored)?;
+    let tools = super::tools::parse(&v)?;
+    let format = match (parse_response_format(&v, st.lenient, &mut ignored)?, tools.as_ref().and_then(Tools::output_format)) {
+        (Some(_), Some(_)) => return Err(ApiError::invalid("response_format", "`response_format` cannot be combined with a `tool_choice` that forces a call.")),
+        (Some(f), None) => Some((f, false)),
+        (None, f) => f.map(|f| (f, true)),
+    };
     let constraints = match &format {
         None => vec![],
-        Some(f) => {
-            let grammars = m.grammars.as_ref().map_err(|why| ApiError::invalid("response_format", format!("Structured output is not available for this model: {why}.")))?;
-            let param = if matches!(f, OutputFormat::JsonSchema(_)) { "response_format.json_schema.schema" } else { "response_format" };
+        Some((f, from_tools)) => {
+            let what = if *from_tools { "tools" } else { "response_format" };
+            let grammars = m.grammars.as_ref().map_err(|why| ApiError::invalid(what, format!("Structured output is not available for this model: {why}.")))?;
+            let param = match (from_tools, f) {
+                (true, _) => "tools",
+                (false, OutputFormat::JsonSchema(_)) => "response_format.json_schema.schema",
+                (false, OutputFormat::JsonObject) => "response_format",
+            };
             // One matcher per choice: each answer walks the grammar on its own.
             (0..req.n).map(|_| grammars.matcher(f)).collect::<anyhow::Result<Vec<_>>>().map_err(|e| ApiError::invalid(param, format!("The schema cannot be used: {e:#}")))?
         }
     };
-    let ids = m.chat_ids(&messages)?;
-    Ok(with_ignored(run_generation(st, m, req, ids, Kind::Chat, constraints).await?, &ignored))
+    let ids = m.chat_ids_with_tools(&messages, tools.as_ref().filter(|t| t.choice != ToolChoice::None))?;
+    Ok(with_ignored(run_generation(st, m, req, ids, Kind::Chat { tools }, constraints).await?, &ignored))
 }
 
 /// Lists the fields `--lenient` ignored in the response's header (see `fields`).
@@ -189,25 +200,26 @@ pub fn with_ignored(mut resp: Response, ignored: &[String]) -> Response {
 
 enum Kind {
     Completion { echo: Option<String> },
-    Chat,
+    /// A chat answer, read for function calls when the request gives functions.
+    Chat { tools: Option<Tools> },
 }
 
 /// Runs `req.n` answers to `ids`; `constraints`: one grammar matcher per answer, or none.
 async fn run_generation(st: Arc<AppState>, m: Arc<ServedModel>, mut req: GenerationRequest, ids: Vec<u32>, kind: Kind, constraints: Vec<llguidance::Matcher>) -> Result<Response, ApiError> {
     let prompt_tokens = ids.len();
     if prompt_tokens == 0 {
-        return Err(ApiError::invalid(if matches!(kind, Kind::Chat) { "messages" } else { "prompt" }, "The prompt is empty."));
+        return Err(ApiError::invalid(if matches!(kind, Kind::Chat { .. }) { "messages" } else { "prompt" }, "The prompt is empty."));
     }
     if prompt_tokens > m.max_input_tokens {
         return Err(ApiError::invalid(
-            if matches!(kind, Kind::Chat) { "messages" } else { "prompt" },
+            if matches!(kind, Kind::Chat { .. }) { "messages" } else { "prompt" },
             format!("The prompt has {prompt_tokens} tokens; this server accepts at most {} input tokens.", m.max_input_tokens),
         )
         .with_code("context_length_exceeded"));
     }
     let default_max = match kind {
         Kind::Completion { .. } => 16,
-        Kind::Chat => m.max_total_tokens.saturating_sub(prompt_tokens),
+        Kind::Chat { .. } => m.max_total_tokens.saturating_sub(prompt_tokens),
     };
     let max_tokens = req.max_tokens.unwrap_or(default_max);
     if prompt_tokens + max_tokens > m.max_total_tokens || max_tokens == 0 {
@@ -234,16 +246,17 @@ async fn run_generation(st: Arc<AppState>, m: Arc<ServedModel>, mut req: Generat
             .map_err(ApiError::internal)?;
         receivers.push(rx);
     }
-    let id = super::ids::new_id(if matches!(kind, Kind::Chat) { "chatcmpl" } else { "cmpl" });
+    let id = super::ids::new_id(if matches!(kind, Kind::Chat { .. }) { "chatcmpl" } else { "cmpl" });
     let created = super::ids::now_s() as u64;
-    let chat = matches!(kind, Kind::Chat);
-    let echo = match &kind {
-        Kind::Completion { echo } => echo.clone(),
-        Kind::Chat => None,
+    let chat = matches!(kind, Kind::Chat { .. });
+    let (echo, tools) = match kind {
+        Kind::Completion { echo } => (echo, None),
+        Kind::Chat { tools } => (None, tools.filter(|t| t.choice != ToolChoice::None)),
     };
     if req.stream {
         let scored_echo = echo.is_some() && req.params.prompt_logprobs.is_some();
-        return Ok(stream_response(m, admission, receivers, id, created, chat, echo.map(|e| (e, ids, scored_echo)), req.include_usage, prompt_tokens));
+        let echo = echo.map(|e| (e, ids, scored_echo));
+        return Ok(stream_response(m, admission, receivers, id, created, chat, echo, tools, req.include_usage, prompt_tokens));
     }
     let mut choices = vec![];
     let mut completion_tokens = 0;
@@ -268,7 +281,8 @@ async fn run_generation(st: Arc<AppState>, m: Arc<ServedModel>, mut req: Generat
         };
         let logprobs = req.params.logprobs.map(|_| if chat { m.chat_logprobs_json(&lps) } else { completion_logprobs(&m, &ids, prompt_lps.as_deref(), &lps, echo.as_deref()) });
         choices.push(if chat {
-            json!({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish})
+            let (message, finish) = assistant_message(tools.as_ref(), text, json!(finish));
+            json!({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish})
         } else {
             json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
         });
@@ -277,6 +291,35 @@ async fn run_generation(st: Arc<AppState>, m: Arc<ServedModel>, mut req: Generat
     let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens});
     let object = if chat { "chat.completion" } else { "text_completion" };
     Ok(Json(json!({"id": id, "object": object, "created": created, "model": m.id, "choices": choices, "usage": usage})).into_response())
+}
+
+/// The assistant's message for an answer: its function calls when it makes any (then
+/// `finish_reason` "tool_calls" for an answer that ended by itself), else its text.
+fn assistant_message(tools: Option<&Tools>, text: String, finish: Value) -> (Value, Value) {
+    match tools.and_then(|t| t.calls_in(&text)).filter(|(_, calls)| !calls.is_empty()) {
+        Some((content, calls)) => {
+            let finish = if finish == "stop" { json!("tool_calls") } else { finish };
+            (json!({"role": "assistant", "content": content, "tool_calls": super::tools::calls_json(&calls)}), finish)
+        }
+        None => (json!({"role": "assistant", "content": text}), finish),
+    }
+}
+
+/// A held answer as stream deltas: its text, then per call its id and name, then its arguments
+/// in fragments that concatenate to the JSON.
+fn held_answer_deltas(message: &Value) -> Vec<Value> {
+    let mut out = vec![];
+    if let Some(text) = message["content"].as_str().filter(|t| !t.is_empty()) {
+        out.push(json!({"content": text}));
+    }
+    for (k, call) in message["tool_calls"].as_array().into_iter().flatten().enumerate() {
+        out.push(json!({"tool_calls": [{"index": k, "id": call["id"], "type": "function", "function": {"name": call["function"]["name"], "arguments": ""}}]}));
+        let args: Vec<char> = call["function"]["arguments"].as_str().unwrap_or_default().chars().collect();
+        for piece in args.chunks(16) {
+            out.push(json!({"tool_calls": [{"index": k, "function": {"arguments": piece.iter().collect::<String>()}}]}));
+        }
+    }
+    out
 }
 
 /// Completions' `logprobs`: with `echo`, the prompt's tokens first (scored by `prompt`, the
@@ -312,9 +355,13 @@ fn stream_response(
     // Completions' echo: the prompt text, its ids, and whether its chunk waits for the
     // prompt's scores.
     echo: Option<(String, Vec<u32>, bool)>,
+    // A chat answer with functions is held until it is complete, then sent as OpenAI's
+    // `delta.tool_calls` chunks (name, then argument fragments) when it is a call, else as text.
+    tools: Option<Tools>,
     include_usage: bool,
     prompt_tokens: usize,
 ) -> Response {
+    let mut held = vec![String::new(); receivers.len()];
     let (out_tx, out_rx) = mpsc::unbounded_channel::<Result<SseEvent, Infallible>>();
     let (merged_tx, mut merged_rx) = mpsc::unbounded_channel::<(usize, Event)>();
     let n = receivers.len();
@@ -376,7 +423,13 @@ fn stream_response(
                             v
                         }
                     });
-                    if chat {
+                    if chat && tools.is_some() {
+                        held[index].push_str(&text);
+                        if lp.is_none() {
+                            continue;
+                        }
+                        json!({"index": index, "delta": {}, "logprobs": lp, "finish_reason": null})
+                    } else if chat {
                         json!({"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": null})
                     } else {
                         json!({"index": index, "text": text, "logprobs": lp, "finish_reason": null})
@@ -385,7 +438,15 @@ fn stream_response(
                 Event::Done { finish, completion_tokens: c, .. } => {
                     finished += 1;
                     completion_tokens += c;
-                    if chat {
+                    if let (true, Some(t)) = (chat, &tools) {
+                        let (message, finish) = assistant_message(Some(t), std::mem::take(&mut held[index]), json!(finish));
+                        for delta in held_answer_deltas(&message) {
+                            if out_tx.send(Ok(chunk(json!([{"index": index, "delta": delta, "logprobs": null, "finish_reason": null}]), None))).is_err() {
+                                return;
+                            }
+                        }
+                        json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": finish})
+                    } else if chat {
                         json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": finish})
                     } else {
                         json!({"index": index, "text": "", "logprobs": null, "finish_reason": finish})

@@ -12,11 +12,19 @@ use serde::{Deserialize, Serialize};
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant turn's function calls, as chat templates take them:
+    /// `[{"type": "function", "function": {"name", "arguments": {...}}}]` (arguments as an
+    /// object, as transformers' and vLLM's templates expect).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A `tool` turn's answer to this call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
     pub fn new(role: &str, content: &str) -> Self {
-        Self { role: role.to_string(), content: content.to_string() }
+        Self { role: role.to_string(), content: content.to_string(), tool_calls: None, tool_call_id: None }
     }
 }
 
@@ -24,6 +32,8 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: Option<String>,
     eos_token: Option<String>,
+    /// The template reads `tools` (it renders function definitions itself).
+    pub takes_tools: bool,
 }
 
 const TEMPLATE_NAME: &str = "chat";
@@ -167,14 +177,22 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
         env.add_template_owned(TEMPLATE_NAME, source.to_string()).map_err(|e| anyhow::anyhow!("{e:#}"))?;
-        Ok(Self { env, bos_token, eos_token })
+        let takes_tools = source.contains("tools");
+        Ok(Self { env, bos_token, eos_token, takes_tools })
     }
 
     /// Renders a conversation; `add_generation_prompt` opens the assistant's turn.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// As [`Self::render`], with function definitions (`[{"type": "function", "function":
+    /// {...}}]`) in the template's `tools`, as transformers' `apply_chat_template(tools=...)`.
+    pub fn render_with_tools(&self, messages: &[ChatMessage], tools: Option<&serde_json::Value>, add_generation_prompt: bool) -> Result<String> {
         let tmpl = self.env.get_template(TEMPLATE_NAME)?;
         tmpl.render(context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.clone().unwrap_or_default(),
             eos_token => self.eos_token.clone().unwrap_or_default(),

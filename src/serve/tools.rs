@@ -1,0 +1,327 @@
+//! Function calling as OpenAI's chat API has it: `tools`, `tool_choice` (`none`, `auto`,
+//! `required`, a named function), `parallel_tool_calls`, and the legacy `functions` /
+//! `function_call`.
+//!
+//! - The prompt: the model's chat template gets the definitions as `tools` (and the history's
+//!   `tool_calls` and `tool` turns) when it reads them; a template that does not gets the
+//!   generic format below: a system turn listing the functions and asking for
+//!   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, past calls written that way,
+//!   tool results as `<tool_response>` user turns.
+//! - `required` and a named function are constrained decoding (see `generate::constraint`):
+//!   the answer is a call (or, with `parallel_tool_calls`, a list of calls) whose arguments
+//!   follow the function's parameter schema; a named function's answer is its arguments.
+//! - `auto` leaves the model free; its answer is a call when it holds `<tool_call>` blocks
+//!   (Hermes, Qwen 2.5, SmolLM's format) or is a bare `{"name", "arguments"|"parameters"}`
+//!   object naming one of the functions (Llama 3.1's).
+
+use serde_json::{json, Map, Value};
+
+use super::error::ApiError;
+use crate::generate::constraint::OutputFormat;
+use crate::tokenize::ChatMessage;
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToolChoice {
+    None,
+    Auto,
+    Required,
+    Named(String),
+}
+
+/// A request's functions and how it wants them used.
+#[derive(Debug, Clone)]
+pub struct Tools {
+    /// `[{"type": "function", "function": {"name", "description", "parameters"}}]`, as sent.
+    pub definitions: Value,
+    pub names: Vec<String>,
+    /// Each function's parameter schema (an object schema), in `names` order.
+    parameters: Vec<Value>,
+    pub choice: ToolChoice,
+    pub parallel: bool,
+}
+
+/// A call the model made.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolCall {
+    pub name: String,
+    /// The arguments as a JSON string (OpenAI's `function.arguments`).
+    pub arguments: String,
+}
+
+fn invalid(param: &str, message: impl Into<String>) -> ApiError {
+    ApiError::invalid(param, message)
+}
+
+/// `tools` + `tool_choice` + `parallel_tool_calls`, or the legacy `functions` + `function_call`.
+/// None when the request has no functions (`tool_choice` then may only be `none`).
+pub fn parse(v: &Value) -> Result<Option<Tools>, ApiError> {
+    let get = |k: &str| v.get(k).filter(|x| !x.is_null());
+    let (definitions, choice_key) = match (get("tools"), get("functions")) {
+        (Some(_), Some(_)) => return Err(invalid("functions", "Give `tools` or the legacy `functions`, not both.")),
+        (Some(t), None) => (t.clone(), "tool_choice"),
+        (None, Some(Value::Array(f))) => (Value::Array(f.iter().map(|f| json!({"type": "function", "function": f})).collect()), "function_call"),
+        (None, Some(_)) => return Err(invalid("functions", "`functions` must be a list of function definitions.")),
+        (None, None) => {
+            if get("tool_choice").is_some_and(|c| c != "none") {
+                return Err(invalid("tool_choice", "`tool_choice` needs `tools`."));
+            }
+            if get("function_call").is_some_and(|c| c != "none") {
+                return Err(invalid("function_call", "`function_call` needs `functions`."));
+            }
+            if get("parallel_tool_calls").is_some() {
+                return Err(invalid("parallel_tool_calls", "`parallel_tool_calls` needs `tools`."));
+            }
+            return Ok(None);
+        }
+    };
+    let param = if choice_key == "tool_choice" { "tools" } else { "functions" };
+    let Value::Array(list) = &definitions else { return Err(invalid(param, "`tools` must be a list of {\"type\": \"function\", \"function\": {...}}.")) };
+    if list.is_empty() {
+        return Err(invalid(param, format!("`{param}` must not be empty.")));
+    }
+    let (mut names, mut parameters) = (vec![], vec![]);
+    for (i, t) in list.iter().enumerate() {
+        let at = format!("{param}[{i}]");
+        if t.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(invalid(&format!("{at}.type"), "only tools of type \"function\" are supported."));
+        }
+        super::fields::check(t, &["type", "function"], &at, false)?;
+        let f = t.get("function").filter(|f| f.is_object()).ok_or_else(|| invalid(&format!("{at}.function"), "`function` must be an object."))?;
+        super::fields::check(f, &["name", "description", "parameters", "strict"], &format!("{at}.function"), false)?;
+        let name = f.get("name").and_then(Value::as_str).filter(|n| !n.is_empty() && n.len() <= 64 && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-'));
+        let name = name.ok_or_else(|| invalid(&format!("{at}.function.name"), "`name` is required: 1 to 64 letters, digits, '_' or '-'."))?;
+        if names.iter().any(|n| n == name) {
+            return Err(invalid(&format!("{at}.function.name"), format!("two functions are named {name:?}.")));
+        }
+        let params = match f.get("parameters") {
+            None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
+            Some(p @ Value::Object(_)) => p.clone(),
+            Some(_) => return Err(invalid(&format!("{at}.function.parameters"), "`parameters` must be a JSON schema object.")),
+        };
+        names.push(name.to_string());
+        parameters.push(params);
+    }
+    let choice = match get(choice_key) {
+        None => ToolChoice::Auto,
+        Some(Value::String(s)) if s == "none" => ToolChoice::None,
+        Some(Value::String(s)) if s == "auto" => ToolChoice::Auto,
+        Some(Value::String(s)) if s == "required" && choice_key == "tool_choice" => ToolChoice::Required,
+        Some(c) => {
+            // {"type": "function", "function": {"name"}} (tools) or {"name"} (functions).
+            let name = c.pointer("/function/name").or_else(|| c.get("name")).and_then(Value::as_str);
+            match name {
+                Some(n) if names.iter().any(|x| x == n) => ToolChoice::Named(n.to_string()),
+                Some(n) => return Err(invalid(choice_key, format!("`{choice_key}` names {n:?}, which is not among the functions given."))),
+                None => return Err(invalid(choice_key, format!("`{choice_key}` must be none, auto{}, or a function.", if choice_key == "tool_choice" { ", required" } else { "" }))),
+            }
+        }
+    };
+    let parallel = match get("parallel_tool_calls") {
+        None => true,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(invalid("parallel_tool_calls", "`parallel_tool_calls` must be a boolean.")),
+    };
+    Ok(Some(Tools { definitions, names, parameters, choice, parallel }))
+}
+
+impl Tools {
+    /// What constrained decoding enforces: a named function's arguments, or for `required`
+    /// one call (a list of calls with `parallel_tool_calls`) of any of the functions.
+    pub fn output_format(&self) -> Option<OutputFormat> {
+        match &self.choice {
+            ToolChoice::None | ToolChoice::Auto => None,
+            ToolChoice::Named(n) => Some(OutputFormat::JsonSchema(self.parameters[self.index(n)].clone())),
+            ToolChoice::Required => {
+                let one: Vec<Value> = self
+                    .names
+                    .iter()
+                    .zip(&self.parameters)
+                    .map(|(n, p)| json!({"type": "object", "properties": {"name": {"enum": [n]}, "arguments": p}, "required": ["name", "arguments"], "additionalProperties": false}))
+                    .collect();
+                let call = json!({"anyOf": one});
+                Some(OutputFormat::JsonSchema(if self.parallel { json!({"type": "array", "items": call, "minItems": 1}) } else { call }))
+            }
+        }
+    }
+
+    fn index(&self, name: &str) -> usize {
+        self.names.iter().position(|n| n == name).expect("a known function")
+    }
+
+    /// The calls in an answer, and the text outside them (None when there is none). None when
+    /// the answer is not a call (`auto`, `none`).
+    pub fn calls_in(&self, answer: &str) -> Option<(Option<String>, Vec<ToolCall>)> {
+        match &self.choice {
+            ToolChoice::None => None,
+            ToolChoice::Named(n) => Some((None, vec![ToolCall { name: n.clone(), arguments: answer.trim().to_string() }])),
+            ToolChoice::Required => {
+                let v: Value = serde_json::from_str(answer).ok()?;
+                let calls = match v {
+                    Value::Array(a) => a,
+                    one => vec![one],
+                };
+                Some((None, calls.iter().filter_map(|c| self.call_of(c)).collect()))
+            }
+            ToolChoice::Auto => self.detect(answer),
+        }
+    }
+
+    /// `{"name", "arguments"|"parameters"}` naming one of the functions, as a call.
+    fn call_of(&self, v: &Value) -> Option<ToolCall> {
+        let name = v.get("name")?.as_str()?;
+        if !self.names.iter().any(|n| n == name) {
+            return None;
+        }
+        let args = v.get("arguments").or_else(|| v.get("parameters")).cloned().unwrap_or(json!({}));
+        let arguments = match args {
+            Value::String(s) => s,
+            other => other.to_string(),
+        };
+        Some(ToolCall { name: name.to_string(), arguments })
+    }
+
+    /// Calls in a free answer: `<tool_call>` blocks, or the whole answer as one call object.
+    fn detect(&self, answer: &str) -> Option<(Option<String>, Vec<ToolCall>)> {
+        const OPEN: &str = "<tool_call>";
+        const CLOSE: &str = "</tool_call>";
+        let mut calls = vec![];
+        let mut outside = String::new();
+        let mut rest = answer;
+        while let Some(at) = rest.find(OPEN) {
+            outside.push_str(&rest[..at]);
+            let body = &rest[at + OPEN.len()..];
+            let end = body.find(CLOSE).unwrap_or(body.len());
+            let parsed: Option<Value> = serde_json::from_str(body[..end].trim()).ok();
+            match parsed.as_ref().and_then(|v| self.call_of(v)) {
+                Some(c) => calls.push(c),
+                None => return None, // a block that is not a call of ours: leave the text alone
+            }
+            rest = body.get(end + CLOSE.len()..).unwrap_or("");
+        }
+        outside.push_str(rest);
+        if calls.is_empty() {
+            let v: Value = serde_json::from_str(answer.trim()).ok()?;
+            return Some((None, vec![self.call_of(&v)?]));
+        }
+        let outside = outside.trim();
+        Some(((!outside.is_empty()).then(|| outside.to_string()), calls))
+    }
+
+    /// The system instructions of the generic format: the functions, and how to call them.
+    fn instructions(&self) -> String {
+        let mut defs = String::new();
+        for d in self.definitions.as_array().into_iter().flatten() {
+            defs.push_str(&d["function"].to_string());
+            defs.push('\n');
+        }
+        format!(
+            "You may call functions. Their definitions, one JSON object per line:\n{defs}To call one, answer with <tool_call>{{\"name\": NAME, \"arguments\": {{...}}}}</tool_call> (one block per call) and nothing else."
+        )
+    }
+}
+
+/// The generic prompt format, for a template that does not read `tools`: the functions (if any)
+/// in a system turn (merged into the first system message, if there is one), past calls as
+/// `<tool_call>` text of the assistant's turn, tool results as `<tool_response>` user turns.
+pub fn generic_messages(tools: Option<&Tools>, messages: &[ChatMessage]) -> Vec<ChatMessage> {
+    let mut out: Vec<ChatMessage> = vec![];
+    for m in messages {
+        let mut m = m.clone();
+        if let Some(calls) = m.tool_calls.take() {
+            for c in calls.as_array().into_iter().flatten() {
+                let f = c.get("function").unwrap_or(c);
+                m.content.push_str(&format!("<tool_call>{}</tool_call>", json!({"name": f["name"], "arguments": f["arguments"]})));
+            }
+        }
+        if m.role == "tool" {
+            m = ChatMessage::new("user", &format!("<tool_response>{}</tool_response>", m.content));
+        }
+        out.push(m);
+    }
+    if let Some(t) = tools {
+        match out.first_mut() {
+            Some(first) if first.role == "system" => first.content = format!("{}\n\n{}", first.content, t.instructions()),
+            _ => out.insert(0, ChatMessage::new("system", &t.instructions())),
+        }
+    }
+    out
+}
+
+/// A message's `tool_calls` as the request has them (`arguments` a JSON string), checked, in the
+/// form templates take (`arguments` an object).
+pub fn message_tool_calls(calls: &Value, at: &str) -> Result<Value, ApiError> {
+    let Value::Array(list) = calls else { return Err(invalid(at, "`tool_calls` must be a list.")) };
+    let mut out = vec![];
+    for (i, c) in list.iter().enumerate() {
+        let here = format!("{at}[{i}]");
+        let f = c.get("function").filter(|f| f.is_object()).ok_or_else(|| invalid(&here, "each tool call needs `function` {name, arguments}."))?;
+        let name = f.get("name").and_then(Value::as_str).ok_or_else(|| invalid(&format!("{here}.function.name"), "`name` must be a string."))?;
+        let args = match f.get("arguments") {
+            Some(Value::String(s)) => serde_json::from_str::<Value>(s).map_err(|e| invalid(&format!("{here}.function.arguments"), format!("`arguments` is not JSON: {e}")))?,
+            Some(o @ Value::Object(_)) => o.clone(),
+            _ => return Err(invalid(&format!("{here}.function.arguments"), "`arguments` must be a JSON string.")),
+        };
+        let mut call = Map::new();
+        call.insert("type".into(), json!("function"));
+        if let Some(id) = c.get("id") {
+            call.insert("id".into(), id.clone());
+        }
+        call.insert("function".into(), json!({"name": name, "arguments": args}));
+        out.push(Value::Object(call));
+    }
+    Ok(Value::Array(out))
+}
+
+/// OpenAI's `tool_calls` of a response message.
+pub fn calls_json(calls: &[ToolCall]) -> Value {
+    Value::Array(calls.iter().map(|c| json!({"id": super::ids::new_id("call").replace("call-", "call_"), "type": "function", "function": {"name": c.name, "arguments": c.arguments}})).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tools(choice: Value) -> Tools {
+        let body = json!({"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}],
+            "tool_choice": choice});
+        parse(&body).unwrap().unwrap()
+    }
+
+    #[test]
+    fn choices_parse_and_answers_become_calls() {
+        assert_eq!(tools(json!("auto")).choice, ToolChoice::Auto);
+        assert_eq!(tools(json!({"type": "function", "function": {"name": "get_weather"}})).choice, ToolChoice::Named("get_weather".into()));
+        let e = parse(&json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("tool_choice"));
+        assert_eq!(parse(&json!({"tool_choice": "auto"})).unwrap_err().param.as_deref(), Some("tool_choice"));
+        assert!(parse(&json!({"tool_choice": "none"})).unwrap().is_none());
+        // Legacy functions.
+        let legacy = parse(&json!({"functions": [{"name": "f"}], "function_call": {"name": "f"}})).unwrap().unwrap();
+        assert_eq!(legacy.choice, ToolChoice::Named("f".into()));
+
+        let auto = tools(json!("auto"));
+        let (text, calls) = auto.calls_in("Sure. <tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}</tool_call>").unwrap();
+        assert_eq!(text.as_deref(), Some("Sure."));
+        assert_eq!(calls, vec![ToolCall { name: "get_weather".into(), arguments: "{\"city\":\"Paris\"}".into() }]);
+        assert_eq!(auto.calls_in("{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\"}}").unwrap().1[0].arguments, "{\"city\":\"Oslo\"}");
+        assert!(auto.calls_in("It is sunny.").is_none());
+        assert!(auto.calls_in("{\"name\": \"other\", \"arguments\": {}}").is_none());
+        let required = tools(json!("required"));
+        assert_eq!(required.calls_in("[{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}]").unwrap().1.len(), 1);
+    }
+
+    #[test]
+    fn the_generic_format_lists_the_functions_and_writes_history_as_text() {
+        let t = tools(json!("auto"));
+        let mut assistant = ChatMessage::new("assistant", "");
+        assistant.tool_calls = Some(message_tool_calls(&json!([{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]), "messages[1].tool_calls").unwrap());
+        let mut result = ChatMessage::new("tool", "18C");
+        result.tool_call_id = Some("call_1".into());
+        let out = generic_messages(Some(&t), &[ChatMessage::new("user", "weather?"), assistant, result]);
+        assert_eq!(out[0].role, "system");
+        assert!(out[0].content.contains("get_weather") && out[0].content.contains("<tool_call>"));
+        assert_eq!(out[2].content, "<tool_call>{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\"}}</tool_call>");
+        assert_eq!((out[3].role.as_str(), out[3].content.as_str()), ("user", "<tool_response>18C</tool_response>"));
+        assert!(message_tool_calls(&json!([{"function": {"name": "f", "arguments": "{bad"}}]), "m").is_err());
+    }
+}
