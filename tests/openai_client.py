@@ -65,6 +65,7 @@ for exc, call in [
 # Structured output: every answer to a strict JSON schema parses and validates, at any
 # temperature, streamed or not (the schema bounds each value, so the random test model finishes).
 import json
+import urllib.error
 import urllib.request
 
 import jsonschema
@@ -96,6 +97,35 @@ check(len(close) == 1, f"'}}' is one token: {close}")
 obj = client.chat.completions.create(model=model, messages=msgs, max_tokens=20, temperature=1, response_format={"type": "json_object"},
                                      logit_bias={str(close[0]): 100}).choices[0].message.content
 check(isinstance(json.loads(obj), dict), f"json_object answer {obj!r}")
+
+# logit_bias -100 on the greedy answer's first token (every id with its text) moves the answer;
+# echo + logprobs scores the prompt too, its first token null.
+def server_json(path, body):
+    req = urllib.request.Request(base.removesuffix("/v1") + path, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    return json.load(urllib.request.urlopen(req))
+greedy = client.completions.create(model=model, prompt="Once upon a time", max_tokens=1, temperature=0, logprobs=0)
+first = greedy.choices[0].logprobs.tokens[0]
+same, i = [], 0
+while True:  # every token id, until /detokenize says the id is past the vocabulary (400)
+    try:
+        text = server_json("/detokenize", {"tokens": [i]})["prompt"]
+    except urllib.error.HTTPError as e:
+        check(e.code == 400 and i > 0, f"/detokenize {i}: {e}")
+        break
+    if text == first:
+        same.append(i)
+    i += 1
+check(same, f"the greedy token {first!r} has an id")
+banned = client.completions.create(model=model, prompt="Once upon a time", max_tokens=1, temperature=0, logprobs=0,
+                                   logit_bias={str(i): -100 for i in same})
+check(banned.choices[0].logprobs.tokens[0] != first, f"logit_bias -100 left {first!r} first")
+echoed = client.completions.create(model=model, prompt="Once upon a time", max_tokens=3, temperature=0, echo=True, logprobs=1)
+lp = echoed.choices[0].logprobs
+prompt_len = len(server_json("/tokenize", {"prompt": "Once upon a time"})["tokens"])
+check(echoed.choices[0].text.startswith("Once upon a time"), f"echo: {echoed.choices[0].text!r}")
+check(len(lp.tokens) == prompt_len + echoed.usage.completion_tokens and lp.token_logprobs[0] is None
+      and all(x is not None for x in lp.token_logprobs[1:]) and len(lp.text_offset) == len(lp.tokens), f"echo logprobs: {lp}")
 
 # Function calling. A named function and `required` are constrained to the parameter schema:
 # the arguments parse and validate, whatever the (random) model would have said.

@@ -47,6 +47,10 @@ pub struct ServeArgs {
     /// answering 400 naming them.
     #[arg(long)]
     lenient: bool,
+    /// Seconds running generations may go on after SIGTERM / SIGINT before their streams are
+    /// ended (with an error event and [DONE]); running fine-tuning jobs are cancelled at once.
+    #[arg(long, default_value_t = 30.0)]
+    shutdown_grace: f64,
     /// Where the models compute: cpu, cuda (GPU 0) or cuda:N (CUDA build).
     #[arg(long, default_value = "cpu")]
     device: String,
@@ -75,6 +79,7 @@ impl TryFrom<ServeArgs> for ServeConfig {
             max_total_tokens: a.max_total_tokens,
             max_body_bytes: a.max_body_bytes,
             lenient: a.lenient,
+            shutdown_grace: std::time::Duration::try_from_secs_f64(a.shutdown_grace).map_err(|_| anyhow::anyhow!("--shutdown-grace must be a number of seconds >= 0, got {}", a.shutdown_grace))?,
             data_dir: a.data_dir,
             device: a.device.parse()?,
             dtype: parse_dtype(&a.dtype).context("--dtype")?,

@@ -58,6 +58,12 @@ impl ApiError {
         }
     }
 
+    /// 503 while the server shuts down (see `shutdown`).
+    pub fn shutting_down() -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", "The server is shutting down; retry on another instance or after it restarts.")
+            .with_code("server_shutting_down")
+    }
+
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
     }

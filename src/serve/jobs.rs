@@ -262,6 +262,10 @@ pub fn start_runner(st: Arc<AppState>) {
     std::thread::Builder::new()
         .name("jobs".into())
         .spawn(move || loop {
+            // Shutting down: queued jobs stay queued for the next start.
+            if st.shutdown.begun() {
+                return;
+            }
             match st.store.next_queued() {
                 Ok(Some(job)) => {
                     if let Err(e) = run_job(&st, &job) {

@@ -12,6 +12,7 @@ pub mod metrics;
 pub mod openapi;
 pub mod request;
 pub mod routes;
+pub mod shutdown;
 pub mod store;
 pub mod tools;
 pub mod web;
@@ -54,6 +55,8 @@ pub struct ServeConfig {
     /// Ignore request fields this server does not implement (listed in a response header)
     /// instead of answering 400 (see `fields`).
     pub lenient: bool,
+    /// How long running generations may go on after SIGTERM / SIGINT (see `shutdown`).
+    pub shutdown_grace: std::time::Duration,
     /// Where files, jobs (SQLite) and fine-tuned models live.
     pub data_dir: PathBuf,
     /// Where and in which dtype the models compute.
@@ -107,6 +110,7 @@ pub struct AppState {
     pub api_key: Option<String>,
     pub metrics: Arc<Metrics>,
     pub placement: Placement,
+    pub shutdown: Arc<shutdown::Shutdown>,
 }
 
 impl AppState {
@@ -237,6 +241,12 @@ fn same_secret(a: &[u8], b: &[u8]) -> bool {
 /// Every route but /health and the static pages needs `Authorization: Bearer <key>` when a key
 /// is set.
 async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    // Draining: requests on connections still open get 503 (the listener is closed).
+    if st.shutdown.begun() {
+        let resp = ApiError::shutting_down().into_response();
+        st.metrics.request(resp.status().as_u16());
+        return resp;
+    }
     if let Some(key) = &st.api_key {
         if req.uri().path() != "/health" && !web::PUBLIC_PATHS.contains(&req.uri().path()) {
             let given = req
@@ -370,6 +380,7 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
         api_key: cfg.api_key.clone(),
         metrics,
         placement,
+        shutdown: shutdown::Shutdown::new(),
     });
     jobs::start_runner(state.clone());
     let addr: SocketAddr = format!("{}:{}", cfg.host, cfg.port).parse().with_context(|| format!("--host {} --port {}: not an address", cfg.host, cfg.port))?;
@@ -378,6 +389,28 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
         let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
         let local = listener.local_addr()?;
         eprintln!("listening on http://{local} (model {})", state.base_id);
-        axum::serve(listener, router(state)).await.context("the server stopped")
+        let (st, grace) = (state.clone(), cfg.shutdown_grace);
+        let signalled = tokio::spawn(async move {
+            let which = shutdown::signal().await;
+            st.shutdown.begin();
+            match shutdown::stop_jobs(&st.store, which) {
+                Ok(0) => {}
+                Ok(n) => eprintln!("{which}: cancelled {n} running fine-tuning job(s)"),
+                Err(e) => eprintln!("{which}: stopping the running jobs: {e:#}"),
+            }
+            eprintln!("{which}: not accepting requests; running generations have {}s to finish", grace.as_secs_f64());
+            tokio::time::sleep(grace).await;
+            st.shutdown.force();
+        });
+        let st = state.clone();
+        let drained = async move {
+            while !st.shutdown.begun() {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+        };
+        axum::serve(listener, router(state)).with_graceful_shutdown(drained).await.context("the server stopped")?;
+        signalled.abort();
+        eprintln!("shut down");
+        Ok(())
     })
 }

@@ -256,7 +256,8 @@ async fn run_generation(st: Arc<AppState>, m: Arc<ServedModel>, mut req: Generat
     if req.stream {
         let scored_echo = echo.is_some() && req.params.prompt_logprobs.is_some();
         let echo = echo.map(|e| (e, ids, scored_echo));
-        return Ok(stream_response(m, admission, receivers, id, created, chat, echo, tools, req.include_usage, prompt_tokens));
+        let shutdown = st.shutdown.clone();
+        return Ok(stream_response(m, admission, receivers, id, created, chat, echo, tools, req.include_usage, prompt_tokens, shutdown));
     }
     let mut choices = vec![];
     let mut completion_tokens = 0;
@@ -265,7 +266,12 @@ async fn run_generation(st: Arc<AppState>, m: Arc<ServedModel>, mut req: Generat
         let mut lps: Vec<TokenLogprob> = vec![];
         let mut prompt_lps: Option<Vec<TokenLogprob>> = None;
         let finish = loop {
-            match rx.recv().await {
+            let ev = tokio::select! {
+                ev = rx.recv() => ev,
+                // The shutdown's grace period is over.
+                _ = st.shutdown.forced() => return Err(ApiError::shutting_down()),
+            };
+            match ev {
                 Some(Event::PromptLogprobs(v)) => prompt_lps = Some(v),
                 Some(Event::Delta { text: t, logprob }) => {
                     text.push_str(&t);
@@ -360,6 +366,7 @@ fn stream_response(
     tools: Option<Tools>,
     include_usage: bool,
     prompt_tokens: usize,
+    shutdown: Arc<super::shutdown::Shutdown>,
 ) -> Response {
     let mut held = vec![String::new(); receivers.len()];
     let (out_tx, out_rx) = mpsc::unbounded_channel::<Result<SseEvent, Infallible>>();
@@ -406,7 +413,19 @@ fn stream_response(
         }
         let mut finished = 0;
         let mut completion_tokens = 0;
-        while let Some((index, ev)) = merged_rx.recv().await {
+        loop {
+            let (index, ev) = tokio::select! {
+                got = merged_rx.recv() => match got {
+                    Some(got) => got,
+                    None => break,
+                },
+                // The shutdown's grace period is over: end the stream properly.
+                _ = shutdown.forced() => {
+                    let _ = out_tx.send(Ok(SseEvent::default().data(ApiError::shutting_down().body().to_string())));
+                    let _ = out_tx.send(Ok(SseEvent::default().data("[DONE]")));
+                    return;
+                }
+            };
             let choice = match ev {
                 Event::PromptLogprobs(scored) => {
                     let Some((e, ids, _)) = &echo else { continue };

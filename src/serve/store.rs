@@ -256,6 +256,14 @@ impl Store {
     /// At start-up: a job that was running when the server stopped is marked failed; queued
     /// jobs stay queued and run. Returns the process groups those jobs ran in, for the jobs
     /// runner to stop (they outlive a killed server).
+    /// The jobs running now, with their process groups.
+    pub fn running_jobs(&self) -> Result<Vec<(String, Option<u32>)>> {
+        let db = self.db();
+        let mut st = db.prepare("SELECT id, pgid FROM jobs WHERE status IN ('validating_files', 'running')")?;
+        let rows = st.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, Option<i64>>(1)?.map(|p| p as u32))))?.collect::<rusqlite::Result<_>>()?;
+        Ok(rows)
+    }
+
     pub fn recover(&self) -> Result<Vec<u32>> {
         let jobs: Vec<(String, Option<i64>)> = {
             let db = self.db();

@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests: fixture directories, the CLI binary, reference files.
 #![allow(dead_code)]
 
+pub mod server;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 

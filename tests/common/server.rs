@@ -1,0 +1,100 @@
+//! A real `fsdp-app serve` process for the server tests, and plain HTTP helpers.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use super::{bin, run_cli, stderr};
+
+pub struct Server {
+    pub child: Child,
+    base: String,
+    _data: Option<tempfile::TempDir>,
+}
+
+impl Server {
+    /// Starts `fsdp-app serve` on a free port; its data directory is a fresh temporary one
+    /// unless `extra` names one.
+    pub fn start(model: &Path, extra: &[&str]) -> Server {
+        let data = (!extra.contains(&"--data-dir")).then(|| tempfile::tempdir().unwrap());
+        let data_arg = data.as_ref().map(|d| d.path().to_str().unwrap().to_string());
+        let mut args = vec!["serve", "--model", model.to_str().unwrap(), "--port", "0", "--served-model-name", "tiny"];
+        if let Some(d) = &data_arg {
+            args.extend(["--data-dir", d.as_str()]);
+        }
+        args.extend_from_slice(extra);
+        let mut child = Command::new(bin()).args(&args).stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
+        let mut err = BufReader::new(child.stderr.take().unwrap());
+        let mut line = String::new();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !line.contains("listening on http://") {
+            line.clear();
+            assert!(err.read_line(&mut line).unwrap() > 0 && Instant::now() < deadline, "server did not start: {line}");
+        }
+        let addr = line.split("http://").nth(1).unwrap().split_whitespace().next().unwrap().to_string();
+        // Keep draining stderr so the server never blocks on it.
+        std::thread::spawn(move || for _ in err.lines() {});
+        Server { child, base: format!("http://{addr}"), _data: data }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A qwen2 model big enough that a long completion takes a while on 2 cores (so a request can
+/// hold the only slot), with a 1024-token context.
+pub fn slow_model(root: &Path) -> std::path::PathBuf {
+    let dir = root.join("slow");
+    let o = run_cli(
+        &["fixture", "--name", "qwen2", "--out", dir.to_str().unwrap(), "--set", "hidden_size=512", "--set", "intermediate_size=1536",
+          "--set", "num_hidden_layers=8", "--set", "num_attention_heads=8", "--set", "num_key_value_heads=8", "--set", "max_position_embeddings=1024"],
+        &[],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    dir
+}
+
+/// (status, body) of a POST, whatever the status.
+pub fn post(url: &str, body: &str, key: Option<&str>) -> (u16, String, Option<String>) {
+    let mut req = ureq::post(url).set("Content-Type", "application/json");
+    if let Some(k) = key {
+        req = req.set("Authorization", &format!("Bearer {k}"));
+    }
+    match req.send_string(body) {
+        Ok(r) => (r.status(), r.into_string().unwrap(), None),
+        Err(ureq::Error::Status(code, r)) => {
+            let retry = r.header("Retry-After").map(str::to_string);
+            (code, r.into_string().unwrap(), retry)
+        }
+        Err(e) => panic!("{url}: {e}"),
+    }
+}
+
+pub fn post_json(url: &str, body: &Value) -> Value {
+    let (status, text, _) = post(url, &body.to_string(), None);
+    assert_eq!(status, 200, "{text}");
+    serde_json::from_str(&text).unwrap()
+}
+
+pub fn get_json(url: &str) -> Value {
+    serde_json::from_str(&ureq::get(url).call().unwrap().into_string().unwrap()).unwrap()
+}
+
+/// The data lines of an SSE response.
+pub fn sse(url: &str, body: &Value) -> Vec<String> {
+    let r = ureq::post(url).set("Content-Type", "application/json").send_string(&body.to_string()).unwrap();
+    assert_eq!(r.header("Content-Type"), Some("text/event-stream"));
+    BufReader::new(r.into_reader()).lines().map(Result::unwrap).filter_map(|l| l.strip_prefix("data: ").map(str::to_string)).collect()
+}
+

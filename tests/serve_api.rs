@@ -1,0 +1,96 @@
+//! The generation API's finer points against a real server: `--lenient` (what strict mode
+//! refuses is ignored and listed in a header), `logit_bias`, `echo` with `logprobs`, and `n`
+//! at admission.
+
+mod common;
+
+use common::server::*;
+use common::*;
+use serde_json::{json, Value};
+
+/// `--lenient` ignores what strict mode refuses and says so in a header; `logit_bias` moves the
+/// sampler; `echo` with `logprobs` scores the prompt too (the first token null) and
+/// `text_offset` points into the returned text; `n` takes n places of admission.
+#[test]
+fn lenient_mode_logit_bias_echo_logprobs_and_n_admission() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("qwen2", tmp.path());
+    let server = Server::start(&model, &["--lenient", "--max-concurrent-requests", "2", "--max-queue", "1"]);
+    let comp = server.url("/v1/completions");
+    let r = ureq::post(&comp)
+        .set("Content-Type", "application/json")
+        .send_string(&json!({"model": "tiny", "prompt": "hello", "max_tokens": 2, "foo_bar": 1, "tools": []}).to_string())
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.header("x-fsdp-app-ignored-params"), Some("foo_bar, tools"));
+
+    // Greedy's first token, then banned by logit_bias: another token comes first.
+    let greedy = |extra: Value| {
+        let mut body = json!({"model": "tiny", "prompt": "hello", "max_tokens": 1, "temperature": 0, "logprobs": 0});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        post_json(&comp, &body)
+    };
+    let first = |v: &Value| v["choices"][0]["logprobs"]["tokens"][0].as_str().unwrap().to_string();
+    // Every token's text (byte-level pieces of a character show as U+FFFD and are not unique).
+    let config: Value = serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    let vocab = config["vocab_size"].as_u64().unwrap();
+    let texts: Vec<String> = (0..vocab).map(|i| post_json(&server.url("/detokenize"), &json!({"tokens": [i]}))["prompt"].as_str().unwrap().to_string()).collect();
+    let ids_of = |t: &str| (0..vocab).filter(|&i| texts[i as usize] == t).collect::<Vec<_>>();
+    let plain = greedy(json!({}));
+    let bias = |ids: &[u64], b: f64| Value::Object(ids.iter().map(|i| (i.to_string(), json!(b))).collect());
+    let banned = ids_of(&first(&plain));
+    assert!(!banned.is_empty());
+    let biased = greedy(json!({"logit_bias": bias(&banned, -100.0)}));
+    assert_ne!(first(&biased), first(&plain), "logit_bias -100 bans the greedy token");
+    // +100 on a token whose text no other token has makes it the greedy choice.
+    let forced = (0..vocab)
+        .find(|&i| {
+            let t = &texts[i as usize];
+            t.chars().count() > 1 && t.chars().all(char::is_alphanumeric) && ids_of(t).len() == 1 && *t != first(&plain)
+        })
+        .expect("a token with a text of its own");
+    let got = greedy(json!({"logit_bias": bias(&[forced], 100.0)}));
+    assert_eq!(first(&got), texts[forced as usize], "logit_bias +100 forces the token");
+
+    // Echo + logprobs: every prompt token and every generated one, the first null.
+    let prompt = "the cat sat";
+    let prompt_ids = post_json(&server.url("/tokenize"), &json!({"prompt": prompt}))["tokens"].as_array().unwrap().len();
+    let v = post_json(&comp, &json!({"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": true, "logprobs": 2}));
+    let choice = &v["choices"][0];
+    let text = choice["text"].as_str().unwrap();
+    let lp = &choice["logprobs"];
+    let generated = v["usage"]["completion_tokens"].as_u64().unwrap() as usize;
+    let n_tokens = lp["tokens"].as_array().unwrap().len();
+    assert_eq!(n_tokens, prompt_ids + generated, "{lp}");
+    assert!(lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null(), "{lp}");
+    assert!((1..n_tokens).all(|i| lp["token_logprobs"][i].as_f64().is_some_and(|x| x <= 0.0)), "{lp}");
+    assert!(text.starts_with(prompt), "{text}");
+    let chars: Vec<char> = text.chars().collect();
+    // Each token's text is where its offset points (a byte-level piece of a character, shown as
+    // U+FFFD, has no text of its own to find); the generated ones start after the prompt.
+    assert_eq!(lp["text_offset"][prompt_ids].as_u64(), Some(prompt.chars().count() as u64), "{lp}");
+    for i in 0..n_tokens {
+        let (t, at) = (lp["tokens"][i].as_str().unwrap(), lp["text_offset"][i].as_u64().unwrap() as usize);
+        let here: String = chars[at.min(chars.len())..].iter().collect();
+        assert!(t.contains('\u{FFFD}') || here.starts_with(t), "token {i} {t:?} is not at offset {at} of {text:?}");
+    }
+    // The same as a stream: the prompt's scores come with the echoed text, offsets continue.
+    let chunks: Vec<Value> = sse(&comp, &json!({"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": true, "logprobs": 2, "stream": true}))
+        .into_iter()
+        .filter(|l| l != "[DONE]")
+        .map(|l| serde_json::from_str(&l).unwrap())
+        .collect();
+    let mut offsets = vec![];
+    for c in &chunks {
+        if let Some(o) = c["choices"][0]["logprobs"]["text_offset"].as_array() {
+            offsets.extend(o.iter().map(|x| x.as_u64().unwrap()));
+        }
+    }
+    assert_eq!(offsets, lp["text_offset"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect::<Vec<_>>());
+
+    // n = 4 needs four places; this server admits three at once.
+    let (status, text, _) = post(&comp, &json!({"model": "tiny", "prompt": "x", "n": 4}).to_string(), None);
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("\"param\":\"n\""), "{text}");
+}
+
