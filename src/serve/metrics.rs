@@ -44,6 +44,7 @@ pub struct Metrics {
     itl: Mutex<Histogram>,
     tokens: AtomicU64,
     cancelled: AtomicU64,
+    stream_errors: AtomicU64,
 }
 
 impl Metrics {
@@ -61,6 +62,11 @@ impl Metrics {
     }
     pub fn cancelled(&self) {
         self.cancelled.fetch_add(1, Ordering::Relaxed);
+    }
+    /// A stream that had answered 200 ended with an error event (the engine failed, or the
+    /// server shut down): the status counter cannot show it.
+    pub fn stream_error(&self) {
+        self.stream_errors.fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn render(&self, queued: usize, running: usize) -> String {
@@ -80,6 +86,10 @@ impl Metrics {
         out.push_str(&format!(
             "# HELP fsdp_cancelled_sequences_total Sequences dropped because their client disconnected.\n# TYPE fsdp_cancelled_sequences_total counter\nfsdp_cancelled_sequences_total {}\n",
             self.cancelled.load(Ordering::Relaxed)
+        ));
+        out.push_str(&format!(
+            "# HELP fsdp_stream_errors_total Streams ended by an error event after their 200 (engine failure, shutdown).\n# TYPE fsdp_stream_errors_total counter\nfsdp_stream_errors_total {}\n",
+            self.stream_errors.load(Ordering::Relaxed)
         ));
         out
     }

@@ -256,8 +256,7 @@ async fn run_generation(st: Arc<AppState>, m: Arc<ServedModel>, mut req: Generat
     if req.stream {
         let scored_echo = echo.is_some() && req.params.prompt_logprobs.is_some();
         let echo = echo.map(|e| (e, ids, scored_echo));
-        let shutdown = st.shutdown.clone();
-        return Ok(stream_response(m, admission, receivers, id, created, chat, echo, tools, req.include_usage, prompt_tokens, shutdown));
+        return Ok(stream_response(m, admission, receivers, id, created, chat, echo, tools, req.include_usage, prompt_tokens, st));
     }
     let mut choices = vec![];
     let mut completion_tokens = 0;
@@ -281,7 +280,8 @@ async fn run_generation(st: Arc<AppState>, m: Arc<ServedModel>, mut req: Generat
                     completion_tokens += c;
                     break finish;
                 }
-                Some(Event::Error(e)) => return Err(ApiError::bad_request(e)),
+                // The request was checked before it ran: a failure now is the server's.
+                Some(Event::Error(e)) => return Err(ApiError::internal(format!("Generation failed: {e}"))),
                 None => return Err(ApiError::internal("the engine dropped the request")),
             }
         };
@@ -366,7 +366,7 @@ fn stream_response(
     tools: Option<Tools>,
     include_usage: bool,
     prompt_tokens: usize,
-    shutdown: Arc<super::shutdown::Shutdown>,
+    st: Arc<AppState>,
 ) -> Response {
     let mut held = vec![String::new(); receivers.len()];
     let (out_tx, out_rx) = mpsc::unbounded_channel::<Result<SseEvent, Infallible>>();
@@ -420,7 +420,8 @@ fn stream_response(
                     None => break,
                 },
                 // The shutdown's grace period is over: end the stream properly.
-                _ = shutdown.forced() => {
+                _ = st.shutdown.forced() => {
+                    st.metrics.stream_error();
                     let _ = out_tx.send(Ok(SseEvent::default().data(ApiError::shutting_down().body().to_string())));
                     let _ = out_tx.send(Ok(SseEvent::default().data("[DONE]")));
                     return;
@@ -472,7 +473,9 @@ fn stream_response(
                     }
                 }
                 Event::Error(e) => {
-                    let _ = out_tx.send(Ok(SseEvent::default().data(ApiError::bad_request(e).body().to_string())));
+                    st.metrics.stream_error();
+                    let _ = out_tx.send(Ok(SseEvent::default().data(ApiError::internal(format!("Generation failed: {e}")).body().to_string())));
+                    let _ = out_tx.send(Ok(SseEvent::default().data("[DONE]")));
                     return;
                 }
             };
