@@ -415,7 +415,7 @@ fn fine_tuning_jobs_run_to_a_served_model_persist_and_survive_a_restart() {
     let server = Server::start(&model, &["--data-dir", data_dir.to_str().unwrap()]);
 
     // Files: validated on upload, listed, read back, deleted.
-    let (s, bad) = upload(&server, "bad.jsonl", b"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}\n{\"foo\": 1}\n");
+    let (s, bad) = upload(&server, "bad.jsonl", b"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}, {\"role\": \"assistant\", \"content\": \"y\"}]}\n{\"foo\": 1}\n");
     assert_eq!((s, bad["error"]["param"].as_str()), (400, Some("file")), "{bad}");
     assert!(bad["error"]["message"].as_str().unwrap().starts_with("Line 2:"), "{bad}");
     // A UTF-8 byte-order mark (as Windows editors write it) is read past.
@@ -536,17 +536,28 @@ fn a_failed_job_says_why() {
     let tmp = tempfile::tempdir().unwrap();
     let model = fixture("qwen2", tmp.path());
     let server = Server::start(&model, &[]);
-    // Chat rows with no assistant turn: nothing to train on.
-    let rows = b"{\"messages\": [{\"role\": \"user\", \"content\": \"hello\"}]}\n{\"messages\": [{\"role\": \"user\", \"content\": \"again\"}]}\n";
-    let (s, file) = upload(&server, "user-only.jsonl", rows);
+    // Chat rows with no assistant turn train nothing: refused at upload, the line named.
+    let rows = b"{\"messages\": [{\"role\": \"user\", \"content\": \"hello\"}, {\"role\": \"assistant\", \"content\": \"hi\"}]}\n{\"messages\": [{\"role\": \"user\", \"content\": \"again\"}]}\n";
+    let (s, err) = upload(&server, "user-only.jsonl", rows);
+    assert_eq!(s, 400, "{err}");
+    let message = err["error"]["message"].as_str().unwrap();
+    assert!(message.contains("Line 2") && message.contains("no assistant turn"), "{err}");
+    // Rows the upload cannot judge (token ids are checked against the model at run time): the
+    // job fails, and says why.
+    let rows = b"{\"input_ids\": [1, 2, 3, 99999], \"labels\": [1, 2, 3, 99999]}\n";
+    let (s, file) = upload(&server, "bad-ids.jsonl", rows);
     assert_eq!(s, 200, "{file}");
+    // A sequence longer than the model's context is refused, both numbers named.
+    let (s, text, _) = post(&server.url("/v1/fine_tuning/jobs"), &json!({"model": "tiny", "training_file": file["id"], "fsdp_app": {"seq_len": 4096}}).to_string(), None);
+    assert_eq!(s, 400, "{text}");
+    assert!(text.contains("fsdp_app.seq_len") && text.contains("4096") && text.contains("256"), "{text}");
     let job = post_json(&server.url("/v1/fine_tuning/jobs"), &json!({"model": "tiny", "training_file": file["id"],
         "fsdp_app": {"world_size": 1, "seq_len": 64, "max_steps": 1}}));
     let id = job["id"].as_str().unwrap();
     let done = wait_for_status(&server, id, &["failed", "succeeded"], 120);
     assert_eq!(done["status"], "failed", "{done}");
     let message = done["error"]["message"].as_str().unwrap();
-    assert!(message.contains("no token is trained on") && !message.contains("exited with"), "{done}");
+    assert!(message.contains("99999") && !message.contains("exited with"), "{done}");
     let events = get_json(&server.url(&format!("/v1/fine_tuning/jobs/{id}/events")));
-    assert!(events["data"].as_array().unwrap().iter().any(|e| e["message"].as_str().unwrap().contains("no token is trained on")), "{events}");
+    assert!(events["data"].as_array().unwrap().iter().any(|e| e["message"].as_str().unwrap().contains("99999")), "{events}");
 }

@@ -29,7 +29,10 @@ pub fn validate_jsonl(bytes: &[u8]) -> Result<usize, ApiError> {
             continue;
         }
         let v: Value = serde_json::from_str(line).map_err(|e| ApiError::invalid("file", format!("Line {}: not valid JSON: {e}.", i + 1)))?;
-        crate::train::formats::parse_row(&v, true).map_err(|e| ApiError::invalid("file", format!("Line {}: {e:#}.", i + 1)))?;
+        let example = crate::train::formats::parse_row(&v, true).map_err(|e| ApiError::invalid("file", format!("Line {}: {e:#}.", i + 1)))?;
+        if let Some(why) = crate::train::formats::trains_nothing(&example) {
+            return Err(ApiError::invalid("file", format!("Line {}: this row trains no token: {why}.", i + 1)).with_code("no_trainable_tokens"));
+        }
         rows += 1;
     }
     if rows == 0 {

@@ -103,14 +103,19 @@ fn hyperparameters(v: &Value, lenient: bool) -> Result<Value, ApiError> {
     }))
 }
 
-/// Our extensions, under `fsdp_app`: world_size, seq_len, max_steps, lora {r, alpha, dropout, targets}.
-fn extensions(v: &Value, lenient: bool) -> Result<Value, ApiError> {
-    let Some(e) = v.get("fsdp_app").filter(|x| !x.is_null()) else { return Ok(json!({"world_size": 1, "seq_len": 512, "max_steps": null, "lora": null})) };
+/// Our extensions, under `fsdp_app`: world_size, seq_len (default min(512, the model's
+/// context), at most the context), max_steps, lora {r, alpha, dropout, targets}.
+fn extensions(v: &Value, lenient: bool, context: usize) -> Result<Value, ApiError> {
+    let default_seq = 512.min(context) as i64;
+    let Some(e) = v.get("fsdp_app").filter(|x| !x.is_null()) else { return Ok(json!({"world_size": 1, "seq_len": default_seq, "max_steps": null, "lora": null})) };
     let f = Fields::of(e).map_err(|_| ApiError::invalid("fsdp_app", "`fsdp_app` must be an object."))?;
     super::fields::check(e, super::fields::JOB_EXTENSION, "fsdp_app", lenient)?;
     let named = |err: ApiError| ApiError { param: err.param.map(|p| format!("fsdp_app.{p}")), ..err };
     let world = f.integer("world_size", 1, 16).map_err(named)?.unwrap_or(1);
-    let seq = f.integer("seq_len", 16, 32768).map_err(named)?.unwrap_or(512);
+    let seq = f.integer("seq_len", 16, 1 << 20).map_err(named)?.unwrap_or(default_seq);
+    if seq as usize > context {
+        return Err(ApiError::invalid("fsdp_app.seq_len", format!("`seq_len` {seq} is longer than the model's context ({context} tokens, max_position_embeddings).")));
+    }
     let steps = f.integer("max_steps", 1, 1_000_000).map_err(named)?;
     let lora = match f.value("lora") {
         None => Value::Null,
@@ -170,7 +175,7 @@ pub async fn create(State(st): State<Arc<AppState>>, headers: HeaderMap, body: R
         training_file,
         validation_file,
         hyperparameters: hyperparameters(&v, st.lenient)?,
-        extensions: extensions(&v, st.lenient)?,
+        extensions: extensions(&v, st.lenient, st.base().context)?,
         suffix,
         seed,
     };

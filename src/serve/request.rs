@@ -137,7 +137,8 @@ pub fn parse_common(v: &Value, defaults: &ModelDefaults, chat: bool) -> Result<G
     let presence_penalty = f.number("presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32;
     let frequency_penalty = f.number("frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32;
     let repetition_penalty = match f.number("repetition_penalty", 0.0, 10.0)? {
-        Some(p) if p <= 0.0 => return Err(ApiError::invalid("repetition_penalty", "`repetition_penalty` must be greater than 0.")),
+        // Checked as the f32 the sampler uses (5e-324 is > 0 as f64 and 0 as f32).
+        Some(p) if p as f32 <= 0.0 => return Err(ApiError::invalid("repetition_penalty", "`repetition_penalty` must be greater than 0.")),
         Some(p) => p as f32,
         None => defaults.repetition_penalty,
     };
@@ -200,6 +201,8 @@ pub fn parse_common(v: &Value, defaults: &ModelDefaults, chat: bool) -> Result<G
         logit_bias: vec![],
         prompt_logprobs: None,
     };
+    // What the engine will check again: a request it would refuse is the client's error, here.
+    params.validate().map_err(|e| ApiError::bad_request(format!("{e:#}")))?;
     Ok(GenerationRequest { model, max_tokens, params, n, stream, include_usage, echo })
 }
 
@@ -379,6 +382,7 @@ mod tests {
             (json!({"model": "m", "stop": ["a", "b", "c", "d", "e"]}), "stop"),
             (json!({"model": "m", "stop": [""]}), "stop"),
             (json!({"model": "m", "presence_penalty": 3}), "presence_penalty"),
+            (json!({"model": "m", "repetition_penalty": 5e-324}), "repetition_penalty"),
             (json!({"model": "m", "seed": "x"}), "seed"),
             (json!({"model": "m", "stream_options": {"include_usage": true}}), "stream_options"),
             (json!({"temperature": 1}), "model"),

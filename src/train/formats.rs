@@ -83,6 +83,18 @@ fn messages(list: &Value, field: &str, role_key: &str, content_key: &str) -> Res
         .collect()
 }
 
+/// Why a row trains no token whatever the tokenizer, when it does not: a chat with no
+/// assistant turn (what fine-tuning jobs train on), or token rows whose labels are all ignored.
+pub fn trains_nothing(e: &Example) -> Option<&'static str> {
+    match e {
+        Example::Chat(m) if !m.iter().any(|m| m.role == "assistant" && (!m.content.is_empty() || m.tool_calls.is_some())) => {
+            Some("it has no assistant turn to train on")
+        }
+        Example::Tokens { labels: Some(l), .. } if l.iter().all(|&x| x < 0) => Some("every label is -100 (ignored)"),
+        _ => None,
+    }
+}
+
 /// Reads one row. `has_template` decides how Alpaca rows are shaped.
 pub fn parse_row(row: &Value, has_template: bool) -> Result<Example> {
     if !row.is_object() {
