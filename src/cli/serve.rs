@@ -51,6 +51,14 @@ pub struct ServeArgs {
     /// ended (with an error event and [DONE]); running fine-tuning jobs are cancelled at once.
     #[arg(long, default_value_t = 30.0)]
     shutdown_grace: f64,
+    /// Seconds a client may take to send a request's head; also how long a keep-alive
+    /// connection may idle between requests (hyper arms the same timer for both).
+    #[arg(long, default_value_t = 30.0)]
+    header_timeout: f64,
+    /// Seconds a request body may go without sending anything (a slow upload that keeps sending
+    /// is never cut); then 408.
+    #[arg(long, default_value_t = 60.0)]
+    body_timeout: f64,
     /// Where the models compute: cpu, cuda (GPU 0) or cuda:N (CUDA build).
     #[arg(long, default_value = "cpu")]
     device: String,
@@ -79,12 +87,18 @@ impl TryFrom<ServeArgs> for ServeConfig {
             max_total_tokens: a.max_total_tokens,
             max_body_bytes: a.max_body_bytes,
             lenient: a.lenient,
-            shutdown_grace: std::time::Duration::try_from_secs_f64(a.shutdown_grace).map_err(|_| anyhow::anyhow!("--shutdown-grace must be a number of seconds >= 0, got {}", a.shutdown_grace))?,
+            shutdown_grace: seconds("--shutdown-grace", a.shutdown_grace)?,
+            timeouts: fsdp_app::serve::listen::Timeouts { header: seconds("--header-timeout", a.header_timeout)?, body: seconds("--body-timeout", a.body_timeout)? },
             data_dir: a.data_dir,
             device: a.device.parse()?,
             dtype: parse_dtype(&a.dtype).context("--dtype")?,
         })
     }
+}
+
+/// A positive number of seconds from flag `name`.
+fn seconds(name: &str, s: f64) -> Result<std::time::Duration> {
+    std::time::Duration::try_from_secs_f64(s).ok().filter(|d| !d.is_zero()).ok_or_else(|| anyhow::anyhow!("{name} must be a positive number of seconds, got {s}"))
 }
 
 pub fn run(a: ServeArgs) -> Result<()> {

@@ -45,7 +45,8 @@ pub async fn upload(State(st): State<Arc<AppState>>, multipart: Result<Multipart
     let mut multipart = multipart.map_err(|e| ApiError::bad_request(format!("Expected a multipart/form-data body: {}", e.body_text())))?;
     let (mut purpose, mut file): (Option<String>, Option<(String, Vec<u8>)>) = (None, None);
     let mut ignored = vec![];
-    while let Some(field) = multipart.next_field().await.map_err(|e| ApiError::bad_request(format!("Malformed multipart body: {e}")))? {
+    let malformed = |e: axum::extract::multipart::MultipartError| super::listen::stalled(&e).unwrap_or_else(|| ApiError::bad_request(format!("Malformed multipart body: {e}")));
+    while let Some(field) = multipart.next_field().await.map_err(malformed)? {
         match field.name() {
             Some("purpose") => purpose = Some(field.text().await.map_err(|e| ApiError::invalid("purpose", e.to_string()))?),
             Some("file") => {

@@ -7,6 +7,7 @@ pub mod error;
 pub mod fields;
 pub mod files;
 pub mod ids;
+pub mod listen;
 pub mod jobs;
 pub mod metrics;
 pub mod openapi;
@@ -57,6 +58,8 @@ pub struct ServeConfig {
     pub lenient: bool,
     /// How long running generations may go on after SIGTERM / SIGINT (see `shutdown`).
     pub shutdown_grace: std::time::Duration,
+    /// How long a client may stall in a request's head (or idle between requests) or body.
+    pub timeouts: listen::Timeouts,
     /// Where files, jobs (SQLite) and fine-tuned models live.
     pub data_dir: PathBuf,
     /// Where and in which dtype the models compute.
@@ -402,13 +405,8 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
             tokio::time::sleep(grace).await;
             st.shutdown.force();
         });
-        let st = state.clone();
-        let drained = async move {
-            while !st.shutdown.begun() {
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-            }
-        };
-        axum::serve(listener, router(state)).with_graceful_shutdown(drained).await.context("the server stopped")?;
+        let shutdown = state.shutdown.clone();
+        listen::serve(listener, router(state), cfg.timeouts, shutdown).await.context("the server stopped")?;
         signalled.abort();
         eprintln!("shut down");
         Ok(())

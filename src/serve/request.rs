@@ -344,6 +344,9 @@ pub fn parse_messages(v: &Value, lenient: bool, ignored: &mut Vec<String>) -> Re
 /// end first (up to a hard cap), so the client gets the 413 instead of a broken connection.
 pub fn json_body(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<Value, ApiError> {
     let bytes = body.map_err(|e| {
+        if let Some(timeout) = super::listen::stalled(&e) {
+            return timeout;
+        }
         let status = e.status();
         ApiError::new(status, "invalid_request_error", format!("Could not read the request body: {}", e.body_text()))
     })?;

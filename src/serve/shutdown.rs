@@ -16,12 +16,13 @@ use super::store::Store;
 /// Where the server is in its shutdown.
 pub struct Shutdown {
     begun: AtomicBool,
+    begun_tx: watch::Sender<bool>,
     forced: watch::Sender<bool>,
 }
 
 impl Shutdown {
     pub fn new() -> Arc<Self> {
-        Arc::new(Self { begun: AtomicBool::new(false), forced: watch::channel(false).0 })
+        Arc::new(Self { begun: AtomicBool::new(false), begun_tx: watch::channel(false).0, forced: watch::channel(false).0 })
     }
 
     /// A signal came: no new work.
@@ -31,6 +32,13 @@ impl Shutdown {
 
     pub fn begin(&self) {
         self.begun.store(true, Ordering::SeqCst);
+        self.begun_tx.send_replace(true);
+    }
+
+    /// Resolves once a signal came.
+    pub async fn begun_wait(&self) {
+        let mut rx = self.begun_tx.subscribe();
+        let _ = rx.wait_for(|b| *b).await;
     }
 
     /// The grace period is over: generations still running end now.

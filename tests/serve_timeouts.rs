@@ -1,0 +1,80 @@
+//! `serve` against clients that stall, with real sockets: a connection stalled in its headers,
+//! one stalled in its body and an idle keep-alive connection are closed within their timeouts
+//! while a normal client is served, and a slow upload that keeps sending is not cut.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use common::server::*;
+use common::*;
+use serde_json::json;
+
+/// Reads until the server closes the connection (or `limit` passes); what it sent and when.
+fn read_until_closed(mut s: TcpStream, limit: Duration) -> (String, Duration) {
+    let start = Instant::now();
+    s.set_read_timeout(Some(limit)).unwrap();
+    let mut got = vec![];
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) => panic!("the server kept the connection open for {:?}: {e}", start.elapsed()),
+        }
+    }
+    (String::from_utf8_lossy(&got).to_string(), start.elapsed())
+}
+
+fn connect(server: &Server) -> TcpStream {
+    TcpStream::connect(server.url("").trim_start_matches("http://")).unwrap()
+}
+
+#[test]
+fn stalled_and_idle_connections_are_closed_and_slow_uploads_are_not() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("qwen2", tmp.path());
+    let server = Server::start(&model, &["--header-timeout", "1", "--body-timeout", "1"]);
+    let limit = Duration::from_secs(5);
+
+    // Stalled in its headers.
+    let mut head = connect(&server);
+    head.write_all(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: appl").unwrap();
+    // Stalled in its body: 10 of 100 bytes.
+    let mut body = connect(&server);
+    body.write_all(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\":").unwrap();
+    // Idle: connected, sends nothing.
+    let idle = connect(&server);
+    // A keep-alive connection that answered one request, then idles.
+    let mut kept = connect(&server);
+    kept.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+
+    // A normal client is served meanwhile.
+    let answer = post_json(&server.url("/tokenize"), &json!({"prompt": "hello"}));
+    assert!(answer["count"].as_u64().unwrap() > 0);
+
+    let (text, took) = read_until_closed(head, limit);
+    assert!(took < Duration::from_secs(4), "stalled head closed after {took:?}: {text}");
+    let (text, took) = read_until_closed(body, limit);
+    assert!(took < Duration::from_secs(4) && text.starts_with("HTTP/1.1 408"), "stalled body after {took:?}: {text}");
+    assert!(text.contains("--body-timeout"), "{text}");
+    let (_, took) = read_until_closed(idle, limit);
+    assert!(took < Duration::from_secs(4), "idle connection closed after {took:?}");
+    let (text, took) = read_until_closed(kept, limit);
+    assert!(text.starts_with("HTTP/1.1 200") && took < Duration::from_secs(4), "keep-alive connection after {took:?}: {text}");
+
+    // A body trickled a byte every 0.3 s (6 s in all, six times the body timeout) goes through.
+    let payload = json!({"prompt": "slow but steady"}).to_string();
+    let mut slow = connect(&server);
+    write!(slow, "POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", payload.len()).unwrap();
+    let started = Instant::now();
+    for b in payload.bytes() {
+        slow.write_all(&[b]).unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let (text, _) = read_until_closed(slow, limit);
+    assert!(started.elapsed() > Duration::from_secs(3), "the upload was not slow");
+    assert!(text.starts_with("HTTP/1.1 200") && text.contains("\"count\""), "slow upload: {text}");
+}
