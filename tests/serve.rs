@@ -527,6 +527,23 @@ fn fine_tuning_jobs_run_to_a_served_model_persist_and_survive_a_restart() {
     assert_eq!(get_json(&server.url(&format!("/v1/files/{file_id}")))["id"], json!(file_id));
     assert_eq!(get_json(&server.url(&format!("/v1/fine_tuning/jobs/{job_id}")))["status"], "succeeded");
     assert!((first_token_logprob(&server, &ft) - ft_lp).abs() < 1e-5, "the fine-tuned model is served after a restart");
+
+    // DELETE a fine-tuned model: gone from the list, its files and its answers; never the base.
+    let delete = |id: &str| match ureq::delete(&server.url(&format!("/v1/models/{id}"))).call() {
+        Ok(r) => (r.status(), r.into_string().unwrap()),
+        Err(ureq::Error::Status(c, r)) => (c, r.into_string().unwrap()),
+        Err(e) => panic!("{e}"),
+    };
+    assert_eq!(delete("tiny").0, 403);
+    let (s, text) = delete(&ft);
+    assert_eq!(s, 200, "{text}");
+    assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["deleted"], true);
+    let models = get_json(&server.url("/v1/models"));
+    assert!(!models["data"].as_array().unwrap().iter().any(|m| m["id"] == json!(ft)), "{models}");
+    let (s, _, _) = post(&server.url("/v1/chat/completions"), &json!({"model": ft, "messages": [{"role": "user", "content": "x"}]}).to_string(), None);
+    assert_eq!(s, 404);
+    assert_eq!(delete(&ft).0, 404);
+    assert!(!data_dir.join("jobs").join(&job_id).exists(), "the model's files are deleted");
 }
 
 /// A job that fails at run time says why: the training's own first error (here: no token of

@@ -283,7 +283,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/tokenize", post(routes::tokenize))
         .route("/detokenize", post(routes::detokenize))
         .route("/v1/models", get(routes::models))
-        .route("/v1/models/{id}", get(routes::model))
+        .route("/v1/models/{id}", get(routes::model).delete(routes::delete_model))
         .route("/v1/completions", post(routes::completions))
         .route("/v1/chat/completions", post(routes::chat_completions))
         .route("/v1/files", post(files::upload).get(files::list).layer(DefaultBodyLimit::max(files::MAX_UPLOAD_BYTES)))

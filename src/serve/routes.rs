@@ -40,6 +40,18 @@ pub async fn model(State(st): State<Arc<AppState>>, axum::extract::Path(id): axu
     st.model_objects().into_iter().find(|m| m["id"] == json!(id)).map(Json).ok_or_else(|| ApiError::model_not_found(&id))
 }
 
+/// `DELETE /v1/models/{id}`: deletes a fine-tuned model (its files, and its engine once the
+/// requests running on it end); the base model cannot be deleted (403, as OpenAI answers).
+pub async fn delete_model(State(st): State<Arc<AppState>>, axum::extract::Path(id): axum::extract::Path<String>) -> Result<Json<Value>, ApiError> {
+    if id == st.base_id {
+        return Err(ApiError::new(StatusCode::FORBIDDEN, "invalid_request_error", format!("`{id}` is the served base model; only fine-tuned models can be deleted.")).with_code("model_not_deletable"));
+    }
+    let dir = st.store.delete_fine_tuned_model(&id).map_err(|e| ApiError::internal(format!("{e:#}")))?.ok_or_else(|| ApiError::model_not_found(&id))?;
+    st.models.write().unwrap().remove(&id);
+    std::fs::remove_dir_all(&dir).or_else(|e| if e.kind() == std::io::ErrorKind::NotFound { Ok(()) } else { Err(e) }).map_err(|e| ApiError::internal(format!("deleting {}: {e}", dir.display())))?;
+    Ok(Json(json!({"id": id, "object": "model", "deleted": true})))
+}
+
 pub async fn info(State(st): State<Arc<AppState>>) -> Json<Value> {
     let m = st.base();
     Json(json!({

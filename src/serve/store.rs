@@ -335,6 +335,19 @@ impl Store {
     }
 
     /// Succeeded jobs' models: (model id, its directory).
+    /// Forgets fine-tuned model `id` (its job keeps its record, `fine_tuned_model` null) and
+    /// returns the job's output directory, for the caller to delete. None: no such model.
+    pub fn delete_fine_tuned_model(&self, id: &str) -> Result<Option<PathBuf>> {
+        let db = self.db();
+        let dir: Option<String> = db
+            .query_row("SELECT output_dir FROM jobs WHERE status = 'succeeded' AND fine_tuned_model = ?1", params![id], |r| r.get(0))
+            .optional()?;
+        if dir.is_some() {
+            db.execute("UPDATE jobs SET fine_tuned_model = NULL WHERE fine_tuned_model = ?1", params![id])?;
+        }
+        Ok(dir.map(PathBuf::from))
+    }
+
     pub fn fine_tuned_models(&self) -> Result<Vec<(String, PathBuf)>> {
         let db = self.db();
         let mut st = db.prepare("SELECT fine_tuned_model, output_dir, extensions FROM jobs WHERE status = 'succeeded' AND fine_tuned_model IS NOT NULL ORDER BY seq")?;
