@@ -7,7 +7,7 @@ mod common;
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::server::*;
@@ -373,21 +373,6 @@ fn sixty_four_streaming_clients_for_30_seconds_get_answers_or_429_and_memory_sta
 }
 
 /// POST /v1/files as multipart/form-data, the way client libraries send it.
-fn upload(server: &Server, filename: &str, bytes: &[u8]) -> (u16, Value) {
-    let boundary = "----fsdpappboundary7MA4YWxkTrZu0gW";
-    let mut body = format!("--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nfine-tune\r\n").into_bytes();
-    body.extend(format!("--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{filename}\"\r\nContent-Type: application/jsonl\r\n\r\n").as_bytes());
-    body.extend_from_slice(bytes);
-    body.extend(format!("\r\n--{boundary}--\r\n").as_bytes());
-    let r = ureq::post(&server.url("/v1/files")).set("Content-Type", &format!("multipart/form-data; boundary={boundary}")).send_bytes(&body);
-    let (status, text) = match r {
-        Ok(r) => (r.status(), r.into_string().unwrap()),
-        Err(ureq::Error::Status(c, r)) => (c, r.into_string().unwrap()),
-        Err(e) => panic!("{e}"),
-    };
-    (status, serde_json::from_str(&text).unwrap())
-}
-
 fn wait_for_status(server: &Server, id: &str, want: &[&str], secs: u64) -> Value {
     let deadline = Instant::now() + Duration::from_secs(secs);
     loop {

@@ -9,7 +9,6 @@ use std::io::{BufRead, BufReader};
 use std::time::{Duration, Instant};
 
 use common::server::*;
-use common::*;
 use serde_json::{json, Value};
 
 fn sigterm(pid: u32) {
@@ -49,7 +48,9 @@ fn sigterm_ends_streams_properly_cancels_jobs_and_exits_0() {
 
     // A job that trains for a long time.
     let rows: String = (0..64).map(|i| format!("{{\"text\": \"row {i} of a long training file about lighthouses\"}}\n")).collect();
-    let uploaded = upload_file(&server, &rows);
+    let (status, uploaded) = upload(&server, "rows.jsonl", rows.as_bytes());
+    assert_eq!(status, 200, "{uploaded}");
+    let uploaded = uploaded["id"].as_str().unwrap().to_string();
     let job = post_json(&server.url("/v1/fine_tuning/jobs"), &json!({"model": "tiny", "training_file": uploaded, "fsdp_app": {"seq_len": 64, "max_steps": 100000}}));
     let job_id = job["id"].as_str().unwrap().to_string();
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -111,15 +112,4 @@ fn sigterm_ends_streams_properly_cancels_jobs_and_exits_0() {
     assert_eq!(job["status"], "cancelled", "{job}");
     assert_eq!(job["error"]["code"], "server_shutdown", "{job}");
     assert!(job["error"]["message"].as_str().unwrap().contains("SIGTERM"), "{job}");
-}
-
-/// Uploads `jsonl` for fine-tuning; its file id.
-fn upload_file(server: &Server, jsonl: &str) -> String {
-    let boundary = "----fsdpappshutdown";
-    let body = format!(
-        "--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nfine-tune\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"rows.jsonl\"\r\n\r\n{jsonl}\r\n--{boundary}--\r\n"
-    );
-    let r = ureq::post(&server.url("/v1/files")).set("Content-Type", &format!("multipart/form-data; boundary={boundary}")).send_string(&body).unwrap();
-    let v: Value = serde_json::from_str(&r.into_string().unwrap()).unwrap();
-    v["id"].as_str().unwrap().to_string()
 }

@@ -98,3 +98,18 @@ pub fn sse(url: &str, body: &Value) -> Vec<String> {
     BufReader::new(r.into_reader()).lines().map(Result::unwrap).filter_map(|l| l.strip_prefix("data: ").map(str::to_string)).collect()
 }
 
+/// Uploads `bytes` as a fine-tuning file: (status, the answer's JSON).
+pub fn upload(server: &Server, filename: &str, bytes: &[u8]) -> (u16, Value) {
+    let boundary = "----fsdpappboundary7MA4YWxkTrZu0gW";
+    let mut body = format!("--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nfine-tune\r\n").into_bytes();
+    body.extend(format!("--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{filename}\"\r\nContent-Type: application/jsonl\r\n\r\n").as_bytes());
+    body.extend_from_slice(bytes);
+    body.extend(format!("\r\n--{boundary}--\r\n").as_bytes());
+    let r = ureq::post(&server.url("/v1/files")).set("Content-Type", &format!("multipart/form-data; boundary={boundary}")).send_bytes(&body);
+    let (status, text) = match r {
+        Ok(r) => (r.status(), r.into_string().unwrap()),
+        Err(ureq::Error::Status(c, r)) => (c, r.into_string().unwrap()),
+        Err(e) => panic!("{e}"),
+    };
+    (status, serde_json::from_str(&text).unwrap())
+}
