@@ -104,7 +104,7 @@ fn an_args_file_trains_like_the_flags_and_refuses_company() {
     let mut args = fsdp_app::train::finetune::FinetuneArgs::defaults();
     let by_file = tmp.path().join("file");
     (args.model, args.data, args.output_dir) = (Some(m.into()), Some(data.clone()), Some(by_file.clone()));
-    (args.seq_len, args.batch_size, args.max_steps, args.lr, args.no_shuffle) = (16, 4, Some(3), 1e-3, true);
+    (args.seq_len, args.batch_size, args.max_steps, args.lr, args.no_shuffle) = (Some(16), 4, Some(3), 1e-3, true);
     let file = tmp.path().join("job.args.json");
     args.write_file(&file).unwrap();
     let o = run_cli(&["finetune", "--args-file", file.to_str().unwrap()], &[]);
@@ -225,4 +225,37 @@ fn auto_batch_size_fits_the_budget_and_keeps_the_loss_curve() {
     }
     let (ok, err, _) = run("none", &["--batch-size", "4", "--auto-find-batch-size", "--max-memory-per-rank", "1MB"]);
     assert!(!ok && err.contains("even a micro-batch of 1 needs") && err.contains("over the budget of"), "{err}");
+}
+
+/// No --seq-len: 512, or the model's context when shorter (the fixture's is 256), in `finetune`
+/// and `estimate` alike; a longer one is refused naming both numbers, before anything is written.
+#[test]
+fn seq_len_defaults_to_the_context_when_shorter_and_longer_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("llama", tmp.path());
+    let m = model.to_str().unwrap();
+    let data = reference_dir().join("train-data.jsonl");
+    let estimate = |extra: &[&str]| {
+        let mut args = vec!["estimate", "--model", m, "--world-size", "2"];
+        args.extend_from_slice(extra);
+        run_cli(&args, &[])
+    };
+    let o = estimate(&[]);
+    assert!(o.status.success() && stdout(&o).contains("batch 1 x seq 256"), "{}{}", stdout(&o), stderr(&o));
+    let o = estimate(&["--seq-len", "4096"]);
+    assert!(!o.status.success() && stderr(&o).contains("--seq-len 4096") && stderr(&o).contains("context (256 tokens"), "{}", stderr(&o));
+
+    let finetune = |name: &str, extra: &[&str]| {
+        let out = tmp.path().join(name);
+        let mut args = vec!["finetune", "--model", m, "--data", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap(), "--max-steps", "1"];
+        args.extend_from_slice(extra);
+        (run_cli(&args, &[]), out)
+    };
+    let (o, _) = finetune("default", &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("sequences of 256 tokens"), "{}", stderr(&o));
+    let (o, out) = finetune("long", &["--seq-len", "4096"]);
+    let err = stderr(&o);
+    assert!(!o.status.success() && err.contains("--seq-len 4096") && err.contains("context (256 tokens"), "{err}");
+    assert!(!out.exists() || std::fs::read_dir(&out).unwrap().next().is_none(), "a refused run left files behind");
 }

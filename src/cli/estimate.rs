@@ -1,6 +1,6 @@
 //! `fsdp-app estimate`: per-rank memory of a fine-tuning run from config.json alone.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args;
 
 use fsdp_app::memory::human_bytes;
@@ -20,8 +20,9 @@ pub struct EstimateArgs {
     /// Sequences per rank per micro-batch.
     #[arg(long, default_value_t = 1)]
     batch_size: usize,
-    #[arg(long, default_value_t = 512)]
-    seq_len: usize,
+    /// Tokens per sequence (default: 512, or the model's context when that is shorter).
+    #[arg(long)]
+    seq_len: Option<usize>,
     #[command(flatten)]
     lora: LoraArgs,
     /// How the ranks run: tcp (processes under `fsdp-app launch`; rank 0 relays collectives),
@@ -47,9 +48,10 @@ pub fn run(a: EstimateArgs) -> Result<()> {
     }
     let strategy = a.sharding.strategy()?;
     let wrap = a.sharding.wrap()?;
-    if a.world_size == 0 || a.batch_size == 0 || a.seq_len == 0 {
+    if a.world_size == 0 || a.batch_size == 0 || a.seq_len == Some(0) {
         anyhow::bail!("--world-size, --batch-size and --seq-len must be positive");
     }
+    let seq_len = fsdp_app::train::settle_seq_len(a.seq_len, cfg.max_position_embeddings).with_context(|| config_path.display().to_string())?;
     let shard_size = strategy.shard_count(a.world_size, a.sharding.shard_group_size)?;
     let input = EstimateInput {
         world_size: a.world_size,
@@ -58,7 +60,7 @@ pub fn run(a: EstimateArgs) -> Result<()> {
         wrap,
         activation_checkpointing: a.sharding.activation_checkpointing,
         batch_size: a.batch_size,
-        seq_len: a.seq_len,
+        seq_len,
         rank0_relays: a.backend == "tcp" && a.world_size > 1,
         lora: lora.clone(),
     };
@@ -79,7 +81,7 @@ pub fn run(a: EstimateArgs) -> Result<()> {
         "per-rank memory estimate: {} rank(s), {strategy:?}, batch {} x seq {}{}{}",
         a.world_size,
         a.batch_size,
-        a.seq_len,
+        seq_len,
         if a.sharding.activation_checkpointing { ", activation checkpointing" } else { "" },
         lora.as_ref().map(|l| format!(", LoRA r={} {:?}", l.r, l.targets)).unwrap_or_default()
     );

@@ -106,7 +106,7 @@ fn hyperparameters(v: &Value, lenient: bool) -> Result<Value, ApiError> {
 /// Our extensions, under `fsdp_app`: world_size, seq_len (default min(512, the model's
 /// context), at most the context), max_steps, lora {r, alpha, dropout, targets}.
 fn extensions(v: &Value, lenient: bool, context: usize) -> Result<Value, ApiError> {
-    let default_seq = 512.min(context) as i64;
+    let default_seq = crate::train::DEFAULT_SEQ_LEN.min(context) as i64;
     let Some(e) = v.get("fsdp_app").filter(|x| !x.is_null()) else { return Ok(json!({"world_size": 1, "seq_len": default_seq, "max_steps": null, "lora": null})) };
     let f = Fields::of(e).map_err(|_| ApiError::invalid("fsdp_app", "`fsdp_app` must be an object."))?;
     super::fields::check(e, super::fields::JOB_EXTENSION, "fsdp_app", lenient)?;
@@ -331,7 +331,7 @@ fn finetune_args(st: &AppState, job: &JobRow, world: u64) -> FinetuneArgs {
     a.epochs = h["n_epochs"].as_u64().unwrap_or(3) as usize;
     a.batch_size = h["batch_size"].as_u64().unwrap_or(1).max(1).div_ceil(world).max(1) as usize;
     a.seed = job.seed as u64;
-    a.seq_len = e["seq_len"].as_u64().unwrap_or(512) as usize;
+    a.seq_len = e["seq_len"].as_u64().map(|n| n as usize);
     a.lr_scheduler = "linear".into();
     a.max_steps = e["max_steps"].as_u64().map(|s| s as usize);
     let lora = e.get("lora").filter(|l| !l.is_null());
@@ -405,12 +405,12 @@ fn run_job(st: &AppState, job: &JobRow) -> anyhow::Result<()> {
     let pgid = child.id();
     store.set_pgid(&job.id, pgid)?;
     let metrics = FsPath::new(&job.output_dir).join("metrics.jsonl");
-    let (mut offset, mut last_step, mut last_metrics, mut trained_tokens) = (0u64, 0i64, json!({}), 0f64);
+    let (mut offset, mut last_step, mut last_metrics, mut trained_tokens) = (0u64, 0i64, json!({}), 0u64);
     let status = loop {
         for row in new_metric_rows(&metrics, &mut offset) {
             if let Some(loss) = row["loss"].as_f64() {
                 let step = row["step"].as_i64().unwrap_or(0);
-                trained_tokens += row["tokens_per_s"].as_f64().unwrap_or(0.0) * row["step_s"].as_f64().unwrap_or(0.0);
+                trained_tokens += row["tokens"].as_u64().unwrap_or(0);
                 last_step = step;
                 last_metrics["step"] = json!(step);
                 last_metrics["train_loss"] = json!(loss);
@@ -442,7 +442,7 @@ fn run_job(st: &AppState, job: &JobRow) -> anyhow::Result<()> {
     }
     let model = format!("ft:{}:{}:{}", st.base_id, job.suffix.as_deref().unwrap_or(""), job.id);
     store.add_checkpoint(&job.id, last_step, last_metrics, &format!("{model}:ckpt-step-{last_step}"))?;
-    if store.set_status(&job.id, "succeeded", None, Some(&model), Some(trained_tokens.round() as i64))? {
+    if store.set_status(&job.id, "succeeded", None, Some(&model), Some(trained_tokens as i64))? {
         store.add_event(&job.id, "info", &format!("New fine-tuned model created: {model}"), "message", None)?;
         store.add_event(&job.id, "info", "The job has successfully completed", "message", None)?;
     }

@@ -225,7 +225,7 @@ pub fn reference_training_config(model: &Path, out: &Path) -> fsdp_app::train::f
         lr: 1e-3,
         weight_decay: 0.1,
         batch_size: 4,
-        seq_len: 16,
+        seq_len: Some(16),
         max_steps: Some(12),
         warmup_steps: 2,
         seed: 0,

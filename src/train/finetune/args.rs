@@ -110,8 +110,10 @@ pub struct FinetuneArgs {
     /// machine's available memory shared by its ranks.
     #[arg(long, requires = "auto_find_batch_size")]
     pub max_memory_per_rank: Option<String>,
-    #[arg(long, default_value_t = 512)]
-    pub seq_len: usize,
+    /// Tokens per sequence (default: 512, or the model's context when that is shorter; longer
+    /// than the context is refused).
+    #[arg(long)]
+    pub seq_len: Option<usize>,
     /// Stop after this many optimizer steps (overrides --epochs).
     #[arg(long)]
     pub max_steps: Option<usize>,

@@ -48,7 +48,7 @@ pub(super) fn fit(
             wrap: cfg.wrap,
             activation_checkpointing: cfg.activation_checkpointing,
             batch_size: batch,
-            seq_len: cfg.seq_len,
+            seq_len: cfg.seq_len(),
             // Rank 0 relays the others' collectives under a launcher: the larger figure holds.
             rank0_relays: world > 1,
             lora: boot.lora.clone(),

@@ -33,6 +33,8 @@ pub(super) struct Bootstrap {
     pub start_adapter: Option<Adapter>,
     pub staged: Arc<dyn models::StagedModel>,
     pub plan: Vec<UnitPlan>,
+    /// `--seq-len`, or its default for this model's context.
+    pub seq_len: usize,
     pub data: TrainingData,
 }
 
@@ -77,9 +79,11 @@ pub(super) fn bootstrap(groups: &ProcessGroups, cfg: &FinetuneConfig) -> Result<
     }
     let staged: Arc<dyn models::StagedModel> = Arc::new(models::LlamaStages::new(&model_cfg, lora.clone()));
     let plan = plan_units(staged.as_ref(), cfg.wrap, shard_size(cfg))?;
+    let seq_len = crate::train::settle_seq_len(cfg.seq_len, model_cfg.max_position_embeddings)?;
+    let cfg = &FinetuneConfig { seq_len: Some(seq_len), ..cfg.clone() };
     // Data before weights: a bad file or batch fails fast.
     let data = load_data(groups, cfg, &model_cfg, &side_files)?;
-    Ok(Bootstrap { files, config_json, side_files, model_cfg, lora, start_adapter, staged, plan, data })
+    Ok(Bootstrap { files, config_json, side_files, model_cfg, lora, start_adapter, staged, plan, seq_len, data })
 }
 
 /// Rank 0 resolves the model (local directory or Hub) and sends config and tokenizer files.
@@ -140,7 +144,7 @@ fn load_data(groups: &ProcessGroups, cfg: &FinetuneConfig, model_cfg: &models::M
     let eos = model_cfg.eos_token_ids.first().copied();
     let template = tokenizer.as_ref().and_then(|t| t.chat_template.as_ref());
     let tools = TextTools { encode: &encode, decode: &decode, template, eos_id: eos, pad_id: eos.unwrap_or(0) };
-    let opts = DataOptions { seq_len: cfg.seq_len, train_on: cfg.train_on, skip_bad_rows: cfg.skip_bad_rows, packing: cfg.packing };
+    let opts = DataOptions { seq_len: cfg.seq_len(), train_on: cfg.train_on, skip_bad_rows: cfg.skip_bad_rows, packing: cfg.packing };
     let (dataset, identity) = shared_dataset(groups, &cfg.data, &opts, &tools)?;
     if is_root && cfg.verbose {
         report_dataset(&dataset, cfg);
@@ -172,7 +176,7 @@ fn load_data(groups: &ProcessGroups, cfg: &FinetuneConfig, model_cfg: &models::M
             "{}: {} samples of {} tokens, fewer than one global batch of {global_batch} (batch size {} x {world} ranks x {} accumulation)",
             cfg.data.display(),
             samples.len(),
-            cfg.seq_len,
+            cfg.seq_len(),
             cfg.batch_size,
             cfg.grad_accum
         );
@@ -186,12 +190,12 @@ fn report_dataset(dataset: &Dataset, cfg: &FinetuneConfig) {
         "data: {} rows -> {} samples of {} tokens ({} skipped, {} truncated); {} trained-on tokens; {} efficiency {:.1}%",
         dataset.rows,
         dataset.samples.len(),
-        cfg.seq_len,
+        cfg.seq_len(),
         dataset.skipped,
         dataset.truncated,
         dataset.supervised_tokens,
         if cfg.packing { "packing" } else { "padding" },
-        100.0 * dataset.padding_efficiency(cfg.seq_len)
+        100.0 * dataset.padding_efficiency(cfg.seq_len())
     );
 }
 

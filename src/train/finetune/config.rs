@@ -32,7 +32,9 @@ pub struct FinetuneConfig {
     /// `max_memory_per_rank` (default: the available memory shared by this machine's ranks).
     pub auto_find_batch_size: bool,
     pub max_memory_per_rank: Option<usize>,
-    pub seq_len: usize,
+    /// `None`: [`crate::train::DEFAULT_SEQ_LEN`] capped at the model's context, settled at
+    /// bootstrap (the only phase that reads config.json); every later phase sees `Some`.
+    pub seq_len: Option<usize>,
     pub max_steps: Option<usize>,
     pub epochs: usize,
     pub warmup_steps: usize,
@@ -92,6 +94,11 @@ pub struct FinetuneConfig {
 }
 
 impl FinetuneConfig {
+    /// The settled sequence length (see `seq_len`): for the phases after bootstrap.
+    pub fn seq_len(&self) -> usize {
+        self.seq_len.expect("the sequence length is settled at bootstrap, before any phase that reads it")
+    }
+
     /// Warmup steps of a run of `total_steps`: `warmup_steps`, or `warmup_ratio` of the run
     /// rounded up (as TrainingArguments does).
     pub fn warmup_for(&self, total_steps: usize) -> usize {
@@ -121,12 +128,12 @@ pub fn validate(cfg: &FinetuneConfig) -> Result<()> {
         // The error that says how to get a CUDA build, before anything is read.
         cfg.device.open(0)?;
     }
-    for (name, v) in [("--batch-size", cfg.batch_size), ("--grad-accum", cfg.grad_accum), ("--seq-len", cfg.seq_len), ("--epochs", cfg.epochs)] {
+    for (name, v) in [("--batch-size", cfg.batch_size), ("--grad-accum", cfg.grad_accum), ("--epochs", cfg.epochs)] {
         if v == 0 {
             bail!("{name} must be positive");
         }
     }
-    if cfg.seq_len < 2 {
+    if cfg.seq_len.is_some_and(|n| n < 2) {
         bail!("--seq-len must be at least 2 (a token and the next one to predict)");
     }
     if let Some(r) = cfg.warmup_ratio {

@@ -21,7 +21,8 @@ pub(super) struct StepReport {
     pub loss: f64,
     pub lr: f64,
     pub grad_norm: f64,
-    /// Tokens of the global batch (padding included).
+    /// Real tokens of the global batch (padding not counted): what tokens/s and a job's
+    /// `trained_tokens` count.
     pub tokens: f64,
     pub secs: f64,
 }
@@ -78,7 +79,7 @@ impl MetricsLog {
         let mut row = json!({
             "step": r.step, "epoch": r.epoch, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
             "tokens_per_s": r.tokens / r.secs, "peak_rss_bytes": rss.iter().copied().max(), "peak_rss_bytes_per_rank": rss,
-            "step_s": r.secs,
+            "step_s": r.secs, "tokens": r.tokens as u64,
         });
         if let Some(g) = &gpu {
             row["gpu_memory_bytes_per_rank"] = json!(g);

@@ -49,6 +49,7 @@ pub struct RunSummary {
 /// One rank's whole run. `device`: the rank's device when the backend already opened it (NCCL).
 fn run_rank_phases(groups: &ProcessGroups, cfg: &FinetuneConfig, device: Option<Device>) -> Result<Option<RunSummary>> {
     let boot = bootstrap::bootstrap(groups, cfg)?;
+    let cfg = &FinetuneConfig { seq_len: Some(boot.seq_len), ..cfg.clone() };
     let cfg = &auto_batch::fit(groups, cfg, &boot)?;
     let mut engine = setup::build_engine(groups, cfg, &boot, device)?;
     let rank_bytes = setup::load_or_resume(&mut engine, groups, cfg, &boot)?;

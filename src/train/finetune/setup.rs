@@ -202,7 +202,7 @@ fn effective_settings(cfg: &FinetuneConfig, world: usize, total_steps: usize) ->
         cfg.batch_size,
         cfg.grad_accum,
         cfg.batch_size * cfg.grad_accum * world,
-        cfg.seq_len,
+        cfg.seq_len(),
         cfg.lr,
         cfg.schedule,
         cfg.warmup_for(total_steps),

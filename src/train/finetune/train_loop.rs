@@ -159,7 +159,7 @@ fn run_eval(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfi
     if boot.data.eval_samples.is_empty() {
         return Ok(());
     }
-    let (loss, ppl) = evaluate(engine, groups, &boot.data.eval_samples, cfg.batch_size, cfg.seq_len)?;
+    let (loss, ppl) = evaluate(engine, groups, &boot.data.eval_samples, cfg.batch_size, cfg.seq_len())?;
     log.eval(step, loss, ppl)
 }
 
