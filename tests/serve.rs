@@ -372,25 +372,6 @@ fn sixty_four_streaming_clients_for_30_seconds_get_answers_or_429_and_memory_sta
     }
 }
 
-/// POST /v1/files as multipart/form-data, the way client libraries send it.
-fn wait_for_status(server: &Server, id: &str, want: &[&str], secs: u64) -> Value {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    loop {
-        let job = get_json(&server.url(&format!("/v1/fine_tuning/jobs/{id}")));
-        if want.contains(&job["status"].as_str().unwrap()) {
-            return job;
-        }
-        assert!(Instant::now() < deadline, "job {id} never reached {want:?}: {job}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
-
-fn first_token_logprob(server: &Server, model: &str) -> f64 {
-    let r = post_json(&server.url("/v1/chat/completions"), &json!({"model": model, "messages": [{"role": "user", "content": "What is the codename?"}],
-        "max_tokens": 1, "temperature": 0, "logprobs": true}));
-    r["choices"][0]["logprobs"]["content"][0]["logprob"].as_f64().unwrap()
-}
-
 #[test]
 fn fine_tuning_jobs_run_to_a_served_model_persist_and_survive_a_restart() {
     let tmp = tempfile::tempdir().unwrap();

@@ -19,6 +19,7 @@ use serde_json::{json, Value};
 use super::error::ApiError;
 use super::request::Fields;
 use super::store::{CreatedJob, JobRow, NewJob};
+use super::checkpoints::Recorder;
 use super::AppState;
 use crate::train::finetune::FinetuneArgs;
 
@@ -334,6 +335,9 @@ fn finetune_args(st: &AppState, job: &JobRow, world: u64) -> FinetuneArgs {
     a.seq_len = e["seq_len"].as_u64().map(|n| n as usize);
     a.lr_scheduler = "linear".into();
     a.max_steps = e["max_steps"].as_u64().map(|s| s as usize);
+    // A checkpoint at every epoch's end, the newest few kept, as OpenAI's jobs make them.
+    a.save_strategy = Some("epoch".into());
+    a.save_total_limit = Some(super::checkpoints::KEEP);
     let lora = e.get("lora").filter(|l| !l.is_null());
     // OpenAI scales a base rate; ours: 2e-5 for full fine-tuning, 2e-4 for LoRA.
     let base_lr = if lora.is_some() { 2e-4 } else { 2e-5 };
@@ -405,24 +409,25 @@ fn run_job(st: &AppState, job: &JobRow) -> anyhow::Result<()> {
     let pgid = child.id();
     store.set_pgid(&job.id, pgid)?;
     let metrics = FsPath::new(&job.output_dir).join("metrics.jsonl");
-    let (mut offset, mut last_step, mut last_metrics, mut trained_tokens) = (0u64, 0i64, json!({}), 0u64);
+    let model = format!("ft:{}:{}:{}", st.base_id, job.suffix.as_deref().unwrap_or(""), job.id);
+    let mut checkpoints = Recorder::new(&job.id, FsPath::new(&job.output_dir), &model);
+    let (mut offset, mut last_step, mut trained_tokens) = (0u64, 0i64, 0u64);
     let status = loop {
         for row in new_metric_rows(&metrics, &mut offset) {
+            let step = row["step"].as_i64().unwrap_or(0);
             if let Some(loss) = row["loss"].as_f64() {
-                let step = row["step"].as_i64().unwrap_or(0);
                 trained_tokens += row["tokens"].as_u64().unwrap_or(0);
                 last_step = step;
-                last_metrics["step"] = json!(step);
-                last_metrics["train_loss"] = json!(loss);
+                checkpoints.saw(step, "train_loss", loss);
                 store.add_event(&job.id, "info", &format!("Step {step}: training loss={loss:.4}"), "metrics",
                     Some(json!({"step": step, "train_loss": loss, "learning_rate": row["lr"], "tokens_per_s": row["tokens_per_s"]})))?;
             }
             if let Some(eval) = row["eval_loss"].as_f64() {
-                let step = row["step"].as_i64().unwrap_or(0);
-                last_metrics["valid_loss"] = json!(eval);
+                checkpoints.saw(step, "valid_loss", eval);
                 store.add_event(&job.id, "info", &format!("Step {step}: validation loss={eval:.4}"), "metrics", Some(json!({"step": step, "valid_loss": eval})))?;
             }
         }
+        checkpoints.sync(store)?;
         if store.job(&job.id)?.is_some_and(|j| j.status == "cancelled") {
             kill_group(pgid);
             let _ = child.wait();
@@ -433,6 +438,7 @@ fn run_job(st: &AppState, job: &JobRow) -> anyhow::Result<()> {
         }
         std::thread::sleep(Duration::from_millis(200));
     };
+    checkpoints.sync(store)?;
     if !status.success() {
         let text = std::fs::read_to_string(&log_path).unwrap_or_default();
         let message = failure_cause(&text).unwrap_or_else(|| format!("the training processes exited with {status}"));
@@ -440,8 +446,7 @@ fn run_job(st: &AppState, job: &JobRow) -> anyhow::Result<()> {
         store.add_event(&job.id, "error", &format!("Training failed: {message}"), "message", None)?;
         return Ok(());
     }
-    let model = format!("ft:{}:{}:{}", st.base_id, job.suffix.as_deref().unwrap_or(""), job.id);
-    store.add_checkpoint(&job.id, last_step, last_metrics, &format!("{model}:ckpt-step-{last_step}"))?;
+    checkpoints.finish(store, last_step)?;
     if store.set_status(&job.id, "succeeded", None, Some(&model), Some(trained_tokens as i64))? {
         store.add_event(&job.id, "info", &format!("New fine-tuned model created: {model}"), "message", None)?;
         store.add_event(&job.id, "info", "The job has successfully completed", "message", None)?;

@@ -2,6 +2,7 @@
 //! model (`engine`); the axum routes (`routes`) validate requests (`request`), admit them into a
 //! bounded queue and stream the engine's tokens back; errors have OpenAI's shape (`error`).
 
+pub mod checkpoints;
 pub mod engine;
 pub mod error;
 pub mod fields;
@@ -117,23 +118,25 @@ pub struct AppState {
 }
 
 impl AppState {
-    /// The model `id`: loaded already, or a fine-tuned model from a succeeded job, loaded now.
+    /// The model `id`: loaded already, or a fine-tuned model from a succeeded job or a job's
+    /// checkpoint, loaded now.
     pub fn model(&self, id: &str) -> Result<Arc<ServedModel>, ApiError> {
         if let Some(m) = self.models.read().unwrap().get(id) {
             return Ok(m.clone());
         }
-        let dir = self
-            .store
-            .fine_tuned_models()
-            .map_err(|e| ApiError::internal(format!("{e:#}")))?
-            .into_iter()
-            .find(|(m, _)| m == id)
-            .map(|(_, d)| d)
-            .ok_or_else(|| ApiError::model_not_found(id))?;
+        let internal = |e: anyhow::Error| ApiError::internal(format!("{e:#}"));
+        let fine_tuned = self.store.fine_tuned_models().map_err(internal)?.into_iter().find(|(m, _)| m == id).map(|(_, d)| d);
         let mut models = self.models.write().unwrap();
         if let Some(m) = models.get(id) {
             return Ok(m.clone());
         }
+        // Under the lock: a checkpoint is merged once, however many ask for it at once.
+        let dir = match fine_tuned {
+            Some(d) => d,
+            None => tokio::task::block_in_place(|| checkpoints::servable_dir(&self.store, id))
+                .map_err(internal)?
+                .ok_or_else(|| ApiError::model_not_found(id))?,
+        };
         let served = tokio::task::block_in_place(|| load_served(id, &dir.to_string_lossy(), None, self))
             .map_err(|e| ApiError::internal(format!("loading {id}: {e:#}")))?;
         let served = Arc::new(served);

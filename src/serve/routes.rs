@@ -47,7 +47,8 @@ pub async fn delete_model(State(st): State<Arc<AppState>>, axum::extract::Path(i
         return Err(ApiError::new(StatusCode::FORBIDDEN, "invalid_request_error", format!("`{id}` is the served base model; only fine-tuned models can be deleted.")).with_code("model_not_deletable"));
     }
     let dir = st.store.delete_fine_tuned_model(&id).map_err(|e| ApiError::internal(format!("{e:#}")))?.ok_or_else(|| ApiError::model_not_found(&id))?;
-    st.models.write().unwrap().remove(&id);
+    // The model and its checkpoints (`{id}:ckpt-step-N`), which live in the same directory.
+    st.models.write().unwrap().retain(|m, _| m != &id && !m.starts_with(&format!("{id}:")));
     std::fs::remove_dir_all(&dir).or_else(|e| if e.kind() == std::io::ErrorKind::NotFound { Ok(()) } else { Err(e) }).map_err(|e| ApiError::internal(format!("deleting {}: {e}", dir.display())))?;
     Ok(Json(json!({"id": id, "object": "model", "deleted": true})))
 }

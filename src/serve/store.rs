@@ -334,7 +334,24 @@ impl Store {
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 
-    /// Succeeded jobs' models: (model id, its directory).
+    /// The steps of `job`'s recorded checkpoints.
+    pub fn checkpoint_steps(&self, job: &str) -> Result<Vec<i64>> {
+        let db = self.db();
+        let mut st = db.prepare("SELECT step FROM checkpoints WHERE job_id = ?1 ORDER BY step")?;
+        let rows = st.query_map([job], |r| r.get(0))?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    pub fn delete_checkpoint(&self, job: &str, step: i64) -> Result<()> {
+        self.db().execute("DELETE FROM checkpoints WHERE job_id = ?1 AND step = ?2", params![job, step])?;
+        Ok(())
+    }
+
+    /// The checkpoint whose `fine_tuned_model_checkpoint` is `id`: (its job, its step).
+    pub fn checkpoint_of_model(&self, id: &str) -> Result<Option<(String, i64)>> {
+        Ok(self.db().query_row("SELECT job_id, step FROM checkpoints WHERE model = ?1", [id], |r| Ok((r.get(0)?, r.get(1)?))).optional()?)
+    }
+
     /// Forgets fine-tuned model `id` (its job keeps its record, `fine_tuned_model` null) and
     /// returns the job's output directory, for the caller to delete. None: no such model.
     pub fn delete_fine_tuned_model(&self, id: &str) -> Result<Option<PathBuf>> {
@@ -343,22 +360,34 @@ impl Store {
             .query_row("SELECT output_dir FROM jobs WHERE status = 'succeeded' AND fine_tuned_model = ?1", params![id], |r| r.get(0))
             .optional()?;
         if dir.is_some() {
+            // Its checkpoints live in the same directory: they go with it.
+            db.execute("DELETE FROM checkpoints WHERE job_id = (SELECT id FROM jobs WHERE fine_tuned_model = ?1)", params![id])?;
             db.execute("UPDATE jobs SET fine_tuned_model = NULL WHERE fine_tuned_model = ?1", params![id])?;
         }
         Ok(dir.map(PathBuf::from))
     }
 
+    /// Succeeded jobs' models: (model id, its directory).
     pub fn fine_tuned_models(&self) -> Result<Vec<(String, PathBuf)>> {
         let db = self.db();
         let mut st = db.prepare("SELECT fine_tuned_model, output_dir, extensions FROM jobs WHERE status = 'succeeded' AND fine_tuned_model IS NOT NULL ORDER BY seq")?;
         let rows = st.query_map([], |r| {
             let dir: String = r.get(1)?;
             let ext: String = r.get(2)?;
-            let lora = serde_json::from_str::<Value>(&ext).ok().is_some_and(|e| e.get("lora").is_some_and(|l| !l.is_null()));
-            let dir = PathBuf::from(dir);
-            Ok((r.get::<_, String>(0)?, if lora { dir.join("merged") } else { dir }))
+            let ext = serde_json::from_str::<Value>(&ext).unwrap_or(Value::Null);
+            Ok((r.get::<_, String>(0)?, final_model_dir(Path::new(&dir), &ext)))
         })?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+}
+
+/// Where a succeeded job's model is: its output directory, or for LoRA the merged model in it.
+pub fn final_model_dir(output_dir: &Path, extensions: &Value) -> PathBuf {
+    let lora = extensions.get("lora").is_some_and(|l| !l.is_null());
+    if lora {
+        output_dir.join("merged")
+    } else {
+        output_dir.to_path_buf()
     }
 }
 

@@ -72,6 +72,7 @@ const SIMPLE: &[(&str, &str, Kind)] = &[
     ("lr_scheduler_type", "lr_scheduler", Kind::Str),
     ("seed", "seed", Kind::Int),
     ("save_steps", "save_steps", Kind::Int),
+    ("save_strategy", "save_strategy", Kind::Str),
     ("save_total_limit", "save_total_limit", Kind::Int),
     ("save_full_every", "save_full_every", Kind::Int),
     ("warmup_ratio", "warmup_ratio", Kind::Float),

@@ -5,7 +5,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use super::{bin, run_cli, stderr};
 
@@ -112,4 +112,24 @@ pub fn upload(server: &Server, filename: &str, bytes: &[u8]) -> (u16, Value) {
         Err(e) => panic!("{e}"),
     };
     (status, serde_json::from_str(&text).unwrap())
+}
+
+/// The job `id` once its status is one of `want` (polled; fails after `secs`).
+pub fn wait_for_status(server: &Server, id: &str, want: &[&str], secs: u64) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        let job = get_json(&server.url(&format!("/v1/fine_tuning/jobs/{id}")));
+        if want.contains(&job["status"].as_str().unwrap()) {
+            return job;
+        }
+        assert!(Instant::now() < deadline, "job {id} never reached {want:?}: {job}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The log-probability of `model`'s greedy first answer token to a fixed question.
+pub fn first_token_logprob(server: &Server, model: &str) -> f64 {
+    let r = post_json(&server.url("/v1/chat/completions"), &json!({"model": model, "messages": [{"role": "user", "content": "What is the codename?"}],
+        "max_tokens": 1, "temperature": 0, "logprobs": true}));
+    r["choices"][0]["logprobs"]["content"][0]["logprob"].as_f64().unwrap()
 }

@@ -157,6 +157,11 @@ pub struct FinetuneArgs {
     /// OUTPUT/checkpoint-STEP every N steps.
     #[arg(long)]
     pub save_steps: Option<usize>,
+    /// When to save checkpoints, as TrainingArguments' `save_strategy`: `steps` (every
+    /// --save-steps), `epoch` (at the end of every epoch) or `no`; default: `steps` with
+    /// --save-steps, else `no`.
+    #[arg(long, value_parser = ["no", "steps", "epoch"])]
+    pub save_strategy: Option<String>,
     /// Keep only the newest K checkpoints.
     #[arg(long)]
     pub save_total_limit: Option<usize>,
@@ -325,6 +330,7 @@ impl TryFrom<FinetuneArgs> for FinetuneConfig {
             device: a.device.parse()?,
             cpu_offload: a.cpu_offload.then_some(true),
             save_steps: a.save_steps,
+            save_each_epoch: save_each_epoch(a.save_strategy.as_deref(), a.save_steps)?,
             save_total_limit: a.save_total_limit,
             resume_from: a.resume_from_checkpoint,
             resume_allow_changed: AllowedChanges::parse(&a.resume_allow_changed)?,
@@ -339,5 +345,33 @@ impl TryFrom<FinetuneArgs> for FinetuneConfig {
             max_shard_size: crate::checkpoint::export::parse_size(&a.max_shard_size).context("--max-shard-size")?,
             verbose: true,
         })
+    }
+}
+
+/// `--save-strategy` with `--save-steps`: whether to save at every epoch's end. A pair that
+/// contradicts itself is refused rather than one of them ignored.
+fn save_each_epoch(strategy: Option<&str>, save_steps: Option<usize>) -> Result<bool> {
+    match (strategy, save_steps) {
+        (Some("epoch"), None) => Ok(true),
+        (None | Some("steps"), Some(_)) | (None | Some("no"), None) => Ok(false),
+        (Some("steps"), None) => bail!("--save-strategy steps needs --save-steps N"),
+        (Some(s), Some(n)) => bail!("--save-strategy {s} and --save-steps {n} contradict each other: give one"),
+        (Some(s), None) => bail!("--save-strategy {s:?}: expected no, steps or epoch"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::save_each_epoch;
+
+    #[test]
+    fn save_strategy_and_save_steps_agree_or_are_refused_by_name() {
+        assert!(save_each_epoch(Some("epoch"), None).unwrap());
+        assert!(!save_each_epoch(None, Some(5)).unwrap());
+        assert!(!save_each_epoch(Some("steps"), Some(5)).unwrap());
+        assert!(!save_each_epoch(None, None).unwrap());
+        let err = save_each_epoch(Some("epoch"), Some(5)).unwrap_err().to_string();
+        assert!(err.contains("--save-strategy epoch") && err.contains("--save-steps 5"), "{err}");
+        assert!(save_each_epoch(Some("steps"), None).unwrap_err().to_string().contains("needs --save-steps"));
     }
 }

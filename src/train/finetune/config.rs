@@ -62,6 +62,8 @@ pub struct FinetuneConfig {
     pub max_shard_size: usize,
     /// Save a sharded checkpoint every this many steps.
     pub save_steps: Option<usize>,
+    /// Also save a checkpoint at the end of every epoch (`--save-strategy epoch`).
+    pub save_each_epoch: bool,
     /// Keep only the newest K checkpoints.
     pub save_total_limit: Option<usize>,
     /// A checkpoint directory, or "latest" (newest complete one under the output directory).

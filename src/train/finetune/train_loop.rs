@@ -54,7 +54,8 @@ pub(super) fn train(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &Finet
         if cfg.eval_steps.is_some_and(|n| done % n == 0) && done != data.total_steps {
             run_eval(engine, groups, cfg, boot, done, &mut log)?;
         }
-        if cfg.save_steps.is_some_and(|n| done % n == 0) {
+        let epoch_end = done % data.steps_per_epoch == 0;
+        if cfg.save_steps.is_some_and(|n| done % n == 0) || (cfg.save_each_epoch && epoch_end) {
             save_checkpoint(engine, groups, cfg, boot, done, &checkpoint_files)?;
         }
         if cfg.save_full_every.is_some_and(|n| done % n == 0) && done != data.total_steps {
