@@ -1,6 +1,7 @@
 //! `serve` against clients that stall, with real sockets: a connection stalled in its headers,
 //! one stalled in its body and an idle keep-alive connection are closed within their timeouts
-//! while a normal client is served, and a slow upload that keeps sending is not cut.
+//! while a normal client is served, and a slow upload that keeps sending is not cut; a client
+//! address over `--max-connections-per-ip` gets 429.
 
 mod common;
 
@@ -77,4 +78,41 @@ fn stalled_and_idle_connections_are_closed_and_slow_uploads_are_not() {
     let (text, _) = read_until_closed(slow, limit);
     assert!(started.elapsed() > Duration::from_secs(3), "the upload was not slow");
     assert!(text.starts_with("HTTP/1.1 200") && text.contains("\"count\""), "slow upload: {text}");
+}
+
+/// `--max-connections-per-ip 2`: a third connection from the same address is answered 429 in
+/// OpenAI's error shape and closed (counted in /metrics); once one closes, a new one is served.
+#[test]
+fn connections_over_the_per_address_limit_get_429_and_are_closed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("qwen2", tmp.path());
+    let server = Server::start(&model, &["--max-connections-per-ip", "2"]);
+    let first = connect(&server);
+    let second = connect(&server);
+    // Both are counted once the server has accepted them: a request on each proves it.
+    for mut s in [&first, &second] {
+        s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        let mut buf = [0u8; 12];
+        s.read_exact(&mut buf).unwrap();
+        assert_eq!(&buf, b"HTTP/1.1 200");
+    }
+    let mut third = connect(&server);
+    third.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let (text, took) = read_until_closed(third, Duration::from_secs(5));
+    assert!(text.starts_with("HTTP/1.1 429") && text.contains("too_many_connections") && text.contains("--max-connections-per-ip"), "{text}");
+    assert!(took < Duration::from_secs(3), "closed after {took:?}");
+    drop(first);
+    // The slot frees when the server sees the close: poll until a new connection is served.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let metrics = loop {
+        match ureq::get(&server.url("/metrics")).call() {
+            Ok(r) => break r.into_string().unwrap(),
+            Err(e) => {
+                assert!(Instant::now() < deadline, "no slot freed after the close: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    };
+    assert!(metrics.contains("fsdp_requests_total{status=\"429\"} 1"), "{metrics}");
+    drop(second);
 }

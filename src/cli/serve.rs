@@ -59,6 +59,10 @@ pub struct ServeArgs {
     /// is never cut); then 408.
     #[arg(long, default_value_t = 60.0)]
     body_timeout: f64,
+    /// Connections one client address may hold open; its next one is answered 429 and closed
+    /// (default: no limit, so clients behind one proxy or NAT are not refused).
+    #[arg(long)]
+    max_connections_per_ip: Option<usize>,
     /// Where the models compute: cpu, cuda (GPU 0) or cuda:N (CUDA build).
     #[arg(long, default_value = "cpu")]
     device: String,
@@ -88,7 +92,14 @@ impl TryFrom<ServeArgs> for ServeConfig {
             max_body_bytes: a.max_body_bytes,
             lenient: a.lenient,
             shutdown_grace: seconds("--shutdown-grace", a.shutdown_grace)?,
-            timeouts: fsdp_app::serve::listen::Timeouts { header: seconds("--header-timeout", a.header_timeout)?, body: seconds("--body-timeout", a.body_timeout)? },
+            limits: fsdp_app::serve::listen::ClientLimits {
+                header: seconds("--header-timeout", a.header_timeout)?,
+                body: seconds("--body-timeout", a.body_timeout)?,
+                connections_per_ip: match a.max_connections_per_ip {
+                    Some(0) => anyhow::bail!("--max-connections-per-ip must be positive (leave it out for no limit)"),
+                    n => n,
+                },
+            },
             data_dir: a.data_dir,
             device: a.device.parse()?,
             dtype: parse_dtype(&a.dtype).context("--dtype")?,

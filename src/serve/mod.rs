@@ -60,7 +60,7 @@ pub struct ServeConfig {
     /// How long running generations may go on after SIGTERM / SIGINT (see `shutdown`).
     pub shutdown_grace: std::time::Duration,
     /// How long a client may stall in a request's head (or idle between requests) or body.
-    pub timeouts: listen::Timeouts,
+    pub limits: listen::ClientLimits,
     /// Where files, jobs (SQLite) and fine-tuned models live.
     pub data_dir: PathBuf,
     /// Where and in which dtype the models compute.
@@ -408,8 +408,8 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
             tokio::time::sleep(grace).await;
             st.shutdown.force();
         });
-        let shutdown = state.shutdown.clone();
-        listen::serve(listener, router(state), cfg.timeouts, shutdown).await.context("the server stopped")?;
+        let (shutdown, metrics) = (state.shutdown.clone(), state.metrics.clone());
+        listen::serve(listener, router(state), cfg.limits, metrics, shutdown).await.context("the server stopped")?;
         signalled.abort();
         eprintln!("shut down");
         Ok(())
