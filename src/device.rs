@@ -83,6 +83,15 @@ pub fn describe(device: &Device) -> String {
     }
 }
 
+/// Whether `e` is a GPU running out of memory: the CUDA driver's, cuBLAS's or NCCL's way of
+/// saying so, anywhere in the error's chain (candle and cudarc wrap them as text).
+pub fn is_out_of_memory(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        let text = c.to_string();
+        ["CUDA_ERROR_OUT_OF_MEMORY", "out of memory", "CUBLAS_STATUS_ALLOC_FAILED"].iter().any(|m| text.contains(m))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -108,3 +117,4 @@ mod tests {
         assert!(DeviceSpec::Cpu.open(0).unwrap().is_cpu());
     }
 }
+

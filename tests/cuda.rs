@@ -1,7 +1,8 @@
 //! The GPU proofs: the fixtures' logits and gradients on CUDA against the CPU (f32 within 1e-4,
 //! bf16 within bf16 rounding), fine-tuning on the GPU reproducing the CPU loss curve, and the
 //! NCCL backend at world size 1 through the multi-GPU code path (TCP rendezvous of the unique
-//! ids, communicators on candle's stream, all-gathers and reduce-scatters of real units).
+//! ids, communicators on candle's stream, all-gathers and reduce-scatters of real units), and
+//! `--auto-find-batch-size` recovering from a real out-of-memory error.
 //!
 //! Built only with `--features cuda` (the NCCL tests with `nccl`): `tests/gpu/build-cuda.sh` makes
 //! the binary and `tests/gpu/run.sh check` runs it on the GPU machine. There is no skipping: on a
@@ -139,6 +140,41 @@ fn finetuning_on_cuda_follows_the_cpu_loss_curve() {
         eprintln!("world {world}: GPU losses {:?}\nCPU losses {:?}\nmax rel diff {d:.2e}", run.losses, cpu.losses);
         assert!(d < 2e-4, "world {world}: GPU losses differ from CPU by {d}");
     }
+}
+
+/// `--auto-find-batch-size` on a GPU: a micro-batch of 64 rows of 4,096 tokens (attention
+/// scores alone ~190 GB) runs out of memory for real, and the error says so; the auto run's trial
+/// steps run out, are discarded and retried with half until one fits, and its losses are those
+/// of the same global batch taken one row at a time.
+#[test]
+fn auto_batch_size_retries_a_step_that_ran_out_of_gpu_memory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("long-context");
+    let set = |k: &str, v: u64| (k.to_string(), serde_json::json!(v));
+    let overrides = [set("max_position_embeddings", 4096), set("hidden_size", 512), set("intermediate_size", 1024), set("num_hidden_layers", 2), set("num_attention_heads", 8), set("num_key_value_heads", 8)];
+    fsdp_app::fixtures::write_fixture_with("llama", &model, &overrides).unwrap();
+    let data = tmp.path().join("rows.jsonl");
+    let rows: String = (0..128u32)
+        .map(|r| {
+            let ids: Vec<u32> = (0..32u32).map(|i| 3 + (i * 7 + r * 13) % 200).collect();
+            format!("{}\n", serde_json::json!({"input_ids": ids, "labels": ids}))
+        })
+        .collect();
+    std::fs::write(&data, rows).unwrap();
+    let config = |name: &str, batch: usize, accum: usize, auto: bool| {
+        let mut c = fsdp_app::train::finetune::FinetuneConfig::new(model.to_str().unwrap(), &data, &tmp.path().join(name));
+        c.device = fsdp_app::device::DeviceSpec::Cuda(Some(0));
+        (c.seq_len, c.batch_size, c.grad_accum, c.max_steps, c.lr, c.shuffle) = (Some(4096), batch, accum, Some(2), 1e-3, false);
+        c.auto_find_batch_size = auto;
+        c
+    };
+    let err = run_local(&config("fixed", 64, 1, false)).expect_err("64 rows of 4096 tokens fit the GPU: make the trial larger");
+    assert!(fsdp_app::device::is_out_of_memory(&err), "not recognised as out of memory: {err:#}");
+    let auto = run_local(&config("auto", 64, 1, true)).unwrap_or_else(|e| panic!("{e:#}"));
+    let one_by_one = run_local(&config("rows", 1, 64, false)).unwrap();
+    let d = auto.losses.iter().zip(&one_by_one.losses).map(|(a, b)| (a - b).abs() / b).fold(0.0, f64::max);
+    eprintln!("auto {:?} vs one row at a time {:?}: max rel diff {d:.2e}", auto.losses, one_by_one.losses);
+    assert!(d < 1e-4, "the auto batch run's losses differ by {d}");
 }
 
 #[cfg(feature = "nccl")]

@@ -529,3 +529,37 @@ fn device_resident_state_reproduces_the_host_path() {
     let d = max_rel_diff(&rest.losses, &straight.losses[3..]);
     assert!(d < 1e-6, "resumed device-state run differs by {d}: {:?} vs {:?}", rest.losses, &straight.losses[3..]);
 }
+
+/// A step abandoned after its backward (what `--auto-find-batch-size` does with a trial step
+/// that ran out of GPU memory) leaves no trace: the next step's gradients and updated weights
+/// are those of an engine that never ran it, with host and with device-resident state.
+#[test]
+fn a_discarded_step_leaves_no_trace() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = fixture("llama", tmp.path());
+    let batch = |seed: u32| {
+        let ids: Vec<u32> = (0..32u32).map(|i| 3 + (i * 7 + seed) % 60).collect();
+        let labels: Vec<i64> = ids.iter().map(|&x| i64::from(x)).collect();
+        (Tensor::from_vec(ids, (2, 16), &Device::Cpu).unwrap(), StageContext { targets: Some(next_token_targets(&labels, 2, 16)), ..Default::default() })
+    };
+    let (trial, trial_ctx) = batch(1);
+    let (real, real_ctx) = batch(2);
+    for on_device in [false, true] {
+        let fresh = || engine_for(&dir, true).with_device(Device::Cpu, on_device).unwrap();
+        let (mut clean, mut tried) = (fresh(), fresh());
+        tried.forward_backward(&trial, &trial_ctx, &summed_token_loss, 1.0 / 30.0).unwrap();
+        assert!(tried.grad_chunks().values().flatten().any(|g| *g != 0.0), "the trial made gradients");
+        tried.discard_step().unwrap();
+        for e in [&mut clean, &mut tried] {
+            e.forward_backward(&real, &real_ctx, &summed_token_loss, 1.0 / 30.0).unwrap();
+        }
+        assert_eq!(clean.grad_chunks(), tried.grad_chunks(), "device state {on_device}: gradients");
+        for e in [&mut clean, &mut tried] {
+            e.optimizer_step(1e-3, Some(1.0)).unwrap();
+        }
+        for u in 0..clean.units().count() {
+            let (a, b) = (clean.full_unit(u).unwrap(), tried.full_unit(u).unwrap());
+            assert_eq!(max_weight_diff(&a, &b), 0.0, "device state {on_device}: unit {u} weights");
+        }
+    }
+}

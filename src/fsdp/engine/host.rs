@@ -204,6 +204,12 @@ impl UnitShards for HostShards {
         Ok(self.grad.iter().map(|g| sum_of_squares(g)).sum())
     }
 
+    fn discard_grads(&mut self) -> anyhow::Result<()> {
+        self.grad.iter_mut().for_each(|g| g.fill(0.0));
+        self.packed_grad = None;
+        Ok(())
+    }
+
     fn adamw(&mut self, cx: &UnitCtx, step: &AdamWStep) -> anyhow::Result<()> {
         for (i, p) in cx.plan.params.iter().enumerate() {
             if !p.trainable {

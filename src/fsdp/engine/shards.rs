@@ -69,6 +69,10 @@ pub(super) trait UnitShards: Send {
     /// Sum of squares of this rank's gradient chunks (for the global norm).
     fn grad_sq_sum(&self) -> anyhow::Result<f64>;
 
+    /// Drops the gradients of a step that will not finish (collected and reduced alike), as if
+    /// it had not started.
+    fn discard_grads(&mut self) -> anyhow::Result<()>;
+
     /// AdamW on every trainable chunk, then the gradients zeroed.
     fn adamw(&mut self, cx: &UnitCtx, step: &AdamWStep) -> anyhow::Result<()>;
 

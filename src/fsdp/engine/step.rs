@@ -31,3 +31,17 @@ impl FsdpEngine {
         Ok(StepStats { grad_norm, lr })
     }
 }
+
+impl FsdpEngine {
+    /// Abandons a step that failed part-way (a GPU out of memory): gathered parameters and
+    /// collected or reduced gradients are dropped, so the next step starts from the state the
+    /// last optimizer step left, as if this one had not begun.
+    pub fn discard_step(&mut self) -> Result<()> {
+        for unit in &mut self.units {
+            (unit.gathered, unit.freed) = (None, false);
+            unit.shards.discard_grads()?;
+        }
+        self.host_stale = true;
+        Ok(())
+    }
+}

@@ -1,14 +1,30 @@
 //! `--auto-find-batch-size` (TrainingArguments' flag, Accelerate's `find_executable_batch_size`):
-//! the largest micro-batch, among the divisors of `--batch-size`, whose estimated per-rank memory
-//! (`fsdp-app estimate`, from config.json and the run's settings) fits `--max-memory-per-rank`;
-//! the accumulation grows by the same factor, so the global batch, the samples of each step and
-//! the losses stay those of the run as asked.
+//! the largest micro-batch, among the divisors of `--batch-size`, that fits; the accumulation
+//! grows by the same factor, so the global batch, the samples of each step and the losses stay
+//! those of the run as asked.
+//!
+//! - CPU ranks ([`fit`]): running out of host memory kills the process, so the micro-batch is
+//!   chosen before anything runs, from its estimated per-rank memory (`fsdp-app estimate`)
+//!   against `--max-memory-per-rank`.
+//! - GPU ranks ([`fit_by_trial`]): a trial step (forward and backward of a micro-batch of full
+//!   `--seq-len` rows, the largest any step can take) runs on the loaded engine; one that runs
+//!   out of GPU memory is discarded and retried with half the micro-batch, as Accelerate's
+//!   decorator does. The trial's rows have the same shape on every rank, so every rank runs out
+//!   at the same allocation and no rank is left waiting in a collective; later steps are no
+//!   larger (rows are cut to their batch's longest), so none of them runs out where the trial
+//!   did not. The trial's gradients are dropped: training starts from the loaded weights.
 
 use anyhow::{bail, Result};
+use candle_core::Tensor;
+use models::StageContext;
 
 use super::bootstrap::Bootstrap;
 use super::config::{shard_size, FinetuneConfig};
 use crate::dist::{all_reduce_scalar, ProcessGroups};
+use crate::fsdp::engine::FsdpEngine;
+use crate::train::batch::collate;
+use crate::train::data::Sample;
+use crate::train::loss::{next_token_targets, summed_token_loss};
 use crate::memory::human_bytes;
 use crate::train::estimate::{estimate, EstimateInput};
 
@@ -23,10 +39,7 @@ pub(super) fn fit(
         return Ok(out);
     }
     if cfg.device.is_cuda() {
-        bail!(
-            "--auto-find-batch-size on GPUs (retrying a step that ran out of memory) is not implemented; \
-             choose --batch-size with `fsdp-app estimate`, or train on CPU ranks"
-        );
+        return Ok(out); // found by trial once the engine holds the model (`fit_by_trial`)
     }
     let world = groups.world.world_size();
     // One budget for every rank: the flag, or rank 0's available memory shared by the ranks of
@@ -89,6 +102,71 @@ pub(super) fn fit(
         human_bytes(smallest),
         human_bytes(budget as u64)
     )
+}
+
+/// GPU ranks: `cfg` with the largest micro-batch whose trial step runs (see the module's
+/// comment); unchanged on CPU ranks or without `--auto-find-batch-size`.
+pub(super) fn fit_by_trial(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &Bootstrap) -> Result<FinetuneConfig> {
+    let mut out = cfg.clone();
+    if !cfg.auto_find_batch_size || !cfg.device.is_cuda() {
+        return Ok(out);
+    }
+    let asked = cfg.batch_size;
+    let mut micro = asked;
+    loop {
+        let outcome = trial_step(engine, cfg, boot, micro);
+        let ran_out = match &outcome {
+            Ok(()) => false,
+            Err(e) if crate::device::is_out_of_memory(e) => true,
+            Err(_) => return outcome.map(|_| out),
+        };
+        engine.discard_step()?;
+        // One answer for every rank (they all ran out, or none did: the trial's shapes agree).
+        let anywhere = all_reduce_scalar(groups.world.as_ref(), f64::from(u8::from(ran_out)))? > 0.0;
+        if !anywhere {
+            break;
+        }
+        if micro == 1 {
+            bail!(
+                "--auto-find-batch-size: even a micro-batch of 1 row of {} tokens runs out of GPU memory: \
+                 shorten --seq-len, add --activation-checkpointing or LoRA, or use more ranks",
+                cfg.seq_len()
+            );
+        }
+        // Half, rounded down to a divisor of the batch asked for.
+        let next = (1..=micro / 2).rev().find(|b| asked % b == 0).unwrap_or(1);
+        if groups.world.rank() == 0 && cfg.verbose {
+            eprintln!("auto batch size: a micro-batch of {micro} x {} tokens ran out of GPU memory; retrying with {next}", cfg.seq_len());
+        }
+        micro = next;
+    }
+    out.batch_size = micro;
+    out.grad_accum = cfg.grad_accum * (asked / micro);
+    if groups.world.rank() == 0 && cfg.verbose {
+        eprintln!(
+            "auto batch size: micro-batch {micro} x {} accumulation fits the GPU, the same {} sequences per step",
+            out.grad_accum,
+            asked * cfg.grad_accum * groups.world.world_size()
+        );
+    }
+    Ok(out)
+}
+
+/// Forward and backward of `micro` rows of `--seq-len` tokens, every token a target, as a
+/// training step would run them (packed rows when the run packs).
+fn trial_step(engine: &mut FsdpEngine, cfg: &FinetuneConfig, boot: &Bootstrap, micro: usize) -> Result<()> {
+    let len = cfg.seq_len();
+    let token = boot.model_cfg.eos_token_ids.first().copied().unwrap_or(0);
+    // Two documents per row when packing, so the trial builds the packed attention layout too.
+    let segments = if cfg.packing { (0..len).map(|i| 1 + u32::from(i >= len / 2)).collect() } else { vec![] };
+    let row = Sample { input_ids: vec![token; len], labels: vec![i64::from(token); len], len, segments };
+    let rows: Vec<&Sample> = (0..micro).map(|_| &row).collect();
+    let batch = collate(&rows);
+    let input = Tensor::from_vec(batch.input_ids, (batch.rows, batch.width), engine.device())?;
+    let targets = next_token_targets(&batch.labels, batch.rows, batch.width);
+    let ctx = StageContext { packing: batch.packing, row_seeds: Some(vec![cfg.seed; batch.rows]), targets: Some(targets), ..Default::default() };
+    engine.forward_backward(&input, &ctx, &summed_token_loss, 1.0 / (micro * len) as f64)?;
+    Ok(())
 }
 
 /// MemAvailable of /proc/meminfo, in bytes.

@@ -53,6 +53,7 @@ fn run_rank_phases(groups: &ProcessGroups, cfg: &FinetuneConfig, device: Option<
     let cfg = &auto_batch::fit(groups, cfg, &boot)?;
     let mut engine = setup::build_engine(groups, cfg, &boot, device)?;
     let rank_bytes = setup::load_or_resume(&mut engine, groups, cfg, &boot)?;
+    let cfg = &auto_batch::fit_by_trial(&mut engine, groups, cfg, &boot)?;
     let curve = train_loop::train(&mut engine, groups, cfg, &boot)?;
     export::export_result(&engine, &boot, &cfg.output_dir, cfg)?;
     let is_root = groups.world.rank() == 0;
