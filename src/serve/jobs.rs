@@ -16,10 +16,10 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
+use super::checkpoints::Recorder;
 use super::error::ApiError;
 use super::request::Fields;
 use super::store::{CreatedJob, JobRow, NewJob};
-use super::checkpoints::Recorder;
 use super::AppState;
 use crate::train::finetune::FinetuneArgs;
 

@@ -126,6 +126,10 @@ impl AppState {
         }
         let internal = |e: anyhow::Error| ApiError::internal(format!("{e:#}"));
         let fine_tuned = self.store.fine_tuned_models().map_err(internal)?.into_iter().find(|(m, _)| m == id).map(|(_, d)| d);
+        // An unknown name is answered without the lock, which loading holds.
+        if fine_tuned.is_none() && self.store.checkpoint_of_model(id).map_err(internal)?.is_none() {
+            return Err(ApiError::model_not_found(id));
+        }
         let mut models = self.models.write().unwrap();
         if let Some(m) = models.get(id) {
             return Ok(m.clone());

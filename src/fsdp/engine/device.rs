@@ -134,7 +134,6 @@ impl UnitShards for DeviceShards {
         Ok(sum)
     }
 
-    /// The same arithmetic as the host loop, as tensor operations on the device.
     fn discard_grads(&mut self) -> anyhow::Result<()> {
         for g in self.grad.iter_mut().flatten() {
             *g = g.zeros_like()?;
@@ -143,6 +142,7 @@ impl UnitShards for DeviceShards {
         Ok(())
     }
 
+    /// The same arithmetic as the host loop, as tensor operations on the device.
     fn adamw(&mut self, cx: &UnitCtx, step: &AdamWStep) -> anyhow::Result<()> {
         for i in 0..cx.plan.params.len() {
             let (Some(g), Some(m), Some(v)) = (&mut self.grad[i], &mut self.exp_avg[i], &mut self.exp_avg_sq[i]) else { continue };

@@ -102,11 +102,12 @@ pub struct FinetuneArgs {
     /// Micro-batches accumulated per optimizer step.
     #[arg(long, default_value_t = 1)]
     pub grad_accum: usize,
-    /// Take the largest micro-batch (a divisor of --batch-size) whose estimated memory per rank
-    /// fits --max-memory-per-rank, accumulating more to keep the same global batch.
+    /// Take the largest micro-batch (a divisor of --batch-size) that fits, accumulating more to
+    /// keep the same global batch: on CPU ranks the one whose estimated memory per rank fits
+    /// --max-memory-per-rank; on GPUs the first whose trial step does not run out of memory.
     #[arg(long)]
     pub auto_find_batch_size: bool,
-    /// Memory budget per rank for --auto-find-batch-size (e.g. 2GB, 800MB); default: the
+    /// Memory budget per CPU rank for --auto-find-batch-size (e.g. 2GB, 800MB); default: the
     /// machine's available memory shared by its ranks.
     #[arg(long, requires = "auto_find_batch_size")]
     pub max_memory_per_rank: Option<String>,

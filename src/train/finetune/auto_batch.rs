@@ -22,11 +22,11 @@ use super::bootstrap::Bootstrap;
 use super::config::{shard_size, FinetuneConfig};
 use crate::dist::{all_reduce_scalar, ProcessGroups};
 use crate::fsdp::engine::FsdpEngine;
+use crate::memory::human_bytes;
 use crate::train::batch::collate;
 use crate::train::data::Sample;
-use crate::train::loss::{next_token_targets, summed_token_loss};
-use crate::memory::human_bytes;
 use crate::train::estimate::{estimate, EstimateInput};
+use crate::train::loss::{next_token_targets, summed_token_loss};
 
 /// `cfg` with the micro-batch that fits (unchanged without `--auto-find-batch-size`).
 pub(super) fn fit(

@@ -28,8 +28,9 @@ pub struct FinetuneConfig {
     pub max_grad_norm: Option<f64>,
     pub batch_size: usize,
     pub grad_accum: usize,
-    /// Lower the micro-batch (raising the accumulation) until the estimate fits
-    /// `max_memory_per_rank` (default: the available memory shared by this machine's ranks).
+    /// Lower the micro-batch (raising the accumulation) until it fits: on CPU ranks until the
+    /// estimate fits `max_memory_per_rank` (default: the available memory shared by this
+    /// machine's ranks), on GPUs until a trial step does not run out of memory.
     pub auto_find_batch_size: bool,
     pub max_memory_per_rank: Option<usize>,
     /// `None`: [`crate::train::DEFAULT_SEQ_LEN`] capped at the model's context, settled at
@@ -134,6 +135,9 @@ pub fn validate(cfg: &FinetuneConfig) -> Result<()> {
         if v == 0 {
             bail!("{name} must be positive");
         }
+    }
+    if cfg.device.is_cuda() && cfg.max_memory_per_rank.is_some() {
+        bail!("--max-memory-per-rank is the budget of CPU ranks; on GPUs --auto-find-batch-size finds the micro-batch by trial (drop the flag)");
     }
     if cfg.seq_len.is_some_and(|n| n < 2) {
         bail!("--seq-len must be at least 2 (a token and the next one to predict)");
