@@ -91,7 +91,7 @@ fn main() -> anyhow::Result<()> {
     let cfg = fsdp_app::train::finetune::FinetuneConfig {
         lr: 1e-5,
         batch_size: 1,
-        seq_len: SEQ,
+        seq_len: Some(SEQ),
         max_steps: Some(steps),
         schedule: Schedule::Constant,
         shuffle: false,

@@ -108,7 +108,7 @@ fn config(model: &Path, data: &Path, out: &Path, world: usize) -> FinetuneConfig
         world_size: world,
         lr: 1e-4,
         batch_size: 4 / world,
-        seq_len: 128,
+        seq_len: Some(128),
         max_steps: Some(6),
         schedule: Schedule::Constant,
         seed: 0,

@@ -98,6 +98,8 @@ if [ "$WITH_TESTS" = 1 ]; then
 import json, sys, shutil
 for line in sys.stdin:
     m = json.loads(line)
+    if m.get("reason") == "compiler-message" and m["message"].get("level") == "error":
+        sys.stderr.write(m["message"].get("rendered") or m["message"]["message"])  # the JSON hides them otherwise
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[1]:
         shutil.copy(m["executable"], sys.argv[2])' "$@"; strip "$2"; }
   cargo test --release --locked --features "$FEATURES" --test cuda --no-run --message-format=json | pick cuda .gpubin/cuda-tests
