@@ -106,6 +106,10 @@ pub fn servable_dir(store: &Store, id: &str) -> Result<Option<PathBuf>> {
     let merged = merged_dir(&output_dir, step);
     if !merged.join("config.json").is_file() {
         let sharded = output_dir.join(format!("checkpoint-{step}"));
+        if !sharded.is_dir() {
+            // Rotated away since it was listed (the runner forgets it at its next look).
+            return Ok(None);
+        }
         let tmp = merged.with_file_name(format!(".ckpt-step-{step}.{}.tmp", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
