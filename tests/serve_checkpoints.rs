@@ -51,6 +51,12 @@ fn a_jobs_epoch_checkpoints_are_listed_and_served_and_trained_tokens_counts_real
     // Each is served by its id: the last one is the final model; the earlier ones are their own
     // weights (merged from the sharded checkpoint), different from the final and the base.
     let ids: Vec<&str> = ckpts.iter().map(|c| c["fine_tuned_model_checkpoint"].as_str().unwrap()).collect();
+    // Four clients at once for a checkpoint not merged yet: it is merged once, all get its answer.
+    let at_once: Vec<f64> = std::thread::scope(|s| {
+        let asks: Vec<_> = (0..4).map(|_| s.spawn(|| first_token_logprob(&server, ids[1]))).collect();
+        asks.into_iter().map(|a| a.join().unwrap()).collect()
+    });
+    assert!(at_once.iter().all(|&x| x == at_once[0]), "{at_once:?}");
     let answer: Vec<f64> = ids.iter().map(|m| first_token_logprob(&server, m)).collect();
     let (final_lp, base_lp) = (first_token_logprob(&server, &ft), first_token_logprob(&server, "tiny"));
     assert_eq!(answer[0], final_lp, "the last checkpoint is the final model");
@@ -58,6 +64,7 @@ fn a_jobs_epoch_checkpoints_are_listed_and_served_and_trained_tokens_counts_real
         assert!((lp - final_lp).abs() > 1e-5 && (lp - base_lp).abs() > 1e-5, "{} answers like another model: {answer:?} final {final_lp} base {base_lp}", ids[i]);
     }
     assert!((answer[1] - answer[2]).abs() > 1e-5, "steps 6 and 4 answer alike: {answer:?}");
+    assert_eq!(answer[1], at_once[0]);
     // After a restart, a checkpoint is served as it was (from its merged copy).
     drop(server);
     let server = Server::start(&model, &["--data-dir", tmp.path().join("data").to_str().unwrap()]);

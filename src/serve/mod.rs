@@ -98,6 +98,9 @@ pub struct ServedModel {
 pub struct AppState {
     /// Loaded models by id: the base model, and fine-tuned ones once first asked for.
     pub models: RwLock<HashMap<String, Arc<ServedModel>>>,
+    /// One lock per model being loaded, so that a model is loaded (or a checkpoint merged) once
+    /// however many ask for it, while requests for the others go on.
+    pub loading: std::sync::Mutex<HashMap<String, Arc<std::sync::Mutex<()>>>>,
     pub base_id: String,
     /// The --model the server was started with (what jobs fine-tune).
     pub base_source: String,
@@ -126,26 +129,32 @@ impl AppState {
         }
         let internal = |e: anyhow::Error| ApiError::internal(format!("{e:#}"));
         let fine_tuned = self.store.fine_tuned_models().map_err(internal)?.into_iter().find(|(m, _)| m == id).map(|(_, d)| d);
-        // An unknown name is answered without the lock, which loading holds.
+        // An unknown name is answered at once, without waiting for any loading.
         if fine_tuned.is_none() && self.store.checkpoint_of_model(id).map_err(internal)?.is_none() {
             return Err(ApiError::model_not_found(id));
         }
-        let mut models = self.models.write().unwrap();
-        if let Some(m) = models.get(id) {
-            return Ok(m.clone());
+        // The loading takes seconds: off the async workers, under this model's own lock.
+        let slot = self.loading.lock().unwrap().entry(id.to_string()).or_default().clone();
+        let served = tokio::task::block_in_place(|| -> Result<Arc<ServedModel>, ApiError> {
+            let _only_loader = slot.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(m) = self.models.read().unwrap().get(id) {
+                return Ok(m.clone()); // loaded while this request waited
+            }
+            let dir = match fine_tuned {
+                Some(d) => d,
+                None => checkpoints::servable_dir(&self.store, id).map_err(internal)?.ok_or_else(|| ApiError::model_not_found(id))?,
+            };
+            let served = load_served(id, &dir.to_string_lossy(), None, self).map_err(|e| ApiError::internal(format!("loading {id}: {e:#}")))?;
+            let served = Arc::new(served);
+            self.models.write().unwrap().insert(id.to_string(), served.clone());
+            Ok(served)
+        });
+        // The last one out forgets the lock (others take their copy under the map's lock).
+        let mut loading = self.loading.lock().unwrap();
+        if loading.get(id).is_some_and(|s| Arc::ptr_eq(s, &slot)) && Arc::strong_count(&slot) == 2 {
+            loading.remove(id);
         }
-        // Under the lock: a checkpoint is merged once, however many ask for it at once.
-        let dir = match fine_tuned {
-            Some(d) => d,
-            None => tokio::task::block_in_place(|| checkpoints::servable_dir(&self.store, id))
-                .map_err(internal)?
-                .ok_or_else(|| ApiError::model_not_found(id))?,
-        };
-        let served = tokio::task::block_in_place(|| load_served(id, &dir.to_string_lossy(), None, self))
-            .map_err(|e| ApiError::internal(format!("loading {id}: {e:#}")))?;
-        let served = Arc::new(served);
-        models.insert(id.to_string(), served.clone());
-        Ok(served)
+        served
     }
 
     pub fn base(&self) -> Arc<ServedModel> {
@@ -376,6 +385,7 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
     let base_source = if Path::new(&cfg.model).is_dir() { std::fs::canonicalize(&cfg.model)?.to_string_lossy().to_string() } else { cfg.model.clone() };
     let state = Arc::new(AppState {
         models: RwLock::new(HashMap::from([(base_id.clone(), Arc::new(base))])),
+        loading: Default::default(),
         base_id,
         base_source,
         store: store.clone(),
