@@ -42,6 +42,10 @@ case "$what" in
       --data tests/reference/train-data.jsonl --output-dir "$work/out" --device cuda --backend nccl \
       --param-dtype bf16 --activation-checkpointing --seq-len 16 --batch-size 4 --max-steps 6 --no-shuffle
     "$BIN/fsdp-app" generate --model "$work/out" --device cuda --prompt "Hello" --max-new-tokens 8 --json
+    # Two ranks sharing the one GPU (NCCL refuses two ranks on a device; the tcp backend does not).
+    "$BIN/fsdp-app" launch --nproc-per-node 2 -- finetune --model "$work/model" \
+      --data tests/reference/train-data.jsonl --output-dir "$work/out2" --device cuda:0 --backend tcp \
+      --param-dtype bf16 --seq-len 16 --batch-size 2 --max-steps 6 --no-shuffle
     ;;
   bench)
     "$BIN/gpu-bench"
