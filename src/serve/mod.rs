@@ -98,8 +98,8 @@ pub struct ServedModel {
 pub struct AppState {
     /// Loaded models by id: the base model, and fine-tuned ones once first asked for.
     pub models: RwLock<HashMap<String, Arc<ServedModel>>>,
-    /// One lock per model being loaded, so that a model is loaded (or a checkpoint merged) once
-    /// however many ask for it, while requests for the others go on.
+    /// One lock per model ever loaded here (kept: a few bytes each), so that a model is loaded
+    /// (or a checkpoint merged) once however many ask for it, while requests for the others go on.
     pub loading: std::sync::Mutex<HashMap<String, Arc<std::sync::Mutex<()>>>>,
     pub base_id: String,
     /// The --model the server was started with (what jobs fine-tune).
@@ -135,7 +135,7 @@ impl AppState {
         }
         // The loading takes seconds: off the async workers, under this model's own lock.
         let slot = self.loading.lock().unwrap().entry(id.to_string()).or_default().clone();
-        let served = tokio::task::block_in_place(|| -> Result<Arc<ServedModel>, ApiError> {
+        tokio::task::block_in_place(|| -> Result<Arc<ServedModel>, ApiError> {
             let _only_loader = slot.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(m) = self.models.read().unwrap().get(id) {
                 return Ok(m.clone()); // loaded while this request waited
@@ -148,13 +148,7 @@ impl AppState {
             let served = Arc::new(served);
             self.models.write().unwrap().insert(id.to_string(), served.clone());
             Ok(served)
-        });
-        // The last one out forgets the lock (others take their copy under the map's lock).
-        let mut loading = self.loading.lock().unwrap();
-        if loading.get(id).is_some_and(|s| Arc::ptr_eq(s, &slot)) && Arc::strong_count(&slot) == 2 {
-            loading.remove(id);
-        }
-        served
+        })
     }
 
     pub fn base(&self) -> Arc<ServedModel> {

@@ -5,7 +5,6 @@
 //! reason (their process groups stopped; queued jobs stay queued and run at the next start).
 //! Then the process exits 0.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use serde_json::json;
@@ -15,29 +14,27 @@ use super::store::Store;
 
 /// Where the server is in its shutdown.
 pub struct Shutdown {
-    begun: AtomicBool,
-    begun_tx: watch::Sender<bool>,
+    begun: watch::Sender<bool>,
     forced: watch::Sender<bool>,
 }
 
 impl Shutdown {
     pub fn new() -> Arc<Self> {
-        Arc::new(Self { begun: AtomicBool::new(false), begun_tx: watch::channel(false).0, forced: watch::channel(false).0 })
+        Arc::new(Self { begun: watch::channel(false).0, forced: watch::channel(false).0 })
     }
 
     /// A signal came: no new work.
     pub fn begun(&self) -> bool {
-        self.begun.load(Ordering::SeqCst)
+        *self.begun.borrow()
     }
 
     pub fn begin(&self) {
-        self.begun.store(true, Ordering::SeqCst);
-        self.begun_tx.send_replace(true);
+        self.begun.send_replace(true);
     }
 
     /// Resolves once a signal came.
     pub async fn begun_wait(&self) {
-        let mut rx = self.begun_tx.subscribe();
+        let mut rx = self.begun.subscribe();
         let _ = rx.wait_for(|b| *b).await;
     }
 

@@ -253,9 +253,6 @@ impl Store {
         Ok(())
     }
 
-    /// At start-up: a job that was running when the server stopped is marked failed; queued
-    /// jobs stay queued and run. Returns the process groups those jobs ran in, for the jobs
-    /// runner to stop (they outlive a killed server).
     /// The jobs running now, with their process groups.
     pub fn running_jobs(&self) -> Result<Vec<(String, Option<u32>)>> {
         let db = self.db();
@@ -264,6 +261,9 @@ impl Store {
         Ok(rows)
     }
 
+    /// At start-up: a job that was running when the server stopped is marked failed; queued
+    /// jobs stay queued and run. Returns the process groups those jobs ran in, for the jobs
+    /// runner to stop (they outlive a killed server).
     pub fn recover(&self) -> Result<Vec<u32>> {
         let jobs: Vec<(String, Option<i64>)> = {
             let db = self.db();

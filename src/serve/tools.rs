@@ -48,55 +48,51 @@ pub struct ToolCall {
     pub arguments: String,
 }
 
-fn invalid(param: &str, message: impl Into<String>) -> ApiError {
-    ApiError::invalid(param, message)
-}
-
 /// `tools` + `tool_choice` + `parallel_tool_calls`, or the legacy `functions` + `function_call`.
 /// None when the request has no functions (`tool_choice` then may only be `none`).
 pub fn parse(v: &Value) -> Result<Option<Tools>, ApiError> {
     let get = |k: &str| v.get(k).filter(|x| !x.is_null());
     let (definitions, choice_key) = match (get("tools"), get("functions")) {
-        (Some(_), Some(_)) => return Err(invalid("functions", "Give `tools` or the legacy `functions`, not both.")),
+        (Some(_), Some(_)) => return Err(ApiError::invalid("functions", "Give `tools` or the legacy `functions`, not both.")),
         (Some(t), None) => (t.clone(), "tool_choice"),
         (None, Some(Value::Array(f))) => (Value::Array(f.iter().map(|f| json!({"type": "function", "function": f})).collect()), "function_call"),
-        (None, Some(_)) => return Err(invalid("functions", "`functions` must be a list of function definitions.")),
+        (None, Some(_)) => return Err(ApiError::invalid("functions", "`functions` must be a list of function definitions.")),
         (None, None) => {
             if get("tool_choice").is_some_and(|c| c != "none") {
-                return Err(invalid("tool_choice", "`tool_choice` needs `tools`."));
+                return Err(ApiError::invalid("tool_choice", "`tool_choice` needs `tools`."));
             }
             if get("function_call").is_some_and(|c| c != "none") {
-                return Err(invalid("function_call", "`function_call` needs `functions`."));
+                return Err(ApiError::invalid("function_call", "`function_call` needs `functions`."));
             }
             if get("parallel_tool_calls").is_some() {
-                return Err(invalid("parallel_tool_calls", "`parallel_tool_calls` needs `tools`."));
+                return Err(ApiError::invalid("parallel_tool_calls", "`parallel_tool_calls` needs `tools`."));
             }
             return Ok(None);
         }
     };
     let param = if choice_key == "tool_choice" { "tools" } else { "functions" };
-    let Value::Array(list) = &definitions else { return Err(invalid(param, "`tools` must be a list of {\"type\": \"function\", \"function\": {...}}.")) };
+    let Value::Array(list) = &definitions else { return Err(ApiError::invalid(param, "`tools` must be a list of {\"type\": \"function\", \"function\": {...}}.")) };
     if list.is_empty() {
-        return Err(invalid(param, format!("`{param}` must not be empty.")));
+        return Err(ApiError::invalid(param, format!("`{param}` must not be empty.")));
     }
     let (mut names, mut parameters) = (vec![], vec![]);
     for (i, t) in list.iter().enumerate() {
         let at = format!("{param}[{i}]");
         if t.get("type").and_then(Value::as_str) != Some("function") {
-            return Err(invalid(&format!("{at}.type"), "only tools of type \"function\" are supported."));
+            return Err(ApiError::invalid(&format!("{at}.type"), "only tools of type \"function\" are supported."));
         }
         super::fields::check(t, &["type", "function"], &at, false)?;
-        let f = t.get("function").filter(|f| f.is_object()).ok_or_else(|| invalid(&format!("{at}.function"), "`function` must be an object."))?;
+        let f = t.get("function").filter(|f| f.is_object()).ok_or_else(|| ApiError::invalid(&format!("{at}.function"), "`function` must be an object."))?;
         super::fields::check(f, &["name", "description", "parameters", "strict"], &format!("{at}.function"), false)?;
         let name = f.get("name").and_then(Value::as_str).filter(|n| !n.is_empty() && n.len() <= 64 && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-'));
-        let name = name.ok_or_else(|| invalid(&format!("{at}.function.name"), "`name` is required: 1 to 64 letters, digits, '_' or '-'."))?;
+        let name = name.ok_or_else(|| ApiError::invalid(&format!("{at}.function.name"), "`name` is required: 1 to 64 letters, digits, '_' or '-'."))?;
         if names.iter().any(|n| n == name) {
-            return Err(invalid(&format!("{at}.function.name"), format!("two functions are named {name:?}.")));
+            return Err(ApiError::invalid(&format!("{at}.function.name"), format!("two functions are named {name:?}.")));
         }
         let params = match f.get("parameters") {
             None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
             Some(p @ Value::Object(_)) => p.clone(),
-            Some(_) => return Err(invalid(&format!("{at}.function.parameters"), "`parameters` must be a JSON schema object.")),
+            Some(_) => return Err(ApiError::invalid(&format!("{at}.function.parameters"), "`parameters` must be a JSON schema object.")),
         };
         names.push(name.to_string());
         parameters.push(params);
@@ -111,15 +107,15 @@ pub fn parse(v: &Value) -> Result<Option<Tools>, ApiError> {
             let name = c.pointer("/function/name").or_else(|| c.get("name")).and_then(Value::as_str);
             match name {
                 Some(n) if names.iter().any(|x| x == n) => ToolChoice::Named(n.to_string()),
-                Some(n) => return Err(invalid(choice_key, format!("`{choice_key}` names {n:?}, which is not among the functions given."))),
-                None => return Err(invalid(choice_key, format!("`{choice_key}` must be none, auto{}, or a function.", if choice_key == "tool_choice" { ", required" } else { "" }))),
+                Some(n) => return Err(ApiError::invalid(choice_key, format!("`{choice_key}` names {n:?}, which is not among the functions given."))),
+                None => return Err(ApiError::invalid(choice_key, format!("`{choice_key}` must be none, auto{}, or a function.", if choice_key == "tool_choice" { ", required" } else { "" }))),
             }
         }
     };
     let parallel = match get("parallel_tool_calls") {
         None => true,
         Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(invalid("parallel_tool_calls", "`parallel_tool_calls` must be a boolean.")),
+        Some(_) => return Err(ApiError::invalid("parallel_tool_calls", "`parallel_tool_calls` must be a boolean.")),
     };
     Ok(Some(Tools { definitions, names, parameters, choice, parallel }))
 }
@@ -250,16 +246,16 @@ pub fn generic_messages(tools: Option<&Tools>, messages: &[ChatMessage]) -> Vec<
 /// A message's `tool_calls` as the request has them (`arguments` a JSON string), checked, in the
 /// form templates take (`arguments` an object).
 pub fn message_tool_calls(calls: &Value, at: &str) -> Result<Value, ApiError> {
-    let Value::Array(list) = calls else { return Err(invalid(at, "`tool_calls` must be a list.")) };
+    let Value::Array(list) = calls else { return Err(ApiError::invalid(at, "`tool_calls` must be a list.")) };
     let mut out = vec![];
     for (i, c) in list.iter().enumerate() {
         let here = format!("{at}[{i}]");
-        let f = c.get("function").filter(|f| f.is_object()).ok_or_else(|| invalid(&here, "each tool call needs `function` {name, arguments}."))?;
-        let name = f.get("name").and_then(Value::as_str).ok_or_else(|| invalid(&format!("{here}.function.name"), "`name` must be a string."))?;
+        let f = c.get("function").filter(|f| f.is_object()).ok_or_else(|| ApiError::invalid(&here, "each tool call needs `function` {name, arguments}."))?;
+        let name = f.get("name").and_then(Value::as_str).ok_or_else(|| ApiError::invalid(&format!("{here}.function.name"), "`name` must be a string."))?;
         let args = match f.get("arguments") {
-            Some(Value::String(s)) => serde_json::from_str::<Value>(s).map_err(|e| invalid(&format!("{here}.function.arguments"), format!("`arguments` is not JSON: {e}")))?,
+            Some(Value::String(s)) => serde_json::from_str::<Value>(s).map_err(|e| ApiError::invalid(&format!("{here}.function.arguments"), format!("`arguments` is not JSON: {e}")))?,
             Some(o @ Value::Object(_)) => o.clone(),
-            _ => return Err(invalid(&format!("{here}.function.arguments"), "`arguments` must be a JSON string.")),
+            _ => return Err(ApiError::invalid(&format!("{here}.function.arguments"), "`arguments` must be a JSON string.")),
         };
         let mut call = Map::new();
         call.insert("type".into(), json!("function"));

@@ -114,11 +114,10 @@ pub(super) fn fit_by_trial(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg:
     let asked = cfg.batch_size;
     let mut micro = asked;
     loop {
-        let outcome = trial_step(engine, cfg, boot, micro);
-        let ran_out = match &outcome {
+        let ran_out = match trial_step(engine, cfg, boot, micro) {
             Ok(()) => false,
-            Err(e) if crate::device::is_out_of_memory(e) => true,
-            Err(_) => return outcome.map(|_| out),
+            Err(e) if crate::device::is_out_of_memory(&e) => true,
+            Err(e) => return Err(e),
         };
         engine.discard_step()?;
         // One answer for every rank (they all ran out, or none did: the trial's shapes agree).
