@@ -112,8 +112,7 @@ pub(super) fn fit_by_trial(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg:
         return Ok(out);
     }
     let asked = cfg.batch_size;
-    let mut micro = asked;
-    loop {
+    let found = largest_that_runs(asked, |micro| {
         let ran_out = match trial_step(engine, cfg, boot, micro) {
             Ok(()) => false,
             Err(e) if crate::device::is_out_of_memory(&e) => true,
@@ -122,23 +121,18 @@ pub(super) fn fit_by_trial(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg:
         engine.discard_step()?;
         // One answer for every rank (they all ran out, or none did: the trial's shapes agree).
         let anywhere = all_reduce_scalar(groups.world.as_ref(), f64::from(u8::from(ran_out)))? > 0.0;
-        if !anywhere {
-            break;
+        if anywhere && groups.world.rank() == 0 && cfg.verbose {
+            eprintln!("auto batch size: a micro-batch of {micro} x {} tokens ran out of GPU memory", cfg.seq_len());
         }
-        if micro == 1 {
-            bail!(
-                "--auto-find-batch-size: even a micro-batch of 1 row of {} tokens runs out of GPU memory: \
-                 shorten --seq-len, add --activation-checkpointing or LoRA, or use more ranks",
-                cfg.seq_len()
-            );
-        }
-        // Half, rounded down to a divisor of the batch asked for.
-        let next = (1..=micro / 2).rev().find(|b| asked % b == 0).unwrap_or(1);
-        if groups.world.rank() == 0 && cfg.verbose {
-            eprintln!("auto batch size: a micro-batch of {micro} x {} tokens ran out of GPU memory; retrying with {next}", cfg.seq_len());
-        }
-        micro = next;
-    }
+        Ok(!anywhere)
+    })?;
+    let Some(micro) = found else {
+        bail!(
+            "--auto-find-batch-size: even a micro-batch of 1 row of {} tokens runs out of GPU memory: \
+             shorten --seq-len, add --activation-checkpointing or LoRA, or use more ranks",
+            cfg.seq_len()
+        );
+    };
     out.batch_size = micro;
     out.grad_accum = cfg.grad_accum * (asked / micro);
     if groups.world.rank() == 0 && cfg.verbose {
@@ -149,6 +143,22 @@ pub(super) fn fit_by_trial(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg:
         );
     }
     Ok(out)
+}
+
+/// The search of [`fit_by_trial`]: `asked` first, then half of the last one tried (rounded down
+/// to a divisor of `asked`, so the accumulation stays whole), until `runs(micro)` says it ran;
+/// None when not even 1 did.
+fn largest_that_runs(asked: usize, mut runs: impl FnMut(usize) -> Result<bool>) -> Result<Option<usize>> {
+    let mut micro = asked;
+    loop {
+        if runs(micro)? {
+            return Ok(Some(micro));
+        }
+        if micro == 1 {
+            return Ok(None);
+        }
+        micro = (1..=micro / 2).rev().find(|b| asked % b == 0).unwrap_or(1);
+    }
 }
 
 /// Forward and backward of `micro` rows of `--seq-len` tokens, every token a target, as a
@@ -188,4 +198,31 @@ fn local_ranks(world: usize) -> usize {
         .and_then(|v| v.parse().ok())
         .filter(|n| *n > 0)
         .unwrap_or(world)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::largest_that_runs;
+
+    /// The micro-batches tried, and the one found, when every micro-batch up to `fits` runs.
+    fn search(asked: usize, fits: usize) -> (Vec<usize>, Option<usize>) {
+        let mut tried = vec![];
+        let found = largest_that_runs(asked, |m| {
+            tried.push(m);
+            Ok(m <= fits)
+        })
+        .unwrap();
+        (tried, found)
+    }
+
+    #[test]
+    fn halves_to_a_divisor_of_the_batch_until_one_runs() {
+        assert_eq!(search(64, 64), (vec![64], Some(64)));
+        assert_eq!(search(64, 12), (vec![64, 32, 16, 8], Some(8)));
+        assert_eq!(search(12, 5), (vec![12, 6, 3], Some(3)));
+        assert_eq!(search(12, 0), (vec![12, 6, 3, 1], None));
+        assert_eq!(search(7, 2), (vec![7, 1], Some(1)));
+        let failed = largest_that_runs(8, |_| anyhow::bail!("a NCCL error")).unwrap_err();
+        assert_eq!(failed.to_string(), "a NCCL error", "an error that is not out of memory ends the search");
+    }
 }
