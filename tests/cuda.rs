@@ -149,10 +149,7 @@ fn finetuning_on_cuda_follows_the_cpu_loss_curve() {
 #[test]
 fn auto_batch_size_retries_a_step_that_ran_out_of_gpu_memory() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("long-context");
-    let set = |k: &str, v: u64| (k.to_string(), serde_json::json!(v));
-    let overrides = [set("max_position_embeddings", 4096), set("hidden_size", 512), set("intermediate_size", 1024), set("num_hidden_layers", 2), set("num_attention_heads", 8), set("num_key_value_heads", 8)];
-    fsdp_app::fixtures::write_fixture_with("llama", &model, &overrides).unwrap();
+    let model = fixture_with("llama", &tmp.path().join("long-context"), &[("max_position_embeddings", 4096), ("hidden_size", 512), ("intermediate_size", 1024), ("num_hidden_layers", 2), ("num_attention_heads", 8), ("num_key_value_heads", 8)]);
     let data = tmp.path().join("rows.jsonl");
     let rows: String = (0..128u32)
         .map(|r| {

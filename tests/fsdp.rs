@@ -135,10 +135,7 @@ fn n_ranks_reproduce_one_rank_for_every_strategy() {
 #[test]
 fn vocabulary_sized_gradients_reduced_by_rows_reproduce_one_rank() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("wide-vocab");
-    let set = |k: &str, v: u64| (k.to_string(), serde_json::json!(v));
-    let overrides = [set("vocab_size", 8192), set("hidden_size", 512), set("intermediate_size", 128), set("num_hidden_layers", 1), set("num_attention_heads", 8), set("num_key_value_heads", 8)];
-    fsdp_app::fixtures::write_fixture_with("llama", &model, &overrides).unwrap();
+    let model = fixture_with("llama", &tmp.path().join("wide-vocab"), &[("vocab_size", 8192), ("hidden_size", 512), ("intermediate_size", 128), ("num_hidden_layers", 1), ("num_attention_heads", 8), ("num_key_value_heads", 8)]);
     let base = |out: &str, world: usize, ac: bool| {
         let mut c = reference_config(&model, &tmp.path().join(out));
         c.max_steps = Some(3);

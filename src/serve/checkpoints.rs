@@ -19,6 +19,7 @@ use anyhow::{Context, Result};
 use serde_json::{json, Value};
 
 use super::store::{final_model_dir, Store};
+use crate::checkpoint::write::StagedDir;
 
 /// Checkpoints a job keeps (its `--save-total-limit`).
 pub const KEEP: usize = 3;
@@ -26,6 +27,11 @@ pub const KEEP: usize = 3;
 /// The id a checkpoint of fine-tuned model `model` is served as, OpenAI's spelling.
 pub fn checkpoint_model_id(model: &str, step: i64) -> String {
     format!("{model}:ckpt-step-{step}")
+}
+
+/// Whether model id `id` names a checkpoint of fine-tuned model `model`.
+pub fn is_checkpoint_of(id: &str, model: &str) -> bool {
+    id.strip_prefix(model).is_some_and(|rest| rest.starts_with(":ckpt-step-"))
 }
 
 /// The steps of the complete `checkpoint-STEP` directories under `output_dir` (a checkpoint
@@ -110,12 +116,11 @@ pub fn servable_dir(store: &Store, id: &str) -> Result<Option<PathBuf>> {
             // Rotated away since it was listed (the runner forgets it at its next look).
             return Ok(None);
         }
-        let tmp = merged.with_file_name(format!(".ckpt-step-{step}.{}.tmp", std::process::id()));
-        let _ = std::fs::remove_dir_all(&tmp);
-        std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-        crate::checkpoint::sharded::merge(&sharded, &tmp, candle_core::DType::F32, usize::MAX)
+        // Merged into a temporary sibling, renamed into place whole (removed if the merge fails).
+        let staged = StagedDir::new(&merged)?;
+        crate::checkpoint::sharded::merge(&sharded, staged.path(), candle_core::DType::F32, usize::MAX)
             .with_context(|| format!("merging {} to serve {id}", sharded.display()))?;
-        std::fs::rename(&tmp, &merged).with_context(|| format!("renaming {} to {}", tmp.display(), merged.display()))?;
+        staged.commit()?;
     }
     Ok(Some(merged))
 }

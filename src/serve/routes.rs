@@ -48,7 +48,7 @@ pub async fn delete_model(State(st): State<Arc<AppState>>, axum::extract::Path(i
     }
     let dir = st.store.delete_fine_tuned_model(&id).map_err(|e| ApiError::internal(format!("{e:#}")))?.ok_or_else(|| ApiError::model_not_found(&id))?;
     // The model and its checkpoints (`{id}:ckpt-step-N`), which live in the same directory.
-    st.models.write().unwrap().retain(|m, _| m != &id && !m.starts_with(&format!("{id}:")));
+    st.models.write().unwrap().retain(|m, _| m != &id && !super::checkpoints::is_checkpoint_of(m, &id));
     std::fs::remove_dir_all(&dir).or_else(|e| if e.kind() == std::io::ErrorKind::NotFound { Ok(()) } else { Err(e) }).map_err(|e| ApiError::internal(format!("deleting {}: {e}", dir.display())))?;
     Ok(Json(json!({"id": id, "object": "model", "deleted": true})))
 }

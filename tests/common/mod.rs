@@ -22,6 +22,12 @@ pub fn fixture(name: &str, root: &Path) -> PathBuf {
     dir
 }
 
+/// Writes fixture `name` into `dir` with config fields set to numbers (`fsdp-app fixture --set`).
+pub fn fixture_with(name: &str, dir: &Path, sizes: &[(&str, u64)]) -> PathBuf {
+    let overrides: Vec<(String, serde_json::Value)> = sizes.iter().map(|(k, v)| (k.to_string(), serde_json::json!(v))).collect();
+    fsdp_app::fixtures::write_fixture_with(name, dir, &overrides).expect("writing fixture")
+}
+
 pub fn reference_dir() -> PathBuf {
     let built_here = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests").join("reference");
     // A test binary carried to another machine (the GPU tests) runs from the repository root.

@@ -34,12 +34,11 @@ pub(super) fn fit(
     cfg: &FinetuneConfig,
     boot: &Bootstrap,
 ) -> Result<FinetuneConfig> {
-    let mut out = cfg.clone();
     if !cfg.auto_find_batch_size {
-        return Ok(out);
+        return Ok(cfg.clone());
     }
     if cfg.device.is_cuda() {
-        return Ok(out); // found by trial once the engine holds the model (`fit_by_trial`)
+        return Ok(cfg.clone()); // found by trial once the engine holds the model (`fit_by_trial`)
     }
     let world = groups.world.world_size();
     // One budget for every rank: the flag, or rank 0's available memory shared by the ranks of
@@ -73,8 +72,7 @@ pub(super) fn fit(
     for micro in (1..=asked).rev().filter(|b| asked % b == 0) {
         let need = needs(micro)?;
         if need as f64 <= budget {
-            out.batch_size = micro;
-            out.grad_accum = cfg.grad_accum * (asked / micro);
+            let out = with_micro_batch(cfg, micro);
             if groups.world.rank() == 0 && cfg.verbose {
                 let why = tried
                     .first()
@@ -107,9 +105,8 @@ pub(super) fn fit(
 /// GPU ranks: `cfg` with the largest micro-batch whose trial step runs (see the module's
 /// comment); unchanged on CPU ranks or without `--auto-find-batch-size`.
 pub(super) fn fit_by_trial(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &Bootstrap) -> Result<FinetuneConfig> {
-    let mut out = cfg.clone();
     if !cfg.auto_find_batch_size || !cfg.device.is_cuda() {
-        return Ok(out);
+        return Ok(cfg.clone());
     }
     let asked = cfg.batch_size;
     let found = largest_that_runs(asked, |micro| {
@@ -133,8 +130,7 @@ pub(super) fn fit_by_trial(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg:
             cfg.seq_len()
         );
     };
-    out.batch_size = micro;
-    out.grad_accum = cfg.grad_accum * (asked / micro);
+    let out = with_micro_batch(cfg, micro);
     if groups.world.rank() == 0 && cfg.verbose {
         eprintln!(
             "auto batch size: micro-batch {micro} x {} accumulation fits the GPU, the same {} sequences per step",
@@ -143,6 +139,15 @@ pub(super) fn fit_by_trial(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg:
         );
     }
     Ok(out)
+}
+
+/// `cfg` taking micro-batches of `micro` rows (a divisor of its batch), the accumulation grown by
+/// the same factor so that the global batch stays the one asked for.
+fn with_micro_batch(cfg: &FinetuneConfig, micro: usize) -> FinetuneConfig {
+    let mut out = cfg.clone();
+    out.grad_accum = cfg.grad_accum * (cfg.batch_size / micro);
+    out.batch_size = micro;
+    out
 }
 
 /// The search of [`fit_by_trial`]: `asked` first, then half of the last one tried (rounded down
