@@ -1,7 +1,7 @@
 //! fsdp-app: fine-tune and serve Hugging Face causal language models on candle.
 //!
-//! Modules, one job each: `checkpoint` finds and loads model files (local or Hub) and writes
-//! them atomically; `tokenize` wraps tokenizer.json and chat templates; `generate` runs
+//! Modules, one job each: `model_files` finds and loads model files (local or Hub) and writes
+//! them atomically; `checkpoint` is training state (sharded checkpoints, resume); `tokenize` wraps tokenizer.json and chat templates; `generate` runs
 //! autoregressive generation; `convert` imports GGUF files; `fixtures` makes tiny test models;
 //! `memory` reports process memory; `dist` is the process group and its
 //! collectives; `fsdp` shards parameters and runs training steps; `train` holds data loading and
@@ -15,6 +15,7 @@ pub mod fixtures;
 pub mod fsdp;
 pub mod generate;
 pub mod memory;
+pub mod model_files;
 pub mod serve;
 pub mod tokenize;
 pub mod train;

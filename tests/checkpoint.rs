@@ -290,7 +290,7 @@ fn exports_and_merges_give_the_trained_weights() {
     // The export loads and gives the same logits as the merged checkpoint.
     let ids = Tensor::new(&[[1u32, 5, 9, 200, 17]], &Device::Cpu).unwrap();
     let logits = |d: &Path| {
-        let m = fsdp_app::checkpoint::load_model(fsdp_app::checkpoint::resolve_model(d.to_str().unwrap(), None).unwrap(), DType::F32, &Device::Cpu).unwrap();
+        let m = fsdp_app::model_files::load_model(fsdp_app::model_files::resolve_model(d.to_str().unwrap(), None).unwrap(), DType::F32, &Device::Cpu).unwrap();
         m.model.forward(&ids).unwrap()
     };
     let d = (logits(&out) - logits(&merged)).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
 use common::*;
-use fsdp_app::checkpoint::{load_model, resolve_model};
+use fsdp_app::model_files::{load_model, resolve_model};
 use fsdp_app::dist::local::LocalGroup;
 use fsdp_app::fsdp::engine::{FsdpEngine, FsdpOptions, ProcessGroups};
 use fsdp_app::train::loss::{next_token_targets, summed_token_loss};
@@ -69,7 +69,7 @@ fn logits_on_cuda_match_cpu() {
 /// A world-1 engine over fixture `dir`, weights loaded, computing on `device` in `param_dtype`.
 fn engine_for(dir: &Path, device: &Device, param_dtype: DType, ac: bool) -> FsdpEngine {
     let files = resolve_model(dir.to_str().unwrap(), None).unwrap();
-    let cfg = fsdp_app::checkpoint::read_model_config(&files.config).unwrap();
+    let cfg = fsdp_app::model_files::read_model_config(&files.config).unwrap();
     let staged: Arc<dyn models::StagedModel> = Arc::new(models::LlamaStages::new(&cfg, None));
     let plan = plan_units(staged.as_ref(), WrapPolicy::TransformerBased, 1).unwrap();
     let g = |_: ()| -> Arc<dyn fsdp_app::dist::Collective> { Arc::new(LocalGroup::create(1, Duration::from_secs(10)).pop().unwrap()) };

@@ -184,8 +184,8 @@ fn losses_of_12_adamw_steps_match_pytorch() {
 
 /// A world-1 engine over a fixture, weights loaded.
 fn engine_for(dir: &Path, ac: bool) -> FsdpEngine {
-    let files = fsdp_app::checkpoint::resolve_model(dir.to_str().unwrap(), None).unwrap();
-    let cfg = fsdp_app::checkpoint::read_model_config(&files.config).unwrap();
+    let files = fsdp_app::model_files::resolve_model(dir.to_str().unwrap(), None).unwrap();
+    let cfg = fsdp_app::model_files::read_model_config(&files.config).unwrap();
     let staged: Arc<dyn models::StagedModel> = Arc::new(models::LlamaStages::new(&cfg, None));
     let plan = plan_units(staged.as_ref(), WrapPolicy::TransformerBased, 1).unwrap();
     let g = |_: ()| -> Arc<dyn fsdp_app::dist::Collective> { Arc::new(LocalGroup::create(1, Duration::from_secs(10)).pop().unwrap()) };

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use common::*;
-use fsdp_app::checkpoint::{load_model_with_adapter, resolve_model};
+use fsdp_app::model_files::{load_model_with_adapter, resolve_model};
 use fsdp_app::train::finetune::{run_local, FinetuneConfig};
 
 fn peft_adapter() -> PathBuf {
@@ -51,8 +51,8 @@ fn a_peft_adapter_gives_pefts_logits_and_merges_like_merge_and_unload() {
     let base = logits_with(&model, None, &ids);
     assert!(max_abs_diff(&base, &reference["logits"]) > 1e-2);
 
-    let cfg = fsdp_app::checkpoint::read_model_config(&model.join("config.json")).unwrap();
-    let adapter = fsdp_app::checkpoint::adapter::read_adapter(&peft_adapter(), &cfg).unwrap();
+    let cfg = fsdp_app::model_files::read_model_config(&model.join("config.json")).unwrap();
+    let adapter = fsdp_app::model_files::adapter::read_adapter(&peft_adapter(), &cfg).unwrap();
     let mut weights: HashMap<String, Tensor> = adapter.tensors.clone();
     for (k, t) in candle_core::safetensors::load(model.join("model-00001-of-00002.safetensors"), &Device::Cpu)
         .unwrap()

@@ -8,7 +8,7 @@ use std::collections::HashSet;
 
 use candle_core::{DType, Device, Module, Tensor};
 use common::*;
-use fsdp_app::checkpoint::{load_model, resolve_model};
+use fsdp_app::model_files::{load_model, resolve_model};
 use fsdp_app::generate::{generate, SamplingParams};
 use fsdp_app::tokenize::{ChatMessage, TextTokenizer};
 
@@ -94,7 +94,7 @@ fn every_parameter_gets_a_nonzero_gradient() {
     for name in FIXTURES {
         let dir = fixture(name, tmp.path());
         let files = resolve_model(dir.to_str().unwrap(), None).unwrap();
-        let cfg = fsdp_app::checkpoint::read_model_config(&files.config).unwrap();
+        let cfg = fsdp_app::model_files::read_model_config(&files.config).unwrap();
         let varmap = candle_nn::VarMap::new();
         {
             let mut data = varmap.data().lock().unwrap();

@@ -42,7 +42,7 @@ fn converted_smollm2_generates_what_transformers_generates() {
 
     // The converted tokenizer.json tokenises like the GGUF-native tokenizer transformers builds,
     // digits and whitespace runs included.
-    let files = fsdp_app::checkpoint::resolve_model(dir.to_str().unwrap(), None).unwrap();
+    let files = fsdp_app::model_files::resolve_model(dir.to_str().unwrap(), None).unwrap();
     let tok = fsdp_app::tokenize::TextTokenizer::load(&files, 49152).unwrap();
     for case in reference["gguf_tokenizer_texts"].as_array().unwrap() {
         let text = case["text"].as_str().unwrap();

@@ -9,14 +9,7 @@ use candle_nn::{linear_b, VarBuilder};
 
 use crate::config::{ModelConfig, RopeScaling};
 use crate::lora::{AdaptedLinear, LoraSettings};
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OpMode {
-    /// Differentiable composite ops (training, all-position logits).
-    Train,
-    /// Fused forward-only ops (generation).
-    Generate,
-}
+pub use crate::mode::OpMode;
 
 /// RMSNorm computed in f32 like transformers' `LlamaRMSNorm`, cast back, then scaled.
 #[derive(Debug, Clone)]
@@ -33,8 +26,8 @@ impl RmsNorm {
     pub fn forward(&self, x: &Tensor, mode: OpMode) -> Result<Tensor> {
         match mode {
             OpMode::Generate => candle_nn::ops::rms_norm(x, &self.weight, self.eps as f32),
-            OpMode::Train if crate::fused::applies(x) && self.weight.dtype() == DType::F32 => {
-                crate::fused::rms_norm(x, &self.weight, self.eps)
+            OpMode::Train if crate::ops::applies(x) && self.weight.dtype() == DType::F32 => {
+                crate::ops::fused::rms_norm(x, &self.weight, self.eps)
             }
             OpMode::Train => {
                 let xf = x.to_dtype(DType::F32)?;
@@ -265,13 +258,13 @@ impl Attention {
         let scale = 1.0 / (d as f64).sqrt();
         let fused = pos.mode == OpMode::Train
             && cache.is_none()
-            && crate::fused::applies(x)
+            && crate::ops::applies(x)
             && pos.cos.rank() == 2
             && pos.cos.dtype() == DType::F32
             && pos.mask.as_ref().is_none_or(|m| m.dtype() == DType::F32);
         if fused {
             // Token-major all the way: rotary and attention read the projections in place and
-            // the attention writes what o_proj takes (see crate::attention).
+            // the attention writes what o_proj takes (see crate::ops::attention).
             let tokens = |proj: &AdaptedLinear, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
                 let y = proj.forward(x, pos.mode, seeds)?.reshape((b, t, n, d))?;
                 match norm {
@@ -279,10 +272,10 @@ impl Attention {
                     None => Ok(y),
                 }
             };
-            let q = crate::fused::rope_token_major(&tokens(&self.q_proj, self.num_heads, &self.q_norm)?, &pos.cos, &pos.sin)?;
-            let k = crate::fused::rope_token_major(&tokens(&self.k_proj, self.num_kv_heads, &self.k_norm)?, &pos.cos, &pos.sin)?;
+            let q = crate::ops::fused::rope_token_major(&tokens(&self.q_proj, self.num_heads, &self.q_norm)?, &pos.cos, &pos.sin)?;
+            let k = crate::ops::fused::rope_token_major(&tokens(&self.k_proj, self.num_kv_heads, &self.k_norm)?, &pos.cos, &pos.sin)?;
             let v = tokens(&self.v_proj, self.num_kv_heads, &None)?;
-            let out = crate::attention::attention(&q, &k, &v, pos.mask.as_ref(), scale)?;
+            let out = crate::ops::attention::attention(&q, &k, &v, pos.mask.as_ref(), scale)?;
             return self.o_proj.forward(&out, pos.mode, seeds);
         }
         let heads = |proj: &AdaptedLinear, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
@@ -298,8 +291,8 @@ impl Attention {
         let v = heads(&self.v_proj, self.num_kv_heads, &None)?;
         let (q, k) = match pos.mode {
             _ if pos.cos.rank() == 3 => (rope_rows(&q, &pos.cos, &pos.sin)?, rope_rows(&k, &pos.cos, &pos.sin)?),
-            OpMode::Train if crate::fused::applies(&q) && pos.cos.dtype() == DType::F32 => {
-                (crate::fused::rope(&q, &pos.cos, &pos.sin)?, crate::fused::rope(&k, &pos.cos, &pos.sin)?)
+            OpMode::Train if crate::ops::applies(&q) && pos.cos.dtype() == DType::F32 => {
+                (crate::ops::fused::rope(&q, &pos.cos, &pos.sin)?, crate::ops::fused::rope(&k, &pos.cos, &pos.sin)?)
             }
             OpMode::Train => (
                 candle_nn::rotary_emb::rope_slow(&q, &pos.cos, &pos.sin)?,
@@ -399,8 +392,8 @@ impl Mlp {
     pub fn forward(&self, x: &Tensor, pos: &PositionInputs) -> Result<Tensor> {
         let seeds = pos.row_seeds.as_deref();
         let (gate, up) = (self.gate_proj.forward(x, pos.mode, seeds)?, self.up_proj.forward(x, pos.mode, seeds)?);
-        let h = match crate::fused::applies(&gate) {
-            true => crate::fused::swiglu(&gate, &up)?,
+        let h = match crate::ops::applies(&gate) {
+            true => crate::ops::fused::swiglu(&gate, &up)?,
             false => (candle_nn::ops::silu(&gate)? * up)?,
         };
         self.down_proj.forward(&h, pos.mode, seeds)

@@ -3,26 +3,22 @@
 //! Knows nothing about sharding or distribution: a model is built from a `VarBuilder`, and each
 //! decoder layer can be built on its own from a `VarBuilder` over just that layer's tensors.
 
-pub mod attention;
 pub mod config;
-pub mod embedding;
-pub mod fused;
-pub mod head_loss;
-pub mod kernels;
 pub mod layers;
-pub mod linear;
 pub mod lora;
+pub mod mode;
 pub mod model;
+pub mod ops;
 pub mod rng;
 pub mod staged;
 pub mod tensors;
-pub mod weight_grads;
 
 #[cfg(test)]
 mod testing;
 
 pub use config::{Architecture, ModelConfig, RopeScaling, SUPPORTED_ARCHITECTURES};
-pub use layers::{DecoderLayer, LayerKvCache, OpMode};
+pub use layers::{DecoderLayer, LayerKvCache};
+pub use mode::OpMode;
 pub use lora::LoraSettings;
 pub use model::{CausalLm, KvCache};
 pub use staged::{LlamaStages, Packing, StageContext, StagedModel};

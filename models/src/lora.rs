@@ -13,7 +13,7 @@ use candle_core::{Module, Tensor};
 use candle_nn::Linear;
 
 use crate::config::ModelConfig;
-use crate::layers::OpMode;
+use crate::mode::OpMode;
 use crate::rng::splitmix64;
 use crate::tensors::{layer_tensors, TensorSpec};
 
@@ -29,6 +29,15 @@ pub struct LoraSettings {
     /// Module names (`q_proj`, ...) or `all-linear`.
     pub targets: Vec<String>,
     pub use_rslora: bool,
+}
+
+/// PEFT's `LoraConfig` defaults, the one place fsdp-app writes them (the `finetune` flags, YAML
+/// files and the jobs API all start here): r 8, alpha 8, no dropout, and for Llama-family
+/// models PEFT's target modules q_proj and v_proj.
+impl Default for LoraSettings {
+    fn default() -> Self {
+        Self { r: 8, alpha: 8.0, dropout: 0.0, targets: vec!["q_proj".into(), "v_proj".into()], use_rslora: false }
+    }
 }
 
 impl LoraSettings {
@@ -168,9 +177,9 @@ impl AdaptedLinear {
     pub fn forward(&self, x: &Tensor, mode: OpMode, row_seeds: Option<&[u64]>) -> Result<Tensor, candle_core::Error> {
         // Decoding's few rows take the matrix-vector kernel; everything else candle's matmul.
         // Training on the CPU: one op whose backward computes only the gradients that exist.
-        let product = match mode == OpMode::Train && crate::fused::applies(x) && self.base.weight().dtype() == x.dtype() {
-            true => Some(crate::linear::linear(x, self.base.weight())?),
-            false => crate::kernels::gemv_t(x, self.base.weight())?,
+        let product = match mode == OpMode::Train && crate::ops::applies(x) && self.base.weight().dtype() == x.dtype() {
+            true => Some(crate::ops::linear::linear(x, self.base.weight())?),
+            false => crate::ops::kernels::gemv_t(x, self.base.weight())?,
         };
         let y = match product {
             Some(y) => match self.base.bias() {

@@ -73,7 +73,7 @@ impl CausalLm {
 
     fn logits(&self, h: &Tensor) -> Result<Tensor> {
         // Decoding's last positions: the head is the largest matrix, read once per token.
-        match crate::kernels::gemv_t(h, &self.lm_head)? {
+        match crate::ops::kernels::gemv_t(h, &self.lm_head)? {
             Some(logits) => Ok(logits),
             None => h.broadcast_matmul(&self.lm_head.t()?),
         }

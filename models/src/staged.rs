@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{Embedding, VarBuilder};
 
-use crate::weight_grads::{WeightGradTarget, WeightGrads};
+use crate::ops::weight_grads::{WeightGradTarget, WeightGrads};
 
 use crate::config::ModelConfig;
 use crate::layers::{causal_mask, packed_mask, DecoderLayer, OpMode, PositionInputs, RmsNorm, Rotary};
@@ -35,10 +35,10 @@ pub struct StageContext {
     /// Next-token targets per position (row-major, negative where nothing is predicted). Given,
     /// the last stage returns per-position losses instead of logits: on the CPU the head and
     /// the cross-entropy then run as one op that never holds (positions, vocab) logits
-    /// (`crate::head_loss`), as transformers' models return the loss when given labels.
+    /// (`crate::ops::head_loss`), as transformers' models return the loss when given labels.
     pub targets: Option<std::sync::Arc<[i64]>>,
     /// Given, the CPU training ops of the embedding and the fused head hand their weight's
-    /// gradient to it instead of to candle's gradient store (`crate::weight_grads`).
+    /// gradient to it instead of to candle's gradient store (`crate::ops::weight_grads`).
     pub weight_grads: Option<WeightGrads>,
 }
 
@@ -154,7 +154,7 @@ impl StagedModel for LlamaStages {
             let name = "model.embed_tokens.weight";
             let w = get(name)?;
             if w.device().is_cpu() && w.dtype() == candle_core::DType::F32 {
-                return crate::embedding::embedding(&w, input, grad_to(name));
+                return crate::ops::embedding::embedding(&w, input, grad_to(name));
             }
             return Embedding::new(w, self.cfg.hidden_size).forward(input);
         }
@@ -165,13 +165,13 @@ impl StagedModel for LlamaStages {
             let norm = RmsNorm::new(self.cfg.hidden_size, self.cfg.rms_norm_eps, norm_vb.pp("model.norm"))?;
             let h = norm.forward(input, OpMode::Train)?;
             let head = get(self.head_weight_name())?;
-            let logits = if crate::fused::applies(&h) && head.dtype() == h.dtype() {
+            let logits = if crate::ops::applies(&h) && head.dtype() == h.dtype() {
                 if let Some(targets) = &ctx.targets {
                     let (b, t, hidden) = h.dims3()?;
-                    return crate::head_loss::head_cross_entropy(&h.reshape((b * t, hidden))?, &head, targets, grad_to(self.head_weight_name()));
+                    return crate::ops::head_loss::head_cross_entropy(&h.reshape((b * t, hidden))?, &head, targets, grad_to(self.head_weight_name()));
                 }
                 // One product over all rows, forward and backward (no per-row weight gradients).
-                crate::linear::linear(&h, &head)?
+                crate::ops::linear::linear(&h, &head)?
             } else {
                 h.broadcast_matmul(&head.t()?)?
             };
@@ -201,7 +201,7 @@ impl StagedModel for LlamaStages {
 
 /// `-log softmax(logits)[target]` per position of (batch, seq, vocab) logits, in f32 (as
 /// transformers' loss upcasts), 0 where the target is negative: the composite form of
-/// `crate::head_loss` for other devices and dtypes.
+/// `crate::ops::head_loss` for other devices and dtypes.
 fn per_position_loss(logits: &Tensor, targets: &[i64]) -> Result<Tensor> {
     let (b, t, v) = logits.dims3()?;
     if targets.len() != b * t {

@@ -1,15 +1,7 @@
-//! Finding a model (local directory or Hugging Face Hub), checking and loading its safetensors,
-//! and writing safetensors files atomically.
+//! Training state: sharded checkpoints (each rank's fp32 chunks and AdamW moments, a manifest
+//! written last), resuming them on any world size, and what a checkpoint was trained on. Model
+//! files (Hub, safetensors, adapters, exports) are `crate::model_files`'s.
 
-pub mod adapter;
-pub mod export;
-pub mod hub;
 pub mod identity;
-pub mod load;
-pub mod resolve;
 pub mod resume;
 pub mod sharded;
-pub mod write;
-
-pub use load::{load_model, load_model_with_adapter, parse_dtype, read_model_config, LoadedModel};
-pub use resolve::{resolve_model, ModelFiles};

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-use super::load::StoredTensor;
+use crate::model_files::load::StoredTensor;
 use crate::dist::{root_tries, ProcessGroups};
 use crate::fsdp::engine::{FsdpEngine, StatePart};
 
@@ -162,8 +162,8 @@ pub fn save(engine: &mut FsdpEngine, groups: &ProcessGroups, output_dir: &Path, 
     let shard_rank = groups.shard.rank();
     let writer = groups.replicate.rank() == 0;
     let step = engine.step;
-    let final_dir = output_dir.join(format!("checkpoint-{step}"));
-    let tmp_dir = output_dir.join(format!(".checkpoint-{step}.tmp"));
+    let final_dir = checkpoint_dir(output_dir, step as usize);
+    let tmp_dir = output_dir.join(format!(".{CHECKPOINT_PREFIX}{step}.tmp"));
 
     // 1. Rank 0 prepares the temporary directory; everyone learns whether that worked.
     root_tries(groups.world.as_ref(), &format!("prepare checkpoint {step} in {}", tmp_dir.display()), || {
@@ -304,16 +304,28 @@ fn engine_params(engine: &FsdpEngine) -> Vec<ParamEntry> {
     v
 }
 
-/// Complete checkpoints under `output_dir` (step, path), newest first.
-fn checkpoint_dirs(output_dir: &Path) -> Vec<(u64, PathBuf)> {
+/// What a checkpoint directory's name starts with: `OUTPUT/checkpoint-STEP`, as transformers'
+/// Trainer names them (one being written is `.checkpoint-STEP.tmp`, which is not one).
+const CHECKPOINT_PREFIX: &str = "checkpoint-";
+
+/// Where the checkpoint of step `step` goes under `output_dir`.
+pub fn checkpoint_dir(output_dir: &Path, step: usize) -> PathBuf {
+    output_dir.join(format!("{CHECKPOINT_PREFIX}{step}"))
+}
+
+/// The step of a checkpoint directory named `name`, if that is one's name.
+pub fn checkpoint_step(name: &str) -> Option<u64> {
+    name.strip_prefix(CHECKPOINT_PREFIX)?.parse().ok()
+}
+
+/// Checkpoint directories under `output_dir` (step, path), newest first (complete or not:
+/// `verify` says).
+pub fn checkpoint_dirs(output_dir: &Path) -> Vec<(u64, PathBuf)> {
     let mut v: Vec<(u64, PathBuf)> = std::fs::read_dir(output_dir)
         .map(|rd| {
             rd.flatten()
-                .filter_map(|e| {
-                    let name = e.file_name().to_string_lossy().to_string();
-                    let step = name.strip_prefix("checkpoint-")?.parse().ok()?;
-                    Some((step, e.path()))
-                })
+                .filter(|e| e.path().is_dir())
+                .filter_map(|e| Some((checkpoint_step(&e.file_name().to_string_lossy())?, e.path())))
                 .collect()
         })
         .unwrap_or_default();
@@ -391,7 +403,7 @@ impl CheckpointReader {
         let shards = manifest
             .shard_files
             .iter()
-            .map(|f| super::load::read_weight_headers(&[dir.join(f)]))
+            .map(|f| crate::model_files::load::read_weight_headers(&[dir.join(f)]))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self { dir: dir.to_path_buf(), manifest, shards })
     }
@@ -454,8 +466,8 @@ pub fn merge(checkpoint: &Path, out: &Path, dtype: candle_core::DType, max_shard
     }
     let reader = CheckpointReader::open(checkpoint, manifest)?;
     // A LoRA run's checkpoint: its adapters are folded into the base weights (W + scaling B A).
-    let lora = match reader.side_file(super::adapter::ADAPTER_CONFIG) {
-        Some(bytes) => Some(super::adapter::parse_adapter_config(&String::from_utf8_lossy(&bytes), &checkpoint.join(super::adapter::ADAPTER_CONFIG))?.0),
+    let lora = match reader.side_file(crate::model_files::adapter::ADAPTER_CONFIG) {
+        Some(bytes) => Some(crate::model_files::adapter::parse_adapter_config(&String::from_utf8_lossy(&bytes), &checkpoint.join(crate::model_files::adapter::ADAPTER_CONFIG))?.0),
         None => None,
     };
     let specs: Vec<(String, Vec<usize>)> = reader
@@ -466,7 +478,7 @@ pub fn merge(checkpoint: &Path, out: &Path, dtype: candle_core::DType, max_shard
         .map(|p| (p.name.clone(), p.shape.clone()))
         .collect();
     let all_names: std::collections::HashSet<&str> = reader.manifest.params.iter().map(|p| p.name.as_str()).collect();
-    let mut export = super::export::ShardedExport::new(out, dtype, max_shard_size, &specs)?;
+    let mut export = crate::model_files::export::ShardedExport::new(out, dtype, max_shard_size, &specs)?;
     let tensor = |name: &str, shape: &[usize]| -> Result<candle_core::Tensor> {
         Ok(candle_core::Tensor::from_vec(reader.read(name, StatePart::Master)?, shape, &candle_core::Device::Cpu)?)
     };
@@ -483,6 +495,6 @@ pub fn merge(checkpoint: &Path, out: &Path, dtype: candle_core::DType, max_shard
         }
         export.add(name, &one[name])?;
     }
-    let side: Vec<(String, Vec<u8>)> = reader.side_files()?.into_iter().filter(|(n, _)| n != super::adapter::ADAPTER_CONFIG).collect();
+    let side: Vec<(String, Vec<u8>)> = reader.side_files()?.into_iter().filter(|(n, _)| n != crate::model_files::adapter::ADAPTER_CONFIG).collect();
     export.finish(&side)
 }

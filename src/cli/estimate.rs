@@ -39,9 +39,9 @@ pub fn run(a: EstimateArgs) -> Result<()> {
     let config_path = if std::path::Path::new(&a.model).is_dir() {
         std::path::Path::new(&a.model).join("config.json")
     } else {
-        fsdp_app::checkpoint::hub::HubRepo::open(&a.model, a.revision.as_deref().unwrap_or("main"))?.get("config.json")?
+        fsdp_app::model_files::hub::HubRepo::open(&a.model, a.revision.as_deref().unwrap_or("main"))?.get("config.json")?
     };
-    let cfg = fsdp_app::checkpoint::read_model_config(&config_path)?;
+    let cfg = fsdp_app::model_files::read_model_config(&config_path)?;
     let lora = lora_settings(&a.lora);
     if let Some(l) = &lora {
         l.validate(&cfg)?;
@@ -78,7 +78,7 @@ pub fn run(a: EstimateArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "per-rank memory estimate: {} rank(s), {strategy:?}, batch {} x seq {}{}{}",
+        "per-rank memory estimate: {} rank(s), {strategy}, batch {} x seq {}{}{}",
         a.world_size,
         a.batch_size,
         seq_len,

@@ -1,50 +1,23 @@
 //! `fsdp-app finetune`: the flags are [`FinetuneArgs`] (in the library, where their defaults
-//! live); a YAML `--config` adds flags before parsing; `--args-file` takes them all from a file.
+//! live); a YAML `--config` is written into them (flags given on the command line win);
+//! `--args-file` takes them all from a file.
 
-use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Result;
-use clap::parser::ValueSource;
 
 use fsdp_app::memory::{human_bytes, peak_rss_bytes};
 use fsdp_app::train::finetune::{FinetuneArgs, FinetuneConfig};
 
-/// Adds the flags a `finetune --config FILE` sets, except those given on the command line.
-pub fn apply_config_file(argv: Vec<std::ffi::OsString>) -> Result<Vec<std::ffi::OsString>> {
-    use clap::CommandFactory;
-    let Ok(matches) = super::Cli::command().try_get_matches_from(&argv) else { return Ok(argv) };
-    let Some(("finetune", sub)) = matches.subcommand() else { return Ok(argv) };
-    let paths: Vec<PathBuf> = sub.get_many::<PathBuf>("config").map(|p| p.cloned().collect()).unwrap_or_default();
-    if paths.is_empty() {
-        return Ok(argv);
-    }
-    let mut out = argv.clone();
-    for setting in fsdp_app::train::config_file::load_all(&paths)? {
-        if sub.value_source(setting.flag) == Some(ValueSource::CommandLine) {
-            continue;
-        }
-        let flag = format!("--{}", setting.flag.replace('_', "-"));
-        match setting.value.as_str() {
-            "true" if is_switch(setting.flag) => out.push(flag.into()),
-            "false" if is_switch(setting.flag) => {}
-            v => {
-                out.push(flag.into());
-                out.push(v.into());
-            }
-        }
-    }
-    Ok(out)
-}
-
-fn is_switch(flag: &str) -> bool {
-    matches!(flag, "activation_checkpointing" | "weight_decay_all" | "packing" | "skip_bad_rows" | "no_shuffle" | "lora" | "merge_lora" | "auto_find_batch_size")
-}
-
-pub fn run(a: FinetuneArgs) -> Result<()> {
+/// `given(flag)`: whether the command line set that flag.
+pub fn run(a: FinetuneArgs, given: &dyn Fn(&str) -> bool) -> Result<()> {
     let a = match &a.args_file {
         Some(path) => settings_file(path, &a)?,
-        None => a,
+        None if a.config.is_empty() => a,
+        None => {
+            let settings = fsdp_app::train::config_file::load_all(&a.config)?;
+            a.apply(&settings, given)?
+        }
     };
     let world_flag = a.world_size;
     let cfg = FinetuneConfig::try_from(a)?;
@@ -54,6 +27,9 @@ pub fn run(a: FinetuneArgs) -> Result<()> {
             anyhow::bail!("--world-size {w} disagrees with the {} environment (WORLD_SIZE {})", env.launcher, env.world_size);
         }
     }
+    // Ctrl-C says which checkpoint to resume from (rank 0; every rank of a launch gets it).
+    let speaks = env.as_ref().is_none_or(|e| e.rank == 0);
+    fsdp_app::train::finetune::interrupt::exit_saying_how_to_resume(cfg.output_dir.clone(), speaks)?;
     let start = Instant::now();
     let Some(summary) = fsdp_app::train::finetune::run(&cfg, env.as_ref())? else {
         // A rank other than 0: rank 0 reports for the job; each process reports its own memory.

@@ -55,14 +55,18 @@ enum Command {
 /// Parses the command line and runs the command; errors are printed in one line (a chain
 /// without backtrace frames unless RUST_BACKTRACE is set) with exit code 1.
 pub fn main() {
-    let argv = match finetune::apply_config_file(std::env::args_os().collect()) {
-        Ok(a) => a,
-        Err(e) => exit_with(e),
-    };
-    let result: Result<()> = match Cli::parse_from(argv).command {
+    use clap::{CommandFactory, FromArgMatches};
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    let result: Result<()> = match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Convert(a) => model_files::run_convert(a),
-        Command::Finetune(a) => finetune::run(*a),
+        Command::Finetune(a) => {
+            let sub = matches.subcommand_matches("finetune").expect("the finetune subcommand's matches");
+            // Which flags the command line set: they win over --config files.
+            let given = |flag: &str| sub.try_get_raw(flag).is_ok() && sub.value_source(flag) == Some(clap::parser::ValueSource::CommandLine);
+            finetune::run(*a, &given)
+        }
         Command::Merge(a) => model_files::run_merge(a),
         Command::Launch(a) => launch::run(a),
         Command::Fixture(a) => model_files::run_fixture(a),

@@ -7,7 +7,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 
-use fsdp_app::checkpoint::parse_dtype;
+use fsdp_app::model_files::parse_dtype;
 use fsdp_app::memory::{human_bytes, peak_rss_bytes};
 
 #[derive(Args)]
@@ -69,7 +69,7 @@ pub fn run_convert(a: ConvertArgs) -> Result<()> {
 pub fn run_merge(a: MergeArgs) -> Result<()> {
     let start = Instant::now();
     let dtype = parse_dtype(&a.dtype)?;
-    let max = fsdp_app::checkpoint::export::parse_size(&a.max_shard_size).context("--max-shard-size")?;
+    let max = fsdp_app::model_files::export::parse_size(&a.max_shard_size).context("--max-shard-size")?;
     let out = fsdp_app::checkpoint::sharded::merge(&a.checkpoint, &a.out, dtype, max)?;
     eprintln!(
         "merged {} -> {} in {:.1}s, peak RSS {}",

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::Args;
 
-use fsdp_app::checkpoint::parse_dtype;
+use fsdp_app::model_files::parse_dtype;
 use fsdp_app::serve::ServeConfig;
 
 #[derive(Args)]

@@ -11,8 +11,8 @@ use candle_core::quantized::gguf_file::{self, Content};
 use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 
-use crate::checkpoint::write::StagedDir;
-use crate::checkpoint::{load, read_model_config};
+use crate::model_files::write::StagedDir;
+use crate::model_files::{load, read_model_config};
 
 /// What a finished conversion wrote.
 pub struct ConvertReport {

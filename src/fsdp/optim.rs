@@ -56,12 +56,12 @@ pub fn adamw_step(cfg: &AdamWConfig, lr: f64, weight_decay: f64, step: u64, para
     };
     // Elementwise, so split over the threads (the same values as one loop).
     const CHUNK: usize = 1 << 16;
-    let level = models::kernels::SimdLevel::current();
+    let level = models::ops::kernels::SimdLevel::current();
     let moments = state.exp_avg.par_chunks_mut(CHUNK).zip(state.exp_avg_sq.par_chunks_mut(CHUNK));
     param.par_chunks_mut(CHUNK).zip(grad.par_chunks(CHUNK)).zip(moments).for_each(|((param, grad), (ms, vs))| {
         #[cfg(target_arch = "x86_64")]
         {
-            use models::kernels::SimdLevel;
+            use models::ops::kernels::SimdLevel;
             // SAFETY: the level never exceeds what the CPU has.
             match level {
                 SimdLevel::Avx512 => return unsafe { adamw_chunk_avx512(k, param, grad, ms, vs) },
@@ -223,7 +223,7 @@ mod tests {
         let plain = run(&|p, m, v| adamw_chunk(k, p, &g, m, v));
         #[cfg(target_arch = "x86_64")]
         {
-            use models::kernels::SimdLevel;
+            use models::ops::kernels::SimdLevel;
             if SimdLevel::detected() >= SimdLevel::Avx2 {
                 assert_eq!(run(&|p, m, v| unsafe { adamw_chunk_avx2(k, p, &g, m, v) }), plain);
             }

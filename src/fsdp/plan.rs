@@ -46,17 +46,33 @@ pub enum ShardingStrategy {
 impl std::str::FromStr for ShardingStrategy {
     type Err = anyhow::Error;
     fn from_str(s: &str) -> Result<Self> {
-        Ok(match s.to_ascii_uppercase().as_str() {
-            "FULL_SHARD" => Self::FullShard,
-            "SHARD_GRAD_OP" => Self::ShardGradOp,
-            "NO_SHARD" => Self::NoShard,
-            "HYBRID_SHARD" => Self::HybridShard,
-            _ => bail!("--sharding-strategy {s:?}: use FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD"),
-        })
+        let upper = s.to_ascii_uppercase();
+        match Self::ALL.into_iter().find(|x| x.as_str() == upper) {
+            Some(x) => Ok(x),
+            None => bail!("--sharding-strategy {s:?}: use FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD"),
+        }
+    }
+}
+
+impl std::fmt::Display for ShardingStrategy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
 impl ShardingStrategy {
+    pub const ALL: [ShardingStrategy; 4] = [Self::FullShard, Self::ShardGradOp, Self::NoShard, Self::HybridShard];
+
+    /// PyTorch FSDP's name (`ShardingStrategy.FULL_SHARD`, ...), what flags and files say.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::FullShard => "FULL_SHARD",
+            Self::ShardGradOp => "SHARD_GRAD_OP",
+            Self::NoShard => "NO_SHARD",
+            Self::HybridShard => "HYBRID_SHARD",
+        }
+    }
+
     pub fn reshard_after_forward(self) -> bool {
         matches!(self, Self::FullShard | Self::HybridShard)
     }

@@ -80,7 +80,7 @@ impl ModelDefaults {
     }
 
     /// The model's defaults from its resolved files.
-    pub fn of(files: &crate::checkpoint::ModelFiles, config_eos: &[u32]) -> Result<Self> {
+    pub fn of(files: &crate::model_files::ModelFiles, config_eos: &[u32]) -> Result<Self> {
         let g = files.generation_config.as_deref().map(GenerationDefaults::read).transpose()?;
         Ok(Self::decide(g.as_ref(), config_eos))
     }

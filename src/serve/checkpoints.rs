@@ -18,8 +18,10 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use serde_json::{json, Value};
 
+use super::jobs::spec::JobStatus;
 use super::store::{final_model_dir, Store};
-use crate::checkpoint::write::StagedDir;
+use crate::checkpoint::sharded;
+use crate::model_files::write::StagedDir;
 
 /// Checkpoints a job keeps (its `--save-total-limit`).
 pub const KEEP: usize = 3;
@@ -34,15 +36,10 @@ pub fn is_checkpoint_of(id: &str, model: &str) -> bool {
     id.strip_prefix(model).is_some_and(|rest| rest.starts_with(":ckpt-step-"))
 }
 
-/// The steps of the complete `checkpoint-STEP` directories under `output_dir` (a checkpoint
-/// being written is `.checkpoint-STEP.tmp`, which does not parse).
+/// The steps of the `checkpoint-STEP` directories under `output_dir` (training renames a
+/// checkpoint into place whole).
 fn saved_steps(output_dir: &Path) -> BTreeSet<i64> {
-    let Ok(entries) = std::fs::read_dir(output_dir) else { return BTreeSet::new() };
-    entries
-        .flatten()
-        .filter(|e| e.path().is_dir())
-        .filter_map(|e| e.file_name().to_str()?.strip_prefix("checkpoint-")?.parse().ok())
-        .collect()
+    sharded::checkpoint_dirs(output_dir).into_iter().map(|(step, _)| step as i64).collect()
 }
 
 fn merged_dir(output_dir: &Path, step: i64) -> PathBuf {
@@ -106,20 +103,20 @@ pub fn servable_dir(store: &Store, id: &str) -> Result<Option<PathBuf>> {
     let job = store.job(&job_id)?.with_context(|| format!("job {job_id} of checkpoint {id}"))?;
     let output_dir = PathBuf::from(&job.output_dir);
     let last = store.checkpoint_steps(&job_id)?.into_iter().max();
-    if job.status == "succeeded" && last == Some(step) {
+    if job.status == JobStatus::Succeeded && last == Some(step) {
         return Ok(Some(final_model_dir(&output_dir, &job.extensions)));
     }
     let merged = merged_dir(&output_dir, step);
     if !merged.join("config.json").is_file() {
-        let sharded = output_dir.join(format!("checkpoint-{step}"));
-        if !sharded.is_dir() {
+        let checkpoint = sharded::checkpoint_dir(&output_dir, step as usize);
+        if !checkpoint.is_dir() {
             // Rotated away since it was listed (the runner forgets it at its next look).
             return Ok(None);
         }
         // Merged into a temporary sibling, renamed into place whole (removed if the merge fails).
         let staged = StagedDir::new(&merged)?;
-        crate::checkpoint::sharded::merge(&sharded, staged.path(), candle_core::DType::F32, usize::MAX)
-            .with_context(|| format!("merging {} to serve {id}", sharded.display()))?;
+        sharded::merge(&checkpoint, staged.path(), candle_core::DType::F32, usize::MAX)
+            .with_context(|| format!("merging {} to serve {id}", checkpoint.display()))?;
         staged.commit()?;
     }
     Ok(Some(merged))

@@ -7,8 +7,10 @@
 //! others get OpenAI's own message. `serve --lenient` ignores them instead and lists them in the
 //! response header [`IGNORED_HEADER`], for clients that send noise. A field whose value is
 //! `null` counts as absent, as in OpenAI's API.
+//!
+//! [`Fields`] reads an accepted field with its type and range checked, naming it when wrong.
 
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 use super::error::ApiError;
 
@@ -74,6 +76,73 @@ pub fn check(v: &Value, accepted: &[&str], at: &str, lenient: bool) -> Result<Ve
         return Err(ApiError::invalid(&param, message).with_code("unsupported_parameter"));
     }
     Ok(ignored)
+}
+
+/// A JSON object's fields with typed, named accessors: every wrong type, range or non-finite
+/// number is a 400 that names its parameter (a serde derive would answer with serde's messages
+/// and miss the ranges).
+pub struct Fields<'a> {
+    map: &'a Map<String, Value>,
+}
+
+impl<'a> Fields<'a> {
+    pub fn of(v: &'a Value) -> Result<Self, ApiError> {
+        match v {
+            Value::Object(map) => Ok(Self { map }),
+            _ => Err(ApiError::bad_request("The request body must be a JSON object.")),
+        }
+    }
+
+    /// The value of `k`, `null` counting as absent.
+    pub fn value(&self, k: &str) -> Option<&'a Value> {
+        self.map.get(k).filter(|v| !v.is_null())
+    }
+
+    pub fn string(&self, k: &str) -> Result<Option<&'a str>, ApiError> {
+        match self.value(k) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(_) => Err(ApiError::invalid(k, format!("`{k}` must be a string."))),
+        }
+    }
+
+    pub fn bool(&self, k: &str) -> Result<Option<bool>, ApiError> {
+        match self.value(k) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(_) => Err(ApiError::invalid(k, format!("`{k}` must be a boolean."))),
+        }
+    }
+
+    /// A finite number in [lo, hi].
+    pub fn number(&self, k: &str, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
+        match self.value(k) {
+            None => Ok(None),
+            Some(Value::Number(n)) => {
+                let x = n.as_f64().filter(|x| x.is_finite()).ok_or_else(|| ApiError::invalid(k, format!("`{k}` must be a finite number.")))?;
+                if !(lo..=hi).contains(&x) {
+                    return Err(ApiError::invalid(k, format!("`{k}` must be between {lo} and {hi}, got {x}.")));
+                }
+                Ok(Some(x))
+            }
+            Some(_) => Err(ApiError::invalid(k, format!("`{k}` must be a number."))),
+        }
+    }
+
+    /// An integer in [lo, hi].
+    pub fn integer(&self, k: &str, lo: i64, hi: i64) -> Result<Option<i64>, ApiError> {
+        match self.value(k) {
+            None => Ok(None),
+            Some(Value::Number(n)) => {
+                let x = n.as_i64().ok_or_else(|| ApiError::invalid(k, format!("`{k}` must be an integer between {lo} and {hi}.")))?;
+                if !(lo..=hi).contains(&x) {
+                    return Err(ApiError::invalid(k, format!("`{k}` must be between {lo} and {hi}, got {x}.")));
+                }
+                Ok(Some(x))
+            }
+            Some(_) => Err(ApiError::invalid(k, format!("`{k}` must be an integer."))),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@ use axum::Json;
 use serde_json::{json, Value};
 
 use super::error::ApiError;
-use super::AppState;
+use super::state::AppState;
 
 /// Largest upload (the generation routes keep `--max-body-bytes`).
 pub const MAX_UPLOAD_BYTES: usize = 512 << 20;
@@ -74,7 +74,7 @@ pub async fn upload(State(st): State<Arc<AppState>>, multipart: Result<Multipart
     // The client's file name is only a label: the stored path is the server's choice.
     let label: String = name.chars().filter(|c| !c.is_control()).take(255).collect();
     let resp = Json(st.store.add_file(&label, "fine-tune", &bytes).map_err(internal)?).into_response();
-    Ok(super::routes::with_ignored(resp, &ignored))
+    Ok(super::response::with_ignored(resp, &ignored))
 }
 
 pub async fn list(State(st): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {

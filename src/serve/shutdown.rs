@@ -10,6 +10,8 @@ use std::sync::Arc;
 use serde_json::json;
 use tokio::sync::watch;
 
+use super::jobs::spec::JobStatus;
+use super::process::kill_group;
 use super::store::Store;
 
 /// Where the server is in its shutdown.
@@ -69,10 +71,10 @@ pub fn stop_jobs(store: &Store, why: &str) -> anyhow::Result<usize> {
     for (id, pgid) in &running {
         // Cancelled first: the runner then takes the dying processes for a cancel, not a failure.
         let err = json!({"code": "server_shutdown", "message": format!("The server shut down ({why}) while this job was running; create a new job to train again."), "param": null});
-        store.set_status(id, "cancelled", Some(err), None, None)?;
+        store.set_status(id, JobStatus::Cancelled, Some(err), None, None)?;
         store.add_event(id, "warn", &format!("Job cancelled: the server shut down ({why})"), "message", None)?;
         if let Some(pgid) = pgid {
-            super::jobs::kill_group(*pgid);
+            kill_group(*pgid);
         }
     }
     Ok(running.len())

@@ -10,6 +10,7 @@ use rusqlite::{params, Connection, OptionalExtension};
 use serde_json::{json, Value};
 
 use super::ids::{new_id, now_s};
+use super::jobs::spec::{Hyperparameters, JobExtensions, JobStatus};
 
 pub struct Store {
     conn: Mutex<Connection>,
@@ -23,11 +24,11 @@ pub struct JobRow {
     pub model: String,
     pub training_file: String,
     pub validation_file: Option<String>,
-    pub hyperparameters: Value,
-    pub extensions: Value,
+    pub hyperparameters: Hyperparameters,
+    pub extensions: JobExtensions,
     pub suffix: Option<String>,
     pub seed: i64,
-    pub status: String,
+    pub status: JobStatus,
     pub created_at: i64,
     pub finished_at: Option<i64>,
     pub fine_tuned_model: Option<String>,
@@ -39,38 +40,43 @@ pub struct JobRow {
 impl JobRow {
     /// OpenAI's `fine_tuning.job` object.
     pub fn to_json(&self) -> Value {
+        let hyperparameters = json!(self.hyperparameters);
         json!({
             "id": self.id, "object": "fine_tuning.job", "model": self.model, "created_at": self.created_at,
             "finished_at": self.finished_at, "fine_tuned_model": self.fine_tuned_model, "organization_id": "org-fsdp-app",
-            "result_files": [], "status": self.status, "training_file": self.training_file,
-            "validation_file": self.validation_file, "hyperparameters": self.hyperparameters,
+            "result_files": [], "status": self.status.as_str(), "training_file": self.training_file,
+            "validation_file": self.validation_file, "hyperparameters": hyperparameters,
             "trained_tokens": self.trained_tokens, "error": self.error, "seed": self.seed, "suffix": self.suffix,
             "estimated_finish": null, "integrations": [], "metadata": null,
-            "method": {"type": "supervised", "supervised": {"hyperparameters": self.hyperparameters}},
+            "method": {"type": "supervised", "supervised": {"hyperparameters": hyperparameters}},
             "fsdp_app": self.extensions,
         })
-    }
-
-    pub fn is_final(&self) -> bool {
-        matches!(self.status.as_str(), "succeeded" | "failed" | "cancelled")
     }
 }
 
 const JOB_COLUMNS: &str = "id, model, training_file, validation_file, hyperparameters, extensions, suffix, seed, status, created_at, \
                            finished_at, fine_tuned_model, error, trained_tokens, output_dir";
 
+/// A JSON text column as `T`.
+fn json_column<T: serde::de::DeserializeOwned>(r: &rusqlite::Row, i: usize) -> rusqlite::Result<T> {
+    let text: String = r.get(i)?;
+    serde_json::from_str(&text).map_err(|e| rusqlite::Error::FromSqlConversionFailure(i, rusqlite::types::Type::Text, Box::new(e)))
+}
+
 fn job_from_row(r: &rusqlite::Row) -> rusqlite::Result<JobRow> {
     let parse = |s: Option<String>| s.and_then(|s| serde_json::from_str(&s).ok());
+    let status: String = r.get(8)?;
+    let status = JobStatus::parse(&status).ok_or_else(|| rusqlite::Error::InvalidColumnType(8, format!("status {status:?}"), rusqlite::types::Type::Text))?;
     Ok(JobRow {
         id: r.get(0)?,
         model: r.get(1)?,
         training_file: r.get(2)?,
         validation_file: r.get(3)?,
-        hyperparameters: parse(r.get(4)?).unwrap_or(Value::Null),
-        extensions: parse(r.get(5)?).unwrap_or(Value::Null),
+        hyperparameters: json_column(r, 4)?,
+        extensions: json_column(r, 5)?,
         suffix: r.get(6)?,
         seed: r.get(7)?,
-        status: r.get(8)?,
+        status,
         created_at: r.get(9)?,
         finished_at: r.get(10)?,
         fine_tuned_model: r.get(11)?,
@@ -86,8 +92,8 @@ pub struct NewJob {
     pub model: String,
     pub training_file: String,
     pub validation_file: Option<String>,
-    pub hyperparameters: Value,
-    pub extensions: Value,
+    pub hyperparameters: Hyperparameters,
+    pub extensions: JobExtensions,
     pub suffix: Option<String>,
     pub seed: i64,
 }
@@ -203,9 +209,9 @@ impl Store {
         let out = self.dir.join("jobs").join(&id);
         self.db().execute(
             "INSERT INTO jobs (id, model, training_file, validation_file, hyperparameters, extensions, suffix, seed, status, created_at, output_dir, idempotency_key)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, 'queued', ?9, ?10, ?11)",
-            params![id, job.model, job.training_file, job.validation_file, job.hyperparameters.to_string(), job.extensions.to_string(),
-                    job.suffix, job.seed, now_s(), out.to_string_lossy(), idempotency_key],
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
+            params![id, job.model, job.training_file, job.validation_file, serde_json::to_string(&job.hyperparameters)?, serde_json::to_string(&job.extensions)?,
+                    job.suffix, job.seed, JobStatus::Queued.as_str(), now_s(), out.to_string_lossy(), idempotency_key],
         )?;
         self.add_event(&id, "info", "Created fine-tuning job", "message", None)?;
         Ok(CreatedJob::New(self.job(&id)?.context("job vanished")?))
@@ -231,19 +237,21 @@ impl Store {
 
     /// The oldest queued job.
     pub fn next_queued(&self) -> Result<Option<JobRow>> {
-        Ok(self.db().query_row(&format!("SELECT {JOB_COLUMNS} FROM jobs WHERE status = 'queued' ORDER BY seq LIMIT 1"), [], job_from_row).optional()?)
+        let sql = format!("SELECT {JOB_COLUMNS} FROM jobs WHERE status = ?1 ORDER BY seq LIMIT 1");
+        Ok(self.db().query_row(&sql, [JobStatus::Queued.as_str()], job_from_row).optional()?)
     }
 
     /// Moves a job to `status`; final states get `finished_at`. Returns false when the job was
     /// already final (a cancel racing the runner keeps the first final state).
-    pub fn set_status(&self, id: &str, status: &str, error: Option<Value>, fine_tuned_model: Option<&str>, trained_tokens: Option<i64>) -> Result<bool> {
-        let finished = matches!(status, "succeeded" | "failed" | "cancelled").then(now_s);
-        let n = self.db().execute(
+    pub fn set_status(&self, id: &str, status: JobStatus, error: Option<Value>, fine_tuned_model: Option<&str>, trained_tokens: Option<i64>) -> Result<bool> {
+        let finished = status.is_final().then(now_s);
+        let sql = format!(
             "UPDATE jobs SET status = ?2, error = COALESCE(?3, error), fine_tuned_model = COALESCE(?4, fine_tuned_model),
                  trained_tokens = COALESCE(?5, trained_tokens), finished_at = COALESCE(?6, finished_at)
-             WHERE id = ?1 AND status NOT IN ('succeeded', 'failed', 'cancelled')",
-            params![id, status, error.map(|e| e.to_string()), fine_tuned_model, trained_tokens, finished],
-        )?;
+             WHERE id = ?1 AND status NOT IN ({})",
+            JobStatus::sql_list(&JobStatus::FINAL)
+        );
+        let n = self.db().execute(&sql, params![id, status.as_str(), error.map(|e| e.to_string()), fine_tuned_model, trained_tokens, finished])?;
         Ok(n > 0)
     }
 
@@ -256,7 +264,7 @@ impl Store {
     /// The jobs running now, with their process groups.
     pub fn running_jobs(&self) -> Result<Vec<(String, Option<u32>)>> {
         let db = self.db();
-        let mut st = db.prepare("SELECT id, pgid FROM jobs WHERE status IN ('validating_files', 'running')")?;
+        let mut st = db.prepare(&format!("SELECT id, pgid FROM jobs WHERE status IN ({})", JobStatus::sql_list(&JobStatus::ACTIVE)))?;
         let rows = st.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, Option<i64>>(1)?.map(|p| p as u32))))?.collect::<rusqlite::Result<_>>()?;
         Ok(rows)
     }
@@ -265,18 +273,13 @@ impl Store {
     /// jobs stay queued and run. Returns the process groups those jobs ran in, for the jobs
     /// runner to stop (they outlive a killed server).
     pub fn recover(&self) -> Result<Vec<u32>> {
-        let jobs: Vec<(String, Option<i64>)> = {
-            let db = self.db();
-            let mut st = db.prepare("SELECT id, pgid FROM jobs WHERE status IN ('validating_files', 'running')")?;
-            let rows = st.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?.collect::<rusqlite::Result<_>>()?;
-            rows
-        };
+        let jobs = self.running_jobs()?;
         for (id, _) in &jobs {
             let err = json!({"code": "server_restarted", "message": "The server stopped while this job was running; create a new job to train again.", "param": null});
-            self.set_status(id, "failed", Some(err), None, None)?;
+            self.set_status(id, JobStatus::Failed, Some(err), None, None)?;
             self.add_event(id, "error", "The server stopped while this job was running", "message", None)?;
         }
-        Ok(jobs.into_iter().filter_map(|(_, pgid)| pgid.map(|p| p as u32)).collect())
+        Ok(jobs.into_iter().filter_map(|(_, pgid)| pgid).collect())
     }
 
     // ---- events and checkpoints ----
@@ -357,7 +360,7 @@ impl Store {
     pub fn delete_fine_tuned_model(&self, id: &str) -> Result<Option<PathBuf>> {
         let db = self.db();
         let dir: Option<String> = db
-            .query_row("SELECT output_dir FROM jobs WHERE status = 'succeeded' AND fine_tuned_model = ?1", params![id], |r| r.get(0))
+            .query_row("SELECT output_dir FROM jobs WHERE status = ?2 AND fine_tuned_model = ?1", params![id, JobStatus::Succeeded.as_str()], |r| r.get(0))
             .optional()?;
         if dir.is_some() {
             // Its checkpoints live in the same directory: they go with it.
@@ -370,11 +373,10 @@ impl Store {
     /// Succeeded jobs' models: (model id, its directory).
     pub fn fine_tuned_models(&self) -> Result<Vec<(String, PathBuf)>> {
         let db = self.db();
-        let mut st = db.prepare("SELECT fine_tuned_model, output_dir, extensions FROM jobs WHERE status = 'succeeded' AND fine_tuned_model IS NOT NULL ORDER BY seq")?;
-        let rows = st.query_map([], |r| {
+        let mut st = db.prepare("SELECT fine_tuned_model, output_dir, extensions FROM jobs WHERE status = ?1 AND fine_tuned_model IS NOT NULL ORDER BY seq")?;
+        let rows = st.query_map([JobStatus::Succeeded.as_str()], |r| {
             let dir: String = r.get(1)?;
-            let ext: String = r.get(2)?;
-            let ext = serde_json::from_str::<Value>(&ext).unwrap_or(Value::Null);
+            let ext: JobExtensions = json_column(r, 2)?;
             Ok((r.get::<_, String>(0)?, final_model_dir(Path::new(&dir), &ext)))
         })?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)
@@ -382,9 +384,8 @@ impl Store {
 }
 
 /// Where a succeeded job's model is: its output directory, or for LoRA the merged model in it.
-pub fn final_model_dir(output_dir: &Path, extensions: &Value) -> PathBuf {
-    let lora = extensions.get("lora").is_some_and(|l| !l.is_null());
-    if lora {
+pub fn final_model_dir(output_dir: &Path, extensions: &JobExtensions) -> PathBuf {
+    if extensions.lora.is_some() {
         output_dir.join("merged")
     } else {
         output_dir.to_path_buf()

@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::Value;
 use tokenizers::Tokenizer;
 
-use crate::checkpoint::ModelFiles;
+use crate::model_files::ModelFiles;
 pub use chat::{ChatMessage, ChatTemplate};
 
 /// The tokenizer of one model plus what `tokenizer_config.json` says about it.

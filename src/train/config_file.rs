@@ -1,22 +1,25 @@
 //! `finetune --config FILE.yaml`: keys named as in Accelerate's FSDP plugin (`fsdp_version`,
 //! `reshard_after_forward`, `mixed_precision`, `auto_wrap_policy`, ...) and as in transformers'
 //! TrainingArguments (`learning_rate`, `per_device_train_batch_size`, ...). Each key becomes the
-//! command-line flag it stands for, so a file means exactly what the flags mean, and flags given
-//! on the command line win. An unknown key, a wrong type or a value fsdp-app cannot honour is
-//! an error naming the file and the key: nothing is silently ignored.
+//! setting of the `finetune` flag it stands for ([`Setting`]); `FinetuneArgs::apply` writes them
+//! into the same typed arguments the flags fill (the field's type decides what a value may be),
+//! so a file means exactly what the flags mean, and flags given on the command line win. An
+//! unknown key, a wrong type or a value fsdp-app cannot honour is an error naming the file and
+//! the key: nothing is silently ignored.
 
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
+use serde_json::Value;
 use yaml_rust2::{Yaml, YamlLoader};
 
 use crate::train::accelerate_config::{fsdp_key, Outcome};
 
-/// A setting from the file: the flag (clap id) it sets and its value as the flag would take it.
+/// A setting from the file: the flag (clap id, the `FinetuneArgs` field) it sets and its value.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Setting {
     pub flag: &'static str,
-    pub value: String,
+    pub value: Value,
     /// The key it came from (`fsdp_config.fsdp_x` for nested ones) and its value as written,
     /// and the file, for messages.
     pub key: String,
@@ -24,77 +27,77 @@ pub struct Setting {
     pub file: std::path::PathBuf,
 }
 
-#[derive(Clone, Copy)]
-enum Kind {
-    Bool,
-    Int,
-    Float,
-    Str,
+impl Setting {
+    /// `file: key `k` (written)`, for messages.
+    pub fn origin(&self) -> String {
+        format!("{}: key `{}` ({})", self.file.display(), self.key, self.written)
+    }
 }
 
-/// key -> (flag, kind). Keys with special handling are matched before this table.
-const SIMPLE: &[(&str, &str, Kind)] = &[
+/// key -> flag, for keys whose value is the flag's as it is. Keys with special handling are
+/// matched before this table.
+const SIMPLE: &[(&str, &str)] = &[
     // Accelerate FSDP plugin.
-    ("auto_wrap_policy", "wrap_policy", Kind::Str),
-    ("min_num_params", "min_num_params", Kind::Int),
-    ("activation_checkpointing", "activation_checkpointing", Kind::Bool),
-    ("sharding_strategy", "sharding_strategy", Kind::Str),
+    ("auto_wrap_policy", "wrap_policy"),
+    ("min_num_params", "min_num_params"),
+    ("activation_checkpointing", "activation_checkpointing"),
+    ("sharding_strategy", "sharding_strategy"),
     // Ours, for what Accelerate has no name.
-    ("shard_group_size", "shard_group_size", Kind::Int),
-    ("backend", "backend", Kind::Str),
-    ("collective_timeout", "collective_timeout", Kind::Int),
-    ("world_size", "world_size", Kind::Int),
-    ("num_processes", "world_size", Kind::Int),
+    ("shard_group_size", "shard_group_size"),
+    ("backend", "backend"),
+    ("collective_timeout", "collective_timeout"),
+    ("world_size", "world_size"),
+    ("num_processes", "world_size"),
     // TrainingArguments / TRL.
-    ("model_name_or_path", "model", Kind::Str),
-    ("model", "model", Kind::Str),
-    ("revision", "revision", Kind::Str),
-    ("output_dir", "output_dir", Kind::Str),
-    ("data", "data", Kind::Str),
-    ("train_file", "data", Kind::Str),
-    ("eval_file", "eval_data", Kind::Str),
-    ("eval_data", "eval_data", Kind::Str),
-    ("eval_split", "eval_split", Kind::Float),
-    ("eval_steps", "eval_steps", Kind::Int),
-    ("learning_rate", "lr", Kind::Float),
-    ("weight_decay", "weight_decay", Kind::Float),
-    ("weight_decay_all", "weight_decay_all", Kind::Bool),
-    ("max_grad_norm", "max_grad_norm", Kind::Float),
-    ("per_device_train_batch_size", "batch_size", Kind::Int),
-    ("gradient_accumulation_steps", "grad_accum", Kind::Int),
-    ("auto_find_batch_size", "auto_find_batch_size", Kind::Bool),
-    ("max_memory_per_rank", "max_memory_per_rank", Kind::Str),
-    ("max_seq_length", "seq_len", Kind::Int),
-    ("max_length", "seq_len", Kind::Int),
-    ("max_steps", "max_steps", Kind::Int),
-    ("num_train_epochs", "epochs", Kind::Int),
-    ("warmup_steps", "warmup_steps", Kind::Int),
-    ("lr_scheduler_type", "lr_scheduler", Kind::Str),
-    ("seed", "seed", Kind::Int),
-    ("save_steps", "save_steps", Kind::Int),
-    ("save_strategy", "save_strategy", Kind::Str),
-    ("save_total_limit", "save_total_limit", Kind::Int),
-    ("save_full_every", "save_full_every", Kind::Int),
-    ("warmup_ratio", "warmup_ratio", Kind::Float),
-    ("logging_steps", "logging_steps", Kind::Int),
-    ("gradient_checkpointing", "activation_checkpointing", Kind::Bool),
-    ("resume_from_checkpoint", "resume_from_checkpoint", Kind::Str),
-    ("max_shard_size", "max_shard_size", Kind::Str),
-    ("packing", "packing", Kind::Bool),
-    ("train_on", "train_on", Kind::Str),
-    ("skip_bad_rows", "skip_bad_rows", Kind::Bool),
+    ("model_name_or_path", "model"),
+    ("model", "model"),
+    ("revision", "revision"),
+    ("output_dir", "output_dir"),
+    ("data", "data"),
+    ("train_file", "data"),
+    ("eval_file", "eval_data"),
+    ("eval_data", "eval_data"),
+    ("eval_split", "eval_split"),
+    ("eval_steps", "eval_steps"),
+    ("learning_rate", "lr"),
+    ("weight_decay", "weight_decay"),
+    ("weight_decay_all", "weight_decay_all"),
+    ("max_grad_norm", "max_grad_norm"),
+    ("per_device_train_batch_size", "batch_size"),
+    ("gradient_accumulation_steps", "grad_accum"),
+    ("auto_find_batch_size", "auto_find_batch_size"),
+    ("max_memory_per_rank", "max_memory_per_rank"),
+    ("max_seq_length", "seq_len"),
+    ("max_length", "seq_len"),
+    ("max_steps", "max_steps"),
+    ("num_train_epochs", "epochs"),
+    ("warmup_steps", "warmup_steps"),
+    ("lr_scheduler_type", "lr_scheduler"),
+    ("seed", "seed"),
+    ("save_steps", "save_steps"),
+    ("save_strategy", "save_strategy"),
+    ("save_total_limit", "save_total_limit"),
+    ("save_full_every", "save_full_every"),
+    ("warmup_ratio", "warmup_ratio"),
+    ("logging_steps", "logging_steps"),
+    ("gradient_checkpointing", "activation_checkpointing"),
+    ("resume_from_checkpoint", "resume_from_checkpoint"),
+    ("max_shard_size", "max_shard_size"),
+    ("packing", "packing"),
+    ("train_on", "train_on"),
+    ("skip_bad_rows", "skip_bad_rows"),
     // LoRA, with PEFT's / Axolotl's names.
-    ("lora", "lora", Kind::Bool),
-    ("lora_r", "lora_r", Kind::Int),
-    ("lora_alpha", "lora_alpha", Kind::Float),
-    ("lora_dropout", "lora_dropout", Kind::Float),
-    ("lora_model_dir", "adapter", Kind::Str),
-    ("merge_lora", "merge_lora", Kind::Bool),
+    ("lora", "lora"),
+    ("lora_r", "lora_r"),
+    ("lora_alpha", "lora_alpha"),
+    ("lora_dropout", "lora_dropout"),
+    ("lora_model_dir", "adapter"),
+    ("merge_lora", "merge_lora"),
 ];
 
 /// Every key the file may hold, for the error on an unknown one.
 pub fn known_keys() -> Vec<&'static str> {
-    let mut k: Vec<&str> = SIMPLE.iter().map(|(k, _, _)| *k).collect();
+    let mut k: Vec<&str> = SIMPLE.iter().map(|(k, _)| *k).collect();
     k.extend([
         "fsdp_version",
         "reshard_after_forward",
@@ -129,18 +132,15 @@ fn type_name(y: &Yaml) -> &'static str {
     }
 }
 
-fn scalar(y: &Yaml, kind: Kind) -> Option<String> {
-    match (kind, y) {
-        (Kind::Bool, Yaml::Boolean(b)) => Some(b.to_string()),
-        (Kind::Int, Yaml::Integer(i)) if *i >= 0 => Some(i.to_string()),
-        (Kind::Float, Yaml::Real(r)) => r.parse::<f64>().ok().map(|v| v.to_string()),
-        (Kind::Float, Yaml::Integer(i)) => Some(i.to_string()),
-        // YAML 1.2 reads `2e-5` as a float, but some writers quote numbers.
-        (Kind::Float, Yaml::String(s)) => s.parse::<f64>().ok().map(|v| v.to_string()),
-        (Kind::Str, Yaml::String(s)) => Some(s.clone()),
-        (Kind::Str, Yaml::Integer(i)) => Some(i.to_string()),
-        _ => None,
-    }
+/// A YAML scalar as JSON, for the flag's field to take (a mapping or a list is no flag's value).
+fn scalar(y: &Yaml) -> Option<Value> {
+    Some(match y {
+        Yaml::Boolean(b) => Value::Bool(*b),
+        Yaml::Integer(i) => Value::from(*i),
+        Yaml::Real(r) => Value::from(r.parse::<f64>().ok()?),
+        Yaml::String(s) => Value::String(s.clone()),
+        _ => return None,
+    })
 }
 
 /// `a,b` or `[a, b]` as the comma-separated value a flag takes; None for anything else.
@@ -149,15 +149,6 @@ fn name_list(v: &Yaml) -> Option<String> {
         Yaml::String(s) => Some(s.split(',').map(str::trim).collect::<Vec<_>>().join(",")),
         Yaml::Array(a) => a.iter().map(|x| x.as_str().map(str::to_string)).collect::<Option<Vec<_>>>().map(|n| n.join(",")),
         _ => None,
-    }
-}
-
-fn want(kind: Kind) -> &'static str {
-    match kind {
-        Kind::Bool => "true or false",
-        Kind::Int => "a non-negative integer",
-        Kind::Float => "a number",
-        Kind::Str => "a string",
     }
 }
 
@@ -179,8 +170,7 @@ pub fn load_all(paths: &[std::path::PathBuf]) -> Result<Vec<Setting>> {
         for s in load(path)? {
             match all.iter().find(|o| o.flag == s.flag) {
                 Some(other) if other.value != s.value => {
-                    let at = |x: &Setting| format!("{}: key `{}` ({})", x.file.display(), x.key, x.written);
-                    bail!("conflicting settings: {} and {} both set --{} ({} vs {})", at(other), at(&s), s.flag.replace('_', "-"), other.value, s.value);
+                    bail!("conflicting settings: {} and {} both set --{} ({} vs {})", other.origin(), s.origin(), s.flag.replace('_', "-"), other.value, s.value);
                 }
                 // Two keys saying the same thing (fsdp_activation_checkpointing and
                 // gradient_checkpointing): one flag.
@@ -209,12 +199,12 @@ pub fn load(path: &Path) -> Result<Vec<Setting>> {
                 let name = format!("fsdp_config.{}", ik.as_str().unwrap_or("?"));
                 let written = show(iv);
                 let flags = fsdp_key(ik.as_str().unwrap_or(""), iv).map_err(|why| anyhow::anyhow!("{}: key `{name}`: {why}", path.display()))?;
-                out.extend(flags.into_iter().map(|(flag, value)| Setting { flag, value, key: name.clone(), written: written.clone(), file: path.into() }));
+                out.extend(flags.into_iter().map(|(flag, value)| Setting { flag, value: flag_value(&value), key: name.clone(), written: written.clone(), file: path.into() }));
             }
             continue;
         }
         let written = show(v);
-        let flags = key_flags(key, v).map_err(|why| match why.strip_prefix("unknown key") {
+        let flags = key_settings(key, v).map_err(|why| match why.strip_prefix("unknown key") {
             Some(rest) => anyhow::anyhow!("{}: unknown key `{key}`{rest}", path.display()),
             None => anyhow::anyhow!("{}: key `{key}`: {why}", path.display()),
         })?;
@@ -231,7 +221,7 @@ fn hybrid_groups_from_machines(map: &yaml_rust2::yaml::Hash, out: &mut Vec<Setti
     let hybrid = out.iter().any(|s| s.flag == "sharding_strategy" && s.value == "HYBRID_SHARD");
     if let (true, false, Some(procs), Some(machines)) = (hybrid, out.iter().any(|s| s.flag == "shard_group_size"), int("num_processes"), int("num_machines")) {
         let written = format!("num_processes {procs} / num_machines {machines}");
-        out.push(Setting { flag: "shard_group_size", value: (procs / machines).to_string(), key: "num_machines".into(), written, file: path.into() });
+        out.push(Setting { flag: "shard_group_size", value: Value::from(procs / machines), key: "num_machines".into(), written, file: path.into() });
     }
 }
 
@@ -247,12 +237,17 @@ fn show(v: &Yaml) -> String {
     }
 }
 
-/// The flags one top-level key sets, or why it is refused.
-fn key_flags(key: &str, v: &Yaml) -> std::result::Result<Vec<(&'static str, String)>, String> {
-    if let Some((_, flag, kind)) = SIMPLE.iter().find(|(name, _, _)| *name == key) {
-        let value = scalar(v, *kind).ok_or_else(|| format!("expected {}, found {}", want(*kind), type_name(v)))?;
+/// The settings one top-level key makes, or why it is refused.
+fn key_settings(key: &str, v: &Yaml) -> std::result::Result<Vec<(&'static str, Value)>, String> {
+    if let Some((_, flag)) = SIMPLE.iter().find(|(name, _)| *name == key) {
+        let value = scalar(v).ok_or_else(|| format!("expected a value, found {}", type_name(v)))?;
         return Ok(vec![(*flag, value)]);
     }
+    key_flags(key, v).map(|flags| flags.into_iter().map(|(flag, value)| (flag, flag_value(&value))).collect())
+}
+
+/// The flags (as strings) of a key with special handling.
+fn key_flags(key: &str, v: &Yaml) -> std::result::Result<Vec<(&'static str, String)>, String> {
     let boolean = |v: &Yaml| match v {
         Yaml::Boolean(b) => Ok(*b),
         other => Err(format!("expected true or false, found {}", type_name(other))),
@@ -303,6 +298,17 @@ fn key_flags(key: &str, v: &Yaml) -> std::result::Result<Vec<(&'static str, Stri
     }
 }
 
+/// A flag value as a string (Accelerate's keys and ours with special handling) as JSON: `true` and
+/// `false` as booleans, numbers as numbers, the rest as strings. `FinetuneArgs::apply` takes a
+/// number as a string where the field is one.
+fn flag_value(s: &str) -> Value {
+    match s {
+        "true" => Value::Bool(true),
+        "false" => Value::Bool(false),
+        _ => serde_json::from_str::<serde_json::Number>(s).map(Value::Number).unwrap_or_else(|_| Value::String(s.to_string())),
+    }
+}
+
 /// Checks `transformer_cls_names_to_wrap` against the model: it must name the model's decoder
 /// layer class, the one unit transformer_based_wrap makes.
 pub fn check_layer_class(names: &str, architecture: models::Architecture) -> Result<()> {
@@ -322,6 +328,15 @@ pub fn check_layer_class(names: &str, architecture: models::Architecture) -> Res
 mod tests {
     use super::*;
 
+    /// A value as the flag's text: strings bare, numbers and booleans as JSON writes them.
+    fn shown(v: &Value) -> String {
+        match v {
+            Value::String(s) => s.clone(),
+            Value::Number(n) => n.as_f64().filter(|_| !n.is_i64()).map_or(n.to_string(), |x| format!("{x}")),
+            other => other.to_string(),
+        }
+    }
+
     fn parse(text: &str) -> Result<Vec<Setting>> {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("c.yaml");
@@ -337,10 +352,10 @@ mod tests {
              state_dict_type: SHARDED_STATE_DICT\nlearning_rate: 2e-5\nper_device_train_batch_size: 4\n",
         )
         .unwrap();
-        let flags: Vec<(&str, &str)> = s.iter().map(|x| (x.flag, x.value.as_str())).collect();
+        let flags: Vec<(&str, String)> = s.iter().map(|x| (x.flag, shown(&x.value))).collect();
         assert_eq!(
             flags,
-            vec![
+            [
                 ("sharding_strategy", "SHARD_GRAD_OP"),
                 ("param_dtype", "bf16"),
                 ("reduce_dtype", "bf16"),
@@ -350,12 +365,14 @@ mod tests {
                 ("lr", "0.00002"),
                 ("batch_size", "4"),
             ]
+            .map(|(f, v)| (f, v.to_string()))
+            .to_vec()
         );
     }
 
     #[test]
     fn accelerate_files_as_written_become_flags_or_are_refused_by_key() {
-        let flags = |t: &str| parse(t).unwrap().into_iter().map(|x| (x.flag, x.value)).collect::<Vec<_>>();
+        let flags = |t: &str| parse(t).unwrap().into_iter().map(|x| (x.flag, shown(&x.value))).collect::<Vec<_>>();
         // FSDP1 flavour: strategies by number, hybrid groups from the machines.
         let f = flags(
             "compute_environment: LOCAL_MACHINE\ndebug: false\ndistributed_type: FSDP\ndowncast_bf16: 'no'\nfsdp_config:\n  \
@@ -396,13 +413,12 @@ mod tests {
     fn unknown_keys_wrong_types_and_unsupported_values_are_named() {
         let e = |t: &str| format!("{:#}", parse(t).unwrap_err());
         assert!(e("learning_rat: 1e-5\n").contains("unknown key `learning_rat`; known keys"));
-        assert!(e("per_device_train_batch_size: two\n").contains("key `per_device_train_batch_size`: expected a non-negative integer, found a string"));
         assert!(e("fsdp_version: 3\n").contains("expected 1 or 2"));
         assert!(e("cpu_ram_efficient_loading: false\n").contains("always loads the checkpoint on rank 0"));
         assert!(e("state_dict_type: LOCAL_STATE_DICT\n").contains("use SHARDED_STATE_DICT or FULL_STATE_DICT"));
         assert!(e("mixed_precision: fp8\n").contains("use no, bf16 or fp16"));
         assert!(e("lora_target_modules: 3\n").contains("key `lora_target_modules`: expected a module name or a list"));
-        assert!(e("lora_r: 0.5\n").contains("key `lora_r`: expected a non-negative integer"));
+        assert!(e("lora_r: [1]\n").contains("key `lora_r`: expected a value, found a list"));
         assert!(check_layer_class("GPT2Block", models::Architecture::Llama).unwrap_err().to_string().contains("LlamaDecoderLayer"));
     }
 }

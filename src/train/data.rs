@@ -153,7 +153,7 @@ pub fn resolve_data(spec: &str) -> Result<std::path::PathBuf> {
     if parts.len() < 3 || parts.iter().any(|p| p.is_empty()) {
         bail!("{spec}: expected hf://datasets/ORG/NAME/FILE[@REVISION]");
     }
-    let repo = crate::checkpoint::hub::HubRepo::open_dataset(&format!("{}/{}", parts[0], parts[1]), revision)?;
+    let repo = crate::model_files::hub::HubRepo::open_dataset(&format!("{}/{}", parts[0], parts[1]), revision)?;
     repo.get(parts[2]).with_context(|| format!("dataset file {spec}"))
 }
 

@@ -141,7 +141,7 @@ const AC_HIDDEN_PER_LAYER: f64 = 8.0;
 const LOSS_TENSORS_AT_PEAK: f64 = 6.0;
 
 /// Without activation checkpointing the peak comes in the layers' backward, when the fused head
-/// and loss (`models::head_loss`) have long freed their chunk of logits: the loss row counts
+/// and loss (`models::ops::head_loss`) have long freed their chunk of logits: the loss row counts
 /// that chunk, at most this many values (the op's bound).
 const LOSS_CHUNK_VALUES: f64 = (8 << 20) as f64;
 
@@ -165,7 +165,7 @@ pub fn estimate(model: &dyn StagedModel, cfg: &ModelConfig, input: &EstimateInpu
     });
     let gathered = if input.strategy.reshard_after_forward() { 2 * stage_units.max().unwrap_or(0) } else { plan.iter().map(full).sum() };
     // Vocabulary-sized weights that travel alone get their gradients as rows, reduce-scattered a
-    // round at a time (`models::weight_grads`): no full-size gradient. The embedding's always;
+    // round at a time (`models::ops::weight_grads`): no full-size gradient. The embedding's always;
     // the head's while the logit gradients it keeps instead, (tokens, vocab), are no larger
     // than dW (tokens <= hidden).
     let (vocab, hidden, tokens) = (cfg.vocab_size, cfg.hidden_size, input.batch_size * input.seq_len);

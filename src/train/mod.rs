@@ -9,6 +9,7 @@ pub mod estimate;
 pub mod finetune;
 pub mod formats;
 pub mod loss;
+pub mod metrics_row;
 pub mod report;
 
 /// The sequence length of a run with no `--seq-len`: 512 tokens, or the model's context when

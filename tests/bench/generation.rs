@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use candle_core::{DType, Device};
-use fsdp_app::checkpoint::{load_model, resolve_model};
+use fsdp_app::model_files::{load_model, resolve_model};
 use fsdp_app::generate::{generate, GenerationOutput, SamplingParams};
 use fsdp_app::tokenize::{ChatMessage, TextTokenizer};
 

@@ -23,7 +23,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use candle_core::{DType, Device};
-use fsdp_app::checkpoint::{load_model, resolve_model};
+use fsdp_app::model_files::{load_model, resolve_model};
 use fsdp_app::fsdp::optim::Schedule;
 use fsdp_app::generate::{step_all, SamplingParams, Sequence};
 use fsdp_app::tokenize::TextTokenizer;

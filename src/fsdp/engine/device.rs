@@ -3,8 +3,7 @@
 
 use candle_core::{DType, Tensor, Var};
 
-use super::host::HostShards;
-use super::shards::{AdamWStep, UnitCtx, UnitShards, WeightGrad};
+use super::shards::{AdamWStep, HostState, UnitCtx, UnitShards, WeightGrad};
 use super::{GatherFor, StateBytes, StatePart};
 use crate::dist::Collective;
 use crate::fsdp::optim::{adamw_step_tensors, AdamWState, AdamWTensors};
@@ -22,7 +21,7 @@ pub(super) struct DeviceShards {
 
 impl DeviceShards {
     /// Uploads host state to `cx.device`.
-    pub fn upload(host: &HostShards, cx: &UnitCtx) -> anyhow::Result<Self> {
+    pub fn upload(host: &HostState, cx: &UnitCtx) -> anyhow::Result<Self> {
         let upload = |v: &[f32]| Tensor::from_slice(v, v.len(), cx.device);
         let mut s = Self { master: vec![], grad: vec![], exp_avg: vec![], exp_avg_sq: vec![], full_grads: vec![] };
         for (i, p) in cx.plan.params.iter().enumerate() {
@@ -184,7 +183,7 @@ impl UnitShards for DeviceShards {
         Ok(())
     }
 
-    fn to_host(&self, cx: &UnitCtx) -> anyhow::Result<HostShards> {
+    fn to_host(&self, cx: &UnitCtx) -> anyhow::Result<HostState> {
         let host = |t: &Option<Tensor>| -> anyhow::Result<Vec<f32>> { Ok(match t { Some(t) => t.to_vec1::<f32>()?, None => vec![] }) };
         let mut master = vec![];
         let mut grad = vec![];
@@ -194,10 +193,10 @@ impl UnitShards for DeviceShards {
             grad.push(host(&self.grad[i])?);
             adam.push(AdamWState { exp_avg: host(&self.exp_avg[i])?, exp_avg_sq: host(&self.exp_avg_sq[i])? });
         }
-        Ok(HostShards::from_parts(master, grad, adam))
+        Ok(HostState { master, grad, adam })
     }
 
-    fn as_host(&self) -> Option<&HostShards> {
+    fn as_host(&self) -> Option<&HostState> {
         None
     }
 }

@@ -9,7 +9,7 @@
 
 use candle_core::{DType, Tensor, Var};
 
-use super::shards::{round_through, with_f32_slice, AdamWStep, UnitCtx, UnitShards, WeightGrad};
+use super::shards::{round_through, with_f32_slice, AdamWStep, HostState, UnitCtx, UnitShards, WeightGrad};
 use super::{GatherFor, StateBytes, StatePart};
 use crate::dist::Collective;
 use crate::fsdp::optim::{adamw_step, sum_of_squares, AdamWState};
@@ -19,12 +19,8 @@ use crate::fsdp::plan::{ParamLayout, UnitPlan};
 const LARGE_PARAM: usize = 1 << 22;
 
 pub(crate) struct HostShards {
-    /// This rank's fp32 chunk of each parameter (padded rows included).
-    pub master: Vec<Vec<f32>>,
-    /// Accumulated, already reduced gradient chunks (empty for frozen parameters).
-    pub grad: Vec<Vec<f32>>,
-    /// AdamW moments (empty for frozen parameters).
-    pub adam: Vec<AdamWState>,
+    /// Master chunks, reduced gradient chunks and AdamW moments.
+    pub state: HostState,
     /// Full-size gradients of the packed trainable parameters collected during backward, until
     /// reduce-scatter, in the rank-major layout reduce-scatter takes.
     packed_grad: Option<Vec<f32>>,
@@ -35,16 +31,18 @@ impl HostShards {
     pub fn zeros(plan: &UnitPlan) -> Self {
         let trained = |p: &ParamLayout| if p.trainable { p.chunk_len() } else { 0 };
         Self {
-            master: plan.params.iter().map(|p| vec![0.0; p.chunk_len()]).collect(),
-            grad: plan.params.iter().map(|p| vec![0.0; trained(p)]).collect(),
-            adam: plan.params.iter().map(|p| AdamWState::new(trained(p))).collect(),
+            state: HostState {
+                master: plan.params.iter().map(|p| vec![0.0; p.chunk_len()]).collect(),
+                grad: plan.params.iter().map(|p| vec![0.0; trained(p)]).collect(),
+                adam: plan.params.iter().map(|p| AdamWState::new(trained(p))).collect(),
+            },
             packed_grad: None,
         }
     }
 
     /// State from its parts (the device storage's copy back).
-    pub fn from_parts(master: Vec<Vec<f32>>, grad: Vec<Vec<f32>>, adam: Vec<AdamWState>) -> Self {
-        Self { master, grad, adam, packed_grad: None }
+    pub fn from_state(state: HostState) -> Self {
+        Self { state, packed_grad: None }
     }
 }
 
@@ -62,7 +60,7 @@ impl HostShards {
         anyhow::ensure!(rows * cols == p.numel(), "{}: a gradient of {rows} x {cols} for {} values", p.spec.name, p.numel());
         let shards = cx.shards();
         if shards == 1 {
-            return Ok(g.add_rows(0, &mut self.grad[i])?);
+            return Ok(g.add_rows(0, &mut self.state.grad[i])?);
         }
         let mine = rows / shards;
         let per_round = (ROUND_VALUES / (cols * shards)).clamp(1, mine.max(1));
@@ -73,7 +71,7 @@ impl HostShards {
                 g.add_rows(k * mine + first, slice)?;
             }
             let part = cx.shard.reduce_scatter(&round)?;
-            add_into(&mut self.grad[i][first * cols..(first + n) * cols], &part);
+            add_into(&mut self.state.grad[i][first * cols..(first + n) * cols], &part);
         }
         Ok(())
     }
@@ -141,16 +139,16 @@ impl UnitShards for HostShards {
         if travels_alone(cx, p) {
             match grad.as_ref().map(|g| (g, g.as_dense())) {
                 // One shard: the gradient is this rank's chunk.
-                Some((_, Some(g))) if shards == 1 => with_f32_slice(g, |g| add_into(&mut self.grad[i], g))?,
+                Some((_, Some(g))) if shards == 1 => with_f32_slice(g, |g| add_into(&mut self.state.grad[i], g))?,
                 Some((_, Some(g))) => {
                     let chunk = with_f32_slice(g, |g| cx.shard.reduce_scatter(g))??;
-                    add_into(&mut self.grad[i], &chunk);
+                    add_into(&mut self.state.grad[i], &chunk);
                 }
                 Some((g, None)) => self.add_grad_by_rows(cx, i, g)?,
                 // Every rank makes the collective, with zeros where no gradient came.
                 None if shards > 1 => {
                     let chunk = cx.shard.reduce_scatter(&vec![0.0; p.chunk_len() * shards])?;
-                    add_into(&mut self.grad[i], &chunk);
+                    add_into(&mut self.state.grad[i], &chunk);
                 }
                 None => {}
             }
@@ -179,20 +177,20 @@ impl UnitShards for HostShards {
         let mine = if cx.shards() == 1 { buf } else { cx.shard.reduce_scatter(&buf)? };
         for (i, p) in cx.plan.params.iter().enumerate() {
             if let Some(at) = offsets[i] {
-                add_into(&mut self.grad[i], &mine[at..at + p.chunk_len()]);
+                add_into(&mut self.state.grad[i], &mine[at..at + p.chunk_len()]);
             }
         }
         Ok(())
     }
 
     fn all_reduce_grads(&mut self, replicate: &dyn Collective) -> anyhow::Result<()> {
-        let mut buf: Vec<f32> = self.grad.iter().flatten().copied().collect();
+        let mut buf: Vec<f32> = self.state.grad.iter().flatten().copied().collect();
         if buf.is_empty() {
             return Ok(());
         }
         replicate.all_reduce(&mut buf)?;
         let mut off = 0;
-        for g in &mut self.grad {
+        for g in &mut self.state.grad {
             let n = g.len();
             g.copy_from_slice(&buf[off..off + n]);
             off += n;
@@ -201,11 +199,11 @@ impl UnitShards for HostShards {
     }
 
     fn grad_sq_sum(&self) -> anyhow::Result<f64> {
-        Ok(self.grad.iter().map(|g| sum_of_squares(g)).sum())
+        Ok(self.state.grad.iter().map(|g| sum_of_squares(g)).sum())
     }
 
     fn discard_grads(&mut self) -> anyhow::Result<()> {
-        self.grad.iter_mut().for_each(|g| g.fill(0.0));
+        self.state.grad.iter_mut().for_each(|g| g.fill(0.0));
         self.packed_grad = None;
         Ok(())
     }
@@ -215,8 +213,8 @@ impl UnitShards for HostShards {
             if !p.trainable {
                 continue;
             }
-            adamw_step(step.cfg, step.lr, step.weight_decay[i], step.step, &mut self.master[i], &self.grad[i], &mut self.adam[i], step.clip);
-            self.grad[i].fill(0.0);
+            adamw_step(step.cfg, step.lr, step.weight_decay[i], step.step, &mut self.state.master[i], &self.state.grad[i], &mut self.state.adam[i], step.clip);
+            self.state.grad[i].fill(0.0);
         }
         Ok(())
     }
@@ -224,9 +222,9 @@ impl UnitShards for HostShards {
     fn bytes(&self) -> StateBytes {
         let vecs = |v: &[Vec<f32>]| v.iter().map(|x| x.len() * 4).sum::<usize>();
         StateBytes {
-            params: vecs(&self.master),
-            grads: vecs(&self.grad),
-            optimizer: self.adam.iter().map(|a| (a.exp_avg.len() + a.exp_avg_sq.len()) * 4).sum(),
+            params: vecs(&self.state.master),
+            grads: vecs(&self.state.grad),
+            optimizer: self.state.adam.iter().map(|a| (a.exp_avg.len() + a.exp_avg_sq.len()) * 4).sum(),
         }
     }
 
@@ -237,9 +235,9 @@ impl UnitShards for HostShards {
                 continue;
             }
             let dst = match part {
-                StatePart::Master => &mut self.master[i],
-                StatePart::ExpAvg => &mut self.adam[i].exp_avg,
-                StatePart::ExpAvgSq => &mut self.adam[i].exp_avg_sq,
+                StatePart::Master => &mut self.state.master[i],
+                StatePart::ExpAvg => &mut self.state.adam[i].exp_avg,
+                StatePart::ExpAvgSq => &mut self.state.adam[i].exp_avg_sq,
             };
             let at = if moments { p.grad_offset } else { p.offset };
             dst.copy_from_slice(&chunks[at..at + p.chunk_len()]);
@@ -247,12 +245,12 @@ impl UnitShards for HostShards {
         Ok(())
     }
 
-    fn to_host(&self, _: &UnitCtx) -> anyhow::Result<HostShards> {
-        Ok(HostShards::from_parts(self.master.clone(), self.grad.clone(), self.adam.clone()))
+    fn to_host(&self, _: &UnitCtx) -> anyhow::Result<HostState> {
+        Ok(self.state.clone())
     }
 
-    fn as_host(&self) -> Option<&HostShards> {
-        Some(self)
+    fn as_host(&self) -> Option<&HostState> {
+        Some(&self.state)
     }
 }
 
@@ -268,7 +266,7 @@ impl HostShards {
         };
         let (offsets, seg) = packed_layout(cx, false);
         let mut buf: Vec<f32> = Vec::with_capacity(seg);
-        for (m, at) in self.master.iter().zip(&offsets) {
+        for (m, at) in self.state.master.iter().zip(&offsets) {
             if at.is_some() {
                 buf.extend_from_slice(m);
             }
@@ -288,7 +286,7 @@ impl HostShards {
                 }
                 // Straight into its own buffer: rank-major chunks of whole rows are the rows.
                 None => {
-                    let mut mine = self.master[i].clone();
+                    let mut mine = self.state.master[i].clone();
                     round(&mut mine);
                     if shards == 1 {
                         mine

@@ -68,7 +68,7 @@ struct UnitState {
     /// This rank's share of the unit's state, where it lives.
     shards: Box<dyn UnitShards>,
     /// With device state: its host copy, made by `sync_host` for checkpoints and inspection.
-    host_copy: Option<host::HostShards>,
+    host_copy: Option<shards::HostState>,
     /// Full parameters while gathered; the trainable ones are variables (`Var`), so that a
     /// forward over them builds the graph backward needs.
     gathered: Option<HashMap<String, Tensor>>,
@@ -203,7 +203,7 @@ impl FsdpEngine {
             let cx = unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device);
             match (on_device, unit.shards.as_host()) {
                 (true, Some(host)) => unit.shards = Box::new(device::DeviceShards::upload(host, &cx)?),
-                (false, None) => unit.shards = Box::new(unit.shards.to_host(&cx)?),
+                (false, None) => unit.shards = Box::new(host::HostShards::from_state(unit.shards.to_host(&cx)?)),
                 _ => {}
             }
             unit.host_copy = None;
@@ -347,7 +347,7 @@ impl FsdpEngine {
     pub fn forward_backward(&mut self, input_ids: &Tensor, ctx: &StageContext, loss: LossFn, grad_scale: f64) -> Result<f64> {
         // Ops that can (the embedding and the fused head, on the CPU) hand their weight
         // gradients to this sink instead of candle's gradient store.
-        let weight_grads = models::weight_grads::WeightGrads::new();
+        let weight_grads = models::ops::weight_grads::WeightGrads::new();
         let ctx = &StageContext { weight_grads: Some(weight_grads.clone()), ..ctx.clone() };
         let n = self.model.num_stages();
         let ac = self.opts.activation_checkpointing;
@@ -427,7 +427,7 @@ impl FsdpEngine {
             };
             // Units whose backward is done free their gathered bytes before their gradients are
             // reduced: some are made only now, a range of rows at a time (see
-            // `models::weight_grads`), and need the weights no more.
+            // `models::ops::weight_grads`), and need the weights no more.
             for u in self.stage_units[s].clone() {
                 if self.units[u].plan.first_stage == s {
                     self.reshard(u)?;
@@ -465,7 +465,7 @@ impl FsdpEngine {
     /// every rank: some storage reduce-scatters as it takes them), each taken from the stage's
     /// weight-gradient sink where the model's op put it, else from candle's gradient store,
     /// and dropped once handed over.
-    fn take_stage_grads(&mut self, s: usize, params: &HashMap<String, Tensor>, grads: &mut candle_core::backprop::GradStore, sink: &models::weight_grads::WeightGrads) -> Result<()> {
+    fn take_stage_grads(&mut self, s: usize, params: &HashMap<String, Tensor>, grads: &mut candle_core::backprop::GradStore, sink: &models::ops::weight_grads::WeightGrads) -> Result<()> {
         for u in self.stage_units[s].clone() {
             let unit = &mut self.units[u];
             let cx = unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device);

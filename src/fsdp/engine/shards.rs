@@ -1,9 +1,9 @@
 //! One unit's share of the training state on this rank: fp32 master chunks, reduced gradient
 //! chunks and AdamW moments, and what a step does with them (all-gather, gradient collection,
 //! reduce-scatter, AdamW). Two implementations, picked once per engine:
-//! - [`HostShards`](super::host::HostShards): host vectors (CPU runs, and `--cpu-offload` on a
+//! - `HostShards` (host.rs): host vectors (CPU runs, and `--cpu-offload` on a
 //!   GPU, as FSDP2's `CPUOffloadPolicy`); collectives take slices, AdamW is a vectorised loop;
-//! - [`DeviceShards`](super::device::DeviceShards): tensors on the compute device (GPU runs);
+//! - `DeviceShards` (device.rs): tensors on the compute device (GPU runs);
 //!   collectives take tensors, AdamW is tensor operations, a step moves only collectives' data.
 //!
 //! Both compute the same numbers; a test runs both on the CPU. The engine drives either through
@@ -13,9 +13,9 @@ use candle_core::{DType, Device, Tensor};
 
 use super::{FsdpOptions, GatherFor, StateBytes, StatePart};
 use crate::dist::Collective;
-use crate::fsdp::optim::AdamWConfig;
+use crate::fsdp::optim::{AdamWConfig, AdamWState};
 use crate::fsdp::plan::UnitPlan;
-pub(super) use models::weight_grads::WeightGrad;
+pub(super) use models::ops::weight_grads::WeightGrad;
 
 /// What a unit's storage needs to know to act: its plan, its shard group, the run's options.
 pub(super) struct UnitCtx<'a> {
@@ -83,11 +83,23 @@ pub(super) trait UnitShards: Send {
     /// buffer of that part: `offset` for weights, `grad_offset` for moments).
     fn load_part(&mut self, cx: &UnitCtx, part: StatePart, chunks: &[f32]) -> anyhow::Result<()>;
 
-    /// The state as host vectors: itself for host storage, a fresh copy from the device.
-    fn to_host(&self, cx: &UnitCtx) -> anyhow::Result<super::host::HostShards>;
+    /// The state as host vectors: a copy of host storage's, or a fresh download from the device.
+    fn to_host(&self, cx: &UnitCtx) -> anyhow::Result<HostState>;
 
-    /// The host storage itself, if this is one.
-    fn as_host(&self) -> Option<&super::host::HostShards>;
+    /// The host storage's own vectors, if this is host storage.
+    fn as_host(&self) -> Option<&HostState>;
+}
+
+/// A unit's state as host vectors: what host storage computes on, what a checkpoint stores, and
+/// what moves between host and device.
+#[derive(Clone)]
+pub(super) struct HostState {
+    /// This rank's fp32 chunk of each parameter (padded rows included).
+    pub master: Vec<Vec<f32>>,
+    /// Accumulated, already reduced gradient chunks (empty for frozen parameters).
+    pub grad: Vec<Vec<f32>>,
+    /// AdamW moments (empty for frozen parameters).
+    pub adam: Vec<AdamWState>,
 }
 
 /// Runs `f` on a contiguous f32 CPU tensor's values without copying them (copying otherwise).

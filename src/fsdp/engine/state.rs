@@ -1,7 +1,7 @@
 //! The engine's state on this rank: loading it unit by unit from rank 0, what it weighs, and the
 //! host view a checkpoint stores (a copy, refreshed by `sync_host`, when it lives on a device).
 
-use super::host::HostShards;
+use super::shards::HostState;
 use super::*;
 use crate::fsdp::plan::ParamLayout;
 
@@ -92,7 +92,7 @@ impl FsdpEngine {
     }
 
     /// The host view of unit `u`'s state: the storage itself, or its copy from `sync_host`.
-    fn host_view(&self, u: usize) -> &HostShards {
+    fn host_view(&self, u: usize) -> &HostState {
         let unit = &self.units[u];
         match unit.shards.as_host() {
             Some(h) => h,

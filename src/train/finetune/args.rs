@@ -1,7 +1,8 @@
 //! Every fine-tuning setting as users spell it: the `finetune` flags, their defaults (clap's, the
 //! only place they are written), and the conversion into [`FinetuneConfig`]. The CLI parses
-//! them, a YAML `--config` becomes the same flags, and the jobs API serialises a filled-in
-//! `FinetuneArgs` for its child (`finetune --args-file`): one path for all three.
+//! them, a YAML `--config` is written into the same typed arguments ([`FinetuneArgs::apply`]),
+//! and the jobs API serialises a filled-in `FinetuneArgs` for its child (`finetune
+//! --args-file`): one path for all three.
 
 use std::path::PathBuf;
 
@@ -10,8 +11,9 @@ use clap::{Args, Parser};
 use serde::{Deserialize, Serialize};
 
 use super::config::FinetuneConfig;
+use crate::train::config_file::Setting;
 use crate::checkpoint::identity::AllowedChanges;
-use crate::checkpoint::parse_dtype;
+use crate::model_files::parse_dtype;
 use crate::fsdp::plan::{ShardingStrategy, WrapPolicy};
 
 #[derive(Args, Debug, Clone, Serialize, Deserialize)]
@@ -247,15 +249,18 @@ pub struct LoraArgs {
     pub lora_targets: Option<String>,
 }
 
-/// LoRA settings from the flags, or None when no LoRA flag is given.
+/// LoRA settings from the flags (each unset one at its default, `LoraSettings::default`), or
+/// None when no LoRA flag is given.
 pub fn lora_settings(a: &LoraArgs) -> Option<models::LoraSettings> {
     let on = a.lora || a.lora_r.is_some() || a.lora_alpha.is_some() || a.lora_dropout.is_some() || a.lora_targets.is_some();
+    let d = models::LoraSettings::default();
+    let targets = |t: &str| t.split(',').map(|t| t.trim().to_string()).filter(|t| !t.is_empty()).collect();
     on.then(|| models::LoraSettings {
-        r: a.lora_r.unwrap_or(8),
-        alpha: a.lora_alpha.unwrap_or(8.0),
-        dropout: a.lora_dropout.unwrap_or(0.0),
-        targets: a.lora_targets.as_deref().unwrap_or("q_proj,v_proj").split(',').map(|t| t.trim().to_string()).filter(|t| !t.is_empty()).collect(),
-        use_rslora: false,
+        r: a.lora_r.unwrap_or(d.r),
+        alpha: a.lora_alpha.unwrap_or(d.alpha),
+        dropout: a.lora_dropout.unwrap_or(d.dropout),
+        targets: a.lora_targets.as_deref().map(targets).unwrap_or(d.targets),
+        use_rslora: d.use_rslora,
     })
 }
 
@@ -270,6 +275,32 @@ impl FinetuneArgs {
         Only::try_parse_from(["finetune"]).expect("every finetune flag has a default or is optional").args
     }
 
+    /// These arguments with `settings` (from `--config` files) written in, except those whose
+    /// flag `given` says the command line set (flags win). Each value goes into its field as
+    /// serde reads the field, so a file's value means what the flag's does and a wrong type is
+    /// refused naming the file and key.
+    pub fn apply(self, settings: &[Setting], given: &dyn Fn(&str) -> bool) -> Result<Self> {
+        let mut fields = serde_json::to_value(&self)?;
+        for s in settings.iter().filter(|s| !given(s.flag)) {
+            // The value as the flag would read it from text: a number or boolean where the field
+            // is a string (a revision of digits), a quoted number where it is a number.
+            let alternative = match &s.value {
+                serde_json::Value::Number(n) => Some(serde_json::Value::String(n.to_string())),
+                serde_json::Value::Bool(b) => Some(serde_json::Value::String(b.to_string())),
+                serde_json::Value::String(t) => serde_json::from_str::<serde_json::Number>(t.trim()).ok().map(serde_json::Value::Number),
+                _ => None,
+            };
+            fields = match (with_field(&fields, s, s.value.clone()), alternative) {
+                (Ok(f), _) => f,
+                (Err(e), Some(text)) => with_field(&fields, s, text).map_err(|_| e)?,
+                (Err(e), None) => return Err(e),
+            };
+        }
+        let mut out: Self = serde_json::from_value(fields)?;
+        (out.config, out.args_file) = (self.config, self.args_file);
+        Ok(out)
+    }
+
     /// A settings file written by [`FinetuneArgs::write_file`] (the jobs runner's).
     pub fn read_file(path: &std::path::Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
@@ -281,6 +312,36 @@ impl FinetuneArgs {
         let tmp = path.with_extension("json.tmp");
         std::fs::write(&tmp, serde_json::to_vec_pretty(self)?).with_context(|| format!("writing {}", tmp.display()))?;
         std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+    }
+}
+
+/// The JSON field of flag `flag` in serialised [`FinetuneArgs`]: top-level, or in the
+/// flattened groups (`sharding`, `lora`).
+fn field_mut<'a>(fields: &'a mut serde_json::Value, flag: &str) -> Option<&'a mut serde_json::Value> {
+    if fields.get(flag).is_some() {
+        return fields.get_mut(flag);
+    }
+    let group = ["sharding", "lora"].into_iter().find(|g| fields[*g].get(flag).is_some())?;
+    fields[group].get_mut(flag)
+}
+
+/// `fields` (serialised [`FinetuneArgs`]) with setting `s`'s field set to `value`, if the
+/// arguments still read; else the error, naming the file and key.
+fn with_field(fields: &serde_json::Value, s: &Setting, value: serde_json::Value) -> Result<serde_json::Value> {
+    let mut out = fields.clone();
+    *field_mut(&mut out, s.flag).with_context(|| format!("{}: no finetune flag --{}", s.origin(), s.flag))? = value;
+    match serde_json::from_value::<FinetuneArgs>(out.clone()) {
+        Ok(_) => Ok(out),
+        Err(e) => bail!("{}: {}", s.origin(), serde_reason(&e.into())),
+    }
+}
+
+/// serde's complaint about a value, without the struct's position in the JSON.
+fn serde_reason(e: &anyhow::Error) -> String {
+    let text = format!("{e:#}");
+    match text.find(" at line ") {
+        Some(i) => text[..i].to_string(),
+        None => text,
     }
 }
 
@@ -311,7 +372,7 @@ impl TryFrom<FinetuneArgs> for FinetuneConfig {
             batch_size: a.batch_size,
             grad_accum: a.grad_accum,
             auto_find_batch_size: a.auto_find_batch_size,
-            max_memory_per_rank: a.max_memory_per_rank.as_deref().map(crate::checkpoint::export::parse_size).transpose().context("--max-memory-per-rank")?,
+            max_memory_per_rank: a.max_memory_per_rank.as_deref().map(crate::model_files::export::parse_size).transpose().context("--max-memory-per-rank")?,
             seq_len: a.seq_len,
             max_steps: a.max_steps,
             epochs: a.epochs,
@@ -343,9 +404,21 @@ impl TryFrom<FinetuneArgs> for FinetuneConfig {
             eval_data: a.eval_data,
             eval_split: a.eval_split,
             eval_steps: a.eval_steps,
-            max_shard_size: crate::checkpoint::export::parse_size(&a.max_shard_size).context("--max-shard-size")?,
+            max_shard_size: crate::model_files::export::parse_size(&a.max_shard_size).context("--max-shard-size")?,
             verbose: true,
         })
+    }
+}
+
+impl FinetuneConfig {
+    /// The CLI's defaults (from [`FinetuneArgs`], where they are written) for everything but
+    /// model, data and output directory; quiet.
+    pub fn new(model: &str, data: &std::path::Path, output_dir: &std::path::Path) -> Self {
+        let mut a = FinetuneArgs::defaults();
+        (a.model, a.data, a.output_dir) = (Some(model.to_string()), Some(data.to_path_buf()), Some(output_dir.to_path_buf()));
+        let mut cfg = Self::try_from(a).expect("the default settings convert");
+        cfg.verbose = false;
+        cfg
     }
 }
 
@@ -363,7 +436,53 @@ fn save_each_epoch(strategy: Option<&str>, save_steps: Option<usize>) -> Result<
 
 #[cfg(test)]
 mod tests {
-    use super::save_each_epoch;
+    use super::*;
+
+    /// The flags as the CLI parses them.
+    fn flags(argv: &[&str]) -> FinetuneArgs {
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: FinetuneArgs,
+        }
+        Cli::try_parse_from(std::iter::once("finetune").chain(argv.iter().copied())).unwrap().args
+    }
+
+    fn from_yaml(text: &str, given: &dyn Fn(&str) -> bool) -> Result<FinetuneArgs> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.yaml");
+        std::fs::write(&path, text).unwrap();
+        FinetuneArgs::defaults().apply(&crate::train::config_file::load(&path)?, given)
+    }
+
+    #[test]
+    fn config_values_go_into_the_typed_flags_or_are_refused_by_file_and_key() {
+        let a = from_yaml("learning_rate: 2e-5\nper_device_train_batch_size: 4\nactivation_checkpointing: true\nrevision: 1234\nlora_alpha: \"16\"\nshuffle: false\n", &|_| false).unwrap();
+        assert_eq!((a.lr, a.batch_size, a.sharding.activation_checkpointing), (2e-5, 4, true));
+        assert_eq!((a.revision.as_deref(), a.lora.lora_alpha, a.no_shuffle), (Some("1234"), Some(16.0), true));
+        let e = format!("{:#}", from_yaml("per_device_train_batch_size: two\n", &|_| false).unwrap_err());
+        assert!(e.contains("c.yaml: key `per_device_train_batch_size` (two)") && e.contains("expected usize"), "{e}");
+        let e = format!("{:#}", from_yaml("lora_r: 0.5\n", &|_| false).unwrap_err());
+        assert!(e.contains("key `lora_r` (0.5)"), "{e}");
+        // A flag the command line gave wins.
+        assert_eq!(from_yaml("learning_rate: 1e-3\n", &|f| f == "lr").unwrap().lr, 2e-5);
+    }
+
+    /// PEFT's LoRA defaults, one place: `--lora` on the command line, `lora: true` in a YAML file
+    /// and a job with `fsdp_app.lora: {}` train the same adapter; and the CLI and the YAML file
+    /// give the same run otherwise.
+    #[test]
+    fn cli_yaml_and_a_job_with_nothing_set_take_the_same_lora_settings() {
+        let required = ["--model", "m", "--data", "d.jsonl", "--output-dir", "out"];
+        let cli = flags(&[&["--lora"][..], &required].concat());
+        let yaml = from_yaml("lora: true\nmodel: m\ndata: d.jsonl\noutput_dir: out\n", &|_| false).unwrap();
+        let job = crate::serve::jobs::runner::tests::job_args_with_default_lora();
+        let settings = |a: FinetuneArgs| FinetuneConfig::try_from(a).unwrap();
+        let (cli, yaml, job) = (settings(cli), settings(yaml), settings(job));
+        assert_eq!(cli.lora, Some(models::LoraSettings::default()));
+        assert_eq!((&yaml.lora, &job.lora), (&cli.lora, &cli.lora));
+        assert_eq!(format!("{cli:?}"), format!("{yaml:?}"));
+    }
 
     #[test]
     fn save_strategy_and_save_steps_agree_or_are_refused_by_name() {

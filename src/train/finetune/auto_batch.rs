@@ -20,6 +20,7 @@ use models::StageContext;
 
 use super::bootstrap::Bootstrap;
 use super::config::{shard_size, FinetuneConfig};
+use super::plan::RunPlan;
 use crate::dist::{all_reduce_scalar, ProcessGroups};
 use crate::fsdp::engine::FsdpEngine;
 use crate::memory::human_bytes;
@@ -28,17 +29,11 @@ use crate::train::data::Sample;
 use crate::train::estimate::{estimate, EstimateInput};
 use crate::train::loss::{next_token_targets, summed_token_loss};
 
-/// `cfg` with the micro-batch that fits (unchanged without `--auto-find-batch-size`).
-pub(super) fn fit(
-    groups: &ProcessGroups,
-    cfg: &FinetuneConfig,
-    boot: &Bootstrap,
-) -> Result<FinetuneConfig> {
-    if !cfg.auto_find_batch_size {
-        return Ok(cfg.clone());
-    }
-    if cfg.device.is_cuda() {
-        return Ok(cfg.clone()); // found by trial once the engine holds the model (`fit_by_trial`)
+/// The (micro-batch, accumulation) of rows of `seq_len` tokens that fits: the flags' without
+/// `--auto-find-batch-size` (and on GPUs, where the trial decides later).
+pub(super) fn fit(groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &Bootstrap, seq_len: usize) -> Result<(usize, usize)> {
+    if !cfg.auto_find_batch_size || cfg.device.is_cuda() {
+        return Ok((cfg.batch_size, cfg.grad_accum));
     }
     let world = groups.world.world_size();
     // One budget for every rank: the flag, or rank 0's available memory shared by the ranks of
@@ -55,12 +50,12 @@ pub(super) fn fit(
     let needs = |batch: usize| -> Result<u64> {
         let input = EstimateInput {
             world_size: world,
-            shard_size: shard_size(cfg),
+            shard_size: shard_size(cfg, world),
             strategy: cfg.strategy,
             wrap: cfg.wrap,
             activation_checkpointing: cfg.activation_checkpointing,
             batch_size: batch,
-            seq_len: cfg.seq_len(),
+            seq_len,
             // Rank 0 relays the others' collectives under a launcher: the larger figure holds.
             rank0_relays: world > 1,
             lora: boot.lora.clone(),
@@ -72,7 +67,7 @@ pub(super) fn fit(
     for micro in (1..=asked).rev().filter(|b| asked % b == 0) {
         let need = needs(micro)?;
         if need as f64 <= budget {
-            let out = with_micro_batch(cfg, micro);
+            let accum = cfg.grad_accum * (asked / micro);
             if groups.world.rank() == 0 && cfg.verbose {
                 let why = tried
                     .first()
@@ -84,12 +79,12 @@ pub(super) fn fit(
                     "auto batch size: budget {} per rank{}; micro-batch {micro} x {} accumulation (~{} per rank), the same {} sequences per step",
                     human_bytes(budget as u64),
                     if why.is_empty() { String::new() } else { format!(", {why}") },
-                    out.grad_accum,
+                    accum,
                     human_bytes(need),
                     asked * cfg.grad_accum * world,
                 );
             }
-            return Ok(out);
+            return Ok((micro, accum));
         }
         tried.push((micro, need));
     }
@@ -102,15 +97,15 @@ pub(super) fn fit(
     )
 }
 
-/// GPU ranks: `cfg` with the largest micro-batch whose trial step runs (see the module's
+/// GPU ranks: `plan` with the largest micro-batch whose trial step runs (see the module's
 /// comment); unchanged on CPU ranks or without `--auto-find-batch-size`.
-pub(super) fn fit_by_trial(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &Bootstrap) -> Result<FinetuneConfig> {
+pub(super) fn fit_by_trial(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &Bootstrap, plan: RunPlan) -> Result<RunPlan> {
     if !cfg.auto_find_batch_size || !cfg.device.is_cuda() {
-        return Ok(cfg.clone());
+        return Ok(plan);
     }
-    let asked = cfg.batch_size;
+    let asked = plan.micro_batch;
     let found = largest_that_runs(asked, |micro| {
-        let ran_out = match trial_step(engine, cfg, boot, micro) {
+        let ran_out = match trial_step(engine, cfg, boot, plan.seq_len, micro) {
             Ok(()) => false,
             Err(e) if crate::device::is_out_of_memory(&e) => true,
             Err(e) => return Err(e),
@@ -119,7 +114,7 @@ pub(super) fn fit_by_trial(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg:
         // One answer for every rank (they all ran out, or none did: the trial's shapes agree).
         let anywhere = all_reduce_scalar(groups.world.as_ref(), f64::from(u8::from(ran_out)))? > 0.0;
         if anywhere && groups.world.rank() == 0 && cfg.verbose {
-            eprintln!("auto batch size: a micro-batch of {micro} x {} tokens ran out of GPU memory", cfg.seq_len());
+            eprintln!("auto batch size: a micro-batch of {micro} x {} tokens ran out of GPU memory", plan.seq_len);
         }
         Ok(!anywhere)
     })?;
@@ -127,27 +122,14 @@ pub(super) fn fit_by_trial(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg:
         bail!(
             "--auto-find-batch-size: even a micro-batch of 1 row of {} tokens runs out of GPU memory: \
              shorten --seq-len, add --activation-checkpointing or LoRA, or use more ranks",
-            cfg.seq_len()
+            plan.seq_len
         );
     };
-    let out = with_micro_batch(cfg, micro);
+    let out = plan.with_micro_batch(micro);
     if groups.world.rank() == 0 && cfg.verbose {
-        eprintln!(
-            "auto batch size: micro-batch {micro} x {} accumulation fits the GPU, the same {} sequences per step",
-            out.grad_accum,
-            asked * cfg.grad_accum * groups.world.world_size()
-        );
+        eprintln!("auto batch size: micro-batch {micro} x {} accumulation fits the GPU, the same {} sequences per step", out.grad_accum, out.global_batch);
     }
     Ok(out)
-}
-
-/// `cfg` taking micro-batches of `micro` rows (a divisor of its batch), the accumulation grown by
-/// the same factor so that the global batch stays the one asked for.
-fn with_micro_batch(cfg: &FinetuneConfig, micro: usize) -> FinetuneConfig {
-    let mut out = cfg.clone();
-    out.grad_accum = cfg.grad_accum * (cfg.batch_size / micro);
-    out.batch_size = micro;
-    out
 }
 
 /// The search of [`fit_by_trial`]: `asked` first, then half of the last one tried (rounded down
@@ -168,8 +150,7 @@ fn largest_that_runs(asked: usize, mut runs: impl FnMut(usize) -> Result<bool>) 
 
 /// Forward and backward of `micro` rows of `--seq-len` tokens, every token a target, as a
 /// training step would run them (packed rows when the run packs).
-fn trial_step(engine: &mut FsdpEngine, cfg: &FinetuneConfig, boot: &Bootstrap, micro: usize) -> Result<()> {
-    let len = cfg.seq_len();
+fn trial_step(engine: &mut FsdpEngine, cfg: &FinetuneConfig, boot: &Bootstrap, len: usize, micro: usize) -> Result<()> {
     let token = boot.model_cfg.eos_token_ids.first().copied().unwrap_or(0);
     // Two documents per row when packing, so the trial builds the packed attention layout too.
     let segments = if cfg.packing { (0..len).map(|i| 1 + u32::from(i >= len / 2)).collect() } else { vec![] };

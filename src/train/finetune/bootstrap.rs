@@ -9,9 +9,9 @@ use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
 use super::config::{shard_size, FinetuneConfig};
-use crate::checkpoint::adapter::{adapter_config_json, parse_adapter_config, read_adapter, Adapter};
+use crate::model_files::adapter::{adapter_config_json, parse_adapter_config, read_adapter, Adapter};
 use crate::checkpoint::identity::DataIdentity;
-use crate::checkpoint::{resolve_model, ModelFiles};
+use crate::model_files::{resolve_model, ModelFiles};
 use crate::dist::{root_tries, ProcessGroups};
 use crate::fsdp::plan::{plan_units, UnitPlan};
 use crate::tokenize::TextTokenizer;
@@ -33,7 +33,8 @@ pub(super) struct Bootstrap {
     pub start_adapter: Option<Adapter>,
     pub staged: Arc<dyn models::StagedModel>,
     pub plan: Vec<UnitPlan>,
-    /// `--seq-len`, or its default for this model's context.
+    /// `--seq-len`, or its default for this model's context: what the data is cut to (the run's
+    /// plan takes it from here).
     pub seq_len: usize,
     pub data: TrainingData,
 }
@@ -59,10 +60,6 @@ pub(super) struct TrainingData {
     /// The training file's identity, for checkpoints to record: rank 0 only (the one that reads
     /// the file, writes checkpoints and checks resumes), so no other rank hashes it.
     pub identity: Option<DataIdentity>,
-    /// Sequences per optimizer step over all ranks and micro-batches.
-    pub global_batch: usize,
-    pub steps_per_epoch: usize,
-    pub total_steps: usize,
 }
 
 pub(super) fn bootstrap(groups: &ProcessGroups, cfg: &FinetuneConfig) -> Result<Bootstrap> {
@@ -78,11 +75,10 @@ pub(super) fn bootstrap(groups: &ProcessGroups, cfg: &FinetuneConfig) -> Result<
         lora.validate(&model_cfg)?;
     }
     let staged: Arc<dyn models::StagedModel> = Arc::new(models::LlamaStages::new(&model_cfg, lora.clone()));
-    let plan = plan_units(staged.as_ref(), cfg.wrap, shard_size(cfg))?;
+    let plan = plan_units(staged.as_ref(), cfg.wrap, shard_size(cfg, groups.world.world_size()))?;
     let seq_len = crate::train::settle_seq_len(cfg.seq_len, model_cfg.max_position_embeddings)?;
-    let cfg = &FinetuneConfig { seq_len: Some(seq_len), ..cfg.clone() };
-    // Data before weights: a bad file or batch fails fast.
-    let data = load_data(groups, cfg, &model_cfg, &side_files)?;
+    // Data before weights: a bad file fails fast.
+    let data = load_data(groups, cfg, seq_len, &model_cfg, &side_files)?;
     Ok(Bootstrap { files, config_json, side_files, model_cfg, lora, start_adapter, staged, plan, seq_len, data })
 }
 
@@ -132,7 +128,7 @@ fn share_adapter(groups: &ProcessGroups, cfg: &FinetuneConfig, model_cfg: &model
 }
 
 /// Tokenises the training (and eval) data and works out the batch arithmetic.
-fn load_data(groups: &ProcessGroups, cfg: &FinetuneConfig, model_cfg: &models::ModelConfig, side_files: &[(String, Vec<u8>)]) -> Result<TrainingData> {
+fn load_data(groups: &ProcessGroups, cfg: &FinetuneConfig, seq_len: usize, model_cfg: &models::ModelConfig, side_files: &[(String, Vec<u8>)]) -> Result<TrainingData> {
     let is_root = groups.world.rank() == 0;
     let side = |name: &str| side_files.iter().find(|(n, _)| n == name).map(|(_, b)| b.as_slice());
     let tokenizer = match side("tokenizer.json") {
@@ -144,10 +140,10 @@ fn load_data(groups: &ProcessGroups, cfg: &FinetuneConfig, model_cfg: &models::M
     let eos = model_cfg.eos_token_ids.first().copied();
     let template = tokenizer.as_ref().and_then(|t| t.chat_template.as_ref());
     let tools = TextTools { encode: &encode, decode: &decode, template, eos_id: eos, pad_id: eos.unwrap_or(0) };
-    let opts = DataOptions { seq_len: cfg.seq_len(), train_on: cfg.train_on, skip_bad_rows: cfg.skip_bad_rows, packing: cfg.packing };
+    let opts = DataOptions { seq_len, train_on: cfg.train_on, skip_bad_rows: cfg.skip_bad_rows, packing: cfg.packing };
     let (dataset, identity) = shared_dataset(groups, &cfg.data, &opts, &tools)?;
     if is_root && cfg.verbose {
-        report_dataset(&dataset, cfg);
+        report_dataset(&dataset, cfg, seq_len);
     }
     if is_root && cfg.show_sample {
         eprintln!("sample 0 ([masked]...[/masked] is not trained on):\n{}", describe_sample(&dataset.samples[0], &decode)?);
@@ -168,34 +164,20 @@ fn load_data(groups: &ProcessGroups, cfg: &FinetuneConfig, model_cfg: &models::M
     if is_root && cfg.verbose && !eval_samples.is_empty() {
         eprintln!("eval: {} samples", eval_samples.len());
     }
-    let world = groups.world.world_size();
-    let global_batch = cfg.batch_size * world * cfg.grad_accum;
-    let steps_per_epoch = samples.len() / global_batch;
-    if steps_per_epoch == 0 {
-        bail!(
-            "{}: {} samples of {} tokens, fewer than one global batch of {global_batch} (batch size {} x {world} ranks x {} accumulation)",
-            cfg.data.display(),
-            samples.len(),
-            cfg.seq_len(),
-            cfg.batch_size,
-            cfg.grad_accum
-        );
-    }
-    let total_steps = cfg.max_steps.unwrap_or(steps_per_epoch * cfg.epochs);
-    Ok(TrainingData { samples, eval_samples, identity, global_batch, steps_per_epoch, total_steps })
+    Ok(TrainingData { samples, eval_samples, identity })
 }
 
-fn report_dataset(dataset: &Dataset, cfg: &FinetuneConfig) {
+fn report_dataset(dataset: &Dataset, cfg: &FinetuneConfig, seq_len: usize) {
     eprintln!(
         "data: {} rows -> {} samples of {} tokens ({} skipped, {} truncated); {} trained-on tokens; {} efficiency {:.1}%",
         dataset.rows,
         dataset.samples.len(),
-        cfg.seq_len(),
+        seq_len,
         dataset.skipped,
         dataset.truncated,
         dataset.supervised_tokens,
         if cfg.packing { "packing" } else { "padding" },
-        100.0 * dataset.padding_efficiency(cfg.seq_len())
+        100.0 * dataset.padding_efficiency(seq_len)
     );
 }
 

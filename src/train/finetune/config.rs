@@ -6,7 +6,6 @@ use std::time::Duration;
 use anyhow::{bail, Result};
 use candle_core::DType;
 
-use super::args::FinetuneArgs;
 use crate::checkpoint::identity::AllowedChanges;
 use crate::fsdp::optim::Schedule;
 use crate::fsdp::plan::{ShardingStrategy, WrapPolicy};
@@ -19,6 +18,8 @@ pub struct FinetuneConfig {
     pub revision: Option<String>,
     pub data: PathBuf,
     pub output_dir: PathBuf,
+    /// Ranks as threads of this process (`local` backend); under a launcher its world decides
+    /// (a `--world-size` that disagrees is refused).
     pub world_size: usize,
     pub shard_group_size: Option<usize>,
     pub lr: f64,
@@ -33,8 +34,8 @@ pub struct FinetuneConfig {
     /// machine's ranks), on GPUs until a trial step does not run out of memory.
     pub auto_find_batch_size: bool,
     pub max_memory_per_rank: Option<usize>,
-    /// `None`: [`crate::train::DEFAULT_SEQ_LEN`] capped at the model's context, settled at
-    /// bootstrap (the only phase that reads config.json); every later phase sees `Some`.
+    /// `None`: [`crate::train::DEFAULT_SEQ_LEN`] capped at the model's context. Settled into the
+    /// run's plan (`RunPlan::seq_len`) once config.json is read; later phases read the plan.
     pub seq_len: Option<usize>,
     pub max_steps: Option<usize>,
     pub epochs: usize,
@@ -97,11 +98,6 @@ pub struct FinetuneConfig {
 }
 
 impl FinetuneConfig {
-    /// The settled sequence length (see `seq_len`): for the phases after bootstrap.
-    pub fn seq_len(&self) -> usize {
-        self.seq_len.expect("the sequence length is settled at bootstrap, before any phase that reads it")
-    }
-
     /// Warmup steps of a run of `total_steps`: `warmup_steps`, or `warmup_ratio` of the run
     /// rounded up (as TrainingArguments does).
     pub fn warmup_for(&self, total_steps: usize) -> usize {
@@ -110,21 +106,13 @@ impl FinetuneConfig {
             None => self.warmup_steps,
         }
     }
-
-    /// The CLI's defaults (from [`FinetuneArgs`], where they are written) for everything but
-    /// model, data and output directory; quiet.
-    pub fn new(model: &str, data: &Path, output_dir: &Path) -> Self {
-        let mut a = FinetuneArgs::defaults();
-        (a.model, a.data, a.output_dir) = (Some(model.to_string()), Some(data.to_path_buf()), Some(output_dir.to_path_buf()));
-        let mut cfg = Self::try_from(a).expect("the default settings convert");
-        cfg.verbose = false;
-        cfg
-    }
 }
 
-/// Checks that need no weights, so a wrong flag fails in milliseconds, not after loading.
-pub fn validate(cfg: &FinetuneConfig) -> Result<()> {
-    if cfg.world_size == 0 {
+/// Checks that need no weights, so a wrong flag fails in milliseconds, not after loading. Runs
+/// once per process, before any rank starts; `world`: the run's ranks (`--world-size`, or the
+/// launcher's).
+pub fn validate(cfg: &FinetuneConfig, world: usize) -> Result<()> {
+    if world == 0 {
         bail!("--world-size must be positive");
     }
     if cfg.device.is_cuda() && !cfg!(feature = "cuda") {
@@ -159,7 +147,7 @@ pub fn validate(cfg: &FinetuneConfig) -> Result<()> {
     if !(cfg.lr.is_finite() && cfg.lr > 0.0) {
         bail!("--lr must be a positive number");
     }
-    cfg.strategy.shard_count(cfg.world_size, cfg.shard_group_size)?;
+    cfg.strategy.shard_count(world, cfg.shard_group_size)?;
     let is_hub = |p: &Path| p.to_string_lossy().starts_with("hf://");
     if !is_hub(&cfg.data) && !cfg.data.is_file() {
         bail!("--data {}: no such file", cfg.data.display());
@@ -180,12 +168,15 @@ pub fn validate(cfg: &FinetuneConfig) -> Result<()> {
             bail!("--eval-data {}: no such file", p.display());
         }
     }
+    if let (Some(n), None, None) = (cfg.eval_steps, &cfg.eval_data, cfg.eval_split) {
+        bail!("--eval-steps {n} needs evaluation data: add --eval-data FILE or --eval-split FRACTION (or drop --eval-steps)");
+    }
     if cfg.merge_lora && cfg.lora.is_none() && cfg.adapter.is_none() {
         bail!("--merge-lora needs a LoRA run (--lora-r, --lora-targets, ... or --adapter)");
     }
     if let Some(dir) = &cfg.adapter {
-        if !dir.join(crate::checkpoint::adapter::ADAPTER_CONFIG).is_file() {
-            bail!("--adapter {}: no {} there", dir.display(), crate::checkpoint::adapter::ADAPTER_CONFIG);
+        if !dir.join(crate::model_files::adapter::ADAPTER_CONFIG).is_file() {
+            bail!("--adapter {}: no {} there", dir.display(), crate::model_files::adapter::ADAPTER_CONFIG);
         }
     }
     for (name, v) in [("--eval-steps", cfg.eval_steps), ("--save-steps", cfg.save_steps), ("--save-total-limit", cfg.save_total_limit), ("--save-full-every", cfg.save_full_every)] {
@@ -196,10 +187,10 @@ pub fn validate(cfg: &FinetuneConfig) -> Result<()> {
     Ok(())
 }
 
-/// Shard-group size of a strategy on `world` ranks.
-pub(super) fn shard_size(cfg: &FinetuneConfig) -> usize {
+/// Shard-group size of the run's strategy on `world` ranks.
+pub(super) fn shard_size(cfg: &FinetuneConfig, world: usize) -> usize {
     // `validate` has checked the combination.
-    cfg.strategy.shard_count(cfg.world_size, cfg.shard_group_size).unwrap_or(cfg.world_size)
+    cfg.strategy.shard_count(world, cfg.shard_group_size).unwrap_or(world)
 }
 
 /// Which collective backend runs the ranks.

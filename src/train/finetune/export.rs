@@ -9,7 +9,7 @@ use candle_core::{DType, Tensor};
 
 use super::bootstrap::Bootstrap;
 use super::config::FinetuneConfig;
-use crate::checkpoint::export::ShardedExport;
+use crate::model_files::export::ShardedExport;
 use crate::fsdp::engine::FsdpEngine;
 
 /// What a run leaves in `dir`: the full model, or for LoRA the PEFT adapter (plus the merged
@@ -28,7 +28,7 @@ pub(super) fn export_result(engine: &FsdpEngine, boot: &Bootstrap, dir: &Path, c
             true => std::fs::canonicalize(&cfg.model)?.to_string_lossy().to_string(),
             false => cfg.model.clone(),
         };
-        crate::checkpoint::adapter::write_adapter(dir, &adapter, lora, &base)?;
+        crate::model_files::adapter::write_adapter(dir, &adapter, lora, &base)?;
         // The tokenizer travels with the adapter, as PEFT + Trainer save it.
         let tokenizer_files = boot.side_files.iter().filter(|(n, _)| n.starts_with("tokenizer") || n == "special_tokens_map.json" || n == "chat_template.jinja");
         for (name, bytes) in tokenizer_files {

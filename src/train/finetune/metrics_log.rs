@@ -6,11 +6,11 @@ use std::io::Write;
 
 use anyhow::{Context, Result};
 use candle_core::Device;
-use serde_json::json;
 
 use super::config::FinetuneConfig;
 use crate::dist::ProcessGroups;
 use crate::memory::{human_bytes, peak_rss_bytes};
+use crate::train::metrics_row::{EvalRow, MetricsRow, StepRow, METRICS_FILE};
 use crate::train::report::LossHistory;
 
 /// One finished optimizer step.
@@ -43,15 +43,16 @@ impl MetricsLog {
     pub fn open(groups: &ProcessGroups, cfg: &FinetuneConfig, total_steps: usize, start_step: usize) -> Result<Self> {
         let is_root = groups.world.rank() == 0;
         std::fs::create_dir_all(&cfg.output_dir).ok();
+        let path = cfg.output_dir.join(METRICS_FILE);
         let metrics = match is_root {
-            // Appended to when resuming: the file keeps the whole run's history.
-            true => Some(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(cfg.output_dir.join("metrics.jsonl"))
-                    .context("opening metrics.jsonl")?,
-            ),
+            // Appended to when resuming: the file keeps the whole run's history, up to the
+            // checkpoint's step (the steps after it run again).
+            true => {
+                if start_step > 0 {
+                    keep_rows_up_to(&path, start_step)?;
+                }
+                Some(std::fs::OpenOptions::new().create(true).append(true).open(&path).with_context(|| format!("opening {}", path.display()))?)
+            }
             false => None,
         };
         let progress = (is_root && cfg.verbose).then(|| {
@@ -76,15 +77,20 @@ impl MetricsLog {
         let (rss, gpu) = memory_per_rank(groups, device)?;
         self.history.train.push((r.step, r.loss));
         let Some(f) = self.metrics.as_mut() else { return Ok(()) };
-        let mut row = json!({
-            "step": r.step, "epoch": r.epoch, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
-            "tokens_per_s": r.tokens / r.secs, "peak_rss_bytes": rss.iter().copied().max(), "peak_rss_bytes_per_rank": rss,
-            "step_s": r.secs, "tokens": r.tokens as u64,
+        let row = MetricsRow::Step(StepRow {
+            step: r.step,
+            epoch: r.epoch,
+            loss: r.loss,
+            lr: r.lr,
+            grad_norm: r.grad_norm,
+            tokens_per_s: r.tokens / r.secs,
+            peak_rss_bytes: rss.iter().copied().max(),
+            peak_rss_bytes_per_rank: rss.clone(),
+            step_s: r.secs,
+            tokens: r.tokens as u64,
+            gpu_memory_bytes_per_rank: gpu.clone(),
         });
-        if let Some(g) = &gpu {
-            row["gpu_memory_bytes_per_rank"] = json!(g);
-        }
-        writeln!(f, "{row}")?;
+        writeln!(f, "{}", serde_json::to_string(&row)?)?;
         f.flush()?;
         self.history.write_svg(&self.output_dir.join("loss.svg"))?;
         let shown = r.step % self.logging_steps == 0 || r.step == self.total_steps;
@@ -120,7 +126,8 @@ impl MetricsLog {
     pub fn eval(&mut self, step: usize, loss: f64, perplexity: f64) -> Result<()> {
         self.history.eval.push((step, loss));
         if let Some(f) = self.metrics.as_mut() {
-            writeln!(f, "{}", json!({"step": step, "eval_loss": loss, "eval_perplexity": perplexity}))?;
+            let row = MetricsRow::Eval(EvalRow { step, eval_loss: loss, eval_perplexity: perplexity });
+            writeln!(f, "{}", serde_json::to_string(&row)?)?;
             f.flush()?;
             self.history.write_svg(&self.output_dir.join("loss.svg"))?;
             if self.verbose {
@@ -149,4 +156,19 @@ fn memory_per_rank(groups: &ProcessGroups, device: &Device) -> Result<(Vec<u64>,
     groups.world.all_reduce_f64(&mut all)?;
     let gpu = gpu_mem.map(|_| all[world..].iter().map(|&x| x as u64).collect());
     Ok((all[..world].iter().map(|&x| x as u64).collect(), gpu))
+}
+
+/// Cuts `path` back to the rows of steps up to `step` (a resumed run's checkpoint): the rows a
+/// run wrote after its last checkpoint describe steps that run again. Written to a temporary
+/// name, then renamed.
+fn keep_rows_up_to(path: &std::path::Path, step: usize) -> Result<()> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    let kept: String = text.lines().filter(|l| MetricsRow::parse(l).is_some_and(|r| r.step() <= step)).map(|l| format!("{l}\n")).collect();
+    let tmp = path.with_extension("jsonl.tmp");
+    std::fs::write(&tmp, kept).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
 }

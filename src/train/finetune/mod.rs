@@ -3,7 +3,8 @@
 //! Each rank runs the same phases, in the nanoGPT spirit:
 //!
 //! 1. [`bootstrap`]: rank 0 resolves the model, a starting adapter and the data, and every rank
-//!    learns them as bytes (no other rank opens a model or data file);
+//!    learns them as bytes (no other rank opens a model or data file); then [`plan::RunPlan`]
+//!    settles the run's shape (world, sequence length, micro-batch, accumulation, steps);
 //! 2. [`setup::build_engine`]: the FSDP engine on the rank's device;
 //! 3. [`setup::load_or_resume`]: rank 0 streams the weights unit by unit (each rank keeps its
 //!    chunks), or every rank loads its chunks of a checkpoint (`checkpoint::resume`);
@@ -11,14 +12,18 @@
 //! 5. [`export::export_result`]: the Hugging Face model (or PEFT adapter), through rank 0.
 //!
 //! [`ranks`] decides how the ranks exist (threads, or one process each under a launcher) and
-//! [`config`] holds every setting.
+//! checks the settings once; [`args`] holds every setting as users spell it (flags, YAML files,
+//! the jobs API's settings file) and [`config`] the checked settings; [`interrupt`] says how to
+//! resume when Ctrl-C stops a run.
 
 pub mod args;
 mod auto_batch;
 mod bootstrap;
 mod config;
 mod export;
+pub mod interrupt;
 mod metrics_log;
+pub mod plan;
 mod ranks;
 mod setup;
 mod train_loop;
@@ -49,12 +54,11 @@ pub struct RunSummary {
 /// One rank's whole run. `device`: the rank's device when the backend already opened it (NCCL).
 fn run_rank_phases(groups: &ProcessGroups, cfg: &FinetuneConfig, device: Option<Device>) -> Result<Option<RunSummary>> {
     let boot = bootstrap::bootstrap(groups, cfg)?;
-    let cfg = &FinetuneConfig { seq_len: Some(boot.seq_len), ..cfg.clone() };
-    let cfg = &auto_batch::fit(groups, cfg, &boot)?;
+    let plan = plan::RunPlan::settle(groups, cfg, &boot)?;
     let mut engine = setup::build_engine(groups, cfg, &boot, device)?;
-    let rank_bytes = setup::load_or_resume(&mut engine, groups, cfg, &boot)?;
-    let cfg = &auto_batch::fit_by_trial(&mut engine, groups, cfg, &boot)?;
-    let curve = train_loop::train(&mut engine, groups, cfg, &boot)?;
+    let rank_bytes = setup::load_or_resume(&mut engine, groups, cfg, &plan, &boot)?;
+    let plan = auto_batch::fit_by_trial(&mut engine, groups, cfg, &boot, plan)?;
+    let curve = train_loop::train(&mut engine, groups, cfg, &plan, &boot)?;
     export::export_result(&engine, &boot, &cfg.output_dir, cfg)?;
     let is_root = groups.world.rank() == 0;
     if is_root && cfg.verbose {

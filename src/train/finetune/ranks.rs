@@ -12,8 +12,12 @@ use crate::dist::env::DistEnv;
 use crate::dist::{DistError, ProcessGroups};
 
 /// Runs this process's part of a fine-tune: all ranks as threads (`local` backend) when no
-/// launcher started us, else this process's rank (`tcp` backend). Rank 0 gets the summary.
+/// launcher started us, else this process's rank (`tcp`, `mpi` or `nccl` backend). The settings
+/// are checked once here, for the run's world (the launcher's, else `--world-size`). Rank 0
+/// gets the summary.
 pub fn run(cfg: &FinetuneConfig, env: Option<&DistEnv>) -> Result<Option<RunSummary>> {
+    let world = env.map_or(cfg.world_size, |e| e.world_size);
+    validate(cfg, world)?;
     let backend = match (cfg.backend, env) {
         (Backend::Auto, None) => Backend::Local,
         (Backend::Auto, Some(_)) if cfg.device.is_cuda() && cfg!(feature = "nccl") => Backend::Nccl,
@@ -22,34 +26,31 @@ pub fn run(cfg: &FinetuneConfig, env: Option<&DistEnv>) -> Result<Option<RunSumm
         (b, _) => b,
     };
     match (backend, env) {
-        (Backend::Local, None) => run_local(cfg).map(Some),
+        (Backend::Local, None) => run_threads(cfg).map(Some),
         (Backend::Local, Some(e)) => bail!("--backend local runs ranks as threads, but {} started this process as one rank", e.launcher),
         (Backend::Tcp, None) => bail!("--backend tcp needs a launcher (fsdp-app launch, torchrun, srun or mpirun)"),
         (Backend::Tcp, Some(env)) => {
-            let mut cfg = cfg.clone();
-            cfg.world_size = env.world_size;
-            validate(&cfg)?;
-            let (groups, proxies) = crate::dist::tcp::connect(env, shard_size(&cfg), cfg.collective_timeout)?;
-            let result = run_rank(groups, &cfg, None);
-            proxies.wait_for_ranks(linger(&result, &cfg));
+            let (groups, proxies) = crate::dist::tcp::connect(env, shard_size(cfg, world), cfg.collective_timeout)?;
+            let result = run_rank(groups, cfg, None);
+            proxies.wait_for_ranks(linger(&result, cfg));
             result
         }
         (Backend::Nccl, None) => bail!("--backend nccl needs a launcher (fsdp-app launch, torchrun, srun or mpirun): one process per GPU"),
         (Backend::Nccl, Some(env)) => run_nccl(cfg, env),
-        (Backend::Mpi, _) => run_mpi(cfg),
+        (Backend::Mpi, _) => run_mpi(cfg, world),
         (Backend::Auto, _) => unreachable!(),
     }
 }
 
 #[cfg(feature = "mpi")]
-fn run_mpi(cfg: &FinetuneConfig) -> Result<Option<RunSummary>> {
+fn run_mpi(cfg: &FinetuneConfig, world: usize) -> Result<Option<RunSummary>> {
     let session = crate::dist::mpi::MpiSession::init()?;
-    let mut cfg = cfg.clone();
-    cfg.world_size = session.world_size();
     let result = (|| {
-        validate(&cfg)?;
-        let groups = session.groups(shard_size(&cfg))?;
-        run_rank(groups, &cfg, None)
+        if session.world_size() != world {
+            bail!("MPI started {} ranks, but this run was checked for {world} (--world-size, or the launcher's environment)", session.world_size());
+        }
+        let groups = session.groups(shard_size(cfg, world))?;
+        run_rank(groups, cfg, None)
     })();
     // Every group is dropped by now; dropping the session finalises MPI.
     drop(session);
@@ -57,24 +58,21 @@ fn run_mpi(cfg: &FinetuneConfig) -> Result<Option<RunSummary>> {
 }
 
 #[cfg(not(feature = "mpi"))]
-fn run_mpi(_cfg: &FinetuneConfig) -> Result<Option<RunSummary>> {
+fn run_mpi(_cfg: &FinetuneConfig, _world: usize) -> Result<Option<RunSummary>> {
     bail!("this fsdp-app was built without MPI; rebuild with `cargo build --release --features mpi` (needs libopenmpi-dev)")
 }
 
 /// One process per GPU: NCCL for the step's collectives, the tcp backend as control plane.
 #[cfg(feature = "nccl")]
 fn run_nccl(cfg: &FinetuneConfig, env: &DistEnv) -> Result<Option<RunSummary>> {
-    let mut cfg = cfg.clone();
-    cfg.world_size = env.world_size;
-    validate(&cfg)?;
     if !cfg.device.is_cuda() {
         bail!("--backend nccl runs on GPUs: add --device cuda");
     }
     // One Device per process: the communicators and the engine share its stream.
     let device = cfg.device.open(env.local_rank)?;
-    let (groups, proxies) = crate::dist::nccl::connect(env, shard_size(&cfg), cfg.collective_timeout, &device)?;
-    let result = run_rank(groups, &cfg, Some(device));
-    proxies.wait_for_ranks(linger(&result, &cfg));
+    let (groups, proxies) = crate::dist::nccl::connect(env, shard_size(cfg, env.world_size), cfg.collective_timeout, &device)?;
+    let result = run_rank(groups, cfg, Some(device));
+    proxies.wait_for_ranks(linger(&result, cfg));
     result
 }
 
@@ -94,11 +92,17 @@ fn linger<T>(result: &Result<T>, cfg: &FinetuneConfig) -> Duration {
     }
 }
 
-/// Runs the fine-tune with the `local` backend: one thread per rank.
+/// Runs the fine-tune with the `local` backend, one thread per rank (the library's entry for
+/// runs in one process; checks the settings as [`run`] does).
 pub fn run_local(cfg: &FinetuneConfig) -> Result<RunSummary> {
-    validate(cfg)?;
+    validate(cfg, cfg.world_size)?;
+    run_threads(cfg)
+}
+
+/// `--world-size` ranks as threads of this process, on checked settings.
+fn run_threads(cfg: &FinetuneConfig) -> Result<RunSummary> {
     let world = cfg.world_size;
-    let all_groups = crate::dist::local::create_process_groups(world, shard_size(cfg), cfg.collective_timeout);
+    let all_groups = crate::dist::local::create_process_groups(world, shard_size(cfg, world), cfg.collective_timeout);
     let handles: Vec<_> = all_groups
         .into_iter()
         .enumerate()

@@ -10,8 +10,8 @@ use serde_json::json;
 
 use super::bootstrap::Bootstrap;
 use super::config::FinetuneConfig;
-use crate::fsdp::plan::ShardingStrategy;
-use crate::checkpoint::load;
+use super::plan::RunPlan;
+use crate::model_files::load;
 use crate::checkpoint::resume::{self, ResumingRun};
 use crate::dist::{root_tries, ProcessGroups};
 use crate::fsdp::engine::{FsdpEngine, FsdpOptions, ParamSource, StateBytes, StatePart};
@@ -40,25 +40,25 @@ pub(super) fn build_engine(groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &
 
 /// Fills the engine from `--resume-from-checkpoint` or from the model's weights, then reports
 /// what each rank holds. Returns every rank's state bytes.
-pub(super) fn load_or_resume(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &Bootstrap) -> Result<Vec<StateBytes>> {
+pub(super) fn load_or_resume(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, plan: &RunPlan, boot: &Bootstrap) -> Result<Vec<StateBytes>> {
     let start = Instant::now();
     match &cfg.resume_from {
-        Some(from) => resume_from(engine, groups, cfg, boot, from)?,
+        Some(from) => resume_from(engine, groups, cfg, plan, boot, from)?,
         None => load_weights(engine, cfg, boot)?,
     }
-    if engine.step as usize > boot.data.total_steps {
-        bail!("the checkpoint is at step {}, past this run's {} steps", engine.step, boot.data.total_steps);
+    if engine.step as usize > plan.total_steps {
+        bail!("the checkpoint is at step {}, past this run's {} steps", engine.step, plan.total_steps);
     }
     let bytes = all_state_bytes(engine, groups)?;
     if groups.world.rank() == 0 && cfg.verbose {
-        report(cfg, boot, engine.units().count(), &bytes, start.elapsed().as_secs_f64());
+        report(cfg, plan, boot, engine.units().count(), &bytes, start.elapsed().as_secs_f64());
     }
     Ok(bytes)
 }
 
 /// Rank 0 opens and checks the checkpoint; every rank learns the step (or rank 0's error) and
 /// loads its chunks.
-fn resume_from(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &Bootstrap, from: &str) -> Result<()> {
+fn resume_from(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, plan: &RunPlan, boot: &Bootstrap, from: &str) -> Result<()> {
     let (reader, bytes) = root_tries(groups.world.as_ref(), "resume", || {
         let mut params: Vec<(String, Vec<usize>)> =
             engine.units().flat_map(|u| u.params.iter().map(|p| (p.spec.name.clone(), p.spec.shape.clone()))).collect();
@@ -67,11 +67,11 @@ fn resume_from(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneCo
         let run = ResumingRun {
             config_json: &boot.config_json,
             params,
-            global_batch: boot.data.global_batch,
+            global_batch: plan.global_batch,
             tokenizer: boot.side_file("tokenizer.json"),
             data,
             samples: boot.data.samples.len(),
-            steps_per_epoch: boot.data.steps_per_epoch,
+            steps_per_epoch: plan.steps_per_epoch,
             allow: cfg.resume_allow_changed,
         };
         let (reader, _state) = resume::open_for_resume(from, &cfg.output_dir, &run)?;
@@ -146,16 +146,16 @@ fn all_state_bytes(engine: &FsdpEngine, groups: &ProcessGroups) -> Result<Vec<St
     Ok(all.chunks(3).map(|c| StateBytes { params: c[0] as usize, grads: c[1] as usize, optimizer: c[2] as usize }).collect())
 }
 
-fn report(cfg: &FinetuneConfig, boot: &Bootstrap, n_units: usize, bytes: &[StateBytes], load_s: f64) {
+fn report(cfg: &FinetuneConfig, plan: &RunPlan, boot: &Bootstrap, n_units: usize, bytes: &[StateBytes], load_s: f64) {
     let (total, trainable) = (boot.total_params(), boot.trainable_params());
     eprintln!(
-        "fsdp: {} rank(s), {:?}, {n_units} units, {:.1}M parameters; fp32 master weights and fp32 AdamW moments; \
+        "fsdp: {} rank(s), {}, {n_units} units, {:.1}M parameters; fp32 master weights and fp32 AdamW moments; \
          loaded on rank 0 and streamed in {load_s:.2}s",
         bytes.len(),
         cfg.strategy,
         total as f64 / 1e6,
     );
-    eprintln!("{}", effective_settings(cfg, bytes.len(), boot.data.total_steps));
+    eprintln!("{}", effective_settings(cfg, plan));
     if let Some(lora) = &boot.lora {
         eprintln!(
             "lora: r={} alpha={} dropout={} targets {:?}: {trainable} trainable parameters ({:.3}% of {total}); the base is frozen \
@@ -183,13 +183,8 @@ fn report(cfg: &FinetuneConfig, boot: &Bootstrap, n_units: usize, bytes: &[State
 
 /// The settings the run uses, whatever set them (flags, `--config` files, defaults), in the
 /// words of PyTorch FSDP and TrainingArguments, so a user can see a config file was honoured.
-fn effective_settings(cfg: &FinetuneConfig, world: usize, total_steps: usize) -> String {
-    let strategy = match cfg.strategy {
-        ShardingStrategy::FullShard => "FULL_SHARD",
-        ShardingStrategy::ShardGradOp => "SHARD_GRAD_OP",
-        ShardingStrategy::NoShard => "NO_SHARD",
-        ShardingStrategy::HybridShard => "HYBRID_SHARD",
-    };
+fn effective_settings(cfg: &FinetuneConfig, plan: &RunPlan) -> String {
+    let (strategy, world, total_steps) = (cfg.strategy, plan.world_size, plan.total_steps);
     let dtype = |d: candle_core::DType| format!("{d:?}").to_lowercase();
     format!(
         "settings: sharding_strategy {strategy} (reshard_after_forward {}), activation_checkpointing {}, \
@@ -199,10 +194,10 @@ fn effective_settings(cfg: &FinetuneConfig, world: usize, total_steps: usize) ->
         cfg.activation_checkpointing,
         dtype(cfg.param_dtype),
         dtype(cfg.reduce_dtype),
-        cfg.batch_size,
-        cfg.grad_accum,
-        cfg.batch_size * cfg.grad_accum * world,
-        cfg.seq_len(),
+        plan.micro_batch,
+        plan.grad_accum,
+        plan.global_batch,
+        plan.seq_len,
         cfg.lr,
         cfg.schedule,
         cfg.warmup_for(total_steps),

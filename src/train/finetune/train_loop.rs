@@ -12,6 +12,7 @@ use super::bootstrap::Bootstrap;
 use super::config::FinetuneConfig;
 use super::export::export_result;
 use super::metrics_log::{MetricsLog, StepReport};
+use super::plan::RunPlan;
 use crate::checkpoint::identity::{self, DataCursor};
 use crate::checkpoint::sharded::{self, SaveExtras};
 use crate::dist::{all_reduce_scalar, ProcessGroups};
@@ -28,54 +29,53 @@ pub(super) struct Curve {
     pub grad_norms: Vec<f64>,
 }
 
-pub(super) fn train(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &Bootstrap) -> Result<Curve> {
+pub(super) fn train(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, plan: &RunPlan, boot: &Bootstrap) -> Result<Curve> {
     let data = &boot.data;
     let start_step = engine.step as usize;
-    let mut log = MetricsLog::open(groups, cfg, data.total_steps, start_step)?;
+    let mut log = MetricsLog::open(groups, cfg, plan.total_steps, start_step)?;
     let checkpoint_files = checkpoint_side_files(cfg, boot)?;
     let mut curve = Curve::default();
     // The data order is a pure function of (seed, epoch), so the cursor is the step.
-    let mut order_epoch = start_step / data.steps_per_epoch;
+    let mut order_epoch = start_step / plan.steps_per_epoch;
     let mut order = epoch_order(data.samples.len(), order_epoch, cfg.seed, cfg.shuffle);
-    for step in start_step..data.total_steps {
-        let epoch = step / data.steps_per_epoch;
+    for step in start_step..plan.total_steps {
+        let epoch = step / plan.steps_per_epoch;
         if epoch != order_epoch {
             order_epoch = epoch;
             order = epoch_order(data.samples.len(), epoch, cfg.seed, cfg.shuffle);
         }
         let start = Instant::now();
-        let lr = cfg.lr * lr_multiplier(cfg.schedule, step, cfg.warmup_for(data.total_steps), data.total_steps);
-        let micro = micro_batches(groups, cfg, boot, &order, step);
-        let StepOutcome { loss, grad_norm, tokens } = train_step(engine, groups, cfg, &micro, step, lr)?;
+        let lr = cfg.lr * lr_multiplier(cfg.schedule, step, cfg.warmup_for(plan.total_steps), plan.total_steps);
+        let micro = micro_batches(groups, plan, boot, &order, step);
+        let StepOutcome { loss, grad_norm, tokens } = train_step(engine, groups, cfg, plan, &micro, step, lr)?;
         curve.losses.push(loss);
         curve.grad_norms.push(grad_norm);
         log.step(groups, engine.device(), &StepReport { step: step + 1, epoch, loss, lr, grad_norm, tokens, secs: start.elapsed().as_secs_f64() })?;
         let done = step + 1;
-        if cfg.eval_steps.is_some_and(|n| done % n == 0) && done != data.total_steps {
-            run_eval(engine, groups, cfg, boot, done, &mut log)?;
+        if cfg.eval_steps.is_some_and(|n| done % n == 0) && done != plan.total_steps {
+            run_eval(engine, groups, plan, boot, done, &mut log)?;
         }
-        let epoch_end = done % data.steps_per_epoch == 0;
-        if cfg.save_steps.is_some_and(|n| done % n == 0) || (cfg.save_each_epoch && epoch_end) {
-            save_checkpoint(engine, groups, cfg, boot, done, &checkpoint_files)?;
+        if cfg.save_steps.is_some_and(|n| done % n == 0) || (cfg.save_each_epoch && plan.ends_epoch(done)) {
+            save_checkpoint(engine, groups, cfg, plan, boot, done, &checkpoint_files)?;
         }
-        if cfg.save_full_every.is_some_and(|n| done % n == 0) && done != data.total_steps {
+        if cfg.save_full_every.is_some_and(|n| done % n == 0) && done != plan.total_steps {
             export_result(engine, boot, &cfg.output_dir.join(format!("export-{done}")), cfg)?;
         }
     }
     log.finish();
-    run_eval(engine, groups, cfg, boot, data.total_steps, &mut log)?;
+    run_eval(engine, groups, plan, boot, plan.total_steps, &mut log)?;
     Ok(curve)
 }
 
 /// This rank's micro-batches of step `step`'s global batch: micro-batch `a` takes, for each
-/// rank in turn, `batch_size` consecutive samples of the epoch's order.
-fn micro_batches<'a>(groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &'a Bootstrap, order: &[usize], step: usize) -> Vec<Vec<&'a Sample>> {
-    let (rank, world) = (groups.world.rank(), groups.world.world_size());
-    let base = (step % boot.data.steps_per_epoch) * boot.data.global_batch;
-    (0..cfg.grad_accum)
+/// rank in turn, `micro_batch` consecutive samples of the epoch's order.
+fn micro_batches<'a>(groups: &ProcessGroups, plan: &RunPlan, boot: &'a Bootstrap, order: &[usize], step: usize) -> Vec<Vec<&'a Sample>> {
+    let (rank, world) = (groups.world.rank(), plan.world_size);
+    let base = (step % plan.steps_per_epoch) * plan.global_batch;
+    (0..plan.grad_accum)
         .map(|a| {
-            let first = base + (a * world + rank) * cfg.batch_size;
-            (first..first + cfg.batch_size).map(|i| &boot.data.samples[order[i]]).collect()
+            let first = base + (a * world + rank) * plan.micro_batch;
+            (first..first + plan.micro_batch).map(|i| &boot.data.samples[order[i]]).collect()
         })
         .collect()
 }
@@ -91,7 +91,7 @@ struct StepOutcome {
 
 /// Forward + backward of every micro-batch (the loss normalised by the global batch's target
 /// tokens, so N ranks give one rank's gradients), then the optimizer step.
-fn train_step(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, micro: &[Vec<&Sample>], step: usize, lr: f64) -> Result<StepOutcome> {
+fn train_step(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, plan: &RunPlan, micro: &[Vec<&Sample>], step: usize, lr: f64) -> Result<StepOutcome> {
     let (rank, world) = (groups.world.rank(), groups.world.world_size());
     let local_targets: usize = micro.iter().flatten().map(|s| s.target_tokens()).sum();
     let batches: Vec<_> = micro.iter().map(|mb| collate(mb)).collect();
@@ -107,7 +107,7 @@ fn train_step(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneCon
         let input = Tensor::from_vec(batch.input_ids, (batch.rows, batch.width), engine.device())?;
         // Dropout seeds from (seed, step, place in the global batch): the same masks on any
         // number of ranks, and in an activation-checkpointing recompute.
-        let first = (a * world + rank) * cfg.batch_size;
+        let first = (a * world + rank) * plan.micro_batch;
         let row_seeds = (first..first + batch.rows).map(|i| dropout_seed(cfg.seed, step, i)).collect();
         let targets = next_token_targets(&batch.labels, batch.rows, batch.width);
         let ctx = StageContext { packing: batch.packing, row_seeds: Some(row_seeds), targets: Some(targets), ..Default::default() };
@@ -129,26 +129,26 @@ fn dropout_seed(seed: u64, step: usize, place: usize) -> u64 {
 fn checkpoint_side_files(cfg: &FinetuneConfig, boot: &Bootstrap) -> Result<Vec<(String, Vec<u8>)>> {
     let mut files = boot.side_files.clone();
     if let Some(lora) = &boot.lora {
-        let config = crate::checkpoint::adapter::adapter_config_json(lora, &cfg.model);
-        files.push((crate::checkpoint::adapter::ADAPTER_CONFIG.to_string(), serde_json::to_vec_pretty(&config)?));
+        let config = crate::model_files::adapter::adapter_config_json(lora, &cfg.model);
+        files.push((crate::model_files::adapter::ADAPTER_CONFIG.to_string(), serde_json::to_vec_pretty(&config)?));
     }
     Ok(files)
 }
 
-fn save_checkpoint(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &Bootstrap, done: usize, side_files: &[(String, Vec<u8>)]) -> Result<()> {
+fn save_checkpoint(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, plan: &RunPlan, boot: &Bootstrap, done: usize, side_files: &[(String, Vec<u8>)]) -> Result<()> {
     let t = Instant::now();
     let data = &boot.data;
     let trainer_state = json!({
-        "step": done, "epoch": done / data.steps_per_epoch, "samples_seen": done * data.global_batch,
-        "global_batch": data.global_batch, "seed": cfg.seed, "shuffle": cfg.shuffle,
+        "step": done, "epoch": done / plan.steps_per_epoch, "samples_seen": done * plan.global_batch,
+        "global_batch": plan.global_batch, "seed": cfg.seed, "shuffle": cfg.shuffle,
         "lr_schedule": {"type": format!("{:?}", cfg.schedule).to_lowercase(), "base_lr": cfg.lr,
-                        "warmup_steps": cfg.warmup_for(data.total_steps), "total_steps": data.total_steps},
+                        "warmup_steps": cfg.warmup_for(plan.total_steps), "total_steps": plan.total_steps},
         // The only randomness in training is the data order, a function of (seed, epoch).
         "rng": {"shuffle_seed": cfg.seed},
         // Rank 0 writes the trainer state; only it knows the data's identity.
-        "data": data.identity.as_ref().map(|i| identity::data_state(i, &DataCursor::at(done, data.samples.len(), data.steps_per_epoch))),
+        "data": data.identity.as_ref().map(|i| identity::data_state(i, &DataCursor::at(done, data.samples.len(), plan.steps_per_epoch))),
     });
-    let extras = SaveExtras { trainer_state, side_files, strategy: format!("{:?}", cfg.strategy), total_limit: cfg.save_total_limit };
+    let extras = SaveExtras { trainer_state, side_files, strategy: cfg.strategy.as_str().to_string(), total_limit: cfg.save_total_limit };
     let dir = sharded::save(engine, groups, &cfg.output_dir, &extras)?;
     if groups.world.rank() == 0 && cfg.verbose {
         eprintln!("saved {} in {:.2}s", dir.display(), t.elapsed().as_secs_f64());
@@ -156,11 +156,11 @@ fn save_checkpoint(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &Finetu
     Ok(())
 }
 
-fn run_eval(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &Bootstrap, step: usize, log: &mut MetricsLog) -> Result<()> {
+fn run_eval(engine: &mut FsdpEngine, groups: &ProcessGroups, plan: &RunPlan, boot: &Bootstrap, step: usize, log: &mut MetricsLog) -> Result<()> {
     if boot.data.eval_samples.is_empty() {
         return Ok(());
     }
-    let (loss, ppl) = evaluate(engine, groups, &boot.data.eval_samples, cfg.batch_size, cfg.seq_len())?;
+    let (loss, ppl) = evaluate(engine, groups, &boot.data.eval_samples, plan.micro_batch, plan.seq_len)?;
     log.eval(step, loss, ppl)
 }
 

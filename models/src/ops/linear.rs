@@ -5,10 +5,10 @@
 //! matrix product each over all rows, and a W that trains nothing (a LoRA base) gets no
 //! gradient computed at all.
 
-use crate::fused::f32_slice;
+use crate::ops::f32_slice;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
-/// `x (.., in) · wᵀ` for `w (out, in)`: (.., out). f32 on the CPU (see [`crate::fused::applies`]).
+/// `x (.., in) · wᵀ` for `w (out, in)`: (.., out). f32 on the CPU (see [`crate::ops::applies`]).
 pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (_, in_dim) = w.dims2()?;
     if x.dim(candle_core::D::Minus1)? != in_dim {

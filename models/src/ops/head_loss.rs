@@ -9,17 +9,17 @@
 //!
 //! Handing dW to a trainer's sink with fewer rows than hidden units, the op keeps the
 //! (rows, vocab) logit gradients instead of the (vocab, hidden) dW, smaller then, and the
-//! trainer makes dW from them a range of vocabulary rows at a time (`crate::weight_grads`).
+//! trainer makes dW from them a range of vocabulary rows at a time (`crate::ops::weight_grads`).
 
 use std::sync::{Arc, Mutex};
 
-use crate::fused::f32_slice;
+use crate::ops::f32_slice;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Storage, Tensor};
 use rayon::prelude::*;
 
-use crate::kernels::exp_inplace;
-use crate::linear::{product, product_add};
-use crate::weight_grads::{GradRows, WeightGradTarget};
+use crate::ops::kernels::exp_inplace;
+use crate::ops::linear::{product, product_add};
+use crate::ops::weight_grads::{GradRows, WeightGradTarget};
 
 /// Most logits alive at once (32 MiB of f32).
 const CHUNK_VALUES: usize = 8 << 20;
@@ -27,7 +27,7 @@ const CHUNK_VALUES: usize = 8 << 20;
 /// Per-position `-log softmax(h Wᵀ)[target]` for `h` (rows, hidden) and `w` (vocab, hidden),
 /// 0 where the target is negative (ignored): a (rows,) tensor. f32 on the CPU.
 /// With `grad_to`, the head's gradient goes there instead of to candle's gradient store (see
-/// `crate::weight_grads`).
+/// `crate::ops::weight_grads`).
 pub fn head_cross_entropy(h: &Tensor, w: &Tensor, targets: &[i64], grad_to: Option<WeightGradTarget>) -> Result<Tensor> {
     head_cross_entropy_in_chunks(h, w, targets, CHUNK_VALUES, grad_to)
 }
@@ -369,7 +369,7 @@ mod tests {
     /// uniform and a per-position upstream gradient.
     #[test]
     fn a_sink_gets_the_head_gradient_by_rows() {
-        use crate::weight_grads::WeightGrads;
+        use crate::ops::weight_grads::WeightGrads;
         let (h, w) = (rand(&[5, 16], 51, 1.0), rand(&[37, 16], 52, 0.7));
         let targets = [3i64, -100, 36, 0, 17];
         for probe in [Tensor::full(0.5f32, 5, &candle_core::Device::Cpu).unwrap(), rand(&[5], 53, 1.0)] {

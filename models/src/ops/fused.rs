@@ -4,23 +4,11 @@
 //! training path. On other devices, and for dtypes other than f32, callers keep the composite
 //! ops (same values; see each op's test against them).
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::kernels::exp_inplace;
-
-/// Whether the fused ops apply: f32 tensors in host memory.
-pub fn applies(x: &Tensor) -> bool {
-    x.device().is_cpu() && x.dtype() == DType::F32
-}
-
-/// The f32 values of a contiguous CPU input of a custom op (every fused op's inputs are).
-pub(crate) fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&s.as_slice::<f32>()?[a..b]),
-        None => candle_core::bail!("fused op: the input is not contiguous"),
-    }
-}
+use super::kernels::exp_inplace;
+use super::f32_slice;
 
 /// Rows of at least this many values each go to one thread task.
 const MIN_TASK: usize = 1 << 14;
@@ -208,7 +196,7 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 }
 
 /// [`rope`] for `x` in the projections' token-major layout (batch, seq, heads, head_dim), as
-/// [`crate::attention::attention`] reads it.
+/// `ops::attention::attention` reads it.
 pub fn rope_token_major(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rope { inverse: false, token_major: true })
 }

@@ -10,12 +10,12 @@
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 use rayon::prelude::*;
 
-use crate::fused::f32_slice;
-use crate::kernels::exp_inplace;
+use crate::ops::f32_slice;
+use crate::ops::kernels::exp_inplace;
 
 /// `softmax(q kᵀ · scale + mask) v` for q (batch, seq, heads, head_dim) and k, v (batch, seq,
 /// kv_heads, head_dim); `mask` is additive, (seq, seq) or (batch, 1, seq, seq). Returns
-/// (batch, seq, heads · head_dim). f32 on the CPU (see [`crate::fused::applies`]).
+/// (batch, seq, heads · head_dim). f32 on the CPU (see [`crate::ops::applies`]).
 pub fn attention(
     q: &Tensor,
     k: &Tensor,

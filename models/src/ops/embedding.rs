@@ -1,7 +1,7 @@
 //! Token embedding for training on the CPU: rows of the table picked by id, with a backward that
 //! builds the table's gradient in one buffer (rows of the upstream gradient added at their ids)
 //! and, given a [`WeightGradTarget`], hands it to the trainer instead of candle's gradient store
-//! (see `crate::weight_grads`), as rows made on demand: a trainer reducing the gradient a range
+//! (see `crate::ops::weight_grads`), as rows made on demand: a trainer reducing the gradient a range
 //! of rows at a time never holds the (vocab, hidden) buffer. The backward never reads the table
 //! itself.
 
@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Storage, Tensor};
 
-use crate::fused::f32_slice;
-use crate::weight_grads::{GradRows, WeightGradTarget};
+use crate::ops::f32_slice;
+use crate::ops::weight_grads::{GradRows, WeightGradTarget};
 
 /// `w[ids]`: (ids..., hidden) rows of the (vocab, hidden) f32 table `w`; `ids` u32.
 pub fn embedding(w: &Tensor, ids: &Tensor, grad_to: Option<WeightGradTarget>) -> Result<Tensor> {
@@ -107,7 +107,7 @@ impl GradRows for EmbeddingGradRows {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::weight_grads::WeightGrads;
+    use crate::ops::weight_grads::WeightGrads;
     use candle_core::{Device, Var};
     use candle_nn::Module;
 

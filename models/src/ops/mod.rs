@@ -1,0 +1,33 @@
+//! CPU ops with exact backward, for training (and the decode kernels): each is a candle custom
+//! op whose forward is one pass over the data and whose `bwd` is itself a fused pass. The model
+//! code (`layers`, `lora`, `model`, `staged`) calls them where [`applies`] says they do, and
+//! candle's composite ops elsewhere (other devices and dtypes).
+//!
+//! - `fused`: RMSNorm, rope, SwiGLU; `attention`: causal/packed attention with an online softmax;
+//!   `linear`: `x · wᵀ` with its backward; `head_loss`: the head and cross-entropy fused, by rows;
+//!   `embedding`: the lookup whose weight gradient is made by rows;
+//! - `weight_grads`: the sink those two hand their weight gradients to (no vocabulary-sized
+//!   gradient tensor); `kernels`: run-time-dispatched SIMD kernels (decode gemv, exp).
+
+pub mod attention;
+pub mod embedding;
+pub mod fused;
+pub mod head_loss;
+pub mod kernels;
+pub mod linear;
+pub mod weight_grads;
+
+use candle_core::{CpuStorage, DType, Layout, Result, Tensor};
+
+pub fn applies(x: &Tensor) -> bool {
+    x.device().is_cpu() && x.dtype() == DType::F32
+}
+
+/// The f32 values of a contiguous CPU input of a custom op (every fused op's inputs are).
+pub(crate) fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&s.as_slice::<f32>()?[a..b]),
+        None => candle_core::bail!("fused op: the input is not contiguous"),
+    }
+}
+

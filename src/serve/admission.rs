@@ -1,0 +1,49 @@
+//! Admission into the bounded queue, and handing a validated request's answers to its model's
+//! engine. Each of a request's `n` answers takes a generation slot or a queue place, as n
+//! separate requests would; a full queue is 429 with `Retry-After`.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::mpsc;
+
+use super::engine::{Event, Job};
+use super::error::ApiError;
+use super::state::AppState;
+use super::validate::ValidatedRequest;
+
+/// Counts a request's sequences as admitted until dropped (when the response is complete or the
+/// client is gone), so the queue bound holds for streams too.
+pub struct Admission(Arc<AppState>, usize);
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(self.1, Ordering::SeqCst);
+    }
+}
+
+/// A request's answers on their way: one event channel per answer, and its place in the queue.
+pub struct Submitted {
+    pub admission: Admission,
+    pub answers: Vec<mpsc::UnboundedReceiver<Event>>,
+}
+
+/// Admits `req` and submits its `n` answers (answer i seeded `seed + i`, each with its own
+/// grammar matcher, which it takes from `req`).
+pub fn submit(st: &Arc<AppState>, req: &mut ValidatedRequest) -> Result<Submitted, ApiError> {
+    let cap = st.max_concurrent + st.max_queue;
+    st.in_flight.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n + req.n <= cap).then_some(n + req.n)).map_err(|_| ApiError::overloaded(1))?;
+    let admission = Admission(st.clone(), req.n);
+    let mut constraints = std::mem::take(&mut req.constraints).into_iter();
+    let mut answers = vec![];
+    for i in 0..req.n {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut params = req.params.clone();
+        params.seed = params.seed.wrapping_add(i as u64);
+        let job = Job { prompt_ids: req.prompt_ids.clone(), params, constraint: constraints.next(), events: tx, enqueued: Instant::now() };
+        req.model.engine.submit(job).map_err(ApiError::internal)?;
+        answers.push(rx);
+    }
+    Ok(Submitted { admission, answers })
+}

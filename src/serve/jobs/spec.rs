@@ -1,0 +1,115 @@
+//! What a fine-tuning job is, typed: its status, its hyperparameters (OpenAI's) and our
+//! extensions (`fsdp_app`), each default written once here. Requests are read into these
+//! (`api`), the store keeps them as JSON, and the runner turns them into `finetune` settings.
+
+use serde::{Deserialize, Serialize};
+
+/// A job's status, OpenAI's values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobStatus {
+    ValidatingFiles,
+    Queued,
+    Running,
+    Succeeded,
+    Failed,
+    Cancelled,
+}
+
+impl JobStatus {
+    pub const ALL: [JobStatus; 6] = [Self::ValidatingFiles, Self::Queued, Self::Running, Self::Succeeded, Self::Failed, Self::Cancelled];
+    /// Whose training processes may be alive.
+    pub const ACTIVE: [JobStatus; 2] = [Self::ValidatingFiles, Self::Running];
+    /// That no later status replaces.
+    pub const FINAL: [JobStatus; 3] = [Self::Succeeded, Self::Failed, Self::Cancelled];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::ValidatingFiles => "validating_files",
+            Self::Queued => "queued",
+            Self::Running => "running",
+            Self::Succeeded => "succeeded",
+            Self::Failed => "failed",
+            Self::Cancelled => "cancelled",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|x| x.as_str() == s)
+    }
+
+    pub fn is_final(self) -> bool {
+        Self::FINAL.contains(&self)
+    }
+
+    /// `'a', 'b'` for an SQL `IN (...)`.
+    pub fn sql_list(statuses: &[JobStatus]) -> String {
+        statuses.iter().map(|s| format!("'{}'", s.as_str())).collect::<Vec<_>>().join(", ")
+    }
+}
+
+impl std::fmt::Display for JobStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// OpenAI's `hyperparameters` ("auto" is the default).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Hyperparameters {
+    pub n_epochs: u64,
+    pub batch_size: u64,
+    /// Scales the base rate ([`base_learning_rate`]).
+    pub learning_rate_multiplier: f64,
+}
+
+impl Default for Hyperparameters {
+    fn default() -> Self {
+        Self { n_epochs: 3, batch_size: 1, learning_rate_multiplier: 1.0 }
+    }
+}
+
+/// The rate `learning_rate_multiplier` scales: 2e-5 for full fine-tuning, 2e-4 for LoRA (OpenAI
+/// does not say its own).
+pub fn base_learning_rate(lora: bool) -> f64 {
+    if lora {
+        2e-4
+    } else {
+        2e-5
+    }
+}
+
+/// Our extensions of a job, under `fsdp_app`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobExtensions {
+    /// Ranks (processes) the job trains on.
+    pub world_size: u64,
+    /// Tokens per row: min([`crate::train::DEFAULT_SEQ_LEN`], the model's context) unless given.
+    pub seq_len: u64,
+    pub max_steps: Option<u64>,
+    /// LoRA on the frozen base instead of full fine-tuning.
+    pub lora: Option<JobLora>,
+}
+
+impl JobExtensions {
+    /// A job that sets none, on a model of `context` tokens.
+    pub fn defaults(context: usize) -> Self {
+        Self { world_size: 1, seq_len: crate::train::DEFAULT_SEQ_LEN.min(context) as u64, max_steps: None, lora: None }
+    }
+}
+
+/// `fsdp_app.lora`: PEFT's settings, each unset one at `models::LoraSettings::default()`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobLora {
+    pub r: u64,
+    pub alpha: f64,
+    pub dropout: f64,
+    pub targets: Vec<String>,
+}
+
+impl Default for JobLora {
+    fn default() -> Self {
+        let d = models::LoraSettings::default();
+        Self { r: d.r as u64, alpha: d.alpha, dropout: d.dropout, targets: d.targets }
+    }
+}

@@ -1,0 +1,117 @@
+//! Shaping a generation's events into OpenAI's responses: a JSON object once every answer is
+//! done, or an SSE stream of chunks (`stream`); both for completions and chat, with logprobs,
+//! echo, and function calls read from a chat answer.
+
+mod logprobs;
+mod stream;
+
+use std::sync::Arc;
+
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Value};
+
+use super::admission::Submitted;
+use super::engine::Event;
+use super::error::ApiError;
+use super::fields;
+use super::state::AppState;
+use super::tools::{self, Tools};
+use super::validate::{RequestKind, ValidatedRequest};
+use crate::generate::TokenLogprob;
+
+/// The response to a validated, submitted request: streamed or whole.
+pub async fn answer(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -> Result<Response, ApiError> {
+    let ignored = req.ignored.clone();
+    let response = if req.stream { stream::sse(st, req, submitted) } else { whole(st, req, submitted).await? };
+    Ok(with_ignored(response, &ignored))
+}
+
+/// Lists the fields `--lenient` ignored in the response's header (see `fields`).
+pub fn with_ignored(mut resp: Response, ignored: &[String]) -> Response {
+    if !ignored.is_empty() {
+        if let Ok(v) = axum::http::HeaderValue::from_str(&ignored.join(", ")) {
+            resp.headers_mut().insert(fields::IGNORED_HEADER, v);
+        }
+    }
+    resp
+}
+
+/// What a response's `id` and `object` are.
+fn names(kind: &RequestKind, chunk: bool) -> (String, &'static str) {
+    let id = super::ids::new_id(if kind.is_chat() { "chatcmpl" } else { "cmpl" });
+    let object = match (kind.is_chat(), chunk) {
+        (true, false) => "chat.completion",
+        (true, true) => "chat.completion.chunk",
+        (false, _) => "text_completion",
+    };
+    (id, object)
+}
+
+fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
+    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens})
+}
+
+/// Waits for every answer, then one JSON object.
+async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -> Result<Response, ApiError> {
+    let Submitted { admission, answers } = submitted;
+    let tokenizer = &req.model.tokenizer;
+    let (echo, tools) = match &req.kind {
+        RequestKind::Completion { echo } => (echo.as_deref(), None),
+        RequestKind::Chat { tools } => (None, tools.as_ref()),
+    };
+    let mut choices = vec![];
+    let mut completion_tokens = 0;
+    for (index, mut rx) in answers.into_iter().enumerate() {
+        let mut text = echo.unwrap_or_default().to_string();
+        let mut lps: Vec<TokenLogprob> = vec![];
+        let mut prompt_lps: Option<Vec<TokenLogprob>> = None;
+        let finish = loop {
+            let ev = tokio::select! {
+                ev = rx.recv() => ev,
+                // The shutdown's grace period is over.
+                _ = st.shutdown.forced() => return Err(ApiError::shutting_down()),
+            };
+            match ev {
+                Some(Event::PromptLogprobs(v)) => prompt_lps = Some(v),
+                Some(Event::Delta { text: t, logprob }) => {
+                    text.push_str(&t);
+                    lps.extend(logprob);
+                }
+                Some(Event::Done { finish, completion_tokens: c, .. }) => {
+                    completion_tokens += c;
+                    break finish;
+                }
+                // The request was checked before it ran: a failure now is the server's.
+                Some(Event::Error(e)) => return Err(ApiError::internal(format!("Generation failed: {e}"))),
+                None => return Err(ApiError::internal("the engine dropped the request")),
+            }
+        };
+        let logprobs = req.params.logprobs.map(|_| match req.kind {
+            RequestKind::Chat { .. } => logprobs::chat(tokenizer, &lps),
+            RequestKind::Completion { .. } => logprobs::completion(tokenizer, &req.prompt_ids, prompt_lps.as_deref(), &lps, echo),
+        });
+        choices.push(if req.kind.is_chat() {
+            let (message, finish) = assistant_message(tools, text, json!(finish));
+            json!({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish})
+        } else {
+            json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
+        });
+    }
+    drop(admission);
+    let (id, object) = names(&req.kind, false);
+    let usage = usage(req.prompt_ids.len(), completion_tokens);
+    Ok(Json(json!({"id": id, "object": object, "created": super::ids::now_s(), "model": req.model.id, "choices": choices, "usage": usage})).into_response())
+}
+
+/// The assistant's message for an answer: its function calls when it makes any (then
+/// `finish_reason` "tool_calls" for an answer that ended by itself), else its text.
+fn assistant_message(tools: Option<&Tools>, text: String, finish: Value) -> (Value, Value) {
+    match tools.and_then(|t| t.calls_in(&text)).filter(|(_, calls)| !calls.is_empty()) {
+        Some((content, calls)) => {
+            let finish = if finish == "stop" { json!("tool_calls") } else { finish };
+            (json!({"role": "assistant", "content": content, "tool_calls": tools::calls_json(&calls)}), finish)
+        }
+        None => (json!({"role": "assistant", "content": text}), finish),
+    }
+}

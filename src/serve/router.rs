@@ -1,0 +1,87 @@
+//! The route table, and the middleware every request passes: the API key (when one is set) and
+//! the shutdown's 503, and the request counter of `/metrics`.
+
+use std::sync::Arc;
+
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+
+use super::error::ApiError;
+use super::state::AppState;
+use super::{files, jobs, routes, web};
+
+/// How far past --max-body-bytes a body is still read, to answer 413 cleanly (see `body`).
+const READ_PAST_LIMIT: usize = 32 << 20;
+
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/health", get(routes::health))
+        .route("/", get(web::index))
+        .route("/finetune", get(web::finetune))
+        .route("/web/app.js", get(web::app_js))
+        .route("/web/app.css", get(web::app_css))
+        .route("/metrics", get(routes::metrics))
+        .route("/info", get(routes::info))
+        .route("/openapi.json", get(routes::openapi))
+        .route("/tokenize", post(routes::tokenize))
+        .route("/detokenize", post(routes::detokenize))
+        .route("/v1/models", get(routes::models))
+        .route("/v1/models/{id}", get(routes::model).delete(routes::delete_model))
+        .route("/v1/completions", post(routes::completions))
+        .route("/v1/chat/completions", post(routes::chat_completions))
+        .route("/v1/files", post(files::upload).get(files::list).layer(DefaultBodyLimit::max(files::MAX_UPLOAD_BYTES)))
+        .route("/v1/files/{id}", get(files::get_one).delete(files::delete))
+        .route("/v1/files/{id}/content", get(files::content))
+        .route("/v1/fine_tuning/jobs", post(jobs::api::create).get(jobs::api::list))
+        .route("/v1/fine_tuning/jobs/{id}", get(jobs::api::get_one))
+        .route("/v1/fine_tuning/jobs/{id}/cancel", post(jobs::api::cancel))
+        .route("/v1/fine_tuning/jobs/{id}/events", get(jobs::api::events))
+        .route("/v1/fine_tuning/jobs/{id}/checkpoints", get(jobs::api::checkpoints))
+        .fallback(routes::not_found)
+        .method_not_allowed_fallback(routes::method_not_allowed)
+        .layer(DefaultBodyLimit::max(state.max_body_bytes.saturating_add(READ_PAST_LIMIT)))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), auth))
+        .with_state(state)
+}
+
+/// Constant-time comparison, so response timing says nothing about the key.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = (a.len() != b.len()) as u8;
+    for i in 0..a.len().max(b.len()) {
+        diff |= a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0);
+    }
+    diff == 0
+}
+
+/// Every route but /health and the static pages needs `Authorization: Bearer <key>` when a key
+/// is set.
+async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    // Draining: requests on connections still open get 503 (the listener is closed).
+    if st.shutdown.begun() {
+        let resp = ApiError::shutting_down().into_response();
+        st.metrics.request(resp.status().as_u16());
+        return resp;
+    }
+    if let Some(key) = &st.api_key {
+        let path = req.uri().path();
+        if path != "/health" && !web::PUBLIC_PATHS.contains(&path) {
+            let given = req
+                .headers()
+                .get(axum::http::header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "))
+                .unwrap_or("");
+            if !same_secret(given.as_bytes(), key.as_bytes()) {
+                let resp = ApiError::unauthorized().into_response();
+                st.metrics.request(resp.status().as_u16());
+                return resp;
+            }
+        }
+    }
+    let resp = next.run(req).await;
+    st.metrics.request(resp.status().as_u16());
+    resp
+}

@@ -1,0 +1,117 @@
+//! One model being served: its engine thread, tokenizer, limits and sampling defaults, loaded
+//! from a model directory (or Hub id); and how a conversation becomes its prompt.
+
+use std::sync::Arc;
+
+use anyhow::Result;
+use candle_core::{DType, Device};
+use serde_json::{json, Value};
+
+use super::engine::{self, EngineHandle};
+use super::error::ApiError;
+use super::metrics::Metrics;
+use super::tools::{self, Tools};
+use crate::generate::constraint::Grammars;
+use crate::generate::ModelDefaults;
+use crate::tokenize::{ChatMessage, TextTokenizer};
+
+/// Where served models compute; the base model and fine-tuned ones alike.
+#[derive(Debug, Clone)]
+pub struct Placement {
+    pub device: Device,
+    pub dtype: DType,
+}
+
+/// What every served model is loaded with: where it computes and the server's limits.
+#[derive(Clone)]
+pub struct LoadSettings {
+    pub placement: Placement,
+    /// Sequences each model's engine runs together.
+    pub max_running: usize,
+    /// Longest prompt, and longest prompt + completion (`--max-input-tokens`,
+    /// `--max-total-tokens`); both at most the model's context.
+    pub limit_input: Option<usize>,
+    pub limit_total: Option<usize>,
+    pub metrics: Arc<Metrics>,
+}
+
+pub struct ServedModel {
+    pub id: String,
+    pub engine: EngineHandle,
+    pub tokenizer: Arc<TextTokenizer>,
+    pub created: u64,
+    pub context: usize,
+    pub vocab: usize,
+    pub max_input_tokens: usize,
+    pub max_total_tokens: usize,
+    pub defaults: ModelDefaults,
+    /// The grammar engine's view of the vocabulary, for `response_format` and forced function
+    /// calls; or why this model's tokenizer cannot have one.
+    pub grammars: std::result::Result<Arc<Grammars>, String>,
+}
+
+impl ServedModel {
+    /// Loads a model directory (or Hub id) as model `id` and starts its engine thread.
+    pub fn load(id: &str, source: &str, revision: Option<&str>, settings: &LoadSettings) -> Result<Self> {
+        let placement = &settings.placement;
+        let files = crate::model_files::resolve_model(source, revision)?;
+        let loaded = crate::model_files::load_model(files, placement.dtype, &placement.device)?;
+        // The engine thread computes on its own (per-thread) stream: the weights must have landed.
+        placement.device.synchronize()?;
+        let tokenizer = Arc::new(TextTokenizer::load(&loaded.files, loaded.config.vocab_size)?);
+        let defaults = ModelDefaults::of(&loaded.files, &loaded.config.eos_token_ids)?;
+        let eos = defaults.eos_token_ids.clone();
+        let context = loaded.config.max_position_embeddings;
+        let vocab = loaded.config.vocab_size;
+        // A constrained answer ends with the tokenizer's eos token (a chat model's end of turn).
+        let answer_end = tokenizer.eos_token.as_deref().and_then(|t| tokenizer.inner.token_to_id(t)).filter(|id| eos.contains(id)).or_else(|| eos.iter().min().copied());
+        let grammars = match answer_end {
+            None => Err("the model has no eos token to end a constrained answer".to_string()),
+            Some(end) => {
+                let vocabulary = tokenizer.inner.to_string(false).map_err(|e| anyhow::anyhow!("{e}"))?;
+                Grammars::new(&vocabulary, vocab, end).map(Arc::new).map_err(|e| format!("{e:#}"))
+            }
+        };
+        let engine = engine::start(loaded.model, tokenizer.clone(), eos, settings.max_running, settings.metrics.clone());
+        let max_total_tokens = settings.limit_total.unwrap_or(context).min(context);
+        Ok(Self {
+            id: id.to_string(),
+            engine,
+            tokenizer,
+            created: super::ids::now_s() as u64,
+            context,
+            vocab,
+            max_input_tokens: settings.limit_input.unwrap_or(max_total_tokens - 1).min(max_total_tokens - 1),
+            max_total_tokens,
+            defaults,
+            grammars,
+        })
+    }
+
+    /// OpenAI's `model` object.
+    pub fn object(&self) -> Value {
+        json!({"id": self.id, "object": "model", "created": self.created, "owned_by": "fsdp-app", "max_model_len": self.context})
+    }
+
+    /// Token ids of a conversation rendered with the model's chat template, ready for the
+    /// assistant's answer (as transformers' `apply_chat_template(..., add_generation_prompt=True)`).
+    /// With functions: through the template when it reads `tools`, else in the generic format
+    /// (`tools::generic_messages`), which also writes a history's calls and results.
+    pub fn chat_prompt_ids(&self, messages: &[ChatMessage], tools: Option<&Tools>) -> Result<Vec<u32>, ApiError> {
+        let template = self
+            .tokenizer
+            .chat_template
+            .as_ref()
+            .ok_or_else(|| ApiError::bad_request("This model has no chat template; use /v1/completions."))?;
+        let has_tool_turns = messages.iter().any(|m| m.tool_calls.is_some() || m.role == "tool");
+        let rendered = if template.takes_tools {
+            template.render_with_tools(messages, tools.map(|t| &t.definitions), true)
+        } else if tools.is_some() || has_tool_turns {
+            template.render(&tools::generic_messages(tools, messages), true)
+        } else {
+            template.render(messages, true)
+        };
+        let text = rendered.map_err(|e| ApiError::invalid("messages", format!("The chat template failed: {e:#}")))?;
+        self.tokenizer.encode(&text, false).map_err(|e| ApiError::bad_request(format!("{e:#}")))
+    }
+}

@@ -1,0 +1,116 @@
+//! Starting the server: load the base model, open the data directory, recover jobs a crash left,
+//! start the job runner, listen, and on SIGTERM / SIGINT drain (see `shutdown`).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicUsize;
+use std::sync::{Arc, RwLock};
+
+use anyhow::{Context, Result};
+use candle_core::DType;
+
+use super::listen::{self, ClientLimits};
+use super::metrics::Metrics;
+use super::served_model::{LoadSettings, Placement, ServedModel};
+use super::state::AppState;
+use super::store::Store;
+use super::{jobs, router, shutdown};
+
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    pub model: String,
+    pub revision: Option<String>,
+    /// The id clients use (`model` in requests); default: the --model string.
+    pub served_model_name: Option<String>,
+    pub host: String,
+    pub port: u16,
+    pub api_key: Option<String>,
+    pub max_concurrent_requests: usize,
+    pub max_queue: usize,
+    pub max_input_tokens: Option<usize>,
+    pub max_total_tokens: Option<usize>,
+    pub max_body_bytes: usize,
+    /// Ignore request fields this server does not implement (listed in a response header)
+    /// instead of answering 400 (see `fields`).
+    pub lenient: bool,
+    /// How long running generations may go on after SIGTERM / SIGINT (see `shutdown`).
+    pub shutdown_grace: std::time::Duration,
+    /// How long a client may stall in a request's head (or idle between requests) or body.
+    pub limits: ClientLimits,
+    /// Where files, jobs (SQLite) and fine-tuned models live.
+    pub data_dir: PathBuf,
+    /// Where and in which dtype the models compute.
+    pub device: crate::device::DeviceSpec,
+    pub dtype: DType,
+}
+
+/// Loads the model, opens the data directory, starts the engine and the job runner, and serves
+/// until the process ends. Prints the address it listens on (`listening on http://HOST:PORT`)
+/// once ready.
+pub fn run(cfg: &ServeConfig) -> Result<()> {
+    let metrics = Arc::new(Metrics::default());
+    let base_id = cfg.served_model_name.clone().unwrap_or_else(|| cfg.model.clone());
+    let max_concurrent = cfg.max_concurrent_requests.max(1);
+    let load = LoadSettings {
+        placement: Placement { device: cfg.device.open(0)?, dtype: cfg.dtype },
+        max_running: max_concurrent,
+        limit_input: cfg.max_input_tokens,
+        limit_total: cfg.max_total_tokens,
+        metrics: metrics.clone(),
+    };
+    let base = ServedModel::load(&base_id, &cfg.model, cfg.revision.as_deref(), &load)?;
+    let store = Arc::new(Store::open(&cfg.data_dir)?);
+    let failed = jobs::recover(&store)?;
+    if failed > 0 {
+        eprintln!("{failed} job(s) were running when the server last stopped; marked failed");
+    }
+    // A local base model is fine-tuned from its absolute path, whatever the jobs' working directory.
+    let base_source = if Path::new(&cfg.model).is_dir() { std::fs::canonicalize(&cfg.model)?.to_string_lossy().to_string() } else { cfg.model.clone() };
+    let state = Arc::new(AppState {
+        models: RwLock::new(HashMap::from([(base_id.clone(), Arc::new(base))])),
+        loading: Default::default(),
+        base_id,
+        base_source,
+        load,
+        store,
+        jobs_wakeup: jobs::Wakeup::default(),
+        in_flight: Arc::new(AtomicUsize::new(0)),
+        max_concurrent,
+        max_queue: cfg.max_queue,
+        max_body_bytes: cfg.max_body_bytes,
+        lenient: cfg.lenient,
+        api_key: cfg.api_key.clone(),
+        metrics,
+        shutdown: shutdown::Shutdown::new(),
+    });
+    jobs::start_runner(state.clone());
+    let addr: SocketAddr = format!("{}:{}", cfg.host, cfg.port).parse().with_context(|| format!("--host {} --port {}: not an address", cfg.host, cfg.port))?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+        let local = listener.local_addr()?;
+        eprintln!("listening on http://{local} (model {})", state.base_id);
+        let signalled = tokio::spawn(drain_on_signal(state.clone(), cfg.shutdown_grace));
+        let (shutdown, metrics) = (state.shutdown.clone(), state.metrics.clone());
+        listen::serve(listener, router::router(state), cfg.limits, metrics, shutdown).await.context("the server stopped")?;
+        signalled.abort();
+        eprintln!("shut down");
+        Ok(())
+    })
+}
+
+/// Waits for SIGTERM / SIGINT, then: no new requests, running jobs cancelled, and after `grace`
+/// the generations still running are ended.
+async fn drain_on_signal(st: Arc<AppState>, grace: std::time::Duration) {
+    let which = shutdown::signal().await;
+    st.shutdown.begin();
+    match shutdown::stop_jobs(&st.store, which) {
+        Ok(0) => {}
+        Ok(n) => eprintln!("{which}: cancelled {n} running fine-tuning job(s)"),
+        Err(e) => eprintln!("{which}: stopping the running jobs: {e:#}"),
+    }
+    eprintln!("{which}: not accepting requests; running generations have {}s to finish", grace.as_secs_f64());
+    tokio::time::sleep(grace).await;
+    st.shutdown.force();
+}

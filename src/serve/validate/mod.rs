@@ -1,0 +1,216 @@
+//! One pass from a request body to what the engine runs, as TGI's `validation.rs` does: the
+//! fields checked against what the endpoint accepts, the model looked up, sampling read, the
+//! prompt tokenised (chat through the template, with the functions), the answer's length settled
+//! against the context, `n` against the server's capacity, and one grammar matcher per answer
+//! built. Everything a client can get wrong is a 400 here; nothing after this pass refuses a
+//! request for what it asked (the queue may still be full: 429).
+
+mod prompt;
+mod sampling;
+
+use std::sync::Arc;
+
+use serde_json::Value;
+
+use super::error::ApiError;
+use super::fields::{self, Fields};
+use super::served_model::ServedModel;
+use super::state::AppState;
+use super::tools::{self, ToolChoice, Tools};
+use crate::generate::constraint::OutputFormat;
+use crate::generate::SamplingParams;
+use prompt::Prompt;
+pub use sampling::{MAX_N, MAX_STOP};
+
+/// `max_tokens` of a completion that gives none (OpenAI's default). A chat answer may take the
+/// rest of the context.
+pub const DEFAULT_COMPLETION_MAX_TOKENS: usize = 16;
+
+/// Which endpoint a request came through, with what shapes its answer.
+pub enum RequestKind {
+    /// `/v1/completions`; `echo`: the prompt text, returned before the answer.
+    Completion { echo: Option<String> },
+    /// `/v1/chat/completions`; `tools`: the functions the answer may call (none when the request
+    /// gives none, or says `tool_choice: none`).
+    Chat { tools: Option<Tools> },
+}
+
+impl RequestKind {
+    pub fn is_chat(&self) -> bool {
+        matches!(self, Self::Chat { .. })
+    }
+
+    /// The parameter that holds the prompt, for messages.
+    fn prompt_param(&self) -> &'static str {
+        if self.is_chat() {
+            "messages"
+        } else {
+            "prompt"
+        }
+    }
+}
+
+/// A generation request, checked and ready to run.
+pub struct ValidatedRequest {
+    pub model: Arc<ServedModel>,
+    pub kind: RequestKind,
+    pub prompt_ids: Vec<u32>,
+    /// The sampling of every answer (answer i seeds with `params.seed + i`), with
+    /// `max_new_tokens` settled.
+    pub params: SamplingParams,
+    /// Answers to generate.
+    pub n: usize,
+    pub stream: bool,
+    pub include_usage: bool,
+    /// One grammar matcher per answer (`response_format`, a forced function call), or none.
+    pub constraints: Vec<llguidance::Matcher>,
+    /// Fields `--lenient` ignored, for the response header.
+    pub ignored: Vec<String>,
+}
+
+/// `/v1/completions`.
+pub fn completion(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> {
+    let ignored = fields::check(v, fields::COMPLETIONS, "", st.lenient)?;
+    let model = st.model(model_field(v)?)?;
+    let mut s = sampling::parse(v, &model.defaults, false)?;
+    s.params.logit_bias = sampling::logit_bias(v, model.vocab)?;
+    let (prompt_ids, text) = match prompt::prompt(v, model.vocab)? {
+        Prompt::Text(t) => (model.tokenizer.encode(&t, true).map_err(|e| ApiError::bad_request(format!("{e:#}")))?, t),
+        Prompt::Tokens(ids) => {
+            let t = model.tokenizer.decode(&ids, false).unwrap_or_default();
+            (ids, t)
+        }
+    };
+    let echo = s.echo.then_some(text);
+    // Echo with logprobs scores the prompt too (OpenAI's shape: the first token's is null).
+    if echo.is_some() {
+        s.params.prompt_logprobs = s.params.logprobs;
+    }
+    let kind = RequestKind::Completion { echo };
+    finish(st, model, kind, prompt_ids, s, vec![], ignored)
+}
+
+/// `/v1/chat/completions`.
+pub fn chat(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> {
+    let mut ignored = fields::check(v, fields::CHAT, "", st.lenient)?;
+    let model = st.model(model_field(v)?)?;
+    let mut s = sampling::parse(v, &model.defaults, true)?;
+    s.params.logit_bias = sampling::logit_bias(v, model.vocab)?;
+    let messages = prompt::messages(v, st.lenient, &mut ignored)?;
+    let tools = tools::parse(v)?.filter(|t| t.choice != ToolChoice::None);
+    let format = match (prompt::response_format(v, st.lenient, &mut ignored)?, tools.as_ref().and_then(Tools::output_format)) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid("response_format", "`response_format` cannot be combined with a `tool_choice` that forces a call."))
+        }
+        (Some(f), None) => Some((f, false)),
+        (None, f) => f.map(|f| (f, true)),
+    };
+    let constraints = match &format {
+        None => vec![],
+        Some((f, from_tools)) => matchers(&model, f, *from_tools, s.n)?,
+    };
+    let prompt_ids = model.chat_prompt_ids(&messages, tools.as_ref())?;
+    finish(st, model, RequestKind::Chat { tools }, prompt_ids, s, constraints, ignored)
+}
+
+/// `/tokenize`: the model named (else the base model) and the ids of its `prompt` or `messages`.
+pub fn tokenize(st: &AppState, v: &Value) -> Result<(Arc<ServedModel>, Vec<u32>), ApiError> {
+    let model = model_or_base(st, v)?;
+    let ids = if v.get("messages").is_some() {
+        model.chat_prompt_ids(&prompt::messages(v, st.lenient, &mut vec![])?, None)?
+    } else {
+        match prompt::prompt(v, model.vocab)? {
+            Prompt::Text(t) => {
+                let special = Fields::of(v)?.bool("add_special_tokens")?;
+                model.tokenizer.encode(&t, special.unwrap_or(true)).map_err(|e| ApiError::bad_request(format!("{e:#}")))?
+            }
+            Prompt::Tokens(ids) => ids,
+        }
+    };
+    Ok((model, ids))
+}
+
+/// `/detokenize`: the model named (else the base model) and the `tokens` to decode.
+pub fn detokenize(st: &AppState, v: &Value) -> Result<(Arc<ServedModel>, Vec<u32>), ApiError> {
+    let model = model_or_base(st, v)?;
+    let ids = match v.get("tokens") {
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|x| x.as_u64().filter(|&i| (i as usize) < model.vocab).map(|i| i as u32))
+            .collect::<Option<_>>()
+            .ok_or_else(|| ApiError::invalid("tokens", format!("`tokens` must be integers in [0, {}).", model.vocab)))?,
+        _ => return Err(ApiError::invalid("tokens", "`tokens` must be a list of token ids.")),
+    };
+    Ok((model, ids))
+}
+
+/// The `model` field, checked (the model is looked up before the rest is read, because the
+/// sampling defaults are the model's).
+fn model_field(v: &Value) -> Result<&str, ApiError> {
+    Fields::of(v)?.string("model")?.ok_or_else(|| ApiError::invalid("model", "`model` is required."))
+}
+
+/// The model a utility request names (`model`, optional), else the base model.
+fn model_or_base(st: &AppState, v: &Value) -> Result<Arc<ServedModel>, ApiError> {
+    match Fields::of(v)?.value("model") {
+        None => Ok(st.base()),
+        Some(_) => st.model(model_field(v)?),
+    }
+}
+
+/// One matcher per answer (each answer walks the grammar on its own); a schema the grammar
+/// engine cannot compile is named by the field it came from.
+fn matchers(model: &ServedModel, format: &OutputFormat, from_tools: bool, n: usize) -> Result<Vec<llguidance::Matcher>, ApiError> {
+    let what = if from_tools { "tools" } else { "response_format" };
+    let grammars = model.grammars.as_ref().map_err(|why| ApiError::invalid(what, format!("Structured output is not available for this model: {why}.")))?;
+    let param = match (from_tools, format) {
+        (true, _) => "tools",
+        (false, OutputFormat::JsonSchema(_)) => "response_format.json_schema.schema",
+        (false, OutputFormat::JsonObject) => "response_format",
+    };
+    (0..n).map(|_| grammars.matcher(format)).collect::<anyhow::Result<Vec<_>>>().map_err(|e| ApiError::invalid(param, format!("The schema cannot be used: {e:#}")))
+}
+
+/// The checks that need the prompt's length and the server's capacity, then the request.
+fn finish(
+    st: &AppState,
+    model: Arc<ServedModel>,
+    kind: RequestKind,
+    prompt_ids: Vec<u32>,
+    s: sampling::Sampling,
+    constraints: Vec<llguidance::Matcher>,
+    ignored: Vec<String>,
+) -> Result<ValidatedRequest, ApiError> {
+    let prompt_tokens = prompt_ids.len();
+    let param = kind.prompt_param();
+    if prompt_tokens == 0 {
+        return Err(ApiError::invalid(param, "The prompt is empty."));
+    }
+    if prompt_tokens > model.max_input_tokens {
+        let message = format!("The prompt has {prompt_tokens} tokens; this server accepts at most {} input tokens.", model.max_input_tokens);
+        return Err(ApiError::invalid(param, message).with_code("context_length_exceeded"));
+    }
+    let default_max = match kind {
+        RequestKind::Completion { .. } => DEFAULT_COMPLETION_MAX_TOKENS,
+        RequestKind::Chat { .. } => model.max_total_tokens.saturating_sub(prompt_tokens),
+    };
+    let max_tokens = s.max_tokens.unwrap_or(default_max);
+    if prompt_tokens + max_tokens > model.max_total_tokens || max_tokens == 0 {
+        let message = format!(
+            "This model's maximum context length is {} tokens. However, you requested {} tokens ({prompt_tokens} in the prompt, {max_tokens} for the completion).",
+            model.max_total_tokens,
+            prompt_tokens + max_tokens
+        );
+        let param = if s.max_tokens.is_some() { "max_tokens" } else { param };
+        return Err(ApiError::invalid(param, message).with_code("context_length_exceeded"));
+    }
+    // Each answer takes a generation slot or a queue place, as n separate requests would.
+    let capacity = st.max_concurrent + st.max_queue;
+    if s.n > capacity {
+        let message = format!("`n` = {} is more sequences than this server admits at once ({capacity}: --max-concurrent-requests + --max-queue).", s.n);
+        return Err(ApiError::invalid("n", message));
+    }
+    let mut params = s.params;
+    params.max_new_tokens = max_tokens;
+    Ok(ValidatedRequest { model, kind, prompt_ids, params, n: s.n, stream: s.stream, include_usage: s.include_usage, constraints, ignored })
+}

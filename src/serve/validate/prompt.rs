@@ -1,0 +1,147 @@
+//! What a request asks the model to continue: completions' `prompt` (text or token ids), chat's
+//! `messages`, and chat's `response_format` (the grammar the answer must follow).
+
+use serde_json::Value;
+
+use crate::generate::constraint::OutputFormat;
+use crate::serve::error::ApiError;
+use crate::serve::fields::{self, Fields};
+use crate::tokenize::ChatMessage;
+
+/// Completions' prompt.
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+/// `prompt` of /v1/completions: a string, or a list of token ids.
+pub fn prompt(v: &Value, vocab: usize) -> Result<Prompt, ApiError> {
+    let f = Fields::of(v)?;
+    match f.value("prompt") {
+        Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => Ok(Prompt::Text(a[0].as_str().unwrap().to_string())),
+        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_number) => {
+            let ids = a
+                .iter()
+                .map(|x| x.as_u64().filter(|&i| (i as usize) < vocab).map(|i| i as u32))
+                .collect::<Option<Vec<u32>>>()
+                .ok_or_else(|| ApiError::invalid("prompt", format!("token ids in `prompt` must be integers in [0, {vocab}).")))?;
+            Ok(Prompt::Tokens(ids))
+        }
+        None => Err(ApiError::invalid("prompt", "`prompt` is required.")),
+        Some(_) => Err(ApiError::invalid("prompt", "`prompt` must be a string or a list of token ids (one prompt per request).")),
+    }
+}
+
+/// `messages` of /v1/chat/completions: roles system, user, assistant (and developer, read as
+/// system); content a string or a list of text parts (joined with newlines, as vLLM does).
+/// Message fields other than `role` and `content` are refused (or, `lenient`, added to
+/// `ignored`).
+pub fn messages(v: &Value, lenient: bool, ignored: &mut Vec<String>) -> Result<Vec<ChatMessage>, ApiError> {
+    let f = Fields::of(v)?;
+    let Some(Value::Array(items)) = f.value("messages") else {
+        return Err(ApiError::invalid("messages", "`messages` must be a non-empty list of {role, content} objects."));
+    };
+    if items.is_empty() {
+        return Err(ApiError::invalid("messages", "`messages` must not be empty."));
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let param = format!("messages[{i}]");
+            let Value::Object(o) = m else { return Err(ApiError::invalid(&param, format!("`{param}` must be an object."))) };
+            ignored.extend(fields::check(m, fields::MESSAGE, &param, lenient)?);
+            let role = match o.get("role") {
+                Some(Value::String(r)) if ["system", "user", "assistant", "developer", "tool"].contains(&r.as_str()) => {
+                    if r == "developer" { "system".to_string() } else { r.clone() }
+                }
+                _ => return Err(ApiError::invalid(&format!("{param}.role"), "`role` must be system, developer, user, assistant or tool.")),
+            };
+            let tool_calls = match o.get("tool_calls").filter(|c| !c.is_null()) {
+                Some(_) if role != "assistant" => return Err(ApiError::invalid(&format!("{param}.tool_calls"), "only assistant messages carry `tool_calls`.")),
+                Some(c) => Some(crate::serve::tools::message_tool_calls(c, &format!("{param}.tool_calls"))?),
+                None => None,
+            };
+            let tool_call_id = match (role.as_str(), o.get("tool_call_id")) {
+                ("tool", Some(Value::String(id))) => Some(id.clone()),
+                ("tool", _) => return Err(ApiError::invalid(&format!("{param}.tool_call_id"), "a tool message needs `tool_call_id`, the id of the call it answers.")),
+                (_, None | Some(Value::Null)) => None,
+                (_, Some(_)) => return Err(ApiError::invalid(&format!("{param}.tool_call_id"), "only tool messages carry `tool_call_id`.")),
+            };
+            let content = match o.get("content") {
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Null) | None if role == "assistant" => String::new(),
+                Some(Value::Array(parts)) => parts
+                    .iter()
+                    .map(|p| match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                        (Some("text"), Some(t)) => Ok(t.to_string()),
+                        _ => Err(ApiError::invalid(&format!("{param}.content"), "only text content parts ({\"type\": \"text\", \"text\": ...}) are supported.")),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?
+                    .join("\n"),
+                _ => return Err(ApiError::invalid(&format!("{param}.content"), "`content` must be a string or a list of text parts.")),
+            };
+            let mut message = ChatMessage::new(&role, &content);
+            (message.tool_calls, message.tool_call_id) = (tool_calls, tool_call_id);
+            Ok(message)
+        })
+        .collect()
+}
+
+/// `response_format` of chat: `text` (no constraint), `json_object`, or `json_schema` with
+/// `{name, schema, strict, description}`. The schema is enforced whether or not `strict` is set
+/// (a looser promise would be one more thing that silently differs). Unknown keys inside are
+/// refused, or listed in `ignored` under `lenient`.
+pub fn response_format(v: &Value, lenient: bool, ignored: &mut Vec<String>) -> Result<Option<OutputFormat>, ApiError> {
+    const P: &str = "response_format";
+    let Some(rf) = Fields::of(v)?.value(P) else { return Ok(None) };
+    if !rf.is_object() {
+        return Err(ApiError::invalid(P, "`response_format` must be an object such as {\"type\": \"json_object\"}."));
+    }
+    match rf.get("type").and_then(Value::as_str) {
+        Some("text") => {
+            ignored.extend(fields::check(rf, &["type"], P, lenient)?);
+            Ok(None)
+        }
+        Some("json_object") => {
+            ignored.extend(fields::check(rf, &["type"], P, lenient)?);
+            Ok(Some(OutputFormat::JsonObject))
+        }
+        Some("json_schema") => {
+            ignored.extend(fields::check(rf, &["type", "json_schema"], P, lenient)?);
+            const J: &str = "response_format.json_schema";
+            let Some(js) = rf.get("json_schema").filter(|j| j.is_object()) else {
+                return Err(ApiError::invalid(J, "`response_format.json_schema` must be an object with `name` and `schema`."));
+            };
+            ignored.extend(fields::check(js, &["name", "schema", "strict", "description"], J, lenient)?);
+            let f = Fields::of(js)?;
+            let name = f.string("name").map_err(|_| ApiError::invalid(&format!("{J}.name"), "`name` must be a string."))?;
+            if !name.is_some_and(|n| !n.is_empty() && n.len() <= 64 && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')) {
+                return Err(ApiError::invalid(&format!("{J}.name"), "`name` is required: 1 to 64 letters, digits, '_' or '-'."));
+            }
+            f.bool("strict").map_err(|_| ApiError::invalid(&format!("{J}.strict"), "`strict` must be a boolean."))?;
+            f.string("description").map_err(|_| ApiError::invalid(&format!("{J}.description"), "`description` must be a string."))?;
+            match f.value("schema") {
+                Some(schema @ Value::Object(_)) => Ok(Some(OutputFormat::JsonSchema(schema.clone()))),
+                _ => Err(ApiError::invalid(&format!("{J}.schema"), "`schema` must be a JSON schema object.")),
+            }
+        }
+        _ => Err(ApiError::invalid(&format!("{P}.type"), "`response_format.type` must be text, json_object or json_schema.")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn bad_messages_are_named_and_text_parts_joined() {
+        let e = messages(&json!({"messages": [{"role": "wizard", "content": "x"}]}), false, &mut vec![]).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].role"));
+        let parts = json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]});
+        assert_eq!(messages(&parts, false, &mut vec![]).unwrap()[0].content, "a\nb");
+        assert_eq!(prompt(&json!({"prompt": [1, 99]}), 10).err().unwrap().param.as_deref(), Some("prompt"));
+    }
+}
