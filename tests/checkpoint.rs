@@ -305,3 +305,42 @@ fn exports_and_merges_give_the_trained_weights() {
     let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(merged.join("config.json")).unwrap()).unwrap();
     assert_eq!(config["torch_dtype"], "float32", "{config}");
 }
+
+/// The steps of a run's metrics.jsonl rows, in file order (evaluation rows included).
+fn metric_steps(dir: &Path) -> Vec<u64> {
+    std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap()).collect()
+}
+
+/// Ctrl-C while checkpoint-4 is being saved: the run exits 130 naming checkpoint-2 and the flag
+/// that resumes from it; resuming from `latest` leaves one metrics.jsonl row per step (the rows
+/// of steps 3 and 4, written before the interrupt, are replaced by the resumed run's) and the
+/// losses of a run that was never interrupted.
+#[test]
+fn interrupted_run_says_where_to_resume_and_the_resumed_log_has_each_step_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let r = Run::new(tmp.path());
+    let full = tmp.path().join("full");
+    ok(r.run(&full, 2, &["--save-steps", "2"]));
+    let out = tmp.path().join("out");
+    let mut run = Command::new(bin())
+        .args(r.args(&out, 2, &["--save-steps", "2"]))
+        .env("FSDP_FAULT_PAUSE_IN_SAVE_MS", "3000")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while !(out.join("checkpoint-2").join("manifest.json").exists() && out.join(".checkpoint-4.tmp").exists()) {
+        assert!(start.elapsed() < Duration::from_secs(60), "the saves never happened");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Command::new("kill").args(["-INT", &run.id().to_string()]).status().unwrap();
+    let o = run.wait_with_output().unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(130), "{err}");
+    let checkpoint = out.join("checkpoint-2");
+    assert!(err.contains("SIGINT") && err.contains(&format!("--resume-from-checkpoint {}", checkpoint.display())), "{err}");
+    assert_eq!(metric_steps(&out), vec![1, 2, 3, 4], "the interrupted run logged steps 3 and 4 after its checkpoint");
+    ok(r.run(&out, 2, &["--resume-from-checkpoint", "latest"]));
+    assert_eq!(metric_steps(&out), (1..=8).collect::<Vec<_>>());
+    assert_eq!(metric_losses(&out), metric_losses(&full), "the resumed run continues the uninterrupted one");
+}

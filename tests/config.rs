@@ -38,7 +38,7 @@ fn the_file_sets_flags_and_the_command_line_wins() {
     let out = tmp.path().join("out");
     let o = run_cli(&["finetune", "--config", cfg.to_str().unwrap(), "--output-dir", out.to_str().unwrap(), "--lr", "5e-4"], &[]);
     assert!(o.status.success(), "{}", stderr(&o));
-    assert!(stderr(&o).contains("2 rank(s), ShardGradOp"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("2 rank(s), SHARD_GRAD_OP"), "{}", stderr(&o));
     let rows: Vec<serde_json::Value> =
         std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(rows.len(), 3, "max_steps from the file");
@@ -258,4 +258,22 @@ fn seq_len_defaults_to_the_context_when_shorter_and_longer_is_refused() {
     let err = stderr(&o);
     assert!(!o.status.success() && err.contains("--seq-len 4096") && err.contains("context (256 tokens"), "{err}");
     assert!(!out.exists() || std::fs::read_dir(&out).unwrap().next().is_none(), "a refused run left files behind");
+}
+
+/// `--eval-steps` with no evaluation data would evaluate nothing: refused naming both flags,
+/// before anything is written.
+#[test]
+fn eval_steps_without_eval_data_is_refused_naming_both_flags() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("llama", tmp.path());
+    let data = reference_dir().join("train-data.jsonl");
+    let out = tmp.path().join("out");
+    let args = ["finetune", "--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap(), "--eval-steps", "2"];
+    let o = run_cli(&args, &[]);
+    let err = stderr(&o);
+    assert!(!o.status.success() && err.contains("--eval-steps 2") && err.contains("--eval-data") && err.contains("--eval-split"), "{err}");
+    assert!(!out.exists(), "a refused run left files behind");
+    // With eval data it runs.
+    let o = run_cli(&[&args[..], &["--eval-split", "0.25", "--max-steps", "2", "--seq-len", "16"]].concat(), &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
 }

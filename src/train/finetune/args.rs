@@ -315,14 +315,13 @@ impl FinetuneArgs {
     }
 }
 
-/// The JSON field of flag `flag` in serialised [`FinetuneArgs`]: top-level, or in the
-/// flattened groups (`sharding`, `lora`).
+/// The JSON field of flag `flag` in serialised [`FinetuneArgs`]: in one of the flattened groups
+/// (`sharding`, `lora`: the `--lora` switch is `lora.lora`), else top-level.
 fn field_mut<'a>(fields: &'a mut serde_json::Value, flag: &str) -> Option<&'a mut serde_json::Value> {
-    if fields.get(flag).is_some() {
-        return fields.get_mut(flag);
+    match ["sharding", "lora"].into_iter().find(|g| fields[*g].get(flag).is_some()) {
+        Some(group) => fields[group].get_mut(flag),
+        None => fields.get_mut(flag),
     }
-    let group = ["sharding", "lora"].into_iter().find(|g| fields[*g].get(flag).is_some())?;
-    fields[group].get_mut(flag)
 }
 
 /// `fields` (serialised [`FinetuneArgs`]) with setting `s`'s field set to `value`, if the

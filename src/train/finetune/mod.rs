@@ -54,7 +54,8 @@ pub struct RunSummary {
 /// One rank's whole run. `device`: the rank's device when the backend already opened it (NCCL).
 fn run_rank_phases(groups: &ProcessGroups, cfg: &FinetuneConfig, device: Option<Device>) -> Result<Option<RunSummary>> {
     let boot = bootstrap::bootstrap(groups, cfg)?;
-    let plan = plan::RunPlan::settle(groups, cfg, &boot)?;
+    let batch = auto_batch::fit(groups, cfg, &boot, boot.seq_len)?;
+    let plan = plan::RunPlan::settle(groups, cfg, &boot, batch)?;
     let mut engine = setup::build_engine(groups, cfg, &boot, device)?;
     let rank_bytes = setup::load_or_resume(&mut engine, groups, cfg, &plan, &boot)?;
     let plan = auto_batch::fit_by_trial(&mut engine, groups, cfg, &boot, plan)?;

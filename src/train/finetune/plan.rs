@@ -9,7 +9,6 @@
 
 use anyhow::{bail, Result};
 
-use super::auto_batch;
 use super::bootstrap::Bootstrap;
 use super::config::FinetuneConfig;
 use crate::dist::ProcessGroups;
@@ -32,11 +31,10 @@ pub struct RunPlan {
 }
 
 impl RunPlan {
-    /// The plan of this run on `groups`: the micro-batch the flags ask for, or on CPU ranks with
-    /// `--auto-find-batch-size` the largest that fits the memory budget.
-    pub(super) fn settle(groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &Bootstrap) -> Result<Self> {
+    /// The plan of this run on `groups`, in micro-batches of `micro_batch` rows accumulated
+    /// `grad_accum` times (the flags', or what `auto_batch::fit` found).
+    pub(super) fn settle(groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &Bootstrap, (micro_batch, grad_accum): (usize, usize)) -> Result<Self> {
         let world_size = groups.world.world_size();
-        let (micro_batch, grad_accum) = auto_batch::fit(groups, cfg, boot, boot.seq_len)?;
         let global_batch = micro_batch * world_size * grad_accum;
         let samples = boot.data.samples.len();
         let steps_per_epoch = samples / global_batch;
