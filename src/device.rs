@@ -22,7 +22,9 @@ impl std::str::FromStr for DeviceSpec {
             "cpu" => Self::Cpu,
             "cuda" | "gpu" => Self::Cuda(None),
             other => match other.strip_prefix("cuda:") {
-                Some(n) => Self::Cuda(Some(n.parse().with_context(|| format!("--device {other:?}: the GPU ordinal must be a number, e.g. cuda:0"))?)),
+                Some(n) => Self::Cuda(Some(
+                    n.parse().with_context(|| format!("--device {other:?}: the GPU ordinal must be a number, e.g. cuda:0"))?,
+                )),
                 None => bail!("--device {other:?}: use cpu, cuda or cuda:N"),
             },
         })
@@ -63,7 +65,8 @@ impl DeviceSpec {
 
 #[cfg(feature = "cuda")]
 fn open_cuda(ordinal: usize) -> Result<Device> {
-    Device::new_cuda(ordinal).with_context(|| format!("--device cuda:{ordinal}: cannot open GPU {ordinal} (is it there, and is the driver loaded?)"))
+    Device::new_cuda(ordinal)
+        .with_context(|| format!("--device cuda:{ordinal}: cannot open GPU {ordinal} (is it there, and is the driver loaded?)"))
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -117,4 +120,3 @@ mod tests {
         assert!(DeviceSpec::Cpu.open(0).unwrap().is_cpu());
     }
 }
-

@@ -161,9 +161,8 @@ pub fn write_fixture_with(name: &str, out: &Path, overrides: &[(String, Value)])
     let weights = random_weights(&cfg, seed)?;
     if name == "llama" {
         // Sharded like a big checkpoint: embeddings and layer 0 in the first file, the rest in the second.
-        let (first, second): (Vec<_>, Vec<_>) = weights
-            .into_iter()
-            .partition(|(n, _)| n.starts_with("model.embed_tokens") || n.starts_with("model.layers.0."));
+        let (first, second): (Vec<_>, Vec<_>) =
+            weights.into_iter().partition(|(n, _)| n.starts_with("model.embed_tokens") || n.starts_with("model.layers.0."));
         let files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"];
         let mut weight_map = BTreeMap::new();
         let mut total = 0usize;
@@ -174,10 +173,7 @@ pub fn write_fixture_with(name: &str, out: &Path, overrides: &[(String, Value)])
             }
             staged.write_safetensors(file, &part.into_iter().collect::<HashMap<_, _>>())?;
         }
-        staged.write_json(
-            "model.safetensors.index.json",
-            &json!({"metadata": {"total_size": total}, "weight_map": weight_map}),
-        )?;
+        staged.write_json("model.safetensors.index.json", &json!({"metadata": {"total_size": total}, "weight_map": weight_map}))?;
     } else {
         staged.write_safetensors("model.safetensors", &weights.into_iter().collect::<HashMap<_, _>>())?;
     }
@@ -196,8 +192,11 @@ pub fn write_fixture_with(name: &str, out: &Path, overrides: &[(String, Value)])
         .iter()
         .map(|t| {
             let id = tokenizer.token_to_id(t).expect("special token in vocabulary");
-            (id.to_string(), json!({"content": t, "lstrip": false, "rstrip": false, "normalized": false,
-                                    "single_word": false, "special": true}))
+            (
+                id.to_string(),
+                json!({"content": t, "lstrip": false, "rstrip": false, "normalized": false,
+                                    "single_word": false, "special": true}),
+            )
         })
         .collect();
     staged.write_json(

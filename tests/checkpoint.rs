@@ -25,9 +25,25 @@ impl Run {
     /// `finetune` with a global batch of 12 on `world` local ranks.
     fn args(&self, out: &Path, world: usize, extra: &[&str]) -> Vec<String> {
         let mut a: Vec<String> = [
-            "finetune", "--model", self.model.to_str().unwrap(), "--data", self.data.to_str().unwrap(), "--output-dir",
-            out.to_str().unwrap(), "--seq-len", "16", "--lr", "1e-3", "--warmup-steps", "2", "--lr-scheduler", "cosine",
-            "--seed", "7", "--weight-decay", "0.1",
+            "finetune",
+            "--model",
+            self.model.to_str().unwrap(),
+            "--data",
+            self.data.to_str().unwrap(),
+            "--output-dir",
+            out.to_str().unwrap(),
+            "--seq-len",
+            "16",
+            "--lr",
+            "1e-3",
+            "--warmup-steps",
+            "2",
+            "--lr-scheduler",
+            "cosine",
+            "--seed",
+            "7",
+            "--weight-decay",
+            "0.1",
         ]
         .iter()
         .map(|s| s.to_string())
@@ -156,7 +172,10 @@ fn resuming_with_other_data_or_tokenizer_is_refused_by_name() {
     std::fs::write(&edited, text).unwrap();
     let other_data = Run { model: r.model.clone(), data: edited };
     let resume = ["--resume-from-checkpoint", ckpt_s, "--max-steps", "6"];
-    failed(other_data.run(&tmp.path().join("d1"), 1, &resume), &["was trained on other data", "edited.jsonl", "--resume-allow-changed data"]);
+    failed(
+        other_data.run(&tmp.path().join("d1"), 1, &resume),
+        &["was trained on other data", "edited.jsonl", "--resume-allow-changed data"],
+    );
     let o = ok(other_data.run(&tmp.path().join("d2"), 1, &[&resume[..], &["--resume-allow-changed", "data"]].concat()));
     assert!(stderr(&o).contains("resuming anyway"), "{}", stderr(&o));
 
@@ -174,7 +193,10 @@ fn resuming_with_other_data_or_tokenizer_is_refused_by_name() {
 
     // The same file cut otherwise (a quarter held out): 3 steps an epoch instead of 4, so step 4
     // would be batch 1 of epoch 1 instead of batch 0.
-    failed(r.run(&tmp.path().join("c1"), 1, &[&resume[..], &["--eval-split", "0.25"]].concat()), &["data cursor", "epoch 1, batch 0", "epoch 1, batch 1"]);
+    failed(
+        r.run(&tmp.path().join("c1"), 1, &[&resume[..], &["--eval-split", "0.25"]].concat()),
+        &["data cursor", "epoch 1, batch 0", "epoch 1, batch 1"],
+    );
 }
 
 #[test]
@@ -242,12 +264,8 @@ fn killed_while_saving_then_resume_latest_takes_the_last_complete_checkpoint() {
         // Drop the "2" that followed --world-size.
         let pos = args.iter().position(|a| a == "--batch-size").unwrap();
         args.remove(pos - 1);
-        let mut launcher = Command::new(bin())
-            .args(&args)
-            .env("FSDP_FAULT_PAUSE_IN_SAVE_MS", "3000")
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut launcher =
+            Command::new(bin()).args(&args).env("FSDP_FAULT_PAUSE_IN_SAVE_MS", "3000").stderr(Stdio::piped()).spawn().unwrap();
         // checkpoint-2 completes after its pause; kill while checkpoint-4 is being saved.
         let start = Instant::now();
         while !(out.join("checkpoint-2").join("manifest.json").exists() && out.join(".checkpoint-4.tmp").exists()) {
@@ -290,7 +308,12 @@ fn exports_and_merges_give_the_trained_weights() {
     // The export loads and gives the same logits as the merged checkpoint.
     let ids = Tensor::new(&[[1u32, 5, 9, 200, 17]], &Device::Cpu).unwrap();
     let logits = |d: &Path| {
-        let m = fsdp_app::model_files::load_model(fsdp_app::model_files::resolve_model(d.to_str().unwrap(), None).unwrap(), DType::F32, &Device::Cpu).unwrap();
+        let m = fsdp_app::model_files::load_model(
+            fsdp_app::model_files::resolve_model(d.to_str().unwrap(), None).unwrap(),
+            DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap();
         m.model.forward(&ids).unwrap()
     };
     let d = (logits(&out) - logits(&merged)).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
@@ -308,7 +331,11 @@ fn exports_and_merges_give_the_trained_weights() {
 
 /// The steps of a run's metrics.jsonl rows, in file order (evaluation rows included).
 fn metric_steps(dir: &Path) -> Vec<u64> {
-    std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap()).collect()
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap())
+        .collect()
 }
 
 /// Ctrl-C while checkpoint-4 is being saved: the run exits 130 naming checkpoint-2 and the flag
@@ -322,7 +349,7 @@ fn interrupted_run_says_where_to_resume_and_the_resumed_log_has_each_step_once()
     let full = tmp.path().join("full");
     ok(r.run(&full, 2, &["--save-steps", "2"]));
     let out = tmp.path().join("out");
-    let mut run = Command::new(bin())
+    let run = Command::new(bin())
         .args(r.args(&out, 2, &["--save-steps", "2"]))
         .env("FSDP_FAULT_PAUSE_IN_SAVE_MS", "3000")
         .stderr(Stdio::piped())

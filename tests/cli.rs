@@ -212,7 +212,10 @@ fn gpu_flags_on_a_cpu_build_give_one_clear_line() {
     assert!(!out_dir.exists() || std::fs::read_dir(&out_dir).unwrap().next().is_none(), "a failed start left files behind");
     assert_clean_error(&gen(&dir, &["--device", "cuda:1"]), &["--device cuda:1", "built without CUDA"]);
     let data_dir = tmp.path().join("serve-data");
-    let serve = run_cli(&["serve", "--model", dir.to_str().unwrap(), "--port", "0", "--data-dir", data_dir.to_str().unwrap(), "--device", "cuda"], &[]);
+    let serve = run_cli(
+        &["serve", "--model", dir.to_str().unwrap(), "--port", "0", "--data-dir", data_dir.to_str().unwrap(), "--device", "cuda"],
+        &[],
+    );
     assert_clean_error(&serve, &["--device cuda:0", "built without CUDA"]);
 }
 
@@ -225,7 +228,18 @@ fn every_simd_level_generates_the_same_tokens() {
     let dir = fixture("llama", tmp.path());
     let ids = |level: &str| {
         let o = run_cli(
-            &["generate", "--model", dir.to_str().unwrap(), "--prompt", "The quick brown fox", "--max-new-tokens", "24", "--temperature", "0", "--json"],
+            &[
+                "generate",
+                "--model",
+                dir.to_str().unwrap(),
+                "--prompt",
+                "The quick brown fox",
+                "--max-new-tokens",
+                "24",
+                "--temperature",
+                "0",
+                "--json",
+            ],
             &[("FSDP_SIMD", level)],
         );
         assert!(o.status.success(), "{}", stderr(&o));

@@ -57,7 +57,11 @@ fn the_file_sets_flags_and_the_command_line_wins() {
     assert!(!o.status.success() && stderr(&o).contains("typo.yaml: unknown key `learning_rat`"), "{}", stderr(&o));
     std::fs::write(&typo, "per_device_train_batch_size: [1]\n").unwrap();
     let o = run_cli(&["finetune", "--config", typo.to_str().unwrap()], &[]);
-    assert!(!o.status.success() && stderr(&o).contains("key `per_device_train_batch_size`: expected a non-negative integer, found a list"), "{}", stderr(&o));
+    assert!(
+        !o.status.success() && stderr(&o).contains("key `per_device_train_batch_size`: expected a non-negative integer, found a list"),
+        "{}",
+        stderr(&o)
+    );
     // Required settings missing from both say where they can come from.
     std::fs::write(&typo, "learning_rate: 1e-4\n").unwrap();
     let o = run_cli(&["finetune", "--config", typo.to_str().unwrap()], &[]);
@@ -73,8 +77,21 @@ fn the_lora_preset_trains_an_adapter_and_writes_the_merged_model() {
     let data = reference_dir().join("train-data.jsonl");
     let o = run_cli(
         &[
-            "finetune", "--config", preset.to_str().unwrap(), "--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(),
-            "--output-dir", out.to_str().unwrap(), "--max-steps", "2", "--seq-len", "16", "--world-size", "2",
+            "finetune",
+            "--config",
+            preset.to_str().unwrap(),
+            "--model",
+            model.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--output-dir",
+            out.to_str().unwrap(),
+            "--max-steps",
+            "2",
+            "--seq-len",
+            "16",
+            "--world-size",
+            "2",
         ],
         &[],
     );
@@ -95,8 +112,24 @@ fn an_args_file_trains_like_the_flags_and_refuses_company() {
     let (m, d) = (model.to_str().unwrap(), data.to_str().unwrap());
     let by_flags = tmp.path().join("flags");
     let o = run_cli(
-        &["finetune", "--model", m, "--data", d, "--output-dir", by_flags.to_str().unwrap(), "--seq-len", "16", "--batch-size", "4",
-          "--max-steps", "3", "--lr", "1e-3", "--no-shuffle"],
+        &[
+            "finetune",
+            "--model",
+            m,
+            "--data",
+            d,
+            "--output-dir",
+            by_flags.to_str().unwrap(),
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "4",
+            "--max-steps",
+            "3",
+            "--lr",
+            "1e-3",
+            "--no-shuffle",
+        ],
         &[],
     );
     assert!(o.status.success(), "{}", stderr(&o));
@@ -136,8 +169,22 @@ fn accelerate_files_as_written_launch_a_two_rank_run_that_honours_them() {
         let accel = configs.join(name);
         let o = run_cli(
             &[
-                "launch", "--config", accel.to_str().unwrap(), "--master-port", &port, "finetune", "--config", training.to_str().unwrap(),
-                "--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap(), "--seq-len", "16",
+                "launch",
+                "--config",
+                accel.to_str().unwrap(),
+                "--master-port",
+                &port,
+                "finetune",
+                "--config",
+                training.to_str().unwrap(),
+                "--model",
+                model.to_str().unwrap(),
+                "--data",
+                data.to_str().unwrap(),
+                "--output-dir",
+                out.to_str().unwrap(),
+                "--seq-len",
+                "16",
             ],
             &[],
         );
@@ -173,15 +220,25 @@ fn deepspeed_files_and_conflicting_pairs_are_refused_by_key() {
     std::fs::write(&both, "sharding_strategy: FULL_SHARD\nreshard_after_forward: false\n").unwrap();
     let o = run_cli(&["finetune", "--config", both.to_str().unwrap(), "--model", model.to_str().unwrap()], &[]);
     let err = stderr(&o);
-    assert!(!o.status.success() && err.contains("both.yaml: key `sharding_strategy` (FULL_SHARD)") && err.contains("key `reshard_after_forward` (false)"), "{err}");
+    assert!(
+        !o.status.success()
+            && err.contains("both.yaml: key `sharding_strategy` (FULL_SHARD)")
+            && err.contains("key `reshard_after_forward` (false)"),
+        "{err}"
+    );
     // Across two files.
     let accel = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs/accelerate-fsdp2.yaml");
     let other = tmp.path().join("train.yaml");
     std::fs::write(&other, "gradient_checkpointing: false\n").unwrap();
-    let o = run_cli(&["finetune", "--config", accel.to_str().unwrap(), "--config", other.to_str().unwrap(), "--model", model.to_str().unwrap()], &[]);
+    let o = run_cli(
+        &["finetune", "--config", accel.to_str().unwrap(), "--config", other.to_str().unwrap(), "--model", model.to_str().unwrap()],
+        &[],
+    );
     let err = stderr(&o);
     assert!(
-        !o.status.success() && err.contains("key `fsdp_config.fsdp_activation_checkpointing` (true)") && err.contains("train.yaml: key `gradient_checkpointing` (false)"),
+        !o.status.success()
+            && err.contains("key `fsdp_config.fsdp_activation_checkpointing` (true)")
+            && err.contains("train.yaml: key `gradient_checkpointing` (false)"),
         "{err}"
     );
 }
@@ -206,8 +263,22 @@ fn auto_batch_size_fits_the_budget_and_keeps_the_loss_curve() {
     let run = |name: &str, extra: &[&str]| {
         let out = tmp.path().join(name);
         let mut args = vec![
-            "finetune", "--model", m, "--data", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap(), "--world-size", "2", "--seq-len", "16",
-            "--max-steps", "4", "--lr", "1e-3", "--no-shuffle",
+            "finetune",
+            "--model",
+            m,
+            "--data",
+            data.to_str().unwrap(),
+            "--output-dir",
+            out.to_str().unwrap(),
+            "--world-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--max-steps",
+            "4",
+            "--lr",
+            "1e-3",
+            "--no-shuffle",
         ];
         args.extend_from_slice(extra);
         let o = run_cli(&args, &[]);
@@ -247,7 +318,8 @@ fn seq_len_defaults_to_the_context_when_shorter_and_longer_is_refused() {
 
     let finetune = |name: &str, extra: &[&str]| {
         let out = tmp.path().join(name);
-        let mut args = vec!["finetune", "--model", m, "--data", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap(), "--max-steps", "1"];
+        let mut args =
+            vec!["finetune", "--model", m, "--data", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap(), "--max-steps", "1"];
         args.extend_from_slice(extra);
         (run_cli(&args, &[]), out)
     };
@@ -268,7 +340,17 @@ fn eval_steps_without_eval_data_is_refused_naming_both_flags() {
     let model = fixture("llama", tmp.path());
     let data = reference_dir().join("train-data.jsonl");
     let out = tmp.path().join("out");
-    let args = ["finetune", "--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap(), "--eval-steps", "2"];
+    let args = [
+        "finetune",
+        "--model",
+        model.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--output-dir",
+        out.to_str().unwrap(),
+        "--eval-steps",
+        "2",
+    ];
     let o = run_cli(&args, &[]);
     let err = stderr(&o);
     assert!(!o.status.success() && err.contains("--eval-steps 2") && err.contains("--eval-data") && err.contains("--eval-split"), "{err}");

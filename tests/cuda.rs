@@ -18,14 +18,14 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
 use common::*;
-use fsdp_app::model_files::{load_model, resolve_model};
 use fsdp_app::dist::local::LocalGroup;
 use fsdp_app::fsdp::engine::{FsdpEngine, FsdpOptions, ProcessGroups};
-use fsdp_app::train::loss::{next_token_targets, summed_token_loss};
-use models::StageContext;
 use fsdp_app::fsdp::optim::AdamWConfig;
 use fsdp_app::fsdp::plan::{plan_units, ShardingStrategy, WrapPolicy};
+use fsdp_app::model_files::{load_model, resolve_model};
 use fsdp_app::train::finetune::run_local;
+use fsdp_app::train::loss::{next_token_targets, summed_token_loss};
+use models::StageContext;
 
 fn gpu() -> Device {
     Device::new_cuda(0).expect("these tests need an NVIDIA GPU and its driver")
@@ -75,7 +75,8 @@ fn engine_for(dir: &Path, device: &Device, param_dtype: DType, ac: bool) -> Fsdp
     let g = |_: ()| -> Arc<dyn fsdp_app::dist::Collective> { Arc::new(LocalGroup::create(1, Duration::from_secs(10)).pop().unwrap()) };
     let groups = ProcessGroups { world: g(()), shard: g(()), replicate: g(()) };
     let opts = FsdpOptions { strategy: ShardingStrategy::FullShard, activation_checkpointing: ac, param_dtype, reduce_dtype: DType::F32 };
-    let mut engine = FsdpEngine::new(staged, plan, groups, opts, AdamWConfig::default(), false).unwrap().with_device(device.clone(), true).unwrap();
+    let mut engine =
+        FsdpEngine::new(staged, plan, groups, opts, AdamWConfig::default(), false).unwrap().with_device(device.clone(), true).unwrap();
     let mut stored = HashMap::new();
     for p in &files.weights {
         for (k, t) in candle_core::safetensors::load(p, &Device::Cpu).unwrap() {
@@ -149,7 +150,18 @@ fn finetuning_on_cuda_follows_the_cpu_loss_curve() {
 #[test]
 fn auto_batch_size_retries_a_step_that_ran_out_of_gpu_memory() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = fixture_with("llama", &tmp.path().join("long-context"), &[("max_position_embeddings", 4096), ("hidden_size", 512), ("intermediate_size", 1024), ("num_hidden_layers", 2), ("num_attention_heads", 8), ("num_key_value_heads", 8)]);
+    let model = fixture_with(
+        "llama",
+        &tmp.path().join("long-context"),
+        &[
+            ("max_position_embeddings", 4096),
+            ("hidden_size", 512),
+            ("intermediate_size", 1024),
+            ("num_hidden_layers", 2),
+            ("num_attention_heads", 8),
+            ("num_key_value_heads", 8),
+        ],
+    );
     let data = tmp.path().join("rows.jsonl");
     let rows: String = (0..128u32)
         .map(|r| {
@@ -265,7 +277,8 @@ mod nccl {
             let out = tmp.path().join(format!("nccl-ac{ac}"));
             assert!(out.join("config.json").exists());
             // The per-step report carries the GPU's memory in use.
-            let last: serde_json::Value = serde_json::from_str(std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().last().unwrap()).unwrap();
+            let last: serde_json::Value =
+                serde_json::from_str(std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().last().unwrap()).unwrap();
             assert!(last["gpu_memory_bytes_per_rank"][0].as_u64().unwrap() > 1 << 20, "{last}");
         }
     }

@@ -12,18 +12,33 @@ use common::*;
 /// A Llama of about 27M parameters with a large vocabulary, so that weights, optimizer state,
 /// activations and logits all weigh in: the shape the estimate's constants were fitted on.
 const MID: &[(&str, usize)] = &[
-    ("hidden_size", 512), ("intermediate_size", 1536), ("num_hidden_layers", 6), ("vocab_size", 8192),
-    ("num_attention_heads", 8), ("num_key_value_heads", 4), ("head_dim", 64),
+    ("hidden_size", 512),
+    ("intermediate_size", 1536),
+    ("num_hidden_layers", 6),
+    ("vocab_size", 8192),
+    ("num_attention_heads", 8),
+    ("num_key_value_heads", 4),
+    ("head_dim", 64),
 ];
 /// Two shapes the constants never saw: wide and shallow (weights and big matmuls), narrow and
 /// deep (many layers' activations).
 const WIDE_SHALLOW: &[(&str, usize)] = &[
-    ("hidden_size", 1024), ("intermediate_size", 2816), ("num_hidden_layers", 2), ("vocab_size", 4096),
-    ("num_attention_heads", 16), ("num_key_value_heads", 4), ("head_dim", 64),
+    ("hidden_size", 1024),
+    ("intermediate_size", 2816),
+    ("num_hidden_layers", 2),
+    ("vocab_size", 4096),
+    ("num_attention_heads", 16),
+    ("num_key_value_heads", 4),
+    ("head_dim", 64),
 ];
 const NARROW_DEEP: &[(&str, usize)] = &[
-    ("hidden_size", 256), ("intermediate_size", 768), ("num_hidden_layers", 16), ("vocab_size", 2048),
-    ("num_attention_heads", 4), ("num_key_value_heads", 2), ("head_dim", 64),
+    ("hidden_size", 256),
+    ("intermediate_size", 768),
+    ("num_hidden_layers", 16),
+    ("vocab_size", 2048),
+    ("num_attention_heads", 4),
+    ("num_key_value_heads", 2),
+    ("head_dim", 64),
 ];
 
 fn model_of_shape(root: &Path, name: &str, shape: &[(&str, usize)]) -> std::path::PathBuf {
@@ -67,7 +82,12 @@ fn measured_per_rank(out: &Path) -> Vec<f64> {
 /// Prints the comparison and collects a failure (all cases are reported before the test fails).
 fn check_close(failures: &mut Vec<String>, what: &str, estimated: f64, measured: f64) {
     let ratio = estimated / measured;
-    eprintln!("{what}: estimated {:.1} MiB, measured {:.1} MiB ({:+.1}%)", estimated / 1048576.0, measured / 1048576.0, (ratio - 1.0) * 100.0);
+    eprintln!(
+        "{what}: estimated {:.1} MiB, measured {:.1} MiB ({:+.1}%)",
+        estimated / 1048576.0,
+        measured / 1048576.0,
+        (ratio - 1.0) * 100.0
+    );
     if !(0.8..=1.2).contains(&ratio) {
         failures.push(format!("{what}: estimate {estimated} vs measured peak {measured} (ratio {ratio:.3})"));
     }
@@ -97,7 +117,19 @@ fn the_estimate_is_within_20_percent_of_measured_peaks() {
         let out = tmp.path().join(format!("{name}-two"));
         let lora = ["--activation-checkpointing", "--lora-r", "8", "--lora-targets", "all-linear"];
         let port = free_port();
-        let mut args = vec!["launch", "--nproc-per-node", "2", "--master-port", &port, "--", "finetune", "--model", model.to_str().unwrap(), "--output-dir", out.to_str().unwrap()];
+        let mut args = vec![
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            &port,
+            "--",
+            "finetune",
+            "--model",
+            model.to_str().unwrap(),
+            "--output-dir",
+            out.to_str().unwrap(),
+        ];
         args.extend_from_slice(&common);
         args.extend_from_slice(&lora);
         let o = run_cli(&args, &[]);
@@ -109,7 +141,8 @@ fn the_estimate_is_within_20_percent_of_measured_peaks() {
         check_close(&mut failures, &format!("{name}: 2 ranks, LoRA, rank 0"), e["rank0_total"].as_f64().unwrap(), measured[0]);
         check_close(&mut failures, &format!("{name}: 2 ranks, LoRA, rank 1"), e["total"].as_f64().unwrap(), measured[1]);
         // LoRA keeps gradients and optimizer state (two moments) for the adapters only.
-        let (grads, optimizer, params) = (e["gradients"].as_f64().unwrap(), e["optimizer"].as_f64().unwrap(), e["parameters"].as_f64().unwrap());
+        let (grads, optimizer, params) =
+            (e["gradients"].as_f64().unwrap(), e["optimizer"].as_f64().unwrap(), e["parameters"].as_f64().unwrap());
         assert!(optimizer == 2.0 * grads && grads * 8.0 < params, "{name}: gradients {grads}, optimizer {optimizer}, parameters {params}");
     }
     assert!(failures.is_empty(), "estimates off by more than 20%:\n{}", failures.join("\n"));

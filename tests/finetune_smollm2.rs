@@ -19,7 +19,10 @@ fn fine_tuning_teaches_smollm2_a_new_fact() {
     let conv = run_cli(&["convert", "--gguf", gguf.to_str().unwrap(), "--out", base.to_str().unwrap()], &[]);
     assert!(conv.status.success(), "{}", stderr(&conv));
     let ask = |model: &std::path::Path| {
-        let o = run_cli(&["generate", "--model", model.to_str().unwrap(), "--chat", "--prompt", QUESTION, "--max-new-tokens", "24", "--json"], &[]);
+        let o = run_cli(
+            &["generate", "--model", model.to_str().unwrap(), "--chat", "--prompt", QUESTION, "--max-new-tokens", "24", "--json"],
+            &[],
+        );
         assert!(o.status.success(), "{}", stderr(&o));
         serde_json::from_str::<serde_json::Value>(stdout(&o).trim()).unwrap()["text"].as_str().unwrap().to_string()
     };
@@ -34,9 +37,28 @@ fn fine_tuning_teaches_smollm2_a_new_fact() {
     let out = tmp.path().join("tuned");
     let o = run_cli(
         &[
-            "finetune", "--model", base.to_str().unwrap(), "--data", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap(),
-            "--world-size", "2", "--batch-size", "2", "--seq-len", "64", "--max-steps", "16", "--lr", "5e-5", "--warmup-steps", "2",
-            "--lr-scheduler", "constant", "--activation-checkpointing",
+            "finetune",
+            "--model",
+            base.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--output-dir",
+            out.to_str().unwrap(),
+            "--world-size",
+            "2",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "64",
+            "--max-steps",
+            "16",
+            "--lr",
+            "5e-5",
+            "--warmup-steps",
+            "2",
+            "--lr-scheduler",
+            "constant",
+            "--activation-checkpointing",
         ],
         &[("RAYON_NUM_THREADS", "2")],
     );

@@ -45,18 +45,20 @@ fn max_rel_diff(a: &[f64], b: &[f64]) -> f64 {
 
 fn max_weight_diff(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter()
-        .map(|(k, t)| (t - &b[k]).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap())
-        .fold(0.0, f32::max)
+    a.iter().map(|(k, t)| (t - &b[k]).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()).fold(0.0, f32::max)
 }
 
 /// Largest per-tensor relative difference, ||a - b|| / ||b|| (Frobenius norms).
 fn max_rel_weight_diff(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> (f64, String) {
     assert_eq!(a.len(), b.len());
     let norm = |t: &Tensor| t.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap().sqrt() as f64;
-    a.iter()
-        .map(|(k, t)| (norm(&(t - &b[k]).unwrap()) / norm(&b[k]).max(1e-12), k.clone()))
-        .fold((0.0, String::new()), |m, x| if x.0 > m.0 { x } else { m })
+    a.iter().map(|(k, t)| (norm(&(t - &b[k]).unwrap()) / norm(&b[k]).max(1e-12), k.clone())).fold((0.0, String::new()), |m, x| {
+        if x.0 > m.0 {
+            x
+        } else {
+            m
+        }
+    })
 }
 
 #[test]
@@ -135,7 +137,18 @@ fn n_ranks_reproduce_one_rank_for_every_strategy() {
 #[test]
 fn vocabulary_sized_gradients_reduced_by_rows_reproduce_one_rank() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = fixture_with("llama", &tmp.path().join("wide-vocab"), &[("vocab_size", 8192), ("hidden_size", 512), ("intermediate_size", 128), ("num_hidden_layers", 1), ("num_attention_heads", 8), ("num_key_value_heads", 8)]);
+    let model = fixture_with(
+        "llama",
+        &tmp.path().join("wide-vocab"),
+        &[
+            ("vocab_size", 8192),
+            ("hidden_size", 512),
+            ("intermediate_size", 128),
+            ("num_hidden_layers", 1),
+            ("num_attention_heads", 8),
+            ("num_key_value_heads", 8),
+        ],
+    );
     let base = |out: &str, world: usize, ac: bool| {
         let mut c = reference_config(&model, &tmp.path().join(out));
         c.max_steps = Some(3);
@@ -190,7 +203,12 @@ fn engine_for(dir: &Path, ac: bool) -> FsdpEngine {
     let plan = plan_units(staged.as_ref(), WrapPolicy::TransformerBased, 1).unwrap();
     let g = |_: ()| -> Arc<dyn fsdp_app::dist::Collective> { Arc::new(LocalGroup::create(1, Duration::from_secs(10)).pop().unwrap()) };
     let groups = ProcessGroups { world: g(()), shard: g(()), replicate: g(()) };
-    let opts = FsdpOptions { strategy: ShardingStrategy::FullShard, activation_checkpointing: ac, param_dtype: DType::F32, reduce_dtype: DType::F32 };
+    let opts = FsdpOptions {
+        strategy: ShardingStrategy::FullShard,
+        activation_checkpointing: ac,
+        param_dtype: DType::F32,
+        reduce_dtype: DType::F32,
+    };
     let mut engine = FsdpEngine::new(staged, plan, groups, opts, AdamWConfig::default(), false).unwrap();
     let mut stored = HashMap::new();
     for p in &files.weights {
@@ -208,12 +226,8 @@ fn engine_for(dir: &Path, ac: bool) -> FsdpEngine {
 #[test]
 fn one_step_gradients_match_pytorch_and_reach_every_parameter() {
     let tmp = tempfile::tempdir().unwrap();
-    let rows: Vec<serde_json::Value> = std::fs::read_to_string(training_data())
-        .unwrap()
-        .lines()
-        .take(4)
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let rows: Vec<serde_json::Value> =
+        std::fs::read_to_string(training_data()).unwrap().lines().take(4).map(|l| serde_json::from_str(l).unwrap()).collect();
     for name in ["llama", "qwen2"] {
         let dir = fixture(name, tmp.path());
         let reference = reference_tensors(&format!("training-{name}.safetensors"));
@@ -265,9 +279,28 @@ fn finetune_cli_reports_steps_writes_metrics_and_a_model_generate_loads() {
     let out = tmp.path().join("run");
     let o = run_cli(
         &[
-            "finetune", "--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "--output-dir",
-            out.to_str().unwrap(), "--world-size", "2", "--seq-len", "16", "--batch-size", "2", "--max-steps", "3",
-            "--lr", "1e-3", "--activation-checkpointing", "--warmup-steps", "1", "--lr-scheduler", "cosine",
+            "finetune",
+            "--model",
+            model.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--output-dir",
+            out.to_str().unwrap(),
+            "--world-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "2",
+            "--max-steps",
+            "3",
+            "--lr",
+            "1e-3",
+            "--activation-checkpointing",
+            "--warmup-steps",
+            "1",
+            "--lr-scheduler",
+            "cosine",
         ],
         &[],
     );
@@ -276,11 +309,8 @@ fn finetune_cli_reports_steps_writes_metrics_and_a_model_generate_loads() {
     for s in ["rank 0 holds", "rank 1 holds", "step     3 | loss", "tokens/s", "peak RSS", "fp32 master weights"] {
         assert!(log.contains(s), "missing {s:?} in:\n{log}");
     }
-    let metrics: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let metrics: Vec<serde_json::Value> =
+        std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(metrics.len(), 3);
     for (i, m) in metrics.iter().enumerate() {
         assert_eq!(m["step"], i + 1);
@@ -302,7 +332,17 @@ fn bad_settings_fail_before_loading_weights() {
     let data = training_data();
     let run = |extra: &[&str]| {
         let out = tmp.path().join(format!("o{}", extra.join("_").replace(['-', '/'], "")));
-        let mut args = vec!["finetune", "--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap(), "--seq-len", "16"];
+        let mut args = vec![
+            "finetune",
+            "--model",
+            model.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--output-dir",
+            out.to_str().unwrap(),
+            "--seq-len",
+            "16",
+        ];
         args.extend_from_slice(extra);
         run_cli(&args, &[])
     };
@@ -316,14 +356,23 @@ fn bad_settings_fail_before_loading_weights() {
     };
     check(run(&["--world-size", "0"]), &["--world-size must be positive"]);
     check(run(&["--batch-size", "40", "--world-size", "2"]), &["train-data.jsonl", "48 samples", "fewer than one global batch of 80"]);
-    check(run(&["--wrap-policy", "size_based_wrap", "--min-num-params", "100000000"]), &["size_based_wrap", "no run of the model's 2 blocks"]);
-    check(run(&["--sharding-strategy", "HYBRID_SHARD", "--world-size", "3", "--shard-group-size", "2"]), &["--shard-group-size 2 must divide --world-size 3"]);
+    check(
+        run(&["--wrap-policy", "size_based_wrap", "--min-num-params", "100000000"]),
+        &["size_based_wrap", "no run of the model's 2 blocks"],
+    );
+    check(
+        run(&["--sharding-strategy", "HYBRID_SHARD", "--world-size", "3", "--shard-group-size", "2"]),
+        &["--shard-group-size 2 must divide --world-size 3"],
+    );
     check(run(&["--sharding-strategy", "EVERYTHING"]), &["--sharding-strategy"]);
 
     let bad = tmp.path().join("bad.jsonl");
     std::fs::write(&bad, "{\"text\": \"ok\"}\n{\"text\": 5}\n").unwrap();
     let out = tmp.path().join("bad-out");
-    let o = run_cli(&["finetune", "--model", model.to_str().unwrap(), "--data", bad.to_str().unwrap(), "--output-dir", out.to_str().unwrap()], &[]);
+    let o = run_cli(
+        &["finetune", "--model", model.to_str().unwrap(), "--data", bad.to_str().unwrap(), "--output-dir", out.to_str().unwrap()],
+        &[],
+    );
     check(o, &["bad.jsonl:2", "field `text` must be a string"]);
 }
 
@@ -345,8 +394,24 @@ fn chat_rows_train_on_assistant_turns_rendered_with_the_models_template() {
     std::fs::write(&data, rows.join("\n")).unwrap();
     let out = tmp.path().join("run");
     let o = run_cli(
-        &["finetune", "--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap(),
-          "--seq-len", "64", "--batch-size", "2", "--max-steps", "2", "--show-sample", "--world-size", "2"],
+        &[
+            "finetune",
+            "--model",
+            model.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--output-dir",
+            out.to_str().unwrap(),
+            "--seq-len",
+            "64",
+            "--batch-size",
+            "2",
+            "--max-steps",
+            "2",
+            "--show-sample",
+            "--world-size",
+            "2",
+        ],
         &[],
     );
     assert!(o.status.success(), "{}", stderr(&o));
@@ -362,8 +427,17 @@ fn chat_rows_train_on_assistant_turns_rendered_with_the_models_template() {
     let none = tmp.path().join("none.jsonl");
     std::fs::write(&none, "{\"input_ids\": [1, 2, 3], \"labels\": [-100, -100, -100]}\n").unwrap();
     let o = run_cli(
-        &["finetune", "--model", model.to_str().unwrap(), "--data", none.to_str().unwrap(), "--output-dir",
-          tmp.path().join("x").to_str().unwrap(), "--seq-len", "8"],
+        &[
+            "finetune",
+            "--model",
+            model.to_str().unwrap(),
+            "--data",
+            none.to_str().unwrap(),
+            "--output-dir",
+            tmp.path().join("x").to_str().unwrap(),
+            "--seq-len",
+            "8",
+        ],
         &[],
     );
     assert!(!o.status.success() && stderr(&o).contains("no token is trained on"), "{}", stderr(&o));
@@ -377,9 +451,30 @@ fn evaluation_reports_loss_and_perplexity_the_same_on_any_world_size() {
     for world in [1usize, 3] {
         let out = tmp.path().join(format!("w{world}"));
         let o = run_cli(
-            &["finetune", "--model", model.to_str().unwrap(), "--data", training_data().to_str().unwrap(), "--output-dir",
-              out.to_str().unwrap(), "--seq-len", "16", "--batch-size", &(6 / world).to_string(), "--world-size", &world.to_string(),
-              "--max-steps", "4", "--lr", "1e-3", "--eval-split", "0.25", "--eval-steps", "2", "--no-shuffle"],
+            &[
+                "finetune",
+                "--model",
+                model.to_str().unwrap(),
+                "--data",
+                training_data().to_str().unwrap(),
+                "--output-dir",
+                out.to_str().unwrap(),
+                "--seq-len",
+                "16",
+                "--batch-size",
+                &(6 / world).to_string(),
+                "--world-size",
+                &world.to_string(),
+                "--max-steps",
+                "4",
+                "--lr",
+                "1e-3",
+                "--eval-split",
+                "0.25",
+                "--eval-steps",
+                "2",
+                "--no-shuffle",
+            ],
             &[],
         );
         assert!(o.status.success(), "{}", stderr(&o));
@@ -413,7 +508,11 @@ fn packed_documents_do_not_see_each_other() {
     let tmp = tempfile::tempdir().unwrap();
     for name in ["llama", "mistral"] {
         let dir = fixture(name, tmp.path());
-        let docs: Vec<Vec<u32>> = vec![(0..5).map(|i| (i * 31 + 7) % 384).collect(), (0..7).map(|i| (i * 17 + 3) % 384).collect(), (0..4).map(|i| (i * 53 + 11) % 384).collect()];
+        let docs: Vec<Vec<u32>> = vec![
+            (0..5).map(|i| (i * 31 + 7) % 384).collect(),
+            (0..7).map(|i| (i * 17 + 3) % 384).collect(),
+            (0..4).map(|i| (i * 53 + 11) % 384).collect(),
+        ];
         let mut engine = engine_for(&dir, true);
         let mut unpacked = 0.0;
         for d in &docs {
@@ -445,8 +544,24 @@ fn packed_documents_do_not_see_each_other() {
     let model = fixture("qwen2", &tmp.path().join("q"));
     let out = tmp.path().join("packed-run");
     let o = run_cli(
-        &["finetune", "--model", model.to_str().unwrap(), "--data", training_data().to_str().unwrap(), "--output-dir",
-          out.to_str().unwrap(), "--seq-len", "32", "--batch-size", "2", "--max-steps", "2", "--packing", "--world-size", "2"],
+        &[
+            "finetune",
+            "--model",
+            model.to_str().unwrap(),
+            "--data",
+            training_data().to_str().unwrap(),
+            "--output-dir",
+            out.to_str().unwrap(),
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "2",
+            "--max-steps",
+            "2",
+            "--packing",
+            "--world-size",
+            "2",
+        ],
         &[],
     );
     assert!(o.status.success(), "{}", stderr(&o));
@@ -464,6 +579,7 @@ fn device_resident_state_reproduces_the_host_path() {
     let model = fixture("llama", tmp.path());
     let lora = models::LoraSettings { r: 4, alpha: 16.0, dropout: 0.0, targets: vec!["all-linear".into()], use_rslora: false };
     // (world, strategy, AC, shard group, accumulation, LoRA, bf16 mixed precision)
+    #[allow(clippy::type_complexity)] // a table of cases, one column each
     let cases: Vec<(usize, ShardingStrategy, bool, Option<usize>, usize, bool, bool)> = vec![
         (1, ShardingStrategy::FullShard, false, None, 1, false, false),
         (2, ShardingStrategy::FullShard, true, None, 2, false, false),
@@ -537,7 +653,10 @@ fn a_discarded_step_leaves_no_trace() {
     let batch = |seed: u32| {
         let ids: Vec<u32> = (0..32u32).map(|i| 3 + (i * 7 + seed) % 60).collect();
         let labels: Vec<i64> = ids.iter().map(|&x| i64::from(x)).collect();
-        (Tensor::from_vec(ids, (2, 16), &Device::Cpu).unwrap(), StageContext { targets: Some(next_token_targets(&labels, 2, 16)), ..Default::default() })
+        (
+            Tensor::from_vec(ids, (2, 16), &Device::Cpu).unwrap(),
+            StageContext { targets: Some(next_token_targets(&labels, 2, 16)), ..Default::default() },
+        )
     };
     let (trial, trial_ctx) = batch(1);
     let (real, real_ctx) = batch(2);

@@ -3,8 +3,6 @@
 
 mod common;
 
-use std::collections::HashMap;
-
 use common::hub::*;
 use common::*;
 
@@ -62,10 +60,7 @@ fn downloads_through_hf_endpoint_then_works_offline_from_the_cache() {
     assert!(stderr(&offline).contains("offline"), "{}", stderr(&offline));
 
     // Offline and not cached: a clear error naming the repo.
-    let missing = run_cli(
-        &["generate", "--model", "acme/other", "--prompt", "x"],
-        &[("HF_HUB_OFFLINE", "1"), ("HF_HOME", hf_home_s)],
-    );
+    let missing = run_cli(&["generate", "--model", "acme/other", "--prompt", "x"], &[("HF_HUB_OFFLINE", "1"), ("HF_HOME", hf_home_s)]);
     assert!(!missing.status.success());
     let err = stderr(&missing);
     assert!(err.contains("acme/other") && err.contains("HF_HUB_OFFLINE"), "{err}");
@@ -79,7 +74,11 @@ fn hf_hub_cache_overrides_hf_home_and_revision_is_used() {
     let cache = tmp.path().join("explicit-cache");
     let out = run_cli(
         &["generate", "--model", "acme/tiny-qwen", "--revision", "v1.0", "--prompt", "Hi", "--max-new-tokens", "2"],
-        &[("HF_ENDPOINT", &server.endpoint()), ("HF_HOME", tmp.path().join("unused").to_str().unwrap()), ("HF_HUB_CACHE", cache.to_str().unwrap())],
+        &[
+            ("HF_ENDPOINT", &server.endpoint()),
+            ("HF_HOME", tmp.path().join("unused").to_str().unwrap()),
+            ("HF_HUB_CACHE", cache.to_str().unwrap()),
+        ],
     );
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(server.log.lock().unwrap().iter().all(|(p, _)| p.starts_with("/acme/tiny-qwen/resolve/v1.0/")));
@@ -114,8 +113,23 @@ fn training_data_comes_from_a_hub_dataset_repo() {
     let hf_home = tmp.path().join("hf");
     let run = |out: &str, env: &[(&str, &str)]| {
         run_cli(
-            &["finetune", "--model", model.to_str().unwrap(), "--data", "hf://datasets/acme/tokens/train.jsonl", "--output-dir",
-              tmp.path().join(out).to_str().unwrap(), "--seq-len", "16", "--batch-size", "2", "--max-steps", "2", "--world-size", "2"],
+            &[
+                "finetune",
+                "--model",
+                model.to_str().unwrap(),
+                "--data",
+                "hf://datasets/acme/tokens/train.jsonl",
+                "--output-dir",
+                tmp.path().join(out).to_str().unwrap(),
+                "--seq-len",
+                "16",
+                "--batch-size",
+                "2",
+                "--max-steps",
+                "2",
+                "--world-size",
+                "2",
+            ],
             env,
         )
     };
@@ -142,8 +156,24 @@ fn parquet_chat_data_from_a_hub_dataset_repo_trains_like_its_jsonl_twin() {
     let server = HubServer::start("datasets/acme/chat", [("data/train-00000-of-00001.parquet".to_string(), parquet)].into_iter().collect());
     let run = |out: &str, data: &str| {
         let o = run_cli(
-            &["finetune", "--model", model.to_str().unwrap(), "--data", data, "--output-dir", tmp.path().join(out).to_str().unwrap(),
-              "--seq-len", "128", "--batch-size", "2", "--max-steps", "2", "--world-size", "2", "--no-shuffle"],
+            &[
+                "finetune",
+                "--model",
+                model.to_str().unwrap(),
+                "--data",
+                data,
+                "--output-dir",
+                tmp.path().join(out).to_str().unwrap(),
+                "--seq-len",
+                "128",
+                "--batch-size",
+                "2",
+                "--max-steps",
+                "2",
+                "--world-size",
+                "2",
+                "--no-shuffle",
+            ],
             &[("HF_ENDPOINT", &server.endpoint()), ("HF_HOME", tmp.path().join("hf").to_str().unwrap())],
         );
         assert!(o.status.success(), "{}", stderr(&o));

@@ -17,8 +17,24 @@ fn finetune_args<'a>(model: &'a str, out: &'a str, data: &'a str, steps: &'a str
 
 fn finetune_args_batch<'a>(model: &'a str, out: &'a str, data: &'a str, steps: &'a str, batch: &'a str) -> Vec<&'a str> {
     vec![
-        "finetune", "--model", model, "--data", data, "--output-dir", out, "--seq-len", "16", "--batch-size", batch,
-        "--max-steps", steps, "--lr", "1e-3", "--no-shuffle", "--collective-timeout", "60",
+        "finetune",
+        "--model",
+        model,
+        "--data",
+        data,
+        "--output-dir",
+        out,
+        "--seq-len",
+        "16",
+        "--batch-size",
+        batch,
+        "--max-steps",
+        steps,
+        "--lr",
+        "1e-3",
+        "--no-shuffle",
+        "--collective-timeout",
+        "60",
     ]
 }
 
@@ -90,12 +106,26 @@ fn torchrun_flags_launch_as_torchrun_takes_them() {
     let model = fixture("llama", tmp.path());
     let data = reference_dir().join("train-data.jsonl");
     let (m, d) = (model.to_str().unwrap().to_string(), data.to_str().unwrap().to_string());
-    let outs: Vec<String> = ["underscores", "standalone", "endpoint"].iter().map(|n| tmp.path().join(n).to_str().unwrap().to_string()).collect();
+    let outs: Vec<String> =
+        ["underscores", "standalone", "endpoint"].iter().map(|n| tmp.path().join(n).to_str().unwrap().to_string()).collect();
     let (port, port2) = (free_port(), free_port());
     let endpoint = format!("127.0.0.1:{port2}");
     let flag_sets: [Vec<&str>; 3] = [
         // Underscores, the command last without `--` (as torchrun takes its script).
-        vec!["--nproc_per_node", "2", "--nnodes", "1", "--node_rank", "0", "--master_addr", "127.0.0.1", "--master_port", &port, "--max_restarts", "0"],
+        vec![
+            "--nproc_per_node",
+            "2",
+            "--nnodes",
+            "1",
+            "--node_rank",
+            "0",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            &port,
+            "--max_restarts",
+            "0",
+        ],
         vec!["--standalone", "--nproc-per-node", "2", "--"],
         vec!["--rdzv-backend", "static", "--rdzv_endpoint", &endpoint, "--nproc_per_node", "2"],
     ];
@@ -231,9 +261,25 @@ fn each_rank_process_holds_a_1_over_n_share_of_the_training_state() {
     let model = tmp.path().join("model");
     let o = run_cli(
         &[
-            "fixture", "--name", "llama", "--out", model.to_str().unwrap(), "--set", "hidden_size=512", "--set", "intermediate_size=1408",
-            "--set", "num_hidden_layers=8", "--set", "vocab_size=512", "--set", "num_attention_heads=8", "--set", "num_key_value_heads=8",
-            "--set", "head_dim=64",
+            "fixture",
+            "--name",
+            "llama",
+            "--out",
+            model.to_str().unwrap(),
+            "--set",
+            "hidden_size=512",
+            "--set",
+            "intermediate_size=1408",
+            "--set",
+            "num_hidden_layers=8",
+            "--set",
+            "vocab_size=512",
+            "--set",
+            "num_attention_heads=8",
+            "--set",
+            "num_key_value_heads=8",
+            "--set",
+            "head_dim=64",
         ],
         &[],
     );
@@ -274,11 +320,16 @@ fn each_rank_process_holds_a_1_over_n_share_of_the_training_state() {
     let one = peaks(1, true)[0];
     assert!(one > state, "one process peaked at {:.0} MiB, below the {:.0} MiB of state it must hold", mib(one), mib(state));
     // FULL_SHARD reshards after every unit's forward with and without activation checkpointing.
-    let runs: Vec<(usize, bool, Vec<f64>)> = [(2usize, true), (4, true), (4, false)].into_iter().map(|(n, ac)| (n, ac, peaks(n, ac))).collect();
+    let runs: Vec<(usize, bool, Vec<f64>)> =
+        [(2usize, true), (4, true), (4, false)].into_iter().map(|(n, ac)| (n, ac, peaks(n, ac))).collect();
     eprintln!("state {:.0} MiB; world 1: peak {:.0} MiB", mib(state), mib(one));
     for (n, ac, p) in &runs {
         for (r, peak) in p.iter().enumerate() {
-            eprintln!("world {n}, activation checkpointing {ac}, rank {r}: peak {:.0} MiB, {:.0} MiB below one process", mib(*peak), mib(one - peak));
+            eprintln!(
+                "world {n}, activation checkpointing {ac}, rank {r}: peak {:.0} MiB, {:.0} MiB below one process",
+                mib(*peak),
+                mib(one - peak)
+            );
         }
     }
     // The largest unit (a decoder layer) in f32, and the bound at world 4: a rank holds

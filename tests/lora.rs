@@ -106,10 +106,32 @@ fn the_output_is_a_peft_adapter_that_generate_applies_and_merge_lora_bakes_in() 
     let data = reference_dir().join("train-data.jsonl");
     let o = run_cli(
         &[
-            "finetune", "--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "--output-dir",
-            out.to_str().unwrap(), "--world-size", "2", "--seq-len", "16", "--batch-size", "2", "--max-steps", "4",
-            "--lr", "1e-2", "--lora-r", "4", "--lora-alpha", "8", "--lora-targets", "q_proj,v_proj,down_proj",
-            "--merge-lora", "--save-steps", "4",
+            "finetune",
+            "--model",
+            model.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--output-dir",
+            out.to_str().unwrap(),
+            "--world-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "2",
+            "--max-steps",
+            "4",
+            "--lr",
+            "1e-2",
+            "--lora-r",
+            "4",
+            "--lora-alpha",
+            "8",
+            "--lora-targets",
+            "q_proj,v_proj,down_proj",
+            "--merge-lora",
+            "--save-steps",
+            "4",
         ],
         &[],
     );
@@ -127,7 +149,8 @@ fn the_output_is_a_peft_adapter_that_generate_applies_and_merge_lora_bakes_in() 
     };
     assert_eq!(shapes(&ours), shapes(&peft));
     let ours_cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("adapter_config.json")).unwrap()).unwrap();
-    let peft_cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(peft_adapter().join("adapter_config.json")).unwrap()).unwrap();
+    let peft_cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(peft_adapter().join("adapter_config.json")).unwrap()).unwrap();
     for k in ["peft_type", "task_type", "r", "lora_alpha", "bias", "fan_in_fan_out", "use_rslora", "use_dora", "init_lora_weights"] {
         assert_eq!(ours_cfg[k], peft_cfg[k], "adapter_config.json field {k}");
     }
@@ -135,7 +158,14 @@ fn the_output_is_a_peft_adapter_that_generate_applies_and_merge_lora_bakes_in() 
     targets.sort();
     assert_eq!(serde_json::json!(targets), peft_cfg["target_modules"]);
     // Training moved B away from zero (PEFT's initialisation), so the adapter does something.
-    assert!(ours.iter().filter(|(k, _)| k.contains("lora_B")).all(|(_, t)| t.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap() > 0.0));
+    assert!(ours.iter().filter(|(k, _)| k.contains("lora_B")).all(|(_, t)| t
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+        > 0.0));
 
     // base + adapter == merged model == `fsdp-app merge` of the LoRA checkpoint.
     let ids: Vec<u32> = (0..10).map(|i| (i * 41 + 5) % 384).collect();
@@ -153,7 +183,18 @@ fn the_output_is_a_peft_adapter_that_generate_applies_and_merge_lora_bakes_in() 
 
     // The CLI applies the adapter too.
     let g = run_cli(
-        &["generate", "--model", model.to_str().unwrap(), "--adapter", out.to_str().unwrap(), "--prompt", "hello", "--max-new-tokens", "3", "--json"],
+        &[
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--adapter",
+            out.to_str().unwrap(),
+            "--prompt",
+            "hello",
+            "--max-new-tokens",
+            "3",
+            "--json",
+        ],
         &[],
     );
     assert!(g.status.success(), "{}", stderr(&g));
@@ -163,16 +204,16 @@ fn the_output_is_a_peft_adapter_that_generate_applies_and_merge_lora_bakes_in() 
 fn resuming_a_lora_run_continues_it_exactly() {
     let tmp = tempfile::tempdir().unwrap();
     let model = fixture("llama", tmp.path());
-    let lora = Some(models::LoraSettings { r: 4, alpha: 16.0, dropout: 0.1, targets: vec!["all-linear".into()], use_rslora: false });
+    let lora = models::LoraSettings { r: 4, alpha: 16.0, dropout: 0.1, targets: vec!["all-linear".into()], use_rslora: false };
     let mut full = reference_config(&model, &tmp.path().join("full"));
     full.adapter = None;
-    full.lora = lora.clone();
+    full.lora = Some(lora.clone());
     full.max_steps = Some(6);
     full.save_steps = Some(3);
     let straight = run_local(&full).unwrap();
     let mut resumed = reference_config(&model, &tmp.path().join("full"));
     resumed.adapter = None;
-    resumed.lora = lora.clone();
+    resumed.lora = Some(lora.clone());
     resumed.max_steps = Some(6);
     resumed.world_size = 2;
     resumed.batch_size = 2;
@@ -184,7 +225,7 @@ fn resuming_a_lora_run_continues_it_exactly() {
 
     // Dropout is on and deterministic: the same masks on 2 ranks (above), and it changes the run.
     let mut no_dropout = full.clone();
-    no_dropout.lora = Some(models::LoraSettings { dropout: 0.0, ..lora.unwrap() });
+    no_dropout.lora = Some(models::LoraSettings { dropout: 0.0, ..lora });
     no_dropout.output_dir = tmp.path().join("no-dropout");
     no_dropout.save_steps = None;
     let plain = run_local(&no_dropout).unwrap();
@@ -198,14 +239,29 @@ fn bad_lora_settings_name_what_exists() {
     let data = reference_dir().join("train-data.jsonl");
     let run = |extra: &[&str]| {
         let out = tmp.path().join(format!("o{}", extra.len()));
-        let mut args = vec!["finetune", "--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap(), "--seq-len", "16", "--max-steps", "1"];
+        let mut args = vec![
+            "finetune",
+            "--model",
+            model.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--output-dir",
+            out.to_str().unwrap(),
+            "--seq-len",
+            "16",
+            "--max-steps",
+            "1",
+        ];
         args.extend_from_slice(extra);
         let o = run_cli(&args, &[]);
         assert!(!o.status.success());
         stderr(&o)
     };
     let e = run(&["--lora-targets", "q_proj,qkv_proj"]);
-    assert!(e.contains("\"qkv_proj\" matches no module") && e.contains("q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"), "{e}");
+    assert!(
+        e.contains("\"qkv_proj\" matches no module") && e.contains("q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"),
+        "{e}"
+    );
     let e = run(&["--merge-lora"]);
     assert!(e.contains("--merge-lora needs a LoRA run"), "{e}");
     let e = run(&["--lora-r", "0"]);

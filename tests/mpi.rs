@@ -27,8 +27,21 @@ fn mpirun_gives_the_local_loss_curve() {
         let batch = (4 / np).to_string();
         let run = |out: &Path, extra: &[&str]| {
             let mut a = vec![
-                "finetune", "--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "--output-dir",
-                out.to_str().unwrap(), "--seq-len", "16", "--batch-size", &batch, "--max-steps", "6", "--lr", "1e-3",
+                "finetune",
+                "--model",
+                model.to_str().unwrap(),
+                "--data",
+                data.to_str().unwrap(),
+                "--output-dir",
+                out.to_str().unwrap(),
+                "--seq-len",
+                "16",
+                "--batch-size",
+                &batch,
+                "--max-steps",
+                "6",
+                "--lr",
+                "1e-3",
                 "--no-shuffle",
             ];
             a.extend_from_slice(extra);
@@ -69,8 +82,23 @@ fn a_failing_rank_ends_the_mpi_job() {
     let out = tmp.path().join("out");
     let o = mpirun(
         2,
-        &["finetune", "--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap(),
-          "--seq-len", "16", "--batch-size", "2", "--max-steps", "2", "--backend", "mpi"],
+        &[
+            "finetune",
+            "--model",
+            model.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--output-dir",
+            out.to_str().unwrap(),
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "2",
+            "--max-steps",
+            "2",
+            "--backend",
+            "mpi",
+        ],
     );
     assert!(!o.status.success());
     let err = stderr(&o);

@@ -8,8 +8,8 @@ use std::collections::HashSet;
 
 use candle_core::{DType, Device, Module, Tensor};
 use common::*;
-use fsdp_app::model_files::{load_model, resolve_model};
 use fsdp_app::generate::{generate, SamplingParams};
+use fsdp_app::model_files::{load_model, resolve_model};
 use fsdp_app::tokenize::{ChatMessage, TextTokenizer};
 
 fn greedy(n: usize) -> SamplingParams {
@@ -50,7 +50,8 @@ fn cached_forward_matches_full_forward() {
         let full = loaded.model.forward(&Tensor::new(ids.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap()).unwrap();
         let mut cache = models::KvCache::new(&loaded.config);
         // Prefill 10 tokens, then feed the rest one by one.
-        let mut last = loaded.model.forward_cached(&Tensor::new(&ids[..10], &Device::Cpu).unwrap().unsqueeze(0).unwrap(), &mut cache).unwrap();
+        let mut last =
+            loaded.model.forward_cached(&Tensor::new(&ids[..10], &Device::Cpu).unwrap().unsqueeze(0).unwrap(), &mut cache).unwrap();
         let prefill_ref = full.get(0).unwrap().get(9).unwrap();
         let d = (last.get(0).unwrap() - &prefill_ref).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
         assert!(d < 1e-4, "{name}: prefill logits differ by {d}");
@@ -147,10 +148,8 @@ fn decoder_layers_built_alone_reassemble_the_model() {
         let pos = PositionInputs { cos, sin, mask, mode: OpMode::Train, row_seeds: None };
         for i in 0..cfg.num_hidden_layers {
             let prefix = format!("model.layers.{i}.");
-            let own: std::collections::HashMap<String, Tensor> = all
-                .iter()
-                .filter_map(|(k, t)| k.strip_prefix(&prefix).map(|rest| (rest.to_string(), t.clone())))
-                .collect();
+            let own: std::collections::HashMap<String, Tensor> =
+                all.iter().filter_map(|(k, t)| k.strip_prefix(&prefix).map(|rest| (rest.to_string(), t.clone()))).collect();
             let layer = models::DecoderLayer::new(cfg, None, candle_nn::VarBuilder::from_tensors(own, DType::F32, &Device::Cpu)).unwrap();
             h = layer.forward(&h, &pos, None).unwrap();
         }
@@ -178,7 +177,9 @@ fn half_precision_files_and_compute_dtypes_load() {
     let reference = f32_model.model.forward(&input).unwrap();
     let w = dir.join("model.safetensors");
     let tensors = candle_core::safetensors::load(&w, &Device::Cpu).unwrap();
-    for (file_dtype, compute, tol) in [(DType::F16, DType::F32, 0.05), (DType::BF16, DType::F32, 0.3), (DType::F32, DType::BF16, 0.5), (DType::F32, DType::F16, 0.05)] {
+    for (file_dtype, compute, tol) in
+        [(DType::F16, DType::F32, 0.05), (DType::BF16, DType::F32, 0.3), (DType::F32, DType::BF16, 0.5), (DType::F32, DType::F16, 0.05)]
+    {
         let converted: std::collections::HashMap<String, Tensor> =
             tensors.iter().map(|(k, t)| (k.clone(), t.to_dtype(file_dtype).unwrap())).collect();
         candle_core::safetensors::save(&converted, &w).unwrap();
@@ -196,7 +197,8 @@ fn batched_decode_of_sequences_of_different_lengths_equals_decoding_each_alone()
         let dir = fixture(name, tmp.path());
         let m = load_model(resolve_model(dir.to_str().unwrap(), None).unwrap(), DType::F32, &Device::Cpu).unwrap().model;
         // Prompts longer and shorter than mistral's sliding window of 8.
-        let prompts: Vec<Vec<u32>> = [3usize, 11, 6].iter().map(|&n| (0..n as u32).map(|i| (i * 37 + n as u32 * 5) % 300 + 3).collect()).collect();
+        let prompts: Vec<Vec<u32>> =
+            [3usize, 11, 6].iter().map(|&n| (0..n as u32).map(|i| (i * 37 + n as u32 * 5) % 300 + 3).collect()).collect();
         let mut alone: Vec<models::KvCache> = vec![];
         let mut next: Vec<u32> = vec![];
         for p in &prompts {
@@ -210,7 +212,11 @@ fn batched_decode_of_sequences_of_different_lengths_equals_decoding_each_alone()
             let mut refs: Vec<&mut models::KvCache> = batched.iter_mut().collect();
             let rows = m.forward_decode_rows(&next, &mut refs).unwrap();
             for (r, cache) in alone.iter_mut().enumerate() {
-                let one = m.forward_cached(&Tensor::new(&[next[r]], &Device::Cpu).unwrap().unsqueeze(0).unwrap(), cache).unwrap().squeeze(0).unwrap();
+                let one = m
+                    .forward_cached(&Tensor::new(&[next[r]], &Device::Cpu).unwrap().unsqueeze(0).unwrap(), cache)
+                    .unwrap()
+                    .squeeze(0)
+                    .unwrap();
                 let d = (rows.get(r).unwrap() - &one).unwrap().abs().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
                 assert!(d < 1e-4, "{name} step {step} row {r}: batched logits differ by {d}");
             }

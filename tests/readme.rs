@@ -130,11 +130,8 @@ fn every_usage_example_in_readme_runs_as_written() {
     std::os::unix::fs::symlink(bin(), bin_dir.join("fsdp-app")).unwrap();
     let hub_model = fixture("llama", tmp.path());
     let hub = HubServer::start("HuggingFaceTB/SmolLM2-135M-Instruct", dir_files(&hub_model));
-    let scratch = Scratch {
-        dir,
-        path_var: format!("{}:{}", bin_dir.display(), std::env::var("PATH").unwrap_or_default()),
-        hub: hub.endpoint(),
-    };
+    let scratch =
+        Scratch { dir, path_var: format!("{}:{}", bin_dir.display(), std::env::var("PATH").unwrap_or_default()), hub: hub.endpoint() };
     // The quick start's conversion, which the server example serves.
     scratch.run("fsdp-app convert --gguf model.gguf --out target/smollm2-hf");
 

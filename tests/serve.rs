@@ -23,8 +23,25 @@ fn answers_equal_generate_and_streams_equal_the_json_answers() {
     assert_eq!(models["data"][0]["id"], "tiny");
 
     // Greedy completion == `fsdp-app generate` on the same prompt.
-    let c = post_json(&server.url("/v1/completions"), &json!({"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0}));
-    let g = run_cli(&["generate", "--model", model.to_str().unwrap(), "--prompt", "The quick brown fox", "--max-new-tokens", "12", "--temperature", "0", "--json"], &[]);
+    let c = post_json(
+        &server.url("/v1/completions"),
+        &json!({"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0}),
+    );
+    let g = run_cli(
+        &[
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt",
+            "The quick brown fox",
+            "--max-new-tokens",
+            "12",
+            "--temperature",
+            "0",
+            "--json",
+        ],
+        &[],
+    );
     let g: Value = serde_json::from_str(&stdout(&g)).unwrap();
     assert_eq!(c["choices"][0]["text"], g["text"]);
     assert_eq!(c["object"], "text_completion");
@@ -57,13 +74,19 @@ fn answers_equal_generate_and_streams_equal_the_json_answers() {
     assert_eq!(a["choices"].as_array().unwrap().len(), 3);
     let first = g["text"].as_str().unwrap();
     if let Some(stop) = first.get(3..5).filter(|s| !s.trim().is_empty() && first.is_char_boundary(3) && first.is_char_boundary(5)) {
-        let s = post_json(&server.url("/v1/completions"), &json!({"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "stop": [stop]}));
+        let s = post_json(
+            &server.url("/v1/completions"),
+            &json!({"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "stop": [stop]}),
+        );
         assert_eq!(s["choices"][0]["finish_reason"], "stop");
         assert_eq!(s["choices"][0]["text"].as_str().unwrap(), &first[..first.find(stop).unwrap()]);
     }
 
     // Logprobs: the sampled token's, and top alternatives sorted, with the sampled one among them for greedy.
-    let lp = post_json(&server.url("/v1/chat/completions"), &json!({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0, "logprobs": true, "top_logprobs": 3}));
+    let lp = post_json(
+        &server.url("/v1/chat/completions"),
+        &json!({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0, "logprobs": true, "top_logprobs": 3}),
+    );
     let content = lp["choices"][0]["logprobs"]["content"].as_array().unwrap();
     assert!(!content.is_empty());
     for t in content {
@@ -81,7 +104,14 @@ fn answers_equal_generate_and_streams_equal_the_json_answers() {
     let info = get_json(&server.url("/info"));
     assert_eq!(info["max_model_len"], 256);
     let metrics = ureq::get(&server.url("/metrics")).call().unwrap().into_string().unwrap();
-    for m in ["fsdp_requests_total{status=\"200\"}", "fsdp_time_to_first_token_seconds_bucket", "fsdp_inter_token_latency_seconds_count", "fsdp_generated_tokens_total", "fsdp_queue_size", "fsdp_running_sequences"] {
+    for m in [
+        "fsdp_requests_total{status=\"200\"}",
+        "fsdp_time_to_first_token_seconds_bucket",
+        "fsdp_inter_token_latency_seconds_count",
+        "fsdp_generated_tokens_total",
+        "fsdp_queue_size",
+        "fsdp_running_sequences",
+    ] {
         assert!(metrics.contains(m), "{m} missing:\n{metrics}");
     }
     let spec = get_json(&server.url("/openapi.json"));
@@ -95,12 +125,19 @@ fn answers_equal_generate_and_streams_equal_the_json_answers() {
 fn generate_and_serve_sample_the_same_tokens_for_the_same_seed() {
     let tmp = tempfile::tempdir().unwrap();
     let model = fixture("qwen2", tmp.path());
-    std::fs::write(model.join("generation_config.json"), r#"{"bos_token_id": 0, "eos_token_id": 2, "do_sample": true, "temperature": 0.9}"#).unwrap();
+    std::fs::write(
+        model.join("generation_config.json"),
+        r#"{"bos_token_id": 0, "eos_token_id": 2, "do_sample": true, "temperature": 0.9}"#,
+    )
+    .unwrap();
     let server = Server::start(&model, &[]);
     let m = model.to_str().unwrap();
     for (request, flags) in [
         (json!({"seed": 7}), vec!["--seed", "7"]),
-        (json!({"seed": 11, "temperature": 1.3, "top_p": 0.8, "top_k": 20}), vec!["--seed", "11", "--temperature", "1.3", "--top-p", "0.8", "--top-k", "20"]),
+        (
+            json!({"seed": 11, "temperature": 1.3, "top_p": 0.8, "top_k": 20}),
+            vec!["--seed", "11", "--temperature", "1.3", "--top-p", "0.8", "--top-k", "20"],
+        ),
     ] {
         let mut body = json!({"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 24});
         body.as_object_mut().unwrap().extend(request.as_object().unwrap().clone());
@@ -115,7 +152,11 @@ fn generate_and_serve_sample_the_same_tokens_for_the_same_seed() {
     }
     // The defaults the server reports are the ones both used.
     let info = get_json(&server.url("/info"));
-    assert_eq!((info["sampling_defaults"]["temperature"].as_f64(), info["sampling_defaults"]["top_k"].as_u64()), (Some(0.9), Some(50)), "{info}");
+    assert_eq!(
+        (info["sampling_defaults"]["temperature"].as_f64(), info["sampling_defaults"]["top_k"].as_u64()),
+        (Some(0.9), Some(50)),
+        "{info}"
+    );
 }
 
 #[test]
@@ -127,6 +168,7 @@ fn bad_requests_get_openai_errors_and_never_a_5xx() {
     let chat = server.url("/v1/chat/completions");
     let comp = server.url("/v1/completions");
     let msgs = json!([{"role": "user", "content": "hi"}]);
+    #[allow(clippy::type_complexity)] // a table of cases, one column each
     let cases: Vec<(String, String, u16, Option<&str>, Option<&str>)> = vec![
         (chat.clone(), json!({"model": "tiny", "messages": msgs, "temperature": 3}).to_string(), 400, Some("temperature"), None),
         (chat.clone(), json!({"model": "tiny", "messages": msgs, "temperature": "warm"}).to_string(), 400, Some("temperature"), None),
@@ -238,7 +280,9 @@ fn a_full_queue_answers_429_and_a_disconnected_client_frees_its_slot() {
 
 #[test]
 fn the_official_openai_python_client_works_against_the_server() {
-    let Some(python) = python_or_skip("the_official_openai_python_client_works_against_the_server", &["openai", "jsonschema"]) else { return };
+    let Some(python) = python_or_skip("the_official_openai_python_client_works_against_the_server", &["openai", "jsonschema"]) else {
+        return;
+    };
     let tmp = tempfile::tempdir().unwrap();
     let dir = slow_model(tmp.path());
     let server = Server::start(&dir, &["--api-key", "k3y", "--max-concurrent-requests", "1", "--max-queue", "0"]);
@@ -265,7 +309,18 @@ fn schemathesis_finds_no_server_error_in_the_openapi_spec() {
     let server = Server::start(&model, &["--api-key", "k"]);
     let st = python.parent().unwrap().join("schemathesis");
     let out = Command::new(st)
-        .args(["run", &server.url("/openapi.json"), "--checks", "not_a_server_error", "-H", "Authorization: Bearer k", "--max-examples", "40", "--seed", "1"])
+        .args([
+            "run",
+            &server.url("/openapi.json"),
+            "--checks",
+            "not_a_server_error",
+            "-H",
+            "Authorization: Bearer k",
+            "--max-examples",
+            "40",
+            "--seed",
+            "1",
+        ])
         .env("NO_COLOR", "1")
         .output()
         .unwrap();
@@ -302,7 +357,7 @@ fn sixty_four_streaming_clients_for_30_seconds_get_answers_or_429_and_memory_sta
                     match ureq::post(&url).send_string(&body.to_string()) {
                         Ok(r) => {
                             let mut lines = BufReader::new(r.into_reader()).lines();
-                            if (w + i as usize) % 4 == 0 {
+                            if (w + i as usize).is_multiple_of(4) {
                                 // Hang up after the first event.
                                 let _ = lines.next();
                                 hung_up += 1;
@@ -381,7 +436,11 @@ fn fine_tuning_jobs_run_to_a_served_model_persist_and_survive_a_restart() {
     let server = Server::start(&model, &["--data-dir", data_dir.to_str().unwrap()]);
 
     // Files: validated on upload, listed, read back, deleted.
-    let (s, bad) = upload(&server, "bad.jsonl", b"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}, {\"role\": \"assistant\", \"content\": \"y\"}]}\n{\"foo\": 1}\n");
+    let (s, bad) = upload(
+        &server,
+        "bad.jsonl",
+        b"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}, {\"role\": \"assistant\", \"content\": \"y\"}]}\n{\"foo\": 1}\n",
+    );
     assert_eq!((s, bad["error"]["param"].as_str()), (400, Some("file")), "{bad}");
     assert!(bad["error"]["message"].as_str().unwrap().starts_with("Line 2:"), "{bad}");
     // A UTF-8 byte-order mark (as Windows editors write it) is read past.
@@ -396,7 +455,12 @@ fn fine_tuning_jobs_run_to_a_served_model_persist_and_survive_a_restart() {
     assert!(!data_dir.join("etc").exists() && !tmp.path().join("etc").exists(), "a file name is never a path");
     let (_, spare) = upload(&server, "spare.jsonl", &chat);
     let spare_id = spare["id"].as_str().unwrap();
-    assert_eq!(ureq::delete(&server.url(&format!("/v1/files/{spare_id}"))).call().unwrap().into_string().unwrap().contains("\"deleted\":true"), true);
+    assert!(ureq::delete(&server.url(&format!("/v1/files/{spare_id}")))
+        .call()
+        .unwrap()
+        .into_string()
+        .unwrap()
+        .contains("\"deleted\":true"));
     assert!(matches!(ureq::get(&server.url(&format!("/v1/files/{spare_id}"))).call(), Err(ureq::Error::Status(404, _))));
 
     // A job: Idempotency-Key makes a retried create return the same job.
@@ -506,7 +570,8 @@ fn fine_tuning_jobs_run_to_a_served_model_persist_and_survive_a_restart() {
     assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["deleted"], true);
     let models = get_json(&server.url("/v1/models"));
     assert!(!models["data"].as_array().unwrap().iter().any(|m| m["id"] == json!(ft)), "{models}");
-    let (s, _, _) = post(&server.url("/v1/chat/completions"), &json!({"model": ft, "messages": [{"role": "user", "content": "x"}]}).to_string(), None);
+    let (s, _, _) =
+        post(&server.url("/v1/chat/completions"), &json!({"model": ft, "messages": [{"role": "user", "content": "x"}]}).to_string(), None);
     assert_eq!(s, 404);
     assert_eq!(delete(&ft).0, 404);
     assert!(!data_dir.join("jobs").join(&job_id).exists(), "the model's files are deleted");
@@ -531,11 +596,18 @@ fn a_failed_job_says_why() {
     let (s, file) = upload(&server, "bad-ids.jsonl", rows);
     assert_eq!(s, 200, "{file}");
     // A sequence longer than the model's context is refused, both numbers named.
-    let (s, text, _) = post(&server.url("/v1/fine_tuning/jobs"), &json!({"model": "tiny", "training_file": file["id"], "fsdp_app": {"seq_len": 4096}}).to_string(), None);
+    let (s, text, _) = post(
+        &server.url("/v1/fine_tuning/jobs"),
+        &json!({"model": "tiny", "training_file": file["id"], "fsdp_app": {"seq_len": 4096}}).to_string(),
+        None,
+    );
     assert_eq!(s, 400, "{text}");
     assert!(text.contains("fsdp_app.seq_len") && text.contains("4096") && text.contains("256"), "{text}");
-    let job = post_json(&server.url("/v1/fine_tuning/jobs"), &json!({"model": "tiny", "training_file": file["id"],
-        "fsdp_app": {"world_size": 1, "seq_len": 64, "max_steps": 1}}));
+    let job = post_json(
+        &server.url("/v1/fine_tuning/jobs"),
+        &json!({"model": "tiny", "training_file": file["id"],
+        "fsdp_app": {"world_size": 1, "seq_len": 64, "max_steps": 1}}),
+    );
     let id = job["id"].as_str().unwrap();
     let done = wait_for_status(&server, id, &["failed", "succeeded"], 120);
     assert_eq!(done["status"], "failed", "{done}");

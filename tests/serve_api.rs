@@ -34,7 +34,9 @@ fn lenient_mode_logit_bias_echo_logprobs_and_n_admission() {
     // Every token's text (byte-level pieces of a character show as U+FFFD and are not unique).
     let config: Value = serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
     let vocab = config["vocab_size"].as_u64().unwrap();
-    let texts: Vec<String> = (0..vocab).map(|i| post_json(&server.url("/detokenize"), &json!({"tokens": [i]}))["prompt"].as_str().unwrap().to_string()).collect();
+    let texts: Vec<String> = (0..vocab)
+        .map(|i| post_json(&server.url("/detokenize"), &json!({"tokens": [i]}))["prompt"].as_str().unwrap().to_string())
+        .collect();
     let ids_of = |t: &str| (0..vocab).filter(|&i| texts[i as usize] == t).collect::<Vec<_>>();
     let plain = greedy(json!({}));
     let bias = |ids: &[u64], b: f64| Value::Object(ids.iter().map(|i| (i.to_string(), json!(b))).collect());
@@ -75,11 +77,14 @@ fn lenient_mode_logit_bias_echo_logprobs_and_n_admission() {
         assert!(t.contains('\u{FFFD}') || here.starts_with(t), "token {i} {t:?} is not at offset {at} of {text:?}");
     }
     // The same as a stream: the prompt's scores come with the echoed text, offsets continue.
-    let chunks: Vec<Value> = sse(&comp, &json!({"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": true, "logprobs": 2, "stream": true}))
-        .into_iter()
-        .filter(|l| l != "[DONE]")
-        .map(|l| serde_json::from_str(&l).unwrap())
-        .collect();
+    let chunks: Vec<Value> = sse(
+        &comp,
+        &json!({"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": true, "logprobs": 2, "stream": true}),
+    )
+    .into_iter()
+    .filter(|l| l != "[DONE]")
+    .map(|l| serde_json::from_str(&l).unwrap())
+    .collect();
     let mut offsets = vec![];
     for c in &chunks {
         if let Some(o) = c["choices"][0]["logprobs"]["text_offset"].as_array() {
@@ -93,4 +98,3 @@ fn lenient_mode_logit_bias_echo_logprobs_and_n_admission() {
     assert_eq!(status, 400, "{text}");
     assert!(text.contains("\"param\":\"n\""), "{text}");
 }
-

@@ -26,9 +26,12 @@ fn a_jobs_epoch_checkpoints_are_listed_and_served_and_trained_tokens_counts_real
     let (s, file) = upload(&server, "tokens.jsonl", rows.as_bytes());
     assert_eq!(s, 200, "{file}");
     // 4 epochs of 2 steps (batch 2): checkpoints at steps 2, 4, 6 and 8, the newest 3 kept.
-    let job = post_json(&server.url("/v1/fine_tuning/jobs"), &json!({"model": "tiny", "training_file": file["id"], "suffix": "ckpt", "seed": 1,
+    let job = post_json(
+        &server.url("/v1/fine_tuning/jobs"),
+        &json!({"model": "tiny", "training_file": file["id"], "suffix": "ckpt", "seed": 1,
         "hyperparameters": {"n_epochs": 4, "batch_size": 2, "learning_rate_multiplier": 100},
-        "fsdp_app": {"world_size": 1, "seq_len": 64}}));
+        "fsdp_app": {"world_size": 1, "seq_len": 64}}),
+    );
     let id = job["id"].as_str().unwrap().to_string();
     let done = wait_for_status(&server, &id, &["succeeded", "failed"], 240);
     assert_eq!(done["status"], "succeeded", "{done}");
@@ -61,7 +64,11 @@ fn a_jobs_epoch_checkpoints_are_listed_and_served_and_trained_tokens_counts_real
     let (final_lp, base_lp) = (first_token_logprob(&server, &ft), first_token_logprob(&server, "tiny"));
     assert_eq!(answer[0], final_lp, "the last checkpoint is the final model");
     for (i, lp) in answer.iter().enumerate().skip(1) {
-        assert!((lp - final_lp).abs() > 1e-5 && (lp - base_lp).abs() > 1e-5, "{} answers like another model: {answer:?} final {final_lp} base {base_lp}", ids[i]);
+        assert!(
+            (lp - final_lp).abs() > 1e-5 && (lp - base_lp).abs() > 1e-5,
+            "{} answers like another model: {answer:?} final {final_lp} base {base_lp}",
+            ids[i]
+        );
     }
     assert!((answer[1] - answer[2]).abs() > 1e-5, "steps 6 and 4 answer alike: {answer:?}");
     assert_eq!(answer[1], at_once[0]);
@@ -70,7 +77,11 @@ fn a_jobs_epoch_checkpoints_are_listed_and_served_and_trained_tokens_counts_real
     let server = Server::start(&model, &["--data-dir", tmp.path().join("data").to_str().unwrap()]);
     assert_eq!(first_token_logprob(&server, ids[2]), answer[2]);
     let rotated = format!("{ft}:ckpt-step-2");
-    let (s, text, _) = post(&server.url("/v1/chat/completions"), &json!({"model": rotated, "messages": [{"role": "user", "content": "x"}]}).to_string(), None);
+    let (s, text, _) = post(
+        &server.url("/v1/chat/completions"),
+        &json!({"model": rotated, "messages": [{"role": "user", "content": "x"}]}).to_string(),
+        None,
+    );
     assert_eq!(s, 404, "{text}");
     let err: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(err["error"]["code"], "model_not_found", "{err}");
@@ -79,6 +90,10 @@ fn a_jobs_epoch_checkpoints_are_listed_and_served_and_trained_tokens_counts_real
     let deleted = ureq::delete(&server.url(&format!("/v1/models/{ft}"))).call().unwrap();
     assert_eq!(deleted.status(), 200);
     assert_eq!(get_json(&server.url(&format!("/v1/fine_tuning/jobs/{id}/checkpoints")))["data"], json!([]));
-    let (s, _, _) = post(&server.url("/v1/chat/completions"), &json!({"model": ids[1], "messages": [{"role": "user", "content": "x"}]}).to_string(), None);
+    let (s, _, _) = post(
+        &server.url("/v1/chat/completions"),
+        &json!({"model": ids[1], "messages": [{"role": "user", "content": "x"}]}).to_string(),
+        None,
+    );
     assert_eq!(s, 404, "a deleted model's checkpoint is not served");
 }

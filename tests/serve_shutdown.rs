@@ -51,7 +51,10 @@ fn sigterm_ends_streams_properly_cancels_jobs_and_exits_0() {
     let (status, uploaded) = upload(&server, "rows.jsonl", rows.as_bytes());
     assert_eq!(status, 200, "{uploaded}");
     let uploaded = uploaded["id"].as_str().unwrap().to_string();
-    let job = post_json(&server.url("/v1/fine_tuning/jobs"), &json!({"model": "tiny", "training_file": uploaded, "fsdp_app": {"seq_len": 64, "max_steps": 100000}}));
+    let job = post_json(
+        &server.url("/v1/fine_tuning/jobs"),
+        &json!({"model": "tiny", "training_file": uploaded, "fsdp_app": {"seq_len": 64, "max_steps": 100000}}),
+    );
     let job_id = job["id"].as_str().unwrap().to_string();
     let deadline = Instant::now() + Duration::from_secs(120);
     while get_json(&server.url(&format!("/v1/fine_tuning/jobs/{job_id}")))["status"] != "running" {
@@ -80,7 +83,8 @@ fn sigterm_ends_streams_properly_cancels_jobs_and_exits_0() {
         .set("Content-Type", "application/json")
         .send_string(&json!({"model": "tiny", "prompt": "x", "max_tokens": 900, "temperature": 0, "stream": true}).to_string())
         .unwrap();
-    let mut lines = BufReader::new(r.into_reader()).lines().map(Result::unwrap).filter_map(|l| l.strip_prefix("data: ").map(str::to_string));
+    let mut lines =
+        BufReader::new(r.into_reader()).lines().map(Result::unwrap).filter_map(|l| l.strip_prefix("data: ").map(str::to_string));
     lines.next().expect("a first chunk");
     let signalled = Instant::now();
     sigterm(server.child.id());
@@ -92,7 +96,12 @@ fn sigterm_ends_streams_properly_cancels_jobs_and_exits_0() {
     }
 
     let rest: Vec<String> = lines.collect();
-    assert_eq!(rest.last().map(String::as_str), Some("[DONE]"), "the stream ends with [DONE]: {:?}", rest.iter().rev().take(3).collect::<Vec<_>>());
+    assert_eq!(
+        rest.last().map(String::as_str),
+        Some("[DONE]"),
+        "the stream ends with [DONE]: {:?}",
+        rest.iter().rev().take(3).collect::<Vec<_>>()
+    );
     let before_done: Value = serde_json::from_str(&rest[rest.len() - 2]).unwrap();
     assert!(
         before_done["error"]["code"] == "server_shutting_down" || before_done["choices"][0]["finish_reason"].is_string(),

@@ -45,7 +45,8 @@ fn stalled_and_idle_connections_are_closed_and_slow_uploads_are_not() {
     head.write_all(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: appl").unwrap();
     // Stalled in its body: 10 of 100 bytes.
     let mut body = connect(&server);
-    body.write_all(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\":").unwrap();
+    body.write_all(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\":")
+        .unwrap();
     // Idle: connected, sends nothing.
     let idle = connect(&server);
     // A keep-alive connection that answered one request, then idles.
@@ -69,7 +70,12 @@ fn stalled_and_idle_connections_are_closed_and_slow_uploads_are_not() {
     // A body trickled a byte every 0.3 s (6 s in all, six times the body timeout) goes through.
     let payload = json!({"prompt": "slow but steady"}).to_string();
     let mut slow = connect(&server);
-    write!(slow, "POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", payload.len()).unwrap();
+    write!(
+        slow,
+        "POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        payload.len()
+    )
+    .unwrap();
     let started = Instant::now();
     for b in payload.bytes() {
         slow.write_all(&[b]).unwrap();
@@ -99,7 +105,10 @@ fn connections_over_the_per_address_limit_get_429_and_are_closed() {
     let mut third = connect(&server);
     third.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
     let (text, took) = read_until_closed(third, Duration::from_secs(5));
-    assert!(text.starts_with("HTTP/1.1 429") && text.contains("too_many_connections") && text.contains("--max-connections-per-ip"), "{text}");
+    assert!(
+        text.starts_with("HTTP/1.1 429") && text.contains("too_many_connections") && text.contains("--max-connections-per-ip"),
+        "{text}"
+    );
     assert!(took < Duration::from_secs(3), "closed after {took:?}");
     drop(first);
     // The slot frees when the server sees the close: poll until a new connection is served.

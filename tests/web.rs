@@ -52,7 +52,18 @@ fn the_pages_chat_and_fine_tune_in_headless_chromium() {
     let model = fixture("qwen2", tmp.path());
     let data = tmp.path().join("data");
     let mut server = Command::new(bin())
-        .args(["serve", "--model", model.to_str().unwrap(), "--port", "0", "--served-model-name", "tiny", "--api-key", "web-key", "--data-dir"])
+        .args([
+            "serve",
+            "--model",
+            model.to_str().unwrap(),
+            "--port",
+            "0",
+            "--served-model-name",
+            "tiny",
+            "--api-key",
+            "web-key",
+            "--data-dir",
+        ])
         .arg(&data)
         .stderr(Stdio::piped())
         .stdout(Stdio::null())

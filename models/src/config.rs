@@ -10,12 +10,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 /// The architectures this crate implements, as they appear in `config.json`'s `architectures`.
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-];
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
@@ -32,10 +27,7 @@ impl Architecture {
             "MistralForCausalLM" => Self::Mistral,
             "Qwen2ForCausalLM" => Self::Qwen2,
             "Qwen3ForCausalLM" => Self::Qwen3,
-            other => bail!(
-                "unsupported architecture {other:?}; supported: {}",
-                SUPPORTED_ARCHITECTURES.join(", ")
-            ),
+            other => bail!("unsupported architecture {other:?}; supported: {}", SUPPORTED_ARCHITECTURES.join(", ")),
         })
     }
 
@@ -54,7 +46,9 @@ impl Architecture {
 pub enum RopeScaling {
     Default,
     /// Positions divided by `factor`.
-    Linear { factor: f64 },
+    Linear {
+        factor: f64,
+    },
     /// Llama 3.x frequency-dependent scaling.
     Llama3 {
         factor: f64,
@@ -140,10 +134,7 @@ impl ModelConfig {
     pub fn from_json_str(text: &str) -> Result<Self> {
         let raw: RawConfig = serde_json::from_str(text).context("invalid JSON")?;
         let archs = raw.architectures.clone().unwrap_or_default();
-        let arch_name = archs.first().context(format!(
-            "missing field `architectures` (one of: {})",
-            SUPPORTED_ARCHITECTURES.join(", ")
-        ))?;
+        let arch_name = archs.first().context(format!("missing field `architectures` (one of: {})", SUPPORTED_ARCHITECTURES.join(", ")))?;
         let architecture = Architecture::from_hf_name(arch_name)?;
         if let Some(act) = &raw.hidden_act {
             if act != "silu" {
@@ -156,10 +147,8 @@ impl ModelConfig {
 
         // transformers 5 folds rope_theta and the scaling into `rope_parameters`.
         let rope_obj = raw.rope_parameters.clone().or(raw.rope_scaling.clone());
-        let rope_theta = raw
-            .rope_theta
-            .or_else(|| rope_obj.as_ref().and_then(|r| r.get("rope_theta")).and_then(Value::as_f64))
-            .unwrap_or(10_000.0);
+        let rope_theta =
+            raw.rope_theta.or_else(|| rope_obj.as_ref().and_then(|r| r.get("rope_theta")).and_then(Value::as_f64)).unwrap_or(10_000.0);
         let rope_scaling = parse_rope_scaling(rope_obj.as_ref())?;
 
         let attention_bias = raw.attention_bias.unwrap_or(false);
@@ -223,14 +212,14 @@ impl ModelConfig {
                 bail!("field `{name}` must be positive");
             }
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             bail!(
                 "field `num_attention_heads` ({}) is not a multiple of `num_key_value_heads` ({})",
                 self.num_attention_heads,
                 self.num_key_value_heads
             );
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             bail!("field `head_dim` ({}) must be even for rotary embeddings", self.head_dim);
         }
         Ok(())
@@ -241,15 +230,9 @@ fn parse_rope_scaling(obj: Option<&Value>) -> Result<RopeScaling> {
     let Some(obj) = obj.filter(|v| v.is_object()) else {
         return Ok(RopeScaling::Default);
     };
-    let kind = obj
-        .get("rope_type")
-        .or_else(|| obj.get("type"))
-        .and_then(Value::as_str)
-        .unwrap_or("default");
+    let kind = obj.get("rope_type").or_else(|| obj.get("type")).and_then(Value::as_str).unwrap_or("default");
     let f = |name: &str| -> Result<f64> {
-        obj.get(name)
-            .and_then(Value::as_f64)
-            .with_context(|| format!("rope scaling `{kind}` needs field `{name}`"))
+        obj.get(name).and_then(Value::as_f64).with_context(|| format!("rope scaling `{kind}` needs field `{name}`"))
     };
     Ok(match kind {
         "default" => RopeScaling::Default,
@@ -260,8 +243,6 @@ fn parse_rope_scaling(obj: Option<&Value>) -> Result<RopeScaling> {
             high_freq_factor: f("high_freq_factor")?,
             original_max_position_embeddings: f("original_max_position_embeddings")? as usize,
         },
-        other => bail!(
-            "field `rope_scaling.rope_type` is {other:?}; supported: default, linear, llama3"
-        ),
+        other => bail!("field `rope_scaling.rope_type` is {other:?}; supported: default, linear, llama3"),
     })
 }

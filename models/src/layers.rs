@@ -49,18 +49,11 @@ impl Rotary {
         let dim = cfg.head_dim;
         // transformers computes the base frequencies in f32; do the same so tables match bit for bit
         // as far as possible.
-        let base: Vec<f64> = (0..dim / 2)
-            .map(|i| (1.0f32 / (cfg.rope_theta as f32).powf((2 * i) as f32 / dim as f32)) as f64)
-            .collect();
+        let base: Vec<f64> = (0..dim / 2).map(|i| (1.0f32 / (cfg.rope_theta as f32).powf((2 * i) as f32 / dim as f32)) as f64).collect();
         let inv_freq = match &cfg.rope_scaling {
             RopeScaling::Default => base,
             RopeScaling::Linear { factor } => base.iter().map(|f| f / factor).collect(),
-            RopeScaling::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_position_embeddings,
-            } => {
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
                 let old = *original_max_position_embeddings as f64;
                 let low_wavelen = old / low_freq_factor;
                 let high_wavelen = old / high_freq_factor;
@@ -72,8 +65,7 @@ impl Rotary {
                         } else if wavelen > low_wavelen {
                             f / factor
                         } else {
-                            let smooth =
-                                (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                            let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
                             (1.0 - smooth) * f / factor + smooth * f
                         }
                     })
@@ -123,9 +115,7 @@ pub fn packed_mask(segments: &[u32], batch: usize, seq: usize, window: Option<us
         let seg = &segments[b * seq..(b + 1) * seq];
         for i in 0..seq {
             for j in 0..seq {
-                let visible = j <= i
-                    && (seg[i] == seg[j] && (seg[i] != 0 || i == j))
-                    && window.is_none_or(|w| i - j < w);
+                let visible = j <= i && (seg[i] == seg[j] && (seg[i] != 0 || i == j)) && window.is_none_or(|w| i - j < w);
                 data.push(if visible { 0.0f32 } else { f32::NEG_INFINITY });
             }
         }
@@ -185,9 +175,7 @@ pub fn causal_mask(q_len: usize, offset: usize, window: Option<usize>, dtype: DT
     if !any_blocked {
         return Ok(None);
     }
-    let data: Vec<f32> = (0..q_len)
-        .flat_map(|i| (0..kv_len).map(move |j| if blocked(i, j) { f32::NEG_INFINITY } else { 0.0 }))
-        .collect();
+    let data: Vec<f32> = (0..q_len).flat_map(|i| (0..kv_len).map(move |j| if blocked(i, j) { f32::NEG_INFINITY } else { 0.0 })).collect();
     Tensor::from_vec(data, (q_len, kv_len), dev)?.to_dtype(dtype).map(Some)
 }
 
@@ -231,10 +219,7 @@ impl Attention {
         let q_out = cfg.num_attention_heads * d;
         let kv_out = cfg.num_key_value_heads * d;
         let (q_norm, k_norm) = if cfg.qk_norm {
-            (
-                Some(RmsNorm::new(d, cfg.rms_norm_eps, vb.pp("q_norm"))?),
-                Some(RmsNorm::new(d, cfg.rms_norm_eps, vb.pp("k_norm"))?),
-            )
+            (Some(RmsNorm::new(d, cfg.rms_norm_eps, vb.pp("q_norm"))?), Some(RmsNorm::new(d, cfg.rms_norm_eps, vb.pp("k_norm"))?))
         } else {
             (None, None)
         };
@@ -294,14 +279,12 @@ impl Attention {
             OpMode::Train if crate::ops::applies(&q) && pos.cos.dtype() == DType::F32 => {
                 (crate::ops::fused::rope(&q, &pos.cos, &pos.sin)?, crate::ops::fused::rope(&k, &pos.cos, &pos.sin)?)
             }
-            OpMode::Train => (
-                candle_nn::rotary_emb::rope_slow(&q, &pos.cos, &pos.sin)?,
-                candle_nn::rotary_emb::rope_slow(&k, &pos.cos, &pos.sin)?,
-            ),
-            OpMode::Generate => (
-                candle_nn::rotary_emb::rope(&q, &pos.cos, &pos.sin)?,
-                candle_nn::rotary_emb::rope(&k, &pos.cos, &pos.sin)?,
-            ),
+            OpMode::Train => {
+                (candle_nn::rotary_emb::rope_slow(&q, &pos.cos, &pos.sin)?, candle_nn::rotary_emb::rope_slow(&k, &pos.cos, &pos.sin)?)
+            }
+            OpMode::Generate => {
+                (candle_nn::rotary_emb::rope(&q, &pos.cos, &pos.sin)?, candle_nn::rotary_emb::rope(&k, &pos.cos, &pos.sin)?)
+            }
         };
         let (k, v) = match cache {
             Some(cache) => cache.append(k, v)?,
@@ -332,7 +315,15 @@ impl Attention {
     /// r continues the sequence cached in `caches[r]` at position `positions[r]`. Projections
     /// run batched over the rows (where batching pays on any device); attention runs per row
     /// over that row's own cache. `cos`/`sin` are (rows, 1, head_dim / 2).
-    pub fn forward_decode_rows(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, positions: &[usize], window: Option<usize>, caches: &mut [&mut LayerKvCache]) -> Result<Tensor> {
+    pub fn forward_decode_rows(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        positions: &[usize],
+        window: Option<usize>,
+        caches: &mut [&mut LayerKvCache],
+    ) -> Result<Tensor> {
         let (rows, t, _) = x.dims3()?;
         let d = self.head_dim;
         let heads = |proj: &AdaptedLinear, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
@@ -417,11 +408,7 @@ impl DecoderLayer {
         Ok(Self {
             input_layernorm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
             self_attn: Attention::new(cfg, lora, vb.pp("self_attn"))?,
-            post_attention_layernorm: RmsNorm::new(
-                cfg.hidden_size,
-                cfg.rms_norm_eps,
-                vb.pp("post_attention_layernorm"),
-            )?,
+            post_attention_layernorm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("post_attention_layernorm"))?,
             mlp: Mlp::new(cfg, lora, vb.pp("mlp"))?,
         })
     }
@@ -434,7 +421,14 @@ impl DecoderLayer {
     }
 
     /// One decode step for several independent sequences (see `Attention::forward_decode_rows`).
-    pub fn forward_decode_rows(&self, x: &Tensor, pos: &PositionInputs, positions: &[usize], window: Option<usize>, caches: &mut [&mut LayerKvCache]) -> Result<Tensor> {
+    pub fn forward_decode_rows(
+        &self,
+        x: &Tensor,
+        pos: &PositionInputs,
+        positions: &[usize],
+        window: Option<usize>,
+        caches: &mut [&mut LayerKvCache],
+    ) -> Result<Tensor> {
         let h = self.input_layernorm.forward(x, OpMode::Generate)?;
         let x = (x + self.self_attn.forward_decode_rows(&h, &pos.cos, &pos.sin, positions, window, caches)?)?;
         let h = self.post_attention_layernorm.forward(&x, OpMode::Generate)?;

@@ -18,8 +18,8 @@ mod testing;
 
 pub use config::{Architecture, ModelConfig, RopeScaling, SUPPORTED_ARCHITECTURES};
 pub use layers::{DecoderLayer, LayerKvCache};
-pub use mode::OpMode;
 pub use lora::LoraSettings;
+pub use mode::OpMode;
 pub use model::{CausalLm, KvCache};
 pub use staged::{LlamaStages, Packing, StageContext, StagedModel};
 pub use tensors::{expected_tensors, TensorSpec};

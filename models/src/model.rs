@@ -44,11 +44,7 @@ impl CausalLm {
             .map(|i| DecoderLayer::new(cfg, lora, vb.pp(format!("model.layers.{i}"))))
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("model.norm"))?;
-        let lm_head = if cfg.tie_word_embeddings {
-            embed_w
-        } else {
-            vb.get((cfg.vocab_size, cfg.hidden_size), "lm_head.weight")?
-        };
+        let lm_head = if cfg.tie_word_embeddings { embed_w } else { vb.get((cfg.vocab_size, cfg.hidden_size), "lm_head.weight")? };
         Ok(Self { cfg: cfg.clone(), embed_tokens, layers, norm, lm_head, rotary: Rotary::new(cfg) })
     }
 

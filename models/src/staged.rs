@@ -146,9 +146,7 @@ impl StagedModel for LlamaStages {
 
     fn forward_stage(&self, s: usize, params: &HashMap<String, Tensor>, input: &Tensor, ctx: &StageContext) -> Result<Tensor> {
         let last = self.num_stages() - 1;
-        let get = |name: &str| {
-            params.get(name).cloned().ok_or_else(|| candle_core::Error::Msg(format!("stage {s} needs {name}")))
-        };
+        let get = |name: &str| params.get(name).cloned().ok_or_else(|| candle_core::Error::Msg(format!("stage {s} needs {name}")));
         let grad_to = |name: &str| ctx.weight_grads.clone().map(|sink| WeightGradTarget { sink, name: name.to_string() });
         if s == 0 {
             let name = "model.embed_tokens.weight";
@@ -168,7 +166,12 @@ impl StagedModel for LlamaStages {
             let logits = if crate::ops::applies(&h) && head.dtype() == h.dtype() {
                 if let Some(targets) = &ctx.targets {
                     let (b, t, hidden) = h.dims3()?;
-                    return crate::ops::head_loss::head_cross_entropy(&h.reshape((b * t, hidden))?, &head, targets, grad_to(self.head_weight_name()));
+                    return crate::ops::head_loss::head_cross_entropy(
+                        &h.reshape((b * t, hidden))?,
+                        &head,
+                        targets,
+                        grad_to(self.head_weight_name()),
+                    );
                 }
                 // One product over all rows, forward and backward (no per-row weight gradients).
                 crate::ops::linear::linear(&h, &head)?

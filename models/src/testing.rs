@@ -6,54 +6,26 @@ use candle_core::{DType, Device, Result, Tensor, Var};
 pub(crate) fn rand(shape: &[usize], seed: u64, scale: f32) -> Tensor {
     let n: usize = shape.iter().product();
     let mut r = crate::rng::SplitMix64(seed);
-    Tensor::from_vec(
-        (0..n)
-            .map(|_| r.next_signed() * scale)
-            .collect::<Vec<f32>>(),
-        shape,
-        &Device::Cpu,
-    )
-    .unwrap()
+    Tensor::from_vec((0..n).map(|_| r.next_signed() * scale).collect::<Vec<f32>>(), shape, &Device::Cpu).unwrap()
 }
 
 pub(crate) fn max_rel(a: &Tensor, b: &Tensor) -> f32 {
-    let (a, b) = (
-        a.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-        b.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-    );
-    a.iter()
-        .zip(&b)
-        .map(|(x, y)| (x - y).abs() / y.abs().max(1e-2))
-        .fold(0f32, f32::max)
+    let (a, b) = (a.flatten_all().unwrap().to_vec1::<f32>().unwrap(), b.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+    a.iter().zip(&b).map(|(x, y)| (x - y).abs() / y.abs().max(1e-2)).fold(0f32, f32::max)
 }
 
 /// Gradients of `sum(f(vars) * probe)` for the fused and the composite form of an op.
-pub(crate) fn grads(
-    vars: &[Var],
-    probe: &Tensor,
-    f: &dyn Fn(&[Tensor]) -> Result<Tensor>,
-) -> Vec<Tensor> {
+pub(crate) fn grads(vars: &[Var], probe: &Tensor, f: &dyn Fn(&[Tensor]) -> Result<Tensor>) -> Vec<Tensor> {
     let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
     let loss = (f(&ts).unwrap() * probe).unwrap().sum_all().unwrap();
     let g = loss.backward().unwrap();
-    vars.iter()
-        .map(|v| g.get(v.as_tensor()).unwrap().clone())
-        .collect()
+    vars.iter().map(|v| g.get(v.as_tensor()).unwrap().clone()).collect()
 }
 
 /// Central finite differences of `sum(f(x) * probe)` at a few coordinates of input `which`,
 /// in f64 through the composite form.
-pub(crate) fn check_fd(
-    inputs: &[Tensor],
-    which: usize,
-    probe: &Tensor,
-    analytic: &Tensor,
-    f: &dyn Fn(&[Tensor]) -> Result<Tensor>,
-) {
-    let base: Vec<Tensor> = inputs
-        .iter()
-        .map(|t| t.to_dtype(DType::F64).unwrap())
-        .collect();
+pub(crate) fn check_fd(inputs: &[Tensor], which: usize, probe: &Tensor, analytic: &Tensor, f: &dyn Fn(&[Tensor]) -> Result<Tensor>) {
+    let base: Vec<Tensor> = inputs.iter().map(|t| t.to_dtype(DType::F64).unwrap()).collect();
     let probe = probe.to_dtype(DType::F64).unwrap();
     let flat = base[which].flatten_all().unwrap().to_vec1::<f64>().unwrap();
     let an = analytic.flatten_all().unwrap().to_vec1::<f32>().unwrap();
@@ -63,12 +35,7 @@ pub(crate) fn check_fd(
             v[k] += delta;
             let mut args = base.clone();
             args[which] = Tensor::from_vec(v, base[which].shape(), &Device::Cpu).unwrap();
-            (f(&args).unwrap() * &probe)
-                .unwrap()
-                .sum_all()
-                .unwrap()
-                .to_scalar::<f64>()
-                .unwrap()
+            (f(&args).unwrap() * &probe).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap()
         };
         let h = 1e-5;
         let numeric = (eval(h) - eval(-h)) / (2.0 * h);

@@ -178,10 +178,7 @@ mod tests {
         let e = check(&data, &DataCursor::at(5, 16, 8), tok, AllowedChanges::default()).unwrap_err().to_string();
         assert!(e.contains("data cursor") && e.contains("--seq-len"), "{e}");
 
-        assert_eq!(
-            AllowedChanges::parse(&["data".into(), "tokenizer".into()]).unwrap(),
-            AllowedChanges { data: true, tokenizer: true }
-        );
+        assert_eq!(AllowedChanges::parse(&["data".into(), "tokenizer".into()]).unwrap(), AllowedChanges { data: true, tokenizer: true });
         assert!(AllowedChanges::parse(&["weights".into()]).is_err());
     }
 }

@@ -38,7 +38,11 @@ pub fn open_for_resume(from: &str, output_dir: &Path, run: &ResumingRun) -> Resu
     let reader = CheckpointReader::open(&dir, manifest)?;
     if sharded::sha256_hex(run.config_json.as_bytes()) != reader.manifest.config_sha256 {
         let ckpt_config = String::from_utf8(reader.side_file("config.json").unwrap_or_default()).unwrap_or_default();
-        bail!("{} was saved from another model or config: {}", dir.display(), sharded::config_differences(&ckpt_config, run.config_json).join("; "));
+        bail!(
+            "{} was saved from another model or config: {}",
+            dir.display(),
+            sharded::config_differences(&ckpt_config, run.config_json).join("; ")
+        );
     }
     let theirs: Vec<(String, Vec<usize>)> = reader.manifest.params.iter().map(|p| (p.name.clone(), p.shape.clone())).collect();
     if run.params != theirs {

@@ -16,9 +16,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-use crate::model_files::load::StoredTensor;
 use crate::dist::{root_tries, ProcessGroups};
 use crate::fsdp::engine::{FsdpEngine, StatePart};
+use crate::model_files::load::StoredTensor;
 
 pub const MANIFEST: &str = "manifest.json";
 pub const TRAINER_STATE: &str = "trainer_state.json";
@@ -329,7 +329,7 @@ pub fn checkpoint_dirs(output_dir: &Path) -> Vec<(u64, PathBuf)> {
                 .collect()
         })
         .unwrap_or_default();
-    v.sort_by(|a, b| b.0.cmp(&a.0));
+    v.sort_by_key(|(step, _)| std::cmp::Reverse(*step));
     v
 }
 
@@ -357,8 +357,8 @@ pub fn verify(dir: &Path) -> Result<Manifest> {
             present.join(", ")
         );
     }
-    let manifest: Manifest = serde_json::from_slice(&std::fs::read(&mpath)?)
-        .with_context(|| format!("{}: not a valid manifest", mpath.display()))?;
+    let manifest: Manifest =
+        serde_json::from_slice(&std::fs::read(&mpath)?).with_context(|| format!("{}: not a valid manifest", mpath.display()))?;
     if manifest.format != FORMAT {
         bail!("{}: format {:?}, expected {FORMAT:?}", mpath.display(), manifest.format);
     }
@@ -467,7 +467,13 @@ pub fn merge(checkpoint: &Path, out: &Path, dtype: candle_core::DType, max_shard
     let reader = CheckpointReader::open(checkpoint, manifest)?;
     // A LoRA run's checkpoint: its adapters are folded into the base weights (W + scaling B A).
     let lora = match reader.side_file(crate::model_files::adapter::ADAPTER_CONFIG) {
-        Some(bytes) => Some(crate::model_files::adapter::parse_adapter_config(&String::from_utf8_lossy(&bytes), &checkpoint.join(crate::model_files::adapter::ADAPTER_CONFIG))?.0),
+        Some(bytes) => Some(
+            crate::model_files::adapter::parse_adapter_config(
+                &String::from_utf8_lossy(&bytes),
+                &checkpoint.join(crate::model_files::adapter::ADAPTER_CONFIG),
+            )?
+            .0,
+        ),
         None => None,
     };
     let specs: Vec<(String, Vec<usize>)> = reader
@@ -495,6 +501,7 @@ pub fn merge(checkpoint: &Path, out: &Path, dtype: candle_core::DType, max_shard
         }
         export.add(name, &one[name])?;
     }
-    let side: Vec<(String, Vec<u8>)> = reader.side_files()?.into_iter().filter(|(n, _)| n != crate::model_files::adapter::ADAPTER_CONFIG).collect();
+    let side: Vec<(String, Vec<u8>)> =
+        reader.side_files()?.into_iter().filter(|(n, _)| n != crate::model_files::adapter::ADAPTER_CONFIG).collect();
     export.finish(&side)
 }

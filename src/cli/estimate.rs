@@ -51,7 +51,8 @@ pub fn run(a: EstimateArgs) -> Result<()> {
     if a.world_size == 0 || a.batch_size == 0 || a.seq_len == Some(0) {
         anyhow::bail!("--world-size, --batch-size and --seq-len must be positive");
     }
-    let seq_len = fsdp_app::train::settle_seq_len(a.seq_len, cfg.max_position_embeddings).with_context(|| config_path.display().to_string())?;
+    let seq_len =
+        fsdp_app::train::settle_seq_len(a.seq_len, cfg.max_position_embeddings).with_context(|| config_path.display().to_string())?;
     let shard_size = strategy.shard_count(a.world_size, a.sharding.shard_group_size)?;
     let input = EstimateInput {
         world_size: a.world_size,

@@ -7,9 +7,9 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 
-use fsdp_app::model_files::{load_model_with_adapter, parse_dtype, resolve_model};
 use fsdp_app::generate::{generate, ModelDefaults, SamplingParams};
 use fsdp_app::memory::{human_bytes, peak_rss_bytes};
+use fsdp_app::model_files::{load_model_with_adapter, parse_dtype, resolve_model};
 use fsdp_app::tokenize::{ChatMessage, TextTokenizer};
 
 #[derive(Args)]

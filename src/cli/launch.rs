@@ -81,20 +81,21 @@ impl LaunchArgs {
             (Some(n), _) => parse_nproc(n)?,
             // Accelerate's num_processes counts every machine's processes.
             (None, Some(total)) if nnodes > 0 && total % nnodes == 0 && total > 0 => total / nnodes,
-            (None, Some(total)) => bail!(
-                "num_processes {total} in {} is not a multiple of {nnodes} machines",
-                self.config.as_ref().unwrap().display()
-            ),
-            (None, None) => bail!(
-                "--nproc-per-node is required (or num_processes in an Accelerate --config file)"
-            ),
+            (None, Some(total)) => {
+                bail!("num_processes {total} in {} is not a multiple of {nnodes} machines", self.config.as_ref().unwrap().display())
+            }
+            (None, None) => bail!("--nproc-per-node is required (or num_processes in an Accelerate --config file)"),
         };
         let master_addr_flag = self.master_addr.clone().or(file.main_process_ip.clone());
         let master_port_flag = self.master_port.or(file.main_process_port);
         let explicit = self.master_addr.is_some() || self.master_port.is_some();
         let (master_addr, master_port) = match (&self.rdzv_endpoint, self.standalone) {
-            (Some(_), true) => bail!("--standalone picks its own rendezvous address; drop --rdzv-endpoint {}", self.rdzv_endpoint.as_deref().unwrap()),
-            (Some(_), false) if explicit => bail!("--rdzv-endpoint and --master-addr/--master-port both say where rank 0 listens: give one"),
+            (Some(_), true) => {
+                bail!("--standalone picks its own rendezvous address; drop --rdzv-endpoint {}", self.rdzv_endpoint.as_deref().unwrap())
+            }
+            (Some(_), false) if explicit => {
+                bail!("--rdzv-endpoint and --master-addr/--master-port both say where rank 0 listens: give one")
+            }
             (Some(endpoint), false) => parse_endpoint(endpoint)?,
             (None, true) => {
                 if nnodes != 1 {
@@ -119,8 +120,7 @@ impl LaunchArgs {
         let mut command = self.command;
         if let Some(path) = &self.config {
             let given = path.to_string_lossy().to_string();
-            if command.first().map(String::as_str) == Some("finetune") && !command.contains(&given)
-            {
+            if command.first().map(String::as_str) == Some("finetune") && !command.contains(&given) {
                 command.splice(1..1, ["--config".to_string(), given]);
             }
         }
@@ -132,10 +132,7 @@ impl LaunchArgs {
             master_port,
             grace: std::time::Duration::from_secs(self.grace),
             command,
-            env: file
-                .gpu_ids
-                .map(|ids| vec![("CUDA_VISIBLE_DEVICES".to_string(), ids)])
-                .unwrap_or_default(),
+            env: file.gpu_ids.map(|ids| vec![("CUDA_VISIBLE_DEVICES".to_string(), ids)]).unwrap_or_default(),
         })
     }
 }
@@ -155,11 +152,7 @@ fn parse_endpoint(endpoint: &str) -> Result<(String, u16)> {
 /// torchrun's `--nproc-per-node`: a count, `gpu` (the visible GPUs), `cpu` (the usable cores)
 /// or `auto` (GPUs when there are any, else cores).
 fn parse_nproc(value: &str) -> Result<usize> {
-    let cores = || {
-        std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1)
-    };
+    let cores = || std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     match value {
         "cpu" => Ok(cores()),
         "gpu" => match visible_gpus() {
@@ -170,27 +163,23 @@ fn parse_nproc(value: &str) -> Result<usize> {
             0 => cores(),
             n => n,
         }),
-        n => n.parse().ok().filter(|n| *n > 0).with_context(|| format!("--nproc-per-node {n}: expected a positive number, auto, gpu or cpu")),
+        n => {
+            n.parse().ok().filter(|n| *n > 0).with_context(|| format!("--nproc-per-node {n}: expected a positive number, auto, gpu or cpu"))
+        }
     }
 }
 
 /// GPUs a rank could use: CUDA_VISIBLE_DEVICES when set, else the NVIDIA driver's device list.
 fn visible_gpus() -> usize {
     if let Ok(v) = std::env::var("CUDA_VISIBLE_DEVICES") {
-        return v
-            .split(',')
-            .filter(|d| !d.trim().is_empty() && !d.trim().starts_with('-'))
-            .count();
+        return v.split(',').filter(|d| !d.trim().is_empty() && !d.trim().starts_with('-')).count();
     }
-    std::fs::read_dir("/proc/driver/nvidia/gpus")
-        .map(|d| d.count())
-        .unwrap_or(0)
+    std::fs::read_dir("/proc/driver/nvidia/gpus").map(|d| d.count()).unwrap_or(0)
 }
 
 /// A port nothing listens on now, for --standalone (as torchrun picks one).
 fn free_local_port() -> Result<u16> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0")
-        .context("--standalone: finding a free local port")?;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("--standalone: finding a free local port")?;
     Ok(listener.local_addr()?.port())
 }
 
@@ -200,35 +189,14 @@ mod tests {
 
     #[test]
     fn endpoints_and_rank_counts_parse_as_torchrun_writes_them() {
-        assert_eq!(
-            parse_endpoint("10.0.0.1:29500").unwrap(),
-            ("10.0.0.1".to_string(), 29500)
-        );
-        assert_eq!(
-            parse_endpoint("[::1]:1234").unwrap(),
-            ("::1".to_string(), 1234)
-        );
+        assert_eq!(parse_endpoint("10.0.0.1:29500").unwrap(), ("10.0.0.1".to_string(), 29500));
+        assert_eq!(parse_endpoint("[::1]:1234").unwrap(), ("::1".to_string(), 1234));
         for bad in ["10.0.0.1", ":29500", "host:port", "host:0"] {
-            assert!(
-                parse_endpoint(bad)
-                    .unwrap_err()
-                    .to_string()
-                    .contains("--rdzv-endpoint"),
-                "{bad}"
-            );
+            assert!(parse_endpoint(bad).unwrap_err().to_string().contains("--rdzv-endpoint"), "{bad}");
         }
         assert_eq!(parse_nproc("3").unwrap(), 3);
-        assert_eq!(
-            parse_nproc("cpu").unwrap(),
-            std::thread::available_parallelism().unwrap().get()
-        );
-        assert!(parse_nproc("0")
-            .unwrap_err()
-            .to_string()
-            .contains("--nproc-per-node 0"));
-        assert!(parse_nproc("many")
-            .unwrap_err()
-            .to_string()
-            .contains("auto, gpu or cpu"));
+        assert_eq!(parse_nproc("cpu").unwrap(), std::thread::available_parallelism().unwrap().get());
+        assert!(parse_nproc("0").unwrap_err().to_string().contains("--nproc-per-node 0"));
+        assert!(parse_nproc("many").unwrap_err().to_string().contains("auto, gpu or cpu"));
     }
 }

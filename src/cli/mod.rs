@@ -51,7 +51,6 @@ enum Command {
     Estimate(EstimateArgs),
 }
 
-
 /// Parses the command line and runs the command; errors are printed in one line (a chain
 /// without backtrace frames unless RUST_BACKTRACE is set) with exit code 1.
 pub fn main() {
@@ -64,7 +63,8 @@ pub fn main() {
         Command::Finetune(a) => {
             let sub = matches.subcommand_matches("finetune").expect("the finetune subcommand's matches");
             // Which flags the command line set: they win over --config files.
-            let given = |flag: &str| sub.try_get_raw(flag).is_ok() && sub.value_source(flag) == Some(clap::parser::ValueSource::CommandLine);
+            let given =
+                |flag: &str| sub.try_get_raw(flag).is_ok() && sub.value_source(flag) == Some(clap::parser::ValueSource::CommandLine);
             finetune::run(*a, &given)
         }
         Command::Merge(a) => model_files::run_merge(a),

@@ -7,8 +7,8 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 
-use fsdp_app::model_files::parse_dtype;
 use fsdp_app::memory::{human_bytes, peak_rss_bytes};
+use fsdp_app::model_files::parse_dtype;
 
 #[derive(Args)]
 pub struct ConvertArgs {

@@ -109,7 +109,10 @@ impl TryFrom<ServeArgs> for ServeConfig {
 
 /// A positive number of seconds from flag `name`.
 fn seconds(name: &str, s: f64) -> Result<std::time::Duration> {
-    std::time::Duration::try_from_secs_f64(s).ok().filter(|d| !d.is_zero()).ok_or_else(|| anyhow::anyhow!("{name} must be a positive number of seconds, got {s}"))
+    std::time::Duration::try_from_secs_f64(s)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| anyhow::anyhow!("{name} must be a positive number of seconds, got {s}"))
 }
 
 pub fn run(a: ServeArgs) -> Result<()> {

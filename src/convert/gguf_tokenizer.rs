@@ -14,8 +14,10 @@ use serde_json::{json, Value};
 const TOKEN_TYPE_CONTROL: i32 = 3;
 const TOKEN_TYPE_USER_DEFINED: i32 = 4;
 
-const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const LLAMA3_PATTERN: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_PATTERN: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 pub const SUPPORTED_PRE_TOKENIZERS: &[&str] = &["default", "gpt2", "smollm", "llama-bpe", "qwen2"];
 
@@ -51,10 +53,9 @@ fn meta_strings(c: &Content, key: &str) -> Result<Vec<String>> {
 }
 
 pub(crate) fn pre_tokenizer(pre: &str) -> Result<Value> {
-    let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
-    let split = |pattern: &str| {
-        json!({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false})
-    };
+    let byte_level =
+        |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
+    let split = |pattern: &str| json!({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false});
     Ok(match pre {
         "default" | "gpt2" => byte_level(true),
         // SmolLM's tokenizer.json: each digit on its own, then GPT-2's byte-level regex.
@@ -71,9 +72,8 @@ pub(crate) fn pre_tokenizer(pre: &str) -> Result<Value> {
 }
 
 pub fn convert_tokenizer(c: &Content) -> Result<ConvertedTokenizer> {
-    let model = meta(c, "tokenizer.ggml.model")
-        .and_then(|v| v.to_string().ok().cloned())
-        .context("GGUF metadata has no `tokenizer.ggml.model`")?;
+    let model =
+        meta(c, "tokenizer.ggml.model").and_then(|v| v.to_string().ok().cloned()).context("GGUF metadata has no `tokenizer.ggml.model`")?;
     if model != "gpt2" {
         bail!(
             "GGUF tokenizer model {model:?} is not supported; only byte-level BPE (`gpt2`, used by Llama 3, \

@@ -134,9 +134,8 @@ pub fn convert_gguf(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Conver
     let mut parameters = 0;
     for name in names {
         let hf = hf_name(name).with_context(|| format!("{}: unexpected GGUF tensor {name}", gguf_path.display()))?;
-        let q = content
-            .tensor(&mut file, name, &device)
-            .map_err(|e| anyhow::anyhow!("{}: reading tensor {name}: {e}", gguf_path.display()))?;
+        let q =
+            content.tensor(&mut file, name, &device).map_err(|e| anyhow::anyhow!("{}: reading tensor {name}: {e}", gguf_path.display()))?;
         let mut w = q.dequantize(&device)?;
         if name.ends_with("attn_q.weight") {
             w = unpermute_rows(&w, dims.heads)?;

@@ -65,8 +65,13 @@ mod tests {
     #[test]
     fn launchers_are_recognised() {
         assert_eq!(env(&[]).unwrap(), None);
-        let t = env(&[("RANK", "1"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "1"), ("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "1234")]).unwrap().unwrap();
-        assert_eq!((t.rank, t.world_size, t.local_rank, t.master_addr.as_str(), t.master_port, t.launcher), (1, 4, 1, "10.0.0.1", 1234, "torchrun"));
+        let t = env(&[("RANK", "1"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "1"), ("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "1234")])
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (t.rank, t.world_size, t.local_rank, t.master_addr.as_str(), t.master_port, t.launcher),
+            (1, 4, 1, "10.0.0.1", 1234, "torchrun")
+        );
         let m = env(&[("OMPI_COMM_WORLD_RANK", "3"), ("OMPI_COMM_WORLD_SIZE", "4")]).unwrap().unwrap();
         assert_eq!((m.rank, m.world_size, m.master_port, m.launcher), (3, 4, 29500, "mpirun"));
         let s = env(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2"), ("SLURM_LAUNCH_NODE_IPADDR", "10.1.1.1")]).unwrap().unwrap();

@@ -89,7 +89,12 @@ impl LocalGroup {
     ) -> Result<MutexGuard<'a, State>> {
         loop {
             if let Some((failed_rank, reason)) = &guard.aborted_by {
-                let e = super::DistError::PeerFailed { op: op.into(), rank: self.world_rank, failed_rank: *failed_rank, reason: reason.clone() };
+                let e = super::DistError::PeerFailed {
+                    op: op.into(),
+                    rank: self.world_rank,
+                    failed_rank: *failed_rank,
+                    reason: reason.clone(),
+                };
                 return Err(e.into());
             }
             if let Some(f) = &guard.failed {
@@ -154,7 +159,7 @@ impl LocalGroup {
 /// World, shard and replicate groups for every rank of a `world`-rank job whose shard groups
 /// have `shard_size` consecutive ranks (`shard_size` must divide `world`).
 pub fn create_process_groups(world: usize, shard_size: usize, timeout: Duration) -> Vec<ProcessGroups> {
-    assert!(shard_size > 0 && world % shard_size == 0);
+    assert!(shard_size > 0 && world.is_multiple_of(shard_size));
     let mut world_groups: Vec<Option<LocalGroup>> = LocalGroup::create(world, timeout).into_iter().map(Some).collect();
     let mut shard_groups: Vec<Option<LocalGroup>> = (0..world).map(|_| None).collect();
     for start in (0..world).step_by(shard_size) {
@@ -212,7 +217,7 @@ impl Collective for LocalGroup {
 
     fn reduce_scatter(&self, full: &[f32]) -> Result<Vec<f32>> {
         let world = self.shared.world;
-        if full.len() % world != 0 {
+        if !full.len().is_multiple_of(world) {
             bail!("reduce_scatter: length {} is not divisible by the world size {world}", full.len());
         }
         let all = self.exchange("reduce_scatter", Deposit::F32(Arc::new(full.to_vec())))?;
@@ -347,7 +352,12 @@ mod tests {
             let shard = Tensor::new(&[r + 1.0 / 3.0, -r], &Device::Cpu).unwrap().to_dtype(DType::BF16).unwrap();
             let gathered = g.all_gather_tensor(&shard).unwrap();
             let summed = g.reduce_scatter_tensor(&Tensor::new(&[1f32, 2., 3., 4.], &Device::Cpu).unwrap()).unwrap();
-            (shard.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap(), gathered.dtype(), gathered.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap(), summed.to_vec1::<f32>().unwrap())
+            (
+                shard.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap(),
+                gathered.dtype(),
+                gathered.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap(),
+                summed.to_vec1::<f32>().unwrap(),
+            )
         });
         let sent: Vec<f32> = out.iter().flat_map(|(s, ..)| s.clone()).collect();
         for (r, (_, dtype, gathered, summed)) in out.into_iter().enumerate() {

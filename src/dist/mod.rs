@@ -101,7 +101,9 @@ pub enum DistError {
 impl std::fmt::Display for DistError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::PeerFailed { op, rank, failed_rank, reason } => write!(f, "{op} on rank {rank} stopped: rank {failed_rank} failed: {reason}"),
+            Self::PeerFailed { op, rank, failed_rank, reason } => {
+                write!(f, "{op} on rank {rank} stopped: rank {failed_rank} failed: {reason}")
+            }
             Self::RootFailed { what, message } => write!(f, "rank 0 could not {what}: {message}"),
             Self::Timeout { op, rank, waited_s, missing } => {
                 write!(f, "{op} timed out after {waited_s:.1}s on rank {rank}: waiting for group rank(s) {missing:?}")
@@ -187,7 +189,12 @@ pub struct CommunicatorSlots {
 
 pub fn communicator_slots(rank: usize, world: usize, shard_size: usize) -> CommunicatorSlots {
     let shard_groups = world / shard_size;
-    CommunicatorSlots { count: 1 + shard_groups + shard_size, world: 0, shard: 1 + rank / shard_size, replicate: 1 + shard_groups + rank % shard_size }
+    CommunicatorSlots {
+        count: 1 + shard_groups + shard_size,
+        world: 0,
+        shard: 1 + rank / shard_size,
+        replicate: 1 + shard_groups + rank % shard_size,
+    }
 }
 
 #[cfg(test)]

@@ -76,7 +76,7 @@ impl Collective for MpiGroup {
     }
     fn reduce_scatter(&self, full: &[f32]) -> Result<Vec<f32>> {
         let world = self.world_size();
-        if full.len() % world != 0 {
+        if !full.len().is_multiple_of(world) {
             bail!("reduce_scatter: length {} is not divisible by the world size {world}", full.len());
         }
         // One reduce per chunk, to the rank that keeps it, rather than MPI_Reduce_scatter_block:

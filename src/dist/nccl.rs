@@ -89,8 +89,11 @@ pub fn connect(env: &DistEnv, shard_size: usize, timeout: Duration, device: &Dev
     // Every rank creates the communicators in the same order (world, shard, replicate): each
     // creation waits for the group's members, and the groups of one kind are disjoint.
     let make = |ctl: &Arc<dyn Collective>, slot: usize, name: &'static str| -> Result<Arc<dyn Collective>> {
-        let comm = Comm::from_rank(stream.clone(), ctl.rank(), ctl.world_size(), id_at(slot))
-            .map_err(nccl_err(&format!("creating the {name} communicator (rank {} of {})", ctl.rank(), ctl.world_size())))?;
+        let comm = Comm::from_rank(stream.clone(), ctl.rank(), ctl.world_size(), id_at(slot)).map_err(nccl_err(&format!(
+            "creating the {name} communicator (rank {} of {})",
+            ctl.rank(),
+            ctl.world_size()
+        )))?;
         Ok(Arc::new(NcclGroup {
             control: ctl.clone(),
             comm: Mutex::new(Some(CommHandle(comm))),
@@ -172,7 +175,12 @@ impl NcclGroup {
         }
     }
 
-    fn run_tensor_typed<T: NcclType + DeviceRepr + ValidAsZeroBits + CudaDType>(&self, op: TensorOp, input: &Tensor, out_len: usize) -> Result<Tensor> {
+    fn run_tensor_typed<T: NcclType + DeviceRepr + ValidAsZeroBits + CudaDType>(
+        &self,
+        op: TensorOp,
+        input: &Tensor,
+        out_len: usize,
+    ) -> Result<Tensor> {
         let name = op.name();
         if input.rank() != 1 {
             bail!("nccl {name}: expected a 1-D tensor, got shape {:?}", input.shape());

@@ -137,7 +137,7 @@ impl Proxies {
 
 /// Joins the job described by `env`. Rank 0 returns once every rank has connected.
 pub fn connect(env: &DistEnv, shard_size: usize, timeout: Duration) -> Result<(ProcessGroups, Proxies)> {
-    if shard_size == 0 || env.world_size % shard_size != 0 {
+    if shard_size == 0 || !env.world_size.is_multiple_of(shard_size) {
         bail!("shard group size {shard_size} does not divide world size {}", env.world_size);
     }
     let addr = format!("{}:{}", env.master_addr, env.master_port);
@@ -149,8 +149,7 @@ pub fn connect(env: &DistEnv, shard_size: usize, timeout: Duration) -> Result<(P
 fn host(env: &DistEnv, shard_size: usize, timeout: Duration, addr: &str, proxies: &Proxies) -> Result<ProcessGroups> {
     let listener = TcpListener::bind(addr).with_context(|| format!("rank 0: cannot listen on MASTER_ADDR:MASTER_PORT = {addr}"))?;
     listener.set_nonblocking(true)?;
-    let mut groups: Vec<Option<ProcessGroups>> =
-        create_process_groups(env.world_size, shard_size, timeout).into_iter().map(Some).collect();
+    let mut groups: Vec<Option<ProcessGroups>> = create_process_groups(env.world_size, shard_size, timeout).into_iter().map(Some).collect();
     let mine = groups[0].take().unwrap();
     let deadline = Instant::now() + timeout;
     let mut joined = vec![false; env.world_size];
@@ -347,7 +346,11 @@ fn join(env: &DistEnv, shard_size: usize, timeout: Duration, addr: &str) -> Resu
             Err(e) => {
                 if Instant::now() > deadline {
                     return Err(e).with_context(|| {
-                        format!("rank {}: could not reach rank 0 at MASTER_ADDR:MASTER_PORT = {addr} within {:.0}s", env.rank, timeout.as_secs_f64())
+                        format!(
+                            "rank {}: could not reach rank 0 at MASTER_ADDR:MASTER_PORT = {addr} within {:.0}s",
+                            env.rank,
+                            timeout.as_secs_f64()
+                        )
                     });
                 }
                 std::thread::sleep(Duration::from_millis(50));

@@ -41,7 +41,16 @@ impl AdamWState {
 /// `clip`: the gradient-clipping coefficient, multiplied into each gradient as it is read
 /// (torch scales the gradients in place first: the same f32 product).
 #[allow(clippy::too_many_arguments)]
-pub fn adamw_step(cfg: &AdamWConfig, lr: f64, weight_decay: f64, step: u64, param: &mut [f32], grad: &[f32], state: &mut AdamWState, clip: Option<f32>) {
+pub fn adamw_step(
+    cfg: &AdamWConfig,
+    lr: f64,
+    weight_decay: f64,
+    step: u64,
+    param: &mut [f32],
+    grad: &[f32],
+    state: &mut AdamWState,
+    clip: Option<f32>,
+) {
     let bc1 = 1.0 - cfg.beta1.powi(step as i32);
     let bc2 = 1.0 - cfg.beta2.powi(step as i32);
     let k = AdamWConstants {
@@ -145,7 +154,15 @@ pub struct AdamWTensors {
 
 /// `adamw_step` as tensor operations on the chunk's device (1-D f32 tensors), the same f32
 /// arithmetic in the same order; returns the new parameter chunk.
-pub fn adamw_step_tensors(cfg: &AdamWConfig, lr: f64, weight_decay: f64, step: u64, param: &Tensor, grad: &Tensor, state: &mut AdamWTensors) -> Result<Tensor> {
+pub fn adamw_step_tensors(
+    cfg: &AdamWConfig,
+    lr: f64,
+    weight_decay: f64,
+    step: u64,
+    param: &Tensor,
+    grad: &Tensor,
+    state: &mut AdamWTensors,
+) -> Result<Tensor> {
     // f32 constants, as the host loop uses them (affine takes f64 and applies them in f32).
     let f32c = |x: f64| x as f32 as f64;
     let bc1 = 1.0 - cfg.beta1.powi(step as i32);
@@ -214,8 +231,18 @@ mod tests {
         let mut vals = |scale: f32| (0..n).map(|_| r.next_signed() * scale).collect::<Vec<f32>>();
         let (p0, g, m0) = (vals(1.0), vals(0.1), vals(0.01));
         let v0: Vec<f32> = vals(0.01).iter().map(|x| x * x).collect();
-        let k = AdamWConstants { decay: Some(0.999), b2: 0.999, one_minus_b1: 0.1, one_minus_b2: 0.001, step_size: 1e-3, bc2_sqrt: 0.05, eps: 1e-8, clip: Some(0.7) };
-        let run = |f: &dyn Fn(&mut [f32], &mut [f32], &mut [f32])| {
+        let k = AdamWConstants {
+            decay: Some(0.999),
+            b2: 0.999,
+            one_minus_b1: 0.1,
+            one_minus_b2: 0.001,
+            step_size: 1e-3,
+            bc2_sqrt: 0.05,
+            eps: 1e-8,
+            clip: Some(0.7),
+        };
+        type Update<'a> = &'a dyn Fn(&mut [f32], &mut [f32], &mut [f32]);
+        let run = |f: Update| {
             let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
             f(&mut p, &mut m, &mut v);
             (p, m, v)
@@ -259,12 +286,16 @@ mod tests {
         let cfg = AdamWConfig { lr: 1e-3, weight_decay: 0.1, ..Default::default() };
         let n = 1000;
         let mut state = 7u64;
-        let mut draw = || (0..n).map(|_| (models::rng::splitmix64(&mut state) >> 40) as f32 / (1u64 << 23) as f32 - 1.0).collect::<Vec<f32>>();
+        let mut draw =
+            || (0..n).map(|_| (models::rng::splitmix64(&mut state) >> 40) as f32 / (1u64 << 23) as f32 - 1.0).collect::<Vec<f32>>();
         let mut p = draw();
         let start = p.clone();
         let mut st = AdamWState::new(n);
         let mut pt = Tensor::from_slice(&p, n, &Device::Cpu).unwrap();
-        let mut stt = AdamWTensors { exp_avg: Tensor::zeros(n, candle_core::DType::F32, &Device::Cpu).unwrap(), exp_avg_sq: Tensor::zeros(n, candle_core::DType::F32, &Device::Cpu).unwrap() };
+        let mut stt = AdamWTensors {
+            exp_avg: Tensor::zeros(n, candle_core::DType::F32, &Device::Cpu).unwrap(),
+            exp_avg_sq: Tensor::zeros(n, candle_core::DType::F32, &Device::Cpu).unwrap(),
+        };
         for step in 1..=20u64 {
             let g = draw();
             adamw_step(&cfg, 1e-3, 0.1, step, &mut p, &g, &mut st, None);
@@ -274,7 +305,9 @@ mod tests {
         let rel = |got: &Tensor, want: &[f32]| {
             got.to_vec1::<f32>().unwrap().iter().zip(want).map(|(a, b)| (a - b).abs() / b.abs().max(1e-3)).fold(0f32, f32::max)
         };
-        for (what, got, want) in [("weights", &pt, &p), ("exp_avg", &stt.exp_avg, &st.exp_avg), ("exp_avg_sq", &stt.exp_avg_sq, &st.exp_avg_sq)] {
+        for (what, got, want) in
+            [("weights", &pt, &p), ("exp_avg", &stt.exp_avg, &st.exp_avg), ("exp_avg_sq", &stt.exp_avg_sq, &st.exp_avg_sq)]
+        {
             let worst = rel(got, want);
             assert!(worst < 1e-5, "tensor AdamW {what} drifted from the loop by {worst}");
         }

@@ -84,7 +84,9 @@ impl ShardingStrategy {
             (Self::FullShard | Self::ShardGradOp, None) => world,
             (Self::NoShard, None) => 1,
             (Self::HybridShard, None) => bail!("HYBRID_SHARD needs --shard-group-size"),
-            (Self::HybridShard, Some(g)) if g == 0 || world % g != 0 => bail!("--shard-group-size {g} must divide --world-size {world}"),
+            (Self::HybridShard, Some(g)) if g == 0 || !world.is_multiple_of(g) => {
+                bail!("--shard-group-size {g} must divide --world-size {world}")
+            }
             (Self::HybridShard, Some(g)) => g,
             (_, Some(_)) => bail!("--shard-group-size applies to HYBRID_SHARD only"),
         })
@@ -318,7 +320,10 @@ mod tests {
         assert_eq!(units.len(), 4);
         assert!(units[0].is_root && units[0].first_stage == 0 && units[0].last_stage == 4);
         // Tied: the embedding is the head; it appears once, in the root.
-        assert_eq!(units[0].params.iter().map(|p| p.spec.name.as_str()).collect::<Vec<_>>(), ["model.embed_tokens.weight", "model.norm.weight"]);
+        assert_eq!(
+            units[0].params.iter().map(|p| p.spec.name.as_str()).collect::<Vec<_>>(),
+            ["model.embed_tokens.weight", "model.norm.weight"]
+        );
         assert_eq!((units[2].first_stage, units[2].last_stage), (2, 2));
         let total: usize = units.iter().map(UnitPlan::numel).sum();
         assert_eq!(total, models::expected_tensors(&cfg()).iter().map(|t| t.shape.iter().product::<usize>()).sum::<usize>());
@@ -333,7 +338,10 @@ mod tests {
         let m = models::LlamaStages::new(&c, None);
         let units = plan_units(&m, WrapPolicy::TransformerBased, 2).unwrap();
         let names = |u: &UnitPlan| u.params.iter().map(|p| p.spec.name.clone()).collect::<Vec<_>>();
-        assert_eq!(units.iter().map(|u| u.name.as_str()).collect::<Vec<_>>(), ["embeddings", "head", "model.layers.0", "model.layers.1", "model.layers.2"]);
+        assert_eq!(
+            units.iter().map(|u| u.name.as_str()).collect::<Vec<_>>(),
+            ["embeddings", "head", "model.layers.0", "model.layers.1", "model.layers.2"]
+        );
         assert_eq!(names(&units[0]), ["model.embed_tokens.weight"]);
         assert_eq!((units[0].first_stage, units[0].last_stage), (0, 0));
         assert_eq!(names(&units[1]), ["model.norm.weight", "lm_head.weight"]);

@@ -285,13 +285,18 @@ fn token_logprob(logits: &[f32], token: u32, top: usize) -> TokenLogprob {
     } else {
         order.clear();
     }
-    TokenLogprob { token, logprob: logits[token as usize] - log_sum, top: order.into_iter().map(|t| (t, logits[t as usize] - log_sum)).collect() }
+    TokenLogprob {
+        token,
+        logprob: logits[token as usize] - log_sum,
+        top: order.into_iter().map(|t| (t, logits[t as usize] - log_sum)).collect(),
+    }
 }
 
 impl Sequence {
-    /// Checks the request against the model's context and prepares its state.
+    /// Prepares a sequence's state. The sampling settings are checked by the caller, once
+    /// (`SamplingParams::validate`: `generate` below, the server's validation); the prompt's
+    /// length is the engine's invariant, refused here too.
     pub fn new(model: &CausalLm, prompt_ids: &[u32], eos_ids: &HashSet<u32>, params: &SamplingParams) -> Result<Self> {
-        params.validate()?;
         if prompt_ids.is_empty() {
             bail!("the prompt is empty: give at least one token");
         }
@@ -385,7 +390,12 @@ impl Sequence {
             logits
         };
         let p = &self.params;
-        let needs_values = p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 || p.min_p.is_some_and(|m| m > 0.0) || p.logprobs.is_some() || !p.logit_bias.is_empty() || self.constraint.is_some();
+        let needs_values = p.presence_penalty != 0.0
+            || p.frequency_penalty != 0.0
+            || p.min_p.is_some_and(|m| m > 0.0)
+            || p.logprobs.is_some()
+            || !p.logit_bias.is_empty()
+            || self.constraint.is_some();
         let (logits, values) = if needs_values {
             let mut v = logits.to_vec1::<f32>()?;
             if let Some(m) = &mut self.constraint {
@@ -476,6 +486,7 @@ pub fn generate(
     params: &SamplingParams,
     mut on_text: impl FnMut(&str) -> Result<()>,
 ) -> Result<GenerationOutput> {
+    params.validate()?;
     let mut seq = Sequence::new(model, prompt_ids, eos_ids, params)?;
     let start = Instant::now();
     let mut first_token_at = None;

@@ -29,11 +29,7 @@ impl TextStream {
         let complete = full.trim_end_matches('\u{FFFD}');
         let search_from = self.emitted.saturating_sub(self.stop.iter().map(String::len).max().unwrap_or(0));
         let search_from = floor_char_boundary(complete, search_from);
-        let first_stop = self
-            .stop
-            .iter()
-            .filter_map(|s| complete[search_from..].find(s.as_str()).map(|i| search_from + i))
-            .min();
+        let first_stop = self.stop.iter().filter_map(|s| complete[search_from..].find(s.as_str()).map(|i| search_from + i)).min();
         if let Some(at) = first_stop {
             let text = complete.get(self.emitted..at).unwrap_or("").to_string();
             self.emitted = self.emitted.max(at);

@@ -35,14 +35,17 @@ pub fn parse_adapter_config(text: &str, source: &Path) -> Result<(LoraSettings, 
     }
     let r = field("r").and_then(Value::as_u64).ok_or_else(|| bad("r", "must be a positive integer"))? as usize;
     let alpha = field("lora_alpha").and_then(Value::as_f64).ok_or_else(|| bad("lora_alpha", "must be a number"))?;
-    let dropout = field("lora_dropout").map(|x| x.as_f64().ok_or_else(|| bad("lora_dropout", "must be a number"))).transpose()?.unwrap_or(0.0);
+    let dropout =
+        field("lora_dropout").map(|x| x.as_f64().ok_or_else(|| bad("lora_dropout", "must be a number"))).transpose()?.unwrap_or(0.0);
     let targets = match field("target_modules") {
         Some(Value::Array(a)) => a
             .iter()
             .map(|x| x.as_str().map(str::to_string).ok_or_else(|| bad("target_modules", "must hold strings")))
             .collect::<Result<Vec<_>>>()?,
         Some(Value::String(s)) if s == "all-linear" || LINEAR_MODULES.contains(&s.as_str()) => vec![s.clone()],
-        Some(Value::String(s)) => return Err(bad("target_modules", &format!("is the regular expression {s:?}; list module names instead"))),
+        Some(Value::String(s)) => {
+            return Err(bad("target_modules", &format!("is the regular expression {s:?}; list module names instead")))
+        }
         _ => return Err(bad("target_modules", "is missing")),
     };
     for (k, ok) in [
@@ -72,7 +75,8 @@ pub fn parse_adapter_config(text: &str, source: &Path) -> Result<(LoraSettings, 
 /// mis-shaped tensors are listed by name).
 pub fn read_adapter(dir: &Path, cfg: &ModelConfig) -> Result<Adapter> {
     let config_path = dir.join(ADAPTER_CONFIG);
-    let text = std::fs::read_to_string(&config_path).with_context(|| format!("{}: cannot read (is {} a LoRA adapter directory?)", config_path.display(), dir.display()))?;
+    let text = std::fs::read_to_string(&config_path)
+        .with_context(|| format!("{}: cannot read (is {} a LoRA adapter directory?)", config_path.display(), dir.display()))?;
     let (settings, base_model) = parse_adapter_config(&text, &config_path)?;
     settings.validate(cfg).with_context(|| config_path.display().to_string())?;
     let weights = dir.join(ADAPTER_WEIGHTS);
@@ -81,18 +85,19 @@ pub fn read_adapter(dir: &Path, cfg: &ModelConfig) -> Result<Adapter> {
     for (name, t) in raw {
         // PEFT writes `base_model.model.<module>.lora_A.weight`; older files keep the adapter
         // name (`.lora_A.default.weight`).
-        let ours = name.strip_prefix(PEFT_PREFIX).unwrap_or(&name).replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.");
+        let ours =
+            name.strip_prefix(PEFT_PREFIX).unwrap_or(&name).replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.");
         tensors.insert(ours, t.to_dtype(DType::F32)?);
     }
-    let expected: BTreeMap<String, Vec<usize>> = (0..cfg.num_hidden_layers)
-        .flat_map(|i| layer_adapter_tensors(cfg, &settings, i))
-        .map(|t| (t.name, t.shape))
-        .collect();
+    let expected: BTreeMap<String, Vec<usize>> =
+        (0..cfg.num_hidden_layers).flat_map(|i| layer_adapter_tensors(cfg, &settings, i)).map(|t| (t.name, t.shape)).collect();
     let missing: Vec<&String> = expected.keys().filter(|k| !tensors.contains_key(*k)).collect();
     let unexpected: Vec<&String> = tensors.keys().filter(|k| !expected.contains_key(*k)).collect();
     let misshaped: Vec<String> = expected
         .iter()
-        .filter_map(|(k, shape)| tensors.get(k).filter(|t| t.dims() != shape.as_slice()).map(|t| format!("{k} is {:?}, expected {shape:?}", t.dims())))
+        .filter_map(|(k, shape)| {
+            tensors.get(k).filter(|t| t.dims() != shape.as_slice()).map(|t| format!("{k} is {:?}, expected {shape:?}", t.dims()))
+        })
         .collect();
     if !missing.is_empty() || !unexpected.is_empty() || !misshaped.is_empty() {
         let show = |v: Vec<String>| if v.len() > 6 { format!("{} and {} more", v[..6].join(", "), v.len() - 6) } else { v.join(", ") };
@@ -112,7 +117,8 @@ pub fn read_adapter(dir: &Path, cfg: &ModelConfig) -> Result<Adapter> {
 /// The `adapter_config.json` PEFT would write for these settings.
 pub fn adapter_config_json(settings: &LoraSettings, base_model: &str) -> Value {
     // PEFT types lora_alpha as an int; write it as one when it is whole.
-    let alpha = if settings.alpha.fract() == 0.0 && settings.alpha.abs() < 1e15 { json!(settings.alpha as i64) } else { json!(settings.alpha) };
+    let alpha =
+        if settings.alpha.fract() == 0.0 && settings.alpha.abs() < 1e15 { json!(settings.alpha as i64) } else { json!(settings.alpha) };
     // `all-linear` is written resolved, as PEFT's save_pretrained does.
     let targets: Vec<String> = if settings.targets.iter().any(|t| t == "all-linear") {
         LINEAR_MODULES.iter().map(|m| m.to_string()).collect()

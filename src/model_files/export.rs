@@ -222,8 +222,7 @@ mod tests {
     #[test]
     fn streamed_shards_load_back_with_an_index() {
         let dir = tempfile::tempdir().unwrap();
-        let tensors: Vec<(String, Vec<usize>)> =
-            vec![("a".into(), vec![3, 4]), ("b".into(), vec![5]), ("c".into(), vec![2, 2])];
+        let tensors: Vec<(String, Vec<usize>)> = vec![("a".into(), vec![3, 4]), ("b".into(), vec![5]), ("c".into(), vec![2, 2])];
         let mut ex = ShardedExport::new(dir.path(), DType::F32, 60, &tensors).unwrap();
         let vals: HashMap<&str, Tensor> = [
             ("a", Tensor::arange(0f32, 12.0, &Device::Cpu).unwrap().reshape((3, 4)).unwrap()),
@@ -236,7 +235,8 @@ mod tests {
             ex.add(n, &vals[n.as_str()]).unwrap();
         }
         ex.finish(&[("config.json".into(), b"{}".to_vec())]).unwrap();
-        let index: Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("model.safetensors.index.json")).unwrap()).unwrap();
+        let index: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.path().join("model.safetensors.index.json")).unwrap()).unwrap();
         assert_eq!(index["weight_map"]["a"], "model-00001-of-00002.safetensors");
         assert_eq!(index["weight_map"]["c"], "model-00002-of-00002.safetensors");
         for (n, t) in &vals {

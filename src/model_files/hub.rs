@@ -27,19 +27,16 @@ fn token() -> Option<String> {
     if let Some(t) = non_empty_env("HF_TOKEN") {
         return Some(t);
     }
-    let home = non_empty_env("HF_HOME").map(PathBuf::from).or_else(|| {
-        std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache").join("huggingface"))
-    })?;
+    let home = non_empty_env("HF_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache").join("huggingface")))?;
     let t = std::fs::read_to_string(home.join("token")).ok()?;
     let t = t.trim();
     (!t.is_empty()).then(|| t.to_string())
 }
 
 pub fn offline() -> bool {
-    matches!(
-        std::env::var("HF_HUB_OFFLINE").unwrap_or_default().to_ascii_lowercase().as_str(),
-        "1" | "true" | "yes" | "on"
-    )
+    matches!(std::env::var("HF_HUB_OFFLINE").unwrap_or_default().to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on")
 }
 
 fn non_empty_env(name: &str) -> Option<String> {
@@ -101,9 +98,7 @@ impl HubRepo {
         let commit = match std::fs::read_to_string(dir.join("refs").join(&self.revision)) {
             Ok(c) => c.trim().to_string(),
             // A revision given as a commit hash has no ref file.
-            Err(_) if self.revision.len() == 40 && self.revision.chars().all(|c| c.is_ascii_hexdigit()) => {
-                self.revision.clone()
-            }
+            Err(_) if self.revision.len() == 40 && self.revision.chars().all(|c| c.is_ascii_hexdigit()) => self.revision.clone(),
             Err(_) => return None,
         };
         Some(dir.join("snapshots").join(commit))
@@ -123,12 +118,7 @@ impl HubRepo {
         match api.get(file) {
             Ok(p) => Ok(Some(p)),
             Err(ApiError::RequestError(e)) if matches!(*e, ureq::Error::Status(404, _)) => Ok(None),
-            Err(e) => Err(anyhow::anyhow!(
-                "downloading {file} of {} (revision {}) from {}: {e}",
-                self.repo_id,
-                self.revision,
-                endpoint()
-            )),
+            Err(e) => Err(anyhow::anyhow!("downloading {file} of {} (revision {}) from {}: {e}", self.repo_id, self.revision, endpoint())),
         }
     }
 

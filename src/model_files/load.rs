@@ -59,10 +59,13 @@ impl StoredTensor {
         while at < range.end {
             let n = BLOCK.min(range.end - at);
             let bytes = &mut raw[..n * width];
-            file.read_exact_at(bytes, self.start + (at * width) as u64).with_context(|| format!("{}: reading tensor data", self.file.display()))?;
+            file.read_exact_at(bytes, self.start + (at * width) as u64)
+                .with_context(|| format!("{}: reading tensor data", self.file.display()))?;
             match self.dtype {
                 safetensors::Dtype::F32 => dst.extend(bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap()))),
-                safetensors::Dtype::BF16 => dst.extend(bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes(c.try_into().unwrap()).to_f32())),
+                safetensors::Dtype::BF16 => {
+                    dst.extend(bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes(c.try_into().unwrap()).to_f32()))
+                }
                 _ => dst.extend(bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes(c.try_into().unwrap()).to_f32())),
             }
             at += n;
@@ -101,10 +104,9 @@ pub fn read_weight_headers(weights: &[PathBuf]) -> Result<BTreeMap<String, Store
             if !matches!(dtype, safetensors::Dtype::F32 | safetensors::Dtype::BF16 | safetensors::Dtype::F16) {
                 bail!("{}: tensor {name} has dtype {dtype:?}; supported: F32, BF16, F16", path.display());
             }
-            if let Some(prev) = all.insert(
-                name.clone(),
-                StoredTensor { file: path.clone(), dtype, shape: view.shape().to_vec(), start, end },
-            ) {
+            if let Some(prev) =
+                all.insert(name.clone(), StoredTensor { file: path.clone(), dtype, shape: view.shape().to_vec(), start, end })
+            {
                 bail!("tensor {name} is stored twice: in {} and {}", prev.file.display(), path.display());
             }
         }
@@ -116,8 +118,7 @@ pub fn read_weight_headers(weights: &[PathBuf]) -> Result<BTreeMap<String, Store
 /// PyTorch's `_IncompatibleKeys`, so a user fixes a checkpoint in one go.
 pub fn check_tensors(cfg: &ModelConfig, stored: &BTreeMap<String, StoredTensor>, source: &str) -> Result<()> {
     let expected = expected_tensors(cfg);
-    let expected_names: HashMap<&str, &[usize]> =
-        expected.iter().map(|t| (t.name.as_str(), t.shape.as_slice())).collect();
+    let expected_names: HashMap<&str, &[usize]> = expected.iter().map(|t| (t.name.as_str(), t.shape.as_slice())).collect();
     let mut missing = vec![];
     let mut misshaped = vec![];
     for t in &expected {
@@ -144,7 +145,11 @@ pub fn check_tensors(cfg: &ModelConfig, stored: &BTreeMap<String, StoredTensor>,
     let list = |v: Vec<String>| {
         let n = v.len();
         let shown: Vec<String> = v.into_iter().take(8).collect();
-        if n > 8 { format!("{} (and {} more)", shown.join(", "), n - 8) } else { shown.join(", ") }
+        if n > 8 {
+            format!("{} (and {} more)", shown.join(", "), n - 8)
+        } else {
+            shown.join(", ")
+        }
     };
     if !missing.is_empty() {
         parts.push(format!("missing tensors: {}", list(missing)));
@@ -167,7 +172,14 @@ pub fn load_model(files: ModelFiles, dtype: DType, device: &Device) -> Result<Lo
 struct Layered(Vec<Box<dyn SimpleBackend>>);
 
 impl SimpleBackend for Layered {
-    fn get(&self, s: candle_core::Shape, name: &str, h: candle_nn::Init, dtype: DType, dev: &Device) -> candle_core::Result<candle_core::Tensor> {
+    fn get(
+        &self,
+        s: candle_core::Shape,
+        name: &str,
+        h: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<candle_core::Tensor> {
         match self.0.iter().find(|b| b.contains_tensor(name)) {
             Some(b) => b.get(s, name, h, dtype, dev),
             None => self.0[0].get(s, name, h, dtype, dev),

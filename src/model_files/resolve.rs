@@ -82,17 +82,14 @@ fn pickle_refusal(what: &str, found: &str) -> anyhow::Error {
 /// Weight files listed by `model.safetensors.index.json`, unique, in order of first appearance.
 pub fn index_weight_files(index_path: &Path) -> Result<Vec<String>> {
     let text = std::fs::read_to_string(index_path).with_context(|| format!("reading {}", index_path.display()))?;
-    let json: serde_json::Value =
-        serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", index_path.display()))?;
+    let json: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", index_path.display()))?;
     let map = json
         .get("weight_map")
         .and_then(|m| m.as_object())
         .with_context(|| format!("{}: missing field `weight_map`", index_path.display()))?;
     let mut files: Vec<String> = Vec::new();
     for (tensor, file) in map {
-        let file = file
-            .as_str()
-            .with_context(|| format!("{}: weight_map entry {tensor:?} is not a file name", index_path.display()))?;
+        let file = file.as_str().with_context(|| format!("{}: weight_map entry {tensor:?} is not a file name", index_path.display()))?;
         if file.contains("..") || file.starts_with('/') {
             bail!("{}: weight_map entry {tensor:?} points outside the model directory: {file}", index_path.display());
         }
@@ -171,10 +168,7 @@ fn resolve_hub(repo_id: &str, revision: &str) -> Result<ModelFiles> {
         }
         None => match repo.get_optional(SINGLE_WEIGHTS)? {
             Some(p) => (vec![p], None),
-            None if repo.is_offline() => bail!(
-                "{}: no safetensors weights in the cache and HF_HUB_OFFLINE is set",
-                repo.description()
-            ),
+            None if repo.is_offline() => bail!("{}: no safetensors weights in the cache and HF_HUB_OFFLINE is set", repo.description()),
             None => bail!(
                 "{} has no model.safetensors or model.safetensors.index.json; pickle weights are refused \
                  because loading them can run arbitrary code",

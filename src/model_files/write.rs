@@ -64,8 +64,7 @@ impl StagedDir {
         metadata.insert("format".to_string(), "pt".to_string());
         let views: Vec<(String, TensorBytes)> =
             tensors.iter().map(|(k, t)| Ok((k.clone(), TensorBytes::new(t)?))).collect::<Result<_>>()?;
-        safetensors::serialize_to_file(views, Some(metadata), &path)
-            .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+        safetensors::serialize_to_file(views, Some(metadata), &path).map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
         std::fs::File::open(&path)?.sync_all()?;
         Ok(())
     }
@@ -75,8 +74,7 @@ impl StagedDir {
         if self.dest.exists() {
             std::fs::remove_dir(&self.dest).with_context(|| format!("replacing empty {}", self.dest.display()))?;
         }
-        std::fs::rename(&self.tmp, &self.dest)
-            .with_context(|| format!("renaming {} to {}", self.tmp.display(), self.dest.display()))?;
+        std::fs::rename(&self.tmp, &self.dest).with_context(|| format!("renaming {} to {}", self.tmp.display(), self.dest.display()))?;
         if let Some(parent) = self.dest.parent() {
             // fsync the parent so the rename itself survives a crash.
             if let Ok(d) = std::fs::File::open(if parent.as_os_str().is_empty() { Path::new(".") } else { parent }) {

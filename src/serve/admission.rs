@@ -33,7 +33,9 @@ pub struct Submitted {
 /// grammar matcher, which it takes from `req`).
 pub fn submit(st: &Arc<AppState>, req: &mut ValidatedRequest) -> Result<Submitted, ApiError> {
     let cap = st.max_concurrent + st.max_queue;
-    st.in_flight.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n + req.n <= cap).then_some(n + req.n)).map_err(|_| ApiError::overloaded(1))?;
+    st.in_flight
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n + req.n <= cap).then_some(n + req.n))
+        .map_err(|_| ApiError::overloaded(1))?;
     let admission = Admission(st.clone(), req.n);
     let mut constraints = std::mem::take(&mut req.constraints).into_iter();
     let mut answers = vec![];

@@ -31,8 +31,15 @@ pub struct Job {
 pub enum Event {
     /// The prompt's tokens 1.. scored (first, when asked for).
     PromptLogprobs(Vec<TokenLogprob>),
-    Delta { text: String, logprob: Option<TokenLogprob> },
-    Done { finish: FinishReason, prompt_tokens: usize, completion_tokens: usize },
+    Delta {
+        text: String,
+        logprob: Option<TokenLogprob>,
+    },
+    Done {
+        finish: FinishReason,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
     Error(String),
 }
 

@@ -41,8 +41,11 @@ impl ApiError {
     }
 
     pub fn model_not_found(model: &str) -> Self {
-        Self { param: Some("model".into()), ..Self::new(StatusCode::NOT_FOUND, "invalid_request_error", format!("The model `{model}` does not exist.")) }
-            .with_code("model_not_found")
+        Self {
+            param: Some("model".into()),
+            ..Self::new(StatusCode::NOT_FOUND, "invalid_request_error", format!("The model `{model}` does not exist."))
+        }
+        .with_code("model_not_found")
     }
 
     pub fn unauthorized() -> Self {
@@ -60,8 +63,12 @@ impl ApiError {
 
     /// 503 while the server shuts down (see `shutdown`).
     pub fn shutting_down() -> Self {
-        Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", "The server is shutting down; retry on another instance or after it restarts.")
-            .with_code("server_shutting_down")
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "The server is shutting down; retry on another instance or after it restarts.",
+        )
+        .with_code("server_shutting_down")
     }
 
     pub fn internal(message: impl Into<String>) -> Self {

@@ -20,17 +20,56 @@ pub const IGNORED_HEADER: &str = "x-fsdp-app-ignored-params";
 
 /// `/v1/completions`.
 pub const COMPLETIONS: &[&str] = &[
-    "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "seed", "n", "stop", "logprobs", "echo", "logit_bias", "user", "stream", "stream_options",
+    "model",
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "n",
+    "stop",
+    "logprobs",
+    "echo",
+    "logit_bias",
+    "user",
+    "stream",
+    "stream_options",
     "best_of",
 ];
 
 /// `/v1/chat/completions`.
 pub const CHAT: &[&str] = &[
-    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "n", "stop", "logprobs", "top_logprobs",
-    "logit_bias", "user", "stream", "stream_options", "response_format", "tools", "tool_choice", "parallel_tool_calls",
-    "functions", "function_call",
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "n",
+    "stop",
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+    "user",
+    "stream",
+    "stream_options",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
 ];
 
 /// One chat message.
@@ -48,9 +87,19 @@ pub const JOB_LORA: &[&str] = &["r", "alpha", "dropout", "targets"];
 /// Parameters of OpenAI's API this server knows and does not implement: refused as such, not as
 /// unknown.
 const NOT_IMPLEMENTED: &[&str] = &[
-    "suffix", "store",
-    "metadata", "service_tier", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options",
-    "verbosity", "integrations", "name", "refusal",
+    "suffix",
+    "store",
+    "metadata",
+    "service_tier",
+    "modalities",
+    "audio",
+    "prediction",
+    "reasoning_effort",
+    "web_search_options",
+    "verbosity",
+    "integrations",
+    "name",
+    "refusal",
 ];
 
 /// Checks the keys of the object `v` (named `at` in messages: "" for the body, "messages[0]"
@@ -69,7 +118,9 @@ pub fn check(v: &Value, accepted: &[&str], at: &str, lenient: bool) -> Result<Ve
             continue;
         }
         let message = if NOT_IMPLEMENTED.contains(&k.as_str()) {
-            format!("`{param}` is not supported by this server (fsdp-app); remove it, or start the server with --lenient to have it ignored.")
+            format!(
+                "`{param}` is not supported by this server (fsdp-app); remove it, or start the server with --lenient to have it ignored."
+            )
         } else {
             format!("Unrecognized request argument supplied: {param}")
         };
@@ -119,7 +170,8 @@ impl<'a> Fields<'a> {
         match self.value(k) {
             None => Ok(None),
             Some(Value::Number(n)) => {
-                let x = n.as_f64().filter(|x| x.is_finite()).ok_or_else(|| ApiError::invalid(k, format!("`{k}` must be a finite number.")))?;
+                let x =
+                    n.as_f64().filter(|x| x.is_finite()).ok_or_else(|| ApiError::invalid(k, format!("`{k}` must be a finite number.")))?;
                 if !(lo..=hi).contains(&x) {
                     return Err(ApiError::invalid(k, format!("`{k}` must be between {lo} and {hi}, got {x}.")));
                 }

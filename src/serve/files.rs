@@ -28,10 +28,14 @@ pub fn validate_jsonl(bytes: &[u8]) -> Result<usize, ApiError> {
         if line.trim().is_empty() {
             continue;
         }
-        let v: Value = serde_json::from_str(line).map_err(|e| ApiError::invalid("file", format!("Line {}: not valid JSON: {e}.", i + 1)))?;
-        let example = crate::train::formats::parse_row(&v, true).map_err(|e| ApiError::invalid("file", format!("Line {}: {e:#}.", i + 1)))?;
+        let v: Value =
+            serde_json::from_str(line).map_err(|e| ApiError::invalid("file", format!("Line {}: not valid JSON: {e}.", i + 1)))?;
+        let example =
+            crate::train::formats::parse_row(&v, true).map_err(|e| ApiError::invalid("file", format!("Line {}: {e:#}.", i + 1)))?;
         if let Some(why) = crate::train::formats::trains_nothing(&example) {
-            return Err(ApiError::invalid("file", format!("Line {}: this row trains no token: {why}.", i + 1)).with_code("no_trainable_tokens"));
+            return Err(
+                ApiError::invalid("file", format!("Line {}: this row trains no token: {why}.", i + 1)).with_code("no_trainable_tokens")
+            );
         }
         rows += 1;
     }
@@ -41,11 +45,16 @@ pub fn validate_jsonl(bytes: &[u8]) -> Result<usize, ApiError> {
     Ok(rows)
 }
 
-pub async fn upload(State(st): State<Arc<AppState>>, multipart: Result<Multipart, axum::extract::multipart::MultipartRejection>) -> Result<axum::response::Response, ApiError> {
+pub async fn upload(
+    State(st): State<Arc<AppState>>,
+    multipart: Result<Multipart, axum::extract::multipart::MultipartRejection>,
+) -> Result<axum::response::Response, ApiError> {
     let mut multipart = multipart.map_err(|e| ApiError::bad_request(format!("Expected a multipart/form-data body: {}", e.body_text())))?;
     let (mut purpose, mut file): (Option<String>, Option<(String, Vec<u8>)>) = (None, None);
     let mut ignored = vec![];
-    let malformed = |e: axum::extract::multipart::MultipartError| super::listen::stalled(&e).unwrap_or_else(|| ApiError::bad_request(format!("Malformed multipart body: {e}")));
+    let malformed = |e: axum::extract::multipart::MultipartError| {
+        super::listen::stalled(&e).unwrap_or_else(|| ApiError::bad_request(format!("Malformed multipart body: {e}")))
+    };
     while let Some(field) = multipart.next_field().await.map_err(malformed)? {
         match field.name() {
             Some("purpose") => purpose = Some(field.text().await.map_err(|e| ApiError::invalid("purpose", e.to_string()))?),
@@ -58,7 +67,8 @@ pub async fn upload(State(st): State<Arc<AppState>>, multipart: Result<Multipart
             other => {
                 let name = other.unwrap_or("(unnamed)").to_string();
                 if !st.lenient {
-                    return Err(ApiError::invalid(&name, format!("Unrecognized request argument supplied: {name}")).with_code("unsupported_parameter"));
+                    return Err(ApiError::invalid(&name, format!("Unrecognized request argument supplied: {name}"))
+                        .with_code("unsupported_parameter"));
                 }
                 ignored.push(name);
             }

@@ -91,7 +91,8 @@ async fn refuse(mut stream: tokio::net::TcpStream, limit: usize) {
         let _ = stream.shutdown().await;
         // Read what the client sent before closing, so the answer is not lost to a reset.
         let mut sink = [0u8; 4096];
-        let _ = tokio::time::timeout(Duration::from_secs(1), async { while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {} }).await;
+        let _ =
+            tokio::time::timeout(Duration::from_secs(1), async { while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {} }).await;
     }
 }
 
@@ -112,7 +113,10 @@ pub fn stalled(e: &(dyn std::error::Error + 'static)) -> Option<super::error::Ap
     let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(c) = cause {
         if let Some(s) = c.downcast_ref::<BodyStalled>() {
-            return Some(super::error::ApiError::new(axum::http::StatusCode::REQUEST_TIMEOUT, "invalid_request_error", s.to_string()).with_code("request_timeout"));
+            return Some(
+                super::error::ApiError::new(axum::http::StatusCode::REQUEST_TIMEOUT, "invalid_request_error", s.to_string())
+                    .with_code("request_timeout"),
+            );
         }
         cause = c.source();
     }

@@ -75,7 +75,9 @@ impl Metrics {
         for (status, n) in self.requests.lock().unwrap().iter() {
             out.push_str(&format!("fsdp_requests_total{{status=\"{status}\"}} {n}\n"));
         }
-        out.push_str(&format!("# HELP fsdp_queue_size Requests waiting for a slot.\n# TYPE fsdp_queue_size gauge\nfsdp_queue_size {queued}\n"));
+        out.push_str(&format!(
+            "# HELP fsdp_queue_size Requests waiting for a slot.\n# TYPE fsdp_queue_size gauge\nfsdp_queue_size {queued}\n"
+        ));
         out.push_str(&format!("# HELP fsdp_running_sequences Sequences being generated.\n# TYPE fsdp_running_sequences gauge\nfsdp_running_sequences {running}\n"));
         self.ttft.lock().unwrap().render("fsdp_time_to_first_token_seconds", "Time from admission to the first token.", &mut out);
         self.itl.lock().unwrap().render("fsdp_inter_token_latency_seconds", "Time between consecutive tokens of a sequence.", &mut out);

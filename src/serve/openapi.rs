@@ -108,7 +108,18 @@ mod tests {
     #[test]
     fn the_spec_is_json_and_lists_every_route() {
         let v: serde_json::Value = serde_json::from_str(super::SPEC).unwrap();
-        for p in ["/health", "/metrics", "/info", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/files", "/v1/fine_tuning/jobs"] {
+        for p in [
+            "/health",
+            "/metrics",
+            "/info",
+            "/v1/models",
+            "/v1/completions",
+            "/v1/chat/completions",
+            "/tokenize",
+            "/detokenize",
+            "/v1/files",
+            "/v1/fine_tuning/jobs",
+        ] {
             assert!(v["paths"].get(p).is_some(), "{p}");
         }
     }

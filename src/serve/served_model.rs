@@ -64,7 +64,12 @@ impl ServedModel {
         let context = loaded.config.max_position_embeddings;
         let vocab = loaded.config.vocab_size;
         // A constrained answer ends with the tokenizer's eos token (a chat model's end of turn).
-        let answer_end = tokenizer.eos_token.as_deref().and_then(|t| tokenizer.inner.token_to_id(t)).filter(|id| eos.contains(id)).or_else(|| eos.iter().min().copied());
+        let answer_end = tokenizer
+            .eos_token
+            .as_deref()
+            .and_then(|t| tokenizer.inner.token_to_id(t))
+            .filter(|id| eos.contains(id))
+            .or_else(|| eos.iter().min().copied());
         let grammars = match answer_end {
             None => Err("the model has no eos token to end a constrained answer".to_string()),
             Some(end) => {

@@ -66,7 +66,8 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
         eprintln!("{failed} job(s) were running when the server last stopped; marked failed");
     }
     // A local base model is fine-tuned from its absolute path, whatever the jobs' working directory.
-    let base_source = if Path::new(&cfg.model).is_dir() { std::fs::canonicalize(&cfg.model)?.to_string_lossy().to_string() } else { cfg.model.clone() };
+    let base_source =
+        if Path::new(&cfg.model).is_dir() { std::fs::canonicalize(&cfg.model)?.to_string_lossy().to_string() } else { cfg.model.clone() };
     let state = Arc::new(AppState {
         models: RwLock::new(HashMap::from([(base_id.clone(), Arc::new(base))])),
         loading: Default::default(),
@@ -85,7 +86,8 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
         shutdown: shutdown::Shutdown::new(),
     });
     jobs::start_runner(state.clone());
-    let addr: SocketAddr = format!("{}:{}", cfg.host, cfg.port).parse().with_context(|| format!("--host {} --port {}: not an address", cfg.host, cfg.port))?;
+    let addr: SocketAddr =
+        format!("{}:{}", cfg.host, cfg.port).parse().with_context(|| format!("--host {} --port {}: not an address", cfg.host, cfg.port))?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;

@@ -60,9 +60,12 @@ impl AppState {
             }
             let dir = match fine_tuned {
                 Some(d) => d,
-                None => super::checkpoints::servable_dir(&self.store, id).map_err(internal)?.ok_or_else(|| ApiError::model_not_found(id))?,
+                None => {
+                    super::checkpoints::servable_dir(&self.store, id).map_err(internal)?.ok_or_else(|| ApiError::model_not_found(id))?
+                }
             };
-            let served = ServedModel::load(id, &dir.to_string_lossy(), None, &self.load).map_err(|e| ApiError::internal(format!("loading {id}: {e:#}")))?;
+            let served = ServedModel::load(id, &dir.to_string_lossy(), None, &self.load)
+                .map_err(|e| ApiError::internal(format!("loading {id}: {e:#}")))?;
             let served = Arc::new(served);
             self.models.write().unwrap().insert(id.to_string(), served.clone());
             Ok(served)

@@ -66,7 +66,8 @@ fn json_column<T: serde::de::DeserializeOwned>(r: &rusqlite::Row, i: usize) -> r
 fn job_from_row(r: &rusqlite::Row) -> rusqlite::Result<JobRow> {
     let parse = |s: Option<String>| s.and_then(|s| serde_json::from_str(&s).ok());
     let status: String = r.get(8)?;
-    let status = JobStatus::parse(&status).ok_or_else(|| rusqlite::Error::InvalidColumnType(8, format!("status {status:?}"), rusqlite::types::Type::Text))?;
+    let status = JobStatus::parse(&status)
+        .ok_or_else(|| rusqlite::Error::InvalidColumnType(8, format!("status {status:?}"), rusqlite::types::Type::Text))?;
     Ok(JobRow {
         id: r.get(0)?,
         model: r.get(1)?,
@@ -172,7 +173,9 @@ impl Store {
     pub fn files(&self) -> Result<Vec<Value>> {
         let db = self.db();
         let mut st = db.prepare("SELECT id, filename, purpose, bytes, created_at FROM files ORDER BY seq DESC")?;
-        let rows = st.query_map([], |r| Ok(file_json(&r.get::<_, String>(0)?, &r.get::<_, String>(1)?, &r.get::<_, String>(2)?, r.get(3)?, r.get(4)?)))?;
+        let rows = st.query_map([], |r| {
+            Ok(file_json(&r.get::<_, String>(0)?, &r.get::<_, String>(1)?, &r.get::<_, String>(2)?, r.get(3)?, r.get(4)?))
+        })?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 
@@ -190,7 +193,8 @@ impl Store {
     /// `Idempotency-Key` and the same settings created.
     pub fn create_job(&self, job: NewJob, idempotency_key: Option<&str>) -> Result<CreatedJob> {
         if let Some(key) = idempotency_key {
-            let existing: Option<String> = self.db().query_row("SELECT id FROM jobs WHERE idempotency_key = ?1", [key], |r| r.get(0)).optional()?;
+            let existing: Option<String> =
+                self.db().query_row("SELECT id FROM jobs WHERE idempotency_key = ?1", [key], |r| r.get(0)).optional()?;
             if let Some(id) = existing {
                 let row = self.job(&id)?.context("job vanished")?;
                 let same = NewJob {
@@ -243,7 +247,14 @@ impl Store {
 
     /// Moves a job to `status`; final states get `finished_at`. Returns false when the job was
     /// already final (a cancel racing the runner keeps the first final state).
-    pub fn set_status(&self, id: &str, status: JobStatus, error: Option<Value>, fine_tuned_model: Option<&str>, trained_tokens: Option<i64>) -> Result<bool> {
+    pub fn set_status(
+        &self,
+        id: &str,
+        status: JobStatus,
+        error: Option<Value>,
+        fine_tuned_model: Option<&str>,
+        trained_tokens: Option<i64>,
+    ) -> Result<bool> {
         let finished = status.is_final().then(now_s);
         let sql = format!(
             "UPDATE jobs SET status = ?2, error = COALESCE(?3, error), fine_tuned_model = COALESCE(?4, fine_tuned_model),
@@ -251,7 +262,9 @@ impl Store {
              WHERE id = ?1 AND status NOT IN ({})",
             JobStatus::sql_list(&JobStatus::FINAL)
         );
-        let n = self.db().execute(&sql, params![id, status.as_str(), error.map(|e| e.to_string()), fine_tuned_model, trained_tokens, finished])?;
+        let n = self
+            .db()
+            .execute(&sql, params![id, status.as_str(), error.map(|e| e.to_string()), fine_tuned_model, trained_tokens, finished])?;
         Ok(n > 0)
     }
 
@@ -265,7 +278,9 @@ impl Store {
     pub fn running_jobs(&self) -> Result<Vec<(String, Option<u32>)>> {
         let db = self.db();
         let mut st = db.prepare(&format!("SELECT id, pgid FROM jobs WHERE status IN ({})", JobStatus::sql_list(&JobStatus::ACTIVE)))?;
-        let rows = st.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, Option<i64>>(1)?.map(|p| p as u32))))?.collect::<rusqlite::Result<_>>()?;
+        let rows = st
+            .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, Option<i64>>(1)?.map(|p| p as u32))))?
+            .collect::<rusqlite::Result<_>>()?;
         Ok(rows)
     }
 
@@ -299,7 +314,9 @@ impl Store {
             Some(a) => db.query_row("SELECT seq FROM events WHERE id = ?1", [a], |r| r.get(0)).optional()?.unwrap_or(i64::MAX),
             None => i64::MAX,
         };
-        let mut st = db.prepare("SELECT id, created_at, level, message, type, data FROM events WHERE job_id = ?1 AND seq < ?2 ORDER BY seq DESC LIMIT ?3")?;
+        let mut st = db.prepare(
+            "SELECT id, created_at, level, message, type, data FROM events WHERE job_id = ?1 AND seq < ?2 ORDER BY seq DESC LIMIT ?3",
+        )?;
         let mut rows: Vec<Value> = st
             .query_map(params![job, before_seq, limit as i64 + 1], |r| {
                 let data: Option<String> = r.get(5)?;
@@ -360,7 +377,11 @@ impl Store {
     pub fn delete_fine_tuned_model(&self, id: &str) -> Result<Option<PathBuf>> {
         let db = self.db();
         let dir: Option<String> = db
-            .query_row("SELECT output_dir FROM jobs WHERE status = ?2 AND fine_tuned_model = ?1", params![id, JobStatus::Succeeded.as_str()], |r| r.get(0))
+            .query_row(
+                "SELECT output_dir FROM jobs WHERE status = ?2 AND fine_tuned_model = ?1",
+                params![id, JobStatus::Succeeded.as_str()],
+                |r| r.get(0),
+            )
             .optional()?;
         if dir.is_some() {
             // Its checkpoints live in the same directory: they go with it.
@@ -373,7 +394,9 @@ impl Store {
     /// Succeeded jobs' models: (model id, its directory).
     pub fn fine_tuned_models(&self) -> Result<Vec<(String, PathBuf)>> {
         let db = self.db();
-        let mut st = db.prepare("SELECT fine_tuned_model, output_dir, extensions FROM jobs WHERE status = ?1 AND fine_tuned_model IS NOT NULL ORDER BY seq")?;
+        let mut st = db.prepare(
+            "SELECT fine_tuned_model, output_dir, extensions FROM jobs WHERE status = ?1 AND fine_tuned_model IS NOT NULL ORDER BY seq",
+        )?;
         let rows = st.query_map([JobStatus::Succeeded.as_str()], |r| {
             let dir: String = r.get(1)?;
             let ext: JobExtensions = json_column(r, 2)?;

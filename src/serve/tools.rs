@@ -55,7 +55,9 @@ pub fn parse(v: &Value) -> Result<Option<Tools>, ApiError> {
     let (definitions, choice_key) = match (get("tools"), get("functions")) {
         (Some(_), Some(_)) => return Err(ApiError::invalid("functions", "Give `tools` or the legacy `functions`, not both.")),
         (Some(t), None) => (t.clone(), "tool_choice"),
-        (None, Some(Value::Array(f))) => (Value::Array(f.iter().map(|f| json!({"type": "function", "function": f})).collect()), "function_call"),
+        (None, Some(Value::Array(f))) => {
+            (Value::Array(f.iter().map(|f| json!({"type": "function", "function": f})).collect()), "function_call")
+        }
         (None, Some(_)) => return Err(ApiError::invalid("functions", "`functions` must be a list of function definitions.")),
         (None, None) => {
             if get("tool_choice").is_some_and(|c| c != "none") {
@@ -71,7 +73,9 @@ pub fn parse(v: &Value) -> Result<Option<Tools>, ApiError> {
         }
     };
     let param = if choice_key == "tool_choice" { "tools" } else { "functions" };
-    let Value::Array(list) = &definitions else { return Err(ApiError::invalid(param, "`tools` must be a list of {\"type\": \"function\", \"function\": {...}}.")) };
+    let Value::Array(list) = &definitions else {
+        return Err(ApiError::invalid(param, "`tools` must be a list of {\"type\": \"function\", \"function\": {...}}."));
+    };
     if list.is_empty() {
         return Err(ApiError::invalid(param, format!("`{param}` must not be empty.")));
     }
@@ -82,10 +86,17 @@ pub fn parse(v: &Value) -> Result<Option<Tools>, ApiError> {
             return Err(ApiError::invalid(&format!("{at}.type"), "only tools of type \"function\" are supported."));
         }
         super::fields::check(t, &["type", "function"], &at, false)?;
-        let f = t.get("function").filter(|f| f.is_object()).ok_or_else(|| ApiError::invalid(&format!("{at}.function"), "`function` must be an object."))?;
+        let f = t
+            .get("function")
+            .filter(|f| f.is_object())
+            .ok_or_else(|| ApiError::invalid(&format!("{at}.function"), "`function` must be an object."))?;
         super::fields::check(f, &["name", "description", "parameters", "strict"], &format!("{at}.function"), false)?;
-        let name = f.get("name").and_then(Value::as_str).filter(|n| !n.is_empty() && n.len() <= 64 && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-'));
-        let name = name.ok_or_else(|| ApiError::invalid(&format!("{at}.function.name"), "`name` is required: 1 to 64 letters, digits, '_' or '-'."))?;
+        let name = f
+            .get("name")
+            .and_then(Value::as_str)
+            .filter(|n| !n.is_empty() && n.len() <= 64 && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-'));
+        let name = name
+            .ok_or_else(|| ApiError::invalid(&format!("{at}.function.name"), "`name` is required: 1 to 64 letters, digits, '_' or '-'."))?;
         if names.iter().any(|n| n == name) {
             return Err(ApiError::invalid(&format!("{at}.function.name"), format!("two functions are named {name:?}.")));
         }
@@ -107,8 +118,21 @@ pub fn parse(v: &Value) -> Result<Option<Tools>, ApiError> {
             let name = c.pointer("/function/name").or_else(|| c.get("name")).and_then(Value::as_str);
             match name {
                 Some(n) if names.iter().any(|x| x == n) => ToolChoice::Named(n.to_string()),
-                Some(n) => return Err(ApiError::invalid(choice_key, format!("`{choice_key}` names {n:?}, which is not among the functions given."))),
-                None => return Err(ApiError::invalid(choice_key, format!("`{choice_key}` must be none, auto{}, or a function.", if choice_key == "tool_choice" { ", required" } else { "" }))),
+                Some(n) => {
+                    return Err(ApiError::invalid(
+                        choice_key,
+                        format!("`{choice_key}` names {n:?}, which is not among the functions given."),
+                    ))
+                }
+                None => {
+                    return Err(ApiError::invalid(
+                        choice_key,
+                        format!(
+                            "`{choice_key}` must be none, auto{}, or a function.",
+                            if choice_key == "tool_choice" { ", required" } else { "" }
+                        ),
+                    ))
+                }
             }
         }
     };
@@ -250,10 +274,17 @@ pub fn message_tool_calls(calls: &Value, at: &str) -> Result<Value, ApiError> {
     let mut out = vec![];
     for (i, c) in list.iter().enumerate() {
         let here = format!("{at}[{i}]");
-        let f = c.get("function").filter(|f| f.is_object()).ok_or_else(|| ApiError::invalid(&here, "each tool call needs `function` {name, arguments}."))?;
-        let name = f.get("name").and_then(Value::as_str).ok_or_else(|| ApiError::invalid(&format!("{here}.function.name"), "`name` must be a string."))?;
+        let f = c
+            .get("function")
+            .filter(|f| f.is_object())
+            .ok_or_else(|| ApiError::invalid(&here, "each tool call needs `function` {name, arguments}."))?;
+        let name = f
+            .get("name")
+            .and_then(Value::as_str)
+            .ok_or_else(|| ApiError::invalid(&format!("{here}.function.name"), "`name` must be a string."))?;
         let args = match f.get("arguments") {
-            Some(Value::String(s)) => serde_json::from_str::<Value>(s).map_err(|e| ApiError::invalid(&format!("{here}.function.arguments"), format!("`arguments` is not JSON: {e}")))?,
+            Some(Value::String(s)) => serde_json::from_str::<Value>(s)
+                .map_err(|e| ApiError::invalid(&format!("{here}.function.arguments"), format!("`arguments` is not JSON: {e}")))?,
             Some(o @ Value::Object(_)) => o.clone(),
             _ => return Err(ApiError::invalid(&format!("{here}.function.arguments"), "`arguments` must be a JSON string.")),
         };
@@ -296,10 +327,14 @@ mod tests {
         assert_eq!(legacy.choice, ToolChoice::Named("f".into()));
 
         let auto = tools(json!("auto"));
-        let (text, calls) = auto.calls_in("Sure. <tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}</tool_call>").unwrap();
+        let (text, calls) =
+            auto.calls_in("Sure. <tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}</tool_call>").unwrap();
         assert_eq!(text.as_deref(), Some("Sure."));
         assert_eq!(calls, vec![ToolCall { name: "get_weather".into(), arguments: "{\"city\":\"Paris\"}".into() }]);
-        assert_eq!(auto.calls_in("{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\"}}").unwrap().1[0].arguments, "{\"city\":\"Oslo\"}");
+        assert_eq!(
+            auto.calls_in("{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\"}}").unwrap().1[0].arguments,
+            "{\"city\":\"Oslo\"}"
+        );
         assert!(auto.calls_in("It is sunny.").is_none());
         assert!(auto.calls_in("{\"name\": \"other\", \"arguments\": {}}").is_none());
         let required = tools(json!("required"));
@@ -310,7 +345,13 @@ mod tests {
     fn the_generic_format_lists_the_functions_and_writes_history_as_text() {
         let t = tools(json!("auto"));
         let mut assistant = ChatMessage::new("assistant", "");
-        assistant.tool_calls = Some(message_tool_calls(&json!([{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]), "messages[1].tool_calls").unwrap());
+        assistant.tool_calls = Some(
+            message_tool_calls(
+                &json!([{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]),
+                "messages[1].tool_calls",
+            )
+            .unwrap(),
+        );
         let mut result = ChatMessage::new("tool", "18C");
         result.tool_call_id = Some("call_1".into());
         let out = generic_messages(Some(&t), &[ChatMessage::new("user", "weather?"), assistant, result]);

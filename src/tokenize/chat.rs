@@ -70,8 +70,8 @@ fn tojson(value: Value, indent: Option<usize>, kwargs: minijinja::value::Kwargs)
     let _: Option<bool> = kwargs.get("sort_keys")?;
     let _: Option<Value> = kwargs.get("separators")?;
     kwargs.assert_all_used()?;
-    let json: serde_json::Value = serde_json::to_value(&value)
-        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let json: serde_json::Value =
+        serde_json::to_value(&value).map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
     let mut out = String::new();
     write_py_json(&json, indent, 0, &mut out);
     Ok(Value::from_safe_string(out))
@@ -188,7 +188,12 @@ impl ChatTemplate {
 
     /// As [`Self::render`], with function definitions (`[{"type": "function", "function":
     /// {...}}]`) in the template's `tools`, as transformers' `apply_chat_template(tools=...)`.
-    pub fn render_with_tools(&self, messages: &[ChatMessage], tools: Option<&serde_json::Value>, add_generation_prompt: bool) -> Result<String> {
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let tmpl = self.env.get_template(TEMPLATE_NAME)?;
         tmpl.render(context! {
             messages => messages,
@@ -216,11 +221,7 @@ mod tests {
     fn tojson_uses_python_separators() {
         let t = ChatTemplate::new("{{ x | tojson }}|{{ x | tojson(indent=2) }}", None, None).unwrap();
         let env = &t.env;
-        let out = env
-            .get_template(TEMPLATE_NAME)
-            .unwrap()
-            .render(context! { x => serde_json::json!({"a": [1, "é<"], "b": {}}) })
-            .unwrap();
+        let out = env.get_template(TEMPLATE_NAME).unwrap().render(context! { x => serde_json::json!({"a": [1, "é<"], "b": {}}) }).unwrap();
         assert_eq!(out, "{\"a\": [1, \"é<\"], \"b\": {}}|{\n  \"a\": [\n    1,\n    \"é<\"\n  ],\n  \"b\": {}\n}");
     }
 

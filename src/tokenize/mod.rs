@@ -11,6 +11,9 @@ use tokenizers::Tokenizer;
 use crate::model_files::ModelFiles;
 pub use chat::{ChatMessage, ChatTemplate};
 
+/// Token ids and each token's byte range in the text they came from.
+pub type IdsWithOffsets = (Vec<u32>, Vec<(usize, usize)>);
+
 /// The tokenizer of one model plus what `tokenizer_config.json` says about it.
 pub struct TextTokenizer {
     pub inner: Tokenizer,
@@ -32,18 +35,15 @@ impl TextTokenizer {
     /// Loads `tokenizer.json` (with tokenizer_config.json and chat_template.jinja when present)
     /// and checks it fits a vocabulary of `vocab_size` rows.
     pub fn load(files: &ModelFiles, vocab_size: usize) -> Result<Self> {
-        let path = files
-            .tokenizer
-            .as_ref()
-            .with_context(|| format!("{}: missing tokenizer.json", files.source))?;
+        let path = files.tokenizer.as_ref().with_context(|| format!("{}: missing tokenizer.json", files.source))?;
         if !path.is_file() {
             bail!("{}: missing tokenizer file", path.display());
         }
         let read = |p: &Path| std::fs::read(p).with_context(|| format!("{}: cannot read", p.display()));
         let tokenizer_config = files.tokenizer_config.as_deref().map(read).transpose()?;
         let chat_template = files.chat_template.as_deref().map(read).transpose()?;
-        let tok = Self::from_bytes(&read(path)?, tokenizer_config.as_deref(), chat_template.as_deref())
-            .with_context(|| files.source.clone())?;
+        let tok =
+            Self::from_bytes(&read(path)?, tokenizer_config.as_deref(), chat_template.as_deref()).with_context(|| files.source.clone())?;
         let n = tok.inner.get_vocab_size(true);
         if n > vocab_size {
             bail!(
@@ -77,7 +77,7 @@ impl TextTokenizer {
     }
 
     /// Token ids and each token's byte range in `text`.
-    pub fn encode_with_offsets(&self, text: &str, add_special_tokens: bool) -> Result<(Vec<u32>, Vec<(usize, usize)>)> {
+    pub fn encode_with_offsets(&self, text: &str, add_special_tokens: bool) -> Result<IdsWithOffsets> {
         let enc = self.inner.encode(text, add_special_tokens).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
         Ok((enc.get_ids().to_vec(), enc.get_offsets().to_vec()))
     }

@@ -34,14 +34,8 @@ const ENVIRONMENT_KEYS: &[&str] = &[
 ];
 
 /// Sections for other engines: accepted only empty.
-const OTHER_ENGINES: &[&str] = &[
-    "deepspeed_config",
-    "megatron_lm_config",
-    "fp8_config",
-    "ipex_config",
-    "mpirun_config",
-    "parallelism_config",
-];
+const OTHER_ENGINES: &[&str] =
+    &["deepspeed_config", "megatron_lm_config", "fp8_config", "ipex_config", "mpirun_config", "parallelism_config"];
 
 fn text(v: &Yaml) -> Option<String> {
     match v {
@@ -75,9 +69,7 @@ pub fn top_level(key: &str, v: &Yaml) -> Outcome {
         return match v {
             Yaml::Hash(h) if h.is_empty() => Outcome::Flags(vec![]),
             Yaml::Null => Outcome::Flags(vec![]),
-            _ => Outcome::Refused(format!(
-                "fsdp-app trains with FSDP only; remove the {key} section"
-            )),
+            _ => Outcome::Refused(format!("fsdp-app trains with FSDP only; remove the {key} section")),
         };
     }
     match key {
@@ -120,10 +112,7 @@ pub fn top_level(key: &str, v: &Yaml) -> Outcome {
 
 /// GPUs this build could train on (a CUDA build with a visible NVIDIA device).
 pub fn gpus_usable() -> bool {
-    cfg!(feature = "cuda")
-        && std::fs::read_dir("/proc/driver/nvidia/gpus")
-            .map(|d| d.count() > 0)
-            .unwrap_or(false)
+    cfg!(feature = "cuda") && std::fs::read_dir("/proc/driver/nvidia/gpus").map(|d| d.count() > 0).unwrap_or(false)
 }
 
 /// FSDP1's `ShardingStrategy` by name or by its number (1-5), as Accelerate writes either.
@@ -173,7 +162,9 @@ pub fn fsdp_key(key: &str, v: &Yaml) -> Result<Flags, String> {
         "fsdp_offload_params" => boolean(v).map(|b| if b { vec![("cpu_offload", "true".to_string())] } else { vec![] }),
         "fsdp_cpu_ram_efficient_loading" => match boolean(v) {
             Ok(true) => Ok(vec![]),
-            Ok(false) => Err("fsdp-app always loads the checkpoint on rank 0 and streams it to the others; `false` is not available".into()),
+            Ok(false) => {
+                Err("fsdp-app always loads the checkpoint on rank 0 and streams it to the others; `false` is not available".into())
+            }
             Err(e) => Err(e),
         },
         "fsdp_sync_module_states" => match boolean(v) {
@@ -222,10 +213,8 @@ pub struct LaunchSettings {
 /// `finetune` it starts, which reads the same file.
 pub fn launch_settings(path: &std::path::Path) -> anyhow::Result<LaunchSettings> {
     use anyhow::{bail, Context};
-    let text_of = std::fs::read_to_string(path)
-        .with_context(|| format!("{}: cannot read", path.display()))?;
-    let docs = yaml_rust2::YamlLoader::load_from_str(&text_of)
-        .map_err(|e| anyhow::anyhow!("{}: not valid YAML: {e}", path.display()))?;
+    let text_of = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
+    let docs = yaml_rust2::YamlLoader::load_from_str(&text_of).map_err(|e| anyhow::anyhow!("{}: not valid YAML: {e}", path.display()))?;
     let mut s = LaunchSettings::default();
     let Some(Yaml::Hash(map)) = docs.into_iter().next() else {
         return Ok(s);
@@ -233,10 +222,7 @@ pub fn launch_settings(path: &std::path::Path) -> anyhow::Result<LaunchSettings>
     let count = |key: &str, v: &Yaml| -> anyhow::Result<usize> {
         match v {
             Yaml::Integer(n) if *n >= 0 => Ok(*n as usize),
-            _ => bail!(
-                "{}: key `{key}`: expected a non-negative integer",
-                path.display()
-            ),
+            _ => bail!("{}: key `{key}`: expected a non-negative integer", path.display()),
         }
     };
     for (k, v) in map.iter() {
@@ -251,12 +237,7 @@ pub fn launch_settings(path: &std::path::Path) -> anyhow::Result<LaunchSettings>
                     u16::try_from(port)
                         .ok()
                         .filter(|p| *p > 0)
-                        .with_context(|| {
-                            format!(
-                                "{}: key `main_process_port`: {port} is not a port",
-                                path.display()
-                            )
-                        })?,
+                        .with_context(|| format!("{}: key `main_process_port`: {port} is not a port", path.display()))?,
                 );
             }
             "gpu_ids" => s.gpu_ids = text(v).filter(|g| g != "all"),

@@ -50,11 +50,8 @@ pub fn packing_for(rows: &[&Sample]) -> Option<models::Packing> {
     let mut positions = vec![];
     let mut segments = vec![];
     for s in rows {
-        let seg: Vec<u32> = if s.segments.is_empty() {
-            (0..s.input_ids.len()).map(|i| u32::from(i < s.len)).collect()
-        } else {
-            s.segments.clone()
-        };
+        let seg: Vec<u32> =
+            if s.segments.is_empty() { (0..s.input_ids.len()).map(|i| u32::from(i < s.len)).collect() } else { s.segments.clone() };
         let mut pos = 0u32;
         for (i, &g) in seg.iter().enumerate() {
             if i > 0 && g != seg[i - 1] {

@@ -170,7 +170,14 @@ pub fn load_all(paths: &[std::path::PathBuf]) -> Result<Vec<Setting>> {
         for s in load(path)? {
             match all.iter().find(|o| o.flag == s.flag) {
                 Some(other) if other.value != s.value => {
-                    bail!("conflicting settings: {} and {} both set --{} ({} vs {})", other.origin(), s.origin(), s.flag.replace('_', "-"), other.value, s.value);
+                    bail!(
+                        "conflicting settings: {} and {} both set --{} ({} vs {})",
+                        other.origin(),
+                        s.origin(),
+                        s.flag.replace('_', "-"),
+                        other.value,
+                        s.value
+                    );
                 }
                 // Two keys saying the same thing (fsdp_activation_checkpointing and
                 // gradient_checkpointing): one flag.
@@ -198,8 +205,15 @@ pub fn load(path: &Path) -> Result<Vec<Setting>> {
             for (ik, iv) in inner.iter() {
                 let name = format!("fsdp_config.{}", ik.as_str().unwrap_or("?"));
                 let written = show(iv);
-                let flags = fsdp_key(ik.as_str().unwrap_or(""), iv).map_err(|why| anyhow::anyhow!("{}: key `{name}`: {why}", path.display()))?;
-                out.extend(flags.into_iter().map(|(flag, value)| Setting { flag, value: flag_value(&value), key: name.clone(), written: written.clone(), file: path.into() }));
+                let flags =
+                    fsdp_key(ik.as_str().unwrap_or(""), iv).map_err(|why| anyhow::anyhow!("{}: key `{name}`: {why}", path.display()))?;
+                out.extend(flags.into_iter().map(|(flag, value)| Setting {
+                    flag,
+                    value: flag_value(&value),
+                    key: name.clone(),
+                    written: written.clone(),
+                    file: path.into(),
+                }));
             }
             continue;
         }
@@ -208,7 +222,13 @@ pub fn load(path: &Path) -> Result<Vec<Setting>> {
             Some(rest) => anyhow::anyhow!("{}: unknown key `{key}`{rest}", path.display()),
             None => anyhow::anyhow!("{}: key `{key}`: {why}", path.display()),
         })?;
-        out.extend(flags.into_iter().map(|(flag, value)| Setting { flag, value, key: key.clone(), written: written.clone(), file: path.into() }));
+        out.extend(flags.into_iter().map(|(flag, value)| Setting {
+            flag,
+            value,
+            key: key.clone(),
+            written: written.clone(),
+            file: path.into(),
+        }));
     }
     hybrid_groups_from_machines(&map, &mut out, path);
     Ok(out)
@@ -219,9 +239,17 @@ pub fn load(path: &Path) -> Result<Vec<Setting>> {
 fn hybrid_groups_from_machines(map: &yaml_rust2::yaml::Hash, out: &mut Vec<Setting>, path: &Path) {
     let int = |k: &str| map.get(&Yaml::String(k.into())).and_then(Yaml::as_i64).filter(|n| *n > 0);
     let hybrid = out.iter().any(|s| s.flag == "sharding_strategy" && s.value == "HYBRID_SHARD");
-    if let (true, false, Some(procs), Some(machines)) = (hybrid, out.iter().any(|s| s.flag == "shard_group_size"), int("num_processes"), int("num_machines")) {
+    if let (true, false, Some(procs), Some(machines)) =
+        (hybrid, out.iter().any(|s| s.flag == "shard_group_size"), int("num_processes"), int("num_machines"))
+    {
         let written = format!("num_processes {procs} / num_machines {machines}");
-        out.push(Setting { flag: "shard_group_size", value: Value::from(procs / machines), key: "num_machines".into(), written, file: path.into() });
+        out.push(Setting {
+            flag: "shard_group_size",
+            value: Value::from(procs / machines),
+            key: "num_machines".into(),
+            written,
+            file: path.into(),
+        });
     }
 }
 
@@ -399,7 +427,10 @@ mod tests {
         let (a, b) = (dir.path().join("a.yaml"), dir.path().join("b.yaml"));
         std::fs::write(&a, "sharding_strategy: FULL_SHARD\nreshard_after_forward: false\n").unwrap();
         let e = format!("{:#}", load_all(std::slice::from_ref(&a)).unwrap_err());
-        assert!(e.contains("key `sharding_strategy` (FULL_SHARD)") && e.contains("key `reshard_after_forward` (false)") && e.contains("a.yaml"), "{e}");
+        assert!(
+            e.contains("key `sharding_strategy` (FULL_SHARD)") && e.contains("key `reshard_after_forward` (false)") && e.contains("a.yaml"),
+            "{e}"
+        );
         std::fs::write(&a, "mixed_precision: bf16\n").unwrap();
         std::fs::write(&b, "bf16: false\nfp16: true\n").unwrap();
         let e = format!("{:#}", load_all(&[a.clone(), b.clone()]).unwrap_err());

@@ -69,7 +69,7 @@ impl std::str::FromStr for TrainOn {
 /// What the data code needs from the model's tokenizer.
 pub struct TextTools<'a> {
     /// Token ids and their byte ranges in `text`.
-    pub encode: &'a dyn Fn(&str, bool) -> Result<(Vec<u32>, Vec<(usize, usize)>)>,
+    pub encode: &'a dyn Fn(&str, bool) -> Result<crate::tokenize::IdsWithOffsets>,
     pub decode: &'a dyn Fn(&[u32]) -> Result<String>,
     pub template: Option<&'a ChatTemplate>,
     pub eos_id: Option<u32>,
@@ -180,7 +180,8 @@ fn read_rows_bytes(path: &Path, bytes: &[u8]) -> Result<Vec<(usize, Result<Value
     if is_parquet(path, bytes) {
         return parquet_rows(path, bytes);
     }
-    let text = std::str::from_utf8(bytes).map_err(|e| anyhow::anyhow!("{}: not UTF-8 text ({e}); data files are JSONL, JSON or Parquet", path.display()))?;
+    let text = std::str::from_utf8(bytes)
+        .map_err(|e| anyhow::anyhow!("{}: not UTF-8 text ({e}); data files are JSONL, JSON or Parquet", path.display()))?;
     read_rows(path, without_bom(text))
 }
 
@@ -213,7 +214,11 @@ fn mask_by_spans(ids: &[u32], offsets: &[(usize, usize)], spans: &[(usize, usize
         .zip(offsets)
         .map(|(&id, &(a, b))| {
             let inside = spans.iter().any(|&(s, e)| a < e && b > s && b > a);
-            if inside { id as i64 } else { IGNORE_INDEX }
+            if inside {
+                id as i64
+            } else {
+                IGNORE_INDEX
+            }
         })
         .collect()
 }
@@ -347,10 +352,7 @@ pub fn load_dataset_bytes(path: &Path, bytes: &[u8], opts: &DataOptions, tools: 
     }
     out.supervised_tokens = out.samples.iter().map(Sample::target_tokens).sum();
     if out.supervised_tokens == 0 {
-        bail!(
-            "{}: no token is trained on (every label is masked); check --train-on and the chat template",
-            path.display()
-        );
+        bail!("{}: no token is trained on (every label is masked); check --train-on and the chat template", path.display());
     }
     Ok(out)
 }
@@ -411,7 +413,7 @@ mod tests {
     }
 
     /// A byte tokenizer: one token per byte, offsets exact.
-    fn bytes(s: &str, _special: bool) -> Result<(Vec<u32>, Vec<(usize, usize)>)> {
+    fn bytes(s: &str, _special: bool) -> Result<crate::tokenize::IdsWithOffsets> {
         Ok((s.bytes().map(|b| b as u32).collect(), (0..s.len()).map(|i| (i, i + 1)).collect()))
     }
     fn decode(ids: &[u32]) -> Result<String> {
@@ -481,7 +483,8 @@ mod tests {
         // --skip-bad-rows counts what it skipped.
         let (_d, p) = write("a.jsonl", "{\"input_ids\": [1, 2]}\n{oops\n{\"foo\": 1}\n");
         let tools = TextTools { encode: &bytes, decode: &decode, template: None, eos_id: None, pad_id: 0 };
-        let d = load_dataset(&p, &DataOptions { seq_len: 4, train_on: TrainOn::Auto, skip_bad_rows: true, packing: false }, &tools).unwrap();
+        let d =
+            load_dataset(&p, &DataOptions { seq_len: 4, train_on: TrainOn::Auto, skip_bad_rows: true, packing: false }, &tools).unwrap();
         assert_eq!((d.rows, d.skipped, d.samples.len()), (3, 2, 1));
     }
 
@@ -489,7 +492,8 @@ mod tests {
     fn packing_fills_rows_with_separate_documents() {
         let (_d, p) = write("a.jsonl", "{\"input_ids\": [1, 2, 3]}\n{\"input_ids\": [4, 5]}\n{\"input_ids\": [6, 7, 8, 9]}\n");
         let tools = TextTools { encode: &bytes, decode: &decode, template: None, eos_id: None, pad_id: 0 };
-        let d = load_dataset(&p, &DataOptions { seq_len: 6, train_on: TrainOn::Auto, skip_bad_rows: false, packing: true }, &tools).unwrap();
+        let d =
+            load_dataset(&p, &DataOptions { seq_len: 6, train_on: TrainOn::Auto, skip_bad_rows: false, packing: true }, &tools).unwrap();
         assert_eq!(d.samples.len(), 2);
         assert_eq!(d.samples[0].input_ids, vec![1, 2, 3, 4, 5, 0]);
         assert_eq!(d.samples[0].segments, vec![1, 1, 1, 2, 2, 0]);

@@ -60,7 +60,15 @@ pub struct Estimate {
 
 impl Estimate {
     pub fn total(&self) -> u64 {
-        self.params + self.grads + self.optimizer + self.gathered + self.backward + self.temporaries + self.activations + self.loss + self.process
+        self.params
+            + self.grads
+            + self.optimizer
+            + self.gathered
+            + self.backward
+            + self.temporaries
+            + self.activations
+            + self.loss
+            + self.process
     }
 
     /// (name, bytes, what it is) rows for the table.
@@ -115,10 +123,8 @@ fn layer_activation_bytes(cfg: &ModelConfig, lora: Option<&models::LoraSettings>
     let tokens = (batch * seq) as f64;
     let q = (cfg.num_attention_heads * cfg.head_dim) as f64;
     let kv = (cfg.num_key_value_heads * cfg.head_dim) as f64;
-    let mut per_token = LAYER.per_hidden * cfg.hidden_size as f64
-        + LAYER.per_inter * cfg.intermediate_size as f64
-        + LAYER.per_q * q
-        + LAYER.per_kv * kv;
+    let mut per_token =
+        LAYER.per_hidden * cfg.hidden_size as f64 + LAYER.per_inter * cfg.intermediate_size as f64 + LAYER.per_q * q + LAYER.per_kv * kv;
     if let Some(lora) = lora {
         // Each adapted projection adds B(A x), its scaled copy and the sum (3 outputs), and with
         // dropout the mask and the masked input.
@@ -171,7 +177,9 @@ pub fn estimate(model: &dyn StagedModel, cfg: &ModelConfig, input: &EstimateInpu
     let (vocab, hidden, tokens) = (cfg.vocab_size, cfg.hidden_size, input.batch_size * input.seq_len);
     let vocab_travels_alone = crate::fsdp::engine::travels_alone_shape(vocab * hidden, vocab, input.shard_size);
     let head_names = model.stage_parameters(model.num_stages() - 1);
-    let by_rows = |p: &crate::fsdp::plan::ParamLayout| p.rows == vocab && vocab_travels_alone && (tokens <= hidden || !head_names.contains(&p.spec.name));
+    let by_rows = |p: &crate::fsdp::plan::ParamLayout| {
+        p.rows == vocab && vocab_travels_alone && (tokens <= hidden || !head_names.contains(&p.spec.name))
+    };
     let head_by_rows = plan.iter().flat_map(|u| &u.params).filter(|p| p.rows == vocab && head_names.contains(&p.spec.name)).all(by_rows);
     // Backward of the largest unit: full weight gradients (all of its weights but those made
     // by rows) + packed trainable gradients for reduce-scatter + this rank's reduced slice.
@@ -179,12 +187,12 @@ pub fn estimate(model: &dyn StagedModel, cfg: &ModelConfig, input: &EstimateInpu
     let dense_trained = |u: &UnitPlan| if u.params.iter().any(by_rows) { dense_full(u) } else { trained_full(u) };
     let backward = plan.iter().map(|u| dense_full(u) + dense_trained(u) + dense_trained(u) / input.shard_size as u64).max().unwrap_or(0);
     let temporaries = match input.lora {
-            // The frozen base weights' products leave no such temporaries (measured: with them
-            // counted, the two-rank LoRA runs of tests/estimate.rs come out 20% high).
-            Some(_) => 0,
-            None if head_by_rows => (WEIGHT_GRAD_TEMPORARIES * largest as f64) as u64,
-            None => (WEIGHT_GRAD_TEMPORARIES * largest.max(4 * (vocab * hidden) as u64) as f64) as u64,
-        };
+        // The frozen base weights' products leave no such temporaries (measured: with them
+        // counted, the two-rank LoRA runs of tests/estimate.rs come out 20% high).
+        Some(_) => 0,
+        None if head_by_rows => (WEIGHT_GRAD_TEMPORARIES * largest as f64) as u64,
+        None => (WEIGHT_GRAD_TEMPORARIES * largest.max(4 * (vocab * hidden) as u64) as f64) as u64,
+    };
     let layers = cfg.num_hidden_layers as f64;
     let layer = layer_activation_bytes(cfg, input.lora.as_ref(), input.batch_size, input.seq_len);
     let hidden_in = 4.0 * (input.batch_size * input.seq_len * cfg.hidden_size) as f64;

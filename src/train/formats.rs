@@ -42,7 +42,11 @@ fn string_field<'a>(row: &'a Value, field: &str) -> Result<&'a str> {
 
 fn short(v: &Value) -> String {
     let s = v.to_string();
-    if s.chars().count() > 40 { format!("{}...", s.chars().take(40).collect::<String>()) } else { s }
+    if s.chars().count() > 40 {
+        format!("{}...", s.chars().take(40).collect::<String>())
+    } else {
+        s
+    }
 }
 
 fn id_list(row: &Value, field: &str) -> Result<Option<Vec<i64>>> {
@@ -164,9 +168,11 @@ mod tests {
             parse_row(&json!({"prompt": "2+2=", "completion": "4"}), false).unwrap(),
             Example::PromptCompletion { prompt: "2+2=".into(), completion: "4".into() }
         );
-        let chat = parse_row(&json!({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}), true).unwrap();
+        let chat =
+            parse_row(&json!({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}), true).unwrap();
         assert_eq!(chat, Example::Chat(vec![ChatMessage::new("user", "a"), ChatMessage::new("assistant", "b")]));
-        let sharegpt = parse_row(&json!({"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]}), true).unwrap();
+        let sharegpt =
+            parse_row(&json!({"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]}), true).unwrap();
         assert_eq!(sharegpt, chat);
         let alpaca = parse_row(&json!({"instruction": "a", "input": "", "output": "b"}), true).unwrap();
         assert_eq!(alpaca, chat);

@@ -22,7 +22,10 @@ pub fn next_token_targets(labels: &[i64], rows: usize, width: usize) -> Arc<[i64
 /// The micro-batch's loss: the sum of the per-position losses the last stage returned.
 pub fn summed_token_loss(per_position: &Tensor) -> Result<Tensor> {
     if per_position.rank() != 1 {
-        candle_core::bail!("expected per-position losses from the last stage, got shape {:?} (were the targets given?)", per_position.dims());
+        candle_core::bail!(
+            "expected per-position losses from the last stage, got shape {:?} (were the targets given?)",
+            per_position.dims()
+        );
     }
     per_position.sum_all()
 }

@@ -13,7 +13,13 @@ pub struct LossHistory {
 }
 
 fn fmt(v: f64) -> String {
-    if v.abs() >= 100.0 { format!("{v:.0}") } else if v.abs() >= 1.0 { format!("{v:.2}") } else { format!("{v:.3}") }
+    if v.abs() >= 100.0 {
+        format!("{v:.0}")
+    } else if v.abs() >= 1.0 {
+        format!("{v:.2}")
+    } else {
+        format!("{v:.3}")
+    }
 }
 
 impl LossHistory {
@@ -24,11 +30,21 @@ impl LossHistory {
         let min_step = all.iter().map(|(s, _)| *s).min().unwrap_or(0) as f64;
         let hi = all.iter().map(|(_, v)| *v).fold(f64::MIN, f64::max);
         let lo = all.iter().map(|(_, v)| *v).fold(f64::MAX, f64::min).min(hi);
-        let (lo, hi) = if all.is_empty() { (0.0, 1.0) } else if hi - lo < 1e-9 { (lo - 0.5, hi + 0.5) } else { (lo, hi) };
+        let (lo, hi) = if all.is_empty() {
+            (0.0, 1.0)
+        } else if hi - lo < 1e-9 {
+            (lo - 0.5, hi + 0.5)
+        } else {
+            (lo, hi)
+        };
         let x = |s: f64| left + (s - min_step) / (max_step - min_step).max(1.0) * (w - left - right);
         let y = |v: f64| top + (hi - v) / (hi - lo) * (h - top - bottom);
         let path = |pts: &[(usize, f64)]| {
-            pts.iter().filter(|(_, v)| v.is_finite()).map(|(s, v)| format!("{:.1},{:.1}", x(*s as f64), y(*v))).collect::<Vec<_>>().join(" ")
+            pts.iter()
+                .filter(|(_, v)| v.is_finite())
+                .map(|(s, v)| format!("{:.1},{:.1}", x(*s as f64), y(*v)))
+                .collect::<Vec<_>>()
+                .join(" ")
         };
         let mut svg = format!(
             "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
@@ -50,7 +66,11 @@ impl LossHistory {
             svg += &format!("<polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"2\" points=\"{}\"/>\n", path(&self.train));
         }
         for (s, v) in self.eval.iter().filter(|(_, v)| v.is_finite()) {
-            svg += &format!("<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"4\" fill=\"#ff7f0e\"><title>eval loss {v:.4} at step {s}</title></circle>\n", x(*s as f64), y(*v));
+            svg += &format!(
+                "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"4\" fill=\"#ff7f0e\"><title>eval loss {v:.4} at step {s}</title></circle>\n",
+                x(*s as f64),
+                y(*v)
+            );
         }
         svg += "</svg>\n";
         svg

@@ -14,8 +14,8 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use candle_core::{DType, Device};
-use fsdp_app::model_files::{load_model, resolve_model};
 use fsdp_app::generate::{generate, GenerationOutput, SamplingParams};
+use fsdp_app::model_files::{load_model, resolve_model};
 use fsdp_app::tokenize::{ChatMessage, TextTokenizer};
 
 const NEW_TOKENS: usize = 128;
@@ -65,10 +65,7 @@ fn main() -> anyhow::Result<()> {
     println!("batch 1, prompt {} tokens, {NEW_TOKENS} new tokens\n", prompt.len());
     println!("| engine | time to first token (s) | decode tokens/s | total (s) |");
     println!("|---|---|---|---|");
-    println!(
-        "| fsdp-app (candle) | {:.3} | {:.1} | {:.2} |",
-        best.time_to_first_token_s, best.decode_tokens_per_s, best.total_s
-    );
+    println!("| fsdp-app (candle) | {:.3} | {:.1} | {:.2} |", best.time_to_first_token_s, best.decode_tokens_per_s, best.total_s);
     match &theirs {
         Ok(t) => {
             let tps = t["decode_tokens_per_s"].as_f64().unwrap_or(0.0);
@@ -115,8 +112,16 @@ fn grammar_mask_cost(tok: &TextTokenizer, vocab: usize, decode_tokens_per_s: f64
     }
     times.sort_by(f64::total_cmp);
     let per_token = times[times.len() / 2];
-    println!("
-Constrained decoding (response_format json_schema), SmolLM2's {vocab}-token vocabulary, {} tokens of a valid answer:", ids.len());
-    println!("grammar mask + commit {:.3} ms/token (median of 3 walks) = {:.1}% of a decode step ({:.1} ms)", per_token * 1e3, 100.0 * per_token * decode_tokens_per_s, 1e3 / decode_tokens_per_s);
+    println!(
+        "
+Constrained decoding (response_format json_schema), SmolLM2's {vocab}-token vocabulary, {} tokens of a valid answer:",
+        ids.len()
+    );
+    println!(
+        "grammar mask + commit {:.3} ms/token (median of 3 walks) = {:.1}% of a decode step ({:.1} ms)",
+        per_token * 1e3,
+        100.0 * per_token * decode_tokens_per_s,
+        1e3 / decode_tokens_per_s
+    );
     Ok(())
 }

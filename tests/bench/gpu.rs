@@ -23,9 +23,9 @@ use std::process::Command;
 use std::time::Instant;
 
 use candle_core::{DType, Device};
-use fsdp_app::model_files::{load_model, resolve_model};
 use fsdp_app::fsdp::optim::Schedule;
 use fsdp_app::generate::{step_all, SamplingParams, Sequence};
+use fsdp_app::model_files::{load_model, resolve_model};
 use fsdp_app::tokenize::TextTokenizer;
 use serde_json::{json, Value};
 
@@ -62,16 +62,26 @@ fn main() -> anyhow::Result<()> {
     let steps: usize = std::env::var("FSDP_BENCH_STEPS").ok().and_then(|v| v.parse().ok()).unwrap_or(8);
     let scripts = {
         let built = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests").join("bench");
-        if built.exists() { built } else { PathBuf::from("tests").join("bench") }
+        if built.exists() {
+            built
+        } else {
+            PathBuf::from("tests").join("bench")
+        }
     };
     let tmp = tempfile::tempdir()?;
     let root = std::env::var("FSDP_BENCH_DIR").map(PathBuf::from).unwrap_or_else(|_| tmp.path().to_path_buf());
     let model = root.join("llama-1b");
     if !model.join("config.json").exists() {
         let dims = [
-            ("vocab_size", json!(VOCAB)), ("hidden_size", json!(HIDDEN)), ("intermediate_size", json!(8192)),
-            ("num_hidden_layers", json!(LAYERS)), ("num_attention_heads", json!(32)), ("num_key_value_heads", json!(8)),
-            ("head_dim", json!(64)), ("max_position_embeddings", json!(4096)), ("rope_scaling", Value::Null),
+            ("vocab_size", json!(VOCAB)),
+            ("hidden_size", json!(HIDDEN)),
+            ("intermediate_size", json!(8192)),
+            ("num_hidden_layers", json!(LAYERS)),
+            ("num_attention_heads", json!(32)),
+            ("num_key_value_heads", json!(8)),
+            ("head_dim", json!(64)),
+            ("max_position_embeddings", json!(4096)),
+            ("rope_scaling", Value::Null),
             ("tie_word_embeddings", json!(false)),
         ];
         let overrides: Vec<(String, Value)> = dims.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
@@ -112,7 +122,8 @@ fn main() -> anyhow::Result<()> {
         launcher: "torchrun",
     };
     let summary = fsdp_app::train::finetune::run(&cfg, cfg!(feature = "nccl").then_some(&env))?.expect("rank 0 summary");
-    let metrics: Vec<Value> = std::fs::read_to_string(out.join("metrics.jsonl"))?.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let metrics: Vec<Value> =
+        std::fs::read_to_string(out.join("metrics.jsonl"))?.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     let ours_tps = median(metrics.iter().skip(2).map(|m| m["tokens_per_s"].as_f64().unwrap_or(0.0)).collect());
     let embedding = (VOCAB * HIDDEN) as f64;
     let fpt = flops_per_token(summary.total_params as f64 - embedding);
@@ -122,7 +133,10 @@ fn main() -> anyhow::Result<()> {
         &[model.display().to_string(), data.display().to_string(), SEQ.to_string(), steps.to_string()],
     );
 
-    println!("\n(a) Fine-tuning, Llama {:.2}B parameters (random), batch 1 x {SEQ} tokens, bf16 compute, fp32 master + AdamW,", summary.total_params as f64 / 1e9);
+    println!(
+        "\n(a) Fine-tuning, Llama {:.2}B parameters (random), batch 1 x {SEQ} tokens, bf16 compute, fp32 master + AdamW,",
+        summary.total_params as f64 / 1e9
+    );
     println!("    activation checkpointing on, 1 GPU; median of steps 3-{steps}; MFU against {:.0} TFLOPS bf16 dense\n", peak / 1e12);
     println!("| run | tokens/s | MFU | vs PyTorch |");
     println!("|---|---|---|---|");
@@ -132,7 +146,11 @@ fn main() -> anyhow::Result<()> {
     match &torch {
         Ok(t) => {
             let tps = t["tokens_per_s"].as_f64().unwrap_or(0.0);
-            println!("| PyTorch {} FSDP2 fully_shard (world 1) | {tps:.0} | {:.1}% | 1.00x |", t["torch"].as_str().unwrap_or("?"), 100.0 * tps * fpt / peak);
+            println!(
+                "| PyTorch {} FSDP2 fully_shard (world 1) | {tps:.0} | {:.1}% | 1.00x |",
+                t["torch"].as_str().unwrap_or("?"),
+                100.0 * tps * fpt / peak
+            );
             let ours_gpu = metrics.last().and_then(|m| m["gpu_memory_bytes_per_rank"][0].as_f64()).unwrap_or(0.0) / (1u64 << 30) as f64;
             println!(
                 "\nGPU memory: fsdp-app {ours_gpu:.1} GiB in use at the last step's end (driver: allocations + pools); \
@@ -150,7 +168,8 @@ fn main() -> anyhow::Result<()> {
     let prompt: Vec<u32> = (0..PROMPT).map(|j| ((j * 104_729 + 17) % VOCAB) as u32).collect();
     let params = SamplingParams::greedy(NEW_TOKENS);
     let run = |batch: usize| -> anyhow::Result<f64> {
-        let mut seqs: Vec<Sequence> = (0..batch).map(|_| Sequence::new(&loaded.model, &prompt, &HashSet::new(), &params)).collect::<anyhow::Result<_>>()?;
+        let mut seqs: Vec<Sequence> =
+            (0..batch).map(|_| Sequence::new(&loaded.model, &prompt, &HashSet::new(), &params)).collect::<anyhow::Result<_>>()?;
         // Prefill (not timed), then the decode steps.
         {
             let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
@@ -170,7 +189,9 @@ fn main() -> anyhow::Result<()> {
         Ok(tokens as f64 / start.elapsed().as_secs_f64())
     };
     run(2)?; // warm-up: the first use of each kernel compiles its PTX
-    println!("\n(b) Greedy generation, same model, bf16, {PROMPT}-token prompt, {NEW_TOKENS} new tokens; decode tokens/s (all sequences)\n");
+    println!(
+        "\n(b) Greedy generation, same model, bf16, {PROMPT}-token prompt, {NEW_TOKENS} new tokens; decode tokens/s (all sequences)\n"
+    );
     println!("| batch | fsdp-app | transformers | ratio |");
     println!("|---|---|---|---|");
     for batch in [1usize, 16] {

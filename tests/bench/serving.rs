@@ -43,13 +43,24 @@ fn stream_once(url: &str, i: usize) -> (usize, f64, f64) {
 }
 
 fn main() -> anyhow::Result<()> {
-
     let gguf = common::bench_smollm2_gguf()?;
     let tmp = tempfile::tempdir()?;
     let dir = tmp.path().join("smollm2");
     fsdp_app::convert::convert_gguf(&gguf, &dir, DType::BF16)?;
     let mut child = Command::new(common::bin())
-        .args(["serve", "--model", dir.to_str().unwrap(), "--port", "0", "--served-model-name", "smollm2", "--max-concurrent-requests", "16", "--max-queue", "64"])
+        .args([
+            "serve",
+            "--model",
+            dir.to_str().unwrap(),
+            "--port",
+            "0",
+            "--served-model-name",
+            "smollm2",
+            "--max-concurrent-requests",
+            "16",
+            "--max-queue",
+            "64",
+        ])
         .stderr(Stdio::piped())
         .spawn()?;
     let mut err = BufReader::new(child.stderr.take().unwrap());
@@ -70,10 +81,12 @@ fn main() -> anyhow::Result<()> {
     let mut single = 0.0;
     for streams in [1usize, 4, 16] {
         let start = Instant::now();
-        let handles: Vec<_> = (0..streams).map(|i| {
-            let url = url.clone();
-            std::thread::spawn(move || stream_once(&url, 100 + i))
-        }).collect();
+        let handles: Vec<_> = (0..streams)
+            .map(|i| {
+                let url = url.clone();
+                std::thread::spawn(move || stream_once(&url, 100 + i))
+            })
+            .collect();
         let results: Vec<(usize, f64, f64)> = handles.into_iter().map(|h| h.join().unwrap()).collect();
         let wall = start.elapsed().as_secs_f64();
         let tokens: usize = results.iter().map(|r| r.0).sum();

@@ -43,11 +43,7 @@ fn data(path: &Path, rows: usize, len: usize, vocab: usize) -> anyhow::Result<()
 }
 
 fn metrics(dir: &Path) -> Vec<Value> {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
+    std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap_or_default().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
 }
 
 /// SmolLM2-135M-Instruct converted from the GGUF to f32 safetensors (once).
@@ -92,7 +88,9 @@ fn torch_run(python: &str, root: &Path, model: &Path, data: &Path, batch: usize,
         .args([batch.to_string(), "128".into(), steps.to_string(), THREADS.to_string()])
         .output();
     match o {
-        Ok(o) if o.status.success() => serde_json::from_str(String::from_utf8_lossy(&o.stdout).lines().last().unwrap_or("")).map_err(|e| e.to_string()),
+        Ok(o) if o.status.success() => {
+            serde_json::from_str(String::from_utf8_lossy(&o.stdout).lines().last().unwrap_or("")).map_err(|e| e.to_string())
+        }
         Ok(o) => Err(String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("failed").to_string()),
         Err(e) => Err(format!("{python}: {e}")),
     }
@@ -131,14 +129,26 @@ fn main() -> anyhow::Result<()> {
         &models_dir,
         "llama-28m",
         &[
-            ("vocab_size", json!(8192)), ("hidden_size", json!(512)), ("intermediate_size", json!(1408)),
-            ("num_hidden_layers", json!(6)), ("num_attention_heads", json!(8)), ("num_key_value_heads", json!(8)),
-            ("head_dim", json!(64)), ("rope_scaling", Value::Null),
+            ("vocab_size", json!(8192)),
+            ("hidden_size", json!(512)),
+            ("intermediate_size", json!(1408)),
+            ("num_hidden_layers", json!(6)),
+            ("num_attention_heads", json!(8)),
+            ("num_key_value_heads", json!(8)),
+            ("head_dim", json!(64)),
+            ("rope_scaling", Value::Null),
         ],
     )?;
     let small_data = tmp.path().join("small.jsonl");
     data(&small_data, 64, 128, 8192)?;
-    let mut runs = vec![("Llama 28M (vocab 8192, hidden 512, 6 layers)".to_string(), small.clone(), small_data.clone(), 4usize, 6usize, vec![1usize, 2])];
+    let mut runs = vec![(
+        "Llama 28M (vocab 8192, hidden 512, 6 layers)".to_string(),
+        small.clone(),
+        small_data.clone(),
+        4usize,
+        6usize,
+        vec![1usize, 2],
+    )];
     match smollm2(&models_dir) {
         Ok(dir) => {
             let d = tmp.path().join("smollm2.jsonl");
@@ -172,7 +182,10 @@ fn main() -> anyhow::Result<()> {
             t["tokens_per_s"] = json!(median(torch_rounds));
         }
         let ours: Vec<(usize, f64, usize, Vec<f64>)> = ours.into_iter().map(|(w, r, p, l)| (w, median(r), p, l)).collect();
-        println!("\nTraining step, {name}, {:.1}M parameters, batch {batch} x 128 tokens, AdamW, f32, CPU, {THREADS} threads", ours[0].2 as f64 / 1e6);
+        println!(
+            "\nTraining step, {name}, {:.1}M parameters, batch {batch} x 128 tokens, AdamW, f32, CPU, {THREADS} threads",
+            ours[0].2 as f64 / 1e6
+        );
         println!("(median of steps 2-{steps}, median of {ROUNDS} alternating rounds; FSDP: FULL_SHARD, one unit per layer, no activation checkpointing)\n");
         println!("| run | tokens/s | vs PyTorch |");
         println!("|---|---|---|");
@@ -206,9 +219,14 @@ fn main() -> anyhow::Result<()> {
         &models_dir,
         "llama-220m",
         &[
-            ("vocab_size", json!(32000)), ("hidden_size", json!(1024)), ("intermediate_size", json!(2816)),
-            ("num_hidden_layers", json!(12)), ("num_attention_heads", json!(16)), ("num_key_value_heads", json!(16)),
-            ("head_dim", json!(64)), ("rope_scaling", Value::Null),
+            ("vocab_size", json!(32000)),
+            ("hidden_size", json!(1024)),
+            ("intermediate_size", json!(2816)),
+            ("num_hidden_layers", json!(12)),
+            ("num_attention_heads", json!(16)),
+            ("num_key_value_heads", json!(16)),
+            ("head_dim", json!(64)),
+            ("rope_scaling", Value::Null),
         ],
     )?;
     let weights_bytes: u64 = std::fs::read_dir(&big)?
@@ -219,19 +237,35 @@ fn main() -> anyhow::Result<()> {
     let big_data = tmp.path().join("big.jsonl");
     data(&big_data, 16, 64, 32000)?;
     let exe = PathBuf::from(env!("CARGO_BIN_EXE_fsdp-app"));
-    println!("\n(a) Per-rank peak RSS (VmHWM), fine-tuning a generated Llama with {} of f32 weights (vocab 32000, hidden 1024, 12 layers),", human_bytes(weights_bytes));
-    println!("seq 64, batch 1 per rank, 3 steps, AdamW, 1 thread per rank; fsdp-app under mpirun (mpi backend), PyTorch FSDP2 under torchrun");
+    println!(
+        "\n(a) Per-rank peak RSS (VmHWM), fine-tuning a generated Llama with {} of f32 weights (vocab 32000, hidden 1024, 12 layers),",
+        human_bytes(weights_bytes)
+    );
+    println!(
+        "seq 64, batch 1 per rank, 3 steps, AdamW, 1 thread per rank; fsdp-app under mpirun (mpi backend), PyTorch FSDP2 under torchrun"
+    );
     println!("(gloo, meta init, fully_shard per layer and root, set_model_state_dict(broadcast_from_rank0=True)) in the same run\n");
     println!("| run | world | strategy | activation checkpointing | rank 0 | other ranks (max) | tokens/s |");
     println!("|---|---|---|---|---|---|---|");
     let row = |who: &str, world: usize, strategy: &str, ac: bool, peaks: &[u64], tps: Option<f64>| {
         let others = peaks.iter().skip(1).max().map(|b| human_bytes(*b)).unwrap_or_else(|| "-".into());
         let tps = tps.map(|t| format!("{t:.0}")).unwrap_or_else(|| "n/a".into());
-        println!("| {who} | {world} | {strategy} | {} | {} | {others} | {tps} |", if ac { "on" } else { "off" }, peaks.first().map(|b| human_bytes(*b)).unwrap_or_default());
+        println!(
+            "| {who} | {world} | {strategy} | {} | {} | {others} | {tps} |",
+            if ac { "on" } else { "off" },
+            peaks.first().map(|b| human_bytes(*b)).unwrap_or_default()
+        );
     };
     let mut save_log = String::new();
     let mut out_of_saved = PathBuf::new();
-    for (world, strategy, ac) in [(1usize, "FULL_SHARD", false), (2, "FULL_SHARD", false), (4, "FULL_SHARD", false), (4, "FULL_SHARD", true), (4, "SHARD_GRAD_OP", false), (4, "NO_SHARD", false)] {
+    for (world, strategy, ac) in [
+        (1usize, "FULL_SHARD", false),
+        (2, "FULL_SHARD", false),
+        (4, "FULL_SHARD", false),
+        (4, "FULL_SHARD", true),
+        (4, "SHARD_GRAD_OP", false),
+        (4, "NO_SHARD", false),
+    ] {
         let out = tmp.path().join(format!("mpi-{world}-{strategy}-{ac}"));
         let mut cmd = Command::new("mpirun");
         cmd.args(["--allow-run-as-root", "--oversubscribe", "-np", &world.to_string()]).arg(&exe);
@@ -256,7 +290,9 @@ fn main() -> anyhow::Result<()> {
         }
     }
     let torchrun = PathBuf::from(&python).with_file_name("torchrun");
-    for (world, strategy, ac) in [(1usize, "FULL_SHARD", false), (4, "FULL_SHARD", false), (4, "FULL_SHARD", true), (4, "SHARD_GRAD_OP", false)] {
+    for (world, strategy, ac) in
+        [(1usize, "FULL_SHARD", false), (4, "FULL_SHARD", false), (4, "FULL_SHARD", true), (4, "SHARD_GRAD_OP", false)]
+    {
         let o = Command::new(&torchrun)
             .args(["--nproc-per-node", &world.to_string(), "--master-port", "29613"])
             .arg(root.join("tests").join("bench").join("torch_fsdp2_memory.py"))
@@ -267,11 +303,15 @@ fn main() -> anyhow::Result<()> {
         // The script prints its measurement as its last stdout line before torch tears the
         // process group down; a rank that crashes in that teardown (gloo's "terminate called
         // without an active exception", seen with torch 2.15) fails torchrun after the fact.
-        let measured = |o: &std::process::Output| serde_json::from_str::<Value>(String::from_utf8_lossy(&o.stdout).lines().last().unwrap_or("")).ok();
+        let measured =
+            |o: &std::process::Output| serde_json::from_str::<Value>(String::from_utf8_lossy(&o.stdout).lines().last().unwrap_or("")).ok();
         let parsed = match o {
             Ok(o) if measured(&o).is_some() => measured(&o),
             Ok(o) => {
-                println!("| PyTorch FSDP2 | {world} | {strategy} | {ac} | n/a: {} | | |", String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("failed"));
+                println!(
+                    "| PyTorch FSDP2 | {world} | {strategy} | {ac} | n/a: {} | | |",
+                    String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("failed")
+                );
                 None
             }
             Err(e) => {

@@ -46,8 +46,7 @@ impl HubServer {
     }
 
     pub fn requested_files(&self) -> Vec<String> {
-        let mut v: Vec<String> =
-            self.log.lock().unwrap().iter().map(|(p, _)| p.rsplit('/').next().unwrap().to_string()).collect();
+        let mut v: Vec<String> = self.log.lock().unwrap().iter().map(|(p, _)| p.rsplit('/').next().unwrap().to_string()).collect();
         v.sort();
         v.dedup();
         v

@@ -153,7 +153,6 @@ pub fn smollm2_gguf() -> Result<PathBuf, String> {
     Err(last_err)
 }
 
-
 /// What a test does when it cannot run its real check (a tool or a download is missing).
 /// Under `CI=true` it fails with the reason: a green CI means every test ran. Elsewhere it prints
 /// SKIPPED and adds a line to `target/test-skips.txt`, which `.ci/run` counts and prints as
@@ -166,7 +165,11 @@ pub fn skip_or_fail(test: &str, why: &str) {
     eprintln!("SKIPPED {test}: {why}");
     let ledger = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target").join("test-skips.txt");
     let line = format!("{test}: {}\n", why.lines().next().unwrap_or(""));
-    let appended = std::fs::OpenOptions::new().create(true).append(true).open(&ledger).and_then(|mut f| std::io::Write::write_all(&mut f, line.as_bytes()));
+    let appended = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&ledger)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, line.as_bytes()));
     if let Err(e) = appended {
         panic!("{test} skipped ({why}) and could not record the skip in {}: {e}", ledger.display());
     }
@@ -196,7 +199,9 @@ pub fn python_with(packages: &[&str]) -> Result<PathBuf, String> {
     }
     let missing: Vec<&&str> = packages
         .iter()
-        .filter(|p| !Command::new(&python).args(["-c", &format!("import {}", p.replace('-', "_"))]).output().is_ok_and(|o| o.status.success()))
+        .filter(|p| {
+            !Command::new(&python).args(["-c", &format!("import {}", p.replace('-', "_"))]).output().is_ok_and(|o| o.status.success())
+        })
         .collect();
     if !missing.is_empty() {
         let o = Command::new(&python)

@@ -57,8 +57,25 @@ impl Drop for Server {
 pub fn slow_model(root: &Path) -> std::path::PathBuf {
     let dir = root.join("slow");
     let o = run_cli(
-        &["fixture", "--name", "qwen2", "--out", dir.to_str().unwrap(), "--set", "hidden_size=512", "--set", "intermediate_size=1536",
-          "--set", "num_hidden_layers=8", "--set", "num_attention_heads=8", "--set", "num_key_value_heads=8", "--set", "max_position_embeddings=1024"],
+        &[
+            "fixture",
+            "--name",
+            "qwen2",
+            "--out",
+            dir.to_str().unwrap(),
+            "--set",
+            "hidden_size=512",
+            "--set",
+            "intermediate_size=1536",
+            "--set",
+            "num_hidden_layers=8",
+            "--set",
+            "num_attention_heads=8",
+            "--set",
+            "num_key_value_heads=8",
+            "--set",
+            "max_position_embeddings=1024",
+        ],
         &[],
     );
     assert!(o.status.success(), "{}", stderr(&o));
@@ -105,7 +122,8 @@ pub fn upload(server: &Server, filename: &str, bytes: &[u8]) -> (u16, Value) {
     body.extend(format!("--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{filename}\"\r\nContent-Type: application/jsonl\r\n\r\n").as_bytes());
     body.extend_from_slice(bytes);
     body.extend(format!("\r\n--{boundary}--\r\n").as_bytes());
-    let r = ureq::post(&server.url("/v1/files")).set("Content-Type", &format!("multipart/form-data; boundary={boundary}")).send_bytes(&body);
+    let r =
+        ureq::post(&server.url("/v1/files")).set("Content-Type", &format!("multipart/form-data; boundary={boundary}")).send_bytes(&body);
     let (status, text) = match r {
         Ok(r) => (r.status(), r.into_string().unwrap()),
         Err(ureq::Error::Status(c, r)) => (c, r.into_string().unwrap()),
@@ -129,7 +147,10 @@ pub fn wait_for_status(server: &Server, id: &str, want: &[&str], secs: u64) -> V
 
 /// The log-probability of `model`'s greedy first answer token to a fixed question.
 pub fn first_token_logprob(server: &Server, model: &str) -> f64 {
-    let r = post_json(&server.url("/v1/chat/completions"), &json!({"model": model, "messages": [{"role": "user", "content": "What is the codename?"}],
-        "max_tokens": 1, "temperature": 0, "logprobs": true}));
+    let r = post_json(
+        &server.url("/v1/chat/completions"),
+        &json!({"model": model, "messages": [{"role": "user", "content": "What is the codename?"}],
+        "max_tokens": 1, "temperature": 0, "logprobs": true}),
+    );
     r["choices"][0]["logprobs"]["content"][0]["logprob"].as_f64().unwrap()
 }

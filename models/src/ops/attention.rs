@@ -16,38 +16,19 @@ use crate::ops::kernels::exp_inplace;
 /// `softmax(q kᵀ · scale + mask) v` for q (batch, seq, heads, head_dim) and k, v (batch, seq,
 /// kv_heads, head_dim); `mask` is additive, (seq, seq) or (batch, 1, seq, seq). Returns
 /// (batch, seq, heads · head_dim). f32 on the CPU (see [`crate::ops::applies`]).
-pub fn attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: Option<&Tensor>,
-    scale: f64,
-) -> Result<Tensor> {
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, scale: f64) -> Result<Tensor> {
     let (b, t, hq, d) = q.dims4()?;
     let (kb, kt, hkv, kd) = k.dims4()?;
     if (kb, kt, kd) != (b, t, d) || v.dims() != k.dims() || hkv == 0 || hq % hkv != 0 {
-        candle_core::bail!(
-            "attention: q {:?}, k {:?}, v {:?} do not fit together",
-            q.dims(),
-            k.dims(),
-            v.dims()
-        );
+        candle_core::bail!("attention: q {:?}, k {:?}, v {:?} do not fit together", q.dims(), k.dims(), v.dims());
     }
     if let Some(m) = mask {
         if m.dims() != [t, t] && m.dims() != [b, 1, t, t] {
-            candle_core::bail!(
-                "attention: a mask of shape {:?} for {b} rows of {t} tokens",
-                m.dims()
-            );
+            candle_core::bail!("attention: a mask of shape {:?} for {b} rows of {t} tokens", m.dims());
         }
     }
-    let op = Attention {
-        scale: scale as f32,
-        mask: mask.map(Tensor::contiguous).transpose()?,
-    };
-    q.contiguous()?
-        .apply_op3(&k.contiguous()?, &v.contiguous()?, op)?
-        .reshape((b, t, hq * d))
+    let op = Attention { scale: scale as f32, mask: mask.map(Tensor::contiguous).transpose()? };
+    q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)?.reshape((b, t, hq * d))
 }
 
 struct Attention {
@@ -68,13 +49,7 @@ struct Dims {
 
 impl Dims {
     fn of(q: &[usize], k: &[usize]) -> Self {
-        Dims {
-            b: q[0],
-            t: q[1],
-            hq: q[2],
-            hkv: k[2],
-            d: q[3],
-        }
+        Dims { b: q[0], t: q[1], hq: q[2], hkv: k[2], d: q[3] }
     }
     fn q_at(&self, bi: usize, h: usize) -> usize {
         (bi * self.t * self.hq + h) * self.d
@@ -133,12 +108,7 @@ unsafe fn gemm(
 }
 
 /// The mask's row for query `i` of batch row `bi`, if there is a mask.
-fn mask_row<'a>(
-    mask: Option<(&'a [f32], bool)>,
-    bi: usize,
-    i: usize,
-    t: usize,
-) -> Option<&'a [f32]> {
+fn mask_row(mask: Option<(&[f32], bool)>, bi: usize, i: usize, t: usize) -> Option<&[f32]> {
     mask.map(|(m, per_row)| {
         let r = if per_row { bi * t + i } else { i };
         &m[r * t..(r + 1) * t]
@@ -148,17 +118,7 @@ fn mask_row<'a>(
 /// Scores of head `h` against kv head `g` of batch row `bi` into `p` (t × t), then each row
 /// turned into probabilities: `p[i] = softmax(p[i] · scale + mask[i])`.
 #[allow(clippy::too_many_arguments)]
-fn probabilities(
-    dims: Dims,
-    q: &[f32],
-    k: &[f32],
-    bi: usize,
-    h: usize,
-    g: usize,
-    mask: Option<(&[f32], bool)>,
-    scale: f32,
-    p: &mut [f32],
-) {
+fn probabilities(dims: Dims, q: &[f32], k: &[f32], bi: usize, h: usize, g: usize, mask: Option<(&[f32], bool)>, scale: f32, p: &mut [f32]) {
     let t = dims.t;
     // SAFETY: q and k hold these rows (checked shapes), p holds t × t values.
     unsafe {
@@ -209,6 +169,9 @@ impl Attention {
                 let (bi, h) = (task / hq, task % hq);
                 let g = h / (hq / hkv);
                 probabilities(dims, q, k, bi, h, g, mask, self.scale, p);
+                // Binds the whole wrapper, so the closure captures `SharedMut` (Send), not its
+                // raw pointer field (edition 2021 captures fields).
+                #[allow(clippy::redundant_locals)]
                 let dst = dst;
                 // SAFETY: task (bi, h) writes only head h's rows of batch row bi.
                 unsafe {
@@ -232,29 +195,13 @@ impl Attention {
 
     /// (dq, dk, dv) for the output gradient `dout`, given the forward's output `o`.
     #[allow(clippy::too_many_arguments)]
-    fn backward(
-        &self,
-        dims: Dims,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        o: &[f32],
-        dout: &[f32],
-    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+    fn backward(&self, dims: Dims, q: &[f32], k: &[f32], v: &[f32], o: &[f32], dout: &[f32]) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
         let mask = self.mask_data()?;
         let mask = mask.as_ref().map(|(m, per_row)| (m.as_slice(), *per_row));
         let Dims { b, t, hq, hkv, d } = dims;
         let n_rep = hq / hkv;
-        let (mut dq, mut dk, mut dv) = (
-            vec![0f32; q.len()],
-            vec![0f32; k.len()],
-            vec![0f32; v.len()],
-        );
-        let (dq_p, dk_p, dv_p) = (
-            SharedMut(dq.as_mut_ptr()),
-            SharedMut(dk.as_mut_ptr()),
-            SharedMut(dv.as_mut_ptr()),
-        );
+        let (mut dq, mut dk, mut dv) = (vec![0f32; q.len()], vec![0f32; k.len()], vec![0f32; v.len()]);
+        let (dq_p, dk_p, dv_p) = (SharedMut(dq.as_mut_ptr()), SharedMut(dk.as_mut_ptr()), SharedMut(dv.as_mut_ptr()));
         let scale = self.scale;
         // One task per (batch row, kv head): it alone accumulates that kv head's dk and dv, over
         // the query heads sharing it.
@@ -270,26 +217,13 @@ impl Attention {
                     // delta_i = dout_i · o_i: the softmax backward's row term.
                     for (i, di) in delta.iter_mut().enumerate() {
                         let at = qa(h) + i * hq * d;
-                        *di = dout[at..at + d]
-                            .iter()
-                            .zip(&o[at..at + d])
-                            .map(|(a, b)| a * b)
-                            .sum();
+                        *di = dout[at..at + d].iter().zip(&o[at..at + d]).map(|(a, b)| a * b).sum();
                     }
                     // SAFETY: this task writes head h's rows of dq (h belongs to group g only)
                     // and kv head g's rows of dk and dv; all other reads are of inputs.
                     unsafe {
                         // dv_g += pᵀ dout_h
-                        gemm(
-                            t,
-                            d,
-                            t,
-                            (dv_p.0.add(kva), 1, kv_rs),
-                            (p.as_ptr(), tt, 1),
-                            (dout.as_ptr().add(qa(h)), 1, q_rs),
-                            1.0,
-                            1.0,
-                        );
+                        gemm(t, d, t, (dv_p.0.add(kva), 1, kv_rs), (p.as_ptr(), tt, 1), (dout.as_ptr().add(qa(h)), 1, q_rs), 1.0, 1.0);
                         // dp = dout_h v_gᵀ
                         gemm(
                             t,
@@ -310,27 +244,9 @@ impl Attention {
                     }
                     unsafe {
                         // dq_h = scale · ds k_g
-                        gemm(
-                            t,
-                            d,
-                            t,
-                            (dq_p.0.add(qa(h)), 1, q_rs),
-                            (p.as_ptr(), 1, tt),
-                            (k.as_ptr().add(kva), 1, kv_rs),
-                            0.0,
-                            scale,
-                        );
+                        gemm(t, d, t, (dq_p.0.add(qa(h)), 1, q_rs), (p.as_ptr(), 1, tt), (k.as_ptr().add(kva), 1, kv_rs), 0.0, scale);
                         // dk_g += scale · dsᵀ q_h
-                        gemm(
-                            t,
-                            d,
-                            t,
-                            (dk_p.0.add(kva), 1, kv_rs),
-                            (p.as_ptr(), tt, 1),
-                            (q.as_ptr().add(qa(h)), 1, q_rs),
-                            1.0,
-                            scale,
-                        );
+                        gemm(t, d, t, (dk_p.0.add(kva), 1, kv_rs), (p.as_ptr(), tt, 1), (q.as_ptr().add(qa(h)), 1, q_rs), 1.0, scale);
                     }
                 }
             },
@@ -376,8 +292,7 @@ impl CustomOp3 for Attention {
                 _ => candle_core::bail!("attention: the backward runs on the CPU"),
             }
         };
-        let (dq, dk, dv) =
-            self.backward(dims, slice(0)?, slice(1)?, slice(2)?, slice(3)?, slice(4)?)?;
+        let (dq, dk, dv) = self.backward(dims, slice(0)?, slice(1)?, slice(2)?, slice(3)?, slice(4)?)?;
         drop(guards);
         let dev = q.device();
         Ok((
@@ -400,16 +315,8 @@ mod tests {
         let (b, s, hq, d) = t[0].dims4()?;
         let hkv = t[1].dim(2)?;
         let heads = |x: &Tensor| x.transpose(1, 2)?.contiguous();
-        let repeat = |x: Tensor| -> Result<Tensor> {
-            x.unsqueeze(2)?
-                .expand((b, hkv, hq / hkv, s, d))?
-                .reshape((b, hq, s, d))
-        };
-        let (q, k, v) = (
-            heads(&t[0])?,
-            repeat(heads(&t[1])?)?,
-            repeat(heads(&t[2])?)?,
-        );
+        let repeat = |x: Tensor| -> Result<Tensor> { x.unsqueeze(2)?.expand((b, hkv, hq / hkv, s, d))?.reshape((b, hq, s, d)) };
+        let (q, k, v) = (heads(&t[0])?, repeat(heads(&t[1])?)?, repeat(heads(&t[2])?)?);
         let scores = (q.matmul(&k.t()?)? * scale)?;
         let scores = match mask {
             Some(m) => scores.broadcast_add(&m.to_dtype(scores.dtype())?)?,
@@ -422,22 +329,10 @@ mod tests {
     #[test]
     fn attention_matches_the_composite_ops_and_finite_differences() {
         let (b, s, hq, hkv, d) = (2, 5, 4, 2, 8);
-        let (q, k, v) = (
-            rand(&[b, s, hq, d], 21, 1.5),
-            rand(&[b, s, hkv, d], 22, 1.5),
-            rand(&[b, s, hkv, d], 23, 1.0),
-        );
+        let (q, k, v) = (rand(&[b, s, hq, d], 21, 1.5), rand(&[b, s, hkv, d], 22, 1.5), rand(&[b, s, hkv, d], 23, 1.0));
         let probe = rand(&[b, s, hq * d], 24, 1.0);
         let causal = Tensor::from_vec(
-            (0..s * s)
-                .map(|k| {
-                    if k % s > k / s {
-                        f32::NEG_INFINITY
-                    } else {
-                        0.0
-                    }
-                })
-                .collect::<Vec<f32>>(),
+            (0..s * s).map(|k| if k % s > k / s { f32::NEG_INFINITY } else { 0.0 }).collect::<Vec<f32>>(),
             (s, s),
             &Device::Cpu,
         )
@@ -460,15 +355,9 @@ mod tests {
             let inputs = [q.clone(), k.clone(), v.clone()];
             let reference = |t: &[Tensor]| composite(t, mask, scale);
             let got = attention(&q, &k, &v, mask, scale).unwrap();
-            assert!(
-                max_rel(&got, &reference(&inputs).unwrap()) < 1e-5,
-                "{}",
-                max_rel(&got, &reference(&inputs).unwrap())
-            );
+            assert!(max_rel(&got, &reference(&inputs).unwrap()) < 1e-5, "{}", max_rel(&got, &reference(&inputs).unwrap()));
             let vars = inputs.each_ref().map(|t| Var::from_tensor(t).unwrap());
-            let fused = grads(&vars, &probe, &|t| {
-                attention(&t[0], &t[1], &t[2], mask, scale)
-            });
+            let fused = grads(&vars, &probe, &|t| attention(&t[0], &t[1], &t[2], mask, scale));
             let want = grads(&vars, &probe, &reference);
             for (which, (a, w)) in fused.iter().zip(&want).enumerate() {
                 assert!(max_rel(a, w) < 1e-4, "input {which}: {}", max_rel(a, w));
@@ -481,10 +370,7 @@ mod tests {
     fn shapes_that_do_not_fit_are_refused() {
         let q = rand(&[1, 4, 3, 8], 1, 1.0);
         let k = rand(&[1, 4, 2, 8], 2, 1.0);
-        assert!(
-            attention(&q, &k, &k, None, 1.0).is_err(),
-            "3 heads cannot share 2 kv heads"
-        );
+        assert!(attention(&q, &k, &k, None, 1.0).is_err(), "3 heads cannot share 2 kv heads");
         let bad_mask = Tensor::zeros((3, 3), DType::F32, &Device::Cpu).unwrap();
         let k = rand(&[1, 4, 1, 8], 3, 1.0);
         assert!(attention(&q, &k, &k, Some(&bad_mask), 1.0).is_err());

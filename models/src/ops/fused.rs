@@ -7,8 +7,8 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::kernels::exp_inplace;
 use super::f32_slice;
+use super::kernels::exp_inplace;
 
 /// Rows of at least this many values each go to one thread task.
 const MIN_TASK: usize = 1 << 14;
@@ -75,7 +75,15 @@ impl CustomOp3 for RmsNormBackward {
         "fused-rms-norm-backward"
     }
 
-    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ws: &CpuStorage, wl: &Layout, gs: &CpuStorage, gl: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let (x, w, g) = (f32_slice(xs, xl)?, f32_slice(ws, wl)?, f32_slice(gs, gl)?);
         let n = w.len();
         let rows = x.len() / n;
@@ -167,7 +175,15 @@ impl CustomOp3 for SwiGluBackward {
         "fused-swiglu-backward"
     }
 
-    fn cpu_fwd(&self, a_s: &CpuStorage, al: &Layout, b_s: &CpuStorage, bl: &Layout, g_s: &CpuStorage, gl: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        a_s: &CpuStorage,
+        al: &Layout,
+        b_s: &CpuStorage,
+        bl: &Layout,
+        g_s: &CpuStorage,
+        gl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let (a, b, g) = (f32_slice(a_s, al)?, f32_slice(b_s, bl)?, f32_slice(g_s, gl)?);
         let n = a.len();
         let mut out = vec![0f32; 2 * n];
@@ -213,7 +229,15 @@ impl CustomOp3 for Rope {
         "fused-rope"
     }
 
-    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, cs: &CpuStorage, cl: &Layout, ss: &CpuStorage, sl: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        cs: &CpuStorage,
+        cl: &Layout,
+        ss: &CpuStorage,
+        sl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let (x, cos, sin) = (f32_slice(xs, xl)?, f32_slice(cs, cl)?, f32_slice(ss, sl)?);
         let dims = xl.shape().dims();
         // Rows of head_dim values; `heads` consecutive rows share a position when token-major.
@@ -244,7 +268,14 @@ impl CustomOp3 for Rope {
         Ok((CpuStorage::F32(y), xl.shape().clone()))
     }
 
-    fn bwd(&self, _x: &Tensor, cos: &Tensor, sin: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        _y: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let dx = g.contiguous()?.apply_op3_no_bwd(cos, sin, &Rope { inverse: !self.inverse, token_major: self.token_major })?;
         Ok((Some(dx), None, None))
     }
@@ -357,8 +388,8 @@ mod tests {
         for (a, b) in fused.iter().zip(&composite) {
             assert!(max_rel(a, b) < 1e-4, "{}", max_rel(a, b));
         }
-        for which in 0..2 {
-            check_fd(&[x.clone(), w.clone()], which, &probe, &fused[which], &|t| rms_norm_composite(&t[0], &t[1], 1e-6));
+        for (which, grad) in fused.iter().enumerate() {
+            check_fd(&[x.clone(), w.clone()], which, &probe, grad, &|t| rms_norm_composite(&t[0], &t[1], 1e-6));
         }
     }
 
@@ -374,8 +405,8 @@ mod tests {
         for (x, y) in fused.iter().zip(&reference) {
             assert!(max_rel(x, y) < 1e-4, "{}", max_rel(x, y));
         }
-        for which in 0..2 {
-            check_fd(&[a.clone(), b.clone()], which, &probe, &fused[which], &composite);
+        for (which, grad) in fused.iter().enumerate() {
+            check_fd(&[a.clone(), b.clone()], which, &probe, grad, &composite);
         }
     }
 
@@ -387,11 +418,12 @@ mod tests {
         let composite = |t: &[Tensor]| -> Result<Tensor> {
             let lp = candle_nn::ops::log_softmax(&t[0], D::Minus1)?;
             let idx = Tensor::from_vec(targets.iter().map(|&t| t.max(0) as u32).collect::<Vec<_>>(), (6, 1), &Device::Cpu)?;
-            let mask = Tensor::from_vec(targets.iter().map(|&t| if t < 0 { 0.0 } else { 1.0 }).collect::<Vec<f32>>(), 6, &Device::Cpu)?.to_dtype(t[0].dtype())?;
+            let mask = Tensor::from_vec(targets.iter().map(|&t| if t < 0 { 0.0 } else { 1.0 }).collect::<Vec<f32>>(), 6, &Device::Cpu)?
+                .to_dtype(t[0].dtype())?;
             lp.gather(&idx, 1)?.squeeze(1)?.neg()? * mask
         };
         let got = cross_entropy_rows(&logits, &targets).unwrap();
-        assert!(max_rel(&got, &composite(&[logits.clone()]).unwrap()) < 1e-5);
+        assert!(max_rel(&got, &composite(std::slice::from_ref(&logits)).unwrap()) < 1e-5);
         let var = [Var::from_tensor(&logits).unwrap()];
         let fused = grads(&var, &probe, &|t| cross_entropy_rows(&t[0], &targets));
         let reference = grads(&var, &probe, &composite);
@@ -406,12 +438,12 @@ mod tests {
         let (cos, sin) = (rand(&[5, 8], 11, 1.0), rand(&[5, 8], 12, 1.0));
         let probe = rand(&[2, 3, 5, 16], 13, 1.0);
         let composite = |t: &[Tensor]| candle_nn::rotary_emb::rope_slow(&t[0], &cos.to_dtype(t[0].dtype())?, &sin.to_dtype(t[0].dtype())?);
-        assert!(max_rel(&rope(&x, &cos, &sin).unwrap(), &composite(&[x.clone()]).unwrap()) < 1e-5);
+        assert!(max_rel(&rope(&x, &cos, &sin).unwrap(), &composite(std::slice::from_ref(&x)).unwrap()) < 1e-5);
         let var = [Var::from_tensor(&x).unwrap()];
         let fused = grads(&var, &probe, &|t| rope(&t[0], &cos, &sin));
         let reference = grads(&var, &probe, &composite);
         assert!(max_rel(&fused[0], &reference[0]) < 1e-5);
-        check_fd(&[x.clone()], 0, &probe, &fused[0], &composite);
+        check_fd(std::slice::from_ref(&x), 0, &probe, &fused[0], &composite);
         // Token-major (batch, seq, heads, head_dim): the same rotation, transposed.
         let xt = x.transpose(1, 2).unwrap().contiguous().unwrap();
         let want = rope(&x, &cos, &sin).unwrap().transpose(1, 2).unwrap();

@@ -43,12 +43,7 @@ fn head_cross_entropy_in_chunks(
     let (rows, hidden) = h.dims2()?;
     let (vocab, w_hidden) = w.dims2()?;
     if w_hidden != hidden || targets.len() != rows {
-        candle_core::bail!(
-            "head_cross_entropy: h {:?}, head {:?}, {} targets",
-            h.dims(),
-            w.dims(),
-            targets.len()
-        );
+        candle_core::bail!("head_cross_entropy: h {:?}, head {:?}, {} targets", h.dims(), w.dims(), targets.len());
     }
     if let Some(t) = targets.iter().find(|&&t| t >= vocab as i64) {
         candle_core::bail!("label {t} is outside the vocabulary ({vocab})");
@@ -105,88 +100,54 @@ impl WeightGrad {
 impl HeadCrossEntropy {
     /// `weight`: the upstream gradient per position (None: 1 everywhere); `grads`: make dh
     /// (and dW if `want_dw`).
-    fn run(
-        &self,
-        h: &[f32],
-        w: &[f32],
-        hidden: usize,
-        weight: Option<&[f32]>,
-        grads: bool,
-    ) -> Pass {
+    fn run(&self, h: &[f32], w: &[f32], hidden: usize, weight: Option<&[f32]>, grads: bool) -> Pass {
         let (rows, vocab) = (h.len() / hidden, w.len() / hidden);
         // Logit gradients smaller than dW are kept for a sink to make dW from, all rows at once.
         let keep_logits = grads && self.want_dw && self.grad_to.is_some() && rows <= hidden;
         let chunk = if keep_logits { rows.max(1) } else { (self.chunk_values / vocab).clamp(1, rows.max(1)) };
         let mut loss = vec![0f32; rows];
-        let mut dh = if grads {
-            Vec::with_capacity(rows * hidden)
-        } else {
-            vec![]
-        };
+        let mut dh = if grads { Vec::with_capacity(rows * hidden) } else { vec![] };
         let mut dw = (grads && self.want_dw && !keep_logits).then(|| vec![0f32; vocab * hidden]);
         let mut kept = None;
         for first in (0..rows).step_by(chunk) {
             let n = chunk.min(rows - first);
             let hc = &h[first * hidden..(first + n) * hidden];
             // (n, vocab) logits: hc (n, hidden) · Wᵀ, element (i, o) of Wᵀ at o * hidden + i.
-            let mut logits = product(
-                n,
-                vocab,
-                hidden,
-                (hc, 1, hidden as isize),
-                (w, hidden as isize, 1),
-            );
+            let mut logits = product(n, vocab, hidden, (hc, 1, hidden as isize), (w, hidden as isize, 1));
             let targets = &self.targets[first..first + n];
-            logits
-                .par_chunks_mut(vocab)
-                .zip(loss[first..first + n].par_iter_mut())
-                .enumerate()
-                .for_each(|(r, (row, l))| {
-                    let t = targets[r];
-                    if t < 0 {
-                        *l = 0.0;
-                        row.fill(0.0);
-                        return;
-                    }
-                    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    row.iter_mut().for_each(|x| *x -= max);
-                    let z_target = row[t as usize];
-                    exp_inplace(row);
-                    let sum: f32 = row.iter().sum();
-                    *l = sum.ln() - z_target;
-                    if grads {
-                        // d loss / d logits = softmax - onehot(target), times the upstream weight.
-                        let scale = weight.map_or(1.0, |wt| wt[first + r]);
-                        let inv = scale / sum;
-                        row.iter_mut().for_each(|x| *x *= inv);
-                        row[t as usize] -= scale;
-                    }
-                });
+            logits.par_chunks_mut(vocab).zip(loss[first..first + n].par_iter_mut()).enumerate().for_each(|(r, (row, l))| {
+                let t = targets[r];
+                if t < 0 {
+                    *l = 0.0;
+                    row.fill(0.0);
+                    return;
+                }
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                row.iter_mut().for_each(|x| *x -= max);
+                let z_target = row[t as usize];
+                exp_inplace(row);
+                let sum: f32 = row.iter().sum();
+                *l = sum.ln() - z_target;
+                if grads {
+                    // d loss / d logits = softmax - onehot(target), times the upstream weight.
+                    let scale = weight.map_or(1.0, |wt| wt[first + r]);
+                    let inv = scale / sum;
+                    row.iter_mut().for_each(|x| *x *= inv);
+                    row[t as usize] -= scale;
+                }
+            });
             if !grads {
                 continue;
             }
             // dh rows: dlogits (n, vocab) · W (vocab, hidden).
-            dh.extend_from_slice(&product(
-                n,
-                hidden,
-                vocab,
-                (&logits, 1, vocab as isize),
-                (w, 1, hidden as isize),
-            ));
+            dh.extend_from_slice(&product(n, hidden, vocab, (&logits, 1, vocab as isize), (w, 1, hidden as isize)));
             if keep_logits {
                 kept = Some(logits);
                 continue;
             }
             // dW += dlogitsᵀ (vocab, n) · hc (n, hidden).
             if let Some(dw) = dw.as_mut() {
-                product_add(
-                    vocab,
-                    hidden,
-                    n,
-                    dw,
-                    (&logits, vocab as isize, 1),
-                    (hc, 1, hidden as isize),
-                );
+                product_add(vocab, hidden, n, dw, (&logits, vocab as isize, 1), (hc, 1, hidden as isize));
             }
         }
         let dw = match (dw, kept) {
@@ -225,13 +186,7 @@ impl CustomOp2 for HeadCrossEntropy {
         "fused-head-cross-entropy"
     }
 
-    fn cpu_fwd(
-        &self,
-        hs: &CpuStorage,
-        hl: &Layout,
-        ws: &CpuStorage,
-        wl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(&self, hs: &CpuStorage, hl: &Layout, ws: &CpuStorage, wl: &Layout) -> Result<(CpuStorage, Shape)> {
         let (h, w) = (f32_slice(hs, hl)?, f32_slice(ws, wl)?);
         let hidden = hl.dims()[1];
         let grads = self.want_dh || self.want_dw;
@@ -243,26 +198,12 @@ impl CustomOp2 for HeadCrossEntropy {
         Ok((CpuStorage::F32(pass.loss), Shape::from(rows)))
     }
 
-    fn bwd(
-        &self,
-        h: &Tensor,
-        w: &Tensor,
-        _loss: &Tensor,
-        g: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, h: &Tensor, w: &Tensor, _loss: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let g: Vec<f32> = g.flatten_all()?.to_vec1()?;
         // The training loss weighs every position alike (sum / target count): then the
         // forward's gradients, scaled, are exact. Ignored positions have zero gradient anyway.
-        let counted: Vec<f32> = g
-            .iter()
-            .zip(&self.targets)
-            .filter(|(_, &t)| t >= 0)
-            .map(|(&x, _)| x)
-            .collect();
-        let uniform = counted
-            .first()
-            .copied()
-            .filter(|s| counted.iter().all(|x| x == s));
+        let counted: Vec<f32> = g.iter().zip(&self.targets).filter(|(_, &t)| t >= 0).map(|(&x, _)| x).collect();
+        let uniform = counted.first().copied().filter(|s| counted.iter().all(|x| x == s));
         let saved = self.saved.lock().unwrap_or_else(|e| e.into_inner()).take();
         let (dh, dw) = match (uniform.or(counted.is_empty().then_some(0.0)), saved) {
             (Some(s), Some((mut dh, mut dw))) => {
@@ -314,19 +255,8 @@ mod tests {
     fn composite(t: &[Tensor], targets: &[i64]) -> Result<Tensor> {
         let dev = t[0].device();
         let lp = candle_nn::ops::log_softmax(&t[0].matmul(&t[1].t()?)?, candle_core::D::Minus1)?;
-        let idx = Tensor::from_vec(
-            targets.iter().map(|&t| t.max(0) as u32).collect::<Vec<_>>(),
-            (targets.len(), 1),
-            dev,
-        )?;
-        let mask = Tensor::from_vec(
-            targets
-                .iter()
-                .map(|&t| if t < 0 { 0f32 } else { 1.0 })
-                .collect::<Vec<_>>(),
-            targets.len(),
-            dev,
-        )?;
+        let idx = Tensor::from_vec(targets.iter().map(|&t| t.max(0) as u32).collect::<Vec<_>>(), (targets.len(), 1), dev)?;
+        let mask = Tensor::from_vec(targets.iter().map(|&t| if t < 0 { 0f32 } else { 1.0 }).collect::<Vec<_>>(), targets.len(), dev)?;
         lp.gather(&idx, 1)?.squeeze(1)?.neg()? * mask.to_dtype(t[0].dtype())?
     }
 
@@ -338,8 +268,7 @@ mod tests {
         let reference = |t: &[Tensor]| composite(t, &targets);
         // One chunk of all rows, and chunks of 2 rows (dW summed over five chunks).
         for chunk in [CHUNK_VALUES, 2 * 37] {
-            let fused_loss =
-                |t: &[Tensor]| head_cross_entropy_in_chunks(&t[0], &t[1], &targets, chunk, None);
+            let fused_loss = |t: &[Tensor]| head_cross_entropy_in_chunks(&t[0], &t[1], &targets, chunk, None);
             assert!(max_rel(&fused_loss(&inputs).unwrap(), &reference(&inputs).unwrap()) < 1e-5);
             // A uniform upstream gradient (the training loss: a sum over positions, scaled)
             // takes the forward's gradients; a per-position one recomputes.
@@ -349,19 +278,12 @@ mod tests {
                 let fused = grads(&vars, &probe, &fused_loss);
                 let want = grads(&vars, &probe, &reference);
                 for (which, (a, b)) in fused.iter().zip(&want).enumerate() {
-                    assert!(
-                        max_rel(a, b) < 1e-4,
-                        "chunk {chunk}, input {which}: {}",
-                        max_rel(a, b)
-                    );
+                    assert!(max_rel(a, b) < 1e-4, "chunk {chunk}, input {which}: {}", max_rel(a, b));
                     check_fd(&inputs, which, &probe, a, &reference);
                 }
             }
         }
-        assert!(head_cross_entropy(&h, &w, &[37; 9], None)
-            .unwrap_err()
-            .to_string()
-            .contains("outside the vocabulary"));
+        assert!(head_cross_entropy(&h, &w, &[37; 9], None).unwrap_err().to_string().contains("outside the vocabulary"));
     }
 
     /// Through a sink, with fewer rows than hidden units: the sink gets dW as rows made from the
@@ -396,12 +318,7 @@ mod tests {
     fn a_frozen_head_gets_no_gradient() {
         let (h, w) = (rand(&[4, 8], 45, 1.0), rand(&[11, 8], 46, 1.0));
         let hv = Var::from_tensor(&h).unwrap();
-        let g = head_cross_entropy(hv.as_tensor(), &w, &[1, 2, -100, 10], None)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
+        let g = head_cross_entropy(hv.as_tensor(), &w, &[1, 2, -100, 10], None).unwrap().sum_all().unwrap().backward().unwrap();
         assert!(g.get(&w).is_none() && g.get(hv.as_tensor()).is_some());
     }
 }

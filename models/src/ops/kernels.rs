@@ -217,7 +217,7 @@ pub fn exp_f32(x: f32) -> f32 {
     let xc = x.clamp(-87.3, 88.7);
     let n = (xc * LOG2E + 0.5).floor();
     let z = xc - n * C1 - n * C2;
-    let p = ((((1.987_569_1e-4 * z + 1.398_199_9e-3) * z + 8.333_452e-3) * z + 4.166_579_6e-2) * z + 1.666_666_5e-1) * z + 5.000_000_1e-1;
+    let p = ((((1.987_569_1e-4 * z + 1.398_199_9e-3) * z + 8.333_452e-3) * z + 4.166_579_6e-2) * z + 1.666_666_5e-1) * z + 5e-1;
     let y = p * z * z + z + 1.0;
     let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
     if x < -87.3 {
@@ -266,9 +266,12 @@ mod tests {
                 assert!(worst < 1e-5, "{level:?} rows {rows} in {inp} out {out}: off by {worst}");
             }
         }
-        let y = gemv_t(&Tensor::from_vec(data(576, 3), (1, 1, 576), &Device::Cpu).unwrap(), &Tensor::from_vec(data(576 * 9, 4), (9, 576), &Device::Cpu).unwrap())
-            .unwrap()
-            .expect("a 1-row f32 product takes the gemv path");
+        let y = gemv_t(
+            &Tensor::from_vec(data(576, 3), (1, 1, 576), &Device::Cpu).unwrap(),
+            &Tensor::from_vec(data(576 * 9, 4), (9, 576), &Device::Cpu).unwrap(),
+        )
+        .unwrap()
+        .expect("a 1-row f32 product takes the gemv path");
         assert_eq!(y.dims(), &[1, 1, 9]);
     }
 

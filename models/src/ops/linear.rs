@@ -24,14 +24,40 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 /// # Safety
 /// `dst` must have room for m × n values (initialised when `accumulate`), and the slices must
 /// hold the strided matrices they describe.
-unsafe fn gemm_rows(m: usize, n: usize, k: usize, dst: *mut f32, accumulate: bool, lhs: (&[f32], isize, isize), rhs: (&[f32], isize, isize)) {
+unsafe fn gemm_rows(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    accumulate: bool,
+    lhs: (&[f32], isize, isize),
+    rhs: (&[f32], isize, isize),
+) {
     let par = match m * n * k {
         x if x < 4096 => gemm::Parallelism::None,
         _ => gemm::Parallelism::Rayon(rayon::current_num_threads()),
     };
     let alpha = if accumulate { 1.0 } else { 0.0 };
     gemm::gemm(
-        m, n, k, dst, 1, n as isize, accumulate, lhs.0.as_ptr(), lhs.1, lhs.2, rhs.0.as_ptr(), rhs.1, rhs.2, alpha, 1.0, false, false, false, par,
+        m,
+        n,
+        k,
+        dst,
+        1,
+        n as isize,
+        accumulate,
+        lhs.0.as_ptr(),
+        lhs.1,
+        lhs.2,
+        rhs.0.as_ptr(),
+        rhs.1,
+        rhs.2,
+        alpha,
+        1.0,
+        false,
+        false,
+        false,
+        par,
     )
 }
 
@@ -62,36 +88,18 @@ impl CustomOp2 for Linear {
         "fused-linear"
     }
 
-    fn cpu_fwd(
-        &self,
-        xs: &CpuStorage,
-        xl: &Layout,
-        ws: &CpuStorage,
-        wl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ws: &CpuStorage, wl: &Layout) -> Result<(CpuStorage, Shape)> {
         let (x, w) = (f32_slice(xs, xl)?, f32_slice(ws, wl)?);
         let (out_dim, in_dim) = (wl.dims()[0], wl.dims()[1]);
         let rows = x.len() / in_dim;
         // wᵀ is (in, out): element (i, o) at o * in + i.
-        let y = product(
-            rows,
-            out_dim,
-            in_dim,
-            (x, 1, in_dim as isize),
-            (w, in_dim as isize, 1),
-        );
+        let y = product(rows, out_dim, in_dim, (x, 1, in_dim as isize), (w, in_dim as isize, 1));
         let mut dims = xl.dims().to_vec();
         *dims.last_mut().unwrap() = out_dim;
         Ok((CpuStorage::F32(y), Shape::from(dims)))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _y: &Tensor,
-        gy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, gy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let gy = gy.contiguous()?;
         let dx = gy.apply_op2_no_bwd(w, &InputGrad)?;
         let dw = match w.track_op() {
@@ -110,23 +118,11 @@ impl CustomOp2 for InputGrad {
         "fused-linear-input-grad"
     }
 
-    fn cpu_fwd(
-        &self,
-        gs: &CpuStorage,
-        gl: &Layout,
-        ws: &CpuStorage,
-        wl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(&self, gs: &CpuStorage, gl: &Layout, ws: &CpuStorage, wl: &Layout) -> Result<(CpuStorage, Shape)> {
         let (g, w) = (f32_slice(gs, gl)?, f32_slice(ws, wl)?);
         let (out_dim, in_dim) = (wl.dims()[0], wl.dims()[1]);
         let rows = g.len() / out_dim;
-        let dx = product(
-            rows,
-            in_dim,
-            out_dim,
-            (g, 1, out_dim as isize),
-            (w, 1, in_dim as isize),
-        );
+        let dx = product(rows, in_dim, out_dim, (g, 1, out_dim as isize), (w, 1, in_dim as isize));
         let mut dims = gl.dims().to_vec();
         *dims.last_mut().unwrap() = in_dim;
         Ok((CpuStorage::F32(dx), Shape::from(dims)))
@@ -141,24 +137,12 @@ impl CustomOp2 for WeightGrad {
         "fused-linear-weight-grad"
     }
 
-    fn cpu_fwd(
-        &self,
-        gs: &CpuStorage,
-        gl: &Layout,
-        xs: &CpuStorage,
-        xl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(&self, gs: &CpuStorage, gl: &Layout, xs: &CpuStorage, xl: &Layout) -> Result<(CpuStorage, Shape)> {
         let (g, x) = (f32_slice(gs, gl)?, f32_slice(xs, xl)?);
         let (out_dim, in_dim) = (*gl.dims().last().unwrap(), *xl.dims().last().unwrap());
         let rows = g.len() / out_dim;
         // gyᵀ is (out, rows): element (o, r) at r * out + o.
-        let dw = product(
-            out_dim,
-            in_dim,
-            rows,
-            (g, out_dim as isize, 1),
-            (x, 1, in_dim as isize),
-        );
+        let dw = product(out_dim, in_dim, rows, (g, out_dim as isize, 1), (x, 1, in_dim as isize));
         Ok((CpuStorage::F32(dw), Shape::from((out_dim, in_dim))))
     }
 }
@@ -174,12 +158,7 @@ mod tests {
         let (x, w) = (rand(&[2, 7, 24], 31, 1.0), rand(&[40, 24], 32, 0.5));
         let probe = rand(&[2, 7, 40], 33, 1.0);
         let composite = |t: &[Tensor]| candle_nn::Linear::new(t[1].clone(), None).forward_t(&t[0]);
-        assert!(
-            max_rel(
-                &linear(&x, &w).unwrap(),
-                &composite(&[x.clone(), w.clone()]).unwrap()
-            ) < 1e-5
-        );
+        assert!(max_rel(&linear(&x, &w).unwrap(), &composite(&[x.clone(), w.clone()]).unwrap()) < 1e-5);
         let vars = [Var::from_tensor(&x).unwrap(), Var::from_tensor(&w).unwrap()];
         let fused = grads(&vars, &probe, &|t| linear(&t[0], &t[1]));
         let want = grads(&vars, &probe, &composite);
@@ -189,12 +168,7 @@ mod tests {
         }
         // A frozen weight (not a variable) gets no gradient; the input still does.
         let xv = Var::from_tensor(&x).unwrap();
-        let g = (linear(xv.as_tensor(), &w).unwrap() * &probe)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
+        let g = (linear(xv.as_tensor(), &w).unwrap() * &probe).unwrap().sum_all().unwrap().backward().unwrap();
         assert!(g.get(&w).is_none() && g.get(xv.as_tensor()).is_some());
     }
 

@@ -30,4 +30,3 @@ pub(crate) fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> 
         None => candle_core::bail!("fused op: the input is not contiguous"),
     }
 }
-

@@ -26,7 +26,13 @@ impl DeviceShards {
         let mut s = Self { master: vec![], grad: vec![], exp_avg: vec![], exp_avg_sq: vec![], full_grads: vec![] };
         for (i, p) in cx.plan.params.iter().enumerate() {
             s.master.push(upload(&host.master[i])?);
-            let trained = |v: &[f32]| -> candle_core::Result<Option<Tensor>> { if p.trainable { upload(v).map(Some) } else { Ok(None) } };
+            let trained = |v: &[f32]| -> candle_core::Result<Option<Tensor>> {
+                if p.trainable {
+                    upload(v).map(Some)
+                } else {
+                    Ok(None)
+                }
+            };
             s.grad.push(trained(&host.grad[i])?);
             s.exp_avg.push(trained(&host.adam[i].exp_avg)?);
             s.exp_avg_sq.push(trained(&host.adam[i].exp_avg_sq)?);
@@ -184,7 +190,12 @@ impl UnitShards for DeviceShards {
     }
 
     fn to_host(&self, cx: &UnitCtx) -> anyhow::Result<HostState> {
-        let host = |t: &Option<Tensor>| -> anyhow::Result<Vec<f32>> { Ok(match t { Some(t) => t.to_vec1::<f32>()?, None => vec![] }) };
+        let host = |t: &Option<Tensor>| -> anyhow::Result<Vec<f32>> {
+            Ok(match t {
+                Some(t) => t.to_vec1::<f32>()?,
+                None => vec![],
+            })
+        };
         let mut master = vec![];
         let mut grad = vec![];
         let mut adam = vec![];

@@ -86,7 +86,7 @@ fn travels_alone(cx: &UnitCtx, p: &ParamLayout) -> bool {
 /// Whether a parameter of `numel` values in `rows` rows, sharded over `shards` ranks, travels
 /// alone with f32 gradients (`estimate` asks too).
 pub fn travels_alone_shape(numel: usize, rows: usize, shards: usize) -> bool {
-    numel >= LARGE_PARAM && rows % shards == 0
+    numel >= LARGE_PARAM && rows.is_multiple_of(shards)
 }
 
 /// Offsets of the packed parameters in a rank's segment of the packed buffer (`None` for those
@@ -213,7 +213,16 @@ impl UnitShards for HostShards {
             if !p.trainable {
                 continue;
             }
-            adamw_step(step.cfg, step.lr, step.weight_decay[i], step.step, &mut self.state.master[i], &self.state.grad[i], &mut self.state.adam[i], step.clip);
+            adamw_step(
+                step.cfg,
+                step.lr,
+                step.weight_decay[i],
+                step.step,
+                &mut self.state.master[i],
+                &self.state.grad[i],
+                &mut self.state.adam[i],
+                step.clip,
+            );
             self.state.grad[i].fill(0.0);
         }
         Ok(())

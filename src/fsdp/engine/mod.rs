@@ -26,9 +26,8 @@ use self::shards::{UnitCtx, UnitShards, WeightGrad};
 use super::optim::{clip_coefficient, AdamWConfig};
 use super::plan::{ShardingStrategy, UnitPlan};
 pub use crate::dist::ProcessGroups;
-pub use state::ParamSource;
 pub use host::travels_alone_shape;
-
+pub use state::ParamSource;
 
 #[derive(Debug, Clone, Copy)]
 pub struct FsdpOptions {
@@ -163,27 +162,13 @@ impl FsdpEngine {
             }
         }
         // transformers' Trainer: no decay for biases and norm weights (the 1-D parameters).
-        let decay = plan
-            .iter()
-            .flat_map(|u| u.params.iter())
-            .map(|p| (p.spec.name.clone(), weight_decay_all || p.spec.shape.len() >= 2))
-            .collect();
+        let decay =
+            plan.iter().flat_map(|u| u.params.iter()).map(|p| (p.spec.name.clone(), weight_decay_all || p.spec.shape.len() >= 2)).collect();
         let units = plan
             .into_iter()
             .map(|plan| UnitState { shards: Box::new(host::HostShards::zeros(&plan)), plan, host_copy: None, gathered: None, freed: false })
             .collect();
-        Ok(Self {
-            model,
-            units,
-            stage_units,
-            groups,
-            opts,
-            device: Device::Cpu,
-            adam,
-            decay,
-            host_stale: false,
-            step: 0,
-        })
+        Ok(Self { model, units, stage_units, groups, opts, device: Device::Cpu, adam, decay, host_stale: false, step: 0 })
     }
 
     /// Runs the units on `device` (default: CPU), with the fp32 master chunks, gradients and
@@ -212,7 +197,6 @@ impl FsdpEngine {
         Ok(())
     }
 
-
     pub fn device(&self) -> &Device {
         &self.device
     }
@@ -224,7 +208,6 @@ impl FsdpEngine {
     pub fn groups(&self) -> &ProcessGroups {
         &self.groups
     }
-
 
     /// Gathers the units stage `s` reads, or refills those whose bytes were freed.
     fn ensure_gathered(&mut self, s: usize) -> Result<()> {
@@ -320,6 +303,8 @@ impl FsdpEngine {
     pub fn forward_loss(&mut self, input_ids: &Tensor, ctx: &StageContext, loss: LossFn) -> Result<f64> {
         let n = self.model.num_stages();
         let mut x = input_ids.clone();
+        // `s` names the stage in several of the engine's calls, not only an index into `saved`.
+        #[allow(clippy::needless_range_loop)]
         for s in 0..n {
             self.ensure_gathered(s)?;
             x = self.model.forward_stage(s, &self.stage_params(s, false), &x, ctx)?;
@@ -354,6 +339,8 @@ impl FsdpEngine {
         let mut inputs: Vec<Tensor> = Vec::with_capacity(n);
         let mut saved: Vec<Option<(Tensor, Option<Var>)>> = (0..n).map(|_| None).collect();
         let mut x = input_ids.clone();
+        // `s` names the stage in several of the engine's calls, not only an index into `saved`.
+        #[allow(clippy::needless_range_loop)]
         for s in 0..n {
             self.ensure_gathered(s)?;
             inputs.push(x.clone());
@@ -465,7 +452,13 @@ impl FsdpEngine {
     /// every rank: some storage reduce-scatters as it takes them), each taken from the stage's
     /// weight-gradient sink where the model's op put it, else from candle's gradient store,
     /// and dropped once handed over.
-    fn take_stage_grads(&mut self, s: usize, params: &HashMap<String, Tensor>, grads: &mut candle_core::backprop::GradStore, sink: &models::ops::weight_grads::WeightGrads) -> Result<()> {
+    fn take_stage_grads(
+        &mut self,
+        s: usize,
+        params: &HashMap<String, Tensor>,
+        grads: &mut candle_core::backprop::GradStore,
+        sink: &models::ops::weight_grads::WeightGrads,
+    ) -> Result<()> {
         for u in self.stage_units[s].clone() {
             let unit = &mut self.units[u];
             let cx = unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device);

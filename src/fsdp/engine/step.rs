@@ -22,7 +22,8 @@ impl FsdpEngine {
         let clip = max_grad_norm.map(|max| clip_coefficient(grad_norm, max) as f32).filter(|c| *c < 1.0);
         self.step += 1;
         for u in 0..self.units.len() {
-            let weight_decay = self.units[u].plan.params.iter().map(|p| if self.decay[&p.spec.name] { self.adam.weight_decay } else { 0.0 }).collect();
+            let weight_decay =
+                self.units[u].plan.params.iter().map(|p| if self.decay[&p.spec.name] { self.adam.weight_decay } else { 0.0 }).collect();
             let step = AdamWStep { cfg: &self.adam, lr, step: self.step, weight_decay, clip };
             let unit = &mut self.units[u];
             unit.shards.adamw(&unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device), &step)?;

@@ -34,7 +34,11 @@ fn method(v: &Value, lenient: bool) -> Result<Option<Value>, ApiError> {
     match m.get("type").and_then(Value::as_str) {
         Some("supervised") => {}
         Some(t @ ("dpo" | "reinforcement")) => {
-            return Err(ApiError::invalid("method.type", format!("`method.type` {t:?} is not supported by this server; use \"supervised\".")).with_code("unsupported_parameter"))
+            return Err(ApiError::invalid(
+                "method.type",
+                format!("`method.type` {t:?} is not supported by this server; use \"supervised\"."),
+            )
+            .with_code("unsupported_parameter"))
         }
         _ => return Err(ApiError::invalid("method.type", "`method.type` must be \"supervised\".")),
     }
@@ -66,7 +70,10 @@ fn hyperparameters(v: &Value, lenient: bool) -> Result<Hyperparameters, ApiError
             Some(Value::Number(n)) => {
                 let x = n.as_f64().unwrap_or(f64::NAN);
                 if !(lo..=hi).contains(&x) || (int && x.fract() != 0.0) {
-                    return Err(ApiError::invalid(&format!("hyperparameters.{k}"), format!("`{k}` must be {} in [{lo}, {hi}] or \"auto\".", if int { "an integer" } else { "a number" })));
+                    return Err(ApiError::invalid(
+                        &format!("hyperparameters.{k}"),
+                        format!("`{k}` must be {} in [{lo}, {hi}] or \"auto\".", if int { "an integer" } else { "a number" }),
+                    ));
                 }
                 Ok(x)
             }
@@ -75,7 +82,10 @@ fn hyperparameters(v: &Value, lenient: bool) -> Result<Hyperparameters, ApiError
     };
     for k in h.as_object().unwrap().keys() {
         if !["n_epochs", "batch_size", "learning_rate_multiplier"].contains(&k.as_str()) {
-            return Err(ApiError::invalid(&format!("hyperparameters.{k}"), format!("unknown hyperparameter `{k}`; use n_epochs, batch_size, learning_rate_multiplier.")));
+            return Err(ApiError::invalid(
+                &format!("hyperparameters.{k}"),
+                format!("unknown hyperparameter `{k}`; use n_epochs, batch_size, learning_rate_multiplier."),
+            ));
         }
     }
     Ok(Hyperparameters {
@@ -97,7 +107,10 @@ fn extensions(v: &Value, lenient: bool, context: usize) -> Result<JobExtensions,
     let world_size = f.integer("world_size", 1, 16).map_err(named)?.map_or(d.world_size, |n| n as u64);
     let seq_len = f.integer("seq_len", 16, 1 << 20).map_err(named)?.map_or(d.seq_len, |n| n as u64);
     if seq_len as usize > context {
-        return Err(ApiError::invalid("fsdp_app.seq_len", format!("`seq_len` {seq_len} is longer than the model's context ({context} tokens, max_position_embeddings).")));
+        return Err(ApiError::invalid(
+            "fsdp_app.seq_len",
+            format!("`seq_len` {seq_len} is longer than the model's context ({context} tokens, max_position_embeddings)."),
+        ));
     }
     let max_steps = f.integer("max_steps", 1, 1_000_000).map_err(named)?.map(|n| n as u64);
     let lora = f.value("lora").map(|l| lora(l, lenient)).transpose()?;
@@ -112,12 +125,17 @@ fn lora(l: &Value, lenient: bool) -> Result<JobLora, ApiError> {
     let named = |err: ApiError| ApiError { param: err.param.map(|p| format!("fsdp_app.lora.{p}")), ..err };
     let targets: Vec<String> = match lf.value("targets") {
         None => d.targets,
-        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_string) => a.iter().map(|x| x.as_str().unwrap().to_string()).collect(),
+        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_string) => {
+            a.iter().map(|x| x.as_str().unwrap().to_string()).collect()
+        }
         Some(Value::String(s)) => vec![s.clone()],
         Some(_) => return Err(ApiError::invalid("fsdp_app.lora.targets", "`targets` must be module names.")),
     };
     if let Some(bad) = targets.iter().find(|t| !(t.as_str() == "all-linear" || models::lora::LINEAR_MODULES.contains(&t.as_str()))) {
-        return Err(ApiError::invalid("fsdp_app.lora.targets", format!("{bad:?} is not a linear module ({}, or all-linear).", models::lora::LINEAR_MODULES.join(", "))));
+        return Err(ApiError::invalid(
+            "fsdp_app.lora.targets",
+            format!("{bad:?} is not a linear module ({}, or all-linear).", models::lora::LINEAR_MODULES.join(", ")),
+        ));
     }
     Ok(JobLora {
         r: lf.integer("r", 1, 1024).map_err(named)?.map_or(d.r, |n| n as u64),
@@ -127,7 +145,11 @@ fn lora(l: &Value, lenient: bool) -> Result<JobLora, ApiError> {
     })
 }
 
-pub async fn create(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>) -> Result<Response, ApiError> {
+pub async fn create(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>,
+) -> Result<Response, ApiError> {
     let v = json_body(body, st.max_body_bytes)?;
     let f = Fields::of(&v)?;
     let ignored = fields::check(&v, fields::JOB, "", st.lenient)?;
@@ -190,12 +212,19 @@ pub async fn create(State(st): State<Arc<AppState>>, headers: HeaderMap, body: R
 fn page(q: &HashMap<String, String>) -> Result<(Option<String>, usize), ApiError> {
     let limit = match q.get("limit") {
         None => 20,
-        Some(l) => l.parse::<usize>().ok().filter(|n| (1..=100).contains(n)).ok_or_else(|| ApiError::invalid("limit", "`limit` must be an integer from 1 to 100."))?,
+        Some(l) => l
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=100).contains(n))
+            .ok_or_else(|| ApiError::invalid("limit", "`limit` must be an integer from 1 to 100."))?,
     };
     Ok((q.get("after").cloned(), limit))
 }
 
-pub async fn list(State(st): State<Arc<AppState>>, q: Result<Query<HashMap<String, String>>, axum::extract::rejection::QueryRejection>) -> Result<Json<Value>, ApiError> {
+pub async fn list(
+    State(st): State<Arc<AppState>>,
+    q: Result<Query<HashMap<String, String>>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<Value>, ApiError> {
     let q = q.map_err(|e| ApiError::bad_request(e.body_text()))?;
     let (after, limit) = page(&q)?;
     let (rows, more) = st.store.jobs(after.as_deref(), limit).map_err(internal)?;
@@ -222,7 +251,11 @@ pub async fn cancel(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> 
     Ok(Json(job_or_404(&st, &id)?.to_json()))
 }
 
-pub async fn events(State(st): State<Arc<AppState>>, Path(id): Path<String>, q: Result<Query<HashMap<String, String>>, axum::extract::rejection::QueryRejection>) -> Result<Json<Value>, ApiError> {
+pub async fn events(
+    State(st): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    q: Result<Query<HashMap<String, String>>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<Value>, ApiError> {
     let q = q.map_err(|e| ApiError::bad_request(e.body_text()))?;
     job_or_404(&st, &id)?;
     let (after, limit) = page(&q)?;
@@ -235,4 +268,3 @@ pub async fn checkpoints(State(st): State<Arc<AppState>>, Path(id): Path<String>
     let rows = st.store.checkpoints(&id).map_err(internal)?;
     Ok(Json(json!({"object": "list", "data": rows, "has_more": false, "first_id": null, "last_id": null})))
 }
-

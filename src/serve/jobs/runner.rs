@@ -122,7 +122,9 @@ fn command_line(st: &AppState, job: &JobRow) -> anyhow::Result<Vec<String>> {
     let world = job.extensions.world_size.max(1).to_string();
     let port = free_port().to_string();
     let settings = settings.to_string_lossy().to_string();
-    Ok(["launch", "--nproc-per-node", &world, "--master-port", &port, "--", "finetune", "--args-file", &settings].map(String::from).to_vec())
+    Ok(["launch", "--nproc-per-node", &world, "--master-port", &port, "--", "finetune", "--args-file", &settings]
+        .map(String::from)
+        .to_vec())
 }
 
 /// Rows of metrics.jsonl added since `offset`.
@@ -249,7 +251,10 @@ pub(crate) mod tests {
     fn a_failed_job_names_the_ranks_first_error_not_the_launcher_nor_a_backtrace() {
         let log = "data: 2 rows\nerror: d.jsonl: no token is trained on (every label is masked)\n\nStack backtrace:\n   0: anyhow::error::<impl anyhow::Error>::msg\n             at src/error.rs:1:1\nlaunch: peak RSS per rank\nerror: the job failed: rank 0 exited with code 1\n\nStack backtrace:\n   0: main\n";
         assert_eq!(failure_cause(log).unwrap(), "d.jsonl: no token is trained on (every label is masked)");
-        assert_eq!(failure_cause("error: the job failed: rank 1 was killed by signal 9\n").unwrap(), "the job failed: rank 1 was killed by signal 9");
+        assert_eq!(
+            failure_cause("error: the job failed: rank 1 was killed by signal 9\n").unwrap(),
+            "the job failed: rank 1 was killed by signal 9"
+        );
         assert_eq!(failure_cause("no errors here\n"), None);
     }
 }

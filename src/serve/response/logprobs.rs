@@ -12,7 +12,12 @@ use crate::tokenize::TextTokenizer;
 /// (where the first of these tokens begins in it). Returns the object and where the next token
 /// would begin. Prompt tokens are shown with special tokens as "" (they are not in the echoed
 /// prompt text); generated ones as decoded.
-pub fn completion_entries(tokenizer: &TextTokenizer, tokens: &[(u32, Option<&TokenLogprob>)], start: usize, prompt: bool) -> (Value, usize) {
+pub fn completion_entries(
+    tokenizer: &TextTokenizer,
+    tokens: &[(u32, Option<&TokenLogprob>)],
+    start: usize,
+    prompt: bool,
+) -> (Value, usize) {
     let text = |id: u32| tokenizer.decode(&[id], prompt).unwrap_or_default();
     let mut offset = start;
     let (mut strings, mut offsets, mut lps, mut tops) = (vec![], vec![], vec![], vec![]);
@@ -22,7 +27,9 @@ pub fn completion_entries(tokenizer: &TextTokenizer, tokens: &[(u32, Option<&Tok
         offset += t.chars().count();
         strings.push(t);
         lps.push(lp.map(|l| json!(l.logprob)).unwrap_or(Value::Null));
-        let top = |l: &TokenLogprob| Value::Object(l.top.iter().map(|(id, lp)| (tokenizer.decode(&[*id], false).unwrap_or_default(), json!(lp))).collect());
+        let top = |l: &TokenLogprob| {
+            Value::Object(l.top.iter().map(|(id, lp)| (tokenizer.decode(&[*id], false).unwrap_or_default(), json!(lp))).collect())
+        };
         tops.push(lp.map(top).unwrap_or(Value::Null));
     }
     (json!({"tokens": strings, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}), offset)
@@ -30,7 +37,13 @@ pub fn completion_entries(tokenizer: &TextTokenizer, tokens: &[(u32, Option<&Tok
 
 /// Completions' `logprobs` of a whole answer: with `echo`, the prompt's tokens first (scored by
 /// `prompt`, the first one null), then the generated ones.
-pub fn completion(tokenizer: &TextTokenizer, prompt_ids: &[u32], prompt: Option<&[TokenLogprob]>, generated: &[TokenLogprob], echo: Option<&str>) -> Value {
+pub fn completion(
+    tokenizer: &TextTokenizer,
+    prompt_ids: &[u32],
+    prompt: Option<&[TokenLogprob]>,
+    generated: &[TokenLogprob],
+    echo: Option<&str>,
+) -> Value {
     let start = echo.map_or(0, |e| e.chars().count());
     let gen: Vec<(u32, Option<&TokenLogprob>)> = generated.iter().map(|l| (l.token, Some(l))).collect();
     let (mut out, _) = completion_entries(tokenizer, &gen, start, false);

@@ -101,7 +101,8 @@ async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -
     drop(admission);
     let (id, object) = names(&req.kind, false);
     let usage = usage(req.prompt_ids.len(), completion_tokens);
-    Ok(Json(json!({"id": id, "object": object, "created": super::ids::now_s(), "model": req.model.id, "choices": choices, "usage": usage})).into_response())
+    Ok(Json(json!({"id": id, "object": object, "created": super::ids::now_s(), "model": req.model.id, "choices": choices, "usage": usage}))
+        .into_response())
 }
 
 /// The assistant's message for an answer: its function calls when it makes any (then

@@ -101,7 +101,9 @@ impl<'a> Streamer<'a> {
     async fn run(mut self, st: &AppState, mut events: mpsc::UnboundedReceiver<(usize, Event)>) {
         for index in 0..self.n {
             let first = match &self.req.kind {
-                RequestKind::Chat { .. } => Some(json!({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null})),
+                RequestKind::Chat { .. } => {
+                    Some(json!({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}))
+                }
                 // Scored echo waits for the prompt's scores.
                 RequestKind::Completion { echo: Some(e) } if self.req.params.prompt_logprobs.is_none() => {
                     Some(json!({"index": index, "text": e, "logprobs": null, "finish_reason": null}))
@@ -125,7 +127,12 @@ impl<'a> Streamer<'a> {
             let choice = match ev {
                 Event::PromptLogprobs(scored) => {
                     let RequestKind::Completion { echo: Some(e) } = &self.req.kind else { continue };
-                    let (lp, _) = logprobs::completion_entries(&self.req.model.tokenizer, &logprobs::prompt_entries(&self.req.prompt_ids, &scored), 0, true);
+                    let (lp, _) = logprobs::completion_entries(
+                        &self.req.model.tokenizer,
+                        &logprobs::prompt_entries(&self.req.prompt_ids, &scored),
+                        0,
+                        true,
+                    );
                     json!({"index": index, "text": e, "logprobs": lp, "finish_reason": null})
                 }
                 Event::Delta { text, logprob } => match self.delta(index, text, logprob) {

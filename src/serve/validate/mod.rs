@@ -100,7 +100,10 @@ pub fn chat(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> {
     let tools = tools::parse(v)?.filter(|t| t.choice != ToolChoice::None);
     let format = match (prompt::response_format(v, st.lenient, &mut ignored)?, tools.as_ref().and_then(Tools::output_format)) {
         (Some(_), Some(_)) => {
-            return Err(ApiError::invalid("response_format", "`response_format` cannot be combined with a `tool_choice` that forces a call."))
+            return Err(ApiError::invalid(
+                "response_format",
+                "`response_format` cannot be combined with a `tool_choice` that forces a call.",
+            ))
         }
         (Some(f), None) => Some((f, false)),
         (None, f) => f.map(|f| (f, true)),
@@ -162,13 +165,19 @@ fn model_or_base(st: &AppState, v: &Value) -> Result<Arc<ServedModel>, ApiError>
 /// engine cannot compile is named by the field it came from.
 fn matchers(model: &ServedModel, format: &OutputFormat, from_tools: bool, n: usize) -> Result<Vec<llguidance::Matcher>, ApiError> {
     let what = if from_tools { "tools" } else { "response_format" };
-    let grammars = model.grammars.as_ref().map_err(|why| ApiError::invalid(what, format!("Structured output is not available for this model: {why}.")))?;
+    let grammars = model
+        .grammars
+        .as_ref()
+        .map_err(|why| ApiError::invalid(what, format!("Structured output is not available for this model: {why}.")))?;
     let param = match (from_tools, format) {
         (true, _) => "tools",
         (false, OutputFormat::JsonSchema(_)) => "response_format.json_schema.schema",
         (false, OutputFormat::JsonObject) => "response_format",
     };
-    (0..n).map(|_| grammars.matcher(format)).collect::<anyhow::Result<Vec<_>>>().map_err(|e| ApiError::invalid(param, format!("The schema cannot be used: {e:#}")))
+    (0..n)
+        .map(|_| grammars.matcher(format))
+        .collect::<anyhow::Result<Vec<_>>>()
+        .map_err(|e| ApiError::invalid(param, format!("The schema cannot be used: {e:#}")))
 }
 
 /// The checks that need the prompt's length and the server's capacity, then the request.
@@ -187,7 +196,8 @@ fn finish(
         return Err(ApiError::invalid(param, "The prompt is empty."));
     }
     if prompt_tokens > model.max_input_tokens {
-        let message = format!("The prompt has {prompt_tokens} tokens; this server accepts at most {} input tokens.", model.max_input_tokens);
+        let message =
+            format!("The prompt has {prompt_tokens} tokens; this server accepts at most {} input tokens.", model.max_input_tokens);
         return Err(ApiError::invalid(param, message).with_code("context_length_exceeded"));
     }
     let default_max = match kind {
@@ -207,7 +217,10 @@ fn finish(
     // Each answer takes a generation slot or a queue place, as n separate requests would.
     let capacity = st.max_concurrent + st.max_queue;
     if s.n > capacity {
-        let message = format!("`n` = {} is more sequences than this server admits at once ({capacity}: --max-concurrent-requests + --max-queue).", s.n);
+        let message = format!(
+            "`n` = {} is more sequences than this server admits at once ({capacity}: --max-concurrent-requests + --max-queue).",
+            s.n
+        );
         return Err(ApiError::invalid("n", message));
     }
     let mut params = s.params;

@@ -54,20 +54,33 @@ pub fn messages(v: &Value, lenient: bool, ignored: &mut Vec<String>) -> Result<V
             ignored.extend(fields::check(m, fields::MESSAGE, &param, lenient)?);
             let role = match o.get("role") {
                 Some(Value::String(r)) if ["system", "user", "assistant", "developer", "tool"].contains(&r.as_str()) => {
-                    if r == "developer" { "system".to_string() } else { r.clone() }
+                    if r == "developer" {
+                        "system".to_string()
+                    } else {
+                        r.clone()
+                    }
                 }
                 _ => return Err(ApiError::invalid(&format!("{param}.role"), "`role` must be system, developer, user, assistant or tool.")),
             };
             let tool_calls = match o.get("tool_calls").filter(|c| !c.is_null()) {
-                Some(_) if role != "assistant" => return Err(ApiError::invalid(&format!("{param}.tool_calls"), "only assistant messages carry `tool_calls`.")),
+                Some(_) if role != "assistant" => {
+                    return Err(ApiError::invalid(&format!("{param}.tool_calls"), "only assistant messages carry `tool_calls`."))
+                }
                 Some(c) => Some(crate::serve::tools::message_tool_calls(c, &format!("{param}.tool_calls"))?),
                 None => None,
             };
             let tool_call_id = match (role.as_str(), o.get("tool_call_id")) {
                 ("tool", Some(Value::String(id))) => Some(id.clone()),
-                ("tool", _) => return Err(ApiError::invalid(&format!("{param}.tool_call_id"), "a tool message needs `tool_call_id`, the id of the call it answers.")),
+                ("tool", _) => {
+                    return Err(ApiError::invalid(
+                        &format!("{param}.tool_call_id"),
+                        "a tool message needs `tool_call_id`, the id of the call it answers.",
+                    ))
+                }
                 (_, None | Some(Value::Null)) => None,
-                (_, Some(_)) => return Err(ApiError::invalid(&format!("{param}.tool_call_id"), "only tool messages carry `tool_call_id`.")),
+                (_, Some(_)) => {
+                    return Err(ApiError::invalid(&format!("{param}.tool_call_id"), "only tool messages carry `tool_call_id`."))
+                }
             };
             let content = match o.get("content") {
                 Some(Value::String(s)) => s.clone(),
@@ -76,7 +89,10 @@ pub fn messages(v: &Value, lenient: bool, ignored: &mut Vec<String>) -> Result<V
                     .iter()
                     .map(|p| match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
                         (Some("text"), Some(t)) => Ok(t.to_string()),
-                        _ => Err(ApiError::invalid(&format!("{param}.content"), "only text content parts ({\"type\": \"text\", \"text\": ...}) are supported.")),
+                        _ => Err(ApiError::invalid(
+                            &format!("{param}.content"),
+                            "only text content parts ({\"type\": \"text\", \"text\": ...}) are supported.",
+                        )),
                     })
                     .collect::<Result<Vec<_>, _>>()?
                     .join("\n"),
@@ -117,7 +133,8 @@ pub fn response_format(v: &Value, lenient: bool, ignored: &mut Vec<String>) -> R
             ignored.extend(fields::check(js, &["name", "schema", "strict", "description"], J, lenient)?);
             let f = Fields::of(js)?;
             let name = f.string("name").map_err(|_| ApiError::invalid(&format!("{J}.name"), "`name` must be a string."))?;
-            if !name.is_some_and(|n| !n.is_empty() && n.len() <= 64 && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')) {
+            if !name.is_some_and(|n| !n.is_empty() && n.len() <= 64 && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-'))
+            {
                 return Err(ApiError::invalid(&format!("{J}.name"), "`name` is required: 1 to 64 letters, digits, '_' or '-'."));
             }
             f.bool("strict").map_err(|_| ApiError::invalid(&format!("{J}.strict"), "`strict` must be a boolean."))?;

@@ -30,7 +30,8 @@ pub struct Sampling {
 /// `logprobs` as a boolean with `top_logprobs`).
 pub fn parse(v: &Value, defaults: &ModelDefaults, chat: bool) -> Result<Sampling, ApiError> {
     let f = Fields::of(v)?;
-    let max_tokens = match (f.integer("max_tokens", 1, 1 << 31)?, if chat { f.integer("max_completion_tokens", 1, 1 << 31)? } else { None }) {
+    let max_tokens = match (f.integer("max_tokens", 1, 1 << 31)?, if chat { f.integer("max_completion_tokens", 1, 1 << 31)? } else { None })
+    {
         (_, Some(m)) => Some(m as usize),
         (Some(m), None) => Some(m as usize),
         (None, None) => None,
@@ -61,7 +62,8 @@ pub fn parse(v: &Value, defaults: &ModelDefaults, chat: bool) -> Result<Sampling
     // best_of = n is n choices; ranking more candidates than are returned is not implemented.
     if let Some(b) = f.integer("best_of", 1, MAX_N as i64)? {
         if b as usize != n {
-            return Err(ApiError::invalid("best_of", format!("`best_of` other than `n` ({n}) is not supported by this server.")).with_code("unsupported_parameter"));
+            return Err(ApiError::invalid("best_of", format!("`best_of` other than `n` ({n}) is not supported by this server."))
+                .with_code("unsupported_parameter"));
         }
     }
     let stop: Vec<String> = match f.value("stop") {
@@ -74,7 +76,9 @@ pub fn parse(v: &Value, defaults: &ModelDefaults, chat: bool) -> Result<Sampling
                 _ => Err(ApiError::invalid("stop", "`stop` entries must be non-empty strings.")),
             })
             .collect::<Result<_, _>>()?,
-        Some(_) => return Err(ApiError::invalid("stop", format!("`stop` must be a non-empty string or a list of up to {MAX_STOP} of them."))),
+        Some(_) => {
+            return Err(ApiError::invalid("stop", format!("`stop` must be a non-empty string or a list of up to {MAX_STOP} of them.")))
+        }
     };
     let logprobs = if chat {
         match (f.bool("logprobs")?, f.integer("top_logprobs", 0, 20)?) {
@@ -124,14 +128,23 @@ pub fn parse(v: &Value, defaults: &ModelDefaults, chat: bool) -> Result<Sampling
 pub fn logit_bias(v: &Value, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
     const P: &str = "logit_bias";
     let Some(bias) = Fields::of(v)?.value(P) else { return Ok(vec![]) };
-    let Value::Object(map) = bias else { return Err(ApiError::invalid(P, "`logit_bias` must be an object from token ids to numbers in [-100, 100].")) };
+    let Value::Object(map) = bias else {
+        return Err(ApiError::invalid(P, "`logit_bias` must be an object from token ids to numbers in [-100, 100]."));
+    };
     if map.len() > MAX_LOGIT_BIAS {
         return Err(ApiError::invalid(P, format!("`logit_bias` has {} entries; at most {MAX_LOGIT_BIAS}.", map.len())));
     }
     map.iter()
         .map(|(k, b)| {
-            let id = k.parse::<u32>().ok().filter(|&i| (i as usize) < vocab).ok_or_else(|| ApiError::invalid(P, format!("`logit_bias` key {k:?} is not a token id in [0, {vocab}).")))?;
-            let b = b.as_f64().filter(|b| (-100.0..=100.0).contains(b)).ok_or_else(|| ApiError::invalid(P, format!("`logit_bias` for token {id} must be a number in [-100, 100], got {b}.")))?;
+            let id = k
+                .parse::<u32>()
+                .ok()
+                .filter(|&i| (i as usize) < vocab)
+                .ok_or_else(|| ApiError::invalid(P, format!("`logit_bias` key {k:?} is not a token id in [0, {vocab}).")))?;
+            let b = b
+                .as_f64()
+                .filter(|b| (-100.0..=100.0).contains(b))
+                .ok_or_else(|| ApiError::invalid(P, format!("`logit_bias` for token {id} must be a number in [-100, 100], got {b}.")))?;
             Ok((id, b as f32))
         })
         .collect()
@@ -167,7 +180,13 @@ mod tests {
         }
         let r = parse(&json!({"model": "m", "max_completion_tokens": 7, "stop": "x", "top_k": -1, "seed": 3}), &defaults(), true).unwrap();
         assert_eq!((r.max_tokens, r.params.stop.clone(), r.params.top_k, r.params.seed), (Some(7), vec!["x".to_string()], None, 3));
-        for (bias, ok) in [(json!({"5": -100}), true), (json!({"50": 1}), false), (json!({"x": 1}), false), (json!({"5": 101}), false), (json!([1]), false)] {
+        for (bias, ok) in [
+            (json!({"5": -100}), true),
+            (json!({"50": 1}), false),
+            (json!({"x": 1}), false),
+            (json!({"5": 101}), false),
+            (json!([1]), false),
+        ] {
             assert_eq!(logit_bias(&json!({"logit_bias": bias}), 10).is_ok(), ok, "{bias}");
         }
         let e = parse(&json!({"model": "m", "n": 2, "best_of": 3}), &defaults(), false).unwrap_err();

@@ -11,10 +11,10 @@ use clap::{Args, Parser};
 use serde::{Deserialize, Serialize};
 
 use super::config::FinetuneConfig;
-use crate::train::config_file::Setting;
 use crate::checkpoint::identity::AllowedChanges;
-use crate::model_files::parse_dtype;
 use crate::fsdp::plan::{ShardingStrategy, WrapPolicy};
+use crate::model_files::parse_dtype;
+use crate::train::config_file::Setting;
 
 #[derive(Args, Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -371,7 +371,12 @@ impl TryFrom<FinetuneArgs> for FinetuneConfig {
             batch_size: a.batch_size,
             grad_accum: a.grad_accum,
             auto_find_batch_size: a.auto_find_batch_size,
-            max_memory_per_rank: a.max_memory_per_rank.as_deref().map(crate::model_files::export::parse_size).transpose().context("--max-memory-per-rank")?,
+            max_memory_per_rank: a
+                .max_memory_per_rank
+                .as_deref()
+                .map(crate::model_files::export::parse_size)
+                .transpose()
+                .context("--max-memory-per-rank")?,
             seq_len: a.seq_len,
             max_steps: a.max_steps,
             epochs: a.epochs,

@@ -64,16 +64,14 @@ pub(super) fn fit(groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &Bootstrap
     };
     let asked = cfg.batch_size;
     let mut tried = vec![];
-    for micro in (1..=asked).rev().filter(|b| asked % b == 0) {
+    for micro in (1..=asked).rev().filter(|b| asked.is_multiple_of(*b)) {
         let need = needs(micro)?;
         if need as f64 <= budget {
             let accum = cfg.grad_accum * (asked / micro);
             if groups.world.rank() == 0 && cfg.verbose {
                 let why = tried
                     .first()
-                    .map(|(b, n): &(usize, u64)| {
-                        format!("micro-batch {b} needs ~{} per rank", human_bytes(*n))
-                    })
+                    .map(|(b, n): &(usize, u64)| format!("micro-batch {b} needs ~{} per rank", human_bytes(*n)))
                     .unwrap_or_default();
                 eprintln!(
                     "auto batch size: budget {} per rank{}; micro-batch {micro} x {} accumulation (~{} per rank), the same {} sequences per step",
@@ -99,7 +97,13 @@ pub(super) fn fit(groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &Bootstrap
 
 /// GPU ranks: `plan` with the largest micro-batch whose trial step runs (see the module's
 /// comment); unchanged on CPU ranks or without `--auto-find-batch-size`.
-pub(super) fn fit_by_trial(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &Bootstrap, plan: RunPlan) -> Result<RunPlan> {
+pub(super) fn fit_by_trial(
+    engine: &mut FsdpEngine,
+    groups: &ProcessGroups,
+    cfg: &FinetuneConfig,
+    boot: &Bootstrap,
+    plan: RunPlan,
+) -> Result<RunPlan> {
     if !cfg.auto_find_batch_size || !cfg.device.is_cuda() {
         return Ok(plan);
     }
@@ -127,7 +131,10 @@ pub(super) fn fit_by_trial(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg:
     };
     let out = plan.with_micro_batch(micro);
     if groups.world.rank() == 0 && cfg.verbose {
-        eprintln!("auto batch size: micro-batch {micro} x {} accumulation fits the GPU, the same {} sequences per step", out.grad_accum, out.global_batch);
+        eprintln!(
+            "auto batch size: micro-batch {micro} x {} accumulation fits the GPU, the same {} sequences per step",
+            out.grad_accum, out.global_batch
+        );
     }
     Ok(out)
 }
@@ -144,7 +151,7 @@ fn largest_that_runs(asked: usize, mut runs: impl FnMut(usize) -> Result<bool>) 
         if micro == 1 {
             return Ok(None);
         }
-        micro = (1..=micro / 2).rev().find(|b| asked % b == 0).unwrap_or(1);
+        micro = (1..=micro / 2).rev().find(|b| asked.is_multiple_of(*b)).unwrap_or(1);
     }
 }
 
@@ -159,7 +166,8 @@ fn trial_step(engine: &mut FsdpEngine, cfg: &FinetuneConfig, boot: &Bootstrap, l
     let batch = collate(&rows);
     let input = Tensor::from_vec(batch.input_ids, (batch.rows, batch.width), engine.device())?;
     let targets = next_token_targets(&batch.labels, batch.rows, batch.width);
-    let ctx = StageContext { packing: batch.packing, row_seeds: Some(vec![cfg.seed; batch.rows]), targets: Some(targets), ..Default::default() };
+    let ctx =
+        StageContext { packing: batch.packing, row_seeds: Some(vec![cfg.seed; batch.rows]), targets: Some(targets), ..Default::default() };
     engine.forward_backward(&input, &ctx, &summed_token_loss, 1.0 / (micro * len) as f64)?;
     Ok(())
 }
@@ -171,19 +179,13 @@ fn available_memory() -> Result<u64> {
         .lines()
         .find_map(|l| l.strip_prefix("MemAvailable:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .ok_or_else(|| {
-            anyhow::anyhow!("/proc/meminfo has no MemAvailable: give --max-memory-per-rank")
-        })?;
+        .ok_or_else(|| anyhow::anyhow!("/proc/meminfo has no MemAvailable: give --max-memory-per-rank"))?;
     Ok(kib * 1024)
 }
 
 /// Ranks sharing this machine: LOCAL_WORLD_SIZE under a launcher, else all (threads).
 fn local_ranks(world: usize) -> usize {
-    std::env::var("LOCAL_WORLD_SIZE")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .filter(|n| *n > 0)
-        .unwrap_or(world)
+    std::env::var("LOCAL_WORLD_SIZE").ok().and_then(|v| v.parse().ok()).filter(|n| *n > 0).unwrap_or(world)
 }
 
 #[cfg(test)]

@@ -9,13 +9,16 @@ use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
 use super::config::{shard_size, FinetuneConfig};
-use crate::model_files::adapter::{adapter_config_json, parse_adapter_config, read_adapter, Adapter};
 use crate::checkpoint::identity::DataIdentity;
-use crate::model_files::{resolve_model, ModelFiles};
 use crate::dist::{root_tries, ProcessGroups};
 use crate::fsdp::plan::{plan_units, UnitPlan};
+use crate::model_files::adapter::{adapter_config_json, parse_adapter_config, read_adapter, Adapter};
+use crate::model_files::{resolve_model, ModelFiles};
 use crate::tokenize::TextTokenizer;
 use crate::train::data::{describe_sample, DataOptions, Dataset, Sample, TextTools};
+
+/// Files that travel as bytes from rank 0: (file name, contents).
+pub(super) type SideFiles = Vec<(String, Vec<u8>)>;
 
 /// What every rank knows before weights move.
 pub(super) struct Bootstrap {
@@ -24,7 +27,7 @@ pub(super) struct Bootstrap {
     /// config.json as text, for checkpoints to compare against.
     pub config_json: String,
     /// config.json, tokenizer files, generation_config.json, ... as rank 0 read them.
-    pub side_files: Vec<(String, Vec<u8>)>,
+    pub side_files: SideFiles,
     /// config.json, parsed.
     pub model_cfg: models::ModelConfig,
     /// The run's LoRA settings (from `--adapter` or the flags); `None` for full fine-tuning.
@@ -83,7 +86,7 @@ pub(super) fn bootstrap(groups: &ProcessGroups, cfg: &FinetuneConfig) -> Result<
 }
 
 /// Rank 0 resolves the model (local directory or Hub) and sends config and tokenizer files.
-fn share_model_files(groups: &ProcessGroups, cfg: &FinetuneConfig) -> Result<(Option<ModelFiles>, Vec<(String, Vec<u8>)>)> {
+fn share_model_files(groups: &ProcessGroups, cfg: &FinetuneConfig) -> Result<(Option<ModelFiles>, SideFiles)> {
     let (files, bytes) = root_tries(groups.world.as_ref(), "resolve the model", || {
         let f = resolve_model(&cfg.model, cfg.revision.as_deref())?;
         let read = |p: &Path| std::fs::read(p).with_context(|| format!("{}: cannot read", p.display()));
@@ -109,7 +112,11 @@ fn share_model_files(groups: &ProcessGroups, cfg: &FinetuneConfig) -> Result<(Op
 
 /// LoRA: rank 0 reads a starting adapter (if any); its settings travel to every rank. Returns
 /// rank 0's adapter and the run's LoRA settings (the adapter's, else the flags').
-fn share_adapter(groups: &ProcessGroups, cfg: &FinetuneConfig, model_cfg: &models::ModelConfig) -> Result<(Option<Adapter>, Option<models::LoraSettings>)> {
+fn share_adapter(
+    groups: &ProcessGroups,
+    cfg: &FinetuneConfig,
+    model_cfg: &models::ModelConfig,
+) -> Result<(Option<Adapter>, Option<models::LoraSettings>)> {
     let (adapter, bytes) = root_tries(groups.world.as_ref(), "read --adapter", || {
         Ok(match &cfg.adapter {
             Some(dir) => {
@@ -128,14 +135,22 @@ fn share_adapter(groups: &ProcessGroups, cfg: &FinetuneConfig, model_cfg: &model
 }
 
 /// Tokenises the training (and eval) data and works out the batch arithmetic.
-fn load_data(groups: &ProcessGroups, cfg: &FinetuneConfig, seq_len: usize, model_cfg: &models::ModelConfig, side_files: &[(String, Vec<u8>)]) -> Result<TrainingData> {
+fn load_data(
+    groups: &ProcessGroups,
+    cfg: &FinetuneConfig,
+    seq_len: usize,
+    model_cfg: &models::ModelConfig,
+    side_files: &[(String, Vec<u8>)],
+) -> Result<TrainingData> {
     let is_root = groups.world.rank() == 0;
     let side = |name: &str| side_files.iter().find(|(n, _)| n == name).map(|(_, b)| b.as_slice());
     let tokenizer = match side("tokenizer.json") {
         Some(t) => Some(TextTokenizer::from_bytes(t, side("tokenizer_config.json"), side("chat_template.jinja"))?),
         None => None,
     };
-    let encode = |text: &str, special: bool| tokenizer.as_ref().context("text and chat rows need the model's tokenizer.json")?.encode_with_offsets(text, special);
+    let encode = |text: &str, special: bool| {
+        tokenizer.as_ref().context("text and chat rows need the model's tokenizer.json")?.encode_with_offsets(text, special)
+    };
     let decode = |ids: &[u32]| tokenizer.as_ref().context("no tokenizer.json")?.decode(ids, false);
     let eos = model_cfg.eos_token_ids.first().copied();
     let template = tokenizer.as_ref().and_then(|t| t.chat_template.as_ref());

@@ -153,7 +153,10 @@ pub fn validate(cfg: &FinetuneConfig, world: usize) -> Result<()> {
         bail!("--data {}: no such file", cfg.data.display());
     }
     if cfg.resume_from.is_none() && cfg.output_dir.exists() && std::fs::read_dir(&cfg.output_dir)?.next().is_some() {
-        bail!("--output-dir {} exists and is not empty (to continue a run there, add --resume-from-checkpoint latest)", cfg.output_dir.display());
+        bail!(
+            "--output-dir {} exists and is not empty (to continue a run there, add --resume-from-checkpoint latest)",
+            cfg.output_dir.display()
+        );
     }
     if let Some(f) = cfg.eval_split {
         if !(f > 0.0 && f < 1.0) {
@@ -179,7 +182,12 @@ pub fn validate(cfg: &FinetuneConfig, world: usize) -> Result<()> {
             bail!("--adapter {}: no {} there", dir.display(), crate::model_files::adapter::ADAPTER_CONFIG);
         }
     }
-    for (name, v) in [("--eval-steps", cfg.eval_steps), ("--save-steps", cfg.save_steps), ("--save-total-limit", cfg.save_total_limit), ("--save-full-every", cfg.save_full_every)] {
+    for (name, v) in [
+        ("--eval-steps", cfg.eval_steps),
+        ("--save-steps", cfg.save_steps),
+        ("--save-total-limit", cfg.save_total_limit),
+        ("--save-full-every", cfg.save_full_every),
+    ] {
         if v == Some(0) {
             bail!("{name} must be positive");
         }

@@ -9,8 +9,8 @@ use candle_core::{DType, Tensor};
 
 use super::bootstrap::Bootstrap;
 use super::config::FinetuneConfig;
-use crate::model_files::export::ShardedExport;
 use crate::fsdp::engine::FsdpEngine;
+use crate::model_files::export::ShardedExport;
 
 /// What a run leaves in `dir`: the full model, or for LoRA the PEFT adapter (plus the merged
 /// model in `dir/merged` with `--merge-lora`).
@@ -30,7 +30,10 @@ pub(super) fn export_result(engine: &FsdpEngine, boot: &Bootstrap, dir: &Path, c
         };
         crate::model_files::adapter::write_adapter(dir, &adapter, lora, &base)?;
         // The tokenizer travels with the adapter, as PEFT + Trainer save it.
-        let tokenizer_files = boot.side_files.iter().filter(|(n, _)| n.starts_with("tokenizer") || n == "special_tokens_map.json" || n == "chat_template.jinja");
+        let tokenizer_files = boot
+            .side_files
+            .iter()
+            .filter(|(n, _)| n.starts_with("tokenizer") || n == "special_tokens_map.json" || n == "chat_template.jinja");
         for (name, bytes) in tokenizer_files {
             std::fs::write(dir.join(name), bytes).with_context(|| format!("writing {}", dir.join(name).display()))?;
         }
@@ -43,7 +46,13 @@ pub(super) fn export_result(engine: &FsdpEngine, boot: &Bootstrap, dir: &Path, c
 /// shard group and rank 0 streams it into the safetensors files, so memory stays at one unit.
 /// LoRA adapters are merged into their base weights (`W + scaling * B A`); `keep_adapter` gets
 /// a copy of them (rank 0). With `dir` None no model is written (the pass only collects).
-fn export_full(engine: &FsdpEngine, boot: &Bootstrap, dir: Option<&Path>, max_shard_size: usize, mut keep_adapter: Option<&mut HashMap<String, Tensor>>) -> Result<()> {
+fn export_full(
+    engine: &FsdpEngine,
+    boot: &Bootstrap,
+    dir: Option<&Path>,
+    max_shard_size: usize,
+    mut keep_adapter: Option<&mut HashMap<String, Tensor>>,
+) -> Result<()> {
     let is_root = engine.groups().world.rank() == 0;
     let save_dtype = match boot.model_cfg.stored_dtype.as_deref() {
         Some("bfloat16") => DType::BF16,

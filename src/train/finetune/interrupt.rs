@@ -48,6 +48,9 @@ fn how_to_resume(output_dir: &std::path::Path) -> String {
             dir.display(),
             dir.display()
         ),
-        None => format!("no checkpoint was saved under {} yet, so the run cannot be resumed (--save-steps N saves one every N steps)", output_dir.display()),
+        None => format!(
+            "no checkpoint was saved under {} yet, so the run cannot be resumed (--save-steps N saves one every N steps)",
+            output_dir.display()
+        ),
     }
 }

@@ -51,7 +51,13 @@ impl MetricsLog {
                 if start_step > 0 {
                     keep_rows_up_to(&path, start_step)?;
                 }
-                Some(std::fs::OpenOptions::new().create(true).append(true).open(&path).with_context(|| format!("opening {}", path.display()))?)
+                Some(
+                    std::fs::OpenOptions::new()
+                        .create(true)
+                        .append(true)
+                        .open(&path)
+                        .with_context(|| format!("opening {}", path.display()))?,
+                )
             }
             false => None,
         };
@@ -93,7 +99,7 @@ impl MetricsLog {
         writeln!(f, "{}", serde_json::to_string(&row)?)?;
         f.flush()?;
         self.history.write_svg(&self.output_dir.join("loss.svg"))?;
-        let shown = r.step % self.logging_steps == 0 || r.step == self.total_steps;
+        let shown = r.step.is_multiple_of(self.logging_steps) || r.step == self.total_steps;
         if let Some(pb) = &self.progress {
             if shown {
                 let list = |v: &[u64]| v.iter().map(|&b| human_bytes(b)).collect::<Vec<_>>().join(", ");

@@ -65,7 +65,13 @@ fn run_rank_phases(groups: &ProcessGroups, cfg: &FinetuneConfig, device: Option<
     if is_root && cfg.verbose {
         say_where_the_result_is(cfg, boot.lora.is_some());
     }
-    let summary = RunSummary { losses: curve.losses, grad_norms: curve.grad_norms, rank_bytes, total_params: boot.total_params(), output_dir: cfg.output_dir.clone() };
+    let summary = RunSummary {
+        losses: curve.losses,
+        grad_norms: curve.grad_norms,
+        rank_bytes,
+        total_params: boot.total_params(),
+        output_dir: cfg.output_dir.clone(),
+    };
     Ok(is_root.then_some(summary))
 }
 

@@ -33,7 +33,12 @@ pub struct RunPlan {
 impl RunPlan {
     /// The plan of this run on `groups`, in micro-batches of `micro_batch` rows accumulated
     /// `grad_accum` times (the flags', or what `auto_batch::fit` found).
-    pub(super) fn settle(groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &Bootstrap, (micro_batch, grad_accum): (usize, usize)) -> Result<Self> {
+    pub(super) fn settle(
+        groups: &ProcessGroups,
+        cfg: &FinetuneConfig,
+        boot: &Bootstrap,
+        (micro_batch, grad_accum): (usize, usize),
+    ) -> Result<Self> {
         let world_size = groups.world.world_size();
         let global_batch = micro_batch * world_size * grad_accum;
         let samples = boot.data.samples.len();
@@ -59,6 +64,6 @@ impl RunPlan {
 
     /// Whether step `done` (1-based) ends an epoch.
     pub fn ends_epoch(&self, done: usize) -> bool {
-        done % self.steps_per_epoch == 0
+        done.is_multiple_of(self.steps_per_epoch)
     }
 }

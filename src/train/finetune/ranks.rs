@@ -47,7 +47,10 @@ fn run_mpi(cfg: &FinetuneConfig, world: usize) -> Result<Option<RunSummary>> {
     let session = crate::dist::mpi::MpiSession::init()?;
     let result = (|| {
         if session.world_size() != world {
-            bail!("MPI started {} ranks, but this run was checked for {world} (--world-size, or the launcher's environment)", session.world_size());
+            bail!(
+                "MPI started {} ranks, but this run was checked for {world} (--world-size, or the launcher's environment)",
+                session.world_size()
+            );
         }
         let groups = session.groups(shard_size(cfg, world))?;
         run_rank(groups, cfg, None)

@@ -11,13 +11,13 @@ use serde_json::json;
 use super::bootstrap::Bootstrap;
 use super::config::FinetuneConfig;
 use super::plan::RunPlan;
-use crate::model_files::load;
 use crate::checkpoint::resume::{self, ResumingRun};
 use crate::dist::{root_tries, ProcessGroups};
 use crate::fsdp::engine::{FsdpEngine, FsdpOptions, ParamSource, StateBytes, StatePart};
-use crate::fsdp::plan::ParamLayout;
 use crate::fsdp::optim::AdamWConfig;
+use crate::fsdp::plan::ParamLayout;
 use crate::memory::human_bytes;
+use crate::model_files::load;
 
 /// The engine on this rank's device: `device` when the backend already opened it (NCCL), else
 /// the rank's GPU (its LOCAL_RANK under a launcher, its rank for `local` threads) or the CPU.
@@ -35,12 +35,19 @@ pub(super) fn build_engine(groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &
     };
     // The state lives on a GPU unless `--cpu-offload` (or a test) says otherwise.
     let state_on_device = cfg.cpu_offload.map(|offload| !offload).unwrap_or(!device.is_cpu());
-    FsdpEngine::new(boot.staged.clone(), boot.plan.clone(), groups.clone(), opts, adam, cfg.weight_decay_all)?.with_device(device, state_on_device)
+    FsdpEngine::new(boot.staged.clone(), boot.plan.clone(), groups.clone(), opts, adam, cfg.weight_decay_all)?
+        .with_device(device, state_on_device)
 }
 
 /// Fills the engine from `--resume-from-checkpoint` or from the model's weights, then reports
 /// what each rank holds. Returns every rank's state bytes.
-pub(super) fn load_or_resume(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, plan: &RunPlan, boot: &Bootstrap) -> Result<Vec<StateBytes>> {
+pub(super) fn load_or_resume(
+    engine: &mut FsdpEngine,
+    groups: &ProcessGroups,
+    cfg: &FinetuneConfig,
+    plan: &RunPlan,
+    boot: &Bootstrap,
+) -> Result<Vec<StateBytes>> {
     let start = Instant::now();
     match &cfg.resume_from {
         Some(from) => resume_from(engine, groups, cfg, plan, boot, from)?,
@@ -58,7 +65,14 @@ pub(super) fn load_or_resume(engine: &mut FsdpEngine, groups: &ProcessGroups, cf
 
 /// Rank 0 opens and checks the checkpoint; every rank learns the step (or rank 0's error) and
 /// loads its chunks.
-fn resume_from(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, plan: &RunPlan, boot: &Bootstrap, from: &str) -> Result<()> {
+fn resume_from(
+    engine: &mut FsdpEngine,
+    groups: &ProcessGroups,
+    cfg: &FinetuneConfig,
+    plan: &RunPlan,
+    boot: &Bootstrap,
+    from: &str,
+) -> Result<()> {
     let (reader, bytes) = root_tries(groups.world.as_ref(), "resume", || {
         let mut params: Vec<(String, Vec<usize>)> =
             engine.units().flat_map(|u| u.params.iter().map(|p| (p.spec.name.clone(), p.spec.shape.clone()))).collect();

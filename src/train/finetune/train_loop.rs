@@ -29,7 +29,13 @@ pub(super) struct Curve {
     pub grad_norms: Vec<f64>,
 }
 
-pub(super) fn train(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, plan: &RunPlan, boot: &Bootstrap) -> Result<Curve> {
+pub(super) fn train(
+    engine: &mut FsdpEngine,
+    groups: &ProcessGroups,
+    cfg: &FinetuneConfig,
+    plan: &RunPlan,
+    boot: &Bootstrap,
+) -> Result<Curve> {
     let data = &boot.data;
     let start_step = engine.step as usize;
     let mut log = MetricsLog::open(groups, cfg, plan.total_steps, start_step)?;
@@ -50,7 +56,11 @@ pub(super) fn train(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &Finet
         let StepOutcome { loss, grad_norm, tokens } = train_step(engine, groups, cfg, plan, &micro, step, lr)?;
         curve.losses.push(loss);
         curve.grad_norms.push(grad_norm);
-        log.step(groups, engine.device(), &StepReport { step: step + 1, epoch, loss, lr, grad_norm, tokens, secs: start.elapsed().as_secs_f64() })?;
+        log.step(
+            groups,
+            engine.device(),
+            &StepReport { step: step + 1, epoch, loss, lr, grad_norm, tokens, secs: start.elapsed().as_secs_f64() },
+        )?;
         let done = step + 1;
         if cfg.eval_steps.is_some_and(|n| done % n == 0) && done != plan.total_steps {
             run_eval(engine, groups, plan, boot, done, &mut log)?;
@@ -91,7 +101,15 @@ struct StepOutcome {
 
 /// Forward + backward of every micro-batch (the loss normalised by the global batch's target
 /// tokens, so N ranks give one rank's gradients), then the optimizer step.
-fn train_step(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, plan: &RunPlan, micro: &[Vec<&Sample>], step: usize, lr: f64) -> Result<StepOutcome> {
+fn train_step(
+    engine: &mut FsdpEngine,
+    groups: &ProcessGroups,
+    cfg: &FinetuneConfig,
+    plan: &RunPlan,
+    micro: &[Vec<&Sample>],
+    step: usize,
+    lr: f64,
+) -> Result<StepOutcome> {
     let (rank, world) = (groups.world.rank(), groups.world.world_size());
     let local_targets: usize = micro.iter().flatten().map(|s| s.target_tokens()).sum();
     let batches: Vec<_> = micro.iter().map(|mb| collate(mb)).collect();
@@ -135,7 +153,15 @@ fn checkpoint_side_files(cfg: &FinetuneConfig, boot: &Bootstrap) -> Result<Vec<(
     Ok(files)
 }
 
-fn save_checkpoint(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &FinetuneConfig, plan: &RunPlan, boot: &Bootstrap, done: usize, side_files: &[(String, Vec<u8>)]) -> Result<()> {
+fn save_checkpoint(
+    engine: &mut FsdpEngine,
+    groups: &ProcessGroups,
+    cfg: &FinetuneConfig,
+    plan: &RunPlan,
+    boot: &Bootstrap,
+    done: usize,
+    side_files: &[(String, Vec<u8>)],
+) -> Result<()> {
     let t = Instant::now();
     let data = &boot.data;
     let trainer_state = json!({
@@ -156,7 +182,14 @@ fn save_checkpoint(engine: &mut FsdpEngine, groups: &ProcessGroups, cfg: &Finetu
     Ok(())
 }
 
-fn run_eval(engine: &mut FsdpEngine, groups: &ProcessGroups, plan: &RunPlan, boot: &Bootstrap, step: usize, log: &mut MetricsLog) -> Result<()> {
+fn run_eval(
+    engine: &mut FsdpEngine,
+    groups: &ProcessGroups,
+    plan: &RunPlan,
+    boot: &Bootstrap,
+    step: usize,
+    log: &mut MetricsLog,
+) -> Result<()> {
     if boot.data.eval_samples.is_empty() {
         return Ok(());
     }
@@ -181,7 +214,11 @@ fn evaluate(engine: &mut FsdpEngine, groups: &ProcessGroups, samples: &[Sample],
         let refs: Vec<&Sample> = mb.iter().collect();
         let batch = collate(&refs);
         let input = Tensor::from_vec(batch.input_ids, (batch.rows, batch.width), engine.device())?;
-        let ctx = StageContext { packing: batch.packing, targets: Some(next_token_targets(&batch.labels, batch.rows, batch.width)), ..Default::default() };
+        let ctx = StageContext {
+            packing: batch.packing,
+            targets: Some(next_token_targets(&batch.labels, batch.rows, batch.width)),
+            ..Default::default()
+        };
         loss += engine.forward_loss(&input, &ctx, &summed_token_loss)?;
         tokens += mb.iter().map(Sample::target_tokens).sum::<usize>() as f64;
     }
