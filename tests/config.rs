@@ -58,9 +58,18 @@ fn the_file_sets_flags_and_the_command_line_wins() {
     std::fs::write(&typo, "per_device_train_batch_size: [1]\n").unwrap();
     let o = run_cli(&["finetune", "--config", typo.to_str().unwrap()], &[]);
     assert!(
-        !o.status.success() && stderr(&o).contains("key `per_device_train_batch_size`: expected a non-negative integer, found a list"),
+        !o.status.success() && stderr(&o).contains("typo.yaml: key `per_device_train_batch_size`: expected a value, found a list"),
         "{}",
         stderr(&o)
+    );
+    // A scalar of the wrong type is named by the flag's own type.
+    std::fs::write(&typo, "per_device_train_batch_size: two\n").unwrap();
+    let o = run_cli(&["finetune", "--config", typo.to_str().unwrap()], &[]);
+    let err = stderr(&o);
+    assert!(
+        !o.status.success()
+            && err.contains("typo.yaml: key `per_device_train_batch_size` (two): invalid type: string \"two\", expected usize"),
+        "{err}"
     );
     // Required settings missing from both say where they can come from.
     std::fs::write(&typo, "learning_rate: 1e-4\n").unwrap();

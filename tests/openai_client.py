@@ -168,6 +168,77 @@ follow = client.chat.completions.create(model=model, messages=history, tools=too
 check(follow.choices[0].finish_reason in ("stop", "length", "tool_calls"), f"after a tool result: {follow}")
 check(follow.choices[0].message.content is not None or follow.choices[0].message.tool_calls, f"after a tool result: {follow}")
 
+# Schemas as clients write them (LangChain's bind_tools sends none of `additionalProperties`):
+# the server closes what the schema leaves open, so the arguments hold the declared keys only,
+# each once, and an integer fits 64 bits; checked with the schema closed by hand.
+def closed(schema):
+    if isinstance(schema, dict):
+        out = {k: closed(v) for k, v in schema.items()}
+        if "properties" in out and "additionalProperties" not in out:
+            out["additionalProperties"] = False
+        if out.get("type") == "integer":
+            out.setdefault("minimum", -2**63)
+            out.setdefault("maximum", 2**63 - 1)
+        return out
+    if isinstance(schema, list):
+        return [closed(v) for v in schema]
+    return schema
+
+
+silent = {"type": "object", "required": ["city"], "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}}}
+silent_tools = [{"type": "function", "function": {"name": "forecast", "parameters": silent}}]
+for temperature in [0, 0.8, 1.5]:
+    r = client.chat.completions.create(model=model, messages=ask, tools=silent_tools, max_tokens=80, temperature=temperature, seed=5,
+                                       tool_choice={"type": "function", "function": {"name": "forecast"}})
+    calls = r.choices[0].message.tool_calls
+    check(r.choices[0].finish_reason == "tool_calls" and calls, f"silent schema, named, t={temperature}: {r}")
+    jsonschema.validate(json.loads(calls[0].function.arguments), closed(silent))
+    r = client.chat.completions.create(model=model, messages=ask, max_tokens=80, temperature=temperature, seed=5,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "forecast", "schema": silent}})
+    check(r.choices[0].finish_reason == "stop", f"silent schema, response_format, t={temperature}: {r}")
+    jsonschema.validate(json.loads(r.choices[0].message.content), closed(silent))
+r = client.chat.completions.create(model=model, messages=ask, tools=silent_tools, tool_choice="required", parallel_tool_calls=False,
+                                   max_tokens=80, temperature=0.8, seed=5)
+check(r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls, f"silent schema, required: {r}")
+jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), closed(silent))
+
+# $defs and $ref (pydantic writes one for every nested model) resolve against the function's own
+# parameters under every choice, and in response_format.
+nested = {"$defs": {"Unit": {"enum": ["C", "F"]},
+                    "Place": {"type": "object", "required": ["city", "unit"],
+                              "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"$ref": "#/$defs/Unit"}}}},
+          "type": "object", "required": ["where"], "properties": {"where": {"$ref": "#/$defs/Place"}}}
+nested_tools = [{"type": "function", "function": {"name": "lookup", "parameters": nested}}, tools[1]]
+for choice, parallel in [({"type": "function", "function": {"name": "lookup"}}, True), ("required", False), ("required", True)]:
+    r = client.chat.completions.create(model=model, messages=ask, tools=nested_tools, tool_choice=choice, parallel_tool_calls=parallel,
+                                       max_tokens=150, temperature=0.7, seed=2)
+    calls = r.choices[0].message.tool_calls
+    check(r.choices[0].finish_reason == "tool_calls" and calls, f"$defs under {choice} (parallel {parallel}): {r}")
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), nested if c.function.name == "lookup" else time_of)
+r = client.chat.completions.create(model=model, messages=ask, max_tokens=150, temperature=0.7, seed=2,
+                                   response_format={"type": "json_schema", "json_schema": {"name": "lookup", "schema": nested}})
+jsonschema.validate(json.loads(r.choices[0].message.content), nested)
+# `$ref: "#"` (a recursive schema) compiles under `required` too: the wrapper keeps the root.
+tree = {"type": "object", "required": ["label"], "properties": {"label": {"type": "string", "maxLength": 6},
+                                                                "child": {"anyOf": [{"type": "null"}, {"$ref": "#"}]}}}
+r = client.chat.completions.create(model=model, messages=ask, max_tokens=40, temperature=0, tool_choice="required",
+                                   tools=[{"type": "function", "function": {"name": "tree", "parameters": tree}}])
+check(r.choices[0].finish_reason in ("tool_calls", "length"), f"$ref '#' under required: {r}")
+
+# Fields clients send that change nothing here are accepted; a message's name too.
+named_msgs = [{"role": "user", "name": "alice", "content": "Say hello"}]
+r = client.chat.completions.create(model=model, messages=named_msgs, max_tokens=4, temperature=0, store=False, metadata={"run": "t"},
+                                   service_tier="auto", user="u1", modalities=["text"], reasoning_effort="low",
+                                   extra_body={"prompt_cache_key": "k", "safety_identifier": "s"})
+check(r.choices[0].finish_reason in ("stop", "length"), f"no-op fields: {r}")
+for param, kwargs in [("modalities", {"modalities": ["text", "audio"]}), ("reasoning_effort", {"reasoning_effort": "extreme"})]:
+    try:
+        client.chat.completions.create(model=model, messages=msgs, max_tokens=2, **kwargs)
+        check(False, f"expected BadRequestError for {param}")
+    except openai.BadRequestError as e:
+        check(e.body.get("param") == param, f"{param}: {e.body}")
+
 # What the server does not implement is a BadRequestError naming it, never a silent 200.
 for param, call in [
     ("foo_bar", lambda: client.chat.completions.create(model=model, messages=msgs, max_tokens=2, extra_body={"foo_bar": 1})),

@@ -590,10 +590,11 @@ fn a_failed_job_says_why() {
     assert_eq!(s, 400, "{err}");
     let message = err["error"]["message"].as_str().unwrap();
     assert!(message.contains("Line 2") && message.contains("no assistant turn"), "{err}");
-    // Rows the upload cannot judge (token ids are checked against the model at run time): the
-    // job fails, and says why.
-    let rows = b"{\"input_ids\": [1, 2, 3, 99999], \"labels\": [1, 2, 3, 99999]}\n";
-    let (s, file) = upload(&server, "bad-ids.jsonl", rows);
+    // Token ids outside the vocabulary are refused at upload too (tests/serve_files.rs). What the
+    // upload cannot judge fails the job at run time, and the job says why: one row cannot fill a
+    // global batch of 4.
+    let rows = b"{\"input_ids\": [1, 2, 3, 4], \"labels\": [1, 2, 3, 4]}\n";
+    let (s, file) = upload(&server, "one-row.jsonl", rows);
     assert_eq!(s, 200, "{file}");
     // A sequence longer than the model's context is refused, both numbers named.
     let (s, text, _) = post(
@@ -605,14 +606,14 @@ fn a_failed_job_says_why() {
     assert!(text.contains("fsdp_app.seq_len") && text.contains("4096") && text.contains("256"), "{text}");
     let job = post_json(
         &server.url("/v1/fine_tuning/jobs"),
-        &json!({"model": "tiny", "training_file": file["id"],
+        &json!({"model": "tiny", "training_file": file["id"], "hyperparameters": {"batch_size": 4},
         "fsdp_app": {"world_size": 1, "seq_len": 64, "max_steps": 1}}),
     );
     let id = job["id"].as_str().unwrap();
     let done = wait_for_status(&server, id, &["failed", "succeeded"], 120);
     assert_eq!(done["status"], "failed", "{done}");
     let message = done["error"]["message"].as_str().unwrap();
-    assert!(message.contains("99999") && !message.contains("exited with"), "{done}");
+    assert!(message.contains("fewer than one global batch of 4") && !message.contains("exited with"), "{done}");
     let events = get_json(&server.url(&format!("/v1/fine_tuning/jobs/{id}/events")));
-    assert!(events["data"].as_array().unwrap().iter().any(|e| e["message"].as_str().unwrap().contains("99999")), "{events}");
+    assert!(events["data"].as_array().unwrap().iter().any(|e| e["message"].as_str().unwrap().contains("global batch")), "{events}");
 }

@@ -39,9 +39,12 @@ pub struct ServeArgs {
     /// Longest prompt + completion in tokens (default: the model's context).
     #[arg(long)]
     max_total_tokens: Option<usize>,
-    /// Largest request body in bytes (file uploads: up to 512 MiB).
+    /// Largest request body in bytes (file uploads: --max-upload-bytes).
     #[arg(long, default_value_t = 4 << 20)]
     max_body_bytes: usize,
+    /// Largest fine-tuning file `POST /v1/files` takes (it streams to disk; larger is a 413).
+    #[arg(long, default_value_t = 512 << 20)]
+    max_upload_bytes: u64,
     /// Ignore request fields this server does not implement (tools, response_format, unknown
     /// keys), listing them in the `x-fsdp-app-ignored-params` response header, instead of
     /// answering 400 naming them.
@@ -90,6 +93,7 @@ impl TryFrom<ServeArgs> for ServeConfig {
             max_input_tokens: a.max_input_tokens,
             max_total_tokens: a.max_total_tokens,
             max_body_bytes: a.max_body_bytes,
+            max_upload_bytes: a.max_upload_bytes,
             lenient: a.lenient,
             shutdown_grace: seconds("--shutdown-grace", a.shutdown_grace)?,
             limits: fsdp_app::serve::listen::ClientLimits {

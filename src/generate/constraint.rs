@@ -1,8 +1,8 @@
 //! Structured output by constrained decoding. Before each token the grammar engine (llguidance,
 //! the one llama.cpp, mistral.rs and vLLM use) says which tokens may come next; the others get
 //! no probability, so the answer follows the grammar at any temperature, token by token
-//! (streaming included). A JSON schema compiles to such a grammar; `json_object` is the schema
-//! of any object.
+//! (streaming included). A JSON schema compiles to such a grammar, tightened where it is silent
+//! (`json_schema::tighten`); `json_object` is the schema of any object.
 //!
 //! The engine needs each token's bytes: they come from tokenizer.json's vocabulary (byte-level
 //! BPE and SentencePiece byte-fallback vocabularies; `llguidance::token_bytes_from_tokenizer_json`),
@@ -29,7 +29,7 @@ impl OutputFormat {
     fn grammar(&self) -> TopLevelGrammar {
         let mut schema = match self {
             OutputFormat::JsonObject => json!({"type": "object"}),
-            OutputFormat::JsonSchema(s) => s.clone(),
+            OutputFormat::JsonSchema(s) => super::json_schema::tighten(s),
         };
         // Compact JSON (", " and ": " as separators, no other whitespace) unless the schema says
         // otherwise: with free whitespace a model can pad its answer with blanks until

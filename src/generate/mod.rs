@@ -2,6 +2,7 @@
 //! streamed text, and the figures a user wants (time to first token, tokens/s).
 
 pub mod constraint;
+pub mod json_schema;
 pub mod stream;
 
 use std::collections::HashSet;

@@ -11,7 +11,7 @@ use tokio::sync::mpsc;
 use super::engine::{Event, Job};
 use super::error::ApiError;
 use super::state::AppState;
-use super::validate::ValidatedRequest;
+use super::validate::{RequestKind, ValidatedRequest};
 
 /// Counts a request's sequences as admitted until dropped (when the response is complete or the
 /// client is gone), so the queue bound holds for streams too.
@@ -38,12 +38,23 @@ pub fn submit(st: &Arc<AppState>, req: &mut ValidatedRequest) -> Result<Submitte
         .map_err(|_| ApiError::overloaded(1))?;
     let admission = Admission(st.clone(), req.n);
     let mut constraints = std::mem::take(&mut req.constraints).into_iter();
+    let stop_when = match &req.kind {
+        RequestKind::Chat { tools: Some(t) } => t.repeat_watch(),
+        _ => None,
+    };
     let mut answers = vec![];
     for i in 0..req.n {
         let (tx, rx) = mpsc::unbounded_channel();
         let mut params = req.params.clone();
         params.seed = params.seed.wrapping_add(i as u64);
-        let job = Job { prompt_ids: req.prompt_ids.clone(), params, constraint: constraints.next(), events: tx, enqueued: Instant::now() };
+        let job = Job {
+            prompt_ids: req.prompt_ids.clone(),
+            params,
+            constraint: constraints.next(),
+            stop_when,
+            events: tx,
+            enqueued: Instant::now(),
+        };
         req.model.engine.submit(job).map_err(ApiError::internal)?;
         answers.push(rx);
     }

@@ -20,8 +20,11 @@ use crate::tokenize::TextTokenizer;
 pub struct Job {
     pub prompt_ids: Vec<u32>,
     pub params: SamplingParams,
-    /// The grammar the answer must follow (`response_format`).
+    /// The grammar the answer must follow (`response_format`, a forced call).
     pub constraint: Option<llguidance::Matcher>,
+    /// Ends the answer (finish reason `stop`) once its text so far says so: a forced list of
+    /// calls that repeats one (`tools::Tools::repeat_watch`).
+    pub stop_when: Option<fn(&str) -> bool>,
     pub events: UnboundedSender<Event>,
     pub enqueued: Instant,
 }
@@ -61,6 +64,8 @@ struct Running {
     seq: Sequence,
     job: Job,
     last_token_at: Option<Instant>,
+    /// The answer's text so far, kept only for `stop_when`.
+    text: String,
 }
 
 /// Starts the engine thread. `max_running` sequences advance together.
@@ -107,7 +112,7 @@ fn run(
                     if let Some(m) = job.constraint.take() {
                         seq.constrain(m);
                     }
-                    active.push(Running { seq, job, last_token_at: None })
+                    active.push(Running { seq, job, last_token_at: None, text: String::new() })
                 }
                 Err(e) => {
                     let _ = job.events.send(Event::Error(format!("{e:#}")));
@@ -146,10 +151,17 @@ fn run(
                     if let Some(scored) = step.prompt_logprobs {
                         let _ = r.job.events.send(Event::PromptLogprobs(scored));
                     }
+                    let mut finished = step.finished;
+                    if let Some(stop) = r.job.stop_when {
+                        r.text.push_str(&step.text);
+                        if finished.is_none() && stop(&r.text) {
+                            finished = Some(FinishReason::Stop);
+                        }
+                    }
                     if !step.text.is_empty() || step.logprob.is_some() {
                         let _ = r.job.events.send(Event::Delta { text: step.text, logprob: step.logprob });
                     }
-                    match step.finished {
+                    match finished {
                         Some(finish) => {
                             let _ = r.job.events.send(Event::Done {
                                 finish,

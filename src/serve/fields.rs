@@ -70,10 +70,18 @@ pub const CHAT: &[&str] = &[
     "parallel_tool_calls",
     "functions",
     "function_call",
+    // Accepted, changing nothing a local server does (see `validate::no_op`).
+    "store",
+    "metadata",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+    "modalities",
+    "reasoning_effort",
 ];
 
 /// One chat message.
-pub const MESSAGE: &[&str] = &["role", "content", "tool_calls", "tool_call_id"];
+pub const MESSAGE: &[&str] = &["role", "content", "tool_calls", "tool_call_id", "name"];
 
 /// `POST /v1/fine_tuning/jobs`.
 pub const JOB: &[&str] = &["model", "training_file", "validation_file", "hyperparameters", "suffix", "seed", "method", "fsdp_app"];
@@ -208,13 +216,13 @@ mod tests {
         let e = check(&body, COMPLETIONS, "", false).unwrap_err();
         assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some("foo_bar")));
         assert!(e.message.contains("Unrecognized request argument supplied: foo_bar"), "{}", e.message);
-        let e = check(&json!({"model": "m", "store": true}), CHAT, "", false).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("store"));
+        let e = check(&json!({"model": "m", "audio": {"voice": "x"}}), CHAT, "", false).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("audio"));
         assert!(e.message.contains("not supported"), "{}", e.message);
-        let e = check(&json!({"role": "user", "content": "x", "name": "bob"}), MESSAGE, "messages[2]", false).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("messages[2].name"));
+        let e = check(&json!({"role": "assistant", "content": "x", "refusal": "no"}), MESSAGE, "messages[2]", false).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[2].refusal"));
         // null is absent; lenient lists instead of refusing.
-        assert!(check(&json!({"model": "m", "store": null}), CHAT, "", false).unwrap().is_empty());
+        assert!(check(&json!({"model": "m", "audio": null}), CHAT, "", false).unwrap().is_empty());
         assert_eq!(check(&body, COMPLETIONS, "", true).unwrap(), vec!["foo_bar".to_string()]);
         assert!(check(&json!({"model": "m", "tools": []}), COMPLETIONS, "", false).is_err(), "completions take no tools");
     }

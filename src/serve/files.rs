@@ -1,41 +1,54 @@
 //! OpenAI's Files API for fine-tuning data: `POST /v1/files` (multipart, purpose `fine-tune`,
 //! JSONL checked row by row on upload), `GET /v1/files[/{id}[/content]]`, `DELETE /v1/files/{id}`.
+//!
+//! An upload streams to a temporary file as it arrives (the server holds one chunk of it, never
+//! the file), is refused with 413 once it passes `--max-upload-bytes`, is checked line by line
+//! from disk, and only then renamed into place and recorded; a refused or broken upload leaves
+//! nothing behind.
 
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use axum::extract::{Multipart, Path, State};
+use axum::extract::multipart::{Field, MultipartError};
+use axum::extract::{Multipart, Path as UrlPath, State};
+use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::Json;
 use serde_json::{json, Value};
+use tokio::io::AsyncWriteExt;
 
 use super::error::ApiError;
 use super::state::AppState;
+use crate::train::formats::Example;
 
-/// Largest upload (the generation routes keep `--max-body-bytes`).
-pub const MAX_UPLOAD_BYTES: usize = 512 << 20;
-
-fn internal(e: anyhow::Error) -> ApiError {
+fn internal(e: impl std::fmt::Display) -> ApiError {
     ApiError::internal(format!("{e:#}"))
 }
 
-/// Checks a fine-tuning file: UTF-8 JSONL, every row a shape training reads (chat `messages`,
-/// `prompt`/`completion`, `text`, ...). The error names the line.
-pub fn validate_jsonl(bytes: &[u8]) -> Result<usize, ApiError> {
-    let text = std::str::from_utf8(bytes).map_err(|e| ApiError::invalid("file", format!("The file is not UTF-8 text: {e}.")))?;
-    let text = crate::train::data::without_bom(text);
+/// Checks a fine-tuning file, read line by line: UTF-8 JSONL, every row a shape training reads
+/// (chat `messages`, `prompt`/`completion`, `text`, token ids inside the model's `vocab`, ...)
+/// that trains at least one token. The error names the line. Returns the number of rows.
+pub fn validate_jsonl(reader: impl BufRead, vocab: usize) -> Result<usize, ApiError> {
     let mut rows = 0;
-    for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
+    for (i, line) in reader.split(b'\n').enumerate() {
+        let at = i + 1;
+        let line = line.map_err(internal)?;
+        let text = std::str::from_utf8(&line).map_err(|e| ApiError::invalid("file", format!("Line {at}: not UTF-8 text: {e}.")))?;
+        let text = if i == 0 { crate::train::data::without_bom(text) } else { text };
+        if text.trim().is_empty() {
             continue;
         }
-        let v: Value =
-            serde_json::from_str(line).map_err(|e| ApiError::invalid("file", format!("Line {}: not valid JSON: {e}.", i + 1)))?;
-        let example =
-            crate::train::formats::parse_row(&v, true).map_err(|e| ApiError::invalid("file", format!("Line {}: {e:#}.", i + 1)))?;
+        let v: Value = serde_json::from_str(text).map_err(|e| ApiError::invalid("file", format!("Line {at}: not valid JSON: {e}.")))?;
+        let example = crate::train::formats::parse_row(&v, true).map_err(|e| ApiError::invalid("file", format!("Line {at}: {e:#}.")))?;
+        if let Example::Tokens { input_ids, .. } = &example {
+            if let Some(bad) = input_ids.iter().find(|&&id| id < 0 || id as usize >= vocab) {
+                let message = format!("Line {at}: token id {bad} in `input_ids` is outside the model's vocabulary (0 to {}).", vocab - 1);
+                return Err(ApiError::invalid("file", message).with_code("token_out_of_vocabulary"));
+            }
+        }
         if let Some(why) = crate::train::formats::trains_nothing(&example) {
-            return Err(
-                ApiError::invalid("file", format!("Line {}: this row trains no token: {why}.", i + 1)).with_code("no_trainable_tokens")
-            );
+            return Err(ApiError::invalid("file", format!("Line {at}: this row trains no token: {why}.")).with_code("no_trainable_tokens"));
         }
         rows += 1;
     }
@@ -45,23 +58,64 @@ pub fn validate_jsonl(bytes: &[u8]) -> Result<usize, ApiError> {
     Ok(rows)
 }
 
+/// An upload's temporary file, removed unless taken by the store.
+struct Staged(Option<PathBuf>);
+
+impl Staged {
+    fn path(&self) -> &Path {
+        self.0.as_deref().expect("a staged upload's path")
+    }
+
+    /// The path, now the store's to keep.
+    fn keep(mut self) -> PathBuf {
+        self.0.take().expect("a staged upload's path")
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        if let Some(p) = self.0.take() {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+/// A multipart body that could not be read: 408 when it stalled, else 400.
+fn malformed(e: MultipartError) -> ApiError {
+    super::listen::stalled(&e).unwrap_or_else(|| ApiError::bad_request(format!("Malformed multipart body: {e}")))
+}
+
+/// Streams a multipart field to `staged`; 413 once it passes `limit` bytes. Returns its size.
+async fn receive(field: &mut Field<'_>, staged: &Staged, limit: u64) -> Result<u64, ApiError> {
+    let mut out = tokio::fs::File::create(staged.path()).await.map_err(internal)?;
+    let mut bytes = 0u64;
+    while let Some(chunk) = field.chunk().await.map_err(malformed)? {
+        bytes += chunk.len() as u64;
+        if bytes > limit {
+            let message = format!("The file is larger than this server's upload limit of {limit} bytes (serve --max-upload-bytes).");
+            return Err(ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", message).with_code("file_too_large"));
+        }
+        out.write_all(&chunk).await.map_err(internal)?;
+    }
+    out.flush().await.map_err(internal)?;
+    Ok(bytes)
+}
+
 pub async fn upload(
     State(st): State<Arc<AppState>>,
     multipart: Result<Multipart, axum::extract::multipart::MultipartRejection>,
 ) -> Result<axum::response::Response, ApiError> {
     let mut multipart = multipart.map_err(|e| ApiError::bad_request(format!("Expected a multipart/form-data body: {}", e.body_text())))?;
-    let (mut purpose, mut file): (Option<String>, Option<(String, Vec<u8>)>) = (None, None);
+    let (mut purpose, mut file): (Option<String>, Option<(String, Staged, u64)>) = (None, None);
     let mut ignored = vec![];
-    let malformed = |e: axum::extract::multipart::MultipartError| {
-        super::listen::stalled(&e).unwrap_or_else(|| ApiError::bad_request(format!("Malformed multipart body: {e}")))
-    };
-    while let Some(field) = multipart.next_field().await.map_err(malformed)? {
+    while let Some(mut field) = multipart.next_field().await.map_err(malformed)? {
         match field.name() {
             Some("purpose") => purpose = Some(field.text().await.map_err(|e| ApiError::invalid("purpose", e.to_string()))?),
             Some("file") => {
                 let name = field.file_name().unwrap_or("upload.jsonl").to_string();
-                let bytes = field.bytes().await.map_err(|e| ApiError::invalid("file", e.to_string()))?;
-                file = Some((name, bytes.to_vec()));
+                let staged = Staged(Some(st.store.upload_path()));
+                let bytes = receive(&mut field, &staged, st.max_upload_bytes).await?;
+                file = Some((name, staged, bytes));
             }
             // OpenAI's upload takes `file` and `purpose` only.
             other => {
@@ -79,23 +133,31 @@ pub async fn upload(
         Some(p) => return Err(ApiError::invalid("purpose", format!("purpose {p:?} is not supported; use \"fine-tune\"."))),
         None => return Err(ApiError::invalid("purpose", "`purpose` is required (\"fine-tune\").")),
     }
-    let (name, bytes) = file.ok_or_else(|| ApiError::invalid("file", "`file` is required."))?;
-    validate_jsonl(&bytes)?;
+    let (name, staged, bytes) = file.ok_or_else(|| ApiError::invalid("file", "`file` is required."))?;
+    let vocab = st.base().vocab;
+    tokio::task::block_in_place(|| {
+        let reader = std::io::BufReader::new(std::fs::File::open(staged.path()).map_err(internal)?);
+        validate_jsonl(reader, vocab)
+    })?;
     // The client's file name is only a label: the stored path is the server's choice.
     let label: String = name.chars().filter(|c| !c.is_control()).take(255).collect();
-    let resp = Json(st.store.add_file(&label, "fine-tune", &bytes).map_err(internal)?).into_response();
-    Ok(super::response::with_ignored(resp, &ignored))
+    let path = staged.keep();
+    let stored = st.store.add_file(&label, "fine-tune", &path, bytes).map_err(|e| {
+        let _ = std::fs::remove_file(&path);
+        internal(e)
+    })?;
+    Ok(super::response::with_ignored(Json(stored).into_response(), &ignored))
 }
 
 pub async fn list(State(st): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
     Ok(Json(json!({"object": "list", "data": st.store.files().map_err(internal)?, "has_more": false})))
 }
 
-pub async fn get_one(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+pub async fn get_one(State(st): State<Arc<AppState>>, UrlPath(id): UrlPath<String>) -> Result<Json<Value>, ApiError> {
     st.store.file(&id).map_err(internal)?.map(Json).ok_or_else(|| ApiError::not_found(format!("No such file: {id}")))
 }
 
-pub async fn content(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Result<impl IntoResponse, ApiError> {
+pub async fn content(State(st): State<Arc<AppState>>, UrlPath(id): UrlPath<String>) -> Result<impl IntoResponse, ApiError> {
     if st.store.file(&id).map_err(internal)?.is_none() {
         return Err(ApiError::not_found(format!("No such file: {id}")));
     }
@@ -103,9 +165,26 @@ pub async fn content(State(st): State<Arc<AppState>>, Path(id): Path<String>) ->
     Ok(([(axum::http::header::CONTENT_TYPE, "application/jsonl")], bytes))
 }
 
-pub async fn delete(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+pub async fn delete(State(st): State<Arc<AppState>>, UrlPath(id): UrlPath<String>) -> Result<Json<Value>, ApiError> {
     if !st.store.delete_file(&id).map_err(internal)? {
         return Err(ApiError::not_found(format!("No such file: {id}")));
     }
     Ok(Json(json!({"id": id, "object": "file", "deleted": true})))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_are_checked_by_line_token_ids_within_the_vocabulary() {
+        let ok = "\u{feff}{\"text\": \"hi\"}\n\n{\"input_ids\": [1, 2, 9]}\n";
+        assert_eq!(validate_jsonl(ok.as_bytes(), 10).unwrap(), 2);
+        let e = validate_jsonl("{\"text\": \"a\"}\n{\"input_ids\": [1, 10]}\n".as_bytes(), 10).unwrap_err();
+        assert!(e.message.starts_with("Line 2: token id 10") && e.message.contains("0 to 9"), "{}", e.message);
+        let e = validate_jsonl("{\"text\": \"a\"}\n{\"input_ids\": [-3]}\n".as_bytes(), 10).unwrap_err();
+        assert!(e.message.starts_with("Line 2:") && e.message.contains("-3"), "{}", e.message);
+        assert!(validate_jsonl(&b"{\"text\": \"a\"}\n\xff\n"[..], 10).unwrap_err().message.starts_with("Line 2: not UTF-8"));
+        assert!(validate_jsonl("\n".as_bytes(), 10).unwrap_err().message.contains("no rows"));
+    }
 }

@@ -13,6 +13,7 @@
 
 mod admission;
 mod body;
+mod call_list;
 pub mod checkpoints;
 pub mod engine;
 pub mod error;

@@ -29,12 +29,16 @@ pub const SPEC: &str = r##"{
           "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}, "description": {"type": "string"}, "parameters": {"type": "object"}, "strict": {"type": "boolean"}}}}}},
         "tool_choice": {"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]}, {"type": "object", "required": ["type", "function"], "properties": {"type": {"type": "string", "enum": ["function"]}, "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}]},
         "parallel_tool_calls": {"type": "boolean"},
+        "store": {"type": "boolean", "enum": [false]}, "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+        "service_tier": {"type": "string"}, "prompt_cache_key": {"type": "string"}, "safety_identifier": {"type": "string"},
+        "modalities": {"type": "array", "items": {"type": "string", "enum": ["text"]}},
+        "reasoning_effort": {"type": "string", "enum": ["minimal", "low", "medium", "high"]},
         "functions": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}, "description": {"type": "string"}, "parameters": {"type": "object"}}}},
         "function_call": {"oneOf": [{"type": "string", "enum": ["none", "auto"]}, {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}]},
         "response_format": {"type": "object", "required": ["type"], "properties": {"type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
           "json_schema": {"type": "object", "required": ["name", "schema"], "properties": {"name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": "boolean"}, "description": {"type": "string"}}}}},
         "messages": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role", "content"], "additionalProperties": false, "properties": {
-          "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+          "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]}, "name": {"type": "string"},
           "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}]},
           "tool_calls": {"type": "array", "items": {"type": "object", "required": ["function"], "properties": {"id": {"type": "string"}, "type": {"type": "string"}, "function": {"type": "object", "required": ["name", "arguments"], "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}}},
           "tool_call_id": {"type": "string"}}}}}}]}

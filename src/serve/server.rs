@@ -31,6 +31,8 @@ pub struct ServeConfig {
     pub max_input_tokens: Option<usize>,
     pub max_total_tokens: Option<usize>,
     pub max_body_bytes: usize,
+    /// Largest upload of `POST /v1/files`.
+    pub max_upload_bytes: u64,
     /// Ignore request fields this server does not implement (listed in a response header)
     /// instead of answering 400 (see `fields`).
     pub lenient: bool,
@@ -80,6 +82,7 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
         max_concurrent,
         max_queue: cfg.max_queue,
         max_body_bytes: cfg.max_body_bytes,
+        max_upload_bytes: cfg.max_upload_bytes,
         lenient: cfg.lenient,
         api_key: cfg.api_key.clone(),
         metrics,

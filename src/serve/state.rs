@@ -32,6 +32,8 @@ pub struct AppState {
     pub max_concurrent: usize,
     pub max_queue: usize,
     pub max_body_bytes: usize,
+    /// Largest upload of `POST /v1/files` (counted as it streams to disk).
+    pub max_upload_bytes: u64,
     pub lenient: bool,
     pub api_key: Option<String>,
     pub metrics: Arc<Metrics>,

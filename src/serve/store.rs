@@ -146,19 +146,22 @@ impl Store {
         self.dir.join("files").join(format!("{id}.jsonl"))
     }
 
-    /// Stores validated contents: written to a temporary name, renamed, then recorded.
-    pub fn add_file(&self, filename: &str, purpose: &str, bytes: &[u8]) -> Result<Value> {
+    /// A fresh temporary path in the files directory, for an upload being received.
+    pub fn upload_path(&self) -> PathBuf {
+        self.dir.join("files").join(format!("{}.upload", new_id("tmp")))
+    }
+
+    /// Records an upload received (and validated) at `staged` (from [`Store::upload_path`]):
+    /// renamed to its server-chosen name, then recorded.
+    pub fn add_file(&self, filename: &str, purpose: &str, staged: &Path, bytes: u64) -> Result<Value> {
         let id = new_id("file");
-        let path = self.file_path(&id);
-        let tmp = path.with_extension("tmp");
-        std::fs::write(&tmp, bytes)?;
-        std::fs::rename(&tmp, &path)?;
+        std::fs::rename(staged, self.file_path(&id)).with_context(|| format!("storing {}", staged.display()))?;
         let created = now_s();
         self.db().execute(
             "INSERT INTO files (id, filename, purpose, bytes, created_at) VALUES (?1, ?2, ?3, ?4, ?5)",
-            params![id, filename, purpose, bytes.len() as i64, created],
+            params![id, filename, purpose, bytes as i64, created],
         )?;
-        Ok(file_json(&id, filename, purpose, bytes.len() as i64, created))
+        Ok(file_json(&id, filename, purpose, bytes as i64, created))
     }
 
     pub fn file(&self, id: &str) -> Result<Option<Value>> {

@@ -16,8 +16,10 @@
 
 use serde_json::{json, Map, Value};
 
+use super::call_list;
 use super::error::ApiError;
 use crate::generate::constraint::OutputFormat;
+use crate::generate::json_schema;
 use crate::tokenize::ChatMessage;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -152,14 +154,22 @@ impl Tools {
             ToolChoice::None | ToolChoice::Auto => None,
             ToolChoice::Named(n) => Some(OutputFormat::JsonSchema(self.parameters[self.index(n)].clone())),
             ToolChoice::Required => {
+                // Each function's parameters move into the wrapper's `$defs` with their own
+                // definitions beside them, so their `$ref`s resolve as they did alone.
+                let mut defs = Map::new();
                 let one: Vec<Value> = self
                     .names
                     .iter()
                     .zip(&self.parameters)
-                    .map(|(n, p)| json!({"type": "object", "properties": {"name": {"enum": [n]}, "arguments": p}, "required": ["name", "arguments"], "additionalProperties": false}))
+                    .map(|(n, p)| {
+                        let arguments = json_schema::embed(p, n, &mut defs);
+                        json!({"type": "object", "properties": {"name": {"enum": [n]}, "arguments": arguments}, "required": ["name", "arguments"], "additionalProperties": false})
+                    })
                     .collect();
                 let call = json!({"anyOf": one});
-                Some(OutputFormat::JsonSchema(if self.parallel { json!({"type": "array", "items": call, "minItems": 1}) } else { call }))
+                let mut schema = if self.parallel { json!({"type": "array", "items": call, "minItems": 1}) } else { call };
+                schema["$defs"] = Value::Object(defs);
+                Some(OutputFormat::JsonSchema(schema))
             }
         }
     }
@@ -168,22 +178,39 @@ impl Tools {
         self.names.iter().position(|n| n == name).expect("a known function")
     }
 
+    /// Whether the answer must be a call (`required`, a named function): its text is never
+    /// returned as content.
+    pub fn forces_call(&self) -> bool {
+        matches!(self.choice, ToolChoice::Required | ToolChoice::Named(_))
+    }
+
     /// The calls in an answer, and the text outside them (None when there is none). None when
-    /// the answer is not a call (`auto`, `none`).
+    /// the answer is not a call (`auto`, `none`). A forced answer cut short keeps its complete
+    /// calls; a call identical to an earlier one of the answer is dropped.
     pub fn calls_in(&self, answer: &str) -> Option<(Option<String>, Vec<ToolCall>)> {
         match &self.choice {
             ToolChoice::None => None,
-            ToolChoice::Named(n) => Some((None, vec![ToolCall { name: n.clone(), arguments: answer.trim().to_string() }])),
+            ToolChoice::Named(n) => {
+                let args = serde_json::from_str::<Value>(answer.trim()).ok();
+                Some((None, args.map(|_| ToolCall { name: n.clone(), arguments: answer.trim().to_string() }).into_iter().collect()))
+            }
             ToolChoice::Required => {
-                let v: Value = serde_json::from_str(answer).ok()?;
-                let calls = match v {
-                    Value::Array(a) => a,
-                    one => vec![one],
-                };
-                Some((None, calls.iter().filter_map(|c| self.call_of(c)).collect()))
+                let mut seen = std::collections::HashSet::new();
+                let calls = call_list::complete_values(answer)
+                    .iter()
+                    .filter(|c| call_list::call_key(c).is_some_and(|k| seen.insert(k)))
+                    .filter_map(|c| self.call_of(c))
+                    .collect();
+                Some((None, calls))
             }
             ToolChoice::Auto => self.detect(answer),
         }
+    }
+
+    /// For the engine: whether a forced list of calls being written repeats one (the answer then
+    /// ends). None when this choice needs no such watch.
+    pub fn repeat_watch(&self) -> Option<fn(&str) -> bool> {
+        (self.choice == ToolChoice::Required && self.parallel).then_some(call_list::repeats_a_call as fn(&str) -> bool)
     }
 
     /// `{"name", "arguments"|"parameters"}` naming one of the functions, as a call.

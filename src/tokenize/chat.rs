@@ -20,11 +20,15 @@ pub struct ChatMessage {
     /// A `tool` turn's answer to this call.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_call_id: Option<String>,
+    /// Who speaks (OpenAI's message `name`: a user in a group, an agent of several); templates
+    /// that read `message.name` render it, others leave it out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
     pub fn new(role: &str, content: &str) -> Self {
-        Self { role: role.to_string(), content: content.to_string(), tool_calls: None, tool_call_id: None }
+        Self { role: role.to_string(), content: content.to_string(), tool_calls: None, tool_call_id: None, name: None }
     }
 }
 

@@ -106,13 +106,15 @@ async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -
 }
 
 /// The assistant's message for an answer: its function calls when it makes any (then
-/// `finish_reason` "tool_calls" for an answer that ended by itself), else its text.
+/// `finish_reason` "tool_calls" for an answer that ended by itself), else its text; a forced
+/// call's grammar text is never content (cut before any call completed: no content, no calls).
 fn assistant_message(tools: Option<&Tools>, text: String, finish: Value) -> (Value, Value) {
     match tools.and_then(|t| t.calls_in(&text)).filter(|(_, calls)| !calls.is_empty()) {
         Some((content, calls)) => {
             let finish = if finish == "stop" { json!("tool_calls") } else { finish };
             (json!({"role": "assistant", "content": content, "tool_calls": tools::calls_json(&calls)}), finish)
         }
+        None if tools.is_some_and(Tools::forces_call) => (json!({"role": "assistant", "content": null}), finish),
         None => (json!({"role": "assistant", "content": text}), finish),
     }
 }

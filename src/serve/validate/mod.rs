@@ -5,6 +5,7 @@
 //! built. Everything a client can get wrong is a 400 here; nothing after this pass refuses a
 //! request for what it asked (the queue may still be full: 429).
 
+mod no_op;
 mod prompt;
 mod sampling;
 
@@ -93,6 +94,7 @@ pub fn completion(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError
 /// `/v1/chat/completions`.
 pub fn chat(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> {
     let mut ignored = fields::check(v, fields::CHAT, "", st.lenient)?;
+    no_op::check(v)?;
     let model = st.model(model_field(v)?)?;
     let mut s = sampling::parse(v, &model.defaults, true)?;
     s.params.logit_bias = sampling::logit_bias(v, model.vocab)?;

@@ -98,8 +98,13 @@ pub fn messages(v: &Value, lenient: bool, ignored: &mut Vec<String>) -> Result<V
                     .join("\n"),
                 _ => return Err(ApiError::invalid(&format!("{param}.content"), "`content` must be a string or a list of text parts.")),
             };
+            let name = match o.get("name") {
+                None | Some(Value::Null) => None,
+                Some(Value::String(n)) => Some(n.clone()),
+                Some(_) => return Err(ApiError::invalid(&format!("{param}.name"), "`name` must be a string.")),
+            };
             let mut message = ChatMessage::new(&role, &content);
-            (message.tool_calls, message.tool_call_id) = (tool_calls, tool_call_id);
+            (message.tool_calls, message.tool_call_id, message.name) = (tool_calls, tool_call_id, name);
             Ok(message)
         })
         .collect()
