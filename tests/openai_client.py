@@ -161,6 +161,28 @@ for chunk in stream:
         finish = c.finish_reason or finish
 check(name == "get_weather" and finish == "tool_calls", f"streamed tool call {name} {finish}")
 jsonschema.validate(json.loads(args), weather)
+# `required`, parallel, streamed as OpenAI streams calls: each call's first chunk carries index,
+# id, type and name; its arguments come in several fragments that concatenate to exactly the
+# arguments of the same answer not streamed (same seed).
+kwargs = dict(model=model, messages=ask, tools=tools, tool_choice="required", max_tokens=100, temperature=0.9, seed=11)
+whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+calls, fragments = {}, 0
+for chunk in client.chat.completions.create(stream=True, **kwargs):
+    for c in chunk.choices:
+        for tc in c.delta.tool_calls or []:
+            if tc.index not in calls:
+                check(tc.id and tc.id.startswith("call_") and tc.type == "function" and tc.function.name, f"a call's first chunk: {tc}")
+                calls[tc.index] = {"name": tc.function.name, "arguments": ""}
+            else:
+                check(tc.function.name is None, f"the name comes once: {tc}")
+            if tc.function.arguments:
+                calls[tc.index]["arguments"] += tc.function.arguments
+                fragments += 1
+        finish = c.finish_reason or finish
+streamed = [calls[i] for i in sorted(calls)]
+check([(c["name"], c["arguments"]) for c in streamed] == [(c.function.name, c.function.arguments) for c in whole],
+      f"streamed calls {streamed} vs {whole}")
+check(fragments > len(streamed) and finish == "tool_calls", f"{fragments} fragments, finish {finish}")
 # A conversation with a call and its result goes on; `auto` may answer in text.
 history = ask + [{"role": "assistant", "content": None, "tool_calls": [{"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
                  {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]

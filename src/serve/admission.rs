@@ -38,8 +38,8 @@ pub fn submit(st: &Arc<AppState>, req: &mut ValidatedRequest) -> Result<Submitte
         .map_err(|_| ApiError::overloaded(1))?;
     let admission = Admission(st.clone(), req.n);
     let mut constraints = std::mem::take(&mut req.constraints).into_iter();
-    let stop_when = match &req.kind {
-        RequestKind::Chat { tools: Some(t) } => t.repeat_watch(),
+    let tools = match &req.kind {
+        RequestKind::Chat { tools: Some(t) } => Some(t),
         _ => None,
     };
     let mut answers = vec![];
@@ -51,7 +51,7 @@ pub fn submit(st: &Arc<AppState>, req: &mut ValidatedRequest) -> Result<Submitte
             prompt_ids: req.prompt_ids.clone(),
             params,
             constraint: constraints.next(),
-            stop_when,
+            stop_when: tools.and_then(|t| t.repeat_watch()),
             events: tx,
             enqueued: Instant::now(),
         };

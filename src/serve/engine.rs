@@ -22,12 +22,15 @@ pub struct Job {
     pub params: SamplingParams,
     /// The grammar the answer must follow (`response_format`, a forced call).
     pub constraint: Option<llguidance::Matcher>,
-    /// Ends the answer (finish reason `stop`) once its text so far says so: a forced list of
-    /// calls that repeats one (`tools::Tools::repeat_watch`).
-    pub stop_when: Option<fn(&str) -> bool>,
+    /// Ends the answer (finish reason `stop`) once the text it is handed, piece by piece, says
+    /// so: a forced list of calls that repeats one (`tools::Tools::repeat_watch`).
+    pub stop_when: Option<StopWhen>,
     pub events: UnboundedSender<Event>,
     pub enqueued: Instant,
 }
+
+/// Reads an answer's text as it is generated; true: end the answer now.
+pub type StopWhen = Box<dyn FnMut(&str) -> bool + Send>;
 
 /// What the engine reports about a sequence.
 #[derive(Debug, Clone)]
@@ -64,8 +67,6 @@ struct Running {
     seq: Sequence,
     job: Job,
     last_token_at: Option<Instant>,
-    /// The answer's text so far, kept only for `stop_when`.
-    text: String,
 }
 
 /// Starts the engine thread. `max_running` sequences advance together.
@@ -112,7 +113,7 @@ fn run(
                     if let Some(m) = job.constraint.take() {
                         seq.constrain(m);
                     }
-                    active.push(Running { seq, job, last_token_at: None, text: String::new() })
+                    active.push(Running { seq, job, last_token_at: None })
                 }
                 Err(e) => {
                     let _ = job.events.send(Event::Error(format!("{e:#}")));
@@ -152,9 +153,8 @@ fn run(
                         let _ = r.job.events.send(Event::PromptLogprobs(scored));
                     }
                     let mut finished = step.finished;
-                    if let Some(stop) = r.job.stop_when {
-                        r.text.push_str(&step.text);
-                        if finished.is_none() && stop(&r.text) {
+                    if let Some(stop) = r.job.stop_when.as_mut() {
+                        if stop(&step.text) && finished.is_none() {
                             finished = Some(FinishReason::Stop);
                         }
                     }

@@ -13,7 +13,7 @@
 
 mod admission;
 mod body;
-mod call_list;
+mod call_stream;
 pub mod checkpoints;
 pub mod engine;
 pub mod error;

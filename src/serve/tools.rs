@@ -16,7 +16,8 @@
 
 use serde_json::{json, Map, Value};
 
-use super::call_list;
+use super::call_stream::CallStream;
+use super::engine::StopWhen;
 use super::error::ApiError;
 use crate::generate::constraint::OutputFormat;
 use crate::generate::json_schema;
@@ -185,32 +186,40 @@ impl Tools {
     }
 
     /// The calls in an answer, and the text outside them (None when there is none). None when
-    /// the answer is not a call (`auto`, `none`). A forced answer cut short keeps its complete
-    /// calls; a call identical to an earlier one of the answer is dropped.
+    /// the answer is not a call (`auto`, `none`). A forced answer is read as it is streamed
+    /// (`call_stream`): cut short, it keeps its complete calls; a call identical to an earlier
+    /// one is dropped.
     pub fn calls_in(&self, answer: &str) -> Option<(Option<String>, Vec<ToolCall>)> {
         match &self.choice {
             ToolChoice::None => None,
-            ToolChoice::Named(n) => {
-                let args = serde_json::from_str::<Value>(answer.trim()).ok();
-                Some((None, args.map(|_| ToolCall { name: n.clone(), arguments: answer.trim().to_string() }).into_iter().collect()))
-            }
-            ToolChoice::Required => {
-                let mut seen = std::collections::HashSet::new();
-                let calls = call_list::complete_values(answer)
-                    .iter()
-                    .filter(|c| call_list::call_key(c).is_some_and(|k| seen.insert(k)))
-                    .filter_map(|c| self.call_of(c))
-                    .collect();
+            ToolChoice::Named(_) | ToolChoice::Required => {
+                let mut stream = self.call_stream()?;
+                stream.push(answer);
+                let calls = stream.calls().into_iter().map(|c| ToolCall { name: c.name, arguments: c.arguments }).collect();
                 Some((None, calls))
             }
             ToolChoice::Auto => self.detect(answer),
         }
     }
 
-    /// For the engine: whether a forced list of calls being written repeats one (the answer then
-    /// ends). None when this choice needs no such watch.
-    pub fn repeat_watch(&self) -> Option<fn(&str) -> bool> {
-        (self.choice == ToolChoice::Required && self.parallel).then_some(call_list::repeats_a_call as fn(&str) -> bool)
+    /// A reader of a forced answer's calls as they are generated (None unless the choice forces
+    /// a call).
+    pub fn call_stream(&self) -> Option<CallStream> {
+        match &self.choice {
+            ToolChoice::Named(n) => Some(CallStream::new(Some(n))),
+            ToolChoice::Required => Some(CallStream::new(None)),
+            ToolChoice::None | ToolChoice::Auto => None,
+        }
+    }
+
+    /// For the engine: a watch that ends a forced list of calls once it repeats one. None when
+    /// this choice needs none.
+    pub fn repeat_watch(&self) -> Option<StopWhen> {
+        let mut stream = self.call_stream().filter(|_| self.choice == ToolChoice::Required && self.parallel)?;
+        Some(Box::new(move |delta: &str| {
+            stream.push(delta);
+            stream.repeated()
+        }))
     }
 
     /// `{"name", "arguments"|"parameters"}` naming one of the functions, as a call.
@@ -326,9 +335,19 @@ pub fn message_tool_calls(calls: &Value, at: &str) -> Result<Value, ApiError> {
     Ok(Value::Array(out))
 }
 
+/// A fresh call id, OpenAI's spelling (`call_...`).
+pub fn new_call_id() -> String {
+    super::ids::new_id("call").replace("call-", "call_")
+}
+
 /// OpenAI's `tool_calls` of a response message.
 pub fn calls_json(calls: &[ToolCall]) -> Value {
-    Value::Array(calls.iter().map(|c| json!({"id": super::ids::new_id("call").replace("call-", "call_"), "type": "function", "function": {"name": c.name, "arguments": c.arguments}})).collect())
+    Value::Array(
+        calls
+            .iter()
+            .map(|c| json!({"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
+            .collect(),
+    )
 }
 
 #[cfg(test)]

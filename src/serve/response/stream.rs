@@ -2,9 +2,12 @@
 //! error event then `[DONE]` when the engine fails or the shutdown's grace period ends.
 //!
 //! Chat streams open with the role; completions with `echo` start with the prompt (with its
-//! scores, once they come, when logprobs are asked for). A chat answer with functions is held
-//! until it is complete, then sent as OpenAI's `delta.tool_calls` chunks (id and name, then
-//! argument fragments) when it is a call, else as text.
+//! scores, once they come, when logprobs are asked for). A forced call (`tool_choice` required
+//! or a named function) streams as OpenAI and vLLM stream it: a call's first `delta.tool_calls`
+//! chunk carries its index, id, type and name as soon as the name is complete, then argument
+//! fragments as they are generated (see `call_stream`). An `auto` answer with functions may be
+//! text or calls, so it is held until complete, then sent as calls (id and name, then argument
+//! fragments) or as text.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -17,9 +20,11 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use super::{assistant_message, logprobs, names, usage};
 use crate::serve::admission::Submitted;
+use crate::serve::call_stream::{CallEvent, CallStream};
 use crate::serve::engine::Event;
 use crate::serve::error::ApiError;
 use crate::serve::state::AppState;
+use crate::serve::tools::{self, Tools};
 use crate::serve::validate::{RequestKind, ValidatedRequest};
 
 type Sender = mpsc::UnboundedSender<Result<SseEvent, Infallible>>;
@@ -57,8 +62,12 @@ struct Streamer<'a> {
     object: &'static str,
     created: i64,
     n: usize,
-    /// Each answer's text so far, for a chat answer with functions (held to the end).
+    /// Each answer's text so far, for an `auto` chat answer with functions (held to the end).
     held: Vec<String>,
+    /// Each answer's forced calls as they are generated (None unless the choice forces a call),
+    /// and how many it has shown.
+    calls: Vec<Option<CallStream>>,
+    shown: Vec<usize>,
     /// Where each completion answer's next token begins in its text (`text_offset`).
     offsets: Vec<usize>,
 }
@@ -70,7 +79,9 @@ impl<'a> Streamer<'a> {
             RequestKind::Completion { echo: Some(e) } => e.chars().count(),
             _ => 0,
         };
-        Self { req, out, id, object, created: crate::serve::ids::now_s(), n, held: vec![String::new(); n], offsets: vec![start; n] }
+        let calls = (0..n).map(|_| forced(req).and_then(Tools::call_stream)).collect();
+        let (held, shown, offsets) = (vec![String::new(); n], vec![0; n], vec![start; n]);
+        Self { req, out, id, object, created: crate::serve::ids::now_s(), n, held, calls, shown, offsets }
     }
 
     fn chunk(&self, choices: Value, usage: Option<Value>) -> SseEvent {
@@ -94,8 +105,9 @@ impl<'a> Streamer<'a> {
         let _ = self.out.send(Ok(SseEvent::default().data("[DONE]")));
     }
 
+    /// An `auto` answer with functions: held to the end.
     fn holds_calls(&self) -> bool {
-        matches!(&self.req.kind, RequestKind::Chat { tools: Some(_) })
+        matches!(&self.req.kind, RequestKind::Chat { tools: Some(t) } if !t.forces_call())
     }
 
     async fn run(mut self, st: &AppState, mut events: mpsc::UnboundedReceiver<(usize, Event)>) {
@@ -175,6 +187,21 @@ impl<'a> Streamer<'a> {
                 v
             }
         });
+        if let Some(calls) = self.calls[index].as_mut() {
+            for event in calls.push(&text) {
+                let delta = match event {
+                    CallEvent::Start { index: k, name } => {
+                        self.shown[index] += 1;
+                        json!({"tool_calls": [{"index": k, "id": tools::new_call_id(), "type": "function", "function": {"name": name, "arguments": ""}}]})
+                    }
+                    CallEvent::Args { index: k, fragment } => json!({"tool_calls": [{"index": k, "function": {"arguments": fragment}}]}),
+                };
+                if !self.send(json!({"index": index, "delta": delta, "logprobs": null, "finish_reason": null})) {
+                    return None;
+                }
+            }
+            return lp.map(|lp| json!({"index": index, "delta": {}, "logprobs": lp, "finish_reason": null}));
+        }
         if self.holds_calls() {
             self.held[index].push_str(&text);
             return lp.map(|lp| json!({"index": index, "delta": {}, "logprobs": lp, "finish_reason": null}));
@@ -189,6 +216,10 @@ impl<'a> Streamer<'a> {
     /// The last chunk of an answer, after its held text or calls (None: the client is gone).
     fn end(&mut self, index: usize, finish: Value) -> Option<Value> {
         match &self.req.kind {
+            RequestKind::Chat { tools: Some(t) } if t.forces_call() => {
+                let finish = if self.shown[index] > 0 && finish == "stop" { json!("tool_calls") } else { finish };
+                Some(json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": finish}))
+            }
             RequestKind::Chat { tools: Some(t) } => {
                 let (message, finish) = assistant_message(Some(t), std::mem::take(&mut self.held[index]), finish);
                 for delta in held_answer_deltas(&message) {
@@ -201,6 +232,14 @@ impl<'a> Streamer<'a> {
             RequestKind::Chat { tools: None } => Some(json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": finish})),
             RequestKind::Completion { .. } => Some(json!({"index": index, "text": "", "logprobs": null, "finish_reason": finish})),
         }
+    }
+}
+
+/// The request's functions when its choice forces a call.
+fn forced(req: &ValidatedRequest) -> Option<&Tools> {
+    match &req.kind {
+        RequestKind::Chat { tools: Some(t) } if t.forces_call() => Some(t),
+        _ => None,
     }
 }
 
