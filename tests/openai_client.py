@@ -261,6 +261,51 @@ for param, kwargs in [("modalities", {"modalities": ["text", "audio"]}), ("reaso
     except openai.BadRequestError as e:
         check(e.body.get("param") == param, f"{param}: {e.body}")
 
+# The Responses API: the same engine behind items in, items out, and a typed event stream.
+resp = client.responses.create(model=model, input="Say hello", max_output_tokens=8, temperature=0)
+check(resp.object == "response" and resp.status in ("completed", "incomplete") and resp.output[0].type == "message", f"responses: {resp}")
+check(resp.output_text == resp.output[0].content[0].text and resp.usage.total_tokens == resp.usage.input_tokens + resp.usage.output_tokens,
+      f"responses text/usage: {resp}")
+events = list(client.responses.create(model=model, input="Say hello", max_output_tokens=8, temperature=0, stream=True))
+kinds = [e.type for e in events]
+check(kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] in ("response.completed", "response.incomplete"), f"events {kinds}")
+check([e.sequence_number for e in events] == list(range(len(events))), "sequence numbers")
+check("".join(e.delta for e in events if e.type == "response.output_text.delta") == resp.output_text, f"streamed text {kinds}")
+check(events[-1].response.output_text == resp.output_text, "the final response of the stream")
+rtools = [{"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": weather}]
+r = client.responses.create(model=model, input="What is the weather in Paris?", tools=rtools, tool_choice="required", max_output_tokens=80, temperature=0.7)
+calls = [o for o in r.output if o.type == "function_call"]
+check(calls and calls[0].name == "get_weather" and calls[0].call_id.startswith("call_"), f"responses call: {r}")
+jsonschema.validate(json.loads(calls[0].arguments), weather)
+items = [{"role": "user", "content": "What is the weather in Paris?"},
+         {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather", "arguments": calls[0].arguments},
+         {"type": "function_call_output", "call_id": calls[0].call_id, "output": "18 C and sunny"}]
+follow = client.responses.create(model=model, input=items, instructions="Answer briefly.", tools=rtools, max_output_tokens=8, temperature=0)
+check(follow.status in ("completed", "incomplete") and follow.output, f"after a function call's output: {follow}")
+events = list(client.responses.create(model=model, input="Weather in Rome?", tools=rtools, tool_choice={"type": "function", "name": "get_weather"},
+                                      max_output_tokens=80, temperature=0.7, stream=True))
+added = [e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+done = [e for e in events if e.type == "response.function_call_arguments.done"]
+check(added and added[0].item.name == "get_weather" and done and "".join(pieces) == done[0].arguments and len(pieces) > 1,
+      f"streamed function call events: {[e.type for e in events]}")
+jsonschema.validate(json.loads(done[0].arguments), weather)
+check(events[-1].response.output[0].arguments == done[0].arguments, "the stream's final response holds the call")
+r = client.responses.create(model=model, input="A person", max_output_tokens=200, temperature=0.8,
+                            text={"format": {"type": "json_schema", "name": "person", "schema": person, "strict": True}})
+jsonschema.validate(json.loads(r.output_text), person)
+for param, call in [
+    ("previous_response_id", lambda: client.responses.create(model=model, input="x", previous_response_id="resp_1")),
+    ("store", lambda: client.responses.create(model=model, input="x", store=True)),
+    ("foo_bar", lambda: client.responses.create(model=model, input="x", extra_body={"foo_bar": 1})),
+    ("input[0].type", lambda: client.responses.create(model=model, input=[{"type": "reasoning", "summary": []}])),
+]:
+    try:
+        call()
+        check(False, f"expected BadRequestError for {param}")
+    except openai.BadRequestError as e:
+        check(e.body.get("param") == param, f"{param}: {e.body}")
+
 # What the server does not implement is a BadRequestError naming it, never a silent 200.
 for param, call in [
     ("foo_bar", lambda: client.chat.completions.create(model=model, messages=msgs, max_tokens=2, extra_body={"foo_bar": 1})),

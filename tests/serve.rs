@@ -206,7 +206,11 @@ fn bad_requests_get_openai_errors_and_never_a_5xx() {
         (chat.clone(), json!({"model": "tiny", "messages": msgs, "response_format": {"type": "xml"}}).to_string(), 400, Some("response_format.type"), None),
         (chat.clone(), json!({"model": "tiny", "messages": msgs, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nosuchtype"}}}}}}).to_string(), 400, Some("response_format.json_schema.schema"), None),
         (chat.clone(), json!({"model": "tiny", "messages": msgs, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}}).to_string(), 400, Some("response_format.json_schema.name"), None),
-        (chat.clone(), json!({"model": "tiny", "messages": [{"role": "user", "content": "hi", "name": "bob"}]}).to_string(), 400, Some("messages[0].name"), Some("unsupported_parameter")),
+        // A message's `name` is accepted (tests/openai_client.py); `refusal` is not implemented.
+        (chat.clone(), json!({"model": "tiny", "messages": [{"role": "assistant", "content": "hi", "refusal": "no"}]}).to_string(), 400, Some("messages[0].refusal"), Some("unsupported_parameter")),
+        (server.url("/v1/responses"), json!({"model": "tiny", "input": "x", "previous_response_id": "resp_1"}).to_string(), 400, Some("previous_response_id"), Some("unsupported_parameter")),
+        (server.url("/v1/responses"), json!({"model": "tiny", "input": [{"type": "function_call_output", "output": "x"}]}).to_string(), 400, Some("input[0].call_id"), None),
+        (server.url("/v1/responses"), json!({"model": "tiny", "input": "x", "max_output_tokens": 100000}).to_string(), 400, Some("max_output_tokens"), None),
         (comp.clone(), json!({"model": "tiny", "prompt": "x", "suffix": "y"}).to_string(), 400, Some("suffix"), Some("unsupported_parameter")),
         (comp.clone(), json!({"model": "tiny", "prompt": "x", "best_of": 2}).to_string(), 400, Some("best_of"), Some("unsupported_parameter")),
         (comp.clone(), json!({"model": "tiny", "prompt": "x", "logit_bias": {"99999999": 5}}).to_string(), 400, Some("logit_bias"), None),

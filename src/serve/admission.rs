@@ -11,7 +11,7 @@ use tokio::sync::mpsc;
 use super::engine::{Event, Job};
 use super::error::ApiError;
 use super::state::AppState;
-use super::validate::{RequestKind, ValidatedRequest};
+use super::validate::ValidatedRequest;
 
 /// Counts a request's sequences as admitted until dropped (when the response is complete or the
 /// client is gone), so the queue bound holds for streams too.
@@ -38,10 +38,7 @@ pub fn submit(st: &Arc<AppState>, req: &mut ValidatedRequest) -> Result<Submitte
         .map_err(|_| ApiError::overloaded(1))?;
     let admission = Admission(st.clone(), req.n);
     let mut constraints = std::mem::take(&mut req.constraints).into_iter();
-    let tools = match &req.kind {
-        RequestKind::Chat { tools: Some(t) } => Some(t),
-        _ => None,
-    };
+    let tools = req.kind.tools();
     let mut answers = vec![];
     for i in 0..req.n {
         let (tx, rx) = mpsc::unbounded_channel();

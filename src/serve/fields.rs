@@ -80,6 +80,32 @@ pub const CHAT: &[&str] = &[
     "reasoning_effort",
 ];
 
+/// `/v1/responses`.
+pub const RESPONSES: &[&str] = &[
+    "model",
+    "input",
+    "instructions",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "text",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "stream",
+    // Refused unless they change nothing (see `validate::responses`, `validate::no_op`).
+    "store",
+    "previous_response_id",
+    "include",
+    "truncation",
+    "reasoning",
+    "metadata",
+    "user",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+];
+
 /// One chat message.
 pub const MESSAGE: &[&str] = &["role", "content", "tool_calls", "tool_call_id", "name"];
 

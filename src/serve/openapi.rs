@@ -22,6 +22,26 @@ pub const SPEC: &str = r##"{
       "CompletionRequest": {"allOf": [{"$ref": "#/components/schemas/Sampling"}, {"type": "object", "required": ["model", "prompt"], "properties": {
         "model": {"type": "string"}, "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}}]},
         "echo": {"type": "boolean"}, "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}, "best_of": {"type": "integer", "minimum": 1, "maximum": 8}}}]},
+      "ResponsesRequest": {"type": "object", "required": ["model", "input"], "properties": {
+        "model": {"type": "string"},
+        "input": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "object", "properties": {
+          "type": {"type": "string", "enum": ["message", "function_call", "function_call_output"]}, "role": {"type": "string", "enum": ["user", "assistant", "system", "developer"]},
+          "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {"type": {"type": "string", "enum": ["input_text", "output_text"]}, "text": {"type": "string"}}}}]},
+          "call_id": {"type": "string"}, "name": {"type": "string"}, "arguments": {"type": "string"}, "output": {"type": "string"}}}}]},
+        "instructions": {"type": "string"},
+        "tools": {"type": "array", "items": {"type": "object", "required": ["type", "name"], "properties": {"type": {"type": "string", "enum": ["function"]}, "name": {"type": "string"},
+          "description": {"type": "string"}, "parameters": {"type": "object"}, "strict": {"type": "boolean"}}}},
+        "tool_choice": {"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]}, {"type": "object", "required": ["type", "name"], "properties": {"type": {"type": "string", "enum": ["function"]}, "name": {"type": "string"}}}]},
+        "parallel_tool_calls": {"type": "boolean"},
+        "text": {"type": "object", "properties": {"format": {"type": "object", "required": ["type"], "properties": {"type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+          "name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": "boolean"}, "description": {"type": "string"}}}}},
+        "max_output_tokens": {"type": "integer", "minimum": 1}, "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "top_p": {"type": "number", "exclusiveMinimum": true, "minimum": 0, "maximum": 1}, "stream": {"type": "boolean"},
+        "store": {"type": "boolean", "enum": [false]}, "previous_response_id": {"type": "string", "description": "Refused: responses are not stored."},
+        "include": {"type": "array", "maxItems": 0}, "truncation": {"type": "string", "enum": ["disabled"]},
+        "reasoning": {"type": "object", "properties": {"effort": {"type": "string", "enum": ["minimal", "low", "medium", "high"]}}},
+        "metadata": {"type": "object", "additionalProperties": {"type": "string"}}, "user": {"type": "string"}, "service_tier": {"type": "string"},
+        "prompt_cache_key": {"type": "string"}, "safety_identifier": {"type": "string"}}},
       "ChatRequest": {"allOf": [{"$ref": "#/components/schemas/Sampling"}, {"type": "object", "required": ["model", "messages"], "properties": {
         "model": {"type": "string"}, "max_completion_tokens": {"type": "integer", "minimum": 1},
         "logprobs": {"type": "boolean"}, "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
@@ -56,6 +76,10 @@ pub const SPEC: &str = r##"{
       "responses": {"200": {"description": "The fine-tuned model is deleted."}, "403": {"description": "The base model cannot be deleted."}, "404": {"description": "No such fine-tuned model."}}}},
     "/v1/completions": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/CompletionRequest"}}}},
       "responses": {"200": {"description": "A text_completion object, or an SSE stream of them ending in [DONE]."},
+        "400": {"description": "Invalid request.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}},
+        "404": {"description": "Unknown model."}, "429": {"description": "The queue is full (Retry-After)."}}}},
+    "/v1/responses": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ResponsesRequest"}}}},
+      "responses": {"200": {"description": "A response object, or an SSE stream of typed response events."},
         "400": {"description": "Invalid request.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}},
         "404": {"description": "Unknown model."}, "429": {"description": "The queue is full (Retry-After)."}}}},
     "/v1/chat/completions": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ChatRequest"}}}},
@@ -148,6 +172,7 @@ mod tests {
         let schemas = &v["components"]["schemas"];
         assert_eq!(props(&schemas["CompletionRequest"]), set(crate::serve::fields::COMPLETIONS));
         assert_eq!(props(&schemas["ChatRequest"]), set(crate::serve::fields::CHAT));
+        assert_eq!(props(&schemas["ResponsesRequest"]), set(crate::serve::fields::RESPONSES));
         assert_eq!(props(&schemas["ChatRequest"]["allOf"][1]["properties"]["messages"]["items"]), set(crate::serve::fields::MESSAGE));
         let job = &v["paths"]["/v1/fine_tuning/jobs"]["post"]["requestBody"]["content"]["application/json"]["schema"];
         assert_eq!(props(job), set(crate::serve::fields::JOB));

@@ -32,6 +32,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models/{id}", get(routes::model).delete(routes::delete_model))
         .route("/v1/completions", post(routes::completions))
         .route("/v1/chat/completions", post(routes::chat_completions))
+        .route("/v1/responses", post(routes::responses))
         .route("/v1/files", post(files::upload).get(files::list).layer(DefaultBodyLimit::disable()))
         .route("/v1/files/{id}", get(files::get_one).delete(files::delete))
         .route("/v1/files/{id}/content", get(files::content))

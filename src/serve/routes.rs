@@ -99,6 +99,11 @@ pub async fn chat_completions(State(st): State<Arc<AppState>>, body: Result<Byte
     generate(st, req).await
 }
 
+pub async fn responses(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let req = validate::responses(&st, &json_body(body, st.max_body_bytes)?)?;
+    generate(st, req).await
+}
+
 async fn generate(st: Arc<AppState>, mut req: ValidatedRequest) -> Result<Response, ApiError> {
     let submitted = admission::submit(&st, &mut req)?;
     response::answer(st, req, submitted).await

@@ -3,6 +3,7 @@
 //! echo, and function calls read from a chat answer.
 
 mod logprobs;
+mod responses;
 mod stream;
 
 use std::sync::Arc;
@@ -23,7 +24,12 @@ use crate::generate::TokenLogprob;
 /// The response to a validated, submitted request: streamed or whole.
 pub async fn answer(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -> Result<Response, ApiError> {
     let ignored = req.ignored.clone();
-    let response = if req.stream { stream::sse(st, req, submitted) } else { whole(st, req, submitted).await? };
+    let response = match (&req.kind, req.stream) {
+        (RequestKind::Responses { .. }, true) => responses::sse(st, req, submitted),
+        (RequestKind::Responses { .. }, false) => responses::whole(st, req, submitted).await?,
+        (_, true) => stream::sse(st, req, submitted),
+        (_, false) => whole(st, req, submitted).await?,
+    };
     Ok(with_ignored(response, &ignored))
 }
 
@@ -58,7 +64,7 @@ async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -
     let tokenizer = &req.model.tokenizer;
     let (echo, tools) = match &req.kind {
         RequestKind::Completion { echo } => (echo.as_deref(), None),
-        RequestKind::Chat { tools } => (None, tools.as_ref()),
+        RequestKind::Chat { tools } | RequestKind::Responses { tools, .. } => (None, tools.as_ref()),
     };
     let mut choices = vec![];
     let mut completion_tokens = 0;
@@ -88,8 +94,8 @@ async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -
             }
         };
         let logprobs = req.params.logprobs.map(|_| match req.kind {
-            RequestKind::Chat { .. } => logprobs::chat(tokenizer, &lps),
             RequestKind::Completion { .. } => logprobs::completion(tokenizer, &req.prompt_ids, prompt_lps.as_deref(), &lps, echo),
+            _ => logprobs::chat(tokenizer, &lps),
         });
         choices.push(if req.kind.is_chat() {
             let (message, finish) = assistant_message(tools, text, json!(finish));

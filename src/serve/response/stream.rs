@@ -121,6 +121,7 @@ impl<'a> Streamer<'a> {
                     Some(json!({"index": index, "text": e, "logprobs": null, "finish_reason": null}))
                 }
                 RequestKind::Completion { .. } => None,
+                RequestKind::Responses { .. } => unreachable!("/v1/responses streams its own events (response::responses)"),
             };
             if first.is_some_and(|c| !self.send(c)) {
                 return;
@@ -231,6 +232,7 @@ impl<'a> Streamer<'a> {
             }
             RequestKind::Chat { tools: None } => Some(json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": finish})),
             RequestKind::Completion { .. } => Some(json!({"index": index, "text": "", "logprobs": null, "finish_reason": finish})),
+            RequestKind::Responses { .. } => unreachable!("/v1/responses streams its own events (response::responses)"),
         }
     }
 }

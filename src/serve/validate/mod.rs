@@ -7,6 +7,7 @@
 
 mod no_op;
 mod prompt;
+pub mod responses;
 mod sampling;
 
 use std::sync::Arc;
@@ -34,6 +35,8 @@ pub enum RequestKind {
     /// `/v1/chat/completions`; `tools`: the functions the answer may call (none when the request
     /// gives none, or says `tool_choice: none`).
     Chat { tools: Option<Tools> },
+    /// `/v1/responses`: chat's answer in output items; `echo`: the settings the response repeats.
+    Responses { tools: Option<Tools>, echo: responses::Echo },
 }
 
 impl RequestKind {
@@ -41,12 +44,20 @@ impl RequestKind {
         matches!(self, Self::Chat { .. })
     }
 
+    /// The functions the answer may call.
+    pub fn tools(&self) -> Option<&Tools> {
+        match self {
+            Self::Chat { tools } | Self::Responses { tools, .. } => tools.as_ref(),
+            Self::Completion { .. } => None,
+        }
+    }
+
     /// The parameter that holds the prompt, for messages.
     fn prompt_param(&self) -> &'static str {
-        if self.is_chat() {
-            "messages"
-        } else {
-            "prompt"
+        match self {
+            Self::Completion { .. } => "prompt",
+            Self::Chat { .. } => "messages",
+            Self::Responses { .. } => "input",
         }
     }
 }
@@ -99,8 +110,45 @@ pub fn chat(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> {
     let mut s = sampling::parse(v, &model.defaults, true)?;
     s.params.logit_bias = sampling::logit_bias(v, model.vocab)?;
     let messages = prompt::messages(v, st.lenient, &mut ignored)?;
+    let (tools, constraints) = tools_and_constraints(st, &model, v, s.n, &mut ignored)?;
+    let prompt_ids = model.chat_prompt_ids(&messages, tools.as_ref())?;
+    finish(st, model, RequestKind::Chat { tools }, prompt_ids, s, constraints, ignored)
+}
+
+/// `/v1/responses`: read into chat's values (`responses`), then chat's checks, with the fields
+/// named as the Responses API names them.
+pub fn responses(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> {
+    let mut ignored = fields::check(v, fields::RESPONSES, "", st.lenient)?;
+    no_op::check(v)?;
+    let model = st.model(model_field(v)?)?;
+    let r = responses::read(v, st.lenient, &mut ignored)?;
+    let renamed = |e: ApiError| {
+        let param = e
+            .param
+            .as_ref()
+            .map(|p| p.replacen("response_format.json_schema", "text.format", 1).replacen("response_format", "text.format", 1));
+        ApiError { param, ..e }
+    };
+    let mut s = sampling::parse(&r.chat, &model.defaults, true)?;
+    s.max_tokens = r.max_output_tokens;
+    let (tools, constraints) = tools_and_constraints(st, &model, &r.chat, s.n, &mut ignored).map_err(renamed)?;
+    let prompt_ids = model.chat_prompt_ids(&r.messages, tools.as_ref())?;
+    let kind = RequestKind::Responses { tools, echo: r.echo };
+    let named = |e: ApiError| ApiError { param: e.param.as_ref().map(|p| p.replace("max_tokens", "max_output_tokens")), ..e };
+    finish(st, model, kind, prompt_ids, s, constraints, ignored).map_err(named)
+}
+
+/// A chat-shaped body's functions (none when `tool_choice` is `none`) and the grammar matchers
+/// its answers follow (`response_format`, or a forced call), one per answer.
+fn tools_and_constraints(
+    st: &AppState,
+    model: &ServedModel,
+    v: &Value,
+    n: usize,
+    ignored: &mut Vec<String>,
+) -> Result<(Option<Tools>, Vec<llguidance::Matcher>), ApiError> {
     let tools = tools::parse(v)?.filter(|t| t.choice != ToolChoice::None);
-    let format = match (prompt::response_format(v, st.lenient, &mut ignored)?, tools.as_ref().and_then(Tools::output_format)) {
+    let format = match (prompt::response_format(v, st.lenient, ignored)?, tools.as_ref().and_then(Tools::output_format)) {
         (Some(_), Some(_)) => {
             return Err(ApiError::invalid(
                 "response_format",
@@ -112,10 +160,9 @@ pub fn chat(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> {
     };
     let constraints = match &format {
         None => vec![],
-        Some((f, from_tools)) => matchers(&model, f, *from_tools, s.n)?,
+        Some((f, from_tools)) => matchers(model, f, *from_tools, n)?,
     };
-    let prompt_ids = model.chat_prompt_ids(&messages, tools.as_ref())?;
-    finish(st, model, RequestKind::Chat { tools }, prompt_ids, s, constraints, ignored)
+    Ok((tools, constraints))
 }
 
 /// `/tokenize`: the model named (else the base model) and the ids of its `prompt` or `messages`.
@@ -204,7 +251,7 @@ fn finish(
     }
     let default_max = match kind {
         RequestKind::Completion { .. } => DEFAULT_COMPLETION_MAX_TOKENS,
-        RequestKind::Chat { .. } => model.max_total_tokens.saturating_sub(prompt_tokens),
+        RequestKind::Chat { .. } | RequestKind::Responses { .. } => model.max_total_tokens.saturating_sub(prompt_tokens),
     };
     let max_tokens = s.max_tokens.unwrap_or(default_max);
     if prompt_tokens + max_tokens > model.max_total_tokens || max_tokens == 0 {

@@ -24,7 +24,7 @@ pub fn check(v: &Value) -> Result<(), ApiError> {
     if f.bool("store")? == Some(true) {
         return Err(ApiError::invalid(
             "store",
-            "`store: true` is not supported by this server (fsdp-app keeps no completions); send false or leave it out.",
+            "`store: true` is not supported by this server (fsdp-app keeps no completions or responses); send false or leave it out.",
         )
         .with_code("unsupported_parameter"));
     }

@@ -1,0 +1,308 @@
+//! The Responses API's shape of an answer: output items (an assistant `message` with its
+//! `output_text`, `function_call`s), the `response` object with `usage`, and the typed event
+//! stream the official client and the Agents SDK consume (`response.created`,
+//! `response.output_item.added`, `response.output_text.delta`,
+//! `response.function_call_arguments.delta`/`.done`, `response.output_item.done`,
+//! `response.completed`, each with its `sequence_number`).
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+use crate::generate::FinishReason;
+use crate::serve::admission::Submitted;
+use crate::serve::call_stream::{CallEvent, CallStream};
+use crate::serve::engine::Event;
+use crate::serve::error::ApiError;
+use crate::serve::ids;
+use crate::serve::state::AppState;
+use crate::serve::tools::{self, Tools};
+use crate::serve::validate::{RequestKind, ValidatedRequest};
+
+/// An id with OpenAI's spelling for response objects (`resp_...`, `msg_...`, `fc_...`).
+fn item_id(prefix: &str) -> String {
+    ids::new_id(prefix).replacen('-', "_", 1)
+}
+
+fn tools_of(req: &ValidatedRequest) -> Option<&Tools> {
+    req.kind.tools()
+}
+
+fn message_item(id: &str, text: &str, status: &str) -> Value {
+    json!({"type": "message", "id": id, "status": status, "role": "assistant",
+           "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
+}
+
+fn call_item(id: &str, call_id: &str, name: &str, arguments: &str, status: &str) -> Value {
+    json!({"type": "function_call", "id": id, "call_id": call_id, "name": name, "arguments": arguments, "status": status})
+}
+
+/// The items of a finished answer: its calls (and any text outside them), else its text; a forced
+/// call's grammar text is never a message.
+fn output_items(tools: Option<&Tools>, text: &str) -> Vec<Value> {
+    match tools.and_then(|t| t.calls_in(text)).filter(|(_, calls)| !calls.is_empty()) {
+        Some((outside, calls)) => {
+            let message = outside.map(|t| message_item(&item_id("msg"), &t, "completed"));
+            let calls = calls.iter().map(|c| call_item(&item_id("fc"), &tools::new_call_id(), &c.name, &c.arguments, "completed"));
+            message.into_iter().chain(calls).collect()
+        }
+        None if tools.is_some_and(Tools::forces_call) => vec![],
+        None => vec![message_item(&item_id("msg"), text, "completed")],
+    }
+}
+
+/// The `response` object: `output` so far, `finish` when done (None: in progress).
+fn response_object(req: &ValidatedRequest, id: &str, created: i64, output: Vec<Value>, finish: Option<(FinishReason, usize)>) -> Value {
+    let RequestKind::Responses { echo, .. } = &req.kind else { unreachable!("a responses request") };
+    let e = |k: &str| echo.0.get(k).cloned().unwrap_or(Value::Null);
+    let or = |k: &str, default: Value| Some(e(k)).filter(|v| !v.is_null()).unwrap_or(default);
+    let (status, incomplete, usage) = match finish {
+        None => ("in_progress", Value::Null, Value::Null),
+        Some((reason, completion)) => {
+            let prompt = req.prompt_ids.len();
+            let usage = json!({"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": completion,
+                               "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion});
+            match reason {
+                FinishReason::Length => ("incomplete", json!({"reason": "max_output_tokens"}), usage),
+                FinishReason::Stop => ("completed", Value::Null, usage),
+            }
+        }
+    };
+    json!({
+        "id": id, "object": "response", "created_at": created, "status": status, "error": null, "incomplete_details": incomplete,
+        "instructions": e("instructions"), "max_output_tokens": e("max_output_tokens"), "model": req.model.id, "output": output,
+        "parallel_tool_calls": or("parallel_tool_calls", json!(true)), "previous_response_id": null,
+        "reasoning": {"effort": null, "summary": null}, "store": false, "temperature": or("temperature", json!(req.params.temperature)),
+        "text": or("text", json!({"format": {"type": "text"}})), "tool_choice": or("tool_choice", json!("auto")),
+        "tools": or("tools", json!([])), "top_p": or("top_p", json!(req.params.top_p.unwrap_or(1.0))), "truncation": "disabled",
+        "usage": usage, "user": e("user"), "metadata": or("metadata", json!({})),
+    })
+}
+
+/// Waits for the answer, then the whole `response` object.
+pub async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -> Result<Response, ApiError> {
+    let Submitted { admission, mut answers } = submitted;
+    let mut rx = answers.remove(0);
+    let mut text = String::new();
+    let (finish, completion) = loop {
+        let ev = tokio::select! {
+            ev = rx.recv() => ev,
+            _ = st.shutdown.forced() => return Err(ApiError::shutting_down()),
+        };
+        match ev {
+            Some(Event::Delta { text: t, .. }) => text.push_str(&t),
+            Some(Event::PromptLogprobs(_)) => {}
+            Some(Event::Done { finish, completion_tokens, .. }) => break (finish, completion_tokens),
+            Some(Event::Error(e)) => return Err(ApiError::internal(format!("Generation failed: {e}"))),
+            None => return Err(ApiError::internal("the engine dropped the request")),
+        }
+    };
+    drop(admission);
+    let output = output_items(tools_of(&req), &text);
+    Ok(Json(response_object(&req, &item_id("resp"), ids::now_s(), output, Some((finish, completion)))).into_response())
+}
+
+/// The typed event stream.
+pub fn sse(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -> Response {
+    let Submitted { admission, mut answers } = submitted;
+    let rx = answers.remove(0);
+    let (out_tx, out_rx) = mpsc::unbounded_channel::<Result<SseEvent, Infallible>>();
+    tokio::spawn(async move {
+        let _admission = admission;
+        let mut s = Streamer { out: out_tx, seq: 0, id: item_id("resp"), created: ids::now_s(), items: vec![] };
+        s.run(&st, &req, rx).await;
+    });
+    Sse::new(UnboundedReceiverStream::new(out_rx)).keep_alive(KeepAlive::default()).into_response()
+}
+
+/// An output item being streamed.
+enum Item {
+    Message { id: String, text: String },
+    Call { id: String, call_id: String, name: String, arguments: String },
+}
+
+struct Streamer {
+    out: mpsc::UnboundedSender<Result<SseEvent, Infallible>>,
+    seq: u64,
+    id: String,
+    created: i64,
+    items: Vec<Item>,
+}
+
+impl Streamer {
+    /// Sends event `kind` with `fields` (its `type` and `sequence_number` added); false when the
+    /// client is gone.
+    fn send(&mut self, kind: &str, mut fields: Value) -> bool {
+        fields["type"] = json!(kind);
+        fields["sequence_number"] = json!(self.seq);
+        self.seq += 1;
+        self.out.send(Ok(SseEvent::default().event(kind).data(fields.to_string()))).is_ok()
+    }
+
+    fn fail(&mut self, st: &AppState, e: ApiError) {
+        st.metrics.stream_error();
+        let body = e.body();
+        self.send("error", json!({"code": body["error"]["code"], "message": body["error"]["message"], "param": body["error"]["param"]}));
+    }
+
+    fn item_json(item: &Item, status: &str) -> Value {
+        match item {
+            Item::Message { id, text } => message_item(id, text, status),
+            Item::Call { id, call_id, name, arguments } => call_item(id, call_id, name, arguments, status),
+        }
+    }
+
+    /// Opens an item (and a message's text part); returns its output index.
+    fn open(&mut self, item: Item) -> Option<usize> {
+        let index = self.items.len();
+        let mut added = Self::item_json(&item, "in_progress");
+        if let Item::Message { id, .. } = &item {
+            added["content"] = json!([]);
+            let part = json!({"type": "output_text", "text": "", "annotations": [], "logprobs": []});
+            let id = id.clone();
+            self.items.push(item);
+            let ok = self.send("response.output_item.added", json!({"output_index": index, "item": added}))
+                && self
+                    .send("response.content_part.added", json!({"item_id": id, "output_index": index, "content_index": 0, "part": part}));
+            return ok.then_some(index);
+        }
+        self.items.push(item);
+        self.send("response.output_item.added", json!({"output_index": index, "item": added})).then_some(index)
+    }
+
+    /// More text of item `index` (a message's text or a call's arguments).
+    fn delta(&mut self, index: usize, piece: &str) -> bool {
+        match &mut self.items[index] {
+            Item::Message { id, text } => {
+                text.push_str(piece);
+                let id = id.clone();
+                self.send(
+                    "response.output_text.delta",
+                    json!({"item_id": id, "output_index": index, "content_index": 0, "delta": piece, "logprobs": []}),
+                )
+            }
+            Item::Call { id, arguments, .. } => {
+                arguments.push_str(piece);
+                let id = id.clone();
+                self.send("response.function_call_arguments.delta", json!({"item_id": id, "output_index": index, "delta": piece}))
+            }
+        }
+    }
+
+    /// Closes every item opened, in order.
+    fn close_all(&mut self) -> bool {
+        for index in 0..self.items.len() {
+            let done = Self::item_json(&self.items[index], "completed");
+            let ok = match &self.items[index] {
+                Item::Message { id, text } => {
+                    let part = json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []});
+                    let (id, text) = (id.clone(), text.clone());
+                    self.send(
+                        "response.output_text.done",
+                        json!({"item_id": id, "output_index": index, "content_index": 0, "text": text, "logprobs": []}),
+                    ) && self
+                        .send("response.content_part.done", json!({"item_id": id, "output_index": index, "content_index": 0, "part": part}))
+                }
+                Item::Call { id, arguments, .. } => {
+                    let (id, arguments) = (id.clone(), arguments.clone());
+                    self.send(
+                        "response.function_call_arguments.done",
+                        json!({"item_id": id, "output_index": index, "arguments": arguments}),
+                    )
+                }
+            };
+            if !(ok && self.send("response.output_item.done", json!({"output_index": index, "item": done}))) {
+                return false;
+            }
+        }
+        true
+    }
+
+    async fn run(&mut self, st: &AppState, req: &ValidatedRequest, mut rx: mpsc::UnboundedReceiver<Event>) {
+        let start = response_object(req, &self.id, self.created, vec![], None);
+        if !(self.send("response.created", json!({"response": start})) && self.send("response.in_progress", json!({"response": start}))) {
+            return;
+        }
+        let tools = tools_of(req);
+        // A forced call streams as it is generated; an `auto` answer with functions is held.
+        let mut calls: Option<CallStream> = tools.and_then(Tools::call_stream);
+        let holds = tools.is_some() && calls.is_none();
+        let mut held = String::new();
+        let mut message: Option<usize> = None;
+        let (finish, completion) = loop {
+            let ev = tokio::select! {
+                ev = rx.recv() => ev,
+                _ = st.shutdown.forced() => return self.fail(st, ApiError::shutting_down()),
+            };
+            match ev {
+                Some(Event::Delta { text, .. }) if holds => held.push_str(&text),
+                Some(Event::Delta { text, .. }) => {
+                    let ok = match calls.as_mut() {
+                        Some(c) => c.push(&text).into_iter().all(|e| match e {
+                            CallEvent::Start { name, .. } => {
+                                let item = Item::Call { id: item_id("fc"), call_id: tools::new_call_id(), name, arguments: String::new() };
+                                self.open(item).is_some()
+                            }
+                            CallEvent::Args { index, fragment } => {
+                                let at = self
+                                    .items
+                                    .iter()
+                                    .enumerate()
+                                    .filter(|(_, i)| matches!(i, Item::Call { .. }))
+                                    .nth(index)
+                                    .map(|(k, _)| k);
+                                at.is_some_and(|k| self.delta(k, &fragment))
+                            }
+                        }),
+                        None if text.is_empty() => true,
+                        None => {
+                            let index = match message {
+                                Some(i) => Some(i),
+                                None => self.open(Item::Message { id: item_id("msg"), text: String::new() }),
+                            };
+                            message = index;
+                            index.is_some_and(|i| self.delta(i, &text))
+                        }
+                    };
+                    if !ok {
+                        return; // the client went away: dropping the receiver cancels the answer
+                    }
+                }
+                Some(Event::PromptLogprobs(_)) => {}
+                Some(Event::Done { finish, completion_tokens, .. }) => break (finish, completion_tokens),
+                Some(Event::Error(e)) => return self.fail(st, ApiError::internal(format!("Generation failed: {e}"))),
+                None => return self.fail(st, ApiError::internal("the engine dropped the request")),
+            }
+        };
+        if holds {
+            for item in output_items(tools, &held) {
+                let (piece, item) = match item["type"].as_str() {
+                    Some("message") => (
+                        item["content"][0]["text"].as_str().unwrap_or_default().to_string(),
+                        Item::Message { id: item["id"].as_str().unwrap_or_default().into(), text: String::new() },
+                    ),
+                    _ => {
+                        let s = |k: &str| item[k].as_str().unwrap_or_default().to_string();
+                        (s("arguments"), Item::Call { id: s("id"), call_id: s("call_id"), name: s("name"), arguments: String::new() })
+                    }
+                };
+                if !self.open(item).is_some_and(|i| self.delta(i, &piece)) {
+                    return;
+                }
+            }
+        }
+        if !self.close_all() {
+            return;
+        }
+        let output = self.items.iter().map(|i| Self::item_json(i, "completed")).collect();
+        let done = response_object(req, &self.id, self.created, output, Some((finish, completion)));
+        let kind = if finish == FinishReason::Length { "response.incomplete" } else { "response.completed" };
+        self.send(kind, json!({"response": done}));
+    }
+}

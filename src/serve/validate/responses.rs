@@ -1,0 +1,229 @@
+//! `POST /v1/responses` read into the chat path's values: `instructions` and `input` (a string,
+//! or items: messages, `function_call`, `function_call_output`) become the conversation; flat
+//! function `tools` and `tool_choice` become chat's; `text.format` becomes `response_format`;
+//! `max_output_tokens` the answer's length. Responses are not stored: `store: true` and
+//! `previous_response_id` are refused by name.
+
+use serde_json::{json, Map, Value};
+
+use crate::serve::error::ApiError;
+use crate::serve::fields::{self, Fields};
+use crate::tokenize::ChatMessage;
+
+/// What the response object repeats of its request (OpenAI's response echoes its settings).
+pub struct Echo(pub Map<String, Value>);
+
+/// The request as chat takes it: the conversation, and a chat-shaped body for the fields chat
+/// reads (tools, tool_choice, parallel_tool_calls, response_format, sampling).
+pub struct AsChat {
+    pub messages: Vec<ChatMessage>,
+    pub chat: Value,
+    pub max_output_tokens: Option<usize>,
+    pub echo: Echo,
+}
+
+pub fn read(v: &Value, lenient: bool, ignored: &mut Vec<String>) -> Result<AsChat, ApiError> {
+    let f = Fields::of(v)?;
+    if f.bool("store")? == Some(true) {
+        return Err(ApiError::invalid(
+            "store",
+            "`store: true` is not supported by this server (fsdp-app keeps no responses); send false or leave it out.",
+        )
+        .with_code("unsupported_parameter"));
+    }
+    if f.value("previous_response_id").is_some() {
+        return Err(ApiError::invalid(
+            "previous_response_id",
+            "`previous_response_id` is not supported by this server (responses are not stored); send the conversation in `input`.",
+        )
+        .with_code("unsupported_parameter"));
+    }
+    match f.value("include") {
+        None => {}
+        Some(Value::Array(a)) if a.is_empty() => {}
+        Some(_) => {
+            return Err(ApiError::invalid("include", "`include` is not supported by this server (fsdp-app); leave it out or send [].")
+                .with_code("unsupported_parameter"))
+        }
+    }
+    match f.string("truncation")? {
+        None | Some("disabled") => {}
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "truncation",
+                "only `truncation: \"disabled\"` is supported (a prompt longer than the context is refused).",
+            ))
+        }
+    }
+    let effort = match f.value("reasoning") {
+        None => None,
+        Some(Value::Object(r)) => {
+            ignored.extend(fields::check(&Value::Object(r.clone()), &["effort"], "reasoning", lenient)?);
+            r.get("effort").filter(|e| !e.is_null()).cloned()
+        }
+        Some(_) => return Err(ApiError::invalid("reasoning", "`reasoning` must be an object such as {\"effort\": \"low\"}.")),
+    };
+    let mut messages = vec![];
+    if let Some(i) = f.string("instructions")? {
+        messages.push(ChatMessage::new("system", i));
+    }
+    match f.value("input") {
+        Some(Value::String(s)) => messages.push(ChatMessage::new("user", s)),
+        Some(Value::Array(items)) if !items.is_empty() => {
+            for (i, item) in items.iter().enumerate() {
+                input_item(item, &format!("input[{i}]"), &mut messages, lenient, ignored)?;
+            }
+        }
+        _ => return Err(ApiError::invalid("input", "`input` must be a string or a non-empty list of items.")),
+    }
+    let mut chat = Map::new();
+    for k in ["model", "temperature", "top_p", "stream", "user", "parallel_tool_calls"] {
+        if let Some(x) = f.value(k) {
+            chat.insert(k.into(), x.clone());
+        }
+    }
+    if let Some(e) = effort {
+        chat.insert("reasoning_effort".into(), e);
+    }
+    if let Some(tools) = f.value("tools") {
+        chat.insert("tools".into(), chat_tools(tools)?);
+    }
+    if let Some(choice) = f.value("tool_choice") {
+        // `{"type": "function", "name": ...}`: chat's reader takes the flat name too.
+        chat.insert("tool_choice".into(), choice.clone());
+    }
+    if let Some(format) = f.value("text") {
+        if let Some(rf) = text_format(format, lenient, ignored)? {
+            chat.insert("response_format".into(), rf);
+        }
+    }
+    let max_output_tokens = f.integer("max_output_tokens", 1, 1 << 31)?.map(|n| n as usize);
+    let mut echo = Map::new();
+    for k in [
+        "instructions",
+        "metadata",
+        "tool_choice",
+        "tools",
+        "temperature",
+        "top_p",
+        "max_output_tokens",
+        "parallel_tool_calls",
+        "text",
+        "user",
+    ] {
+        echo.insert(k.into(), f.value(k).cloned().unwrap_or(Value::Null));
+    }
+    Ok(AsChat { messages, chat: Value::Object(chat), max_output_tokens, echo: Echo(echo) })
+}
+
+/// One `input` item into the conversation.
+fn input_item(item: &Value, at: &str, messages: &mut Vec<ChatMessage>, lenient: bool, ignored: &mut Vec<String>) -> Result<(), ApiError> {
+    let Value::Object(o) = item else { return Err(ApiError::invalid(at, format!("`{at}` must be an object."))) };
+    let kind = o.get("type").and_then(Value::as_str).unwrap_or("message");
+    let string = |k: &str| -> Result<String, ApiError> {
+        o.get(k)
+            .and_then(Value::as_str)
+            .map(str::to_string)
+            .ok_or_else(|| ApiError::invalid(&format!("{at}.{k}"), format!("`{k}` must be a string.")))
+    };
+    match kind {
+        "message" => {
+            ignored.extend(fields::check(item, &["type", "role", "content", "id", "status", "name"], at, lenient)?);
+            let role = match o.get("role").and_then(Value::as_str) {
+                Some(r @ ("user" | "assistant" | "system")) => r,
+                Some("developer") => "system",
+                _ => return Err(ApiError::invalid(&format!("{at}.role"), "`role` must be user, assistant, system or developer.")),
+            };
+            let content = match o.get("content") {
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Array(parts)) => parts
+                    .iter()
+                    .enumerate()
+                    .map(|(j, p)| match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                        (Some("input_text" | "output_text" | "text"), Some(t)) => Ok(t.to_string()),
+                        _ => Err(ApiError::invalid(
+                            &format!("{at}.content[{j}]"),
+                            "only text parts (input_text, output_text) are supported.",
+                        )),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?
+                    .join("\n"),
+                _ => return Err(ApiError::invalid(&format!("{at}.content"), "`content` must be a string or a list of text parts.")),
+            };
+            let mut m = ChatMessage::new(role, &content);
+            m.name = o.get("name").and_then(Value::as_str).map(str::to_string);
+            messages.push(m);
+        }
+        "function_call" => {
+            ignored.extend(fields::check(item, &["type", "call_id", "name", "arguments", "id", "status"], at, lenient)?);
+            let (call_id, name, arguments) = (string("call_id")?, string("name")?, string("arguments")?);
+            let arguments: Value = serde_json::from_str(&arguments)
+                .map_err(|e| ApiError::invalid(&format!("{at}.arguments"), format!("`arguments` is not JSON: {e}")))?;
+            let call = json!({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}});
+            // Calls that follow an assistant turn (or each other) belong to it.
+            match messages.last_mut() {
+                Some(m) if m.role == "assistant" => {
+                    m.tool_calls.get_or_insert_with(|| json!([])).as_array_mut().expect("a list").push(call)
+                }
+                _ => {
+                    let mut m = ChatMessage::new("assistant", "");
+                    m.tool_calls = Some(json!([call]));
+                    messages.push(m);
+                }
+            }
+        }
+        "function_call_output" => {
+            ignored.extend(fields::check(item, &["type", "call_id", "output", "id", "status"], at, lenient)?);
+            let mut m = ChatMessage::new("tool", &string("output")?);
+            m.tool_call_id = Some(string("call_id")?);
+            messages.push(m);
+        }
+        other => {
+            return Err(ApiError::invalid(
+                &format!("{at}.type"),
+                format!("input items of type {other:?} are not supported (message, function_call, function_call_output)."),
+            ))
+        }
+    }
+    Ok(())
+}
+
+/// Responses' flat function tools as chat's `{"type": "function", "function": {...}}`.
+fn chat_tools(tools: &Value) -> Result<Value, ApiError> {
+    let Value::Array(list) = tools else { return Err(ApiError::invalid("tools", "`tools` must be a list of function tools.")) };
+    let converted = list
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let at = format!("tools[{i}]");
+            if t.get("type").and_then(Value::as_str) != Some("function") {
+                return Err(ApiError::invalid(&format!("{at}.type"), "only tools of type \"function\" are supported."));
+            }
+            fields::check(t, &["type", "name", "description", "parameters", "strict"], &at, false)?;
+            let mut function = t.as_object().cloned().unwrap_or_default();
+            function.remove("type");
+            Ok(json!({"type": "function", "function": function}))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Value::Array(converted))
+}
+
+/// `text.format` as chat's `response_format` (None for plain text).
+fn text_format(text: &Value, lenient: bool, ignored: &mut Vec<String>) -> Result<Option<Value>, ApiError> {
+    let Value::Object(t) = text else {
+        return Err(ApiError::invalid("text", "`text` must be an object such as {\"format\": {\"type\": \"text\"}}."));
+    };
+    ignored.extend(fields::check(text, &["format"], "text", lenient)?);
+    let Some(format) = t.get("format").filter(|f| !f.is_null()) else { return Ok(None) };
+    match format.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(json!({"type": "json_object"}))),
+        Some("json_schema") => {
+            ignored.extend(fields::check(format, &["type", "name", "schema", "strict", "description"], "text.format", lenient)?);
+            let mut schema = format.as_object().cloned().unwrap_or_default();
+            schema.remove("type");
+            Ok(Some(json!({"type": "json_schema", "json_schema": schema})))
+        }
+        _ => Err(ApiError::invalid("text.format.type", "`text.format.type` must be text, json_object or json_schema.")),
+    }
+}
