@@ -333,13 +333,6 @@ fn schemathesis_finds_no_server_error_in_the_openapi_spec() {
     assert!(log.contains("passed") && !log.contains("failed,"), "{log}");
 }
 
-/// Resident memory of a process in bytes.
-fn rss_of(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kb: u64 = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
-    kb * 1024
-}
-
 #[test]
 fn sixty_four_streaming_clients_for_30_seconds_get_answers_or_429_and_memory_stays_bounded() {
     let tmp = tempfile::tempdir().unwrap();

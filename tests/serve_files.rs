@@ -15,13 +15,6 @@ use serde_json::Value;
 
 const BOUNDARY: &str = "----fsdpappstreamedupload";
 
-/// Resident memory of a process in bytes.
-fn rss_of(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kb: u64 = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
-    kb * 1024
-}
-
 /// Sends a multipart upload whose file part is `file` (read as it is sent, chunked), returning
 /// the status and the JSON answer.
 fn upload_stream(server: &Server, file: impl Read + Send + 'static) -> (u16, Value) {

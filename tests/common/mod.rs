@@ -248,3 +248,10 @@ pub fn reference_training_config(model: &Path, out: &Path) -> fsdp_app::train::f
 }
 
 static PYENV_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Resident memory of a process in bytes (its VmRSS), measured from outside.
+pub fn rss_of(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: u64 = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
+    kb * 1024
+}

@@ -19,7 +19,8 @@ use super::fields;
 use super::state::AppState;
 use super::tools::{self, Tools};
 use super::validate::{RequestKind, ValidatedRequest};
-use crate::generate::TokenLogprob;
+use crate::generate::{FinishReason, TokenLogprob};
+use tokio::sync::mpsc;
 
 /// The response to a validated, submitted request: streamed or whole.
 pub async fn answer(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -> Result<Response, ApiError> {
@@ -69,30 +70,10 @@ async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -
     let mut choices = vec![];
     let mut completion_tokens = 0;
     for (index, mut rx) in answers.into_iter().enumerate() {
-        let mut text = echo.unwrap_or_default().to_string();
-        let mut lps: Vec<TokenLogprob> = vec![];
-        let mut prompt_lps: Option<Vec<TokenLogprob>> = None;
-        let finish = loop {
-            let ev = tokio::select! {
-                ev = rx.recv() => ev,
-                // The shutdown's grace period is over.
-                _ = st.shutdown.forced() => return Err(ApiError::shutting_down()),
-            };
-            match ev {
-                Some(Event::PromptLogprobs(v)) => prompt_lps = Some(v),
-                Some(Event::Delta { text: t, logprob }) => {
-                    text.push_str(&t);
-                    lps.extend(logprob);
-                }
-                Some(Event::Done { finish, completion_tokens: c, .. }) => {
-                    completion_tokens += c;
-                    break finish;
-                }
-                // The request was checked before it ran: a failure now is the server's.
-                Some(Event::Error(e)) => return Err(ApiError::internal(format!("Generation failed: {e}"))),
-                None => return Err(ApiError::internal("the engine dropped the request")),
-            }
-        };
+        let Collected { text: answer, logprobs: lps, prompt_logprobs: prompt_lps, finish, completion_tokens: c } =
+            collect(&st, &mut rx).await?;
+        completion_tokens += c;
+        let text = format!("{}{answer}", echo.unwrap_or_default());
         let logprobs = req.params.logprobs.map(|_| match req.kind {
             RequestKind::Completion { .. } => logprobs::completion(tokenizer, &req.prompt_ids, prompt_lps.as_deref(), &lps, echo),
             _ => logprobs::chat(tokenizer, &lps),
@@ -109,6 +90,40 @@ async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -
     let usage = usage(req.prompt_ids.len(), completion_tokens);
     Ok(Json(json!({"id": id, "object": object, "created": super::ids::now_s(), "model": req.model.id, "choices": choices, "usage": usage}))
         .into_response())
+}
+
+/// One answer, whole: its text, scores and how it ended.
+pub(super) struct Collected {
+    pub text: String,
+    pub logprobs: Vec<TokenLogprob>,
+    /// The prompt's scores (completions' `echo` with `logprobs`).
+    pub prompt_logprobs: Option<Vec<TokenLogprob>>,
+    pub finish: FinishReason,
+    pub completion_tokens: usize,
+}
+
+/// Waits for an answer's events until it is done; an engine failure (the request was checked
+/// before it ran) is the server's error, and so is the end of the shutdown's grace period.
+pub(super) async fn collect(st: &AppState, rx: &mut mpsc::UnboundedReceiver<Event>) -> Result<Collected, ApiError> {
+    let (mut text, mut logprobs, mut prompt_logprobs) = (String::new(), vec![], None);
+    loop {
+        let ev = tokio::select! {
+            ev = rx.recv() => ev,
+            _ = st.shutdown.forced() => return Err(ApiError::shutting_down()),
+        };
+        match ev {
+            Some(Event::PromptLogprobs(v)) => prompt_logprobs = Some(v),
+            Some(Event::Delta { text: t, logprob }) => {
+                text.push_str(&t);
+                logprobs.extend(logprob);
+            }
+            Some(Event::Done { finish, completion_tokens, .. }) => {
+                return Ok(Collected { text, logprobs, prompt_logprobs, finish, completion_tokens });
+            }
+            Some(Event::Error(e)) => return Err(ApiError::internal(format!("Generation failed: {e}"))),
+            None => return Err(ApiError::internal("the engine dropped the request")),
+        }
+    }
 }
 
 /// The assistant's message for an answer: its function calls when it makes any (then

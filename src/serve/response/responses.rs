@@ -89,23 +89,11 @@ fn response_object(req: &ValidatedRequest, id: &str, created: i64, output: Vec<V
 pub async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -> Result<Response, ApiError> {
     let Submitted { admission, mut answers } = submitted;
     let mut rx = answers.remove(0);
-    let mut text = String::new();
-    let (finish, completion) = loop {
-        let ev = tokio::select! {
-            ev = rx.recv() => ev,
-            _ = st.shutdown.forced() => return Err(ApiError::shutting_down()),
-        };
-        match ev {
-            Some(Event::Delta { text: t, .. }) => text.push_str(&t),
-            Some(Event::PromptLogprobs(_)) => {}
-            Some(Event::Done { finish, completion_tokens, .. }) => break (finish, completion_tokens),
-            Some(Event::Error(e)) => return Err(ApiError::internal(format!("Generation failed: {e}"))),
-            None => return Err(ApiError::internal("the engine dropped the request")),
-        }
-    };
+    let answer = super::collect(&st, &mut rx).await?;
     drop(admission);
-    let output = output_items(tools_of(&req), &text);
-    Ok(Json(response_object(&req, &item_id("resp"), ids::now_s(), output, Some((finish, completion)))).into_response())
+    let output = output_items(tools_of(&req), &answer.text);
+    let finish = Some((answer.finish, answer.completion_tokens));
+    Ok(Json(response_object(&req, &item_id("resp"), ids::now_s(), output, finish)).into_response())
 }
 
 /// The typed event stream.
