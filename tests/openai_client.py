@@ -248,6 +248,26 @@ r = client.chat.completions.create(model=model, messages=ask, max_tokens=40, tem
                                    tools=[{"type": "function", "function": {"name": "tree", "parameters": tree}}])
 check(r.choices[0].finish_reason in ("tool_calls", "length"), f"$ref '#' under required: {r}")
 
+# `tools` and a `response_format` together (the Agents SDK sends both for an agent with tools and
+# an output_type): a forced call decides the answer; under `auto` the answer is one call or the
+# format's JSON, each valid against its own schema ($defs on both sides; that the grammar takes
+# both is a unit test in src/serve/tools.rs, that SmolLM2 writes both tests/agent_libraries.py).
+r = client.chat.completions.create(model=model, messages=ask, tools=nested_tools, tool_choice={"type": "function", "function": {"name": "lookup"}},
+                                   max_tokens=150, temperature=0.7, seed=2,
+                                   response_format={"type": "json_schema", "json_schema": {"name": "lookup", "schema": nested}})
+check(r.choices[0].message.tool_calls and r.choices[0].message.content is None, f"forced call with response_format: {r}")
+for seed in range(4):
+    r = client.chat.completions.create(model=model, messages=ask, tools=nested_tools, tool_choice="auto", max_tokens=150,
+                                       temperature=1, seed=seed, response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": tree}})
+    m = r.choices[0].message
+    check(r.choices[0].finish_reason in ("tool_calls", "stop"), f"auto with response_format (seed {seed}): {r}")
+    if m.tool_calls:
+        check(len(m.tool_calls) == 1 and m.content is None, f"auto with response_format (seed {seed}): {m}")
+        c = m.tool_calls[0]
+        jsonschema.validate(json.loads(c.function.arguments), nested if c.function.name == "lookup" else time_of)
+    else:
+        jsonschema.validate(json.loads(m.content), tree)
+
 # Fields clients send that change nothing here are accepted; a message's name too.
 named_msgs = [{"role": "user", "name": "alice", "content": "Say hello"}]
 r = client.chat.completions.create(model=model, messages=named_msgs, max_tokens=4, temperature=0, store=False, metadata={"run": "t"},

@@ -44,7 +44,8 @@ enum Command {
     /// Write a tiny random model directory (for tests and for trying fsdp-app offline).
     Fixture(FixtureArgs),
     /// Serve a model over an OpenAI-compatible HTTP API (/v1/models, /v1/completions,
-    /// /v1/chat/completions with SSE streaming, /health, /metrics, /tokenize, /detokenize, /info).
+    /// /v1/chat/completions and /v1/responses with SSE streaming, fine-tuning jobs, /health,
+    /// /metrics, /tokenize, /detokenize, /info).
     Serve(ServeArgs),
     /// Per-rank memory of a fine-tuning run (parameters, gradients, optimizer, gathered units,
     /// activations) from config.json alone, without reading weights.

@@ -93,6 +93,9 @@ pub const RESPONSES: &[&str] = &[
     "temperature",
     "top_p",
     "stream",
+    // Not in OpenAI's Responses API; chat's, for reproducible sampling (clients send it through
+    // `extra_body`, as vLLM takes it).
+    "seed",
     // Refused unless they change nothing (see `validate::responses`, `validate::no_op`).
     "store",
     "previous_response_id",

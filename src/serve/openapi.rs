@@ -37,6 +37,7 @@ pub const SPEC: &str = r##"{
           "name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": "boolean"}, "description": {"type": "string"}}}}},
         "max_output_tokens": {"type": "integer", "minimum": 1}, "temperature": {"type": "number", "minimum": 0, "maximum": 2},
         "top_p": {"type": "number", "exclusiveMinimum": true, "minimum": 0, "maximum": 1}, "stream": {"type": "boolean"},
+        "seed": {"type": "integer", "description": "An extension (chat's seed): reproducible sampling."},
         "store": {"type": "boolean", "enum": [false]}, "previous_response_id": {"type": "string", "description": "Refused: responses are not stored."},
         "include": {"type": "array", "maxItems": 0}, "truncation": {"type": "string", "enum": ["disabled"]},
         "reasoning": {"type": "object", "properties": {"effort": {"type": "string", "enum": ["minimal", "low", "medium", "high"]}}},

@@ -155,24 +155,43 @@ impl Tools {
             ToolChoice::None | ToolChoice::Auto => None,
             ToolChoice::Named(n) => Some(OutputFormat::JsonSchema(self.parameters[self.index(n)].clone())),
             ToolChoice::Required => {
-                // Each function's parameters move into the wrapper's `$defs` with their own
-                // definitions beside them, so their `$ref`s resolve as they did alone.
                 let mut defs = Map::new();
-                let one: Vec<Value> = self
-                    .names
-                    .iter()
-                    .zip(&self.parameters)
-                    .map(|(n, p)| {
-                        let arguments = json_schema::embed(p, n, &mut defs);
-                        json!({"type": "object", "properties": {"name": {"enum": [n]}, "arguments": arguments}, "required": ["name", "arguments"], "additionalProperties": false})
-                    })
-                    .collect();
-                let call = json!({"anyOf": one});
+                let call = json!({"anyOf": self.call_schemas(&mut defs)});
                 let mut schema = if self.parallel { json!({"type": "array", "items": call, "minItems": 1}) } else { call };
                 schema["$defs"] = Value::Object(defs);
                 Some(OutputFormat::JsonSchema(schema))
             }
         }
+    }
+
+    /// What an `auto` answer under a `response_format` may be: one call, as the bare
+    /// `{"name", "arguments"}` object `calls_in` reads, or the format's JSON. OpenAI lets the
+    /// model choose between calling and answering in the format (the Agents SDK sends both on
+    /// every turn of an agent with tools and an `output_type`); constraining the whole answer to
+    /// the format would make every call impossible.
+    pub fn call_or(&self, answer: &OutputFormat) -> OutputFormat {
+        let mut defs = Map::new();
+        let mut choices = self.call_schemas(&mut defs);
+        choices.push(match answer {
+            OutputFormat::JsonObject => json!({"type": "object"}),
+            // `$` cannot start a function's name, so this name meets none of theirs.
+            OutputFormat::JsonSchema(s) => json_schema::embed(s, "$response_format", &mut defs),
+        });
+        OutputFormat::JsonSchema(json!({"anyOf": choices, "$defs": defs}))
+    }
+
+    /// One `{"name": ..., "arguments": ...}` schema per function. Each function's parameters
+    /// move into the wrapper's `$defs` with their own definitions beside them, so their `$ref`s
+    /// resolve as they did alone.
+    fn call_schemas(&self, defs: &mut Map<String, Value>) -> Vec<Value> {
+        self.names
+            .iter()
+            .zip(&self.parameters)
+            .map(|(n, p)| {
+                let arguments = json_schema::embed(p, n, defs);
+                json!({"type": "object", "properties": {"name": {"enum": [n]}, "arguments": arguments}, "required": ["name", "arguments"], "additionalProperties": false})
+            })
+            .collect()
     }
 
     fn index(&self, name: &str) -> usize {
@@ -385,6 +404,33 @@ mod tests {
         assert!(auto.calls_in("{\"name\": \"other\", \"arguments\": {}}").is_none());
         let required = tools(json!("required"));
         assert_eq!(required.calls_in("[{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}]").unwrap().1.len(), 1);
+    }
+
+    #[test]
+    fn auto_with_a_response_format_takes_one_call_or_the_answer_and_nothing_else() {
+        use crate::generate::constraint::Grammars;
+        let tok = crate::fixtures::train_tokenizer().unwrap();
+        let eos = tok.token_to_id("<|im_end|>").unwrap();
+        let grammars = Grammars::new(&tok.to_string(false).unwrap(), tok.get_vocab_size(true), eos).unwrap();
+        let t = tools(json!("auto"));
+        // The answer's schema has its own $defs, as pydantic writes it.
+        let answer = json!({"$defs": {"T": {"type": "integer"}}, "type": "object", "properties": {"temp": {"$ref": "#/$defs/T"}}, "required": ["temp"]});
+        let format = t.call_or(&OutputFormat::JsonSchema(answer));
+        let accepts = |text: &str| {
+            let mut m = grammars.matcher(&format).unwrap();
+            let ids = m.tok_env().unwrap().tokenize_bytes(text.as_bytes());
+            m.validate_tokens(&ids).unwrap() == ids.len() && m.consume_tokens(&ids).is_ok() && m.is_accepting().unwrap()
+        };
+        let call = r#"{"name": "get_weather", "arguments": {"city": "Paris"}}"#;
+        assert!(accepts(call));
+        assert!(accepts(r#"{"temp": 21}"#));
+        assert!(!accepts(r#"{"temp": 21, "city": "Paris"}"#), "an undeclared key in the answer");
+        assert!(!accepts(r#"{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}"#), "an undeclared argument");
+        assert!(!accepts(r#"{"name": "other", "arguments": {}}"#), "a function not given");
+        assert!(!accepts(r#"{"temp": "hot"}"#), "the answer's $ref");
+        // What the grammar lets through is read back as the call it is.
+        assert_eq!(t.calls_in(call).unwrap().1, vec![ToolCall { name: "get_weather".into(), arguments: "{\"city\":\"Paris\"}".into() }]);
+        assert!(t.calls_in(r#"{"temp": 21}"#).is_none());
     }
 
     #[test]

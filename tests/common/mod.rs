@@ -187,6 +187,8 @@ pub fn free_port() -> String {
 
 /// A Python with `packages` installed: a virtual environment in target/pyenv made on first use
 /// (with `python3 -m venv` and pip from PyPI), or why there is none (see `python_or_skip`).
+/// A package is a pip requirement, with `:module` after it when it imports under another name
+/// than its own (`openai-agents==0.24.0:agents`).
 pub fn python_with(packages: &[&str]) -> Result<PathBuf, String> {
     let _lock = PYENV_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let env = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target").join("pyenv");
@@ -197,16 +199,21 @@ pub fn python_with(packages: &[&str]) -> Result<PathBuf, String> {
             return Err(format!("python3 -m venv failed: {}", String::from_utf8_lossy(&o.stderr).trim()));
         }
     }
-    let missing: Vec<&&str> = packages
+    let missing: Vec<&str> = packages
         .iter()
-        .filter(|p| {
-            !Command::new(&python).args(["-c", &format!("import {}", p.replace('-', "_"))]).output().is_ok_and(|o| o.status.success())
+        .filter_map(|p| {
+            let (requirement, module) = match p.split_once(':') {
+                Some((r, m)) => (r, m.to_string()),
+                None => (*p, p.split(['=', '<', '>']).next().unwrap().replace('-', "_")),
+            };
+            let imports = Command::new(&python).args(["-c", &format!("import {module}")]).output().is_ok_and(|o| o.status.success());
+            (!imports).then_some(requirement)
         })
         .collect();
     if !missing.is_empty() {
         let o = Command::new(&python)
             .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
-            .args(missing.iter().map(|p| p.to_string()))
+            .args(&missing)
             .output()
             .map_err(|e| e.to_string())?;
         if !o.status.success() {

@@ -148,15 +148,14 @@ fn tools_and_constraints(
     ignored: &mut Vec<String>,
 ) -> Result<(Option<Tools>, Vec<llguidance::Matcher>), ApiError> {
     let tools = tools::parse(v)?.filter(|t| t.choice != ToolChoice::None);
-    let format = match (prompt::response_format(v, st.lenient, ignored)?, tools.as_ref().and_then(Tools::output_format)) {
-        (Some(_), Some(_)) => {
-            return Err(ApiError::invalid(
-                "response_format",
-                "`response_format` cannot be combined with a `tool_choice` that forces a call.",
-            ))
-        }
-        (Some(f), None) => Some((f, false)),
-        (None, f) => f.map(|f| (f, true)),
+    // Read (and checked) even when a forced call decides this answer: `response_format` is then
+    // for the text answer of a later turn (OpenAI's reading, and what the Agents SDK relies on).
+    // Under `auto` the model picks a call or the format.
+    let answer = prompt::response_format(v, st.lenient, ignored)?;
+    let format = match tools.as_ref() {
+        Some(t) if t.forces_call() => t.output_format().map(|f| (f, true)),
+        Some(t) => answer.map(|a| (t.call_or(&a), true)),
+        None => answer.map(|f| (f, false)),
     };
     let constraints = match &format {
         None => vec![],

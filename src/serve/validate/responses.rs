@@ -77,7 +77,7 @@ pub fn read(v: &Value, lenient: bool, ignored: &mut Vec<String>) -> Result<AsCha
         _ => return Err(ApiError::invalid("input", "`input` must be a string or a non-empty list of items.")),
     }
     let mut chat = Map::new();
-    for k in ["model", "temperature", "top_p", "stream", "user", "parallel_tool_calls"] {
+    for k in ["model", "temperature", "top_p", "seed", "stream", "user"] {
         if let Some(x) = f.value(k) {
             chat.insert(k.into(), x.clone());
         }
@@ -85,10 +85,17 @@ pub fn read(v: &Value, lenient: bool, ignored: &mut Vec<String>) -> Result<AsCha
     if let Some(e) = effort {
         chat.insert("reasoning_effort".into(), e);
     }
-    if let Some(tools) = f.value("tools") {
+    // `tools: []` is the Responses API's default (its response objects echo it), and clients send
+    // it when no tool is enabled (the Agents SDK does): no functions, and then `auto`, `none` and
+    // `parallel_tool_calls` choose nothing. Chat takes the rest (`required` without tools is a 400).
+    let tools = f.value("tools").filter(|t| t.as_array().is_none_or(|a| !a.is_empty()));
+    if let Some(tools) = tools {
         chat.insert("tools".into(), chat_tools(tools)?);
     }
-    if let Some(choice) = f.value("tool_choice") {
+    if let Some(p) = f.bool("parallel_tool_calls")?.filter(|_| tools.is_some()) {
+        chat.insert("parallel_tool_calls".into(), Value::Bool(p));
+    }
+    if let Some(choice) = f.value("tool_choice").filter(|c| tools.is_some() || !(*c == "auto" || *c == "none")) {
         // `{"type": "function", "name": ...}`: chat's reader takes the flat name too.
         chat.insert("tool_choice".into(), choice.clone());
     }
@@ -225,5 +232,34 @@ fn text_format(text: &Value, lenient: bool, ignored: &mut Vec<String>) -> Result
             Ok(Some(json!({"type": "json_schema", "json_schema": schema})))
         }
         _ => Err(ApiError::invalid("text.format.type", "`text.format.type` must be text, json_object or json_schema.")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_tools_are_no_tools_and_what_needs_tools_still_fails() {
+        let read_chat = |extra: Value| {
+            let mut v = json!({"model": "m", "input": "hi"});
+            v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            read(&v, false, &mut vec![]).map(|r| r.chat)
+        };
+        let chat = read_chat(json!({"tools": [], "tool_choice": "auto", "parallel_tool_calls": true})).unwrap();
+        assert_eq!(chat, json!({"model": "m"}));
+        // `required` with no tools reaches chat's reader, which refuses it by name.
+        assert_eq!(read_chat(json!({"tools": [], "tool_choice": "required"})).unwrap()["tool_choice"], "required");
+        assert_eq!(
+            read_chat(json!({"tools": [], "parallel_tool_calls": "yes"})).unwrap_err().param.as_deref(),
+            Some("parallel_tool_calls")
+        );
+        let tool = json!([{"type": "function", "name": "f", "parameters": {"type": "object"}}]);
+        let chat = read_chat(json!({"tools": tool, "tool_choice": "auto", "parallel_tool_calls": false, "seed": 3})).unwrap();
+        assert_eq!(
+            (chat["tool_choice"].clone(), chat["parallel_tool_calls"].clone(), chat["seed"].clone()),
+            (json!("auto"), json!(false), json!(3))
+        );
+        assert_eq!(chat["tools"][0]["function"]["name"], "f");
     }
 }
