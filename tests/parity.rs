@@ -50,13 +50,18 @@ fn cached_forward_matches_full_forward() {
         let full = loaded.model.forward(&Tensor::new(ids.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap()).unwrap();
         let mut cache = models::KvCache::new(&loaded.config);
         // Prefill 10 tokens, then feed the rest one by one.
-        let mut last =
-            loaded.model.forward_cached(&Tensor::new(&ids[..10], &Device::Cpu).unwrap().unsqueeze(0).unwrap(), &mut cache).unwrap();
+        let mut last = loaded
+            .model
+            .forward_cached(&Tensor::new(&ids[..10], &Device::Cpu).unwrap().unsqueeze(0).unwrap(), &mut cache, &Default::default())
+            .unwrap();
         let prefill_ref = full.get(0).unwrap().get(9).unwrap();
         let d = (last.get(0).unwrap() - &prefill_ref).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
         assert!(d < 1e-4, "{name}: prefill logits differ by {d}");
         for (i, id) in ids.iter().enumerate().skip(10) {
-            last = loaded.model.forward_cached(&Tensor::new(&[*id], &Device::Cpu).unwrap().unsqueeze(0).unwrap(), &mut cache).unwrap();
+            last = loaded
+                .model
+                .forward_cached(&Tensor::new(&[*id], &Device::Cpu).unwrap().unsqueeze(0).unwrap(), &mut cache, &Default::default())
+                .unwrap();
             let r = full.get(0).unwrap().get(i).unwrap();
             let d = (last.get(0).unwrap() - &r).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
             assert!(d < 1e-4, "{name}: cached step {i} differs by {d}");
@@ -145,7 +150,7 @@ fn decoder_layers_built_alone_reassemble_the_model() {
         let mut h = candle_nn::Embedding::new(embed.clone(), cfg.hidden_size).forward(&input).unwrap();
         let (cos, sin) = Rotary::new(cfg).tables(0, ids.len(), DType::F32, &Device::Cpu).unwrap();
         let mask = causal_mask(ids.len(), 0, cfg.sliding_window, DType::F32, &Device::Cpu).unwrap();
-        let pos = PositionInputs { cos, sin, mask, mode: OpMode::Train, row_seeds: None };
+        let pos = PositionInputs { cos, sin, mask, mode: OpMode::Train, row_seeds: None, adapters: Default::default() };
         for i in 0..cfg.num_hidden_layers {
             let prefix = format!("model.layers.{i}.");
             let own: std::collections::HashMap<String, Tensor> =
@@ -203,17 +208,19 @@ fn batched_decode_of_sequences_of_different_lengths_equals_decoding_each_alone()
         let mut next: Vec<u32> = vec![];
         for p in &prompts {
             let mut cache = models::KvCache::new(m.config());
-            let logits = m.forward_cached(&Tensor::new(p.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap(), &mut cache).unwrap();
+            let logits = m
+                .forward_cached(&Tensor::new(p.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap(), &mut cache, &Default::default())
+                .unwrap();
             next.push(logits.squeeze(0).unwrap().argmax(0).unwrap().to_scalar::<u32>().unwrap());
             alone.push(cache);
         }
         let mut batched = alone.clone();
         for step in 0..6 {
             let mut refs: Vec<&mut models::KvCache> = batched.iter_mut().collect();
-            let rows = m.forward_decode_rows(&next, &mut refs).unwrap();
+            let rows = m.forward_decode_rows(&next, &mut refs, &Default::default()).unwrap();
             for (r, cache) in alone.iter_mut().enumerate() {
                 let one = m
-                    .forward_cached(&Tensor::new(&[next[r]], &Device::Cpu).unwrap().unsqueeze(0).unwrap(), cache)
+                    .forward_cached(&Tensor::new(&[next[r]], &Device::Cpu).unwrap().unsqueeze(0).unwrap(), cache, &Default::default())
                     .unwrap()
                     .squeeze(0)
                     .unwrap();

@@ -10,6 +10,7 @@ use candle_nn::{linear_b, VarBuilder};
 use crate::config::{ModelConfig, RopeScaling};
 use crate::lora::{AdaptedLinear, LoraSettings};
 pub use crate::mode::OpMode;
+use crate::multi_lora::RowAdapters;
 
 /// RMSNorm computed in f32 like transformers' `LlamaRMSNorm`, cast back, then scaled.
 #[derive(Debug, Clone)]
@@ -135,7 +136,7 @@ fn rope_rows(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?
 }
 
-/// Per-position inputs shared by all layers of one forward call.
+/// Inputs shared by all layers of one forward call.
 pub struct PositionInputs {
     /// (seq, head_dim / 2), or (batch, seq, head_dim / 2) for packed rows.
     pub cos: Tensor,
@@ -147,6 +148,8 @@ pub struct PositionInputs {
     pub mode: OpMode,
     /// One LoRA-dropout seed per batch row while training; None disables dropout.
     pub row_seeds: Option<Vec<u64>>,
+    /// The serving adapters of the rows (none in training).
+    pub adapters: RowAdapters,
 }
 
 /// A linear layer at `vb`'s prefix, with the LoRA adapter of `lora` when that targets it
@@ -159,7 +162,7 @@ fn adapted_linear(lora: Option<&LoraSettings>, inp: usize, out: usize, bias: boo
             let b = vb.get((out, lora.r), "lora_B.weight")?;
             Ok(AdaptedLinear::with_adapter(base, a, b, lora, &vb.prefix()))
         }
-        _ => Ok(AdaptedLinear::plain(base)),
+        _ => Ok(AdaptedLinear::plain(base, &vb.prefix())),
     }
 }
 
@@ -251,7 +254,7 @@ impl Attention {
             // Token-major all the way: rotary and attention read the projections in place and
             // the attention writes what o_proj takes (see crate::ops::attention).
             let tokens = |proj: &AdaptedLinear, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
-                let y = proj.forward(x, pos.mode, seeds)?.reshape((b, t, n, d))?;
+                let y = proj.forward(x, pos.mode, seeds, &pos.adapters)?.reshape((b, t, n, d))?;
                 match norm {
                     Some(norm) => norm.forward(&y, pos.mode),
                     None => Ok(y),
@@ -261,10 +264,10 @@ impl Attention {
             let k = crate::ops::fused::rope_token_major(&tokens(&self.k_proj, self.num_kv_heads, &self.k_norm)?, &pos.cos, &pos.sin)?;
             let v = tokens(&self.v_proj, self.num_kv_heads, &None)?;
             let out = crate::ops::attention::attention(&q, &k, &v, pos.mask.as_ref(), scale)?;
-            return self.o_proj.forward(&out, pos.mode, seeds);
+            return self.o_proj.forward(&out, pos.mode, seeds, &pos.adapters);
         }
         let heads = |proj: &AdaptedLinear, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
-            let y = proj.forward(x, pos.mode, seeds)?.reshape((b, t, n, d))?;
+            let y = proj.forward(x, pos.mode, seeds, &pos.adapters)?.reshape((b, t, n, d))?;
             let y = match norm {
                 Some(norm) => norm.forward(&y, pos.mode)?,
                 None => y,
@@ -308,26 +311,26 @@ impl Attention {
         .to_dtype(q.dtype())?;
         let out = probs.matmul(&v.contiguous()?)?;
         let out = out.transpose(1, 2)?.reshape((b, t, self.num_heads * d))?;
-        self.o_proj.forward(&out, pos.mode, seeds)
+        self.o_proj.forward(&out, pos.mode, seeds, &pos.adapters)
     }
 
     /// One new token for each of several independent sequences: `x` is (rows, 1, hidden), row
     /// r continues the sequence cached in `caches[r]` at position `positions[r]`. Projections
     /// run batched over the rows (where batching pays on any device); attention runs per row
-    /// over that row's own cache. `cos`/`sin` are (rows, 1, head_dim / 2).
+    /// over that row's own cache. `pos.cos`/`pos.sin` are (rows, 1, head_dim / 2).
     pub fn forward_decode_rows(
         &self,
         x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
+        pos: &PositionInputs,
         positions: &[usize],
         window: Option<usize>,
         caches: &mut [&mut LayerKvCache],
     ) -> Result<Tensor> {
+        let (cos, sin, adapters) = (&pos.cos, &pos.sin, &pos.adapters);
         let (rows, t, _) = x.dims3()?;
         let d = self.head_dim;
         let heads = |proj: &AdaptedLinear, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
-            let y = proj.forward(x, OpMode::Generate, None)?.reshape((rows, t, n, d))?;
+            let y = proj.forward(x, OpMode::Generate, None, adapters)?.reshape((rows, t, n, d))?;
             let y = match norm {
                 Some(norm) => norm.forward(&y, OpMode::Generate)?,
                 None => y,
@@ -353,7 +356,7 @@ impl Attention {
             outs.push(probs.matmul(&vr.contiguous()?)?);
         }
         let out = Tensor::cat(&outs, 0)?.transpose(1, 2)?.reshape((rows, t, self.num_heads * d))?;
-        self.o_proj.forward(&out, OpMode::Generate, None)
+        self.o_proj.forward(&out, OpMode::Generate, None, adapters)
     }
 }
 
@@ -382,12 +385,13 @@ impl Mlp {
 
     pub fn forward(&self, x: &Tensor, pos: &PositionInputs) -> Result<Tensor> {
         let seeds = pos.row_seeds.as_deref();
-        let (gate, up) = (self.gate_proj.forward(x, pos.mode, seeds)?, self.up_proj.forward(x, pos.mode, seeds)?);
+        let (gate, up) =
+            (self.gate_proj.forward(x, pos.mode, seeds, &pos.adapters)?, self.up_proj.forward(x, pos.mode, seeds, &pos.adapters)?);
         let h = match crate::ops::applies(&gate) {
             true => crate::ops::fused::swiglu(&gate, &up)?,
             false => (candle_nn::ops::silu(&gate)? * up)?,
         };
-        self.down_proj.forward(&h, pos.mode, seeds)
+        self.down_proj.forward(&h, pos.mode, seeds, &pos.adapters)
     }
 }
 
@@ -430,7 +434,7 @@ impl DecoderLayer {
         caches: &mut [&mut LayerKvCache],
     ) -> Result<Tensor> {
         let h = self.input_layernorm.forward(x, OpMode::Generate)?;
-        let x = (x + self.self_attn.forward_decode_rows(&h, &pos.cos, &pos.sin, positions, window, caches)?)?;
+        let x = (x + self.self_attn.forward_decode_rows(&h, pos, positions, window, caches)?)?;
         let h = self.post_attention_layernorm.forward(&x, OpMode::Generate)?;
         x + self.mlp.forward(&h, pos)?
     }

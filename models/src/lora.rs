@@ -7,6 +7,7 @@
 //! This module knows nothing about sharding or files.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use anyhow::{bail, Result};
 use candle_core::{Module, Tensor};
@@ -14,6 +15,7 @@ use candle_nn::Linear;
 
 use crate::config::ModelConfig;
 use crate::mode::OpMode;
+use crate::multi_lora::RowAdapters;
 use crate::rng::splitmix64;
 use crate::tensors::{layer_tensors, TensorSpec};
 
@@ -146,11 +148,14 @@ fn name_hash(s: &str) -> u64 {
     s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
 }
 
-/// A linear layer with an optional LoRA adapter.
+/// A linear layer with an optional LoRA adapter (trained, or loaded with the model), and the
+/// serving adapters of the batch's rows (`multi_lora`), found by the module's path.
 #[derive(Debug, Clone)]
 pub struct AdaptedLinear {
     base: Linear,
     adapter: Option<Adapter>,
+    /// `model.layers.3.self_attn.q_proj`.
+    path: Arc<str>,
 }
 
 #[derive(Debug, Clone)]
@@ -163,18 +168,28 @@ struct Adapter {
 }
 
 impl AdaptedLinear {
-    pub fn plain(base: Linear) -> Self {
-        Self { base, adapter: None }
+    /// The module at `path`, without an adapter of its own.
+    pub fn plain(base: Linear, path: &str) -> Self {
+        Self { base, adapter: None, path: path.into() }
     }
 
     /// `base` plus the adapter `a` (r, in), `b` (out, r) of the module at `path`.
     pub fn with_adapter(base: Linear, a: Tensor, b: Tensor, settings: &LoraSettings, path: &str) -> Self {
         let adapter = Adapter { a, b, scaling: settings.scaling(), dropout: settings.dropout, module_id: name_hash(path) };
-        Self { base, adapter: Some(adapter) }
+        Self { base, adapter: Some(adapter), path: path.into() }
     }
 
     /// `row_seeds`: one dropout seed per batch row in training (None: no dropout, as in eval).
-    pub fn forward(&self, x: &Tensor, mode: OpMode, row_seeds: Option<&[u64]>) -> Result<Tensor, candle_core::Error> {
+    /// `rows`: the serving adapters of the batch's rows (empty in training).
+    pub fn forward(&self, x: &Tensor, mode: OpMode, row_seeds: Option<&[u64]>, rows: &RowAdapters) -> Result<Tensor, candle_core::Error> {
+        let y = self.forward_own(x, mode, row_seeds)?;
+        match rows.is_empty() {
+            true => Ok(y),
+            false => rows.apply(&self.path, x, y),
+        }
+    }
+
+    fn forward_own(&self, x: &Tensor, mode: OpMode, row_seeds: Option<&[u64]>) -> Result<Tensor, candle_core::Error> {
         // Decoding's few rows take the matrix-vector kernel; everything else candle's matmul.
         // Training on the CPU: one op whose backward computes only the gradients that exist.
         let product = match mode == OpMode::Train && crate::ops::applies(x) && self.base.weight().dtype() == x.dtype() {

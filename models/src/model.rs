@@ -5,6 +5,7 @@ use candle_nn::{Embedding, VarBuilder};
 
 use crate::config::ModelConfig;
 use crate::layers::{causal_mask, DecoderLayer, LayerKvCache, OpMode, PositionInputs, RmsNorm, Rotary};
+use crate::multi_lora::RowAdapters;
 
 /// KV cache for all layers of one sequence batch.
 #[derive(Debug, Clone)]
@@ -64,7 +65,7 @@ impl CausalLm {
         let dev = self.lm_head.device();
         let (cos, sin) = self.rotary.tables(offset, q_len, self.dtype(), dev)?;
         let mask = causal_mask(q_len, offset, self.cfg.sliding_window, self.dtype(), dev)?;
-        Ok(PositionInputs { cos, sin, mask, mode, row_seeds: None })
+        Ok(PositionInputs { cos, sin, mask, mode, row_seeds: None, adapters: RowAdapters::default() })
     }
 
     fn logits(&self, h: &Tensor) -> Result<Tensor> {
@@ -89,9 +90,10 @@ impl CausalLm {
     }
 
     /// Feeds `input_ids` (batch, new_tokens) after the cached positions and returns the logits of
-    /// the last new position, (batch, vocab). Uses fused forward-only ops.
-    pub fn forward_cached(&self, input_ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
-        let h = self.hidden_cached(input_ids, cache)?;
+    /// the last new position, (batch, vocab). Uses fused forward-only ops. `adapters`: the
+    /// serving adapters of the batch's rows (`RowAdapters::default()` for the base alone).
+    pub fn forward_cached(&self, input_ids: &Tensor, cache: &mut KvCache, adapters: &RowAdapters) -> Result<Tensor> {
+        let h = self.hidden_cached(input_ids, cache, adapters)?;
         let t = h.dim(1)?;
         let h = self.norm.forward(&h.narrow(1, t - 1, 1)?, OpMode::Generate)?;
         self.logits(&h)?.squeeze(1)
@@ -99,17 +101,17 @@ impl CausalLm {
 
     /// As [`Self::forward_cached`], with the logits of every new position, (batch, new_tokens,
     /// vocab): to score a prompt as it is fed.
-    pub fn forward_cached_all(&self, input_ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
-        let h = self.hidden_cached(input_ids, cache)?;
+    pub fn forward_cached_all(&self, input_ids: &Tensor, cache: &mut KvCache, adapters: &RowAdapters) -> Result<Tensor> {
+        let h = self.hidden_cached(input_ids, cache, adapters)?;
         let h = self.norm.forward(&h, OpMode::Generate)?;
         self.logits(&h)
     }
 
     /// The last layer's hidden states of the new positions, the cache extended by them.
-    fn hidden_cached(&self, input_ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+    fn hidden_cached(&self, input_ids: &Tensor, cache: &mut KvCache, adapters: &RowAdapters) -> Result<Tensor> {
         let (_b, t) = input_ids.dims2()?;
         let offset = cache.seq_len();
-        let pos = self.position_inputs(offset, t, OpMode::Generate)?;
+        let pos = PositionInputs { adapters: adapters.clone(), ..self.position_inputs(offset, t, OpMode::Generate)? };
         let mut h = self.embed_tokens.forward(input_ids)?;
         for (layer, layer_cache) in self.layers.iter().zip(cache.layers.iter_mut()) {
             h = layer.forward(&h, &pos, Some(layer_cache))?;
@@ -120,8 +122,9 @@ impl CausalLm {
     /// One new token for each of several independent sequences, each with its own cache (which
     /// may hold a different number of positions): logits (rows, vocab). The projections and the
     /// MLP run as one batched matmul over the rows, which is where serving many streams at once
-    /// gains over running them one by one.
-    pub fn forward_decode_rows(&self, tokens: &[u32], caches: &mut [&mut KvCache]) -> Result<Tensor> {
+    /// gains over running them one by one; each row's adapter (in `adapters`) adds its update
+    /// to its own rows only.
+    pub fn forward_decode_rows(&self, tokens: &[u32], caches: &mut [&mut KvCache], adapters: &RowAdapters) -> Result<Tensor> {
         let rows = tokens.len();
         if caches.len() != rows {
             candle_core::bail!("{rows} tokens for {} caches", caches.len());
@@ -130,7 +133,7 @@ impl CausalLm {
         let positions: Vec<usize> = caches.iter().map(|c| c.seq_len()).collect();
         let pos_u32: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
         let (cos, sin) = self.rotary.tables_for(&pos_u32, rows, 1, self.dtype(), dev)?;
-        let pos = PositionInputs { cos, sin, mask: None, mode: OpMode::Generate, row_seeds: None };
+        let pos = PositionInputs { cos, sin, mask: None, mode: OpMode::Generate, row_seeds: None, adapters: adapters.clone() };
         let input = Tensor::new(tokens, dev)?.unsqueeze(1)?;
         let mut h = self.embed_tokens.forward(&input)?;
         for (i, layer) in self.layers.iter().enumerate() {

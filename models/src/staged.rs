@@ -197,7 +197,7 @@ impl StagedModel for LlamaStages {
                 (cos, sin, Some(packed_mask(&p.segments, b, t, self.cfg.sliding_window, dtype, input.device())?))
             }
         };
-        let pos = PositionInputs { cos, sin, mask, mode: OpMode::Train, row_seeds: ctx.row_seeds.clone() };
+        let pos = PositionInputs { cos, sin, mask, mode: OpMode::Train, row_seeds: ctx.row_seeds.clone(), adapters: Default::default() };
         layer.forward(input, &pos, None)
     }
 }

@@ -75,6 +75,18 @@ pub struct ServeArgs {
     /// Where uploaded files, fine-tuning jobs (SQLite) and fine-tuned models are kept.
     #[arg(long, default_value = "fsdp-serve-data")]
     data_dir: PathBuf,
+    /// Serve the LoRA adapter in DIR (PEFT's format, as `finetune --lora` writes it) as model
+    /// NAME over the base, without merging it (repeatable).
+    #[arg(long = "lora", value_name = "NAME=DIR")]
+    loras: Vec<String>,
+    /// Let `POST /v1/load_lora_adapter` read adapters under ROOT (and only there); without it
+    /// adapters are loaded only by --lora.
+    #[arg(long, value_name = "ROOT")]
+    lora_dir: Option<PathBuf>,
+    /// LoRA adapters kept in memory at most; the least recently used is dropped and read again
+    /// on its next request, so any number can be registered.
+    #[arg(long, default_value_t = 8)]
+    max_loras: usize,
 }
 
 impl TryFrom<ServeArgs> for ServeConfig {
@@ -105,6 +117,19 @@ impl TryFrom<ServeArgs> for ServeConfig {
                 },
             },
             data_dir: a.data_dir,
+            loras: a
+                .loras
+                .iter()
+                .map(|l| match l.split_once('=') {
+                    Some((name, dir)) if !name.is_empty() && !dir.is_empty() => Ok((name.to_string(), PathBuf::from(dir))),
+                    _ => anyhow::bail!("--lora {l:?}: expected NAME=DIR"),
+                })
+                .collect::<Result<_>>()?,
+            lora_dir: a.lora_dir,
+            max_loras: match a.max_loras {
+                0 => anyhow::bail!("--max-loras must be at least 1"),
+                n => n,
+            },
             device: a.device.parse()?,
             dtype: parse_dtype(&a.dtype).context("--dtype")?,
         })

@@ -7,12 +7,13 @@ pub mod stream;
 
 use std::collections::HashSet;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor};
 use candle_transformers::generation::{LogitsProcessor, Sampling};
-use models::{CausalLm, KvCache};
+use models::{CausalLm, KvCache, RowAdapters, ServingAdapter};
 use serde::Serialize;
 use serde_json::Value;
 
@@ -219,6 +220,8 @@ pub struct Sequence {
     finish: Option<FinishReason>,
     /// The grammar the answer must follow (structured output), if any.
     constraint: Option<llguidance::Matcher>,
+    /// The LoRA adapter this sequence runs with over the base (multi-LoRA serving), if any.
+    adapter: Option<Arc<ServingAdapter>>,
 }
 
 /// What one step produced.
@@ -319,12 +322,18 @@ impl Sequence {
             full_text: String::new(),
             finish: None,
             constraint: None,
+            adapter: None,
         })
     }
 
     /// Makes the answer follow `matcher`'s grammar (see `constraint`).
     pub fn constrain(&mut self, matcher: llguidance::Matcher) {
         self.constraint = Some(matcher);
+    }
+
+    /// Runs this sequence with `adapter`'s update over the base model's layers.
+    pub fn adapt(&mut self, adapter: Arc<ServingAdapter>) {
+        self.adapter = Some(adapter);
     }
 
     pub fn prompt_ids(&self) -> &[u32] {
@@ -350,9 +359,10 @@ impl Sequence {
             return Ok(done);
         }
         let input = Tensor::new(self.pending.as_slice(), model.device())?.unsqueeze(0)?;
+        let adapters = RowAdapters::all(self.adapter.as_ref());
         if let (Some(top), 0) = (self.params.prompt_logprobs, self.cache.seq_len()) {
             // The prompt's logits at every position: position i scores prompt token i + 1.
-            let all = model.forward_cached_all(&input, &mut self.cache)?.squeeze(0)?.to_dtype(DType::F32)?;
+            let all = model.forward_cached_all(&input, &mut self.cache, &adapters)?.squeeze(0)?.to_dtype(DType::F32)?;
             let t = all.dim(0)?;
             let rows = all.to_vec2::<f32>()?;
             let scored = (0..t - 1).map(|i| token_logprob(&rows[i], self.pending[i + 1], top)).collect();
@@ -360,7 +370,7 @@ impl Sequence {
             step.prompt_logprobs = Some(scored);
             return Ok(step);
         }
-        let logits = model.forward_cached(&input, &mut self.cache)?.squeeze(0)?;
+        let logits = model.forward_cached(&input, &mut self.cache, &adapters)?.squeeze(0)?;
         self.accept(logits, tokenizer)
     }
 
@@ -453,8 +463,10 @@ pub fn step_all(model: &CausalLm, tokenizer: &TextTokenizer, seqs: &mut [&mut Se
     if decoding.len() > 1 {
         let tokens: Vec<u32> = decoding.iter().map(|&i| seqs[i].pending[0]).collect();
         let batched = {
+            let per_row: Vec<Option<&Arc<ServingAdapter>>> = decoding.iter().map(|&i| seqs[i].adapter.as_ref()).collect();
+            let adapters = RowAdapters::of_rows(&per_row, model.device());
             let mut caches: Vec<&mut KvCache> = seqs.iter_mut().filter(|q| q.is_decoding()).map(|q| &mut q.cache).collect();
-            model.forward_decode_rows(&tokens, &mut caches)
+            adapters.and_then(|a| Ok(model.forward_decode_rows(&tokens, &mut caches, &a)?))
         };
         match batched {
             Ok(logits) => {

@@ -49,6 +49,7 @@ pub fn submit(st: &Arc<AppState>, req: &mut ValidatedRequest) -> Result<Submitte
             params,
             constraint: constraints.next(),
             stop_when: tools.and_then(|t| t.repeat_watch()),
+            adapter: req.adapter.clone(),
             events: tx,
             enqueued: Instant::now(),
         };

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
-use models::CausalLm;
+use models::{CausalLm, ServingAdapter};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::metrics::Metrics;
@@ -25,6 +25,8 @@ pub struct Job {
     /// Ends the answer (finish reason `stop`) once the text it is handed, piece by piece, says
     /// so: a forced list of calls that repeats one (`tools::Tools::repeat_watch`).
     pub stop_when: Option<StopWhen>,
+    /// The LoRA adapter the answer runs with over the engine's model (multi-LoRA serving).
+    pub adapter: Option<Arc<ServingAdapter>>,
     pub events: UnboundedSender<Event>,
     pub enqueued: Instant,
 }
@@ -112,6 +114,9 @@ fn run(
                 Ok(mut seq) => {
                     if let Some(m) = job.constraint.take() {
                         seq.constrain(m);
+                    }
+                    if let Some(a) = job.adapter.take() {
+                        seq.adapt(a);
                     }
                     active.push(Running { seq, job, last_token_at: None })
                 }

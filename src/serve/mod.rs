@@ -11,6 +11,7 @@
 //! groups). `fields` says which request fields each endpoint takes, `tools` is function calling,
 //! `error` OpenAI's error shape.
 
+mod adapters;
 mod admission;
 mod body;
 mod call_stream;

@@ -33,6 +33,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(routes::completions))
         .route("/v1/chat/completions", post(routes::chat_completions))
         .route("/v1/responses", post(routes::responses))
+        .route("/v1/load_lora_adapter", post(routes::load_lora_adapter))
+        .route("/v1/unload_lora_adapter", post(routes::unload_lora_adapter))
         .route("/v1/files", post(files::upload).get(files::list).layer(DefaultBodyLimit::disable()))
         .route("/v1/files/{id}", get(files::get_one).delete(files::delete))
         .route("/v1/files/{id}/content", get(files::content))

@@ -47,6 +47,39 @@ pub async fn delete_model(State(st): State<Arc<AppState>>, Path(id): Path<String
     Ok(Json(json!({"id": id, "object": "model", "deleted": true})))
 }
 
+/// `POST /v1/load_lora_adapter {"lora_name", "lora_path"}` (vLLM's): serves the PEFT adapter at
+/// `lora_path` (under `--lora-dir`) as model `lora_name` over the base.
+pub async fn load_lora_adapter(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
+    let v = json_body(body, st.max_body_bytes)?;
+    super::fields::check(&v, &["lora_name", "lora_path"], "", false)?;
+    let f = super::fields::Fields::of(&v)?;
+    let name = f.string("lora_name")?.ok_or_else(|| ApiError::invalid("lora_name", "`lora_name` is required."))?;
+    let path = f.string("lora_path")?.ok_or_else(|| ApiError::invalid("lora_path", "`lora_path` is required."))?;
+    let taken = |e: anyhow::Error| ApiError::invalid("lora_name", format!("{e:#}"));
+    super::adapters::check_adapter_name(name, &st.base_id).map_err(taken)?;
+    if st.model(name).is_ok() {
+        return Err(ApiError::invalid("lora_name", format!("`{name}` is already a served model's id.")));
+    }
+    let dir = st.adapters.allowed_path(path)?;
+    // Reading and checking the tensors takes a moment: off the async workers.
+    let registered = tokio::task::block_in_place(|| st.adapters.register(name, &dir));
+    registered.map_err(|e| ApiError::invalid("lora_path", format!("{e:#}")))?;
+    Ok(Json(json!({"object": "lora_adapter", "id": name, "parent": st.base_id, "root": dir, "loaded": true})))
+}
+
+/// `POST /v1/unload_lora_adapter {"lora_name"}` (vLLM's): stops serving the adapter (requests
+/// running with it finish); 404 when there is none of that name.
+pub async fn unload_lora_adapter(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
+    let v = json_body(body, st.max_body_bytes)?;
+    super::fields::check(&v, &["lora_name", "lora_int_id"], "", false)?;
+    let name =
+        super::fields::Fields::of(&v)?.string("lora_name")?.ok_or_else(|| ApiError::invalid("lora_name", "`lora_name` is required."))?;
+    match st.adapters.unregister(name) {
+        true => Ok(Json(json!({"object": "lora_adapter", "id": name, "deleted": true}))),
+        false => Err(ApiError::model_not_found(name)),
+    }
+}
+
 pub async fn info(State(st): State<Arc<AppState>>) -> Json<Value> {
     let m = st.base();
     Json(json!({

@@ -48,6 +48,8 @@ pub struct ServedModel {
     /// The grammar engine's view of the vocabulary, for `response_format` and forced function
     /// calls; or why this model's tokenizer cannot have one.
     pub grammars: std::result::Result<Arc<Grammars>, String>,
+    /// Its config.json (the shapes LoRA adapters served over it must fit).
+    pub config: models::ModelConfig,
 }
 
 impl ServedModel {
@@ -77,6 +79,7 @@ impl ServedModel {
                 Grammars::new(&vocabulary, vocab, end).map(Arc::new).map_err(|e| format!("{e:#}"))
             }
         };
+        let config = loaded.config.clone();
         let engine = engine::start(loaded.model, tokenizer.clone(), eos, settings.max_running, settings.metrics.clone());
         let max_total_tokens = settings.limit_total.unwrap_or(context).min(context);
         Ok(Self {
@@ -90,6 +93,7 @@ impl ServedModel {
             max_total_tokens,
             defaults,
             grammars,
+            config,
         })
     }
 

@@ -10,6 +10,7 @@ use std::sync::{Arc, RwLock};
 use anyhow::{Context, Result};
 use candle_core::DType;
 
+use super::adapters::{check_adapter_name, Adapters};
 use super::listen::{self, ClientLimits};
 use super::metrics::Metrics;
 use super::served_model::{LoadSettings, Placement, ServedModel};
@@ -42,6 +43,12 @@ pub struct ServeConfig {
     pub limits: ClientLimits,
     /// Where files, jobs (SQLite) and fine-tuned models live.
     pub data_dir: PathBuf,
+    /// LoRA adapters served over the base from the start: (name, PEFT directory).
+    pub loras: Vec<(String, PathBuf)>,
+    /// Where run-time adapter loading may read (none: nowhere).
+    pub lora_dir: Option<PathBuf>,
+    /// Adapters kept in memory at most.
+    pub max_loras: usize,
     /// Where and in which dtype the models compute.
     pub device: crate::device::DeviceSpec,
     pub dtype: DType,
@@ -62,6 +69,12 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
         metrics: metrics.clone(),
     };
     let base = ServedModel::load(&base_id, &cfg.model, cfg.revision.as_deref(), &load)?;
+    let adapters = Adapters::new(base.config.clone(), load.placement.clone(), cfg.max_loras, cfg.lora_dir.as_deref())?;
+    for (name, dir) in &cfg.loras {
+        check_adapter_name(name, &base_id)
+            .and_then(|()| adapters.register(name, dir))
+            .with_context(|| format!("--lora {name}={}", dir.display()))?;
+    }
     let store = Arc::new(Store::open(&cfg.data_dir)?);
     let failed = jobs::recover(&store)?;
     if failed > 0 {
@@ -73,6 +86,7 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
     let state = Arc::new(AppState {
         models: RwLock::new(HashMap::from([(base_id.clone(), Arc::new(base))])),
         loading: Default::default(),
+        adapters,
         base_id,
         base_source,
         load,

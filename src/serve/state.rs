@@ -5,8 +5,10 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
+use models::ServingAdapter;
 use serde_json::{json, Value};
 
+use super::adapters::Adapters;
 use super::error::ApiError;
 use super::jobs::Wakeup;
 use super::metrics::Metrics;
@@ -20,6 +22,8 @@ pub struct AppState {
     /// One lock per model ever loaded here (kept: a few bytes each), so that a model is loaded
     /// (or a checkpoint merged) once however many ask for it, while requests for the others go on.
     pub loading: Mutex<HashMap<String, Arc<Mutex<()>>>>,
+    /// LoRA adapters served over the base model by name.
+    pub adapters: Adapters,
     pub base_id: String,
     /// The --model the server was started with (what jobs fine-tune).
     pub base_source: String,
@@ -74,6 +78,16 @@ impl AppState {
         })
     }
 
+    /// What a request's `model` runs on: a model, and the LoRA adapter over it when `id` names
+    /// one (its base's engine runs it, batched with the base's other requests).
+    pub fn target(&self, id: &str) -> Result<(Arc<ServedModel>, Option<Arc<ServingAdapter>>), ApiError> {
+        match self.adapters.get(id) {
+            Some(Ok(adapter)) => Ok((self.base(), Some(adapter))),
+            Some(Err(e)) => Err(ApiError::internal(format!("reading adapter {id} again: {e:#}"))),
+            None => Ok((self.model(id)?, None)),
+        }
+    }
+
     pub fn base(&self) -> Arc<ServedModel> {
         self.models.read().unwrap()[&self.base_id].clone()
     }
@@ -84,6 +98,11 @@ impl AppState {
         let mut out: Vec<Value> = vec![base.object()];
         for (id, _) in self.store.fine_tuned_models().unwrap_or_default() {
             out.push(json!({"id": id, "object": "model", "created": base.created, "owned_by": "fsdp-app", "parent": self.base_id}));
+        }
+        // As vLLM lists its LoRA modules: the adapter's directory as `root`, the base as `parent`.
+        for a in self.adapters.list() {
+            out.push(json!({"id": a.name, "object": "model", "created": a.created, "owned_by": "fsdp-app", "parent": self.base_id,
+                            "root": a.dir, "max_model_len": base.context, "lora": {"loaded": a.loaded}}));
         }
         out
     }

@@ -88,7 +88,7 @@ async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -
     drop(admission);
     let (id, object) = names(&req.kind, false);
     let usage = usage(req.prompt_ids.len(), completion_tokens);
-    Ok(Json(json!({"id": id, "object": object, "created": super::ids::now_s(), "model": req.model.id, "choices": choices, "usage": usage}))
+    Ok(Json(json!({"id": id, "object": object, "created": super::ids::now_s(), "model": req.model_id, "choices": choices, "usage": usage}))
         .into_response())
 }
 

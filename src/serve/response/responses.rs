@@ -76,7 +76,7 @@ fn response_object(req: &ValidatedRequest, id: &str, created: i64, output: Vec<V
     };
     json!({
         "id": id, "object": "response", "created_at": created, "status": status, "error": null, "incomplete_details": incomplete,
-        "instructions": e("instructions"), "max_output_tokens": e("max_output_tokens"), "model": req.model.id, "output": output,
+        "instructions": e("instructions"), "max_output_tokens": e("max_output_tokens"), "model": req.model_id, "output": output,
         "parallel_tool_calls": or("parallel_tool_calls", json!(true)), "previous_response_id": null,
         "reasoning": {"effort": null, "summary": null}, "store": false, "temperature": or("temperature", json!(req.params.temperature)),
         "text": or("text", json!({"format": {"type": "text"}})), "tool_choice": or("tool_choice", json!("auto")),

@@ -85,7 +85,7 @@ impl<'a> Streamer<'a> {
     }
 
     fn chunk(&self, choices: Value, usage: Option<Value>) -> SseEvent {
-        let mut v = json!({"id": self.id, "object": self.object, "created": self.created, "model": self.req.model.id, "choices": choices});
+        let mut v = json!({"id": self.id, "object": self.object, "created": self.created, "model": self.req.model_id, "choices": choices});
         if self.req.include_usage {
             v["usage"] = usage.unwrap_or(Value::Null);
         }

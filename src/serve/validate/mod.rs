@@ -21,6 +21,7 @@ use super::state::AppState;
 use super::tools::{self, ToolChoice, Tools};
 use crate::generate::constraint::OutputFormat;
 use crate::generate::SamplingParams;
+use models::ServingAdapter;
 use prompt::Prompt;
 pub use sampling::{MAX_N, MAX_STOP};
 
@@ -64,7 +65,12 @@ impl RequestKind {
 
 /// A generation request, checked and ready to run.
 pub struct ValidatedRequest {
+    /// The model whose engine runs it (for an adapter, its base).
     pub model: Arc<ServedModel>,
+    /// The LoRA adapter the answers run with over `model`, if the request named one.
+    pub adapter: Option<Arc<ServingAdapter>>,
+    /// The `model` the request named, which its answer repeats.
+    pub model_id: String,
     pub kind: RequestKind,
     pub prompt_ids: Vec<u32>,
     /// The sampling of every answer (answer i seeds with `params.seed + i`), with
@@ -83,7 +89,8 @@ pub struct ValidatedRequest {
 /// `/v1/completions`.
 pub fn completion(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> {
     let ignored = fields::check(v, fields::COMPLETIONS, "", st.lenient)?;
-    let model = st.model(model_field(v)?)?;
+    let target = Target::of(st, v)?;
+    let model = target.model.clone();
     let mut s = sampling::parse(v, &model.defaults, false)?;
     s.params.logit_bias = sampling::logit_bias(v, model.vocab)?;
     let (prompt_ids, text) = match prompt::prompt(v, model.vocab)? {
@@ -99,20 +106,21 @@ pub fn completion(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError
         s.params.prompt_logprobs = s.params.logprobs;
     }
     let kind = RequestKind::Completion { echo };
-    finish(st, model, kind, prompt_ids, s, vec![], ignored)
+    finish(st, target, kind, prompt_ids, s, vec![], ignored)
 }
 
 /// `/v1/chat/completions`.
 pub fn chat(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> {
     let mut ignored = fields::check(v, fields::CHAT, "", st.lenient)?;
     no_op::check(v)?;
-    let model = st.model(model_field(v)?)?;
+    let target = Target::of(st, v)?;
+    let model = target.model.clone();
     let mut s = sampling::parse(v, &model.defaults, true)?;
     s.params.logit_bias = sampling::logit_bias(v, model.vocab)?;
     let messages = prompt::messages(v, st.lenient, &mut ignored)?;
     let (tools, constraints) = tools_and_constraints(st, &model, v, s.n, &mut ignored)?;
     let prompt_ids = model.chat_prompt_ids(&messages, tools.as_ref())?;
-    finish(st, model, RequestKind::Chat { tools }, prompt_ids, s, constraints, ignored)
+    finish(st, target, RequestKind::Chat { tools }, prompt_ids, s, constraints, ignored)
 }
 
 /// `/v1/responses`: read into chat's values (`responses`), then chat's checks, with the fields
@@ -120,7 +128,8 @@ pub fn chat(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> {
 pub fn responses(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> {
     let mut ignored = fields::check(v, fields::RESPONSES, "", st.lenient)?;
     no_op::check(v)?;
-    let model = st.model(model_field(v)?)?;
+    let target = Target::of(st, v)?;
+    let model = target.model.clone();
     let r = responses::read(v, st.lenient, &mut ignored)?;
     let renamed = |e: ApiError| {
         let param = e
@@ -135,7 +144,7 @@ pub fn responses(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError>
     let prompt_ids = model.chat_prompt_ids(&r.messages, tools.as_ref())?;
     let kind = RequestKind::Responses { tools, echo: r.echo };
     let named = |e: ApiError| ApiError { param: e.param.as_ref().map(|p| p.replace("max_tokens", "max_output_tokens")), ..e };
-    finish(st, model, kind, prompt_ids, s, constraints, ignored).map_err(named)
+    finish(st, target, kind, prompt_ids, s, constraints, ignored).map_err(named)
 }
 
 /// A chat-shaped body's functions (none when `tool_choice` is `none`) and the grammar matchers
@@ -205,7 +214,7 @@ fn model_field(v: &Value) -> Result<&str, ApiError> {
 fn model_or_base(st: &AppState, v: &Value) -> Result<Arc<ServedModel>, ApiError> {
     match Fields::of(v)?.value("model") {
         None => Ok(st.base()),
-        Some(_) => st.model(model_field(v)?),
+        Some(_) => st.target(model_field(v)?).map(|(model, _)| model),
     }
 }
 
@@ -229,15 +238,31 @@ fn matchers(model: &ServedModel, format: &OutputFormat, from_tools: bool, n: usi
 }
 
 /// The checks that need the prompt's length and the server's capacity, then the request.
+/// What a request's `model` names: the model that runs it, and the adapter over it.
+struct Target {
+    id: String,
+    model: Arc<ServedModel>,
+    adapter: Option<Arc<ServingAdapter>>,
+}
+
+impl Target {
+    fn of(st: &AppState, v: &Value) -> Result<Self, ApiError> {
+        let id = model_field(v)?;
+        let (model, adapter) = st.target(id)?;
+        Ok(Self { id: id.to_string(), model, adapter })
+    }
+}
+
 fn finish(
     st: &AppState,
-    model: Arc<ServedModel>,
+    target: Target,
     kind: RequestKind,
     prompt_ids: Vec<u32>,
     s: sampling::Sampling,
     constraints: Vec<llguidance::Matcher>,
     ignored: Vec<String>,
 ) -> Result<ValidatedRequest, ApiError> {
+    let Target { id: model_id, model, adapter } = target;
     let prompt_tokens = prompt_ids.len();
     let param = kind.prompt_param();
     if prompt_tokens == 0 {
@@ -273,5 +298,17 @@ fn finish(
     }
     let mut params = s.params;
     params.max_new_tokens = max_tokens;
-    Ok(ValidatedRequest { model, kind, prompt_ids, params, n: s.n, stream: s.stream, include_usage: s.include_usage, constraints, ignored })
+    Ok(ValidatedRequest {
+        model,
+        adapter,
+        model_id,
+        kind,
+        prompt_ids,
+        params,
+        n: s.n,
+        stream: s.stream,
+        include_usage: s.include_usage,
+        constraints,
+        ignored,
+    })
 }

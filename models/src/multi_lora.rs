@@ -1,0 +1,129 @@
+//! Many LoRA adapters over one base model at serving time, the S-LoRA / punica way: each linear
+//! layer's base matmul runs once for every row of the batch, then each adapter's low-rank update
+//! `scaling * B (A x)` only for the rows that asked for it (rows grouped by adapter). Rows with
+//! no adapter get the base alone. The base weights are never copied or merged, so an adapter
+//! costs its own tensors, not a model.
+//!
+//! This module knows nothing of files or requests: an adapter is built from tensors under our
+//! module names (`model.layers.0.self_attn.q_proj.lora_A.weight`), a batch's rows say which
+//! adapter each uses.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device, Tensor};
+
+use crate::lora::LoraSettings;
+
+/// One adapter ready to apply: for each module it adapts, `A` (r, in) and `B` (out, r) in the
+/// compute dtype, and its scaling.
+#[derive(Debug)]
+pub struct ServingAdapter {
+    pub name: String,
+    modules: HashMap<String, (Tensor, Tensor)>,
+    scaling: f64,
+    bytes: usize,
+}
+
+impl ServingAdapter {
+    /// From tensors named `<module>.lora_A.weight` / `<module>.lora_B.weight`, moved to `dev`
+    /// in `dtype`. Every A needs its B (and the reverse), with ranks that agree.
+    pub fn new(name: &str, settings: &LoraSettings, tensors: HashMap<String, Tensor>, dtype: DType, dev: &Device) -> Result<Self> {
+        let mut modules = HashMap::new();
+        let mut bytes = 0;
+        for (a_name, a) in &tensors {
+            let Some(module) = a_name.strip_suffix(".lora_A.weight") else {
+                if !a_name.ends_with(".lora_B.weight") {
+                    bail!("{a_name} is not a LoRA tensor (lora_A.weight / lora_B.weight)");
+                }
+                continue;
+            };
+            let b_name = format!("{module}.lora_B.weight");
+            let Some(b) = tensors.get(&b_name) else { bail!("{a_name} has no {b_name}") };
+            let (a, b) = (a.to_device(dev)?.to_dtype(dtype)?.contiguous()?, b.to_device(dev)?.to_dtype(dtype)?.contiguous()?);
+            if a.rank() != 2 || b.rank() != 2 || a.dim(0)? != b.dim(1)? {
+                bail!("{a_name} {:?} and {b_name} {:?} are not (r, in) and (out, r)", a.dims(), b.dims());
+            }
+            bytes += (a.elem_count() + b.elem_count()) * dtype.size_in_bytes();
+            modules.insert(module.to_string(), (a.t()?, b.t()?));
+        }
+        if modules.len() * 2 != tensors.len() {
+            bail!("{} tensors, {} A/B pairs: a lora_B.weight has no lora_A.weight", tensors.len(), modules.len());
+        }
+        Ok(Self { name: name.to_string(), modules, scaling: settings.scaling(), bytes })
+    }
+
+    /// Bytes its tensors take.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Modules it adapts.
+    pub fn modules(&self) -> usize {
+        self.modules.len()
+    }
+}
+
+/// Which rows of a forward's batch use which adapter.
+#[derive(Debug, Clone, Default)]
+pub struct RowAdapters {
+    groups: Vec<Group>,
+}
+
+#[derive(Debug, Clone)]
+struct Group {
+    adapter: Arc<ServingAdapter>,
+    /// The rows (u32 indices); None when the group is every row (a prompt of its own).
+    rows: Option<Tensor>,
+}
+
+impl RowAdapters {
+    /// Every row uses `adapter` (or the base alone, when None).
+    pub fn all(adapter: Option<&Arc<ServingAdapter>>) -> Self {
+        Self { groups: adapter.map(|a| Group { adapter: a.clone(), rows: None }).into_iter().collect() }
+    }
+
+    /// Row r uses `per_row[r]`; rows of the same adapter (the same `Arc`) form one group.
+    pub fn of_rows(per_row: &[Option<&Arc<ServingAdapter>>], dev: &Device) -> Result<Self> {
+        let mut groups: Vec<(Arc<ServingAdapter>, Vec<u32>)> = vec![];
+        for (r, a) in per_row.iter().enumerate() {
+            let Some(a) = a else { continue };
+            match groups.iter_mut().find(|(g, _)| Arc::ptr_eq(g, a)) {
+                Some((_, rows)) => rows.push(r as u32),
+                None => groups.push(((*a).clone(), vec![r as u32])),
+            }
+        }
+        let groups = groups
+            .into_iter()
+            .map(|(adapter, rows)| {
+                let rows = match rows.len() == per_row.len() {
+                    true => None,
+                    false => Some(Tensor::new(rows.as_slice(), dev)?),
+                };
+                Ok(Group { adapter, rows })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self { groups })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.groups.is_empty()
+    }
+
+    /// `y`, the base output of module `module` for input `x` (rows first), plus each adapter's
+    /// update on its rows.
+    pub(crate) fn apply(&self, module: &str, x: &Tensor, mut y: Tensor) -> candle_core::Result<Tensor> {
+        for g in &self.groups {
+            let Some((a_t, b_t)) = g.adapter.modules.get(module) else { continue };
+            y = match &g.rows {
+                None => (&y + (x.broadcast_matmul(a_t)?.broadcast_matmul(b_t)? * g.adapter.scaling)?)?,
+                Some(rows) => {
+                    let delta = (x.index_select(rows, 0)?.broadcast_matmul(a_t)?.broadcast_matmul(b_t)? * g.adapter.scaling)?;
+                    y.index_add(rows, &delta, 0)?
+                }
+            };
+        }
+        Ok(y)
+    }
+}
