@@ -499,14 +499,32 @@ fn fine_tuning_jobs_run_to_a_served_model_persist_and_survive_a_restart() {
     let (base_lp, ft_lp) = (first_token_logprob(&server, "tiny"), first_token_logprob(&server, &ft));
     assert!((base_lp - ft_lp).abs() > 1e-4, "fine-tuning changed nothing: {base_lp} vs {ft_lp}");
 
-    // A LoRA job serves its merged model.
+    // A LoRA job is served as its adapter over the base (no merged copy is written); with
+    // `fsdp_app.merge` as the merged model. Both answer alike: the same training, two ways.
     let mut lora = create.clone();
     lora["fsdp_app"]["lora"] = json!({"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]});
     lora["suffix"] = json!("lora");
-    let lora_job = post_json(&server.url("/v1/fine_tuning/jobs"), &lora);
-    let lora_done = wait_for_status(&server, lora_job["id"].as_str().unwrap(), &["succeeded", "failed"], 180);
-    assert_eq!(lora_done["status"], "succeeded", "{lora_done}");
-    first_token_logprob(&server, lora_done["fine_tuned_model"].as_str().unwrap());
+    let mut merged = lora.clone();
+    merged["fsdp_app"]["merge"] = json!(true);
+    merged["suffix"] = json!("merged");
+    let (lora_job, merged_job) =
+        (post_json(&server.url("/v1/fine_tuning/jobs"), &lora), post_json(&server.url("/v1/fine_tuning/jobs"), &merged));
+    let mut lora_models = vec![];
+    for job in [&lora_job, &merged_job] {
+        let done = wait_for_status(&server, job["id"].as_str().unwrap(), &["succeeded", "failed"], 180);
+        assert_eq!(done["status"], "succeeded", "{done}");
+        lora_models.push(done["fine_tuned_model"].as_str().unwrap().to_string());
+    }
+    let lora_dir = data_dir.join("jobs").join(lora_job["id"].as_str().unwrap());
+    assert!(lora_dir.join("adapter_model.safetensors").is_file() && !lora_dir.join("merged").exists(), "an adapter only");
+    assert!(data_dir.join("jobs").join(merged_job["id"].as_str().unwrap()).join("merged").join("config.json").is_file());
+    let lora_lp = first_token_logprob(&server, &lora_models[0]);
+    assert!((lora_lp - first_token_logprob(&server, &lora_models[1])).abs() < 1e-4, "adapter over the base vs merged copy");
+    assert!((lora_lp - base_lp).abs() > 1e-4, "the LoRA job changed nothing");
+    // Its checkpoint is an adapter too, served by its id.
+    let ckpts = get_json(&server.url(&format!("/v1/fine_tuning/jobs/{}/checkpoints", lora_job["id"].as_str().unwrap())));
+    let ckpt = ckpts["data"][0]["fine_tuned_model_checkpoint"].as_str().unwrap().to_string();
+    assert!((first_token_logprob(&server, &ckpt) - lora_lp).abs() < 1e-4, "the final checkpoint is the final adapter");
 
     // Cancel stops a running job; list pages newest first.
     let mut long = create.clone();
@@ -523,7 +541,7 @@ fn fine_tuning_jobs_run_to_a_served_model_persist_and_survive_a_restart() {
     assert_eq!(page["data"][0]["id"], json!(long_id));
     assert_eq!(page["has_more"], true);
     let rest = get_json(&server.url(&format!("/v1/fine_tuning/jobs?limit=2&after={}", page["data"][1]["id"].as_str().unwrap())));
-    assert_eq!(rest["data"][0]["id"], json!(job_id));
+    assert_eq!((rest["data"][0]["id"].clone(), rest["data"][1]["id"].clone()), (lora_job["id"].clone(), json!(job_id)));
     assert_eq!(rest["has_more"], false);
 
     // Bad creates are 400s naming the field; unknown ids 404.
@@ -554,6 +572,7 @@ fn fine_tuning_jobs_run_to_a_served_model_persist_and_survive_a_restart() {
     assert_eq!(get_json(&server.url(&format!("/v1/files/{file_id}")))["id"], json!(file_id));
     assert_eq!(get_json(&server.url(&format!("/v1/fine_tuning/jobs/{job_id}")))["status"], "succeeded");
     assert!((first_token_logprob(&server, &ft) - ft_lp).abs() < 1e-5, "the fine-tuned model is served after a restart");
+    assert!((first_token_logprob(&server, &lora_models[0]) - lora_lp).abs() < 1e-5, "the LoRA job's adapter is served after a restart");
 
     // DELETE a fine-tuned model: gone from the list, its files and its answers; never the base.
     let delete = |id: &str| match ureq::delete(&server.url(&format!("/v1/models/{id}"))).call() {

@@ -505,3 +505,19 @@ pub fn merge(checkpoint: &Path, out: &Path, dtype: candle_core::DType, max_shard
         reader.side_files()?.into_iter().filter(|(n, _)| n != crate::model_files::adapter::ADAPTER_CONFIG).collect();
     export.finish(&side)
 }
+
+/// A LoRA run's checkpoint as a PEFT adapter directory (its adapter tensors and
+/// `adapter_config.json`, not the frozen base): what a multi-LoRA server serves over the base.
+/// Fails when the checkpoint is not a LoRA run's.
+pub fn export_adapter(checkpoint: &Path, out: &Path) -> Result<PathBuf> {
+    use crate::model_files::adapter::{parse_adapter_config, write_adapter, ADAPTER_CONFIG};
+    let reader = CheckpointReader::open(checkpoint, verify(checkpoint)?)?;
+    let Some(config) = reader.side_file(ADAPTER_CONFIG) else { bail!("{} is not a LoRA run's checkpoint", checkpoint.display()) };
+    let (settings, base) = parse_adapter_config(&String::from_utf8_lossy(&config), &checkpoint.join(ADAPTER_CONFIG))?;
+    let mut tensors = std::collections::HashMap::new();
+    for p in reader.manifest.params.iter().filter(|p| models::lora::is_adapter_tensor(&p.name)) {
+        let values = reader.read(&p.name, StatePart::Master)?;
+        tensors.insert(p.name.clone(), candle_core::Tensor::from_vec(values, p.shape.as_slice(), &candle_core::Device::Cpu)?);
+    }
+    write_adapter(out, &tensors, &settings, base.as_deref().unwrap_or(""))
+}

@@ -8,8 +8,8 @@
 //! metrics; one rotated away is forgotten. The job's final model is recorded at its last step.
 //!
 //! A periodic checkpoint is training state (fp32 shards and AdamW moments), so the first request
-//! for it merges it once into a Hugging Face directory beside it (`served/ckpt-step-STEP`,
-//! written under a temporary name and renamed). The last step of a succeeded job is its final
+//! for it writes it once beside it (`served/ckpt-step-STEP`, under a temporary name and renamed):
+//! merged into a Hugging Face directory, or for a LoRA job its PEFT adapter, served over the base. The last step of a succeeded job is its final
 //! model, served from where the job put it.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -106,17 +106,23 @@ pub fn servable_dir(store: &Store, id: &str) -> Result<Option<PathBuf>> {
     if job.status == JobStatus::Succeeded && last == Some(step) {
         return Ok(Some(final_model_dir(&output_dir, &job.extensions)));
     }
+    // A LoRA job's checkpoint is served as its adapter over the base, unless the job merges.
+    let as_adapter = job.extensions.lora.is_some() && !job.extensions.merge;
     let merged = merged_dir(&output_dir, step);
-    if !merged.join("config.json").is_file() {
+    let written = if as_adapter { crate::model_files::adapter::ADAPTER_CONFIG } else { "config.json" };
+    if !merged.join(written).is_file() {
         let checkpoint = sharded::checkpoint_dir(&output_dir, step as usize);
         if !checkpoint.is_dir() {
             // Rotated away since it was listed (the runner forgets it at its next look).
             return Ok(None);
         }
-        // Merged into a temporary sibling, renamed into place whole (removed if the merge fails).
+        // Written into a temporary sibling, renamed into place whole (removed if it fails).
         let staged = StagedDir::new(&merged)?;
-        sharded::merge(&checkpoint, staged.path(), candle_core::DType::F32, usize::MAX)
-            .with_context(|| format!("merging {} to serve {id}", checkpoint.display()))?;
+        match as_adapter {
+            true => sharded::export_adapter(&checkpoint, staged.path()),
+            false => sharded::merge(&checkpoint, staged.path(), candle_core::DType::F32, usize::MAX),
+        }
+        .with_context(|| format!("writing {} to serve {id}", checkpoint.display()))?;
         staged.commit()?;
     }
     Ok(Some(merged))

@@ -57,7 +57,7 @@ pub async fn load_lora_adapter(State(st): State<Arc<AppState>>, body: Result<Byt
     let path = f.string("lora_path")?.ok_or_else(|| ApiError::invalid("lora_path", "`lora_path` is required."))?;
     let taken = |e: anyhow::Error| ApiError::invalid("lora_name", format!("{e:#}"));
     super::adapters::check_adapter_name(name, &st.base_id).map_err(taken)?;
-    if st.model(name).is_ok() {
+    if st.is_model_id(name)? {
         return Err(ApiError::invalid("lora_name", format!("`{name}` is already a served model's id.")));
     }
     let dir = st.adapters.allowed_path(path)?;

@@ -45,11 +45,17 @@ pub struct AppState {
 }
 
 impl AppState {
-    /// The model `id`: loaded already, or a fine-tuned model from a succeeded job or a job's
-    /// checkpoint, loaded now.
-    pub fn model(&self, id: &str) -> Result<Arc<ServedModel>, ApiError> {
+    /// What a request's `model` runs on: a model, and the LoRA adapter over it when `id` names
+    /// one (its base's engine runs it, batched with the base's other requests). Fine-tuned models
+    /// and job checkpoints load on first use: a full one as a model of its own, a LoRA one as an
+    /// adapter over the base.
+    pub fn target(&self, id: &str) -> Result<(Arc<ServedModel>, Option<Arc<ServingAdapter>>), ApiError> {
         if let Some(m) = self.models.read().unwrap().get(id) {
-            return Ok(m.clone());
+            return Ok((m.clone(), None));
+        }
+        if let Some(adapter) = self.adapters.get(id) {
+            let adapter = adapter.map_err(|e| ApiError::internal(format!("reading adapter {id} again: {e:#}")))?;
+            return Ok((self.base(), Some(adapter)));
         }
         let internal = |e: anyhow::Error| ApiError::internal(format!("{e:#}"));
         let fine_tuned = self.store.fine_tuned_models().map_err(internal)?.into_iter().find(|(m, _)| m == id).map(|(_, d)| d);
@@ -59,10 +65,10 @@ impl AppState {
         }
         // The loading takes seconds: off the async workers, under this model's own lock.
         let slot = self.loading.lock().unwrap().entry(id.to_string()).or_default().clone();
-        tokio::task::block_in_place(|| -> Result<Arc<ServedModel>, ApiError> {
+        tokio::task::block_in_place(|| {
             let _only_loader = slot.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(m) = self.models.read().unwrap().get(id) {
-                return Ok(m.clone()); // loaded while this request waited
+                return Ok((m.clone(), None)); // loaded while this request waited
             }
             let dir = match fine_tuned {
                 Some(d) => d,
@@ -70,22 +76,29 @@ impl AppState {
                     super::checkpoints::servable_dir(&self.store, id).map_err(internal)?.ok_or_else(|| ApiError::model_not_found(id))?
                 }
             };
+            if dir.join(crate::model_files::adapter::ADAPTER_CONFIG).is_file() {
+                if self.adapters.get(id).is_none() {
+                    self.adapters.register(id, &dir).map_err(|e| ApiError::internal(format!("loading {id}: {e:#}")))?;
+                }
+                let adapter = self.adapters.get(id).ok_or_else(|| ApiError::model_not_found(id))?;
+                return Ok((self.base(), Some(adapter.map_err(internal)?)));
+            }
             let served = ServedModel::load(id, &dir.to_string_lossy(), None, &self.load)
                 .map_err(|e| ApiError::internal(format!("loading {id}: {e:#}")))?;
             let served = Arc::new(served);
             self.models.write().unwrap().insert(id.to_string(), served.clone());
-            Ok(served)
+            Ok((served, None))
         })
     }
 
-    /// What a request's `model` runs on: a model, and the LoRA adapter over it when `id` names
-    /// one (its base's engine runs it, batched with the base's other requests).
-    pub fn target(&self, id: &str) -> Result<(Arc<ServedModel>, Option<Arc<ServingAdapter>>), ApiError> {
-        match self.adapters.get(id) {
-            Some(Ok(adapter)) => Ok((self.base(), Some(adapter))),
-            Some(Err(e)) => Err(ApiError::internal(format!("reading adapter {id} again: {e:#}"))),
-            None => Ok((self.model(id)?, None)),
-        }
+    /// Whether `id` is already a model's id here (the base, a fine-tuned model, a checkpoint,
+    /// an adapter), without loading anything.
+    pub fn is_model_id(&self, id: &str) -> Result<bool, ApiError> {
+        let internal = |e: anyhow::Error| ApiError::internal(format!("{e:#}"));
+        Ok(self.models.read().unwrap().contains_key(id)
+            || self.adapters.list().iter().any(|a| a.name == id)
+            || self.store.fine_tuned_models().map_err(internal)?.iter().any(|(m, _)| m == id)
+            || self.store.checkpoint_of_model(id).map_err(internal)?.is_some())
     }
 
     pub fn base(&self) -> Arc<ServedModel> {
@@ -100,7 +113,8 @@ impl AppState {
             out.push(json!({"id": id, "object": "model", "created": base.created, "owned_by": "fsdp-app", "parent": self.base_id}));
         }
         // As vLLM lists its LoRA modules: the adapter's directory as `root`, the base as `parent`.
-        for a in self.adapters.list() {
+        // (Fine-tuned LoRA models are listed above, as jobs made them.)
+        for a in self.adapters.list().into_iter().filter(|a| !a.name.starts_with("ft:")) {
             out.push(json!({"id": a.name, "object": "model", "created": a.created, "owned_by": "fsdp-app", "parent": self.base_id,
                             "root": a.dir, "max_model_len": base.context, "lora": {"loaded": a.loaded}}));
         }
@@ -111,6 +125,9 @@ impl AppState {
     /// requests running on it end).
     pub fn unload_fine_tuned(&self, id: &str) {
         self.models.write().unwrap().retain(|m, _| m != id && !super::checkpoints::is_checkpoint_of(m, id));
+        for a in self.adapters.list().into_iter().filter(|a| a.name == id || super::checkpoints::is_checkpoint_of(&a.name, id)) {
+            self.adapters.unregister(&a.name);
+        }
     }
 
     pub fn running(&self) -> usize {

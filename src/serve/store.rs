@@ -409,9 +409,12 @@ impl Store {
     }
 }
 
-/// Where a succeeded job's model is: its output directory, or for LoRA the merged model in it.
+/// Where a succeeded job's model is: its output directory (for LoRA, its adapter), or the merged
+/// model in it when a LoRA job asked for one.
 pub fn final_model_dir(output_dir: &Path, extensions: &JobExtensions) -> PathBuf {
-    if extensions.lora.is_some() {
+    // A LoRA job's output directory is its PEFT adapter (served over the base); `merged` beside
+    // it when the job asked for a merged copy.
+    if extensions.lora.is_some() && extensions.merge {
         output_dir.join("merged")
     } else {
         output_dir.to_path_buf()

@@ -96,7 +96,7 @@ fn hyperparameters(v: &Value, lenient: bool) -> Result<Hyperparameters, ApiError
 }
 
 /// Our extensions, under `fsdp_app`: world_size, seq_len (at most the model's context),
-/// max_steps, lora {r, alpha, dropout, targets}; what is not given takes [`JobExtensions`]'
+/// max_steps, lora {r, alpha, dropout, targets}, merge; what is not given takes [`JobExtensions`]'
 /// and [`JobLora`]'s defaults.
 fn extensions(v: &Value, lenient: bool, context: usize) -> Result<JobExtensions, ApiError> {
     let d = JobExtensions::defaults(context);
@@ -114,7 +114,11 @@ fn extensions(v: &Value, lenient: bool, context: usize) -> Result<JobExtensions,
     }
     let max_steps = f.integer("max_steps", 1, 1_000_000).map_err(named)?.map(|n| n as u64);
     let lora = f.value("lora").map(|l| lora(l, lenient)).transpose()?;
-    Ok(JobExtensions { world_size, seq_len, max_steps, lora })
+    let merge = f.bool("merge").map_err(named)?.unwrap_or(false);
+    if merge && lora.is_none() {
+        return Err(ApiError::invalid("fsdp_app.merge", "`merge` needs `lora`: it merges the trained adapter into the base."));
+    }
+    Ok(JobExtensions { world_size, seq_len, max_steps, lora, merge })
 }
 
 /// `fsdp_app.lora`.

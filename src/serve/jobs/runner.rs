@@ -102,7 +102,8 @@ pub fn finetune_args(job: &JobRow, base_source: &str, data: &dyn Fn(&str) -> std
         a.lora.lora_alpha = Some(l.alpha);
         a.lora.lora_dropout = Some(l.dropout);
         a.lora.lora_targets = Some(l.targets.join(","));
-        a.merge_lora = true;
+        // The adapter is served over the base (multi-LoRA); a merged copy only when asked for.
+        a.merge_lora = e.merge;
     }
     // Jobs train where the server computes: on a GPU server each rank takes its LOCAL_RANK GPU,
     // in bf16 with fp32 master weights.

@@ -89,12 +89,16 @@ pub struct JobExtensions {
     pub max_steps: Option<u64>,
     /// LoRA on the frozen base instead of full fine-tuning.
     pub lora: Option<JobLora>,
+    /// With LoRA: also write the merged full model and serve that, instead of the adapter over
+    /// the base (`fsdp_app.merge`; absent in jobs stored before it existed: false).
+    #[serde(default)]
+    pub merge: bool,
 }
 
 impl JobExtensions {
     /// A job that sets none, on a model of `context` tokens.
     pub fn defaults(context: usize) -> Self {
-        Self { world_size: 1, seq_len: crate::train::DEFAULT_SEQ_LEN.min(context) as u64, max_steps: None, lora: None }
+        Self { world_size: 1, seq_len: crate::train::DEFAULT_SEQ_LEN.min(context) as u64, max_steps: None, lora: None, merge: false }
     }
 }
 
