@@ -51,6 +51,18 @@ fn the_pages_chat_and_fine_tune_in_headless_chromium() {
     let tmp = tempfile::tempdir().unwrap();
     let model = fixture("qwen2", tmp.path());
     let data = tmp.path().join("data");
+    // A LoRA adapter served beside the base, for the model picker.
+    let adapter = tmp.path().join("adapter");
+    let train = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/zephyrix-codename.jsonl");
+    let o = run_cli(
+        &["finetune", "--model", model.to_str().unwrap(), "--data", train.to_str().unwrap(), "--output-dir", adapter.to_str().unwrap()]
+            .into_iter()
+            .chain(["--seq-len", "160", "--batch-size", "2", "--max-steps", "1", "--lora"])
+            .collect::<Vec<_>>(),
+        &[],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let lora = format!("web-lora={}", adapter.display());
     let mut server = Command::new(bin())
         .args([
             "serve",
@@ -62,6 +74,8 @@ fn the_pages_chat_and_fine_tune_in_headless_chromium() {
             "tiny",
             "--api-key",
             "web-key",
+            "--lora",
+            &lora,
             "--data-dir",
         ])
         .arg(&data)

@@ -3,9 +3,18 @@
 "use strict";
 
 const keyInput = document.getElementById("api-key");
+const keyListeners = [];
 if (keyInput) {
   keyInput.value = localStorage.getItem("fsdp-api-key") || "";
-  keyInput.addEventListener("change", () => localStorage.setItem("fsdp-api-key", keyInput.value));
+  keyInput.addEventListener("change", () => {
+    localStorage.setItem("fsdp-api-key", keyInput.value);
+    for (const f of keyListeners) f();
+  });
+}
+
+// Runs `f` whenever the API key is changed (so a page can reload what the old key could not read).
+function onKeyChange(f) {
+  keyListeners.push(f);
 }
 
 function authHeaders(extra = {}) {
@@ -25,15 +34,31 @@ async function api(path, options = {}) {
   return body;
 }
 
+// Fills `select` with the served models: the base, then fine-tuned models and LoRA adapters,
+// each shown with the base it runs on. Each option keeps the model's context in data-context.
 async function fillModels(select, preferred) {
   const list = await api("/v1/models");
+  const base = list.data.find((m) => !m.parent);
   select.innerHTML = "";
   for (const m of list.data) {
     const opt = document.createElement("option");
-    opt.value = opt.textContent = m.id;
+    opt.value = m.id;
+    opt.textContent = m.parent ? `${m.id} (${m.lora ? "LoRA" : "fine-tuned"} on ${m.parent})` : m.id;
+    opt.dataset.context = String(m.max_model_len || (base && base.max_model_len) || "");
     select.appendChild(opt);
   }
   if (preferred) select.value = preferred;
+  return list.data;
+}
+
+// The request fields of number inputs that are filled in: an emptied field means the server's
+// default, so it is left out rather than sent as 0.
+function numberFields(fields) {
+  const out = {};
+  for (const [name, input] of Object.entries(fields)) {
+    if (input.value.trim() !== "") out[name] = Number(input.value);
+  }
+  return out;
 }
 
 // Streams a chat completion into `target` (a .msg element). Marks it data-done="true" at the end

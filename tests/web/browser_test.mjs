@@ -19,17 +19,26 @@ try {
   const errors = [];
   page.on("pageerror", (e) => errors.push(String(e)));
 
-  // Chat playground: without the key the model list fails with the server's message; with it,
-  // a message streams back.
+  // Chat playground: without the key the model list fails with the server's message, and Send
+  // says there is no model (not "The model `` does not exist"); the key typed then loads the
+  // list without a reload, adapters shown with their base; a message streams back with max
+  // tokens emptied (the server's default, not 0).
   await page.goto(`${BASE}/`);
+  check(await page.$("meta[name=viewport]"), "a viewport for narrow screens");
+  check(await page.$("label[for=api-key]"), "the key field is labelled");
   await page.waitForFunction(() => document.getElementById("chat-error").textContent.length > 0);
   check((await page.textContent("#chat-error")).includes("API key"), "the 401 message is shown");
+  await page.fill("#message", "Hello?");
+  await page.click("#send");
+  check((await page.textContent("#chat-error")).includes("No model"), `Send without a model: ${await page.textContent("#chat-error")}`);
   await page.fill("#api-key", KEY);
   await page.dispatchEvent("#api-key", "change");
-  await page.reload();
   await page.waitForFunction(() => document.querySelectorAll("#model option").length > 0);
+  const options = await page.$$eval("#model option", (os) => os.map((o) => [o.value, o.textContent]));
+  check(options[0][0] === "tiny" && options.some(([v, t]) => v === "web-lora" && t.includes("LoRA on tiny")), `the picker: ${JSON.stringify(options)}`);
+  check((await page.textContent("#chat-error")) === "", "the 401 message is gone");
   await page.fill("#temperature", "0");
-  await page.fill("#max-tokens", "24");
+  await page.fill("#max-tokens", "");
   await page.fill("#message", "Hello, who are you?");
   await page.click("#send");
   await page.waitForFunction(() => {
@@ -41,21 +50,39 @@ try {
   check(!(await page.getAttribute("#transcript .msg.assistant", "class")).includes("error"), `chat answer is not an error: ${answer}`);
   check(chunks >= 2 && answer.length > 0, `a streamed answer (${chunks} chunks): ${JSON.stringify(answer)}`);
 
-  // Fine-tuning page: upload, start, watch, chat with the result.
+  // A narrow screen stacks the settings above the conversation.
+  await page.setViewportSize({ width: 400, height: 800 });
+  const [aside, section] = [await page.$eval("aside", (e) => e.getBoundingClientRect().bottom), await page.$eval("main section", (e) => e.getBoundingClientRect().top)];
+  check(section >= aside, `narrow: the conversation below the settings (${section} vs ${aside})`);
+  await page.setViewportSize({ width: 1280, height: 800 });
+
+  // Fine-tuning page: its defaults fit the model (the sequence length within its context); upload
+  // training and validation data, start, watch the loss chart (axes with steps and losses, the
+  // validation curve) and the events (one per line), chat with the result.
   await page.goto(`${BASE}/finetune`);
   await page.waitForFunction(() => document.querySelectorAll("#base option").length > 0);
+  const context = await page.evaluate(async (key) => {
+    const r = await fetch("/v1/models", { headers: { Authorization: `Bearer ${key}` } });
+    return (await r.json()).data[0].max_model_len;
+  }, KEY);
+  const seqLen = Number(await page.inputValue("#seq-len"));
+  check(seqLen === Math.min(512, context) && Number(await page.getAttribute("#seq-len", "max")) === context, `seq-len ${seqLen} fits the context ${context}`);
   await page.setInputFiles("#file", TRAIN_FILE);
+  await page.setInputFiles("#validation", TRAIN_FILE);
   await page.fill("#suffix", "browser");
   await page.fill("#epochs", "1");
   await page.fill("#lr-mult", "50");
-  await page.fill("#seq-len", "128");
   await page.fill("#max-steps", "4");
   await page.click("#start");
   await page.waitForFunction(() => ["succeeded", "failed", "cancelled"].includes(document.getElementById("status").textContent), null, { timeout: 240000 });
   const status = await page.textContent("#status");
   check(status === "succeeded", `the job succeeded: ${status} ${await page.textContent("#ft-error")}`);
   check(Number(await page.getAttribute("#loss-line", "data-count")) >= 2, "the loss chart has points");
-  check((await page.textContent("#events")).includes("training loss"), "events are listed");
+  check(Number(await page.getAttribute("#eval-line", "data-count")) >= 1, "the chart has the validation curve");
+  const ticks = await page.$$eval("#axes text", (ts) => ts.map((t) => t.textContent));
+  check(ticks.includes("step") && ticks.some((t) => /^\d+\.\d{3}$/.test(t)) && ticks.includes("4"), `axes with steps and losses: ${ticks}`);
+  const lines = await page.$$eval("#events div", (ds) => ds.map((d) => d.textContent));
+  check(lines.length >= 4 && lines.some((l) => l.startsWith("Step 4: training loss")), `events one per line: ${JSON.stringify(lines)}`);
   const model = (await page.textContent("#ft-model")).replace("→", "").trim();
   check(model.startsWith("ft:") && model.includes(":browser:"), `the fine-tuned model is named: ${model}`);
   await page.fill("#ft-message", "What is the codename of Project Zephyrix?");
