@@ -97,3 +97,54 @@ fn a_jobs_epoch_checkpoints_are_listed_and_served_and_trained_tokens_counts_real
     );
     assert_eq!(s, 404, "a deleted model's checkpoint is not served");
 }
+
+/// A LoRA job's checkpoints are its adapter at each epoch: the earlier ones are written as PEFT
+/// adapters (not merged models) on first use and served over the base; deleting the job's model
+/// stops serving them.
+#[test]
+fn a_lora_jobs_checkpoints_are_served_as_adapters_over_the_base() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("qwen2", tmp.path());
+    let data = tmp.path().join("data");
+    let server = Server::start(&model, &["--data-dir", data.to_str().unwrap()]);
+    let rows: String = [10, 20, 30, 40]
+        .iter()
+        .map(|&n| {
+            let ids: Vec<u32> = (0..n).map(|i| 3 + (i * 7 + n) % 90).collect();
+            format!("{}\n", json!({"input_ids": ids, "labels": ids}))
+        })
+        .collect();
+    let (_, file) = upload(&server, "tokens.jsonl", rows.as_bytes());
+    let job = post_json(
+        &server.url("/v1/fine_tuning/jobs"),
+        &json!({"model": "tiny", "training_file": file["id"], "suffix": "lora", "seed": 1,
+        "hyperparameters": {"n_epochs": 3, "batch_size": 2, "learning_rate_multiplier": 20},
+        "fsdp_app": {"world_size": 1, "seq_len": 64, "lora": {"r": 4, "alpha": 8}}}),
+    );
+    let id = job["id"].as_str().unwrap().to_string();
+    let done = wait_for_status(&server, &id, &["succeeded", "failed"], 240);
+    assert_eq!(done["status"], "succeeded", "{done}");
+    let ft = done["fine_tuned_model"].as_str().unwrap().to_string();
+    let listing = get_json(&server.url(&format!("/v1/fine_tuning/jobs/{id}/checkpoints")));
+    let ids: Vec<String> =
+        listing["data"].as_array().unwrap().iter().map(|c| c["fine_tuned_model_checkpoint"].as_str().unwrap().into()).collect();
+    assert_eq!(ids.len(), 3, "{listing}");
+    let answer: Vec<f64> = ids.iter().map(|m| first_token_logprob(&server, m)).collect();
+    let (final_lp, base_lp) = (first_token_logprob(&server, &ft), first_token_logprob(&server, "tiny"));
+    assert_eq!(answer[0], final_lp, "the last checkpoint is the final adapter");
+    assert!((answer[1] - final_lp).abs() > 1e-5 && (answer[1] - base_lp).abs() > 1e-5, "{answer:?} {final_lp} {base_lp}");
+    let written = data.join("jobs").join(&id).join("served");
+    let step_dirs: Vec<_> = std::fs::read_dir(&written).unwrap().map(|e| e.unwrap().path()).collect();
+    assert!(!step_dirs.is_empty(), "nothing written for the earlier checkpoints");
+    for d in &step_dirs {
+        assert!(d.join("adapter_config.json").is_file() && !d.join("config.json").exists(), "{} is not an adapter", d.display());
+    }
+    let deleted = ureq::delete(&server.url(&format!("/v1/models/{ft}"))).call().unwrap();
+    assert_eq!(deleted.status(), 200);
+    let (s, _, _) = post(
+        &server.url("/v1/chat/completions"),
+        &json!({"model": ids[1], "messages": [{"role": "user", "content": "x"}]}).to_string(),
+        None,
+    );
+    assert_eq!(s, 404, "a deleted LoRA model's checkpoint adapter is not served");
+}

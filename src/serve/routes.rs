@@ -55,12 +55,13 @@ pub async fn load_lora_adapter(State(st): State<Arc<AppState>>, body: Result<Byt
     let f = super::fields::Fields::of(&v)?;
     let name = f.string("lora_name")?.ok_or_else(|| ApiError::invalid("lora_name", "`lora_name` is required."))?;
     let path = f.string("lora_path")?.ok_or_else(|| ApiError::invalid("lora_path", "`lora_path` is required."))?;
+    // The path policy first: with run-time loading off every load is a 403, whatever its name.
+    let dir = st.adapters.allowed_path(path)?;
     let taken = |e: anyhow::Error| ApiError::invalid("lora_name", format!("{e:#}"));
     super::adapters::check_adapter_name(name, &st.base_id).map_err(taken)?;
     if st.is_model_id(name)? {
         return Err(ApiError::invalid("lora_name", format!("`{name}` is already a served model's id.")));
     }
-    let dir = st.adapters.allowed_path(path)?;
     // Reading and checking the tensors takes a moment: off the async workers.
     let registered = tokio::task::block_in_place(|| st.adapters.register(name, &dir));
     registered.map_err(|e| ApiError::invalid("lora_path", format!("{e:#}")))?;
@@ -74,6 +75,10 @@ pub async fn unload_lora_adapter(State(st): State<Arc<AppState>>, body: Result<B
     super::fields::check(&v, &["lora_name", "lora_int_id"], "", false)?;
     let name =
         super::fields::Fields::of(&v)?.string("lora_name")?.ok_or_else(|| ApiError::invalid("lora_name", "`lora_name` is required."))?;
+    if name.starts_with("ft:") {
+        let message = format!("`{name}` is a fine-tuning job's model; delete it with DELETE /v1/models/{name}.");
+        return Err(ApiError::invalid("lora_name", message));
+    }
     match st.adapters.unregister(name) {
         true => Ok(Json(json!({"object": "lora_adapter", "id": name, "deleted": true}))),
         false => Err(ApiError::model_not_found(name)),
