@@ -8,10 +8,7 @@
 
 mod common;
 
-use std::path::Path;
-use std::process::Command;
-
-use common::server::Server;
+use common::server::{run_client_script, Server};
 use common::*;
 
 const TEST: &str = "langchain_and_the_agents_sdk_get_parsed_schema_valid_answers_from_smollm2";
@@ -26,18 +23,7 @@ fn langchain_and_the_agents_sdk_get_parsed_schema_valid_answers_from_smollm2() {
     let conv = run_cli(&["convert", "--gguf", gguf.to_str().unwrap(), "--out", model.to_str().unwrap()], &[]);
     assert!(conv.status.success(), "{}", stderr(&conv));
     let server = Server::start(&model, &["--api-key", "k3y"]);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests").join("agent_libraries.py");
-    let out = Command::new(python)
-        .arg(script)
-        .env("BASE_URL", server.url("/v1"))
-        .env("API_KEY", "k3y")
-        .env("MODEL", "tiny")
-        // The Agents SDK would send traces to OpenAI; the script turns tracing off, this too.
-        .env("OPENAI_AGENTS_DISABLE_TRACING", "1")
-        .output()
-        .unwrap();
-    let log = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{log}");
-    assert!(log.contains("all checks passed"), "{log}");
+    // The Agents SDK would send traces to OpenAI; the script turns tracing off, this too.
+    let log = run_client_script(&python, "agent_libraries.py", &server, "k3y", "tiny", &[("OPENAI_AGENTS_DISABLE_TRACING", "1")]);
     eprintln!("{log}");
 }

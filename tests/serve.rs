@@ -290,19 +290,15 @@ fn the_official_openai_python_client_works_against_the_server() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = slow_model(tmp.path());
     let server = Server::start(&dir, &["--api-key", "k3y", "--max-concurrent-requests", "1", "--max-queue", "0"]);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests").join("openai_client.py");
-    let out = Command::new(python)
-        .arg(script)
-        .env("BASE_URL", server.url("/v1"))
-        .env("API_KEY", "k3y")
-        .env("MODEL", "tiny")
-        .env("LONG_TOKENS", "900")
-        .env("TRAIN_FILE", Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/zephyrix-codename.jsonl"))
-        .output()
-        .unwrap();
-    let log = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{log}");
-    assert!(log.contains("all checks passed"), "{log}");
+    let train = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/zephyrix-codename.jsonl");
+    run_client_script(
+        &python,
+        "openai_client.py",
+        &server,
+        "k3y",
+        "tiny",
+        &[("LONG_TOKENS", "900"), ("TRAIN_FILE", train.to_str().unwrap())],
+    );
 }
 
 #[test]

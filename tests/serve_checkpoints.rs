@@ -9,6 +9,17 @@ use common::server::*;
 use common::*;
 use serde_json::{json, Value};
 
+/// Token rows of 10, 20, 30 and 40 tokens, every one trained on.
+fn token_rows() -> String {
+    [10, 20, 30, 40]
+        .iter()
+        .map(|&n| {
+            let ids: Vec<u32> = (0..n).map(|i| 3 + (i * 7 + n) % 90).collect();
+            format!("{}\n", json!({"input_ids": ids, "labels": ids}))
+        })
+        .collect()
+}
+
 #[test]
 fn a_jobs_epoch_checkpoints_are_listed_and_served_and_trained_tokens_counts_real_tokens() {
     let tmp = tempfile::tempdir().unwrap();
@@ -16,13 +27,7 @@ fn a_jobs_epoch_checkpoints_are_listed_and_served_and_trained_tokens_counts_real
     let server = Server::start(&model, &["--data-dir", tmp.path().join("data").to_str().unwrap()]);
     // Token rows of 10, 20, 30 and 40 tokens, every one trained on: 100 tokens an epoch,
     // whatever the order. Padded to --seq-len 64 they would be 256 positions an epoch.
-    let rows: String = [10, 20, 30, 40]
-        .iter()
-        .map(|&n| {
-            let ids: Vec<u32> = (0..n).map(|i| 3 + (i * 7 + n) % 90).collect();
-            format!("{}\n", json!({"input_ids": ids, "labels": ids}))
-        })
-        .collect();
+    let rows = token_rows();
     let (s, file) = upload(&server, "tokens.jsonl", rows.as_bytes());
     assert_eq!(s, 200, "{file}");
     // 4 epochs of 2 steps (batch 2): checkpoints at steps 2, 4, 6 and 8, the newest 3 kept.
@@ -107,13 +112,7 @@ fn a_lora_jobs_checkpoints_are_served_as_adapters_over_the_base() {
     let model = fixture("qwen2", tmp.path());
     let data = tmp.path().join("data");
     let server = Server::start(&model, &["--data-dir", data.to_str().unwrap()]);
-    let rows: String = [10, 20, 30, 40]
-        .iter()
-        .map(|&n| {
-            let ids: Vec<u32> = (0..n).map(|i| 3 + (i * 7 + n) % 90).collect();
-            format!("{}\n", json!({"input_ids": ids, "labels": ids}))
-        })
-        .collect();
+    let rows = token_rows();
     let (_, file) = upload(&server, "tokens.jsonl", rows.as_bytes());
     let job = post_json(
         &server.url("/v1/fine_tuning/jobs"),

@@ -23,7 +23,6 @@ pub struct ServingAdapter {
     pub name: String,
     modules: HashMap<String, (Tensor, Tensor)>,
     scaling: f64,
-    bytes: usize,
 }
 
 impl ServingAdapter {
@@ -31,7 +30,6 @@ impl ServingAdapter {
     /// in `dtype`. Every A needs its B (and the reverse), with ranks that agree.
     pub fn new(name: &str, settings: &LoraSettings, tensors: HashMap<String, Tensor>, dtype: DType, dev: &Device) -> Result<Self> {
         let mut modules = HashMap::new();
-        let mut bytes = 0;
         for (a_name, a) in &tensors {
             let Some(module) = a_name.strip_suffix(".lora_A.weight") else {
                 if !a_name.ends_with(".lora_B.weight") {
@@ -45,23 +43,12 @@ impl ServingAdapter {
             if a.rank() != 2 || b.rank() != 2 || a.dim(0)? != b.dim(1)? {
                 bail!("{a_name} {:?} and {b_name} {:?} are not (r, in) and (out, r)", a.dims(), b.dims());
             }
-            bytes += (a.elem_count() + b.elem_count()) * dtype.size_in_bytes();
             modules.insert(module.to_string(), (a.t()?, b.t()?));
         }
         if modules.len() * 2 != tensors.len() {
             bail!("{} tensors, {} A/B pairs: a lora_B.weight has no lora_A.weight", tensors.len(), modules.len());
         }
-        Ok(Self { name: name.to_string(), modules, scaling: settings.scaling(), bytes })
-    }
-
-    /// Bytes its tensors take.
-    pub fn bytes(&self) -> usize {
-        self.bytes
-    }
-
-    /// Modules it adapts.
-    pub fn modules(&self) -> usize {
-        self.modules.len()
+        Ok(Self { name: name.to_string(), modules, scaling: settings.scaling() })
     }
 }
 

@@ -77,10 +77,15 @@ impl AppState {
                 }
             };
             if dir.join(crate::model_files::adapter::ADAPTER_CONFIG).is_file() {
-                if self.adapters.get(id).is_none() {
-                    self.adapters.register(id, &dir).map_err(|e| ApiError::internal(format!("loading {id}: {e:#}")))?;
-                }
-                let adapter = self.adapters.get(id).ok_or_else(|| ApiError::model_not_found(id))?;
+                // Registered once (under this model's loading lock), then looked up as any adapter.
+                let adapter = match self.adapters.get(id) {
+                    Some(a) => a,
+                    None => self
+                        .adapters
+                        .register(id, &dir)
+                        .map(|()| self.adapters.get(id).expect("just registered"))
+                        .map_err(|e| ApiError::internal(format!("loading {id}: {e:#}")))?,
+                };
                 return Ok((self.base(), Some(adapter.map_err(internal)?)));
             }
             let served = ServedModel::load(id, &dir.to_string_lossy(), None, &self.load)

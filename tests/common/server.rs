@@ -154,3 +154,21 @@ pub fn first_token_logprob(server: &Server, model: &str) -> f64 {
     );
     r["choices"][0]["logprobs"]["content"][0]["logprob"].as_f64().unwrap()
 }
+
+/// Runs the client script `tests/{script}` with `python` against `server` (BASE_URL, API_KEY,
+/// MODEL and `env` in its environment) and asserts that it ends with "all checks passed";
+/// returns its output.
+pub fn run_client_script(python: &Path, script: &str, server: &Server, key: &str, model: &str, env: &[(&str, &str)]) -> String {
+    let out = Command::new(python)
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests").join(script))
+        .env("BASE_URL", server.url("/v1"))
+        .env("API_KEY", key)
+        .env("MODEL", model)
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let log = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("all checks passed"), "{log}");
+    log
+}
