@@ -58,14 +58,23 @@ fn keep_freed_memory() {
     unsafe { mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
 }
 
-/// candle's CPU worker threads spin 25,000 times before parking while waiting for work; on small
-/// machines the spinning steals the cores the compute needs (measured here: fine-tuning SmolLM2
-/// on 2 cores ran 2.5x faster with 1,000). Applies unless the user set the variable; call it
-/// before any tensor work.
+/// Two settings of candle's CPU threads, each applied unless the user set its variable; call it
+/// before any tensor work (and any other thread).
+/// - Its worker threads spin 25,000 times before parking while waiting for work; on small
+///   machines the spinning steals the cores the compute needs (measured here: fine-tuning SmolLM2
+///   on 2 cores ran 2.5x faster with 1,000).
+/// - Without `RAYON_NUM_THREADS`, every candle matmul counts the physical cores again by reading
+///   and parsing /proc/cpuinfo (candle 0.11's `utils::get_num_threads`): 8% of a 16-stream
+///   serving profile (`show_cpuinfo`, `vsnprintf`). The same count, taken once, is set instead;
+///   rayon's pool, which runs our own kernels, then has that many threads too (one per physical
+///   core, as candle chose, instead of one per logical CPU).
 pub fn tune_cpu_threads() {
-    const VAR: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
-    if std::env::var_os(VAR).is_none() {
-        std::env::set_var(VAR, "1000");
+    const SPIN: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
+    if std::env::var_os(SPIN).is_none() {
+        std::env::set_var(SPIN, "1000");
+    }
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        std::env::set_var("RAYON_NUM_THREADS", candle_core::utils::get_num_threads().to_string());
     }
 }
 

@@ -275,3 +275,83 @@ fn bad_lora_settings_name_what_exists() {
     let e = stderr(&g);
     assert!(e.contains("adapter_model.safetensors") && e.contains("wrong shapes"), "{e}");
 }
+
+/// One decode batch of the base and three serving adapters of different ranks and targets (rows:
+/// base, a0, a1, a0, a2, prompts of different lengths) gives, row by row and step by step, the
+/// logits of each adapter's merged model decoding alone; each prompt's prefill with its adapter
+/// likewise. This is the serving path (`RowAdapters`, `ops::lora_rows`) without a server.
+#[test]
+fn a_mixed_batch_of_serving_adapters_equals_each_merged_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = fixture("llama", tmp.path());
+    let files = resolve_model(dir.to_str().unwrap(), None).unwrap();
+    let cfg = fsdp_app::model_files::read_model_config(&files.config).unwrap();
+    let mut base_weights = HashMap::new();
+    for w in &files.weights {
+        base_weights.extend(candle_core::safetensors::load(w, &Device::Cpu).unwrap());
+    }
+    let build = |w: HashMap<String, Tensor>| {
+        models::CausalLm::new(&cfg, None, candle_nn::VarBuilder::from_tensors(w, DType::F32, &Device::Cpu)).unwrap()
+    };
+    let base = build(base_weights.clone());
+    let mut seed = 7u64;
+    let (mut adapters, mut merged) = (vec![], vec![]);
+    for (i, (r, targets)) in [(4, "q_proj,v_proj"), (8, "all-linear"), (2, "o_proj,down_proj")].into_iter().enumerate() {
+        let settings = models::LoraSettings {
+            r,
+            alpha: 2.0 * r as f64,
+            targets: targets.split(',').map(String::from).collect(),
+            ..Default::default()
+        };
+        let tensors: HashMap<String, Tensor> = (0..cfg.num_hidden_layers)
+            .flat_map(|l| models::lora::layer_adapter_tensors(&cfg, &settings, l))
+            .map(|spec| {
+                let n: usize = spec.shape.iter().product();
+                let v: Vec<f32> =
+                    (0..n).map(|_| ((models::rng::splitmix64(&mut seed) >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2).collect();
+                (spec.name.clone(), Tensor::from_vec(v, spec.shape.as_slice(), &Device::Cpu).unwrap())
+            })
+            .collect();
+        adapters.push(std::sync::Arc::new(
+            models::ServingAdapter::new(&format!("a{i}"), &settings, tensors.clone(), DType::F32, &Device::Cpu).unwrap(),
+        ));
+        let mut w = base_weights.clone();
+        w.extend(tensors);
+        models::lora::merge_into(&mut w, &settings).unwrap();
+        merged.push(build(w));
+    }
+    let rows: [Option<usize>; 5] = [None, Some(0), Some(1), Some(0), Some(2)];
+    let alone_model = |r: usize| rows[r].map_or(&base, |a| &merged[a]);
+    let one = |ids: &[u32]| Tensor::new(ids, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+
+    let (mut served, mut alone, mut next) = (vec![], vec![], vec![]);
+    let mut smallest_effect = f32::INFINITY;
+    for (r, adapter) in rows.iter().enumerate() {
+        let prompt: Vec<u32> = (0..(3 + 2 * r) as u32).map(|i| (i * 31 + r as u32 * 7) % 300 + 3).collect();
+        let (mut c1, mut c2) = (models::KvCache::new(&cfg), models::KvCache::new(&cfg));
+        let rows_adapter = models::RowAdapters::all(adapter.map(|a| &adapters[a]));
+        let got = base.forward_cached(&one(&prompt), &mut c1, &rows_adapter).unwrap();
+        let want = alone_model(r).forward_cached(&one(&prompt), &mut c2, &Default::default()).unwrap();
+        assert!(max_abs_diff(&got, &want) < 1e-4, "row {r} prefill: {}", max_abs_diff(&got, &want));
+        if adapter.is_some() {
+            let without = base.forward_cached(&one(&prompt), &mut models::KvCache::new(&cfg), &Default::default()).unwrap();
+            smallest_effect = smallest_effect.min(max_abs_diff(&without, &want));
+        }
+        next.push(want.squeeze(0).unwrap().argmax(0).unwrap().to_scalar::<u32>().unwrap());
+        served.push(c1);
+        alone.push(c2);
+    }
+    let per_row: Vec<Option<&std::sync::Arc<models::ServingAdapter>>> = rows.iter().map(|a| a.map(|a| &adapters[a])).collect();
+    let mixed = models::RowAdapters::of_rows(&per_row, &Device::Cpu).unwrap();
+    for step in 0..4 {
+        let mut refs: Vec<&mut models::KvCache> = served.iter_mut().collect();
+        let batch = base.forward_decode_rows(&next, &mut refs, &mixed).unwrap();
+        for (r, cache) in alone.iter_mut().enumerate() {
+            let want = alone_model(r).forward_cached(&one(&[next[r]]), cache, &Default::default()).unwrap().squeeze(0).unwrap();
+            let got = batch.get(r).unwrap();
+            assert!(max_abs_diff(&got, &want) < 1e-4, "step {step} row {r}: {}", max_abs_diff(&got, &want));
+        }
+        next = (0..rows.len()).map(|r| batch.get(r).unwrap().argmax(0).unwrap().to_scalar::<u32>().unwrap()).collect();
+    }
+    assert!(smallest_effect > 1e-2, "an adapter hardly changes the logits ({smallest_effect}): the comparison proves nothing");
+}

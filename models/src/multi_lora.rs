@@ -15,9 +15,10 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 
 use crate::lora::LoraSettings;
+use crate::ops::lora_rows::{add_lora_rows, RowsUpdate};
 
-/// One adapter ready to apply: for each module it adapts, `A` (r, in) and `B` (out, r) in the
-/// compute dtype, and its scaling.
+/// One adapter ready to apply: for each module it adapts, `A` (r, in) and `Bᵀ` (r, out), both
+/// contiguous in the compute dtype (the layout `lora_rows` reads row by row), and its scaling.
 #[derive(Debug)]
 pub struct ServingAdapter {
     pub name: String,
@@ -43,7 +44,7 @@ impl ServingAdapter {
             if a.rank() != 2 || b.rank() != 2 || a.dim(0)? != b.dim(1)? {
                 bail!("{a_name} {:?} and {b_name} {:?} are not (r, in) and (out, r)", a.dims(), b.dims());
             }
-            modules.insert(module.to_string(), (a.t()?, b.t()?));
+            modules.insert(module.to_string(), (a, b.t()?.contiguous()?));
         }
         if modules.len() * 2 != tensors.len() {
             bail!("{} tensors, {} A/B pairs: a lora_B.weight has no lora_A.weight", tensors.len(), modules.len());
@@ -61,8 +62,9 @@ pub struct RowAdapters {
 #[derive(Debug, Clone)]
 struct Group {
     adapter: Arc<ServingAdapter>,
-    /// The rows (u32 indices); None when the group is every row (a prompt of its own).
-    rows: Option<Tensor>,
+    /// The rows, as indices and as a u32 tensor of them; None when the group is every row (a
+    /// prompt of its own).
+    rows: Option<(Vec<u32>, Tensor)>,
 }
 
 impl RowAdapters {
@@ -86,7 +88,10 @@ impl RowAdapters {
             .map(|(adapter, rows)| {
                 let rows = match rows.len() == per_row.len() {
                     true => None,
-                    false => Some(Tensor::new(rows.as_slice(), dev)?),
+                    false => {
+                        let tensor = Tensor::new(rows.as_slice(), dev)?;
+                        Some((rows, tensor))
+                    }
                 };
                 Ok(Group { adapter, rows })
             })
@@ -99,14 +104,26 @@ impl RowAdapters {
     }
 
     /// `y`, the base output of module `module` for input `x` (rows first), plus each adapter's
-    /// update on its rows.
+    /// update on its rows: one pass for all groups on the CPU in f32 (`ops::lora_rows`), else
+    /// per group gather, `B (A x)`, scatter-add.
     pub(crate) fn apply(&self, module: &str, x: &Tensor, mut y: Tensor) -> candle_core::Result<Tensor> {
-        for g in &self.groups {
-            let Some((a_t, b_t)) = g.adapter.modules.get(module) else { continue };
+        let updates: Vec<(&Group, &Tensor, &Tensor)> =
+            self.groups.iter().filter_map(|g| g.adapter.modules.get(module).map(|(a, bt)| (g, a, bt))).collect();
+        if updates.is_empty() {
+            return Ok(y);
+        }
+        let rows_updates: Vec<RowsUpdate> = updates
+            .iter()
+            .map(|(g, a, bt)| RowsUpdate { rows: g.rows.as_ref().map(|(r, _)| r.as_slice()), a, bt, scaling: g.adapter.scaling as f32 })
+            .collect();
+        if let Some(y) = add_lora_rows(x, &y, &rows_updates)? {
+            return Ok(y);
+        }
+        for (g, a, bt) in updates {
             y = match &g.rows {
-                None => (&y + (x.broadcast_matmul(a_t)?.broadcast_matmul(b_t)? * g.adapter.scaling)?)?,
-                Some(rows) => {
-                    let delta = (x.index_select(rows, 0)?.broadcast_matmul(a_t)?.broadcast_matmul(b_t)? * g.adapter.scaling)?;
+                None => (&y + (x.broadcast_matmul(&a.t()?)?.broadcast_matmul(bt)? * g.adapter.scaling)?)?,
+                Some((_, rows)) => {
+                    let delta = (x.index_select(rows, 0)?.broadcast_matmul(&a.t()?)?.broadcast_matmul(bt)? * g.adapter.scaling)?;
                     y.index_add(rows, &delta, 0)?
                 }
             };

@@ -61,7 +61,8 @@ fn main() -> anyhow::Result<()> {
         Err(e) => Err(format!("{python}: {e}")),
     };
 
-    println!("\nGreedy generation, SmolLM2-135M-Instruct (converted, bf16 files, f32 compute), CPU, {threads} threads,");
+    println!("\nCPU vector ISA: {}", common::vector_isa());
+    println!("Greedy generation, SmolLM2-135M-Instruct (converted, bf16 files, f32 compute), CPU, {threads} threads,");
     println!("batch 1, prompt {} tokens, {NEW_TOKENS} new tokens\n", prompt.len());
     println!("| engine | time to first token (s) | decode tokens/s | total (s) |");
     println!("|---|---|---|---|");

@@ -6,6 +6,9 @@
 //! over 4 adapters beside 16 on the base alone, with PEFT's default adapters (r 8 on q_proj and
 //! v_proj) and with the r 16 all-linear ones.
 //!
+//! `cargo bench --bench serving -- lora` runs only the multi-LoRA throughput rows (for profiling
+//! the server: `perf record -g -p <its pid>`).
+//!
 //! Environment: FSDP_SMOLLM2_GGUF (else the GGUF the smollm2 test downloaded to target/smollm2).
 
 #[path = "../common/mod.rs"]
@@ -114,9 +117,8 @@ fn mixed_throughput(dir: &Path, adapters: &[PathBuf], what: &str) -> anyhow::Res
     Ok(())
 }
 
-/// RSS with 0, 1 and 8 of the `heavy` adapters loaded; then throughput with `light` (PEFT's
-/// default shape) and `heavy` ones.
-fn multi_lora(dir: &Path, heavy: &[PathBuf], light: &[PathBuf]) -> anyhow::Result<()> {
+/// RSS with 0, 1 and 8 of the `heavy` adapters loaded.
+fn multi_lora_memory(dir: &Path, heavy: &[PathBuf]) -> anyhow::Result<()> {
     let adapter_bytes = std::fs::metadata(heavy[0].join("adapter_model.safetensors"))?.len();
     println!();
     println!("multi-LoRA: adapters r 16 on all linear layers ({:.1} MiB each on disk, f32)", adapter_bytes as f64 / (1 << 20) as f64);
@@ -137,6 +139,11 @@ fn multi_lora(dir: &Path, heavy: &[PathBuf], light: &[PathBuf]) -> anyhow::Resul
         let _ = child.kill();
         let _ = child.wait();
     }
+    Ok(())
+}
+
+/// Throughput with `light` (PEFT's default shape) and `heavy` adapters, each beside the base.
+fn multi_lora_throughput(dir: &Path, heavy: &[PathBuf], light: &[PathBuf]) -> anyhow::Result<()> {
     println!();
     println!("| adapters | 16 streams on the base (tokens/s) | 16 streams over 4 adapters (tokens/s) | ratio |");
     println!("|---|---|---|---|");
@@ -145,13 +152,31 @@ fn multi_lora(dir: &Path, heavy: &[PathBuf], light: &[PathBuf]) -> anyhow::Resul
     Ok(())
 }
 
+/// 8 adapters r 16 on every linear layer and 4 of PEFT's default shape, written under `root`.
+fn bench_adapters(dir: &Path, root: &Path) -> anyhow::Result<(Vec<PathBuf>, Vec<PathBuf>)> {
+    let heavy_settings = models::LoraSettings { r: 16, alpha: 32.0, targets: vec!["all-linear".into()], ..Default::default() };
+    let heavy = (0..8)
+        .map(|i| random_adapter(dir, &root.join(format!("heavy{i}")), &heavy_settings, i as u64 + 1))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let light = (0..4)
+        .map(|i| random_adapter(dir, &root.join(format!("light{i}")), &models::LoraSettings::default(), i as u64 + 11))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    Ok((heavy, light))
+}
+
 fn main() -> anyhow::Result<()> {
     let gguf = common::bench_smollm2_gguf()?;
     let tmp = tempfile::tempdir()?;
     let dir = tmp.path().join("smollm2");
     fsdp_app::convert::convert_gguf(&gguf, &dir, DType::BF16)?;
+    if std::env::args().skip(1).any(|a| a == "lora") {
+        println!("CPU vector ISA: {}", common::vector_isa());
+        let (heavy, light) = bench_adapters(&dir, tmp.path())?;
+        return multi_lora_throughput(&dir, &heavy, &light);
+    }
     let (mut child, url) = start_server(&dir, &[])?;
     stream_once(&url, "smollm2", 0); // warm-up
+    println!("CPU vector ISA: {}", common::vector_isa());
     println!("fsdp-app serve, SmolLM2-135M-Instruct f32 on CPU, {NEW_TOKENS} new tokens per stream (sampling, temperature 0.7)");
     println!("| streams | aggregate tokens/s | per-stream tokens/s | mean TTFT (s) | max TTFT (s) | wall (s) |");
     println!("|---|---|---|---|---|---|");
@@ -183,12 +208,7 @@ fn main() -> anyhow::Result<()> {
     let _ = child.kill();
     let _ = child.wait();
     std::thread::sleep(Duration::from_millis(10));
-    let heavy_settings = models::LoraSettings { r: 16, alpha: 32.0, targets: vec!["all-linear".into()], ..Default::default() };
-    let heavy = (0..8)
-        .map(|i| random_adapter(&dir, &tmp.path().join(format!("heavy{i}")), &heavy_settings, i as u64 + 1))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let light = (0..4)
-        .map(|i| random_adapter(&dir, &tmp.path().join(format!("light{i}")), &models::LoraSettings::default(), i as u64 + 11))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    multi_lora(&dir, &heavy, &light)
+    let (heavy, light) = bench_adapters(&dir, tmp.path())?;
+    multi_lora_memory(&dir, &heavy)?;
+    multi_lora_throughput(&dir, &heavy, &light)
 }

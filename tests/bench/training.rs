@@ -13,6 +13,9 @@
 //! default python3),
 //! FSDP_BENCH_SKIP_MPI=1 to skip (a). Models are generated under target/bench-models once.
 
+#[path = "../common/mod.rs"]
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -182,8 +185,9 @@ fn main() -> anyhow::Result<()> {
             t["tokens_per_s"] = json!(median(torch_rounds));
         }
         let ours: Vec<(usize, f64, usize, Vec<f64>)> = ours.into_iter().map(|(w, r, p, l)| (w, median(r), p, l)).collect();
+        println!("\nCPU vector ISA: {}", common::vector_isa());
         println!(
-            "\nTraining step, {name}, {:.1}M parameters, batch {batch} x 128 tokens, AdamW, f32, CPU, {THREADS} threads",
+            "Training step, {name}, {:.1}M parameters, batch {batch} x 128 tokens, AdamW, f32, CPU, {THREADS} threads",
             ours[0].2 as f64 / 1e6
         );
         println!("(median of steps 2-{steps}, median of {ROUNDS} alternating rounds; FSDP: FULL_SHARD, one unit per layer, no activation checkpointing)\n");

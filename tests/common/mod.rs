@@ -262,3 +262,20 @@ pub fn rss_of(pid: u32) -> u64 {
     let kb: u64 = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
     kb * 1024
 }
+
+/// The CPU's model name and widest vector ISA, which every bench prints: the machines here are
+/// of more than one kind (AVX-512 or AVX2 only), and a ratio means little without it.
+pub fn vector_isa() -> String {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |name: &str| {
+        cpuinfo.lines().find(|l| l.starts_with(name)).and_then(|l| l.split_once(':')).map(|(_, v)| v.trim().to_string()).unwrap_or_default()
+    };
+    let flags = field("flags");
+    let has = |f: &str| flags.split_whitespace().any(|x| x == f);
+    let isa = match (has("avx512f"), has("avx2")) {
+        (true, _) => "AVX-512 (avx512f)",
+        (false, true) => "AVX2 only (no avx512f)",
+        _ => "no AVX2",
+    };
+    format!("{isa}, {}, {} threads", field("model name"), std::thread::available_parallelism().map_or(1, |n| n.get()))
+}

@@ -7,6 +7,7 @@
 //! the whole weight matrix once per token and is bound by memory bandwidth. gemm's blocked
 //! kernels are built for large tiles (packing, AVX-512 tiles that batch-1 decoding wastes); a
 //! plain dot product per weight row, split over the threads, streams the weights at full speed.
+//! `dot` and `axpy` also serve the serving adapters' update by rows (`lora_rows`).
 
 use std::sync::OnceLock;
 
@@ -123,6 +124,22 @@ pub fn dot(a: &[f32], b: &[f32], level: SimdLevel) -> f32 {
     dot_scalar(a, b)
 }
 
+/// `y += a · x` at `level` (which the caller has checked the CPU supports).
+pub fn axpy(y: &mut [f32], a: f32, x: &[f32], level: SimdLevel) {
+    debug_assert_eq!(y.len(), x.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: `level` never exceeds what `SimdLevel::detected` found on this CPU.
+        match level {
+            SimdLevel::Avx512 => return unsafe { x86::axpy_avx512(y, a, x) },
+            SimdLevel::Avx2 => return unsafe { x86::axpy_avx2(y, a, x) },
+            SimdLevel::Scalar => {}
+        }
+    }
+    let _ = level;
+    y.iter_mut().zip(x).for_each(|(y, x)| *y += a * x);
+}
+
 /// Eight partial sums, as the vector kernels keep, so the three levels round alike.
 fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
@@ -152,6 +169,17 @@ mod x86 {
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn exp_avx2(x: &mut [f32]) {
         x.iter_mut().for_each(|v| *v = super::exp_f32(*v));
+    }
+
+    /// `y += a · x`, the plain loop compiled for each level (the compiler vectorises it with FMA).
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn axpy_avx512(y: &mut [f32], a: f32, x: &[f32]) {
+        y.iter_mut().zip(x).for_each(|(y, x)| *y = a.mul_add(*x, *y));
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn axpy_avx2(y: &mut [f32], a: f32, x: &[f32]) {
+        y.iter_mut().zip(x).for_each(|(y, x)| *y = a.mul_add(*x, *y));
     }
 
     #[target_feature(enable = "avx512f")]
@@ -273,6 +301,19 @@ mod tests {
         .unwrap()
         .expect("a 1-row f32 product takes the gemv path");
         assert_eq!(y.dims(), &[1, 1, 9]);
+    }
+
+    #[test]
+    fn axpy_agrees_on_every_level() {
+        let (x, y0) = (data(1003, 5), data(1003, 6));
+        for level in [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512].into_iter().filter(|l| *l <= SimdLevel::detected()) {
+            let mut y = y0.clone();
+            axpy(&mut y, -0.75, &x, level);
+            for i in 0..y.len() {
+                let want = y0[i] as f64 - 0.75 * x[i] as f64;
+                assert!((y[i] as f64 - want).abs() < 1e-6, "{level:?} at {i}: {} vs {want}", y[i]);
+            }
+        }
     }
 
     #[test]

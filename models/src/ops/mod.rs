@@ -7,7 +7,8 @@
 //!   `linear`: `x · wᵀ` with its backward; `head_loss`: the head and cross-entropy fused, by rows;
 //!   `embedding`: the lookup whose weight gradient is made by rows;
 //! - `weight_grads`: the sink those two hand their weight gradients to (no vocabulary-sized
-//!   gradient tensor); `kernels`: run-time-dispatched SIMD kernels (decode gemv, exp).
+//!   gradient tensor); `kernels`: run-time-dispatched SIMD kernels (decode gemv, exp);
+//! - `lora_rows`: the serving adapters' updates of a batch, each on its rows, in one pass.
 
 pub mod attention;
 pub mod embedding;
@@ -15,6 +16,7 @@ pub mod fused;
 pub mod head_loss;
 pub mod kernels;
 pub mod linear;
+pub mod lora_rows;
 pub mod weight_grads;
 
 use candle_core::{CpuStorage, DType, Layout, Result, Tensor};
