@@ -2,6 +2,7 @@
 //! streamed text, and the figures a user wants (time to first token, tokens/s).
 
 pub mod constraint;
+pub mod detokenize;
 pub mod json_schema;
 pub mod stream;
 
@@ -18,6 +19,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::tokenize::TextTokenizer;
+use detokenize::Detokenizer;
 pub use stream::TextStream;
 
 /// The fields of `generation_config.json` we use. Missing fields keep transformers' defaults.
@@ -216,7 +218,8 @@ pub struct Sequence {
     /// Ids the next forward consumes: the prompt first, then the last sampled token.
     pending: Vec<u32>,
     budget: usize,
-    full_text: String,
+    /// The generated ids' text, kept up to date token by token.
+    detokenizer: Detokenizer,
     finish: Option<FinishReason>,
     /// The grammar the answer must follow (structured output), if any.
     constraint: Option<llguidance::Matcher>,
@@ -319,7 +322,7 @@ impl Sequence {
             generated: vec![],
             pending: prompt_ids.to_vec(),
             budget: params.max_new_tokens.min(max_ctx - prompt_ids.len()),
-            full_text: String::new(),
+            detokenizer: Detokenizer::default(),
             finish: None,
             constraint: None,
             adapter: None,
@@ -350,7 +353,7 @@ impl Sequence {
 
     /// The text emitted so far (stop strings and held-back text excluded).
     pub fn text(&self) -> String {
-        self.stream.emitted_text(&self.full_text)
+        self.stream.emitted_text(self.detokenizer.text())
     }
 
     /// Runs one forward (the whole prompt on the first call) and samples one token.
@@ -431,8 +434,7 @@ impl Sequence {
         self.generated.push(next);
         self.context.push(next);
         self.pending = vec![next];
-        self.full_text = tokenizer.decode(&self.generated, true)?;
-        let step = self.stream.push(&self.full_text);
+        let step = self.stream.push(self.detokenizer.push(tokenizer, &self.generated)?);
         if step.stopped {
             self.finish = Some(FinishReason::Stop);
             return Ok(SequenceStep { text: step.text, token: Some(next), logprob, finished: self.finish, prompt_logprobs: None });
@@ -450,7 +452,7 @@ impl Sequence {
     /// is released, since no stop string can complete any more.
     fn end(&mut self, reason: FinishReason, token: Option<u32>) -> SequenceStep {
         self.finish = Some(reason);
-        SequenceStep { text: self.stream.finish(&self.full_text), token, logprob: None, finished: Some(reason), prompt_logprobs: None }
+        SequenceStep { text: self.stream.finish(self.detokenizer.text()), token, logprob: None, finished: Some(reason), prompt_logprobs: None }
     }
 }
 

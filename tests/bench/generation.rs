@@ -2,6 +2,11 @@
 //! (f32, CPU, batch 1, 128 new tokens) for fsdp-app and for transformers on the same files and
 //! the same number of threads, in one invocation, printed as a table with the ratio.
 //!
+//! Then a long answer: 4,000 greedy tokens, tokens/s of the first and the last 200, beside the
+//! model's forward alone at the same positions (what the KV cache's growth explains) and what
+//! decoding all generated ids at every token (the way before incremental detokenization) costs.
+//! `cargo bench --bench generation -- long` runs only that.
+//!
 //! Environment: FSDP_SMOLLM2_GGUF (else the GGUF the smollm2 test downloaded to target/smollm2),
 //! FSDP_BENCH_PYTHON (a Python with torch + transformers; default python3), FSDP_BENCH_THREADS
 //! (default 2). Without Python+transformers the transformers row says why it is missing.
@@ -13,7 +18,9 @@ use std::collections::HashSet;
 use std::path::PathBuf;
 use std::process::Command;
 
-use candle_core::{DType, Device};
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
 use fsdp_app::generate::{generate, GenerationOutput, SamplingParams};
 use fsdp_app::model_files::{load_model, resolve_model};
 use fsdp_app::tokenize::{ChatMessage, TextTokenizer};
@@ -37,6 +44,10 @@ fn main() -> anyhow::Result<()> {
     let rendered = tok.chat_template.as_ref().unwrap().render(&[ChatMessage::new("user", PROMPT)], true)?;
     let prompt = tok.encode(&rendered, false)?;
     let params = SamplingParams::greedy(NEW_TOKENS);
+    if std::env::args().skip(1).any(|a| a == "long") {
+        println!("\nCPU vector ISA: {}", common::vector_isa());
+        return long_answer(&loaded.model, &tok, &prompt);
+    }
     // No eos: always exactly NEW_TOKENS tokens, like min_new_tokens on the transformers side.
     let run = || generate(&loaded.model, &tok, &prompt, &HashSet::new(), &params, |_| Ok(()));
     run()?; // warm-up
@@ -82,7 +93,57 @@ fn main() -> anyhow::Result<()> {
         }
         Err(why) => println!("| transformers | n/a: {why} | | |"),
     }
-    grammar_mask_cost(&tok, loaded.config.vocab_size, best.decode_tokens_per_s)
+    grammar_mask_cost(&tok, loaded.config.vocab_size, best.decode_tokens_per_s)?;
+    long_answer(&loaded.model, &tok, &prompt)
+}
+
+const LONG: usize = 4000;
+const WINDOW: usize = 200;
+
+/// Tokens/s of the first and last `WINDOW` of `LONG` greedy tokens: whole steps (forward,
+/// sampling, detokenization, stop strings), the forward alone on the same ids, and the old
+/// per-token cost of decoding every generated id.
+fn long_answer(model: &models::CausalLm, tok: &TextTokenizer, prompt: &[u32]) -> anyhow::Result<()> {
+    use fsdp_app::generate::Sequence;
+    let mut seq = Sequence::new(model, prompt, &HashSet::new(), &SamplingParams::greedy(LONG))?;
+    let mut step_times = Vec::with_capacity(LONG);
+    seq.step(model, tok)?; // the prompt
+    while seq.finish_reason().is_none() {
+        let t = Instant::now();
+        seq.step(model, tok)?;
+        step_times.push(t.elapsed().as_secs_f64());
+    }
+    let ids = seq.generated_ids().to_vec();
+    let mut cache = models::KvCache::new(model.config());
+    model.forward_cached(&Tensor::new(prompt, &Device::Cpu)?.unsqueeze(0)?, &mut cache, &Default::default())?;
+    let mut forward_times = Vec::with_capacity(ids.len());
+    for &id in &ids[..ids.len() - 1] {
+        let t = Instant::now();
+        model.forward_cached(&Tensor::new(&[id], &Device::Cpu)?.unsqueeze(0)?, &mut cache, &Default::default())?;
+        forward_times.push(t.elapsed().as_secs_f64());
+    }
+    let full_decode = |n: usize| -> anyhow::Result<f64> {
+        let t = Instant::now();
+        for _ in 0..5 {
+            tok.decode(&ids[..n], true)?;
+        }
+        Ok(t.elapsed().as_secs_f64() / 5.0)
+    };
+    let rate = |times: &[f64]| times.len() as f64 / times.iter().sum::<f64>();
+    let (first, last) = (|t: &[f64]| rate(&t[..WINDOW]), |t: &[f64]| rate(&t[t.len() - WINDOW..]));
+    println!("\nLong answer: {} greedy tokens after a {}-token prompt, batch 1 (tokens/s)", ids.len(), prompt.len());
+    println!("| | first {WINDOW} | last {WINDOW} | last / first |");
+    println!("|---|---|---|---|");
+    for (what, t) in [("whole step (forward, sampling, detokenization)", &step_times), ("forward alone, same ids", &forward_times)] {
+        println!("| {what} | {:.1} | {:.1} | {:.2}x |", first(t), last(t), last(t) / first(t));
+    }
+    println!(
+        "decoding all generated ids once (what every token cost before incremental detokenization): {:.2} ms at {WINDOW} ids, {:.2} ms at {}",
+        full_decode(WINDOW)? * 1e3,
+        full_decode(ids.len())? * 1e3,
+        ids.len()
+    );
+    Ok(())
 }
 
 /// What constrained decoding (`response_format`) adds per token: the grammar engine's mask
