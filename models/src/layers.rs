@@ -8,6 +8,7 @@ use candle_core::{DType, Device, Result, Tensor, D};
 use candle_nn::{linear_b, VarBuilder};
 
 use crate::config::{ModelConfig, RopeScaling};
+use crate::kv_cache::LayerKvCache;
 use crate::lora::{AdaptedLinear, LoraSettings};
 pub use crate::mode::OpMode;
 use crate::multi_lora::RowAdapters;
@@ -182,27 +183,6 @@ pub fn causal_mask(q_len: usize, offset: usize, window: Option<usize>, dtype: DT
     Tensor::from_vec(data, (q_len, kv_len), dev)?.to_dtype(dtype).map(Some)
 }
 
-/// Keys and values of past positions for one layer, shape (batch, kv_heads, seq, head_dim).
-#[derive(Debug, Clone, Default)]
-pub struct LayerKvCache {
-    kv: Option<(Tensor, Tensor)>,
-}
-
-impl LayerKvCache {
-    pub fn seq_len(&self) -> usize {
-        self.kv.as_ref().map(|(k, _)| k.dim(2).unwrap_or(0)).unwrap_or(0)
-    }
-
-    fn append(&mut self, k: Tensor, v: Tensor) -> Result<(Tensor, Tensor)> {
-        let (k, v) = match self.kv.take() {
-            None => (k, v),
-            Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
-        };
-        self.kv = Some((k.clone(), v.clone()));
-        Ok((k, v))
-    }
-}
-
 #[derive(Debug, Clone)]
 pub struct Attention {
     q_proj: AdaptedLinear,
@@ -214,6 +194,8 @@ pub struct Attention {
     num_heads: usize,
     num_kv_heads: usize,
     head_dim: usize,
+    /// Mistral's sliding window: a query sees at most this many positions, itself included.
+    window: Option<usize>,
 }
 
 impl Attention {
@@ -236,6 +218,7 @@ impl Attention {
             num_heads: cfg.num_attention_heads,
             num_kv_heads: cfg.num_key_value_heads,
             head_dim: d,
+            window: cfg.sliding_window,
         })
     }
 
@@ -290,7 +273,15 @@ impl Attention {
             }
         };
         let (k, v) = match cache {
-            Some(cache) => cache.append(k, v)?,
+            Some(cache) => {
+                cache.append(&k, &v)?;
+                if t == 1 {
+                    if let Some(out) = cache.attend(&q, scale, self.window)? {
+                        return self.o_proj.forward(&out.reshape((b, t, self.num_heads * d))?, pos.mode, seeds, &pos.adapters);
+                    }
+                }
+                cache.all()?
+            }
             None => (k, v),
         };
         let n_rep = self.num_heads / self.num_kv_heads;
@@ -343,7 +334,12 @@ impl Attention {
         let scale = 1.0 / (d as f64).sqrt();
         let mut outs = Vec::with_capacity(rows);
         for (r, cache) in caches.iter_mut().enumerate() {
-            let (kr, vr) = cache.append(k.narrow(0, r, 1)?, v.narrow(0, r, 1)?)?;
+            cache.append(&k.narrow(0, r, 1)?, &v.narrow(0, r, 1)?)?;
+            if let Some(out) = cache.attend(&q.narrow(0, r, 1)?, scale, window)? {
+                outs.push(out);
+                continue;
+            }
+            let (kr, vr) = cache.all()?;
             let n_rep = self.num_heads / self.num_kv_heads;
             let kr = repeat_kv(kr, n_rep)?;
             let vr = repeat_kv(vr, n_rep)?;

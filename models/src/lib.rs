@@ -4,6 +4,7 @@
 //! decoder layer can be built on its own from a `VarBuilder` over just that layer's tensors.
 
 pub mod config;
+pub mod kv_cache;
 pub mod layers;
 pub mod lora;
 pub mod mode;
@@ -18,10 +19,11 @@ pub mod tensors;
 mod testing;
 
 pub use config::{Architecture, ModelConfig, RopeScaling, SUPPORTED_ARCHITECTURES};
-pub use layers::{DecoderLayer, LayerKvCache};
+pub use kv_cache::{KvCache, LayerKvCache};
+pub use layers::DecoderLayer;
 pub use lora::LoraSettings;
 pub use mode::OpMode;
-pub use model::{CausalLm, KvCache};
+pub use model::CausalLm;
 pub use multi_lora::{RowAdapters, ServingAdapter};
 pub use staged::{LlamaStages, Packing, StageContext, StagedModel};
 pub use tensors::{expected_tensors, TensorSpec};

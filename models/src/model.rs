@@ -4,25 +4,9 @@ use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{Embedding, VarBuilder};
 
 use crate::config::ModelConfig;
-use crate::layers::{causal_mask, DecoderLayer, LayerKvCache, OpMode, PositionInputs, RmsNorm, Rotary};
+use crate::kv_cache::{KvCache, LayerKvCache};
+use crate::layers::{causal_mask, DecoderLayer, OpMode, PositionInputs, RmsNorm, Rotary};
 use crate::multi_lora::RowAdapters;
-
-/// KV cache for all layers of one sequence batch.
-#[derive(Debug, Clone)]
-pub struct KvCache {
-    pub layers: Vec<LayerKvCache>,
-}
-
-impl KvCache {
-    pub fn new(cfg: &ModelConfig) -> Self {
-        Self { layers: vec![LayerKvCache::default(); cfg.num_hidden_layers] }
-    }
-
-    /// Number of positions already cached.
-    pub fn seq_len(&self) -> usize {
-        self.layers.first().map(LayerKvCache::seq_len).unwrap_or(0)
-    }
-}
 
 #[derive(Debug, Clone)]
 pub struct CausalLm {

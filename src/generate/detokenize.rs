@@ -98,9 +98,7 @@ mod tests {
         for (i, p) in pieces.iter().enumerate() {
             vocab.insert(p.to_string(), (259 + i as u32).into());
         }
-        let special = |id: u32, content: &str| {
-            serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true})
-        };
+        let special = |id: u32, content: &str| serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true});
         let json = serde_json::json!({
             "version": "1.0", "truncation": null, "padding": null,
             "added_tokens": [special(0, "<unk>"), special(1, "<s>"), special(2, "</s>")],

@@ -452,7 +452,13 @@ impl Sequence {
     /// is released, since no stop string can complete any more.
     fn end(&mut self, reason: FinishReason, token: Option<u32>) -> SequenceStep {
         self.finish = Some(reason);
-        SequenceStep { text: self.stream.finish(self.detokenizer.text()), token, logprob: None, finished: Some(reason), prompt_logprobs: None }
+        SequenceStep {
+            text: self.stream.finish(self.detokenizer.text()),
+            token,
+            logprob: None,
+            finished: Some(reason),
+            prompt_logprobs: None,
+        }
     }
 }
 
