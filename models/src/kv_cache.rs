@@ -52,7 +52,7 @@ impl LayerKvCache {
         }
         let mut done = 0;
         while done < t {
-            if self.len % BLOCK == 0 {
+            if self.len.is_multiple_of(BLOCK) {
                 let zeros = || Tensor::zeros((kv_heads, BLOCK, d), k.dtype(), k.device());
                 self.blocks.push((zeros()?, zeros()?));
             }
