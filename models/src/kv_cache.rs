@@ -17,6 +17,7 @@ use candle_core::{DType, Device, Result, Tensor};
 use rayon::prelude::*;
 
 use crate::config::ModelConfig;
+use crate::ops::cpu_f32_values;
 use crate::ops::kernels::{axpy, dot, exp_inplace, SimdLevel};
 
 /// Positions per block.
@@ -89,7 +90,7 @@ impl LayerKvCache {
         let q = q.flatten_all()?.to_vec1::<f32>()?;
         let guards: Vec<_> = self.blocks.iter().map(|(k, v)| (k.storage_and_layout(), v.storage_and_layout())).collect();
         let blocks: Vec<(&[f32], &[f32])> =
-            guards.iter().map(|((k, kl), (v, vl))| Ok((cpu_values(k, kl)?, cpu_values(v, vl)?))).collect::<Result<_>>()?;
+            guards.iter().map(|((k, kl), (v, vl))| Ok((cpu_f32_values(k, kl)?, cpu_f32_values(v, vl)?))).collect::<Result<_>>()?;
         let level = SimdLevel::current();
         let mut out = vec![0f32; heads * d];
         out.par_chunks_mut(d).enumerate().for_each(|(h, out_h)| {
@@ -113,13 +114,6 @@ fn row(block: &[f32], g: usize, j: usize, d: usize) -> &[f32] {
     &block[at..at + d]
 }
 
-fn cpu_values<'a>(storage: &'a candle_core::Storage, layout: &candle_core::Layout) -> Result<&'a [f32]> {
-    match storage {
-        candle_core::Storage::Cpu(cpu) => crate::ops::f32_slice(cpu, layout),
-        _ => candle_core::bail!("KV cache: a block is not on the CPU"),
-    }
-}
-
 /// The KV caches of all layers of one sequence.
 #[derive(Debug, Clone)]
 pub struct KvCache {
@@ -141,11 +135,7 @@ impl KvCache {
 mod tests {
     use super::*;
 
-    fn data(dims: &[usize], seed: u64) -> Tensor {
-        let mut r = crate::rng::SplitMix64(seed);
-        let n = dims.iter().product();
-        Tensor::from_vec((0..n).map(|_| r.next_signed()).collect::<Vec<f32>>(), dims, &Device::Cpu).unwrap()
-    }
+    use crate::rng::random_tensor as data;
 
     /// softmax(q Kᵀ · scale) V over the visible positions, by candle's ops on `all()`.
     fn by_candle_ops(cache: &LayerKvCache, q: &Tensor, scale: f64, window: Option<usize>) -> Tensor {

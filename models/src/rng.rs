@@ -23,3 +23,11 @@ impl SplitMix64 {
         ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 }
+
+/// An f32 CPU tensor of `dims` with values uniform in [-1, 1) from `seed` (kernel tests' inputs).
+#[cfg(test)]
+pub(crate) fn random_tensor(dims: &[usize], seed: u64) -> candle_core::Tensor {
+    let mut r = SplitMix64(seed);
+    let values: Vec<f32> = (0..dims.iter().product()).map(|_| r.next_signed()).collect();
+    candle_core::Tensor::from_vec(values, dims, &candle_core::Device::Cpu).unwrap()
+}

@@ -11,6 +11,7 @@
 use candle_core::{DType, Device, Result, Tensor};
 use rayon::prelude::*;
 
+use super::cpu_f32_values;
 use super::kernels::{axpy, dot, SimdLevel};
 
 /// One adapter's share of a batch: its rows (`None`: every row), its `A` (r, in) and `Bᵀ`
@@ -59,10 +60,10 @@ pub fn add_lora_rows(x: &Tensor, y: &Tensor, updates: &[RowsUpdate]) -> Result<O
         .iter()
         .zip(&bt_guards)
         .zip(updates)
-        .map(|(((a, a_layout), (bt, bt_layout)), u)| Ok((cpu_values(a, a_layout)?, cpu_values(bt, bt_layout)?, u.scaling)))
+        .map(|(((a, a_layout), (bt, bt_layout)), u)| Ok((cpu_f32_values(a, a_layout)?, cpu_f32_values(bt, bt_layout)?, u.scaling)))
         .collect::<Result<_>>()?;
     let (x_storage, x_layout) = x.storage_and_layout();
-    let xs = cpu_values(&x_storage, x_layout)?;
+    let xs = cpu_f32_values(&x_storage, x_layout)?;
     let level = SimdLevel::current();
     out.par_chunks_mut(out_dim).zip(xs.par_chunks(in_dim)).zip(update_of.par_iter()).for_each(|((y_row, x_row), u)| {
         let Some(u) = *u else { return };
@@ -74,22 +75,11 @@ pub fn add_lora_rows(x: &Tensor, y: &Tensor, updates: &[RowsUpdate]) -> Result<O
     Ok(Some(Tensor::from_vec(out, y.shape(), &Device::Cpu)?))
 }
 
-fn cpu_values<'a>(storage: &'a candle_core::Storage, layout: &candle_core::Layout) -> Result<&'a [f32]> {
-    match storage {
-        candle_core::Storage::Cpu(cpu) => super::f32_slice(cpu, layout),
-        _ => candle_core::bail!("lora rows: a tensor is not on the CPU"),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn data(dims: &[usize], seed: u64) -> Tensor {
-        let mut r = crate::rng::SplitMix64(seed);
-        let n = dims.iter().product();
-        Tensor::from_vec((0..n).map(|_| r.next_signed()).collect::<Vec<f32>>(), dims, &Device::Cpu).unwrap()
-    }
+    use crate::rng::random_tensor as data;
 
     /// `y[rows] += s · (x[rows] Aᵀ) B`, by candle's own ops.
     fn by_candle_ops(x: &Tensor, y: &Tensor, rows: &[u32], a: &Tensor, bt: &Tensor, s: f64) -> Tensor {

@@ -32,3 +32,12 @@ pub(crate) fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> 
         None => candle_core::bail!("fused op: the input is not contiguous"),
     }
 }
+
+/// The f32 values of a contiguous tensor's storage, which must be on the CPU (for kernels that
+/// read tensors in place: `lora_rows`, the KV cache's attention).
+pub(crate) fn cpu_f32_values<'a>(storage: &'a candle_core::Storage, layout: &Layout) -> Result<&'a [f32]> {
+    match storage {
+        candle_core::Storage::Cpu(cpu) => f32_slice(cpu, layout),
+        _ => candle_core::bail!("a tensor read in place is not on the CPU"),
+    }
+}
