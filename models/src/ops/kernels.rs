@@ -20,6 +20,7 @@ pub const GEMV_MAX_ROWS: usize = 4;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum SimdLevel {
     Scalar,
+    /// AVX2 with FMA and F16C (every AVX2 CPU has them).
     Avx2,
     Avx512,
 }
@@ -32,7 +33,7 @@ impl SimdLevel {
             if is_x86_feature_detected!("avx512f") {
                 return Self::Avx512;
             }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
                 return Self::Avx2;
             }
         }
@@ -53,15 +54,18 @@ impl SimdLevel {
     }
 }
 
-/// `x @ w^T` for an f32 CPU `x` of shape (.., in) with at most [`GEMV_MAX_ROWS`] rows in all and
-/// a contiguous f32 CPU `w` (out, in), when neither needs a gradient; `None` when the call is
-/// not for this kernel (the caller then takes candle's matmul).
+/// `x @ w^T` for a CPU `x` of shape (.., in) with at most [`GEMV_MAX_ROWS`] rows in all and a
+/// contiguous CPU `w` (out, in), both f32, f16 or bf16 (f16 / bf16 weights are widened in
+/// registers, `half_dot`; the activations are taken in f32 and the result returned in `x`'s
+/// dtype), when neither needs a gradient; `None` when the call is not for this kernel (the caller
+/// then takes candle's matmul).
 pub fn gemv_t(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
     let rows = x.elem_count() / x.dim(candle_core::D::Minus1)?;
+    let float = |t: &Tensor| matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16);
     let eligible = matches!(x.device(), Device::Cpu)
         && matches!(w.device(), Device::Cpu)
-        && x.dtype() == DType::F32
-        && w.dtype() == DType::F32
+        && float(x)
+        && float(w)
         && rows <= GEMV_MAX_ROWS
         && w.rank() == 2
         && w.is_contiguous()
@@ -74,19 +78,36 @@ pub fn gemv_t(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
     if x.dim(candle_core::D::Minus1)? != in_dim {
         return Ok(None);
     }
-    let xs = x.flatten_all()?.to_vec1::<f32>()?;
+    let xs = x.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
     let (storage, layout) = w.storage_and_layout();
     let candle_core::Storage::Cpu(cpu) = &*storage else { return Ok(None) };
-    let ws = &cpu.as_slice::<f32>()?[layout.start_offset()..layout.start_offset() + out_dim * in_dim];
-    let y = gemv_rows(&xs, rows, ws, out_dim, in_dim, SimdLevel::current());
+    let range = layout.start_offset()..layout.start_offset() + out_dim * in_dim;
+    let level = SimdLevel::current();
+    let y = match w.dtype() {
+        DType::F16 => gemv_rows(&xs, rows, &cpu.as_slice::<half::f16>()?[range], out_dim, in_dim, level),
+        DType::BF16 => gemv_rows(&xs, rows, &cpu.as_slice::<half::bf16>()?[range], out_dim, in_dim, level),
+        _ => gemv_rows(&xs, rows, &cpu.as_slice::<f32>()?[range], out_dim, in_dim, level),
+    };
     drop(storage);
     let mut dims = x.dims().to_vec();
     *dims.last_mut().unwrap() = out_dim;
-    Ok(Some(Tensor::from_vec(y, dims, &Device::Cpu)?))
+    Tensor::from_vec(y, dims, &Device::Cpu)?.to_dtype(x.dtype()).map(Some)
+}
+
+/// A weight element the matrix-vector kernel reads: f32, or f16 / bf16 widened in registers.
+pub trait GemvWeight: Copy + Send + Sync {
+    /// `Σ x[i] · w[i]` at `level` (which the caller has checked the CPU supports).
+    fn dot(x: &[f32], w: &[Self], level: SimdLevel) -> f32;
+}
+
+impl GemvWeight for f32 {
+    fn dot(x: &[f32], w: &[f32], level: SimdLevel) -> f32 {
+        dot(x, w, level)
+    }
 }
 
 /// `y[r, o] = dot(x[r, ..], w[o, ..])` for `rows` rows, the weight rows split over the threads.
-pub fn gemv_rows(x: &[f32], rows: usize, w: &[f32], out_dim: usize, in_dim: usize, level: SimdLevel) -> Vec<f32> {
+pub fn gemv_rows<W: GemvWeight>(x: &[f32], rows: usize, w: &[W], out_dim: usize, in_dim: usize, level: SimdLevel) -> Vec<f32> {
     // Blocks of weight rows per task: big enough to amortise scheduling, small enough to balance.
     const BLOCK: usize = 64;
     let mut yt = vec![0f32; out_dim * rows]; // (out, rows): each task writes its own block
@@ -95,7 +116,7 @@ pub fn gemv_rows(x: &[f32], rows: usize, w: &[f32], out_dim: usize, in_dim: usiz
         for (j, o) in (first..(first + BLOCK).min(out_dim)).enumerate() {
             let wrow = &w[o * in_dim..(o + 1) * in_dim];
             for r in 0..rows {
-                out[j * rows + r] = dot(&x[r * in_dim..(r + 1) * in_dim], wrow, level);
+                out[j * rows + r] = W::dot(&x[r * in_dim..(r + 1) * in_dim], wrow, level);
             }
         }
     });
@@ -301,6 +322,32 @@ mod tests {
         .unwrap()
         .expect("a 1-row f32 product takes the gemv path");
         assert_eq!(y.dims(), &[1, 1, 9]);
+    }
+
+    /// f16 and bf16 weights (widened in registers) give candle's f32 matmul of the same values,
+    /// on every level, for odd sizes; and gemv_t returns x's dtype.
+    #[test]
+    fn half_weights_match_candle_matmul_on_every_level() {
+        let best = SimdLevel::detected();
+        for (rows, inp, out) in [(1, 576, 130), (3, 77, 9), (4, 1000, 65), (2, 15, 3)] {
+            let x = Tensor::from_vec(data(rows * inp, 1), (rows, inp), &Device::Cpu).unwrap();
+            let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            for dtype in [DType::F16, DType::BF16] {
+                let w = Tensor::from_vec(data(out * inp, 2), (out, inp), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+                let want: Vec<f32> =
+                    x.matmul(&w.to_dtype(DType::F32).unwrap().t().unwrap()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+                for level in [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512].into_iter().filter(|l| *l <= best) {
+                    let got = match dtype {
+                        DType::F16 => gemv_rows(&xs, rows, &w.flatten_all().unwrap().to_vec1::<half::f16>().unwrap(), out, inp, level),
+                        _ => gemv_rows(&xs, rows, &w.flatten_all().unwrap().to_vec1::<half::bf16>().unwrap(), out, inp, level),
+                    };
+                    let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs() / (b.abs() + (inp as f32).sqrt())).fold(0f32, f32::max);
+                    assert!(worst < 1e-5, "{dtype:?} {level:?} rows {rows} in {inp} out {out}: off by {worst}");
+                }
+                let y = gemv_t(&x.to_dtype(dtype).unwrap(), &w).unwrap().expect("half weights take the gemv path");
+                assert_eq!(y.dtype(), dtype);
+            }
+        }
     }
 
     #[test]

@@ -7,12 +7,14 @@
 //!   `linear`: `x · wᵀ` with its backward; `head_loss`: the head and cross-entropy fused, by rows;
 //!   `embedding`: the lookup whose weight gradient is made by rows;
 //! - `weight_grads`: the sink those two hand their weight gradients to (no vocabulary-sized
-//!   gradient tensor); `kernels`: run-time-dispatched SIMD kernels (decode gemv, exp);
+//!   gradient tensor); `kernels`: run-time-dispatched SIMD kernels (decode gemv, exp), with
+//!   `half_dot` for f16 / bf16 weights;
 //! - `lora_rows`: the serving adapters' updates of a batch, each on its rows, in one pass.
 
 pub mod attention;
 pub mod embedding;
 pub mod fused;
+pub mod half_dot;
 pub mod head_loss;
 pub mod kernels;
 pub mod linear;
