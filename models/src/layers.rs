@@ -12,6 +12,7 @@ use crate::kv_cache::LayerKvCache;
 use crate::lora::{AdaptedLinear, LoraSettings};
 pub use crate::mode::OpMode;
 use crate::multi_lora::RowAdapters;
+use crate::quantized::{LinearWeight, QuantizedWeights};
 
 /// RMSNorm computed in f32 like transformers' `LlamaRMSNorm`, cast back, then scaled.
 #[derive(Debug, Clone)]
@@ -153,17 +154,29 @@ pub struct PositionInputs {
     pub adapters: RowAdapters,
 }
 
-/// A linear layer at `vb`'s prefix, with the LoRA adapter of `lora` when that targets it
-/// (its `lora_A`/`lora_B` tensors must then be in `vb`).
-fn adapted_linear(lora: Option<&LoraSettings>, inp: usize, out: usize, bias: bool, vb: VarBuilder) -> Result<AdaptedLinear> {
-    let base = linear_b(inp, out, bias, vb.clone())?;
+/// A linear layer at `vb`'s prefix, its weight from `quantized` when that holds it, with the
+/// LoRA adapter of `lora` when that targets it (its `lora_A`/`lora_B` tensors must then be in
+/// `vb`).
+fn adapted_linear(
+    lora: Option<&LoraSettings>,
+    quantized: &QuantizedWeights,
+    (inp, out): (usize, usize),
+    bias: bool,
+    vb: VarBuilder,
+) -> Result<AdaptedLinear> {
+    let path = vb.prefix();
+    let quantized_bias = match bias && quantized.get(&format!("{path}.weight")).is_some() {
+        true => Some(vb.get(out, "bias")?),
+        false => None,
+    };
+    let base = LinearWeight::pick(quantized, &format!("{path}.weight"), quantized_bias, || linear_b(inp, out, bias, vb.clone()))?;
     match lora {
-        Some(lora) if lora.targets_module(&vb.prefix()) => {
+        Some(lora) if lora.targets_module(&path) => {
             let a = vb.get((lora.r, inp), "lora_A.weight")?;
             let b = vb.get((out, lora.r), "lora_B.weight")?;
-            Ok(AdaptedLinear::with_adapter(base, a, b, lora, &vb.prefix()))
+            Ok(AdaptedLinear::with_adapter(base, a, b, lora, &path))
         }
-        _ => Ok(AdaptedLinear::plain(base, &vb.prefix())),
+        _ => Ok(AdaptedLinear::plain(base, &path)),
     }
 }
 
@@ -199,7 +212,7 @@ pub struct Attention {
 }
 
 impl Attention {
-    pub fn new(cfg: &ModelConfig, lora: Option<&LoraSettings>, vb: VarBuilder) -> Result<Self> {
+    pub fn new(cfg: &ModelConfig, lora: Option<&LoraSettings>, quantized: &QuantizedWeights, vb: VarBuilder) -> Result<Self> {
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
         let q_out = cfg.num_attention_heads * d;
         let kv_out = cfg.num_key_value_heads * d;
@@ -209,10 +222,10 @@ impl Attention {
             (None, None)
         };
         Ok(Self {
-            q_proj: adapted_linear(lora, h, q_out, cfg.qkv_bias, vb.pp("q_proj"))?,
-            k_proj: adapted_linear(lora, h, kv_out, cfg.qkv_bias, vb.pp("k_proj"))?,
-            v_proj: adapted_linear(lora, h, kv_out, cfg.qkv_bias, vb.pp("v_proj"))?,
-            o_proj: adapted_linear(lora, q_out, h, cfg.o_bias, vb.pp("o_proj"))?,
+            q_proj: adapted_linear(lora, quantized, (h, q_out), cfg.qkv_bias, vb.pp("q_proj"))?,
+            k_proj: adapted_linear(lora, quantized, (h, kv_out), cfg.qkv_bias, vb.pp("k_proj"))?,
+            v_proj: adapted_linear(lora, quantized, (h, kv_out), cfg.qkv_bias, vb.pp("v_proj"))?,
+            o_proj: adapted_linear(lora, quantized, (q_out, h), cfg.o_bias, vb.pp("o_proj"))?,
             q_norm,
             k_norm,
             num_heads: cfg.num_attention_heads,
@@ -373,9 +386,9 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    pub fn new(cfg: &ModelConfig, lora: Option<&LoraSettings>, vb: VarBuilder) -> Result<Self> {
+    pub fn new(cfg: &ModelConfig, lora: Option<&LoraSettings>, quantized: &QuantizedWeights, vb: VarBuilder) -> Result<Self> {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
-        let lin = |a, b, name: &str| adapted_linear(lora, a, b, cfg.mlp_bias, vb.pp(name));
+        let lin = |a, b, name: &str| adapted_linear(lora, quantized, (a, b), cfg.mlp_bias, vb.pp(name));
         Ok(Self { gate_proj: lin(h, i, "gate_proj")?, up_proj: lin(h, i, "up_proj")?, down_proj: lin(i, h, "down_proj")? })
     }
 
@@ -405,11 +418,16 @@ pub struct DecoderLayer {
 impl DecoderLayer {
     /// The layer at `vb`; `lora` adds the adapters it targets (their tensors must be in `vb`).
     pub fn new(cfg: &ModelConfig, lora: Option<&LoraSettings>, vb: VarBuilder) -> Result<Self> {
+        Self::with_quantized(cfg, lora, &QuantizedWeights::default(), vb)
+    }
+
+    /// As [`Self::new`], the matrices found in `quantized` (by full name) kept quantised.
+    pub fn with_quantized(cfg: &ModelConfig, lora: Option<&LoraSettings>, quantized: &QuantizedWeights, vb: VarBuilder) -> Result<Self> {
         Ok(Self {
             input_layernorm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
-            self_attn: Attention::new(cfg, lora, vb.pp("self_attn"))?,
+            self_attn: Attention::new(cfg, lora, quantized, vb.pp("self_attn"))?,
             post_attention_layernorm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("post_attention_layernorm"))?,
-            mlp: Mlp::new(cfg, lora, vb.pp("mlp"))?,
+            mlp: Mlp::new(cfg, lora, quantized, vb.pp("mlp"))?,
         })
     }
 

@@ -11,11 +11,11 @@ use std::sync::Arc;
 
 use anyhow::{bail, Result};
 use candle_core::{Module, Tensor};
-use candle_nn::Linear;
 
 use crate::config::ModelConfig;
 use crate::mode::OpMode;
 use crate::multi_lora::RowAdapters;
+use crate::quantized::LinearWeight;
 use crate::rng::splitmix64;
 use crate::tensors::{layer_tensors, TensorSpec};
 
@@ -152,7 +152,7 @@ fn name_hash(s: &str) -> u64 {
 /// serving adapters of the batch's rows (`multi_lora`), found by the module's path.
 #[derive(Debug, Clone)]
 pub struct AdaptedLinear {
-    base: Linear,
+    base: LinearWeight,
     adapter: Option<Adapter>,
     /// `model.layers.3.self_attn.q_proj`.
     path: Arc<str>,
@@ -169,12 +169,12 @@ struct Adapter {
 
 impl AdaptedLinear {
     /// The module at `path`, without an adapter of its own.
-    pub fn plain(base: Linear, path: &str) -> Self {
+    pub fn plain(base: LinearWeight, path: &str) -> Self {
         Self { base, adapter: None, path: path.into() }
     }
 
     /// `base` plus the adapter `a` (r, in), `b` (out, r) of the module at `path`.
-    pub fn with_adapter(base: Linear, a: Tensor, b: Tensor, settings: &LoraSettings, path: &str) -> Self {
+    pub fn with_adapter(base: LinearWeight, a: Tensor, b: Tensor, settings: &LoraSettings, path: &str) -> Self {
         let adapter = Adapter { a, b, scaling: settings.scaling(), dropout: settings.dropout, module_id: name_hash(path) };
         Self { base, adapter: Some(adapter), path: path.into() }
     }
@@ -190,19 +190,31 @@ impl AdaptedLinear {
     }
 
     fn forward_own(&self, x: &Tensor, mode: OpMode, row_seeds: Option<&[u64]>) -> Result<Tensor, candle_core::Error> {
+        let base = match &self.base {
+            LinearWeight::Dense(base) => base,
+            LinearWeight::Quantized { w, bias } => {
+                let y = LinearWeight::forward_quantized(w, bias.as_ref(), x)?;
+                return self.add_own_adapter(x, y, mode, row_seeds);
+            }
+        };
         // Decoding's few rows take the matrix-vector kernel; everything else candle's matmul.
         // Training on the CPU: one op whose backward computes only the gradients that exist.
-        let product = match mode == OpMode::Train && crate::ops::applies(x) && self.base.weight().dtype() == x.dtype() {
-            true => Some(crate::ops::linear::linear(x, self.base.weight())?),
-            false => crate::ops::kernels::gemv_t(x, self.base.weight())?,
+        let product = match mode == OpMode::Train && crate::ops::applies(x) && base.weight().dtype() == x.dtype() {
+            true => Some(crate::ops::linear::linear(x, base.weight())?),
+            false => crate::ops::kernels::gemv_t(x, base.weight())?,
         };
         let y = match product {
-            Some(y) => match self.base.bias() {
+            Some(y) => match base.bias() {
                 Some(b) => y.broadcast_add(b)?,
                 None => y,
             },
-            None => self.base.forward(x)?,
+            None => base.forward(x)?,
         };
+        self.add_own_adapter(x, y, mode, row_seeds)
+    }
+
+    /// `y + scaling · B (A dropout(x))` with the layer's own adapter, if it has one.
+    fn add_own_adapter(&self, x: &Tensor, y: Tensor, mode: OpMode, row_seeds: Option<&[u64]>) -> Result<Tensor, candle_core::Error> {
         let Some(ad) = &self.adapter else { return Ok(y) };
         let x = match row_seeds {
             Some(seeds) if mode == OpMode::Train && ad.dropout > 0.0 => {

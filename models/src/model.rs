@@ -7,6 +7,7 @@ use crate::config::ModelConfig;
 use crate::kv_cache::{KvCache, LayerKvCache};
 use crate::layers::{causal_mask, DecoderLayer, OpMode, PositionInputs, RmsNorm, Rotary};
 use crate::multi_lora::RowAdapters;
+use crate::quantized::{LinearWeight, QuantizedMatrix, QuantizedWeights};
 
 #[derive(Debug, Clone)]
 pub struct CausalLm {
@@ -14,22 +15,52 @@ pub struct CausalLm {
     embed_tokens: Embedding,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
-    /// `lm_head.weight`; with tied embeddings this is the very same tensor as the embedding table.
-    lm_head: Tensor,
+    lm_head: LmHead,
     rotary: Rotary,
+}
+
+/// `lm_head.weight`, dense (with tied embeddings the very same tensor as the embedding table) or
+/// quantised (a GGUF's `output.weight`, or its quantised `token_embd.weight` when tied).
+#[derive(Debug, Clone)]
+enum LmHead {
+    Dense(Tensor),
+    Quantized(QuantizedMatrix),
 }
 
 impl CausalLm {
     /// The model in `vb`; `lora` adds adapters to the layers it targets (a load option, as
     /// config.json knows nothing of adapters).
     pub fn new(cfg: &ModelConfig, lora: Option<&crate::lora::LoraSettings>, vb: VarBuilder) -> Result<Self> {
-        let embed_w = vb.get((cfg.vocab_size, cfg.hidden_size), "model.embed_tokens.weight")?;
+        Self::with_quantized(cfg, lora, &QuantizedWeights::default(), vb)
+    }
+
+    /// As [`Self::new`], the matrices found in `quantized` kept quantised: the linear layers and
+    /// the LM head multiply with their blocks; a quantised embedding table is widened to the
+    /// compute dtype for lookups (rows are read one token at a time, so its size is memory, not
+    /// speed) and, when tied, still serves the head quantised.
+    pub fn with_quantized(
+        cfg: &ModelConfig,
+        lora: Option<&crate::lora::LoraSettings>,
+        quantized: &QuantizedWeights,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        const EMBED: &str = "model.embed_tokens.weight";
+        const HEAD: &str = "lm_head.weight";
+        let embed_w = match quantized.get(EMBED) {
+            Some(q) => q.dequantize(vb.device())?.to_dtype(vb.dtype())?,
+            None => vb.get((cfg.vocab_size, cfg.hidden_size), EMBED)?,
+        };
         let embed_tokens = Embedding::new(embed_w.clone(), cfg.hidden_size);
         let layers = (0..cfg.num_hidden_layers)
-            .map(|i| DecoderLayer::new(cfg, lora, vb.pp(format!("model.layers.{i}"))))
+            .map(|i| DecoderLayer::with_quantized(cfg, lora, quantized, vb.pp(format!("model.layers.{i}"))))
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("model.norm"))?;
-        let lm_head = if cfg.tie_word_embeddings { embed_w } else { vb.get((cfg.vocab_size, cfg.hidden_size), "lm_head.weight")? };
+        let head_name = if cfg.tie_word_embeddings { EMBED } else { HEAD };
+        let lm_head = match quantized.get(head_name) {
+            Some(q) => LmHead::Quantized(QuantizedMatrix::new(q)?),
+            None if cfg.tie_word_embeddings => LmHead::Dense(embed_w),
+            None => LmHead::Dense(vb.get((cfg.vocab_size, cfg.hidden_size), HEAD)?),
+        };
         Ok(Self { cfg: cfg.clone(), embed_tokens, layers, norm, lm_head, rotary: Rotary::new(cfg) })
     }
 
@@ -38,25 +69,29 @@ impl CausalLm {
     }
 
     pub fn device(&self) -> &candle_core::Device {
-        self.lm_head.device()
+        self.embed_tokens.embeddings().device()
     }
 
     pub fn dtype(&self) -> DType {
-        self.lm_head.dtype()
+        self.embed_tokens.embeddings().dtype()
     }
 
     fn position_inputs(&self, offset: usize, q_len: usize, mode: OpMode) -> Result<PositionInputs> {
-        let dev = self.lm_head.device();
+        let dev = self.device();
         let (cos, sin) = self.rotary.tables(offset, q_len, self.dtype(), dev)?;
         let mask = causal_mask(q_len, offset, self.cfg.sliding_window, self.dtype(), dev)?;
         Ok(PositionInputs { cos, sin, mask, mode, row_seeds: None, adapters: RowAdapters::default() })
     }
 
     fn logits(&self, h: &Tensor) -> Result<Tensor> {
+        let head = match &self.lm_head {
+            LmHead::Dense(head) => head,
+            LmHead::Quantized(w) => return LinearWeight::forward_quantized(w, None, h),
+        };
         // Decoding's last positions: the head is the largest matrix, read once per token.
-        match crate::ops::kernels::gemv_t(h, &self.lm_head)? {
+        match crate::ops::kernels::gemv_t(h, head)? {
             Some(logits) => Ok(logits),
-            None => h.broadcast_matmul(&self.lm_head.t()?),
+            None => h.broadcast_matmul(&head.t()?),
         }
     }
 
@@ -113,7 +148,7 @@ impl CausalLm {
         if caches.len() != rows {
             candle_core::bail!("{rows} tokens for {} caches", caches.len());
         }
-        let dev = self.lm_head.device();
+        let dev = self.device();
         let positions: Vec<usize> = caches.iter().map(|c| c.seq_len()).collect();
         let pos_u32: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
         let (cos, sin) = self.rotary.tables_for(&pos_u32, rows, 1, self.dtype(), dev)?;

@@ -9,7 +9,8 @@ use clap::Args;
 
 use fsdp_app::generate::{generate, ModelDefaults, SamplingParams};
 use fsdp_app::memory::{human_bytes, peak_rss_bytes};
-use fsdp_app::model_files::{load_model_with_adapter, parse_dtype, resolve_model};
+use fsdp_app::model_files::quantize::parse_quantize;
+use fsdp_app::model_files::{load_model_with, parse_dtype, resolve_model, LoadOptions};
 use fsdp_app::tokenize::{ChatMessage, TextTokenizer};
 
 #[derive(Args)]
@@ -24,6 +25,10 @@ pub struct ModelArgs {
     /// Compute dtype: f32 (default; fastest on CPU), bf16 or f16.
     #[arg(long, default_value = "f32")]
     dtype: String,
+    /// Quantise the model's matrices to this GGUF block format as it loads (q8_0, q4_k, q4_0,
+    /// q4_1, q5_0, q5_1, q5_k, q6_k), as llama.cpp's quantizer would (see README).
+    #[arg(long)]
+    quantize: Option<String>,
     /// Where to run: cpu, cuda (GPU 0) or cuda:N; GPUs need a CUDA build (tests/gpu/build-cuda.sh).
     #[arg(long, default_value = "cpu")]
     device: String,
@@ -74,7 +79,9 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let device = a.model.device.parse::<fsdp_app::device::DeviceSpec>()?.open(0)?;
     let load_start = Instant::now();
     let files = resolve_model(&a.model.model, a.model.revision.as_deref())?;
-    let loaded = load_model_with_adapter(files, a.adapter.as_deref(), dtype, &device)?;
+    let quantize = a.model.quantize.as_deref().map(parse_quantize).transpose()?;
+    let opts = LoadOptions { adapter: a.adapter.as_deref(), dtype, quantize };
+    let loaded = load_model_with(files, &opts, &device)?;
     let tokenizer = TextTokenizer::load(&loaded.files, loaded.config.vocab_size)?;
     let load_s = load_start.elapsed().as_secs_f64();
 

@@ -72,6 +72,11 @@ pub struct ServeArgs {
     /// Compute dtype: f32 (default; fastest on CPU), bf16 (GPUs) or f16.
     #[arg(long, default_value = "f32")]
     dtype: String,
+    /// Quantise the model's matrices to this GGUF block format as it loads (q8_0, q4_k, q4_0,
+    /// q4_1, q5_0, q5_1, q5_k, q6_k), as llama.cpp's quantizer would (see README). A GGUF
+    /// file's own quantised matrices are served as they are without it.
+    #[arg(long)]
+    quantize: Option<String>,
     /// Where uploaded files, fine-tuning jobs (SQLite) and fine-tuned models are kept.
     #[arg(long, default_value = "fsdp-serve-data")]
     data_dir: PathBuf,
@@ -132,6 +137,7 @@ impl TryFrom<ServeArgs> for ServeConfig {
             },
             device: a.device.parse()?,
             dtype: parse_dtype(&a.dtype).context("--dtype")?,
+            quantize: a.quantize.as_deref().map(fsdp_app::model_files::quantize::parse_quantize).transpose()?,
         })
     }
 }

@@ -5,12 +5,13 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
-use models::{expected_tensors, CausalLm, ModelConfig};
+use models::{expected_tensors, CausalLm, ModelConfig, QuantizedWeights};
 
-use super::resolve::ModelFiles;
+use super::resolve::{ModelFiles, WeightFormat};
 
 /// A model ready to run, with the files it came from.
 pub struct LoadedModel {
@@ -199,24 +200,74 @@ impl SimpleBackend for Layered {
 /// Loads the model, with the PEFT LoRA adapter in `adapter` (a directory) applied to its
 /// targeted layers when given.
 pub fn load_model_with_adapter(files: ModelFiles, adapter: Option<&Path>, dtype: DType, device: &Device) -> Result<LoadedModel> {
+    load_model_with(files, &LoadOptions { adapter, dtype, quantize: None }, device)
+}
+
+/// How to load a model: an adapter to apply, the compute dtype, and a GGUF block format to
+/// quantise its matrices to (`--quantize`).
+#[derive(Debug, Clone, Copy)]
+pub struct LoadOptions<'a> {
+    pub adapter: Option<&'a Path>,
+    pub dtype: DType,
+    pub quantize: Option<GgmlDType>,
+}
+
+pub fn load_model_with(files: ModelFiles, opts: &LoadOptions, device: &Device) -> Result<LoadedModel> {
     let config = read_model_config(&files.config)?;
-    let stored = read_weight_headers(&files.weights)?;
-    check_tensors(&config, &stored, &files.source)?;
-    // SAFETY: the files were just validated; they must not be modified while the model lives,
-    // the same contract as every mmap-based loader (transformers included).
-    let base = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files.weights) }
-        .with_context(|| format!("{}: mapping the weights", files.source))?;
+    let mut quantized = QuantizedWeights::default();
+    let weights: Box<dyn SimpleBackend> = match files.format {
+        WeightFormat::Safetensors => {
+            let stored = read_weight_headers(&files.weights)?;
+            check_tensors(&config, &stored, &files.source)?;
+            // SAFETY: the files were just validated; they must not be modified while the model
+            // lives, the same contract as every mmap-based loader (transformers included).
+            let base = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files.weights) }
+                .with_context(|| format!("{}: mapping the weights", files.source))?;
+            if let Some(format) = opts.quantize {
+                let read = |name: &str| Ok(stored.contains_key(name).then(|| base.load(name, device)).transpose()?);
+                super::quantize::quantize_weights(&config, format, read, &mut quantized)?;
+            }
+            Box::new(base)
+        }
+        WeightFormat::Gguf => {
+            let (dense, q) = super::gguf::read_gguf_weights(&files.weights[0], &config, device)?;
+            quantized = q;
+            if let Some(format) = opts.quantize {
+                super::quantize::quantize_weights(&config, format, |name| Ok(dense.get(name).cloned()), &mut quantized)?;
+            }
+            Box::new(dense)
+        }
+    };
+    if !quantized.is_empty() && opts.dtype != DType::F32 {
+        bail!(
+            "{}: --dtype {:?} with quantised weights: those compute in f32 (the quantised kernels take f32 activations); \
+             leave --dtype at f32",
+            files.source,
+            opts.dtype
+        );
+    }
     let mut backends: Vec<Box<dyn SimpleBackend>> = vec![];
     let mut lora = None;
-    if let Some(dir) = adapter {
+    if let Some(dir) = opts.adapter {
         let a = super::adapter::read_adapter(dir, &config)?;
         lora = Some(a.settings);
         backends.push(Box::new(a.tensors));
     }
-    backends.push(Box::new(base));
-    let vb = VarBuilder::from_backend(Box::new(Layered(backends)), dtype, device.clone());
-    let model = CausalLm::new(&config, lora.as_ref(), vb).with_context(|| format!("{}: building the model", files.source))?;
-    Ok(LoadedModel { model, config, files, dtype })
+    backends.push(weights);
+    let vb = VarBuilder::from_backend(Box::new(Layered(backends)), opts.dtype, device.clone());
+    let model = CausalLm::with_quantized(&config, lora.as_ref(), &quantized, vb)
+        .with_context(|| format!("{}: building the model", files.source))?;
+    if !quantized.is_empty() {
+        let formats: Vec<String> = quantized.formats().into_iter().map(|(f, n)| format!("{n} {f}")).collect();
+        eprintln!(
+            "{}: {} matrices quantised ({}), {:.1} MiB of blocks",
+            files.source,
+            quantized.len(),
+            formats.join(", "),
+            quantized.storage_bytes() as f64 / (1 << 20) as f64
+        );
+    }
+    Ok(LoadedModel { model, config, files, dtype: opts.dtype })
 }
 
 /// Parses `--dtype`.

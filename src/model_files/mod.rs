@@ -4,10 +4,12 @@
 
 pub mod adapter;
 pub mod export;
+pub mod gguf;
 pub mod hub;
 pub mod load;
+pub mod quantize;
 pub mod resolve;
 pub mod write;
 
-pub use load::{load_model, load_model_with_adapter, parse_dtype, read_model_config, LoadedModel};
-pub use resolve::{resolve_model, ModelFiles};
+pub use load::{load_model, load_model_with, load_model_with_adapter, parse_dtype, read_model_config, LoadOptions, LoadedModel};
+pub use resolve::{resolve_model, ModelFiles, WeightFormat};

@@ -34,6 +34,17 @@ pub struct ModelFiles {
     pub generation_config: Option<PathBuf>,
     pub chat_template: Option<PathBuf>,
     pub special_tokens_map: Option<PathBuf>,
+    pub format: WeightFormat,
+}
+
+/// What `weights` holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WeightFormat {
+    /// safetensors files (with `config` and the side files beside them).
+    #[default]
+    Safetensors,
+    /// One llama.cpp GGUF file; `config` and the side files were derived from its metadata.
+    Gguf,
 }
 
 impl ModelFiles {
@@ -59,7 +70,21 @@ fn looks_like_hub_id(model: &str) -> bool {
         && model.chars().all(|c| c.is_ascii_alphanumeric() || "-_./".contains(c))
 }
 
+/// `org/name:FILE.gguf`, a GGUF file of a Hub repository (as `repo:file` in llama.cpp's
+/// `--hf-repo`/`--hf-file` pair), split in two.
+fn hub_gguf(model: &str) -> Option<(&str, &str)> {
+    let (repo, file) = model.split_once(':')?;
+    let file_ok = super::gguf::is_gguf_name(file) && !file.starts_with('/') && !file.split('/').any(|p| p == ".." || p.is_empty());
+    (looks_like_hub_id(repo) && file_ok).then_some((repo, file))
+}
+
 pub fn resolve_model(model: &str, revision: Option<&str>) -> Result<ModelFiles> {
+    if let Some((repo_id, file)) = hub_gguf(model) {
+        let repo = HubRepo::open(repo_id, revision.unwrap_or("main"))?;
+        eprintln!("resolving {file} of {} (cache {})", repo.description(), repo.cache_path().display());
+        let path = repo.get(file)?;
+        return super::gguf::resolve_gguf(&path, format!("{}:{file}", repo.description()));
+    }
     if looks_like_hub_id(model) {
         resolve_hub(model, revision.unwrap_or("main"))
     } else {
@@ -110,10 +135,13 @@ fn resolve_local(dir: &Path) -> Result<ModelFiles> {
         if name.ends_with(".bin") || name.ends_with(".pt") || name.ends_with(".pth") || name.ends_with(".ckpt") {
             return Err(pickle_refusal(&dir.display().to_string(), name));
         }
-        if name.ends_with(".gguf") {
-            bail!("{} is a GGUF file; convert it first: fsdp-app convert --gguf {} --out DIR", dir.display(), dir.display());
+        if super::gguf::is_gguf_name(name) {
+            return super::gguf::resolve_gguf(dir, dir.display().to_string());
         }
-        bail!("{} is a file; --model takes a model directory (holding config.json and safetensors) or a Hub id", dir.display());
+        bail!(
+            "{} is a file; --model takes a model directory (holding config.json and safetensors), a GGUF file or a Hub id",
+            dir.display()
+        );
     }
     let config = dir.join(CONFIG);
     if !config.is_file() {
@@ -147,6 +175,7 @@ fn resolve_local(dir: &Path) -> Result<ModelFiles> {
         generation_config: None,
         chat_template: None,
         special_tokens_map: None,
+        format: WeightFormat::Safetensors,
     };
     for name in OPTIONAL_FILES {
         let p = dir.join(name);
@@ -186,6 +215,7 @@ fn resolve_hub(repo_id: &str, revision: &str) -> Result<ModelFiles> {
         generation_config: None,
         chat_template: None,
         special_tokens_map: None,
+        format: WeightFormat::Safetensors,
     };
     for name in OPTIONAL_FILES {
         files.set_optional(name, repo.get_optional(name)?);

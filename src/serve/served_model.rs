@@ -20,6 +20,8 @@ use crate::tokenize::{ChatMessage, TextTokenizer};
 pub struct Placement {
     pub device: Device,
     pub dtype: DType,
+    /// The GGUF block format matrices are quantised to as they load (`--quantize`).
+    pub quantize: Option<candle_core::quantized::GgmlDType>,
 }
 
 /// What every served model is loaded with: where it computes and the server's limits.
@@ -57,7 +59,8 @@ impl ServedModel {
     pub fn load(id: &str, source: &str, revision: Option<&str>, settings: &LoadSettings) -> Result<Self> {
         let placement = &settings.placement;
         let files = crate::model_files::resolve_model(source, revision)?;
-        let loaded = crate::model_files::load_model(files, placement.dtype, &placement.device)?;
+        let opts = crate::model_files::LoadOptions { adapter: None, dtype: placement.dtype, quantize: placement.quantize };
+        let loaded = crate::model_files::load_model_with(files, &opts, &placement.device)?;
         // The engine thread computes on its own (per-thread) stream: the weights must have landed.
         placement.device.synchronize()?;
         let tokenizer = Arc::new(TextTokenizer::load(&loaded.files, loaded.config.vocab_size)?);

@@ -52,6 +52,8 @@ pub struct ServeConfig {
     /// Where and in which dtype the models compute.
     pub device: crate::device::DeviceSpec,
     pub dtype: DType,
+    /// `--quantize`: the GGUF block format models' matrices are quantised to as they load.
+    pub quantize: Option<candle_core::quantized::GgmlDType>,
 }
 
 /// Loads the model, opens the data directory, starts the engine and the job runner, and serves
@@ -62,7 +64,7 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
     let base_id = cfg.served_model_name.clone().unwrap_or_else(|| cfg.model.clone());
     let max_concurrent = cfg.max_concurrent_requests.max(1);
     let load = LoadSettings {
-        placement: Placement { device: cfg.device.open(0)?, dtype: cfg.dtype },
+        placement: Placement { device: cfg.device.open(0)?, dtype: cfg.dtype, quantize: cfg.quantize },
         max_running: max_concurrent,
         limit_input: cfg.max_input_tokens,
         limit_total: cfg.max_total_tokens,

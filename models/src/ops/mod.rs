@@ -9,7 +9,8 @@
 //! - `weight_grads`: the sink those two hand their weight gradients to (no vocabulary-sized
 //!   gradient tensor); `kernels`: run-time-dispatched SIMD kernels (decode gemv, exp), with
 //!   `half_dot` for f16 / bf16 weights;
-//! - `lora_rows`: the serving adapters' updates of a batch, each on its rows, in one pass.
+//! - `lora_rows`: the serving adapters' updates of a batch, each on its rows, in one pass;
+//! - `quant_blocks`: `x · Wᵀ` over llama.cpp's 32-value block formats (Q4_0 ... Q8_0), in place.
 
 pub mod attention;
 pub mod embedding;
@@ -19,6 +20,9 @@ pub mod head_loss;
 pub mod kernels;
 pub mod linear;
 pub mod lora_rows;
+pub mod quant_blocks;
+#[cfg(target_arch = "x86_64")]
+mod quant_blocks_x86;
 pub mod weight_grads;
 
 use candle_core::{CpuStorage, DType, Layout, Result, Tensor};

@@ -1,0 +1,151 @@
+//! Weights kept in a GGUF block format (Q4_0, Q4_K, Q8_0, ...) and the linear layer over them.
+//!
+//! A model is built from a `VarBuilder` for its dense tensors plus, optionally, a
+//! [`QuantizedWeights`] holding some of its matrices quantised: a linear layer (or the LM head)
+//! whose weight is there multiplies with it directly (candle's quantised matmul: the activations
+//! are quantised to 8 bits per block and the dot products run on the integer blocks, as in
+//! llama.cpp), and is never widened to f32. Where the weights came from (a GGUF file, or
+//! safetensors quantised at load) is not this module's business.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{DType, Module, Result, Tensor};
+use candle_nn::Linear;
+
+use crate::ops::quant_blocks::BlockMatrix;
+
+/// Quantised matrices by their transformers name (`model.layers.0.mlp.up_proj.weight`), each
+/// (out, in) like the dense weight it stands for.
+#[derive(Debug, Clone, Default)]
+pub struct QuantizedWeights(HashMap<String, Arc<QTensor>>);
+
+impl QuantizedWeights {
+    pub fn insert(&mut self, name: String, w: QTensor) {
+        self.0.insert(name, Arc::new(w));
+    }
+
+    pub fn get(&self, name: &str) -> Option<&Arc<QTensor>> {
+        self.0.get(name)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Bytes the quantised blocks take.
+    pub fn storage_bytes(&self) -> usize {
+        self.0.values().map(|w| w.storage_size_in_bytes()).sum()
+    }
+
+    /// The block format of each matrix, counted (`Q4_1: 210`), for a one-line summary.
+    pub fn formats(&self) -> Vec<(String, usize)> {
+        let mut counts: HashMap<String, usize> = HashMap::new();
+        for w in self.0.values() {
+            *counts.entry(format!("{:?}", w.dtype())).or_default() += 1;
+        }
+        let mut v: Vec<(String, usize)> = counts.into_iter().collect();
+        v.sort();
+        v
+    }
+}
+
+/// A quantised matrix and the kernel that multiplies with it: ours for the 32-value block
+/// formats (`ops::quant_blocks`, AVX2 for all five), candle's for the rest (the k-quants, which
+/// it has AVX2 code for).
+#[derive(Debug, Clone)]
+pub enum QuantizedMatrix {
+    Blocks(Arc<BlockMatrix>),
+    Candle(QMatMul),
+}
+
+impl QuantizedMatrix {
+    pub fn new(w: &Arc<QTensor>) -> Result<Self> {
+        match BlockMatrix::from_qtensor(w)? {
+            Some(m) => Ok(Self::Blocks(Arc::new(m))),
+            None => Ok(Self::Candle(QMatMul::from_arc(w.clone())?)),
+        }
+    }
+
+    /// `x (.., in) · Wᵀ`; `x` must be f32.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if x.dtype() != DType::F32 {
+            candle_core::bail!("quantised weights compute in f32; the activations are {:?} (load with --dtype f32)", x.dtype());
+        }
+        let x = x.contiguous()?;
+        match self {
+            Self::Blocks(m) if x.device().is_cpu() => m.forward(&x),
+            Self::Blocks(m) => candle_core::bail!("{:?} blocks are multiplied on the CPU only", m.format()),
+            Self::Candle(w) => w.forward(&x),
+        }
+    }
+}
+
+/// The matrix of a linear layer: dense (candle `Linear`) or quantised blocks.
+#[derive(Debug, Clone)]
+pub enum LinearWeight {
+    Dense(Linear),
+    Quantized { w: QuantizedMatrix, bias: Option<Tensor> },
+}
+
+impl LinearWeight {
+    /// The quantised weight `name` from `quantized` when it is there, else `dense()`.
+    pub fn pick(quantized: &QuantizedWeights, name: &str, bias: Option<Tensor>, dense: impl FnOnce() -> Result<Linear>) -> Result<Self> {
+        match quantized.get(name) {
+            Some(w) => Ok(Self::Quantized { w: QuantizedMatrix::new(w)?, bias }),
+            None => dense().map(Self::Dense),
+        }
+    }
+
+    /// The dense weight, for the paths that need one (training, merging); None when quantised.
+    pub fn dense(&self) -> Option<&Linear> {
+        match self {
+            Self::Dense(l) => Some(l),
+            Self::Quantized { .. } => None,
+        }
+    }
+
+    /// `x Wᵀ (+ b)` with quantised weights. Activations must be f32 (the quantised kernels take
+    /// f32 and quantise it per block themselves).
+    pub fn forward_quantized(w: &QuantizedMatrix, bias: Option<&Tensor>, x: &Tensor) -> Result<Tensor> {
+        let y = w.forward(x)?;
+        match bias {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::GgmlDType;
+    use candle_core::Device;
+
+    /// Quantised products agree with the dense product of the dequantised weights (up to the
+    /// activations' own 8-bit quantisation), for decode's one row and a prompt's many.
+    #[test]
+    fn quantized_linear_matches_its_dequantized_weights() {
+        let dev = Device::Cpu;
+        for dtype in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::Q6K] {
+            for (rows, inp, out) in [(1, 256, 64), (5, 512, 96), (37, 768, 192), (1, 576, 192), (37, 576, 1536), (1, 1536, 576), (1, 576, 49152), (3, 576, 49152)] {
+                if inp % dtype.block_size() != 0 {
+                    continue;
+                }
+                let w = crate::rng::random_tensor(&[out, inp], 7);
+                let x = crate::rng::random_tensor(&[1, rows, inp], 8);
+                let q = QTensor::quantize(&w, dtype).unwrap();
+                let dense = x.broadcast_matmul(&q.dequantize(&dev).unwrap().t().unwrap()).unwrap();
+                let y = LinearWeight::forward_quantized(&QuantizedMatrix::new(&Arc::new(q)).unwrap(), None, &x).unwrap();
+                let err = (y - &dense).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                let scale = dense.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                assert!(err <= 0.02 * scale, "{dtype:?} {rows}x{inp}x{out}: max error {err} of {scale}");
+            }
+        }
+    }
+}

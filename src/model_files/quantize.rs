@@ -1,0 +1,121 @@
+//! `--quantize q8_0|q4_k|...`: a model's matrices quantised to a GGUF block format as it loads
+//! (mistral.rs's in-situ quantisation), so safetensors decode from 8 or 4.5 bits per weight.
+//!
+//! Which matrices, in which format, follows llama.cpp's quantizer, so a `--quantize q4_k` model
+//! is what a Q4_K_M file of it would be: every linear layer in the asked format, the LM head
+//! (the embedding table when tied) in Q6_K for the k-quants (Q8_0 for q8_0), and a matrix whose
+//! rows do not split into the format's 256-value super-blocks in llama.cpp's fallback format
+//! (Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to Q8_0): SmolLM2's 576-wide layers take that path.
+
+use anyhow::{bail, Result};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::Tensor;
+use models::{ModelConfig, QuantizedWeights};
+
+/// The formats `--quantize` takes, by the names llama.cpp's `llama-quantize` uses.
+const FORMATS: &[(&str, GgmlDType)] = &[
+    ("q4_0", GgmlDType::Q4_0),
+    ("q4_1", GgmlDType::Q4_1),
+    ("q5_0", GgmlDType::Q5_0),
+    ("q5_1", GgmlDType::Q5_1),
+    ("q8_0", GgmlDType::Q8_0),
+    ("q4_k", GgmlDType::Q4K),
+    ("q5_k", GgmlDType::Q5K),
+    ("q6_k", GgmlDType::Q6K),
+];
+
+/// Parses `--quantize`.
+pub fn parse_quantize(s: &str) -> Result<GgmlDType> {
+    let lower = s.to_ascii_lowercase();
+    match FORMATS.iter().find(|(name, _)| *name == lower) {
+        Some((_, dtype)) => Ok(*dtype),
+        None => {
+            let names: Vec<&str> = FORMATS.iter().map(|(n, _)| *n).collect();
+            bail!("--quantize {s:?} is not a format fsdp-app quantises to; use one of {}", names.join(", "))
+        }
+    }
+}
+
+/// llama.cpp's format for a matrix with rows of `in_dim` values when `asked` does not fit them.
+fn fitting(asked: GgmlDType, in_dim: usize) -> GgmlDType {
+    if in_dim.is_multiple_of(asked.block_size()) {
+        return asked;
+    }
+    let fallback = match asked {
+        GgmlDType::Q4K => GgmlDType::Q5_0,
+        GgmlDType::Q5K => GgmlDType::Q5_1,
+        GgmlDType::Q6K => GgmlDType::Q8_0,
+        other => other,
+    };
+    match in_dim.is_multiple_of(fallback.block_size()) {
+        true => fallback,
+        // Rows not even a multiple of 32: keep the matrix dense (llama.cpp refuses the file).
+        false => GgmlDType::F32,
+    }
+}
+
+/// The LM head's format for `asked` (llama.cpp keeps the output layer at 6 bits or more).
+fn head_format(asked: GgmlDType) -> GgmlDType {
+    match asked {
+        GgmlDType::Q8_0 => GgmlDType::Q8_0,
+        _ => GgmlDType::Q6K,
+    }
+}
+
+/// The names of the matrices `--quantize` quantises, each with its format before fitting:
+/// every linear layer, then the head.
+fn targets(cfg: &ModelConfig, asked: GgmlDType) -> Vec<(String, GgmlDType)> {
+    let mut v: Vec<(String, GgmlDType)> =
+        models::lora::linear_modules(cfg).into_iter().map(|(path, _, _)| (format!("{path}.weight"), asked)).collect();
+    let head = if cfg.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" };
+    v.push((head.to_string(), head_format(asked)));
+    v
+}
+
+/// Quantises the matrices of `cfg` that `read` returns (None: not there, or already quantised)
+/// into `into`; returns how many it quantised.
+pub fn quantize_weights(
+    cfg: &ModelConfig,
+    asked: GgmlDType,
+    mut read: impl FnMut(&str) -> Result<Option<Tensor>>,
+    into: &mut QuantizedWeights,
+) -> Result<usize> {
+    let mut n = 0;
+    for (name, format) in targets(cfg, asked) {
+        if into.get(&name).is_some() {
+            continue;
+        }
+        let Some(w) = read(&name)? else { continue };
+        let (_, in_dim) = w.dims2()?;
+        let format = fitting(format, in_dim);
+        if format == GgmlDType::F32 {
+            continue;
+        }
+        let q = QTensor::quantize(&w, format).map_err(|e| anyhow::anyhow!("quantising {name} to {format:?}: {e}"))?;
+        into.insert(name, q);
+        n += 1;
+    }
+    Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn formats_parse_by_llama_cpp_names_and_bad_ones_are_listed() {
+        assert_eq!(parse_quantize("Q4_K").unwrap(), GgmlDType::Q4K);
+        assert_eq!(parse_quantize("q8_0").unwrap(), GgmlDType::Q8_0);
+        let e = parse_quantize("q3_k").unwrap_err().to_string();
+        assert!(e.contains("q3_k") && e.contains("q4_k, q5_k"), "{e}");
+    }
+
+    #[test]
+    fn rows_that_do_not_fit_super_blocks_take_llama_cpps_fallback() {
+        assert_eq!(fitting(GgmlDType::Q4K, 1536), GgmlDType::Q4K);
+        assert_eq!(fitting(GgmlDType::Q4K, 576), GgmlDType::Q5_0);
+        assert_eq!(fitting(GgmlDType::Q6K, 576), GgmlDType::Q8_0);
+        assert_eq!(fitting(GgmlDType::Q8_0, 576), GgmlDType::Q8_0);
+        assert_eq!(fitting(GgmlDType::Q8_0, 50), GgmlDType::F32);
+    }
+}
