@@ -15,13 +15,15 @@ use fsdp_app::tokenize::{ChatMessage, TextTokenizer};
 
 #[derive(Args)]
 pub struct ModelArgs {
-    /// Local model directory, or a Hub id such as `HuggingFaceTB/SmolLM2-135M-Instruct`.
-    /// Hub downloads honour HF_ENDPOINT, HF_HOME, HF_HUB_CACHE, HF_TOKEN and HF_HUB_OFFLINE.
+    /// Local model directory, a llama.cpp GGUF file (its quantised weights kept), or a Hub id
+    /// such as `HuggingFaceTB/SmolLM2-135M-Instruct` (`org/name:FILE.gguf` for a GGUF file of a
+    /// Hub repo). Hub downloads honour HF_ENDPOINT, HF_HOME, HF_HUB_CACHE, HF_TOKEN and
+    /// HF_HUB_OFFLINE.
     #[arg(long)]
-    model: String,
+    pub model: String,
     /// Hub branch, tag or commit (Hub ids only).
     #[arg(long)]
-    revision: Option<String>,
+    pub revision: Option<String>,
     /// Compute dtype: f32 (default; fastest on CPU), bf16 or f16.
     #[arg(long, default_value = "f32")]
     dtype: String,
@@ -74,12 +76,20 @@ pub struct GenerateArgs {
     json: bool,
 }
 
+impl ModelArgs {
+    /// The compute dtype, the `--quantize` format and the opened device.
+    pub fn settings(&self) -> Result<(candle_core::DType, Option<fsdp_app::model_files::quantize::QuantizeSpec>, candle_core::Device)> {
+        let dtype = parse_dtype(&self.dtype)?;
+        let quantize = self.quantize.as_deref().map(parse_quantize).transpose()?;
+        let device = self.device.parse::<fsdp_app::device::DeviceSpec>()?.open(0)?;
+        Ok((dtype, quantize, device))
+    }
+}
+
 pub fn run(a: GenerateArgs) -> Result<()> {
-    let dtype = parse_dtype(&a.model.dtype)?;
-    let device = a.model.device.parse::<fsdp_app::device::DeviceSpec>()?.open(0)?;
+    let (dtype, quantize, device) = a.model.settings()?;
     let load_start = Instant::now();
     let files = resolve_model(&a.model.model, a.model.revision.as_deref())?;
-    let quantize = a.model.quantize.as_deref().map(parse_quantize).transpose()?;
     let opts = LoadOptions { adapter: a.adapter.as_deref(), dtype, quantize };
     let loaded = load_model_with(files, &opts, &device)?;
     let tokenizer = TextTokenizer::load(&loaded.files, loaded.config.vocab_size)?;

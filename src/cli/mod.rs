@@ -6,6 +6,7 @@ mod finetune;
 mod generate;
 mod launch;
 mod model_files;
+mod perplexity;
 mod serve;
 
 use anyhow::Result;
@@ -16,6 +17,7 @@ use fsdp_app::train::finetune::FinetuneArgs;
 use generate::GenerateArgs;
 use launch::LaunchArgs;
 use model_files::{ConvertArgs, FixtureArgs, MergeArgs};
+use perplexity::PerplexityArgs;
 use serve::ServeArgs;
 
 #[derive(Parser)]
@@ -29,6 +31,9 @@ struct Cli {
 enum Command {
     /// Generate text from a prompt with a model from a local directory or the Hugging Face Hub.
     Generate(GenerateArgs),
+    /// The perplexity of a text file under a model (one window, as llama.cpp's
+    /// `llama-perplexity` reports it), to compare formats and quantisations.
+    Perplexity(PerplexityArgs),
     /// Convert a llama.cpp GGUF file into a Hugging Face model directory (safetensors, config,
     /// tokenizer, chat template).
     Convert(ConvertArgs),
@@ -61,6 +66,7 @@ pub fn main() {
     let result: Result<()> = match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Convert(a) => model_files::run_convert(a),
+        Command::Perplexity(a) => perplexity::run(a),
         Command::Finetune(a) => {
             let sub = matches.subcommand_matches("finetune").expect("the finetune subcommand's matches");
             // Which flags the command line set: they win over --config files.

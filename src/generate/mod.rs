@@ -4,6 +4,7 @@
 pub mod constraint;
 pub mod detokenize;
 pub mod json_schema;
+pub mod perplexity;
 pub mod stream;
 
 use std::collections::HashSet;

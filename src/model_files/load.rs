@@ -5,7 +5,6 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
@@ -209,7 +208,7 @@ pub fn load_model_with_adapter(files: ModelFiles, adapter: Option<&Path>, dtype:
 pub struct LoadOptions<'a> {
     pub adapter: Option<&'a Path>,
     pub dtype: DType,
-    pub quantize: Option<GgmlDType>,
+    pub quantize: Option<super::quantize::QuantizeSpec>,
 }
 
 pub fn load_model_with(files: ModelFiles, opts: &LoadOptions, device: &Device) -> Result<LoadedModel> {

@@ -1,11 +1,13 @@
 //! `--quantize q8_0|q4_k|...`: a model's matrices quantised to a GGUF block format as it loads
 //! (mistral.rs's in-situ quantisation), so safetensors decode from 8 or 4.5 bits per weight.
 //!
-//! Which matrices, in which format, follows llama.cpp's quantizer, so a `--quantize q4_k` model
-//! is what a Q4_K_M file of it would be: every linear layer in the asked format, the LM head
-//! (the embedding table when tied) in Q6_K for the k-quants (Q8_0 for q8_0), and a matrix whose
-//! rows do not split into the format's 256-value super-blocks in llama.cpp's fallback format
-//! (Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to Q8_0): SmolLM2's 576-wide layers take that path.
+//! Which matrices, in which format, follows llama.cpp's quantizer (`llama_tensor_get_type`), so
+//! `--quantize q4_k_m` gives the blocks a Q4_K_M file of the model holds: every linear layer in
+//! the base format, the LM head (the embedding table when tied) in Q6_K for the k-quants (Q8_0
+//! for q8_0); the `_m` mixes also give `v_proj` and `down_proj` Q6_K in the first and last eighth
+//! of the layers and every third one between (llama.cpp's `use_more_bits`); a matrix whose rows
+//! do not split into a format's 256-value super-blocks takes llama.cpp's fallback (Q4_K to Q5_0,
+//! Q5_K to Q5_1, Q6_K to Q8_0): SmolLM2's 576-wide layers take that path.
 
 use anyhow::{bail, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -24,16 +26,32 @@ const FORMATS: &[(&str, GgmlDType)] = &[
     ("q6_k", GgmlDType::Q6K),
 ];
 
+/// What `--quantize` asked for: a base format, and whether llama.cpp's `_M` mix applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuantizeSpec {
+    pub base: GgmlDType,
+    pub mix: bool,
+}
+
+/// The mixes `--quantize` takes besides the plain formats.
+const MIXES: &[(&str, GgmlDType)] = &[("q4_k_m", GgmlDType::Q4K), ("q5_k_m", GgmlDType::Q5K)];
+
 /// Parses `--quantize`.
-pub fn parse_quantize(s: &str) -> Result<GgmlDType> {
+pub fn parse_quantize(s: &str) -> Result<QuantizeSpec> {
     let lower = s.to_ascii_lowercase();
-    match FORMATS.iter().find(|(name, _)| *name == lower) {
-        Some((_, dtype)) => Ok(*dtype),
-        None => {
-            let names: Vec<&str> = FORMATS.iter().map(|(n, _)| *n).collect();
-            bail!("--quantize {s:?} is not a format fsdp-app quantises to; use one of {}", names.join(", "))
-        }
+    if let Some((_, base)) = FORMATS.iter().find(|(name, _)| *name == lower) {
+        return Ok(QuantizeSpec { base: *base, mix: false });
     }
+    if let Some((_, base)) = MIXES.iter().find(|(name, _)| *name == lower) {
+        return Ok(QuantizeSpec { base: *base, mix: true });
+    }
+    let names: Vec<&str> = FORMATS.iter().chain(MIXES).map(|(n, _)| *n).collect();
+    bail!("--quantize {s:?} is not a format fsdp-app quantises to; use one of {}", names.join(", "))
+}
+
+/// llama.cpp's `use_more_bits`: the layers whose v_proj and down_proj a `_M` mix keeps at 6 bits.
+fn more_bits(layer: usize, layers: usize) -> bool {
+    layer < layers / 8 || layer >= 7 * layers / 8 || (layer >= layers / 8 && (layer - layers / 8) % 3 == 2)
 }
 
 /// llama.cpp's format for a matrix with rows of `in_dim` values when `asked` does not fit them.
@@ -64,11 +82,18 @@ fn head_format(asked: GgmlDType) -> GgmlDType {
 
 /// The names of the matrices `--quantize` quantises, each with its format before fitting:
 /// every linear layer, then the head.
-fn targets(cfg: &ModelConfig, asked: GgmlDType) -> Vec<(String, GgmlDType)> {
-    let mut v: Vec<(String, GgmlDType)> =
-        models::lora::linear_modules(cfg).into_iter().map(|(path, _, _)| (format!("{path}.weight"), asked)).collect();
+fn targets(cfg: &ModelConfig, spec: QuantizeSpec) -> Vec<(String, GgmlDType)> {
+    let layers = cfg.num_hidden_layers;
+    let mut v: Vec<(String, GgmlDType)> = models::lora::linear_modules(cfg)
+        .into_iter()
+        .map(|(path, _, _)| {
+            let layer: usize = path.split('.').nth(2).and_then(|l| l.parse().ok()).unwrap_or(0);
+            let six_bits = spec.mix && (path.ends_with(".v_proj") || path.ends_with(".down_proj")) && more_bits(layer, layers);
+            (format!("{path}.weight"), if six_bits { GgmlDType::Q6K } else { spec.base })
+        })
+        .collect();
     let head = if cfg.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" };
-    v.push((head.to_string(), head_format(asked)));
+    v.push((head.to_string(), head_format(spec.base)));
     v
 }
 
@@ -76,12 +101,12 @@ fn targets(cfg: &ModelConfig, asked: GgmlDType) -> Vec<(String, GgmlDType)> {
 /// into `into`; returns how many it quantised.
 pub fn quantize_weights(
     cfg: &ModelConfig,
-    asked: GgmlDType,
+    spec: QuantizeSpec,
     mut read: impl FnMut(&str) -> Result<Option<Tensor>>,
     into: &mut QuantizedWeights,
 ) -> Result<usize> {
     let mut n = 0;
-    for (name, format) in targets(cfg, asked) {
+    for (name, format) in targets(cfg, spec) {
         if into.get(&name).is_some() {
             continue;
         }
@@ -104,10 +129,18 @@ mod tests {
 
     #[test]
     fn formats_parse_by_llama_cpp_names_and_bad_ones_are_listed() {
-        assert_eq!(parse_quantize("Q4_K").unwrap(), GgmlDType::Q4K);
-        assert_eq!(parse_quantize("q8_0").unwrap(), GgmlDType::Q8_0);
+        assert_eq!(parse_quantize("Q4_K").unwrap(), QuantizeSpec { base: GgmlDType::Q4K, mix: false });
+        assert_eq!(parse_quantize("q8_0").unwrap(), QuantizeSpec { base: GgmlDType::Q8_0, mix: false });
+        assert_eq!(parse_quantize("q4_k_m").unwrap(), QuantizeSpec { base: GgmlDType::Q4K, mix: true });
         let e = parse_quantize("q3_k").unwrap_err().to_string();
-        assert!(e.contains("q3_k") && e.contains("q4_k, q5_k"), "{e}");
+        assert!(e.contains("q3_k") && e.contains("q4_k, q5_k") && e.contains("q4_k_m"), "{e}");
+    }
+
+    /// The layers llama.cpp's Q4_K_M of a 30-layer model (SmolLM2-135M) keeps at six bits.
+    #[test]
+    fn the_m_mix_picks_llama_cpps_layers() {
+        let six: Vec<usize> = (0..30).filter(|&l| more_bits(l, 30)).collect();
+        assert_eq!(six, vec![0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29]);
     }
 
     #[test]

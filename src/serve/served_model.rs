@@ -21,7 +21,7 @@ pub struct Placement {
     pub device: Device,
     pub dtype: DType,
     /// The GGUF block format matrices are quantised to as they load (`--quantize`).
-    pub quantize: Option<candle_core::quantized::GgmlDType>,
+    pub quantize: Option<crate::model_files::quantize::QuantizeSpec>,
 }
 
 /// What every served model is loaded with: where it computes and the server's limits.

@@ -53,7 +53,7 @@ pub struct ServeConfig {
     pub device: crate::device::DeviceSpec,
     pub dtype: DType,
     /// `--quantize`: the GGUF block format models' matrices are quantised to as they load.
-    pub quantize: Option<candle_core::quantized::GgmlDType>,
+    pub quantize: Option<crate::model_files::quantize::QuantizeSpec>,
 }
 
 /// Loads the model, opens the data directory, starts the engine and the job runner, and serves
