@@ -37,8 +37,8 @@ fn help_lists_exactly_the_working_subcommands() {
         .take_while(|l| l.starts_with("  "))
         .map(|l| l.split_whitespace().next().unwrap())
         .collect();
-    assert_eq!(listed, vec!["generate", "convert", "finetune", "merge", "launch", "fixture", "serve", "estimate", "help"]);
-    for sub in ["generate", "convert", "finetune", "merge", "launch", "fixture", "serve", "estimate"] {
+    assert_eq!(listed, vec!["generate", "perplexity", "convert", "finetune", "merge", "launch", "fixture", "serve", "estimate", "help"]);
+    for sub in ["generate", "perplexity", "convert", "finetune", "merge", "launch", "fixture", "serve", "estimate"] {
         let h = run_cli(&[sub, "--help"], &[]);
         assert!(h.status.success());
         assert!(stdout(&h).contains("Usage: fsdp-app"), "{sub}");

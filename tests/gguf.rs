@@ -71,7 +71,7 @@ fn every_block_format_gives_the_logits_of_its_dequantised_weights() {
     // Quantised weights compute in f32: another dtype is refused, by name.
     let out = run_cli(&["generate", "--model", path.to_str().unwrap(), "--prompt", "Hi", "--dtype", "f16"], &[]);
     assert!(!out.status.success());
-    assert!(stderr(&out).contains("--dtype") && stderr(&out).contains("quantised"), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--dtype") && stderr(&out).contains("stored format"), "{}", stderr(&out));
 
     // A truncated file is named, not half-loaded.
     let bytes = std::fs::read(&path).unwrap();

@@ -55,17 +55,25 @@ impl QuantizedWeights {
     }
 }
 
-/// A quantised matrix and the kernel that multiplies with it: ours for the 32-value block
-/// formats (`ops::quant_blocks`, AVX2 for all five), candle's for the rest (the k-quants, which
-/// it has AVX2 code for).
+/// A stored matrix and the kernel that multiplies with it: ours for the 32-value block formats
+/// (`ops::quant_blocks`, AVX2 for all five) and for f16 / bf16 (decoding's matrix-vector kernel
+/// reads the 2-byte values in place while the activations stay f32), candle's for the rest (the
+/// k-quants, which it has AVX2 code for).
 #[derive(Debug, Clone)]
 pub enum QuantizedMatrix {
     Blocks(Arc<BlockMatrix>),
+    Half(Tensor),
     Candle(QMatMul),
 }
 
 impl QuantizedMatrix {
     pub fn new(w: &Arc<QTensor>) -> Result<Self> {
+        use candle_core::quantized::GgmlDType;
+        match w.dtype() {
+            GgmlDType::F16 => return Ok(Self::Half(w.dequantize_f16(&w.device())?)),
+            GgmlDType::BF16 => return Ok(Self::Half(w.dequantize(&w.device())?.to_dtype(DType::BF16)?)),
+            _ => {}
+        }
         match BlockMatrix::from_qtensor(w)? {
             Some(m) => Ok(Self::Blocks(Arc::new(m))),
             None => Ok(Self::Candle(QMatMul::from_arc(w.clone())?)),
@@ -81,6 +89,11 @@ impl QuantizedMatrix {
         match self {
             Self::Blocks(m) if x.device().is_cpu() => m.forward(&x),
             Self::Blocks(m) => candle_core::bail!("{:?} blocks are multiplied on the CPU only", m.format()),
+            Self::Half(w) => match crate::ops::kernels::gemv_t(&x, w)? {
+                Some(y) => Ok(y),
+                // A prompt's many rows: widened once per product, then candle's matmul.
+                None => x.broadcast_matmul(&w.to_dtype(DType::F32)?.t()?),
+            },
             Self::Candle(w) => w.forward(&x),
         }
     }

@@ -19,7 +19,7 @@ use models::{ModelConfig, QuantizedWeights};
 
 use super::resolve::{ModelFiles, WeightFormat};
 use super::write::StagedDir;
-use crate::convert::llama_meta::{self, hf_name, unpermute_quantized_rows, unpermute_rows, LlamaDims};
+use crate::convert::llama_meta::{self, hf_name, unpermute_quantized_rows, LlamaDims};
 
 /// Whether `--model` names a GGUF file (by its extension).
 pub fn is_gguf_name(model: &str) -> bool {
@@ -81,9 +81,9 @@ pub fn resolve_gguf(path: &Path, source: String) -> Result<ModelFiles> {
     })
 }
 
-/// The weights of a GGUF model: float tensors (converted to `dtype` by the caller's
-/// `VarBuilder`) and block-quantised matrices, by transformers name, q_proj/k_proj rows back in
-/// transformers' order. Every tensor's name and shape is checked against `cfg` first.
+/// The weights of a GGUF model, by transformers name, q_proj/k_proj rows back in transformers'
+/// order: f32 tensors and vectors (converted to the compute dtype by the caller's `VarBuilder`),
+/// and the matrices stored in f16, bf16 or a block format, kept so. Every tensor's name and shape is checked against `cfg` first.
 pub fn read_gguf_weights(path: &Path, cfg: &ModelConfig, device: &Device) -> Result<(HashMap<String, Tensor>, QuantizedWeights)> {
     let (mut file, content) = read_content(path)?;
     let source = path.display().to_string();
@@ -109,25 +109,16 @@ pub fn read_gguf_weights(path: &Path, cfg: &ModelConfig, device: &Device) -> Res
             _ if name.ends_with("attn_k.weight") => Some(dims.kv_heads),
             _ => None,
         };
-        match q.dtype() {
-            GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
-                let w = match q.dtype() {
-                    GgmlDType::F16 => q.dequantize_f16(device)?,
-                    _ => q.dequantize(device)?,
-                };
-                let w = match heads {
-                    Some(h) => unpermute_rows(&w, h)?,
-                    None => w,
-                };
-                dense.insert(hf, w);
-            }
-            _ => {
-                let q = match heads {
-                    Some(h) => unpermute_quantized_rows(&q, h)?,
-                    None => q,
-                };
-                quantized.insert(hf, q);
-            }
+        let q = match heads {
+            Some(h) => unpermute_quantized_rows(&q, h)?,
+            None => q,
+        };
+        // f32 tensors and every vector are ordinary tensors; f16 / bf16 matrices and the block
+        // formats are kept as stored (f16 weights then decode from their 2 bytes).
+        if q.dtype() == GgmlDType::F32 || q.shape().rank() == 1 {
+            dense.insert(hf, q.dequantize(device)?);
+        } else {
+            quantized.insert(hf, q);
         }
     }
     let missing: Vec<&String> = expected.keys().filter(|n| !dense.contains_key(*n) && quantized.get(n).is_none()).collect();

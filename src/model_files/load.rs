@@ -239,8 +239,8 @@ pub fn load_model_with(files: ModelFiles, opts: &LoadOptions, device: &Device) -
     };
     if !quantized.is_empty() && opts.dtype != DType::F32 {
         bail!(
-            "{}: --dtype {:?} with quantised weights: those compute in f32 (the quantised kernels take f32 activations); \
-             leave --dtype at f32",
+            "{}: --dtype {:?} with weights kept in a stored format (f16 or GGUF blocks): those compute in f32 (their \
+             kernels take f32 activations); leave --dtype at f32",
             files.source,
             opts.dtype
         );

@@ -24,6 +24,9 @@ const FORMATS: &[(&str, GgmlDType)] = &[
     ("q4_k", GgmlDType::Q4K),
     ("q5_k", GgmlDType::Q5K),
     ("q6_k", GgmlDType::Q6K),
+    // Not blocks: 2-byte weights that decode from their 2 bytes while activations stay f32.
+    ("f16", GgmlDType::F16),
+    ("bf16", GgmlDType::BF16),
 ];
 
 /// What `--quantize` asked for: a base format, and whether llama.cpp's `_M` mix applies.
@@ -75,7 +78,7 @@ fn fitting(asked: GgmlDType, in_dim: usize) -> GgmlDType {
 /// The LM head's format for `asked` (llama.cpp keeps the output layer at 6 bits or more).
 fn head_format(asked: GgmlDType) -> GgmlDType {
     match asked {
-        GgmlDType::Q8_0 => GgmlDType::Q8_0,
+        GgmlDType::Q8_0 | GgmlDType::F16 | GgmlDType::BF16 => asked,
         _ => GgmlDType::Q6K,
     }
 }

