@@ -58,23 +58,51 @@ fn keep_freed_memory() {
     unsafe { mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
 }
 
+/// What a process mostly does with the CPU, which decides how long candle's idle threads spin.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CpuWorkload {
+    /// Generation (`generate`, `serve`, `perplexity`): ~120 short parallel products a token with
+    /// a little serial work between them; a worker that parks must be woken for each (measured
+    /// on 2 cores: SmolLM2 decodes 10-20% faster with 100,000 spins than with 1,000).
+    Decode,
+    /// Fine-tuning and everything else: long rayon matmuls, which a spinning worker slows down.
+    Train,
+}
+
+const SPIN: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
+static SPIN_SET_BY_USER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
 /// Two settings of candle's CPU threads, each applied unless the user set its variable; call it
 /// before any tensor work (and any other thread).
 /// - Its worker threads spin 25,000 times before parking while waiting for work; on small
 ///   machines the spinning steals the cores the compute needs (measured here: fine-tuning SmolLM2
-///   on 2 cores ran 2.5x faster with 1,000).
+///   on 2 cores ran 2.5x faster with 1,000), while decoding wants them awake (see
+///   [`CpuWorkload`]).
 /// - Without `RAYON_NUM_THREADS`, every candle matmul counts the physical cores again by reading
 ///   and parsing /proc/cpuinfo (candle 0.11's `utils::get_num_threads`): 8% of a 16-stream
 ///   serving profile (`show_cpuinfo`, `vsnprintf`). The same count, taken once, is set instead;
 ///   rayon's pool, which runs our own kernels, then has that many threads too (one per physical
 ///   core, as candle chose, instead of one per logical CPU).
-pub fn tune_cpu_threads() {
-    const SPIN: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
-    if std::env::var_os(SPIN).is_none() {
-        std::env::set_var(SPIN, "1000");
+pub fn tune_cpu_threads(workload: CpuWorkload) {
+    let by_user = *SPIN_SET_BY_USER.get_or_init(|| std::env::var_os(SPIN).is_some());
+    if !by_user {
+        let spins = match workload {
+            CpuWorkload::Decode => "100000",
+            CpuWorkload::Train => "1000",
+        };
+        std::env::set_var(SPIN, spins);
     }
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
         std::env::set_var("RAYON_NUM_THREADS", candle_core::utils::get_num_threads().to_string());
+    }
+}
+
+/// For a child process of another workload (a serving process's fine-tuning job): the spin limit
+/// this process chose is removed from its environment, so the child chooses its own; one the
+/// user set is kept.
+pub fn child_keeps_spin_limit(cmd: &mut std::process::Command) {
+    if SPIN_SET_BY_USER.get() == Some(&false) {
+        cmd.env_remove(SPIN);
     }
 }
 

@@ -3,6 +3,5 @@
 mod cli;
 
 fn main() {
-    fsdp_app::tune_cpu_threads();
     cli::main();
 }

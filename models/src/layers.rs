@@ -262,17 +262,21 @@ impl Attention {
             let out = crate::ops::attention::attention(&q, &k, &v, pos.mask.as_ref(), scale)?;
             return self.o_proj.forward(&out, pos.mode, seeds, &pos.adapters);
         }
-        let heads = |proj: &AdaptedLinear, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
-            let y = proj.forward(x, pos.mode, seeds, &pos.adapters)?.reshape((b, t, n, d))?;
+        let [q, k, v]: [Tensor; 3] =
+            AdaptedLinear::forward_shared(&[&self.q_proj, &self.k_proj, &self.v_proj], x, pos.mode, seeds, &pos.adapters)?
+                .try_into()
+                .expect("three products");
+        let heads = |y: Tensor, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
+            let y = y.reshape((b, t, n, d))?;
             let y = match norm {
                 Some(norm) => norm.forward(&y, pos.mode)?,
                 None => y,
             };
             y.transpose(1, 2)?.contiguous()
         };
-        let q = heads(&self.q_proj, self.num_heads, &self.q_norm)?;
-        let k = heads(&self.k_proj, self.num_kv_heads, &self.k_norm)?;
-        let v = heads(&self.v_proj, self.num_kv_heads, &None)?;
+        let q = heads(q, self.num_heads, &self.q_norm)?;
+        let k = heads(k, self.num_kv_heads, &self.k_norm)?;
+        let v = heads(v, self.num_kv_heads, &None)?;
         let (q, k) = match pos.mode {
             _ if pos.cos.rank() == 3 => (rope_rows(&q, &pos.cos, &pos.sin)?, rope_rows(&k, &pos.cos, &pos.sin)?),
             OpMode::Train if crate::ops::applies(&q) && pos.cos.dtype() == DType::F32 => {
@@ -333,17 +337,21 @@ impl Attention {
         let (cos, sin, adapters) = (&pos.cos, &pos.sin, &pos.adapters);
         let (rows, t, _) = x.dims3()?;
         let d = self.head_dim;
-        let heads = |proj: &AdaptedLinear, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
-            let y = proj.forward(x, OpMode::Generate, None, adapters)?.reshape((rows, t, n, d))?;
+        let [q, k, v]: [Tensor; 3] =
+            AdaptedLinear::forward_shared(&[&self.q_proj, &self.k_proj, &self.v_proj], x, OpMode::Generate, None, adapters)?
+                .try_into()
+                .expect("three products");
+        let heads = |y: Tensor, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
+            let y = y.reshape((rows, t, n, d))?;
             let y = match norm {
                 Some(norm) => norm.forward(&y, OpMode::Generate)?,
                 None => y,
             };
             y.transpose(1, 2)?.contiguous()
         };
-        let q = rope_rows(&heads(&self.q_proj, self.num_heads, &self.q_norm)?, cos, sin)?;
-        let k = rope_rows(&heads(&self.k_proj, self.num_kv_heads, &self.k_norm)?, cos, sin)?;
-        let v = heads(&self.v_proj, self.num_kv_heads, &None)?;
+        let q = rope_rows(&heads(q, self.num_heads, &self.q_norm)?, cos, sin)?;
+        let k = rope_rows(&heads(k, self.num_kv_heads, &self.k_norm)?, cos, sin)?;
+        let v = heads(v, self.num_kv_heads, &None)?;
         let scale = 1.0 / (d as f64).sqrt();
         let mut outs = Vec::with_capacity(rows);
         for (r, cache) in caches.iter_mut().enumerate() {
@@ -394,8 +402,9 @@ impl Mlp {
 
     pub fn forward(&self, x: &Tensor, pos: &PositionInputs) -> Result<Tensor> {
         let seeds = pos.row_seeds.as_deref();
-        let (gate, up) =
-            (self.gate_proj.forward(x, pos.mode, seeds, &pos.adapters)?, self.up_proj.forward(x, pos.mode, seeds, &pos.adapters)?);
+        let [gate, up]: [Tensor; 2] = AdaptedLinear::forward_shared(&[&self.gate_proj, &self.up_proj], x, pos.mode, seeds, &pos.adapters)?
+            .try_into()
+            .expect("two products");
         let h = match crate::ops::applies(&gate) {
             true => crate::ops::fused::swiglu(&gate, &up)?,
             false => (candle_nn::ops::silu(&gate)? * up)?,

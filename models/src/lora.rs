@@ -15,7 +15,8 @@ use candle_core::{Module, Tensor};
 use crate::config::ModelConfig;
 use crate::mode::OpMode;
 use crate::multi_lora::RowAdapters;
-use crate::quantized::LinearWeight;
+use crate::ops::quant_blocks::BlockMatrix;
+use crate::quantized::{LinearWeight, QuantizedMatrix};
 use crate::rng::splitmix64;
 use crate::tensors::{layer_tensors, TensorSpec};
 
@@ -187,6 +188,46 @@ impl AdaptedLinear {
             true => Ok(y),
             false => rows.apply(&self.path, x, y),
         }
+    }
+
+    /// Several layers over the same input (q/k/v, gate/up), each as [`Self::forward`]: when
+    /// every one keeps its weight in 32-value blocks, their products are one pass (the input
+    /// quantised once, one parallel region instead of one per layer); otherwise one by one.
+    pub fn forward_shared(
+        layers: &[&AdaptedLinear],
+        x: &Tensor,
+        mode: OpMode,
+        row_seeds: Option<&[u64]>,
+        rows: &RowAdapters,
+    ) -> Result<Vec<Tensor>, candle_core::Error> {
+        let blocks: Option<Vec<(&BlockMatrix, Option<&Tensor>)>> = layers
+            .iter()
+            .map(|l| match &l.base {
+                LinearWeight::Quantized { w: QuantizedMatrix::Blocks(m), bias } => Some((m.as_ref(), bias.as_ref())),
+                _ => None,
+            })
+            .collect();
+        let Some(blocks) = blocks.filter(|_| layers.len() > 1 && crate::ops::applies(x)) else {
+            return layers.iter().map(|l| l.forward(x, mode, row_seeds, rows)).collect();
+        };
+        let mats: Vec<&BlockMatrix> = blocks.iter().map(|(m, _)| *m).collect();
+        let products = BlockMatrix::forward_many(&mats, &x.contiguous()?)?;
+        layers
+            .iter()
+            .zip(products)
+            .zip(blocks)
+            .map(|((layer, y), (_, bias))| {
+                let y = match bias {
+                    Some(b) => y.broadcast_add(b)?,
+                    None => y,
+                };
+                let y = layer.add_own_adapter(x, y, mode, row_seeds)?;
+                match rows.is_empty() {
+                    true => Ok(y),
+                    false => rows.apply(&layer.path, x, y),
+                }
+            })
+            .collect()
     }
 
     fn forward_own(&self, x: &Tensor, mode: OpMode, row_seeds: Option<&[u64]>) -> Result<Tensor, candle_core::Error> {

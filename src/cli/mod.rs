@@ -63,6 +63,12 @@ pub fn main() {
     use clap::{CommandFactory, FromArgMatches};
     let matches = Cli::command().get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    // Before any tensor work starts candle's threads.
+    let workload = match cli.command {
+        Command::Generate(_) | Command::Serve(_) | Command::Perplexity(_) => fsdp_app::CpuWorkload::Decode,
+        _ => fsdp_app::CpuWorkload::Train,
+    };
+    fsdp_app::tune_cpu_threads(workload);
     let result: Result<()> = match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Convert(a) => model_files::run_convert(a),

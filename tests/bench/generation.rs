@@ -38,7 +38,7 @@ const PROMPT: &str = "Write a short story about a lighthouse keeper who finds a 
 fn main() -> anyhow::Result<()> {
     let threads: usize = std::env::var("FSDP_BENCH_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(2);
     // Must be set before candle's thread pool starts.
-    fsdp_app::tune_cpu_threads();
+    fsdp_app::tune_cpu_threads(fsdp_app::CpuWorkload::Decode);
     std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let gguf = common::bench_smollm2_gguf()?;

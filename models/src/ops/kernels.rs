@@ -12,7 +12,6 @@
 use std::sync::OnceLock;
 
 use candle_core::{DType, Device, Result, Tensor};
-use rayon::prelude::*;
 
 /// Largest number of rows that take the matrix-vector path.
 pub const GEMV_MAX_ROWS: usize = 4;
@@ -108,18 +107,33 @@ impl GemvWeight for f32 {
 
 /// `y[r, o] = dot(x[r, ..], w[o, ..])` for `rows` rows, the weight rows split over the threads.
 pub fn gemv_rows<W: GemvWeight>(x: &[f32], rows: usize, w: &[W], out_dim: usize, in_dim: usize, level: SimdLevel) -> Vec<f32> {
-    // Blocks of weight rows per task: big enough to amortise scheduling, small enough to balance.
-    const BLOCK: usize = 64;
-    let mut yt = vec![0f32; out_dim * rows]; // (out, rows): each task writes its own block
-    yt.par_chunks_mut(BLOCK * rows).enumerate().for_each(|(blk, out)| {
-        let first = blk * BLOCK;
-        for (j, o) in (first..(first + BLOCK).min(out_dim)).enumerate() {
+    let mut yt = vec![0f32; out_dim * rows]; // (out, rows): each weight row's results together
+    let out = SharedOut(yt.as_mut_ptr());
+    for_weight_rows(out_dim, |range| {
+        for o in range {
             let wrow = &w[o * in_dim..(o + 1) * in_dim];
             for r in 0..rows {
-                out[j * rows + r] = W::dot(&x[r * in_dim..(r + 1) * in_dim], wrow, level);
+                // SAFETY: every (o, r) is written by exactly one work item, inside yt.
+                unsafe { *out.at(o * rows + r) = W::dot(&x[r * in_dim..(r + 1) * in_dim], wrow, level) };
             }
         }
     });
+    transposed(yt, out_dim, rows)
+}
+
+/// Runs `f` over ranges of `0..n` weight rows on candle's barrier pool, which its own ops use:
+/// the calling thread works too, and the others spin briefly between decoding's ~200 products a
+/// token instead of sleeping in the kernel (rayon's idle threads cost a quarter of a token's time
+/// in `sched_yield` on 2 cores), and decoding runs on one pool, not two competing for the cores.
+pub(crate) fn for_weight_rows(n: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
+    candle_core::utils::barrier_pool().execute_chunked(n, f)
+}
+
+/// (out, rows) results as (rows, out).
+pub(crate) fn transposed(yt: Vec<f32>, out_dim: usize, rows: usize) -> Vec<f32> {
+    if rows == 1 {
+        return yt;
+    }
     let mut y = vec![0f32; rows * out_dim];
     for o in 0..out_dim {
         for r in 0..rows {
@@ -127,6 +141,19 @@ pub fn gemv_rows<W: GemvWeight>(x: &[f32], rows: usize, w: &[W], out_dim: usize,
         }
     }
     y
+}
+
+/// An output buffer written by several threads at disjoint indices.
+pub(crate) struct SharedOut(pub *mut f32);
+// SAFETY: the threads write disjoint elements (each caller's contract), and the buffer outlives
+// the parallel region.
+unsafe impl Sync for SharedOut {}
+impl SharedOut {
+    /// # Safety
+    /// `i` must be inside the buffer and written by no other thread.
+    pub(crate) unsafe fn at(&self, i: usize) -> *mut f32 {
+        self.0.add(i)
+    }
 }
 
 /// Dot product at `level` (which the caller has checked the CPU supports).

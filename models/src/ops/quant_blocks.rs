@@ -13,7 +13,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Result, Tensor};
 use half::f16;
 
-use super::kernels::SimdLevel;
+use super::kernels::{for_weight_rows, transposed, SharedOut, SimdLevel};
 
 /// Values per block in every format here.
 pub const BLOCK: usize = 32;
@@ -100,57 +100,62 @@ impl BlockMatrix {
 
     /// `x (.., in) · Wᵀ`: (.., out), f32 on the CPU.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if !matches!(x.device(), Device::Cpu) || x.dtype() != DType::F32 || x.dim(candle_core::D::Minus1)? != self.cols {
-            candle_core::bail!("{:?} matrix {}x{}: input {:?} {:?} on {:?}", self.format, self.rows, self.cols, x.dims(), x.dtype(), x.device());
+        Ok(Self::forward_many(&[self], x)?.remove(0))
+    }
+
+    /// `x · Wᵢᵀ` for several matrices over the same input (q/k/v, gate/up): the input is
+    /// quantised once and all their rows are one parallel region.
+    pub fn forward_many(mats: &[&Self], x: &Tensor) -> Result<Vec<Tensor>> {
+        let cols = mats[0].cols;
+        if !matches!(x.device(), Device::Cpu) || x.dtype() != DType::F32 || x.dim(candle_core::D::Minus1)? != cols {
+            candle_core::bail!("{:?} matrix {}x{cols}: input {:?} {:?} on {:?}", mats[0].format, mats[0].rows, x.dims(), x.dtype(), x.device());
+        }
+        if let Some(m) = mats.iter().find(|m| m.cols != cols) {
+            candle_core::bail!("products over one input: a {}x{} matrix beside {cols} columns", m.rows, m.cols);
         }
         let xs = x.flatten_all()?.to_vec1::<f32>()?;
-        let y = self.multiply(&xs, SimdLevel::current());
-        let mut dims = x.dims().to_vec();
-        *dims.last_mut().unwrap() = self.rows;
-        Tensor::from_vec(y, dims, &Device::Cpu)
+        let ys = Self::multiply_many(mats, &xs, SimdLevel::current());
+        ys.into_iter()
+            .zip(mats)
+            .map(|(y, m)| {
+                let mut dims = x.dims().to_vec();
+                *dims.last_mut().unwrap() = m.rows;
+                Tensor::from_vec(y, dims, &Device::Cpu)
+            })
+            .collect()
     }
 
     /// `y (m, out) = x (m, in) · Wᵀ`, row-major.
     pub fn multiply(&self, x: &[f32], level: SimdLevel) -> Vec<f32> {
-        let m = x.len() / self.cols;
-        let acts: Vec<QuantizedRow> = x.chunks_exact(self.cols).map(|row| quantize_row(row, self.format.has_min())).collect();
-        let row_bytes = self.cols / BLOCK * self.format.block_bytes();
-        let mut yt = vec![0f32; self.rows * m]; // (out, m): each weight row's results together
-        let out = SharedOut(yt.as_mut_ptr());
-        // candle's barrier pool, which its own ops use: the calling thread works too and the
-        // others spin briefly between the ~200 products of a token instead of sleeping in the
-        // kernel (rayon's idle threads cost a quarter of decoding's time in `sched_yield`).
-        candle_core::utils::barrier_pool().execute_chunked(self.rows, |range| {
-            for o in range {
-                let w = &self.bytes[o * row_bytes..(o + 1) * row_bytes];
+        Self::multiply_many(&[self], x, level).remove(0)
+    }
+
+    /// [`Self::multiply`] for several matrices of the same width, in one parallel region.
+    fn multiply_many(mats: &[&Self], x: &[f32], level: SimdLevel) -> Vec<Vec<f32>> {
+        let cols = mats[0].cols;
+        let m = x.len() / cols;
+        let with_sum = mats.iter().any(|w| w.format.has_min());
+        let acts: Vec<QuantizedRow> = x.chunks_exact(cols).map(|row| quantize_row(row, with_sum)).collect();
+        // (out, m) per matrix: each weight row's results together.
+        let mut yts: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; w.rows * m]).collect();
+        let outs: Vec<SharedOut> = yts.iter_mut().map(|yt| SharedOut(yt.as_mut_ptr())).collect();
+        let starts: Vec<usize> = mats.iter().scan(0, |acc, w| Some(std::mem::replace(acc, *acc + w.rows))).collect();
+        let total: usize = mats.iter().map(|w| w.rows).sum();
+        for_weight_rows(total, |range| {
+            for g in range {
+                let i = starts.partition_point(|&s| s <= g) - 1;
+                let (w, o) = (mats[i], g - starts[i]);
+                let row_bytes = cols / BLOCK * w.format.block_bytes();
+                let wrow = &w.bytes[o * row_bytes..(o + 1) * row_bytes];
                 for (r, act) in acts.iter().enumerate() {
-                    // SAFETY: every (o, r) is written by exactly one work item, inside yt.
-                    unsafe { *out.at(o * m + r) = dot(self.format, w, act, level) };
+                    // SAFETY: every (matrix, o, r) is written by exactly one work item, inside
+                    // that matrix's buffer.
+                    unsafe { *outs[i].at(o * m + r) = dot(w.format, wrow, act, level) };
                 }
             }
         });
-        if m == 1 {
-            return yt;
-        }
-        let mut y = vec![0f32; m * self.rows];
-        for o in 0..self.rows {
-            for r in 0..m {
-                y[r * self.rows + o] = yt[o * m + r];
-            }
-        }
-        y
-    }
-}
-
-/// The output buffer, written by several threads at disjoint indices.
-struct SharedOut(*mut f32);
-// SAFETY: the threads write disjoint elements (see `multiply`), and the buffer outlives them.
-unsafe impl Sync for SharedOut {}
-impl SharedOut {
-    /// # Safety
-    /// `i` must be inside the buffer and written by no other thread.
-    unsafe fn at(&self, i: usize) -> *mut f32 {
-        self.0.add(i)
+        drop(outs);
+        yts.into_iter().zip(mats).map(|(yt, w)| transposed(yt, w.rows, m)).collect()
     }
 }
 
@@ -162,22 +167,37 @@ fn via_f16(x: f32) -> f32 {
 /// ggml's `quantize_row_q8_0` / `q8_1`: per block `d = max|x| / 127`, `q = round(x / d)` (ties
 /// to even, as its AVX2 code rounds), `s = d · Σq` when `with_sum`.
 pub fn quantize_row(x: &[f32], with_sum: bool) -> QuantizedRow {
+    quantize_row_at(x, with_sum, SimdLevel::current())
+}
+
+fn quantize_row_at(x: &[f32], with_sum: bool, level: SimdLevel) -> QuantizedRow {
     let blocks = x.len() / BLOCK;
-    let mut row = QuantizedRow { d: Vec::with_capacity(blocks), s: Vec::with_capacity(blocks), q: Vec::with_capacity(x.len()) };
-    for block in x.chunks_exact(BLOCK) {
-        let amax = block.iter().fold(0f32, |a, v| a.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
-        let mut sum = 0i32;
-        for v in block {
-            let q = (v * id).round_ties_even() as i8;
-            sum += q as i32;
-            row.q.push(q);
-        }
+    let mut row = QuantizedRow { d: Vec::with_capacity(blocks), s: Vec::with_capacity(blocks), q: vec![0; x.len()] };
+    for (block, q) in x.chunks_exact(BLOCK).zip(row.q.chunks_exact_mut(BLOCK)) {
+        let (d, sum) = quantize_block(block, q, level);
         row.d.push(via_f16(d));
         row.s.push(if with_sum { via_f16(d * sum as f32) } else { 0.0 });
     }
     row
+}
+
+/// One block of 32: its 8-bit values into `q`; returns (`d`, `Σq`).
+fn quantize_block(x: &[f32], q: &mut [i8], level: SimdLevel) -> (f32, i32) {
+    #[cfg(target_arch = "x86_64")]
+    if level >= SimdLevel::Avx2 {
+        // SAFETY: the level is at most what the CPU has; both slices hold one block.
+        return unsafe { super::quant_blocks_x86::quantize_block(x, q) };
+    }
+    let _ = level;
+    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+    let mut sum = 0;
+    for (q, v) in q.iter_mut().zip(x) {
+        *q = (v * id).round_ties_even() as i8;
+        sum += *q as i32;
+    }
+    (d, sum)
 }
 
 /// One weight row's dot product with one quantised activation row, at `level`.
@@ -278,6 +298,21 @@ mod tests {
                     assert!(diff <= 1e-4 * scale, "{dtype:?}: levels differ by {diff}");
                 }
             }
+        }
+    }
+
+    /// The vector quantiser rounds exactly as the plain one.
+    #[test]
+    fn activation_quantisation_is_the_same_at_every_level() {
+        let x = crate::rng::random_tensor(&[4 * BLOCK], 5).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        // Ties and zeros too: values on the half steps of a block whose max is 127.
+        let mut ties: Vec<f32> = (0..BLOCK).map(|i| i as f32 - 15.5).collect();
+        ties[0] = 127.0;
+        let zeros = vec![0f32; BLOCK];
+        for input in [x, ties, zeros] {
+            let plain = quantize_row_at(&input, true, SimdLevel::Scalar);
+            let best = quantize_row_at(&input, true, SimdLevel::detected());
+            assert_eq!((plain.d, plain.s, plain.q), (best.d, best.s, best.q));
         }
     }
 
