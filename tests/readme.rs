@@ -183,6 +183,9 @@ fn check_output(dir: &Path, command: &str, o: &Output) {
         assert!(v["generated_ids"].as_array().is_some_and(|ids| !ids.is_empty()), "{command}: {v}");
     } else if command.starts_with("fsdp-app generate") {
         assert!(!stdout(o).trim().is_empty(), "{command} printed no text");
+    } else if command.starts_with("fsdp-app perplexity") {
+        let v = json_of(o, command);
+        assert!(v["perplexity"].as_f64().is_some_and(|p| p.is_finite() && p > 1.0), "{command}: {v}");
     } else if command.starts_with("fsdp-app estimate") {
         assert!(stdout(o).contains("rank"), "{command}: {}", stdout(o));
     } else if let Some(out) = flag_value(" --output-dir ") {

@@ -14,11 +14,10 @@
 //! [`all`]: LayerKvCache::all
 
 use candle_core::{DType, Device, Result, Tensor};
-use rayon::prelude::*;
 
 use crate::config::ModelConfig;
 use crate::ops::cpu_f32_values;
-use crate::ops::kernels::{axpy, dot, exp_inplace, SimdLevel};
+use crate::ops::kernels::{axpy, dot, exp_inplace, for_chunks_mut, SimdLevel};
 
 /// Positions per block.
 pub const BLOCK: usize = 64;
@@ -93,7 +92,7 @@ impl LayerKvCache {
             guards.iter().map(|((k, kl), (v, vl))| Ok((cpu_f32_values(k, kl)?, cpu_f32_values(v, vl)?))).collect::<Result<_>>()?;
         let level = SimdLevel::current();
         let mut out = vec![0f32; heads * d];
-        out.par_chunks_mut(d).enumerate().for_each(|(h, out_h)| {
+        for_chunks_mut(&mut out, d, |h, out_h| {
             let (q_h, g) = (&q[h * d..(h + 1) * d], h / group);
             let mut p: Vec<f32> = (start..self.len).map(|j| dot(q_h, row(blocks[j / BLOCK].0, g, j, d), level) * scale as f32).collect();
             let max = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);

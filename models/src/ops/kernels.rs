@@ -129,6 +129,18 @@ pub(crate) fn for_weight_rows(n: usize, f: impl Fn(std::ops::Range<usize>) + Syn
     candle_core::utils::barrier_pool().execute_chunked(n, f)
 }
 
+/// Runs `f(i, chunk)` over the `chunk`-sized pieces of `out` on the same pool as
+/// [`for_weight_rows`] (decoding's per-head attention).
+pub(crate) fn for_chunks_mut(out: &mut [f32], chunk: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
+    let base = SharedOut(out.as_mut_ptr());
+    for_weight_rows(out.len() / chunk, |range| {
+        for i in range {
+            // SAFETY: the pieces are disjoint and inside `out`, which outlives the pool's work.
+            f(i, unsafe { std::slice::from_raw_parts_mut(base.at(i * chunk), chunk) });
+        }
+    });
+}
+
 /// (out, rows) results as (rows, out).
 pub(crate) fn transposed(yt: Vec<f32>, out_dim: usize, rows: usize) -> Vec<f32> {
     if rows == 1 {
