@@ -192,7 +192,8 @@ impl AdaptedLinear {
 
     /// Several layers over the same input (q/k/v, gate/up), each as [`Self::forward`]: when
     /// every one keeps its weight in 32-value blocks, their products are one pass (the input
-    /// quantised once, one parallel region instead of one per layer); otherwise one by one.
+    /// quantised once, one parallel region instead of one per layer), as are decoding's
+    /// matrix-vector products with dense weights; otherwise one by one.
     pub fn forward_shared(
         layers: &[&AdaptedLinear],
         x: &Tensor,
@@ -207,16 +208,27 @@ impl AdaptedLinear {
                 _ => None,
             })
             .collect();
-        let Some(blocks) = blocks.filter(|_| layers.len() > 1 && crate::ops::applies(x)) else {
-            return layers.iter().map(|l| l.forward(x, mode, row_seeds, rows)).collect();
+        let dense: Option<Vec<&candle_nn::Linear>> = layers.iter().map(|l| l.base.dense()).collect();
+        let (products, biases): (Vec<Tensor>, Vec<Option<&Tensor>>) = match (blocks, dense) {
+            (Some(blocks), _) if layers.len() > 1 && crate::ops::applies(x) => {
+                let mats: Vec<&BlockMatrix> = blocks.iter().map(|(m, _)| *m).collect();
+                (BlockMatrix::forward_many(&mats, &x.contiguous()?)?, blocks.iter().map(|(_, b)| *b).collect())
+            }
+            // Decoding with dense weights: the matrix-vector kernel, all rows in one region.
+            (_, Some(dense)) if layers.len() > 1 && mode == OpMode::Generate => {
+                let ws: Vec<&Tensor> = dense.iter().map(|l| l.weight()).collect();
+                match crate::ops::kernels::gemv_t_many(x, &ws)? {
+                    Some(ys) => (ys, dense.iter().map(|l| l.bias()).collect()),
+                    None => return layers.iter().map(|l| l.forward(x, mode, row_seeds, rows)).collect(),
+                }
+            }
+            _ => return layers.iter().map(|l| l.forward(x, mode, row_seeds, rows)).collect(),
         };
-        let mats: Vec<&BlockMatrix> = blocks.iter().map(|(m, _)| *m).collect();
-        let products = BlockMatrix::forward_many(&mats, &x.contiguous()?)?;
         layers
             .iter()
             .zip(products)
-            .zip(blocks)
-            .map(|((layer, y), (_, bias))| {
+            .zip(biases)
+            .map(|((layer, y), bias)| {
                 let y = match bias {
                     Some(b) => y.broadcast_add(b)?,
                     None => y,

@@ -59,38 +59,62 @@ impl SimdLevel {
 /// dtype), when neither needs a gradient; `None` when the call is not for this kernel (the caller
 /// then takes candle's matmul).
 pub fn gemv_t(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
-    let rows = x.elem_count() / x.dim(candle_core::D::Minus1)?;
+    Ok(gemv_t_many(x, &[w])?.map(|mut ys| ys.remove(0)))
+}
+
+/// [`gemv_t`] for several matrices of one dtype over the same `x` (q/k/v, gate/up): their rows
+/// are one parallel region instead of one each.
+pub fn gemv_t_many(x: &Tensor, ws: &[&Tensor]) -> Result<Option<Vec<Tensor>>> {
+    let in_dim = x.dim(candle_core::D::Minus1)?;
+    let rows = x.elem_count() / in_dim;
     let float = |t: &Tensor| matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16);
-    let eligible = matches!(x.device(), Device::Cpu)
-        && matches!(w.device(), Device::Cpu)
-        && float(x)
-        && float(w)
-        && rows <= GEMV_MAX_ROWS
-        && w.rank() == 2
-        && w.is_contiguous()
-        && !x.track_op()
-        && !w.track_op();
+    let weight_ok = |w: &Tensor| {
+        matches!(w.device(), Device::Cpu)
+            && float(w)
+            && w.dtype() == ws[0].dtype()
+            && w.rank() == 2
+            && w.is_contiguous()
+            && !w.track_op()
+            && w.dim(1).is_ok_and(|d| d == in_dim)
+    };
+    let eligible = matches!(x.device(), Device::Cpu) && float(x) && rows <= GEMV_MAX_ROWS && !x.track_op() && ws.iter().all(|w| weight_ok(w));
     if !eligible {
         return Ok(None);
     }
-    let (out_dim, in_dim) = w.dims2()?;
-    if x.dim(candle_core::D::Minus1)? != in_dim {
-        return Ok(None);
-    }
     let xs = x.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-    let (storage, layout) = w.storage_and_layout();
-    let candle_core::Storage::Cpu(cpu) = &*storage else { return Ok(None) };
-    let range = layout.start_offset()..layout.start_offset() + out_dim * in_dim;
+    let guards: Vec<_> = ws.iter().map(|w| w.storage_and_layout()).collect();
+    let mut cpus = vec![];
+    for (storage, layout) in &guards {
+        let candle_core::Storage::Cpu(cpu) = &**storage else { return Ok(None) };
+        cpus.push((cpu, layout.start_offset()));
+    }
+    let out_dims: Vec<usize> = ws.iter().map(|w| w.dim(0)).collect::<Result<_>>()?;
     let level = SimdLevel::current();
-    let y = match w.dtype() {
-        DType::F16 => gemv_rows(&xs, rows, &cpu.as_slice::<half::f16>()?[range], out_dim, in_dim, level),
-        DType::BF16 => gemv_rows(&xs, rows, &cpu.as_slice::<half::bf16>()?[range], out_dim, in_dim, level),
-        _ => gemv_rows(&xs, rows, &cpu.as_slice::<f32>()?[range], out_dim, in_dim, level),
+    macro_rules! run {
+        ($t:ty) => {{
+            let slices: Vec<&[$t]> = cpus
+                .iter()
+                .zip(&out_dims)
+                .map(|((cpu, start), out)| Ok(&cpu.as_slice::<$t>()?[*start..start + out * in_dim]))
+                .collect::<Result<_>>()?;
+            gemv_rows_many(&xs, rows, &slices, in_dim, level)
+        }};
+    }
+    let ys = match ws[0].dtype() {
+        DType::F16 => run!(half::f16),
+        DType::BF16 => run!(half::bf16),
+        _ => run!(f32),
     };
-    drop(storage);
-    let mut dims = x.dims().to_vec();
-    *dims.last_mut().unwrap() = out_dim;
-    Tensor::from_vec(y, dims, &Device::Cpu)?.to_dtype(x.dtype()).map(Some)
+    drop(guards);
+    ys.into_iter()
+        .zip(out_dims)
+        .map(|(y, out)| {
+            let mut dims = x.dims().to_vec();
+            *dims.last_mut().unwrap() = out;
+            Tensor::from_vec(y, dims, &Device::Cpu)?.to_dtype(x.dtype())
+        })
+        .collect::<Result<Vec<_>>>()
+        .map(Some)
 }
 
 /// A weight element the matrix-vector kernel reads: f32, or f16 / bf16 widened in registers.
@@ -107,18 +131,30 @@ impl GemvWeight for f32 {
 
 /// `y[r, o] = dot(x[r, ..], w[o, ..])` for `rows` rows, the weight rows split over the threads.
 pub fn gemv_rows<W: GemvWeight>(x: &[f32], rows: usize, w: &[W], out_dim: usize, in_dim: usize, level: SimdLevel) -> Vec<f32> {
-    let mut yt = vec![0f32; out_dim * rows]; // (out, rows): each weight row's results together
-    let out = SharedOut(yt.as_mut_ptr());
-    for_weight_rows(out_dim, |range| {
-        for o in range {
-            let wrow = &w[o * in_dim..(o + 1) * in_dim];
+    gemv_rows_many(x, rows, &[&w[..out_dim * in_dim]], in_dim, level).remove(0)
+}
+
+/// [`gemv_rows`] for several matrices (each `(out_i, in_dim)`, row-major) in one parallel region.
+fn gemv_rows_many<W: GemvWeight>(x: &[f32], rows: usize, ws: &[&[W]], in_dim: usize, level: SimdLevel) -> Vec<Vec<f32>> {
+    let out_dims: Vec<usize> = ws.iter().map(|w| w.len() / in_dim).collect();
+    // (out, rows) per matrix: each weight row's results together.
+    let mut yts: Vec<Vec<f32>> = out_dims.iter().map(|o| vec![0f32; o * rows]).collect();
+    let outs: Vec<SharedOut> = yts.iter_mut().map(|yt| SharedOut(yt.as_mut_ptr())).collect();
+    let starts: Vec<usize> = out_dims.iter().scan(0, |acc, o| Some(std::mem::replace(acc, *acc + o))).collect();
+    for_weight_rows(out_dims.iter().sum(), |range| {
+        for g in range {
+            let i = starts.partition_point(|&s| s <= g) - 1;
+            let o = g - starts[i];
+            let wrow = &ws[i][o * in_dim..(o + 1) * in_dim];
             for r in 0..rows {
-                // SAFETY: every (o, r) is written by exactly one work item, inside yt.
-                unsafe { *out.at(o * rows + r) = W::dot(&x[r * in_dim..(r + 1) * in_dim], wrow, level) };
+                // SAFETY: every (matrix, o, r) is written by exactly one work item, inside that
+                // matrix's buffer.
+                unsafe { *outs[i].at(o * rows + r) = W::dot(&x[r * in_dim..(r + 1) * in_dim], wrow, level) };
             }
         }
     });
-    transposed(yt, out_dim, rows)
+    drop(outs);
+    yts.into_iter().zip(out_dims).map(|(yt, o)| transposed(yt, o, rows)).collect()
 }
 
 /// Runs `f` over ranges of `0..n` weight rows on candle's barrier pool, which its own ops use:
