@@ -47,8 +47,8 @@ fn every_block_format_gives_the_logits_of_its_dequantised_weights() {
         let path = tmp.path().join(format!("tiny-{format:?}.gguf"));
         let reference = write_tiny_gguf(&smollm2, format, &path);
         let loaded = load_model(resolve_model(path.to_str().unwrap(), None).unwrap(), DType::F32, &Device::Cpu).unwrap();
-        let dense = models::CausalLm::new(&loaded.config, None, candle_nn::VarBuilder::from_tensors(reference, DType::F32, &Device::Cpu))
-            .unwrap();
+        let dense =
+            models::CausalLm::new(&loaded.config, None, candle_nn::VarBuilder::from_tensors(reference, DType::F32, &Device::Cpu)).unwrap();
         let (ours, want) = (logits(&loaded.model, &ids), logits(&dense, &ids));
         let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
         let err = ours.iter().zip(&want).fold(0f32, |a, (p, q)| a.max((p - q).abs()));

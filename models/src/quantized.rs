@@ -146,7 +146,16 @@ mod tests {
     fn quantized_linear_matches_its_dequantized_weights() {
         let dev = Device::Cpu;
         for dtype in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::Q6K] {
-            for (rows, inp, out) in [(1, 256, 64), (5, 512, 96), (37, 768, 192), (1, 576, 192), (37, 576, 1536), (1, 1536, 576), (1, 576, 49152), (3, 576, 49152)] {
+            for (rows, inp, out) in [
+                (1, 256, 64),
+                (5, 512, 96),
+                (37, 768, 192),
+                (1, 576, 192),
+                (37, 576, 1536),
+                (1, 1536, 576),
+                (1, 576, 49152),
+                (3, 576, 49152),
+            ] {
                 if inp % dtype.block_size() != 0 {
                     continue;
                 }

@@ -112,7 +112,6 @@ pub fn unpermute_rows(w: &Tensor, heads: usize) -> Result<Tensor> {
     Ok(w.reshape((heads, d / 2, 2, inp))?.transpose(1, 2)?.contiguous()?.reshape((out, inp))?)
 }
 
-
 /// [`unpermute_rows`] on quantised blocks: each row of a GGUF matrix is its own run of blocks
 /// (blocks run along the input dimension), so rows move as whole byte ranges and no value is
 /// requantised.

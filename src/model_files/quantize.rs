@@ -54,7 +54,8 @@ pub fn parse_quantize(s: &str) -> Result<QuantizeSpec> {
 
 /// llama.cpp's `use_more_bits`: the layers whose v_proj and down_proj a `_M` mix keeps at 6 bits.
 fn more_bits(layer: usize, layers: usize) -> bool {
-    layer < layers / 8 || layer >= 7 * layers / 8 || (layer >= layers / 8 && (layer - layers / 8) % 3 == 2)
+    // Short-circuit keeps `layer - layers / 8` from underflowing.
+    layer < layers / 8 || layer >= 7 * layers / 8 || (layer - layers / 8) % 3 == 2
 }
 
 /// llama.cpp's format for a matrix with rows of `in_dim` values when `asked` does not fit them.

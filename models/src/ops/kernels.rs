@@ -77,7 +77,8 @@ pub fn gemv_t_many(x: &Tensor, ws: &[&Tensor]) -> Result<Option<Vec<Tensor>>> {
             && !w.track_op()
             && w.dim(1).is_ok_and(|d| d == in_dim)
     };
-    let eligible = matches!(x.device(), Device::Cpu) && float(x) && rows <= GEMV_MAX_ROWS && !x.track_op() && ws.iter().all(|w| weight_ok(w));
+    let eligible =
+        matches!(x.device(), Device::Cpu) && float(x) && rows <= GEMV_MAX_ROWS && !x.track_op() && ws.iter().all(|w| weight_ok(w));
     if !eligible {
         return Ok(None);
     }

@@ -108,7 +108,14 @@ impl BlockMatrix {
     pub fn forward_many(mats: &[&Self], x: &Tensor) -> Result<Vec<Tensor>> {
         let cols = mats[0].cols;
         if !matches!(x.device(), Device::Cpu) || x.dtype() != DType::F32 || x.dim(candle_core::D::Minus1)? != cols {
-            candle_core::bail!("{:?} matrix {}x{cols}: input {:?} {:?} on {:?}", mats[0].format, mats[0].rows, x.dims(), x.dtype(), x.device());
+            candle_core::bail!(
+                "{:?} matrix {}x{cols}: input {:?} {:?} on {:?}",
+                mats[0].format,
+                mats[0].rows,
+                x.dims(),
+                x.dtype(),
+                x.device()
+            );
         }
         if let Some(m) = mats.iter().find(|m| m.cols != cols) {
             candle_core::bail!("products over one input: a {}x{} matrix beside {cols} columns", m.rows, m.cols);
@@ -273,8 +280,7 @@ mod tests {
     /// Every format, both levels, against the dense product of the dequantised weights.
     #[test]
     fn block_products_match_dequantized_weights_at_every_level() {
-        let levels: Vec<SimdLevel> =
-            [SimdLevel::Scalar, SimdLevel::Avx2].into_iter().filter(|l| *l <= SimdLevel::detected()).collect();
+        let levels: Vec<SimdLevel> = [SimdLevel::Scalar, SimdLevel::Avx2].into_iter().filter(|l| *l <= SimdLevel::detected()).collect();
         for dtype in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q5_1, GgmlDType::Q8_0] {
             for (m, inp, out) in [(1, 64, 40), (3, 576, 70), (37, 96, 33)] {
                 let w = crate::rng::random_tensor(&[out, inp], 11);
