@@ -61,11 +61,12 @@ fn keep_freed_memory() {
 /// What a process mostly does with the CPU, which decides how long candle's idle threads spin.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CpuWorkload {
-    /// Generation (`generate`, `serve`, `perplexity`): ~120 short parallel products a token with
-    /// a little serial work between them; a worker that parks must be woken for each (measured
-    /// on 2 cores: SmolLM2 decodes 10-20% faster with 100,000 spins than with 1,000).
+    /// One generation at a time (`generate`, `perplexity`): ~120 short parallel products a
+    /// token with a little serial work between them; a worker that parks must be woken for each
+    /// (measured on 2 cores: SmolLM2 decodes 10-20% faster with 100,000 spins than with 1,000).
     Decode,
-    /// Fine-tuning and everything else: long rayon matmuls, which a spinning worker slows down.
+    /// Fine-tuning, serving and everything else: long rayon matmuls, or cores shared with other
+    /// work, which a spinning worker slows down.
     Train,
 }
 
