@@ -22,6 +22,9 @@ use crate::ops::kernels::{axpy, dot, exp_inplace, for_chunks_mut, SimdLevel};
 /// Positions per block.
 pub const BLOCK: usize = 64;
 
+/// Positions per work item of the decode step's attention.
+const SPLIT: usize = 32;
+
 /// One layer's cached keys and values (batch 1).
 #[derive(Debug, Default)]
 pub struct LayerKvCache {
@@ -90,19 +93,48 @@ impl LayerKvCache {
         let guards: Vec<_> = self.blocks.iter().map(|(k, v)| (k.storage_and_layout(), v.storage_and_layout())).collect();
         let blocks: Vec<(&[f32], &[f32])> =
             guards.iter().map(|((k, kl), (v, vl))| Ok((cpu_f32_values(k, kl)?, cpu_f32_values(v, vl)?))).collect::<Result<_>>()?;
+        // Flash-decoding: the work items are (kv head, run of SPLIT positions), so the threads
+        // share the work evenly however few kv heads there are, and each key and value row is
+        // read once for the query heads of its group. Each item keeps, per query head, its
+        // scores' max, the sum of their exponentials and the values weighted by those (not yet
+        // divided); the items of a head are merged after.
         let level = SimdLevel::current();
-        let mut out = vec![0f32; heads * d];
-        for_chunks_mut(&mut out, d, |h, out_h| {
-            let (q_h, g) = (&q[h * d..(h + 1) * d], h / group);
-            let mut p: Vec<f32> = (start..self.len).map(|j| dot(q_h, row(blocks[j / BLOCK].0, g, j, d), level) * scale as f32).collect();
-            let max = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            p.iter_mut().for_each(|s| *s -= max);
-            exp_inplace(&mut p);
-            let sum: f32 = p.iter().sum();
-            for (j, p_j) in (start..self.len).zip(&p) {
-                axpy(out_h, p_j / sum, row(blocks[j / BLOCK].1, g, j, d), level);
+        let (n, scale) = (self.len - start, scale as f32);
+        let runs = n.div_ceil(SPLIT);
+        let item = group * (d + 2);
+        let mut partial = vec![0f32; kv_heads * runs * item];
+        for_chunks_mut(&mut partial, item, |i, part| {
+            let (g, lo) = (i / runs, start + (i % runs) * SPLIT);
+            let m = SPLIT.min(self.len - lo);
+            let mut p = [0f32; SPLIT];
+            for (qi, head) in part.chunks_exact_mut(d + 2).enumerate() {
+                let q_h = &q[(g * group + qi) * d..][..d];
+                let p = &mut p[..m];
+                for (j, p_j) in (lo..lo + m).zip(p.iter_mut()) {
+                    *p_j = dot(q_h, row(blocks[j / BLOCK].0, g, j, d), level) * scale;
+                }
+                let max = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                p.iter_mut().for_each(|s| *s -= max);
+                exp_inplace(p);
+                let (stats, out_h) = head.split_at_mut(2);
+                stats[0] = max;
+                stats[1] = p.iter().sum();
+                for (j, p_j) in (lo..lo + m).zip(p.iter()) {
+                    axpy(out_h, *p_j, row(blocks[j / BLOCK].1, g, j, d), level);
+                }
             }
         });
+        let mut out = vec![0f32; heads * d];
+        for (h, out_h) in out.chunks_exact_mut(d).enumerate() {
+            let (g, qi) = (h / group, h % group);
+            let head_of = |r: usize| &partial[(g * runs + r) * item + qi * (d + 2)..][..d + 2];
+            let max = (0..runs).map(|r| head_of(r)[0]).fold(f32::NEG_INFINITY, f32::max);
+            let weights: Vec<f32> = (0..runs).map(|r| (head_of(r)[0] - max).exp()).collect();
+            let sum: f32 = (0..runs).map(|r| head_of(r)[1] * weights[r]).sum();
+            for (r, w) in weights.iter().enumerate() {
+                axpy(out_h, w / sum, &head_of(r)[2..], level);
+            }
+        }
         Ok(Some(Tensor::from_vec(out, (1, heads, 1, d), &Device::Cpu)?))
     }
 }

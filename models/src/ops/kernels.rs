@@ -143,14 +143,16 @@ fn gemv_rows_many<W: GemvWeight>(x: &[f32], rows: usize, ws: &[&[W]], in_dim: us
     let outs: Vec<SharedOut> = yts.iter_mut().map(|yt| SharedOut(yt.as_mut_ptr())).collect();
     let starts: Vec<usize> = out_dims.iter().scan(0, |acc, o| Some(std::mem::replace(acc, *acc + o))).collect();
     for_weight_rows(out_dims.iter().sum(), |range| {
-        for g in range {
-            let i = starts.partition_point(|&s| s <= g) - 1;
-            let o = g - starts[i];
-            let wrow = &ws[i][o * in_dim..(o + 1) * in_dim];
-            for r in 0..rows {
-                // SAFETY: every (matrix, o, r) is written by exactly one work item, inside that
-                // matrix's buffer.
-                unsafe { *outs[i].at(o * rows + r) = W::dot(&x[r * in_dim..(r + 1) * in_dim], wrow, level) };
+        // The part of `range` inside each matrix's rows (a range may span two matrices).
+        for (i, (&start, &out)) in starts.iter().zip(&out_dims).enumerate() {
+            let (lo, hi) = (range.start.max(start), range.end.min(start + out));
+            for o in lo.saturating_sub(start)..hi.saturating_sub(start) {
+                let wrow = &ws[i][o * in_dim..(o + 1) * in_dim];
+                for r in 0..rows {
+                    // SAFETY: every (matrix, o, r) is written by exactly one work item, inside
+                    // that matrix's buffer.
+                    unsafe { *outs[i].at(o * rows + r) = W::dot(&x[r * in_dim..(r + 1) * in_dim], wrow, level) };
+                }
             }
         }
     });
@@ -373,6 +375,22 @@ mod tests {
     fn data(n: usize, seed: u64) -> Vec<f32> {
         let mut r = crate::rng::SplitMix64(seed);
         (0..n).map(|_| r.next_signed()).collect()
+    }
+
+    /// Several matrices in one region (q/k/v-like, sizes that make the threads' ranges span
+    /// two matrices) give what each gives alone, bit for bit.
+    #[test]
+    fn many_matrices_match_one_at_a_time() {
+        let (rows, inp) = (2, 96);
+        let x = Tensor::from_vec(data(rows * inp, 5), (rows, inp), &Device::Cpu).unwrap();
+        let ws: Vec<Tensor> = [(37, 6), (1, 7), (130, 8)]
+            .map(|(out, seed)| Tensor::from_vec(data(out * inp, seed), (out, inp), &Device::Cpu).unwrap())
+            .into();
+        let together = gemv_t_many(&x, &ws.iter().collect::<Vec<_>>()).unwrap().unwrap();
+        for (w, got) in ws.iter().zip(together) {
+            let alone = gemv_t(&x, w).unwrap().unwrap();
+            assert_eq!(got.to_vec2::<f32>().unwrap(), alone.to_vec2::<f32>().unwrap());
+        }
     }
 
     /// Every level this CPU has gives candle's matmul, for odd sizes (tails) and 1-4 rows.
