@@ -16,8 +16,9 @@
 use candle_core::{DType, Device, Result, Tensor};
 
 use crate::config::ModelConfig;
+use crate::ops::attend_rows::{add_weighted_rows, scores};
 use crate::ops::cpu_f32_values;
-use crate::ops::kernels::{axpy, dot, exp_inplace, for_chunks_mut, SimdLevel};
+use crate::ops::kernels::{axpy, exp_inplace, for_chunks_mut, SimdLevel};
 
 /// Positions per block.
 pub const BLOCK: usize = 64;
@@ -110,8 +111,8 @@ impl LayerKvCache {
             for (qi, head) in part.chunks_exact_mut(d + 2).enumerate() {
                 let q_h = &q[(g * group + qi) * d..][..d];
                 let p = &mut p[..m];
-                for (j, p_j) in (lo..lo + m).zip(p.iter_mut()) {
-                    *p_j = dot(q_h, row(blocks[j / BLOCK].0, g, j, d), level) * scale;
+                for (at, keys, _) in runs_in_blocks(&blocks, g, lo, m, d) {
+                    scores(q_h, keys, scale, &mut p[at..at + keys.len() / d], level);
                 }
                 let max = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 p.iter_mut().for_each(|s| *s -= max);
@@ -119,8 +120,8 @@ impl LayerKvCache {
                 let (stats, out_h) = head.split_at_mut(2);
                 stats[0] = max;
                 stats[1] = p.iter().sum();
-                for (j, p_j) in (lo..lo + m).zip(p.iter()) {
-                    axpy(out_h, *p_j, row(blocks[j / BLOCK].1, g, j, d), level);
+                for (at, _, values) in runs_in_blocks(&blocks, g, lo, m, d) {
+                    add_weighted_rows(out_h, &p[at..at + values.len() / d], values, level);
                 }
             }
         });
@@ -139,10 +140,27 @@ impl LayerKvCache {
     }
 }
 
-/// Position `j`'s row of kv head `g` in its block.
-fn row(block: &[f32], g: usize, j: usize, d: usize) -> &[f32] {
-    let at = (g * BLOCK + j % BLOCK) * d;
-    &block[at..at + d]
+/// Positions `lo..lo + m` of kv head `g` as runs of consecutive rows, one per block they fall
+/// in: (index of the run's first position among the `m`, its key rows, its value rows).
+fn runs_in_blocks<'a>(
+    blocks: &'a [(&'a [f32], &'a [f32])],
+    g: usize,
+    lo: usize,
+    m: usize,
+    d: usize,
+) -> impl Iterator<Item = (usize, &'a [f32], &'a [f32])> + 'a {
+    let mut j = lo;
+    std::iter::from_fn(move || {
+        if j >= lo + m {
+            return None;
+        }
+        let end = (lo + m).min((j / BLOCK + 1) * BLOCK);
+        let rows = (g * BLOCK + j % BLOCK) * d..(g * BLOCK + (end - 1) % BLOCK + 1) * d;
+        let (keys, values) = blocks[j / BLOCK];
+        let run = (j - lo, &keys[rows.clone()], &values[rows]);
+        j = end;
+        Some(run)
+    })
 }
 
 /// The KV caches of all layers of one sequence.

@@ -141,18 +141,13 @@ fn gemv_rows_many<W: GemvWeight>(x: &[f32], rows: usize, ws: &[&[W]], in_dim: us
     // (out, rows) per matrix: each weight row's results together.
     let mut yts: Vec<Vec<f32>> = out_dims.iter().map(|o| vec![0f32; o * rows]).collect();
     let outs: Vec<SharedOut> = yts.iter_mut().map(|yt| SharedOut(yt.as_mut_ptr())).collect();
-    let starts: Vec<usize> = out_dims.iter().scan(0, |acc, o| Some(std::mem::replace(acc, *acc + o))).collect();
-    for_weight_rows(out_dims.iter().sum(), |range| {
-        // The part of `range` inside each matrix's rows (a range may span two matrices).
-        for (i, (&start, &out)) in starts.iter().zip(&out_dims).enumerate() {
-            let (lo, hi) = (range.start.max(start), range.end.min(start + out));
-            for o in lo.saturating_sub(start)..hi.saturating_sub(start) {
-                let wrow = &ws[i][o * in_dim..(o + 1) * in_dim];
-                for r in 0..rows {
-                    // SAFETY: every (matrix, o, r) is written by exactly one work item, inside
-                    // that matrix's buffer.
-                    unsafe { *outs[i].at(o * rows + r) = W::dot(&x[r * in_dim..(r + 1) * in_dim], wrow, level) };
-                }
+    for_rows_of_many(&out_dims, |i, range| {
+        for o in range {
+            let wrow = &ws[i][o * in_dim..(o + 1) * in_dim];
+            for r in 0..rows {
+                // SAFETY: every (matrix, o, r) is written by exactly one work item, inside that
+                // matrix's buffer.
+                unsafe { *outs[i].at(o * rows + r) = W::dot(&x[r * in_dim..(r + 1) * in_dim], wrow, level) };
             }
         }
     });
@@ -166,6 +161,21 @@ fn gemv_rows_many<W: GemvWeight>(x: &[f32], rows: usize, ws: &[&[W]], in_dim: us
 /// in `sched_yield` on 2 cores), and decoding runs on one pool, not two competing for the cores.
 pub(crate) fn for_weight_rows(n: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
     candle_core::utils::barrier_pool().execute_chunked(n, f)
+}
+
+/// [`for_weight_rows`] over the rows of several matrices (`rows[i]` each) as one region:
+/// `f(i, range)` for the rows `range` of matrix `i`.
+pub(crate) fn for_rows_of_many(rows: &[usize], f: impl Fn(usize, std::ops::Range<usize>) + Sync) {
+    let starts: Vec<usize> = rows.iter().scan(0, |acc, r| Some(std::mem::replace(acc, *acc + r))).collect();
+    for_weight_rows(rows.iter().sum(), |range| {
+        // The part of `range` inside each matrix (a range may span two).
+        for (i, (&start, &n)) in starts.iter().zip(rows).enumerate() {
+            let (lo, hi) = (range.start.max(start), range.end.min(start + n));
+            if lo < hi {
+                f(i, lo - start..hi - start);
+            }
+        }
+    });
 }
 
 /// Runs `f(i, chunk)` over the `chunk`-sized pieces of `out` on the same pool as

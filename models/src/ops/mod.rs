@@ -9,9 +9,11 @@
 //! - `weight_grads`: the sink those two hand their weight gradients to (no vocabulary-sized
 //!   gradient tensor); `kernels`: run-time-dispatched SIMD kernels (decode gemv, exp), with
 //!   `half_dot` for f16 / bf16 weights;
+//! - `attend_rows`: the decode step's attention products over a run of cached rows;
 //! - `lora_rows`: the serving adapters' updates of a batch, each on its rows, in one pass;
 //! - `quant_blocks`: `x · Wᵀ` over llama.cpp's 32-value block formats (Q4_0 ... Q8_0), in place.
 
+pub mod attend_rows;
 pub mod attention;
 pub mod embedding;
 pub mod fused;

@@ -13,7 +13,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Result, Tensor};
 use half::f16;
 
-use super::kernels::{for_weight_rows, transposed, SharedOut, SimdLevel};
+use super::kernels::{for_rows_of_many, transposed, SharedOut, SimdLevel};
 
 /// Values per block in every format here.
 pub const BLOCK: usize = 32;
@@ -146,13 +146,11 @@ impl BlockMatrix {
         // (out, m) per matrix: each weight row's results together.
         let mut yts: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; w.rows * m]).collect();
         let outs: Vec<SharedOut> = yts.iter_mut().map(|yt| SharedOut(yt.as_mut_ptr())).collect();
-        let starts: Vec<usize> = mats.iter().scan(0, |acc, w| Some(std::mem::replace(acc, *acc + w.rows))).collect();
-        let total: usize = mats.iter().map(|w| w.rows).sum();
-        for_weight_rows(total, |range| {
-            for g in range {
-                let i = starts.partition_point(|&s| s <= g) - 1;
-                let (w, o) = (mats[i], g - starts[i]);
-                let row_bytes = cols / BLOCK * w.format.block_bytes();
+        let rows: Vec<usize> = mats.iter().map(|w| w.rows).collect();
+        for_rows_of_many(&rows, |i, range| {
+            let w = mats[i];
+            let row_bytes = cols / BLOCK * w.format.block_bytes();
+            for o in range {
                 let wrow = &w.bytes[o * row_bytes..(o + 1) * row_bytes];
                 for (r, act) in acts.iter().enumerate() {
                     // SAFETY: every (matrix, o, r) is written by exactly one work item, inside
