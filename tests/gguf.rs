@@ -124,21 +124,40 @@ fn smollm2_formats_match_llama_cpp() {
         assert!((ours / want - 1.0).abs() < 0.01, "{fmt}: perplexity {ours} vs llama.cpp's {want}");
     };
 
-    // The shipped Q4_1 file, its blocks as they are: llama.cpp's greedy answers (up to a
-    // near-tie late in one answer, where the two kernels' rounding picks differently).
+    // The shipped Q4_1 file, its blocks as they are: llama.cpp's greedy answers, up to the end or
+    // to a near-tie, where the two programs' rounding (llama.cpp keeps an f16 KV cache) may pick
+    // differently: there llama.cpp's token must be within 0.25 nats of ours by our own logits.
     let max_new = theirs["new_tokens"].as_u64().unwrap().to_string();
     for (case, want) in cases.iter().zip(theirs["formats"]["q4_1"]["greedy"].as_array().unwrap()) {
         let prompt = case["prompt"].as_str().unwrap();
-        let args = ["generate", "--model", gguf.to_str().unwrap(), "--chat", "--prompt", prompt, "--max-new-tokens", &max_new, "--json"];
+        let args = [
+            "generate",
+            "--model",
+            gguf.to_str().unwrap(),
+            "--chat",
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            &max_new,
+            "--json",
+            "--top-logprobs",
+            "5",
+        ];
         let out = run_cli(&args, &[]);
         assert!(out.status.success(), "{}", stderr(&out));
         let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
         assert_eq!(json_ids(&v["prompt_ids"]), json_ids(&case["prompt_ids"]), "{prompt}: the file's chat template and tokenizer");
         let (ours, want) = (json_ids(&v["generated_ids"]), json_ids(&want["generated_ids"]));
         let agree = ours.iter().zip(&want).take_while(|(a, b)| a == b).count();
-        assert!(agree >= 16, "{prompt}: llama.cpp's greedy ids {want:?}, ours {ours:?}");
-        if prompt.contains("capital of France") {
-            assert_eq!(ours, want, "{prompt}");
+        if agree < ours.len().min(want.len()) {
+            let at = &v["logprobs"][agree];
+            let ours_lp = at["logprob"].as_f64().unwrap();
+            let theirs_lp =
+                at["top"].as_array().unwrap().iter().find(|e| e[0].as_u64() == Some(want[agree] as u64)).map(|e| e[1].as_f64().unwrap());
+            let gap = theirs_lp.map(|lp| ours_lp - lp);
+            assert!(gap.is_some_and(|g| g < 0.25), "{prompt}: ours and llama.cpp's greedy ids part at {agree} by {gap:?} nats, not a near-tie\nllama.cpp {want:?}\nours      {ours:?}");
+        } else {
+            assert_eq!(ours.len(), want.len(), "{prompt}: one stopped early");
         }
     }
     near("q4_1", perplexity(gguf.to_str().unwrap(), &[]));

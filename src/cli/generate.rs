@@ -71,6 +71,10 @@ pub struct GenerateArgs {
     /// Stop when the text contains this string (repeatable); the string is not printed.
     #[arg(long = "stop")]
     stop: Vec<String>,
+    /// With --json: each generated token's log-probability and the N most likely tokens at its
+    /// position (`logprobs`), as OpenAI's `top_logprobs` (0-20).
+    #[arg(long, requires = "json", value_parser = clap::value_parser!(u8).range(0..=20))]
+    top_logprobs: Option<u8>,
     /// Print one JSON object (text, token ids, finish reason, figures) instead of streaming.
     #[arg(long)]
     json: bool,
@@ -119,6 +123,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         repetition_penalty: a.repetition_penalty.unwrap_or(defaults.repetition_penalty),
         seed: a.seed,
         stop: a.stop.clone(),
+        logprobs: a.top_logprobs.map(usize::from),
         ..SamplingParams::greedy(a.max_new_tokens)
     };
 

@@ -202,6 +202,10 @@ pub struct GenerationOutput {
     /// Generated tokens per second after the first one (decode speed).
     pub decode_tokens_per_s: f64,
     pub total_s: f64,
+    /// Per generated token, with `SamplingParams::logprobs`: its log-probability and the top
+    /// alternatives (absent otherwise).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub logprobs: Vec<TokenLogprob>,
 }
 
 /// One sequence being generated, advanced a token at a time: the unit a serving loop
@@ -245,7 +249,7 @@ pub struct SequenceStep {
 
 /// Log-probabilities (natural log, of the distribution after penalties, before temperature) of
 /// a sampled token and of the most likely tokens at its position.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct TokenLogprob {
     pub token: u32,
     pub logprob: f32,
@@ -511,12 +515,16 @@ pub fn generate(
     params.validate()?;
     let mut seq = Sequence::new(model, prompt_ids, eos_ids, params)?;
     let start = Instant::now();
-    let mut first_token_at = None;
+    let (mut first_token_at, mut logprobs) = (None, vec![]);
     let finish = loop {
         let step = seq.step(model, tokenizer)?;
         first_token_at.get_or_insert_with(Instant::now);
         if !step.text.is_empty() {
             on_text(&step.text)?;
+        }
+        // One entry per generated id (an eos token is not one).
+        if let (Some(_), Some(l)) = (step.token, step.logprob) {
+            logprobs.push(l);
         }
         if let Some(f) = step.finished {
             break f;
@@ -535,5 +543,6 @@ pub fn generate(
         time_to_first_token_s: (first - start).as_secs_f64(),
         decode_tokens_per_s: if decode_s > 0.0 { decoded_after_first / decode_s } else { 0.0 },
         total_s: (end - start).as_secs_f64(),
+        logprobs,
     })
 }
