@@ -1,4 +1,4 @@
-//! Process memory figures for the CLI's reports.
+//! Process memory figures for the CLI's reports, and handing freed memory back to the OS.
 
 /// Peak resident set size of this process in bytes (`VmHWM` from /proc), if the OS tells.
 pub fn peak_rss_bytes() -> Option<u64> {
@@ -18,6 +18,18 @@ pub fn gpu_memory_used(device: &candle_core::Device) -> Option<u64> {
     }
     let _ = device;
     None
+}
+
+/// Hands the memory the allocator keeps for reuse (mimalloc, `lib.rs`) back to the OS: a
+/// server calls it when it goes idle, so that a long request's KV blocks and activations leave
+/// the resident set when the request ends instead of staying until the next one reuses them.
+pub fn return_free_memory() {
+    extern "C" {
+        // mimalloc's `void mi_collect(bool force)`, in the library the global allocator links.
+        fn mi_collect(force: bool);
+    }
+    // SAFETY: no arguments to get wrong; mimalloc allows it from any thread at any time.
+    unsafe { mi_collect(true) }
 }
 
 /// "123.4 MiB" style, for humans.

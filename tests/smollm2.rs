@@ -24,15 +24,21 @@ fn converted_smollm2_generates_what_transformers_generates() {
     let reference = reference_json("smollm2.json");
     let max_new = reference["max_new_tokens"].as_u64().unwrap().to_string();
     // f32 compute (the default) and f16 (decoding's matrix-vector products then read the f16
-    // weights directly, `models/src/ops/half_dot.rs`) give transformers' greedy answers.
-    for (case, dtype) in reference["cases"].as_array().unwrap().iter().flat_map(|c| [(c, "f32"), (c, "f16")]) {
+    // weights directly, `models/src/ops/half_dot.rs`) give transformers' greedy answers; so does
+    // the prompt fed in chunks of 16 and of 5 tokens (chunked prefill, tiled attention).
+    let runs = [("f32", "512"), ("f16", "512"), ("f32", "16"), ("f32", "5")];
+    for (case, (dtype, chunk)) in reference["cases"].as_array().unwrap().iter().flat_map(|c| runs.map(|r| (c, r))) {
         let prompt = case["prompt"].as_str().unwrap();
         let args = ["generate", "--model", dir.to_str().unwrap(), "--chat", "--prompt", prompt, "--max-new-tokens", &max_new, "--json"];
-        let out = run_cli(&[&args[..], &["--dtype", dtype]].concat(), &[]);
+        let out = run_cli(&[&args[..], &["--dtype", dtype, "--max-prefill-tokens", chunk]].concat(), &[]);
         assert!(out.status.success(), "{}", stderr(&out));
         let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
         assert_eq!(json_ids(&v["prompt_ids"]), json_ids(&case["prompt_ids"]), "{prompt}: chat template + tokenizer");
-        assert_eq!(json_ids(&v["generated_ids"]), json_ids(&case["generated_ids"]), "{prompt} ({dtype}): greedy tokens");
+        assert_eq!(
+            json_ids(&v["generated_ids"]),
+            json_ids(&case["generated_ids"]),
+            "{prompt} ({dtype}): greedy tokens, prompt in chunks of {chunk}"
+        );
         assert_eq!(v["finish_reason"], case["finish_reason"], "{prompt}");
         assert_eq!(v["text"], case["text"], "{prompt}");
         if prompt.contains("capital of France") {

@@ -289,14 +289,16 @@ impl Attention {
                 (candle_nn::rotary_emb::rope(&q, &pos.cos, &pos.sin)?, candle_nn::rotary_emb::rope(&k, &pos.cos, &pos.sin)?)
             }
         };
+        let mut mask = pos.mask.clone();
         let (k, v) = match cache {
             Some(cache) => {
                 cache.append(&k, &v)?;
-                if t == 1 {
-                    if let Some(out) = cache.attend(&q, scale, self.window)? {
-                        return self.o_proj.forward(&out.reshape((b, t, self.num_heads * d))?, pos.mode, seeds, &pos.adapters);
-                    }
+                if let Some(out) = cache.attend(&q, scale, self.window)? {
+                    return self.o_proj.forward(&out, pos.mode, seeds, &pos.adapters);
                 }
+                // Other devices and dtypes: the whole cache as tensors, masked here (the
+                // in-place kernels need no mask, so the model builds none for a cached pass).
+                mask = causal_mask(t, cache.seq_len() - t, self.window, q.dtype(), q.device())?;
                 cache.all()?
             }
             None => (k, v),
@@ -306,7 +308,7 @@ impl Attention {
         let v = repeat_kv(v, n_rep)?;
 
         let scores = (q.matmul(&k.t()?)? * scale)?;
-        let scores = match &pos.mask {
+        let scores = match &mask {
             Some(mask) => scores.broadcast_add(mask)?,
             None => scores,
         };
@@ -370,9 +372,9 @@ impl Attention {
                 None => scores,
             };
             let probs = candle_nn::ops::softmax_last_dim(&scores.to_dtype(DType::F32)?)?.to_dtype(q.dtype())?;
-            outs.push(probs.matmul(&vr.contiguous()?)?);
+            outs.push(probs.matmul(&vr.contiguous()?)?.transpose(1, 2)?.reshape((1, t, self.num_heads * d))?);
         }
-        let out = Tensor::cat(&outs, 0)?.transpose(1, 2)?.reshape((rows, t, self.num_heads * d))?;
+        let out = Tensor::cat(&outs, 0)?;
         self.o_proj.forward(&out, OpMode::Generate, None, adapters)
     }
 }

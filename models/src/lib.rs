@@ -20,7 +20,7 @@ pub mod tensors;
 mod testing;
 
 pub use config::{Architecture, ModelConfig, RopeScaling, SUPPORTED_ARCHITECTURES};
-pub use kv_cache::{KvCache, LayerKvCache};
+pub use kv_cache::{KvCache, LayerKvCache, SharedBlock, BLOCK as KV_BLOCK};
 pub use layers::DecoderLayer;
 pub use lora::LoraSettings;
 pub use mode::OpMode;

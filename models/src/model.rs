@@ -118,6 +118,12 @@ impl CausalLm {
         self.logits(&h)?.squeeze(1)
     }
 
+    /// Feeds `input_ids` after the cached positions, only to extend the cache (a chunk of a
+    /// prompt with more to come: no logits).
+    pub fn feed(&self, input_ids: &Tensor, cache: &mut KvCache, adapters: &RowAdapters) -> Result<()> {
+        self.hidden_cached(input_ids, cache, adapters).map(drop)
+    }
+
     /// As [`Self::forward_cached`], with the logits of every new position, (batch, new_tokens,
     /// vocab): to score a prompt as it is fed.
     pub fn forward_cached_all(&self, input_ids: &Tensor, cache: &mut KvCache, adapters: &RowAdapters) -> Result<Tensor> {
@@ -130,7 +136,9 @@ impl CausalLm {
     fn hidden_cached(&self, input_ids: &Tensor, cache: &mut KvCache, adapters: &RowAdapters) -> Result<Tensor> {
         let (_b, t) = input_ids.dims2()?;
         let offset = cache.seq_len();
-        let pos = PositionInputs { adapters: adapters.clone(), ..self.position_inputs(offset, t, OpMode::Generate)? };
+        let (cos, sin) = self.rotary.tables(offset, t, self.dtype(), self.device())?;
+        // No mask: each layer's cache masks its own attention (see `Attention::forward`).
+        let pos = PositionInputs { cos, sin, mask: None, mode: OpMode::Generate, row_seeds: None, adapters: adapters.clone() };
         let mut h = self.embed_tokens.forward(input_ids)?;
         for (layer, layer_cache) in self.layers.iter().zip(cache.layers.iter_mut()) {
             h = layer.forward(&h, &pos, Some(layer_cache))?;

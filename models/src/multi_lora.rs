@@ -22,9 +22,15 @@ use crate::ops::lora_rows::{add_lora_rows, RowsUpdate};
 #[derive(Debug)]
 pub struct ServingAdapter {
     pub name: String,
+    /// Unique to this loaded instance in the process (a name may be unloaded and loaded again
+    /// from other weights): what caches of its keys and values are keyed by.
+    pub instance: u64,
     modules: HashMap<String, (Tensor, Tensor)>,
     scaling: f64,
 }
+
+/// The next [`ServingAdapter::instance`].
+static NEXT_INSTANCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl ServingAdapter {
     /// From tensors named `<module>.lora_A.weight` / `<module>.lora_B.weight`, moved to `dev`
@@ -49,7 +55,8 @@ impl ServingAdapter {
         if modules.len() * 2 != tensors.len() {
             bail!("{} tensors, {} A/B pairs: a lora_B.weight has no lora_A.weight", tensors.len(), modules.len());
         }
-        Ok(Self { name: name.to_string(), modules, scaling: settings.scaling() })
+        let instance = NEXT_INSTANCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(Self { name: name.to_string(), instance, modules, scaling: settings.scaling() })
     }
 }
 

@@ -71,6 +71,10 @@ pub struct GenerateArgs {
     /// Stop when the text contains this string (repeatable); the string is not printed.
     #[arg(long = "stop")]
     stop: Vec<String>,
+    /// The prompt is fed in chunks of at most this many tokens: memory for activations stays
+    /// bounded however long the prompt.
+    #[arg(long, default_value_t = fsdp_app::generate::DEFAULT_MAX_PREFILL_TOKENS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    max_prefill_tokens: usize,
     /// With --json: each generated token's log-probability and the N most likely tokens at its
     /// position (`logprobs`), as OpenAI's `top_logprobs` (0-20).
     #[arg(long, requires = "json", value_parser = clap::value_parser!(u8).range(0..=20))]
@@ -129,7 +133,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
 
     let stdout = std::io::stdout();
     let stream = !a.json;
-    let out = generate(&loaded.model, &tokenizer, &prompt_ids, &defaults.eos_token_ids, &params, |text| {
+    let out = generate(&loaded.model, &tokenizer, &prompt_ids, &defaults.eos_token_ids, &params, a.max_prefill_tokens, |text| {
         if stream {
             let mut lock = stdout.lock();
             lock.write_all(text.as_bytes())?;

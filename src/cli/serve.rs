@@ -30,6 +30,16 @@ pub struct ServeArgs {
     /// Sequences generated together; more wait in the queue.
     #[arg(long, default_value_t = 8)]
     max_concurrent_requests: usize,
+    /// Tokens one engine step runs at most, decode steps first (vLLM's max_num_batched_tokens):
+    /// prompts are fed in chunks of what is left, so a short request is not held behind a long
+    /// prompt. Smaller: lower latency for the others while a prompt is fed; larger: faster prompts.
+    #[arg(long, default_value_t = fsdp_app::generate::DEFAULT_MAX_PREFILL_TOKENS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    max_prefill_tokens: usize,
+    /// MiB of KV blocks kept after their requests end for later prompts that start alike
+    /// (prefix caching: chat turns, shared system prompts, agent loops), least recently used
+    /// dropped first; 0 turns it off. Shows in `usage.prompt_tokens_details.cached_tokens`.
+    #[arg(long, default_value_t = 512)]
+    kv_cache_memory: usize,
     /// Requests that may wait for a slot; beyond that the answer is 429 with Retry-After.
     #[arg(long, default_value_t = 64)]
     max_queue: usize,
@@ -106,6 +116,8 @@ impl TryFrom<ServeArgs> for ServeConfig {
             port: a.port,
             api_key: a.api_key,
             max_concurrent_requests: a.max_concurrent_requests,
+            max_prefill_tokens: a.max_prefill_tokens,
+            kv_cache_memory: a.kv_cache_memory.checked_mul(1 << 20).context("--kv-cache-memory: too many MiB")?,
             max_queue: a.max_queue,
             max_input_tokens: a.max_input_tokens,
             max_total_tokens: a.max_total_tokens,

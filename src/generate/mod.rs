@@ -5,22 +5,29 @@ pub mod constraint;
 pub mod detokenize;
 pub mod json_schema;
 pub mod perplexity;
+pub mod prefix_cache;
+pub mod schedule;
+pub mod sequence;
 pub mod stream;
 
 use std::collections::HashSet;
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Tensor};
-use candle_transformers::generation::{LogitsProcessor, Sampling};
-use models::{CausalLm, KvCache, RowAdapters, ServingAdapter};
+use candle_transformers::generation::Sampling;
+use models::CausalLm;
 use serde::Serialize;
 use serde_json::Value;
 
 use crate::tokenize::TextTokenizer;
-use detokenize::Detokenizer;
+pub use schedule::step_all;
+
+/// Prompt tokens per forward unless told otherwise (`--max-prefill-tokens`): big enough that
+/// the matrix products run at full speed, small enough that a chunk's activations stay small
+/// and, in `serve`, that other sequences' decode steps are not held long behind a prompt.
+pub const DEFAULT_MAX_PREFILL_TOKENS: usize = 512;
+pub use sequence::{Sequence, SequenceStep, TokenLogprob};
 pub use stream::TextStream;
 
 /// The fields of `generation_config.json` we use. Missing fields keep transformers' defaults.
@@ -208,308 +215,16 @@ pub struct GenerationOutput {
     pub logprobs: Vec<TokenLogprob>,
 }
 
-/// One sequence being generated, advanced a token at a time: the unit a serving loop
-/// interleaves (each sequence owns its KV cache, sampler and stop-string state).
-pub struct Sequence {
-    sampler: LogitsProcessor,
-    params: SamplingParams,
-    cache: KvCache,
-    stream: TextStream,
-    eos_ids: HashSet<u32>,
-    /// Prompt and generated ids (for the repetition penalty).
-    context: Vec<u32>,
-    prompt_len: usize,
-    generated: Vec<u32>,
-    /// Ids the next forward consumes: the prompt first, then the last sampled token.
-    pending: Vec<u32>,
-    budget: usize,
-    /// The generated ids' text, kept up to date token by token.
-    detokenizer: Detokenizer,
-    finish: Option<FinishReason>,
-    /// The grammar the answer must follow (structured output), if any.
-    constraint: Option<llguidance::Matcher>,
-    /// The LoRA adapter this sequence runs with over the base (multi-LoRA serving), if any.
-    adapter: Option<Arc<ServingAdapter>>,
-}
-
-/// What one step produced.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SequenceStep {
-    /// Text now safe to show (may be empty).
-    pub text: String,
-    /// The sampled token, unless it was an eos token.
-    pub token: Option<u32>,
-    /// Its log-probability and the top alternatives, when asked for.
-    pub logprob: Option<TokenLogprob>,
-    /// Set when the sequence is done.
-    pub finished: Option<FinishReason>,
-    /// On the first step, with `SamplingParams::prompt_logprobs`: prompt tokens 1.. scored.
-    pub prompt_logprobs: Option<Vec<TokenLogprob>>,
-}
-
-/// Log-probabilities (natural log, of the distribution after penalties, before temperature) of
-/// a sampled token and of the most likely tokens at its position.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct TokenLogprob {
-    pub token: u32,
-    pub logprob: f32,
-    pub top: Vec<(u32, f32)>,
-}
-
-/// Applies OpenAI's logit bias and presence/frequency penalties, then min-p filtering, to
-/// `logits`.
-fn adjust_logits(logits: &mut [f32], generated: &[u32], params: &SamplingParams) {
-    for &(t, bias) in &params.logit_bias {
-        if let Some(l) = logits.get_mut(t as usize) {
-            *l += bias;
-        }
-    }
-    if params.presence_penalty != 0.0 || params.frequency_penalty != 0.0 {
-        let mut counts: std::collections::HashMap<u32, usize> = std::collections::HashMap::new();
-        for &t in generated {
-            *counts.entry(t).or_default() += 1;
-        }
-        for (t, c) in counts {
-            if let Some(l) = logits.get_mut(t as usize) {
-                *l -= params.presence_penalty + params.frequency_penalty * c as f32;
-            }
-        }
-    }
-    if let (Some(min_p), true) = (params.min_p, params.temperature > 0.0) {
-        if min_p > 0.0 {
-            // p_i < min_p * p_max  <=>  (l_i - l_max) / T < ln(min_p)
-            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let cut = max as f64 + params.temperature * min_p.ln();
-            logits.iter_mut().filter(|l| (**l as f64) < cut).for_each(|l| *l = f32::NEG_INFINITY);
-        }
-    }
-}
-
-fn token_logprob(logits: &[f32], token: u32, top: usize) -> TokenLogprob {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let log_sum = logits.iter().map(|l| ((l - max) as f64).exp()).sum::<f64>().ln() as f32 + max;
-    let mut order: Vec<u32> = (0..logits.len() as u32).collect();
-    let top = top.min(logits.len());
-    if top > 0 {
-        order.select_nth_unstable_by(top - 1, |a, b| logits[*b as usize].total_cmp(&logits[*a as usize]));
-        order.truncate(top);
-        order.sort_by(|a, b| logits[*b as usize].total_cmp(&logits[*a as usize]));
-    } else {
-        order.clear();
-    }
-    TokenLogprob {
-        token,
-        logprob: logits[token as usize] - log_sum,
-        top: order.into_iter().map(|t| (t, logits[t as usize] - log_sum)).collect(),
-    }
-}
-
-impl Sequence {
-    /// Prepares a sequence's state. The sampling settings are checked by the caller, once
-    /// (`SamplingParams::validate`: `generate` below, the server's validation); the prompt's
-    /// length is the engine's invariant, refused here too.
-    pub fn new(model: &CausalLm, prompt_ids: &[u32], eos_ids: &HashSet<u32>, params: &SamplingParams) -> Result<Self> {
-        if prompt_ids.is_empty() {
-            bail!("the prompt is empty: give at least one token");
-        }
-        let max_ctx = model.config().max_position_embeddings;
-        if prompt_ids.len() >= max_ctx {
-            bail!("the prompt has {} tokens; the model's context is {max_ctx}", prompt_ids.len());
-        }
-        Ok(Self {
-            sampler: LogitsProcessor::from_sampling(params.seed, params.sampling()),
-            params: params.clone(),
-            cache: KvCache::new(model.config()),
-            stream: TextStream::new(params.stop.clone()),
-            eos_ids: eos_ids.clone(),
-            context: prompt_ids.to_vec(),
-            prompt_len: prompt_ids.len(),
-            generated: vec![],
-            pending: prompt_ids.to_vec(),
-            budget: params.max_new_tokens.min(max_ctx - prompt_ids.len()),
-            detokenizer: Detokenizer::default(),
-            finish: None,
-            constraint: None,
-            adapter: None,
-        })
-    }
-
-    /// Makes the answer follow `matcher`'s grammar (see `constraint`).
-    pub fn constrain(&mut self, matcher: llguidance::Matcher) {
-        self.constraint = Some(matcher);
-    }
-
-    /// Runs this sequence with `adapter`'s update over the base model's layers.
-    pub fn adapt(&mut self, adapter: Arc<ServingAdapter>) {
-        self.adapter = Some(adapter);
-    }
-
-    pub fn prompt_ids(&self) -> &[u32] {
-        &self.context[..self.prompt_len]
-    }
-
-    pub fn generated_ids(&self) -> &[u32] {
-        &self.generated
-    }
-
-    pub fn finish_reason(&self) -> Option<FinishReason> {
-        self.finish
-    }
-
-    /// The text emitted so far (stop strings and held-back text excluded).
-    pub fn text(&self) -> String {
-        self.stream.emitted_text(self.detokenizer.text())
-    }
-
-    /// Runs one forward (the whole prompt on the first call) and samples one token.
-    pub fn step(&mut self, model: &CausalLm, tokenizer: &TextTokenizer) -> Result<SequenceStep> {
-        if let Some(done) = self.done_step() {
-            return Ok(done);
-        }
-        let input = Tensor::new(self.pending.as_slice(), model.device())?.unsqueeze(0)?;
-        let adapters = RowAdapters::all(self.adapter.as_ref());
-        if let (Some(top), 0) = (self.params.prompt_logprobs, self.cache.seq_len()) {
-            // The prompt's logits at every position: position i scores prompt token i + 1.
-            let all = model.forward_cached_all(&input, &mut self.cache, &adapters)?.squeeze(0)?.to_dtype(DType::F32)?;
-            let t = all.dim(0)?;
-            let rows = all.to_vec2::<f32>()?;
-            let scored = (0..t - 1).map(|i| token_logprob(&rows[i], self.pending[i + 1], top)).collect();
-            let mut step = self.accept(all.get(t - 1)?, tokenizer)?;
-            step.prompt_logprobs = Some(scored);
-            return Ok(step);
-        }
-        let logits = model.forward_cached(&input, &mut self.cache, &adapters)?.squeeze(0)?;
-        self.accept(logits, tokenizer)
-    }
-
-    /// The step of a sequence that has nothing left to run, if it is one.
-    fn done_step(&mut self) -> Option<SequenceStep> {
-        if let Some(f) = self.finish {
-            return Some(SequenceStep { text: String::new(), token: None, logprob: None, finished: Some(f), prompt_logprobs: None });
-        }
-        if self.generated.len() >= self.budget {
-            return Some(self.end(FinishReason::Length, None));
-        }
-        None
-    }
-
-    /// Whether the prompt is in the cache and the next step feeds a single token (so the step
-    /// can join a batched decode, `decode_rows`).
-    pub fn is_decoding(&self) -> bool {
-        self.finish.is_none() && self.pending.len() == 1 && self.cache.seq_len() > 0 && self.generated.len() < self.budget
-    }
-
-    /// Samples from `logits` (vocab) of the sequence's next position: penalties, sampler, eos,
-    /// stop strings, length.
-    fn accept(&mut self, logits: Tensor, tokenizer: &TextTokenizer) -> Result<SequenceStep> {
-        let logits = logits.to_dtype(DType::F32)?;
-        let logits = if self.params.repetition_penalty != 1.0 {
-            candle_transformers::utils::apply_repeat_penalty(&logits, self.params.repetition_penalty, &self.context)?
-        } else {
-            logits
-        };
-        let p = &self.params;
-        let needs_values = p.presence_penalty != 0.0
-            || p.frequency_penalty != 0.0
-            || p.min_p.is_some_and(|m| m > 0.0)
-            || p.logprobs.is_some()
-            || !p.logit_bias.is_empty()
-            || self.constraint.is_some();
-        let (logits, values) = if needs_values {
-            let mut v = logits.to_vec1::<f32>()?;
-            if let Some(m) = &mut self.constraint {
-                constraint::mask_logits(m, &mut v)?;
-            }
-            adjust_logits(&mut v, &self.generated, p);
-            (Tensor::new(v.as_slice(), logits.device())?, Some(v))
-        } else {
-            (logits, None)
-        };
-        let next = self.sampler.sample(&logits)?;
-        let logprob = match (&values, p.logprobs) {
-            (Some(v), Some(top)) => Some(token_logprob(v, next, top)),
-            _ => None,
-        };
-        if self.eos_ids.contains(&next) {
-            return Ok(self.end(FinishReason::Stop, None));
-        }
-        if let Some(m) = &mut self.constraint {
-            m.consume_token(next).map_err(|e| anyhow::anyhow!("the output grammar refused token {next}: {e}"))?;
-        }
-        self.generated.push(next);
-        self.context.push(next);
-        self.pending = vec![next];
-        let step = self.stream.push(self.detokenizer.push(tokenizer, &self.generated)?);
-        if step.stopped {
-            self.finish = Some(FinishReason::Stop);
-            return Ok(SequenceStep { text: step.text, token: Some(next), logprob, finished: self.finish, prompt_logprobs: None });
-        }
-        if self.generated.len() >= self.budget {
-            let mut out = self.end(FinishReason::Length, Some(next));
-            out.text = step.text + &out.text;
-            out.logprob = logprob;
-            return Ok(out);
-        }
-        Ok(SequenceStep { text: step.text, token: Some(next), logprob, finished: None, prompt_logprobs: None })
-    }
-
-    /// Ends the sequence at eos or the length limit: text held back for a possible stop string
-    /// is released, since no stop string can complete any more.
-    fn end(&mut self, reason: FinishReason, token: Option<u32>) -> SequenceStep {
-        self.finish = Some(reason);
-        SequenceStep {
-            text: self.stream.finish(self.detokenizer.text()),
-            token,
-            logprob: None,
-            finished: Some(reason),
-            prompt_logprobs: None,
-        }
-    }
-}
-
-/// One decode step for every sequence in `seqs` that `is_decoding`, batched through
-/// `CausalLm::forward_decode_rows`; the others (prompts not yet run, finished ones) take their
-/// own `step`. Results come in the order of `seqs`.
-pub fn step_all(model: &CausalLm, tokenizer: &TextTokenizer, seqs: &mut [&mut Sequence]) -> Vec<Result<SequenceStep>> {
-    let decoding: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].is_decoding()).collect();
-    let mut out: Vec<Option<Result<SequenceStep>>> = (0..seqs.len()).map(|_| None).collect();
-    if decoding.len() > 1 {
-        let tokens: Vec<u32> = decoding.iter().map(|&i| seqs[i].pending[0]).collect();
-        let batched = {
-            let per_row: Vec<Option<&Arc<ServingAdapter>>> = decoding.iter().map(|&i| seqs[i].adapter.as_ref()).collect();
-            let adapters = RowAdapters::of_rows(&per_row, model.device());
-            let mut caches: Vec<&mut KvCache> = seqs.iter_mut().filter(|q| q.is_decoding()).map(|q| &mut q.cache).collect();
-            adapters.and_then(|a| Ok(model.forward_decode_rows(&tokens, &mut caches, &a)?))
-        };
-        match batched {
-            Ok(logits) => {
-                for (row, &i) in decoding.iter().enumerate() {
-                    out[i] = Some(logits.get(row).map_err(anyhow::Error::from).and_then(|l| seqs[i].accept(l, tokenizer)));
-                }
-            }
-            Err(e) => {
-                let msg = format!("{e:#}");
-                for &i in &decoding {
-                    out[i] = Some(Err(anyhow::anyhow!("batched decode: {msg}")));
-                }
-            }
-        }
-    }
-    for (i, slot) in out.iter_mut().enumerate() {
-        if slot.is_none() {
-            *slot = Some(seqs[i].step(model, tokenizer));
-        }
-    }
-    out.into_iter().map(Option::unwrap).collect()
-}
-
 /// Generates from `prompt_ids`, calling `on_text` with each piece of text that is safe to show.
+/// `max_prefill_tokens`: the prompt is fed in chunks of at most this many tokens (see
+/// [`DEFAULT_MAX_PREFILL_TOKENS`]).
 pub fn generate(
     model: &CausalLm,
     tokenizer: &TextTokenizer,
     prompt_ids: &[u32],
     eos_ids: &HashSet<u32>,
     params: &SamplingParams,
+    max_prefill_tokens: usize,
     mut on_text: impl FnMut(&str) -> Result<()>,
 ) -> Result<GenerationOutput> {
     params.validate()?;
@@ -517,8 +232,10 @@ pub fn generate(
     let start = Instant::now();
     let (mut first_token_at, mut logprobs) = (None, vec![]);
     let finish = loop {
-        let step = seq.step(model, tokenizer)?;
-        first_token_at.get_or_insert_with(Instant::now);
+        let step = seq.step(model, tokenizer, max_prefill_tokens)?;
+        if step.token.is_some() || step.finished.is_some() {
+            first_token_at.get_or_insert_with(Instant::now);
+        }
         if !step.text.is_empty() {
             on_text(&step.text)?;
         }

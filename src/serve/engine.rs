@@ -13,6 +13,7 @@ use models::{CausalLm, ServingAdapter};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::metrics::Metrics;
+use crate::generate::prefix_cache::PrefixCache;
 use crate::generate::{step_all, FinishReason, SamplingParams, Sequence, TokenLogprob};
 use crate::tokenize::TextTokenizer;
 
@@ -47,6 +48,8 @@ pub enum Event {
         finish: FinishReason,
         prompt_tokens: usize,
         completion_tokens: usize,
+        /// Prompt tokens whose keys and values came from the prefix cache.
+        cached_tokens: usize,
     },
     Error(String),
 }
@@ -71,14 +74,32 @@ struct Running {
     last_token_at: Option<Instant>,
 }
 
-/// Starts the engine thread. `max_running` sequences advance together.
-pub fn start(model: CausalLm, tokenizer: Arc<TextTokenizer>, eos: HashSet<u32>, max_running: usize, metrics: Arc<Metrics>) -> EngineHandle {
+/// How an engine schedules.
+#[derive(Debug, Clone, Copy)]
+pub struct EngineSettings {
+    /// Sequences that advance together (more wait in the queue).
+    pub max_running: usize,
+    /// Tokens one step runs at most, decode steps first, prompts in chunks of the rest
+    /// (`step_all`).
+    pub max_batched_tokens: usize,
+    /// Bytes of KV blocks the prefix cache keeps (0: none).
+    pub prefix_cache_bytes: usize,
+}
+
+/// Starts the engine thread.
+pub fn start(
+    model: CausalLm,
+    tokenizer: Arc<TextTokenizer>,
+    eos: HashSet<u32>,
+    settings: EngineSettings,
+    metrics: Arc<Metrics>,
+) -> EngineHandle {
     let (tx, rx) = mpsc::channel::<Job>();
     let running = Arc::new(AtomicUsize::new(0));
     let handle = EngineHandle { jobs: tx, running: running.clone() };
     std::thread::Builder::new()
         .name("engine".into())
-        .spawn(move || run(model, tokenizer, eos, max_running.max(1), rx, running, metrics))
+        .spawn(move || run(model, tokenizer, eos, settings, rx, running, metrics))
         .expect("spawning the engine thread");
     handle
 }
@@ -87,16 +108,20 @@ fn run(
     model: CausalLm,
     tokenizer: Arc<TextTokenizer>,
     eos: HashSet<u32>,
-    max_running: usize,
+    settings: EngineSettings,
     rx: mpsc::Receiver<Job>,
     running_count: Arc<AtomicUsize>,
     metrics: Arc<Metrics>,
 ) {
+    let (max_running, max_batched_tokens) = (settings.max_running.max(1), settings.max_batched_tokens.max(1));
+    let mut prefixes = PrefixCache::new(settings.prefix_cache_bytes);
     let mut active: Vec<Running> = vec![];
     loop {
         // Admit new sequences between decode steps; block only when idle.
         while active.len() < max_running {
             let mut job = if active.is_empty() {
+                // Idle: what the last requests freed goes back to the OS before we wait.
+                crate::memory::return_free_memory();
                 match rx.recv() {
                     Ok(j) => j,
                     Err(_) => return,
@@ -118,6 +143,11 @@ fn run(
                     if let Some(a) = job.adapter.take() {
                         seq.adapt(a);
                     }
+                    let blocks = prefixes.lookup(seq.namespace(), &job.prompt_ids, seq.reusable_prompt_blocks());
+                    if let Err(e) = seq.reuse_prefix(&model, &blocks) {
+                        let _ = job.events.send(Event::Error(format!("{e:#}")));
+                        continue;
+                    }
                     active.push(Running { seq, job, last_token_at: None })
                 }
                 Err(e) => {
@@ -137,7 +167,7 @@ fn run(
         // One step for every sequence: the decoding ones as one batched forward.
         let results = {
             let mut seqs: Vec<&mut Sequence> = active.iter_mut().map(|r| &mut r.seq).collect();
-            step_all(&model, &tokenizer, &mut seqs)
+            step_all(&model, &tokenizer, &mut seqs, max_batched_tokens)
         };
         let now = Instant::now();
         let mut done = vec![false; active.len()];
@@ -154,6 +184,11 @@ fn run(
                     if step.token.is_some() {
                         metrics.generated_tokens(1);
                     }
+                    if step.token.is_some() && r.seq.generated_ids().len() == 1 {
+                        // The prompt is in: its blocks serve the next prompt that starts alike.
+                        let (tokens, cache) = r.seq.cached();
+                        prefixes.insert(r.seq.namespace(), tokens, cache);
+                    }
                     if let Some(scored) = step.prompt_logprobs {
                         let _ = r.job.events.send(Event::PromptLogprobs(scored));
                     }
@@ -168,10 +203,13 @@ fn run(
                     }
                     match finished {
                         Some(finish) => {
+                            let (tokens, cache) = r.seq.cached();
+                            prefixes.insert(r.seq.namespace(), tokens, cache);
                             let _ = r.job.events.send(Event::Done {
                                 finish,
                                 prompt_tokens: r.seq.prompt_ids().len(),
                                 completion_tokens: r.seq.generated_ids().len(),
+                                cached_tokens: r.seq.cached_prompt_tokens(),
                             });
                             true
                         }

@@ -7,7 +7,7 @@ use anyhow::Result;
 use candle_core::{DType, Device};
 use serde_json::{json, Value};
 
-use super::engine::{self, EngineHandle};
+use super::engine::{self, EngineHandle, EngineSettings};
 use super::error::ApiError;
 use super::metrics::Metrics;
 use super::tools::{self, Tools};
@@ -28,8 +28,8 @@ pub struct Placement {
 #[derive(Clone)]
 pub struct LoadSettings {
     pub placement: Placement,
-    /// Sequences each model's engine runs together.
-    pub max_running: usize,
+    /// How each model's engine schedules and how much it caches.
+    pub engine: EngineSettings,
     /// Longest prompt, and longest prompt + completion (`--max-input-tokens`,
     /// `--max-total-tokens`); both at most the model's context.
     pub limit_input: Option<usize>,
@@ -83,7 +83,7 @@ impl ServedModel {
             }
         };
         let config = loaded.config.clone();
-        let engine = engine::start(loaded.model, tokenizer.clone(), eos, settings.max_running, settings.metrics.clone());
+        let engine = engine::start(loaded.model, tokenizer.clone(), eos, settings.engine, settings.metrics.clone());
         let max_total_tokens = settings.limit_total.unwrap_or(context).min(context);
         Ok(Self {
             id: id.to_string(),

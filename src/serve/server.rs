@@ -11,6 +11,7 @@ use anyhow::{Context, Result};
 use candle_core::DType;
 
 use super::adapters::{check_adapter_name, Adapters};
+use super::engine::EngineSettings;
 use super::listen::{self, ClientLimits};
 use super::metrics::Metrics;
 use super::served_model::{LoadSettings, Placement, ServedModel};
@@ -28,6 +29,10 @@ pub struct ServeConfig {
     pub port: u16,
     pub api_key: Option<String>,
     pub max_concurrent_requests: usize,
+    /// Tokens per engine step (prompts fed in chunks of what decode steps leave).
+    pub max_prefill_tokens: usize,
+    /// Bytes of KV blocks each model's prefix cache keeps (0: no prefix caching).
+    pub kv_cache_memory: usize,
     pub max_queue: usize,
     pub max_input_tokens: Option<usize>,
     pub max_total_tokens: Option<usize>,
@@ -65,7 +70,11 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
     let max_concurrent = cfg.max_concurrent_requests.max(1);
     let load = LoadSettings {
         placement: Placement { device: cfg.device.open(0)?, dtype: cfg.dtype, quantize: cfg.quantize },
-        max_running: max_concurrent,
+        engine: EngineSettings {
+            max_running: max_concurrent,
+            max_batched_tokens: cfg.max_prefill_tokens.max(1),
+            prefix_cache_bytes: cfg.kv_cache_memory,
+        },
         limit_input: cfg.max_input_tokens,
         limit_total: cfg.max_total_tokens,
         metrics: metrics.clone(),

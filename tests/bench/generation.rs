@@ -29,7 +29,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use fsdp_app::generate::{generate, GenerationOutput, SamplingParams};
+use fsdp_app::generate::{generate, GenerationOutput, SamplingParams, DEFAULT_MAX_PREFILL_TOKENS};
 use fsdp_app::model_files::{load_model, resolve_model};
 use fsdp_app::tokenize::{ChatMessage, TextTokenizer};
 
@@ -63,7 +63,7 @@ fn main() -> anyhow::Result<()> {
         return long_answer(&loaded.model, &tok, &prompt);
     }
     // No eos: always exactly NEW_TOKENS tokens, like min_new_tokens on the transformers side.
-    let run = || generate(&loaded.model, &tok, &prompt, &HashSet::new(), &params, |_| Ok(()));
+    let run = || generate(&loaded.model, &tok, &prompt, &HashSet::new(), &params, DEFAULT_MAX_PREFILL_TOKENS, |_| Ok(()));
     run()?; // warm-up
     let ours: Vec<GenerationOutput> = (0..3).map(|_| run()).collect::<anyhow::Result<_>>()?;
     let best = ours.iter().max_by(|a, b| a.decode_tokens_per_s.total_cmp(&b.decode_tokens_per_s)).unwrap();
@@ -190,7 +190,7 @@ fn versus_llama_cpp(root: &Path, tmp: &Path, gguf: &Path, tok: &TextTokenizer, p
         let f = file.to_str().unwrap();
         let model = load_model(resolve_model(f, None)?, DType::F32, &Device::Cpu)?.model;
         let params = SamplingParams::greedy(NEW_TOKENS);
-        let run = || generate(&model, tok, prompt, &HashSet::new(), &params, |_| Ok(()));
+        let run = || generate(&model, tok, prompt, &HashSet::new(), &params, DEFAULT_MAX_PREFILL_TOKENS, |_| Ok(()));
         run()?;
         let num = |v: &Result<serde_json::Value, String>, key: &str| v.as_ref().ok().and_then(|t| t[key].as_f64()).unwrap_or(f64::NAN);
         // The two engines take turns, ROUNDS times, and each keeps its fastest: on a shared
@@ -245,10 +245,10 @@ fn long_answer(model: &models::CausalLm, tok: &TextTokenizer, prompt: &[u32]) ->
     use fsdp_app::generate::Sequence;
     let mut seq = Sequence::new(model, prompt, &HashSet::new(), &SamplingParams::greedy(LONG))?;
     let mut step_times = Vec::with_capacity(LONG);
-    seq.step(model, tok)?; // the prompt
+    seq.step(model, tok, usize::MAX)?; // the whole prompt in one forward
     while seq.finish_reason().is_none() {
         let t = Instant::now();
-        seq.step(model, tok)?;
+        seq.step(model, tok, usize::MAX)?;
         step_times.push(t.elapsed().as_secs_f64());
     }
     let ids = seq.generated_ids().to_vec();

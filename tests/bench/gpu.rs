@@ -24,7 +24,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Device};
 use fsdp_app::fsdp::optim::Schedule;
-use fsdp_app::generate::{step_all, SamplingParams, Sequence};
+use fsdp_app::generate::{step_all, SamplingParams, Sequence, DEFAULT_MAX_PREFILL_TOKENS};
 use fsdp_app::model_files::{load_model, resolve_model};
 use fsdp_app::tokenize::TextTokenizer;
 use serde_json::{json, Value};
@@ -173,7 +173,7 @@ fn main() -> anyhow::Result<()> {
         // Prefill (not timed), then the decode steps.
         {
             let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
-            for r in step_all(&loaded.model, &tok, &mut refs) {
+            for r in step_all(&loaded.model, &tok, &mut refs, DEFAULT_MAX_PREFILL_TOKENS) {
                 r?;
             }
         }
@@ -181,7 +181,7 @@ fn main() -> anyhow::Result<()> {
         let mut tokens = 0;
         while seqs.iter().any(|s| s.finish_reason().is_none()) {
             let mut refs: Vec<&mut Sequence> = seqs.iter_mut().filter(|s| s.finish_reason().is_none()).collect();
-            for r in step_all(&loaded.model, &tok, &mut refs) {
+            for r in step_all(&loaded.model, &tok, &mut refs, DEFAULT_MAX_PREFILL_TOKENS) {
                 r?;
                 tokens += 1;
             }

@@ -74,7 +74,7 @@ unsafe impl Sync for SharedMut {}
 /// `dst (m × n) = alpha · dst + beta · lhs (m × k) · rhs (k × n)`, matrices given by pointer and
 /// (column, row) strides, on the calling thread (the tasks are the parallelism).
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm(
+pub(crate) unsafe fn gemm(
     m: usize,
     n: usize,
     k: usize,

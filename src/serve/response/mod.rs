@@ -55,8 +55,10 @@ fn names(kind: &RequestKind, chunk: bool) -> (String, &'static str) {
     (id, object)
 }
 
-fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
-    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens})
+/// `cached_tokens`: prompt tokens whose keys and values came from the prefix cache.
+fn usage(prompt_tokens: usize, cached_tokens: usize, completion_tokens: usize) -> Value {
+    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": cached_tokens}})
 }
 
 /// Waits for every answer, then one JSON object.
@@ -68,11 +70,12 @@ async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -
         RequestKind::Chat { tools } | RequestKind::Responses { tools, .. } => (None, tools.as_ref()),
     };
     let mut choices = vec![];
-    let mut completion_tokens = 0;
+    let (mut completion_tokens, mut cached_tokens) = (0, 0);
     for (index, mut rx) in answers.into_iter().enumerate() {
-        let Collected { text: answer, logprobs: lps, prompt_logprobs: prompt_lps, finish, completion_tokens: c } =
+        let Collected { text: answer, logprobs: lps, prompt_logprobs: prompt_lps, finish, completion_tokens: c, cached_tokens: cached } =
             collect(&st, &mut rx).await?;
         completion_tokens += c;
+        cached_tokens = cached_tokens.max(cached);
         let text = format!("{}{answer}", echo.unwrap_or_default());
         let logprobs = req.params.logprobs.map(|_| match req.kind {
             RequestKind::Completion { .. } => logprobs::completion(tokenizer, &req.prompt_ids, prompt_lps.as_deref(), &lps, echo),
@@ -87,7 +90,7 @@ async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -
     }
     drop(admission);
     let (id, object) = names(&req.kind, false);
-    let usage = usage(req.prompt_ids.len(), completion_tokens);
+    let usage = usage(req.prompt_ids.len(), cached_tokens, completion_tokens);
     Ok(Json(json!({"id": id, "object": object, "created": super::ids::now_s(), "model": req.model_id, "choices": choices, "usage": usage}))
         .into_response())
 }
@@ -100,6 +103,8 @@ pub(super) struct Collected {
     pub prompt_logprobs: Option<Vec<TokenLogprob>>,
     pub finish: FinishReason,
     pub completion_tokens: usize,
+    /// Prompt tokens taken from the prefix cache.
+    pub cached_tokens: usize,
 }
 
 /// Waits for an answer's events until it is done; an engine failure (the request was checked
@@ -117,8 +122,8 @@ pub(super) async fn collect(st: &AppState, rx: &mut mpsc::UnboundedReceiver<Even
                 text.push_str(&t);
                 logprobs.extend(logprob);
             }
-            Some(Event::Done { finish, completion_tokens, .. }) => {
-                return Ok(Collected { text, logprobs, prompt_logprobs, finish, completion_tokens });
+            Some(Event::Done { finish, completion_tokens, cached_tokens, .. }) => {
+                return Ok(Collected { text, logprobs, prompt_logprobs, finish, completion_tokens, cached_tokens });
             }
             Some(Event::Error(e)) => return Err(ApiError::internal(format!("Generation failed: {e}"))),
             None => return Err(ApiError::internal("the engine dropped the request")),

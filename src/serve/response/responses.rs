@@ -58,15 +58,21 @@ fn output_items(tools: Option<&Tools>, text: &str) -> Vec<Value> {
 }
 
 /// The `response` object: `output` so far, `finish` when done (None: in progress).
-fn response_object(req: &ValidatedRequest, id: &str, created: i64, output: Vec<Value>, finish: Option<(FinishReason, usize)>) -> Value {
+fn response_object(
+    req: &ValidatedRequest,
+    id: &str,
+    created: i64,
+    output: Vec<Value>,
+    finish: Option<(FinishReason, usize, usize)>,
+) -> Value {
     let RequestKind::Responses { echo, .. } = &req.kind else { unreachable!("a responses request") };
     let e = |k: &str| echo.0.get(k).cloned().unwrap_or(Value::Null);
     let or = |k: &str, default: Value| Some(e(k)).filter(|v| !v.is_null()).unwrap_or(default);
     let (status, incomplete, usage) = match finish {
         None => ("in_progress", Value::Null, Value::Null),
-        Some((reason, completion)) => {
+        Some((reason, completion, cached)) => {
             let prompt = req.prompt_ids.len();
-            let usage = json!({"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": completion,
+            let usage = json!({"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": completion,
                                "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion});
             match reason {
                 FinishReason::Length => ("incomplete", json!({"reason": "max_output_tokens"}), usage),
@@ -92,7 +98,7 @@ pub async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitte
     let answer = super::collect(&st, &mut rx).await?;
     drop(admission);
     let output = output_items(tools_of(&req), &answer.text);
-    let finish = Some((answer.finish, answer.completion_tokens));
+    let finish = Some((answer.finish, answer.completion_tokens, answer.cached_tokens));
     Ok(Json(response_object(&req, &item_id("resp"), ids::now_s(), output, finish)).into_response())
 }
 
@@ -223,7 +229,7 @@ impl Streamer {
         let holds = tools.is_some() && calls.is_none();
         let mut held = String::new();
         let mut message: Option<usize> = None;
-        let (finish, completion) = loop {
+        let (finish, completion, cached) = loop {
             let ev = tokio::select! {
                 ev = rx.recv() => ev,
                 _ = st.shutdown.forced() => return self.fail(st, ApiError::shutting_down()),
@@ -263,7 +269,7 @@ impl Streamer {
                     }
                 }
                 Some(Event::PromptLogprobs(_)) => {}
-                Some(Event::Done { finish, completion_tokens, .. }) => break (finish, completion_tokens),
+                Some(Event::Done { finish, completion_tokens, cached_tokens, .. }) => break (finish, completion_tokens, cached_tokens),
                 Some(Event::Error(e)) => return self.fail(st, ApiError::internal(format!("Generation failed: {e}"))),
                 None => return self.fail(st, ApiError::internal("the engine dropped the request")),
             }
@@ -289,7 +295,7 @@ impl Streamer {
             return;
         }
         let output = self.items.iter().map(|i| Self::item_json(i, "completed")).collect();
-        let done = response_object(req, &self.id, self.created, output, Some((finish, completion)));
+        let done = response_object(req, &self.id, self.created, output, Some((finish, completion, cached)));
         let kind = if finish == FinishReason::Length { "response.incomplete" } else { "response.completed" };
         self.send(kind, json!({"response": done}));
     }

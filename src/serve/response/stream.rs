@@ -127,7 +127,7 @@ impl<'a> Streamer<'a> {
                 return;
             }
         }
-        let (mut finished, mut completion_tokens) = (0, 0);
+        let (mut finished, mut completion_tokens, mut cached_tokens) = (0, 0, 0);
         loop {
             let (index, ev) = tokio::select! {
                 got = events.recv() => match got {
@@ -152,9 +152,10 @@ impl<'a> Streamer<'a> {
                     Some(c) => c,
                     None => continue,
                 },
-                Event::Done { finish, completion_tokens: c, .. } => {
+                Event::Done { finish, completion_tokens: c, cached_tokens: cached, .. } => {
                     finished += 1;
                     completion_tokens += c;
+                    cached_tokens = cached_tokens.max(cached);
                     match self.end(index, json!(finish)) {
                         Some(c) => c,
                         None => return,
@@ -170,7 +171,7 @@ impl<'a> Streamer<'a> {
             }
         }
         if self.req.include_usage {
-            let _ = self.out.send(Ok(self.chunk(json!([]), Some(usage(self.req.prompt_ids.len(), completion_tokens)))));
+            let _ = self.out.send(Ok(self.chunk(json!([]), Some(usage(self.req.prompt_ids.len(), cached_tokens, completion_tokens)))));
         }
         let _ = self.out.send(Ok(SseEvent::default().data("[DONE]")));
     }

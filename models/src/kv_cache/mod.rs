@@ -1,14 +1,14 @@
-//! The keys and values of a sequence's past positions, and the decode step's attention over
-//! them.
+//! The keys and values of a sequence's past positions, and attention over them in place.
 //!
 //! Each layer keeps its positions in blocks of [`BLOCK`] (one `(kv_heads, BLOCK, head_dim)`
 //! tensor each for keys and values), written in place as tokens come. Appending one token is
 //! then a copy of that token, where concatenating onto one growing tensor copied the whole cache
 //! at every token and layer (with the GQA repeat and a transpose for the matmul, ~5 copies of
 //! it per layer and token: at 4,000 tokens SmolLM2 decoded at a fifth of its speed at 200).
-//! A decode step (one query) on the CPU in f32 attends over the blocks in place ([`attend`]:
-//! per head, scores by dot products, softmax, values summed with axpy, the heads split over
-//! the threads); prefill and other devices take the whole cache as tensors ([`all`]).
+//! On the CPU in f32 queries attend over the blocks in place ([`attend`]): a decode step's one
+//! query by flash-decoding (`decode`), a prompt's chunk of queries by tiles with an online
+//! softmax (`prefill`), neither ever holding a (queries × context) score matrix. Other devices
+//! and dtypes take the whole cache as tensors ([`all`]).
 //!
 //! [`attend`]: LayerKvCache::attend
 //! [`all`]: LayerKvCache::all
@@ -16,15 +16,13 @@
 use candle_core::{DType, Device, Result, Tensor};
 
 use crate::config::ModelConfig;
-use crate::ops::attend_rows::{add_weighted_rows, scores};
 use crate::ops::cpu_f32_values;
-use crate::ops::kernels::{axpy, exp_inplace, for_chunks_mut, SimdLevel};
+
+mod decode;
+mod prefill;
 
 /// Positions per block.
 pub const BLOCK: usize = 64;
-
-/// Positions per work item of the decode step's attention.
-const SPLIT: usize = 32;
 
 /// One layer's cached keys and values (batch 1).
 #[derive(Debug, Default)]
@@ -34,12 +32,29 @@ pub struct LayerKvCache {
     len: usize,
 }
 
-/// A copy that owns its blocks: blocks are written in place, so sharing them would let one
-/// cache's new tokens overwrite the other's.
+/// A copy that owns the block it may still write: a partly filled last block is written in
+/// place as tokens come, so sharing it would let one cache's new tokens overwrite the other's.
+/// Full blocks are never written again and are shared (tensors are reference-counted).
 impl Clone for LayerKvCache {
     fn clone(&self) -> Self {
+        let full = self.len / BLOCK;
         let copy = |t: &Tensor| t.copy().expect("copying a KV cache block");
-        Self { blocks: self.blocks.iter().map(|(k, v)| (copy(k), copy(v))).collect(), len: self.len }
+        let blocks = self.blocks.iter().enumerate().map(|(i, (k, v))| if i < full { (k.clone(), v.clone()) } else { (copy(k), copy(v)) });
+        Self { blocks: blocks.collect(), len: self.len }
+    }
+}
+
+/// One full block's positions in every layer, shared between caches (prefix caching): per
+/// layer (keys, values), each (kv_heads, BLOCK, head_dim). Never written again.
+#[derive(Debug, Clone)]
+pub struct SharedBlock {
+    layers: Vec<(Tensor, Tensor)>,
+}
+
+impl SharedBlock {
+    /// Memory its tensors hold.
+    pub fn bytes(&self) -> usize {
+        self.layers.iter().map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes()).sum()
     }
 }
 
@@ -77,90 +92,41 @@ impl LayerKvCache {
         Ok((Tensor::cat(&keys, 1)?.unsqueeze(0)?, Tensor::cat(&values, 1)?.unsqueeze(0)?))
     }
 
-    /// Attention of one query `q` (1, heads, 1, head_dim), at the last cached position, over the
-    /// cached positions it may see (the last `window` of them when a sliding window is set):
-    /// (1, heads, 1, head_dim). `None` when the call is not for this kernel (not f32 on the CPU):
-    /// the caller then attends over [`LayerKvCache::all`].
+    /// Attention of the newest `t` positions' queries `q` (1, heads, t, head_dim) over the
+    /// cached positions each may see (itself and those before it; the last `window` of them
+    /// when a sliding window is set): (1, t, heads · head_dim), token-major. `None` when the call
+    /// is not for these kernels (not f32 on the CPU): the caller then attends over
+    /// [`LayerKvCache::all`]. One query takes the decode kernel, more the tiled prefill.
     pub fn attend(&self, q: &Tensor, scale: f64, window: Option<usize>) -> Result<Option<Tensor>> {
         let cpu_f32 = |t: &Tensor| matches!(t.device(), Device::Cpu) && t.dtype() == DType::F32;
         if !cpu_f32(q) || self.blocks.first().is_none_or(|(k, _)| !cpu_f32(k)) || q.track_op() {
             return Ok(None);
         }
-        let (_, heads, _, d) = q.dims4()?;
+        let (_, heads, t, d) = q.dims4()?;
         let kv_heads = self.blocks[0].0.dim(0)?;
-        let group = heads / kv_heads;
-        let start = window.map_or(0, |w| self.len.saturating_sub(w));
+        if t > self.len || heads % kv_heads != 0 {
+            candle_core::bail!("KV cache attention: {t} queries of {heads} heads over {} positions of {kv_heads} kv heads", self.len);
+        }
         let q = q.flatten_all()?.to_vec1::<f32>()?;
         let guards: Vec<_> = self.blocks.iter().map(|(k, v)| (k.storage_and_layout(), v.storage_and_layout())).collect();
         let blocks: Vec<(&[f32], &[f32])> =
             guards.iter().map(|((k, kl), (v, vl))| Ok((cpu_f32_values(k, kl)?, cpu_f32_values(v, vl)?))).collect::<Result<_>>()?;
-        // Flash-decoding: the work items are (kv head, run of SPLIT positions), so the threads
-        // share the work evenly however few kv heads there are, and each key and value row is
-        // read once for the query heads of its group. Each item keeps, per query head, its
-        // scores' max, the sum of their exponentials and the values weighted by those (not yet
-        // divided); the items of a head are merged after.
-        let level = SimdLevel::current();
-        let (n, scale) = (self.len - start, scale as f32);
-        let runs = n.div_ceil(SPLIT);
-        let item = group * (d + 2);
-        let mut partial = vec![0f32; kv_heads * runs * item];
-        for_chunks_mut(&mut partial, item, |i, part| {
-            let (g, lo) = (i / runs, start + (i % runs) * SPLIT);
-            let m = SPLIT.min(self.len - lo);
-            let mut p = [0f32; SPLIT];
-            for (qi, head) in part.chunks_exact_mut(d + 2).enumerate() {
-                let q_h = &q[(g * group + qi) * d..][..d];
-                let p = &mut p[..m];
-                for (at, keys, _) in runs_in_blocks(&blocks, g, lo, m, d) {
-                    scores(q_h, keys, scale, &mut p[at..at + keys.len() / d], level);
-                }
-                let max = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                p.iter_mut().for_each(|s| *s -= max);
-                exp_inplace(p);
-                let (stats, out_h) = head.split_at_mut(2);
-                stats[0] = max;
-                stats[1] = p.iter().sum();
-                for (at, _, values) in runs_in_blocks(&blocks, g, lo, m, d) {
-                    add_weighted_rows(out_h, &p[at..at + values.len() / d], values, level);
-                }
-            }
-        });
-        let mut out = vec![0f32; heads * d];
-        for (h, out_h) in out.chunks_exact_mut(d).enumerate() {
-            let (g, qi) = (h / group, h % group);
-            let head_of = |r: usize| &partial[(g * runs + r) * item + qi * (d + 2)..][..d + 2];
-            let max = (0..runs).map(|r| head_of(r)[0]).fold(f32::NEG_INFINITY, f32::max);
-            let weights: Vec<f32> = (0..runs).map(|r| (head_of(r)[0] - max).exp()).collect();
-            let sum: f32 = (0..runs).map(|r| head_of(r)[1] * weights[r]).sum();
-            for (r, w) in weights.iter().enumerate() {
-                axpy(out_h, w / sum, &head_of(r)[2..], level);
-            }
-        }
-        Ok(Some(Tensor::from_vec(out, (1, heads, 1, d), &Device::Cpu)?))
+        let kv = KvView { blocks: &blocks, kv_heads, head_dim: d, len: self.len };
+        let out = match t {
+            1 => decode::attend_one(&q, heads, &kv, scale as f32, window),
+            _ => prefill::attend_chunk(&q, heads, t, &kv, scale as f32, window),
+        };
+        Ok(Some(Tensor::from_vec(out, (1, t, heads * d), &Device::Cpu)?))
     }
 }
 
-/// Positions `lo..lo + m` of kv head `g` as runs of consecutive rows, one per block they fall
-/// in: (index of the run's first position among the `m`, its key rows, its value rows).
-fn runs_in_blocks<'a>(
-    blocks: &'a [(&'a [f32], &'a [f32])],
-    g: usize,
-    lo: usize,
-    m: usize,
-    d: usize,
-) -> impl Iterator<Item = (usize, &'a [f32], &'a [f32])> + 'a {
-    let mut j = lo;
-    std::iter::from_fn(move || {
-        if j >= lo + m {
-            return None;
-        }
-        let end = (lo + m).min((j / BLOCK + 1) * BLOCK);
-        let rows = (g * BLOCK + j % BLOCK) * d..(g * BLOCK + (end - 1) % BLOCK + 1) * d;
-        let (keys, values) = blocks[j / BLOCK];
-        let run = (j - lo, &keys[rows.clone()], &values[rows]);
-        j = end;
-        Some(run)
-    })
+/// A layer's cached blocks read in place: `blocks[b]` holds positions `b·BLOCK..`, keys and
+/// values each (kv_heads, BLOCK, head_dim); `len` positions are filled.
+pub(crate) struct KvView<'a> {
+    pub blocks: &'a [(&'a [f32], &'a [f32])],
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub len: usize,
 }
 
 /// The KV caches of all layers of one sequence.
@@ -172,6 +138,29 @@ pub struct KvCache {
 impl KvCache {
     pub fn new(cfg: &ModelConfig) -> Self {
         Self { layers: (0..cfg.num_hidden_layers).map(|_| LayerKvCache::default()).collect() }
+    }
+
+    /// A cache whose first positions are `blocks` (BLOCK positions each, in order), shared with
+    /// whoever else holds them, not copied.
+    pub fn from_shared(cfg: &ModelConfig, blocks: &[SharedBlock]) -> Result<Self> {
+        if let Some(b) = blocks.iter().find(|b| b.layers.len() != cfg.num_hidden_layers) {
+            candle_core::bail!("a shared KV block of {} layers for a model of {}", b.layers.len(), cfg.num_hidden_layers);
+        }
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| LayerKvCache { blocks: blocks.iter().map(|b| b.layers[i].clone()).collect(), len: blocks.len() * BLOCK })
+            .collect();
+        Ok(Self { layers })
+    }
+
+    /// Blocks every one of whose BLOCK positions is cached.
+    pub fn full_blocks(&self) -> usize {
+        self.seq_len() / BLOCK
+    }
+
+    /// Full block `b` (< [`Self::full_blocks`]) of every layer, shared.
+    pub fn shared_block(&self, b: usize) -> SharedBlock {
+        assert!(b < self.full_blocks(), "block {b} of a cache with {} full blocks", self.full_blocks());
+        SharedBlock { layers: self.layers.iter().map(|l| l.blocks[b].clone()).collect() }
     }
 
     /// Number of positions already cached.
@@ -186,19 +175,50 @@ mod tests {
 
     use crate::rng::random_tensor as data;
 
-    /// softmax(q Kᵀ · scale) V over the visible positions, by candle's ops on `all()`.
+    /// softmax(q Kᵀ · scale + mask) V for the newest `t` positions' queries q (1, heads, t, d),
+    /// by candle's ops on `all()` with the model's causal mask: (1, t, heads · d).
     fn by_candle_ops(cache: &LayerKvCache, q: &Tensor, scale: f64, window: Option<usize>) -> Tensor {
         let (k, v) = cache.all().unwrap();
-        let (heads, kv_heads) = (q.dim(1).unwrap(), k.dim(1).unwrap());
-        let start = window.map_or(0, |w| cache.seq_len().saturating_sub(w));
-        let n = cache.seq_len() - start;
-        let rep = |t: Tensor| {
-            let t = t.narrow(2, start, n).unwrap();
-            let (b, g, n, d) = t.dims4().unwrap();
-            t.unsqueeze(2).unwrap().expand((b, g, heads / kv_heads, n, d)).unwrap().reshape((b, heads, n, d)).unwrap()
+        let (_, heads, t, d) = q.dims4().unwrap();
+        let kv_heads = k.dim(1).unwrap();
+        let rep = |x: Tensor| {
+            let (b, g, n, d) = x.dims4().unwrap();
+            x.unsqueeze(2).unwrap().expand((b, g, heads / kv_heads, n, d)).unwrap().reshape((b, heads, n, d)).unwrap()
         };
         let scores = (q.matmul(&rep(k).t().unwrap()).unwrap() * scale).unwrap();
-        candle_nn::ops::softmax_last_dim(&scores).unwrap().matmul(&rep(v)).unwrap()
+        let scores = match crate::layers::causal_mask(t, cache.seq_len() - t, window, DType::F32, &Device::Cpu).unwrap() {
+            Some(mask) => scores.broadcast_add(&mask).unwrap(),
+            None => scores,
+        };
+        let out = candle_nn::ops::softmax_last_dim(&scores).unwrap().matmul(&rep(v)).unwrap();
+        out.transpose(1, 2).unwrap().reshape((1, t, heads * d)).unwrap()
+    }
+
+    /// Prompts fed in chunks of several sizes (one query, within a tile, across tiles and
+    /// blocks), GQA, with and without a sliding window: the tiled kernel equals candle's ops
+    /// with the causal mask, for every query of every chunk.
+    #[test]
+    fn chunks_attend_as_candle_ops_with_the_causal_mask() {
+        let (kv_heads, heads, d) = (3, 9, 64);
+        for chunks in [&[200][..], &[1, 63, 2, 130], &[64, 64, 5], &[7, 1, 150]] {
+            let (mut cache, mut seed) = (LayerKvCache::default(), 10);
+            for &t in chunks {
+                let (k, v) = (data(&[1, kv_heads, t, d], seed), data(&[1, kv_heads, t, d], seed + 1));
+                let q = (data(&[1, heads, t, d], seed + 2) * 3.0).unwrap();
+                seed += 3;
+                cache.append(&k, &v).unwrap();
+                for window in [None, Some(5), Some(100)] {
+                    let got = cache.attend(&q, 0.125, window).unwrap().expect("f32 on the CPU takes the kernel");
+                    let want = by_candle_ops(&cache, &q, 0.125, window);
+                    let diff = (got - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                    assert!(
+                        diff < 1e-5,
+                        "chunks {chunks:?}, {t} queries after {} positions, window {window:?}: off by {diff}",
+                        cache.seq_len()
+                    );
+                }
+            }
+        }
     }
 
     /// Appends in pieces that straddle block boundaries (1, 63, 2, 70, then single tokens), GQA
