@@ -250,11 +250,16 @@ impl AdaptedLinear {
                 return self.add_own_adapter(x, y, mode, row_seeds);
             }
         };
-        // Decoding's few rows take the matrix-vector kernel; everything else candle's matmul.
-        // Training on the CPU: one op whose backward computes only the gradients that exist.
-        let product = match mode == OpMode::Train && crate::ops::applies(x) && base.weight().dtype() == x.dtype() {
+        // Decoding's few rows take the matrix-vector kernel. Training on the CPU, and a prompt's
+        // many rows: our linear op (its backward computes only the gradients that exist; its
+        // threads are the pool the other kernels use, not a second one). Else candle's matmul.
+        let ours = crate::ops::applies(x) && base.weight().dtype() == x.dtype();
+        let product = match mode == OpMode::Train && ours {
             true => Some(crate::ops::linear::linear(x, base.weight())?),
-            false => crate::ops::kernels::gemv_t(x, base.weight())?,
+            false => match crate::ops::kernels::gemv_t(x, base.weight())? {
+                None if ours => Some(crate::ops::linear::linear(x, base.weight())?),
+                other => other,
+            },
         };
         let y = match product {
             Some(y) => match base.bias() {

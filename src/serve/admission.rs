@@ -50,6 +50,7 @@ pub fn submit(st: &Arc<AppState>, req: &mut ValidatedRequest) -> Result<Submitte
             constraint: constraints.next(),
             stop_when: tools.and_then(|t| t.repeat_watch()),
             adapter: req.adapter.clone(),
+            cache_key: req.cache_key.clone(),
             events: tx,
             enqueued: Instant::now(),
         };

@@ -28,6 +28,8 @@ pub struct Job {
     pub stop_when: Option<StopWhen>,
     /// The LoRA adapter the answer runs with over the engine's model (multi-LoRA serving).
     pub adapter: Option<Arc<ServingAdapter>>,
+    /// The client's `prompt_cache_key`, a hint for the prefix cache.
+    pub cache_key: Option<String>,
     pub events: UnboundedSender<Event>,
     pub enqueued: Instant,
 }
@@ -187,7 +189,7 @@ fn run(
                     if step.token.is_some() && r.seq.generated_ids().len() == 1 {
                         // The prompt is in: its blocks serve the next prompt that starts alike.
                         let (tokens, cache) = r.seq.cached();
-                        prefixes.insert(r.seq.namespace(), tokens, cache);
+                        prefixes.insert(r.seq.namespace(), tokens, cache, r.job.cache_key.as_deref());
                     }
                     if let Some(scored) = step.prompt_logprobs {
                         let _ = r.job.events.send(Event::PromptLogprobs(scored));
@@ -204,7 +206,7 @@ fn run(
                     match finished {
                         Some(finish) => {
                             let (tokens, cache) = r.seq.cached();
-                            prefixes.insert(r.seq.namespace(), tokens, cache);
+                            prefixes.insert(r.seq.namespace(), tokens, cache, r.job.cache_key.as_deref());
                             let _ = r.job.events.send(Event::Done {
                                 finish,
                                 prompt_tokens: r.seq.prompt_ids().len(),

@@ -9,7 +9,7 @@
 
 use super::{KvView, BLOCK};
 use crate::ops::attention::gemm;
-use crate::ops::kernels::{exp_inplace, for_chunks_mut};
+use crate::ops::kernels::{exp_f32, exp_shifted_sum, for_chunks_mut};
 
 /// Query positions per work item.
 pub const Q_TILE: usize = 64;
@@ -60,6 +60,9 @@ fn attend_tile(
     let rows = positions.len();
     let (mut max, mut sum) = ([f32::NEG_INFINITY; Q_TILE], [0f32; Q_TILE]);
     let mut s = [0f32; Q_TILE * BLOCK];
+    // The scale goes into the queries once, not into every score (for head_dim 64 or 256 it is
+    // a power of two, so the scores are the same bits either way).
+    let q_rows: Vec<f32> = q_rows.iter().map(|x| x * scale).collect();
     let (lo, hi) = (first_visible(positions.start, window), positions.end);
     for b in lo / BLOCK..hi.div_ceil(BLOCK) {
         let (keys, values) = kv.blocks[b];
@@ -82,23 +85,21 @@ fn attend_tile(
         }
         for (i, p) in positions.clone().enumerate() {
             let row = &mut s[i * cols..(i + 1) * cols];
-            let first = first_visible(p, window);
-            let mut row_max = f32::NEG_INFINITY;
-            for (j, x) in row.iter_mut().enumerate() {
-                let key = b * BLOCK + j;
-                *x = if key > p || key < first { f32::NEG_INFINITY } else { *x * scale };
-                row_max = row_max.max(*x);
-            }
-            let new_max = max[i].max(row_max);
-            if new_max == f32::NEG_INFINITY {
-                // Nothing visible to this row yet: no weights, nothing to rescale.
-                row.fill(0.0);
+            // The keys of this block row i sees: from its window's start to itself.
+            let start = first_visible(p, window).saturating_sub(b * BLOCK).min(cols);
+            let end = (p + 1).saturating_sub(b * BLOCK).min(cols);
+            row[..start].fill(0.0);
+            row[end.max(start)..].fill(0.0);
+            if start >= end {
+                // Nothing of this block visible to row i: weight 0, nothing to rescale.
                 continue;
             }
-            row.iter_mut().for_each(|x| *x -= new_max);
-            exp_inplace(row);
-            let correction = (max[i] - new_max).exp();
-            sum[i] = sum[i] * correction + row.iter().sum::<f32>();
+            let visible = &mut row[start..end];
+            let block_max = visible.iter().fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
+            let new_max = max[i].max(block_max);
+            let block_sum = exp_shifted_sum(visible, new_max);
+            let correction = exp_f32(max[i] - new_max);
+            sum[i] = sum[i] * correction + block_sum;
             max[i] = new_max;
             if correction != 1.0 {
                 out[i * d..(i + 1) * d].iter_mut().for_each(|o| *o *= correction);

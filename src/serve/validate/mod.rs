@@ -84,6 +84,9 @@ pub struct ValidatedRequest {
     pub constraints: Vec<llguidance::Matcher>,
     /// Fields `--lenient` ignored, for the response header.
     pub ignored: Vec<String>,
+    /// The client's `prompt_cache_key`: the prefix cache keeps this conversation's blocks
+    /// longer than unnamed ones (`PrefixCache::insert`).
+    pub cache_key: Option<String>,
 }
 
 /// `/v1/completions`.
@@ -243,13 +246,16 @@ struct Target {
     id: String,
     model: Arc<ServedModel>,
     adapter: Option<Arc<ServingAdapter>>,
+    /// `prompt_cache_key` (a string by `no_op::check`): the client's name for a conversation.
+    cache_key: Option<String>,
 }
 
 impl Target {
     fn of(st: &AppState, v: &Value) -> Result<Self, ApiError> {
         let id = model_field(v)?;
         let (model, adapter) = st.target(id)?;
-        Ok(Self { id: id.to_string(), model, adapter })
+        let cache_key = v.get("prompt_cache_key").and_then(Value::as_str).map(str::to_string);
+        Ok(Self { id: id.to_string(), model, adapter, cache_key })
     }
 }
 
@@ -262,7 +268,7 @@ fn finish(
     constraints: Vec<llguidance::Matcher>,
     ignored: Vec<String>,
 ) -> Result<ValidatedRequest, ApiError> {
-    let Target { id: model_id, model, adapter } = target;
+    let Target { id: model_id, model, adapter, cache_key } = target;
     let prompt_tokens = prompt_ids.len();
     let param = kind.prompt_param();
     if prompt_tokens == 0 {
@@ -310,5 +316,6 @@ fn finish(
         include_usage: s.include_usage,
         constraints,
         ignored,
+        cache_key,
     })
 }

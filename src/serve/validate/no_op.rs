@@ -5,8 +5,9 @@
 //!
 //! - `store`: `false` (nothing is kept); `true` asks OpenAI to keep the completion for its
 //!   dashboard, which a local server has not: refused.
-//! - `metadata` (an object of strings), `service_tier`, `prompt_cache_key`, `safety_identifier`
-//!   (strings): bookkeeping of OpenAI's platform.
+//! - `metadata` (an object of strings), `service_tier`, `safety_identifier` (strings):
+//!   bookkeeping of OpenAI's platform. `prompt_cache_key` (a string) is checked here and used as
+//!   the prefix cache's eviction hint (`generate::prefix_cache`).
 //! - `modalities`: `["text"]` only (audio output is not implemented).
 //! - `reasoning_effort` (`minimal`, `low`, `medium`, `high`): the models served here have no
 //!   reasoning mode to tune, so the answer is the same at every level (as vLLM treats it for
