@@ -39,15 +39,13 @@ static KEEP_FREED_MEMORY_AT_LOAD: extern "C" fn() = {
     at_load
 };
 
+use memory::mi_option_set;
+#[cfg(test)]
 extern "C" {
-    fn mi_option_set(option: i32, value: std::ffi::c_long);
-    #[cfg(test)]
     fn mi_option_get(option: i32) -> std::ffi::c_long;
 }
 
-/// `mi_option_purge_delay` in the mimalloc (v3) that libmimalloc-sys 0.1.49 builds (its
-/// `mimalloc.h`); -1 = never purge. `MIMALLOC_VERBOSE=1` lists it as `option 'purge_delay': -1`.
-const MI_OPTION_PURGE_DELAY: i32 = 15;
+use memory::MI_OPTION_PURGE_DELAY;
 
 fn keep_freed_memory() {
     // The user's own MIMALLOC_PURGE_DELAY wins (mimalloc reads it itself).

@@ -20,17 +20,37 @@ pub fn gpu_memory_used(device: &candle_core::Device) -> Option<u64> {
     None
 }
 
-/// Hands the memory the allocator keeps for reuse (mimalloc, `lib.rs`) back to the OS: a
-/// server calls it when it goes idle, so that a long request's KV blocks and activations leave
-/// the resident set when the request ends instead of staying until the next one reuses them.
-pub fn return_free_memory() {
-    extern "C" {
-        // mimalloc's `void mi_collect(bool force)`, in the library the global allocator links.
-        fn mi_collect(force: bool);
+extern "C" {
+    // mimalloc's `void mi_collect(bool force)` and its options, in the library the global
+    // allocator links.
+    fn mi_collect(force: bool);
+    pub(crate) fn mi_option_set(option: i32, value: std::ffi::c_long);
+}
+
+/// For a server: freed memory goes back to the OS `delay_ms` after it was freed unless reused
+/// by then, and at once on [`return_free_memory`]. This process otherwise never purges
+/// (`lib.rs`, for training's buffers reused every step), and mimalloc schedules a purge when
+/// memory is freed, so a server that wants its idle memory back must say so before it serves.
+/// A user's own MIMALLOC_PURGE_DELAY wins.
+pub fn purge_freed_memory_after(delay_ms: u32) {
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+        // SAFETY: sets a plain integer option, which mimalloc reads when memory is freed.
+        unsafe { mi_option_set(MI_OPTION_PURGE_DELAY, delay_ms.into()) };
     }
+}
+
+/// Hands the memory the allocator keeps for reuse back to the OS now (what was freed since
+/// [`purge_freed_memory_after`]): a server calls it when it goes idle, so that a long
+/// request's KV blocks and activations leave the resident set when the request ends instead of
+/// staying until the next one reuses them.
+pub fn return_free_memory() {
     // SAFETY: no arguments to get wrong; mimalloc allows it from any thread at any time.
     unsafe { mi_collect(true) }
 }
+
+/// `mi_option_purge_delay` in the mimalloc (v3) that libmimalloc-sys 0.1.49 builds (its
+/// `mimalloc.h`); -1 = never purge. `MIMALLOC_VERBOSE=1` lists it as `option 'purge_delay': -1`.
+pub(crate) const MI_OPTION_PURGE_DELAY: i32 = 15;
 
 /// "123.4 MiB" style, for humans.
 pub fn human_bytes(bytes: u64) -> String {

@@ -1,7 +1,7 @@
 //! Long prompts on a real server process: a conversation's second turn takes its first turn's
 //! KV blocks from the prefix cache and answers exactly as a server without the cache does, and
 //! a short request sent while a long prompt is being prefilled (in chunks) is answered before
-//! that prompt's first token.
+//! that prompt's first token; a quantised model goes through the same chunks and cache.
 
 mod common;
 
@@ -106,4 +106,19 @@ fn a_short_request_is_answered_while_a_long_prompt_is_prefilled() {
     // the long prompt's end, not after all of it as without chunked prefill.
     assert!(short_done < long_done, "the short request ({short_latency:?}) waited for the long prefill ({long_latency:?})");
     assert!(short_latency < long_latency / 2, "short {short_latency:?}, long {long_latency:?}");
+}
+
+#[test]
+fn a_quantised_model_answers_the_same_in_small_chunks_and_from_the_cache() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture_with("qwen2", &tmp.path().join("m"), &[("max_position_embeddings", 2048)]);
+    let chunked = Server::start(&model, &["--quantize", "q8_0", "--max-prefill-tokens", "16"]);
+    let whole = Server::start(&model, &["--quantize", "q8_0", "--max-prefill-tokens", "4096", "--kv-cache-memory", "0"]);
+    let messages = json!([{"role": "system", "content": long_system_prompt()}, {"role": "user", "content": "What is rule 3?"}]);
+    let first = chat(&chunked, &messages, json!({}));
+    let reference = answer(&chat(&whole, &messages, json!({})));
+    assert_eq!(answer(&first), reference, "16-token chunks vs the whole prompt in one forward");
+    let again = chat(&chunked, &messages, json!({}));
+    assert!(cached_tokens(&again["usage"]) >= 256, "{}", again["usage"]);
+    assert_eq!(answer(&again), reference, "from the prefix cache");
 }

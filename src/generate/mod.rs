@@ -26,7 +26,7 @@ pub use schedule::step_all;
 /// Prompt tokens per forward unless told otherwise (`--max-prefill-tokens`): big enough that
 /// the matrix products run at full speed, small enough that a chunk's activations stay small
 /// and, in `serve`, that other sequences' decode steps are not held long behind a prompt.
-pub const DEFAULT_MAX_PREFILL_TOKENS: usize = 512;
+pub const DEFAULT_MAX_PREFILL_TOKENS: usize = 256;
 pub use sequence::{Sequence, SequenceStep, TokenLogprob};
 pub use stream::TextStream;
 

@@ -49,26 +49,65 @@ pub fn step_all(
             }
         }
     }
-    let mut budget = max_batched_tokens.saturating_sub(decoding.len());
-    let mut first_prompt = true;
+    // The rest of the sequences: single decode steps and finished ones take their own step;
+    // prompts share what is left of the budget.
+    let mut prompts = vec![];
     for (i, slot) in out.iter_mut().enumerate() {
-        if slot.is_some() {
-            continue;
+        if slot.is_none() {
+            match seqs[i].prompt_tokens_to_feed() {
+                0 | 1 => *slot = Some(seqs[i].step(model, tokenizer, usize::MAX)),
+                n => prompts.push((i, n)),
+            }
         }
-        let feeding = seqs[i].prompt_tokens_to_feed();
-        if feeding <= 1 {
-            // A single decode step or a finished sequence.
-            *slot = Some(seqs[i].step(model, tokenizer, usize::MAX));
-            continue;
-        }
-        let n = if first_prompt { budget.max(MIN_PREFILL_TOKENS) } else { budget };
-        first_prompt = false;
-        if n == 0 {
-            *slot = Some(Ok(SequenceStep::default()));
-            continue;
-        }
-        *slot = Some(seqs[i].step(model, tokenizer, n));
-        budget = budget.saturating_sub(n.min(feeding));
+    }
+    // A prompt alone may take the whole budget; beside other sequences the prompts take at most
+    // half (vLLM's long-prefill threshold), so the others' steps stay short: a decoding
+    // stream's next token, or a newly arrived short prompt, waits for half a chunk, not a whole.
+    let budget = max_batched_tokens.saturating_sub(decoding.len());
+    let budget = if seqs.len() > 1 { budget.div_ceil(2) } else { budget };
+    for (i, n) in prefill_shares(&prompts, budget) {
+        out[i] = Some(match n {
+            0 => Ok(SequenceStep::default()),
+            n => seqs[i].step(model, tokenizer, n),
+        });
     }
     out.into_iter().map(Option::unwrap).collect()
+}
+
+/// Each prompt's tokens this step, for `prompts` as (index, tokens left to feed) in arrival
+/// order and `budget` tokens: the oldest gets at least [`MIN_PREFILL_TOKENS`] (a long prompt
+/// keeps moving under any load), then the shortest go first, so a short request sent during a
+/// long prefill is answered after one step, not after the whole long prompt (head-of-line
+/// blocking), and the long prompt takes the rest.
+fn prefill_shares(prompts: &[(usize, usize)], budget: usize) -> Vec<(usize, usize)> {
+    let Some(&(oldest, oldest_left)) = prompts.first() else { return vec![] };
+    let reserved = MIN_PREFILL_TOKENS.min(oldest_left);
+    let mut left = budget.saturating_sub(reserved);
+    let mut by_length: Vec<(usize, usize)> = prompts.to_vec();
+    by_length.sort_by_key(|&(_, n)| n);
+    by_length
+        .into_iter()
+        .map(|(i, n)| {
+            let extra = if i == oldest { reserved } else { 0 };
+            let take = (n - extra).min(left);
+            left -= take;
+            (i, take + extra)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn short_prompts_go_first_and_the_oldest_always_moves() {
+        // A long prompt (3,000 left) and a short one (10): the short is fed whole.
+        assert_eq!(prefill_shares(&[(0, 3000), (1, 10)], 256), vec![(1, 10), (0, 246)]);
+        // No budget left after the decode steps: the oldest still gets its minimum.
+        assert_eq!(prefill_shares(&[(0, 3000), (1, 10)], 0), vec![(1, 0), (0, MIN_PREFILL_TOKENS)]);
+        // The oldest is short: it takes what it has left, no more.
+        assert_eq!(prefill_shares(&[(2, 5), (0, 900), (1, 400)], 300), vec![(2, 5), (1, 295), (0, 0)]);
+        assert_eq!(prefill_shares(&[], 300), vec![]);
+    }
 }

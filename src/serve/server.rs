@@ -65,6 +65,9 @@ pub struct ServeConfig {
 /// until the process ends. Prints the address it listens on (`listening on http://HOST:PORT`)
 /// once ready.
 pub fn run(cfg: &ServeConfig) -> Result<()> {
+    // Memory a finished request freed goes back to the OS (at once when the engine goes idle):
+    // one long prompt must not leave the server's resident set high for good.
+    crate::memory::purge_freed_memory_after(1000);
     let metrics = Arc::new(Metrics::default());
     let base_id = cfg.served_model_name.clone().unwrap_or_else(|| cfg.model.clone());
     let max_concurrent = cfg.max_concurrent_requests.max(1);

@@ -6,13 +6,17 @@
 //! over 4 adapters beside 16 on the base alone, with PEFT's default adapters (r 8 on q_proj and
 //! v_proj) and with the r 16 all-linear ones.
 //!
+//! Then the long-prompt rows (`serving_long`).
+//!
 //! `cargo bench --bench serving -- lora` runs only the multi-LoRA throughput rows (for profiling
-//! the server: `perf record -g -p <its pid>`).
+//! the server: `perf record -g -p <its pid>`); `-- long` only the long-prompt rows.
 //!
 //! Environment: FSDP_SMOLLM2_GGUF (else the GGUF the smollm2 test downloaded to target/smollm2).
 
 #[path = "../common/mod.rs"]
 mod common;
+#[path = "serving_long.rs"]
+mod serving_long;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -169,6 +173,10 @@ fn main() -> anyhow::Result<()> {
     let tmp = tempfile::tempdir()?;
     let dir = tmp.path().join("smollm2");
     fsdp_app::convert::convert_gguf(&gguf, &dir, DType::BF16)?;
+    if std::env::args().skip(1).any(|a| a == "long") {
+        println!("CPU vector ISA: {}", common::vector_isa());
+        return serving_long::rows(&dir);
+    }
     if std::env::args().skip(1).any(|a| a == "lora") {
         println!("CPU vector ISA: {}", common::vector_isa());
         let (heavy, light) = bench_adapters(&dir, tmp.path())?;
@@ -208,6 +216,7 @@ fn main() -> anyhow::Result<()> {
     let _ = child.kill();
     let _ = child.wait();
     std::thread::sleep(Duration::from_millis(10));
+    serving_long::rows(&dir)?;
     let (heavy, light) = bench_adapters(&dir, tmp.path())?;
     multi_lora_memory(&dir, &heavy)?;
     multi_lora_throughput(&dir, &heavy, &light)

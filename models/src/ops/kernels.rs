@@ -53,7 +53,8 @@ impl SimdLevel {
     }
 }
 
-/// `x @ w^T` for a CPU `x` of shape (.., in) with at most [`GEMV_MAX_ROWS`] rows in all and a
+/// `x @ w^T` for a CPU `x` of shape (.., in) with at most [`GEMV_MAX_ROWS`] rows in all (with
+/// f32 weights up to `small_batch::SMALL_BATCH_MAX_ROWS`, by that module's kernel) and a
 /// contiguous CPU `w` (out, in), both f32, f16 or bf16 (f16 / bf16 weights are widened in
 /// registers, `half_dot`; the activations are taken in f32 and the result returned in `x`'s
 /// dtype), when neither needs a gradient; `None` when the call is not for this kernel (the caller
@@ -77,8 +78,13 @@ pub fn gemv_t_many(x: &Tensor, ws: &[&Tensor]) -> Result<Option<Vec<Tensor>>> {
             && !w.track_op()
             && w.dim(1).is_ok_and(|d| d == in_dim)
     };
-    let eligible =
-        matches!(x.device(), Device::Cpu) && float(x) && rows <= GEMV_MAX_ROWS && !x.track_op() && ws.iter().all(|w| weight_ok(w));
+    // A few more rows with f32 weights: `small_batch`, which also reads each weight once.
+    let small_batch = rows > GEMV_MAX_ROWS && rows <= super::small_batch::SMALL_BATCH_MAX_ROWS && ws[0].dtype() == DType::F32;
+    let eligible = matches!(x.device(), Device::Cpu)
+        && float(x)
+        && (rows <= GEMV_MAX_ROWS || small_batch)
+        && !x.track_op()
+        && ws.iter().all(|w| weight_ok(w));
     if !eligible {
         return Ok(None);
     }
@@ -104,6 +110,14 @@ pub fn gemv_t_many(x: &Tensor, ws: &[&Tensor]) -> Result<Option<Vec<Tensor>>> {
     let ys = match ws[0].dtype() {
         DType::F16 => run!(half::f16),
         DType::BF16 => run!(half::bf16),
+        _ if small_batch => {
+            let slices: Vec<&[f32]> = cpus
+                .iter()
+                .zip(&out_dims)
+                .map(|((cpu, start), out)| Ok(&cpu.as_slice::<f32>()?[*start..start + out * in_dim]))
+                .collect::<Result<_>>()?;
+            super::small_batch::rows_many(&xs, rows, &slices, in_dim, level)
+        }
         _ => run!(f32),
     };
     drop(guards);

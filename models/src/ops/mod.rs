@@ -25,6 +25,7 @@ pub mod lora_rows;
 pub mod quant_blocks;
 #[cfg(target_arch = "x86_64")]
 mod quant_blocks_x86;
+pub mod small_batch;
 pub mod weight_grads;
 
 use candle_core::{CpuStorage, DType, Layout, Result, Tensor};
