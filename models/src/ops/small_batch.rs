@@ -45,12 +45,19 @@ pub fn rows_many(x: &[f32], rows: usize, ws: &[&[f32]], in_dim: usize, level: Si
             let mut r = 0;
             #[cfg(target_arch = "x86_64")]
             if level >= SimdLevel::Avx2 && in_dim.is_multiple_of(8) {
-                // Pairs of batch rows by the tiled kernel; an odd last row below.
+                // The next block comes from memory while this one is read from L1: each pass
+                // over this block prefetches its share of the next.
+                let next = &ws[i][o1 * in_dim..(o1 + block_rows).min(range.end) * in_dim];
+                let passes = rows / X_ROWS;
+                let share = next.len().div_ceil(passes.max(1));
+                // X_ROWS batch rows at a time by the tiled kernel; the rest below.
                 while r + X_ROWS <= rows {
                     let (two, out) = (&mut dots[..X_ROWS * n], &outs[i]);
+                    let pass = r / X_ROWS;
+                    let prefetch = &next[(pass * share).min(next.len())..((pass + 1) * share).min(next.len())];
                     // SAFETY: the CPU has AVX2 and FMA; x holds rows × in_dim values, the block
-                    // n × in_dim, `two` 2 × n.
-                    unsafe { x86::rows_avx2(&x[r * in_dim..(r + X_ROWS) * in_dim], block, in_dim, two) };
+                    // n × in_dim, `two` X_ROWS × n.
+                    unsafe { x86::rows_avx2(&x[r * in_dim..(r + X_ROWS) * in_dim], block, in_dim, two, prefetch) };
                     for k in 0..X_ROWS {
                         // SAFETY: (matrix i, row r + k, columns o0..o1) is written by this work
                         // item alone, inside matrix i's (rows × out_i) buffer.
@@ -84,13 +91,19 @@ mod x86 {
     /// of `w` (`d` values each, a multiple of 8): three weight rows by four batch rows a pass,
     /// twelve accumulators, seven loads for twelve FMAs.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn rows_avx2(x: &[f32], w: &[f32], d: usize, out: &mut [f32]) {
+    /// Meanwhile it prefetches `prefetch` into the caches, one 64-byte line per step.
+    pub unsafe fn rows_avx2(x: &[f32], w: &[f32], d: usize, out: &mut [f32], prefetch: &[f32]) {
         let n = w.len() / d;
         let (px, pw) = (x.as_ptr(), w.as_ptr());
+        let (mut line, lines) = (0, prefetch.len().div_ceil(16));
         let mut j = 0;
         while j + W_ROWS <= n {
             let mut acc = [[_mm256_setzero_ps(); W_ROWS]; X_ROWS];
             for i in (0..d).step_by(8) {
+                if line < lines {
+                    _mm_prefetch::<_MM_HINT_T0>(prefetch.as_ptr().add(line * 16) as *const i8);
+                    line += 1;
+                }
                 let wv = [0, 1, 2].map(|c| _mm256_loadu_ps(pw.add((j + c) * d + i)));
                 for (k, acc) in acc.iter_mut().enumerate() {
                     let xv = _mm256_loadu_ps(px.add(k * d + i));
