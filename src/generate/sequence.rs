@@ -263,7 +263,7 @@ impl Sequence {
     /// The step of a sequence that has nothing left to run, if it is one.
     fn done_step(&mut self) -> Option<SequenceStep> {
         if let Some(f) = self.finish {
-            return Some(SequenceStep { text: String::new(), token: None, logprob: None, finished: Some(f), prompt_logprobs: None });
+            return Some(SequenceStep { finished: Some(f), ..Default::default() });
         }
         if self.generated.len() >= self.budget {
             return Some(self.end(FinishReason::Length, None));
@@ -325,7 +325,7 @@ impl Sequence {
         let step = self.stream.push(self.detokenizer.push(tokenizer, &self.generated)?);
         if step.stopped {
             self.finish = Some(FinishReason::Stop);
-            return Ok(SequenceStep { text: step.text, token: Some(next), logprob, finished: self.finish, prompt_logprobs: None });
+            return Ok(SequenceStep { text: step.text, token: Some(next), logprob, finished: self.finish, ..Default::default() });
         }
         if self.generated.len() >= self.budget {
             let mut out = self.end(FinishReason::Length, Some(next));
@@ -333,19 +333,13 @@ impl Sequence {
             out.logprob = logprob;
             return Ok(out);
         }
-        Ok(SequenceStep { text: step.text, token: Some(next), logprob, finished: None, prompt_logprobs: None })
+        Ok(SequenceStep { text: step.text, token: Some(next), logprob, ..Default::default() })
     }
 
     /// Ends the sequence at eos or the length limit: text held back for a possible stop string
     /// is released, since no stop string can complete any more.
     fn end(&mut self, reason: FinishReason, token: Option<u32>) -> SequenceStep {
         self.finish = Some(reason);
-        SequenceStep {
-            text: self.stream.finish(self.detokenizer.text()),
-            token,
-            logprob: None,
-            finished: Some(reason),
-            prompt_logprobs: None,
-        }
+        SequenceStep { text: self.stream.finish(self.detokenizer.text()), token, finished: Some(reason), ..Default::default() }
     }
 }
