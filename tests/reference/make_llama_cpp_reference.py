@@ -70,7 +70,7 @@ def main():
             files[fmt] = os.path.join(tmp, f"smollm2-{fmt}.gguf")
             quantize(src, files[fmt], ftype)
         for fmt, path in files.items():
-            llm = llama_cpp.Llama(model_path=path, n_ctx=1024, n_threads=2, logits_all=True, verbose=False)
+            llm = llama_cpp.Llama(model_path=path, n_ctx=2048, n_threads=2, logits_all=True, verbose=False)
             ids = llm.tokenize(text.encode(), add_bos=True, special=False)
             out["perplexity_ids"] = ids
             out["formats"][fmt] = {
