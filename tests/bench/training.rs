@@ -9,6 +9,8 @@
 //!     2 threads) next to PyTorch + transformers doing the same steps in the same run;
 //! (c) the same at world 2 (`local` backend, same global batch), to show the sharding overhead.
 //!
+//! `cargo bench --bench training -- speed` runs only (b) and (c), `-- memory` only (a).
+//!
 //! Environment: FSDP_BENCH_PYTHON (Python with torch + transformers, torchrun beside it;
 //! default python3),
 //! FSDP_BENCH_SKIP_MPI=1 to skip (a). Models are generated under target/bench-models once.
@@ -125,11 +127,23 @@ fn main() -> anyhow::Result<()> {
     let models_dir = root.join("target").join("bench-models");
     std::fs::create_dir_all(&models_dir)?;
     let tmp = tempfile::tempdir()?;
+    let python = std::env::var("FSDP_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let only = |part: &str| std::env::args().skip(1).any(|a| a == part);
+    if !only("memory") {
+        speed(&root, &models_dir, tmp.path(), &python)?;
+    }
+    if !only("speed") {
+        memory(&root, &models_dir, tmp.path(), &python)?;
+    }
+    Ok(())
+}
 
+/// (b) and (c): tokens/s beside PyTorch.
+fn speed(root: &Path, models_dir: &Path, tmp: &Path, python: &str) -> anyhow::Result<()> {
     // (b) and (c): each model at world 1 (and the small one at world 2), then PyTorch on the
     // same files and rows, alternating.
     let small = model(
-        &models_dir,
+        models_dir,
         "llama-28m",
         &[
             ("vocab_size", json!(8192)),
@@ -142,7 +156,7 @@ fn main() -> anyhow::Result<()> {
             ("rope_scaling", Value::Null),
         ],
     )?;
-    let small_data = tmp.path().join("small.jsonl");
+    let small_data = tmp.join("small.jsonl");
     data(&small_data, 64, 128, 8192)?;
     let mut runs = vec![(
         "Llama 28M (vocab 8192, hidden 512, 6 layers)".to_string(),
@@ -152,15 +166,14 @@ fn main() -> anyhow::Result<()> {
         6usize,
         vec![1usize, 2],
     )];
-    match smollm2(&models_dir) {
+    match smollm2(models_dir) {
         Ok(dir) => {
-            let d = tmp.path().join("smollm2.jsonl");
+            let d = tmp.join("smollm2.jsonl");
             data(&d, 16, 128, 49152)?;
             runs.push(("SmolLM2-135M (converted from the GGUF, f32)".to_string(), dir, d, 2, 4, vec![1]));
         }
         Err(e) => println!("SmolLM2 row skipped: {e:#}"),
     }
-    let python = std::env::var("FSDP_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
     for (name, dir, rows, batch, steps, worlds) in &runs {
         // Alternating rounds (ours, then PyTorch, again and again): the machine's drift hits
         // both sides alike; each side's figure is the median over its rounds.
@@ -168,7 +181,7 @@ fn main() -> anyhow::Result<()> {
         let (mut torch, mut torch_rounds) = (Err("not run".to_string()), vec![]);
         for round in 0..ROUNDS {
             for (world, tps_rounds, params, losses) in ours.iter_mut() {
-                let out = tmp.path().join(format!("{}-w{world}-r{round}", dir.file_name().unwrap().to_string_lossy()));
+                let out = tmp.join(format!("{}-w{world}-r{round}", dir.file_name().unwrap().to_string_lossy()));
                 let mut c = config(dir, rows, &out, *world);
                 (c.batch_size, c.max_steps) = (batch / *world, Some(*steps));
                 let s = run_local(&c)?;
@@ -176,7 +189,7 @@ fn main() -> anyhow::Result<()> {
                 tps_rounds.push(median(tps));
                 (*params, *losses) = (s.total_params, s.losses.clone());
             }
-            torch = torch_run(&python, &root, dir, rows, *batch, *steps);
+            torch = torch_run(python, root, dir, rows, *batch, *steps);
             if let Some(t) = torch.as_ref().ok().and_then(|t| t["tokens_per_s"].as_f64()) {
                 torch_rounds.push(t);
             }
@@ -214,13 +227,17 @@ fn main() -> anyhow::Result<()> {
         }
     }
 
-    // (a)
+    Ok(())
+}
+
+/// (a): per-rank peak memory under mpirun beside PyTorch FSDP2 under torchrun.
+fn memory(root: &Path, models_dir: &Path, tmp: &Path, python: &str) -> anyhow::Result<()> {
     if std::env::var("FSDP_BENCH_SKIP_MPI").is_ok() || !cfg!(feature = "mpi") {
         println!("\n(a) skipped: needs `--features mpi` and mpirun");
         return Ok(());
     }
     let big = model(
-        &models_dir,
+        models_dir,
         "llama-220m",
         &[
             ("vocab_size", json!(32000)),
@@ -238,7 +255,7 @@ fn main() -> anyhow::Result<()> {
         .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
         .map(|e| e.metadata().unwrap().len())
         .sum();
-    let big_data = tmp.path().join("big.jsonl");
+    let big_data = tmp.join("big.jsonl");
     data(&big_data, 16, 64, 32000)?;
     let exe = PathBuf::from(env!("CARGO_BIN_EXE_fsdp-app"));
     println!(
@@ -252,12 +269,14 @@ fn main() -> anyhow::Result<()> {
     println!("| run | world | strategy | activation checkpointing | rank 0 | other ranks (max) | tokens/s |");
     println!("|---|---|---|---|---|---|---|");
     let row = |who: &str, world: usize, strategy: &str, ac: bool, peaks: &[u64], tps: Option<f64>| {
-        let others = peaks.iter().skip(1).max().map(|b| human_bytes(*b)).unwrap_or_else(|| "-".into());
+        // MiB, not human_bytes' tenths of a GiB: rank 0 beside the others is a 5% question.
+        let mib = |b: &u64| format!("{} MiB", b >> 20);
+        let others = peaks.iter().skip(1).max().map(mib).unwrap_or_else(|| "-".into());
         let tps = tps.map(|t| format!("{t:.0}")).unwrap_or_else(|| "n/a".into());
         println!(
             "| {who} | {world} | {strategy} | {} | {} | {others} | {tps} |",
             if ac { "on" } else { "off" },
-            peaks.first().map(|b| human_bytes(*b)).unwrap_or_default()
+            peaks.first().map(mib).unwrap_or_default()
         );
     };
     let mut save_log = String::new();
@@ -270,7 +289,7 @@ fn main() -> anyhow::Result<()> {
         (4, "SHARD_GRAD_OP", false),
         (4, "NO_SHARD", false),
     ] {
-        let out = tmp.path().join(format!("mpi-{world}-{strategy}-{ac}"));
+        let out = tmp.join(format!("mpi-{world}-{strategy}-{ac}"));
         let mut cmd = Command::new("mpirun");
         cmd.args(["--allow-run-as-root", "--oversubscribe", "-np", &world.to_string()]).arg(&exe);
         cmd.args(["finetune", "--model", big.to_str().unwrap(), "--data", big_data.to_str().unwrap(), "--output-dir"]).arg(&out);
@@ -293,7 +312,7 @@ fn main() -> anyhow::Result<()> {
             out_of_saved = out;
         }
     }
-    let torchrun = PathBuf::from(&python).with_file_name("torchrun");
+    let torchrun = PathBuf::from(python).with_file_name("torchrun");
     for (world, strategy, ac) in
         [(1usize, "FULL_SHARD", false), (4, "FULL_SHARD", false), (4, "FULL_SHARD", true), (4, "SHARD_GRAD_OP", false)]
     {
@@ -338,7 +357,7 @@ fn main() -> anyhow::Result<()> {
         println!("  {l}");
     }
     let ckpt = out.join("checkpoint-3");
-    let merged = tmp.path().join("merged");
+    let merged = tmp.join("merged");
     let t = std::time::Instant::now();
     let m = Command::new(&exe).arg("merge").arg(&ckpt).arg(&merged).output()?;
     let merge_line = String::from_utf8_lossy(&m.stderr).lines().last().unwrap_or("").to_string();

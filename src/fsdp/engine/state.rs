@@ -5,6 +5,12 @@ use super::shards::HostState;
 use super::*;
 use crate::fsdp::plan::ParamLayout;
 
+/// Values rank 0 reads and scatters to each rank at a time while streaming a unit (4 MiB of
+/// f32): small enough that rank 0's peak stays that of the other ranks (the issue: it held a
+/// whole unit, the 128 MiB embedding of a 220M Llama), large enough that the scatters' latency
+/// does not show in the load time.
+const STREAM_PIECE: usize = 1 << 20;
+
 impl FsdpEngine {
     /// Refreshes the host copy of device-resident state (before checkpointing or inspecting
     /// it); nothing to do when the state lives in host memory. The device copy stays the one
@@ -51,8 +57,9 @@ impl FsdpEngine {
         self.load_unit_part_from(u, part, full.as_ref().map(|m| m as &dyn ParamSource))
     }
 
-    /// Like `load_unit_part`, rank 0 reading the values from `source` a chunk of rows at a time:
-    /// it holds the unit's chunks for every rank (one unit) and never a full parameter.
+    /// Like `load_unit_part`, rank 0 reading the values from `source` a piece of rows at a time
+    /// and scattering each piece before reading the next: beyond its own shard it holds one
+    /// piece per rank ([`STREAM_PIECE`] values each), never a whole unit or parameter.
     pub fn load_unit_part_from(&mut self, u: usize, part: StatePart, source: Option<&dyn ParamSource>) -> Result<()> {
         let world = &self.groups.world;
         let shard_size = self.groups.shard.world_size();
@@ -64,27 +71,35 @@ impl FsdpEngine {
         if buf_len == 0 {
             return Ok(());
         }
-        let chunks = match source {
-            // World rank r gets shard r % shard_size (replicas share chunks): its rows of each
-            // parameter, zero rows for padding.
-            Some(source) => {
-                let mut all = Vec::with_capacity(world.world_size());
-                for r in 0..world.world_size() {
-                    let k = r % shard_size;
-                    let mut buf = Vec::with_capacity(buf_len);
-                    for p in plan.params.iter().filter(in_part) {
-                        let rows = (k * p.chunk_rows).min(p.rows)..((k + 1) * p.chunk_rows).min(p.rows);
-                        let want = buf.len() + p.chunk_len();
-                        source.append_rows(p, rows, &mut buf)?;
-                        buf.resize(want, 0.0);
-                    }
-                    all.push(buf);
-                }
-                Some(all)
+        let mut mine = Vec::with_capacity(buf_len);
+        // Every rank walks the same (parameter, row piece) sequence from the plan, so the
+        // scatters pair up without any other coordination.
+        for p in plan.params.iter().filter(in_part) {
+            let piece_rows = (STREAM_PIECE / p.row_len.max(1)).max(1);
+            let mut at = 0;
+            while at < p.chunk_rows {
+                let n = piece_rows.min(p.chunk_rows - at);
+                // World rank r gets shard r % shard_size (replicas share chunks): its rows of
+                // the parameter, zero rows for padding.
+                let pieces = match source {
+                    Some(source) => Some(
+                        (0..world.world_size())
+                            .map(|r| {
+                                let first = (r % shard_size) * p.chunk_rows + at;
+                                let mut buf = Vec::with_capacity(n * p.row_len);
+                                source.append_rows(p, first.min(p.rows)..(first + n).min(p.rows), &mut buf)?;
+                                buf.resize(n * p.row_len, 0.0);
+                                Ok(buf)
+                            })
+                            .collect::<Result<Vec<_>>>()?,
+                    ),
+                    None => None,
+                };
+                mine.extend(world.scatter(0, pieces)?);
+                at += n;
             }
-            None => None,
-        };
-        let mine = world.scatter(0, chunks)?;
+        }
+        debug_assert_eq!(mine.len(), buf_len);
         let unit = &mut self.units[u];
         unit.shards.load_part(&unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device), part, &mine)?;
         self.host_stale = true;
