@@ -204,21 +204,24 @@ fn speed(root: &Path, models_dir: &Path, tmp: &Path, python: &str) -> anyhow::Re
             ours[0].2 as f64 / 1e6
         );
         println!("(median of steps 2-{steps}, median of {ROUNDS} alternating rounds; FSDP: FULL_SHARD, one unit per layer, no activation checkpointing)\n");
-        println!("| run | tokens/s | vs PyTorch |");
-        println!("|---|---|---|");
+        // Our kernels' level (FSDP_SIMD lowers it); the gemm crate picks its own kernels from the
+        // CPU (AVX-512 where there is one) and cannot be forced lower.
+        let isa = format!("{:?}", models::ops::kernels::SimdLevel::current());
+        println!("| run | ISA (our kernels) | tokens/s | vs PyTorch |");
+        println!("|---|---|---|---|");
         let torch_tps = torch.as_ref().ok().and_then(|t| t["tokens_per_s"].as_f64());
         for (world, tps, _, _) in &ours {
             let ratio = torch_tps.map(|t| format!("{:.2}x", tps / t)).unwrap_or_else(|| "n/a".into());
-            println!("| fsdp-app, world {world} (local) | {tps:.0} | {ratio} |");
+            println!("| fsdp-app, world {world} (local) | {isa} | {tps:.0} | {ratio} |");
         }
         match &torch {
             Ok(t) => println!(
-                "| PyTorch {} + transformers {} (sdpa), plain (no FSDP) | {:.0} | 1.00x |",
+                "| PyTorch {} + transformers {} (sdpa), plain (no FSDP) | its own | {:.0} | 1.00x |",
                 t["torch"].as_str().unwrap_or("?"),
                 t["transformers"].as_str().unwrap_or("?"),
                 t["tokens_per_s"].as_f64().unwrap_or(0.0)
             ),
-            Err(why) => println!("| PyTorch | n/a: {why} | |"),
+            Err(why) => println!("| PyTorch | | n/a: {why} | |"),
         }
         if let Ok(t) = &torch {
             let theirs: Vec<f64> = t["losses"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();

@@ -1,0 +1,114 @@
+//! `cargo bench --bench matmul`: the training step's matrix products on their own, ours beside
+//! the BLAS libraries PyTorch and numpy users run, on this CPU, in one run: for each linear layer
+//! shape of the training bench's two models (tokens, in, out), the forward `y = x Wᵀ` and the
+//! backward's `dx = dy W` plus `dW = dyᵀ x`, as GFLOP/s:
+//! - ours: `models::ops::linear` (the gemm crate's kernels, on candle's barrier pool), the code
+//!   `finetune` runs;
+//! - MKL / oneDNN: PyTorch's CPU matmul through autograd (the PyPI wheel), the peer of the
+//!   training bench;
+//! - OpenBLAS: numpy's `@` (the PyPI wheel ships OpenBLAS).
+//!
+//! FSDP_BENCH_PYTHON: a Python with numpy (and torch for the MKL column; default python3).
+//! FSDP_BENCH_THREADS: threads for every library (default 2).
+
+#[path = "../common/mod.rs"]
+mod common;
+
+use std::process::Command;
+use std::time::Instant;
+
+use candle_core::{Device, Tensor};
+use serde_json::Value;
+
+const ROUNDS: usize = 15;
+
+/// (tokens, in, out) of every distinct linear layer: the 28M Llama at batch 4 x 128, SmolLM2-135M
+/// at batch 2 x 128.
+const SHAPES: &[(&str, [usize; 3])] = &[
+    ("28M q/k/v/o", [512, 512, 512]),
+    ("28M gate/up", [512, 512, 1408]),
+    ("28M down", [512, 1408, 512]),
+    ("28M head", [512, 512, 8192]),
+    ("135M q/o", [256, 576, 576]),
+    ("135M k/v", [256, 576, 192]),
+    ("135M gate/up", [256, 576, 1536]),
+    ("135M down", [256, 1536, 576]),
+    ("135M head", [256, 576, 49152]),
+];
+
+fn best(mut f: impl FnMut()) -> f64 {
+    for _ in 0..3 {
+        f();
+    }
+    (0..ROUNDS)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+fn main() -> anyhow::Result<()> {
+    let threads: usize = std::env::var("FSDP_BENCH_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(2);
+    fsdp_app::tune_cpu_threads(fsdp_app::CpuWorkload::Train);
+    std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+    let dev = Device::Cpu;
+    let mut ours = vec![];
+    for (_, [m, k, n]) in SHAPES {
+        let x = Tensor::randn(0f32, 1.0, (*m, *k), &dev)?;
+        let w = Tensor::randn(0f32, 1.0, (*n, *k), &dev)?;
+        let dy = Tensor::randn(0f32, 1.0, (*m, *n), &dev)?;
+        let fwd = best(|| drop(models::ops::linear::linear(&x, &w).unwrap()));
+        let bwd = best(|| drop(models::ops::linear::linear_grads(&x, &w, &dy).unwrap()));
+        ours.push((fwd, bwd));
+    }
+    let python = std::env::var("FSDP_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/bench/matmul_peers.py");
+    let shapes: Vec<[usize; 3]> = SHAPES.iter().map(|(_, s)| *s).collect();
+    let peers = Command::new(&python)
+        .arg(&script)
+        .args([threads.to_string(), ROUNDS.to_string(), serde_json::to_string(&shapes)?])
+        .output()
+        .map_err(|e| e.to_string())
+        .and_then(|o| match o.status.success() {
+            true => serde_json::from_slice::<Value>(&o.stdout).map_err(|e| e.to_string()),
+            false => Err(String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("failed").to_string()),
+        });
+
+    println!("\nCPU vector ISA: {}", common::vector_isa());
+    println!(
+        "Training's linear-layer products, f32, {threads} threads, best of {ROUNDS}: GFLOP/s (forward: 2mnk; backward: dx and dW, 4mnk)"
+    );
+    match &peers {
+        Ok(p) => println!(
+            "peers: PyTorch {} (MKL / oneDNN, autograd), numpy {} ({})\n",
+            p["torch"].as_str().unwrap_or("n/a"),
+            p["numpy"].as_str().unwrap_or("?"),
+            p["numpy_blas"].as_str().unwrap_or("?")
+        ),
+        Err(e) => println!("peers: n/a ({e})\n"),
+    }
+    println!("| layer (tokens x in -> out) | pass | fsdp-app | PyTorch (MKL) | numpy (OpenBLAS) | vs MKL | vs OpenBLAS |");
+    println!("|---|---|---|---|---|---|---|");
+    for (i, ((name, [m, k, n]), (fwd, bwd))) in SHAPES.iter().zip(&ours).enumerate() {
+        let flops = (2 * m * k * n) as f64;
+        let row = peers.as_ref().ok().map(|p| &p["shapes"][i]);
+        for (pass, ours_s, work, key) in [("forward", fwd, flops, "fwd"), ("backward", bwd, 2.0 * flops, "bwd")] {
+            let rate = |s: f64| work / s / 1e9;
+            let peer = |lib: &str| row.and_then(|r| r[format!("{lib}_{key}")].as_f64()).map(rate);
+            let (mkl, blas) = (peer("torch"), peer("openblas"));
+            let cell = |v: Option<f64>| v.map(|g| format!("{g:.0}")).unwrap_or_else(|| "n/a".into());
+            let ratio = |v: Option<f64>| v.map(|g| format!("{:.2}x", rate(*ours_s) / g)).unwrap_or_else(|| "n/a".into());
+            println!(
+                "| {name} ({m} x {k} -> {n}) | {pass} | {:.0} | {} | {} | {} | {} |",
+                rate(*ours_s),
+                cell(mkl),
+                cell(blas),
+                ratio(mkl),
+                ratio(blas)
+            );
+        }
+    }
+    Ok(())
+}
