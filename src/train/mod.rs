@@ -5,6 +5,7 @@ pub mod accelerate_config;
 pub mod batch;
 pub mod config_file;
 pub mod data;
+pub mod dpo;
 pub mod estimate;
 pub mod finetune;
 pub mod formats;
