@@ -176,7 +176,7 @@ fn parquet_rows(path: &Path, bytes: &[u8]) -> Result<Vec<(usize, Result<Value>)>
 }
 
 /// Rows of a data file with their line (or row) numbers: Parquet, a `.json` array, or JSONL.
-fn read_rows_bytes(path: &Path, bytes: &[u8]) -> Result<Vec<(usize, Result<Value>)>> {
+pub(super) fn read_rows_bytes(path: &Path, bytes: &[u8]) -> Result<Vec<(usize, Result<Value>)>> {
     if is_parquet(path, bytes) {
         return parquet_rows(path, bytes);
     }

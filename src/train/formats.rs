@@ -32,7 +32,7 @@ pub fn alpaca_prompt(instruction: &str, input: &str) -> String {
     }
 }
 
-fn string_field<'a>(row: &'a Value, field: &str) -> Result<&'a str> {
+pub(super) fn string_field<'a>(row: &'a Value, field: &str) -> Result<&'a str> {
     match row.get(field) {
         Some(Value::String(s)) => Ok(s),
         Some(other) => bail!("field `{field}` must be a string, found {}", short(other)),
@@ -40,7 +40,7 @@ fn string_field<'a>(row: &'a Value, field: &str) -> Result<&'a str> {
     }
 }
 
-fn short(v: &Value) -> String {
+pub(super) fn short(v: &Value) -> String {
     let s = v.to_string();
     if s.chars().count() > 40 {
         format!("{}...", s.chars().take(40).collect::<String>())
@@ -49,7 +49,7 @@ fn short(v: &Value) -> String {
     }
 }
 
-fn id_list(row: &Value, field: &str) -> Result<Option<Vec<i64>>> {
+pub(super) fn id_list(row: &Value, field: &str) -> Result<Option<Vec<i64>>> {
     match row.get(field) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Array(a)) => a
@@ -61,7 +61,7 @@ fn id_list(row: &Value, field: &str) -> Result<Option<Vec<i64>>> {
     }
 }
 
-fn messages(list: &Value, field: &str, role_key: &str, content_key: &str) -> Result<Vec<ChatMessage>> {
+pub(super) fn messages(list: &Value, field: &str, role_key: &str, content_key: &str) -> Result<Vec<ChatMessage>> {
     let items = list.as_array().with_context(|| format!("field `{field}` must be a list of messages"))?;
     if items.is_empty() {
         bail!("field `{field}` is empty");

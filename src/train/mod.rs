@@ -11,6 +11,7 @@ pub mod finetune;
 pub mod formats;
 pub mod loss;
 pub mod metrics_row;
+pub mod preference;
 pub mod report;
 
 /// The sequence length of a run with no `--seq-len`: 512 tokens, or the model's context when
