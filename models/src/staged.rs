@@ -40,6 +40,9 @@ pub struct StageContext {
     /// Given, the CPU training ops of the embedding and the fused head hand their weight's
     /// gradient to it instead of to candle's gradient store (`crate::ops::weight_grads`).
     pub weight_grads: Option<WeightGrads>,
+    /// Run the layers without their LoRA adapters: the frozen base alone, which is DPO's
+    /// reference model in a LoRA run (PEFT's `disable_adapter`), with no second copy of it.
+    pub adapters_off: bool,
 }
 
 /// What a distributed engine needs from a model.
@@ -184,7 +187,8 @@ impl StagedModel for LlamaStages {
             };
         }
         let layer_vb = Self::vb(params, &names, &like);
-        let layer = DecoderLayer::new(&self.cfg, self.lora.as_ref(), layer_vb.pp(format!("model.layers.{}", s - 1)))?;
+        let lora = if ctx.adapters_off { None } else { self.lora.as_ref() };
+        let layer = DecoderLayer::new(&self.cfg, lora, layer_vb.pp(format!("model.layers.{}", s - 1)))?;
         let (b, t, _h) = input.dims3()?;
         let dtype = if input.dtype() == DType::U32 { like.dtype() } else { input.dtype() };
         let (cos, sin, mask) = match &ctx.packing {

@@ -392,6 +392,12 @@ pub fn epoch_order(n: usize, epoch: usize, seed: u64, shuffle: bool) -> Vec<usiz
     order
 }
 
+/// [`epoch_order`] of whole examples of `group` consecutive samples (DPO's pairs): the
+/// examples are shuffled, never the samples inside one.
+pub fn epoch_order_grouped(samples: usize, group: usize, epoch: usize, seed: u64, shuffle: bool) -> Vec<usize> {
+    epoch_order(samples / group, epoch, seed, shuffle).into_iter().flat_map(|e| (0..group).map(move |k| e * group + k)).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -42,6 +42,39 @@ impl FromStr for DpoLossKind {
     }
 }
 
+/// `--method dpo`'s settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DpoSettings {
+    pub beta: f64,
+    pub loss: DpoLossKind,
+}
+
+/// TRL's default beta.
+pub const DEFAULT_BETA: f64 = 0.1;
+
+impl DpoSettings {
+    /// The settings of `--method M --dpo-beta B --dpo-loss L`: `None` for SFT, which refuses
+    /// the DPO flags rather than ignore them.
+    pub fn from_flags(method: &str, beta: Option<f64>, loss: Option<&str>) -> anyhow::Result<Option<Self>> {
+        match method {
+            "sft" => {
+                if beta.is_some() || loss.is_some() {
+                    anyhow::bail!("--dpo-beta and --dpo-loss apply to --method dpo (this run is --method sft)");
+                }
+                Ok(None)
+            }
+            "dpo" => {
+                let beta = beta.unwrap_or(DEFAULT_BETA);
+                if !(beta.is_finite() && beta > 0.0) {
+                    anyhow::bail!("--dpo-beta must be a positive number, got {beta}");
+                }
+                Ok(Some(Self { beta, loss: loss.map(str::parse).transpose()?.unwrap_or_default() }))
+            }
+            other => anyhow::bail!("--method {other:?}: use sft or dpo"),
+        }
+    }
+}
+
 /// TRL's per-step statistics, summed over pairs (divide by `pairs` for TRL's means).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct DpoStats {

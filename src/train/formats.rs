@@ -104,6 +104,9 @@ pub fn parse_row(row: &Value, has_template: bool) -> Result<Example> {
     if !row.is_object() {
         bail!("row is not a JSON object");
     }
+    if crate::train::preference::is_preference_row(row) {
+        bail!("this is a preference row (chosen / rejected); train on preference pairs with --method dpo");
+    }
     if row.get("input_ids").is_some() {
         let input_ids = id_list(row, "input_ids")?.context("missing field `input_ids`")?;
         if input_ids.is_empty() {

@@ -2,6 +2,8 @@
 //! evaluation. The training writes it (`finetune::metrics_log`); the jobs runner and resume read
 //! it back with the same types.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 /// The file's name in the output directory.
@@ -27,6 +29,10 @@ pub struct StepRow {
     /// GPU runs: device memory in use on each rank at the end of the step.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu_memory_bytes_per_rank: Option<Vec<u64>>,
+    /// DPO runs: TRL's statistics of the step (`rewards/chosen`, `rewards/rejected`,
+    /// `rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected`).
+    #[serde(flatten)]
+    pub preference: BTreeMap<String, f64>,
 }
 
 /// An evaluation after step `step`.
@@ -34,7 +40,12 @@ pub struct StepRow {
 pub struct EvalRow {
     pub step: usize,
     pub eval_loss: f64,
-    pub eval_perplexity: f64,
+    /// SFT runs (a token loss's perplexity).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_perplexity: Option<f64>,
+    /// DPO runs: the step row's statistics over the eval pairs, named `eval_rewards/chosen`, ...
+    #[serde(flatten)]
+    pub preference: BTreeMap<String, f64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

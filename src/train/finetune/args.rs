@@ -44,6 +44,17 @@ pub struct FinetuneArgs {
     /// "value"}]}, Alpaca {"instruction", "input", "output"}, or {"input_ids", "labels"}.
     #[arg(long)]
     pub data: Option<PathBuf>,
+    /// What to train for: sft (next-token cross-entropy on the data's completions) or dpo
+    /// (direct preference optimisation on {"prompt", "chosen", "rejected"} pairs, OpenAI's DPO
+    /// rows or pre-tokenised pairs; --batch-size and the global batch count pairs).
+    #[arg(long, default_value = "sft")]
+    pub method: String,
+    /// DPO's beta: how far the policy may move from the reference (TRL's default 0.1).
+    #[arg(long)]
+    pub dpo_beta: Option<f64>,
+    /// DPO's loss: sigmoid (the paper's, default), hinge or ipo (TRL's loss_type names).
+    #[arg(long)]
+    pub dpo_loss: Option<String>,
     /// Which tokens the loss is on: auto (assistant turns of chats, completions, all of text),
     /// all, completion (the last assistant turn / the completion) or assistant (every assistant turn).
     #[arg(long, default_value = "auto")]
@@ -402,6 +413,7 @@ impl TryFrom<FinetuneArgs> for FinetuneConfig {
             resume_allow_changed: AllowedChanges::parse(&a.resume_allow_changed)?,
             save_full_every: a.save_full_every,
             train_on: a.train_on.parse()?,
+            dpo: crate::train::dpo::DpoSettings::from_flags(&a.method, a.dpo_beta, a.dpo_loss.as_deref())?,
             skip_bad_rows: a.skip_bad_rows,
             packing: a.packing,
             show_sample: a.show_sample,

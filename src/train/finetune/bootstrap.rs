@@ -58,7 +58,11 @@ impl Bootstrap {
 
 /// The samples and how the run walks them.
 pub(super) struct TrainingData {
+    /// SFT: one sample per example; DPO: each pair's chosen sample, then its rejected one.
     pub samples: Vec<Sample>,
+    /// Samples per example (1, or 2 for DPO's pairs): batches, the data order and splits
+    /// never separate an example's samples.
+    pub group: usize,
     pub eval_samples: Vec<Sample>,
     /// The training file's identity, for checkpoints to record: rank 0 only (the one that reads
     /// the file, writes checkpoints and checks resumes), so no other rank hashes it.
@@ -156,7 +160,8 @@ fn load_data(
     let template = tokenizer.as_ref().and_then(|t| t.chat_template.as_ref());
     let tools = TextTools { encode: &encode, decode: &decode, template, eos_id: eos, pad_id: eos.unwrap_or(0) };
     let opts = DataOptions { seq_len, train_on: cfg.train_on, skip_bad_rows: cfg.skip_bad_rows, packing: cfg.packing };
-    let (dataset, identity) = shared_dataset(groups, &cfg.data, &opts, &tools)?;
+    let read = |spec: &Path| shared_dataset(groups, spec, &opts, &tools, cfg.dpo.is_some());
+    let (dataset, identity) = read(&cfg.data)?;
     if is_root && cfg.verbose {
         report_dataset(&dataset, cfg, seq_len);
     }
@@ -164,25 +169,39 @@ fn load_data(
         eprintln!("sample 0 ([masked]...[/masked] is not trained on):\n{}", describe_sample(&dataset.samples[0], &decode)?);
     }
     let mut samples = dataset.samples;
+    let group = if cfg.dpo.is_some() { 2 } else { 1 };
     let eval_samples: Vec<Sample> = match (&cfg.eval_data, cfg.eval_split) {
-        (Some(p), _) => shared_dataset(groups, p, &opts, &tools)?.0.samples,
+        (Some(p), _) => read(p)?.0.samples,
         (None, Some(f)) => {
-            // The last rows of the file, so the split is the same on every rank and every run.
-            let n = ((samples.len() as f64 * f).round() as usize).max(1);
-            if n >= samples.len() {
-                bail!("--eval-split {f} leaves no training samples ({} in all)", samples.len());
+            // The last rows of the file, so the split is the same on every rank and every run;
+            // whole examples (a pair's two samples stay together).
+            let examples = samples.len() / group;
+            let n = ((examples as f64 * f).round() as usize).max(1);
+            if n >= examples {
+                bail!("--eval-split {f} leaves no training examples ({examples} in all)");
             }
-            samples.split_off(samples.len() - n)
+            samples.split_off((examples - n) * group)
         }
         (None, None) => vec![],
     };
     if is_root && cfg.verbose && !eval_samples.is_empty() {
         eprintln!("eval: {} samples", eval_samples.len());
     }
-    Ok(TrainingData { samples, eval_samples, identity })
+    Ok(TrainingData { samples, group, eval_samples, identity })
 }
 
 fn report_dataset(dataset: &Dataset, cfg: &FinetuneConfig, seq_len: usize) {
+    if cfg.dpo.is_some() {
+        eprintln!(
+            "data: {} rows -> {} preference pairs of at most {seq_len} tokens per sequence ({} skipped, {} truncated); {} completion tokens",
+            dataset.rows,
+            dataset.samples.len() / 2,
+            dataset.skipped,
+            dataset.truncated,
+            dataset.supervised_tokens
+        );
+        return;
+    }
     eprintln!(
         "data: {} rows -> {} samples of {} tokens ({} skipped, {} truncated); {} trained-on tokens; {} efficiency {:.1}%",
         dataset.rows,
@@ -197,12 +216,23 @@ fn report_dataset(dataset: &Dataset, cfg: &FinetuneConfig, seq_len: usize) {
 }
 
 /// Rank 0 resolves the data (a local file or a Hub dataset file, downloaded once) and sends its
-/// bytes; every rank builds the same samples from them. Rank 0 also returns the file's identity.
-fn shared_dataset(groups: &ProcessGroups, spec: &Path, opts: &DataOptions, tools: &TextTools) -> Result<(Dataset, Option<DataIdentity>)> {
+/// bytes; every rank builds the same samples from them (preference pairs with `pairs`). Rank 0
+/// also returns the file's identity.
+fn shared_dataset(
+    groups: &ProcessGroups,
+    spec: &Path,
+    opts: &DataOptions,
+    tools: &TextTools,
+    pairs: bool,
+) -> Result<(Dataset, Option<DataIdentity>)> {
     let (identity, body) = root_tries(groups.world.as_ref(), "read the data", || {
         let path = crate::train::data::resolve_data(&spec.to_string_lossy())?;
         let bytes = std::fs::read(&path).with_context(|| format!("{}: cannot read", path.display()))?;
         Ok((DataIdentity::of(&spec.to_string_lossy(), &bytes), bytes))
     })?;
-    Ok((crate::train::data::load_dataset_bytes(spec, &body, opts, tools)?, identity))
+    let dataset = match pairs {
+        true => crate::train::preference::load_preference_dataset(spec, &body, opts.seq_len, opts.skip_bad_rows, tools)?,
+        false => crate::train::data::load_dataset_bytes(spec, &body, opts, tools)?,
+    };
+    Ok((dataset, identity))
 }

@@ -77,6 +77,8 @@ pub struct FinetuneConfig {
     /// `transformer_cls_names_to_wrap`, checked against the model's decoder layer class.
     pub layer_class_names: Option<String>,
     pub train_on: TrainOn,
+    /// `--method dpo`: preference tuning with these settings; `None`: supervised fine-tuning.
+    pub dpo: Option<crate::train::dpo::DpoSettings>,
     pub skip_bad_rows: bool,
     /// Several samples per row, unable to see each other.
     pub packing: bool,
@@ -176,6 +178,17 @@ pub fn validate(cfg: &FinetuneConfig, world: usize) -> Result<()> {
     }
     if cfg.merge_lora && cfg.lora.is_none() && cfg.adapter.is_none() {
         bail!("--merge-lora needs a LoRA run (--lora-r, --lora-targets, ... or --adapter)");
+    }
+    if cfg.dpo.is_some() {
+        if cfg.packing {
+            bail!("--packing cannot be used with --method dpo: a pair's chosen and rejected sequences are scored whole, one per row");
+        }
+        if cfg.train_on != TrainOn::Auto {
+            bail!("--train-on applies to --method sft; DPO scores each pair's completions");
+        }
+        if cfg.auto_find_batch_size {
+            bail!("--auto-find-batch-size is not available with --method dpo yet; give --batch-size (pairs per rank) and --grad-accum");
+        }
     }
     if let Some(dir) = &cfg.adapter {
         if !dir.join(crate::model_files::adapter::ADAPTER_CONFIG).is_file() {

@@ -25,6 +25,8 @@ pub(super) struct StepReport {
     /// `trained_tokens` count.
     pub tokens: f64,
     pub secs: f64,
+    /// DPO's statistics (TRL's names); empty for SFT.
+    pub metrics: Vec<(&'static str, f64)>,
 }
 
 pub(super) struct MetricsLog {
@@ -95,6 +97,7 @@ impl MetricsLog {
             step_s: r.secs,
             tokens: r.tokens as u64,
             gpu_memory_bytes_per_rank: gpu.clone(),
+            preference: r.metrics.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
         });
         writeln!(f, "{}", serde_json::to_string(&row)?)?;
         f.flush()?;
@@ -115,6 +118,7 @@ impl MetricsLog {
                 if let Some(g) = &gpu {
                     line += &format!(" | GPU memory per rank [{}]", list(g));
                 }
+                line += &preference_line(&r.metrics);
                 // A hidden bar (stderr not a terminal) drops println: print plainly then.
                 if pb.is_hidden() {
                     eprintln!("{line}");
@@ -128,16 +132,18 @@ impl MetricsLog {
         Ok(())
     }
 
-    /// Records an evaluation (rank 0 writes it).
-    pub fn eval(&mut self, step: usize, loss: f64, perplexity: f64) -> Result<()> {
+    /// Records an evaluation (rank 0 writes it): SFT's perplexity, or DPO's statistics.
+    pub fn eval(&mut self, step: usize, loss: f64, perplexity: Option<f64>, metrics: &[(&'static str, f64)]) -> Result<()> {
         self.history.eval.push((step, loss));
         if let Some(f) = self.metrics.as_mut() {
-            let row = MetricsRow::Eval(EvalRow { step, eval_loss: loss, eval_perplexity: perplexity });
+            let preference = metrics.iter().map(|(k, v)| (format!("eval_{k}"), *v)).collect();
+            let row = MetricsRow::Eval(EvalRow { step, eval_loss: loss, eval_perplexity: perplexity, preference });
             writeln!(f, "{}", serde_json::to_string(&row)?)?;
             f.flush()?;
             self.history.write_svg(&self.output_dir.join("loss.svg"))?;
             if self.verbose {
-                eprintln!("eval  {step:>5} | loss {loss:.4} | perplexity {perplexity:.3}");
+                let ppl = perplexity.map(|p| format!(" | perplexity {p:.3}")).unwrap_or_default();
+                eprintln!("eval  {step:>5} | loss {loss:.4}{ppl}{}", preference_line(metrics));
             }
         }
         Ok(())
@@ -149,6 +155,11 @@ impl MetricsLog {
             pb.finish_and_clear();
         }
     }
+}
+
+/// DPO's statistics on a step or eval line: ` | rewards/chosen 0.0123 | ...`.
+fn preference_line(metrics: &[(&'static str, f64)]) -> String {
+    metrics.iter().map(|(k, v)| format!(" | {k} {v:.4}")).collect()
 }
 
 /// Peak RSS of every rank's process (the same process for local ranks) and, on GPUs, the

@@ -23,6 +23,7 @@ mod config;
 mod export;
 pub mod interrupt;
 mod metrics_log;
+mod objective;
 pub mod plan;
 mod ranks;
 mod setup;
@@ -57,9 +58,10 @@ fn run_rank_phases(groups: &ProcessGroups, cfg: &FinetuneConfig, device: Option<
     let batch = auto_batch::fit(groups, cfg, &boot, boot.seq_len)?;
     let plan = plan::RunPlan::settle(groups, cfg, &boot, batch)?;
     let mut engine = setup::build_engine(groups, cfg, &boot, device)?;
-    let rank_bytes = setup::load_or_resume(&mut engine, groups, cfg, &plan, &boot)?;
+    let (rank_bytes, resumed) = setup::load_or_resume(&mut engine, groups, cfg, &plan, &boot)?;
     let plan = auto_batch::fit_by_trial(&mut engine, groups, cfg, &boot, plan)?;
-    let curve = train_loop::train(&mut engine, groups, cfg, &plan, &boot)?;
+    let objective = objective::Objective::settle(&mut engine, groups, cfg, &boot, plan.micro_batch, resumed.as_deref())?;
+    let curve = train_loop::train(&mut engine, groups, cfg, &plan, &boot, &objective)?;
     export::export_result(&engine, &boot, &cfg.output_dir, cfg)?;
     let is_root = groups.world.rank() == 0;
     if is_root && cfg.verbose {

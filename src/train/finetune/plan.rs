@@ -19,8 +19,10 @@ pub struct RunPlan {
     /// Tokens per row: `--seq-len`, or its default for the model's context (see
     /// `train::settle_seq_len`).
     pub seq_len: usize,
-    /// Rows per rank per micro-batch.
+    /// Rows per rank per micro-batch (with DPO twice the pairs: each pair is two rows).
     pub micro_batch: usize,
+    /// Rows per example (1, or 2 for DPO's pairs): batches hold whole examples.
+    pub group: usize,
     /// Micro-batches accumulated per optimizer step.
     pub grad_accum: usize,
     /// Rows per optimizer step over all ranks and micro-batches.
@@ -31,8 +33,9 @@ pub struct RunPlan {
 }
 
 impl RunPlan {
-    /// The plan of this run on `groups`, in micro-batches of `micro_batch` rows accumulated
-    /// `grad_accum` times (the flags', or what `auto_batch::fit` found).
+    /// The plan of this run on `groups`, in micro-batches of `micro_batch` examples (rows, or
+    /// pairs with DPO) accumulated `grad_accum` times (the flags', or what `auto_batch::fit`
+    /// found).
     pub(super) fn settle(
         groups: &ProcessGroups,
         cfg: &FinetuneConfig,
@@ -40,20 +43,25 @@ impl RunPlan {
         (micro_batch, grad_accum): (usize, usize),
     ) -> Result<Self> {
         let world_size = groups.world.world_size();
+        let group = boot.data.group;
+        let micro_batch = micro_batch * group;
         let global_batch = micro_batch * world_size * grad_accum;
         let samples = boot.data.samples.len();
         let steps_per_epoch = samples / global_batch;
         if steps_per_epoch == 0 {
+            let what = if group == 2 { "pairs" } else { "samples" };
             bail!(
-                "{}: {samples} samples of {} tokens, fewer than one global batch of {global_batch} (batch size {} x {world_size} ranks x {} accumulation)",
+                "{}: {} {what} of {} tokens, fewer than one global batch of {} (batch size {} x {world_size} ranks x {} accumulation)",
                 cfg.data.display(),
+                samples / group,
                 boot.seq_len,
+                global_batch / group,
                 cfg.batch_size,
                 cfg.grad_accum
             );
         }
         let total_steps = cfg.max_steps.unwrap_or(steps_per_epoch * cfg.epochs);
-        Ok(Self { world_size, seq_len: boot.seq_len, micro_batch, grad_accum, global_batch, steps_per_epoch, total_steps })
+        Ok(Self { world_size, seq_len: boot.seq_len, micro_batch, group, grad_accum, global_batch, steps_per_epoch, total_steps })
     }
 
     /// The same global batch in micro-batches of `micro` rows (a divisor of the current one), the

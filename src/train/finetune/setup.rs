@@ -40,19 +40,23 @@ pub(super) fn build_engine(groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &
 }
 
 /// Fills the engine from `--resume-from-checkpoint` or from the model's weights, then reports
-/// what each rank holds. Returns every rank's state bytes.
+/// what each rank holds. Returns every rank's state bytes and, on rank 0 of a resumed run, the
+/// checkpoint's directory.
 pub(super) fn load_or_resume(
     engine: &mut FsdpEngine,
     groups: &ProcessGroups,
     cfg: &FinetuneConfig,
     plan: &RunPlan,
     boot: &Bootstrap,
-) -> Result<Vec<StateBytes>> {
+) -> Result<(Vec<StateBytes>, Option<std::path::PathBuf>)> {
     let start = Instant::now();
-    match &cfg.resume_from {
+    let resumed = match &cfg.resume_from {
         Some(from) => resume_from(engine, groups, cfg, plan, boot, from)?,
-        None => load_weights(engine, cfg, boot)?,
-    }
+        None => {
+            load_weights(engine, cfg, boot)?;
+            None
+        }
+    };
     if engine.step as usize > plan.total_steps {
         bail!("the checkpoint is at step {}, past this run's {} steps", engine.step, plan.total_steps);
     }
@@ -60,7 +64,7 @@ pub(super) fn load_or_resume(
     if groups.world.rank() == 0 && cfg.verbose {
         report(cfg, plan, boot, engine.units().count(), &bytes, start.elapsed().as_secs_f64());
     }
-    Ok(bytes)
+    Ok((bytes, resumed))
 }
 
 /// Rank 0 opens and checks the checkpoint; every rank learns the step (or rank 0's error) and
@@ -72,7 +76,7 @@ fn resume_from(
     plan: &RunPlan,
     boot: &Bootstrap,
     from: &str,
-) -> Result<()> {
+) -> Result<Option<std::path::PathBuf>> {
     let (reader, bytes) = root_tries(groups.world.as_ref(), "resume", || {
         let mut params: Vec<(String, Vec<usize>)> =
             engine.units().flat_map(|u| u.params.iter().map(|p| (p.spec.name.clone(), p.spec.shape.clone()))).collect();
@@ -98,7 +102,7 @@ fn resume_from(
     if let (Some(r), true) = (&reader, cfg.verbose) {
         eprintln!("resumed from {} at step {step}", r.dir.display());
     }
-    Ok(())
+    Ok(reader.map(|r| r.dir.clone()))
 }
 
 /// Rank 0 streams the model's weights one unit at a time, reading each rank's rows straight

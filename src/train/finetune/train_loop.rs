@@ -4,7 +4,6 @@
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use candle_core::Tensor;
 use models::StageContext;
 use serde_json::json;
 
@@ -12,15 +11,15 @@ use super::bootstrap::Bootstrap;
 use super::config::FinetuneConfig;
 use super::export::export_result;
 use super::metrics_log::{MetricsLog, StepReport};
+use super::objective::{Objective, Split};
 use super::plan::RunPlan;
 use crate::checkpoint::identity::{self, DataCursor};
 use crate::checkpoint::sharded::{self, SaveExtras};
 use crate::dist::{all_reduce_scalar, ProcessGroups};
 use crate::fsdp::engine::FsdpEngine;
 use crate::fsdp::optim::lr_multiplier;
-use crate::train::batch::collate;
-use crate::train::data::{epoch_order, Sample};
-use crate::train::loss::{next_token_targets, summed_token_loss};
+use crate::train::data::{epoch_order_grouped, Sample};
+use crate::train::dpo::DpoStats;
 
 /// Losses and gradient norms of the steps this process ran.
 #[derive(Default)]
@@ -35,35 +34,37 @@ pub(super) fn train(
     cfg: &FinetuneConfig,
     plan: &RunPlan,
     boot: &Bootstrap,
+    objective: &Objective,
 ) -> Result<Curve> {
     let data = &boot.data;
     let start_step = engine.step as usize;
     let mut log = MetricsLog::open(groups, cfg, plan.total_steps, start_step)?;
-    let checkpoint_files = checkpoint_side_files(cfg, boot)?;
+    let checkpoint_files = [checkpoint_side_files(cfg, boot)?, objective.checkpoint_files()?].concat();
     let mut curve = Curve::default();
     // The data order is a pure function of (seed, epoch), so the cursor is the step.
     let mut order_epoch = start_step / plan.steps_per_epoch;
-    let mut order = epoch_order(data.samples.len(), order_epoch, cfg.seed, cfg.shuffle);
+    let mut order = epoch_order_grouped(data.samples.len(), data.group, order_epoch, cfg.seed, cfg.shuffle);
     for step in start_step..plan.total_steps {
         let epoch = step / plan.steps_per_epoch;
         if epoch != order_epoch {
             order_epoch = epoch;
-            order = epoch_order(data.samples.len(), epoch, cfg.seed, cfg.shuffle);
+            order = epoch_order_grouped(data.samples.len(), data.group, epoch, cfg.seed, cfg.shuffle);
         }
         let start = Instant::now();
         let lr = cfg.lr * lr_multiplier(cfg.schedule, step, cfg.warmup_for(plan.total_steps), plan.total_steps);
-        let micro = micro_batches(groups, plan, boot, &order, step);
-        let StepOutcome { loss, grad_norm, tokens } = train_step(engine, groups, cfg, plan, &micro, step, lr)?;
+        let micro = micro_batches(groups, plan, &order, step);
+        let StepOutcome { loss, grad_norm, tokens, metrics } =
+            train_step(engine, groups, cfg, plan, objective, &data.samples, &micro, (step, lr))?;
         curve.losses.push(loss);
         curve.grad_norms.push(grad_norm);
         log.step(
             groups,
             engine.device(),
-            &StepReport { step: step + 1, epoch, loss, lr, grad_norm, tokens, secs: start.elapsed().as_secs_f64() },
+            &StepReport { step: step + 1, epoch, loss, lr, grad_norm, tokens, secs: start.elapsed().as_secs_f64(), metrics },
         )?;
         let done = step + 1;
         if cfg.eval_steps.is_some_and(|n| done % n == 0) && done != plan.total_steps {
-            run_eval(engine, groups, plan, boot, done, &mut log)?;
+            run_eval(engine, groups, plan, boot, objective, done, &mut log)?;
         }
         if cfg.save_steps.is_some_and(|n| done % n == 0) || (cfg.save_each_epoch && plan.ends_epoch(done)) {
             save_checkpoint(engine, groups, cfg, plan, boot, done, &checkpoint_files)?;
@@ -73,67 +74,89 @@ pub(super) fn train(
         }
     }
     log.finish();
-    run_eval(engine, groups, plan, boot, plan.total_steps, &mut log)?;
+    run_eval(engine, groups, plan, boot, objective, plan.total_steps, &mut log)?;
     Ok(curve)
 }
 
-/// This rank's micro-batches of step `step`'s global batch: micro-batch `a` takes, for each
-/// rank in turn, `micro_batch` consecutive samples of the epoch's order.
-fn micro_batches<'a>(groups: &ProcessGroups, plan: &RunPlan, boot: &'a Bootstrap, order: &[usize], step: usize) -> Vec<Vec<&'a Sample>> {
+/// This rank's micro-batches of step `step`'s global batch, as sample indices: micro-batch `a`
+/// takes, for each rank in turn, `micro_batch` consecutive samples of the epoch's order (whole
+/// examples: the order keeps a pair's samples together and micro-batches hold whole pairs).
+fn micro_batches(groups: &ProcessGroups, plan: &RunPlan, order: &[usize], step: usize) -> Vec<Vec<usize>> {
     let (rank, world) = (groups.world.rank(), plan.world_size);
     let base = (step % plan.steps_per_epoch) * plan.global_batch;
     (0..plan.grad_accum)
         .map(|a| {
             let first = base + (a * world + rank) * plan.micro_batch;
-            (first..first + plan.micro_batch).map(|i| &boot.data.samples[order[i]]).collect()
+            order[first..first + plan.micro_batch].to_vec()
         })
         .collect()
 }
 
 /// What one step did, over all ranks.
 struct StepOutcome {
-    /// Mean token loss of the global batch.
+    /// Mean loss of the global batch (per target token for SFT, per pair for DPO).
     loss: f64,
     grad_norm: f64,
     /// Real (unpadded) tokens of the global batch: what tokens/s counts.
     tokens: f64,
+    /// DPO's statistics of the global batch (TRL's names and means); empty for SFT.
+    metrics: Vec<(&'static str, f64)>,
 }
 
 /// Forward + backward of every micro-batch (the loss normalised by the global batch's target
-/// tokens, so N ranks give one rank's gradients), then the optimizer step.
+/// tokens or pairs, so N ranks give one rank's gradients), then the optimizer step.
+#[allow(clippy::too_many_arguments)]
 fn train_step(
     engine: &mut FsdpEngine,
     groups: &ProcessGroups,
     cfg: &FinetuneConfig,
     plan: &RunPlan,
-    micro: &[Vec<&Sample>],
-    step: usize,
-    lr: f64,
+    objective: &Objective,
+    samples: &[Sample],
+    micro: &[Vec<usize>],
+    (step, lr): (usize, f64),
 ) -> Result<StepOutcome> {
     let (rank, world) = (groups.world.rank(), groups.world.world_size());
-    let local_targets: usize = micro.iter().flatten().map(|s| s.target_tokens()).sum();
-    let batches: Vec<_> = micro.iter().map(|mb| collate(mb)).collect();
-    let local_tokens: usize = batches.iter().map(|b| b.real_tokens).sum();
-    let mut counts = [local_targets as f64, local_tokens as f64];
+    let rows: Vec<&Sample> = micro.iter().flatten().map(|&i| &samples[i]).collect();
+    let local_tokens: usize = rows.iter().map(|s| s.len).sum();
+    let mut counts = [objective.normaliser(&rows), local_tokens as f64];
     groups.world.all_reduce_f64(&mut counts)?;
-    let [global_targets, tokens] = counts;
-    if global_targets == 0.0 {
+    let [normaliser, tokens] = counts;
+    if normaliser == 0.0 {
         bail!("step {step}: the global batch has no target tokens (every label is -100)");
     }
-    let mut local_loss = 0.0;
-    for (a, batch) in batches.into_iter().enumerate() {
-        let input = Tensor::from_vec(batch.input_ids, (batch.rows, batch.width), engine.device())?;
+    let (mut local_loss, mut stats) = (0.0, DpoStats::default());
+    for (a, indices) in micro.iter().enumerate() {
         // Dropout seeds from (seed, step, place in the global batch): the same masks on any
         // number of ranks, and in an activation-checkpointing recompute.
         let first = (a * world + rank) * plan.micro_batch;
-        let row_seeds = (first..first + batch.rows).map(|i| dropout_seed(cfg.seed, step, i)).collect();
-        let targets = next_token_targets(&batch.labels, batch.rows, batch.width);
-        let ctx = StageContext { packing: batch.packing, row_seeds: Some(row_seeds), targets: Some(targets), ..Default::default() };
-        local_loss += engine.forward_backward(&input, &ctx, &summed_token_loss, 1.0 / global_targets)?;
+        let row_seeds = (first..first + indices.len()).map(|i| dropout_seed(cfg.seed, step, i)).collect();
+        let ctx = StageContext { row_seeds: Some(row_seeds), ..Default::default() };
+        local_loss += objective.run_micro_batch(engine, samples, (Split::Train, indices), ctx, Some(1.0 / normaliser), &mut stats)?;
     }
-    let loss = all_reduce_scalar(groups.world.as_ref(), local_loss)? / global_targets;
+    let loss = all_reduce_scalar(groups.world.as_ref(), local_loss)? / normaliser;
+    let metrics = reduce_stats(groups, objective, stats)?;
     let stats = engine.optimizer_step(lr, cfg.max_grad_norm)?;
-    Ok(StepOutcome { loss, grad_norm: stats.grad_norm, tokens })
+    Ok(StepOutcome { loss, grad_norm: stats.grad_norm, tokens, metrics })
+}
+
+/// DPO's statistics summed over the ranks, as TRL's means (`prefix` before each name: `eval_`
+/// for evaluations); nothing for SFT.
+fn reduce_stats(groups: &ProcessGroups, objective: &Objective, s: DpoStats) -> Result<Vec<(&'static str, f64)>> {
+    if matches!(objective, Objective::Sft) {
+        return Ok(vec![]);
+    }
+    let mut sums = [s.pairs as f64, s.rewards_chosen, s.rewards_rejected, s.accurate as f64, s.logps_chosen, s.logps_rejected];
+    groups.world.all_reduce_f64(&mut sums)?;
+    let total = DpoStats {
+        pairs: sums[0] as usize,
+        rewards_chosen: sums[1],
+        rewards_rejected: sums[2],
+        accurate: sums[3] as usize,
+        logps_chosen: sums[4],
+        logps_rejected: sums[5],
+    };
+    Ok(total.means())
 }
 
 /// The dropout seed of the sample at `place` in step `step`'s global batch.
@@ -187,43 +210,53 @@ fn run_eval(
     groups: &ProcessGroups,
     plan: &RunPlan,
     boot: &Bootstrap,
+    objective: &Objective,
     step: usize,
     log: &mut MetricsLog,
 ) -> Result<()> {
     if boot.data.eval_samples.is_empty() {
         return Ok(());
     }
-    let (loss, ppl) = evaluate(engine, groups, &boot.data.eval_samples, plan.micro_batch, plan.seq_len)?;
-    log.eval(step, loss, ppl)
+    let (loss, metrics) = evaluate(engine, groups, objective, &boot.data.eval_samples, plan.micro_batch)?;
+    // Perplexity is a token loss's: SFT's.
+    let perplexity = matches!(objective, Objective::Sft).then(|| loss.exp());
+    log.eval(step, loss, perplexity, &metrics)
 }
 
-/// Mean token loss and perplexity over `samples`, each rank taking every world-th batch. Ranks
-/// with no batch left run a fully masked one, so every rank makes the same collectives.
-fn evaluate(engine: &mut FsdpEngine, groups: &ProcessGroups, samples: &[Sample], batch: usize, seq_len: usize) -> Result<(f64, f64)> {
+/// Mean loss over `samples` (and DPO's statistics), each rank taking every world-th batch of
+/// whole examples. Ranks with no batch left run a fully masked one, so every rank makes the
+/// same collectives.
+fn evaluate(
+    engine: &mut FsdpEngine,
+    groups: &ProcessGroups,
+    objective: &Objective,
+    samples: &[Sample],
+    batch: usize,
+) -> Result<(f64, Vec<(&'static str, f64)>)> {
     let (rank, world) = (groups.world.rank(), groups.world.world_size());
     let rounds = samples.len().div_ceil(batch * world);
-    let (mut loss, mut tokens) = (0.0, 0.0);
+    let (mut loss, mut stats) = (0.0, DpoStats::default());
+    let mut rows: Vec<&Sample> = vec![];
+    let masked = Sample { input_ids: samples[0].input_ids.clone(), labels: vec![-100; samples[0].labels.len()], len: 0, segments: vec![] };
     for r in 0..rounds {
         let first = (r * world + rank) * batch;
-        let mb: Vec<Sample> = (first..first + batch)
-            .map(|i| match samples.get(i) {
-                Some(s) => s.clone(),
-                None => Sample { input_ids: samples[0].input_ids.clone(), labels: vec![-100; seq_len], len: 0, segments: vec![] },
-            })
-            .collect();
-        let refs: Vec<&Sample> = mb.iter().collect();
-        let batch = collate(&refs);
-        let input = Tensor::from_vec(batch.input_ids, (batch.rows, batch.width), engine.device())?;
-        let ctx = StageContext {
-            packing: batch.packing,
-            targets: Some(next_token_targets(&batch.labels, batch.rows, batch.width)),
-            ..Default::default()
+        let mine: Vec<usize> = (first..(first + batch).min(samples.len())).collect();
+        rows.extend(mine.iter().map(|&i| &samples[i]));
+        loss += match mine.is_empty() {
+            // A fully masked row: no loss, no pair, the same collectives as the other ranks'.
+            true => Objective::Sft.run_micro_batch(
+                engine,
+                std::slice::from_ref(&masked),
+                (Split::Eval, &[0]),
+                Default::default(),
+                None,
+                &mut stats,
+            )?,
+            false => objective.run_micro_batch(engine, samples, (Split::Eval, &mine), Default::default(), None, &mut stats)?,
         };
-        loss += engine.forward_loss(&input, &ctx, &summed_token_loss)?;
-        tokens += mb.iter().map(Sample::target_tokens).sum::<usize>() as f64;
     }
-    let mut sums = [loss, tokens];
+    let mut sums = [loss, objective.normaliser(&rows)];
     groups.world.all_reduce_f64(&mut sums)?;
-    let mean = sums[0] / sums[1].max(1.0);
-    Ok((mean, mean.exp()))
+    let metrics = reduce_stats(groups, objective, stats)?;
+    Ok((sums[0] / sums[1].max(1.0), metrics))
 }
