@@ -157,15 +157,19 @@ pub fn dpo_loss(
     // (pairs, 2): column 0 the chosen rows, column 1 the rejected ones.
     let log_ratio = (policy_n - reference_n)?.reshape((pairs, 2))?;
     let h = (log_ratio.narrow(1, 0, 1)? - log_ratio.narrow(1, 1, 1)?)?.squeeze(1)?;
-    let losses = match kind {
-        // −log σ(x) = softplus(−x), written to stay finite for large |x|: max(−x, 0) + log(1 + e^−|x|).
-        DpoLossKind::Sigmoid => {
-            let x = (h * beta)?;
-            (x.neg()?.relu()? + (x.abs()?.neg()?.exp()? + 1.0)?.log()?)?
-        }
-        DpoLossKind::Hinge => (1.0 - (h * beta)?)?.relu()?,
-        DpoLossKind::Ipo => (h - 1.0 / (2.0 * beta))?.sqr()?,
-    };
+    // Each pair's loss and its slope in h, in f64; the graph sees the line through that point
+    // (slope × h plus a constant), so both the value and the gradient are exact everywhere. A
+    // composite of candle ops cannot be: the stable −log σ(x) = max(−x, 0) + log(1 + e^−|x|)
+    // has its kinks at x = 0, where every pair starts (policy = reference).
+    let hv: Vec<f64> = h.detach().to_dtype(candle_core::DType::F64)?.to_vec1()?;
+    let (mut slopes, mut offset) = (Vec::with_capacity(pairs), 0.0);
+    for &h in &hv {
+        let (loss, slope) = pair_loss(kind, beta, h);
+        slopes.push(slope);
+        offset += loss - slope * h;
+    }
+    let slopes = Tensor::from_vec(slopes, pairs, dev)?.to_dtype(h.dtype())?;
+    let loss = ((h * slopes)?.sum_all()? + offset)?;
 
     // Statistics from the unnormalised log-probabilities, as TRL logs them.
     let pol: Vec<f32> = policy.detach().to_dtype(candle_core::DType::F32)?.to_vec1()?;
@@ -180,7 +184,34 @@ pub fn dpo_loss(
         stats.logps_chosen += pol[c] as f64;
         stats.logps_rejected += pol[r] as f64;
     }
-    Ok((losses.sum_all()?, stats))
+    Ok((loss, stats))
+}
+
+/// One pair's loss and its derivative in `h` (the policy's log-ratio margin over the
+/// reference's), TRL's formulas.
+fn pair_loss(kind: DpoLossKind, beta: f64, h: f64) -> (f64, f64) {
+    match kind {
+        // −log σ(βh) = softplus(−βh), written to stay finite for large |βh|.
+        DpoLossKind::Sigmoid => {
+            let x = beta * h;
+            let loss = (-x).max(0.0) + (-x.abs()).exp().ln_1p();
+            // σ(−x), from whichever side keeps e^· ≤ 1.
+            let s = if x >= 0.0 { (-x).exp() / (1.0 + (-x).exp()) } else { 1.0 / (1.0 + x.exp()) };
+            (loss, -beta * s)
+        }
+        DpoLossKind::Hinge => {
+            let m = 1.0 - beta * h;
+            if m > 0.0 {
+                (m, -beta)
+            } else {
+                (0.0, 0.0)
+            }
+        }
+        DpoLossKind::Ipo => {
+            let d = h - 1.0 / (2.0 * beta);
+            (d * d, 2.0 * d)
+        }
+    }
 }
 
 #[cfg(test)]
@@ -200,8 +231,12 @@ mod tests {
     #[test]
     fn the_first_step_loses_log_2_per_pair() {
         let logps = [-12.5f32, -20.0, -3.0, -3.5];
-        let policy = Tensor::new(&logps, &Device::Cpu).unwrap();
-        let (loss, stats) = dpo_loss(DpoLossKind::Sigmoid, 0.1, &policy, &logps, &[5, 7, 2, 3]).unwrap();
+        let policy = Var::new(&logps, &Device::Cpu).unwrap();
+        let (loss, stats) = dpo_loss(DpoLossKind::Sigmoid, 0.1, policy.as_tensor(), &logps, &[5, 7, 2, 3]).unwrap();
+        // d/dh −log σ(βh) at h = 0 is −β/2: the chosen rows' log-probabilities go up, the
+        // rejected ones' down (a kink in a composite formula would give 0 or β here).
+        let g: Vec<f32> = loss.backward().unwrap().get(policy.as_tensor()).unwrap().to_vec1().unwrap();
+        assert_eq!(g, vec![-0.05, 0.05, -0.05, 0.05]);
         let loss = loss.to_scalar::<f32>().unwrap() as f64;
         assert!((loss - 2.0 * std::f64::consts::LN_2).abs() < 1e-6, "{loss}");
         assert_eq!((stats.pairs, stats.accurate, stats.rewards_chosen), (2, 0, 0.0));
