@@ -26,11 +26,92 @@ fn internal(e: impl std::fmt::Display) -> ApiError {
     ApiError::internal(format!("{e:#}"))
 }
 
+/// What a fine-tuning file trains: supervised rows or DPO's preference pairs, one kind per
+/// file (a job's `method.type` must match its files' kind).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowKind {
+    Supervised,
+    Preference,
+}
+
+impl RowKind {
+    pub fn of(row: &Value) -> Self {
+        if crate::train::preference::is_preference_row(row) {
+            Self::Preference
+        } else {
+            Self::Supervised
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Supervised => "supervised",
+            Self::Preference => "preference (DPO)",
+        }
+    }
+}
+
+/// The kind of rows a stored (validated, so one-kind) file holds: its first row's.
+pub fn file_row_kind(path: &Path) -> anyhow::Result<RowKind> {
+    use anyhow::Context;
+    let reader = std::io::BufReader::new(std::fs::File::open(path).with_context(|| format!("{}: cannot open", path.display()))?);
+    for line in reader.lines() {
+        let line = line?;
+        let text = crate::train::data::without_bom(&line);
+        if !text.trim().is_empty() {
+            return Ok(RowKind::of(&serde_json::from_str(text)?));
+        }
+    }
+    anyhow::bail!("{}: no rows", path.display())
+}
+
+/// Checks a token-id list of a row against the model's vocabulary.
+fn ids_in_vocab(row: &Value, field: &str, vocab: usize, at: usize) -> Result<(), ApiError> {
+    let ids = row.get(field).and_then(Value::as_array).into_iter().flatten();
+    if let Some(bad) = ids.filter_map(Value::as_i64).find(|&id| id < 0 || id as usize >= vocab) {
+        let message = format!("Line {at}: token id {bad} in `{field}` is outside the model's vocabulary (0 to {}).", vocab - 1);
+        return Err(ApiError::invalid("file", message).with_code("token_out_of_vocabulary"));
+    }
+    Ok(())
+}
+
+/// One row of a file whose first row was of `kind`: read as that kind, and training something.
+fn validate_row(v: &Value, kind: RowKind, vocab: usize, at: usize) -> Result<(), ApiError> {
+    if RowKind::of(v) != kind {
+        let message = format!("Line {at}: a {} row in a file of {} rows; a file holds one kind.", RowKind::of(v).name(), kind.name());
+        return Err(ApiError::invalid("file", message));
+    }
+    let invalid = |e: anyhow::Error| ApiError::invalid("file", format!("Line {at}: {e:#}."));
+    if kind == RowKind::Preference {
+        let row = crate::train::preference::parse_preference_row(v).map_err(invalid)?;
+        if let crate::train::preference::PreferenceRow::Tokens { chosen, rejected, .. } = &row {
+            if chosen.is_empty() || rejected.is_empty() {
+                return Err(
+                    ApiError::invalid("file", format!("Line {at}: an empty completion trains nothing.")).with_code("no_trainable_tokens")
+                );
+            }
+        }
+        for field in ["prompt_input_ids", "chosen_input_ids", "rejected_input_ids"] {
+            ids_in_vocab(v, field, vocab, at)?;
+        }
+        return Ok(());
+    }
+    let example = crate::train::formats::parse_row(v, true).map_err(invalid)?;
+    if let Example::Tokens { .. } = &example {
+        ids_in_vocab(v, "input_ids", vocab, at)?;
+    }
+    if let Some(why) = crate::train::formats::trains_nothing(&example) {
+        return Err(ApiError::invalid("file", format!("Line {at}: this row trains no token: {why}.")).with_code("no_trainable_tokens"));
+    }
+    Ok(())
+}
+
 /// Checks a fine-tuning file, read line by line: UTF-8 JSONL, every row a shape training reads
 /// (chat `messages`, `prompt`/`completion`, `text`, token ids inside the model's `vocab`, ...)
-/// that trains at least one token. The error names the line. Returns the number of rows.
-pub fn validate_jsonl(reader: impl BufRead, vocab: usize) -> Result<usize, ApiError> {
-    let mut rows = 0;
+/// that trains at least one token, or every row a DPO preference pair. The error names the
+/// line. Returns the number of rows and their kind.
+pub fn validate_jsonl(reader: impl BufRead, vocab: usize) -> Result<(usize, RowKind), ApiError> {
+    let (mut rows, mut kind) = (0, None);
     for (i, line) in reader.split(b'\n').enumerate() {
         let at = i + 1;
         let line = line.map_err(internal)?;
@@ -40,22 +121,14 @@ pub fn validate_jsonl(reader: impl BufRead, vocab: usize) -> Result<usize, ApiEr
             continue;
         }
         let v: Value = serde_json::from_str(text).map_err(|e| ApiError::invalid("file", format!("Line {at}: not valid JSON: {e}.")))?;
-        let example = crate::train::formats::parse_row(&v, true).map_err(|e| ApiError::invalid("file", format!("Line {at}: {e:#}.")))?;
-        if let Example::Tokens { input_ids, .. } = &example {
-            if let Some(bad) = input_ids.iter().find(|&&id| id < 0 || id as usize >= vocab) {
-                let message = format!("Line {at}: token id {bad} in `input_ids` is outside the model's vocabulary (0 to {}).", vocab - 1);
-                return Err(ApiError::invalid("file", message).with_code("token_out_of_vocabulary"));
-            }
-        }
-        if let Some(why) = crate::train::formats::trains_nothing(&example) {
-            return Err(ApiError::invalid("file", format!("Line {at}: this row trains no token: {why}.")).with_code("no_trainable_tokens"));
-        }
+        let k = *kind.get_or_insert(RowKind::of(&v));
+        validate_row(&v, k, vocab, at)?;
         rows += 1;
     }
-    if rows == 0 {
-        return Err(ApiError::invalid("file", "The file has no rows."));
+    match kind {
+        Some(kind) => Ok((rows, kind)),
+        None => Err(ApiError::invalid("file", "The file has no rows.")),
     }
-    Ok(rows)
 }
 
 /// An upload's temporary file, removed unless taken by the store.
@@ -179,12 +252,29 @@ mod tests {
     #[test]
     fn rows_are_checked_by_line_token_ids_within_the_vocabulary() {
         let ok = "\u{feff}{\"text\": \"hi\"}\n\n{\"input_ids\": [1, 2, 9]}\n";
-        assert_eq!(validate_jsonl(ok.as_bytes(), 10).unwrap(), 2);
+        assert_eq!(validate_jsonl(ok.as_bytes(), 10).unwrap(), (2, RowKind::Supervised));
         let e = validate_jsonl("{\"text\": \"a\"}\n{\"input_ids\": [1, 10]}\n".as_bytes(), 10).unwrap_err();
         assert!(e.message.starts_with("Line 2: token id 10") && e.message.contains("0 to 9"), "{}", e.message);
         let e = validate_jsonl("{\"text\": \"a\"}\n{\"input_ids\": [-3]}\n".as_bytes(), 10).unwrap_err();
         assert!(e.message.starts_with("Line 2:") && e.message.contains("-3"), "{}", e.message);
         assert!(validate_jsonl(&b"{\"text\": \"a\"}\n\xff\n"[..], 10).unwrap_err().message.starts_with("Line 2: not UTF-8"));
         assert!(validate_jsonl("\n".as_bytes(), 10).unwrap_err().message.contains("no rows"));
+    }
+
+    #[test]
+    fn preference_files_hold_pairs_only() {
+        let pair = r#"{"prompt": "a", "chosen": "b", "rejected": "c"}"#;
+        let openai = r#"{"input": {"messages": [{"role": "user", "content": "q"}]}, "preferred_output": [{"role": "assistant", "content": "a"}], "non_preferred_output": [{"role": "assistant", "content": "b"}]}"#;
+        let ids = r#"{"prompt_input_ids": [1], "chosen_input_ids": [2], "rejected_input_ids": [3]}"#;
+        let ok = format!("{pair}\n{openai}\n{ids}\n");
+        assert_eq!(validate_jsonl(ok.as_bytes(), 10).unwrap(), (3, RowKind::Preference));
+        let mixed = format!("{pair}\n{{\"text\": \"x\"}}\n");
+        let e = validate_jsonl(mixed.as_bytes(), 10).unwrap_err();
+        assert!(e.message.starts_with("Line 2: a supervised row in a file of preference (DPO) rows"), "{}", e.message);
+        let e =
+            validate_jsonl(r#"{"prompt_input_ids": [1], "chosen_input_ids": [12], "rejected_input_ids": [3]}"#.as_bytes(), 10).unwrap_err();
+        assert!(e.message.contains("token id 12 in `chosen_input_ids`"), "{}", e.message);
+        let e = validate_jsonl(r#"{"prompt": "a", "chosen": "b"}"#.as_bytes(), 10).unwrap_err();
+        assert!(e.message.starts_with("Line 1:") && e.message.contains("needs one of"), "{}", e.message);
     }
 }

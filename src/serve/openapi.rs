@@ -117,7 +117,7 @@ pub const SPEC: &str = r##"{
         "requestBody": {"required": true, "content": {"application/json": {"schema": {"type": "object", "required": ["model", "training_file"], "properties": {
           "model": {"type": "string"}, "training_file": {"type": "string"}, "validation_file": {"type": "string"}, "suffix": {"type": "string", "maxLength": 64},
           "seed": {"type": "integer", "minimum": 0},
-          "method": {"type": "object", "required": ["type"], "properties": {"type": {"type": "string", "enum": ["supervised"]}, "supervised": {"type": "object", "properties": {"hyperparameters": {"type": "object"}}}}},
+          "method": {"type": "object", "required": ["type"], "properties": {"type": {"type": "string", "enum": ["supervised", "dpo"]}, "supervised": {"type": "object", "properties": {"hyperparameters": {"type": "object"}}}, "dpo": {"type": "object", "properties": {"hyperparameters": {"type": "object"}}}}},
           "hyperparameters": {"type": "object", "properties": {
             "n_epochs": {"oneOf": [{"type": "integer", "minimum": 1, "maximum": 50}, {"type": "string", "enum": ["auto"]}]},
             "batch_size": {"oneOf": [{"type": "integer", "minimum": 1, "maximum": 256}, {"type": "string", "enum": ["auto"]}]},

@@ -48,7 +48,7 @@ impl JobRow {
             "validation_file": self.validation_file, "hyperparameters": hyperparameters,
             "trained_tokens": self.trained_tokens, "error": self.error, "seed": self.seed, "suffix": self.suffix,
             "estimated_finish": null, "integrations": [], "metadata": null,
-            "method": {"type": "supervised", "supervised": {"hyperparameters": hyperparameters}},
+            "method": {"type": self.hyperparameters.method_type(), self.hyperparameters.method_type(): {"hyperparameters": hyperparameters}},
             "fsdp_app": self.extensions,
         })
     }

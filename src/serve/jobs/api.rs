@@ -15,6 +15,7 @@ use super::spec::{Hyperparameters, JobExtensions, JobLora, JobStatus};
 use crate::serve::body::json_body;
 use crate::serve::error::ApiError;
 use crate::serve::fields::{self, Fields};
+use crate::serve::files::{file_row_kind, RowKind};
 use crate::serve::response::with_ignored;
 use crate::serve::state::AppState;
 use crate::serve::store::{CreatedJob, JobRow, NewJob};
@@ -23,38 +24,43 @@ fn internal(e: anyhow::Error) -> ApiError {
     ApiError::internal(format!("{e:#}"))
 }
 
-/// `method`: `{"type": "supervised", "supervised": {"hyperparameters": {...}}}`, OpenAI's
-/// form; DPO and reinforcement fine-tuning are not implemented. Returns the method's
+/// `method`: `{"type": "supervised" | "dpo", "<type>": {"hyperparameters": {...}}}`, OpenAI's
+/// form (reinforcement fine-tuning is not implemented). Returns the method's type and its
 /// hyperparameters, if it gives any.
-fn method(v: &Value, lenient: bool) -> Result<Option<Value>, ApiError> {
-    let Some(m) = v.get("method").filter(|x| !x.is_null()) else { return Ok(None) };
+fn method(v: &Value, lenient: bool) -> Result<(&'static str, Option<Value>), ApiError> {
+    let Some(m) = v.get("method").filter(|x| !x.is_null()) else { return Ok(("supervised", None)) };
     if !m.is_object() {
         return Err(ApiError::invalid("method", "`method` must be an object such as {\"type\": \"supervised\"}."));
     }
-    match m.get("type").and_then(Value::as_str) {
-        Some("supervised") => {}
-        Some(t @ ("dpo" | "reinforcement")) => {
+    let kind = match m.get("type").and_then(Value::as_str) {
+        Some("supervised") => "supervised",
+        Some("dpo") => "dpo",
+        Some("reinforcement") => {
             return Err(ApiError::invalid(
                 "method.type",
-                format!("`method.type` {t:?} is not supported by this server; use \"supervised\"."),
+                "`method.type` \"reinforcement\" is not supported by this server; use \"supervised\" or \"dpo\".",
             )
             .with_code("unsupported_parameter"))
         }
-        _ => return Err(ApiError::invalid("method.type", "`method.type` must be \"supervised\".")),
-    }
-    fields::check(m, &["type", "supervised"], "method", lenient)?;
-    let Some(s) = m.get("supervised").filter(|x| !x.is_null()) else { return Ok(None) };
-    fields::check(s, &["hyperparameters"], "method.supervised", lenient)?;
-    Ok(s.get("hyperparameters").filter(|x| !x.is_null()).cloned())
+        _ => return Err(ApiError::invalid("method.type", "`method.type` must be \"supervised\" or \"dpo\".")),
+    };
+    fields::check(m, &["type", kind], "method", lenient)?;
+    let Some(s) = m.get(kind).filter(|x| !x.is_null()) else { return Ok((kind, None)) };
+    fields::check(s, &["hyperparameters"], &format!("method.{kind}"), lenient)?;
+    Ok((kind, s.get("hyperparameters").filter(|x| !x.is_null()).cloned()))
 }
 
-/// `hyperparameters` (or `method.supervised.hyperparameters`, not both): n_epochs, batch_size
-/// and learning_rate_multiplier, each a number or "auto".
+/// `hyperparameters` (or `method.<type>.hyperparameters`, not both): n_epochs, batch_size and
+/// learning_rate_multiplier, and for DPO beta, each a number or "auto".
 fn hyperparameters(v: &Value, lenient: bool) -> Result<Hyperparameters, ApiError> {
     let top = v.get("hyperparameters").filter(|x| !x.is_null()).cloned();
-    let h = match (top, method(v, lenient)?) {
+    let (kind, from_method) = method(v, lenient)?;
+    let h = match (top, from_method) {
         (Some(_), Some(_)) => {
-            return Err(ApiError::invalid("hyperparameters", "Give `hyperparameters` or `method.supervised.hyperparameters`, not both."))
+            return Err(ApiError::invalid(
+                "hyperparameters",
+                format!("Give `hyperparameters` or `method.{kind}.hyperparameters`, not both."),
+            ))
         }
         (h, m) => h.or(m).unwrap_or(json!({})),
     };
@@ -80,11 +86,15 @@ fn hyperparameters(v: &Value, lenient: bool) -> Result<Hyperparameters, ApiError
             _ => Err(ApiError::invalid(&format!("hyperparameters.{k}"), format!("`{k}` must be a number or \"auto\"."))),
         }
     };
+    let known: &[&str] = match kind {
+        "dpo" => &["n_epochs", "batch_size", "learning_rate_multiplier", "beta"],
+        _ => &["n_epochs", "batch_size", "learning_rate_multiplier"],
+    };
     for k in h.as_object().unwrap().keys() {
-        if !["n_epochs", "batch_size", "learning_rate_multiplier"].contains(&k.as_str()) {
+        if !known.contains(&k.as_str()) {
             return Err(ApiError::invalid(
                 &format!("hyperparameters.{k}"),
-                format!("unknown hyperparameter `{k}`; use n_epochs, batch_size, learning_rate_multiplier."),
+                format!("unknown hyperparameter `{k}` for method {kind:?}; use {}.", known.join(", ")),
             ));
         }
     }
@@ -92,6 +102,11 @@ fn hyperparameters(v: &Value, lenient: bool) -> Result<Hyperparameters, ApiError
         n_epochs: auto_or("n_epochs", 1.0, 50.0, d.n_epochs as f64, true)? as u64,
         batch_size: auto_or("batch_size", 1.0, 256.0, d.batch_size as f64, true)? as u64,
         learning_rate_multiplier: auto_or("learning_rate_multiplier", 1e-3, 100.0, d.learning_rate_multiplier, false)?,
+        // OpenAI takes beta in (0, 2]; "auto" is TRL's default.
+        beta: match kind {
+            "dpo" => Some(auto_or("beta", 1e-6, 2.0, crate::train::dpo::DEFAULT_BETA, false)?),
+            _ => None,
+        },
     })
 }
 
@@ -173,6 +188,25 @@ pub async fn create(
     };
     let training_file = file("training_file", true)?.unwrap();
     let validation_file = file("validation_file", false)?;
+    let hyperparameters = hyperparameters(&v, st.lenient)?;
+    // Uploads hold one kind of row (checked at upload): the method must train on that kind.
+    let wanted = if hyperparameters.beta.is_some() { RowKind::Preference } else { RowKind::Supervised };
+    for (k, id) in [("training_file", Some(&training_file)), ("validation_file", validation_file.as_ref())] {
+        let Some(id) = id else { continue };
+        let kind = tokio::task::block_in_place(|| file_row_kind(&st.store.file_path(id))).map_err(internal)?;
+        if kind != wanted {
+            return Err(ApiError::invalid(
+                k,
+                format!(
+                    "{id} holds {} rows, but `method.type` {:?} trains on {} rows.",
+                    kind.name(),
+                    hyperparameters.method_type(),
+                    wanted.name()
+                ),
+            )
+            .with_code("invalid_file"));
+        }
+    }
     let suffix = f.string("suffix")?.map(str::to_string);
     if let Some(s) = &suffix {
         if s.len() > 64 || !s.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
@@ -184,7 +218,7 @@ pub async fn create(
         model: model.to_string(),
         training_file,
         validation_file,
-        hyperparameters: hyperparameters(&v, st.lenient)?,
+        hyperparameters,
         extensions: extensions(&v, st.lenient, st.base().context)?,
         suffix,
         seed,

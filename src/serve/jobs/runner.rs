@@ -97,6 +97,10 @@ pub fn finetune_args(job: &JobRow, base_source: &str, data: &dyn Fn(&str) -> std
     a.save_strategy = Some("epoch".into());
     a.save_total_limit = Some(checkpoints::KEEP);
     a.lr = base_learning_rate(e.lora.is_some()) * h.learning_rate_multiplier;
+    if let Some(beta) = h.beta {
+        a.method = "dpo".into();
+        a.dpo_beta = Some(beta);
+    }
     if let Some(l) = &e.lora {
         a.lora.lora_r = Some(l.r as usize);
         a.lora.lora_alpha = Some(l.alpha);

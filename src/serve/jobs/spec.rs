@@ -58,14 +58,30 @@ impl std::fmt::Display for JobStatus {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Hyperparameters {
     pub n_epochs: u64,
+    /// Rows per step (pairs for DPO).
     pub batch_size: u64,
     /// Scales the base rate ([`base_learning_rate`]).
     pub learning_rate_multiplier: f64,
+    /// DPO's beta: given exactly for `method.type` "dpo" (absent in jobs stored before DPO
+    /// existed: supervised).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub beta: Option<f64>,
 }
 
 impl Default for Hyperparameters {
     fn default() -> Self {
-        Self { n_epochs: 3, batch_size: 1, learning_rate_multiplier: 1.0 }
+        Self { n_epochs: 3, batch_size: 1, learning_rate_multiplier: 1.0, beta: None }
+    }
+}
+
+impl Hyperparameters {
+    /// OpenAI's `method.type`: "dpo" or "supervised".
+    pub fn method_type(&self) -> &'static str {
+        if self.beta.is_some() {
+            "dpo"
+        } else {
+            "supervised"
+        }
     }
 }
 
