@@ -101,6 +101,7 @@ fn the_pages_chat_and_fine_tune_in_headless_chromium() {
         .env("KEY", "web-key")
         .env("CHROMIUM", &browser)
         .env("TRAIN_FILE", Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/zephyrix-codename.jsonl"))
+        .env("PREFERENCE_FILE", Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/zephyrix-preferences.jsonl"))
         .output()
         .unwrap();
     let _ = server.kill();

@@ -2,10 +2,10 @@
 // running `fsdp-app serve` (tests/web.rs starts it): a chat message gets a streamed answer; a small
 // fine-tuning job runs to success from the page, its loss is charted, and its model answers.
 //
-//   BASE=http://127.0.0.1:8000 KEY=k CHROMIUM=/usr/bin/chromium TRAIN_FILE=data.jsonl node tests/web/browser_test.mjs
+//   BASE=http://127.0.0.1:8000 KEY=k CHROMIUM=/usr/bin/chromium TRAIN_FILE=data.jsonl PREFERENCE_FILE=pairs.jsonl node tests/web/browser_test.mjs
 import { chromium } from "playwright-core";
 
-const { BASE, KEY, CHROMIUM, TRAIN_FILE } = process.env;
+const { BASE, KEY, CHROMIUM, TRAIN_FILE, PREFERENCE_FILE } = process.env;
 function check(cond, what) {
   if (!cond) {
     console.error(`FAILED: ${what}`);
@@ -93,6 +93,29 @@ try {
   }, null, { timeout: 60000 });
   const ftClass = await page.getAttribute("#ft-transcript .msg.assistant", "class");
   check(!ftClass.includes("error"), `the fine-tuned model answers: ${await page.textContent("#ft-transcript .msg.assistant")}`);
+
+  // DPO from the same form: the method picker shows beta, a preference file trains a model.
+  await page.goto(`${BASE}/finetune`);
+  await page.waitForFunction(() => document.querySelectorAll("#base option").length > 0);
+  check(await page.isHidden("#beta"), "beta is hidden for supervised fine-tuning");
+  await page.selectOption("#method", "dpo");
+  check(await page.isVisible("#beta"), "beta shows for DPO");
+  await page.fill("#beta", "0.2");
+  await page.setInputFiles("#file", PREFERENCE_FILE);
+  await page.fill("#suffix", "browser-dpo");
+  await page.fill("#epochs", "1");
+  await page.fill("#lr-mult", "50");
+  await page.fill("#max-steps", "2");
+  await page.click("#start");
+  await page.waitForFunction(() => ["succeeded", "failed", "cancelled"].includes(document.getElementById("status").textContent), null, { timeout: 240000 });
+  const dpoStatus = await page.textContent("#status");
+  check(dpoStatus === "succeeded", `the DPO job succeeded: ${dpoStatus} ${await page.textContent("#ft-error")}`);
+  const dpoJob = await page.evaluate(async ([key, id]) => {
+    const r = await fetch(`/v1/fine_tuning/jobs/${id}`, { headers: { Authorization: `Bearer ${key}` } });
+    return r.json();
+  }, [KEY, await page.textContent("#job-id")]);
+  check(dpoJob.method.type === "dpo" && dpoJob.method.dpo.hyperparameters.beta === 0.2, `the job is DPO with beta 0.2: ${JSON.stringify(dpoJob.method)}`);
+  check((await page.textContent("#ft-model")).includes(":browser-dpo:"), "the DPO model is named");
   check(errors.length === 0, `no page errors: ${errors.join("; ")}`);
   console.log("browser: all checks passed");
 } finally {
