@@ -211,3 +211,32 @@ fn dpo_refuses_what_it_cannot_honour() {
     // Preference rows under SFT say what to do.
     assert!(run(&["--max-steps", "1"]).contains("--method dpo"));
 }
+
+/// A YAML file with TRL's DPOConfig names (`beta`, `loss_type`) and Axolotl's `rl: dpo`: IPO's
+/// first step, where policy = reference, loses (1 / (2 beta))^2 = 6.25 at beta 0.2.
+#[test]
+fn dpo_settings_come_from_trl_and_axolotl_key_names() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = common::fixture("llama", tmp.path());
+    let yaml = tmp.path().join("dpo.yaml");
+    std::fs::write(&yaml, "rl: dpo\nbeta: 0.2\nloss_type: ipo\nper_device_train_batch_size: 2\nmax_steps: 1\nmax_length: 16\n").unwrap();
+    let out = tmp.path().join("out");
+    let pairs = common::reference_dir().join("dpo-train-pairs.jsonl");
+    let o = common::run_cli(
+        &[
+            "finetune",
+            "--config",
+            yaml.to_str().unwrap(),
+            "--model",
+            model.to_str().unwrap(),
+            "--data",
+            pairs.to_str().unwrap(),
+            "--output-dir",
+            out.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let loss = common::metric_losses(&out)[0];
+    assert!((loss - 6.25).abs() < 1e-4, "step 1's IPO loss at beta 0.2 is {loss}");
+}

@@ -93,6 +93,13 @@ const SIMPLE: &[(&str, &str)] = &[
     ("lora_dropout", "lora_dropout"),
     ("lora_model_dir", "adapter"),
     ("merge_lora", "merge_lora"),
+    // Preference tuning, with TRL's DPOConfig names and Axolotl's `rl: dpo`.
+    ("method", "method"),
+    ("rl", "method"),
+    ("beta", "dpo_beta"),
+    ("dpo_beta", "dpo_beta"),
+    ("loss_type", "dpo_loss"),
+    ("dpo_loss", "dpo_loss"),
 ];
 
 /// Every key the file may hold, for the error on an unknown one.
