@@ -1,6 +1,6 @@
 //! README's usage examples run as written. Every command of README's usage block (the bash block
 //! that makes `./tiny-llama`) runs with bash, unchanged and in README's order, in a scratch
-//! directory laid out as the examples assume (train.jsonl, chat.jsonl, chat.parquet, configs/,
+//! directory laid out as the examples assume (train.jsonl, chat.jsonl, chat.parquet, pairs.jsonl, configs/,
 //! ./my-model, model.gguf, target/smollm2-hf), with this build as `fsdp-app` on PATH.
 //!
 //! What the test sets around the commands, never in them:
@@ -121,6 +121,7 @@ fn every_usage_example_in_readme_runs_as_written() {
     std::fs::write(dir.join("train.jsonl"), alpaca.repeat(4)).unwrap(); // 40 rows: a batch of 16 fits
     std::fs::copy(data.join("zephyrix-codename.jsonl"), dir.join("chat.jsonl")).unwrap();
     std::fs::copy(data.join("zephyrix-codename.parquet"), dir.join("chat.parquet")).unwrap();
+    std::fs::copy(data.join("zephyrix-preferences.jsonl"), dir.join("pairs.jsonl")).unwrap();
     std::os::unix::fs::symlink(Path::new(env!("CARGO_MANIFEST_DIR")).join("configs"), dir.join("configs")).unwrap();
     std::os::unix::fs::symlink(&gguf, dir.join("model.gguf")).unwrap();
     let my_model = fixture("llama", tmp.path());
