@@ -5,6 +5,7 @@ mod common;
 
 use std::path::Path;
 
+use fsdp_app::fsdp::plan::ShardingStrategy;
 use fsdp_app::tokenize::TextTokenizer;
 use fsdp_app::train::data::{Sample, TextTools, IGNORE_INDEX};
 use fsdp_app::train::dpo::{DpoLossKind, DpoSettings};
@@ -239,4 +240,35 @@ fn dpo_settings_come_from_trl_and_axolotl_key_names() {
     assert!(o.status.success(), "{}", common::stderr(&o));
     let loss = common::metric_losses(&out)[0];
     assert!((loss - 6.25).abs() < 1e-4, "step 1's IPO loss at beta 0.2 is {loss}");
+}
+
+/// Gradient accumulation, SHARD_GRAD_OP and `--auto-find-batch-size` (in pairs: a budget
+/// between what 2 and 4 pairs need per rank) train the same DPO run as the plain one.
+#[test]
+fn accumulation_strategies_and_auto_batch_keep_the_dpo_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = common::fixture("llama", tmp.path());
+    let plain = run_local(&dpo_config(&model, &tmp.path().join("plain"), DpoLossKind::Sigmoid)).unwrap();
+    let needs = |rows: &str| -> f64 {
+        let m = model.to_str().unwrap();
+        let o = common::run_cli(&["estimate", "--model", m, "--world-size", "2", "--batch-size", rows, "--seq-len", "16", "--json"], &[]);
+        serde_json::from_str::<serde_json::Value>(&common::stdout(&o)).unwrap()["rank0_total"].as_f64().unwrap()
+    };
+    // Rows: 2 pairs are 4 rows, 1 pair 2.
+    let budget = ((needs("2") + needs("4")) / 2.0) as usize;
+    let variants: [(&str, Box<dyn Fn(&mut FinetuneConfig)>); 3] = [
+        ("accumulation", Box::new(|c| (c.world_size, c.batch_size, c.grad_accum) = (2, 1, 2))),
+        ("shard-grad-op", Box::new(|c| (c.world_size, c.batch_size, c.strategy) = (2, 2, ShardingStrategy::ShardGradOp))),
+        (
+            "auto-batch",
+            Box::new(move |c| (c.world_size, c.batch_size, c.auto_find_batch_size, c.max_memory_per_rank) = (2, 2, true, Some(budget))),
+        ),
+    ];
+    for (name, change) in variants {
+        let mut c = dpo_config(&model, &tmp.path().join(name), DpoLossKind::Sigmoid);
+        change(&mut c);
+        let run = run_local(&c).unwrap();
+        let d = run.losses.iter().zip(&plain.losses).map(|(a, b)| (a - b).abs() / b.abs()).fold(0.0, f64::max);
+        assert!(d < 1e-5, "{name}: {:?} vs {:?}", run.losses, plain.losses);
+    }
 }

@@ -29,8 +29,9 @@ use crate::train::data::Sample;
 use crate::train::estimate::{estimate, EstimateInput};
 use crate::train::loss::{next_token_targets, summed_token_loss};
 
-/// The (micro-batch, accumulation) of rows of `seq_len` tokens that fits: the flags' without
-/// `--auto-find-batch-size` (and on GPUs, where the trial decides later).
+/// The (micro-batch, accumulation) of examples (rows, or DPO's pairs of rows) of `seq_len`
+/// tokens that fits: the flags' without `--auto-find-batch-size` (and on GPUs, where the trial
+/// decides later).
 pub(super) fn fit(groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &Bootstrap, seq_len: usize) -> Result<(usize, usize)> {
     if !cfg.auto_find_batch_size || cfg.device.is_cuda() {
         return Ok((cfg.batch_size, cfg.grad_accum));
@@ -54,7 +55,7 @@ pub(super) fn fit(groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &Bootstrap
             strategy: cfg.strategy,
             wrap: cfg.wrap,
             activation_checkpointing: cfg.activation_checkpointing,
-            batch_size: batch,
+            batch_size: batch * boot.data.group,
             seq_len,
             // Rank 0 relays the others' collectives under a launcher: the larger figure holds.
             rank0_relays: world > 1,
@@ -74,12 +75,13 @@ pub(super) fn fit(groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &Bootstrap
                     .map(|(b, n): &(usize, u64)| format!("micro-batch {b} needs ~{} per rank", human_bytes(*n)))
                     .unwrap_or_default();
                 eprintln!(
-                    "auto batch size: budget {} per rank{}; micro-batch {micro} x {} accumulation (~{} per rank), the same {} sequences per step",
+                    "auto batch size: budget {} per rank{}; micro-batch {micro} x {} accumulation (~{} per rank), the same {} {} per step",
                     human_bytes(budget as u64),
                     if why.is_empty() { String::new() } else { format!(", {why}") },
                     accum,
                     human_bytes(need),
                     asked * cfg.grad_accum * world,
+                    if boot.data.group == 2 { "pairs" } else { "sequences" },
                 );
             }
             return Ok((micro, accum));
@@ -107,9 +109,11 @@ pub(super) fn fit_by_trial(
     if !cfg.auto_find_batch_size || !cfg.device.is_cuda() {
         return Ok(plan);
     }
-    let asked = plan.micro_batch;
+    // Whole examples: a DPO pair's two rows stay in one micro-batch.
+    let group = plan.group;
+    let asked = plan.micro_batch / group;
     let found = largest_that_runs(asked, |micro| {
-        let ran_out = match trial_step(engine, cfg, boot, plan.seq_len, micro) {
+        let ran_out = match trial_step(engine, cfg, boot, plan.seq_len, micro * group) {
             Ok(()) => false,
             Err(e) if crate::device::is_out_of_memory(&e) => true,
             Err(e) => return Err(e),
@@ -129,7 +133,7 @@ pub(super) fn fit_by_trial(
             plan.seq_len
         );
     };
-    let out = plan.with_micro_batch(micro);
+    let out = plan.with_micro_batch(micro * group);
     if groups.world.rank() == 0 && cfg.verbose {
         eprintln!(
             "auto batch size: micro-batch {micro} x {} accumulation fits the GPU, the same {} sequences per step",

@@ -186,9 +186,6 @@ pub fn validate(cfg: &FinetuneConfig, world: usize) -> Result<()> {
         if cfg.train_on != TrainOn::Auto {
             bail!("--train-on applies to --method sft; DPO scores each pair's completions");
         }
-        if cfg.auto_find_batch_size {
-            bail!("--auto-find-batch-size is not available with --method dpo yet; give --batch-size (pairs per rank) and --grad-accum");
-        }
     }
     if let Some(dir) = &cfg.adapter {
         if !dir.join(crate::model_files::adapter::ADAPTER_CONFIG).is_file() {
