@@ -256,7 +256,8 @@ fn accumulation_strategies_and_auto_batch_keep_the_dpo_run() {
     };
     // Rows: 2 pairs are 4 rows, 1 pair 2.
     let budget = ((needs("2") + needs("4")) / 2.0) as usize;
-    let variants: [(&str, Box<dyn Fn(&mut FinetuneConfig)>); 3] = [
+    type Change = Box<dyn Fn(&mut FinetuneConfig)>;
+    let variants: [(&str, Change); 3] = [
         ("accumulation", Box::new(|c| (c.world_size, c.batch_size, c.grad_accum) = (2, 1, 2))),
         ("shard-grad-op", Box::new(|c| (c.world_size, c.batch_size, c.strategy) = (2, 2, ShardingStrategy::ShardGradOp))),
         (
