@@ -359,13 +359,30 @@ check(any(j.id == job.id for j in client.fine_tuning.jobs.list(limit=10).data), 
 check(any(m.id == got.fine_tuned_model for m in client.models.list().data), "the fine-tuned model is listed")
 answer = client.chat.completions.create(model=got.fine_tuned_model, messages=msgs, max_tokens=3)
 check(answer.model == got.fine_tuned_model, f"chat with the fine-tuned model: {answer}")
-for param, extra in [("method.type", {"method": {"type": "dpo"}}), ("integrations", {"integrations": [{"type": "wandb", "wandb": {"project": "p"}}]}),
+for param, extra in [("method.type", {"method": {"type": "reinforcement"}}), ("training_file", {"method": {"type": "dpo"}}),
+                     ("integrations", {"integrations": [{"type": "wandb", "wandb": {"project": "p"}}]}),
                      ("fsdp_app.foo", {"fsdp_app": {"foo": 1}})]:
     try:
         client.fine_tuning.jobs.create(model=model, training_file=uploaded.id, extra_body=extra)
         check(False, f"expected BadRequestError for {param}")
     except openai.BadRequestError as e:
         check(e.body.get("param") == param, f"{param}: {e.body}")
+# DPO through the client's own `method` argument, on an uploaded file of OpenAI's DPO rows.
+pair_rows = "".join(json.dumps({"input": {"messages": [{"role": "user", "content": f"Say {w}"}]},
+                                "preferred_output": [{"role": "assistant", "content": w}],
+                                "non_preferred_output": [{"role": "assistant", "content": "No."}]}) + "\n"
+                    for w in ["red", "green", "blue", "white"])
+pairs = client.files.create(file=("pairs.jsonl", pair_rows.encode()), purpose="fine-tune")
+dpo_job = client.fine_tuning.jobs.create(model=model, training_file=pairs.id, suffix="pydpo", extra_body=small,
+                                         method={"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.2, "n_epochs": 1, "batch_size": 2}}})
+check(dpo_job.method.type == "dpo" and dpo_job.method.dpo.hyperparameters.beta == 0.2, f"a DPO job: {dpo_job.method}")
+deadline = time.time() + 300
+while (dpo_done := client.fine_tuning.jobs.retrieve(dpo_job.id)).status not in ("succeeded", "failed", "cancelled"):
+    check(time.time() < deadline, f"the DPO job did not finish: {dpo_done}")
+    time.sleep(0.5)
+check(dpo_done.status == "succeeded", f"the DPO job: {dpo_done}")
+answer = client.chat.completions.create(model=dpo_done.fine_tuned_model, messages=msgs, max_tokens=3)
+check(answer.model == dpo_done.fine_tuned_model, f"chat with the DPO model: {answer}")
 longer = client.fine_tuning.jobs.create(model=model, training_file=uploaded.id, hyperparameters={"n_epochs": 50},
                                         extra_body={"fsdp_app": {"seq_len": 128, "max_steps": 100000}})
 check(client.fine_tuning.jobs.cancel(longer.id).status == "cancelled", "jobs.cancel")
