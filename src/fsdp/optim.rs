@@ -4,7 +4,6 @@
 
 use anyhow::{bail, Result};
 use candle_core::Tensor;
-use rayon::prelude::*;
 
 #[derive(Debug, Clone, Copy)]
 pub struct AdamWConfig {
@@ -39,7 +38,9 @@ impl AdamWState {
 /// `p *= 1 - lr*wd; m = lerp(m, g, 1-b1); v = v*b2 + (1-b2)*g*g;
 ///  p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)`.
 /// `clip`: the gradient-clipping coefficient, multiplied into each gradient as it is read
-/// (torch scales the gradients in place first: the same f32 product).
+/// (torch scales the gradients in place first: the same f32 product). `grad` is left zeroed
+/// for the next step's accumulation (zeroed by the thread that just read it, while its cache
+/// lines are at hand, instead of by a separate one-thread pass).
 #[allow(clippy::too_many_arguments)]
 pub fn adamw_step(
     cfg: &AdamWConfig,
@@ -47,7 +48,7 @@ pub fn adamw_step(
     weight_decay: f64,
     step: u64,
     param: &mut [f32],
-    grad: &[f32],
+    grad: &mut [f32],
     state: &mut AdamWState,
     clip: Option<f32>,
 ) {
@@ -63,23 +64,64 @@ pub fn adamw_step(
         eps: cfg.eps as f32,
         clip,
     };
-    // Elementwise, so split over the threads (the same values as one loop).
+    // Elementwise, so split over the threads (the same values as one loop), on candle's barrier
+    // pool, where the step's products and attention ran: a second pool's threads would spin
+    // against it for the cores.
     const CHUNK: usize = 1 << 16;
     let level = models::ops::kernels::SimdLevel::current();
-    let moments = state.exp_avg.par_chunks_mut(CHUNK).zip(state.exp_avg_sq.par_chunks_mut(CHUNK));
-    param.par_chunks_mut(CHUNK).zip(grad.par_chunks(CHUNK)).zip(moments).for_each(|((param, grad), (ms, vs))| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            use models::ops::kernels::SimdLevel;
-            // SAFETY: the level never exceeds what the CPU has.
-            match level {
-                SimdLevel::Avx512 => return unsafe { adamw_chunk_avx512(k, param, grad, ms, vs) },
-                SimdLevel::Avx2 => return unsafe { adamw_chunk_avx2(k, param, grad, ms, vs) },
-                SimdLevel::Scalar => {}
-            }
+    let n = param.len();
+    assert!(grad.len() == n && state.exp_avg.len() == n && state.exp_avg_sq.len() == n, "AdamW: chunk lengths differ");
+    let (p, g) = (Shared(param.as_mut_ptr()), Shared(grad.as_mut_ptr()));
+    let (m, v) = (Shared(state.exp_avg.as_mut_ptr()), Shared(state.exp_avg_sq.as_mut_ptr()));
+    candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(CHUNK), |range| {
+        let (p, g, m, v) = (&p, &g, &m, &v);
+        for c in range {
+            let (lo, hi) = (c * CHUNK, ((c + 1) * CHUNK).min(n));
+            // SAFETY: each chunk index belongs to one thread, so its element range of the four
+            // buffers (all n long, checked above) is used by that thread alone.
+            let (param, grad, ms, vs) = unsafe { (p.range(lo, hi), g.range(lo, hi), m.range(lo, hi), v.range(lo, hi)) };
+            update_chunk(level, k, param, grad, ms, vs);
+            grad.fill(0.0);
         }
-        adamw_chunk(k, param, grad, ms, vs)
     });
+}
+
+/// One chunk's update at the widest vector level the CPU has.
+fn update_chunk(
+    level: models::ops::kernels::SimdLevel,
+    k: AdamWConstants,
+    param: &mut [f32],
+    grad: &[f32],
+    ms: &mut [f32],
+    vs: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use models::ops::kernels::SimdLevel;
+        // SAFETY: the level never exceeds what the CPU has.
+        match level {
+            SimdLevel::Avx512 => return unsafe { adamw_chunk_avx512(k, param, grad, ms, vs) },
+            SimdLevel::Avx2 => return unsafe { adamw_chunk_avx2(k, param, grad, ms, vs) },
+            SimdLevel::Scalar => {}
+        }
+    }
+    adamw_chunk(k, param, grad, ms, vs)
+}
+
+/// A buffer the pool's threads write in disjoint ranges.
+struct Shared(*mut f32);
+// SAFETY: the threads write disjoint ranges (see `adamw_step`), and the buffer outlives the
+// parallel region.
+unsafe impl Sync for Shared {}
+impl Shared {
+    /// # Safety
+    /// `lo..hi` must be inside the buffer and used by no other thread.
+    // A mutable piece from a shared handle is the point: the threads share the handle and
+    // the safety contract keeps their pieces apart.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn range(&self, lo: usize, hi: usize) -> &mut [f32] {
+        std::slice::from_raw_parts_mut(self.0.add(lo), hi - lo)
+    }
 }
 
 /// The per-step numbers of [`adamw_step`], by value so the loop keeps them in registers.
@@ -131,19 +173,20 @@ unsafe fn adamw_chunk_avx2(k: AdamWConstants, param: &mut [f32], grad: &[f32], m
 /// far below f32's precision).
 pub fn sum_of_squares(xs: &[f32]) -> f64 {
     const CHUNK: usize = 1 << 16;
-    xs.par_chunks(CHUNK)
-        .map(|c| {
-            let mut acc = [0f64; 8];
-            let lanes = c.chunks_exact(8);
-            let tail: f64 = lanes.remainder().iter().map(|&x| x as f64 * x as f64).sum();
-            for l in lanes {
-                for (a, &x) in acc.iter_mut().zip(l) {
-                    *a += x as f64 * x as f64;
-                }
+    // On candle's barrier pool, as the rest of the step.
+    let partial = models::ops::kernels::pool_map(xs.len().div_ceil(CHUNK), |c| {
+        let chunk = &xs[c * CHUNK..((c + 1) * CHUNK).min(xs.len())];
+        let mut acc = [0f64; 8];
+        let lanes = chunk.chunks_exact(8);
+        let tail: f64 = lanes.remainder().iter().map(|&x| x as f64 * x as f64).sum();
+        for l in lanes {
+            for (a, &x) in acc.iter_mut().zip(l) {
+                *a += x as f64 * x as f64;
             }
-            acc.iter().sum::<f64>() + tail
-        })
-        .sum()
+        }
+        acc.iter().sum::<f64>() + tail
+    });
+    partial.iter().sum()
 }
 
 /// A chunk's moments as tensors on the compute device (device-resident state).
@@ -275,7 +318,9 @@ mod tests {
         let cfg = AdamWConfig { lr: 0.1, ..Default::default() };
         let mut p = vec![1.0f32, 1.0];
         let mut st = AdamWState::new(2);
-        adamw_step(&cfg, 0.1, 0.0, 1, &mut p, &[0.5, -2.0], &mut st, None);
+        let mut g = [0.5, -2.0];
+        adamw_step(&cfg, 0.1, 0.0, 1, &mut p, &mut g, &mut st, None);
+        assert_eq!(g, [0.0, 0.0], "the gradient is left zeroed");
         assert!((p[0] - 0.9).abs() < 1e-6 && (p[1] - 1.1).abs() < 1e-6, "{p:?}");
         assert!((clip_coefficient(2.0, 1.0) - 0.5).abs() < 1e-6 && clip_coefficient(0.5, 1.0) == 1.0);
     }
@@ -298,7 +343,7 @@ mod tests {
         };
         for step in 1..=20u64 {
             let g = draw();
-            adamw_step(&cfg, 1e-3, 0.1, step, &mut p, &g, &mut st, None);
+            adamw_step(&cfg, 1e-3, 0.1, step, &mut p, &mut g.clone(), &mut st, None);
             pt = adamw_step_tensors(&cfg, 1e-3, 0.1, step, &pt, &Tensor::from_slice(&g, n, &Device::Cpu).unwrap(), &mut stt).unwrap();
         }
         // Parameters and both moments against the loop's own values.

@@ -8,7 +8,6 @@
 //! q, k, v and the output stay alive for backward.
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
-use rayon::prelude::*;
 
 use crate::ops::f32_slice;
 use crate::ops::kernels::exp_inplace;
@@ -163,7 +162,10 @@ impl Attention {
         // Not zeroed first: every (batch, head) task overwrites its rows.
         let mut out: Vec<f32> = Vec::with_capacity(b * t * hq * d);
         let dst = SharedMut(out.as_mut_ptr());
-        (0..b * hq).into_par_iter().for_each_init(
+        // On candle's barrier pool with the products around it (one pool, not two spinning
+        // against each other on the same cores); each thread's range of tasks shares a buffer.
+        crate::ops::kernels::on_pool(
+            b * hq,
             || vec![0f32; t * t],
             |p, task| {
                 let (bi, h) = (task / hq, task % hq);
@@ -205,7 +207,8 @@ impl Attention {
         let scale = self.scale;
         // One task per (batch row, kv head): it alone accumulates that kv head's dk and dv, over
         // the query heads sharing it.
-        (0..b * hkv).into_par_iter().for_each_init(
+        crate::ops::kernels::on_pool(
+            b * hkv,
             || (vec![0f32; t * t], vec![0f32; t * t], vec![0f32; t]),
             |(p, dp, delta), task| {
                 let (bi, g) = (task / hkv, task % hkv);

@@ -4,8 +4,8 @@
 //! training path. On other devices, and for dtypes other than f32, callers keep the composite
 //! ops (same values; see each op's test against them).
 
+use crate::ops::kernels::{pool_chunks_mut, pool_chunks_mut2, pool_map_chunks_mut};
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
-use rayon::prelude::*;
 
 use super::f32_slice;
 use super::kernels::exp_inplace;
@@ -42,7 +42,9 @@ impl CustomOp2 for RmsNorm {
         let (x, w) = (f32_slice(xs, xl)?, f32_slice(ws, wl)?);
         let n = w.len();
         let mut y = vec![0f32; x.len()];
-        y.par_chunks_mut(n * rows_per_task(n)).zip(x.par_chunks(n * rows_per_task(n))).for_each(|(ys, xs)| {
+        let per = n * rows_per_task(n);
+        pool_chunks_mut(&mut y, per, |c, ys| {
+            let xs = &x[c * per..c * per + ys.len()];
             for (yr, xr) in ys.chunks_mut(n).zip(xs.chunks(n)) {
                 let r = inv_rms(xr, self.eps);
                 for i in 0..n {
@@ -91,26 +93,23 @@ impl CustomOp3 for RmsNormBackward {
         let (dx, _) = out.split_at_mut(rows * n);
         let per = n * rows_per_task(n);
         // dx per row, and each task's partial dw, summed after.
-        let partial: Vec<Vec<f32>> = dx
-            .par_chunks_mut(per)
-            .zip(x.par_chunks(per).zip(g.par_chunks(per)))
-            .map(|(dxs, (xs, gs))| {
-                let mut dw = vec![0f32; n];
-                for ((dxr, xr), gr) in dxs.chunks_mut(n).zip(xs.chunks(n)).zip(gs.chunks(n)) {
-                    let r = inv_rms(xr, self.eps);
-                    let mut dot = 0f32;
-                    for i in 0..n {
-                        dot += gr[i] * w[i] * xr[i];
-                        dw[i] += gr[i] * xr[i] * r;
-                    }
-                    let c = r * r * r * dot / n as f32;
-                    for j in 0..n {
-                        dxr[j] = r * w[j] * gr[j] - c * xr[j];
-                    }
+        let partial: Vec<Vec<f32>> = pool_map_chunks_mut(dx, per, |c, dxs| {
+            let (xs, gs) = (&x[c * per..c * per + dxs.len()], &g[c * per..c * per + dxs.len()]);
+            let mut dw = vec![0f32; n];
+            for ((dxr, xr), gr) in dxs.chunks_mut(n).zip(xs.chunks(n)).zip(gs.chunks(n)) {
+                let r = inv_rms(xr, self.eps);
+                let mut dot = 0f32;
+                for i in 0..n {
+                    dot += gr[i] * w[i] * xr[i];
+                    dw[i] += gr[i] * xr[i] * r;
                 }
-                dw
-            })
-            .collect();
+                let c = r * r * r * dot / n as f32;
+                for j in 0..n {
+                    dxr[j] = r * w[j] * gr[j] - c * xr[j];
+                }
+            }
+            dw
+        });
         let dw = &mut out[rows * n..];
         for p in partial {
             for i in 0..n {
@@ -148,7 +147,8 @@ impl CustomOp2 for SwiGlu {
             candle_core::bail!("swiglu: {} vs {} values", a.len(), b.len());
         }
         let mut y = vec![0f32; a.len()];
-        y.par_chunks_mut(MIN_TASK).zip(a.par_chunks(MIN_TASK).zip(b.par_chunks(MIN_TASK))).for_each(|(ys, (as_, bs))| {
+        pool_chunks_mut(&mut y, MIN_TASK, |c, ys| {
+            let (as_, bs) = (&a[c * MIN_TASK..c * MIN_TASK + ys.len()], &b[c * MIN_TASK..c * MIN_TASK + ys.len()]);
             sigmoid_into(as_, ys);
             for i in 0..ys.len() {
                 ys[i] *= as_[i] * bs[i];
@@ -188,7 +188,7 @@ impl CustomOp3 for SwiGluBackward {
         let n = a.len();
         let mut out = vec![0f32; 2 * n];
         let (da, db) = out.split_at_mut(n);
-        da.par_chunks_mut(MIN_TASK).zip(db.par_chunks_mut(MIN_TASK)).enumerate().for_each(|(c, (das, dbs))| {
+        pool_chunks_mut2((da, MIN_TASK), (db, MIN_TASK), |c, das, dbs| {
             let off = c * MIN_TASK;
             let mut s = vec![0f32; das.len()];
             sigmoid_into(&a[off..off + das.len()], &mut s);
@@ -254,7 +254,8 @@ impl CustomOp3 for Rope {
         let mut y = vec![0f32; x.len()];
         let position = |row: usize| if self.token_major { (row / heads) % seq } else { row % seq };
         let per = d * seq;
-        y.par_chunks_mut(per).zip(x.par_chunks(per)).enumerate().for_each(|(c, (ys, xs))| {
+        pool_chunks_mut(&mut y, per, |c, ys| {
+            let xs = &x[c * per..c * per + ys.len()];
             for (r, (yr, xr)) in ys.chunks_mut(d).zip(xs.chunks(d)).enumerate() {
                 let p = position(c * seq + r);
                 let (co, s) = (&cos[p * half..(p + 1) * half], &sin[p * half..(p + 1) * half]);
@@ -318,11 +319,17 @@ impl CustomOp1 for CrossEntropy {
         let x = f32_slice(s, l)?;
         let rows = self.targets.len();
         let vocab = x.len() / rows.max(1);
-        let loss: Vec<f32> = x
-            .par_chunks(vocab)
-            .zip(self.targets.par_iter())
-            .map_init(|| vec![0f32; vocab], |scratch, (row, &t)| if t < 0 { 0.0 } else { row_lse(row, scratch) - row[t as usize] })
-            .collect();
+        // Pieces of rows sharing one scratch row.
+        const ROWS: usize = 8;
+        let mut loss = vec![0f32; rows];
+        pool_chunks_mut(&mut loss, ROWS, |c, ls| {
+            let mut scratch = vec![0f32; vocab];
+            for (i, l) in ls.iter_mut().enumerate() {
+                let r = c * ROWS + i;
+                let (row, t) = (&x[r * vocab..(r + 1) * vocab], self.targets[r]);
+                *l = if t < 0 { 0.0 } else { row_lse(row, &mut scratch) - row[t as usize] };
+            }
+        });
         Ok((CpuStorage::F32(loss), Shape::from(rows)))
     }
 
@@ -350,7 +357,8 @@ impl CustomOp2 for CrossEntropyBackward {
         let (g, loss) = gl_.split_at(rows);
         let vocab = x.len() / rows.max(1);
         let mut dx = vec![0f32; x.len()];
-        dx.par_chunks_mut(vocab).zip(x.par_chunks(vocab)).enumerate().for_each(|(r, (dr, row))| {
+        pool_chunks_mut(&mut dx, vocab, |r, dr| {
+            let row = &x[r * vocab..(r + 1) * vocab];
             let t = self.targets[r];
             if t < 0 {
                 return;

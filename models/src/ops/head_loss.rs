@@ -14,8 +14,8 @@
 use std::sync::{Arc, Mutex};
 
 use crate::ops::f32_slice;
+use crate::ops::kernels::pool_chunks_mut2;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Storage, Tensor};
-use rayon::prelude::*;
 
 use crate::ops::kernels::exp_inplace;
 use crate::ops::linear::{product, product_add};
@@ -115,7 +115,8 @@ impl HeadCrossEntropy {
             // (n, vocab) logits: hc (n, hidden) · Wᵀ, element (i, o) of Wᵀ at o * hidden + i.
             let mut logits = product(n, vocab, hidden, (hc, 1, hidden as isize), (w, hidden as isize, 1));
             let targets = &self.targets[first..first + n];
-            logits.par_chunks_mut(vocab).zip(loss[first..first + n].par_iter_mut()).enumerate().for_each(|(r, (row, l))| {
+            pool_chunks_mut2((&mut logits, vocab), (&mut loss[first..first + n], 1), |r, row, l| {
+                let l = &mut l[0];
                 let t = targets[r];
                 if t < 0 {
                     *l = 0.0;

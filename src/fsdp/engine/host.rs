@@ -219,11 +219,10 @@ impl UnitShards for HostShards {
                 step.weight_decay[i],
                 step.step,
                 &mut self.state.master[i],
-                &self.state.grad[i],
+                &mut self.state.grad[i],
                 &mut self.state.adam[i],
                 step.clip,
             );
-            self.state.grad[i].fill(0.0);
         }
         Ok(())
     }
