@@ -272,6 +272,16 @@ impl HostShards {
                 round_through(v, cx.opts.param_dtype);
             }
         };
+        // A shard group of one rank holds every parameter whole: one copy each, not one into
+        // the packed buffer and another out of it.
+        if shards == 1 {
+            let own = |(m, p): (&Vec<f32>, &crate::fsdp::plan::ParamLayout)| {
+                let mut full = m[..p.numel()].to_vec();
+                round(&mut full);
+                full
+            };
+            return Ok(self.state.master.iter().zip(&cx.plan.params).map(own).collect());
+        }
         let (offsets, seg) = packed_layout(cx, false);
         let mut buf: Vec<f32> = Vec::with_capacity(seg);
         for (m, at) in self.state.master.iter().zip(&offsets) {
@@ -280,8 +290,7 @@ impl HostShards {
             }
         }
         round(&mut buf);
-        // A shard group of one rank gathers its own chunk: no collective.
-        let all = if shards == 1 || seg == 0 { buf } else { cx.shard.all_gather(&buf)? };
+        let all = if seg == 0 { buf } else { cx.shard.all_gather(&buf)? };
         let mut out = Vec::with_capacity(cx.plan.params.len());
         for (i, p) in cx.plan.params.iter().enumerate() {
             let mut full = match offsets[i] {
