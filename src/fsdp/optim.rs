@@ -174,7 +174,7 @@ unsafe fn adamw_chunk_avx2(k: AdamWConstants, param: &mut [f32], grad: &[f32], m
 pub fn sum_of_squares(xs: &[f32]) -> f64 {
     const CHUNK: usize = 1 << 16;
     // On candle's barrier pool, as the rest of the step.
-    let partial = models::ops::kernels::pool_map(xs.len().div_ceil(CHUNK), |c| {
+    let partial = models::ops::pool::pool_map(xs.len().div_ceil(CHUNK), |c| {
         let chunk = &xs[c * CHUNK..((c + 1) * CHUNK).min(xs.len())];
         let mut acc = [0f64; 8];
         let lanes = chunk.chunks_exact(8);

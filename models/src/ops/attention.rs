@@ -164,7 +164,7 @@ impl Attention {
         let dst = SharedMut(out.as_mut_ptr());
         // On candle's barrier pool with the products around it (one pool, not two spinning
         // against each other on the same cores); each thread's range of tasks shares a buffer.
-        crate::ops::kernels::on_pool(
+        crate::ops::pool::on_pool(
             b * hq,
             || vec![0f32; t * t],
             |p, task| {
@@ -207,7 +207,7 @@ impl Attention {
         let scale = self.scale;
         // One task per (batch row, kv head): it alone accumulates that kv head's dk and dv, over
         // the query heads sharing it.
-        crate::ops::kernels::on_pool(
+        crate::ops::pool::on_pool(
             b * hkv,
             || (vec![0f32; t * t], vec![0f32; t * t], vec![0f32; t]),
             |(p, dp, delta), task| {

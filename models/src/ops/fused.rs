@@ -4,7 +4,7 @@
 //! training path. On other devices, and for dtypes other than f32, callers keep the composite
 //! ops (same values; see each op's test against them).
 
-use crate::ops::kernels::{pool_chunks_mut, pool_chunks_mut2, pool_map_chunks_mut};
+use crate::ops::pool::{pool_chunks_mut, pool_chunks_mut2, pool_map_chunks_mut};
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
 use super::f32_slice;

@@ -14,7 +14,7 @@
 use std::sync::{Arc, Mutex};
 
 use crate::ops::f32_slice;
-use crate::ops::kernels::pool_chunks_mut2;
+use crate::ops::pool::pool_chunks_mut2;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Storage, Tensor};
 
 use crate::ops::kernels::exp_inplace;

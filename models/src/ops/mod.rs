@@ -22,6 +22,7 @@ pub mod head_loss;
 pub mod kernels;
 pub mod linear;
 pub mod lora_rows;
+pub mod pool;
 pub mod quant_blocks;
 #[cfg(target_arch = "x86_64")]
 mod quant_blocks_x86;

@@ -1,0 +1,89 @@
+//! Training's parallel loops on candle's barrier pool, the pool candle's own ops and our matrix
+//! products run on (`ops::linear`): each helper hands every thread disjoint pieces of the
+//! buffers it borrows, the calling thread working too. Training ran these loops on rayon
+//! before; with two pools on two cores, four threads spun against each other for the cores
+//! (rayon's workers took 15% of a 28M Llama step's samples).
+
+/// A buffer's base pointer shared with the pool's threads, each of which touches only its own
+/// pieces (the helpers below hand them out).
+struct PiecesOf<T>(*mut T);
+// SAFETY: the helpers give every thread disjoint pieces of a buffer they borrow mutably for
+// the whole parallel region.
+unsafe impl<T: Send> Sync for PiecesOf<T> {}
+impl<T> PiecesOf<T> {
+    /// Piece `c` of `chunk` elements (the last shorter) of a buffer of `len`.
+    ///
+    /// # Safety
+    /// Each `c` must be used by one thread at a time, while the buffer is borrowed.
+    // A mutable piece from a shared handle is the point: the threads share the handle and
+    // the safety contract keeps their pieces apart.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn piece(&self, c: usize, chunk: usize, len: usize) -> &mut [T] {
+        let lo = c * chunk;
+        std::slice::from_raw_parts_mut(self.0.add(lo), chunk.min(len - lo))
+    }
+}
+
+/// Runs `f(c, piece)` for every `chunk`-long piece `c` of `out` (the last may be shorter) on
+/// candle's barrier pool, the calling thread included. Training's elementwise ops run here, on
+/// the pool their matrix products run on: rayon's threads beside it spin against it for the
+/// same cores.
+pub fn pool_chunks_mut<T: Send>(out: &mut [T], chunk: usize, f: impl Fn(usize, &mut [T]) + Sync) {
+    let (len, base) = (out.len(), PiecesOf(out.as_mut_ptr()));
+    candle_core::utils::barrier_pool().execute_chunked(len.div_ceil(chunk.max(1)), |range| {
+        for c in range {
+            // SAFETY: chunk c goes to this thread only; `out` is borrowed for the call.
+            f(c, unsafe { base.piece(c, chunk, len) })
+        }
+    })
+}
+
+/// [`pool_chunks_mut`] over two buffers cut into the same number of pieces (`a` in pieces of
+/// `chunk_a`, `b` of `chunk_b`).
+pub fn pool_chunks_mut2<T: Send, U: Send>(
+    (a, chunk_a): (&mut [T], usize),
+    (b, chunk_b): (&mut [U], usize),
+    f: impl Fn(usize, &mut [T], &mut [U]) + Sync,
+) {
+    let pieces = a.len().div_ceil(chunk_a.max(1));
+    assert_eq!(pieces, b.len().div_ceil(chunk_b.max(1)), "pool_chunks_mut2: the buffers cut into different numbers of pieces");
+    let (len_a, len_b, pa, pb) = (a.len(), b.len(), PiecesOf(a.as_mut_ptr()), PiecesOf(b.as_mut_ptr()));
+    candle_core::utils::barrier_pool().execute_chunked(pieces, |range| {
+        for c in range {
+            // SAFETY: piece c of both buffers goes to this thread only; both are borrowed.
+            f(c, unsafe { pa.piece(c, chunk_a, len_a) }, unsafe { pb.piece(c, chunk_b, len_b) })
+        }
+    })
+}
+
+/// [`pool_chunks_mut`] that keeps what `f` returns for each piece, in piece order.
+pub fn pool_map_chunks_mut<T: Send, R: Send + Sync>(out: &mut [T], chunk: usize, f: impl Fn(usize, &mut [T]) -> R + Sync) -> Vec<R> {
+    let slots: Vec<std::sync::OnceLock<R>> = (0..out.len().div_ceil(chunk.max(1))).map(|_| std::sync::OnceLock::new()).collect();
+    pool_chunks_mut(out, chunk, |c, piece| {
+        let _ = slots[c].set(f(c, piece));
+    });
+    slots.into_iter().map(|s| s.into_inner().expect("every piece ran")).collect()
+}
+
+/// `f(i)` for every `i` in `0..n` on candle's barrier pool, in order.
+pub fn pool_map<R: Send + Sync>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
+    let slots: Vec<std::sync::OnceLock<R>> = (0..n).map(|_| std::sync::OnceLock::new()).collect();
+    candle_core::utils::barrier_pool().execute_chunked(n, |range| {
+        for i in range {
+            let _ = slots[i].set(f(i));
+        }
+    });
+    slots.into_iter().map(|s| s.into_inner().expect("every task ran")).collect()
+}
+
+/// Runs `task(scratch, i)` for every `i` in `0..n` on candle's barrier pool, the calling thread
+/// included, each thread's range of tasks sharing one `scratch` from `init` (rayon's
+/// `for_each_init`): training's attention runs on the pool its products run on.
+pub fn on_pool<S>(n: usize, init: impl Fn() -> S + Sync, task: impl Fn(&mut S, usize) + Sync) {
+    candle_core::utils::barrier_pool().execute_chunked(n, |range| {
+        let mut scratch = init();
+        for i in range {
+            task(&mut scratch, i);
+        }
+    })
+}
