@@ -238,6 +238,8 @@ fn dpo_settings_come_from_trl_and_axolotl_key_names() {
         &[],
     );
     assert!(o.status.success(), "{}", common::stderr(&o));
+    // The log's settings line says what the run took from the file.
+    assert!(common::stderr(&o).contains("method dpo (beta 0.2, loss ipo, 2 pairs per step)"), "{}", common::stderr(&o));
     let loss = common::metric_losses(&out)[0];
     assert!((loss - 6.25).abs() < 1e-4, "step 1's IPO loss at beta 0.2 is {loss}");
 }

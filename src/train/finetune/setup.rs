@@ -220,5 +220,9 @@ fn effective_settings(cfg: &FinetuneConfig, plan: &RunPlan) -> String {
         cfg.schedule,
         cfg.warmup_for(total_steps),
         if cfg.device.is_cuda() { "cuda" } else { "cpu" },
-    )
+    ) + &match cfg.dpo {
+        // A pair is two sequences: say how many pairs a step takes.
+        Some(d) => format!(", method dpo (beta {}, loss {:?}, {} pairs per step)", d.beta, d.loss, plan.global_batch / plan.group).to_lowercase(),
+        None => String::new(),
+    }
 }
