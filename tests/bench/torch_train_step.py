@@ -33,4 +33,6 @@ for step in range(steps):
     losses.append(loss.item())
 tps = sorted(batch * seq / x for x in times[1:])
 print(json.dumps({"tokens_per_s": tps[len(tps) // 2], "losses": losses, "torch": torch.__version__,
-                  "transformers": transformers.__version__, "threads": torch.get_num_threads()}))
+                  "transformers": transformers.__version__, "threads": torch.get_num_threads(),
+                  # ATen's kernel level (ATEN_CPU_CAPABILITY lowers it for the forced-AVX2 rows).
+                  "isa": torch.backends.cpu.get_cpu_capability()}))

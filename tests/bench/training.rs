@@ -131,10 +131,31 @@ fn main() -> anyhow::Result<()> {
     let only = |part: &str| std::env::args().skip(1).any(|a| a == part);
     if !only("memory") {
         speed(&root, &models_dir, tmp.path(), &python)?;
+        forced_avx2_rows()?;
     }
     if !only("speed") {
         memory(&root, &models_dir, tmp.path(), &python)?;
     }
+    Ok(())
+}
+
+/// What makes both sides run their AVX2 code on an AVX-512 CPU: ours through `FSDP_SIMD` (our
+/// kernels and gemm's microkernels), PyTorch's through ATen's dispatch level, MKL's and oneDNN's
+/// instruction caps.
+const FORCE_AVX2: [(&str, &str); 4] =
+    [("FSDP_SIMD", "avx2"), ("ATEN_CPU_CAPABILITY", "avx2"), ("MKL_ENABLE_INSTRUCTIONS", "AVX2"), ("ONEDNN_MAX_CPU_ISA", "AVX2")];
+
+/// On an AVX-512 CPU (and unless FSDP_SIMD already chose a level), the speed rows again with both
+/// sides held to AVX2, so an AVX2 machine's figures can be read on this one. A child process:
+/// the kernel level is fixed once per process.
+fn forced_avx2_rows() -> anyhow::Result<()> {
+    use models::ops::kernels::SimdLevel;
+    if SimdLevel::detected() < SimdLevel::Avx512 || std::env::var_os("FSDP_SIMD").is_some() {
+        return Ok(());
+    }
+    println!("\n## The same rows with AVX2 forced on both sides ({})", FORCE_AVX2.map(|(k, v)| format!("{k}={v}")).join(" "));
+    let status = Command::new(std::env::current_exe()?).arg("speed").envs(FORCE_AVX2).status()?;
+    anyhow::ensure!(status.success(), "the forced-AVX2 run failed: {status}");
     Ok(())
 }
 
@@ -204,10 +225,9 @@ fn speed(root: &Path, models_dir: &Path, tmp: &Path, python: &str) -> anyhow::Re
             ours[0].2 as f64 / 1e6
         );
         println!("(median of steps 2-{steps}, median of {ROUNDS} alternating rounds; FSDP: FULL_SHARD, one unit per layer, no activation checkpointing)\n");
-        // Our kernels' level (FSDP_SIMD lowers it); the gemm crate picks its own kernels from the
-        // CPU (AVX-512 where there is one) and cannot be forced lower.
+        // The level our kernels and gemm's microkernels ran at (FSDP_SIMD lowers it).
         let isa = format!("{:?}", models::ops::kernels::SimdLevel::current());
-        println!("| run | ISA (our kernels) | tokens/s | vs PyTorch |");
+        println!("| run | ISA (kernels and matmuls) | tokens/s | vs PyTorch |");
         println!("|---|---|---|---|");
         let torch_tps = torch.as_ref().ok().and_then(|t| t["tokens_per_s"].as_f64());
         for (world, tps, _, _) in &ours {
@@ -216,9 +236,11 @@ fn speed(root: &Path, models_dir: &Path, tmp: &Path, python: &str) -> anyhow::Re
         }
         match &torch {
             Ok(t) => println!(
-                "| PyTorch {} + transformers {} (sdpa), plain (no FSDP) | its own | {:.0} | 1.00x |",
+                "| PyTorch {} + transformers {} (sdpa), plain (no FSDP) | ATen {}{} | {:.0} | 1.00x |",
                 t["torch"].as_str().unwrap_or("?"),
                 t["transformers"].as_str().unwrap_or("?"),
+                t["isa"].as_str().unwrap_or("?"),
+                std::env::var("MKL_ENABLE_INSTRUCTIONS").map(|v| format!(", MKL {v}")).unwrap_or_default(),
                 t["tokens_per_s"].as_f64().unwrap_or(0.0)
             ),
             Err(why) => println!("| PyTorch | | n/a: {why} | |"),

@@ -8,7 +8,7 @@
 //! layer was 2.4 GB.
 
 use super::{KvView, BLOCK};
-use crate::ops::attention::gemm;
+use crate::ops::matmul::sgemm;
 use crate::ops::kernels::{exp_f32, exp_shifted_sum, for_chunks_mut};
 
 /// Query positions per work item.
@@ -72,7 +72,7 @@ fn attend_tile(
         // SAFETY: q_rows holds rows × d values, the block's rows of head g hold BLOCK × d, and s
         // Q_TILE × BLOCK.
         unsafe {
-            gemm(
+            sgemm(
                 rows,
                 cols,
                 d,
@@ -108,7 +108,7 @@ fn attend_tile(
         // out (rows × d) += s (rows × cols) · v (cols × d).
         // SAFETY: as above; v's rows of head g hold BLOCK × d values.
         unsafe {
-            gemm(rows, d, cols, (out.as_mut_ptr(), 1, d as isize), (s.as_ptr(), 1, cols as isize), (v.as_ptr(), 1, d as isize), 1.0, 1.0);
+            sgemm(rows, d, cols, (out.as_mut_ptr(), 1, d as isize), (s.as_ptr(), 1, cols as isize), (v.as_ptr(), 1, d as isize), 1.0, 1.0);
         }
     }
     for (i, o) in out.chunks_exact_mut(d).enumerate() {

@@ -11,6 +11,7 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor}
 
 use crate::ops::f32_slice;
 use crate::ops::kernels::exp_inplace;
+use crate::ops::matmul::sgemm;
 
 /// `softmax(q kᵀ · scale + mask) v` for q (batch, seq, heads, head_dim) and k, v (batch, seq,
 /// kv_heads, head_dim); `mask` is additive, (seq, seq) or (batch, 1, seq, seq). Returns
@@ -70,42 +71,6 @@ struct SharedMut(*mut f32);
 unsafe impl Send for SharedMut {}
 unsafe impl Sync for SharedMut {}
 
-/// `dst (m × n) = alpha · dst + beta · lhs (m × k) · rhs (k × n)`, matrices given by pointer and
-/// (column, row) strides, on the calling thread (the tasks are the parallelism).
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn gemm(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: (*mut f32, isize, isize),
-    lhs: (*const f32, isize, isize),
-    rhs: (*const f32, isize, isize),
-    alpha: f32,
-    beta: f32,
-) {
-    gemm::gemm(
-        m,
-        n,
-        k,
-        dst.0,
-        dst.1,
-        dst.2,
-        alpha != 0.0,
-        lhs.0,
-        lhs.1,
-        lhs.2,
-        rhs.0,
-        rhs.1,
-        rhs.2,
-        alpha,
-        beta,
-        false,
-        false,
-        false,
-        gemm::Parallelism::None,
-    )
-}
-
 /// The mask's row for query `i` of batch row `bi`, if there is a mask.
 fn mask_row(mask: Option<(&[f32], bool)>, bi: usize, i: usize, t: usize) -> Option<&[f32]> {
     mask.map(|(m, per_row)| {
@@ -121,7 +86,7 @@ fn probabilities(dims: Dims, q: &[f32], k: &[f32], bi: usize, h: usize, g: usize
     let t = dims.t;
     // SAFETY: q and k hold these rows (checked shapes), p holds t × t values.
     unsafe {
-        gemm(
+        sgemm(
             t,
             t,
             dims.d,
@@ -177,7 +142,7 @@ impl Attention {
                 let dst = dst;
                 // SAFETY: task (bi, h) writes only head h's rows of batch row bi.
                 unsafe {
-                    gemm(
+                    sgemm(
                         t,
                         d,
                         t,
@@ -226,9 +191,9 @@ impl Attention {
                     // and kv head g's rows of dk and dv; all other reads are of inputs.
                     unsafe {
                         // dv_g += pᵀ dout_h
-                        gemm(t, d, t, (dv_p.0.add(kva), 1, kv_rs), (p.as_ptr(), tt, 1), (dout.as_ptr().add(qa(h)), 1, q_rs), 1.0, 1.0);
+                        sgemm(t, d, t, (dv_p.0.add(kva), 1, kv_rs), (p.as_ptr(), tt, 1), (dout.as_ptr().add(qa(h)), 1, q_rs), 1.0, 1.0);
                         // dp = dout_h v_gᵀ
-                        gemm(
+                        sgemm(
                             t,
                             t,
                             d,
@@ -247,9 +212,9 @@ impl Attention {
                     }
                     unsafe {
                         // dq_h = scale · ds k_g
-                        gemm(t, d, t, (dq_p.0.add(qa(h)), 1, q_rs), (p.as_ptr(), 1, tt), (k.as_ptr().add(kva), 1, kv_rs), 0.0, scale);
+                        sgemm(t, d, t, (dq_p.0.add(qa(h)), 1, q_rs), (p.as_ptr(), 1, tt), (k.as_ptr().add(kva), 1, kv_rs), 0.0, scale);
                         // dk_g += scale · dsᵀ q_h
-                        gemm(t, d, t, (dk_p.0.add(kva), 1, kv_rs), (p.as_ptr(), tt, 1), (q.as_ptr().add(qa(h)), 1, q_rs), 1.0, scale);
+                        sgemm(t, d, t, (dk_p.0.add(kva), 1, kv_rs), (p.as_ptr(), tt, 1), (q.as_ptr().add(qa(h)), 1, q_rs), 1.0, scale);
                     }
                 }
             },

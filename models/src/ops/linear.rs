@@ -7,6 +7,7 @@
 
 use crate::ops::f32_slice;
 use crate::ops::kernels::SharedOut;
+use crate::ops::matmul::sgemm;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 /// `x (.., in) · wᵀ` for `w (out, in)`: (.., out). f32 on the CPU (see [`crate::ops::applies`]).
@@ -90,27 +91,7 @@ unsafe fn gemm_piece(
     rhs: (&[f32], isize, isize),
 ) {
     let alpha = if accumulate { 1.0 } else { 0.0 };
-    gemm::gemm(
-        m,
-        n,
-        k,
-        dst,
-        1,
-        dst_row_stride as isize,
-        accumulate,
-        lhs.0.as_ptr(),
-        lhs.1,
-        lhs.2,
-        rhs.0.as_ptr(),
-        rhs.1,
-        rhs.2,
-        alpha,
-        1.0,
-        false,
-        false,
-        false,
-        gemm::Parallelism::None,
-    )
+    sgemm(m, n, k, (dst, 1, dst_row_stride as isize), (lhs.0.as_ptr(), lhs.1, lhs.2), (rhs.0.as_ptr(), rhs.1, rhs.2), alpha, 1.0)
 }
 
 /// `lhs (m × k) · rhs (k × n)` as a new (m × n) buffer (see [`gemm_rows`] for the layout).

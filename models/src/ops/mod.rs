@@ -4,7 +4,8 @@
 //! candle's composite ops elsewhere (other devices and dtypes).
 //!
 //! - `fused`: RMSNorm, rope, SwiGLU; `attention`: causal/packed attention with an online softmax;
-//!   `linear`: `x · wᵀ` with its backward; `head_loss`: the head and cross-entropy fused, by rows;
+//!   `linear`: `x · wᵀ` with its backward (every f32 product through `matmul`, gemm's kernels at
+//!   the level `FSDP_SIMD` allows); `head_loss`: the head and cross-entropy fused, by rows;
 //!   `embedding`: the lookup whose weight gradient is made by rows;
 //! - `weight_grads`: the sink those two hand their weight gradients to (no vocabulary-sized
 //!   gradient tensor); `kernels`: run-time-dispatched SIMD kernels (decode gemv, exp), with
@@ -22,6 +23,7 @@ pub mod head_loss;
 pub mod kernels;
 pub mod linear;
 pub mod lora_rows;
+pub mod matmul;
 pub mod pool;
 pub mod quant_blocks;
 #[cfg(target_arch = "x86_64")]
