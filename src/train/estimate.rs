@@ -185,7 +185,9 @@ pub fn estimate(model: &dyn StagedModel, cfg: &ModelConfig, input: &EstimateInpu
     // by rows) + packed trainable gradients for reduce-scatter + this rank's reduced slice.
     let dense_full = |u: &UnitPlan| u.params.iter().filter(|p| !by_rows(p)).map(|p| p.numel() as u64 * 4).sum::<u64>();
     let dense_trained = |u: &UnitPlan| if u.params.iter().any(by_rows) { dense_full(u) } else { trained_full(u) };
-    let backward = plan.iter().map(|u| dense_full(u) + dense_trained(u) + dense_trained(u) / input.shard_size as u64).max().unwrap_or(0);
+    // With one shard the gradients go straight into the chunks: no packed buffer.
+    let packed = |u: &UnitPlan| if input.shard_size == 1 { 0 } else { dense_trained(u) };
+    let backward = plan.iter().map(|u| dense_full(u) + packed(u) + dense_trained(u) / input.shard_size as u64).max().unwrap_or(0);
     let temporaries = match input.lora {
         // The frozen base weights' products leave no such temporaries (measured: with them
         // counted, the two-rank LoRA runs of tests/estimate.rs come out 20% high).

@@ -207,6 +207,7 @@ fn speed(root: &Path, models_dir: &Path, tmp: &Path, python: &str) -> anyhow::Re
                 (c.batch_size, c.max_steps) = (batch / *world, Some(*steps));
                 let s = run_local(&c)?;
                 let tps: Vec<f64> = metrics(&out).iter().skip(1).map(|m| m["tokens_per_s"].as_f64().unwrap()).collect();
+                eprintln!("round {round}, world {world}: {tps:.0?}");
                 tps_rounds.push(median(tps));
                 (*params, *losses) = (s.total_params, s.losses.clone());
             }

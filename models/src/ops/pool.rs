@@ -87,3 +87,38 @@ pub fn on_pool<S>(n: usize, init: impl Fn() -> S + Sync, task: impl Fn(&mut S, u
         }
     })
 }
+
+/// Values per piece of the pool's copies and sums: big enough that handing out a piece costs
+/// nothing beside it, small enough that both threads get several.
+const ELEMENTWISE_PIECE: usize = 1 << 16;
+
+/// `dst += src` over the pool (one pass of memory traffic per thread instead of one thread's).
+pub fn pool_add_into(dst: &mut [f32], src: &[f32]) {
+    assert_eq!(dst.len(), src.len(), "pool_add_into: lengths differ");
+    if dst.len() < ELEMENTWISE_PIECE {
+        dst.iter_mut().zip(src).for_each(|(a, b)| *a += *b);
+        return;
+    }
+    pool_chunks_mut(dst, ELEMENTWISE_PIECE, |c, piece| {
+        piece.iter_mut().zip(&src[c * ELEMENTWISE_PIECE..]).for_each(|(a, b)| *a += *b)
+    })
+}
+
+/// A copy of `src` made over the pool (into memory not zeroed first: every value is written).
+pub fn pool_to_vec<T: Copy + Send + Sync>(src: &[T]) -> Vec<T> {
+    use std::mem::MaybeUninit;
+    if src.len() < ELEMENTWISE_PIECE {
+        return src.to_vec();
+    }
+    let mut out: Vec<MaybeUninit<T>> = Vec::with_capacity(src.len());
+    // SAFETY: MaybeUninit values need no initialisation; the capacity is src.len().
+    unsafe { out.set_len(src.len()) };
+    pool_chunks_mut(&mut out, ELEMENTWISE_PIECE, |c, piece| {
+        for (o, x) in piece.iter_mut().zip(&src[c * ELEMENTWISE_PIECE..]) {
+            o.write(*x);
+        }
+    });
+    let mut out = std::mem::ManuallyDrop::new(out);
+    // SAFETY: every element was written above; MaybeUninit<T> has T's layout.
+    unsafe { Vec::from_raw_parts(out.as_mut_ptr().cast::<T>(), out.len(), out.capacity()) }
+}

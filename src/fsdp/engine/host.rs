@@ -78,7 +78,9 @@ impl HostShards {
 }
 
 /// Whether `p` is gathered and reduce-scattered in its own collective: f32 gradients, and rows
-/// that divide evenly over the shards, so that the gradient tensor is already rank-major.
+/// that divide evenly over the shards, so that the gradient tensor is already rank-major. With
+/// one shard every parameter does: its gradient is then added straight into its chunk, not into
+/// a zeroed packed buffer first and out of it again (two passes over every gradient a step).
 fn travels_alone(cx: &UnitCtx, p: &ParamLayout) -> bool {
     cx.opts.reduce_dtype == DType::F32 && travels_alone_shape(p.numel(), p.rows, cx.shards())
 }
@@ -86,7 +88,7 @@ fn travels_alone(cx: &UnitCtx, p: &ParamLayout) -> bool {
 /// Whether a parameter of `numel` values in `rows` rows, sharded over `shards` ranks, travels
 /// alone with f32 gradients (`estimate` asks too).
 pub fn travels_alone_shape(numel: usize, rows: usize, shards: usize) -> bool {
-    numel >= LARGE_PARAM && rows.is_multiple_of(shards)
+    shards == 1 || (numel >= LARGE_PARAM && rows.is_multiple_of(shards))
 }
 
 /// Offsets of the packed parameters in a rank's segment of the packed buffer (`None` for those
@@ -108,9 +110,7 @@ fn packed_layout(cx: &UnitCtx, grads: bool) -> (Vec<Option<usize>>, usize) {
     (offsets, len)
 }
 
-fn add_into(dst: &mut [f32], src: &[f32]) {
-    dst.iter_mut().zip(src).for_each(|(a, b)| *a += *b);
-}
+use models::ops::pool::pool_add_into as add_into;
 
 impl UnitShards for HostShards {
     fn gather(&self, cx: &UnitCtx, purpose: GatherFor) -> anyhow::Result<Vec<Tensor>> {
@@ -276,7 +276,7 @@ impl HostShards {
         // the packed buffer and another out of it.
         if shards == 1 {
             let own = |(m, p): (&Vec<f32>, &crate::fsdp::plan::ParamLayout)| {
-                let mut full = m[..p.numel()].to_vec();
+                let mut full = models::ops::pool::pool_to_vec(&m[..p.numel()]);
                 round(&mut full);
                 full
             };
