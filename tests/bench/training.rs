@@ -28,7 +28,7 @@ use serde_json::{json, Value};
 
 const THREADS: usize = 2;
 /// Rounds of (fsdp-app, PyTorch), alternating.
-const ROUNDS: usize = 3;
+const ROUNDS: usize = 5;
 
 fn model(root: &Path, name: &str, dims: &[(&str, Value)]) -> anyhow::Result<PathBuf> {
     let dir = root.join(name);
@@ -197,7 +197,9 @@ fn speed(root: &Path, models_dir: &Path, tmp: &Path, python: &str) -> anyhow::Re
     }
     for (name, dir, rows, batch, steps, worlds) in &runs {
         // Alternating rounds (ours, then PyTorch, again and again): the machine's drift hits
-        // both sides alike; each side's figure is the median over its rounds.
+        // both sides alike; each side's figure is the median over its rounds, and the ratio the
+        // median of the rounds' own ratios (a slow round on this shared machine then drags
+        // both sides of one ratio, not one side of the figure).
         let mut ours: Vec<(usize, Vec<f64>, usize, Vec<f64>)> = worlds.iter().map(|&w| (w, vec![], 0, vec![])).collect();
         let (mut torch, mut torch_rounds) = (Err("not run".to_string()), vec![]);
         for round in 0..ROUNDS {
@@ -213,26 +215,30 @@ fn speed(root: &Path, models_dir: &Path, tmp: &Path, python: &str) -> anyhow::Re
             }
             torch = torch_run(python, root, dir, rows, *batch, *steps);
             if let Some(t) = torch.as_ref().ok().and_then(|t| t["tokens_per_s"].as_f64()) {
+                eprintln!("round {round}, PyTorch: {t:.0}");
                 torch_rounds.push(t);
             }
         }
         if let Ok(t) = torch.as_mut() {
-            t["tokens_per_s"] = json!(median(torch_rounds));
+            t["tokens_per_s"] = json!(median(torch_rounds.clone()));
         }
-        let ours: Vec<(usize, f64, usize, Vec<f64>)> = ours.into_iter().map(|(w, r, p, l)| (w, median(r), p, l)).collect();
+        let paired = |rounds: &[f64]| {
+            (torch_rounds.len() == rounds.len()).then(|| median(rounds.iter().zip(&torch_rounds).map(|(a, b)| a / b).collect()))
+        };
+        let ours: Vec<(usize, f64, Option<f64>, usize, Vec<f64>)> =
+            ours.into_iter().map(|(w, r, p, l)| (w, median(r.clone()), paired(&r), p, l)).collect();
         println!("\nCPU vector ISA: {}", common::vector_isa());
         println!(
             "Training step, {name}, {:.1}M parameters, batch {batch} x 128 tokens, AdamW, f32, CPU, {THREADS} threads",
-            ours[0].2 as f64 / 1e6
+            ours[0].3 as f64 / 1e6
         );
-        println!("(median of steps 2-{steps}, median of {ROUNDS} alternating rounds; FSDP: FULL_SHARD, one unit per layer, no activation checkpointing)\n");
+        println!("(median of steps 2-{steps}, median of {ROUNDS} alternating rounds, ratio: median of the rounds' ratios; FSDP: FULL_SHARD, one unit per layer, no activation checkpointing)\n");
         // The level our kernels and gemm's microkernels ran at (FSDP_SIMD lowers it).
         let isa = format!("{:?}", models::ops::kernels::SimdLevel::current());
         println!("| run | ISA (kernels and matmuls) | tokens/s | vs PyTorch |");
         println!("|---|---|---|---|");
-        let torch_tps = torch.as_ref().ok().and_then(|t| t["tokens_per_s"].as_f64());
-        for (world, tps, _, _) in &ours {
-            let ratio = torch_tps.map(|t| format!("{:.2}x", tps / t)).unwrap_or_else(|| "n/a".into());
+        for (world, tps, ratio, _, _) in &ours {
+            let ratio = ratio.map(|r| format!("{r:.2}x")).unwrap_or_else(|| "n/a".into());
             println!("| fsdp-app, world {world} (local) | {isa} | {tps:.0} | {ratio} |");
         }
         match &torch {
@@ -248,7 +254,7 @@ fn speed(root: &Path, models_dir: &Path, tmp: &Path, python: &str) -> anyhow::Re
         }
         if let Ok(t) = &torch {
             let theirs: Vec<f64> = t["losses"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
-            let d = ours[0].3.iter().zip(&theirs).map(|(a, b)| ((a - b) / b).abs()).fold(0.0, f64::max);
+            let d = ours[0].4.iter().zip(&theirs).map(|(a, b)| ((a - b) / b).abs()).fold(0.0, f64::max);
             println!("\nsame losses as PyTorch: max relative difference {d:.1e} over {steps} steps");
         }
     }
