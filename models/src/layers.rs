@@ -12,6 +12,7 @@ use crate::kv_cache::LayerKvCache;
 use crate::lora::{AdaptedLinear, LoraSettings};
 pub use crate::mode::OpMode;
 use crate::multi_lora::RowAdapters;
+use crate::ops::weight_grads::WeightGrads;
 use crate::quantized::{LinearWeight, QuantizedWeights};
 
 /// RMSNorm computed in f32 like transformers' `LlamaRMSNorm`, cast back, then scaled.
@@ -424,6 +425,18 @@ pub struct DecoderLayer {
     self_attn: Attention,
     post_attention_layernorm: RmsNorm,
     mlp: Mlp,
+}
+
+impl DecoderLayer {
+    /// Its linear layers hand their weight gradients to `sink` in training instead of candle's
+    /// gradient store (`crate::ops::weight_grads`).
+    pub fn send_weight_grads_to(&mut self, sink: Option<WeightGrads>) {
+        let a = &mut self.self_attn;
+        let m = &mut self.mlp;
+        for l in [&mut a.q_proj, &mut a.k_proj, &mut a.v_proj, &mut a.o_proj, &mut m.gate_proj, &mut m.up_proj, &mut m.down_proj] {
+            l.send_weight_grads_to(sink.clone());
+        }
+    }
 }
 
 impl DecoderLayer {

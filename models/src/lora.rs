@@ -16,6 +16,7 @@ use crate::config::ModelConfig;
 use crate::mode::OpMode;
 use crate::multi_lora::RowAdapters;
 use crate::ops::quant_blocks::BlockMatrix;
+use crate::ops::weight_grads::{WeightGradTarget, WeightGrads};
 use crate::quantized::{LinearWeight, QuantizedMatrix};
 use crate::rng::splitmix64;
 use crate::tensors::{layer_tensors, TensorSpec};
@@ -157,6 +158,9 @@ pub struct AdaptedLinear {
     adapter: Option<Adapter>,
     /// `model.layers.3.self_attn.q_proj`.
     path: Arc<str>,
+    /// Where a training forward's weight gradient goes instead of candle's gradient store
+    /// (`crate::ops::weight_grads`), under `{path}.weight`.
+    weight_grads: Option<WeightGrads>,
 }
 
 #[derive(Debug, Clone)]
@@ -171,13 +175,13 @@ struct Adapter {
 impl AdaptedLinear {
     /// The module at `path`, without an adapter of its own.
     pub fn plain(base: LinearWeight, path: &str) -> Self {
-        Self { base, adapter: None, path: path.into() }
+        Self { base, adapter: None, path: path.into(), weight_grads: None }
     }
 
     /// `base` plus the adapter `a` (r, in), `b` (out, r) of the module at `path`.
     pub fn with_adapter(base: LinearWeight, a: Tensor, b: Tensor, settings: &LoraSettings, path: &str) -> Self {
         let adapter = Adapter { a, b, scaling: settings.scaling(), dropout: settings.dropout, module_id: name_hash(path) };
-        Self { base, adapter: Some(adapter), path: path.into() }
+        Self { base, adapter: Some(adapter), path: path.into(), weight_grads: None }
     }
 
     /// `row_seeds`: one dropout seed per batch row in training (None: no dropout, as in eval).
@@ -242,6 +246,11 @@ impl AdaptedLinear {
             .collect()
     }
 
+    /// Hands the base weight's gradient to `sink` in training (see the field).
+    pub fn send_weight_grads_to(&mut self, sink: Option<WeightGrads>) {
+        self.weight_grads = sink;
+    }
+
     fn forward_own(&self, x: &Tensor, mode: OpMode, row_seeds: Option<&[u64]>) -> Result<Tensor, candle_core::Error> {
         let base = match &self.base {
             LinearWeight::Dense(base) => base,
@@ -255,7 +264,10 @@ impl AdaptedLinear {
         // threads are the pool the other kernels use, not a second one). Else candle's matmul.
         let ours = crate::ops::applies(x) && base.weight().dtype() == x.dtype();
         let product = match mode == OpMode::Train && ours {
-            true => Some(crate::ops::linear::linear(x, base.weight())?),
+            true => {
+                let grad_to = self.weight_grads.clone().map(|sink| WeightGradTarget { sink, name: format!("{}.weight", self.path) });
+                Some(crate::ops::linear::linear_to(x, base.weight(), grad_to)?)
+            }
             false => match crate::ops::kernels::gemv_t(x, base.weight())? {
                 None if ours => Some(crate::ops::linear::linear(x, base.weight())?),
                 other => other,

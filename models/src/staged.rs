@@ -188,7 +188,8 @@ impl StagedModel for LlamaStages {
         }
         let layer_vb = Self::vb(params, &names, &like);
         let lora = if ctx.adapters_off { None } else { self.lora.as_ref() };
-        let layer = DecoderLayer::new(&self.cfg, lora, layer_vb.pp(format!("model.layers.{}", s - 1)))?;
+        let mut layer = DecoderLayer::new(&self.cfg, lora, layer_vb.pp(format!("model.layers.{}", s - 1)))?;
+        layer.send_weight_grads_to(ctx.weight_grads.clone());
         let (b, t, _h) = input.dims3()?;
         let dtype = if input.dtype() == DType::U32 { like.dtype() } else { input.dtype() };
         let (cos, sin, mask) = match &ctx.packing {

@@ -8,15 +8,23 @@
 use crate::ops::f32_slice;
 use crate::ops::kernels::SharedOut;
 use crate::ops::matmul::sgemm;
+use crate::ops::weight_grads::WeightGradTarget;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 /// `x (.., in) · wᵀ` for `w (out, in)`: (.., out). f32 on the CPU (see [`crate::ops::applies`]).
 pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    linear_to(x, w, None)
+}
+
+/// [`linear`] whose weight gradient, with `grad_to`, goes to that sink under its name
+/// (`crate::ops::weight_grads`) instead of candle's gradient store, which would add it to a
+/// weight-sized zero tensor first: a memset and a pass over every weight gradient of a step.
+pub fn linear_to(x: &Tensor, w: &Tensor, grad_to: Option<WeightGradTarget>) -> Result<Tensor> {
     let (_, in_dim) = w.dims2()?;
     if x.dim(candle_core::D::Minus1)? != in_dim {
         candle_core::bail!("linear: input {:?} for a weight {:?}", x.dims(), w.dims());
     }
-    x.contiguous()?.apply_op2(&w.contiguous()?, Linear)
+    x.contiguous()?.apply_op2(&w.contiguous()?, Linear { grad_to })
 }
 
 /// The backward's two products for `gy = ∂L/∂y` of [`linear`]: (`dx = gy W`, `dW = gyᵀ x`), the
@@ -114,7 +122,9 @@ pub(crate) fn product_add(m: usize, n: usize, k: usize, dst: &mut [f32], lhs: (&
     unsafe { gemm_rows(m, n, k, dst.as_mut_ptr(), true, lhs, rhs) }
 }
 
-struct Linear;
+struct Linear {
+    grad_to: Option<WeightGradTarget>,
+}
 
 impl CustomOp2 for Linear {
     fn name(&self) -> &'static str {
@@ -135,9 +145,13 @@ impl CustomOp2 for Linear {
     fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, gy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let gy = gy.contiguous()?;
         let dx = gy.apply_op2_no_bwd(w, &InputGrad)?;
-        let dw = match w.track_op() {
-            true => Some(gy.apply_op2_no_bwd(x, &WeightGrad)?),
-            false => None,
+        let dw = match (w.track_op(), &self.grad_to) {
+            (false, _) => None,
+            (true, None) => Some(gy.apply_op2_no_bwd(x, &WeightGrad)?),
+            (true, Some(to)) => {
+                to.sink.add(&to.name, gy.apply_op2_no_bwd(x, &WeightGrad)?)?;
+                None
+            }
         };
         Ok((Some(dx), dw))
     }
@@ -203,6 +217,24 @@ mod tests {
         let xv = Var::from_tensor(&x).unwrap();
         let g = (linear(xv.as_tensor(), &w).unwrap() * &probe).unwrap().sum_all().unwrap().backward().unwrap();
         assert!(g.get(&w).is_none() && g.get(xv.as_tensor()).is_some());
+    }
+
+    /// With a sink, the weight's gradient goes there, the same values candle's store would have
+    /// held, and the store gets none for it (the input's gradient still goes to candle).
+    #[test]
+    fn a_sink_gets_the_weight_gradient_candles_store_would_hold() {
+        use crate::ops::weight_grads::WeightGrads;
+        let (x, w) = (Var::from_tensor(&rand(&[2, 7, 24], 34, 1.0)).unwrap(), Var::from_tensor(&rand(&[40, 24], 35, 0.5)).unwrap());
+        let probe = rand(&[2, 7, 40], 36, 1.0);
+        let loss = |y: Tensor| (y * &probe).unwrap().sum_all().unwrap();
+        let plain = loss(linear(x.as_tensor(), w.as_tensor()).unwrap()).backward().unwrap();
+        let sink = WeightGrads::new();
+        let to = WeightGradTarget { sink: sink.clone(), name: "proj.weight".into() };
+        let store = loss(linear_to(x.as_tensor(), w.as_tensor(), Some(to)).unwrap()).backward().unwrap();
+        assert!(store.get(w.as_tensor()).is_none());
+        assert_eq!(max_rel(store.get(x.as_tensor()).unwrap(), plain.get(x.as_tensor()).unwrap()), 0.0);
+        let got = sink.take("proj.weight").expect("deposited").into_tensor(&candle_core::Device::Cpu).unwrap();
+        assert_eq!(max_rel(&got, plain.get(w.as_tensor()).unwrap()), 0.0);
     }
 
     trait ForwardT {

@@ -1,6 +1,8 @@
 //! Weight gradients an op hands to the trainer directly instead of through candle's gradient
 //! store. candle accumulates every gradient as `zeros_like(w) + dw`: for a vocabulary-sized
-//! embedding or head that is two more weight-sized buffers at the peak of a training step. An
+//! embedding or head that is two more weight-sized buffers at the peak of a training step, and
+//! for every linear layer a memset and a pass over its gradient (the embedding, the head and
+//! `linear::linear_to` send theirs here when training gives them a sink). An
 //! op given a [`WeightGrads`] (through `StageContext`) deposits its weight's gradient here under
 //! the parameter's name and returns none to candle; the trainer takes it after the stage's
 //! backward. Contributions to one name are summed.
