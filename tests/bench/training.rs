@@ -159,6 +159,17 @@ fn forced_avx2_rows() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// One of our rows of the speed table.
+struct OurRow {
+    world: usize,
+    /// Median over the rounds.
+    tps: f64,
+    /// Median of the rounds' ratios to PyTorch (None when PyTorch did not run every round).
+    ratio: Option<f64>,
+    params: usize,
+    losses: Vec<f64>,
+}
+
 /// (b) and (c): tokens/s beside PyTorch.
 fn speed(root: &Path, models_dir: &Path, tmp: &Path, python: &str) -> anyhow::Result<()> {
     // (b) and (c): each model at world 1 (and the small one at world 2), then PyTorch on the
@@ -225,19 +236,21 @@ fn speed(root: &Path, models_dir: &Path, tmp: &Path, python: &str) -> anyhow::Re
         let paired = |rounds: &[f64]| {
             (torch_rounds.len() == rounds.len()).then(|| median(rounds.iter().zip(&torch_rounds).map(|(a, b)| a / b).collect()))
         };
-        let ours: Vec<(usize, f64, Option<f64>, usize, Vec<f64>)> =
-            ours.into_iter().map(|(w, r, p, l)| (w, median(r.clone()), paired(&r), p, l)).collect();
+        let ours: Vec<OurRow> = ours
+            .into_iter()
+            .map(|(world, rounds, params, losses)| OurRow { world, tps: median(rounds.clone()), ratio: paired(&rounds), params, losses })
+            .collect();
         println!("\nCPU vector ISA: {}", common::vector_isa());
         println!(
             "Training step, {name}, {:.1}M parameters, batch {batch} x 128 tokens, AdamW, f32, CPU, {THREADS} threads",
-            ours[0].3 as f64 / 1e6
+            ours[0].params as f64 / 1e6
         );
         println!("(median of steps 2-{steps}, median of {ROUNDS} alternating rounds, ratio: median of the rounds' ratios; FSDP: FULL_SHARD, one unit per layer, no activation checkpointing)\n");
         // The level our kernels and gemm's microkernels ran at (FSDP_SIMD lowers it).
         let isa = format!("{:?}", models::ops::kernels::SimdLevel::current());
         println!("| run | ISA (kernels and matmuls) | tokens/s | vs PyTorch |");
         println!("|---|---|---|---|");
-        for (world, tps, ratio, _, _) in &ours {
+        for OurRow { world, tps, ratio, .. } in &ours {
             let ratio = ratio.map(|r| format!("{r:.2}x")).unwrap_or_else(|| "n/a".into());
             println!("| fsdp-app, world {world} (local) | {isa} | {tps:.0} | {ratio} |");
         }
@@ -254,7 +267,7 @@ fn speed(root: &Path, models_dir: &Path, tmp: &Path, python: &str) -> anyhow::Re
         }
         if let Ok(t) = &torch {
             let theirs: Vec<f64> = t["losses"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
-            let d = ours[0].4.iter().zip(&theirs).map(|(a, b)| ((a - b) / b).abs()).fold(0.0, f64::max);
+            let d = ours[0].losses.iter().zip(&theirs).map(|(a, b)| ((a - b) / b).abs()).fold(0.0, f64::max);
             println!("\nsame losses as PyTorch: max relative difference {d:.1e} over {steps} steps");
         }
     }

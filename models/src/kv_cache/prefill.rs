@@ -8,8 +8,8 @@
 //! layer was 2.4 GB.
 
 use super::{KvView, BLOCK};
-use crate::ops::matmul::sgemm;
 use crate::ops::kernels::{exp_f32, exp_shifted_sum, for_chunks_mut};
+use crate::ops::matmul::sgemm;
 
 /// Query positions per work item.
 pub const Q_TILE: usize = 64;

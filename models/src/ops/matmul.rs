@@ -57,7 +57,27 @@ unsafe fn sgemm_at(
     debug_assert!([dst.1, dst.2, lhs.1, lhs.2, rhs.1, rhs.2].iter().all(|s| *s >= 0));
     let read_dst = alpha != 0.0;
     if level >= SimdLevel::detected() || !cfg!(target_arch = "x86_64") {
-        gemm::gemm(m, n, k, dst.0, dst.1, dst.2, read_dst, lhs.0, lhs.1, lhs.2, rhs.0, rhs.1, rhs.2, alpha, beta, false, false, false, Parallelism::None);
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.0,
+            dst.1,
+            dst.2,
+            read_dst,
+            lhs.0,
+            lhs.1,
+            lhs.2,
+            rhs.0,
+            rhs.1,
+            rhs.2,
+            alpha,
+            beta,
+            false,
+            false,
+            false,
+            Parallelism::None,
+        );
         return;
     }
     // gemm's own first step: its microkernels walk dst by columns, so a row-major dst is
@@ -71,9 +91,28 @@ unsafe fn sgemm_at(
     match level {
         SimdLevel::Avx2 => {
             use gemm_f32::microkernel::fma::f32 as ukr;
-            let simd = <gemm_common::simd::V3 as MixedSimd<f32, f32, f32, f32>>::try_new().expect("SimdLevel::current never exceeds the CPU");
+            let simd =
+                <gemm_common::simd::V3 as MixedSimd<f32, f32, f32, f32>>::try_new().expect("SimdLevel::current never exceeds the CPU");
             gemm_basic_generic::<_, f32, 8, { ukr::MR_DIV_N * 8 }, { ukr::NR }, { ukr::MR_DIV_N }, { ukr::H_M }, { ukr::H_N }>(
-                simd, m, n, k, dst.0, dst.1, dst.2, read_dst, lhs.0, lhs.1, lhs.2, rhs.0, rhs.1, rhs.2, alpha, beta, false, false, false,
+                simd,
+                m,
+                n,
+                k,
+                dst.0,
+                dst.1,
+                dst.2,
+                read_dst,
+                lhs.0,
+                lhs.1,
+                lhs.2,
+                rhs.0,
+                rhs.1,
+                rhs.2,
+                alpha,
+                beta,
+                false,
+                false,
+                false,
                 |a, b, c| a * b + c,
                 &ukr::UKR,
                 &ukr::H_UKR,
@@ -85,7 +124,25 @@ unsafe fn sgemm_at(
             use gemm_f32::microkernel::scalar::f32 as ukr;
             let simd = <gemm_common::simd::Scalar as MixedSimd<f32, f32, f32, f32>>::try_new().expect("plain code runs everywhere");
             gemm_basic_generic::<_, f32, 1, { ukr::MR_DIV_N }, { ukr::NR }, { ukr::MR_DIV_N }, { ukr::H_M }, { ukr::H_N }>(
-                simd, m, n, k, dst.0, dst.1, dst.2, read_dst, lhs.0, lhs.1, lhs.2, rhs.0, rhs.1, rhs.2, alpha, beta, false, false, false,
+                simd,
+                m,
+                n,
+                k,
+                dst.0,
+                dst.1,
+                dst.2,
+                read_dst,
+                lhs.0,
+                lhs.1,
+                lhs.2,
+                rhs.0,
+                rhs.1,
+                rhs.2,
+                alpha,
+                beta,
+                false,
+                false,
+                false,
                 |a, b, c| a * b + c,
                 &ukr::UKR,
                 &ukr::H_UKR,
@@ -116,7 +173,19 @@ mod tests {
                 let mut dst = vec![1.0f32; m * n];
                 let (cs, rs) = if row_major { (1, n as isize) } else { (m as isize, 1) };
                 // SAFETY: all three matrices are dense with the strides given.
-                unsafe { sgemm_at(level, m, n, k, (dst.as_mut_ptr(), cs, rs), (lhs.as_ptr(), 1, k as isize), (rhs.as_ptr(), 1, n as isize), 1.0, 2.0) };
+                unsafe {
+                    sgemm_at(
+                        level,
+                        m,
+                        n,
+                        k,
+                        (dst.as_mut_ptr(), cs, rs),
+                        (lhs.as_ptr(), 1, k as isize),
+                        (rhs.as_ptr(), 1, n as isize),
+                        1.0,
+                        2.0,
+                    )
+                };
                 for i in 0..m {
                     for j in 0..n {
                         let got = dst[(i as isize * rs + j as isize * cs) as usize] as f64;

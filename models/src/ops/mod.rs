@@ -7,9 +7,9 @@
 //!   `linear`: `x · wᵀ` with its backward (every f32 product through `matmul`, gemm's kernels at
 //!   the level `FSDP_SIMD` allows); `head_loss`: the head and cross-entropy fused, by rows;
 //!   `embedding`: the lookup whose weight gradient is made by rows;
-//! - `weight_grads`: the sink those two and the linear layers hand their weight gradients to (no vocabulary-sized
-//!   gradient tensor); `kernels`: run-time-dispatched SIMD kernels (decode gemv, exp), with
-//!   `half_dot` for f16 / bf16 weights;
+//! - `weight_grads`: the sink those two and the linear layers hand their weight gradients to
+//!   (no vocabulary-sized gradient tensor, no zeroed weight-sized one); `kernels`:
+//!   run-time-dispatched SIMD kernels (decode gemv, exp), with `half_dot` for f16 / bf16 weights;
 //! - `attend_rows`: the decode step's attention products over a run of cached rows;
 //! - `lora_rows`: the serving adapters' updates of a batch, each on its rows, in one pass;
 //! - `quant_blocks`: `x · Wᵀ` over llama.cpp's 32-value block formats (Q4_0 ... Q8_0), in place.

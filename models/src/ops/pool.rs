@@ -99,9 +99,7 @@ pub fn pool_add_into(dst: &mut [f32], src: &[f32]) {
         dst.iter_mut().zip(src).for_each(|(a, b)| *a += *b);
         return;
     }
-    pool_chunks_mut(dst, ELEMENTWISE_PIECE, |c, piece| {
-        piece.iter_mut().zip(&src[c * ELEMENTWISE_PIECE..]).for_each(|(a, b)| *a += *b)
-    })
+    pool_chunks_mut(dst, ELEMENTWISE_PIECE, |c, piece| piece.iter_mut().zip(&src[c * ELEMENTWISE_PIECE..]).for_each(|(a, b)| *a += *b))
 }
 
 /// A copy of `src` made over the pool (into memory not zeroed first: every value is written).
