@@ -252,3 +252,50 @@ fn every_simd_level_generates_the_same_tokens() {
         assert_eq!(ids(level), best, "FSDP_SIMD={level}");
     }
 }
+
+/// Training at every level this machine has: the matrix products then run gemm's AVX-512, AVX2
+/// or plain kernels (`models::ops::matmul`) and our own ops the same level's code; the losses of
+/// a few steps agree to rounding with those of the best level.
+#[test]
+fn every_simd_level_trains_to_the_same_losses() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = fixture("llama", tmp.path());
+    let data = tmp.path().join("rows.jsonl");
+    let rows: Vec<String> = (0..8)
+        .map(|i| serde_json::json!({ "input_ids": (0..48).map(|j| (i * 5 + j * 3) % 60).collect::<Vec<u32>>() }).to_string())
+        .collect();
+    std::fs::write(&data, rows.join("\n")).unwrap();
+    let losses = |level: &str| {
+        let out = tmp.path().join(format!("out-{level}"));
+        let o = run_cli(
+            &[
+                "finetune",
+                "--model",
+                dir.to_str().unwrap(),
+                "--data",
+                data.to_str().unwrap(),
+                "--output-dir",
+                out.to_str().unwrap(),
+                "--batch-size",
+                "2",
+                "--max-steps",
+                "3",
+                "--lr",
+                "1e-3",
+            ],
+            &[("FSDP_SIMD", level)],
+        );
+        assert!(o.status.success(), "FSDP_SIMD={level}: {}", stderr(&o));
+        let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        metrics.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["loss"].as_f64()).collect::<Vec<f64>>()
+    };
+    let best = losses("best");
+    assert_eq!(best.len(), 3, "{best:?}");
+    for level in ["avx2", "scalar"] {
+        let got = losses(level);
+        assert_eq!(got.len(), best.len());
+        for (step, (a, b)) in got.iter().zip(&best).enumerate() {
+            assert!(((a - b) / b).abs() < 1e-5, "FSDP_SIMD={level}, step {}: loss {a} vs {b}", step + 1);
+        }
+    }
+}
