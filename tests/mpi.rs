@@ -107,8 +107,9 @@ fn a_failing_rank_ends_the_mpi_job() {
 
 /// Rank 0 reads the checkpoint and writes the final model, and still peaks within 5% of the
 /// other ranks, with and without activation checkpointing. Each rank's peak is its VmHWM as the
-/// kernel accounts it, read from outside: every rank runs under a Python parent that reports
-/// `getrusage(RUSAGE_CHILDREN).ru_maxrss` when it exits. The model's 32,000 x 512 embedding and
+/// kernel accounts it, read from outside: every rank runs under a Python parent that writes
+/// `getrusage(RUSAGE_CHILDREN).ru_maxrss` to a file of its own when it exits (not to stderr,
+/// where mpirun interleaves the four ranks' lines). The model's 32,000 x 512 embedding and
 /// head (64 MiB each in f32) are what rank 0 used to hold whole on top of its shard: twice the
 /// head's bytes when writing it (+128 MiB, 30% over the others here).
 #[test]
@@ -121,14 +122,18 @@ fn rank_0_peaks_within_5_percent_of_the_other_ranks() {
     );
     let data = reference_dir().join("train-data.jsonl");
     const REPORT: &str = "import os, resource, subprocess, sys\n\
-        code = subprocess.call(sys.argv[1:])\n\
+        code = subprocess.call(sys.argv[2:])\n\
         peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss\n\
-        print('peak of rank %s: %d KiB' % (os.environ['OMPI_COMM_WORLD_RANK'], peak), file=sys.stderr)\n\
+        path = os.path.join(sys.argv[1], 'rank-' + os.environ['OMPI_COMM_WORLD_RANK'])\n\
+        open(path + '.tmp', 'w').write(str(peak))\n\
+        os.rename(path + '.tmp', path)\n\
         sys.exit(code)";
     for ac in [false, true] {
         let out = tmp.path().join(format!("out-{ac}"));
+        let peak_dir = tmp.path().join(format!("peaks-{ac}"));
+        std::fs::create_dir_all(&peak_dir).unwrap();
         let mut cmd = Command::new("mpirun");
-        cmd.args(["--allow-run-as-root", "--oversubscribe", "-np", "4", "python3", "-c", REPORT]).arg(bin());
+        cmd.args(["--allow-run-as-root", "--oversubscribe", "-np", "4", "python3", "-c", REPORT]).arg(&peak_dir).arg(bin());
         cmd.args(["finetune", "--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "--output-dir"]).arg(&out);
         cmd.args(["--seq-len", "32", "--batch-size", "1", "--max-steps", "2", "--backend", "mpi"]);
         if ac {
@@ -138,11 +143,13 @@ fn rank_0_peaks_within_5_percent_of_the_other_ranks() {
         let err = stderr(&o);
         assert!(o.status.success(), "{err}");
         assert!(out.join("model.safetensors").exists(), "the final model was written");
-        let mut peaks = [0u64; 4];
-        for line in err.lines().filter_map(|l| l.strip_prefix("peak of rank ")) {
-            let (rank, kib) = line.trim_end_matches(" KiB").split_once(": ").unwrap();
-            peaks[rank.parse::<usize>().unwrap()] = kib.parse().unwrap();
-        }
+        let peaks: Vec<u64> = (0..4)
+            .map(|rank| {
+                let path = peak_dir.join(format!("rank-{rank}"));
+                let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("rank {rank} reported no peak ({e}):\n{err}"));
+                text.trim().parse().unwrap_or_else(|e| panic!("{}: {text:?}: {e}", path.display()))
+            })
+            .collect();
         assert!(peaks.iter().all(|&p| p > 0), "every rank reported its peak: {peaks:?}\n{err}");
         let others = *peaks[1..].iter().max().unwrap();
         assert!(

@@ -32,23 +32,33 @@ done
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 if ldd "$BIN/fsdp-app" | grep 'not found'; then echo "missing libraries (above)" >&2; exit 2; fi
 
+# Every part of `check` runs even when an earlier one fails (device time is scarce: one call
+# should show every failure), and the script fails at the end if any did.
+failed=()
+part() { local name=$1; shift; echo "== $name"; if "$@"; then echo "== $name: ok"; else echo "== $name: FAILED"; failed+=("$name"); fi; }
+
 case "$what" in
   check)
-    "$BIN/cuda-tests" --test-threads 1 --nocapture
+    part "tests/cuda.rs" "$BIN/cuda-tests" --test-threads 1 --nocapture
     # The CLI end to end: one rank under the launcher, NCCL backend, bf16 compute.
     work=$(mktemp -d)
-    "$BIN/fsdp-app" fixture --name llama --out "$work/model"
-    "$BIN/fsdp-app" launch --nproc-per-node 1 -- finetune --model "$work/model" \
+    part "fixture" "$BIN/fsdp-app" fixture --name llama --out "$work/model"
+    part "launch, 1 rank, nccl, bf16" "$BIN/fsdp-app" launch --nproc-per-node 1 -- finetune --model "$work/model" \
       --data tests/reference/train-data.jsonl --output-dir "$work/out" --device cuda --backend nccl \
       --param-dtype bf16 --activation-checkpointing --seq-len 16 --batch-size 4 --max-steps 6 --no-shuffle
-    "$BIN/fsdp-app" generate --model "$work/out" --device cuda --prompt "Hello" --max-new-tokens 8 --json
+    part "generate on cuda" "$BIN/fsdp-app" generate --model "$work/out" --device cuda --prompt "Hello" --max-new-tokens 8 --json
     # Two ranks sharing the one GPU (NCCL refuses two ranks on a device; the tcp backend does not).
-    "$BIN/fsdp-app" launch --nproc-per-node 2 -- finetune --model "$work/model" \
+    part "launch, 2 ranks, tcp" "$BIN/fsdp-app" launch --nproc-per-node 2 -- finetune --model "$work/model" \
       --data tests/reference/train-data.jsonl --output-dir "$work/out2" --device cuda:0 --backend tcp \
       --param-dtype bf16 --seq-len 16 --batch-size 2 --max-steps 6 --no-shuffle
     ;;
   bench)
-    "$BIN/gpu-bench"
+    part "tests/bench/gpu.rs" "$BIN/gpu-bench"
     ;;
   *) echo "usage: $0 check|bench" >&2; exit 2 ;;
 esac
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "failed: ${failed[*]}" >&2
+  exit 1
+fi
+echo "all parts passed"
