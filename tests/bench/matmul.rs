@@ -28,6 +28,10 @@ const SHAPES: &[(&str, [usize; 3])] = &[
     ("28M q/k/v/o", [512, 512, 512]),
     ("28M gate/up", [512, 512, 1408]),
     ("28M down", [512, 1408, 512]),
+    // q, k and v as one product (one weight of their rows stacked), gate and up likewise: what
+    // a fused projection would run instead of three (two) of the rows above.
+    ("28M q+k+v", [512, 512, 1536]),
+    ("28M gate+up", [512, 512, 2816]),
     ("28M head", [512, 512, 8192]),
     ("135M q/o", [256, 576, 576]),
     ("135M k/v", [256, 576, 192]),

@@ -5,6 +5,7 @@
 //! matrix product each over all rows, and a W that trains nothing (a LoRA base) gets no
 //! gradient computed at all.
 
+use crate::ops::column_split;
 use crate::ops::f32_slice;
 use crate::ops::kernels::SharedOut;
 use crate::ops::matmul::sgemm;
@@ -64,6 +65,9 @@ unsafe fn gemm_rows(
     if m * n * k < PARALLEL_MIN_PRODUCT || threads < 2 || pieces < 2 {
         return gemm_piece(m, n, k, dst, n, accumulate, lhs, rhs);
     }
+    if threads == 2 {
+        return gemm_two_threads(m, n, k, dst, accumulate, lhs, rhs);
+    }
     let width = n.div_ceil(pieces);
     let out = SharedOut(dst);
     candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(width), |range| {
@@ -75,6 +79,50 @@ unsafe fn gemm_rows(
             unsafe { gemm_piece(m, c1 - c0, k, out.at(c0), n, accumulate, lhs, (&rhs.0[rhs_from..], rhs.1, rhs.2)) }
         }
     });
+}
+
+/// [`gemm_rows`] on two threads: the calling thread's piece is as wide as
+/// this thread's [`column_split::CALLER_SHARE`] says, and the pieces' times move that share.
+///
+/// # Safety
+/// As [`gemm_rows`].
+unsafe fn gemm_two_threads(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    accumulate: bool,
+    lhs: (&[f32], isize, isize),
+    rhs: (&[f32], isize, isize),
+) {
+    let split = column_split::CALLER_SHARE.with(|s| s.caller_columns(n));
+    let caller = std::thread::current().id();
+    // Per piece: (ran on the calling thread, seconds), filled by whichever thread took it.
+    let ran: [std::sync::Mutex<Option<(bool, f64)>>; 2] = Default::default();
+    let out = SharedOut(dst);
+    // The caller starts at once and usually takes piece 0, its share; the worker wakes and takes
+    // piece 1. Where one thread took both (the worker slept through, or this runs nested inside
+    // the pool), the times say nothing about the other thread and are not recorded.
+    candle_core::utils::barrier_pool().execute_chunked(2, |range| {
+        for piece in range {
+            let (c0, c1) = if piece == 0 { (0, split) } else { (split, n) };
+            let rhs_from = (c0 as isize * rhs.1) as usize;
+            let start = std::time::Instant::now();
+            // SAFETY: the pieces are disjoint column ranges of dst; rhs's columns from c0 are
+            // inside its slice (the caller's contract).
+            unsafe { gemm_piece(m, c1 - c0, k, out.at(c0), n, accumulate, lhs, (&rhs.0[rhs_from..], rhs.1, rhs.2)) }
+            *ran[piece].lock().unwrap() = Some((std::thread::current().id() == caller, start.elapsed().as_secs_f64()));
+        }
+    });
+    let [a, b] = ran.map(|r| r.into_inner().unwrap());
+    if let (Some((a_on_caller, a_secs)), Some((b_on_caller, b_secs))) = (a, b) {
+        let (a, b) = ((split, a_secs), (n - split, b_secs));
+        match (a_on_caller, b_on_caller) {
+            (true, false) => column_split::CALLER_SHARE.with(|s| s.record(a, b)),
+            (false, true) => column_split::CALLER_SHARE.with(|s| s.record(b, a)),
+            _ => {}
+        }
+    }
 }
 
 /// Products smaller than this (m · n · k) run on the calling thread.
@@ -235,6 +283,26 @@ mod tests {
         assert_eq!(max_rel(store.get(x.as_tensor()).unwrap(), plain.get(x.as_tensor()).unwrap()), 0.0);
         let got = sink.take("proj.weight").expect("deposited").into_tensor(&candle_core::Device::Cpu).unwrap();
         assert_eq!(max_rel(&got, plain.get(w.as_tensor()).unwrap()), 0.0);
+    }
+
+    /// Products split between two threads at any share of the columns (the bounds and the
+    /// middle) equal the plain sum over k, with and without accumulating into dst.
+    #[test]
+    fn a_product_split_at_any_share_is_the_plain_product() {
+        let (m, n, k) = (64, 200, 40);
+        let lhs: Vec<f32> = (0..m * k).map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0).collect();
+        let rhs: Vec<f32> = (0..k * n).map(|i| ((i * 5 % 11) as f32 - 5.0) / 5.0).collect();
+        let want: Vec<f32> = (0..m * n).map(|e| (0..k).map(|p| lhs[e / n * k + p] * rhs[p * n + e % n]).sum()).collect();
+        for share in [0.3, 0.5, 0.7] {
+            column_split::CALLER_SHARE.with(|s| s.set(share));
+            let got = product(m, n, k, (&lhs, 1, k as isize), (&rhs, 1, n as isize));
+            let mut twice = got.clone();
+            product_add(m, n, k, &mut twice, (&lhs, 1, k as isize), (&rhs, 1, n as isize));
+            for e in 0..m * n {
+                assert!((got[e] - want[e]).abs() < 1e-4, "share {share}, ({}, {}): {} vs {}", e / n, e % n, got[e], want[e]);
+                assert!((twice[e] - 2.0 * want[e]).abs() < 2e-4, "share {share}, accumulated ({}, {})", e / n, e % n);
+            }
+        }
     }
 
     trait ForwardT {

@@ -16,6 +16,7 @@
 
 pub mod attend_rows;
 pub mod attention;
+mod column_split;
 pub mod embedding;
 pub mod fused;
 pub mod half_dot;
