@@ -98,6 +98,9 @@ impl ModelDefaults {
     }
 }
 
+/// Temperatures below this sample greedily (see [`SamplingParams::sampling`]).
+const GREEDY_BELOW_TEMPERATURE: f64 = 1e-5;
+
 /// Sampling settings of one request. `temperature == 0` is greedy.
 #[derive(Debug, Clone)]
 pub struct SamplingParams {
@@ -176,7 +179,10 @@ impl SamplingParams {
     }
 
     fn sampling(&self) -> Sampling {
-        if self.temperature == 0.0 {
+        // A temperature this close to 0 is greedy, as vLLM treats it (`_SAMPLING_EPS`): the
+        // logits divided by it overflow to infinity (1e-308, found by schemathesis, made every
+        // probability NaN and the request a 500), and what it samples is the argmax anyway.
+        if self.temperature < GREEDY_BELOW_TEMPERATURE {
             return Sampling::ArgMax;
         }
         let temperature = self.temperature;
@@ -262,4 +268,20 @@ pub fn generate(
         total_s: (end - start).as_secs_f64(),
         logprobs,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A positive temperature too small to divide the logits by is greedy; one above the
+    /// threshold samples.
+    #[test]
+    fn a_vanishing_temperature_is_greedy() {
+        let at = |temperature| SamplingParams { temperature, ..SamplingParams::greedy(1) }.sampling();
+        for t in [0.0, 1.1125369292536007e-308, 1e-6] {
+            assert!(matches!(at(t), Sampling::ArgMax), "temperature {t}");
+        }
+        assert!(matches!(at(0.7), Sampling::All { .. }));
+    }
 }
