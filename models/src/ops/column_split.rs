@@ -11,6 +11,9 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 
 thread_local! {
+    /// Whether this thread's products split by measured speed (else in halves).
+    static ADAPTS: std::cell::Cell<bool> = const { std::cell::Cell::new(true) };
+
     /// This thread's share of the columns of the products it calls, as f32 bits: starts at one
     /// half. Per calling thread: ranks run as threads (the `local` backend) share the pool's
     /// worker, and each learns its own ratio to it.
@@ -19,6 +22,20 @@ thread_local! {
 
 /// A calling thread's share of the columns, kept across products.
 pub(crate) struct CallerShare(AtomicU32);
+
+/// Makes this thread's two-thread products split their columns in halves, as they did before
+/// this module. For ranks running as threads of one process (the `local` backend at world > 1):
+/// there the two pieces' times measure how the OS slices two cores among the ranks and the
+/// pool's worker, not the cores: following them, the 28M model's world-2 bench rows fell to
+/// 396 / 395 tokens/s from 445 / 452 with halves (two runs each, AVX2-only Zen 3).
+pub fn split_columns_evenly_on_this_thread() {
+    ADAPTS.with(|a| a.set(false));
+}
+
+/// Whether this thread's products follow the measured speeds.
+pub(crate) fn adapts() -> bool {
+    ADAPTS.with(|a| a.get())
+}
 
 /// Splits are multiples of this many columns: gemm's AVX2 microkernel computes 16 rows of its
 /// (transposed) dst at a time, which are 16 of our columns, and a ragged edge runs a slower

@@ -95,7 +95,8 @@ unsafe fn gemm_two_threads(
     lhs: (&[f32], isize, isize),
     rhs: (&[f32], isize, isize),
 ) {
-    let split = column_split::CALLER_SHARE.with(|s| s.caller_columns(n));
+    let adapts = column_split::adapts();
+    let split = if adapts { column_split::CALLER_SHARE.with(|s| s.caller_columns(n)) } else { n.div_ceil(2) };
     let caller = std::thread::current().id();
     // Per piece: (ran on the calling thread, seconds), filled by whichever thread took it.
     let ran: [std::sync::Mutex<Option<(bool, f64)>>; 2] = Default::default();
@@ -115,7 +116,7 @@ unsafe fn gemm_two_threads(
         }
     });
     let [a, b] = ran.map(|r| r.into_inner().unwrap());
-    if let (Some((a_on_caller, a_secs)), Some((b_on_caller, b_secs))) = (a, b) {
+    if let (true, Some((a_on_caller, a_secs)), Some((b_on_caller, b_secs))) = (adapts, a, b) {
         let (a, b) = ((split, a_secs), (n - split, b_secs));
         match (a_on_caller, b_on_caller) {
             (true, false) => column_split::CALLER_SHARE.with(|s| s.record(a, b)),

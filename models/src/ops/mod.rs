@@ -17,6 +17,7 @@
 pub mod attend_rows;
 pub mod attention;
 mod column_split;
+pub use column_split::split_columns_evenly_on_this_thread;
 pub mod embedding;
 pub mod fused;
 pub mod half_dot;

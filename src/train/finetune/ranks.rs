@@ -113,7 +113,12 @@ fn run_threads(cfg: &FinetuneConfig) -> Result<RunSummary> {
             let cfg = cfg.clone();
             std::thread::Builder::new()
                 .name(format!("rank-{r}"))
-                .spawn(move || run_rank(groups, &cfg, None))
+                .spawn(move || {
+                    if world > 1 {
+                        models::ops::split_columns_evenly_on_this_thread();
+                    }
+                    run_rank(groups, &cfg, None)
+                })
                 .expect("spawning a rank thread")
         })
         .collect();
