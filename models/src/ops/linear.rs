@@ -72,11 +72,8 @@ unsafe fn gemm_rows(
     let out = SharedOut(dst);
     candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(width), |range| {
         for piece in range {
-            let (c0, c1) = (piece * width, ((piece + 1) * width).min(n));
-            let rhs_from = (c0 as isize * rhs.1) as usize;
-            // SAFETY: the pieces are disjoint column ranges of dst; rhs's columns from c0 are
-            // inside its slice (the caller's contract).
-            unsafe { gemm_piece(m, c1 - c0, k, out.at(c0), n, accumulate, lhs, (&rhs.0[rhs_from..], rhs.1, rhs.2)) }
+            // SAFETY: the pieces are disjoint column ranges of dst (the caller's contract).
+            unsafe { gemm_columns(m, n, k, piece * width..((piece + 1) * width).min(n), &out, accumulate, lhs, rhs) }
         }
     });
 }
@@ -106,12 +103,10 @@ unsafe fn gemm_two_threads(
     // the pool), the times say nothing about the other thread and are not recorded.
     candle_core::utils::barrier_pool().execute_chunked(2, |range| {
         for piece in range {
-            let (c0, c1) = if piece == 0 { (0, split) } else { (split, n) };
-            let rhs_from = (c0 as isize * rhs.1) as usize;
+            let columns = if piece == 0 { 0..split } else { split..n };
             let start = std::time::Instant::now();
-            // SAFETY: the pieces are disjoint column ranges of dst; rhs's columns from c0 are
-            // inside its slice (the caller's contract).
-            unsafe { gemm_piece(m, c1 - c0, k, out.at(c0), n, accumulate, lhs, (&rhs.0[rhs_from..], rhs.1, rhs.2)) }
+            // SAFETY: the two pieces are disjoint column ranges of dst (the caller's contract).
+            unsafe { gemm_columns(m, n, k, columns, &out, accumulate, lhs, rhs) }
             *ran[piece].lock().unwrap() = Some((std::thread::current().id() == caller, start.elapsed().as_secs_f64()));
         }
     });
@@ -124,6 +119,26 @@ unsafe fn gemm_two_threads(
             _ => {}
         }
     }
+}
+
+/// Columns `columns` of [`gemm_rows`]' product, written into its dst.
+///
+/// # Safety
+/// As [`gemm_rows`]; no other thread writes these columns of dst meanwhile.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_columns(
+    m: usize,
+    n: usize,
+    k: usize,
+    columns: std::ops::Range<usize>,
+    out: &SharedOut,
+    accumulate: bool,
+    lhs: (&[f32], isize, isize),
+    rhs: (&[f32], isize, isize),
+) {
+    let rhs_from = (columns.start as isize * rhs.1) as usize;
+    // SAFETY: rhs's columns from columns.start are inside its slice (the caller's contract).
+    unsafe { gemm_piece(m, columns.len(), k, out.at(columns.start), n, accumulate, lhs, (&rhs.0[rhs_from..], rhs.1, rhs.2)) }
 }
 
 /// Products smaller than this (m · n · k) run on the calling thread.
