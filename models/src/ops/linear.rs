@@ -65,7 +65,8 @@ unsafe fn gemm_rows(
     if m * n * k < PARALLEL_MIN_PRODUCT || threads < 2 || pieces < 2 {
         return gemm_piece(m, n, k, dst, n, accumulate, lhs, rhs);
     }
-    if threads == 2 {
+    // Halves (a thread that does not adapt) are the general split below with two pieces.
+    if threads == 2 && column_split::adapts() {
         return gemm_two_threads(m, n, k, dst, accumulate, lhs, rhs);
     }
     let width = n.div_ceil(pieces);
@@ -92,8 +93,7 @@ unsafe fn gemm_two_threads(
     lhs: (&[f32], isize, isize),
     rhs: (&[f32], isize, isize),
 ) {
-    let adapts = column_split::adapts();
-    let split = if adapts { column_split::CALLER_SHARE.with(|s| s.caller_columns(n)) } else { n.div_ceil(2) };
+    let split = column_split::CALLER_SHARE.with(|s| s.caller_columns(n));
     let caller = std::thread::current().id();
     // Per piece: (ran on the calling thread, seconds), filled by whichever thread took it.
     let ran: [std::sync::Mutex<Option<(bool, f64)>>; 2] = Default::default();
@@ -111,7 +111,7 @@ unsafe fn gemm_two_threads(
         }
     });
     let [a, b] = ran.map(|r| r.into_inner().unwrap());
-    if let (true, Some((a_on_caller, a_secs)), Some((b_on_caller, b_secs))) = (adapts, a, b) {
+    if let (Some((a_on_caller, a_secs)), Some((b_on_caller, b_secs))) = (a, b) {
         let (a, b) = ((split, a_secs), (n - split, b_secs));
         match (a_on_caller, b_on_caller) {
             (true, false) => column_split::CALLER_SHARE.with(|s| s.record(a, b)),
