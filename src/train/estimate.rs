@@ -12,11 +12,11 @@
 //!   reduce-scatter sends, for the trainable ones;
 //! - activations: the tensors one decoder layer's training forward keeps (counted from
 //!   `models::layers`: norms, projections, rotary, attention scores and probabilities, MLP),
-//!   for every layer without activation checkpointing; with it, a measured number of
-//!   hidden-size values per layer;
+//!   for every layer without activation checkpointing; with it, a fitted number of hidden-size
+//!   values per layer and the graph of the one layer being recomputed;
 //! - the loss stage: logits and their gradients (a few (batch, seq, vocab) tensors), often the
 //!   largest single item for small models with big vocabularies;
-//! - the process itself (binary, tokenizer, data): a measured constant;
+//! - the process itself (binary, tokenizer, data) and the allocator's floor: a fitted constant;
 //! - with the tcp backend, rank 0 relays the other ranks' collectives and holds their buffers.
 
 use anyhow::Result;
@@ -92,9 +92,13 @@ impl Estimate {
     }
 }
 
-/// Resident memory of the process before any tensor (binary, libraries, tokenizer, thread
-/// stacks), measured on the fixtures and on SmolLM2.
-const PROCESS_BYTES: u64 = 24 << 20;
+/// Resident memory no tensor accounts for: the process itself (binary, libraries, tokenizer,
+/// thread stacks, data; 35 MiB for a 2-layer, 64-wide model at 16 tokens) and what the
+/// allocator keeps at even the smallest shapes: mimalloc never hands freed memory back
+/// (`lib.rs`), and a step's short-lived tensors of many sizes leave pages that later sizes do
+/// not reuse (with `MIMALLOC_PURGE_DELAY=0` the same runs peak 20-50 MiB lower). Fitted with
+/// the factors below on 11 one-rank and 12 two-rank shapes (tests/estimate_fit/).
+const PROCESS_BYTES: u64 = 80 << 20;
 
 /// f32 values one decoder layer's training forward keeps, per token (see `models::layers`):
 /// `per_hidden` multiples of the hidden size, `per_inter` of the MLP width, `per_q` of the
@@ -115,9 +119,11 @@ const LAYER: LayerCounts = LayerCounts { per_hidden: 6.0, per_inter: 3.0, per_q:
 
 /// What the counted tensors cost in resident memory: the allocator's size classes and the
 /// short-lived tensors of the backward (gradient accumulation makes a zero tensor and a sum)
-/// add about 55%. Fitted by least squares on nine shapes (hidden 256-1024, 2-16 layers, seq
-/// 128-512, vocab 2k-16k; within 5% on each): tests/estimate_fit/ has the rows and the fit.
-const RESIDENT_PER_COUNTED: f64 = 1.55;
+/// add about 27%. Fitted by least squares with the other constants of this file on 11
+/// one-rank full fine-tunes and 12 two-rank LoRA runs with activation checkpointing (hidden
+/// 256-1024, 2-32 layers, seq 128-512, vocab 2k-16k): tests/estimate_fit/ has the rows, the
+/// scripts that measured them and the fit.
+const RESIDENT_PER_COUNTED: f64 = 1.27;
 
 fn layer_activation_bytes(cfg: &ModelConfig, lora: Option<&models::LoraSettings>, batch: usize, seq: usize) -> f64 {
     let tokens = (batch * seq) as f64;
@@ -137,14 +143,15 @@ fn layer_activation_bytes(cfg: &ModelConfig, lora: Option<&models::LoraSettings>
     RESIDENT_PER_COUNTED * 4.0 * tokens * per_token
 }
 
-/// With activation checkpointing: hidden-size values per token kept for each layer (see below).
-const AC_HIDDEN_PER_LAYER: f64 = 8.0;
+/// With activation checkpointing: hidden-size values per token kept for each layer (its input
+/// and the gradient handed between recomputed layers; fitted, see RESIDENT_PER_COUNTED).
+const AC_HIDDEN_PER_LAYER: f64 = 2.8;
 
-/// With activation checkpointing the step's peak is at the loss stage (the kept layer inputs
-/// are small): the fused head and loss hold a chunk of logits and the head's gradient there,
-/// and the allocator keeps what earlier steps freed; about this many (batch, seq, vocab) f32
-/// tensors' worth, fitted on the two-rank runs of tests/estimate.rs.
-const LOSS_TENSORS_AT_PEAK: f64 = 6.0;
+/// With activation checkpointing the loss stage's tensors and the recomputed layers' graphs
+/// both count at the peak: the memory the fused head and loss free is kept by the allocator
+/// for sizes the layers do not ask for. The loss stage holds about this many (batch, seq,
+/// vocab) f32 tensors' worth (fitted, see RESIDENT_PER_COUNTED).
+const LOSS_TENSORS_AT_PEAK: f64 = 0.74;
 
 /// Without activation checkpointing the peak comes in the layers' backward, when the fused head
 /// and loss (`models::ops::head_loss`) have long freed their chunk of logits: the loss row counts
@@ -154,9 +161,9 @@ const LOSS_CHUNK_VALUES: f64 = (8 << 20) as f64;
 /// Transient weight-sized buffers of a unit's backward beyond the gradients themselves (the
 /// gradient store's zero-and-sum accumulation, the packing for reduce-scatter): about this many
 /// copies of the largest weights one backward works on (a layer's projections, or the (vocab,
-/// hidden) head). Same fit as above, made before the linear layers' gradients went to the
-/// trainer's sink; it now counts only where the head's gradient comes whole (more tokens than
-/// hidden size).
+/// hidden) head). Fitted before the linear layers' gradients went to the trainer's sink (and held
+/// as it was in the later fit); it now counts only where the head's gradient comes whole (more
+/// tokens than hidden size).
 const WEIGHT_GRAD_TEMPORARIES: f64 = 2.9;
 
 pub fn estimate(model: &dyn StagedModel, cfg: &ModelConfig, input: &EstimateInput) -> Result<Estimate> {
@@ -206,10 +213,8 @@ pub fn estimate(model: &dyn StagedModel, cfg: &ModelConfig, input: &EstimateInpu
     let hidden_in = 4.0 * (input.batch_size * input.seq_len * cfg.hidden_size) as f64;
     let activations = if input.activation_checkpointing {
         // Every stage's input is kept, and what the gradient hand-off between recomputed
-        // layers keeps: about 8 hidden-size values per token and layer in all (fitted on the
-        // two-rank runs of tests/estimate.rs). The recomputed layer's own graph only lives
-        // once the loss stage's larger tensors are gone, so it does not add to the peak there.
-        AC_HIDDEN_PER_LAYER * layers * hidden_in
+        // layers keeps; one layer's graph lives at a time, during its backward.
+        AC_HIDDEN_PER_LAYER * layers * hidden_in + layer
     } else {
         // Every layer's graph, plus one layer's worth of gradients during its backward.
         (layers + 1.0) * layer

@@ -1,33 +1,67 @@
-"""Fits the measured constants of src/train/estimate.rs (RESIDENT_PER_COUNTED,
-WEIGHT_GRAD_TEMPORARIES, LOSS_TENSORS) on rows made by run-shape.sh (1-rank full fine-tunes).
+"""Fits the fitted constants of src/train/estimate.rs (PROCESS_BYTES, RESIDENT_PER_COUNTED,
+AC_HIDDEN_PER_LAYER, LOSS_TENSORS_AT_PEAK) on the rows run-shape.sh measured:
+one-rank.txt (1 rank, full fine-tuning, every graph kept) and two-rank.txt (2 ranks, LoRA on
+every projection, activation checkpointing).
 
-Each row: shape, measured peak RSS, and `fsdp-app estimate --json`. The exact parts of the
-estimate (parameters, gradients, optimizer, gathered units, unit backward, process) are taken as
-they are, and what remains of the measured peak is fitted as a * (counted layer tensors) +
-b * (largest weights one backward works on) + c * ((batch, seq, vocab) tensors of the loss).
-Needs numpy and scipy:  python fit.py [results.txt]
+The exact parts of each row's estimate (parameters, gradients, optimizer, gathered units, unit
+backward; weight-gradient temporaries and the loss chunk without checkpointing; rank 0's relay)
+are taken as they are, and what remains of the measured peak is fitted (non-negative least
+squares) as
+  P (process and allocator floor)
+  + R * counted layer tensors: every layer's and one more without checkpointing, the one
+    recomputed layer's with it (LoRA's adapter outputs counted as estimate.rs counts them)
+  + a * layers * (tokens, hidden) f32 tensors   (checkpointing only)
+  + b * (tokens, vocab) f32 tensors              (checkpointing only)
+Prints the constants and each row's fitted and current estimate. Needs numpy and scipy:
+  python fit.py
 """
-import json, sys
+import json
+import os
 import numpy as np
 from scipy.optimize import nnls
 
-path = sys.argv[1] if len(sys.argv) > 1 else "results.txt"
-rows, A, W = [], [], []
-for line in open(path):
-    p = line.split(" ", 9)
-    name, (h, i, L, V, nh, nkv, seq, meas) = p[0], map(int, p[1:9])
-    e = json.loads(p[9])
-    T, q, kv = 2 * seq, nh * 64, nkv * 64
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def rows_of(name, ranks):
+    for line in open(os.path.join(HERE, name)):
+        p = line.split(" ")
+        shape, (h, i, L, V, nh, nkv, seq) = p[0], map(int, p[1:8])
+        yield shape, h, i, L, V, nh, nkv, seq, [float(x) for x in p[8 : 8 + ranks]], json.loads(" ".join(p[8 + ranks :]))
+
+
+def counted(h, i, nh, nkv, tokens, lora):
+    """f32 bytes one layer's training forward keeps (estimate.rs's LAYER and LoRA counts)."""
+    q, kv = nh * 64, nkv * 64
     per_token = 6 * h + 3 * i + 3 * q + 3 * kv
-    layer_w = 4 * (2 * h * q + 2 * h * kv + 3 * h * i)
-    w = max(layer_w, 4 * V * h)
-    backward = e["unit_backward"]
-    base = e["parameters"] + e["gradients"] + e["optimizer"] + e["gathered_units"] + backward + e["process"]
-    rows.append((name, seq, meas, base))
-    A.append([(L + 1) * 4 * T * per_token, w, 4 * T * V])
-A = np.array(A, float)
-y = np.array([m - b for _, _, m, b in rows])
+    if lora:  # r = 8, all seven projections: B(A x), its scaled copy and the sum, and A x
+        per_token += sum(3 * out + 8 for out in [q, kv, kv, h, i, i, h])
+    return 4 * tokens * per_token
+
+
+NAMES = ["PROCESS_BYTES (MiB)", "RESIDENT_PER_COUNTED", "AC_HIDDEN_PER_LAYER", "LOSS_TENSORS_AT_PEAK"]
+meta, A, y = [], [], []
+for ac, name, ranks in ((False, "one-rank.txt", 1), (True, "two-rank.txt", 2)):
+    for shape, h, i, L, V, nh, nkv, seq, measured, e in rows_of(name, ranks):
+        T = 2 * seq
+        exact = e["parameters"] + e["gradients"] + e["optimizer"] + e["gathered_units"] + e["unit_backward"]
+        if ac:
+            features = [2**20, counted(h, i, nh, nkv, T, True), L * 4 * T * h, 4 * T * V]
+        else:
+            exact += e["gradient_temporaries"] + e["loss"]
+            features = [2**20, (L + 1) * counted(h, i, nh, nkv, T, False), 0, 0]
+        for rank, m in enumerate(measured):
+            relay = e["rank0_relay"] if rank == 0 else 0
+            current = e["total"] + relay
+            meta.append((f"{shape}{' two' if ac else ' one'} seq {seq} rank {rank}", m, exact + relay, current))
+            A.append(features)
+            y.append(m - exact - relay)
+A, y = np.array(A, float), np.array(y)
 x, _ = nnls(A, y)
-print(f"RESIDENT_PER_COUNTED {x[0]:.3f}  WEIGHT_GRAD_TEMPORARIES {x[1]:.3f}  (batch, seq, vocab) tensors {x[2]:.3f}")
-for (name, seq, meas, base), pred in zip(rows, A @ x):
-    print(f"  {name:4} seq {seq:4}: measured {meas / 2**20:7.1f} MiB, fitted {(base + pred) / 2**20:7.1f} MiB ({(base + pred) / meas * 100 - 100:+.1f}%)")
+print("  ".join(f"{k} {v:.3f}" for k, v in zip(NAMES, x)))
+worst = 0.0
+for (what, m, base, current), fitted in zip(meta, A @ x):
+    f = base + fitted
+    worst = max(worst, abs(f / m - 1))
+    print(f"  {what:28}: measured {m / 2**20:7.1f} MiB, fitted {f / 2**20:7.1f} ({f / m * 100 - 100:+5.1f}%), estimate now {current / 2**20:7.1f} ({current / m * 100 - 100:+5.1f}%)")
+print(f"worst fitted row: {worst * 100:.1f}%")
