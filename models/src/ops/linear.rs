@@ -3,14 +3,18 @@
 //! accumulates a gradient for each of those nodes (a zero tensor and a sum each, W-sized for
 //! the transposed view): here x and W are the only inputs, `dx = gy W` and `dW = gyᵀ x` are one
 //! matrix product each over all rows, and a W that trains nothing (a LoRA base) gets no
-//! gradient computed at all.
+//! gradient computed at all. Given a sink, dW goes there as its two factors (gy and x,
+//! [`LinearGradRows`]) while they are no larger than dW, and the trainer makes it straight
+//! into its own gradient buffer.
 
 use crate::ops::column_split;
+use crate::ops::cpu_f32_values;
 use crate::ops::f32_slice;
 use crate::ops::kernels::SharedOut;
 use crate::ops::matmul::sgemm;
-use crate::ops::weight_grads::WeightGradTarget;
+use crate::ops::weight_grads::{GradRows, WeightGradTarget};
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
+use std::sync::Arc;
 
 /// `x (.., in) · wᵀ` for `w (out, in)`: (.., out). f32 on the CPU (see [`crate::ops::applies`]).
 pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
@@ -213,11 +217,68 @@ impl CustomOp2 for Linear {
             (false, _) => None,
             (true, None) => Some(gy.apply_op2_no_bwd(x, &WeightGrad)?),
             (true, Some(to)) => {
-                to.sink.add(&to.name, gy.apply_op2_no_bwd(x, &WeightGrad)?)?;
+                let (out_dim, in_dim) = w.dims2()?;
+                // The factors while they are no larger than dW itself (as many rows as inputs
+                // or fewer): a long sequence's gy would outweigh the gradient it makes.
+                if gy.elem_count() / out_dim <= in_dim {
+                    to.sink.add_rows(&to.name, Arc::new(LinearGradRows::new(gy, x.clone())?))?;
+                } else {
+                    to.sink.add(&to.name, gy.apply_op2_no_bwd(x, &WeightGrad)?)?;
+                }
                 None
             }
         };
         Ok((Some(dx), dw))
+    }
+}
+
+/// A linear layer's weight gradient `dW = gyᵀ x` kept as its factors: the trainer makes the
+/// rows it wants straight into its own buffer (accumulating), so that no dW tensor is written
+/// and then added into that buffer in a second pass (at world 1 the whole gradient goes into
+/// the rank's gradient chunk; sharded, each rank's rows into the reduce-scatter buffer).
+#[derive(Debug)]
+pub(crate) struct LinearGradRows {
+    /// (rows, out), contiguous f32 on the CPU.
+    gy: Tensor,
+    /// (rows, in), contiguous f32 on the CPU.
+    x: Tensor,
+}
+
+impl LinearGradRows {
+    /// The factors of `gyᵀ x`; both must be contiguous f32 CPU tensors with the same rows.
+    pub(crate) fn new(gy: Tensor, x: Tensor) -> Result<Self> {
+        let rows = |t: &Tensor| t.elem_count() / t.dim(candle_core::D::Minus1).unwrap_or(1).max(1);
+        let fits = |t: &Tensor| t.is_contiguous() && t.dtype() == candle_core::DType::F32 && t.device().is_cpu();
+        if !fits(&gy) || !fits(&x) || rows(&gy) != rows(&x) {
+            candle_core::bail!("linear weight gradient: factors {:?} and {:?} are not contiguous f32 CPU rows alike", gy.dims(), x.dims());
+        }
+        Ok(Self { gy, x })
+    }
+
+    fn out_dim(&self) -> usize {
+        *self.gy.dims().last().unwrap_or(&1)
+    }
+
+    fn in_dim(&self) -> usize {
+        *self.x.dims().last().unwrap_or(&1)
+    }
+}
+
+impl GradRows for LinearGradRows {
+    fn dims(&self) -> (usize, usize) {
+        (self.out_dim(), self.in_dim())
+    }
+
+    fn add_rows(&self, first: usize, out: &mut [f32]) {
+        let (out_dim, in_dim) = (self.out_dim(), self.in_dim());
+        let (gs, gl) = self.gy.storage_and_layout();
+        let (xs, xl) = self.x.storage_and_layout();
+        // `new` checked both: contiguous f32 on the CPU.
+        let g = cpu_f32_values(&gs, gl).expect("LinearGradRows::new checked gy");
+        let x = cpu_f32_values(&xs, xl).expect("LinearGradRows::new checked x");
+        let rows = g.len() / out_dim;
+        // out (n, in) += gy[:, first..first + n]ᵀ (n, rows) · x (rows, in).
+        product_add(out.len() / in_dim, in_dim, rows, out, (&g[first..], out_dim as isize, 1), (x, 1, in_dim as isize));
     }
 }
 
@@ -284,21 +345,32 @@ mod tests {
     }
 
     /// With a sink, the weight's gradient goes there, the same values candle's store would have
-    /// held, and the store gets none for it (the input's gradient still goes to candle).
+    /// held, and the store gets none for it (the input's gradient still goes to candle): as its
+    /// factors with no more rows than inputs (any range of its rows made on demand), as a
+    /// tensor with more.
     #[test]
     fn a_sink_gets_the_weight_gradient_candles_store_would_hold() {
         use crate::ops::weight_grads::WeightGrads;
-        let (x, w) = (Var::from_tensor(&rand(&[2, 7, 24], 34, 1.0)).unwrap(), Var::from_tensor(&rand(&[40, 24], 35, 0.5)).unwrap());
-        let probe = rand(&[2, 7, 40], 36, 1.0);
-        let loss = |y: Tensor| (y * &probe).unwrap().sum_all().unwrap();
-        let plain = loss(linear(x.as_tensor(), w.as_tensor()).unwrap()).backward().unwrap();
-        let sink = WeightGrads::new();
-        let to = WeightGradTarget { sink: sink.clone(), name: "proj.weight".into() };
-        let store = loss(linear_to(x.as_tensor(), w.as_tensor(), Some(to)).unwrap()).backward().unwrap();
-        assert!(store.get(w.as_tensor()).is_none());
-        assert_eq!(max_rel(store.get(x.as_tensor()).unwrap(), plain.get(x.as_tensor()).unwrap()), 0.0);
-        let got = sink.take("proj.weight").expect("deposited").into_tensor(&candle_core::Device::Cpu).unwrap();
-        assert_eq!(max_rel(&got, plain.get(w.as_tensor()).unwrap()), 0.0);
+        for (rows, by_rows) in [(7, true), (30, false)] {
+            let (x, w) = (Var::from_tensor(&rand(&[2, rows, 24], 34, 1.0)).unwrap(), Var::from_tensor(&rand(&[40, 24], 35, 0.5)).unwrap());
+            let probe = rand(&[2, rows, 40], 36, 1.0);
+            let loss = |y: Tensor| (y * &probe).unwrap().sum_all().unwrap();
+            let plain = loss(linear(x.as_tensor(), w.as_tensor()).unwrap()).backward().unwrap();
+            let sink = WeightGrads::new();
+            let to = WeightGradTarget { sink: sink.clone(), name: "proj.weight".into() };
+            let store = loss(linear_to(x.as_tensor(), w.as_tensor(), Some(to)).unwrap()).backward().unwrap();
+            assert!(store.get(w.as_tensor()).is_none());
+            assert_eq!(max_rel(store.get(x.as_tensor()).unwrap(), plain.get(x.as_tensor()).unwrap()), 0.0);
+            let grad = sink.take("proj.weight").expect("deposited");
+            assert_eq!(grad.as_dense().is_none(), by_rows, "{} rows of 24 inputs", 2 * rows);
+            let want = plain.get(w.as_tensor()).unwrap();
+            assert_eq!(max_rel(&grad.clone().into_tensor(&candle_core::Device::Cpu).unwrap(), want), 0.0);
+            // Rows 10..25 alone, added to ones.
+            let mut part = vec![1f32; 15 * 24];
+            grad.add_rows(10, &mut part).unwrap();
+            let want_part = (want.narrow(0, 10, 15).unwrap() + 1.0).unwrap();
+            assert_eq!(max_rel(&Tensor::from_vec(part, (15, 24), &candle_core::Device::Cpu).unwrap(), &want_part), 0.0);
+        }
     }
 
     /// Products split between two threads at any share of the columns (the bounds and the

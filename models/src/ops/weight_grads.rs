@@ -8,9 +8,10 @@
 //! backward. Contributions to one name are summed.
 //!
 //! A gradient can also come as [`GradRows`]: what it takes to make any range of its rows (an
-//! embedding's ids and upstream rows; a head's logit gradients and inputs), smaller than the
-//! (vocab, hidden) gradient itself. A sharded trainer then makes and reduces it a range of rows
-//! at a time, and a full-size copy never exists.
+//! embedding's ids and upstream rows; a head's logit gradients and inputs; a linear layer's
+//! upstream gradient and input), no larger than the gradient itself. A sharded trainer then
+//! makes and reduces it a range of rows at a time, and a full-size copy never exists; one that
+//! holds the whole gradient makes it straight into its own buffer.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

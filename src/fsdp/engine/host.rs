@@ -155,11 +155,24 @@ impl UnitShards for HostShards {
             return Ok(());
         }
         let Some(g) = grad else { return Ok(()) };
-        let g = g.into_tensor(&candle_core::Device::Cpu)?;
         let (offsets, seg) = packed_layout(cx, true);
         let at = offsets[i].expect("a trainable packed parameter has an offset");
         let chunk = p.chunk_len();
         let packed = self.packed_grad.get_or_insert_with(|| vec![0.0; seg * shards]);
+        // A gradient made by rows whose chunks are whole rows: each rank's rows are made
+        // straight into its segment, with no full-size gradient in between.
+        if let (None, Ok((rows, cols))) = (g.as_dense(), g.dims()) {
+            if chunk.is_multiple_of(cols) {
+                for k in 0..shards {
+                    let (first, n) = (k * chunk / cols, (chunk / cols).min(rows.saturating_sub(k * chunk / cols)));
+                    if n > 0 {
+                        g.add_rows(first, &mut packed[k * seg + at..][..n * cols])?;
+                    }
+                }
+                return Ok(());
+            }
+        }
+        let g = g.into_tensor(&candle_core::Device::Cpu)?;
         with_f32_slice(&g, |g| {
             // Rank k's rows of this parameter go to rank k's segment of the packed buffer.
             for k in 0..shards {
