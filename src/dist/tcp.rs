@@ -136,11 +136,7 @@ fn read_request(r: &mut impl Read) -> std::io::Result<Result<(u8, Request)>> {
         r.read_exact(&mut count)?;
         let n = u64::from_le_bytes(count) as usize;
         if carries_f32s && n.checked_mul(4) == Some(len - 10) {
-            let mut values = vec![0f32; n];
-            // SAFETY: any bytes are a valid f32; the slice covers exactly `values`' n values.
-            r.read_exact(unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr().cast::<u8>(), n * 4) })?;
-            // The wire is little-endian (as `Msg` writes it).
-            values.iter_mut().for_each(|x| *x = f32::from_bits(u32::from_le(x.to_bits())));
+            let values = read_f32s(r, n)?;
             let req = match head[0] {
                 x if x == Op::AllGather as u8 => Request::AllGather(values),
                 x if x == Op::ReduceScatter as u8 => Request::ReduceScatter(values),
@@ -158,6 +154,30 @@ fn read_request(r: &mut impl Read) -> std::io::Result<Result<(u8, Request)>> {
     let mut frame = vec![0u8; len];
     r.read_exact(&mut frame)?;
     Ok(decode(&frame))
+}
+
+/// `n` little-endian f32 values (as `Msg` writes them) read from the socket straight into
+/// their vector.
+fn read_f32s(r: &mut impl Read, n: usize) -> std::io::Result<Vec<f32>> {
+    let mut values = vec![0f32; n];
+    // SAFETY: any bytes are a valid f32; the slice covers exactly `values`' n values.
+    r.read_exact(unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr().cast::<u8>(), n * 4) })?;
+    values.iter_mut().for_each(|x| *x = f32::from_bits(u32::from_le(x.to_bits())));
+    Ok(values)
+}
+
+/// A frame of `head` then f32 values as `Msg::f32s` lays them out, written from the values
+/// themselves in small pieces (no serialised copy of a possibly unit-sized payload).
+fn write_f32s_frame(w: &mut impl Write, head: &[u8], values: &[f32]) -> std::io::Result<()> {
+    let len = head.len() as u64 + 8 + 4 * values.len() as u64;
+    w.write_all(&len.to_le_bytes())?;
+    w.write_all(head)?;
+    w.write_all(&(values.len() as u64).to_le_bytes())?;
+    for chunk in values.chunks(1 << 14) {
+        let bytes: Vec<u8> = chunk.iter().flat_map(|x| x.to_le_bytes()).collect();
+        w.write_all(&bytes)?;
+    }
+    w.flush()
 }
 
 /// On rank 0: the proxies serving the other ranks. Rank 0 should not exit on a failure before
@@ -293,18 +313,34 @@ fn decode(frame: &[u8]) -> Result<(u8, Request)> {
     Ok((group, req))
 }
 
-/// A success reply carrying f32 values, written from the values themselves (no serialised
-/// copy of a possibly unit-sized result).
+/// A success reply carrying f32 values (status 0, then the values).
 fn write_f32_reply(w: &mut impl Write, values: &[f32]) -> std::io::Result<()> {
-    let len = 1 + 8 + 4 * values.len() as u64;
-    w.write_all(&len.to_le_bytes())?;
-    w.write_all(&[0u8])?;
-    w.write_all(&(values.len() as u64).to_le_bytes())?;
-    for chunk in values.chunks(1 << 14) {
-        let bytes: Vec<u8> = chunk.iter().flat_map(|x| x.to_le_bytes()).collect();
-        w.write_all(&bytes)?;
+    write_f32s_frame(w, &[0u8], values)
+}
+
+/// A reply to a collective that carries f32 values, read straight into their vector as
+/// [`read_request`] reads requests: an error reply is the error it carries.
+fn read_f32_reply(r: &mut impl Read) -> std::io::Result<Result<Vec<f32>>> {
+    let mut len = [0u8; 8];
+    r.read_exact(&mut len)?;
+    let len = u64::from_le_bytes(len) as usize;
+    let mut status = [0u8; 1];
+    r.read_exact(&mut status)?;
+    if status[0] != 0 || len < 9 {
+        let mut rest = vec![0u8; len.saturating_sub(1)];
+        r.read_exact(&mut rest)?;
+        let why = (Reader { b: &rest }).bytes().map(|b| String::from_utf8_lossy(&b).to_string());
+        return Ok(Err(anyhow::anyhow!("{}", why.unwrap_or_else(|e| format!("a malformed reply ({e})")))));
     }
-    w.flush()
+    let mut count = [0u8; 8];
+    r.read_exact(&mut count)?;
+    let n = u64::from_le_bytes(count) as usize;
+    if n.checked_mul(4) != Some(len - 9) {
+        let mut rest = vec![0u8; len - 9];
+        r.read_exact(&mut rest)?;
+        return Ok(Err(anyhow::anyhow!("a reply of {n} values in {} bytes: truncated message", len - 9)));
+    }
+    Ok(Ok(read_f32s(r, n)?))
 }
 
 /// Serves one remote rank's collectives on rank 0.
@@ -429,12 +465,14 @@ struct RemoteGroup {
 }
 
 impl RemoteGroup {
+    fn lost(&self, name: &str, e: std::io::Error) -> anyhow::Error {
+        anyhow::anyhow!("{name} on rank {}: lost the connection to rank 0 ({e}); rank 0 exited or failed", self.world_rank)
+    }
+
     fn call(&self, op: Op, name: &str, body: impl FnOnce(Msg) -> Msg) -> Result<Vec<u8>> {
         let mut c = self.conn.lock().unwrap_or_else(|e| e.into_inner());
         let msg = body(Msg::default().u8(op as u8).u8(self.id));
-        let lost = |e: std::io::Error| {
-            anyhow::anyhow!("{name} on rank {}: lost the connection to rank 0 ({e}); rank 0 exited or failed", self.world_rank)
-        };
+        let lost = |e| self.lost(name, e);
         write_frame(&mut c.writer, &msg.0).map_err(lost)?;
         let reply = read_frame(&mut c.reader).map_err(lost)?;
         let mut r = Reader { b: &reply };
@@ -442,6 +480,16 @@ impl RemoteGroup {
             bail!("{}", String::from_utf8_lossy(&r.bytes()?));
         }
         Ok(r.b.to_vec())
+    }
+
+    /// A collective whose request and reply are f32 values: both go between the socket and
+    /// the vectors directly. Through frames, a unit-sized gather was held four times over on
+    /// this rank (request, reply, a copy of it, the decoded values).
+    fn call_f32s(&self, op: Op, name: &str, values: &[f32]) -> Result<Vec<f32>> {
+        let mut c = self.conn.lock().unwrap_or_else(|e| e.into_inner());
+        let lost = |e| self.lost(name, e);
+        write_f32s_frame(&mut c.writer, &[op as u8, self.id], values).map_err(lost)?;
+        read_f32_reply(&mut c.reader).map_err(lost)?
     }
 }
 
@@ -453,13 +501,13 @@ impl Collective for RemoteGroup {
         self.size
     }
     fn all_gather(&self, shard: &[f32]) -> Result<Vec<f32>> {
-        Reader { b: &self.call(Op::AllGather, "all_gather", |m| m.f32s(shard))? }.f32s()
+        self.call_f32s(Op::AllGather, "all_gather", shard)
     }
     fn reduce_scatter(&self, full: &[f32]) -> Result<Vec<f32>> {
-        Reader { b: &self.call(Op::ReduceScatter, "reduce_scatter", |m| m.f32s(full))? }.f32s()
+        self.call_f32s(Op::ReduceScatter, "reduce_scatter", full)
     }
     fn all_reduce(&self, data: &mut [f32]) -> Result<()> {
-        let v = Reader { b: &self.call(Op::AllReduce, "all_reduce", |m| m.f32s(data))? }.f32s()?;
+        let v = self.call_f32s(Op::AllReduce, "all_reduce", data)?;
         data.copy_from_slice(&v);
         Ok(())
     }
@@ -529,6 +577,33 @@ mod tests {
         let mut short = Msg::default().u8(Op::AllGather as u8).u8(0).u64(3);
         short.0.extend_from_slice(&1f32.to_le_bytes());
         let e = read_request(&mut framed(short).as_slice()).unwrap().err().expect("a count of 3 with one value");
+        assert!(e.to_string().contains("truncated"), "{e}");
+    }
+
+    /// A remote rank's f32 request, written from its values, is the frame `Msg` would build,
+    /// and the replies it reads back straight into a vector are the values rank 0 wrote, or
+    /// the error it sent; a count that disagrees with the length is an error.
+    #[test]
+    fn f32_requests_and_replies_cross_the_socket_without_a_frame_copy() {
+        let values = [1.5f32, -2.0, 3.25e-7, f32::MAX];
+        let mut direct = vec![];
+        write_f32s_frame(&mut direct, &[Op::AllGather as u8, 1], &values).unwrap();
+        let mut framed = vec![];
+        write_frame(&mut framed, &Msg::default().u8(Op::AllGather as u8).u8(1).f32s(&values).0).unwrap();
+        assert_eq!(direct, framed);
+
+        let mut wire = vec![];
+        write_f32_reply(&mut wire, &values).unwrap();
+        assert_eq!(read_f32_reply(&mut wire.as_slice()).unwrap().unwrap(), values);
+        let mut wire = vec![];
+        write_frame(&mut wire, &Msg::default().u8(1).bytes(b"rank 2 timed out in all_gather").0).unwrap();
+        let e = read_f32_reply(&mut wire.as_slice()).unwrap().err().expect("an error reply");
+        assert_eq!(e.to_string(), "rank 2 timed out in all_gather");
+        let mut short = Msg::default().u8(0).u64(3);
+        short.0.extend_from_slice(&1f32.to_le_bytes());
+        let mut wire = vec![];
+        write_frame(&mut wire, &short.0).unwrap();
+        let e = read_f32_reply(&mut wire.as_slice()).unwrap().err().expect("a count of 3 with one value");
         assert!(e.to_string().contains("truncated"), "{e}");
     }
 
