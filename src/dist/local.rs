@@ -202,8 +202,12 @@ impl Collective for LocalGroup {
     }
 
     fn all_gather(&self, shard: &[f32]) -> Result<Vec<f32>> {
-        let all = self.exchange("all_gather", Deposit::F32(Arc::new(shard.to_vec())))?;
+        self.all_gather_owned(shard.to_vec())
+    }
+
+    fn all_gather_owned(&self, shard: Vec<f32>) -> Result<Vec<f32>> {
         let n = shard.len();
+        let all = self.exchange("all_gather", Deposit::F32(Arc::new(shard)))?;
         let mut out = Vec::with_capacity(n * all.len());
         for (r, d) in all.iter().enumerate() {
             let v = f32s(d);
@@ -216,12 +220,16 @@ impl Collective for LocalGroup {
     }
 
     fn reduce_scatter(&self, full: &[f32]) -> Result<Vec<f32>> {
+        self.reduce_scatter_owned(full.to_vec())
+    }
+
+    fn reduce_scatter_owned(&self, full: Vec<f32>) -> Result<Vec<f32>> {
         let world = self.shared.world;
         if !full.len().is_multiple_of(world) {
             bail!("reduce_scatter: length {} is not divisible by the world size {world}", full.len());
         }
-        let all = self.exchange("reduce_scatter", Deposit::F32(Arc::new(full.to_vec())))?;
         let n = full.len() / world;
+        let all = self.exchange("reduce_scatter", Deposit::F32(Arc::new(full)))?;
         let range = self.rank * n..(self.rank + 1) * n;
         // Sum in rank order on every rank, so results are deterministic.
         let mut out = vec![0f32; n];

@@ -32,6 +32,18 @@ pub trait Collective: Send + Sync {
     /// chunk of the sum: elements `rank * n .. (rank + 1) * n` with `n = full.len() / world`.
     fn reduce_scatter(&self, full: &[f32]) -> Result<Vec<f32>>;
 
+    /// [`Self::all_gather`] of a shard the caller gives up: a backend that holds every rank's
+    /// shard while the others read it (the local one) keeps this one as it is instead of a copy.
+    fn all_gather_owned(&self, shard: Vec<f32>) -> Result<Vec<f32>> {
+        self.all_gather(&shard)
+    }
+
+    /// [`Self::reduce_scatter`] of a buffer the caller gives up (see `all_gather_owned`): on
+    /// rank 0 of the tcp backend, each other rank's unit-sized gradient would be copied again.
+    fn reduce_scatter_owned(&self, full: Vec<f32>) -> Result<Vec<f32>> {
+        self.reduce_scatter(&full)
+    }
+
     /// Elementwise sum across ranks, in place.
     fn all_reduce(&self, data: &mut [f32]) -> Result<()>;
 

@@ -366,8 +366,8 @@ fn proxy(rank: usize, groups: ProcessGroups, mut reader: BufReader<TcpStream>, m
                 };
                 let result = (|| -> Result<Result<Vec<f32>, Vec<u8>>> {
                     Ok(match req {
-                        Request::AllGather(v) => Ok(group.all_gather(&v)?),
-                        Request::ReduceScatter(v) => Ok(group.reduce_scatter(&v)?),
+                        Request::AllGather(v) => Ok(group.all_gather_owned(v)?),
+                        Request::ReduceScatter(v) => Ok(group.reduce_scatter_owned(v)?),
                         Request::AllReduce(mut v) => {
                             group.all_reduce(&mut v)?;
                             Ok(v)
