@@ -74,6 +74,7 @@ pub fn run(a: EstimateArgs) -> Result<()> {
         }
         m.insert("total".into(), serde_json::json!(e.total()));
         m.insert("rank0_relay".into(), serde_json::json!(e.rank0_relay));
+        m.insert("rank0_host".into(), serde_json::json!(e.rank0_host));
         m.insert("rank0_total".into(), serde_json::json!(e.rank0_total()));
         println!("{}", serde_json::Value::Object(m));
         return Ok(());
@@ -90,8 +91,9 @@ pub fn run(a: EstimateArgs) -> Result<()> {
         println!("  {name:<15} {:>12}  {what}", human_bytes(bytes));
     }
     println!("  {:<15} {:>12}  peak resident memory of each rank", "total", human_bytes(e.total()));
-    if e.rank0_relay > 0 {
-        println!("  {:<15} {:>12}  rank 0 also relays the others' collectives (tcp backend)", "rank 0 relay", human_bytes(e.rank0_relay));
+    if e.rank0_relay + e.rank0_host > 0 {
+        let relay = human_bytes(e.rank0_relay + e.rank0_host);
+        println!("  {:<15} {:>12}  rank 0 also relays the others' collectives and hosts them (tcp backend)", "rank 0 relay", relay);
         println!("  {:<15} {:>12}", "rank 0 total", human_bytes(e.rank0_total()));
     }
     if a.backend == "local" && a.world_size > 1 {

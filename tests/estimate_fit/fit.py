@@ -1,10 +1,11 @@
 """Fits the fitted constants of src/train/estimate.rs (PROCESS_BYTES, RESIDENT_PER_COUNTED,
-AC_HIDDEN_PER_LAYER, LOSS_TENSORS_AT_PEAK) on the rows run-shape.sh measured:
+AC_HIDDEN_PER_LAYER, LOSS_TENSORS_AT_PEAK, RANK0_HOST_BYTES) on the rows run-shape.sh measured:
 one-rank.txt (1 rank, full fine-tuning, every graph kept) and two-rank.txt (2 ranks, LoRA on
 every projection, activation checkpointing).
 
 The exact parts of each row's estimate (parameters, gradients, optimizer, gathered units, unit
-backward; weight-gradient temporaries and the loss chunk without checkpointing; rank 0's relay)
+backward; weight-gradient temporaries and the loss chunk without checkpointing; rank 0's relayed
+buffers)
 are taken as they are, and what remains of the measured peak is fitted (non-negative least
 squares) as
   P (process and allocator floor)
@@ -12,6 +13,7 @@ squares) as
     recomputed layer's with it (LoRA's adapter outputs counted as estimate.rs counts them)
   + a * layers * (tokens, hidden) f32 tensors   (checkpointing only)
   + b * (tokens, vocab) f32 tensors              (checkpointing only)
+  + c                                            (rank 0 of the two-rank runs)
 Prints the constants and each row's fitted and current estimate. Needs numpy and scipy:
   python fit.py
 """
@@ -39,22 +41,22 @@ def counted(h, i, nh, nkv, tokens, lora):
     return 4 * tokens * per_token
 
 
-NAMES = ["PROCESS_BYTES (MiB)", "RESIDENT_PER_COUNTED", "AC_HIDDEN_PER_LAYER", "LOSS_TENSORS_AT_PEAK"]
+NAMES = ["PROCESS_BYTES (MiB)", "RESIDENT_PER_COUNTED", "AC_HIDDEN_PER_LAYER", "LOSS_TENSORS_AT_PEAK", "RANK0_HOST_BYTES (MiB)"]
 meta, A, y = [], [], []
 for ac, name, ranks in ((False, "one-rank.txt", 1), (True, "two-rank.txt", 2)):
     for shape, h, i, L, V, nh, nkv, seq, measured, e in rows_of(name, ranks):
         T = 2 * seq
         exact = e["parameters"] + e["gradients"] + e["optimizer"] + e["gathered_units"] + e["unit_backward"]
         if ac:
-            features = [2**20, counted(h, i, nh, nkv, T, True), L * 4 * T * h, 4 * T * V]
+            features = [2**20, counted(h, i, nh, nkv, T, True), L * 4 * T * h, 4 * T * V, 0]
         else:
             exact += e["gradient_temporaries"] + e["loss"]
-            features = [2**20, (L + 1) * counted(h, i, nh, nkv, T, False), 0, 0]
+            features = [2**20, (L + 1) * counted(h, i, nh, nkv, T, False), 0, 0, 0]
         for rank, m in enumerate(measured):
             relay = e["rank0_relay"] if rank == 0 else 0
-            current = e["total"] + relay
+            current = e["total"] + (relay + e.get("rank0_host", 0) if rank == 0 else 0)
             meta.append((f"{shape}{' two' if ac else ' one'} seq {seq} rank {rank}", m, exact + relay, current))
-            A.append(features)
+            A.append(features[:-1] + [2**20 if ac and rank == 0 else 0])
             y.append(m - exact - relay)
 A, y = np.array(A, float), np.array(y)
 x, _ = nnls(A, y)
