@@ -597,13 +597,13 @@ mod tests {
         assert_eq!(read_f32_reply(&mut wire.as_slice()).unwrap().unwrap(), values);
         let mut wire = vec![];
         write_frame(&mut wire, &Msg::default().u8(1).bytes(b"rank 2 timed out in all_gather").0).unwrap();
-        let e = read_f32_reply(&mut wire.as_slice()).unwrap().err().expect("an error reply");
+        let e = read_f32_reply(&mut wire.as_slice()).unwrap().expect_err("an error reply");
         assert_eq!(e.to_string(), "rank 2 timed out in all_gather");
         let mut short = Msg::default().u8(0).u64(3);
         short.0.extend_from_slice(&1f32.to_le_bytes());
         let mut wire = vec![];
         write_frame(&mut wire, &short.0).unwrap();
-        let e = read_f32_reply(&mut wire.as_slice()).unwrap().err().expect("a count of 3 with one value");
+        let e = read_f32_reply(&mut wire.as_slice()).unwrap().expect_err("a count of 3 with one value");
         assert!(e.to_string().contains("truncated"), "{e}");
     }
 
