@@ -1,11 +1,12 @@
 #!/bin/bash
 # One row of the fit behind src/train/estimate.rs's constants: a generated Llama of the given
 # shape trained 2 steps (batch 2 per rank), its measured peak RSS per rank next to
-# `fsdp-app estimate --json` for the same run, appended to one-rank.txt or two-rank.txt.
+# `fsdp-app estimate --json` for the same run, appended to MODE-rank.txt.
 #   one: 1 rank, full fine-tuning, every layer's graph kept
+#   lora: 1 rank, LoRA r=8 on every projection, every layer's graph kept
 #   two: 2 ranks under `fsdp-app launch` (tcp), LoRA r=8 on every projection, activation
 #        checkpointing (tests/estimate.rs's two-rank runs)
-# usage: run-shape.sh one|two name hidden inter layers vocab heads kvheads seq
+# usage: run-shape.sh one|lora|two name hidden inter layers vocab heads kvheads seq
 # The release binary by default (what users run; the debug build's peaks are within noise of it).
 set -e
 B=${FSDP_APP:-target/release/fsdp-app}; B=$(realpath "$B")
@@ -21,11 +22,13 @@ rows=[json.dumps({'input_ids':[(i*7+j*13)%384 for j in range($seq)],'labels':[(i
 open('rows_$seq.jsonl','w').write('\n'.join(rows))"
 out=o_${mode}_${n}_$seq; rm -rf $out
 common=(--model m_$n --max-steps 2 --lr 1e-4 --batch-size 2 --seq-len $seq)
-if [ "$mode" = one ]; then
-  $B finetune "${common[@]}" --output-dir $out --data rows_$seq.jsonl >/dev/null 2>&1
-  est=$($B estimate --model m_$n --batch-size 2 --seq-len $seq --json)
+lora=(--lora-r 8 --lora-targets all-linear)
+if [ "$mode" = one ] || [ "$mode" = lora ]; then
+  extra=(); [ "$mode" = lora ] && extra=("${lora[@]}")
+  $B finetune "${common[@]}" "${extra[@]}" --output-dir $out --data rows_$seq.jsonl >/dev/null 2>&1
+  est=$($B estimate --model m_$n --batch-size 2 --seq-len $seq "${extra[@]}" --json)
 else
-  two=(--activation-checkpointing --lora-r 8 --lora-targets all-linear)
+  two=(--activation-checkpointing "${lora[@]}")
   $B launch --nproc-per-node 2 --master-port $((20000 + RANDOM % 20000)) -- finetune "${common[@]}" "${two[@]}" --output-dir $out --data rows_$seq.jsonl >/dev/null 2>&1
   est=$($B estimate --model m_$n --world-size 2 --batch-size 2 --seq-len $seq "${two[@]}" --json)
 fi
