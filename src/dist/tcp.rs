@@ -112,10 +112,23 @@ fn write_frame(w: &mut impl Write, payload: &[u8]) -> std::io::Result<()> {
     w.flush()
 }
 
+/// A little-endian u64 (a frame's length, a vector's count) from the socket.
+fn read_u64(r: &mut impl Read) -> std::io::Result<u64> {
+    let mut b = [0u8; 8];
+    r.read_exact(&mut b)?;
+    Ok(u64::from_le_bytes(b))
+}
+
+/// `n` bytes from the socket, as a vector.
+fn read_bytes(r: &mut impl Read, n: usize) -> std::io::Result<Vec<u8>> {
+    let mut buf = vec![0u8; n];
+    r.read_exact(&mut buf)?;
+    Ok(buf)
+}
+
 fn read_frame(r: &mut impl Read) -> std::io::Result<Vec<u8>> {
-    let mut len = [0u8; 8];
-    r.read_exact(&mut len)?;
-    let mut buf = vec![0u8; u64::from_le_bytes(len) as usize];
+    let len = read_u64(r)? as usize;
+    let mut buf = vec![0u8; len];
     r.read_exact(&mut buf)?;
     Ok(buf)
 }
@@ -125,16 +138,13 @@ fn read_frame(r: &mut impl Read) -> std::io::Result<Vec<u8>> {
 /// unit-sized request was held twice while it was decoded, and three ranks' at once set rank
 /// 0's peak. Other requests are read as a frame and decoded.
 fn read_request(r: &mut impl Read) -> std::io::Result<Result<(u8, Request)>> {
-    let mut len = [0u8; 8];
-    r.read_exact(&mut len)?;
-    let len = u64::from_le_bytes(len) as usize;
+    let len = read_u64(r)? as usize;
     let mut head = [0u8; 2];
     if len >= 10 {
         r.read_exact(&mut head)?;
         let carries_f32s = [Op::AllGather, Op::ReduceScatter, Op::AllReduce].iter().any(|&o| o as u8 == head[0]);
-        let mut count = [0u8; 8];
-        r.read_exact(&mut count)?;
-        let n = u64::from_le_bytes(count) as usize;
+        let count = read_u64(r)?;
+        let n = count as usize;
         if carries_f32s && n.checked_mul(4) == Some(len - 10) {
             let values = read_f32s(r, n)?;
             let req = match head[0] {
@@ -146,14 +156,12 @@ fn read_request(r: &mut impl Read) -> std::io::Result<Result<(u8, Request)>> {
         }
         let mut frame = Vec::with_capacity(len);
         frame.extend_from_slice(&head);
-        frame.extend_from_slice(&count);
+        frame.extend_from_slice(&count.to_le_bytes());
         frame.resize(len, 0);
         r.read_exact(&mut frame[10..])?;
         return Ok(decode(&frame));
     }
-    let mut frame = vec![0u8; len];
-    r.read_exact(&mut frame)?;
-    Ok(decode(&frame))
+    Ok(decode(&read_bytes(r, len)?))
 }
 
 /// `n` little-endian f32 values (as `Msg` writes them) read from the socket straight into
@@ -321,23 +329,18 @@ fn write_f32_reply(w: &mut impl Write, values: &[f32]) -> std::io::Result<()> {
 /// A reply to a collective that carries f32 values, read straight into their vector as
 /// [`read_request`] reads requests: an error reply is the error it carries.
 fn read_f32_reply(r: &mut impl Read) -> std::io::Result<Result<Vec<f32>>> {
-    let mut len = [0u8; 8];
-    r.read_exact(&mut len)?;
-    let len = u64::from_le_bytes(len) as usize;
+    let len = read_u64(r)? as usize;
     let mut status = [0u8; 1];
     r.read_exact(&mut status)?;
     if status[0] != 0 || len < 9 {
-        let mut rest = vec![0u8; len.saturating_sub(1)];
-        r.read_exact(&mut rest)?;
+        let rest = read_bytes(r, len.saturating_sub(1))?;
         let why = (Reader { b: &rest }).bytes().map(|b| String::from_utf8_lossy(&b).to_string());
         return Ok(Err(anyhow::anyhow!("{}", why.unwrap_or_else(|e| format!("a malformed reply ({e})")))));
     }
-    let mut count = [0u8; 8];
-    r.read_exact(&mut count)?;
-    let n = u64::from_le_bytes(count) as usize;
+    let n = read_u64(r)? as usize;
     if n.checked_mul(4) != Some(len - 9) {
-        let mut rest = vec![0u8; len - 9];
-        r.read_exact(&mut rest)?;
+        // The rest of the frame is read, so the connection stays in step.
+        read_bytes(r, len - 9)?;
         return Ok(Err(anyhow::anyhow!("a reply of {n} values in {} bytes: truncated message", len - 9)));
     }
     Ok(Ok(read_f32s(r, n)?))

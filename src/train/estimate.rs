@@ -7,9 +7,9 @@
 //!   resharded, their bytes freed even where a kept graph points at them), counted twice for
 //!   the moment a gather holds its result and the cut-out parameters; SHARD_GRAD_OP and
 //!   NO_SHARD keep every unit from its forward to its backward;
-//! - backward of one unit: candle's gradient store holds a full-size gradient of every weight
-//!   the unit trains (our linear, embedding and head ops make none for a frozen weight) plus the packed buffer
-//!   reduce-scatter sends, for the trainable ones;
+//! - backward of one unit: a full-size gradient of every weight the unit trains (our linear,
+//!   embedding and head ops make none for a frozen weight) plus the packed buffer
+//!   reduce-scatter sends;
 //! - activations: the tensors one decoder layer's training forward keeps (counted from
 //!   `models::layers`: norms, projections, rotary, attention scores and probabilities, MLP),
 //!   for every layer without activation checkpointing; with it, a fitted number of hidden-size

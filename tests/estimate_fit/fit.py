@@ -33,14 +33,18 @@ def rows_of(name, ranks):
         yield shape, h, i, L, V, nh, nkv, seq, [float(x) for x in p[8 : 8 + ranks]], json.loads(" ".join(p[8 + ranks :]))
 
 
-def counted(h, i, nh, nkv, tokens, lora):
-    """f32 bytes one layer's training forward keeps (estimate.rs's LAYER and LoRA counts)."""
+def adapters(h, i, nh, nkv, tokens):
+    """f32 bytes LoRA (r = 8, all seven projections) adds to a layer, as estimate.rs counts
+    them: B(A x), its scaled copy and the sum, and A x."""
     q, kv = nh * 64, nkv * 64
-    per_token = 6 * h + 3 * i + 3 * q + 3 * kv
-    if lora:  # r = 8, all seven projections: B(A x), its scaled copy and the sum, and A x,
-        # at estimate.rs's LORA_RESIDENT_SHARE (fitted by hand on lora-rank.txt, held here)
-        per_token += 0.7 * sum(3 * out + 8 for out in [q, kv, kv, h, i, i, h])
-    return 4 * tokens * per_token
+    return 4 * tokens * sum(3 * out + 8 for out in [q, kv, kv, h, i, i, h])
+
+
+def counted(h, i, nh, nkv, tokens, lora):
+    """f32 bytes one layer's training forward keeps (estimate.rs's LAYER counts), with LoRA's
+    at estimate.rs's LORA_RESIDENT_SHARE (fitted on lora-rank.txt below, held here)."""
+    q, kv = nh * 64, nkv * 64
+    return 4 * tokens * (6 * h + 3 * i + 3 * q + 3 * kv) + (0.7 * adapters(h, i, nh, nkv, tokens) if lora else 0)
 
 
 NAMES = ["PROCESS_BYTES (MiB)", "RESIDENT_PER_COUNTED", "AC_HIDDEN_PER_LAYER", "LOSS_TENSORS_AT_PEAK", "RANK0_HOST_BYTES (MiB)"]
@@ -77,10 +81,9 @@ num = den = 0.0
 lora_rows = []
 for shape, h, i, L, V, nh, nkv, seq, measured, e in rows_of("lora-rank.txt", 1):
     T = 2 * seq
-    q, kv = nh * 64, nkv * 64
     exact = e["parameters"] + e["gradients"] + e["optimizer"] + e["gathered_units"] + e["unit_backward"]
     exact += e["gradient_temporaries"] + e["loss"] + P + R * (L + 1) * counted(h, i, nh, nkv, T, False)
-    f = R * (L + 1) * 4 * T * sum(3 * out + 8 for out in [q, kv, kv, h, i, i, h])
+    f = R * (L + 1) * adapters(h, i, nh, nkv, T)
     num, den = num + f * (measured[0] - exact), den + f * f
     lora_rows.append((shape, seq, measured[0], e["total"]))
 print(f"LORA_RESIDENT_SHARE {num / den:.3f}")

@@ -163,8 +163,11 @@ impl UnitShards for HostShards {
         // straight into its segment, with no full-size gradient in between.
         if let (None, Ok((rows, cols))) = (g.as_dense(), g.dims()) {
             if chunk.is_multiple_of(cols) {
+                let rows_per_rank = chunk / cols;
                 for k in 0..shards {
-                    let (first, n) = (k * chunk / cols, (chunk / cols).min(rows.saturating_sub(k * chunk / cols)));
+                    let first = k * rows_per_rank;
+                    // The last ranks' chunks may be padding past the parameter's rows.
+                    let n = rows_per_rank.min(rows.saturating_sub(first));
                     if n > 0 {
                         g.add_rows(first, &mut packed[k * seg + at..][..n * cols])?;
                     }
