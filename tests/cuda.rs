@@ -111,15 +111,27 @@ fn gradients_on_cuda_match_cpu() {
             let dl = (loss - cpu_loss).abs() / cpu_loss;
             assert!(dl < tolerance, "{name} {dtype:?}: loss {loss} vs CPU {cpu_loss}");
             let mut worst = (0.0, String::new());
+            let mut off = vec![];
             for (k, g) in &cpu {
                 assert!(g.iter().any(|x| *x != 0.0), "{name}: {k} got no gradient on CPU");
                 let d = rel_norm_diff(&got[k], g);
                 if d > worst.0 {
                     worst = (d, k.clone());
                 }
+                if d >= tolerance {
+                    off.push(k.clone());
+                }
             }
             eprintln!("{name} {dtype:?} ac {ac}: loss rel diff {dl:.2e}, worst gradient rel diff {:.2e} ({})", worst.0, worst.1);
-            assert!(worst.0 < tolerance, "{name} {dtype:?} ac {ac}: gradient of {} differs from CPU by {}", worst.1, worst.0);
+            off.sort();
+            assert!(
+                off.is_empty(),
+                "{name} {dtype:?} ac {ac}: {} of {} gradients differ from CPU (worst {} by {}): {off:?}",
+                off.len(),
+                cpu.len(),
+                worst.1,
+                worst.0
+            );
         }
     }
 }
@@ -143,8 +155,9 @@ fn finetuning_on_cuda_follows_the_cpu_loss_curve() {
     }
 }
 
-/// `--auto-find-batch-size` on a GPU: a micro-batch of 64 rows of 4,096 tokens (attention
-/// scores alone ~190 GB) runs out of memory for real, and the error says so; the auto run's trial
+/// `--auto-find-batch-size` on a GPU: a micro-batch of 64 rows of 2,048 tokens through 8 layers
+/// (8.6 GB for each f32 attention-score tensor, several kept per layer: over 300 GB) runs out of
+/// memory for real, and the error says so; the auto run's trial
 /// steps run out, are discarded and retried with half until one fits, and its losses are those
 /// of the same global batch taken one row at a time.
 #[test]
@@ -154,10 +167,10 @@ fn auto_batch_size_retries_a_step_that_ran_out_of_gpu_memory() {
         "llama",
         &tmp.path().join("long-context"),
         &[
-            ("max_position_embeddings", 4096),
+            ("max_position_embeddings", 2048),
             ("hidden_size", 512),
             ("intermediate_size", 1024),
-            ("num_hidden_layers", 2),
+            ("num_hidden_layers", 8),
             ("num_attention_heads", 8),
             ("num_key_value_heads", 8),
         ],
@@ -165,7 +178,9 @@ fn auto_batch_size_retries_a_step_that_ran_out_of_gpu_memory() {
     let data = tmp.path().join("rows.jsonl");
     let rows: String = (0..128u32)
         .map(|r| {
-            let ids: Vec<u32> = (0..32u32).map(|i| 3 + (i * 7 + r * 13) % 200).collect();
+            // Rows as long as the sequence: a batch is padded only to its longest row. (Not 4,096:
+            // 64 x 8 heads x 4096^2 scores are more values than candle's GPU kernels index.)
+            let ids: Vec<u32> = (0..2048u32).map(|i| 3 + (i * 7 + r * 13) % 200).collect();
             format!("{}\n", serde_json::json!({"input_ids": ids, "labels": ids}))
         })
         .collect();
@@ -173,12 +188,13 @@ fn auto_batch_size_retries_a_step_that_ran_out_of_gpu_memory() {
     let config = |name: &str, batch: usize, accum: usize, auto: bool| {
         let mut c = fsdp_app::train::finetune::FinetuneConfig::new(model.to_str().unwrap(), &data, &tmp.path().join(name));
         c.device = fsdp_app::device::DeviceSpec::Cuda(Some(0));
-        (c.seq_len, c.batch_size, c.grad_accum, c.max_steps, c.lr, c.shuffle) = (Some(4096), batch, accum, Some(2), 1e-3, false);
+        (c.seq_len, c.batch_size, c.grad_accum, c.max_steps, c.lr, c.shuffle) = (Some(2048), batch, accum, Some(2), 1e-3, false);
         c.auto_find_batch_size = auto;
         c
     };
-    let err = run_local(&config("fixed", 64, 1, false)).expect_err("64 rows of 4096 tokens fit the GPU: make the trial larger");
+    let err = run_local(&config("fixed", 64, 1, false)).expect_err("64 rows of 2048 tokens fit the GPU: make the trial larger");
     assert!(fsdp_app::device::is_out_of_memory(&err), "not recognised as out of memory: {err:#}");
+    assert!(!format!("{err:#}").contains(models::layers::TOO_LARGE_FOR_GPU_KERNELS), "not a real out-of-memory error: {err:#}");
     let auto = run_local(&config("auto", 64, 1, true)).unwrap_or_else(|e| panic!("{e:#}"));
     let one_by_one = run_local(&config("rows", 1, 64, false)).unwrap();
     let d = auto.losses.iter().zip(&one_by_one.losses).map(|(a, b)| (a - b).abs() / b).fold(0.0, f64::max);

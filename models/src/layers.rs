@@ -197,6 +197,23 @@ pub fn causal_mask(q_len: usize, offset: usize, window: Option<usize>, dtype: DT
     Tensor::from_vec(data, (q_len, kv_len), dev)?.to_dtype(dtype).map(Some)
 }
 
+/// What a GPU tensor too large for candle's kernels says (`fsdp_app::device::is_out_of_memory`
+/// counts it: a smaller batch fixes it).
+pub const TOO_LARGE_FOR_GPU_KERNELS: &str = "too many values for one GPU tensor";
+
+/// candle's GPU kernels count a tensor's elements in 32 bits: a larger one would fail with the
+/// driver's bare "invalid argument". Says which tensor and what to lower instead.
+pub fn check_gpu_tensor_len(dims: &[usize], what: &str) -> Result<()> {
+    let len: usize = dims.iter().product();
+    if len >= 1 << 32 {
+        candle_core::bail!(
+            "{what} of shape {dims:?} hold {len} values, {TOO_LARGE_FOR_GPU_KERNELS} (candle's kernels index at most 2^32): \
+             lower the batch size or the sequence length"
+        );
+    }
+    Ok(())
+}
+
 #[derive(Debug, Clone)]
 pub struct Attention {
     q_proj: AdaptedLinear,
@@ -308,6 +325,9 @@ impl Attention {
         let k = repeat_kv(k, n_rep)?;
         let v = repeat_kv(v, n_rep)?;
 
+        if !q.device().is_cpu() {
+            check_gpu_tensor_len(&[b, self.num_heads, t, k.dim(2)?], "attention scores")?;
+        }
         let scores = (q.matmul(&k.t()?)? * scale)?;
         let scores = match &mask {
             Some(mask) => scores.broadcast_add(mask)?,
@@ -316,7 +336,7 @@ impl Attention {
         // Softmax in f32 like transformers' eager attention, then back to the compute dtype.
         let scores_f32 = scores.to_dtype(DType::F32)?;
         let probs = match pos.mode {
-            OpMode::Train => candle_nn::ops::softmax(&scores_f32, D::Minus1)?,
+            OpMode::Train => crate::ops::softmax::softmax_last_dim(&scores_f32)?,
             OpMode::Generate => candle_nn::ops::softmax_last_dim(&scores_f32)?,
         }
         .to_dtype(q.dtype())?;

@@ -77,11 +77,36 @@ pub struct LlamaStages {
     cfg: ModelConfig,
     lora: Option<LoraSettings>,
     rotary: Rotary,
+    /// The last unpacked batch's rotary tables and causal mask: every layer, forward and
+    /// recomputed, asks for the same ones, and they are made on the host (a 2048-token mask is
+    /// 4M values, uploaded to a GPU each time otherwise).
+    positions: std::sync::Mutex<Option<(PositionsKey, PositionTensors)>>,
 }
+
+/// (tokens, dtype, device) of cached [`PositionTensors`].
+type PositionsKey = (usize, DType, candle_core::Device);
+/// cos, sin and the causal mask (None when nothing is masked).
+type PositionTensors = (Tensor, Tensor, Option<Tensor>);
 
 impl LlamaStages {
     pub fn new(cfg: &ModelConfig, lora: Option<LoraSettings>) -> Self {
-        Self { cfg: cfg.clone(), lora, rotary: Rotary::new(cfg) }
+        Self { cfg: cfg.clone(), lora, rotary: Rotary::new(cfg), positions: Default::default() }
+    }
+
+    /// Rotary tables and causal mask for `t` unpacked tokens (see the field).
+    fn unpacked_positions(&self, t: usize, dtype: DType, dev: &candle_core::Device) -> Result<PositionTensors> {
+        let mut cached = self.positions.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(((k_t, k_dtype, k_dev), v)) = cached.as_ref() {
+            // The same device object, not only the same ordinal: two rank threads sharing a
+            // GPU each have their own.
+            if (*k_t, *k_dtype) == (t, dtype) && k_dev.same_device(dev) {
+                return Ok(v.clone());
+            }
+        }
+        let (cos, sin) = self.rotary.tables(0, t, dtype, dev)?;
+        let made = (cos, sin, causal_mask(t, 0, self.cfg.sliding_window, dtype, dev)?);
+        *cached = Some(((t, dtype, dev.clone()), made.clone()));
+        Ok(made)
     }
 
     fn head_weight_name(&self) -> &'static str {
@@ -193,10 +218,7 @@ impl StagedModel for LlamaStages {
         let (b, t, _h) = input.dims3()?;
         let dtype = if input.dtype() == DType::U32 { like.dtype() } else { input.dtype() };
         let (cos, sin, mask) = match &ctx.packing {
-            None => {
-                let (cos, sin) = self.rotary.tables(0, t, dtype, input.device())?;
-                (cos, sin, causal_mask(t, 0, self.cfg.sliding_window, dtype, input.device())?)
-            }
+            None => self.unpacked_positions(t, dtype, input.device())?,
             Some(p) => {
                 let (cos, sin) = self.rotary.tables_for(&p.positions, b, t, dtype, input.device())?;
                 (cos, sin, Some(packed_mask(&p.segments, b, t, self.cfg.sliding_window, dtype, input.device())?))

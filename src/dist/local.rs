@@ -377,6 +377,21 @@ mod tests {
         assert!(sent[0] != 1.0 / 3.0 && half::bf16::from_f32(sent[0]).to_f32() == sent[0]);
     }
 
+    /// A group of one hands the tensor back as it is (no trip through host memory): the same
+    /// tensor (not a copy), dtype included; a tensor of another rank than 1 is still refused.
+    #[test]
+    fn tensor_collectives_of_one_rank_return_the_tensor() {
+        use candle_core::{DType, Device, Tensor};
+        let g = LocalGroup::create(1, Duration::from_secs(5)).pop().unwrap();
+        let t = Tensor::new(&[1f32 / 3.0, -2.0], &Device::Cpu).unwrap().to_dtype(DType::BF16).unwrap();
+        for out in [g.all_gather_tensor(&t).unwrap(), g.reduce_scatter_tensor(&t).unwrap(), g.all_reduce_tensor(&t).unwrap()] {
+            assert_eq!(out.id(), t.id(), "a copy was made");
+            assert_eq!(out.dtype(), DType::BF16);
+        }
+        let e = g.all_gather_tensor(&t.reshape((1, 2)).unwrap()).unwrap_err().to_string();
+        assert!(e.contains("1-D"), "{e}");
+    }
+
     #[test]
     fn a_failing_rank_stops_the_others_with_its_name() {
         let out = on_ranks(3, |g| {

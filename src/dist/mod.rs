@@ -66,23 +66,48 @@ pub trait Collective: Send + Sync {
     /// `param_dtype`), the result on the tensor's device in its dtype. Backends that move
     /// device memory themselves (NCCL) override the three tensor collectives; the others go
     /// through host memory in f32 (exact for bf16/f16 values).
+    ///
+    /// A group of one rank returns the tensor itself, for all three: a single-GPU run without
+    /// NCCL would otherwise copy every unit to the host and back twice a step (an H200 trained a
+    /// 1.1B model 4.5x slower that way).
     fn all_gather_tensor(&self, shard: &Tensor) -> Result<Tensor> {
+        if let Some(t) = alone(self, shard)? {
+            return Ok(t);
+        }
         let all = self.all_gather(&host_f32(shard)?)?;
         back_to_device(all, shard)
     }
 
     /// `reduce_scatter` (sum) of a 1-D tensor, the result on the tensor's device in its dtype.
     fn reduce_scatter_tensor(&self, full: &Tensor) -> Result<Tensor> {
+        if let Some(t) = alone(self, full)? {
+            return Ok(t);
+        }
         let mine = self.reduce_scatter(&host_f32(full)?)?;
         back_to_device(mine, full)
     }
 
     /// `all_reduce` (sum) of a 1-D tensor, into a new tensor on its device, in its dtype.
     fn all_reduce_tensor(&self, data: &Tensor) -> Result<Tensor> {
+        if let Some(t) = alone(self, data)? {
+            return Ok(t);
+        }
         let mut v = host_f32(data)?;
         self.all_reduce(&mut v)?;
         back_to_device(v, data)
     }
+}
+
+/// The result of a tensor collective over a group of one rank: `t` itself (tensors are never
+/// written in place, so sharing its storage is safe). None for a larger group.
+fn alone<C: Collective + ?Sized>(group: &C, t: &Tensor) -> Result<Option<Tensor>> {
+    if group.world_size() != 1 {
+        return Ok(None);
+    }
+    if t.rank() != 1 {
+        bail!("tensor collective: expected a 1-D tensor, got shape {:?}", t.shape());
+    }
+    Ok(Some(t.clone()))
 }
 
 /// A 1-D tensor's values in host memory, as f32.

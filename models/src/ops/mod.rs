@@ -12,7 +12,9 @@
 //!   run-time-dispatched SIMD kernels (decode gemv, exp), with `half_dot` for f16 / bf16 weights;
 //! - `attend_rows`: the decode step's attention products over a run of cached rows;
 //! - `lora_rows`: the serving adapters' updates of a batch, each on its rows, in one pass;
-//! - `quant_blocks`: `x · Wᵀ` over llama.cpp's 32-value block formats (Q4_0 ... Q8_0), in place.
+//! - `quant_blocks`: `x · Wᵀ` over llama.cpp's 32-value block formats (Q4_0 ... Q8_0), in place;
+//! - `softmax`: the one op here for every device: candle's fused softmax kernel with a backward
+//!   (eager attention's scores on a GPU).
 
 pub mod attend_rows;
 pub mod attention;
@@ -31,6 +33,7 @@ pub mod quant_blocks;
 #[cfg(target_arch = "x86_64")]
 mod quant_blocks_x86;
 pub mod small_batch;
+pub mod softmax;
 pub mod weight_grads;
 
 use candle_core::{CpuStorage, DType, Layout, Result, Tensor};

@@ -233,7 +233,7 @@ impl FsdpEngine {
     /// Frees unit `u`'s gathered parameters until it runs again. On the CPU their bytes go and
     /// the tensors stay (a kept graph points at them; see `reshard`). On a GPU the tensors are
     /// dropped, which frees them when no graph holds them (activation checkpointing, or after
-    /// a backward); a forward graph kept without checkpointing still holds them there.
+    /// a backward); see `reshard_before_backward` for when a forward graph is kept there.
     fn reshard(&mut self, u: usize) -> Result<()> {
         let unit = &mut self.units[u];
         let Some(params) = &unit.gathered else { return Ok(()) };
@@ -268,6 +268,15 @@ impl FsdpEngine {
     /// once, so FSDP2 and torchtitan keep the last unit gathered).
     fn reshard_after_forward(&self, u: usize, s: usize) -> bool {
         self.opts.strategy.reshard_after_forward() && s + 1 < self.model.num_stages() && !self.stage_units[s + 1].contains(&u)
+    }
+
+    /// Whether a unit can be resharded while a backward that reads it is still to come. On the
+    /// CPU always: its bytes go, its tensors stay for a kept graph. On a GPU only with
+    /// activation checkpointing (every stage is recomputed there, so no graph is kept):
+    /// without it, the forward graph holds the gathered tensors, dropping ours frees nothing,
+    /// and the backward must take the gradients of those very tensors, not of a new gather.
+    fn reshard_before_backward(&self) -> bool {
+        self.device.is_cpu() || self.opts.activation_checkpointing
     }
 
     /// Whether activation checkpointing recomputes stage `s` in its backward. A stage whose
@@ -354,9 +363,9 @@ impl FsdpEngine {
                 x = out.detach();
                 saved[s] = Some((out, input_var));
             }
-            // FULL_SHARD frees a unit after its forward, with or without a kept graph.
+            // FULL_SHARD frees a unit after its forward (see `reshard_before_backward`).
             for u in self.stage_units[s].clone() {
-                if self.reshard_after_forward(u, s) {
+                if self.reshard_after_forward(u, s) && self.reshard_before_backward() {
                     self.reshard(u)?;
                 }
             }
@@ -441,7 +450,8 @@ impl FsdpEngine {
                 unit.shards.reduce_scatter(&unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device))?;
                 (unit.gathered, unit.freed) = (None, false);
                 self.host_stale = true;
-            } else if self.opts.strategy.reshard_after_forward() && !self.stage_units[s - 1].contains(&u) {
+            } else if self.opts.strategy.reshard_after_forward() && !self.stage_units[s - 1].contains(&u) && self.reshard_before_backward()
+            {
                 self.reshard(u)?;
             }
         }
