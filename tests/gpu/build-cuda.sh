@@ -2,7 +2,7 @@
 # Builds fsdp-app with the `cuda` and `nccl` features (release) on an x86_64 Debian machine that
 # has no GPU and no system CUDA toolkit, for an H100/H200 machine with driver R580 / CUDA 13.0.
 #
-#   bash tests/gpu/build-cuda.sh            # binary, GPU tests and GPU benchmark, gzipped into .gpubin/
+#   bash tests/gpu/build-cuda.sh            # binary, GPU tests, GPU benchmark and profiler, gzipped into .gpubin/
 #   bash tests/gpu/build-cuda.sh --no-tests # the binary only
 #
 # CUDA comes from NVIDIA's PyPI wheels (the CUDA 13.0 set PyTorch 2.11 pins) in a private venv
@@ -24,6 +24,8 @@ CUDA_PIP_VERSION=${CUDA_PIP_VERSION:-13.0.2}
 # The oldest libnccl we may meet at run time (PyTorch 2.11's pin). cudarc's bindings are 2.30:
 # Comm::from_rank and the collectives are safe with 2.28, config-based init is not.
 NCCL_PIP_VERSION=${NCCL_PIP_VERSION:-2.28.9}
+# CUPTI's headers, for the profiler tests/gpu/kernel_profile.c (CUDA 13.0's).
+CUPTI_PIP_VERSION=${CUPTI_PIP_VERSION:-13.0.85}
 export CUDARC_CUDA_VERSION=${CUDARC_CUDA_VERSION:-13000}
 export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90} # H100/H200 (sm_90a)
 # RUNPATH baked into the binary (LD_LIBRARY_PATH still wins).
@@ -40,12 +42,12 @@ mkdir -p "$CUDA_ROOT"
 # 1. nvcc, headers and libraries from PyPI.
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 have=$("$VENV/bin/python" -c 'import importlib.metadata as m
-try: print(m.version("cuda-toolkit"), m.version("nvidia-nccl-cu13"))
+try: print(m.version("cuda-toolkit"), m.version("nvidia-nccl-cu13"), m.version("nvidia-cuda-cupti"))
 except Exception: print("none")')
-if [ "$have" != "$CUDA_PIP_VERSION $NCCL_PIP_VERSION" ]; then
+if [ "$have" != "$CUDA_PIP_VERSION $NCCL_PIP_VERSION $CUPTI_PIP_VERSION" ]; then
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
     "cuda-toolkit[nvcc,crt,nvvm,cccl,cudart,cublas,curand,nvrtc]==$CUDA_PIP_VERSION" \
-    "nvidia-nccl-cu13==$NCCL_PIP_VERSION"
+    "nvidia-nccl-cu13==$NCCL_PIP_VERSION" "nvidia-cuda-cupti==$CUPTI_PIP_VERSION"
 fi
 SP=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 NV=$SP/nvidia/cu13
@@ -89,6 +91,9 @@ fi
 # 4. Build, then gzip what the GPU machine needs into .gpubin/ (ignored by git).
 cargo build --release --locked --features "$FEATURES" --bin fsdp-app
 mkdir -p .gpubin
+# The kernel profiler (an injection library; libcupti comes from the GPU machine's PyTorch).
+gcc -shared -fPIC -O2 -Wall -I"$NV/include" tests/gpu/kernel_profile.c -L"$NV/lib" -l:libcupti.so.13 \
+  -o .gpubin/libkernel_profile.so && gzip -f .gpubin/libkernel_profile.so
 # Stripped (80 MB -> ~45 MB) so that all three fit in the device tool's 64 MiB carry.
 strip -o .gpubin/fsdp-app target/cuda/release/fsdp-app && gzip -f .gpubin/fsdp-app
 if [ "$WITH_TESTS" = 1 ]; then

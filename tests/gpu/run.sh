@@ -3,6 +3,7 @@
 #
 #   bash tests/gpu/run.sh check   # tests/cuda.rs (CUDA vs CPU, NCCL world 1) + a launched run
 #   bash tests/gpu/run.sh bench   # tests/bench/gpu.rs: training MFU and generation vs PyTorch
+#   bash tests/gpu/run.sh profile # the bench's training run under tests/gpu/kernel_profile.c
 #
 # With the device tool: run(command="bash tests/gpu/run.sh check", carry=[".gpubin"]).
 # Needs the NVIDIA driver and a Python venv with torch (its nvidia/cu13 and nvidia/nccl wheels
@@ -55,7 +56,22 @@ case "$what" in
   bench)
     part "tests/bench/gpu.rs" "$BIN/gpu-bench"
     ;;
-  *) echo "usage: $0 check|bench" >&2; exit 2 ;;
+  profile)
+    # The bench's training run (a 1.1B Llama, bf16, seq 2048, activation checkpointing) for
+    # PROFILE_STEPS steps under the CUPTI profiler (tests/gpu/kernel_profile.c): GPU busy time,
+    # kernels, copies and driver calls, into $PROFILE_OUT (default profile.txt).
+    work=$(mktemp -d)
+    part "fixture, 1.1B" "$BIN/fsdp-app" fixture --name llama --out "$work/model" --set vocab_size=32000 --set hidden_size=2048 \
+      --set intermediate_size=8192 --set num_hidden_layers=16 --set num_attention_heads=32 --set num_key_value_heads=8 \
+      --set head_dim=64 --set max_position_embeddings=4096 --set rope_scaling=null
+    "$PY" -c 'import json
+for i in range(16): print(json.dumps({"input_ids": [(i * 7919 + j * 104729) % 32000 for j in range(2048)]}))' > "$work/data.jsonl"
+    CUDA_INJECTION64_PATH=$BIN/libkernel_profile.so KERNEL_PROFILE_OUT=${PROFILE_OUT:-profile.txt} \
+      part "finetune under the profiler" "$BIN/fsdp-app" finetune --model "$work/model" --data "$work/data.jsonl" \
+      --output-dir "$work/out" --device cuda --param-dtype bf16 --activation-checkpointing --seq-len 2048 --batch-size 1 \
+      --max-steps "${PROFILE_STEPS:-4}" --no-shuffle
+    ;;
+  *) echo "usage: $0 check|bench|profile" >&2; exit 2 ;;
 esac
 if [ ${#failed[@]} -gt 0 ]; then
   echo "failed: ${failed[*]}" >&2
