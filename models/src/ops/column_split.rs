@@ -48,12 +48,30 @@ const SHARE_RANGE: (f32, f32) = (0.3, 0.7);
 /// Weight of the newest product's speeds in the running share.
 const NEWEST: f32 = 0.25;
 
+/// Columns of an `n`-column product a calling thread with `share` computes.
+fn columns_at(share: f32, n: usize) -> usize {
+    let c = ((n as f32 * share / ALIGN as f32).round() as usize) * ALIGN;
+    c.clamp(ALIGN.min(n / 2), n - ALIGN.min(n / 2))
+}
+
+/// Whether every split the share can give computes each column of a `rows`-row, `n`-column
+/// product with the same arithmetic, so that its values do not depend on the split. gemm
+/// (gemm-common 0.19's `gemm_basic_generic`) sums a piece `w` columns wide differently by its
+/// size: with horizontal dot-product kernels when `w × rows <= 256`, and over k in blocks of
+/// 512 instead of its cache-derived block when `w <= 64` and `rows <= 64`. Where a piece could
+/// cross those lines, a column could change by an ulp from one product to the next: two
+/// forwards of the same weights, 5 tokens through 160-column products, gave logits 1e-6 apart
+/// while other threads computed (tests/checkpoint.rs failed on it once). Such products split
+/// in halves, always the same.
+pub(crate) fn splits_exactly(rows: usize, n: usize) -> bool {
+    let narrowest = columns_at(SHARE_RANGE.0, n).min(n - columns_at(SHARE_RANGE.1, n));
+    narrowest * rows > 256 && (narrowest > 64 || rows > 64)
+}
+
 impl CallerShare {
     /// Columns of an `n`-column product the calling thread computes (the rest go to the worker).
     pub(crate) fn caller_columns(&self, n: usize) -> usize {
-        let share = f32::from_bits(self.0.load(Ordering::Relaxed));
-        let c = ((n as f32 * share / ALIGN as f32).round() as usize) * ALIGN;
-        c.clamp(ALIGN.min(n / 2), n - ALIGN.min(n / 2))
+        columns_at(f32::from_bits(self.0.load(Ordering::Relaxed)), n)
     }
 
     /// After a product whose two pieces ran on different threads: `(columns, seconds)` of the calling
@@ -98,5 +116,50 @@ mod tests {
             share.record((256, 1.0), (256, 1.0));
         }
         assert_eq!(share.caller_columns(512), 256);
+    }
+
+    /// Where `splits_exactly` says so, every split the share can give produces the same bits as
+    /// halves (both pieces through gemm as `linear` runs them), and some product it refuses
+    /// does differ by split: the line it draws is where gemm's arithmetic changes.
+    #[test]
+    fn a_product_is_the_same_at_every_split_it_allows() {
+        use crate::ops::matmul::sgemm;
+        let mut refused_differ = false;
+        for (m, n, k) in
+            [(5usize, 160usize, 64usize), (5, 160, 576), (40, 160, 576), (64, 96, 576), (65, 160, 576), (8, 1536, 576), (300, 512, 64)]
+        {
+            let lhs: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * 1.7).collect();
+            let w: Vec<f32> = (0..k * n).map(|i| ((i * 104_729 % 997) as f32 / 997.0 - 0.5) * 0.3).collect();
+            // x · wᵀ for w (n, k), as the linear layers call it, in two column pieces.
+            let split_at = |s: f32| {
+                let split = columns_at(s, n);
+                let mut dst = vec![0f32; m * n];
+                for (lo, hi) in [(0, split), (split, n)] {
+                    // SAFETY: columns lo..hi of dst (rows n apart) and rows lo..hi of w are inside
+                    // their buffers.
+                    unsafe {
+                        sgemm(
+                            m,
+                            hi - lo,
+                            k,
+                            (dst.as_mut_ptr().add(lo), 1, n as isize),
+                            (lhs.as_ptr(), 1, k as isize),
+                            (w.as_ptr().add(lo * k), k as isize, 1),
+                            0.0,
+                            1.0,
+                        )
+                    }
+                }
+                dst.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            };
+            let halves = split_at(0.5);
+            let differ = [SHARE_RANGE.0, 0.4, 0.6, SHARE_RANGE.1].iter().any(|&s| split_at(s) != halves);
+            if splits_exactly(m, n) {
+                assert!(!differ, "({m}, {n}, {k}): a split changed the product");
+            } else {
+                refused_differ |= differ;
+            }
+        }
+        assert!(refused_differ, "no refused product differed by split: the line is drawn in the wrong place");
     }
 }

@@ -69,8 +69,9 @@ unsafe fn gemm_rows(
     if m * n * k < PARALLEL_MIN_PRODUCT || threads < 2 || pieces < 2 {
         return gemm_piece(m, n, k, dst, n, accumulate, lhs, rhs);
     }
-    // Halves (a thread that does not adapt) are the general split below with two pieces.
-    if threads == 2 && column_split::adapts() {
+    // Halves (a thread that does not adapt, or a split that could change a column's
+    // arithmetic) are the general split below with two pieces.
+    if threads == 2 && column_split::adapts() && column_split::splits_exactly(m, n) {
         return gemm_two_threads(m, n, k, dst, accumulate, lhs, rhs);
     }
     let width = n.div_ceil(pieces);
