@@ -328,19 +328,8 @@ impl Attention {
         if !q.device().is_cpu() {
             check_gpu_tensor_len(&[b, self.num_heads, t, k.dim(2)?], "attention scores")?;
         }
-        let scores = (q.matmul(&k.t()?)? * scale)?;
-        let scores = match &mask {
-            Some(mask) => scores.broadcast_add(mask)?,
-            None => scores,
-        };
-        // Softmax in f32 like transformers' eager attention, then back to the compute dtype.
-        let scores_f32 = scores.to_dtype(DType::F32)?;
-        let probs = match pos.mode {
-            OpMode::Train => crate::ops::softmax::softmax_last_dim(&scores_f32)?,
-            OpMode::Generate => candle_nn::ops::softmax_last_dim(&scores_f32)?,
-        }
-        .to_dtype(q.dtype())?;
-        let out = probs.matmul(&v.contiguous()?)?;
+        // One op in a training graph, with its own backward (see crate::ops::eager_attention).
+        let out = crate::ops::eager_attention::attention(&q.contiguous()?, &k.contiguous()?, &v.contiguous()?, mask.as_ref(), scale)?;
         let out = out.transpose(1, 2)?.reshape((b, t, self.num_heads * d))?;
         self.o_proj.forward(&out, pos.mode, seeds, &pos.adapters)
     }

@@ -13,13 +13,14 @@
 //! - `attend_rows`: the decode step's attention products over a run of cached rows;
 //! - `lora_rows`: the serving adapters' updates of a batch, each on its rows, in one pass;
 //! - `quant_blocks`: `x · Wᵀ` over llama.cpp's 32-value block formats (Q4_0 ... Q8_0), in place;
-//! - `softmax`: the one op here for every device: candle's fused softmax kernel with a backward
-//!   (eager attention's scores on a GPU).
+//! - `eager_attention`: the one op here for every device: attention composed of candle's ops,
+//!   as one graph node with its own backward (training on a GPU).
 
 pub mod attend_rows;
 pub mod attention;
 mod column_split;
 pub use column_split::split_columns_evenly_on_this_thread;
+pub mod eager_attention;
 pub mod embedding;
 pub mod fused;
 pub mod half_dot;
@@ -33,7 +34,6 @@ pub mod quant_blocks;
 #[cfg(target_arch = "x86_64")]
 mod quant_blocks_x86;
 pub mod small_batch;
-pub mod softmax;
 pub mod weight_grads;
 
 use candle_core::{CpuStorage, DType, Layout, Result, Tensor};
