@@ -195,7 +195,10 @@ fn auto_batch_size_retries_a_step_that_ran_out_of_gpu_memory() {
     };
     let err = run_local(&config("fixed", 64, 1, false)).expect_err("64 rows of 2048 tokens fit the GPU: make the trial larger");
     assert!(fsdp_app::device::is_out_of_memory(&err), "not recognised as out of memory: {err:#}");
-    assert!(!format!("{err:#}").contains(models::layers::TOO_LARGE_FOR_GPU_KERNELS), "not a real out-of-memory error: {err:#}");
+    assert!(
+        !format!("{err:#}").contains(models::ops::eager_attention::TOO_LARGE_FOR_GPU_KERNELS),
+        "not a real out-of-memory error: {err:#}"
+    );
     let auto = run_local(&config("auto", 64, 1, true)).unwrap_or_else(|e| panic!("{e:#}"));
     let one_by_one = run_local(&config("rows", 1, 64, false)).unwrap();
     let d = auto.losses.iter().zip(&one_by_one.losses).map(|(a, b)| (a - b).abs() / b).fold(0.0, f64::max);

@@ -197,23 +197,6 @@ pub fn causal_mask(q_len: usize, offset: usize, window: Option<usize>, dtype: DT
     Tensor::from_vec(data, (q_len, kv_len), dev)?.to_dtype(dtype).map(Some)
 }
 
-/// What a GPU tensor too large for candle's kernels says (`fsdp_app::device::is_out_of_memory`
-/// counts it: a smaller batch fixes it).
-pub const TOO_LARGE_FOR_GPU_KERNELS: &str = "too many values for one GPU tensor";
-
-/// candle's GPU kernels count a tensor's elements in 32 bits: a larger one would fail with the
-/// driver's bare "invalid argument". Says which tensor and what to lower instead.
-pub fn check_gpu_tensor_len(dims: &[usize], what: &str) -> Result<()> {
-    let len: usize = dims.iter().product();
-    if len >= 1 << 32 {
-        candle_core::bail!(
-            "{what} of shape {dims:?} hold {len} values, {TOO_LARGE_FOR_GPU_KERNELS} (candle's kernels index at most 2^32): \
-             lower the batch size or the sequence length"
-        );
-    }
-    Ok(())
-}
-
 #[derive(Debug, Clone)]
 pub struct Attention {
     q_proj: AdaptedLinear,
@@ -325,9 +308,6 @@ impl Attention {
         let k = repeat_kv(k, n_rep)?;
         let v = repeat_kv(v, n_rep)?;
 
-        if !q.device().is_cpu() {
-            check_gpu_tensor_len(&[b, self.num_heads, t, k.dim(2)?], "attention scores")?;
-        }
         // One op in a training graph, with its own backward (see crate::ops::eager_attention).
         let out = crate::ops::eager_attention::attention(&q.contiguous()?, &k.contiguous()?, &v.contiguous()?, mask.as_ref(), scale)?;
         let out = out.transpose(1, 2)?.reshape((b, t, self.num_heads * d))?;

@@ -104,18 +104,22 @@ fn alone<C: Collective + ?Sized>(group: &C, t: &Tensor) -> Result<Option<Tensor>
     if group.world_size() != 1 {
         return Ok(None);
     }
-    if t.rank() != 1 {
-        bail!("tensor collective: expected a 1-D tensor, got shape {:?}", t.shape());
-    }
+    check_1d(t)?;
     Ok(Some(t.clone()))
 }
 
 /// A 1-D tensor's values in host memory, as f32.
 fn host_f32(t: &Tensor) -> Result<Vec<f32>> {
+    check_1d(t)?;
+    Ok(t.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+}
+
+/// Tensor collectives take flat buffers.
+fn check_1d(t: &Tensor) -> Result<()> {
     if t.rank() != 1 {
         bail!("tensor collective: expected a 1-D tensor, got shape {:?}", t.shape());
     }
-    Ok(t.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+    Ok(())
 }
 
 /// `values` as a tensor on `like`'s device, in `like`'s dtype.

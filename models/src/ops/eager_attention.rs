@@ -16,6 +16,10 @@ use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D
 /// Attention of `q` (batch, heads, T, d) over `k`, `v` (batch, heads, S, d), all contiguous and
 /// of one dtype, with an additive `mask` broadcast to the scores; (batch, heads, T, d).
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, scale: f64) -> Result<Tensor> {
+    if !q.device().is_cpu() {
+        let (b, h, t, _) = q.dims4()?;
+        check_gpu_tensor_len(&[b, h, t, k.dim(2)?], "attention scores")?;
+    }
     let core = Core { mask: mask.cloned(), scale };
     let out = core.forward(&q.detach(), &k.detach(), &v.detach())?;
     if !(q.track_op() || k.track_op() || v.track_op()) {
@@ -24,8 +28,24 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, scal
     q.apply_op3(k, v, WithGrad { core, out })
 }
 
+/// What a GPU tensor too large for candle's kernels says (`fsdp_app::device::is_out_of_memory`
+/// counts it: a smaller batch fixes it).
+pub const TOO_LARGE_FOR_GPU_KERNELS: &str = "too many values for one GPU tensor";
+
+/// candle's GPU kernels count a tensor's elements in 32 bits: a larger one would fail with the
+/// driver's bare "invalid argument". Says which tensor and what to lower instead.
+pub fn check_gpu_tensor_len(dims: &[usize], what: &str) -> Result<()> {
+    let len: usize = dims.iter().product();
+    if len >= 1 << 32 {
+        candle_core::bail!(
+            "{what} of shape {dims:?} hold {len} values, {TOO_LARGE_FOR_GPU_KERNELS} (candle's kernels index at most 2^32): \
+             lower the batch size or the sequence length"
+        );
+    }
+    Ok(())
+}
+
 /// What forward and backward share.
-#[derive(Clone)]
 struct Core {
     mask: Option<Tensor>,
     scale: f64,
