@@ -2,11 +2,17 @@
 //! the BLAS libraries PyTorch and numpy users run, on this CPU, in one run: for each linear layer
 //! shape of the training bench's two models (tokens, in, out), the forward `y = x Wᵀ` and the
 //! backward's `dx = dy W` plus `dW = dyᵀ x`, as GFLOP/s:
-//! - ours: `models::ops::linear` (the gemm crate's kernels, on candle's barrier pool), the code
-//!   `finetune` runs;
+//! - ours: `models::ops::linear` (on AVX2 our packed driver, `models/src/ops/sgemm_avx2.rs`,
+//!   elsewhere the gemm crate's kernels; on candle's barrier pool), the code `finetune` runs
+//!   (`FSDP_MATMUL=gemm` measures gemm's AVX2 kernels in this column instead);
 //! - MKL / oneDNN: PyTorch's CPU matmul through autograd (the PyPI wheel), the peer of the
 //!   training bench;
 //! - OpenBLAS: numpy's `@` (the PyPI wheel ships OpenBLAS).
+//!
+//! Then a 28M Llama step's products in the order training runs them (every layer's forward and
+//! backward, each layer with its own operands, so that they come from memory as in training),
+//! with AVX2's products on our packed driver and, in alternating child processes, on gemm's
+//! AVX2 kernels (`FSDP_MATMUL=gemm`).
 //!
 //! FSDP_BENCH_PYTHON: a Python with numpy (and torch for the MKL column; default python3).
 //! FSDP_BENCH_THREADS: threads for every library (default 2).
@@ -53,10 +59,98 @@ fn best(mut f: impl FnMut()) -> f64 {
         .fold(f64::INFINITY, f64::min)
 }
 
+/// The flag a child process of [`step_sequence_rows`] runs with.
+const STEP_CHILD: &str = "--step-sequence-child";
+
+/// GFLOP/s of a 28M Llama step's linear-layer products (batch 4 x 128), in training's order:
+/// per layer, forward then backward (dx and dW) of each projection, 6 layers of their own
+/// operands (~150 MB, several times L3); median of 5 steps after one.
+fn step_sequence_rate() -> anyhow::Result<f64> {
+    let (dev, tokens) = (Device::Cpu, 512);
+    let layer = [(512, 512), (512, 512), (512, 512), (512, 512), (512, 1408), (512, 1408), (1408, 512)];
+    let mut linears = vec![];
+    for _ in 0..6 {
+        for (k, n) in layer {
+            let x = Tensor::randn(0f32, 1.0, (tokens, k), &dev)?;
+            let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?;
+            let dy = Tensor::randn(0f32, 1.0, (tokens, n), &dev)?;
+            linears.push((x, w, dy));
+        }
+    }
+    let flops: f64 = linears.iter().map(|(x, w, _)| 6.0 * (tokens * x.dim(1).unwrap() * w.dim(0).unwrap()) as f64).sum();
+    let mut secs = vec![];
+    for _ in 0..6 {
+        let t = Instant::now();
+        for (x, w, dy) in &linears {
+            drop(models::ops::linear::linear(x, w)?);
+            drop(models::ops::linear::linear_grads(x, w, dy)?);
+        }
+        secs.push(t.elapsed().as_secs_f64());
+    }
+    secs.remove(0);
+    secs.sort_by(f64::total_cmp);
+    Ok(flops / secs[secs.len() / 2] / 1e9)
+}
+
+/// [`step_sequence_rate`] with our AVX2 driver and with gemm's AVX2 kernels, in child processes
+/// (the choice is made once per process), alternating 5 times.
+fn step_sequence_rows(threads: usize) -> anyhow::Result<()> {
+    let exe = std::env::current_exe()?;
+    let rate = |gemm: bool| -> anyhow::Result<f64> {
+        let mut cmd = Command::new(&exe);
+        cmd.arg(STEP_CHILD);
+        if gemm {
+            cmd.env("FSDP_MATMUL", "gemm");
+        }
+        let out = cmd.output()?;
+        anyhow::ensure!(out.status.success(), "step sequence child: {}", String::from_utf8_lossy(&out.stderr));
+        Ok(String::from_utf8_lossy(&out.stdout).trim().parse()?)
+    };
+    let (mut ours, mut gemm) = (vec![], vec![]);
+    for _ in 0..5 {
+        ours.push(rate(false)?);
+        gemm.push(rate(true)?);
+    }
+    let ratios: Vec<f64> = ours.iter().zip(&gemm).map(|(o, g)| o / g).collect();
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let level = models::ops::kernels::SimdLevel::current();
+    println!("
+A 28M Llama step's products in training's order (6 layers of their own operands, forward, dx and dW), {threads} threads, kernels at {level:?}, 5 alternating rounds: GFLOP/s");
+    println!(
+        "
+| products on | GFLOP/s (median) | rounds |
+|---|---|---|"
+    );
+    println!(
+        "| fsdp-app's packed driver (AVX2) | {:.0} | {:?} |",
+        median(ours.clone()),
+        ours.iter().map(|r| r.round()).collect::<Vec<_>>()
+    );
+    println!(
+        "| gemm's AVX2 kernels (`FSDP_MATMUL=gemm`) | {:.0} | {:?} |",
+        median(gemm.clone()),
+        gemm.iter().map(|r| r.round()).collect::<Vec<_>>()
+    );
+    println!(
+        "
+ours / gemm: {:.2}x (median of the rounds' ratios{})",
+        median(ratios),
+        if level == models::ops::kernels::SimdLevel::Avx2 { "" } else { "; both rows ran gemm's kernels at this level" }
+    );
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     let threads: usize = std::env::var("FSDP_BENCH_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(2);
     fsdp_app::tune_cpu_threads(fsdp_app::CpuWorkload::Train);
     std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+    if std::env::args().any(|a| a == STEP_CHILD) {
+        println!("{}", step_sequence_rate()?);
+        return Ok(());
+    }
     let dev = Device::Cpu;
     let mut ours = vec![];
     for (_, [m, k, n]) in SHAPES {
@@ -114,5 +208,5 @@ fn main() -> anyhow::Result<()> {
             );
         }
     }
-    Ok(())
+    step_sequence_rows(threads)
 }

@@ -64,8 +64,13 @@ fn columns_at(share: f32, n: usize) -> usize {
 /// while other threads computed (tests/checkpoint.rs failed on it once). Such products split
 /// in halves, always the same.
 pub(crate) fn splits_exactly(rows: usize, n: usize) -> bool {
-    let narrowest = columns_at(SHARE_RANGE.0, n).min(n - columns_at(SHARE_RANGE.1, n));
+    let narrowest = narrowest(n);
     narrowest * rows > 256 && (narrowest > 64 || rows > 64)
+}
+
+/// The narrowest piece a split of `n` columns can give either thread.
+pub(crate) fn narrowest(n: usize) -> usize {
+    columns_at(SHARE_RANGE.0, n).min(n - columns_at(SHARE_RANGE.1, n))
 }
 
 impl CallerShare {

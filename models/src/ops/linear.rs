@@ -11,7 +11,7 @@ use crate::ops::column_split;
 use crate::ops::cpu_f32_values;
 use crate::ops::f32_slice;
 use crate::ops::kernels::SharedOut;
-use crate::ops::matmul::sgemm;
+use crate::ops::matmul::{sgemm_piece, with_lhs_shared_by_pieces, SharedLhs};
 use crate::ops::weight_grads::{GradRows, WeightGradTarget};
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 use std::sync::Arc;
@@ -48,9 +48,10 @@ pub fn linear_grads(x: &Tensor, w: &Tensor, gy: &Tensor) -> Result<(Tensor, Tens
 /// just finished spins (up to its spin limit) while the other computes, and a long prompt's
 /// prefill lost 15-20% of its time to it. The product is split by columns of dst (each thread
 /// packs only its own part of the weight), one piece per thread of at least
-/// [`MIN_PIECE_COLUMNS`]: every piece packs all of lhs again, and with two pieces per thread
-/// SmolLM2's k/v products (256 x 576 -> 192) ran at 0.7x of MKL's speed, at one 1.3-1.5x
-/// (`cargo bench --bench matmul`).
+/// [`MIN_PIECE_COLUMNS`]: inside gemm every piece packs all of lhs again, and with two pieces
+/// per thread SmolLM2's k/v products (256 x 576 -> 192) ran at 0.7x of MKL's speed, at one
+/// 1.3-1.5x (`cargo bench --bench matmul`). On AVX2 the pieces share one packing of lhs
+/// (`matmul::with_lhs_shared_by_pieces`).
 ///
 /// # Safety
 /// `dst` must have room for m × n values (initialised when `accumulate`), and the slices must
@@ -67,21 +68,25 @@ unsafe fn gemm_rows(
     let threads = candle_core::utils::get_num_threads();
     let pieces = threads.min(n / MIN_PIECE_COLUMNS);
     if m * n * k < PARALLEL_MIN_PRODUCT || threads < 2 || pieces < 2 {
-        return gemm_piece(m, n, k, dst, n, accumulate, lhs, rhs);
+        return gemm_piece(m, n, k, dst, n, accumulate, lhs, rhs, None);
     }
     // Halves (a thread that does not adapt, or a split that could change a column's
     // arithmetic) are the general split below with two pieces.
-    if threads == 2 && column_split::adapts() && column_split::splits_exactly(m, n) {
-        return gemm_two_threads(m, n, k, dst, accumulate, lhs, rhs);
-    }
+    let two_adapting = threads == 2 && column_split::adapts() && column_split::splits_exactly(m, n);
     let width = n.div_ceil(pieces);
-    let out = SharedOut(dst);
-    candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(width), |range| {
-        for piece in range {
-            // SAFETY: the pieces are disjoint column ranges of dst (the caller's contract).
-            unsafe { gemm_columns(m, n, k, piece * width..((piece + 1) * width).min(n), &out, accumulate, lhs, rhs) }
+    let narrowest = if two_adapting { column_split::narrowest(n) } else { n - (pieces - 1) * width };
+    with_lhs_shared_by_pieces(m, narrowest, k, (lhs.0.as_ptr(), lhs.1, lhs.2), |shared| {
+        if two_adapting {
+            return gemm_two_threads(m, n, k, dst, accumulate, lhs, rhs, shared);
         }
-    });
+        let out = SharedOut(dst);
+        candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(width), |range| {
+            for piece in range {
+                // SAFETY: the pieces are disjoint column ranges of dst (the caller's contract).
+                unsafe { gemm_columns(m, n, k, piece * width..((piece + 1) * width).min(n), &out, accumulate, lhs, rhs, shared) }
+            }
+        });
+    })
 }
 
 /// [`gemm_rows`] on two threads: the calling thread's piece is as wide as
@@ -89,6 +94,7 @@ unsafe fn gemm_rows(
 ///
 /// # Safety
 /// As [`gemm_rows`].
+#[allow(clippy::too_many_arguments)]
 unsafe fn gemm_two_threads(
     m: usize,
     n: usize,
@@ -97,6 +103,7 @@ unsafe fn gemm_two_threads(
     accumulate: bool,
     lhs: (&[f32], isize, isize),
     rhs: (&[f32], isize, isize),
+    shared: Option<&SharedLhs>,
 ) {
     let split = column_split::CALLER_SHARE.with(|s| s.caller_columns(n));
     let caller = std::thread::current().id();
@@ -111,7 +118,7 @@ unsafe fn gemm_two_threads(
             let columns = if piece == 0 { 0..split } else { split..n };
             let start = std::time::Instant::now();
             // SAFETY: the two pieces are disjoint column ranges of dst (the caller's contract).
-            unsafe { gemm_columns(m, n, k, columns, &out, accumulate, lhs, rhs) }
+            unsafe { gemm_columns(m, n, k, columns, &out, accumulate, lhs, rhs, shared) }
             *ran[piece].lock().unwrap() = Some((std::thread::current().id() == caller, start.elapsed().as_secs_f64()));
         }
     });
@@ -140,10 +147,11 @@ unsafe fn gemm_columns(
     accumulate: bool,
     lhs: (&[f32], isize, isize),
     rhs: (&[f32], isize, isize),
+    shared: Option<&SharedLhs>,
 ) {
     let rhs_from = (columns.start as isize * rhs.1) as usize;
     // SAFETY: rhs's columns from columns.start are inside its slice (the caller's contract).
-    unsafe { gemm_piece(m, columns.len(), k, out.at(columns.start), n, accumulate, lhs, (&rhs.0[rhs_from..], rhs.1, rhs.2)) }
+    unsafe { gemm_piece(m, columns.len(), k, out.at(columns.start), n, accumulate, lhs, (&rhs.0[rhs_from..], rhs.1, rhs.2), shared) }
 }
 
 /// Products smaller than this (m · n · k) run on the calling thread.
@@ -152,7 +160,8 @@ const PARALLEL_MIN_PRODUCT: usize = 1 << 15;
 /// Fewest dst columns one thread's piece of a product gets.
 const MIN_PIECE_COLUMNS: usize = 48;
 
-/// One thread's `dst (m × n, rows `dst_row_stride` apart) = [dst +] lhs · rhs`.
+/// One thread's `dst (m × n, rows `dst_row_stride` apart) = [dst +] lhs · rhs`, lhs's packed
+/// blocks from `shared` when given (shared with the threads computing the other columns).
 ///
 /// # Safety
 /// As [`gemm_rows`].
@@ -166,9 +175,9 @@ unsafe fn gemm_piece(
     accumulate: bool,
     lhs: (&[f32], isize, isize),
     rhs: (&[f32], isize, isize),
+    shared: Option<&SharedLhs>,
 ) {
-    let alpha = if accumulate { 1.0 } else { 0.0 };
-    sgemm(m, n, k, (dst, 1, dst_row_stride as isize), (lhs.0.as_ptr(), lhs.1, lhs.2), (rhs.0.as_ptr(), rhs.1, rhs.2), alpha, 1.0)
+    sgemm_piece(m, n, k, (dst, dst_row_stride), (lhs.0.as_ptr(), lhs.1, lhs.2), (rhs.0.as_ptr(), rhs.1, rhs.2), accumulate, shared)
 }
 
 /// `lhs (m × k) · rhs (k × n)` as a new (m × n) buffer (see [`gemm_rows`] for the layout).

@@ -1,13 +1,17 @@
-//! The one door to the gemm crate for our own f32 products (the fused linear ops, attention,
-//! prefill): `dst = alpha · dst + beta · lhs · rhs` on the calling thread, with gemm's kernels for
-//! the level [`SimdLevel::current`] names.
+//! The one door to matrix products for our own f32 code (the fused linear ops, attention,
+//! prefill): `dst = alpha · dst + beta · lhs · rhs` on the calling thread, with the kernels of
+//! the level [`SimdLevel::current`] names: at AVX2 our packed driver (`sgemm_avx2`, whose
+//! threads can share a packed operand), elsewhere the gemm crate's.
 //!
 //! Why not `gemm::gemm` alone: gemm picks its microkernels once, by std's feature detection, with
 //! no way to ask for a lower level, so `FSDP_SIMD=avx2` on an AVX-512 machine would still have run
-//! every product on AVX-512 tiles. At a forced lower level we call gemm-common's public driver
-//! (`gemm_basic_generic`) with gemm-f32's public AVX2 (`fma`) or scalar microkernels: the very
-//! kernels gemm itself runs on a CPU without AVX-512, so one binary measures either kind of
-//! machine.
+//! every product on AVX-512 tiles. At a forced lower level the AVX2 driver runs exactly as on a
+//! CPU without AVX-512, and the scalar level calls gemm-common's public driver
+//! (`gemm_basic_generic`) with gemm-f32's scalar microkernels, so one binary measures either
+//! kind of machine. `FSDP_MATMUL=gemm` runs AVX2 products on gemm's AVX2 kernels instead
+//! (through the same driver), to measure one beside the other.
+
+use std::sync::OnceLock;
 
 use gemm_common::gemm::gemm_basic_generic;
 use gemm_common::simd::MixedSimd;
@@ -38,6 +42,64 @@ pub(crate) unsafe fn sgemm(
     sgemm_at(SimdLevel::current(), m, n, k, dst, lhs, rhs, alpha, beta)
 }
 
+/// Whether AVX2 products run on our packed driver (`sgemm_avx2`), as they do unless
+/// `FSDP_MATMUL=gemm` asks for gemm's AVX2 kernels.
+fn packed_driver() -> bool {
+    static PACKED: OnceLock<bool> = OnceLock::new();
+    *PACKED.get_or_init(|| std::env::var("FSDP_MATMUL").as_deref() != Ok("gemm"))
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) use super::sgemm_avx2::SharedLhs;
+/// Nothing to share off x86-64 (no packed driver there).
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) enum SharedLhs {}
+
+/// Runs `f` with lhs (m × k) packed once for the threads that compute pieces of a product's
+/// columns (each at least `narrowest` wide), where those pieces run on the AVX2 packed driver;
+/// with None elsewhere (each piece then packs what it reads itself, inside gemm).
+///
+/// # Safety
+/// As [`sgemm`] for lhs, which must outlive `f`.
+pub(crate) unsafe fn with_lhs_shared_by_pieces<R>(
+    m: usize,
+    narrowest: usize,
+    k: usize,
+    lhs: Strided<*const f32>,
+    f: impl FnOnce(Option<&SharedLhs>) -> R,
+) -> R {
+    #[cfg(target_arch = "x86_64")]
+    if SimdLevel::current() == SimdLevel::Avx2 && packed_driver() && super::sgemm_avx2::worth_it(m, narrowest, k) {
+        return SharedLhs::with(m, k, lhs, |shared| f(Some(shared)));
+    }
+    let _ = (m, narrowest, k, lhs);
+    f(None)
+}
+
+/// [`sgemm`] of one piece of a product's columns into a row-major dst (`dst_rs` apart), with
+/// lhs's packed blocks from `shared` when given (from [`with_lhs_shared_by_pieces`] for this
+/// lhs); dst is read only when `accumulate`.
+///
+/// # Safety
+/// As [`sgemm`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn sgemm_piece(
+    m: usize,
+    n: usize,
+    k: usize,
+    (dst, dst_rs): (*mut f32, usize),
+    lhs: Strided<*const f32>,
+    rhs: Strided<*const f32>,
+    accumulate: bool,
+    shared: Option<&SharedLhs>,
+) {
+    match shared {
+        #[cfg(target_arch = "x86_64")]
+        Some(shared) => super::sgemm_avx2::sgemm(m, n, k, dst, dst_rs, lhs, rhs, accumulate, 1.0, Some(shared)),
+        _ => sgemm(m, n, k, (dst, 1, dst_rs as isize), lhs, rhs, if accumulate { 1.0 } else { 0.0 }, 1.0),
+    }
+}
+
 /// [`sgemm`] with the kernels of `level` (the detected one or lower).
 ///
 /// # Safety
@@ -55,6 +117,18 @@ unsafe fn sgemm_at(
     beta: f32,
 ) {
     debug_assert!([dst.1, dst.2, lhs.1, lhs.2, rhs.1, rhs.2].iter().all(|s| *s >= 0));
+    #[cfg(target_arch = "x86_64")]
+    if level == SimdLevel::Avx2 && (alpha == 0.0 || alpha == 1.0) && packed_driver() {
+        use super::sgemm_avx2;
+        if dst.1 == 1 && sgemm_avx2::worth_it(m, n, k) {
+            return sgemm_avx2::sgemm(m, n, k, dst.0, dst.2 as usize, lhs, rhs, alpha != 0.0, beta, None);
+        }
+        // A column-major dst is the row-major dstᵀ = rhsᵀ · lhsᵀ.
+        if dst.2 == 1 && sgemm_avx2::worth_it(n, m, k) {
+            let (lhs_t, rhs_t) = ((rhs.0, rhs.2, rhs.1), (lhs.0, lhs.2, lhs.1));
+            return sgemm_avx2::sgemm(n, m, k, dst.0, dst.1 as usize, lhs_t, rhs_t, alpha != 0.0, beta, None);
+        }
+    }
     let read_dst = alpha != 0.0;
     if level >= SimdLevel::detected() || !cfg!(target_arch = "x86_64") {
         gemm::gemm(

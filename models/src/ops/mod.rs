@@ -33,6 +33,8 @@ pub mod pool;
 pub mod quant_blocks;
 #[cfg(target_arch = "x86_64")]
 mod quant_blocks_x86;
+#[cfg(target_arch = "x86_64")]
+mod sgemm_avx2;
 pub mod small_batch;
 pub mod weight_grads;
 

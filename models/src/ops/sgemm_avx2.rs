@@ -1,0 +1,488 @@
+//! An f32 matrix product for AVX2 + FMA in BLIS's shape: both operands packed block by block
+//! (read once, in address order), and a 6 × 16 register kernel walking the packed blocks from
+//! the caches (an rhs micro-panel from L1, the lhs block from L2).
+//!
+//! Why not gemm's AVX2 path, which runs the same size of register tile at the same speed from
+//! L1: gemm packs inside each call, so the threads computing pieces of one product's columns
+//! each packed all of lhs, the operand every piece reads (on the 28M Llama, packing was 7.6% of
+//! a step's samples). Here those threads share one packing ([`SharedLhs`]). And every value of
+//! dst is summed the same way wherever its tile lies (edge tiles run the same kernel into a
+//! scratch tile, the depth blocks are fixed), so a product's values do not depend on how its
+//! columns are split among threads; gemm's change with a piece's size
+//! (`column_split::splits_exactly`).
+
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use super::matmul::Strided;
+
+/// Rows of dst one kernel call computes, one broadcast lhs value each.
+const MR: usize = 6;
+/// Columns of dst one kernel call computes: two 8-lane vectors (12 accumulators + 2 rhs + 1
+/// broadcast of the 16 registers).
+const NR: usize = 16;
+/// Depth of a packed block: an rhs micro-panel (KC × NR floats) is 16 KiB and stays in L1
+/// while the kernel walks the lhs block.
+const KC: usize = 256;
+/// Rows of lhs packed at a time: MC × KC floats are 144 KiB, within a Zen 3 core's 512 KiB L2.
+const MC: usize = 144;
+/// Columns of rhs packed at a time (KC × NC floats, 4 MiB, in L3): a thread's half of the
+/// 28M Llama's head in one block.
+const NC: usize = 4096;
+
+/// Products this small run on gemm (packing would cost more than it saves).
+pub(crate) fn worth_it(m: usize, n: usize, k: usize) -> bool {
+    m >= MR && n >= NR && k >= 8 && m * n * k >= 1 << 15
+}
+
+thread_local! {
+    /// This thread's packed blocks (lhs, rhs), kept between products: a fresh buffer per
+    /// product would fault its pages in again.
+    static PACKED: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    /// The whole packed lhs of the products this thread splits among threads ([`SharedLhs`]).
+    static SHARED_PACKED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A product's lhs packed once for all the threads computing pieces of its columns: every
+/// piece reads all of lhs, and each thread packing its own copy moved lhs from memory twice.
+///
+/// Each (depth, rows) block is packed by the first thread that needs it. A thread that needs a
+/// block another thread is packing packs a later block meanwhile, so the packing is shared
+/// out and nobody waits on a thread that is not running: only a claimed block is waited for,
+/// and its claimer is packing it.
+pub(crate) struct SharedLhs {
+    m: usize,
+    k: usize,
+    lhs: Strided<*const f32>,
+    packed: *mut f32,
+    /// Per block, in the order the driver visits them (depth-major): 0 not packed, 1 being
+    /// packed, 2 packed.
+    states: Vec<AtomicU8>,
+    row_blocks: usize,
+}
+
+// SAFETY: lhs is only read; each block of `packed` is written by the one thread that claimed
+// it and read only after its state says packed (release / acquire).
+unsafe impl Sync for SharedLhs {}
+
+impl SharedLhs {
+    /// Runs `f` with a shared packing of `lhs` (m × k) in this thread's buffer.
+    ///
+    /// # Safety
+    /// As [`sgemm`] for lhs; the CPU must have AVX2 and FMA.
+    pub(crate) unsafe fn with<R>(m: usize, k: usize, lhs: Strided<*const f32>, f: impl FnOnce(&SharedLhs) -> R) -> R {
+        SHARED_PACKED.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            let len = m.div_ceil(MR) * MR * k;
+            if buf.len() < len {
+                *buf = vec![0.0; len];
+            }
+            let row_blocks = m.div_ceil(MC);
+            let states = (0..k.div_ceil(KC) * row_blocks).map(|_| AtomicU8::new(0)).collect();
+            f(&SharedLhs { m, k, lhs, packed: buf.as_mut_ptr(), states, row_blocks })
+        })
+    }
+
+    /// Where block `b` starts in the packed buffer, and its (rows, depth, first row, first depth).
+    fn block_at(&self, b: usize) -> (usize, (usize, usize, usize, usize)) {
+        let (depth_block, row_block) = (b / self.row_blocks, b % self.row_blocks);
+        let (pc, ic) = (depth_block * KC, row_block * MC);
+        let (kc, mc) = (KC.min(self.k - pc), MC.min(self.m - ic));
+        (pc * self.m.div_ceil(MR) * MR + ic * kc, (mc, kc, ic, pc))
+    }
+
+    /// # Safety
+    /// Only by the thread that claimed block `b`.
+    unsafe fn pack(&self, b: usize) {
+        let (at, (mc, kc, ic, pc)) = self.block_at(b);
+        let src = self.lhs.0.offset(ic as isize * self.lhs.2 + pc as isize * self.lhs.1);
+        pack_lhs(mc, kc, src, self.lhs.1, self.lhs.2, self.packed.add(at));
+        self.states[b].store(2, Ordering::Release);
+    }
+
+    fn claim(&self, b: usize) -> bool {
+        self.states[b].compare_exchange(0, 1, Ordering::Acquire, Ordering::Acquire).is_ok()
+    }
+
+    /// The packed block of rows `ic..` at depth `pc..`, packing it (or waiting for it) first.
+    ///
+    /// # Safety
+    /// As [`SharedLhs::with`].
+    unsafe fn block(&self, pc: usize, ic: usize) -> *const f32 {
+        let b = pc / KC * self.row_blocks + ic / MC;
+        loop {
+            match self.states[b].load(Ordering::Acquire) {
+                2 => break,
+                0 if self.claim(b) => self.pack(b),
+                0 => {}
+                _ => match (b + 1..self.states.len()).find(|&c| self.states[c].load(Ordering::Relaxed) == 0 && self.claim(c)) {
+                    Some(c) => self.pack(c),
+                    None => std::hint::spin_loop(),
+                },
+            }
+        }
+        self.packed.add(self.block_at(b).0)
+    }
+}
+
+/// `dst (m × n, rows `dst_rs` apart, columns adjacent) = [dst +] beta · lhs (m × k) · rhs (k × n)`,
+/// on the calling thread; dst is not read unless `accumulate`. With `shared`, lhs's packed
+/// blocks come from there (which must pack this lhs), shared with the threads computing other
+/// columns of the same product.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA. The strided matrices must stay inside their allocations;
+/// dst must not overlap lhs or rhs. Strides are non-negative.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn sgemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: usize,
+    lhs: Strided<*const f32>,
+    rhs: Strided<*const f32>,
+    accumulate: bool,
+    beta: f32,
+    shared: Option<&SharedLhs>,
+) {
+    debug_assert!(shared.is_none_or(|s| (s.m, s.k, s.lhs) == (m, k, lhs)));
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            for i in 0..m {
+                std::ptr::write_bytes(dst.add(i * dst_rs), 0, n);
+            }
+        }
+        return;
+    }
+    PACKED.with(|packed| {
+        let mut packed = packed.borrow_mut();
+        let (a_buf, b_buf) = &mut *packed;
+        let a_len = MC.div_ceil(MR) * MR * KC;
+        let b_len = NC.div_ceil(NR) * NR * KC;
+        if a_buf.len() < a_len {
+            *a_buf = vec![0.0; a_len];
+        }
+        if b_buf.len() < b_len {
+            *b_buf = vec![0.0; b_len];
+        }
+        let (a_pack, b_pack) = (a_buf.as_mut_ptr(), b_buf.as_mut_ptr());
+        for jc in (0..n).step_by(NC) {
+            let nc = NC.min(n - jc);
+            for pc in (0..k).step_by(KC) {
+                let kc = KC.min(k - pc);
+                pack_rhs(kc, nc, rhs.0.offset(pc as isize * rhs.2 + jc as isize * rhs.1), rhs.1, rhs.2, b_pack);
+                // Later depth blocks add to what the first wrote.
+                let load_dst = accumulate || pc > 0;
+                for ic in (0..m).step_by(MC) {
+                    let mc = MC.min(m - ic);
+                    let a_pack = match shared {
+                        Some(shared) => shared.block(pc, ic),
+                        None => {
+                            pack_lhs(mc, kc, lhs.0.offset(ic as isize * lhs.2 + pc as isize * lhs.1), lhs.1, lhs.2, a_pack);
+                            a_pack.cast_const()
+                        }
+                    };
+                    for q in 0..nc.div_ceil(NR) {
+                        let cols = NR.min(nc - q * NR);
+                        for i in 0..mc.div_ceil(MR) {
+                            let rows = MR.min(mc - i * MR);
+                            kernel(
+                                kc,
+                                a_pack.add(i * MR * kc),
+                                b_pack.add(q * NR * kc),
+                                dst.add((ic + i * MR) * dst_rs + jc + q * NR),
+                                dst_rs,
+                                (rows, cols),
+                                load_dst,
+                                beta,
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    })
+}
+
+/// dst tile `(rows, cols)` (at most MR × NR) = [dst +] beta · Σ_p a[p] ⊗ b[p], a packed MR per
+/// depth step, b NR per depth step.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn kernel(
+    kc: usize,
+    a: *const f32,
+    b: *const f32,
+    dst: *mut f32,
+    dst_rs: usize,
+    (rows, cols): (usize, usize),
+    load_dst: bool,
+    beta: f32,
+) {
+    // dst's rows are read (or written) after the loop: ask for them now, behind the sums.
+    for r in 0..rows {
+        _mm_prefetch::<_MM_HINT_T0>(dst.add(r * dst_rs) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(dst.add(r * dst_rs + NR - 1) as *const i8);
+    }
+    let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+    let (mut a, mut b) = (a, b);
+    for _ in 0..kc {
+        let b0 = _mm256_loadu_ps(b);
+        let b1 = _mm256_loadu_ps(b.add(8));
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let ar = _mm256_broadcast_ss(&*a.add(r));
+            acc[0] = _mm256_fmadd_ps(ar, b0, acc[0]);
+            acc[1] = _mm256_fmadd_ps(ar, b1, acc[1]);
+        }
+        a = a.add(MR);
+        b = b.add(NR);
+    }
+    let beta = _mm256_set1_ps(beta);
+    if rows == MR && cols == NR {
+        for (r, acc) in acc.iter().enumerate() {
+            let at = dst.add(r * dst_rs);
+            _mm256_storeu_ps(at, update(acc[0], at, load_dst, beta));
+            _mm256_storeu_ps(at.add(8), update(acc[1], at.add(8), load_dst, beta));
+        }
+        return;
+    }
+    // An edge tile: the same sums, then only the tile's part of dst is touched.
+    let mut tile = [0.0f32; MR * NR];
+    for (r, acc) in acc.iter().enumerate().take(rows) {
+        let at = dst.add(r * dst_rs);
+        if load_dst {
+            std::ptr::copy_nonoverlapping(at, tile.as_mut_ptr().add(r * NR), cols);
+        }
+        let t = tile.as_mut_ptr().add(r * NR);
+        _mm256_storeu_ps(t, update(acc[0], t, load_dst, beta));
+        _mm256_storeu_ps(t.add(8), update(acc[1], t.add(8), load_dst, beta));
+        std::ptr::copy_nonoverlapping(t, at, cols);
+    }
+}
+
+/// `dst + beta · acc` in one rounding (with beta 1, exactly dst + acc), or `beta · acc`.
+#[inline(always)]
+unsafe fn update(acc: __m256, at: *const f32, load_dst: bool, beta: __m256) -> __m256 {
+    if load_dst {
+        _mm256_fmadd_ps(acc, beta, _mm256_loadu_ps(at))
+    } else {
+        _mm256_mul_ps(acc, beta)
+    }
+}
+
+/// Packs an `mc × kc` block of lhs (element (i, p) at `i·rs + p·cs`) as micro-panels of MR
+/// rows: panel i holds, for each p, rows 6i..6i+6 (zeros past the block's rows).
+#[target_feature(enable = "avx2,fma")]
+unsafe fn pack_lhs(mc: usize, kc: usize, src: *const f32, cs: isize, rs: isize, out: *mut f32) {
+    for i in 0..mc.div_ceil(MR) {
+        let rows = MR.min(mc - i * MR);
+        let (s, o) = (src.offset((i * MR) as isize * rs), out.add(i * MR * kc));
+        let mut p = 0;
+        if rows == MR && cs == 1 {
+            // Rows run along p: transpose 8 × 8 blocks (rows 6 and 7 repeat row 5), storing 8
+            // lanes per p of which the next p's store overwrites the last 2; the block's last p
+            // stores its 6 only (past it may be another thread's block).
+            while p + 8 <= kc {
+                let mut v = [_mm256_setzero_ps(); 8];
+                for (r, v) in v.iter_mut().enumerate() {
+                    *v = _mm256_loadu_ps(s.offset(r.min(MR - 1) as isize * rs + p as isize));
+                }
+                let t = transpose8(v);
+                for (pp, t) in t.iter().enumerate().take(7) {
+                    _mm256_storeu_ps(o.add((p + pp) * MR), *t);
+                }
+                _mm256_maskstore_ps(o.add((p + 7) * MR), _mm256_setr_epi32(-1, -1, -1, -1, -1, -1, 0, 0), t[7]);
+                p += 8;
+            }
+        }
+        if rows == MR && rs == 1 {
+            // Columns run along the rows (a transposed gradient): each p's 6 values are adjacent.
+            for p in 0..kc {
+                std::ptr::copy_nonoverlapping(s.offset(p as isize * cs), o.add(p * MR), MR);
+            }
+            continue;
+        }
+        for p in p..kc {
+            for r in 0..MR {
+                *o.add(p * MR + r) = if r < rows { *s.offset(r as isize * rs + p as isize * cs) } else { 0.0 };
+            }
+        }
+    }
+}
+
+/// Packs a `kc × nc` block of rhs (element (p, j) at `p·rs + j·cs`) as micro-panels of NR
+/// columns: panel q holds, for each p, columns 16q..16q+16 (zeros past the block's columns).
+#[target_feature(enable = "avx2,fma")]
+unsafe fn pack_rhs(kc: usize, nc: usize, src: *const f32, cs: isize, rs: isize, out: *mut f32) {
+    for q in 0..nc.div_ceil(NR) {
+        let cols = NR.min(nc - q * NR);
+        let (s, o) = (src.offset((q * NR) as isize * cs), out.add(q * NR * kc));
+        let mut p = 0;
+        if cols == NR && cs == 1 {
+            for p in 0..kc {
+                let row = s.offset(p as isize * rs);
+                _mm256_storeu_ps(o.add(p * NR), _mm256_loadu_ps(row));
+                _mm256_storeu_ps(o.add(p * NR + 8), _mm256_loadu_ps(row.add(8)));
+            }
+            continue;
+        }
+        if cols == NR && rs == 1 {
+            // Columns run along p (a transposed weight): transpose 8 × 8 blocks.
+            while p + 8 <= kc {
+                for half in 0..2 {
+                    let mut v = [_mm256_setzero_ps(); 8];
+                    for (j, v) in v.iter_mut().enumerate() {
+                        *v = _mm256_loadu_ps(s.offset((half * 8 + j) as isize * cs + p as isize));
+                    }
+                    for (pp, t) in transpose8(v).into_iter().enumerate() {
+                        _mm256_storeu_ps(o.add((p + pp) * NR + half * 8), t);
+                    }
+                }
+                p += 8;
+            }
+        }
+        for p in p..kc {
+            for j in 0..NR {
+                *o.add(p * NR + j) = if j < cols { *s.offset(p as isize * rs + j as isize * cs) } else { 0.0 };
+            }
+        }
+    }
+}
+
+/// The 8 × 8 transpose of eight rows: lane r of output j is lane j of input r.
+#[inline(always)]
+unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+    let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+    let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+    let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+    let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+    let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+    let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+    let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+    let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+    let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+    let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+    let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+    let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+    [
+        _mm256_permute2f128_ps::<0x20>(u0, u4),
+        _mm256_permute2f128_ps::<0x20>(u1, u5),
+        _mm256_permute2f128_ps::<0x20>(u2, u6),
+        _mm256_permute2f128_ps::<0x20>(u3, u7),
+        _mm256_permute2f128_ps::<0x31>(u0, u4),
+        _mm256_permute2f128_ps::<0x31>(u1, u5),
+        _mm256_permute2f128_ps::<0x31>(u2, u6),
+        _mm256_permute2f128_ps::<0x31>(u3, u7),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every layout training uses (row-major, transposed operands), edge tiles in each
+    /// direction, several depth blocks, accumulate and a beta, against an f64 reference.
+    #[test]
+    fn the_packed_product_equals_the_reference() {
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+            return;
+        }
+        for &(m, n, k) in &[(6, 16, 8), (37, 29, 51), (150, 70, 600), (13, 4100, 9), (300, 33, 257)] {
+            let lhs: Vec<f32> = (0..m * k).map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0).collect();
+            let rhs: Vec<f32> = (0..k * n).map(|i| ((i * 5 % 11) as f32 - 5.0) / 5.0).collect();
+            for lhs_row_major in [true, false] {
+                for rhs_row_major in [true, false] {
+                    let l = if lhs_row_major { (1, k as isize) } else { (m as isize, 1) };
+                    let r = if rhs_row_major { (1, n as isize) } else { (k as isize, 1) };
+                    let at_l = |i: usize, p: usize| lhs[(i as isize * l.1 + p as isize * l.0) as usize] as f64;
+                    let at_r = |p: usize, j: usize| rhs[(p as isize * r.1 + j as isize * r.0) as usize] as f64;
+                    for (accumulate, beta) in [(false, 1.0f32), (true, 1.0), (true, 0.5)] {
+                        let dst_rs = n + 3;
+                        let mut dst = vec![2.0f32; m * dst_rs];
+                        // SAFETY: every matrix is dense with the strides given; AVX2 checked above.
+                        unsafe {
+                            sgemm(
+                                m,
+                                n,
+                                k,
+                                dst.as_mut_ptr(),
+                                dst_rs,
+                                (lhs.as_ptr(), l.0, l.1),
+                                (rhs.as_ptr(), r.0, r.1),
+                                accumulate,
+                                beta,
+                                None,
+                            )
+                        };
+                        for i in 0..m {
+                            for j in 0..dst_rs {
+                                let got = dst[i * dst_rs + j] as f64;
+                                let want = if j >= n {
+                                    2.0
+                                } else {
+                                    (if accumulate { 2.0 } else { 0.0 })
+                                        + beta as f64 * (0..k).map(|p| at_l(i, p) * at_r(p, j)).sum::<f64>()
+                                };
+                                assert!(
+                                    (got - want).abs() < 1e-3,
+                                    "({m}, {n}, {k}) lhs row-major {lhs_row_major} rhs row-major {rhs_row_major} acc {accumulate} ({i}, {j}): {got} vs {want}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Threads computing column pieces from one shared packing of lhs (several depth and row
+    /// blocks, so that blocks are claimed, packed ahead and waited for) give the bits of one
+    /// thread packing its own, at any number of pieces.
+    #[test]
+    fn pieces_sharing_the_packed_lhs_give_the_one_thread_product() {
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+            return;
+        }
+        struct Dst(*mut f32);
+        // SAFETY: the threads below write disjoint columns.
+        unsafe impl Sync for Dst {}
+        let (m, n, k) = (300, 200, 700);
+        let lhs: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * 1.7).collect();
+        let rhs: Vec<f32> = (0..k * n).map(|i| ((i * 104_729 % 997) as f32 / 997.0 - 0.5) * 0.3).collect();
+        let (l, r) = ((lhs.as_ptr(), 1, k as isize), (rhs.as_ptr(), 1, n as isize));
+        let mut want = vec![0f32; m * n];
+        // SAFETY: dense matrices with these strides; AVX2 checked above.
+        unsafe { sgemm(m, n, k, want.as_mut_ptr(), n, l, r, false, 1.0, None) };
+        for pieces in [2, 3] {
+            for _ in 0..20 {
+                let mut got = vec![0f32; m * n];
+                let dst = Dst(got.as_mut_ptr());
+                let width = n.div_ceil(pieces);
+                // SAFETY: as above; each thread writes its own columns of dst.
+                unsafe {
+                    SharedLhs::with(m, k, l, |shared| {
+                        std::thread::scope(|scope| {
+                            for piece in 0..pieces {
+                                let (lo, hi) = (piece * width, ((piece + 1) * width).min(n));
+                                let (dst, lhs, rhs) = (&dst, &lhs, &rhs);
+                                scope.spawn(move || {
+                                    let (l, r) = ((lhs.as_ptr(), 1, k as isize), (rhs.as_ptr().add(lo), 1, n as isize));
+                                    sgemm(m, hi - lo, k, dst.0.add(lo), n, l, r, false, 1.0, Some(shared))
+                                });
+                            }
+                        })
+                    })
+                };
+                assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{pieces} pieces differ from one thread");
+            }
+        }
+    }
+}
