@@ -2,14 +2,17 @@
 //! (read once, in address order), and a 6 × 16 register kernel walking the packed blocks from
 //! the caches (an rhs micro-panel from L1, the lhs block from L2).
 //!
-//! Why not gemm's AVX2 path, which runs the same size of register tile at the same speed from
-//! L1: gemm packs inside each call, so the threads computing pieces of one product's columns
-//! each packed all of lhs, the operand every piece reads (on the 28M Llama, packing was 7.6% of
-//! a step's samples). Here those threads share one packing ([`SharedLhs`]). And every value of
-//! dst is summed the same way wherever its tile lies (edge tiles run the same kernel into a
-//! scratch tile, the depth blocks are fixed), so a product's values do not depend on how its
-//! columns are split among threads; gemm's change with a piece's size
-//! (`column_split::splits_exactly`).
+//! Why not gemm's AVX2 path, which runs the same size of register tile: gemm reads one operand
+//! of our products unpacked (its microkernel walks six strided rows of the activations straight
+//! from memory), and in training every operand comes from memory (a step's weights and saved
+//! activations are several times L3). A 28M Llama step's products in training's order ran 1.10x
+//! faster here on two Zen 3 cores (`cargo bench --bench matmul`, its step-sequence rows). And:
+//! - the threads computing pieces of one product's columns share one packing of lhs, the operand
+//!   every piece reads ([`SharedLhs`]), which they would each pack for themselves;
+//! - every value of dst is summed the same way wherever its tile lies (edge tiles run the same
+//!   kernel into a scratch tile, the depth blocks are fixed), so a product's values do not depend
+//!   on how its columns are split among threads; gemm's change with a piece's size
+//!   (`column_split::splits_exactly`).
 
 use std::arch::x86_64::*;
 use std::cell::RefCell;
