@@ -8,8 +8,8 @@
 //! every product on AVX-512 tiles. At a forced lower level the AVX2 driver runs exactly as on a
 //! CPU without AVX-512, and the scalar level calls gemm-common's public driver
 //! (`gemm_basic_generic`) with gemm-f32's scalar microkernels, so one binary measures either
-//! kind of machine. `FSDP_MATMUL=gemm` runs AVX2 products on gemm's AVX2 kernels instead
-//! (through the same driver), to measure one beside the other.
+//! kind of machine. `FSDP_MATMUL=gemm` runs AVX2 products on gemm's AVX2 kernels instead, to
+//! measure one beside the other.
 
 use std::sync::OnceLock;
 
@@ -56,8 +56,9 @@ pub(crate) use super::sgemm_avx2::SharedLhs;
 pub(crate) enum SharedLhs {}
 
 /// Runs `f` with lhs (m × k) packed once for the threads that compute pieces of a product's
-/// columns (each at least `narrowest` wide), where those pieces run on the AVX2 packed driver;
-/// with None elsewhere (each piece then packs what it reads itself, inside gemm).
+/// columns (each at least `narrowest` wide), where those pieces run on the AVX2 packed driver
+/// and lhs is not too large to keep packed whole; with None elsewhere (each piece then packs
+/// what it reads itself).
 ///
 /// # Safety
 /// As [`sgemm`] for lhs, which must outlive `f`.
@@ -69,7 +70,7 @@ pub(crate) unsafe fn with_lhs_shared_by_pieces<R>(
     f: impl FnOnce(Option<&SharedLhs>) -> R,
 ) -> R {
     #[cfg(target_arch = "x86_64")]
-    if SimdLevel::current() == SimdLevel::Avx2 && packed_driver() && super::sgemm_avx2::worth_it(m, narrowest, k) {
+    if SimdLevel::current() == SimdLevel::Avx2 && packed_driver() && super::sgemm_avx2::shares_lhs(m, narrowest, k) {
         return SharedLhs::with(m, k, lhs, |shared| f(Some(shared)));
     }
     let _ = (m, narrowest, k, lhs);

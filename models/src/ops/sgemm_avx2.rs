@@ -39,6 +39,18 @@ pub(crate) fn worth_it(m: usize, n: usize, k: usize) -> bool {
     m >= MR && n >= NR && k >= 8 && m * n * k >= 1 << 15
 }
 
+/// Largest lhs (values) whose packing the threads share: the shared buffer is kept by the
+/// calling thread between products, and a head's backward reads vocabulary-wide gradient rows
+/// (SmolLM2's 256 x 49152 would keep 48 MiB). The 28M Llama's largest, its head's 512 x 8192,
+/// fits; larger ones are packed by each thread, a block at a time.
+const SHARED_MAX: usize = 5 << 20;
+
+/// Whether the threads computing pieces of a product's columns (the narrowest `narrowest`
+/// wide) share one packing of its `m × k` lhs.
+pub(crate) fn shares_lhs(m: usize, narrowest: usize, k: usize) -> bool {
+    worth_it(m, narrowest, k) && m.div_ceil(MR) * MR * k <= SHARED_MAX
+}
+
 thread_local! {
     /// This thread's packed blocks (lhs, rhs), kept between products: a fresh buffer per
     /// product would fault its pages in again.
