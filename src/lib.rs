@@ -63,20 +63,47 @@ pub enum CpuWorkload {
     /// token with a little serial work between them; a worker that parks must be woken for each
     /// (measured on 2 cores: SmolLM2 decodes 10-20% faster with 100,000 spins than with 1,000).
     Decode,
-    /// Fine-tuning, serving and everything else: long rayon matmuls, or cores shared with other
+    /// `finetune` as the only training process on this machine (its ranks, if several, are
+    /// threads of it): every product and elementwise op of a step runs on candle's pool, with
+    /// short serial stretches between them (candle's backward bookkeeping). A worker that
+    /// parks after ~27 µs (1,000 spins) is asleep for many of them, and waking it costs more
+    /// than the wait: the calling thread then ran products alone. With 20,000 (~0.5 ms) the
+    /// 28M Llama trained 3-4% faster on 2 AVX2 cores (1,000 / 10,000 / 30,000 / 100,000 spins:
+    /// 743 / 769 / 772 / 745 tokens/s, medians of 4 alternating runs), SmolLM2 and the
+    /// 2-thread-rank world no slower.
+    Finetune,
+    /// Serving, rank processes sharing a machine, and everything else: cores shared with other
     /// work, which a spinning worker slows down.
-    Train,
+    Shared,
+}
+
+/// The workload of a `finetune` process: [`CpuWorkload::Finetune`] unless a launcher started
+/// several rank processes on this machine (torchrun's LOCAL_WORLD_SIZE, Open MPI's
+/// OMPI_COMM_WORLD_LOCAL_SIZE), whose spinning workers would take each other's cores.
+pub fn finetune_workload() -> CpuWorkload {
+    finetune_workload_with(|var| std::env::var(var).ok())
+}
+
+/// [`finetune_workload`] with the environment read through `env`.
+fn finetune_workload_with(env: impl Fn(&str) -> Option<String>) -> CpuWorkload {
+    let local_ranks = |var: &str| env(var).and_then(|v| v.trim().parse::<usize>().ok()).unwrap_or(1);
+    match local_ranks("LOCAL_WORLD_SIZE").max(local_ranks("OMPI_COMM_WORLD_LOCAL_SIZE")) {
+        0 | 1 => CpuWorkload::Finetune,
+        _ => CpuWorkload::Shared,
+    }
 }
 
 const SPIN: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
+const SHARED_SPINS: &str = "1000";
 static SPIN_SET_BY_USER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
 
 /// Two settings of candle's CPU threads, each applied unless the user set its variable; call it
 /// before any tensor work (and any other thread).
-/// - Its worker threads spin 25,000 times before parking while waiting for work; on small
-///   machines the spinning steals the cores the compute needs (measured here: fine-tuning SmolLM2
-///   on 2 cores ran 2.5x faster with 1,000), while decoding wants them awake (see
-///   [`CpuWorkload`]).
+/// - Its worker threads spin 25,000 times before parking while waiting for work; where other
+///   threads or processes share the cores the spinning steals the cores the compute needs
+///   (measured here when gemm's rayon threads ran beside candle's pool: fine-tuning SmolLM2 on 2
+///   cores ran 2.5x faster with 1,000), while decoding and a lone fine-tuning process want them
+///   awake (see [`CpuWorkload`]).
 /// - Without `RAYON_NUM_THREADS`, every candle matmul counts the physical cores again by reading
 ///   and parsing /proc/cpuinfo (candle 0.11's `utils::get_num_threads`): 8% of a 16-stream
 ///   serving profile (`show_cpuinfo`, `vsnprintf`). The same count, taken once, is set instead;
@@ -87,7 +114,8 @@ pub fn tune_cpu_threads(workload: CpuWorkload) {
     if !by_user {
         let spins = match workload {
             CpuWorkload::Decode => "100000",
-            CpuWorkload::Train => "1000",
+            CpuWorkload::Finetune => "20000",
+            CpuWorkload::Shared => SHARED_SPINS,
         };
         std::env::set_var(SPIN, spins);
     }
@@ -96,17 +124,32 @@ pub fn tune_cpu_threads(workload: CpuWorkload) {
     }
 }
 
-/// For a child process of another workload (a serving process's fine-tuning job): the spin limit
-/// this process chose is removed from its environment, so the child chooses its own; one the
-/// user set is kept.
-pub fn child_keeps_spin_limit(cmd: &mut std::process::Command) {
+/// For a child process that shares this machine's cores with this one (a serving process's
+/// fine-tuning job): the child gets the spin limit of [`CpuWorkload::Shared`] (the child would
+/// otherwise choose its own, a lone `finetune`'s); one the user set is kept.
+pub fn child_shares_cores(cmd: &mut std::process::Command) {
     if SPIN_SET_BY_USER.get() == Some(&false) {
-        cmd.env_remove(SPIN);
+        cmd.env(SPIN, SHARED_SPINS);
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::{finetune_workload_with, CpuWorkload};
+
+    /// A lone fine-tuning process keeps its idle threads spinning; rank processes that a
+    /// launcher put several to a machine do not.
+    #[test]
+    fn finetune_spins_unless_rank_processes_share_the_machine() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |var: &str| pairs.iter().find(|(k, _)| *k == var).map(|(_, v)| v.to_string())
+        };
+        assert_eq!(finetune_workload_with(env(&[])), CpuWorkload::Finetune);
+        assert_eq!(finetune_workload_with(env(&[("LOCAL_WORLD_SIZE", "1"), ("WORLD_SIZE", "4")])), CpuWorkload::Finetune);
+        assert_eq!(finetune_workload_with(env(&[("LOCAL_WORLD_SIZE", "2")])), CpuWorkload::Shared);
+        assert_eq!(finetune_workload_with(env(&[("OMPI_COMM_WORLD_LOCAL_SIZE", "4")])), CpuWorkload::Shared);
+    }
+
     /// The load-time constructor ran: mimalloc keeps freed memory in this process.
     #[test]
     fn mimalloc_never_purges() {

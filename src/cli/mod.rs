@@ -63,13 +63,14 @@ pub fn main() {
     use clap::{CommandFactory, FromArgMatches};
     let matches = Cli::command().get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-    // Before any tensor work starts candle's threads. A server keeps the training setting: it
+    // Before any tensor work starts candle's threads. A server takes the shared setting: it
     // shares the cores between many requests, its fine-tuning jobs and other processes, where
     // idle threads that spin cost more than they save (with decoding's spin, a 2-core CI
     // machine running the server tests beside each other timed requests out).
     let workload = match cli.command {
         Command::Generate(_) | Command::Perplexity(_) => fsdp_app::CpuWorkload::Decode,
-        _ => fsdp_app::CpuWorkload::Train,
+        Command::Finetune(_) => fsdp_app::finetune_workload(),
+        _ => fsdp_app::CpuWorkload::Shared,
     };
     fsdp_app::tune_cpu_threads(workload);
     let result: Result<()> = match cli.command {

@@ -145,7 +145,7 @@ ours / gemm: {:.2}x (median of the rounds' ratios{})",
 
 fn main() -> anyhow::Result<()> {
     let threads: usize = std::env::var("FSDP_BENCH_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(2);
-    fsdp_app::tune_cpu_threads(fsdp_app::CpuWorkload::Train);
+    fsdp_app::tune_cpu_threads(fsdp_app::finetune_workload());
     std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
     if std::env::args().any(|a| a == STEP_CHILD) {
         println!("{}", step_sequence_rate()?);

@@ -121,7 +121,7 @@ fn config(model: &Path, data: &Path, out: &Path, world: usize) -> FinetuneConfig
 }
 
 fn main() -> anyhow::Result<()> {
-    fsdp_app::tune_cpu_threads(fsdp_app::CpuWorkload::Train);
+    fsdp_app::tune_cpu_threads(fsdp_app::finetune_workload());
     std::env::set_var("RAYON_NUM_THREADS", THREADS.to_string());
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let models_dir = root.join("target").join("bench-models");

@@ -162,8 +162,8 @@ fn run_job(st: &AppState, job: &JobRow) -> anyhow::Result<()> {
     let log = std::fs::File::create(&log_path)?;
     let mut cmd = std::process::Command::new(std::env::current_exe()?);
     cmd.args(command_line(st, job)?).stdout(log.try_clone()?).stderr(log).stdin(std::process::Stdio::null());
-    // Training wants candle's threads tuned for training, not for this server's decoding.
-    crate::child_keeps_spin_limit(&mut cmd);
+    // The job shares the cores with this server's requests: its idle threads must not spin.
+    crate::child_shares_cores(&mut cmd);
     // Its own process group: cancel stops the launcher and every rank at once.
     std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
     let mut child = cmd.spawn()?;
