@@ -3,7 +3,9 @@
 // memory copy, memset and driver call, and at exit prints what a first look at a profile needs:
 //   - the span from the first GPU activity to the last, the time the GPU was busy in it, and so
 //     how much of the span the GPU sat waiting for the host;
-//   - the kernels by total time (calls, total, mean, share of kernel time);
+//   - the kernels by total time (calls, total, mean, share of kernel time), and again split by
+//     launch size (threads launched), which for candle's elementwise kernels is the element
+//     count, so that one kernel name used by many ops splits into the tensors it ran over;
 //   - memory copies by direction (calls, bytes, time), memsets;
 //   - driver calls by total time (synchronisations, allocations, launches).
 //
@@ -26,7 +28,7 @@ typedef struct {
   uint64_t calls, ns;
 } Row;
 
-static Row kernels[TABLE_SLOTS], driver[TABLE_SLOTS];
+static Row kernels[TABLE_SLOTS], sized[TABLE_SLOTS], driver[TABLE_SLOTS];
 static uint64_t copy_calls[16], copy_bytes[16], copy_ns[16], memset_calls, memset_ns;
 static uint64_t first_start = UINT64_MAX, last_end, busy_ns, busy_until;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -80,6 +82,10 @@ static void CUPTIAPI completed(CUcontext ctx, uint32_t stream, uint8_t *buffer, 
       case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: {
         CUpti_ActivityKernel10 *k = (CUpti_ActivityKernel10 *)r;
         add(kernels, k->name, k->end - k->start);
+        char key[160];
+        unsigned long long threads = (unsigned long long)k->gridX * k->gridY * k->gridZ * k->blockX * k->blockY * k->blockZ;
+        snprintf(key, sizeof key, "%.100s [%llu threads]", k->name ? k->name : "?", threads);
+        add(sized, key, k->end - k->start);
         span(k->start, k->end);
         break;
       }
@@ -151,6 +157,7 @@ static void report(void) {
   }
   fprintf(out, "memset: %llu calls, %.1f ms\n", (unsigned long long)memset_calls, memset_ns / 1e6);
   table(out, "Kernels by total time", kernels, kernel_ns);
+  table(out, "Kernels by name and launch size", sized, kernel_ns);
   table(out, "Driver calls by total time (host side)", driver, driver_ns);
   pthread_mutex_unlock(&lock);
   if (out != stderr) fclose(out);
