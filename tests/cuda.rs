@@ -66,6 +66,57 @@ fn logits_on_cuda_match_cpu() {
     }
 }
 
+/// An attention as the test below runs it: (q, k, v, mask) -> out.
+type Attention<'a> = dyn Fn(&Tensor, &Tensor, &Tensor, Option<&Tensor>) -> candle_core::Result<Tensor> + 'a;
+
+/// Eager attention's softmax kernels (`models/src/ops/attention_softmax.cu`): values and q, k, v
+/// gradients against the same attention composed of candle's ops on the GPU in f32, for a
+/// causal mask with a cache offset and a window, a per-sequence (broadcast over heads) mask, and
+/// no mask, over rows of a length that is no multiple of a warp.
+#[test]
+fn attention_softmax_kernels_match_composed_ops() {
+    use candle_core::{Var, D};
+    let dev = gpu();
+    let (b, h, t, s, d) = (2, 3, 5, 37, 16);
+    let scale = 1.0 / (d as f64).sqrt();
+    let causal: Vec<f32> =
+        (0..t * s).map(|i| if i % s > i / s + (s - t) || i % s + 20 < i / s + (s - t) { f32::NEG_INFINITY } else { 0.0 }).collect();
+    let causal = Tensor::from_vec(causal, (t, s), &dev).unwrap();
+    let per_sequence: Vec<f32> =
+        (0..b * t * s).map(|i| if i % s < 3 * (i / (t * s)) { f32::NEG_INFINITY } else { (i % 7) as f32 * 0.1 }).collect();
+    let per_sequence = Tensor::from_vec(per_sequence, (b, 1, t, s), &dev).unwrap();
+    let composed = |q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>| {
+        let scores = (q.matmul(&k.t()?)? * scale)?;
+        let scores = match mask {
+            Some(m) => scores.broadcast_add(m)?,
+            None => scores,
+        };
+        candle_nn::ops::softmax(&scores, D::Minus1)?.matmul(v)
+    };
+    let inputs = [(b, h, t, d), (b, h, s, d), (b, h, s, d)].map(|shape| Tensor::randn(0f32, 1.0, shape, &dev).unwrap());
+    let probe = Tensor::randn(0f32, 1.0, (b, h, t, d), &dev).unwrap();
+    let run = |dtype: DType, mask: Option<&Tensor>, f: &Attention<'_>| {
+        let vars: Vec<Var> = inputs.iter().map(|x| Var::from_tensor(&x.to_dtype(dtype).unwrap()).unwrap()).collect();
+        let mask = mask.map(|m| m.to_dtype(dtype).unwrap());
+        let out = f(vars[0].as_tensor(), vars[1].as_tensor(), vars[2].as_tensor(), mask.as_ref()).unwrap();
+        let grads = (out.to_dtype(DType::F32).unwrap() * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+        let mut all = vec![values(&out)];
+        all.extend(vars.iter().map(|v| values(grads.get(v.as_tensor()).unwrap())));
+        all
+    };
+    for (what, mask) in [("causal with offset and window", Some(&causal)), ("per sequence", Some(&per_sequence)), ("none", None)] {
+        let expected = run(DType::F32, mask, &|q, k, v, m| composed(q, k, v, m));
+        for (dtype, tolerance) in [(DType::F32, 1e-5), (DType::BF16, 2e-2)] {
+            let got = run(dtype, mask, &|q, k, v, m| models::ops::eager_attention::attention(q, k, v, m, scale));
+            for (name, (g, e)) in ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&expected)) {
+                let diff = rel_norm_diff(g, e);
+                eprintln!("mask {what}, {dtype:?}: {name} relative difference {diff:.2e}");
+                assert!(diff < tolerance, "mask {what}, {dtype:?}: {name} differs from candle's composed ops by {diff}");
+            }
+        }
+    }
+}
+
 /// A world-1 engine over fixture `dir`, weights loaded, computing on `device` in `param_dtype`.
 fn engine_for(dir: &Path, device: &Device, param_dtype: DType, ac: bool) -> FsdpEngine {
     let files = resolve_model(dir.to_str().unwrap(), None).unwrap();
@@ -210,7 +261,6 @@ fn auto_batch_size_retries_a_step_that_ran_out_of_gpu_memory() {
 mod nccl {
     use super::*;
     use fsdp_app::dist::env::DistEnv;
-    use fsdp_app::dist::Collective;
 
     fn env() -> DistEnv {
         DistEnv {

@@ -10,6 +10,10 @@
 //! gradients as `dv = pᵀ dout`, `dp = dout vᵀ`, `ds = p ∘ (dp − rowsum(dout ∘ out))`,
 //! `dq = ds k · scale`, `dk = dsᵀ q · scale` (rowsum(dp ∘ p) = rowsum(dout ∘ out),
 //! FlashAttention's identity, is a sum over head_dim instead of T).
+//!
+//! On a GPU (f32 and bf16) the softmax and the backward's `ds` are kernels of our own
+//! (`attention_softmax_cuda`): one pass over the scores each instead of candle's scale, mask,
+//! casts and softmax (forward) and casts, subtraction and product (backward).
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 
@@ -52,7 +56,13 @@ struct Core {
 }
 
 impl Core {
-    /// Softmax probabilities in f32, (batch, heads, T, S).
+    /// Whether the softmax runs as our GPU kernels for scores like `q kᵀ`.
+    #[cfg(feature = "cuda")]
+    fn on_gpu_kernels(&self, q: &Tensor) -> bool {
+        super::attention_softmax_cuda::applies(q.dtype(), q.device(), self.mask.as_ref())
+    }
+
+    /// Softmax probabilities in f32, (batch, heads, T, S), composed of candle's ops.
     fn probabilities(&self, q: &Tensor, k: &Tensor) -> Result<Tensor> {
         let scores = (q.matmul(&k.t()?)? * self.scale)?;
         let scores = match &self.mask {
@@ -64,6 +74,11 @@ impl Core {
     }
 
     fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.on_gpu_kernels(q) {
+            let scores = q.matmul(&k.t()?)?;
+            return super::attention_softmax_cuda::forward(&scores, self.mask.as_ref(), self.scale)?.matmul(v);
+        }
         self.probabilities(q, k)?.to_dtype(q.dtype())?.matmul(v)
     }
 
@@ -71,10 +86,22 @@ impl Core {
     fn backward(&self, q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, dout: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let dtype = q.dtype();
         let dout = dout.contiguous()?;
+        let delta = (dout.to_dtype(DType::F32)? * out.to_dtype(DType::F32)?)?.sum_keepdim(D::Minus1)?;
+        #[cfg(feature = "cuda")]
+        if self.on_gpu_kernels(q) {
+            use super::attention_softmax_cuda as kernels;
+            let scores = q.matmul(&k.t()?)?;
+            let p = kernels::forward(&scores, self.mask.as_ref(), self.scale)?;
+            let dv = p.t()?.matmul(&dout)?;
+            drop(p);
+            let dp = dout.matmul(&v.t()?)?;
+            // ds · scale, so that the products below need no scaling pass.
+            let ds = kernels::backward(&scores, self.mask.as_ref(), self.scale, &dp, &delta)?;
+            return Ok((ds.matmul(k)?, ds.t()?.matmul(q)?, dv));
+        }
         let p = self.probabilities(q, k)?;
         let dv = p.to_dtype(dtype)?.t()?.matmul(&dout)?;
         let dp = dout.matmul(&v.t()?)?.to_dtype(DType::F32)?;
-        let delta = (dout.to_dtype(DType::F32)? * out.to_dtype(DType::F32)?)?.sum_keepdim(D::Minus1)?;
         let ds = (p * dp.broadcast_sub(&delta)?)?.to_dtype(dtype)?;
         let dq = (ds.matmul(k)? * self.scale)?;
         let dk = (ds.t()?.matmul(q)? * self.scale)?;

@@ -14,10 +14,13 @@
 //! - `lora_rows`: the serving adapters' updates of a batch, each on its rows, in one pass;
 //! - `quant_blocks`: `x · Wᵀ` over llama.cpp's 32-value block formats (Q4_0 ... Q8_0), in place;
 //! - `eager_attention`: the one op here for every device: attention composed of candle's ops,
-//!   as one graph node with its own backward (training on a GPU).
+//!   as one graph node with its own backward (training on a GPU), whose softmax on a GPU is
+//!   `attention_softmax_cuda`'s two kernels.
 
 pub mod attend_rows;
 pub mod attention;
+#[cfg(feature = "cuda")]
+mod attention_softmax_cuda;
 mod column_split;
 pub use column_split::split_columns_evenly_on_this_thread;
 pub mod eager_attention;

@@ -1,0 +1,256 @@
+//! Eager attention's softmax on a GPU as two kernels of our own (`attention_softmax.cu`), one
+//! pass each over the (batch × heads × T × S) scores: the forward's `softmax(q kᵀ · scale +
+//! mask)` and the backward's `ds = p ∘ (dp − delta) · scale`.
+//!
+//! Composed from candle's kernels, the 1.1B Llama's step (T = 2048) spent about half its GPU
+//! time on passes over score-sized tensors: the scale, the mask added through candle's strided
+//! broadcast path (2.9 ms a layer), casts to f32 and back, the softmax, and the backward's
+//! subtraction, product and casts (`tests/gpu/run.sh profile`, kernels by launch size).
+//!
+//! The source is compiled by NVRTC the first time a process needs it (no CUDA toolkit at build
+//! time; the PTX matches the driver's NVRTC), then loaded once per device by candle.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{CudaStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor, WithDType};
+use std::sync::OnceLock;
+
+const SOURCE: &str = include_str!("attention_softmax.cu");
+const MODULE: &str = "fsdp_app_attention_softmax";
+/// One warp per row; eight rows a block.
+const WARPS_PER_BLOCK: u32 = 8;
+
+/// Whether the kernels take these scores: a GPU, f32 or bf16, a mask of the same dtype.
+pub fn applies(scores_dtype: DType, device: &candle_core::Device, mask: Option<&Tensor>) -> bool {
+    device.is_cuda() && matches!(scores_dtype, DType::F32 | DType::BF16) && mask.is_none_or(|m| m.dtype() == scores_dtype)
+}
+
+/// `softmax(scores · scale + mask)` over the last dim of contiguous (batch, heads, T, S)
+/// scores, in f32, returned in the scores' dtype.
+pub fn forward(scores: &Tensor, mask: Option<&Tensor>, scale: f64) -> Result<Tensor> {
+    let mask = broadcast_mask(mask, scores)?;
+    scores.contiguous()?.apply_op1_no_bwd(&Forward { mask, scale })
+}
+
+/// `p ∘ (dp − delta) · scale` for the p that [`forward`] gives these scores (recomputed), with
+/// `delta` (batch, heads, T, 1) in f32; in the scores' dtype.
+pub fn backward(scores: &Tensor, mask: Option<&Tensor>, scale: f64, dp: &Tensor, delta: &Tensor) -> Result<Tensor> {
+    let mask = broadcast_mask(mask, scores)?;
+    if dp.dims() != scores.dims() || dp.dtype() != scores.dtype() || delta.dtype() != DType::F32 {
+        candle_core::bail!(
+            "attention softmax backward: dp {:?} {:?}, delta {:?} for scores {:?}",
+            dp.dims(),
+            dp.dtype(),
+            delta.dtype(),
+            scores.dims()
+        );
+    }
+    let delta = delta.contiguous()?;
+    if delta.elem_count() * scores.dim(3)? != scores.elem_count() {
+        candle_core::bail!("attention softmax backward: delta {:?} for scores {:?}", delta.dims(), scores.dims());
+    }
+    dp.contiguous()?.apply_op1_no_bwd(&Backward { scores: scores.contiguous()?, mask, delta, scale })
+}
+
+/// The mask as a (batch, heads, T, S) view whose rows are contiguous and S apart (the kernels
+/// step over batch and heads by its strides, 0 where it is broadcast).
+fn broadcast_mask(mask: Option<&Tensor>, scores: &Tensor) -> Result<Option<Tensor>> {
+    let Some(mask) = mask else { return Ok(None) };
+    let (_, _, t, s) = scores.dims4()?;
+    let rows_fit = |m: &Tensor| {
+        let stride = m.stride();
+        let n = stride.len();
+        m.dims().len() >= 2 && m.dims()[n - 2..] == [t, s] && stride[n - 1] == 1 && (t == 1 || stride[n - 2] == s)
+    };
+    let mask = if rows_fit(mask) { mask.clone() } else { mask.contiguous()? };
+    Ok(Some(mask.broadcast_as(scores.shape())?))
+}
+
+/// The kernels' `Rows` (attention_softmax.cu): where each row of scores and of the mask is.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Rows {
+    rows: i64,
+    s_len: i32,
+    t_len: i32,
+    heads: i32,
+    mask_batch_stride: i64,
+    mask_head_stride: i64,
+    scale: f32,
+}
+
+// SAFETY: plain data laid out as the kernels' C struct.
+unsafe impl DeviceRepr for Rows {}
+
+impl Rows {
+    fn new(shape: &Shape, mask: Option<&Tensor>, scale: f64) -> Result<Self> {
+        let (_, h, t, s) = shape.dims4()?;
+        let (mask_batch_stride, mask_head_stride) = match mask {
+            Some(m) => (m.stride()[0] as i64, m.stride()[1] as i64),
+            None => (0, 0),
+        };
+        Ok(Self {
+            rows: (shape.elem_count() / s) as i64,
+            s_len: s as i32,
+            t_len: t as i32,
+            heads: h as i32,
+            mask_batch_stride,
+            mask_head_stride,
+            scale: scale as f32,
+        })
+    }
+
+    fn launch_config(&self) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: ((self.rows as u64).div_ceil(WARPS_PER_BLOCK as u64) as u32, 1, 1),
+            block_dim: (32 * WARPS_PER_BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+}
+
+/// The PTX of `attention_softmax.cu`, compiled once per process.
+fn ptx() -> Result<&'static str> {
+    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
+    PTX.get_or_init(|| candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(SOURCE).map(|p| p.to_src()).map_err(|e| format!("{e:?}")))
+        .as_deref()
+        .map_err(|e| candle_core::Error::Msg(format!("compiling models/src/ops/attention_softmax.cu with NVRTC: {e}")))
+}
+
+/// The kernel `attention_softmax_{pass}_{dtype}` of the source.
+fn kernel_name(pass: &str, dtype: DType) -> Result<String> {
+    let suffix = match dtype {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        other => candle_core::bail!("attention softmax kernels: no {other:?} version"),
+    };
+    Ok(format!("attention_softmax_{pass}_{suffix}"))
+}
+
+fn contiguous_from_start(layout: &Layout, what: &str) -> Result<usize> {
+    match layout.contiguous_offsets() {
+        Some((start, _)) => Ok(start),
+        None => candle_core::bail!("attention softmax: {what} is not contiguous"),
+    }
+}
+
+/// A GPU tensor's storage, for reading its values in a kernel.
+fn cuda_storage<'a>(storage: &'a Storage, what: &str) -> Result<&'a CudaStorage> {
+    match storage {
+        Storage::Cuda(s) => Ok(s),
+        _ => candle_core::bail!("attention softmax: {what} is not on the GPU"),
+    }
+}
+
+struct Forward {
+    mask: Option<Tensor>,
+    scale: f64,
+}
+
+impl Forward {
+    fn run<T: CudaDType + DeviceRepr + WithDType>(&self, scores: &CudaStorage, layout: &Layout) -> Result<CudaStorage> {
+        let dev = scores.device.clone();
+        let rows = Rows::new(layout.shape(), self.mask.as_ref(), self.scale)?;
+        let scores = scores.as_cuda_slice::<T>()?.slice(contiguous_from_start(layout, "the scores")?..);
+        let mask_storage = self.mask.as_ref().map(|m| m.storage_and_layout());
+        let probs = unsafe { dev.alloc::<T>(layout.shape().elem_count())? };
+        let func = dev.get_or_load_custom_func(&kernel_name("forward", T::DTYPE)?, MODULE, ptx()?)?;
+        let mut args = func.builder();
+        args.arg(&scores);
+        let no_mask = 0u64;
+        let mask_view = match &mask_storage {
+            Some((storage, l)) => Some(cuda_storage(storage, "the mask")?.as_cuda_slice::<T>()?.slice(l.start_offset()..)),
+            None => None,
+        };
+        match &mask_view {
+            Some(view) => args.arg(view),
+            None => args.arg(&no_mask),
+        };
+        args.arg(&probs);
+        args.arg(&rows);
+        // SAFETY: the kernel reads rows × S scores (and mask rows inside the mask's storage)
+        // and writes rows × S values of `probs`, all allocated above.
+        unsafe { args.launch(rows.launch_config()) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(probs, dev))
+    }
+}
+
+impl CustomOp1 for Forward {
+    fn name(&self) -> &'static str {
+        "attention-softmax"
+    }
+
+    fn cpu_fwd(&self, _: &candle_core::CpuStorage, _: &Layout) -> Result<(candle_core::CpuStorage, Shape)> {
+        candle_core::bail!("attention softmax kernels run on a GPU only")
+    }
+
+    fn cuda_fwd(&self, storage: &CudaStorage, layout: &Layout) -> Result<(CudaStorage, Shape)> {
+        let out = match storage.dtype() {
+            DType::F32 => self.run::<f32>(storage, layout)?,
+            DType::BF16 => self.run::<half::bf16>(storage, layout)?,
+            other => candle_core::bail!("attention softmax kernels: no {other:?} version"),
+        };
+        Ok((out, layout.shape().clone()))
+    }
+}
+
+struct Backward {
+    scores: Tensor,
+    mask: Option<Tensor>,
+    delta: Tensor,
+    scale: f64,
+}
+
+impl Backward {
+    fn run<T: CudaDType + DeviceRepr + WithDType>(&self, dp: &CudaStorage, layout: &Layout) -> Result<CudaStorage> {
+        let dev = dp.device.clone();
+        let rows = Rows::new(layout.shape(), self.mask.as_ref(), self.scale)?;
+        let dp = dp.as_cuda_slice::<T>()?.slice(contiguous_from_start(layout, "dp")?..);
+        let (scores_storage, scores_layout) = self.scores.storage_and_layout();
+        let scores =
+            cuda_storage(&scores_storage, "the scores")?.as_cuda_slice::<T>()?.slice(contiguous_from_start(scores_layout, "the scores")?..);
+        let (delta_storage, delta_layout) = self.delta.storage_and_layout();
+        let delta = cuda_storage(&delta_storage, "delta")?.as_cuda_slice::<f32>()?.slice(contiguous_from_start(delta_layout, "delta")?..);
+        let mask_storage = self.mask.as_ref().map(|m| m.storage_and_layout());
+        let mask_view = match &mask_storage {
+            Some((storage, l)) => Some(cuda_storage(storage, "the mask")?.as_cuda_slice::<T>()?.slice(l.start_offset()..)),
+            None => None,
+        };
+        let ds = unsafe { dev.alloc::<T>(layout.shape().elem_count())? };
+        let func = dev.get_or_load_custom_func(&kernel_name("backward", T::DTYPE)?, MODULE, ptx()?)?;
+        let mut args = func.builder();
+        let no_mask = 0u64;
+        args.arg(&scores);
+        match &mask_view {
+            Some(view) => args.arg(view),
+            None => args.arg(&no_mask),
+        };
+        args.arg(&dp);
+        args.arg(&delta);
+        args.arg(&ds);
+        args.arg(&rows);
+        // SAFETY: as for the forward; delta holds one value per row (checked in `backward`).
+        unsafe { args.launch(rows.launch_config()) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(ds, dev))
+    }
+}
+
+impl CustomOp1 for Backward {
+    fn name(&self) -> &'static str {
+        "attention-softmax-backward"
+    }
+
+    fn cpu_fwd(&self, _: &candle_core::CpuStorage, _: &Layout) -> Result<(candle_core::CpuStorage, Shape)> {
+        candle_core::bail!("attention softmax kernels run on a GPU only")
+    }
+
+    fn cuda_fwd(&self, storage: &CudaStorage, layout: &Layout) -> Result<(CudaStorage, Shape)> {
+        let out = match storage.dtype() {
+            DType::F32 => self.run::<f32>(storage, layout)?,
+            DType::BF16 => self.run::<half::bf16>(storage, layout)?,
+            other => candle_core::bail!("attention softmax kernels: no {other:?} version"),
+        };
+        Ok((out, layout.shape().clone()))
+    }
+}
