@@ -131,12 +131,14 @@ impl UnitShards for DeviceShards {
         Ok(())
     }
 
+    /// Σ g² over the unit's gradient chunks, each chunk's sum in f32 and their total in f64
+    /// like the host path, read back once per unit.
     fn grad_sq_sum(&self) -> anyhow::Result<f64> {
-        let mut sum = 0f64;
-        for g in self.grad.iter().flatten() {
-            sum += g.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+        let sums = self.grad.iter().flatten().map(sq_sum).collect::<candle_core::Result<Vec<_>>>()?;
+        if sums.is_empty() {
+            return Ok(0.0);
         }
-        Ok(sum)
+        Ok(Tensor::stack(&sums, 0)?.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?)
     }
 
     fn discard_grads(&mut self) -> anyhow::Result<()> {
@@ -209,5 +211,25 @@ impl UnitShards for DeviceShards {
 
     fn as_host(&self) -> Option<&HostState> {
         None
+    }
+}
+
+/// Values per row when [`sq_sum`] sums a chunk by rows.
+const SUM_ROW: usize = 1024;
+
+/// Σ g² of a chunk as a scalar tensor on its device. candle sums a whole tensor in one block of
+/// GPU threads (0.68 ms for a 16M-value chunk on an H100, 12% of the 1.1B bench's kernel time
+/// before this); summed by rows of [`SUM_ROW`] first, the work spreads over many blocks.
+fn sq_sum(g: &Tensor) -> candle_core::Result<Tensor> {
+    let sq = g.flatten_all()?.sqr()?;
+    let n = sq.elem_count();
+    let full = n / SUM_ROW * SUM_ROW;
+    let rows = match full {
+        0 => Tensor::zeros((), DType::F32, sq.device())?,
+        _ => sq.narrow(0, 0, full)?.reshape((full / SUM_ROW, SUM_ROW))?.sum(1)?.sum_all()?,
+    };
+    match full < n {
+        true => rows + sq.narrow(0, full, n - full)?.sum_all()?,
+        false => Ok(rows),
     }
 }
