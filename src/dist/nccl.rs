@@ -226,7 +226,7 @@ impl Collective for NcclGroup {
 
     fn reduce_scatter_tensor(&self, full: &Tensor) -> Result<Tensor> {
         let world = self.world_size();
-        if full.elem_count() % world != 0 {
+        if !full.elem_count().is_multiple_of(world) {
             bail!("reduce_scatter: {} values do not split over {world} ranks", full.elem_count());
         }
         self.run_tensor(TensorOp::ReduceScatter, full, full.elem_count() / world)

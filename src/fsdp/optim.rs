@@ -52,18 +52,7 @@ pub fn adamw_step(
     state: &mut AdamWState,
     clip: Option<f32>,
 ) {
-    let bc1 = 1.0 - cfg.beta1.powi(step as i32);
-    let bc2 = 1.0 - cfg.beta2.powi(step as i32);
-    let k = AdamWConstants {
-        decay: (weight_decay != 0.0).then_some((1.0 - lr * weight_decay) as f32),
-        b2: cfg.beta2 as f32,
-        one_minus_b1: 1.0 - cfg.beta1 as f32,
-        one_minus_b2: 1.0 - cfg.beta2 as f32,
-        step_size: (lr / bc1) as f32,
-        bc2_sqrt: bc2.sqrt() as f32,
-        eps: cfg.eps as f32,
-        clip,
-    };
+    let k = AdamWConstants::new(cfg, lr, weight_decay, step, clip);
     // Elementwise, so split over the threads (the same values as one loop), on candle's barrier
     // pool, where the step's products and attention ran: a second pool's threads would spin
     // against it for the cores.
@@ -124,17 +113,35 @@ impl Shared {
     }
 }
 
-/// The per-step numbers of [`adamw_step`], by value so the loop keeps them in registers.
+/// The per-step numbers of [`adamw_step`], by value so the loop keeps them in registers (and
+/// the GPU kernel of `adamw_cuda` gets the same f32 values).
 #[derive(Clone, Copy)]
-struct AdamWConstants {
-    decay: Option<f32>,
-    b2: f32,
-    one_minus_b1: f32,
-    one_minus_b2: f32,
-    step_size: f32,
-    bc2_sqrt: f32,
-    eps: f32,
-    clip: Option<f32>,
+pub(crate) struct AdamWConstants {
+    pub decay: Option<f32>,
+    pub b2: f32,
+    pub one_minus_b1: f32,
+    pub one_minus_b2: f32,
+    pub step_size: f32,
+    pub bc2_sqrt: f32,
+    pub eps: f32,
+    pub clip: Option<f32>,
+}
+
+impl AdamWConstants {
+    pub fn new(cfg: &AdamWConfig, lr: f64, weight_decay: f64, step: u64, clip: Option<f32>) -> Self {
+        let bc1 = 1.0 - cfg.beta1.powi(step as i32);
+        let bc2 = 1.0 - cfg.beta2.powi(step as i32);
+        Self {
+            decay: (weight_decay != 0.0).then_some((1.0 - lr * weight_decay) as f32),
+            b2: cfg.beta2 as f32,
+            one_minus_b1: 1.0 - cfg.beta1 as f32,
+            one_minus_b2: 1.0 - cfg.beta2 as f32,
+            step_size: (lr / bc1) as f32,
+            bc2_sqrt: bc2.sqrt() as f32,
+            eps: cfg.eps as f32,
+            clip,
+        }
+    }
 }
 
 /// The update of one chunk. Plain IEEE operations in torch's order (no fused multiply-add), so

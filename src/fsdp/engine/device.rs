@@ -153,6 +153,14 @@ impl UnitShards for DeviceShards {
     fn adamw(&mut self, cx: &UnitCtx, step: &AdamWStep) -> anyhow::Result<()> {
         for i in 0..cx.plan.params.len() {
             let (Some(g), Some(m), Some(v)) = (&mut self.grad[i], &mut self.exp_avg[i], &mut self.exp_avg_sq[i]) else { continue };
+            // On a GPU, one kernel (the moments are this chunk's own: updated in place).
+            #[cfg(feature = "cuda")]
+            if g.device().is_cuda() {
+                let (lr, wd) = (step.lr, step.weight_decay[i]);
+                self.master[i] = crate::fsdp::adamw_cuda::adamw_step(step.cfg, lr, wd, step.step, step.clip, &self.master[i], g, m, v)?;
+                *g = g.zeros_like()?;
+                continue;
+            }
             let grad = match step.clip {
                 Some(c) => g.affine(c as f64, 0.0)?,
                 None => g.clone(),
