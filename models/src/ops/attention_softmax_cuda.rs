@@ -11,7 +11,7 @@
 //! time; the PTX matches the driver's NVRTC), then loaded once per device by candle.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor, WithDType};
 use std::sync::OnceLock;
@@ -30,7 +30,7 @@ pub fn applies(scores_dtype: DType, device: &candle_core::Device, mask: Option<&
 /// scores, in f32, returned in the scores' dtype.
 pub fn forward(scores: &Tensor, mask: Option<&Tensor>, scale: f64) -> Result<Tensor> {
     let mask = broadcast_mask(mask, scores)?;
-    scores.contiguous()?.apply_op1_no_bwd(&Forward { mask, scale })
+    scores.contiguous()?.apply_op1_no_bwd(&Kernel(Forward { mask, scale }))
 }
 
 /// `p ∘ (dp − delta) · scale` for the p that [`forward`] gives these scores (recomputed), with
@@ -50,7 +50,7 @@ pub fn backward(scores: &Tensor, mask: Option<&Tensor>, scale: f64, dp: &Tensor,
     if delta.elem_count() * scores.dim(3)? != scores.elem_count() {
         candle_core::bail!("attention softmax backward: delta {:?} for scores {:?}", delta.dims(), scores.dims());
     }
-    dp.contiguous()?.apply_op1_no_bwd(&Backward { scores: scores.contiguous()?, mask, delta, scale })
+    dp.contiguous()?.apply_op1_no_bwd(&Kernel(Backward { scores: scores.contiguous()?, mask, delta, scale }))
 }
 
 /// The mask as a (batch, heads, T, S) view whose rows are contiguous and S apart (the kernels
@@ -135,11 +135,39 @@ fn contiguous_from_start(layout: &Layout, what: &str) -> Result<usize> {
     }
 }
 
-/// A GPU tensor's storage, for reading its values in a kernel.
-fn cuda_storage<'a>(storage: &'a Storage, what: &str) -> Result<&'a CudaStorage> {
+/// A GPU tensor's values from `start` on, for a kernel argument.
+fn values<'a, T: CudaDType>(storage: &'a Storage, start: usize, what: &str) -> Result<CudaView<'a, T>> {
     match storage {
-        Storage::Cuda(s) => Ok(s),
+        Storage::Cuda(s) => Ok(s.as_cuda_slice::<T>()?.slice(start..)),
         _ => candle_core::bail!("attention softmax: {what} is not on the GPU"),
+    }
+}
+
+/// One of the two kernels, run on its input's storage.
+trait Pass: Send + Sync {
+    const NAME: &'static str;
+    fn run<T: CudaDType + DeviceRepr + WithDType>(&self, input: &CudaStorage, layout: &Layout) -> Result<CudaStorage>;
+}
+
+/// A [`Pass`] as a candle op, run for its input's dtype.
+struct Kernel<P>(P);
+
+impl<P: Pass> CustomOp1 for Kernel<P> {
+    fn name(&self) -> &'static str {
+        P::NAME
+    }
+
+    fn cpu_fwd(&self, _: &candle_core::CpuStorage, _: &Layout) -> Result<(candle_core::CpuStorage, Shape)> {
+        candle_core::bail!("attention softmax kernels run on a GPU only")
+    }
+
+    fn cuda_fwd(&self, input: &CudaStorage, layout: &Layout) -> Result<(CudaStorage, Shape)> {
+        let out = match input.dtype() {
+            DType::F32 => self.0.run::<f32>(input, layout)?,
+            DType::BF16 => self.0.run::<half::bf16>(input, layout)?,
+            other => candle_core::bail!("attention softmax kernels: no {other:?} version"),
+        };
+        Ok((out, layout.shape().clone()))
     }
 }
 
@@ -148,50 +176,29 @@ struct Forward {
     scale: f64,
 }
 
-impl Forward {
+impl Pass for Forward {
+    const NAME: &'static str = "attention-softmax";
+
     fn run<T: CudaDType + DeviceRepr + WithDType>(&self, scores: &CudaStorage, layout: &Layout) -> Result<CudaStorage> {
         let dev = scores.device.clone();
         let rows = Rows::new(layout.shape(), self.mask.as_ref(), self.scale)?;
         let scores = scores.as_cuda_slice::<T>()?.slice(contiguous_from_start(layout, "the scores")?..);
         let mask_storage = self.mask.as_ref().map(|m| m.storage_and_layout());
+        let mask = mask_storage.as_ref().map(|(s, l)| values::<T>(s, l.start_offset(), "the mask")).transpose()?;
         let probs = unsafe { dev.alloc::<T>(layout.shape().elem_count())? };
         let func = dev.get_or_load_custom_func(&kernel_name("forward", T::DTYPE)?, MODULE, ptx()?)?;
         let mut args = func.builder();
-        args.arg(&scores);
         let no_mask = 0u64;
-        let mask_view = match &mask_storage {
-            Some((storage, l)) => Some(cuda_storage(storage, "the mask")?.as_cuda_slice::<T>()?.slice(l.start_offset()..)),
-            None => None,
-        };
-        match &mask_view {
+        args.arg(&scores);
+        match &mask {
             Some(view) => args.arg(view),
             None => args.arg(&no_mask),
         };
-        args.arg(&probs);
-        args.arg(&rows);
+        args.arg(&probs).arg(&rows);
         // SAFETY: the kernel reads rows × S scores (and mask rows inside the mask's storage)
         // and writes rows × S values of `probs`, all allocated above.
         unsafe { args.launch(rows.launch_config()) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(probs, dev))
-    }
-}
-
-impl CustomOp1 for Forward {
-    fn name(&self) -> &'static str {
-        "attention-softmax"
-    }
-
-    fn cpu_fwd(&self, _: &candle_core::CpuStorage, _: &Layout) -> Result<(candle_core::CpuStorage, Shape)> {
-        candle_core::bail!("attention softmax kernels run on a GPU only")
-    }
-
-    fn cuda_fwd(&self, storage: &CudaStorage, layout: &Layout) -> Result<(CudaStorage, Shape)> {
-        let out = match storage.dtype() {
-            DType::F32 => self.run::<f32>(storage, layout)?,
-            DType::BF16 => self.run::<half::bf16>(storage, layout)?,
-            other => candle_core::bail!("attention softmax kernels: no {other:?} version"),
-        };
-        Ok((out, layout.shape().clone()))
     }
 }
 
@@ -202,55 +209,31 @@ struct Backward {
     scale: f64,
 }
 
-impl Backward {
+impl Pass for Backward {
+    const NAME: &'static str = "attention-softmax-backward";
+
     fn run<T: CudaDType + DeviceRepr + WithDType>(&self, dp: &CudaStorage, layout: &Layout) -> Result<CudaStorage> {
         let dev = dp.device.clone();
         let rows = Rows::new(layout.shape(), self.mask.as_ref(), self.scale)?;
         let dp = dp.as_cuda_slice::<T>()?.slice(contiguous_from_start(layout, "dp")?..);
         let (scores_storage, scores_layout) = self.scores.storage_and_layout();
-        let scores =
-            cuda_storage(&scores_storage, "the scores")?.as_cuda_slice::<T>()?.slice(contiguous_from_start(scores_layout, "the scores")?..);
+        let scores = values::<T>(&scores_storage, contiguous_from_start(scores_layout, "the scores")?, "the scores")?;
         let (delta_storage, delta_layout) = self.delta.storage_and_layout();
-        let delta = cuda_storage(&delta_storage, "delta")?.as_cuda_slice::<f32>()?.slice(contiguous_from_start(delta_layout, "delta")?..);
+        let delta = values::<f32>(&delta_storage, contiguous_from_start(delta_layout, "delta")?, "delta")?;
         let mask_storage = self.mask.as_ref().map(|m| m.storage_and_layout());
-        let mask_view = match &mask_storage {
-            Some((storage, l)) => Some(cuda_storage(storage, "the mask")?.as_cuda_slice::<T>()?.slice(l.start_offset()..)),
-            None => None,
-        };
+        let mask = mask_storage.as_ref().map(|(s, l)| values::<T>(s, l.start_offset(), "the mask")).transpose()?;
         let ds = unsafe { dev.alloc::<T>(layout.shape().elem_count())? };
         let func = dev.get_or_load_custom_func(&kernel_name("backward", T::DTYPE)?, MODULE, ptx()?)?;
         let mut args = func.builder();
         let no_mask = 0u64;
         args.arg(&scores);
-        match &mask_view {
+        match &mask {
             Some(view) => args.arg(view),
             None => args.arg(&no_mask),
         };
-        args.arg(&dp);
-        args.arg(&delta);
-        args.arg(&ds);
-        args.arg(&rows);
+        args.arg(&dp).arg(&delta).arg(&ds).arg(&rows);
         // SAFETY: as for the forward; delta holds one value per row (checked in `backward`).
         unsafe { args.launch(rows.launch_config()) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(ds, dev))
-    }
-}
-
-impl CustomOp1 for Backward {
-    fn name(&self) -> &'static str {
-        "attention-softmax-backward"
-    }
-
-    fn cpu_fwd(&self, _: &candle_core::CpuStorage, _: &Layout) -> Result<(candle_core::CpuStorage, Shape)> {
-        candle_core::bail!("attention softmax kernels run on a GPU only")
-    }
-
-    fn cuda_fwd(&self, storage: &CudaStorage, layout: &Layout) -> Result<(CudaStorage, Shape)> {
-        let out = match storage.dtype() {
-            DType::F32 => self.run::<f32>(storage, layout)?,
-            DType::BF16 => self.run::<half::bf16>(storage, layout)?,
-            other => candle_core::bail!("attention softmax kernels: no {other:?} version"),
-        };
-        Ok((out, layout.shape().clone()))
     }
 }
