@@ -3,20 +3,18 @@
 //! (scales, sums, a square, a root, a quotient), about a quarter of the 1.1B Llama bench's GPU
 //! time (`tests/gpu/run.sh profile`).
 //!
-//! The source is compiled by NVRTC the first time a process needs it, like the attention
-//! kernels of `models::ops`.
+//! The source is compiled by NVRTC the first time a process needs it (`models::ops::runtime_cuda`),
+//! with no contracted multiply-adds.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{CudaStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor};
-use std::sync::OnceLock;
+use candle_core::{CudaStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+use models::ops::runtime_cuda::{values, RuntimeSource};
 
 use super::optim::{AdamWConfig, AdamWConstants};
 
-const SOURCE: &str = include_str!("adamw.cu");
-const MODULE: &str = "fsdp_app_adamw";
+static SOURCE: RuntimeSource = RuntimeSource::new("fsdp_app_adamw", "src/fsdp/adamw.cu", include_str!("adamw.cu"), false);
 const THREADS_PER_BLOCK: u32 = 256;
 
 /// One AdamW step of an f32 chunk on its GPU, `step` counting from 1, `clip` multiplied into
@@ -83,30 +81,11 @@ struct Constants {
 // SAFETY: plain data laid out as the kernel's C struct.
 unsafe impl DeviceRepr for Constants {}
 
-/// The PTX of `adamw.cu`, compiled once per process, with no contracted multiply-adds.
-fn ptx() -> Result<&'static str> {
-    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
-    PTX.get_or_init(|| {
-        let opts = CompileOptions { fmad: Some(false), ..Default::default() };
-        compile_ptx_with_opts(SOURCE, opts).map(|p| p.to_src()).map_err(|e| format!("{e:?}"))
-    })
-    .as_deref()
-    .map_err(|e| candle_core::Error::Msg(format!("compiling src/fsdp/adamw.cu with NVRTC: {e}")))
-}
-
 struct Step {
     constants: Constants,
     grad: Tensor,
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
-}
-
-/// The `n` f32 values of a GPU tensor, for a kernel argument.
-fn values<'a>(storage: &'a Storage, layout: &Layout, n: usize, what: &str) -> Result<CudaView<'a, f32>> {
-    match storage {
-        Storage::Cuda(s) => Ok(s.as_cuda_slice::<f32>()?.slice(layout.start_offset()..layout.start_offset() + n)),
-        _ => candle_core::bail!("AdamW on a GPU: the {what} is not on the GPU"),
-    }
 }
 
 impl CustomOp1 for Step {
@@ -125,10 +104,13 @@ impl CustomOp1 for Step {
         let (grad, grad_layout) = self.grad.storage_and_layout();
         let (m, m_layout) = self.exp_avg.storage_and_layout();
         let (v, v_layout) = self.exp_avg_sq.storage_and_layout();
-        let (grad, m, v) =
-            (values(&grad, grad_layout, n, "gradient")?, values(&m, m_layout, n, "exp_avg")?, values(&v, v_layout, n, "exp_avg_sq")?);
+        let (grad, m, v) = (
+            values::<f32>(&grad, grad_layout.start_offset(), Some(n), "AdamW: the gradient")?,
+            values::<f32>(&m, m_layout.start_offset(), Some(n), "AdamW: exp_avg")?,
+            values::<f32>(&v, v_layout.start_offset(), Some(n), "AdamW: exp_avg_sq")?,
+        );
         let out = unsafe { dev.alloc::<f32>(n)? };
-        let func = dev.get_or_load_custom_func("adamw_f32", MODULE, ptx()?)?;
+        let func = dev.get_or_load_custom_func("adamw_f32", SOURCE.module, SOURCE.ptx()?)?;
         let mut args = func.builder();
         args.arg(&param).arg(&grad).arg(&m).arg(&v).arg(&out).arg(&self.constants);
         let blocks = (n as u64).div_ceil(THREADS_PER_BLOCK as u64).clamp(1, i32::MAX as u64) as u32;

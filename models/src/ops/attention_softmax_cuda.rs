@@ -7,17 +7,16 @@
 //! broadcast path (2.9 ms a layer), casts to f32 and back, the softmax, and the backward's
 //! subtraction, product and casts (`tests/gpu/run.sh profile`, kernels by launch size).
 //!
-//! The source is compiled by NVRTC the first time a process needs it (no CUDA toolkit at build
-//! time; the PTX matches the driver's NVRTC), then loaded once per device by candle.
+//! The source is compiled by NVRTC the first time a process needs it (`runtime_cuda`).
 
+use super::runtime_cuda::{values, RuntimeSource};
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{CudaStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor, WithDType};
-use std::sync::OnceLock;
+use candle_core::{CudaStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, WithDType};
 
-const SOURCE: &str = include_str!("attention_softmax.cu");
-const MODULE: &str = "fsdp_app_attention_softmax";
+static SOURCE: RuntimeSource =
+    RuntimeSource::new("fsdp_app_attention_softmax", "models/src/ops/attention_softmax.cu", include_str!("attention_softmax.cu"), true);
 /// One warp per row; eight rows a block.
 const WARPS_PER_BLOCK: u32 = 8;
 
@@ -110,14 +109,6 @@ impl Rows {
     }
 }
 
-/// The PTX of `attention_softmax.cu`, compiled once per process.
-fn ptx() -> Result<&'static str> {
-    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
-    PTX.get_or_init(|| candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(SOURCE).map(|p| p.to_src()).map_err(|e| format!("{e:?}")))
-        .as_deref()
-        .map_err(|e| candle_core::Error::Msg(format!("compiling models/src/ops/attention_softmax.cu with NVRTC: {e}")))
-}
-
 /// The kernel `attention_softmax_{pass}_{dtype}` of the source.
 fn kernel_name(pass: &str, dtype: DType) -> Result<String> {
     let suffix = match dtype {
@@ -132,14 +123,6 @@ fn contiguous_from_start(layout: &Layout, what: &str) -> Result<usize> {
     match layout.contiguous_offsets() {
         Some((start, _)) => Ok(start),
         None => candle_core::bail!("attention softmax: {what} is not contiguous"),
-    }
-}
-
-/// A GPU tensor's values from `start` on, for a kernel argument.
-fn values<'a, T: CudaDType>(storage: &'a Storage, start: usize, what: &str) -> Result<CudaView<'a, T>> {
-    match storage {
-        Storage::Cuda(s) => Ok(s.as_cuda_slice::<T>()?.slice(start..)),
-        _ => candle_core::bail!("attention softmax: {what} is not on the GPU"),
     }
 }
 
@@ -184,9 +167,9 @@ impl Pass for Forward {
         let rows = Rows::new(layout.shape(), self.mask.as_ref(), self.scale)?;
         let scores = scores.as_cuda_slice::<T>()?.slice(contiguous_from_start(layout, "the scores")?..);
         let mask_storage = self.mask.as_ref().map(|m| m.storage_and_layout());
-        let mask = mask_storage.as_ref().map(|(s, l)| values::<T>(s, l.start_offset(), "the mask")).transpose()?;
+        let mask = mask_storage.as_ref().map(|(s, l)| values::<T>(s, l.start_offset(), None, "attention softmax: the mask")).transpose()?;
         let probs = unsafe { dev.alloc::<T>(layout.shape().elem_count())? };
-        let func = dev.get_or_load_custom_func(&kernel_name("forward", T::DTYPE)?, MODULE, ptx()?)?;
+        let func = dev.get_or_load_custom_func(&kernel_name("forward", T::DTYPE)?, SOURCE.module, SOURCE.ptx()?)?;
         let mut args = func.builder();
         let no_mask = 0u64;
         args.arg(&scores);
@@ -217,13 +200,14 @@ impl Pass for Backward {
         let rows = Rows::new(layout.shape(), self.mask.as_ref(), self.scale)?;
         let dp = dp.as_cuda_slice::<T>()?.slice(contiguous_from_start(layout, "dp")?..);
         let (scores_storage, scores_layout) = self.scores.storage_and_layout();
-        let scores = values::<T>(&scores_storage, contiguous_from_start(scores_layout, "the scores")?, "the scores")?;
+        let scores =
+            values::<T>(&scores_storage, contiguous_from_start(scores_layout, "the scores")?, None, "attention softmax: the scores")?;
         let (delta_storage, delta_layout) = self.delta.storage_and_layout();
-        let delta = values::<f32>(&delta_storage, contiguous_from_start(delta_layout, "delta")?, "delta")?;
+        let delta = values::<f32>(&delta_storage, contiguous_from_start(delta_layout, "delta")?, None, "attention softmax: delta")?;
         let mask_storage = self.mask.as_ref().map(|m| m.storage_and_layout());
-        let mask = mask_storage.as_ref().map(|(s, l)| values::<T>(s, l.start_offset(), "the mask")).transpose()?;
+        let mask = mask_storage.as_ref().map(|(s, l)| values::<T>(s, l.start_offset(), None, "attention softmax: the mask")).transpose()?;
         let ds = unsafe { dev.alloc::<T>(layout.shape().elem_count())? };
-        let func = dev.get_or_load_custom_func(&kernel_name("backward", T::DTYPE)?, MODULE, ptx()?)?;
+        let func = dev.get_or_load_custom_func(&kernel_name("backward", T::DTYPE)?, SOURCE.module, SOURCE.ptx()?)?;
         let mut args = func.builder();
         let no_mask = 0u64;
         args.arg(&scores);

@@ -15,7 +15,8 @@
 //! - `quant_blocks`: `x · Wᵀ` over llama.cpp's 32-value block formats (Q4_0 ... Q8_0), in place;
 //! - `eager_attention`: the one op here for every device: attention composed of candle's ops,
 //!   as one graph node with its own backward (training on a GPU), whose softmax on a GPU is
-//!   `attention_softmax_cuda`'s two kernels.
+//!   `attention_softmax_cuda`'s two kernels; `runtime_cuda`: what our GPU kernels (those and the
+//!   trainer's AdamW) share, their NVRTC compilation and their tensors as kernel arguments.
 
 pub mod attend_rows;
 pub mod attention;
@@ -36,6 +37,8 @@ pub mod pool;
 pub mod quant_blocks;
 #[cfg(target_arch = "x86_64")]
 mod quant_blocks_x86;
+#[cfg(feature = "cuda")]
+pub mod runtime_cuda;
 #[cfg(target_arch = "x86_64")]
 mod sgemm_avx2;
 pub mod small_batch;
