@@ -2,17 +2,18 @@
 //! the BLAS libraries PyTorch and numpy users run, on this CPU, in one run: for each linear layer
 //! shape of the training bench's two models (tokens, in, out), the forward `y = x Wᵀ` and the
 //! backward's `dx = dy W` plus `dW = dyᵀ x`, as GFLOP/s:
-//! - ours: `models::ops::linear` (on AVX2 our packed driver, `models/src/ops/sgemm_avx2.rs`,
+//! - ours: `models::ops::linear` (on AVX2 our packed driver, `models/src/ops/sgemm_packed.rs`,
 //!   elsewhere the gemm crate's kernels; on candle's barrier pool), the code `finetune` runs
-//!   (`FSDP_MATMUL=gemm` measures gemm's AVX2 kernels in this column instead);
+//!   (`FSDP_MATMUL=gemm|packed` picks the kernels of this column instead);
 //! - MKL / oneDNN: PyTorch's CPU matmul through autograd (the PyPI wheel), the peer of the
 //!   training bench;
 //! - OpenBLAS: numpy's `@` (the PyPI wheel ships OpenBLAS).
 //!
 //! Then a 28M Llama step's products in the order training runs them (every layer's forward and
 //! backward, each layer with its own operands, so that they come from memory as in training),
-//! with AVX2's products on our packed driver and, in alternating child processes, on gemm's
-//! AVX2 kernels (`FSDP_MATMUL=gemm`).
+//! with the products on our packed driver (`FSDP_MATMUL=packed`: at AVX-512 too, where gemm's
+//! kernels are the default) and, in alternating child processes, on gemm's kernels of the same
+//! level (`FSDP_MATMUL=gemm`).
 //!
 //! FSDP_BENCH_PYTHON: a Python with numpy (and torch for the MKL column; default python3).
 //! FSDP_BENCH_THREADS: threads for every library (default 2).
@@ -92,16 +93,13 @@ fn step_sequence_rate() -> anyhow::Result<f64> {
     Ok(flops / secs[secs.len() / 2] / 1e9)
 }
 
-/// [`step_sequence_rate`] with our AVX2 driver and with gemm's AVX2 kernels, in child processes
+/// [`step_sequence_rate`] with our packed driver and with gemm's kernels, in child processes
 /// (the choice is made once per process), alternating 5 times.
 fn step_sequence_rows(threads: usize) -> anyhow::Result<()> {
     let exe = std::env::current_exe()?;
     let rate = |gemm: bool| -> anyhow::Result<f64> {
         let mut cmd = Command::new(&exe);
-        cmd.arg(STEP_CHILD);
-        if gemm {
-            cmd.env("FSDP_MATMUL", "gemm");
-        }
+        cmd.arg(STEP_CHILD).env("FSDP_MATMUL", if gemm { "gemm" } else { "packed" });
         let out = cmd.output()?;
         anyhow::ensure!(out.status.success(), "step sequence child: {}", String::from_utf8_lossy(&out.stderr));
         Ok(String::from_utf8_lossy(&out.stdout).trim().parse()?)
@@ -125,12 +123,12 @@ A 28M Llama step's products in training's order (6 layers of their own operands,
 |---|---|---|"
     );
     println!(
-        "| fsdp-app's packed driver (AVX2) | {:.0} | {:?} |",
+        "| fsdp-app's packed driver ({level:?} tile, `FSDP_MATMUL=packed`) | {:.0} | {:?} |",
         median(ours.clone()),
         ours.iter().map(|r| r.round()).collect::<Vec<_>>()
     );
     println!(
-        "| gemm's AVX2 kernels (`FSDP_MATMUL=gemm`) | {:.0} | {:?} |",
+        "| gemm's {level:?} kernels (`FSDP_MATMUL=gemm`) | {:.0} | {:?} |",
         median(gemm.clone()),
         gemm.iter().map(|r| r.round()).collect::<Vec<_>>()
     );
@@ -138,7 +136,7 @@ A 28M Llama step's products in training's order (6 layers of their own operands,
         "
 ours / gemm: {:.2}x (median of the rounds' ratios{})",
         median(ratios),
-        if level == models::ops::kernels::SimdLevel::Avx2 { "" } else { "; both rows ran gemm's kernels at this level" }
+        if level >= models::ops::kernels::SimdLevel::Avx2 { "" } else { "; both rows ran gemm's kernels at this level" }
     );
     Ok(())
 }
@@ -162,7 +160,7 @@ fn main() -> anyhow::Result<()> {
         ours.push((fwd, bwd));
     }
     let python = std::env::var("FSDP_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/bench/matmul_peers.py");
+    let script = common::repo_root().join("tests/bench/matmul_peers.py");
     let shapes: Vec<[usize; 3]> = SHAPES.iter().map(|(_, s)| *s).collect();
     let peers = Command::new(&python)
         .arg(&script)

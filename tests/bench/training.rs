@@ -123,7 +123,7 @@ fn config(model: &Path, data: &Path, out: &Path, world: usize) -> FinetuneConfig
 fn main() -> anyhow::Result<()> {
     fsdp_app::tune_cpu_threads(fsdp_app::finetune_workload());
     std::env::set_var("RAYON_NUM_THREADS", THREADS.to_string());
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let root = common::repo_root();
     let models_dir = root.join("target").join("bench-models");
     std::fs::create_dir_all(&models_dir)?;
     let tmp = tempfile::tempdir()?;

@@ -29,14 +29,19 @@ pub fn fixture_with(name: &str, dir: &Path, sizes: &[(&str, u64)]) -> PathBuf {
     fsdp_app::fixtures::write_fixture_with(name, dir, &overrides).expect("writing fixture")
 }
 
-pub fn reference_dir() -> PathBuf {
-    let built_here = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests").join("reference");
-    // A test binary carried to another machine (the GPU tests) runs from the repository root.
-    if built_here.exists() {
+/// The checkout this binary was built in, or, for a binary carried to another machine (the GPU
+/// tests, the benches on the GPU machine's CPU), the working directory, a checkout's root.
+pub fn repo_root() -> PathBuf {
+    let built_here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    if built_here.join("tests").exists() {
         built_here
     } else {
-        PathBuf::from("tests").join("reference")
+        std::env::current_dir().expect("the working directory")
     }
+}
+
+pub fn reference_dir() -> PathBuf {
+    repo_root().join("tests").join("reference")
 }
 
 pub fn reference_tensors(name: &str) -> std::collections::HashMap<String, Tensor> {

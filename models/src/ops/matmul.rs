@@ -1,15 +1,16 @@
 //! The one door to matrix products for our own f32 code (the fused linear ops, attention,
 //! prefill): `dst = alpha · dst + beta · lhs · rhs` on the calling thread, with the kernels of
-//! the level [`SimdLevel::current`] names: at AVX2 our packed driver (`sgemm_avx2`, whose
-//! threads can share a packed operand), elsewhere the gemm crate's.
+//! the level [`SimdLevel::current`] names: at AVX2 our packed driver (`sgemm_packed`, whose
+//! threads can share a packed operand; at AVX-512 too with `FSDP_MATMUL=packed`), elsewhere
+//! (and for products too small to pack) the gemm crate's.
 //!
 //! Why not `gemm::gemm` alone: gemm picks its microkernels once, by std's feature detection, with
 //! no way to ask for a lower level, so `FSDP_SIMD=avx2` on an AVX-512 machine would still have run
 //! every product on AVX-512 tiles. At a forced lower level the AVX2 driver runs exactly as on a
 //! CPU without AVX-512, and the scalar level calls gemm-common's public driver
 //! (`gemm_basic_generic`) with gemm-f32's scalar microkernels, so one binary measures either
-//! kind of machine. `FSDP_MATMUL=gemm` runs AVX2 products on gemm's AVX2 kernels instead, to
-//! measure one beside the other.
+//! kind of machine. `FSDP_MATMUL=gemm` runs the products on gemm's kernels of the level instead,
+//! `FSDP_MATMUL=packed` on the packed driver at AVX-512 too, to measure one beside the other.
 
 use std::sync::OnceLock;
 
@@ -42,21 +43,65 @@ pub(crate) unsafe fn sgemm(
     sgemm_at(SimdLevel::current(), m, n, k, dst, lhs, rhs, alpha, beta)
 }
 
-/// Whether AVX2 products run on our packed driver (`sgemm_avx2`), as they do unless
-/// `FSDP_MATMUL=gemm` asks for gemm's AVX2 kernels.
-fn packed_driver() -> bool {
-    static PACKED: OnceLock<bool> = OnceLock::new();
-    *PACKED.get_or_init(|| std::env::var("FSDP_MATMUL").as_deref() != Ok("gemm"))
+/// Which kernels run the products, from `FSDP_MATMUL`.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Choice {
+    /// Unset: our packed driver at AVX2, gemm's kernels at AVX-512. The AVX-512 tile was no
+    /// faster than gemm's AVX-512 kernels where it was measured (a 28M Llama step's products,
+    /// 2 threads of an AMX-era Xeon: 0.93x), so gemm keeps that level.
+    Default,
+    /// `gemm`: gemm's kernels at every level.
+    Gemm,
+    /// `packed`: our packed driver at AVX-512 too.
+    Packed,
 }
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) use super::sgemm_avx2::SharedLhs;
+fn choice() -> Choice {
+    static CHOICE: OnceLock<Choice> = OnceLock::new();
+    *CHOICE.get_or_init(|| match std::env::var("FSDP_MATMUL") {
+        Err(_) => Choice::Default,
+        Ok(v) if v == "gemm" => Choice::Gemm,
+        Ok(v) if v == "packed" => Choice::Packed,
+        Ok(v) => panic!("FSDP_MATMUL={v:?}: expected `gemm` or `packed` (or unset)"),
+    })
+}
+
+/// The register tile of our packed driver (`sgemm_packed`) that products at `level` run on, if
+/// they run on it ([`Choice`]).
+#[cfg(target_arch = "x86_64")]
+fn packed_tile(level: SimdLevel) -> Option<Tile> {
+    match (Tile::at(level)?, choice()) {
+        (_, Choice::Gemm) => None,
+        (Tile::Avx512, Choice::Default) => None,
+        (tile, _) => Some(tile),
+    }
+}
+
+/// Columns of dst the kernels of this thread's products compute at a time: a split of a
+/// product's columns into pieces that are not multiples of it runs ragged edge tiles.
+pub(crate) fn tile_columns() -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(tile) = packed_tile(SimdLevel::current()) {
+        return tile.nr();
+    }
+    // gemm's AVX2 microkernel computes 16 rows of its (transposed) dst, 16 of our columns.
+    16
+}
+
+#[cfg(target_arch = "x86_64")]
+use super::sgemm_packed;
+#[cfg(target_arch = "x86_64")]
+pub(crate) use super::sgemm_packed::SharedLhs;
+#[cfg(target_arch = "x86_64")]
+use super::sgemm_tiles::Tile;
 /// Nothing to share off x86-64 (no packed driver there).
 #[cfg(not(target_arch = "x86_64"))]
 pub(crate) enum SharedLhs {}
 
 /// Runs `f` with lhs (m × k) packed once for the threads that compute pieces of a product's
-/// columns (each at least `narrowest` wide), where those pieces run on the AVX2 packed driver
+/// columns (each at least `narrowest` wide), where those pieces run on our packed driver
 /// and lhs is not too large to keep packed whole; with None elsewhere (each piece then packs
 /// what it reads itself).
 ///
@@ -70,7 +115,7 @@ pub(crate) unsafe fn with_lhs_shared_by_pieces<R>(
     f: impl FnOnce(Option<&SharedLhs>) -> R,
 ) -> R {
     #[cfg(target_arch = "x86_64")]
-    if SimdLevel::current() == SimdLevel::Avx2 && packed_driver() && super::sgemm_avx2::shares_lhs(m, narrowest, k) {
+    if packed_tile(SimdLevel::current()).is_some() && sgemm_packed::shares_lhs(m, narrowest, k) {
         return SharedLhs::with(m, k, lhs, |shared| f(Some(shared)));
     }
     let _ = (m, narrowest, k, lhs);
@@ -96,7 +141,11 @@ pub(crate) unsafe fn sgemm_piece(
 ) {
     match shared {
         #[cfg(target_arch = "x86_64")]
-        Some(shared) => super::sgemm_avx2::sgemm(m, n, k, dst, dst_rs, lhs, rhs, accumulate, 1.0, Some(shared)),
+        Some(shared) => {
+            // A shared packing exists only where the level's products run on a packed tile.
+            let tile = packed_tile(SimdLevel::current()).expect("with_lhs_shared_by_pieces shares only for a packed tile");
+            sgemm_packed::sgemm(tile, m, n, k, dst, dst_rs, lhs, rhs, accumulate, 1.0, Some(shared))
+        }
         _ => sgemm(m, n, k, (dst, 1, dst_rs as isize), lhs, rhs, if accumulate { 1.0 } else { 0.0 }, 1.0),
     }
 }
@@ -119,15 +168,14 @@ unsafe fn sgemm_at(
 ) {
     debug_assert!([dst.1, dst.2, lhs.1, lhs.2, rhs.1, rhs.2].iter().all(|s| *s >= 0));
     #[cfg(target_arch = "x86_64")]
-    if level == SimdLevel::Avx2 && (alpha == 0.0 || alpha == 1.0) && packed_driver() {
-        use super::sgemm_avx2;
-        if dst.1 == 1 && sgemm_avx2::worth_it(m, n, k) {
-            return sgemm_avx2::sgemm(m, n, k, dst.0, dst.2 as usize, lhs, rhs, alpha != 0.0, beta, None);
+    if let Some(tile) = packed_tile(level).filter(|_| alpha == 0.0 || alpha == 1.0) {
+        if dst.1 == 1 && sgemm_packed::worth_it(m, n, k) {
+            return sgemm_packed::sgemm(tile, m, n, k, dst.0, dst.2 as usize, lhs, rhs, alpha != 0.0, beta, None);
         }
         // A column-major dst is the row-major dstᵀ = rhsᵀ · lhsᵀ.
-        if dst.2 == 1 && sgemm_avx2::worth_it(n, m, k) {
+        if dst.2 == 1 && sgemm_packed::worth_it(n, m, k) {
             let (lhs_t, rhs_t) = ((rhs.0, rhs.2, rhs.1), (lhs.0, lhs.2, lhs.1));
-            return sgemm_avx2::sgemm(n, m, k, dst.0, dst.1 as usize, lhs_t, rhs_t, alpha != 0.0, beta, None);
+            return sgemm_packed::sgemm(tile, n, m, k, dst.0, dst.1 as usize, lhs_t, rhs_t, alpha != 0.0, beta, None);
         }
     }
     let read_dst = alpha != 0.0;

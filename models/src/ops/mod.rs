@@ -40,7 +40,9 @@ mod quant_blocks_x86;
 #[cfg(feature = "cuda")]
 pub mod runtime_cuda;
 #[cfg(target_arch = "x86_64")]
-mod sgemm_avx2;
+mod sgemm_packed;
+#[cfg(target_arch = "x86_64")]
+mod sgemm_tiles;
 pub mod small_batch;
 pub mod weight_grads;
 

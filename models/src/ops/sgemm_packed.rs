@@ -1,8 +1,9 @@
-//! An f32 matrix product for AVX2 + FMA in BLIS's shape: both operands packed block by block
-//! (read once, in address order), and a 6 × 16 register kernel walking the packed blocks from
-//! the caches (an rhs micro-panel from L1, the lhs block from L2).
+//! An f32 matrix product for AVX2 + FMA and AVX-512 in BLIS's shape: both operands packed block
+//! by block (read once, in address order), and a register kernel (`sgemm_tiles`: 6 × 16 on AVX2,
+//! 6 × 32 on AVX-512) walking the packed blocks from the caches (an rhs micro-panel from L1, the
+//! lhs block from L2).
 //!
-//! Why not gemm's AVX2 path, which runs the same size of register tile: gemm reads one operand
+//! Why not gemm's kernels, which run register tiles of the same size: gemm reads one operand
 //! of our products unpacked (its microkernel walks six strided rows of the activations straight
 //! from memory), and in training every operand comes from memory (a step's weights and saved
 //! activations are several times L3). A 28M Llama step's products in training's order ran 1.10x
@@ -19,14 +20,10 @@ use std::cell::RefCell;
 use std::sync::atomic::{AtomicU8, Ordering};
 
 use super::matmul::Strided;
+use super::sgemm_tiles::{Tile, MR, NR_AVX2, NR_AVX512};
 
-/// Rows of dst one kernel call computes, one broadcast lhs value each.
-const MR: usize = 6;
-/// Columns of dst one kernel call computes: two 8-lane vectors (12 accumulators + 2 rhs + 1
-/// broadcast of the 16 registers).
-const NR: usize = 16;
-/// Depth of a packed block: an rhs micro-panel (KC × NR floats) is 16 KiB and stays in L1
-/// while the kernel walks the lhs block.
+/// Depth of a packed block: an rhs micro-panel (KC × NR floats) is 16 KiB at AVX2 (32 KiB at
+/// AVX-512) and stays in L1 while the kernel walks the lhs block.
 const KC: usize = 256;
 /// Rows of lhs packed at a time: MC × KC floats are 144 KiB, within a Zen 3 core's 512 KiB L2.
 const MC: usize = 144;
@@ -36,7 +33,7 @@ const NC: usize = 4096;
 
 /// Products this small run on gemm (packing would cost more than it saves).
 pub(crate) fn worth_it(m: usize, n: usize, k: usize) -> bool {
-    m >= MR && n >= NR && k >= 8 && m * n * k >= 1 << 15
+    m >= MR && n >= 16 && k >= 8 && m * n * k >= 1 << 15
 }
 
 /// Largest lhs (values) whose packing the threads share: the shared buffer is kept by the
@@ -147,10 +144,12 @@ impl SharedLhs {
 /// columns of the same product.
 ///
 /// # Safety
-/// The CPU must have AVX2 and FMA. The strided matrices must stay inside their allocations;
-/// dst must not overlap lhs or rhs. Strides are non-negative.
+/// The CPU must have the tile's instructions (and AVX2 and FMA, for the packing). The strided
+/// matrices must stay inside their allocations; dst must not overlap lhs or rhs. Strides are
+/// non-negative.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn sgemm(
+    tile: Tile,
     m: usize,
     n: usize,
     k: usize,
@@ -178,7 +177,8 @@ pub(crate) unsafe fn sgemm(
         let mut packed = packed.borrow_mut();
         let (a_buf, b_buf) = &mut *packed;
         let a_len = MC.div_ceil(MR) * MR * KC;
-        let b_len = NC.div_ceil(NR) * NR * KC;
+        let nr = tile.nr();
+        let b_len = NC.div_ceil(nr) * nr * KC;
         if a_buf.len() < a_len {
             *a_buf = vec![0.0; a_len];
         }
@@ -190,7 +190,13 @@ pub(crate) unsafe fn sgemm(
             let nc = NC.min(n - jc);
             for pc in (0..k).step_by(KC) {
                 let kc = KC.min(k - pc);
-                pack_rhs(kc, nc, rhs.0.offset(pc as isize * rhs.2 + jc as isize * rhs.1), rhs.1, rhs.2, b_pack);
+                let src = rhs.0.offset(pc as isize * rhs.2 + jc as isize * rhs.1);
+                // The panel width as a constant: the copy loops unroll (a run-time width cost
+                // the products 1.5%).
+                match tile {
+                    Tile::Avx2 => pack_rhs::<NR_AVX2>(kc, nc, src, rhs.1, rhs.2, b_pack),
+                    Tile::Avx512 => pack_rhs::<NR_AVX512>(kc, nc, src, rhs.1, rhs.2, b_pack),
+                }
                 // Later depth blocks add to what the first wrote.
                 let load_dst = accumulate || pc > 0;
                 for ic in (0..m).step_by(MC) {
@@ -202,15 +208,15 @@ pub(crate) unsafe fn sgemm(
                             a_pack.cast_const()
                         }
                     };
-                    for q in 0..nc.div_ceil(NR) {
-                        let cols = NR.min(nc - q * NR);
+                    for q in 0..nc.div_ceil(nr) {
+                        let cols = nr.min(nc - q * nr);
                         for i in 0..mc.div_ceil(MR) {
                             let rows = MR.min(mc - i * MR);
-                            kernel(
+                            tile.kernel(
                                 kc,
                                 a_pack.add(i * MR * kc),
-                                b_pack.add(q * NR * kc),
-                                dst.add((ic + i * MR) * dst_rs + jc + q * NR),
+                                b_pack.add(q * nr * kc),
+                                dst.add((ic + i * MR) * dst_rs + jc + q * nr),
                                 dst_rs,
                                 (rows, cols),
                                 load_dst,
@@ -222,93 +228,6 @@ pub(crate) unsafe fn sgemm(
             }
         }
     })
-}
-
-/// dst tile `(rows, cols)` (at most MR × NR) = [dst +] beta · Σ_p a[p] ⊗ b[p], a packed MR per
-/// depth step, b NR per depth step.
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn kernel(
-    kc: usize,
-    a: *const f32,
-    b: *const f32,
-    dst: *mut f32,
-    dst_rs: usize,
-    (rows, cols): (usize, usize),
-    load_dst: bool,
-    beta: f32,
-) {
-    // dst's rows are read (or written) after the loop: ask for them now, behind the sums.
-    for r in 0..rows {
-        _mm_prefetch::<_MM_HINT_T0>(dst.add(r * dst_rs) as *const i8);
-        _mm_prefetch::<_MM_HINT_T0>(dst.add(r * dst_rs + NR - 1) as *const i8);
-    }
-    let mut acc = [[_mm256_setzero_ps(); 2]; MR];
-    let (mut a, mut b) = (a, b);
-    // Four depth steps per trip: a 28M Llama step's products in training's order ran 6-9%
-    // faster on one Zen 3 core than one step per trip (2, 4 or 8 alike). Each accumulator
-    // still adds its products in depth order, so the sums are the same.
-    let mut left = kc;
-    while left >= UNROLL {
-        for u in 0..UNROLL {
-            depth_step(&mut acc, a.add(u * MR), b.add(u * NR));
-        }
-        a = a.add(UNROLL * MR);
-        b = b.add(UNROLL * NR);
-        left -= UNROLL;
-    }
-    for _ in 0..left {
-        depth_step(&mut acc, a, b);
-        a = a.add(MR);
-        b = b.add(NR);
-    }
-    let beta = _mm256_set1_ps(beta);
-    if rows == MR && cols == NR {
-        for (r, acc) in acc.iter().enumerate() {
-            let at = dst.add(r * dst_rs);
-            _mm256_storeu_ps(at, update(acc[0], at, load_dst, beta));
-            _mm256_storeu_ps(at.add(8), update(acc[1], at.add(8), load_dst, beta));
-        }
-        return;
-    }
-    // An edge tile: the same sums, then only the tile's part of dst is touched.
-    let mut tile = [0.0f32; MR * NR];
-    for (r, acc) in acc.iter().enumerate().take(rows) {
-        let at = dst.add(r * dst_rs);
-        if load_dst {
-            std::ptr::copy_nonoverlapping(at, tile.as_mut_ptr().add(r * NR), cols);
-        }
-        let t = tile.as_mut_ptr().add(r * NR);
-        _mm256_storeu_ps(t, update(acc[0], t, load_dst, beta));
-        _mm256_storeu_ps(t.add(8), update(acc[1], t.add(8), load_dst, beta));
-        std::ptr::copy_nonoverlapping(t, at, cols);
-    }
-}
-
-/// Depth steps per trip of the kernel's loop.
-const UNROLL: usize = 4;
-
-/// One depth step of the kernel: `acc[r] += a[r] ⊗ b` for the MR lhs values at `a` and the NR
-/// rhs values at `b`.
-#[inline(always)]
-unsafe fn depth_step(acc: &mut [[__m256; 2]; MR], a: *const f32, b: *const f32) {
-    let b0 = _mm256_loadu_ps(b);
-    let b1 = _mm256_loadu_ps(b.add(8));
-    for (r, acc) in acc.iter_mut().enumerate() {
-        let ar = _mm256_broadcast_ss(&*a.add(r));
-        acc[0] = _mm256_fmadd_ps(ar, b0, acc[0]);
-        acc[1] = _mm256_fmadd_ps(ar, b1, acc[1]);
-    }
-}
-
-/// `dst + beta · acc` in one rounding (with beta 1, exactly dst + acc), or `beta · acc`.
-#[inline(always)]
-unsafe fn update(acc: __m256, at: *const f32, load_dst: bool, beta: __m256) -> __m256 {
-    if load_dst {
-        _mm256_fmadd_ps(acc, beta, _mm256_loadu_ps(at))
-    } else {
-        _mm256_mul_ps(acc, beta)
-    }
 }
 
 /// Packs an `mc × kc` block of lhs (element (i, p) at `i·rs + p·cs`) as micro-panels of MR
@@ -351,40 +270,43 @@ unsafe fn pack_lhs(mc: usize, kc: usize, src: *const f32, cs: isize, rs: isize, 
     }
 }
 
-/// Packs a `kc × nc` block of rhs (element (p, j) at `p·rs + j·cs`) as micro-panels of NR
-/// columns: panel q holds, for each p, columns 16q..16q+16 (zeros past the block's columns).
+/// Packs a `kc × nc` block of rhs (element (p, j) at `p·rs + j·cs`) as micro-panels of `NR` (the
+/// tile's width, a multiple of 8) columns: panel q holds, for each p, columns NR·q..NR·q+NR
+/// (zeros past the block's columns).
 #[target_feature(enable = "avx2,fma")]
-unsafe fn pack_rhs(kc: usize, nc: usize, src: *const f32, cs: isize, rs: isize, out: *mut f32) {
-    for q in 0..nc.div_ceil(NR) {
-        let cols = NR.min(nc - q * NR);
-        let (s, o) = (src.offset((q * NR) as isize * cs), out.add(q * NR * kc));
+unsafe fn pack_rhs<const NR: usize>(kc: usize, nc: usize, src: *const f32, cs: isize, rs: isize, out: *mut f32) {
+    let nr = NR;
+    for q in 0..nc.div_ceil(nr) {
+        let cols = nr.min(nc - q * nr);
+        let (s, o) = (src.offset((q * nr) as isize * cs), out.add(q * nr * kc));
         let mut p = 0;
-        if cols == NR && cs == 1 {
+        if cols == nr && cs == 1 {
             for p in 0..kc {
                 let row = s.offset(p as isize * rs);
-                _mm256_storeu_ps(o.add(p * NR), _mm256_loadu_ps(row));
-                _mm256_storeu_ps(o.add(p * NR + 8), _mm256_loadu_ps(row.add(8)));
+                for v in (0..nr).step_by(8) {
+                    _mm256_storeu_ps(o.add(p * nr + v), _mm256_loadu_ps(row.add(v)));
+                }
             }
             continue;
         }
-        if cols == NR && rs == 1 {
+        if cols == nr && rs == 1 {
             // Columns run along p (a transposed weight): transpose 8 × 8 blocks.
             while p + 8 <= kc {
-                for half in 0..2 {
+                for part in (0..nr).step_by(8) {
                     let mut v = [_mm256_setzero_ps(); 8];
                     for (j, v) in v.iter_mut().enumerate() {
-                        *v = _mm256_loadu_ps(s.offset((half * 8 + j) as isize * cs + p as isize));
+                        *v = _mm256_loadu_ps(s.offset((part + j) as isize * cs + p as isize));
                     }
                     for (pp, t) in transpose8(v).into_iter().enumerate() {
-                        _mm256_storeu_ps(o.add((p + pp) * NR + half * 8), t);
+                        _mm256_storeu_ps(o.add((p + pp) * nr + part), t);
                     }
                 }
                 p += 8;
             }
         }
         for p in p..kc {
-            for j in 0..NR {
-                *o.add(p * NR + j) = if j < cols { *s.offset(p as isize * rs + j as isize * cs) } else { 0.0 };
+            for j in 0..nr {
+                *o.add(p * nr + j) = if j < cols { *s.offset(p as isize * rs + j as isize * cs) } else { 0.0 };
             }
         }
     }
@@ -424,14 +346,23 @@ unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::kernels::SimdLevel;
+
+    /// The tiles this CPU can run.
+    fn tiles() -> Vec<Tile> {
+        [SimdLevel::Avx2, SimdLevel::Avx512].into_iter().filter(|l| *l <= SimdLevel::detected()).filter_map(Tile::at).collect()
+    }
 
     /// Every layout training uses (row-major, transposed operands), edge tiles in each
     /// direction, several depth blocks, accumulate and a beta, against an f64 reference.
     #[test]
     fn the_packed_product_equals_the_reference() {
-        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
-            return;
+        for tile in tiles() {
+            the_product_equals_the_reference_with(tile);
         }
+    }
+
+    fn the_product_equals_the_reference_with(tile: Tile) {
         for &(m, n, k) in &[(6, 16, 8), (37, 29, 51), (150, 70, 600), (13, 4100, 9), (300, 33, 257)] {
             let lhs: Vec<f32> = (0..m * k).map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0).collect();
             let rhs: Vec<f32> = (0..k * n).map(|i| ((i * 5 % 11) as f32 - 5.0) / 5.0).collect();
@@ -447,6 +378,7 @@ mod tests {
                         // SAFETY: every matrix is dense with the strides given; AVX2 checked above.
                         unsafe {
                             sgemm(
+                                tile,
                                 m,
                                 n,
                                 k,
@@ -470,7 +402,7 @@ mod tests {
                                 };
                                 assert!(
                                     (got - want).abs() < 1e-3,
-                                    "({m}, {n}, {k}) lhs row-major {lhs_row_major} rhs row-major {rhs_row_major} acc {accumulate} ({i}, {j}): {got} vs {want}"
+                                    "{tile:?} ({m}, {n}, {k}) lhs row-major {lhs_row_major} rhs row-major {rhs_row_major} acc {accumulate} ({i}, {j}): {got} vs {want}"
                                 );
                             }
                         }
@@ -482,10 +414,12 @@ mod tests {
 
     /// Threads computing column pieces from one shared packing of lhs (several depth and row
     /// blocks, so that blocks are claimed, packed ahead and waited for) give the bits of one
-    /// thread packing its own, at any number of pieces.
+    /// thread packing its own, at any number of pieces, with either tile: the AVX-512 tile's
+    /// product is the AVX2 tile's, bit for bit.
     #[test]
     fn pieces_sharing_the_packed_lhs_give_the_one_thread_product() {
-        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+        let tiles = tiles();
+        if tiles.is_empty() {
             return;
         }
         struct Dst(*mut f32);
@@ -496,9 +430,9 @@ mod tests {
         let rhs: Vec<f32> = (0..k * n).map(|i| ((i * 104_729 % 997) as f32 / 997.0 - 0.5) * 0.3).collect();
         let (l, r) = ((lhs.as_ptr(), 1, k as isize), (rhs.as_ptr(), 1, n as isize));
         let mut want = vec![0f32; m * n];
-        // SAFETY: dense matrices with these strides; AVX2 checked above.
-        unsafe { sgemm(m, n, k, want.as_mut_ptr(), n, l, r, false, 1.0, None) };
-        for pieces in [2, 3] {
+        // SAFETY: dense matrices with these strides; the CPU runs the tile.
+        unsafe { sgemm(tiles[0], m, n, k, want.as_mut_ptr(), n, l, r, false, 1.0, None) };
+        for (tile, pieces) in tiles.iter().flat_map(|t| [(*t, 1), (*t, 2), (*t, 3)]) {
             for _ in 0..20 {
                 let mut got = vec![0f32; m * n];
                 let dst = Dst(got.as_mut_ptr());
@@ -512,13 +446,17 @@ mod tests {
                                 let (dst, lhs, rhs) = (&dst, &lhs, &rhs);
                                 scope.spawn(move || {
                                     let (l, r) = ((lhs.as_ptr(), 1, k as isize), (rhs.as_ptr().add(lo), 1, n as isize));
-                                    sgemm(m, hi - lo, k, dst.0.add(lo), n, l, r, false, 1.0, Some(shared))
+                                    sgemm(tile, m, hi - lo, k, dst.0.add(lo), n, l, r, false, 1.0, Some(shared))
                                 });
                             }
                         })
                     })
                 };
-                assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{pieces} pieces differ from one thread");
+                assert!(
+                    got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{tile:?}, {pieces} pieces: not the one-thread {:?} product",
+                    tiles[0]
+                );
             }
         }
     }
