@@ -17,9 +17,9 @@ use super::kernels::SimdLevel;
 /// Rows of dst one kernel call computes, one broadcast lhs value each.
 pub(crate) const MR: usize = 6;
 /// Columns of dst the AVX2 kernel computes: two 8-lane vectors.
-pub(crate) const NR_AVX2: usize = 16;
+pub(crate) const NR_AVX2: usize = 2 * <__m256 as Lanes>::LANES;
 /// Columns of dst the AVX-512 kernel computes: two 16-lane vectors.
-pub(crate) const NR_AVX512: usize = 32;
+pub(crate) const NR_AVX512: usize = 2 * <__m512 as Lanes>::LANES;
 
 /// Depth steps per trip of a kernel's loop: a 28M Llama step's products in training's order ran
 /// 6-9% faster on one Zen 3 core than one step per trip (2, 4 or 8 alike). Each accumulator
@@ -87,81 +87,105 @@ unsafe fn kernel_avx2(
     b: *const f32,
     dst: *mut f32,
     dst_rs: usize,
-    (rows, cols): (usize, usize),
+    tile: (usize, usize),
     load_dst: bool,
     beta: f32,
 ) {
-    const NR: usize = NR_AVX2;
-    prefetch_rows::<NR>(dst, dst_rs, rows);
-    let mut acc = [[_mm256_setzero_ps(); 2]; MR];
-    let (mut a, mut b) = (a, b);
-    let mut left = kc;
-    while left >= UNROLL {
-        for u in 0..UNROLL {
-            depth_step_avx2(&mut acc, a.add(u * MR), b.add(u * NR));
-        }
-        a = a.add(UNROLL * MR);
-        b = b.add(UNROLL * NR);
-        left -= UNROLL;
-    }
-    for _ in 0..left {
-        depth_step_avx2(&mut acc, a, b);
-        a = a.add(MR);
-        b = b.add(NR);
-    }
-    let beta = _mm256_set1_ps(beta);
-    if rows == MR && cols == NR {
-        for (r, acc) in acc.iter().enumerate() {
-            store_avx2(acc, dst.add(r * dst_rs), load_dst, beta);
-        }
-        return;
-    }
-    // An edge tile: the same sums, then only the tile's part of dst is touched.
-    let mut tile = [0.0f32; MR * NR];
-    for (r, acc) in acc.iter().enumerate().take(rows) {
-        let (at, t) = (dst.add(r * dst_rs), tile.as_mut_ptr().add(r * NR));
-        if load_dst {
-            std::ptr::copy_nonoverlapping(at, t, cols);
-        }
-        store_avx2(acc, t, load_dst, beta);
-        std::ptr::copy_nonoverlapping(t, at, cols);
-    }
+    kernel_on::<__m256>(kc, a, b, dst, dst_rs, tile, load_dst, beta)
 }
 
-/// One row of a tile into dst (an inlined helper, not a closure: a closure's calls to the
-/// intrinsics ran 5% of the products' time slower).
-#[inline(always)]
-unsafe fn store_avx2(acc: &[__m256; 2], at: *mut f32, load_dst: bool, beta: __m256) {
-    _mm256_storeu_ps(at, update_avx2(acc[0], at, load_dst, beta));
-    _mm256_storeu_ps(at.add(8), update_avx2(acc[1], at.add(8), load_dst, beta));
-}
-
-/// `acc[r] += a[r] ⊗ b` for the MR lhs values at `a` and the 16 rhs values at `b`.
-#[inline(always)]
-unsafe fn depth_step_avx2(acc: &mut [[__m256; 2]; MR], a: *const f32, b: *const f32) {
-    let b0 = _mm256_loadu_ps(b);
-    let b1 = _mm256_loadu_ps(b.add(8));
-    for (r, acc) in acc.iter_mut().enumerate() {
-        let ar = _mm256_broadcast_ss(&*a.add(r));
-        acc[0] = _mm256_fmadd_ps(ar, b0, acc[0]);
-        acc[1] = _mm256_fmadd_ps(ar, b1, acc[1]);
-    }
-}
-
-/// `dst + beta · acc` in one rounding (with beta 1, exactly dst + acc), or `beta · acc`.
-#[inline(always)]
-unsafe fn update_avx2(acc: __m256, at: *const f32, load_dst: bool, beta: __m256) -> __m256 {
-    if load_dst {
-        _mm256_fmadd_ps(acc, beta, _mm256_loadu_ps(at))
-    } else {
-        _mm256_mul_ps(acc, beta)
-    }
-}
-
-/// The 6 × 32 kernel on 16-lane vectors: [`kernel_avx2`] at twice the width.
+/// The 6 × 32 kernel on 16-lane vectors.
 #[target_feature(enable = "avx512f,avx2,fma")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn kernel_avx512(
+    kc: usize,
+    a: *const f32,
+    b: *const f32,
+    dst: *mut f32,
+    dst_rs: usize,
+    tile: (usize, usize),
+    load_dst: bool,
+    beta: f32,
+) {
+    kernel_on::<__m512>(kc, a, b, dst, dst_rs, tile, load_dst, beta)
+}
+
+/// The operations a kernel needs of one vector register of f32 lanes. Every method is inlined
+/// into the `target_feature` function that calls the kernel, which is what lets the intrinsics
+/// inline (a closure in their place, a function of its own without the features, ran the
+/// products 5% slower).
+trait Lanes: Copy {
+    const LANES: usize;
+    unsafe fn zero() -> Self;
+    unsafe fn load(at: *const f32) -> Self;
+    unsafe fn store(self, at: *mut f32);
+    /// The value at `at` in every lane.
+    unsafe fn splat(at: *const f32) -> Self;
+    /// `self · b + c` in one rounding.
+    unsafe fn mul_add(self, b: Self, c: Self) -> Self;
+    unsafe fn mul(self, b: Self) -> Self;
+}
+
+impl Lanes for __m256 {
+    const LANES: usize = 8;
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        _mm256_setzero_ps()
+    }
+    #[inline(always)]
+    unsafe fn load(at: *const f32) -> Self {
+        _mm256_loadu_ps(at)
+    }
+    #[inline(always)]
+    unsafe fn store(self, at: *mut f32) {
+        _mm256_storeu_ps(at, self)
+    }
+    #[inline(always)]
+    unsafe fn splat(at: *const f32) -> Self {
+        _mm256_broadcast_ss(&*at)
+    }
+    #[inline(always)]
+    unsafe fn mul_add(self, b: Self, c: Self) -> Self {
+        _mm256_fmadd_ps(self, b, c)
+    }
+    #[inline(always)]
+    unsafe fn mul(self, b: Self) -> Self {
+        _mm256_mul_ps(self, b)
+    }
+}
+
+impl Lanes for __m512 {
+    const LANES: usize = 16;
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        _mm512_setzero_ps()
+    }
+    #[inline(always)]
+    unsafe fn load(at: *const f32) -> Self {
+        _mm512_loadu_ps(at)
+    }
+    #[inline(always)]
+    unsafe fn store(self, at: *mut f32) {
+        _mm512_storeu_ps(at, self)
+    }
+    #[inline(always)]
+    unsafe fn splat(at: *const f32) -> Self {
+        _mm512_set1_ps(*at)
+    }
+    #[inline(always)]
+    unsafe fn mul_add(self, b: Self, c: Self) -> Self {
+        _mm512_fmadd_ps(self, b, c)
+    }
+    #[inline(always)]
+    unsafe fn mul(self, b: Self) -> Self {
+        _mm512_mul_ps(self, b)
+    }
+}
+
+/// The kernel on vectors `V`: MR × 2 accumulators, a tile 2 · `V::LANES` columns wide.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn kernel_on<V: Lanes>(
     kc: usize,
     a: *const f32,
     b: *const f32,
@@ -171,81 +195,76 @@ unsafe fn kernel_avx512(
     load_dst: bool,
     beta: f32,
 ) {
-    const NR: usize = NR_AVX512;
-    prefetch_rows::<NR>(dst, dst_rs, rows);
-    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    let nr = 2 * V::LANES;
+    prefetch_rows(dst, dst_rs, rows, nr);
+    let mut acc = [[V::zero(); 2]; MR];
     let (mut a, mut b) = (a, b);
     let mut left = kc;
     while left >= UNROLL {
         for u in 0..UNROLL {
-            depth_step_avx512(&mut acc, a.add(u * MR), b.add(u * NR));
+            depth_step(&mut acc, a.add(u * MR), b.add(u * nr));
         }
         a = a.add(UNROLL * MR);
-        b = b.add(UNROLL * NR);
+        b = b.add(UNROLL * nr);
         left -= UNROLL;
     }
     for _ in 0..left {
-        depth_step_avx512(&mut acc, a, b);
+        depth_step(&mut acc, a, b);
         a = a.add(MR);
-        b = b.add(NR);
+        b = b.add(nr);
     }
-    let beta = _mm512_set1_ps(beta);
-    if rows == MR && cols == NR {
+    let beta = V::splat(&beta);
+    if rows == MR && cols == nr {
         for (r, acc) in acc.iter().enumerate() {
-            store_avx512(acc, dst.add(r * dst_rs), load_dst, beta);
+            store_row(acc, dst.add(r * dst_rs), load_dst, beta);
         }
         return;
     }
-    let mut tile = [0.0f32; MR * NR];
+    // An edge tile: the same sums, then only the tile's part of dst is touched.
+    let mut tile = [0.0f32; MR * NR_AVX512]; // room for the widest tile
     for (r, acc) in acc.iter().enumerate().take(rows) {
-        let (at, t) = (dst.add(r * dst_rs), tile.as_mut_ptr().add(r * NR));
+        let (at, t) = (dst.add(r * dst_rs), tile.as_mut_ptr().add(r * nr));
         if load_dst {
             std::ptr::copy_nonoverlapping(at, t, cols);
         }
-        store_avx512(acc, t, load_dst, beta);
+        store_row(acc, t, load_dst, beta);
         std::ptr::copy_nonoverlapping(t, at, cols);
     }
 }
 
-/// As [`store_avx2`].
+/// `acc[r] += a[r] ⊗ b` for the MR lhs values at `a` and the 2 · `V::LANES` rhs values at `b`.
 #[inline(always)]
-unsafe fn store_avx512(acc: &[__m512; 2], at: *mut f32, load_dst: bool, beta: __m512) {
-    _mm512_storeu_ps(at, update_avx512(acc[0], at, load_dst, beta));
-    _mm512_storeu_ps(at.add(16), update_avx512(acc[1], at.add(16), load_dst, beta));
-}
-
-/// `acc[r] += a[r] ⊗ b` for the MR lhs values at `a` and the 32 rhs values at `b`.
-#[inline(always)]
-unsafe fn depth_step_avx512(acc: &mut [[__m512; 2]; MR], a: *const f32, b: *const f32) {
-    let b0 = _mm512_loadu_ps(b);
-    let b1 = _mm512_loadu_ps(b.add(16));
+unsafe fn depth_step<V: Lanes>(acc: &mut [[V; 2]; MR], a: *const f32, b: *const f32) {
+    let b0 = V::load(b);
+    let b1 = V::load(b.add(V::LANES));
     for (r, acc) in acc.iter_mut().enumerate() {
-        let ar = _mm512_set1_ps(*a.add(r));
-        acc[0] = _mm512_fmadd_ps(ar, b0, acc[0]);
-        acc[1] = _mm512_fmadd_ps(ar, b1, acc[1]);
+        let ar = V::splat(a.add(r));
+        acc[0] = ar.mul_add(b0, acc[0]);
+        acc[1] = ar.mul_add(b1, acc[1]);
     }
 }
 
-/// As [`update_avx2`].
+/// One row of a tile into dst: `dst + beta · acc` in one rounding (with beta 1, exactly
+/// dst + acc), or `beta · acc`.
 #[inline(always)]
-unsafe fn update_avx512(acc: __m512, at: *const f32, load_dst: bool, beta: __m512) -> __m512 {
-    if load_dst {
-        _mm512_fmadd_ps(acc, beta, _mm512_loadu_ps(at))
-    } else {
-        _mm512_mul_ps(acc, beta)
+unsafe fn store_row<V: Lanes>(acc: &[V; 2], at: *mut f32, load_dst: bool, beta: V) {
+    for (half, acc) in acc.iter().enumerate() {
+        let at = at.add(half * V::LANES);
+        let value = if load_dst { acc.mul_add(beta, V::load(at)) } else { acc.mul(beta) };
+        value.store(at);
     }
 }
 
-/// dst's rows are read (or written) after a kernel's loop: ask for their `NR` columns' cache
+/// dst's rows are read (or written) after a kernel's loop: ask for their `nr` columns' cache
 /// lines now, behind the sums.
 #[inline(always)]
-unsafe fn prefetch_rows<const NR: usize>(dst: *mut f32, dst_rs: usize, rows: usize) {
+unsafe fn prefetch_rows(dst: *mut f32, dst_rs: usize, rows: usize, nr: usize) {
     for r in 0..rows {
         let at = dst.add(r * dst_rs);
         _mm_prefetch::<_MM_HINT_T0>(at as *const i8);
-        if NR > 16 {
+        if nr > 16 {
             _mm_prefetch::<_MM_HINT_T0>(at.add(16) as *const i8);
         }
-        _mm_prefetch::<_MM_HINT_T0>(at.add(NR - 1) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(at.add(nr - 1) as *const i8);
     }
 }
