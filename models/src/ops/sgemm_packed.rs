@@ -31,9 +31,10 @@ const MC: usize = 144;
 /// 28M Llama's head in one block.
 const NC: usize = 4096;
 
-/// Products this small run on gemm (packing would cost more than it saves).
+/// Products this small run on gemm (packing would cost more than it saves; narrower than the
+/// narrowest tile, a product would be all edge).
 pub(crate) fn worth_it(m: usize, n: usize, k: usize) -> bool {
-    m >= MR && n >= 16 && k >= 8 && m * n * k >= 1 << 15
+    m >= MR && n >= NR_AVX2 && k >= 8 && m * n * k >= 1 << 15
 }
 
 /// Largest lhs (values) whose packing the threads share: the shared buffer is kept by the
@@ -275,38 +276,37 @@ unsafe fn pack_lhs(mc: usize, kc: usize, src: *const f32, cs: isize, rs: isize, 
 /// (zeros past the block's columns).
 #[target_feature(enable = "avx2,fma")]
 unsafe fn pack_rhs<const NR: usize>(kc: usize, nc: usize, src: *const f32, cs: isize, rs: isize, out: *mut f32) {
-    let nr = NR;
-    for q in 0..nc.div_ceil(nr) {
-        let cols = nr.min(nc - q * nr);
-        let (s, o) = (src.offset((q * nr) as isize * cs), out.add(q * nr * kc));
+    for q in 0..nc.div_ceil(NR) {
+        let cols = NR.min(nc - q * NR);
+        let (s, o) = (src.offset((q * NR) as isize * cs), out.add(q * NR * kc));
         let mut p = 0;
-        if cols == nr && cs == 1 {
+        if cols == NR && cs == 1 {
             for p in 0..kc {
                 let row = s.offset(p as isize * rs);
-                for v in (0..nr).step_by(8) {
-                    _mm256_storeu_ps(o.add(p * nr + v), _mm256_loadu_ps(row.add(v)));
+                for v in (0..NR).step_by(8) {
+                    _mm256_storeu_ps(o.add(p * NR + v), _mm256_loadu_ps(row.add(v)));
                 }
             }
             continue;
         }
-        if cols == nr && rs == 1 {
+        if cols == NR && rs == 1 {
             // Columns run along p (a transposed weight): transpose 8 × 8 blocks.
             while p + 8 <= kc {
-                for part in (0..nr).step_by(8) {
+                for part in (0..NR).step_by(8) {
                     let mut v = [_mm256_setzero_ps(); 8];
                     for (j, v) in v.iter_mut().enumerate() {
                         *v = _mm256_loadu_ps(s.offset((part + j) as isize * cs + p as isize));
                     }
                     for (pp, t) in transpose8(v).into_iter().enumerate() {
-                        _mm256_storeu_ps(o.add((p + pp) * nr + part), t);
+                        _mm256_storeu_ps(o.add((p + pp) * NR + part), t);
                     }
                 }
                 p += 8;
             }
         }
         for p in p..kc {
-            for j in 0..nr {
-                *o.add(p * nr + j) = if j < cols { *s.offset(p as isize * rs + j as isize * cs) } else { 0.0 };
+            for j in 0..NR {
+                *o.add(p * NR + j) = if j < cols { *s.offset(p as isize * rs + j as isize * cs) } else { 0.0 };
             }
         }
     }
