@@ -194,6 +194,16 @@ fn convert_refuses_what_is_not_gguf_and_leaves_nothing_behind() {
 /// A build without CUDA (the default, and CI's) says how to get a GPU build, names the flag,
 /// and writes nothing; a bad --device value is named before anything runs.
 #[cfg(not(feature = "cuda"))]
+/// A bad `FSDP_MATMUL` is refused before any work, by name, and nothing is written.
+#[test]
+fn a_bad_matmul_setting_is_refused_at_start() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("model");
+    let o = run_cli(&["fixture", "--name", "llama", "--out", out.to_str().unwrap()], &[("FSDP_MATMUL", "blas")]);
+    assert_clean_error(&o, &["FSDP_MATMUL", "blas"]);
+    assert!(!out.exists(), "the fixture was written despite the bad setting");
+}
+
 #[test]
 fn gpu_flags_on_a_cpu_build_give_one_clear_line() {
     let tmp = tempfile::tempdir().unwrap();
@@ -265,8 +275,8 @@ fn every_simd_level_trains_to_the_same_losses() {
         .map(|i| serde_json::json!({ "input_ids": (0..48).map(|j| (i * 5 + j * 3) % 60).collect::<Vec<u32>>() }).to_string())
         .collect();
     std::fs::write(&data, rows.join("\n")).unwrap();
-    let losses = |level: &str| {
-        let out = tmp.path().join(format!("out-{level}"));
+    let losses = |(var, level): (&str, &str)| {
+        let out = tmp.path().join(format!("out-{var}-{level}"));
         let o = run_cli(
             &[
                 "finetune",
@@ -283,19 +293,21 @@ fn every_simd_level_trains_to_the_same_losses() {
                 "--lr",
                 "1e-3",
             ],
-            &[("FSDP_SIMD", level)],
+            &[(var, level)],
         );
-        assert!(o.status.success(), "FSDP_SIMD={level}: {}", stderr(&o));
+        assert!(o.status.success(), "{var}={level}: {}", stderr(&o));
         let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
         metrics.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["loss"].as_f64()).collect::<Vec<f64>>()
     };
-    let best = losses("best");
+    let best = losses(("FSDP_SIMD", "best"));
     assert_eq!(best.len(), 3, "{best:?}");
-    for level in ["avx2", "scalar"] {
-        let got = losses(level);
+    // The lower levels, then the best level's products on each set of kernels (`FSDP_MATMUL`:
+    // on an AVX-512 machine, gemm's and our packed driver's AVX-512 tile).
+    for setting in [("FSDP_SIMD", "avx2"), ("FSDP_SIMD", "scalar"), ("FSDP_MATMUL", "gemm"), ("FSDP_MATMUL", "packed")] {
+        let got = losses(setting);
         assert_eq!(got.len(), best.len());
         for (step, (a, b)) in got.iter().zip(&best).enumerate() {
-            assert!(((a - b) / b).abs() < 1e-5, "FSDP_SIMD={level}, step {}: loss {a} vs {b}", step + 1);
+            assert!(((a - b) / b).abs() < 1e-5, "{}={}, step {}: loss {a} vs {b}", setting.0, setting.1, step + 1);
         }
     }
 }

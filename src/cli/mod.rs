@@ -73,6 +73,9 @@ pub fn main() {
         _ => fsdp_app::CpuWorkload::Shared,
     };
     fsdp_app::tune_cpu_threads(workload);
+    if let Err(e) = models::ops::matmul::check_env() {
+        exit_with(anyhow::anyhow!(e));
+    }
     let result: Result<()> = match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Convert(a) => model_files::run_convert(a),

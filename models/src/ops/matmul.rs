@@ -57,15 +57,29 @@ enum Choice {
     Packed,
 }
 
+/// `FSDP_MATMUL`'s choice, read once.
+#[cfg(target_arch = "x86_64")]
+fn read_choice() -> &'static Result<Choice, String> {
+    static CHOICE: OnceLock<Result<Choice, String>> = OnceLock::new();
+    CHOICE.get_or_init(|| match std::env::var("FSDP_MATMUL") {
+        Err(_) => Ok(Choice::Default),
+        Ok(v) if v == "gemm" => Ok(Choice::Gemm),
+        Ok(v) if v == "packed" => Ok(Choice::Packed),
+        Ok(v) => Err(format!("FSDP_MATMUL={v:?}: expected `gemm` or `packed` (or unset)")),
+    })
+}
+
+/// Whether `FSDP_MATMUL` holds a value the products know: for a command to refuse a bad one
+/// before it starts work (a product meeting it panics).
+pub fn check_env() -> Result<(), String> {
+    #[cfg(target_arch = "x86_64")]
+    read_choice().as_ref().map_err(Clone::clone)?;
+    Ok(())
+}
+
 #[cfg(target_arch = "x86_64")]
 fn choice() -> Choice {
-    static CHOICE: OnceLock<Choice> = OnceLock::new();
-    *CHOICE.get_or_init(|| match std::env::var("FSDP_MATMUL") {
-        Err(_) => Choice::Default,
-        Ok(v) if v == "gemm" => Choice::Gemm,
-        Ok(v) if v == "packed" => Choice::Packed,
-        Ok(v) => panic!("FSDP_MATMUL={v:?}: expected `gemm` or `packed` (or unset)"),
-    })
+    read_choice().clone().unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// The register tile of our packed driver (`sgemm_packed`) that products at `level` run on, if
