@@ -12,7 +12,7 @@
 //! Then a 28M Llama step's products in the order training runs them (every layer's forward and
 //! backward, each layer with its own operands, so that they come from memory as in training),
 //! with the products on our packed driver (`FSDP_MATMUL=packed`: at AVX-512 too, where gemm's
-//! kernels are the default) and, in alternating child processes, on gemm's kernels of the same
+//! kernels are the default on Intel CPUs) and, in alternating child processes, on gemm's kernels of the same
 //! level (`FSDP_MATMUL=gemm`).
 //!
 //! FSDP_BENCH_PYTHON: a Python with numpy (and torch for the MKL column; default python3).

@@ -246,8 +246,9 @@ fn speed(root: &Path, models_dir: &Path, tmp: &Path, python: &str) -> anyhow::Re
             ours[0].params as f64 / 1e6
         );
         println!("(median of steps 2-{steps}, median of {ROUNDS} alternating rounds, ratio: median of the rounds' ratios; FSDP: FULL_SHARD, one unit per layer, no activation checkpointing)\n");
-        // The level our kernels and gemm's microkernels ran at (FSDP_SIMD lowers it).
-        let isa = format!("{:?}", models::ops::kernels::SimdLevel::current());
+        // The level our kernels and the products ran at (FSDP_SIMD lowers it), and which
+        // kernels ran the products (FSDP_MATMUL picks them).
+        let isa = format!("{:?}, products {}", models::ops::kernels::SimdLevel::current(), models::ops::matmul::kernels_in_use());
         println!("| run | ISA (kernels and matmuls) | tokens/s | vs PyTorch |");
         println!("|---|---|---|---|");
         for OurRow { world, tps, ratio, .. } in &ours {

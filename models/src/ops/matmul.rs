@@ -1,8 +1,8 @@
 //! The one door to matrix products for our own f32 code (the fused linear ops, attention,
 //! prefill): `dst = alpha · dst + beta · lhs · rhs` on the calling thread, with the kernels of
 //! the level [`SimdLevel::current`] names: at AVX2 our packed driver (`sgemm_packed`, whose
-//! threads can share a packed operand; at AVX-512 too with `FSDP_MATMUL=packed`), elsewhere
-//! (and for products too small to pack) the gemm crate's.
+//! threads can share a packed operand; at AVX-512 on AMD CPUs too, and on any with
+//! `FSDP_MATMUL=packed`), elsewhere (and for products too small to pack) the gemm crate's.
 //!
 //! Why not `gemm::gemm` alone: gemm picks its microkernels once, by std's feature detection, with
 //! no way to ask for a lower level, so `FSDP_SIMD=avx2` on an AVX-512 machine would still have run
@@ -10,7 +10,7 @@
 //! CPU without AVX-512, and the scalar level calls gemm-common's public driver
 //! (`gemm_basic_generic`) with gemm-f32's scalar microkernels, so one binary measures either
 //! kind of machine. `FSDP_MATMUL=gemm` runs the products on gemm's kernels of the level instead,
-//! `FSDP_MATMUL=packed` on the packed driver at AVX-512 too, to measure one beside the other.
+//! `FSDP_MATMUL=packed` on the packed driver at AVX-512 on every CPU, to measure one beside the other.
 
 use std::sync::OnceLock;
 
@@ -47,14 +47,28 @@ pub(crate) unsafe fn sgemm(
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Choice {
-    /// Unset: our packed driver at AVX2, gemm's kernels at AVX-512. The AVX-512 tile was no
-    /// faster than gemm's AVX-512 kernels where it was measured (a 28M Llama step's products,
-    /// 2 threads of an AMX-era Xeon: 0.93x), so gemm keeps that level.
+    /// Unset: our packed driver at AVX2, and at AVX-512 on AMD CPUs; gemm's kernels at AVX-512
+    /// elsewhere. Measured with a 28M Llama step's products in training's order, 2 threads
+    /// (`cargo bench --bench matmul`): on a Zen 4 EPYC the AVX-512 tile ran 1.05x gemm's
+    /// AVX-512 kernels (and `finetune` ~1.04x), on an AMX-era Xeon 0.93x. Zen 4 issues a
+    /// 512-bit FMA as two 256-bit halves, so gemm's wider tile gains nothing there, while our
+    /// driver reads both operands packed.
     Default,
     /// `gemm`: gemm's kernels at every level.
     Gemm,
-    /// `packed`: our packed driver at AVX-512 too.
+    /// `packed`: our packed driver at AVX-512 on every vendor.
     Packed,
+}
+
+/// Whether the CPU is AMD's (CPUID's vendor string), for [`Choice::Default`] at AVX-512.
+#[cfg(target_arch = "x86_64")]
+fn amd_cpu() -> bool {
+    static AMD: OnceLock<bool> = OnceLock::new();
+    *AMD.get_or_init(|| {
+        let id = std::arch::x86_64::__cpuid(0);
+        // The vendor string is EBX, EDX, ECX: "Auth" "enti" "cAMD".
+        [id.ebx, id.edx, id.ecx].map(u32::to_le_bytes).concat() == b"AuthenticAMD"
+    })
 }
 
 /// `FSDP_MATMUL`'s choice, read once.
@@ -88,9 +102,20 @@ fn choice() -> Choice {
 fn packed_tile(level: SimdLevel) -> Option<Tile> {
     match (Tile::at(level)?, choice()) {
         (_, Choice::Gemm) => None,
-        (Tile::Avx512, Choice::Default) => None,
+        (Tile::Avx512, Choice::Default) if !amd_cpu() => None,
         (tile, _) => Some(tile),
     }
+}
+
+/// The kernels products at the current level run on, in words (for the benches' tables).
+pub fn kernels_in_use() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    match packed_tile(SimdLevel::current()) {
+        Some(Tile::Avx2) => return "packed 6x16",
+        Some(Tile::Avx512) => return "packed 6x32",
+        None => {}
+    }
+    "gemm"
 }
 
 /// Columns of dst the kernels of this thread's products compute at a time: a split of a
