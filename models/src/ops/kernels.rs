@@ -283,10 +283,40 @@ fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
 mod x86 {
     use std::arch::x86_64::*;
 
-    /// The same loop, compiled for AVX-512 (the compiler vectorises `exp_f32`).
+    /// `exp_f32` on 16 lanes, written out: compiled from `exp_f32`, the loop converted the
+    /// exponent to an integer one lane at a time (compares and conditional moves for the
+    /// saturating cast), and e^x took 2.5% of a 28M Llama training step on a Zen 4.
     #[target_feature(enable = "avx512f,avx2,fma")]
     pub unsafe fn exp_avx512(x: &mut [f32]) {
-        x.iter_mut().for_each(|v| *v = super::exp_f32(*v));
+        let whole = x.len() / 16 * 16;
+        let p = x.as_mut_ptr();
+        for i in (0..whole).step_by(16) {
+            _mm512_storeu_ps(p.add(i), exp16(_mm512_loadu_ps(p.add(i))));
+        }
+        x[whole..].iter_mut().for_each(|v| *v = super::exp_f32(*v));
+    }
+
+    /// [`exp8`]'s operations on 16 lanes, in the same order with the same roundings.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn exp16(x: __m512) -> __m512 {
+        let c = _mm512_set1_ps;
+        // max/min return their second operand for NaN: a NaN stays NaN through the polynomial.
+        let xc = _mm512_min_ps(c(88.7), _mm512_max_ps(c(-87.3), x));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(_mm512_add_ps(
+            _mm512_mul_ps(xc, c(std::f32::consts::LOG2_E)),
+            c(0.5),
+        ));
+        let z = _mm512_sub_ps(_mm512_sub_ps(xc, _mm512_mul_ps(n, c(0.693_359_4))), _mm512_mul_ps(n, c(-2.121_944_4e-4)));
+        let mut poly = c(1.987_569_1e-4);
+        for k in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5e-1] {
+            poly = _mm512_add_ps(_mm512_mul_ps(poly, z), c(k));
+        }
+        let y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(poly, z), z), z), c(1.0));
+        let exponent = _mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127));
+        let scaled = _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32::<23>(exponent)));
+        // 0 below the range (and for -inf, a masked score).
+        _mm512_maskz_mov_ps(!_mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, c(-87.3)), scaled)
     }
 
     /// `exp_f32` on 8 lanes, written out: the compiler leaves the loop over `exp_f32` half
@@ -562,6 +592,26 @@ mod tests {
         let mut nan = [f32::NAN; 9];
         exp_inplace(&mut nan);
         assert!(nan.iter().all(|v| v.is_nan()), "NaN stays NaN: {nan:?}");
+        // Each vector loop this CPU can run, not only the current level's: the same bits as
+        // the scalar function, NaN kept in full vectors too.
+        #[cfg(target_arch = "x86_64")]
+        {
+            type ExpLoop = unsafe fn(&mut [f32]);
+            let loops: [(SimdLevel, ExpLoop); 2] = [(SimdLevel::Avx2, x86::exp_avx2), (SimdLevel::Avx512, x86::exp_avx512)];
+            for (level, exp) in loops.into_iter().filter(|(l, _)| *l <= SimdLevel::detected()) {
+                let mut got = xs.clone();
+                let mut nan = [f32::NAN; 33];
+                // SAFETY: the CPU has the level's instructions.
+                unsafe {
+                    exp(&mut got);
+                    exp(&mut nan);
+                }
+                for (x, y) in xs.iter().zip(&got) {
+                    assert_eq!(y.to_bits(), exp_f32(*x).to_bits(), "{level:?} at {x}");
+                }
+                assert!(nan.iter().all(|v| v.is_nan()), "{level:?}: NaN stays NaN: {nan:?}");
+            }
+        }
     }
 
     #[test]
