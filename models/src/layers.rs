@@ -236,7 +236,8 @@ impl Attention {
         })
     }
 
-    pub fn forward(&self, x: &Tensor, pos: &PositionInputs, cache: Option<&mut LayerKvCache>) -> Result<Tensor> {
+    /// `residual + attention(x)`: the sum is o_proj's (`AdaptedLinear::forward_add`).
+    pub fn forward(&self, x: &Tensor, residual: &Tensor, pos: &PositionInputs, cache: Option<&mut LayerKvCache>) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let d = self.head_dim;
         let seeds = pos.row_seeds.as_deref();
@@ -251,7 +252,7 @@ impl Attention {
             // Token-major all the way: rotary and attention read the projections in place and
             // the attention writes what o_proj takes (see crate::ops::attention).
             let tokens = |proj: &AdaptedLinear, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
-                let y = proj.forward(x, pos.mode, seeds, &pos.adapters)?.reshape((b, t, n, d))?;
+                let y = proj.forward_heads(x, n, pos.mode, seeds, &pos.adapters)?;
                 match norm {
                     Some(norm) => norm.forward(&y, pos.mode),
                     None => Ok(y),
@@ -261,7 +262,7 @@ impl Attention {
             let k = crate::ops::fused::rope_token_major(&tokens(&self.k_proj, self.num_kv_heads, &self.k_norm)?, &pos.cos, &pos.sin)?;
             let v = tokens(&self.v_proj, self.num_kv_heads, &None)?;
             let out = crate::ops::attention::attention(&q, &k, &v, pos.mask.as_ref(), scale)?;
-            return self.o_proj.forward(&out, pos.mode, seeds, &pos.adapters);
+            return self.o_proj.forward_add(&out, residual, pos.mode, seeds, &pos.adapters);
         }
         let [q, k, v]: [Tensor; 3] =
             AdaptedLinear::forward_shared(&[&self.q_proj, &self.k_proj, &self.v_proj], x, pos.mode, seeds, &pos.adapters)?
@@ -295,7 +296,7 @@ impl Attention {
             Some(cache) => {
                 cache.append(&k, &v)?;
                 if let Some(out) = cache.attend(&q, scale, self.window)? {
-                    return self.o_proj.forward(&out, pos.mode, seeds, &pos.adapters);
+                    return self.o_proj.forward_add(&out, residual, pos.mode, seeds, &pos.adapters);
                 }
                 // Other devices and dtypes: the whole cache as tensors, masked here (the
                 // in-place kernels need no mask, so the model builds none for a cached pass).
@@ -311,7 +312,7 @@ impl Attention {
         // One op in a training graph, with its own backward (see crate::ops::eager_attention).
         let out = crate::ops::eager_attention::attention(&q.contiguous()?, &k.contiguous()?, &v.contiguous()?, mask.as_ref(), scale)?;
         let out = out.transpose(1, 2)?.reshape((b, t, self.num_heads * d))?;
-        self.o_proj.forward(&out, pos.mode, seeds, &pos.adapters)
+        self.o_proj.forward_add(&out, residual, pos.mode, seeds, &pos.adapters)
     }
 
     /// One new token for each of several independent sequences: `x` is (rows, 1, hidden), row
@@ -392,7 +393,8 @@ impl Mlp {
         Ok(Self { gate_proj: lin(h, i, "gate_proj")?, up_proj: lin(h, i, "up_proj")?, down_proj: lin(i, h, "down_proj")? })
     }
 
-    pub fn forward(&self, x: &Tensor, pos: &PositionInputs) -> Result<Tensor> {
+    /// `residual + mlp(x)`: the sum is down_proj's (`AdaptedLinear::forward_add`).
+    pub fn forward(&self, x: &Tensor, residual: &Tensor, pos: &PositionInputs) -> Result<Tensor> {
         let seeds = pos.row_seeds.as_deref();
         let [gate, up]: [Tensor; 2] = AdaptedLinear::forward_shared(&[&self.gate_proj, &self.up_proj], x, pos.mode, seeds, &pos.adapters)?
             .try_into()
@@ -401,7 +403,7 @@ impl Mlp {
             true => crate::ops::fused::swiglu(&gate, &up)?,
             false => (candle_nn::ops::silu(&gate)? * up)?,
         };
-        self.down_proj.forward(&h, pos.mode, seeds, &pos.adapters)
+        self.down_proj.forward_add(&h, residual, pos.mode, seeds, &pos.adapters)
     }
 }
 
@@ -446,9 +448,9 @@ impl DecoderLayer {
 
     pub fn forward(&self, x: &Tensor, pos: &PositionInputs, cache: Option<&mut LayerKvCache>) -> Result<Tensor> {
         let h = self.input_layernorm.forward(x, pos.mode)?;
-        let x = (x + self.self_attn.forward(&h, pos, cache)?)?;
+        let x = self.self_attn.forward(&h, x, pos, cache)?;
         let h = self.post_attention_layernorm.forward(&x, pos.mode)?;
-        x + self.mlp.forward(&h, pos)?
+        self.mlp.forward(&h, &x, pos)
     }
 
     /// One decode step for several independent sequences (see `Attention::forward_decode_rows`).
@@ -463,6 +465,6 @@ impl DecoderLayer {
         let h = self.input_layernorm.forward(x, OpMode::Generate)?;
         let x = (x + self.self_attn.forward_decode_rows(&h, pos, positions, window, caches)?)?;
         let h = self.post_attention_layernorm.forward(&x, OpMode::Generate)?;
-        x + self.mlp.forward(&h, pos)?
+        self.mlp.forward(&h, &x, pos)
     }
 }

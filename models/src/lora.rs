@@ -194,6 +194,48 @@ impl AdaptedLinear {
         }
     }
 
+    /// `self.forward(x, ..)` as (.., heads, out / heads). Training a plain dense layer on the
+    /// CPU, one op (`ops::linear::linear_heads_to`: no reshape node in the backward).
+    pub fn forward_heads(
+        &self,
+        x: &Tensor,
+        heads: usize,
+        mode: OpMode,
+        row_seeds: Option<&[u64]>,
+        rows: &RowAdapters,
+    ) -> Result<Tensor, candle_core::Error> {
+        if let (LinearWeight::Dense(base), None, true, OpMode::Train) = (&self.base, &self.adapter, rows.is_empty(), mode) {
+            if base.bias().is_none() && crate::ops::applies(x) && base.weight().dtype() == x.dtype() {
+                return crate::ops::linear::linear_heads_to(x, base.weight(), heads, self.weight_grad_target());
+            }
+        }
+        let y = self.forward(x, mode, row_seeds, rows)?;
+        let mut dims = y.dims().to_vec();
+        let out = dims.pop().unwrap_or(1);
+        dims.extend([heads, out / heads]);
+        y.reshape(dims)
+    }
+
+    /// `residual + self.forward(x, ..)`, the block's residual connection. Training a plain
+    /// dense layer on the CPU, one op (`ops::linear::linear_add_to`, whose backward makes fewer
+    /// tensors); otherwise the layer, then the sum.
+    pub fn forward_add(
+        &self,
+        x: &Tensor,
+        residual: &Tensor,
+        mode: OpMode,
+        row_seeds: Option<&[u64]>,
+        rows: &RowAdapters,
+    ) -> Result<Tensor, candle_core::Error> {
+        if let (LinearWeight::Dense(base), None, true, OpMode::Train) = (&self.base, &self.adapter, rows.is_empty(), mode) {
+            if base.bias().is_none() && crate::ops::applies(x) && crate::ops::applies(residual) && base.weight().dtype() == x.dtype() {
+                let grad_to = self.weight_grad_target();
+                return crate::ops::linear::linear_add_to(x, base.weight(), residual, grad_to);
+            }
+        }
+        residual + self.forward(x, mode, row_seeds, rows)?
+    }
+
     /// Several layers over the same input (q/k/v, gate/up), each as [`Self::forward`]: when
     /// every one keeps its weight in 32-value blocks, their products are one pass (the input
     /// quantised once, one parallel region instead of one per layer), as are decoding's
@@ -251,6 +293,11 @@ impl AdaptedLinear {
         self.weight_grads = sink;
     }
 
+    /// Where training sends the base weight's gradient, if somewhere other than candle's store.
+    fn weight_grad_target(&self) -> Option<WeightGradTarget> {
+        self.weight_grads.clone().map(|sink| WeightGradTarget { sink, name: format!("{}.weight", self.path) })
+    }
+
     fn forward_own(&self, x: &Tensor, mode: OpMode, row_seeds: Option<&[u64]>) -> Result<Tensor, candle_core::Error> {
         let base = match &self.base {
             LinearWeight::Dense(base) => base,
@@ -264,10 +311,7 @@ impl AdaptedLinear {
         // threads are the pool the other kernels use, not a second one). Else candle's matmul.
         let ours = crate::ops::applies(x) && base.weight().dtype() == x.dtype();
         let product = match mode == OpMode::Train && ours {
-            true => {
-                let grad_to = self.weight_grads.clone().map(|sink| WeightGradTarget { sink, name: format!("{}.weight", self.path) });
-                Some(crate::ops::linear::linear_to(x, base.weight(), grad_to)?)
-            }
+            true => Some(crate::ops::linear::linear_to(x, base.weight(), self.weight_grad_target())?),
             false => match crate::ops::kernels::gemv_t(x, base.weight())? {
                 None if ours => Some(crate::ops::linear::linear(x, base.weight())?),
                 other => other,

@@ -167,7 +167,10 @@ impl Attention {
         let mask = mask.as_ref().map(|(m, per_row)| (m.as_slice(), *per_row));
         let Dims { b, t, hq, hkv, d } = dims;
         let n_rep = hq / hkv;
-        let (mut dq, mut dk, mut dv) = (vec![0f32; q.len()], vec![0f32; k.len()], vec![0f32; v.len()]);
+        // Not zeroed first (a memset on this thread while the pool waited): every task writes
+        // its heads' dq and its kv head's dk and dv, the first query head of the group without
+        // reading them, the others adding.
+        let (mut dq, mut dk, mut dv) = (Vec::with_capacity(q.len()), Vec::with_capacity(k.len()), Vec::with_capacity(v.len()));
         let (dq_p, dk_p, dv_p) = (SharedMut(dq.as_mut_ptr()), SharedMut(dk.as_mut_ptr()), SharedMut(dv.as_mut_ptr()));
         let scale = self.scale;
         // One task per (batch row, kv head): it alone accumulates that kv head's dk and dv, over
@@ -181,6 +184,8 @@ impl Attention {
                 let (qa, kva) = (|h| dims.q_at(bi, h), dims.kv_at(bi, g));
                 let (q_rs, kv_rs, tt) = (dims.q_rs(), dims.kv_rs(), t as isize);
                 for h in g * n_rep..(g + 1) * n_rep {
+                    // dk and dv: written by the group's first head, added to by the others.
+                    let kv_alpha = if h == g * n_rep { 0.0 } else { 1.0 };
                     probabilities(dims, q, k, bi, h, g, mask, scale, p);
                     // delta_i = dout_i · o_i: the softmax backward's row term.
                     for (i, di) in delta.iter_mut().enumerate() {
@@ -191,7 +196,16 @@ impl Attention {
                     // and kv head g's rows of dk and dv; all other reads are of inputs.
                     unsafe {
                         // dv_g += pᵀ dout_h
-                        sgemm(t, d, t, (dv_p.0.add(kva), 1, kv_rs), (p.as_ptr(), tt, 1), (dout.as_ptr().add(qa(h)), 1, q_rs), 1.0, 1.0);
+                        sgemm(
+                            t,
+                            d,
+                            t,
+                            (dv_p.0.add(kva), 1, kv_rs),
+                            (p.as_ptr(), tt, 1),
+                            (dout.as_ptr().add(qa(h)), 1, q_rs),
+                            kv_alpha,
+                            1.0,
+                        );
                         // dp = dout_h v_gᵀ
                         sgemm(
                             t,
@@ -214,11 +228,17 @@ impl Attention {
                         // dq_h = scale · ds k_g
                         sgemm(t, d, t, (dq_p.0.add(qa(h)), 1, q_rs), (p.as_ptr(), 1, tt), (k.as_ptr().add(kva), 1, kv_rs), 0.0, scale);
                         // dk_g += scale · dsᵀ q_h
-                        sgemm(t, d, t, (dk_p.0.add(kva), 1, kv_rs), (p.as_ptr(), tt, 1), (q.as_ptr().add(qa(h)), 1, q_rs), 1.0, scale);
+                        sgemm(t, d, t, (dk_p.0.add(kva), 1, kv_rs), (p.as_ptr(), tt, 1), (q.as_ptr().add(qa(h)), 1, q_rs), kv_alpha, scale);
                     }
                 }
             },
         );
+        // SAFETY: the tasks above wrote every value of the three (each (batch row, head) once).
+        unsafe {
+            dq.set_len(q.len());
+            dk.set_len(k.len());
+            dv.set_len(v.len());
+        }
         Ok((dq, dk, dv))
     }
 }

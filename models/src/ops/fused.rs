@@ -4,7 +4,7 @@
 //! training path. On other devices, and for dtypes other than f32, callers keep the composite
 //! ops (same values; see each op's test against them).
 
-use crate::ops::pool::{pool_chunks_mut, pool_chunks_mut2, pool_map_chunks_mut};
+use crate::ops::pool::{pool_map_new, pool_new, pool_new_halves};
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
 use super::f32_slice;
@@ -41,9 +41,8 @@ impl CustomOp2 for RmsNorm {
     fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ws: &CpuStorage, wl: &Layout) -> Result<(CpuStorage, Shape)> {
         let (x, w) = (f32_slice(xs, xl)?, f32_slice(ws, wl)?);
         let n = w.len();
-        let mut y = vec![0f32; x.len()];
         let per = n * rows_per_task(n);
-        pool_chunks_mut(&mut y, per, |c, ys| {
+        let y = pool_new(x.len(), per, |c, ys| {
             let xs = &x[c * per..c * per + ys.len()];
             for (yr, xr) in ys.chunks_mut(n).zip(xs.chunks(n)) {
                 let r = inv_rms(xr, self.eps);
@@ -89,11 +88,9 @@ impl CustomOp3 for RmsNormBackward {
         let (x, w, g) = (f32_slice(xs, xl)?, f32_slice(ws, wl)?, f32_slice(gs, gl)?);
         let n = w.len();
         let rows = x.len() / n;
-        let mut out = vec![0f32; (rows + 1) * n];
-        let (dx, _) = out.split_at_mut(rows * n);
         let per = n * rows_per_task(n);
-        // dx per row, and each task's partial dw, summed after.
-        let partial: Vec<Vec<f32>> = pool_map_chunks_mut(dx, per, |c, dxs| {
+        // dx per row, and each task's partial dw, summed after (into the row after dx's).
+        let (mut out, partial) = pool_map_new(rows * n, n, per, |c, dxs| {
             let (xs, gs) = (&x[c * per..c * per + dxs.len()], &g[c * per..c * per + dxs.len()]);
             let mut dw = vec![0f32; n];
             for ((dxr, xr), gr) in dxs.chunks_mut(n).zip(xs.chunks(n)).zip(gs.chunks(n)) {
@@ -110,6 +107,7 @@ impl CustomOp3 for RmsNormBackward {
             }
             dw
         });
+        out.resize((rows + 1) * n, 0.0);
         let dw = &mut out[rows * n..];
         for p in partial {
             for i in 0..n {
@@ -146,8 +144,7 @@ impl CustomOp2 for SwiGlu {
         if a.len() != b.len() {
             candle_core::bail!("swiglu: {} vs {} values", a.len(), b.len());
         }
-        let mut y = vec![0f32; a.len()];
-        pool_chunks_mut(&mut y, MIN_TASK, |c, ys| {
+        let y = pool_new(a.len(), MIN_TASK, |c, ys| {
             let (as_, bs) = (&a[c * MIN_TASK..c * MIN_TASK + ys.len()], &b[c * MIN_TASK..c * MIN_TASK + ys.len()]);
             sigmoid_into(as_, ys);
             for i in 0..ys.len() {
@@ -186,9 +183,7 @@ impl CustomOp3 for SwiGluBackward {
     ) -> Result<(CpuStorage, Shape)> {
         let (a, b, g) = (f32_slice(a_s, al)?, f32_slice(b_s, bl)?, f32_slice(g_s, gl)?);
         let n = a.len();
-        let mut out = vec![0f32; 2 * n];
-        let (da, db) = out.split_at_mut(n);
-        pool_chunks_mut2((da, MIN_TASK), (db, MIN_TASK), |c, das, dbs| {
+        let out = pool_new_halves(n, MIN_TASK, |c, das, dbs| {
             let off = c * MIN_TASK;
             let mut s = vec![0f32; das.len()];
             sigmoid_into(&a[off..off + das.len()], &mut s);
@@ -251,10 +246,9 @@ impl CustomOp3 for Rope {
             candle_core::bail!("rope: tables of {} values for {seq} positions of {half}", cos.len());
         }
         let sign = if self.inverse { -1.0f32 } else { 1.0 };
-        let mut y = vec![0f32; x.len()];
         let position = |row: usize| if self.token_major { (row / heads) % seq } else { row % seq };
         let per = d * seq;
-        pool_chunks_mut(&mut y, per, |c, ys| {
+        let y = pool_new(x.len(), per, |c, ys| {
             let xs = &x[c * per..c * per + ys.len()];
             for (r, (yr, xr)) in ys.chunks_mut(d).zip(xs.chunks(d)).enumerate() {
                 let p = position(c * seq + r);
@@ -321,8 +315,7 @@ impl CustomOp1 for CrossEntropy {
         let vocab = x.len() / rows.max(1);
         // Pieces of rows sharing one scratch row.
         const ROWS: usize = 8;
-        let mut loss = vec![0f32; rows];
-        pool_chunks_mut(&mut loss, ROWS, |c, ls| {
+        let loss = pool_new(rows, ROWS, |c, ls| {
             let mut scratch = vec![0f32; vocab];
             for (i, l) in ls.iter_mut().enumerate() {
                 let r = c * ROWS + i;
@@ -356,8 +349,8 @@ impl CustomOp2 for CrossEntropyBackward {
         let (x, gl_) = (f32_slice(s, l)?, f32_slice(gs, gl)?);
         let (g, loss) = gl_.split_at(rows);
         let vocab = x.len() / rows.max(1);
-        let mut dx = vec![0f32; x.len()];
-        pool_chunks_mut(&mut dx, vocab, |r, dr| {
+        // Ignored rows keep their zeros.
+        let dx = pool_new(x.len(), vocab, |r, dr| {
             let row = &x[r * vocab..(r + 1) * vocab];
             let t = self.targets[r];
             if t < 0 {

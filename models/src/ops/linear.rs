@@ -13,7 +13,7 @@ use crate::ops::f32_slice;
 use crate::ops::kernels::SharedOut;
 use crate::ops::matmul::{sgemm_piece, with_lhs_shared_by_pieces, SharedLhs};
 use crate::ops::weight_grads::{GradRows, WeightGradTarget};
-use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use std::sync::Arc;
 
 /// `x (.., in) · wᵀ` for `w (out, in)`: (.., out). f32 on the CPU (see [`crate::ops::applies`]).
@@ -29,7 +29,35 @@ pub fn linear_to(x: &Tensor, w: &Tensor, grad_to: Option<WeightGradTarget>) -> R
     if x.dim(candle_core::D::Minus1)? != in_dim {
         candle_core::bail!("linear: input {:?} for a weight {:?}", x.dims(), w.dims());
     }
-    x.contiguous()?.apply_op2(&w.contiguous()?, Linear { grad_to })
+    x.contiguous()?.apply_op2(&w.contiguous()?, Linear { grad_to, heads: None })
+}
+
+/// [`linear_to`] whose (.., out) output comes as (.., heads, out / heads), the attention's
+/// token-major q, k or v: a reshape after the op would be one more node, a zero tensor and a
+/// sum in candle's backward.
+pub fn linear_heads_to(x: &Tensor, w: &Tensor, heads: usize, grad_to: Option<WeightGradTarget>) -> Result<Tensor> {
+    let (out_dim, in_dim) = w.dims2()?;
+    if x.dim(candle_core::D::Minus1)? != in_dim || heads == 0 || out_dim % heads != 0 {
+        candle_core::bail!("linear: input {:?} for a weight {:?} in {heads} heads", x.dims(), w.dims());
+    }
+    x.contiguous()?.apply_op2(&w.contiguous()?, Linear { grad_to, heads: Some(heads) })
+}
+
+/// `residual + x · wᵀ` as one op: a transformer block's residual connection after its o_proj
+/// and down_proj. The sum taken by a separate op cost candle's backward a zero tensor and a
+/// sum for each of its two inputs (`weight_grads` says why); here the residual's gradient is
+/// the upstream one itself and the product's is never a tensor. The same values as
+/// `(residual + linear_to(x, w, grad_to))`: the product, then the residual added to it.
+pub fn linear_add_to(x: &Tensor, w: &Tensor, residual: &Tensor, grad_to: Option<WeightGradTarget>) -> Result<Tensor> {
+    let (out_dim, in_dim) = w.dims2()?;
+    let mut want = x.dims().to_vec();
+    if let Some(last) = want.last_mut() {
+        *last = out_dim;
+    }
+    if x.dim(candle_core::D::Minus1)? != in_dim || residual.dims() != want.as_slice() {
+        candle_core::bail!("linear_add: input {:?} and residual {:?} for a weight {:?}", x.dims(), residual.dims(), w.dims());
+    }
+    x.contiguous()?.apply_op3(&w.contiguous()?, &residual.contiguous()?, LinearAdd { grad_to })
 }
 
 /// The backward's two products for `gy = ∂L/∂y` of [`linear`]: (`dx = gy W`, `dW = gyᵀ x`), the
@@ -202,6 +230,8 @@ pub(crate) fn product_add(m: usize, n: usize, k: usize, dst: &mut [f32], lhs: (&
 
 struct Linear {
     grad_to: Option<WeightGradTarget>,
+    /// Output as (.., heads, out / heads).
+    heads: Option<usize>,
 }
 
 impl CustomOp2 for Linear {
@@ -217,28 +247,82 @@ impl CustomOp2 for Linear {
         let y = product(rows, out_dim, in_dim, (x, 1, in_dim as isize), (w, in_dim as isize, 1));
         let mut dims = xl.dims().to_vec();
         *dims.last_mut().unwrap() = out_dim;
+        if let Some(heads) = self.heads {
+            *dims.last_mut().unwrap() = heads;
+            dims.push(out_dim / heads);
+        }
         Ok((CpuStorage::F32(y), Shape::from(dims)))
     }
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, gy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let gy = gy.contiguous()?;
-        let dx = gy.apply_op2_no_bwd(w, &InputGrad)?;
-        let dw = match (w.track_op(), &self.grad_to) {
-            (false, _) => None,
-            (true, None) => Some(gy.apply_op2_no_bwd(x, &WeightGrad)?),
-            (true, Some(to)) => {
-                let (out_dim, in_dim) = w.dims2()?;
-                // The factors while they are no larger than dW itself (as many rows as inputs
-                // or fewer): a long sequence's gy would outweigh the gradient it makes.
-                if gy.elem_count() / out_dim <= in_dim {
-                    to.sink.add_rows(&to.name, Arc::new(LinearGradRows::new(gy, x.clone())?))?;
-                } else {
-                    to.sink.add(&to.name, gy.apply_op2_no_bwd(x, &WeightGrad)?)?;
-                }
-                None
+        linear_backward(x, w, gy, self.grad_to.as_ref())
+    }
+}
+
+/// (dx, dW) of `y = x wᵀ` for `gy`: dW only for a weight that trains, sent to `grad_to` when
+/// given (then none for candle's store).
+fn linear_backward(x: &Tensor, w: &Tensor, gy: &Tensor, grad_to: Option<&WeightGradTarget>) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    // (.., out) whatever shape y came in (`linear_heads_to`'s (.., heads, head_dim)).
+    let mut rows = x.dims().to_vec();
+    *rows.last_mut().expect("a linear input has a last dimension") = w.dim(0)?;
+    let gy = gy.contiguous()?.reshape(rows)?;
+    let dx = gy.apply_op2_no_bwd(w, &InputGrad)?;
+    let dw = match (w.track_op(), grad_to) {
+        (false, _) => None,
+        (true, None) => Some(gy.apply_op2_no_bwd(x, &WeightGrad)?),
+        (true, Some(to)) => {
+            let (out_dim, in_dim) = w.dims2()?;
+            // The factors while they are no larger than dW itself (as many rows as inputs
+            // or fewer): a long sequence's gy would outweigh the gradient it makes.
+            if gy.elem_count() / out_dim <= in_dim {
+                to.sink.add_rows(&to.name, Arc::new(LinearGradRows::new(gy, x.clone())?))?;
+            } else {
+                to.sink.add(&to.name, gy.apply_op2_no_bwd(x, &WeightGrad)?)?;
             }
+            None
+        }
+    };
+    Ok((Some(dx), dw))
+}
+
+/// [`linear_add_to`]'s op: (x, w, residual).
+struct LinearAdd {
+    grad_to: Option<WeightGradTarget>,
+}
+
+impl CustomOp3 for LinearAdd {
+    fn name(&self) -> &'static str {
+        "fused-linear-add"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+        rs: &CpuStorage,
+        rl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (CpuStorage::F32(y), shape) = Linear { grad_to: None, heads: None }.cpu_fwd(xs, xl, ws, wl)? else {
+            candle_core::bail!("linear_add: the product is not f32")
         };
-        Ok((Some(dx), dw))
+        let mut y = y;
+        // residual + product, as the separate sum computed it.
+        crate::ops::pool::pool_add_into(&mut y, f32_slice(rs, rl)?);
+        Ok((CpuStorage::F32(y), shape))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _r: &Tensor,
+        _y: &Tensor,
+        gy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw) = linear_backward(x, w, gy, self.grad_to.as_ref())?;
+        Ok((dx, dw, Some(gy.clone())))
     }
 }
 
@@ -352,6 +436,46 @@ mod tests {
         let xv = Var::from_tensor(&x).unwrap();
         let g = (linear(xv.as_tensor(), &w).unwrap() * &probe).unwrap().sum_all().unwrap().backward().unwrap();
         assert!(g.get(&w).is_none() && g.get(xv.as_tensor()).is_some());
+    }
+
+    /// The residual form is the composite sum's values, bit for bit, and its gradients (the
+    /// residual's is the upstream gradient); the heads form is the reshaped product, and its
+    /// gradients the plain op's. Through the sink too (`LinearGradRows` of a 4-D gy).
+    #[test]
+    fn residual_and_heads_forms_match_the_plain_op() {
+        let (x, w, r) = (rand(&[2, 7, 24], 41, 1.0), rand(&[40, 24], 42, 0.5), rand(&[2, 7, 40], 43, 1.0));
+        let plain = (&r + linear(&x, &w).unwrap()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let composite = |t: &[Tensor]| &t[2] + candle_nn::Linear::new(t[1].clone(), None).forward_t(&t[0])?;
+        let fused = linear_add_to(&x, &w, &r, None).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert!(plain.iter().zip(&fused).all(|(a, b)| a.to_bits() == b.to_bits()), "not the composite sum's bits");
+        let probe = rand(&[2, 7, 40], 44, 1.0);
+        let vars = [Var::from_tensor(&x).unwrap(), Var::from_tensor(&w).unwrap(), Var::from_tensor(&r).unwrap()];
+        let got = grads(&vars, &probe, &|t| linear_add_to(&t[0], &t[1], &t[2], None));
+        let want = grads(&vars, &probe, &composite);
+        for (which, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert!(max_rel(a, b) < 1e-5, "input {which}: {}", max_rel(a, b));
+            check_fd(&[x.clone(), w.clone(), r.clone()], which, &probe, a, &composite);
+        }
+        assert!(linear_add_to(&x, &w, &rand(&[2, 7, 39], 45, 1.0), None).is_err(), "a residual of the wrong shape");
+
+        let heads = linear_heads_to(&x, &w, 4, None).unwrap();
+        assert_eq!(heads.dims(), &[2, 7, 4, 10]);
+        assert!(max_rel(&heads.reshape((2, 7, 40)).unwrap(), &linear(&x, &w).unwrap()) == 0.0);
+        let probe4 = probe.reshape((2, 7, 4, 10)).unwrap();
+        let vars = [Var::from_tensor(&x).unwrap(), Var::from_tensor(&w).unwrap()];
+        let got = grads(&vars, &probe4, &|t| linear_heads_to(&t[0], &t[1], 4, None));
+        let want = grads(&vars, &probe, &|t| linear(&t[0], &t[1]));
+        for (which, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert!(max_rel(a, b) == 0.0, "input {which}: {}", max_rel(a, b));
+        }
+        let sink = crate::ops::weight_grads::WeightGrads::new();
+        let to = WeightGradTarget { sink: sink.clone(), name: "w".into() };
+        let xv = Var::from_tensor(&x).unwrap();
+        let wv = Var::from_tensor(&w).unwrap();
+        (linear_heads_to(xv.as_tensor(), wv.as_tensor(), 4, Some(to)).unwrap() * &probe4).unwrap().sum_all().unwrap().backward().unwrap();
+        let dw = sink.take("w").expect("the sink got dW").into_tensor(&candle_core::Device::Cpu).unwrap();
+        assert!(max_rel(&dw, &want[1]) < 1e-6, "{}", max_rel(&dw, &want[1]));
+        assert!(linear_heads_to(&x, &w, 3, None).is_err(), "40 outputs in 3 heads");
     }
 
     /// With a sink, the weight's gradient goes there, the same values candle's store would have
