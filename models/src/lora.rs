@@ -204,10 +204,8 @@ impl AdaptedLinear {
         row_seeds: Option<&[u64]>,
         rows: &RowAdapters,
     ) -> Result<Tensor, candle_core::Error> {
-        if let (LinearWeight::Dense(base), None, true, OpMode::Train) = (&self.base, &self.adapter, rows.is_empty(), mode) {
-            if base.bias().is_none() && crate::ops::applies(x) && base.weight().dtype() == x.dtype() {
-                return crate::ops::linear::linear_heads_to(x, base.weight(), heads, self.weight_grad_target());
-            }
+        if let Some(w) = self.plain_weight_in_training(x, mode, rows) {
+            return crate::ops::linear::linear_heads_to(x, w, heads, self.weight_grad_target());
         }
         let y = self.forward(x, mode, row_seeds, rows)?;
         let mut dims = y.dims().to_vec();
@@ -227,11 +225,8 @@ impl AdaptedLinear {
         row_seeds: Option<&[u64]>,
         rows: &RowAdapters,
     ) -> Result<Tensor, candle_core::Error> {
-        if let (LinearWeight::Dense(base), None, true, OpMode::Train) = (&self.base, &self.adapter, rows.is_empty(), mode) {
-            if base.bias().is_none() && crate::ops::applies(x) && crate::ops::applies(residual) && base.weight().dtype() == x.dtype() {
-                let grad_to = self.weight_grad_target();
-                return crate::ops::linear::linear_add_to(x, base.weight(), residual, grad_to);
-            }
+        if let Some(w) = self.plain_weight_in_training(x, mode, rows).filter(|_| crate::ops::applies(residual)) {
+            return crate::ops::linear::linear_add_to(x, w, residual, self.weight_grad_target());
         }
         residual + self.forward(x, mode, row_seeds, rows)?
     }
@@ -291,6 +286,23 @@ impl AdaptedLinear {
     /// Hands the base weight's gradient to `sink` in training (see the field).
     pub fn send_weight_grads_to(&mut self, sink: Option<WeightGrads>) {
         self.weight_grads = sink;
+    }
+
+    /// The dense weight, when this layer is only `x · wᵀ` in a CPU training forward (no bias,
+    /// no adapter of its own or of the batch's rows): the case our fused training ops cover.
+    fn plain_weight_in_training(&self, x: &Tensor, mode: OpMode, rows: &RowAdapters) -> Option<&Tensor> {
+        match (&self.base, &self.adapter) {
+            (LinearWeight::Dense(base), None)
+                if mode == OpMode::Train
+                    && rows.is_empty()
+                    && base.bias().is_none()
+                    && crate::ops::applies(x)
+                    && base.weight().dtype() == x.dtype() =>
+            {
+                Some(base.weight())
+            }
+            _ => None,
+        }
     }
 
     /// Where training sends the base weight's gradient, if somewhere other than candle's store.
