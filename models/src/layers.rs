@@ -396,12 +396,18 @@ impl Mlp {
     /// `residual + mlp(x)`: the sum is down_proj's (`AdaptedLinear::forward_add`).
     pub fn forward(&self, x: &Tensor, residual: &Tensor, pos: &PositionInputs) -> Result<Tensor> {
         let seeds = pos.row_seeds.as_deref();
-        let [gate, up]: [Tensor; 2] = AdaptedLinear::forward_shared(&[&self.gate_proj, &self.up_proj], x, pos.mode, seeds, &pos.adapters)?
-            .try_into()
-            .expect("two products");
-        let h = match crate::ops::applies(&gate) {
-            true => crate::ops::fused::swiglu(&gate, &up)?,
-            false => (candle_nn::ops::silu(&gate)? * up)?,
+        let h = match AdaptedLinear::swiglu_in_training(&self.gate_proj, &self.up_proj, x, pos.mode, &pos.adapters)? {
+            Some(h) => h,
+            None => {
+                let [gate, up]: [Tensor; 2] =
+                    AdaptedLinear::forward_shared(&[&self.gate_proj, &self.up_proj], x, pos.mode, seeds, &pos.adapters)?
+                        .try_into()
+                        .expect("two products");
+                match crate::ops::applies(&gate) {
+                    true => crate::ops::fused::swiglu(&gate, &up)?,
+                    false => (candle_nn::ops::silu(&gate)? * up)?,
+                }
+            }
         };
         self.down_proj.forward_add(&h, residual, pos.mode, seeds, &pos.adapters)
     }

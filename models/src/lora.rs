@@ -231,6 +231,25 @@ impl AdaptedLinear {
         residual + self.forward(x, mode, row_seeds, rows)?
     }
 
+    /// `silu(gate(x)) ∘ up(x)`, a Llama MLP's first half, as one op (`ops::gated_mlp`, whose
+    /// backward makes fewer tensors) when both layers are plain dense ones training on the CPU;
+    /// None otherwise (the caller runs the layers, then the SwiGLU).
+    pub fn swiglu_in_training(
+        gate: &AdaptedLinear,
+        up: &AdaptedLinear,
+        x: &Tensor,
+        mode: OpMode,
+        rows: &RowAdapters,
+    ) -> Result<Option<Tensor>, candle_core::Error> {
+        match (gate.plain_weight_in_training(x, mode, rows), up.plain_weight_in_training(x, mode, rows)) {
+            (Some(w_gate), Some(w_up)) if w_gate.dims() == w_up.dims() => {
+                let grad_to = [gate.weight_grad_target(), up.weight_grad_target()];
+                crate::ops::gated_mlp::swiglu_linear_to(x, w_gate, w_up, grad_to).map(Some)
+            }
+            _ => Ok(None),
+        }
+    }
+
     /// Several layers over the same input (q/k/v, gate/up), each as [`Self::forward`]: when
     /// every one keeps its weight in 32-value blocks, their products are one pass (the input
     /// quantised once, one parallel region instead of one per layer), as are decoding's

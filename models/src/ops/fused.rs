@@ -144,14 +144,7 @@ impl CustomOp2 for SwiGlu {
         if a.len() != b.len() {
             candle_core::bail!("swiglu: {} vs {} values", a.len(), b.len());
         }
-        let y = pool_new(a.len(), MIN_TASK, |c, ys| {
-            let (as_, bs) = (&a[c * MIN_TASK..c * MIN_TASK + ys.len()], &b[c * MIN_TASK..c * MIN_TASK + ys.len()]);
-            sigmoid_into(as_, ys);
-            for i in 0..ys.len() {
-                ys[i] *= as_[i] * bs[i];
-            }
-        });
-        Ok((CpuStorage::F32(y), al.shape().clone()))
+        Ok((CpuStorage::F32(swiglu_values(a, b)), al.shape().clone()))
     }
 
     /// da = g b s (1 + a (1 - s)) with s = sigmoid(a); db = g a s.
@@ -182,19 +175,34 @@ impl CustomOp3 for SwiGluBackward {
         gl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (a, b, g) = (f32_slice(a_s, al)?, f32_slice(b_s, bl)?, f32_slice(g_s, gl)?);
-        let n = a.len();
-        let out = pool_new_halves(n, MIN_TASK, |c, das, dbs| {
-            let off = c * MIN_TASK;
-            let mut s = vec![0f32; das.len()];
-            sigmoid_into(&a[off..off + das.len()], &mut s);
-            for i in 0..das.len() {
-                let (av, bv, gv, s) = (a[off + i], b[off + i], g[off + i], s[i]);
-                das[i] = gv * bv * s * (1.0 + av * (1.0 - s));
-                dbs[i] = gv * av * s;
-            }
-        });
-        Ok((CpuStorage::F32(out), Shape::from(2 * n)))
+        Ok((CpuStorage::F32(swiglu_grads(a, b, g)), Shape::from(2 * a.len())))
     }
+}
+
+/// `silu(a) ∘ b` of two slices of the same length, over the pool.
+pub(crate) fn swiglu_values(a: &[f32], b: &[f32]) -> Vec<f32> {
+    pool_new(a.len(), MIN_TASK, |c, ys| {
+        let (as_, bs) = (&a[c * MIN_TASK..c * MIN_TASK + ys.len()], &b[c * MIN_TASK..c * MIN_TASK + ys.len()]);
+        sigmoid_into(as_, ys);
+        for i in 0..ys.len() {
+            ys[i] *= as_[i] * bs[i];
+        }
+    })
+}
+
+/// The gradients of [`swiglu_values`] for its output's gradient `g`: da, then db, in one
+/// buffer of 2n. da = g b s (1 + a (1 - s)) with s = sigmoid(a); db = g a s.
+pub(crate) fn swiglu_grads(a: &[f32], b: &[f32], g: &[f32]) -> Vec<f32> {
+    pool_new_halves(a.len(), MIN_TASK, |c, das, dbs| {
+        let off = c * MIN_TASK;
+        let mut s = vec![0f32; das.len()];
+        sigmoid_into(&a[off..off + das.len()], &mut s);
+        for i in 0..das.len() {
+            let (av, bv, gv, s) = (a[off + i], b[off + i], g[off + i], s[i]);
+            das[i] = gv * bv * s * (1.0 + av * (1.0 - s));
+            dbs[i] = gv * av * s;
+        }
+    })
 }
 
 // ---------------------------------------------------------------- rotary embedding

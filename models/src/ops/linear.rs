@@ -259,17 +259,22 @@ impl CustomOp2 for Linear {
     }
 }
 
-/// (dx, dW) of `y = x wᵀ` for `gy`: dW only for a weight that trains, sent to `grad_to` when
-/// given (then none for candle's store).
+/// (dx, dW) of `y = x wᵀ` for `gy`: dW as [`weight_grad`] makes it.
 fn linear_backward(x: &Tensor, w: &Tensor, gy: &Tensor, grad_to: Option<&WeightGradTarget>) -> Result<(Option<Tensor>, Option<Tensor>)> {
     // (.., out) whatever shape y came in (`linear_heads_to`'s (.., heads, head_dim)).
     let mut rows = x.dims().to_vec();
     *rows.last_mut().expect("a linear input has a last dimension") = w.dim(0)?;
     let gy = gy.contiguous()?.reshape(rows)?;
     let dx = gy.apply_op2_no_bwd(w, &InputGrad)?;
-    let dw = match (w.track_op(), grad_to) {
-        (false, _) => None,
-        (true, None) => Some(gy.apply_op2_no_bwd(x, &WeightGrad)?),
+    Ok((Some(dx), weight_grad(x, w, gy, grad_to)?))
+}
+
+/// `dW = gyᵀ x` of `y = x wᵀ`, for `gy` (.., out) contiguous: only for a weight that trains,
+/// sent to `grad_to` when given (then none for candle's store).
+pub(crate) fn weight_grad(x: &Tensor, w: &Tensor, gy: Tensor, grad_to: Option<&WeightGradTarget>) -> Result<Option<Tensor>> {
+    match (w.track_op(), grad_to) {
+        (false, _) => Ok(None),
+        (true, None) => Ok(Some(gy.apply_op2_no_bwd(x, &WeightGrad)?)),
         (true, Some(to)) => {
             let (out_dim, in_dim) = w.dims2()?;
             // The factors while they are no larger than dW itself (as many rows as inputs
@@ -279,10 +284,9 @@ fn linear_backward(x: &Tensor, w: &Tensor, gy: &Tensor, grad_to: Option<&WeightG
             } else {
                 to.sink.add(&to.name, gy.apply_op2_no_bwd(x, &WeightGrad)?)?;
             }
-            None
+            Ok(None)
         }
-    };
-    Ok((Some(dx), dw))
+    }
 }
 
 /// [`linear_add_to`]'s op: (x, w, residual).

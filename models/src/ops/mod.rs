@@ -3,7 +3,8 @@
 //! code (`layers`, `lora`, `model`, `staged`) calls them where [`applies`] says they do, and
 //! candle's composite ops elsewhere (other devices and dtypes).
 //!
-//! - `fused`: RMSNorm, rope, SwiGLU; `attention`: causal/packed attention with an online softmax;
+//! - `fused`: RMSNorm, rope, SwiGLU; `gated_mlp`: an MLP's gate and up products with their SwiGLU;
+//!   `attention`: causal/packed attention with an online softmax;
 //!   `linear`: `x · wᵀ` with its backward (every f32 product through `matmul`, gemm's kernels at
 //!   the level `FSDP_SIMD` allows); `head_loss`: the head and cross-entropy fused, by rows;
 //!   `embedding`: the lookup whose weight gradient is made by rows;
@@ -27,6 +28,7 @@ pub use column_split::split_columns_evenly_on_this_thread;
 pub mod eager_attention;
 pub mod embedding;
 pub mod fused;
+pub mod gated_mlp;
 pub mod half_dot;
 pub mod head_loss;
 pub mod kernels;
