@@ -249,6 +249,14 @@ impl Attention {
             && pos.cos.dtype() == DType::F32
             && pos.mask.as_ref().is_none_or(|m| m.dtype() == DType::F32);
         if fused {
+            // With no q/k norms, and weights whose gradients have sinks: one op from x to what
+            // o_proj takes (crate::ops::self_attention).
+            let projections = [&self.q_proj, &self.k_proj, &self.v_proj].map(|p| p.weight_with_sink(x, pos.mode, &pos.adapters));
+            if let (None, None, [Some(q), Some(k), Some(v)]) = (&self.q_norm, &self.k_norm, projections) {
+                let heads = (self.num_heads, self.num_kv_heads);
+                let out = crate::ops::self_attention::self_attention(x, [q, k, v], heads, (&pos.cos, &pos.sin), pos.mask.as_ref(), scale)?;
+                return self.o_proj.forward_add(&out, residual, pos.mode, seeds, &pos.adapters);
+            }
             // Token-major all the way: rotary and attention read the projections in place and
             // the attention writes what o_proj takes (see crate::ops::attention).
             let tokens = |proj: &AdaptedLinear, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {

@@ -231,6 +231,15 @@ impl AdaptedLinear {
         residual + self.forward(x, mode, row_seeds, rows)?
     }
 
+    /// The dense weight and where its gradient goes, when this is a plain dense layer training
+    /// on the CPU whose weight gradient has a sink or that trains nothing: an op may then keep
+    /// the weight outside candle's graph (`ops::self_attention`).
+    pub fn weight_with_sink(&self, x: &Tensor, mode: OpMode, rows: &RowAdapters) -> Option<(Tensor, Option<WeightGradTarget>)> {
+        let w = self.plain_weight_in_training(x, mode, rows)?;
+        let to = self.weight_grad_target();
+        (to.is_some() || !w.track_op()).then(|| (w.clone(), to))
+    }
+
     /// `silu(gate(x)) ∘ up(x)`, a Llama MLP's first half, as one op (`ops::gated_mlp`, whose
     /// backward makes fewer tensors) when both layers are plain dense ones training on the CPU;
     /// None otherwise (the caller runs the layers, then the SwiGLU).

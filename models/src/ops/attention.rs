@@ -23,16 +23,13 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, scal
     if (kb, kt, kd) != (b, t, d) || v.dims() != k.dims() || hkv == 0 || hq % hkv != 0 {
         candle_core::bail!("attention: q {:?}, k {:?}, v {:?} do not fit together", q.dims(), k.dims(), v.dims());
     }
-    if let Some(m) = mask {
-        if m.dims() != [t, t] && m.dims() != [b, 1, t, t] {
-            candle_core::bail!("attention: a mask of shape {:?} for {b} rows of {t} tokens", m.dims());
-        }
-    }
-    let op = Attention { scale: scale as f32, mask: mask.map(Tensor::contiguous).transpose()? };
+    let op = Attention::new(b, t, mask, scale)?;
     q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)?.reshape((b, t, hq * d))
 }
 
-struct Attention {
+/// The attention of one call: its scale and mask (the same for the forward and the backward).
+/// Also run by `ops::self_attention` on the projections it computes itself.
+pub(crate) struct Attention {
     scale: f32,
     /// A constant of the graph (no gradient), contiguous.
     mask: Option<Tensor>,
@@ -40,12 +37,12 @@ struct Attention {
 
 /// Sizes and strides of one call: row `i` of head `h` starts at `q_at(bi, h) + i * q_rs`.
 #[derive(Clone, Copy)]
-struct Dims {
-    b: usize,
-    t: usize,
-    hq: usize,
-    hkv: usize,
-    d: usize,
+pub(crate) struct Dims {
+    pub(crate) b: usize,
+    pub(crate) t: usize,
+    pub(crate) hq: usize,
+    pub(crate) hkv: usize,
+    pub(crate) d: usize,
 }
 
 impl Dims {
@@ -148,6 +145,16 @@ fn probabilities(
 }
 
 impl Attention {
+    /// For `b` rows of `t` tokens; `mask` (additive) must be (t, t) or (b, 1, t, t).
+    pub(crate) fn new(b: usize, t: usize, mask: Option<&Tensor>, scale: f64) -> Result<Self> {
+        if let Some(m) = mask {
+            if m.dims() != [t, t] && m.dims() != [b, 1, t, t] {
+                candle_core::bail!("attention: a mask of shape {:?} for {b} rows of {t} tokens", m.dims());
+            }
+        }
+        Ok(Attention { scale: scale as f32, mask: mask.map(Tensor::contiguous).transpose()? })
+    }
+
     fn mask_data(&self) -> Result<Option<(Vec<f32>, bool)>> {
         match &self.mask {
             None => Ok(None),
@@ -155,7 +162,8 @@ impl Attention {
         }
     }
 
-    fn forward(&self, dims: Dims, q: &[f32], k: &[f32], v: &[f32]) -> Result<Vec<f32>> {
+    /// The output (b, t, hq · d) of q (b, t, hq, d), k and v (b, t, hkv, d), token-major.
+    pub(crate) fn forward(&self, dims: Dims, q: &[f32], k: &[f32], v: &[f32]) -> Result<Vec<f32>> {
         let mask = self.mask_data()?;
         let mask = mask.as_ref().map(|(m, per_row)| (m.as_slice(), *per_row));
         let Dims { b, t, hq, hkv, d } = dims;
@@ -200,7 +208,15 @@ impl Attention {
 
     /// (dq, dk, dv) for the output gradient `dout`, given the forward's output `o`.
     #[allow(clippy::too_many_arguments)]
-    fn backward(&self, dims: Dims, q: &[f32], k: &[f32], v: &[f32], o: &[f32], dout: &[f32]) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+    pub(crate) fn backward(
+        &self,
+        dims: Dims,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        o: &[f32],
+        dout: &[f32],
+    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
         let mask = self.mask_data()?;
         let mask = mask.as_ref().map(|(m, per_row)| (m.as_slice(), *per_row));
         let Dims { b, t, hq, hkv, d } = dims;

@@ -249,26 +249,8 @@ impl CustomOp3 for Rope {
             (false, [.., t, d]) => (*t, 1, *d),
             _ => candle_core::bail!("rope: unexpected shape {dims:?}"),
         };
-        let half = d / 2;
-        if cos.len() != seq * half || sin.len() != cos.len() {
-            candle_core::bail!("rope: tables of {} values for {seq} positions of {half}", cos.len());
-        }
-        let sign = if self.inverse { -1.0f32 } else { 1.0 };
         let position = |row: usize| if self.token_major { (row / heads) % seq } else { row % seq };
-        let per = d * seq;
-        let y = pool_new(x.len(), per, |c, ys| {
-            let xs = &x[c * per..c * per + ys.len()];
-            for (r, (yr, xr)) in ys.chunks_mut(d).zip(xs.chunks(d)).enumerate() {
-                let p = position(c * seq + r);
-                let (co, s) = (&cos[p * half..(p + 1) * half], &sin[p * half..(p + 1) * half]);
-                for i in 0..half {
-                    let (x1, x2, si) = (xr[i], xr[i + half], sign * s[i]);
-                    yr[i] = x1 * co[i] - x2 * si;
-                    yr[i + half] = x2 * co[i] + x1 * si;
-                }
-            }
-        });
-        Ok((CpuStorage::F32(y), xl.shape().clone()))
+        Ok((CpuStorage::F32(rope_values(x, (cos, sin), (seq, d), position, self.inverse)?), xl.shape().clone()))
     }
 
     fn bwd(
@@ -282,6 +264,36 @@ impl CustomOp3 for Rope {
         let dx = g.contiguous()?.apply_op3_no_bwd(cos, sin, &Rope { inverse: !self.inverse, token_major: self.token_major })?;
         Ok((Some(dx), None, None))
     }
+}
+
+/// Rows of `d` values of `x` rotated by the angles of their positions (`position(row)`, under
+/// `seq`) in the (seq, d / 2) tables; by the negative angles when `inverse`. Over the pool,
+/// `seq` rows a task.
+pub(crate) fn rope_values(
+    x: &[f32],
+    (cos, sin): (&[f32], &[f32]),
+    (seq, d): (usize, usize),
+    position: impl Fn(usize) -> usize + Sync,
+    inverse: bool,
+) -> Result<Vec<f32>> {
+    let half = d / 2;
+    if cos.len() != seq * half || sin.len() != cos.len() {
+        candle_core::bail!("rope: tables of {} values for {seq} positions of {half}", cos.len());
+    }
+    let sign = if inverse { -1.0f32 } else { 1.0 };
+    let per = d * seq;
+    Ok(pool_new(x.len(), per, |c, ys| {
+        let xs = &x[c * per..c * per + ys.len()];
+        for (r, (yr, xr)) in ys.chunks_mut(d).zip(xs.chunks(d)).enumerate() {
+            let p = position(c * seq + r);
+            let (co, s) = (&cos[p * half..(p + 1) * half], &sin[p * half..(p + 1) * half]);
+            for i in 0..half {
+                let (x1, x2, si) = (xr[i], xr[i + half], sign * s[i]);
+                yr[i] = x1 * co[i] - x2 * si;
+                yr[i + half] = x2 * co[i] + x1 * si;
+            }
+        }
+    }))
 }
 
 // ---------------------------------------------------------------- cross-entropy

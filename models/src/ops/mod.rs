@@ -4,7 +4,8 @@
 //! candle's composite ops elsewhere (other devices and dtypes).
 //!
 //! - `fused`: RMSNorm, rope, SwiGLU; `gated_mlp`: an MLP's gate and up products with their SwiGLU;
-//!   `attention`: causal/packed attention with an online softmax;
+//!   `attention`: causal/packed attention with an online softmax; `self_attention`: q/k/v, RoPE and
+//!   attention as one op;
 //!   `linear`: `x · wᵀ` with its backward (every f32 product through `matmul`, gemm's kernels at
 //!   the level `FSDP_SIMD` allows); `head_loss`: the head and cross-entropy fused, by rows;
 //!   `embedding`: the lookup whose weight gradient is made by rows;
@@ -41,6 +42,7 @@ pub mod quant_blocks;
 mod quant_blocks_x86;
 #[cfg(feature = "cuda")]
 pub mod runtime_cuda;
+pub mod self_attention;
 #[cfg(target_arch = "x86_64")]
 mod sgemm_packed;
 #[cfg(target_arch = "x86_64")]
