@@ -11,7 +11,7 @@ use std::sync::Mutex;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
 use crate::ops::fused::{swiglu_grads, swiglu_values};
-use crate::ops::linear::{product, product_add, weight_grad};
+use crate::ops::linear::{input_grad_sum, product_wt, weight_grad};
 use crate::ops::weight_grads::WeightGradTarget;
 use crate::ops::{cpu_f32_values, f32_slice};
 
@@ -51,11 +51,8 @@ impl CustomOp3 for GatedUp {
     ) -> Result<(CpuStorage, Shape)> {
         let (x, w_gate, w_up) = (f32_slice(xs, xl)?, f32_slice(gs, gl)?, f32_slice(us, ul)?);
         let in_dim = gl.dims()[1];
-        let rows = x.len() / in_dim;
-        // wᵀ is (in, inter): element (i, o) at o * in + i.
-        let (x, wt) = ((x, 1, in_dim as isize), |w| (w, in_dim as isize, 1));
-        let gate = product(rows, self.inter, in_dim, x, wt(w_gate));
-        let up = product(rows, self.inter, in_dim, x, wt(w_up));
+        let gate = product_wt(x, w_gate, self.inter, in_dim);
+        let up = product_wt(x, w_up, self.inter, in_dim);
         let h = swiglu_values(&gate, &up);
         *self.saved.lock().expect("the gated MLP's saved products") = Some((gate, up));
         let mut dims = xl.dims().to_vec();
@@ -82,8 +79,8 @@ impl CustomOp3 for GatedUp {
         let rows = n / inter;
         // dx = d_gate · W_gate + d_up · W_up, into one buffer.
         let (d_gate, d_up) = grads.split_at(n);
-        let mut dx = product(rows, in_dim, inter, (d_gate, 1, inter as isize), (cpu_f32_values(&wgs, wgl)?, 1, in_dim as isize));
-        product_add(rows, in_dim, inter, &mut dx, (d_up, 1, inter as isize), (cpu_f32_values(&wus, wul)?, 1, in_dim as isize));
+        let terms = [(d_gate, cpu_f32_values(&wgs, wgl)?, inter), (d_up, cpu_f32_values(&wus, wul)?, inter)];
+        let dx = input_grad_sum(rows, in_dim, &terms);
         drop(((gs, gl), (wgs, wgl), (wus, wul)));
         let dx = Tensor::from_vec(dx, x.shape(), x.device())?;
         // Each weight's gradient from its half of the buffer (views, no copies).

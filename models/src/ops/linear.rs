@@ -221,6 +221,27 @@ pub(crate) fn product(m: usize, n: usize, k: usize, lhs: (&[f32], isize, isize),
     dst
 }
 
+/// `x (rows, in) · wᵀ` for w (out, in): (rows, out), the forward of a linear layer.
+pub(crate) fn product_wt(x: &[f32], w: &[f32], out_dim: usize, in_dim: usize) -> Vec<f32> {
+    // wᵀ is (in, out): element (i, o) at o * in + i.
+    product(x.len() / in_dim, out_dim, in_dim, (x, 1, in_dim as isize), (w, in_dim as isize, 1))
+}
+
+/// `Σ gy (rows, out) · w (out, in)` over `terms` of (gy, w, out): the (rows, in) gradient of an
+/// input that several products read, made in one buffer (each product after the first added
+/// into it) rather than as one tensor per product that candle's backward then sums.
+pub(crate) fn input_grad_sum(rows: usize, in_dim: usize, terms: &[(&[f32], &[f32], usize)]) -> Vec<f32> {
+    let mut dx: Vec<f32> = Vec::new();
+    for (n, &(gy, w, out_dim)) in terms.iter().enumerate() {
+        let (lhs, rhs) = ((gy, 1, out_dim as isize), (w, 1, in_dim as isize));
+        match n {
+            0 => dx = product(rows, in_dim, out_dim, lhs, rhs),
+            _ => product_add(rows, in_dim, out_dim, &mut dx, lhs, rhs),
+        }
+    }
+    dx
+}
+
 /// `dst (m × n) += lhs (m × k) · rhs (k × n)` into an existing row-major buffer.
 pub(crate) fn product_add(m: usize, n: usize, k: usize, dst: &mut [f32], lhs: (&[f32], isize, isize), rhs: (&[f32], isize, isize)) {
     assert_eq!(dst.len(), m * n);
@@ -242,9 +263,7 @@ impl CustomOp2 for Linear {
     fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ws: &CpuStorage, wl: &Layout) -> Result<(CpuStorage, Shape)> {
         let (x, w) = (f32_slice(xs, xl)?, f32_slice(ws, wl)?);
         let (out_dim, in_dim) = (wl.dims()[0], wl.dims()[1]);
-        let rows = x.len() / in_dim;
-        // wᵀ is (in, out): element (i, o) at o * in + i.
-        let y = product(rows, out_dim, in_dim, (x, 1, in_dim as isize), (w, in_dim as isize, 1));
+        let y = product_wt(x, w, out_dim, in_dim);
         let mut dims = xl.dims().to_vec();
         *dims.last_mut().unwrap() = out_dim;
         if let Some(heads) = self.heads {
@@ -391,8 +410,7 @@ impl CustomOp2 for InputGrad {
     fn cpu_fwd(&self, gs: &CpuStorage, gl: &Layout, ws: &CpuStorage, wl: &Layout) -> Result<(CpuStorage, Shape)> {
         let (g, w) = (f32_slice(gs, gl)?, f32_slice(ws, wl)?);
         let (out_dim, in_dim) = (wl.dims()[0], wl.dims()[1]);
-        let rows = g.len() / out_dim;
-        let dx = product(rows, in_dim, out_dim, (g, 1, out_dim as isize), (w, 1, in_dim as isize));
+        let dx = input_grad_sum(g.len() / out_dim, in_dim, &[(g, w, out_dim)]);
         let mut dims = gl.dims().to_vec();
         *dims.last_mut().unwrap() = in_dim;
         Ok((CpuStorage::F32(dx), Shape::from(dims)))

@@ -17,7 +17,7 @@ use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
 use crate::ops::attention::{Attention, Dims};
 use crate::ops::fused::rope_values;
-use crate::ops::linear::{product, product_add, weight_grad};
+use crate::ops::linear::{input_grad_sum, product_wt, weight_grad};
 use crate::ops::weight_grads::WeightGradTarget;
 use crate::ops::{cpu_f32_values, f32_slice};
 
@@ -98,11 +98,10 @@ impl CustomOp1 for SelfAttention {
     fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = f32_slice(xs, xl)?;
         let Dims { b, t, hq, hkv, d } = self.dims;
-        let (rows, in_dim) = (b * t, self.in_dim());
+        let in_dim = self.in_dim();
         let project = |(w, _): &Projection| -> Result<Vec<f32>> {
             let (ws, wl) = w.storage_and_layout();
-            // wᵀ is (in, out): element (i, o) at o * in + i.
-            Ok(product(rows, w.dims()[0], in_dim, (x, 1, in_dim as isize), (cpu_f32_values(&ws, wl)?, in_dim as isize, 1)))
+            Ok(product_wt(x, cpu_f32_values(&ws, wl)?, w.dims()[0], in_dim))
         };
         let [pq, pk, pv] = &self.projections;
         let q = self.rotate(&project(pq)?, hq, false)?;
@@ -128,17 +127,15 @@ impl CustomOp1 for SelfAttention {
         drop((dq, dk));
         // dx = dq · W_q + dk · W_k + dv · W_v, into one buffer.
         let (rows, in_dim) = (b * t, self.in_dim());
-        let mut dx: Option<Vec<f32>> = None;
-        for ((w, _), gy) in self.projections.iter().zip(&grads) {
-            let (ws, wl) = w.storage_and_layout();
-            let out_dim = w.dims()[0];
-            let (lhs, rhs) = ((gy.as_slice(), 1, out_dim as isize), (cpu_f32_values(&ws, wl)?, 1, in_dim as isize));
-            match dx.as_mut() {
-                None => dx = Some(product(rows, in_dim, out_dim, lhs, rhs)),
-                Some(dx) => product_add(rows, in_dim, out_dim, dx, lhs, rhs),
+        let dx = {
+            let weights = self.projections.each_ref().map(|(w, _)| w.storage_and_layout());
+            let mut terms = Vec::with_capacity(3);
+            for (((storage, layout), (w, _)), gy) in weights.iter().zip(&self.projections).zip(&grads) {
+                terms.push((gy.as_slice(), cpu_f32_values(storage, layout)?, w.dims()[0]));
             }
-        }
-        let dx = Tensor::from_vec(dx.expect("three projections"), x.shape(), x.device())?;
+            input_grad_sum(rows, in_dim, &terms)
+        };
+        let dx = Tensor::from_vec(dx, x.shape(), x.device())?;
         // The weights' gradients to their sinks (`self_attention` took only weights with one
         // or that train nothing, so none comes back for candle's store).
         for ((w, to), gy) in self.projections.iter().zip(grads) {
