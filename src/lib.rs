@@ -86,16 +86,24 @@ pub fn finetune_workload() -> CpuWorkload {
 
 /// [`finetune_workload`] with the environment read through `env`.
 fn finetune_workload_with(env: impl Fn(&str) -> Option<String>) -> CpuWorkload {
-    let local_ranks = |var: &str| env(var).and_then(|v| v.trim().parse::<usize>().ok()).unwrap_or(1);
-    match local_ranks("LOCAL_WORLD_SIZE").max(local_ranks("OMPI_COMM_WORLD_LOCAL_SIZE")) {
-        0 | 1 => CpuWorkload::Finetune,
+    match local_rank_processes(env) {
+        1 => CpuWorkload::Finetune,
         _ => CpuWorkload::Shared,
     }
+}
+
+/// Rank processes a launcher started on this machine (torchrun's and ours LOCAL_WORLD_SIZE,
+/// Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE), this one among them; 1 when none did.
+fn local_rank_processes(env: impl Fn(&str) -> Option<String>) -> usize {
+    let local_ranks = |var: &str| env(var).and_then(|v| v.trim().parse::<usize>().ok()).unwrap_or(1);
+    local_ranks("LOCAL_WORLD_SIZE").max(local_ranks("OMPI_COMM_WORLD_LOCAL_SIZE")).max(1)
 }
 
 const SPIN: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
 const SHARED_SPINS: &str = "1000";
 static SPIN_SET_BY_USER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+const THREADS: &str = "RAYON_NUM_THREADS";
+static THREADS_SET_BY_USER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
 
 /// Two settings of candle's CPU threads, each applied unless the user set its variable; call it
 /// before any tensor work (and any other thread).
@@ -120,20 +128,30 @@ pub fn tune_cpu_threads(workload: CpuWorkload) {
         };
         std::env::set_var(SPIN, spins);
     }
-    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-        std::env::set_var("RAYON_NUM_THREADS", cpu_threads().to_string());
+    if !*THREADS_SET_BY_USER.get_or_init(|| std::env::var_os(THREADS).is_some()) {
+        std::env::set_var(THREADS, cpu_threads().to_string());
     }
 }
 
 /// Threads for candle's and rayon's pools: one per physical core (candle's count), but at most
-/// one per CPU this process may use. candle counts the machine's cores in /proc/cpuinfo, blind
-/// to an affinity mask (taskset, numactl, a Slurm or MPI binding, a container's cpuset) and to
-/// a CPU quota (`docker --cpus`), which `available_parallelism` honours. Too many threads take
-/// turns on the allowed CPUs, spinning at every barrier: a 28M Llama step under `taskset -c 2,3`
-/// on a 16-core Xeon ran at ~145 tokens/s with 16 threads, ~1,100 with 2.
+/// this process's share of the CPUs it may use.
+/// - candle counts the machine's cores in /proc/cpuinfo, blind to an affinity mask (taskset,
+///   numactl, a Slurm or MPI binding, a container's cpuset) and to a CPU quota (`docker
+///   --cpus`), which `available_parallelism` honours. Too many threads take turns on the
+///   allowed CPUs, spinning at every barrier: a 28M Llama step under `taskset -c 2,3` on a
+///   16-core Xeon ran at ~145 tokens/s with 16 threads, ~1,100 with 2.
+/// - Rank processes a launcher put on this machine split those CPUs between them (torchrun
+///   gives each one OpenMP thread instead): `launch --nproc-per-node 2` of the 28M Llama on 2
+///   cores ran 560-640 tokens/s with a thread per rank, 498-575 with two (4 runs each).
 pub fn cpu_threads() -> usize {
-    let usable = std::thread::available_parallelism().map_or(1, |n| n.get());
-    candle_core::utils::get_num_threads().min(usable)
+    cpu_threads_with(candle_core::utils::get_num_threads(), std::thread::available_parallelism().map_or(1, |n| n.get()), |var| {
+        std::env::var(var).ok()
+    })
+}
+
+/// [`cpu_threads`] for candle's count of `cores`, `usable` CPUs and the environment `env`.
+fn cpu_threads_with(cores: usize, usable: usize, env: impl Fn(&str) -> Option<String>) -> usize {
+    cores.min(usable / local_rank_processes(env)).max(1)
 }
 
 /// For a child process that shares this machine's cores with this one (a serving process's
@@ -145,9 +163,21 @@ pub fn child_shares_cores(cmd: &mut std::process::Command) {
     }
 }
 
+/// For a child fsdp-app process that tunes its threads itself (a rank `launch` starts, which
+/// knows it is one of several on the machine): the settings [`tune_cpu_threads`] made for this
+/// process are not passed on as if the user had made them; the user's own are.
+pub fn child_tunes_its_own_threads(cmd: &mut std::process::Command) {
+    if SPIN_SET_BY_USER.get() == Some(&false) {
+        cmd.env_remove(SPIN);
+    }
+    if THREADS_SET_BY_USER.get() == Some(&false) {
+        cmd.env_remove(THREADS);
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{finetune_workload_with, CpuWorkload};
+    use super::{cpu_threads_with, finetune_workload_with, CpuWorkload};
 
     /// A lone fine-tuning process keeps its idle threads spinning; rank processes that a
     /// launcher put several to a machine do not.
@@ -160,6 +190,21 @@ mod tests {
         assert_eq!(finetune_workload_with(env(&[("LOCAL_WORLD_SIZE", "1"), ("WORLD_SIZE", "4")])), CpuWorkload::Finetune);
         assert_eq!(finetune_workload_with(env(&[("LOCAL_WORLD_SIZE", "2")])), CpuWorkload::Shared);
         assert_eq!(finetune_workload_with(env(&[("OMPI_COMM_WORLD_LOCAL_SIZE", "4")])), CpuWorkload::Shared);
+    }
+
+    /// Threads: candle's count of cores, at most the usable CPUs, shared by a machine's rank
+    /// processes, never none.
+    #[test]
+    fn threads_share_the_usable_cpus_between_local_ranks() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |var: &str| pairs.iter().find(|(k, _)| *k == var).map(|(_, v)| v.to_string())
+        };
+        assert_eq!(cpu_threads_with(16, 2, env(&[])), 2);
+        assert_eq!(cpu_threads_with(8, 16, env(&[])), 8);
+        assert_eq!(cpu_threads_with(16, 16, env(&[("LOCAL_WORLD_SIZE", "4")])), 4);
+        assert_eq!(cpu_threads_with(16, 16, env(&[("OMPI_COMM_WORLD_LOCAL_SIZE", "3")])), 5);
+        assert_eq!(cpu_threads_with(2, 2, env(&[("LOCAL_WORLD_SIZE", "4")])), 1);
+        assert_eq!(cpu_threads_with(4, 1, env(&[("LOCAL_WORLD_SIZE", "0")])), 1);
     }
 
     /// The load-time constructor ran: mimalloc keeps freed memory in this process.

@@ -315,7 +315,8 @@ fn every_simd_level_trains_to_the_same_losses() {
 /// A process held to fewer CPUs than the machine has (taskset here; numactl, a Slurm or MPI
 /// binding, a container's cpuset alike) runs one thread per CPU it may use: candle alone counts
 /// the machine's cores and puts them all on the allowed ones, where they take turns (a 16-core
-/// Xeon pinned to 2 ran a step 8x slower). The settings line says how many threads ran.
+/// Xeon pinned to 2 ran a step 8x slower). Rank processes a launcher starts on the machine share
+/// those CPUs. The settings line says how many threads ran.
 #[test]
 fn finetune_runs_one_thread_per_cpu_it_may_use() {
     let tmp = tempfile::tempdir().unwrap();
@@ -324,40 +325,42 @@ fn finetune_runs_one_thread_per_cpu_it_may_use() {
     let rows: Vec<String> =
         (0..4).map(|i| serde_json::json!({ "input_ids": (0..16).map(|j| (i + j * 3) % 60).collect::<Vec<u32>>() }).to_string()).collect();
     std::fs::write(&data, rows.join("\n")).unwrap();
-    let threads_line = |pin: Option<&str>| {
-        let out = tmp.path().join(format!("out-{}", pin.unwrap_or("all")));
-        let args = [
-            "finetune",
-            "--model",
-            dir.to_str().unwrap(),
-            "--data",
-            data.to_str().unwrap(),
-            "--output-dir",
-            out.to_str().unwrap(),
-            "--max-steps",
-            "1",
-        ];
-        let mut cmd = match pin {
-            Some(cpus) => {
-                let mut c = std::process::Command::new("taskset");
-                c.args(["-c", cpus]).arg(bin());
-                c
-            }
-            None => std::process::Command::new(bin()),
-        };
-        let o = cmd.args(args).env_remove("RAYON_NUM_THREADS").env_remove("CANDLE_NUM_THREADS").output().expect("taskset (util-linux)");
-        assert!(o.status.success(), "{}", stderr(&o));
+    // The thread counts on the settings lines of `taskset -c <cpus> fsdp-app <launch>finetune`.
+    let threads = |cpus: &str, launch: &[&str]| -> Vec<usize> {
+        let out = tmp.path().join(format!("out-{cpus}-{}", launch.join(" ")));
+        let finetune =
+            ["finetune", "--model", dir.to_str().unwrap(), "--data", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap()];
+        let o = std::process::Command::new("taskset")
+            .args(["-c", cpus])
+            .arg(bin())
+            .args(launch)
+            .args(finetune)
+            .args(["--max-steps", "1"])
+            .env_remove("RAYON_NUM_THREADS")
+            .env_remove("CANDLE_NUM_THREADS")
+            .output()
+            .expect("taskset (util-linux)");
         let err = stderr(&o);
-        let settings = err.lines().find(|l| l.starts_with("settings:")).unwrap_or_else(|| panic!("no settings line:\n{err}")).to_string();
-        settings
-            .split("device cpu (")
-            .nth(1)
-            .and_then(|s| s.split(' ').next())
-            .and_then(|n| n.parse::<usize>().ok())
-            .unwrap_or_else(|| panic!("{settings}"))
+        assert!(o.status.success(), "{err}");
+        let counts: Vec<usize> = err
+            .lines()
+            .filter(|l| l.contains("settings:"))
+            .map(|l| {
+                l.split("device cpu (")
+                    .nth(1)
+                    .and_then(|s| s.split(' ').next())
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or_else(|| panic!("{l}"))
+            })
+            .collect();
+        assert!(!counts.is_empty(), "no settings line:\n{err}");
+        counts
     };
-    assert_eq!(threads_line(Some("0")), 1, "pinned to one CPU");
-    let cpus = std::thread::available_parallelism().unwrap().get();
-    let unpinned = threads_line(None);
-    assert!((1..=cpus).contains(&unpinned), "{unpinned} threads on {cpus} CPUs");
+    assert_eq!(threads("0", &[]), [1], "pinned to one CPU");
+    if std::thread::available_parallelism().unwrap().get() < 2 {
+        return skip_or_fail("finetune_runs_one_thread_per_cpu_it_may_use", "two launched ranks on two CPUs need a machine with two");
+    }
+    // Two ranks on two CPUs take one each (rank 0 prints the settings line); a lone rank both.
+    assert_eq!(threads("0,1", &["launch", "--nproc-per-node", "2", "--"]), [1], "two ranks on two CPUs");
+    assert_eq!(threads("0,1", &["launch", "--nproc-per-node", "1", "--"]), [2], "one rank on two CPUs");
 }

@@ -52,7 +52,10 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
     let mut children: Vec<(usize, Child)> = vec![];
     for local in 0..cfg.nproc_per_node {
         let rank = cfg.node_rank * cfg.nproc_per_node + local;
-        let child = Command::new(&exe)
+        let mut cmd = Command::new(&exe);
+        // Each rank chooses its threads as one of LOCAL_WORLD_SIZE on this machine.
+        crate::child_tunes_its_own_threads(&mut cmd);
+        let child = cmd
             .args(&cfg.command)
             .env("RANK", rank.to_string())
             .env("LOCAL_RANK", local.to_string())

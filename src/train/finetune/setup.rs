@@ -220,7 +220,11 @@ fn effective_settings(cfg: &FinetuneConfig, plan: &RunPlan) -> String {
         cfg.schedule,
         cfg.warmup_for(total_steps),
         // Threads as candle's pool has them (RAYON_NUM_THREADS, else `tune_cpu_threads`'s).
-        if cfg.device.is_cuda() { "cuda".to_string() } else { format!("cpu ({} threads)", candle_core::utils::get_num_threads()) },
+        match (cfg.device.is_cuda(), candle_core::utils::get_num_threads()) {
+            (true, _) => "cuda".to_string(),
+            (false, 1) => "cpu (1 thread)".to_string(),
+            (false, n) => format!("cpu ({n} threads)"),
+        },
     ) + &match cfg.dpo {
         // A pair is two sequences: say how many pairs a step takes.
         Some(d) => format!(", method dpo (beta {}, loss {:?}, {} pairs per step)", d.beta, d.loss, plan.global_batch / plan.group).to_lowercase(),
