@@ -92,8 +92,8 @@ fn finetune_workload_with(env: impl Fn(&str) -> Option<String>) -> CpuWorkload {
     }
 }
 
-/// Rank processes a launcher started on this machine (torchrun's and ours LOCAL_WORLD_SIZE,
-/// Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE), this one among them; 1 when none did.
+/// Rank processes a launcher started on this machine (LOCAL_WORLD_SIZE from torchrun or
+/// `launch`, Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE), this one among them; 1 when none did.
 fn local_rank_processes(env: impl Fn(&str) -> Option<String>) -> usize {
     let local_ranks = |var: &str| env(var).and_then(|v| v.trim().parse::<usize>().ok()).unwrap_or(1);
     local_ranks("LOCAL_WORLD_SIZE").max(local_ranks("OMPI_COMM_WORLD_LOCAL_SIZE")).max(1)
@@ -179,13 +179,15 @@ pub fn child_tunes_its_own_threads(cmd: &mut std::process::Command) {
 mod tests {
     use super::{cpu_threads_with, finetune_workload_with, CpuWorkload};
 
+    /// An environment of these variables only.
+    fn env(pairs: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
+        move |var: &str| pairs.iter().find(|(k, _)| *k == var).map(|(_, v)| v.to_string())
+    }
+
     /// A lone fine-tuning process keeps its idle threads spinning; rank processes that a
     /// launcher put several to a machine do not.
     #[test]
     fn finetune_spins_unless_rank_processes_share_the_machine() {
-        let env = |pairs: &'static [(&'static str, &'static str)]| {
-            move |var: &str| pairs.iter().find(|(k, _)| *k == var).map(|(_, v)| v.to_string())
-        };
         assert_eq!(finetune_workload_with(env(&[])), CpuWorkload::Finetune);
         assert_eq!(finetune_workload_with(env(&[("LOCAL_WORLD_SIZE", "1"), ("WORLD_SIZE", "4")])), CpuWorkload::Finetune);
         assert_eq!(finetune_workload_with(env(&[("LOCAL_WORLD_SIZE", "2")])), CpuWorkload::Shared);
@@ -196,9 +198,6 @@ mod tests {
     /// processes, never none.
     #[test]
     fn threads_share_the_usable_cpus_between_local_ranks() {
-        let env = |pairs: &'static [(&'static str, &'static str)]| {
-            move |var: &str| pairs.iter().find(|(k, _)| *k == var).map(|(_, v)| v.to_string())
-        };
         assert_eq!(cpu_threads_with(16, 2, env(&[])), 2);
         assert_eq!(cpu_threads_with(8, 16, env(&[])), 8);
         assert_eq!(cpu_threads_with(16, 16, env(&[("LOCAL_WORLD_SIZE", "4")])), 4);
