@@ -100,13 +100,16 @@ impl Estimate {
 /// allocator keeps at even the smallest shapes: mimalloc never hands freed memory back
 /// (`lib.rs`), and a step's short-lived tensors of many sizes leave pages that later sizes do
 /// not reuse (with `MIMALLOC_PURGE_DELAY=0` the same runs peak 20-50 MiB lower). Fitted with
-/// the factors below on 11 one-rank and 12 two-rank shapes (tests/estimate_fit/).
-const PROCESS_BYTES: u64 = 68 << 20;
+/// the factors below on 11 one-rank and 12 two-rank shapes (tests/estimate_fit/). The one-rank
+/// runs had two threads on 2 cores; each of the two ranks has one (`fsdp_app::cpu_threads`:
+/// re-measured when ranks stopped taking two each, which had cost them 10-60 MiB more).
+const PROCESS_BYTES: u64 = 53 << 20;
 
 /// Rank 0 of the tcp backend, beyond the buffers it relays: it reads the checkpoint and
 /// streams it, hosts the rendezvous and a proxy thread per other rank; fitted (see
-/// RESIDENT_PER_COUNTED) on the two-rank runs, where rank 0 peaked 0-90 MiB above rank 1.
-const RANK0_HOST_BYTES: u64 = 19 << 20;
+/// RESIDENT_PER_COUNTED) on the two-rank runs, where rank 0 peaked 24 MiB below to 68 MiB
+/// above rank 1.
+const RANK0_HOST_BYTES: u64 = 11 << 20;
 
 /// f32 values one decoder layer's training forward keeps, per token (see `models::layers`):
 /// `per_hidden` multiples of the hidden size, `per_inter` of the MLP width, `per_q` of the
@@ -127,11 +130,11 @@ const LAYER: LayerCounts = LayerCounts { per_hidden: 6.0, per_inter: 3.0, per_q:
 
 /// What the counted tensors cost in resident memory: the allocator's size classes and the
 /// short-lived tensors of the backward (gradient accumulation makes a zero tensor and a sum)
-/// add about a third. Fitted by least squares with the other constants of this file on 11
+/// add about two fifths. Fitted by least squares with the other constants of this file on 11
 /// one-rank full fine-tunes and 12 two-rank LoRA runs with activation checkpointing (hidden
 /// 256-1024, 2-32 layers, seq 128-512, vocab 2k-16k): tests/estimate_fit/ has the rows, the
 /// scripts that measured them and the fit.
-const RESIDENT_PER_COUNTED: f64 = 1.33;
+const RESIDENT_PER_COUNTED: f64 = 1.41;
 
 /// The share of LoRA's counted adapter tensors that costs memory at the peak: fitted on ten
 /// one-rank LoRA runs without checkpointing (tests/estimate_fit/lora-rank.txt) with the other
@@ -160,13 +163,13 @@ fn layer_activation_bytes(cfg: &ModelConfig, lora: Option<&models::LoraSettings>
 
 /// With activation checkpointing: hidden-size values per token kept for each layer (its input
 /// and the gradient handed between recomputed layers; fitted, see RESIDENT_PER_COUNTED).
-const AC_HIDDEN_PER_LAYER: f64 = 4.1;
+const AC_HIDDEN_PER_LAYER: f64 = 2.35;
 
 /// With activation checkpointing the loss stage's tensors and the recomputed layers' graphs
 /// both count at the peak: the memory the fused head and loss free is kept by the allocator
 /// for sizes the layers do not ask for. The loss stage holds about this many (batch, seq,
 /// vocab) f32 tensors' worth (fitted, see RESIDENT_PER_COUNTED).
-const LOSS_TENSORS_AT_PEAK: f64 = 1.2;
+const LOSS_TENSORS_AT_PEAK: f64 = 1.4;
 
 /// Without activation checkpointing the peak comes in the layers' backward, when the fused head
 /// and loss (`models::ops::head_loss`) have long freed their chunk of logits: the loss row counts
