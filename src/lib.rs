@@ -119,8 +119,7 @@ static THREADS_SET_BY_USER: std::sync::OnceLock<bool> = std::sync::OnceLock::new
 ///   core, as candle chose, instead of one per logical CPU), but never more than the CPUs this
 ///   process may run on ([`cpu_threads`]).
 pub fn tune_cpu_threads(workload: CpuWorkload) {
-    let by_user = *SPIN_SET_BY_USER.get_or_init(|| std::env::var_os(SPIN).is_some());
-    if !by_user {
+    if !set_by_user(&SPIN_SET_BY_USER, SPIN) {
         let spins = match workload {
             CpuWorkload::Decode => "100000",
             CpuWorkload::Finetune => "20000",
@@ -128,9 +127,15 @@ pub fn tune_cpu_threads(workload: CpuWorkload) {
         };
         std::env::set_var(SPIN, spins);
     }
-    if !*THREADS_SET_BY_USER.get_or_init(|| std::env::var_os(THREADS).is_some()) {
+    if !set_by_user(&THREADS_SET_BY_USER, THREADS) {
         std::env::set_var(THREADS, cpu_threads().to_string());
     }
+}
+
+/// Whether the user set `var`: read before the first change this process makes to it, and
+/// remembered in `flag` (for [`child_tunes_its_own_threads`] and [`child_shares_cores`]).
+fn set_by_user(flag: &std::sync::OnceLock<bool>, var: &str) -> bool {
+    *flag.get_or_init(|| std::env::var_os(var).is_some())
 }
 
 /// Threads for candle's and rayon's pools: one per physical core (candle's count), but at most

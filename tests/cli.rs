@@ -321,10 +321,7 @@ fn every_simd_level_trains_to_the_same_losses() {
 fn finetune_runs_one_thread_per_cpu_it_may_use() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = fixture("llama", tmp.path());
-    let data = tmp.path().join("rows.jsonl");
-    let rows: Vec<String> =
-        (0..4).map(|i| serde_json::json!({ "input_ids": (0..16).map(|j| (i + j * 3) % 60).collect::<Vec<u32>>() }).to_string()).collect();
-    std::fs::write(&data, rows.join("\n")).unwrap();
+    let data = reference_dir().join("train-data.jsonl");
     // The thread counts on the settings lines of `taskset -c <cpus> fsdp-app <launch>finetune`.
     let threads = |cpus: &str, launch: &[&str]| -> Vec<usize> {
         let out = tmp.path().join(format!("out-{cpus}-{}", launch.join(" ")));
