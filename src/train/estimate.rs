@@ -5,8 +5,9 @@
 //! parameters train). The rest counts the f32 tensors our code keeps alive at the peak:
 //! - gathered weights: FULL_SHARD holds the unit(s) of the running stage (the others are
 //!   resharded, their bytes freed even where a kept graph points at them), counted twice for
-//!   the moment a gather holds its result and the cut-out parameters; SHARD_GRAD_OP and
-//!   NO_SHARD keep every unit from its forward to its backward;
+//!   the moment a gather holds its result and the cut-out parameters; SHARD_GRAD_OP keeps every
+//!   unit from its forward to its backward; a shard group of one (one rank, NO_SHARD) computes
+//!   on its master chunks, and gathers nothing;
 //! - backward of one unit: a full-size gradient of every weight the unit trains (our linear,
 //!   embedding and head ops make none for a frozen weight) plus the packed buffer
 //!   reduce-scatter sends;
@@ -196,7 +197,14 @@ pub fn estimate(model: &dyn StagedModel, cfg: &ModelConfig, input: &EstimateInpu
         let reads = model.stage_parameters(s);
         plan.iter().filter(|u| u.params.iter().any(|p| reads.contains(&p.spec.name))).map(full).sum::<u64>()
     });
-    let gathered = if input.strategy.reshard_after_forward() { 2 * stage_units.max().unwrap_or(0) } else { plan.iter().map(full).sum() };
+    let gathered = if input.shard_size == 1 {
+        // One shard computes on its master chunks themselves (`UnitShards::lend`): no copy.
+        0
+    } else if input.strategy.reshard_after_forward() {
+        2 * stage_units.max().unwrap_or(0)
+    } else {
+        plan.iter().map(full).sum()
+    };
     // Vocabulary-sized weights that travel alone get their gradients as rows, reduce-scattered a
     // round at a time (`models::ops::weight_grads`): no full-size gradient. The embedding's always;
     // the head's while the logit gradients it keeps instead, (tokens, vocab), are no larger

@@ -24,6 +24,9 @@ pub(crate) struct HostShards {
     /// Full-size gradients of the packed trainable parameters collected during backward, until
     /// reduce-scatter, in the rank-major layout reduce-scatter takes.
     packed_grad: Option<Vec<f32>>,
+    /// While the master chunks are lent to the engine's gathered tensors (see `lend`): their
+    /// lengths, the vectors in `state.master` being empty meanwhile.
+    lent: Option<Vec<usize>>,
 }
 
 impl HostShards {
@@ -37,12 +40,19 @@ impl HostShards {
                 adam: plan.params.iter().map(|p| AdamWState::new(trained(p))).collect(),
             },
             packed_grad: None,
+            lent: None,
         }
     }
 
     /// State from its parts (the device storage's copy back).
     pub fn from_state(state: HostState) -> Self {
-        Self { state, packed_grad: None }
+        Self { state, packed_grad: None, lent: None }
+    }
+
+    /// The state itself, which must not be lent out (its master vectors are empty then).
+    fn own_state(&self) -> &HostState {
+        assert!(self.lent.is_none(), "a unit's master chunks were read while lent to its gathered tensors");
+        &self.state
     }
 }
 
@@ -116,17 +126,7 @@ impl UnitShards for HostShards {
     fn gather(&self, cx: &UnitCtx, purpose: GatherFor) -> anyhow::Result<Vec<Tensor>> {
         let dtype = if purpose == GatherFor::Compute { cx.compute_dtype } else { DType::F32 };
         let values = self.gather_for(cx, purpose)?;
-        let mut out = Vec::with_capacity(values.len());
-        for (p, full) in cx.plan.params.iter().zip(values) {
-            let shape = p.spec.shape.as_slice();
-            out.push(match (p.trainable, dtype) {
-                // Straight from the buffer (no copy) in the common f32 case.
-                (true, DType::F32) => Var::from_vec(full, shape, cx.device)?.as_tensor().clone(),
-                (true, dt) => Var::from_tensor(&Tensor::from_vec(full, shape, cx.device)?.to_dtype(dt)?)?.as_tensor().clone(),
-                (false, dt) => Tensor::from_vec(full, shape, cx.device)?.to_dtype(dt)?,
-            });
-        }
-        Ok(out)
+        cx.plan.params.iter().zip(values).map(|(p, full)| Ok(compute_tensor(p, full, dtype, cx.device)?)).collect()
     }
 
     fn gather_values(&self, cx: &UnitCtx) -> anyhow::Result<Vec<Vec<f32>>> {
@@ -225,6 +225,7 @@ impl UnitShards for HostShards {
     }
 
     fn adamw(&mut self, cx: &UnitCtx, step: &AdamWStep) -> anyhow::Result<()> {
+        anyhow::ensure!(self.lent.is_none(), "AdamW on a unit whose master chunks are lent to its gathered tensors");
         for (i, p) in cx.plan.params.iter().enumerate() {
             if !p.trainable {
                 continue;
@@ -246,13 +247,15 @@ impl UnitShards for HostShards {
     fn bytes(&self) -> StateBytes {
         let vecs = |v: &[Vec<f32>]| v.iter().map(|x| x.len() * 4).sum::<usize>();
         StateBytes {
-            params: vecs(&self.state.master),
+            // Lent master chunks are still this unit's bytes, held by its gathered tensors.
+            params: self.lent.as_ref().map(|lens| lens.iter().sum::<usize>() * 4).unwrap_or_else(|| vecs(&self.state.master)),
             grads: vecs(&self.state.grad),
             optimizer: self.state.adam.iter().map(|a| (a.exp_avg.len() + a.exp_avg_sq.len()) * 4).sum(),
         }
     }
 
     fn load_part(&mut self, cx: &UnitCtx, part: StatePart, chunks: &[f32]) -> anyhow::Result<()> {
+        anyhow::ensure!(self.lent.is_none(), "loading a unit whose master chunks are lent to its gathered tensors");
         let moments = part != StatePart::Master;
         for (i, p) in cx.plan.params.iter().enumerate() {
             if moments && !p.trainable {
@@ -270,18 +273,57 @@ impl UnitShards for HostShards {
     }
 
     fn to_host(&self, _: &UnitCtx) -> anyhow::Result<HostState> {
-        Ok(self.state.clone())
+        Ok(self.own_state().clone())
     }
 
     fn as_host(&self) -> Option<&HostState> {
-        Some(&self.state)
+        Some(self.own_state())
     }
+
+    /// With one shard, f32 values for compute (no `param_dtype` rounding) and the CPU, a
+    /// gather's result is the master chunks themselves: they are moved into the gathered
+    /// tensors and back (`reshard::take`), where a gather copied them (twice a step under
+    /// FULL_SHARD: before the unit's forward and again before its backward; 2% of a 28M
+    /// Llama step's samples) and held the copy beside them.
+    fn lend(&mut self, cx: &UnitCtx) -> Option<Vec<Vec<f32>>> {
+        let as_they_stand = cx.shards() == 1
+            && cx.device.is_cpu()
+            && cx.compute_dtype == DType::F32
+            && cx.opts.param_dtype == DType::F32
+            && cx.plan.params.iter().all(|p| p.chunk_len() == p.numel());
+        if !as_they_stand || self.lent.is_some() {
+            return None;
+        }
+        self.lent = Some(self.state.master.iter().map(Vec::len).collect());
+        Some(self.state.master.iter_mut().map(std::mem::take).collect())
+    }
+
+    fn give_back(&mut self, values: Vec<Vec<f32>>) -> anyhow::Result<()> {
+        let Some(lens) = self.lent.take() else { anyhow::bail!("giving back master chunks that were not lent") };
+        let got: Vec<usize> = values.iter().map(Vec::len).collect();
+        anyhow::ensure!(got == lens, "master chunks given back with lengths {got:?}, lent with {lens:?}");
+        self.state.master = values;
+        Ok(())
+    }
+}
+
+/// A full parameter's values as the tensor a unit computes with: in `dtype`, a `Var` when it
+/// trains (so that a forward over it builds the graph backward needs).
+pub(super) fn compute_tensor(p: &ParamLayout, full: Vec<f32>, dtype: DType, device: &candle_core::Device) -> candle_core::Result<Tensor> {
+    let shape = p.spec.shape.as_slice();
+    Ok(match (p.trainable, dtype) {
+        // Straight from the buffer (no copy) in the common f32 case.
+        (true, DType::F32) => Var::from_vec(full, shape, device)?.as_tensor().clone(),
+        (true, dt) => Var::from_tensor(&Tensor::from_vec(full, shape, device)?.to_dtype(dt)?)?.as_tensor().clone(),
+        (false, dt) => Tensor::from_vec(full, shape, device)?.to_dtype(dt)?,
+    })
 }
 
 impl HostShards {
     /// All-gathers the unit's chunks (one collective for the packed parameters, one for each
     /// that travels alone) and cuts the result into the full parameters, in plan order.
     fn gather_for(&self, cx: &UnitCtx, purpose: GatherFor) -> anyhow::Result<Vec<Vec<f32>>> {
+        let state = self.own_state();
         let shards = cx.shards();
         let round = |v: &mut Vec<f32>| {
             if purpose == GatherFor::Compute {
@@ -296,11 +338,11 @@ impl HostShards {
                 round(&mut full);
                 full
             };
-            return Ok(self.state.master.iter().zip(&cx.plan.params).map(own).collect());
+            return Ok(state.master.iter().zip(&cx.plan.params).map(own).collect());
         }
         let (offsets, seg) = packed_layout(cx, false);
         let mut buf: Vec<f32> = Vec::with_capacity(seg);
-        for (m, at) in self.state.master.iter().zip(&offsets) {
+        for (m, at) in state.master.iter().zip(&offsets) {
             if at.is_some() {
                 buf.extend_from_slice(m);
             }
@@ -319,7 +361,7 @@ impl HostShards {
                 }
                 // Straight into its own buffer: rank-major chunks of whole rows are the rows.
                 None => {
-                    let mut mine = self.state.master[i].clone();
+                    let mut mine = state.master[i].clone();
                     round(&mut mine);
                     if shards == 1 {
                         mine

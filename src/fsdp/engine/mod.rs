@@ -17,6 +17,8 @@ use models::{StageContext, StagedModel};
 
 mod device;
 mod host;
+#[cfg(test)]
+mod lend_tests;
 mod reshard;
 mod shards;
 mod state;
@@ -74,6 +76,19 @@ struct UnitState {
     /// The gathered tensors' bytes were freed in place (FULL_SHARD between a unit's forward
     /// and its backward, see `reshard`); they are refilled before the unit runs again.
     freed: bool,
+    /// The gathered tensors hold the unit's master chunks themselves (`UnitShards::lend`),
+    /// which go back to `shards` when the tensors are freed or dropped.
+    lent: bool,
+}
+
+impl UnitState {
+    /// Moves the master chunks this unit's gathered tensors hold (lent, see `lent`) back to its
+    /// storage, no copy, leaving the tensors freed.
+    fn return_lent(&mut self) -> Result<()> {
+        let Some(params) = &self.gathered else { return Ok(()) };
+        let values = self.plan.params.iter().map(|p| reshard::take(&params[&p.spec.name])).collect::<candle_core::Result<_>>()?;
+        self.shards.give_back(values)
+    }
 }
 
 /// Bytes a rank's buffers hold for the training state (fp32 each).
@@ -166,7 +181,14 @@ impl FsdpEngine {
             plan.iter().flat_map(|u| u.params.iter()).map(|p| (p.spec.name.clone(), weight_decay_all || p.spec.shape.len() >= 2)).collect();
         let units = plan
             .into_iter()
-            .map(|plan| UnitState { shards: Box::new(host::HostShards::zeros(&plan)), plan, host_copy: None, gathered: None, freed: false })
+            .map(|plan| UnitState {
+                shards: Box::new(host::HostShards::zeros(&plan)),
+                plan,
+                host_copy: None,
+                gathered: None,
+                freed: false,
+                lent: false,
+            })
             .collect();
         Ok(Self { model, units, stage_units, groups, opts, device: Device::Cpu, adam, decay, host_stale: false, step: 0 })
     }
@@ -219,8 +241,17 @@ impl FsdpEngine {
     fn gather_stage(&mut self, s: usize, refill: bool) -> Result<()> {
         for &u in &self.stage_units[s].clone() {
             if self.units[u].gathered.is_none() {
-                let unit = &self.units[u];
-                let tensors = unit.shards.gather(&unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device), GatherFor::Compute)?;
+                let unit = &mut self.units[u];
+                let cx = unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device);
+                let tensors = match unit.shards.lend(&cx) {
+                    Some(values) => {
+                        unit.lent = true;
+                        let tensors =
+                            unit.plan.params.iter().zip(values).map(|(p, v)| host::compute_tensor(p, v, cx.compute_dtype, cx.device));
+                        tensors.collect::<candle_core::Result<Vec<_>>>()?
+                    }
+                    None => unit.shards.gather(&cx, GatherFor::Compute)?,
+                };
                 let named = unit.plan.params.iter().map(|p| p.spec.name.clone()).zip(tensors).collect();
                 self.units[u].gathered = Some(named);
             } else if self.units[u].freed && refill {
@@ -235,26 +266,43 @@ impl FsdpEngine {
     /// dropped, which frees them when no graph holds them (activation checkpointing, or after
     /// a backward); see `reshard_before_backward` for when a forward graph is kept there.
     fn reshard(&mut self, u: usize) -> Result<()> {
+        if !self.device.is_cpu() {
+            return self.drop_gathered(u);
+        }
         let unit = &mut self.units[u];
         let Some(params) = &unit.gathered else { return Ok(()) };
-        if !self.device.is_cpu() {
-            unit.gathered = None;
-            return Ok(());
-        }
         if !unit.freed {
-            for t in params.values() {
-                reshard::free(t)?;
+            if unit.lent {
+                unit.return_lent()?;
+            } else {
+                for t in params.values() {
+                    reshard::free(t)?;
+                }
             }
             unit.freed = true;
         }
         Ok(())
     }
 
-    /// Refills unit `u`'s freed tensors in place from a new all-gather.
-    fn refill(&mut self, u: usize) -> Result<()> {
-        let unit = &self.units[u];
-        let values = unit.shards.gather_values(&unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device))?;
+    /// Drops unit `u`'s gathered tensors, the master chunks they hold going back first.
+    fn drop_gathered(&mut self, u: usize) -> Result<()> {
         let unit = &mut self.units[u];
+        if unit.lent && !unit.freed {
+            unit.return_lent()?;
+        }
+        (unit.gathered, unit.freed, unit.lent) = (None, false, false);
+        Ok(())
+    }
+
+    /// Refills unit `u`'s freed tensors in place from a new all-gather (or the master chunks
+    /// lent again).
+    fn refill(&mut self, u: usize) -> Result<()> {
+        let unit = &mut self.units[u];
+        let cx = unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device);
+        let values = match unit.lent {
+            true => unit.shards.lend(&cx).context("a unit whose master chunks were lent lends them again")?,
+            false => unit.shards.gather_values(&cx)?,
+        };
         let params = unit.gathered.as_ref().expect("a freed unit keeps its tensors");
         for (p, v) in unit.plan.params.iter().zip(values) {
             reshard::refill(&params[&p.spec.name], v)?;
@@ -320,15 +368,15 @@ impl FsdpEngine {
             // No graph: a unit no later stage reads can go now.
             for u in self.stage_units[s].clone() {
                 if self.units[u].plan.last_stage == s && self.opts.strategy.reshard_after_forward() {
-                    self.units[u].gathered = None;
+                    self.drop_gathered(u)?;
                 } else if self.reshard_after_forward(u, s) {
                     self.reshard(u)?;
                 }
             }
         }
         // Units SHARD_GRAD_OP keeps gathered for a backward that will not come.
-        for u in &mut self.units {
-            (u.gathered, u.freed) = (None, false);
+        for u in 0..self.units.len() {
+            self.drop_gathered(u)?;
         }
         Ok(loss(&x)?.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64)
     }
@@ -448,7 +496,7 @@ impl FsdpEngine {
             if self.units[u].plan.first_stage == s {
                 let unit = &mut self.units[u];
                 unit.shards.reduce_scatter(&unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device))?;
-                (unit.gathered, unit.freed) = (None, false);
+                self.drop_gathered(u)?;
                 self.host_stale = true;
             } else if self.opts.strategy.reshard_after_forward() && !self.stage_units[s - 1].contains(&u) && self.reshard_before_backward()
             {

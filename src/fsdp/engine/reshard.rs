@@ -12,6 +12,7 @@
 
 use std::sync::Mutex;
 
+use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Tensor};
 
 struct Free;
@@ -42,6 +43,40 @@ impl InplaceOp1 for Fill {
         *storage = CpuStorage::F32(values);
         Ok(())
     }
+}
+
+/// Moves an f32 storage's buffer out (no copy), leaving it freed as [`Free`] does.
+struct Take(Mutex<Option<Vec<f32>>>);
+
+impl InplaceOp1 for Take {
+    fn name(&self) -> &'static str {
+        "fsdp-take-storage"
+    }
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        if layout.start_offset() != 0 || !layout.is_contiguous() {
+            candle_core::bail!("taking back a gathered parameter's buffer from a view of it ({:?})", layout.shape());
+        }
+        match std::mem::replace(storage, CpuStorage::F8E8M0(Vec::new())) {
+            CpuStorage::F32(values) if values.len() == layout.shape().elem_count() => {
+                *self.0.lock().unwrap() = Some(values);
+                Ok(())
+            }
+            other => {
+                let dtype = other.dtype();
+                *storage = other;
+                candle_core::bail!("taking back a gathered parameter: a {dtype:?} storage for a tensor of shape {:?}", layout.shape())
+            }
+        }
+    }
+}
+
+/// Moves `t`'s values out of its storage (the whole buffer of a tensor made from a vector),
+/// leaving `t` and every tensor sharing its storage freed as by [`free`]: how a unit's lent
+/// master chunks go back to it (`UnitShards::lend`).
+pub(super) fn take(t: &Tensor) -> candle_core::Result<Vec<f32>> {
+    let op = Take(Mutex::new(None));
+    t.inplace_op1(&op)?;
+    Ok(op.0.into_inner().unwrap().expect("the take ran"))
 }
 
 /// Frees `t`'s bytes; `t` (and every tensor sharing its storage) stays, unreadable, until
@@ -97,5 +132,20 @@ mod tests {
         // A refill must match the tensor's shape.
         free(&w).unwrap();
         assert!(refill(&w, vec![1.0]).is_err());
+    }
+
+    #[test]
+    fn a_taken_buffer_comes_back_whole_and_leaves_the_tensor_freed() {
+        let w = Var::from_vec(vec![1f32, 2.0, 3.0, 4.0], (2, 2), &Device::Cpu).unwrap().as_tensor().clone();
+        let view = w.t().unwrap();
+        // A view's layout is not the buffer's: nothing is taken through it.
+        assert!(take(&view).is_err());
+        assert_eq!(take(&w).unwrap(), [1.0, 2.0, 3.0, 4.0]);
+        assert!(is_freed(&w) && w.to_vec2::<f32>().is_err() && view.to_vec2::<f32>().is_err());
+        // Freed storage has nothing to take, and keeps being freed.
+        assert!(take(&w).is_err());
+        assert!(is_freed(&w));
+        refill(&w, vec![5.0, 6.0, 7.0, 8.0]).unwrap();
+        assert_eq!(view.to_vec2::<f32>().unwrap(), [[5.0, 7.0], [6.0, 8.0]]);
     }
 }

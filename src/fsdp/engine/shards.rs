@@ -88,6 +88,19 @@ pub(super) trait UnitShards: Send {
 
     /// The host storage's own vectors, if this is host storage.
     fn as_host(&self) -> Option<&HostState>;
+
+    /// Moves the full parameters for compute out of the storage, in plan order, without a
+    /// copy, where they are its master chunks as they stand (see `HostShards`'s): the engine's
+    /// gathered tensors then hold the only copy until [`UnitShards::give_back`]. None where a
+    /// gather must make them.
+    fn lend(&mut self, _cx: &UnitCtx) -> Option<Vec<Vec<f32>>> {
+        None
+    }
+
+    /// Takes back, in plan order, what [`UnitShards::lend`] moved out.
+    fn give_back(&mut self, _values: Vec<Vec<f32>>) -> anyhow::Result<()> {
+        anyhow::bail!("this storage lends nothing")
+    }
 }
 
 /// A unit's state as host vectors: what host storage computes on, what a checkpoint stores, and

@@ -38,9 +38,9 @@ impl FsdpEngine {
     /// collected or reduced gradients are dropped, so the next step starts from the state the
     /// last optimizer step left, as if this one had not begun.
     pub fn discard_step(&mut self) -> Result<()> {
-        for unit in &mut self.units {
-            (unit.gathered, unit.freed) = (None, false);
-            unit.shards.discard_grads()?;
+        for u in 0..self.units.len() {
+            self.drop_gathered(u)?;
+            self.units[u].shards.discard_grads()?;
         }
         self.host_stale = true;
         Ok(())
