@@ -1,7 +1,7 @@
 //! A shard group of one rank computes on its master chunks themselves (`UnitShards::lend`):
 //! no copy is made when a unit is gathered, freed, refilled or dropped, and the chunks are back
-//! in the unit's storage, unchanged, whenever no gathered tensor holds them. With more shards,
-//! or values rounded to a `param_dtype`, a gather still copies.
+//! in the unit's storage, unchanged, whenever no gathered tensor holds them. Values rounded to
+//! a `param_dtype` are still gathered as a copy.
 
 use std::time::Duration;
 
@@ -12,8 +12,8 @@ use crate::dist::local::create_process_groups;
 use crate::fsdp::optim::AdamWConfig;
 use crate::fsdp::plan::{plan_units, WrapPolicy};
 
-/// An engine over the llama fixture, `shards` ranks of which this is rank 0 (its shard of
-/// every parameter filled with known values), at `param_dtype`.
+/// A one-rank engine over the llama fixture, every parameter filled with known values, at
+/// `param_dtype`.
 fn engine(dir: &std::path::Path, param_dtype: DType) -> FsdpEngine {
     let files = crate::model_files::resolve_model(dir.to_str().unwrap(), None).unwrap();
     let cfg = crate::model_files::read_model_config(&files.config).unwrap();
@@ -43,17 +43,31 @@ fn gathered(engine: &FsdpEngine, u: usize) -> Vec<*const f32> {
     unit.plan.params.iter().map(|p| shards::with_f32_slice(&tensors[&p.spec.name], |v| v.as_ptr()).unwrap()).collect()
 }
 
-#[test]
-fn one_shard_computes_on_its_master_chunks_without_a_copy() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = crate::fixtures::write_fixture("llama", &tmp.path().join("llama")).unwrap();
-    let mut e = engine(&dir, DType::F32);
-    // A decoder layer's unit and the stage that reads it.
+/// An engine at `param_dtype` (with the directory of its fixture), a decoder layer's unit
+/// and the stage that reads it, and where that unit's master chunks live, with their values.
+struct LayerUnit {
+    _dir: tempfile::TempDir,
+    e: FsdpEngine,
+    u: usize,
+    s: usize,
+    before: Vec<(*const f32, Vec<f32>)>,
+    home: Vec<*const f32>,
+}
+
+fn layer_unit(param_dtype: DType) -> LayerUnit {
+    let dir = tempfile::tempdir().unwrap();
+    let e = engine(&crate::fixtures::write_fixture("llama", &dir.path().join("llama")).unwrap(), param_dtype);
     let u = 1;
     let s = (0..e.stage_units.len()).find(|&s| e.stage_units[s].contains(&u)).unwrap();
     let before = master(&e, u);
+    let home = before.iter().map(|(at, _)| *at).collect();
+    LayerUnit { _dir: dir, e, u, s, before, home }
+}
+
+#[test]
+fn one_shard_computes_on_its_master_chunks_without_a_copy() {
+    let LayerUnit { _dir, mut e, u, s, before, home } = layer_unit(DType::F32);
     let bytes = e.memory_bytes();
-    let home: Vec<*const f32> = before.iter().map(|(at, _)| *at).collect();
 
     e.ensure_gathered(s).unwrap();
     assert_eq!(gathered(&e, u), home, "the gathered tensors are the master chunks' own buffers");
@@ -84,15 +98,9 @@ fn one_shard_computes_on_its_master_chunks_without_a_copy() {
 
 #[test]
 fn rounded_values_are_still_gathered_as_a_copy() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = crate::fixtures::write_fixture("llama", &tmp.path().join("llama")).unwrap();
-    let mut e = engine(&dir, DType::BF16);
-    let u = 1;
-    let s = (0..e.stage_units.len()).find(|&s| e.stage_units[s].contains(&u)).unwrap();
-    let before = master(&e, u);
+    let LayerUnit { _dir, mut e, u, s, before, home } = layer_unit(DType::BF16);
     e.ensure_gathered(s).unwrap();
     assert!(!e.units[u].lent);
-    let home: Vec<*const f32> = before.iter().map(|(at, _)| *at).collect();
     assert!(gathered(&e, u).iter().zip(&home).all(|(a, b)| a != b), "bf16-rounded values are a copy");
     assert_eq!(master(&e, u), before, "the master chunks stay in place, unrounded");
 }
