@@ -305,6 +305,10 @@ impl UnitShards for HostShards {
         self.state.master = values;
         Ok(())
     }
+
+    fn is_lent(&self) -> bool {
+        self.lent.is_some()
+    }
 }
 
 /// A full parameter's values as the tensor a unit computes with: in `dtype`, a `Var` when it

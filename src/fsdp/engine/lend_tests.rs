@@ -93,14 +93,14 @@ fn one_shard_computes_on_its_master_chunks_without_a_copy() {
     // Dropped after the backward: home again, unchanged.
     e.drop_gathered(u).unwrap();
     assert_eq!(master(&e, u), before);
-    assert!(e.units[u].gathered.is_none() && !e.units[u].lent);
+    assert!(e.units[u].gathered.is_none() && !e.units[u].shards.is_lent());
 }
 
 #[test]
 fn rounded_values_are_still_gathered_as_a_copy() {
     let LayerUnit { _dir, mut e, u, s, before, home } = layer_unit(DType::BF16);
     e.ensure_gathered(s).unwrap();
-    assert!(!e.units[u].lent);
+    assert!(!e.units[u].shards.is_lent());
     assert!(gathered(&e, u).iter().zip(&home).all(|(a, b)| a != b), "bf16-rounded values are a copy");
     assert_eq!(master(&e, u), before, "the master chunks stay in place, unrounded");
 }

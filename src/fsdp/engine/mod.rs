@@ -76,14 +76,11 @@ struct UnitState {
     /// The gathered tensors' bytes were freed in place (FULL_SHARD between a unit's forward
     /// and its backward, see `reshard`); they are refilled before the unit runs again.
     freed: bool,
-    /// The gathered tensors hold the unit's master chunks themselves (`UnitShards::lend`),
-    /// which go back to `shards` when the tensors are freed or dropped.
-    lent: bool,
 }
 
 impl UnitState {
-    /// Moves the master chunks this unit's gathered tensors hold (lent, see `lent`) back to its
-    /// storage, no copy, leaving the tensors freed.
+    /// Moves the master chunks this unit's gathered tensors hold (`UnitShards::lend`) back to
+    /// its storage, no copy, leaving the tensors freed.
     fn return_lent(&mut self) -> Result<()> {
         let Some(params) = &self.gathered else { return Ok(()) };
         let values = self.plan.params.iter().map(|p| reshard::take(&params[&p.spec.name])).collect::<candle_core::Result<_>>()?;
@@ -181,14 +178,7 @@ impl FsdpEngine {
             plan.iter().flat_map(|u| u.params.iter()).map(|p| (p.spec.name.clone(), weight_decay_all || p.spec.shape.len() >= 2)).collect();
         let units = plan
             .into_iter()
-            .map(|plan| UnitState {
-                shards: Box::new(host::HostShards::zeros(&plan)),
-                plan,
-                host_copy: None,
-                gathered: None,
-                freed: false,
-                lent: false,
-            })
+            .map(|plan| UnitState { shards: Box::new(host::HostShards::zeros(&plan)), plan, host_copy: None, gathered: None, freed: false })
             .collect();
         Ok(Self { model, units, stage_units, groups, opts, device: Device::Cpu, adam, decay, host_stale: false, step: 0 })
     }
@@ -245,7 +235,6 @@ impl FsdpEngine {
                 let cx = unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device);
                 let tensors = match unit.shards.lend(&cx) {
                     Some(values) => {
-                        unit.lent = true;
                         let tensors =
                             unit.plan.params.iter().zip(values).map(|(p, v)| host::compute_tensor(p, v, cx.compute_dtype, cx.device));
                         tensors.collect::<candle_core::Result<Vec<_>>>()?
@@ -272,7 +261,7 @@ impl FsdpEngine {
         let unit = &mut self.units[u];
         let Some(params) = &unit.gathered else { return Ok(()) };
         if !unit.freed {
-            if unit.lent {
+            if unit.shards.is_lent() {
                 unit.return_lent()?;
             } else {
                 for t in params.values() {
@@ -287,10 +276,10 @@ impl FsdpEngine {
     /// Drops unit `u`'s gathered tensors, the master chunks they hold going back first.
     fn drop_gathered(&mut self, u: usize) -> Result<()> {
         let unit = &mut self.units[u];
-        if unit.lent && !unit.freed {
+        if unit.shards.is_lent() {
             unit.return_lent()?;
         }
-        (unit.gathered, unit.freed, unit.lent) = (None, false, false);
+        (unit.gathered, unit.freed) = (None, false);
         Ok(())
     }
 
@@ -299,9 +288,9 @@ impl FsdpEngine {
     fn refill(&mut self, u: usize) -> Result<()> {
         let unit = &mut self.units[u];
         let cx = unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device);
-        let values = match unit.lent {
-            true => unit.shards.lend(&cx).context("a unit whose master chunks were lent lends them again")?,
-            false => unit.shards.gather_values(&cx)?,
+        let values = match unit.shards.lend(&cx) {
+            Some(values) => values,
+            None => unit.shards.gather_values(&cx)?,
         };
         let params = unit.gathered.as_ref().expect("a freed unit keeps its tensors");
         for (p, v) in unit.plan.params.iter().zip(values) {

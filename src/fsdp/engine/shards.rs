@@ -101,6 +101,11 @@ pub(super) trait UnitShards: Send {
     fn give_back(&mut self, _values: Vec<Vec<f32>>) -> anyhow::Result<()> {
         anyhow::bail!("this storage lends nothing")
     }
+
+    /// Whether the master chunks are lent out now (between `lend` and `give_back`).
+    fn is_lent(&self) -> bool {
+        false
+    }
 }
 
 /// A unit's state as host vectors: what host storage computes on, what a checkpoint stores, and
