@@ -92,7 +92,7 @@ pub fn describe(device: &Device) -> String {
 pub fn is_out_of_memory(e: &anyhow::Error) -> bool {
     e.chain().any(|c| {
         let text = c.to_string();
-        ["CUDA_ERROR_OUT_OF_MEMORY", "out of memory", "CUBLAS_STATUS_ALLOC_FAILED", models::ops::eager_attention::TOO_LARGE_FOR_GPU_KERNELS]
+        ["CUDA_ERROR_OUT_OF_MEMORY", "out of memory", "CUBLAS_STATUS_ALLOC_FAILED", ops::eager_attention::TOO_LARGE_FOR_GPU_KERNELS]
             .iter()
             .any(|m| text.contains(m))
     })
@@ -118,11 +118,11 @@ mod tests {
     #[test]
     fn a_tensor_too_large_for_gpu_kernels_counts_as_out_of_memory() {
         // 64 sequences x 8 heads x 4096 x 4096 scores: 2^33 values.
-        let e = models::ops::eager_attention::check_gpu_tensor_len(&[64, 8, 4096, 4096], "attention scores").unwrap_err();
+        let e = ops::eager_attention::check_gpu_tensor_len(&[64, 8, 4096, 4096], "attention scores").unwrap_err();
         let e = anyhow::Error::from(e).context("rank 0");
         assert!(is_out_of_memory(&e), "{e:#}");
         assert!(format!("{e:#}").contains("[64, 8, 4096, 4096]") && format!("{e:#}").contains("batch size"), "{e:#}");
-        assert!(models::ops::eager_attention::check_gpu_tensor_len(&[64, 8, 2048, 2048], "attention scores").is_ok());
+        assert!(ops::eager_attention::check_gpu_tensor_len(&[64, 8, 2048, 2048], "attention scores").is_ok());
         assert!(!is_out_of_memory(&anyhow::anyhow!("DriverError(CUDA_ERROR_INVALID_VALUE, \"invalid argument\")")));
     }
 

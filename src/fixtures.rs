@@ -18,7 +18,7 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, Tokenizer};
 
 use crate::model_files::write::StagedDir;
-use models::rng::SplitMix64;
+use kernels::rng::SplitMix64;
 
 pub const FIXTURE_NAMES: &[&str] = &["llama", "qwen2", "qwen3", "mistral"];
 

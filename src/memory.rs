@@ -29,7 +29,7 @@ extern "C" {
 
 /// For a server: freed memory goes back to the OS `delay_ms` after it was freed unless reused
 /// by then, and at once on [`return_free_memory`]. This process otherwise never purges
-/// (`lib.rs`, for training's buffers reused every step), and mimalloc schedules a purge when
+/// (`process::keep_freed_memory`, for training's buffers reused every step), and mimalloc schedules a purge when
 /// memory is freed, so a server that wants its idle memory back must say so before it serves.
 /// A user's own MIMALLOC_PURGE_DELAY wins.
 pub fn purge_freed_memory_after(delay_ms: u32) {

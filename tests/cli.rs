@@ -194,14 +194,18 @@ fn convert_refuses_what_is_not_gguf_and_leaves_nothing_behind() {
 /// A build without CUDA (the default, and CI's) says how to get a GPU build, names the flag,
 /// and writes nothing; a bad --device value is named before anything runs.
 #[cfg(not(feature = "cuda"))]
-/// A bad `FSDP_MATMUL` is refused before any work, by name, and nothing is written.
+/// A bad `FSDP_MATMUL` or `FSDP_SIMD` is refused before any work, by name and with the values
+/// it takes, in one line even with RUST_BACKTRACE=1 set (as many users have), and nothing is
+/// written.
 #[test]
-fn a_bad_matmul_setting_is_refused_at_start() {
+fn a_bad_kernel_setting_is_refused_at_start() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("model");
-    let o = run_cli(&["fixture", "--name", "llama", "--out", out.to_str().unwrap()], &[("FSDP_MATMUL", "blas")]);
-    assert_clean_error(&o, &["FSDP_MATMUL", "blas"]);
-    assert!(!out.exists(), "the fixture was written despite the bad setting");
+    for (var, value, takes) in [("FSDP_MATMUL", "blas", "`gemm` or `packed`"), ("FSDP_SIMD", "avx-512", "`avx2` or `scalar`")] {
+        let o = run_cli(&["fixture", "--name", "llama", "--out", out.to_str().unwrap()], &[(var, value), ("RUST_BACKTRACE", "1")]);
+        assert_clean_error(&o, &[var, value, takes]);
+        assert!(!out.exists(), "the fixture was written despite {var}={value}");
+    }
 }
 
 #[test]
@@ -264,7 +268,7 @@ fn every_simd_level_generates_the_same_tokens() {
 }
 
 /// Training at every level this machine has: the matrix products then run gemm's AVX-512, AVX2
-/// or plain kernels (`models::ops::matmul`) and our own ops the same level's code; the losses of
+/// or plain kernels (`ops::matmul`) and our own ops the same level's code; the losses of
 /// a few steps agree to rounding with those of the best level.
 #[test]
 fn every_simd_level_trains_to_the_same_losses() {

@@ -69,7 +69,7 @@ fn logits_on_cuda_match_cpu() {
 /// An attention as the test below runs it: (q, k, v, mask) -> out.
 type Attention<'a> = dyn Fn(&Tensor, &Tensor, &Tensor, Option<&Tensor>) -> candle_core::Result<Tensor> + 'a;
 
-/// Eager attention's softmax kernels (`models/src/ops/attention_softmax.cu`): values and q, k, v
+/// Eager attention's softmax kernels (`models/kernels/src/cuda/attention_softmax.cu`): values and q, k, v
 /// gradients against the same attention composed of candle's ops on the GPU in f32, for a
 /// causal mask with a cache offset and a window, a per-sequence (broadcast over heads) mask, and
 /// no mask, over rows of a length that is no multiple of a warp.
@@ -107,7 +107,7 @@ fn attention_softmax_kernels_match_composed_ops() {
     for (what, mask) in [("causal with offset and window", Some(&causal)), ("per sequence", Some(&per_sequence)), ("none", None)] {
         let expected = run(DType::F32, mask, &|q, k, v, m| composed(q, k, v, m));
         for (dtype, tolerance) in [(DType::F32, 1e-5), (DType::BF16, 2e-2)] {
-            let got = run(dtype, mask, &|q, k, v, m| models::ops::eager_attention::attention(q, k, v, m, scale));
+            let got = run(dtype, mask, &|q, k, v, m| ops::eager_attention::attention(q, k, v, m, scale));
             for (name, (g, e)) in ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&expected)) {
                 let diff = rel_norm_diff(g, e);
                 eprintln!("mask {what}, {dtype:?}: {name} relative difference {diff:.2e}");
@@ -117,7 +117,7 @@ fn attention_softmax_kernels_match_composed_ops() {
     }
 }
 
-/// The AdamW kernel (`src/fsdp/adamw.cu`) against the host loop (`optim::adamw_step`) over three
+/// The AdamW kernel (`models/kernels/src/cuda/adamw.cu`) against the host loop (`optim::adamw_step`) over three
 /// steps of a chunk that is no multiple of a block, with and without weight decay and clipping:
 /// the same IEEE operations, so the same values (checked to 1e-5 relative, the values whose bits differ counted).
 #[test]
@@ -281,10 +281,7 @@ fn auto_batch_size_retries_a_step_that_ran_out_of_gpu_memory() {
     };
     let err = run_local(&config("fixed", 64, 1, false)).expect_err("64 rows of 2048 tokens fit the GPU: make the trial larger");
     assert!(fsdp_app::device::is_out_of_memory(&err), "not recognised as out of memory: {err:#}");
-    assert!(
-        !format!("{err:#}").contains(models::ops::eager_attention::TOO_LARGE_FOR_GPU_KERNELS),
-        "not a real out-of-memory error: {err:#}"
-    );
+    assert!(!format!("{err:#}").contains(ops::eager_attention::TOO_LARGE_FOR_GPU_KERNELS), "not a real out-of-memory error: {err:#}");
     let auto = run_local(&config("auto", 64, 1, true)).unwrap_or_else(|e| panic!("{e:#}"));
     let one_by_one = run_local(&config("rows", 1, 64, false)).unwrap();
     let d = auto.losses.iter().zip(&one_by_one.losses).map(|(a, b)| (a - b).abs() / b).fold(0.0, f64::max);

@@ -69,6 +69,22 @@ fn a_peft_adapter_gives_pefts_logits_and_merges_like_merge_and_unload() {
     }
 }
 
+/// An rsLoRA adapter (`use_rslora`: scaling alpha / sqrt(r)) gives PEFT's logits
+/// (`tests/reference/make_rslora_reference.py`), which differ from the same weights scaled as
+/// plain LoRA (alpha / r).
+#[test]
+fn an_rslora_adapter_gives_pefts_logits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("llama", tmp.path());
+    let reference = reference_tensors("lora-llama-rslora.safetensors");
+    let ids: Vec<u32> = reference["ids"].to_vec1::<i64>().unwrap().iter().map(|&x| x as u32).collect();
+    let ours = logits_with(&model, Some(&reference_dir().join("lora-llama-rslora")), &ids);
+    let d = max_abs_diff(&ours, &reference["logits"]);
+    assert!(d < 1e-4, "rsLoRA logits differ from PEFT's by {d}");
+    let apart = max_abs_diff(&reference["plain_logits"], &reference["logits"]);
+    assert!(apart > 100.0 * 1e-4, "rsLoRA and plain LoRA scaling are too close ({apart}) for the check above to tell them apart");
+}
+
 #[test]
 fn lora_training_reproduces_peft_on_one_and_two_ranks() {
     let tmp = tempfile::tempdir().unwrap();
@@ -308,7 +324,7 @@ fn a_mixed_batch_of_serving_adapters_equals_each_merged_model() {
             .map(|spec| {
                 let n: usize = spec.shape.iter().product();
                 let v: Vec<f32> =
-                    (0..n).map(|_| ((models::rng::splitmix64(&mut seed) >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2).collect();
+                    (0..n).map(|_| ((kernels::rng::splitmix64(&mut seed) >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2).collect();
                 (spec.name.clone(), Tensor::from_vec(v, spec.shape.as_slice(), &Device::Cpu).unwrap())
             })
             .collect();

@@ -163,7 +163,8 @@ fn every_parameter_gets_a_nonzero_gradient() {
 fn decoder_layers_built_alone_reassemble_the_model() {
     // What the FSDP engine will do: build each decoder layer from a VarBuilder over just that
     // layer's tensors (names relative to the layer), run them in order, and get the model's logits.
-    use models::layers::{causal_mask, OpMode, PositionInputs, RmsNorm, Rotary};
+    use models::layers::{OpMode, PositionInputs, RmsNorm, Rotary};
+    use models::masks::causal_mask;
     let tmp = tempfile::tempdir().unwrap();
     for name in FIXTURES {
         let dir = fixture(name, tmp.path());

@@ -24,7 +24,7 @@ fn converted_smollm2_generates_what_transformers_generates() {
     let reference = reference_json("smollm2.json");
     let max_new = reference["max_new_tokens"].as_u64().unwrap().to_string();
     // f32 compute (the default) and f16 (decoding's matrix-vector products then read the f16
-    // weights directly, `models/src/ops/half_dot.rs`) give transformers' greedy answers; so does
+    // weights directly, `models/kernels/src/half_dot.rs`) give transformers' greedy answers; so does
     // the prompt fed in chunks of 16 and of 5 tokens (chunked prefill, tiled attention).
     let runs = [("f32", "512"), ("f16", "512"), ("f32", "16"), ("f32", "5")];
     for (case, (dtype, chunk)) in reference["cases"].as_array().unwrap().iter().flat_map(|c| runs.map(|r| (c, r))) {

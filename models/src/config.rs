@@ -84,6 +84,9 @@ pub struct ModelConfig {
     pub sliding_window: Option<usize>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    /// The embedding's padding row (transformers' `padding_idx`): it receives no gradient from
+    /// the lookup.
+    pub pad_token_id: Option<u32>,
     /// `torch_dtype` / `dtype` as written in the file (informational).
     pub stored_dtype: Option<String>,
 }
@@ -111,6 +114,7 @@ struct RawConfig {
     use_sliding_window: Option<bool>,
     bos_token_id: Option<Value>,
     eos_token_id: Option<Value>,
+    pad_token_id: Option<Value>,
     torch_dtype: Option<String>,
     dtype: Option<String>,
     hidden_act: Option<String>,
@@ -191,6 +195,7 @@ impl ModelConfig {
             sliding_window,
             bos_token_id: token_id_list(&raw.bos_token_id).first().copied(),
             eos_token_ids: token_id_list(&raw.eos_token_id),
+            pad_token_id: token_id_list(&raw.pad_token_id).first().copied(),
             stored_dtype: raw.dtype.or(raw.torch_dtype),
         };
         cfg.validate()?;

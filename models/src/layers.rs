@@ -10,10 +10,11 @@ use candle_nn::{linear_b, VarBuilder};
 use crate::config::{ModelConfig, RopeScaling};
 use crate::kv_cache::LayerKvCache;
 use crate::lora::{AdaptedLinear, LoraSettings};
+use crate::masks::causal_mask;
 pub use crate::mode::OpMode;
 use crate::multi_lora::RowAdapters;
-use crate::ops::weight_grads::WeightGrads;
 use crate::quantized::{LinearWeight, QuantizedWeights};
+use ops::weight_grads::WeightGrads;
 
 /// RMSNorm computed in f32 like transformers' `LlamaRMSNorm`, cast back, then scaled.
 #[derive(Debug, Clone)]
@@ -30,9 +31,7 @@ impl RmsNorm {
     pub fn forward(&self, x: &Tensor, mode: OpMode) -> Result<Tensor> {
         match mode {
             OpMode::Generate => candle_nn::ops::rms_norm(x, &self.weight, self.eps as f32),
-            OpMode::Train if crate::ops::applies(x) && self.weight.dtype() == DType::F32 => {
-                crate::ops::fused::rms_norm(x, &self.weight, self.eps)
-            }
+            OpMode::Train if ops::applies(x) && self.weight.dtype() == DType::F32 => ops::fused::rms_norm(x, &self.weight, self.eps),
             OpMode::Train => {
                 let xf = x.to_dtype(DType::F32)?;
                 let inv_rms = (xf.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?.sqrt()?.recip()?;
@@ -111,22 +110,6 @@ impl Rotary {
     }
 }
 
-/// Additive mask (batch, 1, seq, seq) for packed rows: a token sees earlier tokens of its own
-/// document only (segment ids per token; 0 marks padding, which sees only itself).
-pub fn packed_mask(segments: &[u32], batch: usize, seq: usize, window: Option<usize>, dtype: DType, dev: &Device) -> Result<Tensor> {
-    let mut data = Vec::with_capacity(batch * seq * seq);
-    for b in 0..batch {
-        let seg = &segments[b * seq..(b + 1) * seq];
-        for i in 0..seq {
-            for j in 0..seq {
-                let visible = j <= i && (seg[i] == seg[j] && (seg[i] != 0 || i == j)) && window.is_none_or(|w| i - j < w);
-                data.push(if visible { 0.0f32 } else { f32::NEG_INFINITY });
-            }
-        }
-    }
-    Tensor::from_vec(data, (batch, 1, seq, seq), dev)?.to_dtype(dtype)
-}
-
 /// Rotary embedding with per-row tables (batch, seq, head_dim / 2), rotate-half layout, built
 /// from differentiable ops.
 fn rope_rows(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
@@ -181,22 +164,6 @@ fn adapted_linear(
     }
 }
 
-/// Builds the causal (optionally sliding-window) additive mask for queries at positions
-/// `offset..offset+q_len` over keys `0..offset+q_len`.
-pub fn causal_mask(q_len: usize, offset: usize, window: Option<usize>, dtype: DType, dev: &Device) -> Result<Option<Tensor>> {
-    let kv_len = offset + q_len;
-    let blocked = |i: usize, j: usize| {
-        let qpos = offset + i;
-        j > qpos || window.is_some_and(|w| qpos - j.min(qpos) >= w)
-    };
-    let any_blocked = (0..q_len).any(|i| (0..kv_len).any(|j| blocked(i, j)));
-    if !any_blocked {
-        return Ok(None);
-    }
-    let data: Vec<f32> = (0..q_len).flat_map(|i| (0..kv_len).map(move |j| if blocked(i, j) { f32::NEG_INFINITY } else { 0.0 })).collect();
-    Tensor::from_vec(data, (q_len, kv_len), dev)?.to_dtype(dtype).map(Some)
-}
-
 #[derive(Debug, Clone)]
 pub struct Attention {
     q_proj: AdaptedLinear,
@@ -236,48 +203,66 @@ impl Attention {
         })
     }
 
-    /// `residual + attention(x)`: the sum is o_proj's (`AdaptedLinear::forward_add`).
+    /// `residual + attention(x)`: the sum is o_proj's (`AdaptedLinear::forward_add`). Training on
+    /// the CPU in f32 takes the fused token-major ops; everything else (generation with its
+    /// cache, other devices and dtypes) the heads-major composition.
     pub fn forward(&self, x: &Tensor, residual: &Tensor, pos: &PositionInputs, cache: Option<&mut LayerKvCache>) -> Result<Tensor> {
-        let (b, t, _) = x.dims3()?;
-        let d = self.head_dim;
-        let seeds = pos.row_seeds.as_deref();
-        let scale = 1.0 / (d as f64).sqrt();
         let fused = pos.mode == OpMode::Train
             && cache.is_none()
-            && crate::ops::applies(x)
+            && ops::applies(x)
             && pos.cos.rank() == 2
             && pos.cos.dtype() == DType::F32
             && pos.mask.as_ref().is_none_or(|m| m.dtype() == DType::F32);
-        if fused {
-            // With no q/k norms, and weights whose gradients have sinks: one op from x to what
-            // o_proj takes (crate::ops::self_attention).
-            let projections = [&self.q_proj, &self.k_proj, &self.v_proj].map(|p| p.weight_with_sink(x, pos.mode, &pos.adapters));
-            if let (None, None, [Some(q), Some(k), Some(v)]) = (&self.q_norm, &self.k_norm, projections) {
-                let heads = (self.num_heads, self.num_kv_heads);
-                let out = crate::ops::self_attention::self_attention(x, [q, k, v], heads, (&pos.cos, &pos.sin), pos.mask.as_ref(), scale)?;
-                return self.o_proj.forward_add(&out, residual, pos.mode, seeds, &pos.adapters);
-            }
-            // Token-major all the way: rotary and attention read the projections in place and
-            // the attention writes what o_proj takes (see crate::ops::attention).
-            let tokens = |proj: &AdaptedLinear, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
-                let y = proj.forward_heads(x, n, pos.mode, seeds, &pos.adapters)?;
-                match norm {
-                    Some(norm) => norm.forward(&y, pos.mode),
-                    None => Ok(y),
-                }
-            };
-            let q = crate::ops::fused::rope_token_major(&tokens(&self.q_proj, self.num_heads, &self.q_norm)?, &pos.cos, &pos.sin)?;
-            let k = crate::ops::fused::rope_token_major(&tokens(&self.k_proj, self.num_kv_heads, &self.k_norm)?, &pos.cos, &pos.sin)?;
-            let v = tokens(&self.v_proj, self.num_kv_heads, &None)?;
-            let out = crate::ops::attention::attention(&q, &k, &v, pos.mask.as_ref(), scale)?;
-            return self.o_proj.forward_add(&out, residual, pos.mode, seeds, &pos.adapters);
+        let out = match fused {
+            true => self.attend_token_major(x, pos)?,
+            false => self.attend_heads(x, pos, cache)?,
+        };
+        self.o_proj.forward_add(&out, residual, pos.mode, pos.row_seeds.as_deref(), &pos.adapters)
+    }
+
+    fn scale(&self) -> f64 {
+        1.0 / (self.head_dim as f64).sqrt()
+    }
+
+    /// Training's attention on the CPU, token-major all the way: rotary and attention read the
+    /// projections in place and the attention writes what o_proj takes (see `ops::attention`);
+    /// with no q/k norms and weights whose gradients have sinks, one op from x to o_proj's input
+    /// (`ops::self_attention`).
+    fn attend_token_major(&self, x: &Tensor, pos: &PositionInputs) -> Result<Tensor> {
+        let seeds = pos.row_seeds.as_deref();
+        let projections = [&self.q_proj, &self.k_proj, &self.v_proj].map(|p| p.weight_with_sink(x, pos.mode, &pos.adapters));
+        if let (None, None, [Some(q), Some(k), Some(v)]) = (&self.q_norm, &self.k_norm, projections) {
+            let heads = (self.num_heads, self.num_kv_heads);
+            return ops::self_attention::self_attention(x, [q, k, v], heads, (&pos.cos, &pos.sin), pos.mask.as_ref(), self.scale());
         }
-        let [q, k, v]: [Tensor; 3] =
-            AdaptedLinear::forward_shared(&[&self.q_proj, &self.k_proj, &self.v_proj], x, pos.mode, seeds, &pos.adapters)?
-                .try_into()
-                .expect("three products");
+        let tokens = |proj: &AdaptedLinear, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
+            let y = proj.forward_heads(x, n, pos.mode, seeds, &pos.adapters)?;
+            match norm {
+                Some(norm) => norm.forward(&y, pos.mode),
+                None => Ok(y),
+            }
+        };
+        let q = ops::fused::rope_token_major(&tokens(&self.q_proj, self.num_heads, &self.q_norm)?, &pos.cos, &pos.sin)?;
+        let k = ops::fused::rope_token_major(&tokens(&self.k_proj, self.num_kv_heads, &self.k_norm)?, &pos.cos, &pos.sin)?;
+        let v = tokens(&self.v_proj, self.num_kv_heads, &None)?;
+        ops::attention::attention(&q, &k, &v, pos.mask.as_ref(), self.scale())
+    }
+
+    /// q, k (rotated) and v heads-major, (b, heads, t, head_dim), with q/k norms where the
+    /// architecture has them.
+    fn heads_qkv(&self, x: &Tensor, pos: &PositionInputs) -> Result<(Tensor, Tensor, Tensor)> {
+        let (b, t, _) = x.dims3()?;
+        let [q, k, v]: [Tensor; 3] = AdaptedLinear::forward_shared(
+            &[&self.q_proj, &self.k_proj, &self.v_proj],
+            x,
+            pos.mode,
+            pos.row_seeds.as_deref(),
+            &pos.adapters,
+        )?
+        .try_into()
+        .expect("three products");
         let heads = |y: Tensor, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
-            let y = y.reshape((b, t, n, d))?;
+            let y = y.reshape((b, t, n, self.head_dim))?;
             let y = match norm {
                 Some(norm) => norm.forward(&y, pos.mode)?,
                 None => y,
@@ -289,8 +274,8 @@ impl Attention {
         let v = heads(v, self.num_kv_heads, &None)?;
         let (q, k) = match pos.mode {
             _ if pos.cos.rank() == 3 => (rope_rows(&q, &pos.cos, &pos.sin)?, rope_rows(&k, &pos.cos, &pos.sin)?),
-            OpMode::Train if crate::ops::applies(&q) && pos.cos.dtype() == DType::F32 => {
-                (crate::ops::fused::rope(&q, &pos.cos, &pos.sin)?, crate::ops::fused::rope(&k, &pos.cos, &pos.sin)?)
+            OpMode::Train if ops::applies(&q) && pos.cos.dtype() == DType::F32 => {
+                (ops::fused::rope(&q, &pos.cos, &pos.sin)?, ops::fused::rope(&k, &pos.cos, &pos.sin)?)
             }
             OpMode::Train => {
                 (candle_nn::rotary_emb::rope_slow(&q, &pos.cos, &pos.sin)?, candle_nn::rotary_emb::rope_slow(&k, &pos.cos, &pos.sin)?)
@@ -299,12 +284,20 @@ impl Attention {
                 (candle_nn::rotary_emb::rope(&q, &pos.cos, &pos.sin)?, candle_nn::rotary_emb::rope(&k, &pos.cos, &pos.sin)?)
             }
         };
+        Ok((q, k, v))
+    }
+
+    /// The heads-major attention, (b, t, heads · head_dim): with a cache, over its positions (in
+    /// place where its kernels apply, else as tensors masked here); without, over these.
+    fn attend_heads(&self, x: &Tensor, pos: &PositionInputs, cache: Option<&mut LayerKvCache>) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (q, k, v) = self.heads_qkv(x, pos)?;
         let mut mask = pos.mask.clone();
         let (k, v) = match cache {
             Some(cache) => {
                 cache.append(&k, &v)?;
-                if let Some(out) = cache.attend(&q, scale, self.window)? {
-                    return self.o_proj.forward_add(&out, residual, pos.mode, seeds, &pos.adapters);
+                if let Some(out) = cache.attend(&q, self.scale(), self.window)? {
+                    return Ok(out);
                 }
                 // Other devices and dtypes: the whole cache as tensors, masked here (the
                 // in-place kernels need no mask, so the model builds none for a cached pass).
@@ -314,13 +307,10 @@ impl Attention {
             None => (k, v),
         };
         let n_rep = self.num_heads / self.num_kv_heads;
-        let k = repeat_kv(k, n_rep)?;
-        let v = repeat_kv(v, n_rep)?;
-
-        // One op in a training graph, with its own backward (see crate::ops::eager_attention).
-        let out = crate::ops::eager_attention::attention(&q.contiguous()?, &k.contiguous()?, &v.contiguous()?, mask.as_ref(), scale)?;
-        let out = out.transpose(1, 2)?.reshape((b, t, self.num_heads * d))?;
-        self.o_proj.forward_add(&out, residual, pos.mode, seeds, &pos.adapters)
+        let (k, v) = (repeat_kv(k, n_rep)?, repeat_kv(v, n_rep)?);
+        // One op in a training graph, with its own backward (see ops::eager_attention).
+        let out = ops::eager_attention::attention(&q.contiguous()?, &k.contiguous()?, &v.contiguous()?, mask.as_ref(), self.scale())?;
+        out.transpose(1, 2)?.reshape((b, t, self.num_heads * self.head_dim))
     }
 
     /// One new token for each of several independent sequences: `x` is (rows, 1, hidden), row
@@ -411,8 +401,8 @@ impl Mlp {
                     AdaptedLinear::forward_shared(&[&self.gate_proj, &self.up_proj], x, pos.mode, seeds, &pos.adapters)?
                         .try_into()
                         .expect("two products");
-                match crate::ops::applies(&gate) {
-                    true => crate::ops::fused::swiglu(&gate, &up)?,
+                match ops::applies(&gate) {
+                    true => ops::fused::swiglu(&gate, &up)?,
                     false => (candle_nn::ops::silu(&gate)? * up)?,
                 }
             }
@@ -434,7 +424,7 @@ pub struct DecoderLayer {
 
 impl DecoderLayer {
     /// Its linear layers hand their weight gradients to `sink` in training instead of candle's
-    /// gradient store (`crate::ops::weight_grads`).
+    /// gradient store (`ops::weight_grads`).
     pub fn send_weight_grads_to(&mut self, sink: Option<WeightGrads>) {
         let a = &mut self.self_attn;
         let m = &mut self.mlp;

@@ -15,98 +15,13 @@ use candle_core::{Module, Tensor};
 use crate::config::ModelConfig;
 use crate::mode::OpMode;
 use crate::multi_lora::RowAdapters;
-use crate::ops::quant_blocks::BlockMatrix;
-use crate::ops::weight_grads::{WeightGradTarget, WeightGrads};
 use crate::quantized::{LinearWeight, QuantizedMatrix};
-use crate::rng::splitmix64;
-use crate::tensors::{layer_tensors, TensorSpec};
+use crate::tensors::TensorSpec;
+use kernels::quant_blocks::BlockMatrix;
+use kernels::rng::splitmix64;
+use ops::weight_grads::{WeightGradTarget, WeightGrads};
 
-/// The linear modules of a decoder layer LoRA can target (PEFT matches on these names).
-pub const LINEAR_MODULES: &[&str] = &["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
-
-/// Rank, scale, dropout and targets of a LoRA adapter (PEFT's `LoraConfig` fields).
-#[derive(Debug, Clone, PartialEq)]
-pub struct LoraSettings {
-    pub r: usize,
-    pub alpha: f64,
-    pub dropout: f64,
-    /// Module names (`q_proj`, ...) or `all-linear`.
-    pub targets: Vec<String>,
-    pub use_rslora: bool,
-}
-
-/// PEFT's `LoraConfig` defaults, the one place fsdp-app writes them (the `finetune` flags, YAML
-/// files and the jobs API all start here): r 8, alpha 8, no dropout, and for Llama-family
-/// models PEFT's target modules q_proj and v_proj.
-impl Default for LoraSettings {
-    fn default() -> Self {
-        Self { r: 8, alpha: 8.0, dropout: 0.0, targets: vec!["q_proj".into(), "v_proj".into()], use_rslora: false }
-    }
-}
-
-impl LoraSettings {
-    pub fn scaling(&self) -> f64 {
-        if self.use_rslora {
-            self.alpha / (self.r as f64).sqrt()
-        } else {
-            self.alpha / self.r as f64
-        }
-    }
-
-    /// Whether the linear module at `path` (e.g. `model.layers.3.self_attn.q_proj`) is adapted.
-    /// PEFT's rule: a target matches the full name or its last dotted components.
-    pub fn targets_module(&self, path: &str) -> bool {
-        self.targets.iter().any(|t| {
-            if t == "all-linear" {
-                return LINEAR_MODULES.iter().any(|m| path.ends_with(&format!(".{m}")));
-            }
-            path == t || path.ends_with(&format!(".{t}"))
-        })
-    }
-
-    /// Checks the settings against a model: positive rank, dropout in [0, 1), and every target
-    /// matching at least one module (the error lists the modules that exist).
-    pub fn validate(&self, cfg: &ModelConfig) -> Result<()> {
-        if self.r == 0 {
-            bail!("--lora-r must be at least 1");
-        }
-        if !(0.0..1.0).contains(&self.dropout) {
-            bail!("--lora-dropout {} must be in [0, 1)", self.dropout);
-        }
-        if !(self.alpha.is_finite() && self.alpha > 0.0) {
-            bail!("--lora-alpha {} must be a positive number", self.alpha);
-        }
-        if self.targets.is_empty() {
-            bail!("--lora-targets is empty; modules of this model: {}", LINEAR_MODULES.join(", "));
-        }
-        let modules = linear_modules(cfg);
-        for t in &self.targets {
-            let one = LoraSettings { targets: vec![t.clone()], ..self.clone() };
-            if !modules.iter().any(|(path, _, _)| one.targets_module(path)) {
-                bail!(
-                    "--lora-targets {t:?} matches no module of this model; its linear modules are: {} (or all-linear)",
-                    LINEAR_MODULES.join(", ")
-                );
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Every linear module of the decoder layers: (path, in_features, out_features), layer by layer.
-pub fn linear_modules(cfg: &ModelConfig) -> Vec<(String, usize, usize)> {
-    let mut out = vec![];
-    for i in 0..cfg.num_hidden_layers {
-        for t in layer_tensors(cfg, i) {
-            if let Some(path) = t.name.strip_suffix(".weight") {
-                if t.shape.len() == 2 {
-                    out.push((path.to_string(), t.shape[1], t.shape[0]));
-                }
-            }
-        }
-    }
-    out
-}
+pub use crate::lora_settings::{linear_modules, LoraSettings, LINEAR_MODULES};
 
 /// Adapter tensors of decoder layer `i` for `settings`, in module order.
 pub fn layer_adapter_tensors(cfg: &ModelConfig, settings: &LoraSettings, i: usize) -> Vec<TensorSpec> {
@@ -159,7 +74,7 @@ pub struct AdaptedLinear {
     /// `model.layers.3.self_attn.q_proj`.
     path: Arc<str>,
     /// Where a training forward's weight gradient goes instead of candle's gradient store
-    /// (`crate::ops::weight_grads`), under `{path}.weight`.
+    /// (`ops::weight_grads`), under `{path}.weight`.
     weight_grads: Option<WeightGrads>,
 }
 
@@ -205,7 +120,7 @@ impl AdaptedLinear {
         rows: &RowAdapters,
     ) -> Result<Tensor, candle_core::Error> {
         if let Some(w) = self.plain_weight_in_training(x, mode, rows) {
-            return crate::ops::linear::linear_heads_to(x, w, heads, self.weight_grad_target());
+            return ops::linear::linear_heads_to(x, w, heads, self.weight_grad_target());
         }
         let y = self.forward(x, mode, row_seeds, rows)?;
         let mut dims = y.dims().to_vec();
@@ -225,8 +140,8 @@ impl AdaptedLinear {
         row_seeds: Option<&[u64]>,
         rows: &RowAdapters,
     ) -> Result<Tensor, candle_core::Error> {
-        if let Some(w) = self.plain_weight_in_training(x, mode, rows).filter(|_| crate::ops::applies(residual)) {
-            return crate::ops::linear::linear_add_to(x, w, residual, self.weight_grad_target());
+        if let Some(w) = self.plain_weight_in_training(x, mode, rows).filter(|_| ops::applies(residual)) {
+            return ops::linear::linear_add_to(x, w, residual, self.weight_grad_target());
         }
         residual + self.forward(x, mode, row_seeds, rows)?
     }
@@ -253,7 +168,7 @@ impl AdaptedLinear {
         match (gate.plain_weight_in_training(x, mode, rows), up.plain_weight_in_training(x, mode, rows)) {
             (Some(w_gate), Some(w_up)) if w_gate.dims() == w_up.dims() => {
                 let grad_to = [gate.weight_grad_target(), up.weight_grad_target()];
-                crate::ops::gated_mlp::swiglu_linear_to(x, w_gate, w_up, grad_to).map(Some)
+                ops::gated_mlp::swiglu_linear_to(x, w_gate, w_up, grad_to).map(Some)
             }
             _ => Ok(None),
         }
@@ -279,14 +194,14 @@ impl AdaptedLinear {
             .collect();
         let dense: Option<Vec<&candle_nn::Linear>> = layers.iter().map(|l| l.base.dense()).collect();
         let (products, biases): (Vec<Tensor>, Vec<Option<&Tensor>>) = match (blocks, dense) {
-            (Some(blocks), _) if layers.len() > 1 && crate::ops::applies(x) => {
+            (Some(blocks), _) if layers.len() > 1 && ops::applies(x) => {
                 let mats: Vec<&BlockMatrix> = blocks.iter().map(|(m, _)| *m).collect();
-                (BlockMatrix::forward_many(&mats, &x.contiguous()?)?, blocks.iter().map(|(_, b)| *b).collect())
+                (ops::quant::forward_many(&mats, &x.contiguous()?)?, blocks.iter().map(|(_, b)| *b).collect())
             }
             // Decoding with dense weights: the matrix-vector kernel, all rows in one region.
             (_, Some(dense)) if layers.len() > 1 && mode == OpMode::Generate => {
                 let ws: Vec<&Tensor> = dense.iter().map(|l| l.weight()).collect();
-                match crate::ops::kernels::gemv_t_many(x, &ws)? {
+                match ops::gemv::gemv_t_many(x, &ws)? {
                     Some(ys) => (ys, dense.iter().map(|l| l.bias()).collect()),
                     None => return layers.iter().map(|l| l.forward(x, mode, row_seeds, rows)).collect(),
                 }
@@ -324,7 +239,7 @@ impl AdaptedLinear {
                 if mode == OpMode::Train
                     && rows.is_empty()
                     && base.bias().is_none()
-                    && crate::ops::applies(x)
+                    && ops::applies(x)
                     && base.weight().dtype() == x.dtype() =>
             {
                 Some(base.weight())
@@ -349,11 +264,11 @@ impl AdaptedLinear {
         // Decoding's few rows take the matrix-vector kernel. Training on the CPU, and a prompt's
         // many rows: our linear op (its backward computes only the gradients that exist; its
         // threads are the pool the other kernels use, not a second one). Else candle's matmul.
-        let ours = crate::ops::applies(x) && base.weight().dtype() == x.dtype();
+        let ours = ops::applies(x) && base.weight().dtype() == x.dtype();
         let product = match mode == OpMode::Train && ours {
-            true => Some(crate::ops::linear::linear_to(x, base.weight(), self.weight_grad_target())?),
-            false => match crate::ops::kernels::gemv_t(x, base.weight())? {
-                None if ours => Some(crate::ops::linear::linear(x, base.weight())?),
+            true => Some(ops::linear::linear_to(x, base.weight(), self.weight_grad_target())?),
+            false => match ops::gemv::gemv_t(x, base.weight())? {
+                None if ours => Some(ops::linear::linear(x, base.weight())?),
                 other => other,
             },
         };

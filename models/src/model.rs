@@ -5,7 +5,8 @@ use candle_nn::{Embedding, VarBuilder};
 
 use crate::config::ModelConfig;
 use crate::kv_cache::{KvCache, LayerKvCache};
-use crate::layers::{causal_mask, DecoderLayer, OpMode, PositionInputs, RmsNorm, Rotary};
+use crate::layers::{DecoderLayer, OpMode, PositionInputs, RmsNorm, Rotary};
+use crate::masks::causal_mask;
 use crate::multi_lora::RowAdapters;
 use crate::quantized::{LinearWeight, QuantizedMatrix, QuantizedWeights};
 
@@ -44,8 +45,7 @@ impl CausalLm {
         quantized: &QuantizedWeights,
         vb: VarBuilder,
     ) -> Result<Self> {
-        const EMBED: &str = "model.embed_tokens.weight";
-        const HEAD: &str = "lm_head.weight";
+        use crate::tensors::{head_weight_name, EMBED_WEIGHT as EMBED, HEAD_WEIGHT as HEAD};
         let embed_w = match quantized.get(EMBED) {
             Some(q) => q.dequantize(vb.device())?.to_dtype(vb.dtype())?,
             None => vb.get((cfg.vocab_size, cfg.hidden_size), EMBED)?,
@@ -55,7 +55,7 @@ impl CausalLm {
             .map(|i| DecoderLayer::with_quantized(cfg, lora, quantized, vb.pp(format!("model.layers.{i}"))))
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("model.norm"))?;
-        let head_name = if cfg.tie_word_embeddings { EMBED } else { HEAD };
+        let head_name = head_weight_name(cfg);
         let lm_head = match quantized.get(head_name) {
             Some(q) => LmHead::Quantized(QuantizedMatrix::new(q)?),
             None if cfg.tie_word_embeddings => LmHead::Dense(embed_w),
@@ -89,7 +89,7 @@ impl CausalLm {
             LmHead::Quantized(w) => return LinearWeight::forward_quantized(w, None, h),
         };
         // Decoding's last positions: the head is the largest matrix, read once per token.
-        match crate::ops::kernels::gemv_t(h, head)? {
+        match ops::gemv::gemv_t(h, head)? {
             Some(logits) => Ok(logits),
             None => h.broadcast_matmul(&head.t()?),
         }

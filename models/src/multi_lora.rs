@@ -14,8 +14,8 @@ use std::sync::Arc;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 
-use crate::lora::LoraSettings;
-use crate::ops::lora_rows::{add_lora_rows, RowsUpdate};
+use crate::lora_settings::LoraSettings;
+use ops::lora_rows::{add_lora_rows, RowsUpdate};
 
 /// One adapter ready to apply: for each module it adapts, `A` (r, in) and `Bᵀ` (r, out), both
 /// contiguous in the compute dtype (the layout `lora_rows` reads row by row), and its scaling.

@@ -14,7 +14,7 @@ use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::Linear;
 
-use crate::ops::quant_blocks::BlockMatrix;
+use kernels::quant_blocks::BlockMatrix;
 
 /// Quantised matrices by their transformers name (`model.layers.0.mlp.up_proj.weight`), each
 /// (out, in) like the dense weight it stands for.
@@ -74,7 +74,7 @@ impl QuantizedMatrix {
             GgmlDType::BF16 => return Ok(Self::Half(w.dequantize(&w.device())?.to_dtype(DType::BF16)?)),
             _ => {}
         }
-        match BlockMatrix::from_qtensor(w)? {
+        match ops::quant::block_matrix(w)? {
             Some(m) => Ok(Self::Blocks(Arc::new(m))),
             None => Ok(Self::Candle(QMatMul::from_arc(w.clone())?)),
         }
@@ -87,9 +87,9 @@ impl QuantizedMatrix {
         }
         let x = x.contiguous()?;
         match self {
-            Self::Blocks(m) if x.device().is_cpu() => m.forward(&x),
+            Self::Blocks(m) if x.device().is_cpu() => ops::quant::forward(m, &x),
             Self::Blocks(m) => candle_core::bail!("{:?} blocks are multiplied on the CPU only", m.format()),
-            Self::Half(w) => match crate::ops::kernels::gemv_t(&x, w)? {
+            Self::Half(w) => match ops::gemv::gemv_t(&x, w)? {
                 Some(y) => Ok(y),
                 // A prompt's many rows: widened once per product, then candle's matmul.
                 None => x.broadcast_matmul(&w.to_dtype(DType::F32)?.t()?),
@@ -159,8 +159,8 @@ mod tests {
                 if inp % dtype.block_size() != 0 {
                     continue;
                 }
-                let w = crate::rng::random_tensor(&[out, inp], 7);
-                let x = crate::rng::random_tensor(&[1, rows, inp], 8);
+                let w = ops::testing::random_tensor(&[out, inp], 7);
+                let x = ops::testing::random_tensor(&[1, rows, inp], 8);
                 let q = QTensor::quantize(&w, dtype).unwrap();
                 let dense = x.broadcast_matmul(&q.dequantize(&dev).unwrap().t().unwrap()).unwrap();
                 let y = LinearWeight::forward_quantized(&QuantizedMatrix::new(&Arc::new(q)).unwrap(), None, &x).unwrap();

@@ -7,14 +7,15 @@
 
 use std::collections::HashMap;
 
-use candle_core::{DType, Module, Result, Tensor};
-use candle_nn::{Embedding, VarBuilder};
+use candle_core::{DType, Result, Tensor};
+use candle_nn::VarBuilder;
 
-use crate::ops::weight_grads::{WeightGradTarget, WeightGrads};
+use ops::weight_grads::{WeightGradTarget, WeightGrads};
 
 use crate::config::ModelConfig;
-use crate::layers::{causal_mask, packed_mask, DecoderLayer, OpMode, PositionInputs, RmsNorm, Rotary};
+use crate::layers::{DecoderLayer, OpMode, PositionInputs, RmsNorm, Rotary};
 use crate::lora::{is_adapter_tensor, layer_adapter_tensors, LoraSettings};
+use crate::masks::{causal_mask, packed_mask};
 use crate::tensors::{expected_tensors, layer_tensors, TensorSpec};
 
 /// Several documents packed into each row: per token, its position inside its document and its
@@ -35,10 +36,10 @@ pub struct StageContext {
     /// Next-token targets per position (row-major, negative where nothing is predicted). Given,
     /// the last stage returns per-position losses instead of logits: on the CPU the head and
     /// the cross-entropy then run as one op that never holds (positions, vocab) logits
-    /// (`crate::ops::head_loss`), as transformers' models return the loss when given labels.
+    /// (`ops::head_loss`), as transformers' models return the loss when given labels.
     pub targets: Option<std::sync::Arc<[i64]>>,
     /// Given, the CPU training ops of the embedding and the fused head hand their weight's
-    /// gradient to it instead of to candle's gradient store (`crate::ops::weight_grads`).
+    /// gradient to it instead of to candle's gradient store (`ops::weight_grads`).
     pub weight_grads: Option<WeightGrads>,
     /// Run the layers without their LoRA adapters: the frozen base alone, which is DPO's
     /// reference model in a LoRA run (PEFT's `disable_adapter`), with no second copy of it.
@@ -110,11 +111,7 @@ impl LlamaStages {
     }
 
     fn head_weight_name(&self) -> &'static str {
-        if self.cfg.tie_word_embeddings {
-            "model.embed_tokens.weight"
-        } else {
-            "lm_head.weight"
-        }
+        crate::tensors::head_weight_name(&self.cfg)
     }
 
     fn vb(params: &HashMap<String, Tensor>, names: &[String], like: &Tensor) -> VarBuilder<'static> {
@@ -154,7 +151,7 @@ impl StagedModel for LlamaStages {
     fn stage_parameters(&self, s: usize) -> Vec<String> {
         let last = self.num_stages() - 1;
         if s == 0 {
-            vec!["model.embed_tokens.weight".to_string()]
+            vec![crate::tensors::EMBED_WEIGHT.to_string()]
         } else if s == last {
             vec!["model.norm.weight".to_string(), self.head_weight_name().to_string()]
         } else {
@@ -177,12 +174,13 @@ impl StagedModel for LlamaStages {
         let get = |name: &str| params.get(name).cloned().ok_or_else(|| candle_core::Error::Msg(format!("stage {s} needs {name}")));
         let grad_to = |name: &str| ctx.weight_grads.clone().map(|sink| WeightGradTarget { sink, name: name.to_string() });
         if s == 0 {
-            let name = "model.embed_tokens.weight";
+            let name = crate::tensors::EMBED_WEIGHT;
             let w = get(name)?;
+            let pad = self.cfg.pad_token_id;
             if w.device().is_cpu() && w.dtype() == candle_core::DType::F32 {
-                return crate::ops::embedding::embedding(&w, input, grad_to(name));
+                return ops::embedding::embedding(&w, input, pad, grad_to(name));
             }
-            return Embedding::new(w, self.cfg.hidden_size).forward(input);
+            return ops::embedding::embedding_composed(&w, input, pad);
         }
         let names = self.stage_parameters(s);
         let like = get(&names[0])?;
@@ -191,10 +189,10 @@ impl StagedModel for LlamaStages {
             let norm = RmsNorm::new(self.cfg.hidden_size, self.cfg.rms_norm_eps, norm_vb.pp("model.norm"))?;
             let h = norm.forward(input, OpMode::Train)?;
             let head = get(self.head_weight_name())?;
-            let logits = if crate::ops::applies(&h) && head.dtype() == h.dtype() {
+            let logits = if ops::applies(&h) && head.dtype() == h.dtype() {
                 if let Some(targets) = &ctx.targets {
                     let (b, t, hidden) = h.dims3()?;
-                    return crate::ops::head_loss::head_cross_entropy(
+                    return ops::head_loss::head_cross_entropy(
                         &h.reshape((b * t, hidden))?,
                         &head,
                         targets,
@@ -202,7 +200,7 @@ impl StagedModel for LlamaStages {
                     );
                 }
                 // One product over all rows, forward and backward (no per-row weight gradients).
-                crate::ops::linear::linear(&h, &head)?
+                ops::linear::linear(&h, &head)?
             } else {
                 h.broadcast_matmul(&head.t()?)?
             };
@@ -231,7 +229,7 @@ impl StagedModel for LlamaStages {
 
 /// `-log softmax(logits)[target]` per position of (batch, seq, vocab) logits, in f32 (as
 /// transformers' loss upcasts), 0 where the target is negative: the composite form of
-/// `crate::ops::head_loss` for other devices and dtypes.
+/// `ops::head_loss` for other devices and dtypes.
 fn per_position_loss(logits: &Tensor, targets: &[i64]) -> Result<Tensor> {
     let (b, t, v) = logits.dims3()?;
     if targets.len() != b * t {

@@ -44,15 +44,30 @@ pub fn layer_tensors(cfg: &ModelConfig, i: usize) -> Vec<TensorSpec> {
     v
 }
 
+/// The embedding table's tensor.
+pub const EMBED_WEIGHT: &str = "model.embed_tokens.weight";
+/// An untied LM head's tensor.
+pub const HEAD_WEIGHT: &str = "lm_head.weight";
+
+/// The tensor the LM head multiplies by: its own, or with tied embeddings the embedding table
+/// (one parameter, never two copies). The one place this is decided.
+pub fn head_weight_name(cfg: &ModelConfig) -> &'static str {
+    if cfg.tie_word_embeddings {
+        EMBED_WEIGHT
+    } else {
+        HEAD_WEIGHT
+    }
+}
+
 /// Every tensor of the model: embeddings, layers, final norm and (untied) LM head.
 pub fn expected_tensors(cfg: &ModelConfig) -> Vec<TensorSpec> {
-    let mut v = vec![spec("model.embed_tokens.weight", &[cfg.vocab_size, cfg.hidden_size])];
+    let mut v = vec![spec(EMBED_WEIGHT, &[cfg.vocab_size, cfg.hidden_size])];
     for i in 0..cfg.num_hidden_layers {
         v.extend(layer_tensors(cfg, i));
     }
     v.push(spec("model.norm.weight", &[cfg.hidden_size]));
     if !cfg.tie_word_embeddings {
-        v.push(spec("lm_head.weight", &[cfg.vocab_size, cfg.hidden_size]));
+        v.push(spec(HEAD_WEIGHT, &[cfg.vocab_size, cfg.hidden_size]));
     }
     v
 }

@@ -32,6 +32,14 @@ pub struct ParamEntry {
     pub dtype: String,
 }
 
+/// What one rank reports after writing (or not writing) its shard file.
+#[derive(Debug, Serialize, Deserialize)]
+struct WriteOutcome {
+    error: Option<String>,
+    /// (shard rank, bytes, SHA-256) of the file this rank wrote.
+    shard: Option<(usize, u64, String)>,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct FileEntry {
     pub name: String,
@@ -201,28 +209,29 @@ pub fn save(engine: &mut FsdpEngine, groups: &ProcessGroups, output_dir: &Path, 
         Ok(None)
     };
 
-    // 3. Agreement: per world rank a failure flag, per shard its size and hash (8 u32 words).
-    let slots = world + shard_size * 9;
-    let mut agree = vec![0f64; slots];
-    match &written {
-        Err(_) => agree[rank] = 1.0,
-        Ok(Some((bytes, sha))) => {
-            let base = world + shard_rank * 9;
-            agree[base] = *bytes as f64;
-            for (i, w) in (0..8).map(|i| u32::from_str_radix(&sha[i * 8..i * 8 + 8], 16).unwrap()).enumerate() {
-                agree[base + 1 + i] = w as f64;
-            }
-        }
-        Ok(None) => {}
-    }
-    groups.world.all_reduce_f64(&mut agree)?;
-    let failed: Vec<usize> = (0..world).filter(|&r| agree[r] != 0.0).collect();
+    // 3. Agreement: every rank learns every rank's outcome (its error, or the file it wrote).
+    let outcome = match &written {
+        Err(e) => WriteOutcome { error: Some(format!("{e:#}")), shard: None },
+        Ok(Some((bytes, sha))) => WriteOutcome { error: None, shard: Some((shard_rank, *bytes, sha.clone())) },
+        Ok(None) => WriteOutcome { error: None, shard: None },
+    };
+    let outcomes: Vec<WriteOutcome> = groups
+        .world
+        .all_gather_bytes(serde_json::to_vec(&outcome)?)?
+        .iter()
+        .map(|b| serde_json::from_slice(b).context("a rank's checkpoint outcome"))
+        .collect::<Result<_>>()?;
+    let failed: Vec<usize> = (0..world).filter(|&r| outcomes[r].error.is_some()).collect();
     if !failed.is_empty() {
         if rank == 0 {
             let _ = std::fs::remove_dir_all(&tmp_dir);
         }
         let own = written.err().map(|e| format!(": {e:#}")).unwrap_or_default();
         bail!("checkpoint {step} not saved: writing failed on rank(s) {failed:?}{own}");
+    }
+    let mut shard_entries: Vec<Option<(u64, String)>> = vec![None; shard_size];
+    for (k, bytes, sha) in outcomes.into_iter().filter_map(|o| o.shard) {
+        shard_entries[k] = Some((bytes, sha));
     }
 
     // 4. Rank 0: trainer state and side files, then the manifest, then the rename; everyone
@@ -231,11 +240,10 @@ pub fn save(engine: &mut FsdpEngine, groups: &ProcessGroups, output_dir: &Path, 
         let dir = (|| -> Result<PathBuf> {
             let mut files = vec![];
             let mut shard_files = vec![];
-            for k in 0..shard_size {
-                let base = world + k * 9;
-                let sha: String = (0..8).map(|i| format!("{:08x}", agree[base + 1 + i] as u32)).collect();
+            for (k, entry) in shard_entries.iter().enumerate() {
                 let name = format!("shard-{k:05}-of-{shard_size:05}.safetensors");
-                files.push(FileEntry { name: name.clone(), bytes: agree[base] as u64, sha256: sha });
+                let Some((bytes, sha)) = entry else { bail!("no rank reported writing {name}") };
+                files.push(FileEntry { name: name.clone(), bytes: *bytes, sha256: sha.clone() });
                 shard_files.push(name);
             }
             let mut extra: Vec<(String, Vec<u8>)> = extras.side_files.to_vec();

@@ -11,6 +11,7 @@ mod serve;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
+use fsdp_app::process::CpuWorkload;
 
 use estimate::EstimateArgs;
 use fsdp_app::train::finetune::FinetuneArgs;
@@ -58,7 +59,7 @@ enum Command {
 }
 
 /// Parses the command line and runs the command; errors are printed in one line (a chain
-/// without backtrace frames unless RUST_BACKTRACE is set) with exit code 1.
+/// without backtrace frames, see [`exit_with`]) with exit code 1.
 pub fn main() {
     use clap::{CommandFactory, FromArgMatches};
     let matches = Cli::command().get_matches();
@@ -68,13 +69,12 @@ pub fn main() {
     // idle threads that spin cost more than they save (with decoding's spin, a 2-core CI
     // machine running the server tests beside each other timed requests out).
     let workload = match cli.command {
-        Command::Generate(_) | Command::Perplexity(_) => fsdp_app::CpuWorkload::Decode,
-        Command::Finetune(_) => fsdp_app::finetune_workload(),
-        _ => fsdp_app::CpuWorkload::Shared,
+        Command::Generate(_) | Command::Perplexity(_) => CpuWorkload::Decode,
+        Command::Finetune(_) => fsdp_app::process::finetune_workload(),
+        _ => CpuWorkload::Shared,
     };
-    fsdp_app::tune_cpu_threads(workload);
-    if let Err(e) = models::ops::matmul::check_env() {
-        exit_with(anyhow::anyhow!(e));
+    if let Err(e) = fsdp_app::process::init(workload, None) {
+        exit_with(e);
     }
     let result: Result<()> = match cli.command {
         Command::Generate(a) => generate::run(a),
@@ -98,8 +98,11 @@ pub fn main() {
     }
 }
 
+/// An error is one line, its causes joined, whatever RUST_BACKTRACE says (many users set it for
+/// every Rust program, and a stack trace under a wrong flag reads like a crash); a developer who
+/// wants where it came from sets RUST_LIB_BACKTRACE=1 (anyhow's own variable).
 fn exit_with(e: anyhow::Error) -> ! {
-    if std::env::var_os("RUST_BACKTRACE").is_some() {
+    if std::env::var("RUST_LIB_BACKTRACE").is_ok_and(|v| v != "0") {
         eprintln!("error: {e:?}");
     } else {
         eprintln!("error: {e:#}");

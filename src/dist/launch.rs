@@ -54,7 +54,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
         let rank = cfg.node_rank * cfg.nproc_per_node + local;
         let mut cmd = Command::new(&exe);
         // Each rank chooses its threads as one of LOCAL_WORLD_SIZE on this machine.
-        crate::child_tunes_its_own_threads(&mut cmd);
+        crate::process::child_tunes_its_own_threads(&mut cmd);
         let child = cmd
             .args(&cfg.command)
             .env("RANK", rank.to_string())

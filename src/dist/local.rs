@@ -351,6 +351,15 @@ mod tests {
 
     /// The trait's host-memory tensor collectives keep the input's dtype: parameters
     /// gathered in bf16 come back in bf16, with the values each rank sent.
+    /// Bytes of any length from every rank, in rank order, on every rank.
+    #[test]
+    fn byte_gathers_carry_each_ranks_own_length() {
+        let out = on_ranks(3, |g| g.all_gather_bytes(vec![b'a' + g.rank() as u8; g.rank() * 2]).unwrap());
+        for got in out {
+            assert_eq!(got, vec![vec![], b"bb".to_vec(), b"cccc".to_vec()]);
+        }
+    }
+
     #[test]
     fn tensor_collectives_keep_the_dtype() {
         use candle_core::{DType, Device, Tensor};

@@ -56,6 +56,15 @@ pub trait Collective: Send + Sync {
     /// `root`'s bytes, on every rank. Only `root` passes `Some`.
     fn broadcast_bytes(&self, root: usize, bytes: Option<Vec<u8>>) -> Result<Vec<u8>>;
 
+    /// Every rank's `bytes` (any length each), in rank order, on every rank. The default sends
+    /// each rank's in turn with [`Self::broadcast_bytes`]: world-size collectives of small
+    /// messages, for control data (a checkpoint's file hashes), not for tensors.
+    fn all_gather_bytes(&self, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        let (me, world) = (self.rank(), self.world_size());
+        let mut mine = Some(bytes);
+        (0..world).map(|root| self.broadcast_bytes(root, if root == me { mine.take() } else { None })).collect()
+    }
+
     fn barrier(&self) -> Result<()>;
 
     /// Tells every other rank that this one failed, so their pending and future collectives
@@ -68,8 +77,8 @@ pub trait Collective: Send + Sync {
     /// through host memory in f32 (exact for bf16/f16 values).
     ///
     /// A group of one rank returns the tensor itself, for all three: a single-GPU run without
-    /// NCCL would otherwise copy every unit to the host and back twice a step (an H200 trained a
-    /// 1.1B model 4.5x slower that way).
+    /// NCCL would otherwise copy every unit to the host and back twice a step (docs/design.md,
+    /// FSDP).
     fn all_gather_tensor(&self, shard: &Tensor) -> Result<Tensor> {
         if let Some(t) = alone(self, shard)? {
             return Ok(t);

@@ -3,18 +3,19 @@
 //! (scales, sums, a square, a root, a quotient), about a quarter of the 1.1B Llama bench's GPU
 //! time (`tests/gpu/run.sh profile`).
 //!
-//! The source is compiled by NVRTC the first time a process needs it (`models::ops::runtime_cuda`),
+//! The source is compiled by NVRTC the first time a process needs it (`kernels::cuda::ADAMW`),
 //! with no contracted multiply-adds.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
-use models::ops::runtime_cuda::{values, RuntimeSource};
+use kernels::cuda::ADAMW as SOURCE;
+use ops::cuda_args::values;
 
-use super::optim::{AdamWConfig, AdamWConstants};
+use super::optim::AdamWConfig;
+use kernels::adamw::AdamWConstants;
 
-static SOURCE: RuntimeSource = RuntimeSource::new("fsdp_app_adamw", "src/fsdp/adamw.cu", include_str!("adamw.cu"), false);
 const THREADS_PER_BLOCK: u32 = 256;
 
 /// One AdamW step of an f32 chunk on its GPU, `step` counting from 1, `clip` multiplied into
@@ -39,7 +40,7 @@ pub fn adamw_step(
             candle_core::bail!("AdamW on a GPU: the {what} {:?} {:?} for an f32 chunk of {n}", t.dims(), t.dtype());
         }
     }
-    let k = AdamWConstants::new(cfg, lr, weight_decay, step, clip);
+    let k = AdamWConstants::new(cfg.beta1, cfg.beta2, cfg.eps, lr, weight_decay, step, clip);
     let step = Step {
         constants: Constants {
             n: n as i64,

@@ -1,6 +1,6 @@
 //! The text of the generated ids, kept up to date in constant work per token (the incremental
-//! detokenization of TGI and vLLM). Decoding all generated ids at every step made a 1,500-token
-//! answer slow down from 29 to 16 tokens/s; here each step decodes only the ids since the text
+//! detokenization of TGI and vLLM). Decoding all generated ids at every step made each token
+//! cost more as the answer grew (docs/design.md); here each step decodes only the ids since the text
 //! last grew by whole characters, beside the ids just before them, whose decoded text is cut off
 //! again: decoders treat a sequence's first token specially (SentencePiece drops its leading
 //! space), so a window that starts one flushed step back decodes its new ids as they read in the

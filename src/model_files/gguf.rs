@@ -17,7 +17,7 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 use models::{ModelConfig, QuantizedWeights};
 
-use super::resolve::{ModelFiles, WeightFormat};
+use super::files::{self, ModelFiles, WeightFormat};
 use super::write::StagedDir;
 use crate::convert::llama_meta::{self, hf_name, unpermute_quantized_rows, LlamaDims};
 
@@ -69,12 +69,12 @@ pub fn resolve_gguf(path: &Path, source: String) -> Result<ModelFiles> {
     let optional = |name: &str| Some(dir.join(name)).filter(|p| p.is_file());
     Ok(ModelFiles {
         source,
-        config: dir.join(super::resolve::CONFIG),
+        config: dir.join(files::CONFIG),
         weights: vec![path.to_path_buf()],
         index: None,
-        tokenizer: optional(super::resolve::TOKENIZER),
-        tokenizer_config: optional(super::resolve::TOKENIZER_CONFIG),
-        generation_config: optional(super::resolve::GENERATION_CONFIG),
+        tokenizer: optional(files::TOKENIZER),
+        tokenizer_config: optional(files::TOKENIZER_CONFIG),
+        generation_config: optional(files::GENERATION_CONFIG),
         chat_template: None,
         special_tokens_map: None,
         format: WeightFormat::Gguf,

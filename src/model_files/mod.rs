@@ -4,6 +4,7 @@
 
 pub mod adapter;
 pub mod export;
+pub mod files;
 pub mod gguf;
 pub mod hub;
 pub mod load;

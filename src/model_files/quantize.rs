@@ -96,7 +96,7 @@ fn targets(cfg: &ModelConfig, spec: QuantizeSpec) -> Vec<(String, GgmlDType)> {
             (format!("{path}.weight"), if six_bits { GgmlDType::Q6K } else { spec.base })
         })
         .collect();
-    let head = if cfg.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" };
+    let head = models::tensors::head_weight_name(cfg);
     v.push((head.to_string(), head_format(spec.base)));
     v
 }

@@ -84,13 +84,7 @@ fn validate_row(v: &Value, kind: RowKind, vocab: usize, at: usize) -> Result<(),
     let invalid = |e: anyhow::Error| ApiError::invalid("file", format!("Line {at}: {e:#}."));
     if kind == RowKind::Preference {
         let row = crate::train::preference::parse_preference_row(v).map_err(invalid)?;
-        if let crate::train::preference::PreferenceRow::Tokens { chosen, rejected, .. } = &row {
-            if chosen.is_empty() || rejected.is_empty() {
-                return Err(
-                    ApiError::invalid("file", format!("Line {at}: an empty completion trains nothing.")).with_code("no_trainable_tokens")
-                );
-            }
-        }
+        crate::train::preference::check_pair(&row).map_err(|e| invalid(e).with_code("no_trainable_tokens"))?;
         for field in ["prompt_input_ids", "chosen_input_ids", "rejected_input_ids"] {
             ids_in_vocab(v, field, vocab, at)?;
         }
@@ -106,6 +100,10 @@ fn validate_row(v: &Value, kind: RowKind, vocab: usize, at: usize) -> Result<(),
     Ok(())
 }
 
+/// The largest row of an uploaded file: a `{"text"}` row's limit (`train::text_budget`) plus
+/// room for JSON's escapes; any sample of a model's context needs far less of a row.
+pub const MAX_ROW_BYTES: usize = 2 * crate::train::text_budget::TEXT_ROW_LIMIT;
+
 /// Checks a fine-tuning file, read line by line: UTF-8 JSONL, every row a shape training reads
 /// (chat `messages`, `prompt`/`completion`, `text`, token ids inside the model's `vocab`, ...)
 /// that trains at least one token, or every row a DPO preference pair. The error names the
@@ -119,6 +117,10 @@ pub fn validate_jsonl(reader: impl BufRead, vocab: usize) -> Result<(usize, RowK
         let text = if i == 0 { crate::train::data::without_bom(text) } else { text };
         if text.trim().is_empty() {
             continue;
+        }
+        if text.len() > MAX_ROW_BYTES {
+            let message = format!("Line {at}: a row of {} bytes; rows hold at most {MAX_ROW_BYTES} bytes of JSON.", text.len());
+            return Err(ApiError::invalid("file", message).with_code("row_too_large"));
         }
         let v: Value = serde_json::from_str(text).map_err(|e| ApiError::invalid("file", format!("Line {at}: not valid JSON: {e}.")))?;
         let k = *kind.get_or_insert(RowKind::of(&v));

@@ -7,8 +7,8 @@ pub fn now_s() -> i64 {
 /// A random id with OpenAI's prefixes (`file-`, `ftjob-`, `ftevent-`, `ftckpt-`).
 pub fn new_id(prefix: &str) -> String {
     let mut s = fresh_seed();
-    let a = models::rng::splitmix64(&mut s);
-    let b = models::rng::splitmix64(&mut s);
+    let a = kernels::rng::splitmix64(&mut s);
+    let b = kernels::rng::splitmix64(&mut s);
     format!("{prefix}-{a:016x}{:08x}", b as u32)
 }
 
@@ -19,5 +19,5 @@ pub fn fresh_seed() -> u64 {
     let mut s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
         ^ ((std::process::id() as u64) << 32)
         ^ COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    models::rng::splitmix64(&mut s)
+    kernels::rng::splitmix64(&mut s)
 }

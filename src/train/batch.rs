@@ -70,6 +70,19 @@ mod tests {
     use super::*;
     use crate::train::data::{self, IGNORE_INDEX};
 
+    /// A packed row's positions restart with each document (padding counts from 0 too).
+    #[test]
+    fn packed_positions_restart_per_document() {
+        let row = data::Sample {
+            input_ids: vec![1, 2, 3, 4, 5, 0],
+            labels: vec![1, 2, 3, -100, 5, -100],
+            len: 5,
+            segments: vec![1, 1, 1, 2, 2, 0],
+        };
+        let p = packing_for(&[&row]).unwrap();
+        assert_eq!(p.positions, vec![0, 1, 2, 0, 1, 0]);
+    }
+
     #[test]
     fn a_micro_batch_is_padded_to_its_longest_row_rounded_up_to_8() {
         let a = data::pad((1..=5).collect(), (1..=5).collect(), 32, 0);

@@ -17,6 +17,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
 use super::formats::{parse_row, Example};
+use super::text_budget;
 use crate::tokenize::ChatTemplate;
 
 pub const IGNORE_INDEX: i64 = -100;
@@ -253,6 +254,28 @@ fn chat_tokens(messages: &[crate::tokenize::ChatMessage], tools: &TextTools, tra
     Ok((ids, labels))
 }
 
+/// A supervised row bounded for `seq_len`: samples keep their first `seq_len` tokens, so every
+/// field keeps its start; a text row past [`text_budget::TEXT_ROW_LIMIT`] is refused.
+pub fn bound_example(example: &mut Example, seq_len: usize) -> Result<()> {
+    let budget = text_budget::bytes_for(seq_len);
+    match example {
+        Example::Text(t) if t.len() > text_budget::TEXT_ROW_LIMIT => {
+            bail!(
+                "field `text` holds {} bytes; text rows are tokenised whole, so split it into rows of at most {} bytes",
+                t.len(),
+                text_budget::TEXT_ROW_LIMIT
+            )
+        }
+        Example::PromptCompletion { prompt, completion } => {
+            text_budget::keep_start(prompt, budget);
+            text_budget::keep_start(completion, budget);
+        }
+        Example::Chat(messages) => text_budget::contents(messages, budget, text_budget::keep_start),
+        Example::Text(_) | Example::Tokens { .. } => {}
+    }
+    Ok(())
+}
+
 pub(crate) fn pad(mut ids: Vec<u32>, mut labels: Vec<i64>, seq_len: usize, pad_id: u32) -> Sample {
     let len = ids.len();
     ids.resize(seq_len, pad_id);
@@ -275,7 +298,9 @@ pub fn load_dataset_bytes(path: &Path, bytes: &[u8], opts: &DataOptions, tools: 
         out.rows += 1;
         let built = (|| -> Result<Option<(Vec<u32>, Vec<i64>)>> {
             let row = row?;
-            Ok(match parse_row(&row, tools.template.is_some())? {
+            let mut example = parse_row(&row, tools.template.is_some())?;
+            bound_example(&mut example, opts.seq_len)?;
+            Ok(match example {
                 Example::Text(t) => {
                     stream.extend((tools.encode)(&t, true)?.0);
                     stream.extend(tools.eos_id);
@@ -383,7 +408,7 @@ pub fn epoch_order(n: usize, epoch: usize, seed: u64, shuffle: bool) -> Vec<usiz
     let mut order: Vec<usize> = (0..n).collect();
     if shuffle {
         // Fisher-Yates with SplitMix64: the same on every rank and every machine.
-        let mut rng = models::rng::SplitMix64(seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let mut rng = kernels::rng::SplitMix64(seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
         for i in (1..n).rev() {
             let j = (rng.next_u64() % (i as u64 + 1)) as usize;
             order.swap(i, j);
@@ -505,8 +530,6 @@ mod tests {
         assert_eq!(d.samples[0].segments, vec![1, 1, 1, 2, 2, 0]);
         // Token 4 starts a new document: not predicted from token 3.
         assert_eq!(d.samples[0].labels, vec![1, 2, 3, -100, 5, -100]);
-        let p = crate::train::batch::packing_for(&[&d.samples[0]]).unwrap();
-        assert_eq!(p.positions, vec![0, 1, 2, 0, 1, 0]);
         assert!((d.padding_efficiency(6) - 9.0 / 12.0).abs() < 1e-9);
     }
 
@@ -540,5 +563,16 @@ mod tests {
         sorted.sort();
         assert_eq!(sorted, (0..10).collect::<Vec<_>>());
         assert_eq!(epoch_order(4, 0, 1, false), vec![0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn a_huge_text_row_is_refused_by_size_and_other_fields_are_cut_to_the_budget() {
+        let mut text = Example::Text("x".repeat(text_budget::TEXT_ROW_LIMIT + 1));
+        let e = bound_example(&mut text, 64).unwrap_err().to_string();
+        assert!(e.contains("field `text`") && e.contains(&format!("{}", text_budget::TEXT_ROW_LIMIT + 1)), "{e}");
+        let mut pc = Example::PromptCompletion { prompt: "p".repeat(50_000_000), completion: "c".repeat(10) };
+        bound_example(&mut pc, 64).unwrap();
+        let Example::PromptCompletion { prompt, completion } = pc else { unreachable!() };
+        assert_eq!((prompt.len(), completion.len()), (text_budget::bytes_for(64), 10));
     }
 }

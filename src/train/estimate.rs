@@ -102,7 +102,7 @@ impl Estimate {
 /// (`lib.rs`), and a step's short-lived tensors of many sizes leave pages that later sizes do
 /// not reuse (with `MIMALLOC_PURGE_DELAY=0` the same runs peak 20-50 MiB lower). Fitted with
 /// the factors below on 11 one-rank and 12 two-rank shapes (tests/estimate_fit/). The one-rank
-/// runs had two threads on 2 cores; each of the two ranks has one (`fsdp_app::cpu_threads`:
+/// runs had two threads on 2 cores; each of the two ranks has one (`fsdp_app::process::cpu_threads`:
 /// re-measured when ranks stopped taking two each, which had cost them 10-60 MiB more).
 const PROCESS_BYTES: u64 = 53 << 20;
 
@@ -139,7 +139,7 @@ const RESIDENT_PER_COUNTED: f64 = 1.41;
 
 /// The share of LoRA's counted adapter tensors that costs memory at the peak: fitted on ten
 /// one-rank LoRA runs without checkpointing (tests/estimate_fit/lora-rank.txt) with the other
-/// constants held; counted whole, those runs came out 4-25% high.
+/// constants held (counted whole, those runs come out high).
 const LORA_RESIDENT_SHARE: f64 = 0.7;
 
 fn layer_activation_bytes(cfg: &ModelConfig, lora: Option<&models::LoraSettings>, batch: usize, seq: usize) -> f64 {
@@ -173,7 +173,7 @@ const AC_HIDDEN_PER_LAYER: f64 = 2.35;
 const LOSS_TENSORS_AT_PEAK: f64 = 1.4;
 
 /// Without activation checkpointing the peak comes in the layers' backward, when the fused head
-/// and loss (`models::ops::head_loss`) have long freed their chunk of logits: the loss row counts
+/// and loss (`ops::head_loss`) have long freed their chunk of logits: the loss row counts
 /// that chunk, at most this many values (the op's bound).
 const LOSS_CHUNK_VALUES: f64 = (8 << 20) as f64;
 
@@ -206,7 +206,7 @@ pub fn estimate(model: &dyn StagedModel, cfg: &ModelConfig, input: &EstimateInpu
         plan.iter().map(full).sum()
     };
     // Vocabulary-sized weights that travel alone get their gradients as rows, reduce-scattered a
-    // round at a time (`models::ops::weight_grads`): no full-size gradient. The embedding's always;
+    // round at a time (`ops::weight_grads`): no full-size gradient. The embedding's always;
     // the head's while the logit gradients it keeps instead, (tokens, vocab), are no larger
     // than dW (tokens <= hidden).
     let (vocab, hidden, tokens) = (cfg.vocab_size, cfg.hidden_size, input.batch_size * input.seq_len);
@@ -224,13 +224,13 @@ pub fn estimate(model: &dyn StagedModel, cfg: &ModelConfig, input: &EstimateInpu
     let packed = |u: &UnitPlan| if input.shard_size == 1 { 0 } else { dense_trained(u) };
     let backward = plan.iter().map(|u| dense_full(u) + packed(u) + dense_trained(u) / input.shard_size as u64).max().unwrap_or(0);
     let temporaries = match input.lora {
-        // The frozen base weights' products leave no such temporaries (measured: with them
-        // counted, the two-rank LoRA runs of tests/estimate.rs come out 20% high).
+        // The frozen base weights' products leave no such temporaries (with them counted, the
+        // two-rank LoRA runs of tests/estimate.rs come out high: docs/design.md).
         Some(_) => 0,
-        // Every weight gradient then reaches the trainer's sink (`models::ops::weight_grads`: the
+        // Every weight gradient then reaches the trainer's sink (`ops::weight_grads`: the
         // linear layers' dense, the head's and embedding's by rows), none through candle's
-        // zero-and-sum store: measured on tests/estimate.rs's one-rank runs, counting them made
-        // the wide-and-shallow shape 21% high, without them all three are within 6%.
+        // zero-and-sum store (counting them made tests/estimate.rs's wide-and-shallow shape
+        // high: docs/design.md).
         None if head_by_rows => 0,
         None => (WEIGHT_GRAD_TEMPORARIES * largest.max(4 * (vocab * hidden) as u64) as f64) as u64,
     };
@@ -259,8 +259,8 @@ pub fn estimate(model: &dyn StagedModel, cfg: &ModelConfig, input: &EstimateInpu
         process: PROCESS_BYTES,
         // The proxy of each other rank holds, during the largest all-gather, the decoded request
         // and the gathered result; rank 0's own peak comes elsewhere (the loss stage), so at its
-        // peak about one unit-sized buffer per other rank remains (measured: with loading
-        // streamed, rank 0 peaks within 5% of rank 1 in tests/estimate.rs's two-rank runs).
+        // peak about one unit-sized buffer per other rank remains (with loading streamed, rank 0
+        // peaks close to rank 1 in tests/estimate.rs's two-rank runs).
         rank0_relay: if input.rank0_relays { (input.world_size as u64 - 1) * plan.iter().map(full).max().unwrap_or(0) } else { 0 },
         rank0_host: if input.rank0_relays { RANK0_HOST_BYTES } else { 0 },
     })

@@ -104,7 +104,7 @@ pub fn parse_row(row: &Value, has_template: bool) -> Result<Example> {
     if !row.is_object() {
         bail!("row is not a JSON object");
     }
-    if crate::train::preference::is_preference_row(row) {
+    if is_preference_row(row) {
         bail!("this is a preference row (chosen / rejected); train on preference pairs with --method dpo");
     }
     if row.get("input_ids").is_some() {
@@ -157,6 +157,14 @@ pub fn parse_row(row: &Value, has_template: bool) -> Result<Example> {
         "row has none of the known fields (text; prompt+completion; messages; conversations; instruction+output; \
          input_ids); it has {keys:?}"
     )
+}
+
+/// Whether a row looks like a preference row (any of the shapes' keys), so a wrong `--method`
+/// can be named instead of a missing field.
+pub fn is_preference_row(row: &Value) -> bool {
+    ["chosen", "rejected", "preferred_output", "non_preferred_output", "prompt_input_ids", "chosen_input_ids"]
+        .iter()
+        .any(|k| row.get(k).is_some())
 }
 
 #[cfg(test)]

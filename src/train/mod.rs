@@ -1,5 +1,6 @@
 //! Training: row shapes (`formats`), samples and loss masks (`data`), micro-batches (`batch`),
-//! the objective (`loss`), and the fine-tuning loop (`finetune`).
+//! the objective (`loss`), the fine-tuning loop (`finetune`), and how much text a row may give
+//! the tokenizer (`text_budget`).
 
 pub mod accelerate_config;
 pub mod batch;
@@ -13,6 +14,7 @@ pub mod loss;
 pub mod metrics_row;
 pub mod preference;
 pub mod report;
+pub mod text_budget;
 
 /// The sequence length of a run with no `--seq-len`: 512 tokens, or the model's context when
 /// that is shorter (what the server's jobs use too).

@@ -25,6 +25,7 @@ use serde_json::Value;
 
 use super::data::{pad, read_rows_bytes, Dataset, Sample, TextTools, IGNORE_INDEX};
 use super::formats::{id_list, messages, short, string_field};
+use super::text_budget;
 use crate::tokenize::ChatMessage;
 
 /// One preference row as read, before tokenisation.
@@ -47,13 +48,7 @@ const SHAPES: &str = "{\"prompt\", \"chosen\", \"rejected\"} (strings or lists o
                       (conversations), {\"input\": {\"messages\"}, \"preferred_output\", \"non_preferred_output\"}, or \
                       {\"prompt_input_ids\", \"chosen_input_ids\", \"rejected_input_ids\"}";
 
-/// Whether a row looks like a preference row (any of the shapes' keys), so a wrong `--method`
-/// can be named instead of a missing field.
-pub fn is_preference_row(row: &Value) -> bool {
-    ["chosen", "rejected", "preferred_output", "non_preferred_output", "prompt_input_ids", "chosen_input_ids"]
-        .iter()
-        .any(|k| row.get(k).is_some())
-}
+pub use super::formats::is_preference_row;
 
 fn token_ids(row: &Value, field: &str) -> Result<Vec<u32>> {
     let ids = id_list(row, field)?.with_context(|| format!("missing field `{field}`"))?;
@@ -95,6 +90,13 @@ pub fn parse_preference_row(row: &Value) -> Result<PreferenceRow> {
         let keys: Vec<&String> = row.as_object().unwrap().keys().collect();
         bail!("a preference row needs one of {SHAPES}; it has {keys:?}");
     };
+    // Each field a string or a list of messages, the first that is neither named.
+    for field in ["prompt", "chosen", "rejected"] {
+        match row.get(field) {
+            None | Some(Value::String(_)) | Some(Value::Array(_)) => {}
+            Some(other) => bail!("field `{field}` must be a string or a list of messages, found {}", short(other)),
+        }
+    }
     if chosen.is_string() {
         return Ok(PreferenceRow::Text {
             prompt: string_field(row, "prompt")?.to_string(),
@@ -126,6 +128,48 @@ pub fn parse_preference_row(row: &Value) -> Result<PreferenceRow> {
 
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// A preference row bounded for `seq_len`: a pair keeps its prompt's end and its completions'
+/// starts (`preference::truncate_pair`), so the fields are cut the same way.
+pub fn bound_pair(row: &mut PreferenceRow, seq_len: usize) {
+    let budget = text_budget::bytes_for(seq_len);
+    match row {
+        PreferenceRow::Text { prompt, chosen, rejected } => {
+            text_budget::keep_end(prompt, budget);
+            text_budget::keep_start(chosen, budget);
+            text_budget::keep_start(rejected, budget);
+        }
+        PreferenceRow::Chat { prompt, chosen, rejected } => {
+            text_budget::contents(prompt, budget, text_budget::keep_end);
+            text_budget::contents(chosen, budget, text_budget::keep_start);
+            text_budget::contents(rejected, budget, text_budget::keep_start);
+        }
+        PreferenceRow::Tokens { .. } => {}
+    }
+}
+
+/// Refuses a pair that trains nothing: an empty completion (TRL's `chosen`/`rejected` must hold
+/// text), or `chosen` equal to `rejected` (their log-ratio difference is zero, so is the
+/// gradient), naming the field.
+pub fn check_pair(row: &PreferenceRow) -> Result<()> {
+    let blank = |t: &str| t.trim().is_empty();
+    let silent = |ms: &[ChatMessage]| ms.iter().all(|m| blank(&m.content) && m.tool_calls.is_none());
+    let (chosen_empty, rejected_empty, same) = match row {
+        PreferenceRow::Text { chosen, rejected, .. } => (blank(chosen), blank(rejected), chosen == rejected),
+        PreferenceRow::Chat { chosen, rejected, .. } => (silent(chosen), silent(rejected), chosen == rejected),
+        PreferenceRow::Tokens { chosen, rejected, .. } => (chosen.is_empty(), rejected.is_empty(), chosen == rejected),
+    };
+    if chosen_empty {
+        bail!("field `chosen` is empty: a pair needs two completions");
+    }
+    if rejected_empty {
+        bail!("field `rejected` is empty: a pair needs two completions");
+    }
+    if same {
+        bail!("`chosen` and `rejected` are the same: the pair teaches nothing");
+    }
+    Ok(())
 }
 
 /// Tokenises a row as TRL 1.x does (see the module's notes).
@@ -197,13 +241,19 @@ pub fn load_preference_dataset(path: &Path, bytes: &[u8], seq_len: usize, skip_b
         out.rows += 1;
         let built = (|| -> Result<(PairTokens, bool)> {
             let row = row?;
-            let mut pair = tokenize_pair(&parse_preference_row(&row)?, tools)?;
+            let mut parsed = parse_preference_row(&row)?;
+            bound_pair(&mut parsed, seq_len);
+            check_pair(&parsed)?;
+            let mut pair = tokenize_pair(&parsed, tools)?;
             for (name, c) in [("chosen", &pair.chosen), ("rejected", &pair.rejected)] {
                 if c.is_empty() {
                     bail!("the {name} completion is empty after tokenisation");
                 }
             }
             let cut = truncate_pair(&mut pair, seq_len);
+            if pair.chosen == pair.rejected {
+                bail!("`chosen` and `rejected` are the same within --seq-len {seq_len}: the pair teaches nothing");
+            }
             Ok((pair, cut))
         })();
         match built {
@@ -298,5 +348,16 @@ mod tests {
         assert_eq!((short_prompt.prompt.len(), short_prompt.chosen.len()), (3, 13));
         let [c, r] = pair_samples(&short_prompt, 16, 0);
         assert_eq!((c.len, c.target_tokens(), r.labels[2], r.labels[3]), (16, 13, IGNORE_INDEX, 8));
+    }
+
+    /// A pair's prompt keeps its end, its completions their starts, each within the budget.
+    #[test]
+    fn a_huge_pair_is_cut_to_the_budget_keeping_what_truncation_keeps() {
+        let mut pair =
+            PreferenceRow::Text { prompt: format!("{}END", "p".repeat(1 << 20)), chosen: "c".repeat(1 << 20), rejected: "r".into() };
+        bound_pair(&mut pair, 64);
+        let PreferenceRow::Text { prompt, chosen, rejected } = pair else { unreachable!() };
+        assert!(prompt.ends_with("END") && prompt.len() == text_budget::bytes_for(64), "the prompt keeps its end");
+        assert_eq!((chosen.len(), rejected.as_str()), (text_budget::bytes_for(64), "r"));
     }
 }

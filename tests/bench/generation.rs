@@ -38,11 +38,13 @@ const NEW_TOKENS: usize = 128;
 const ROUNDS: usize = 5;
 const PROMPT: &str = "Write a short story about a lighthouse keeper who finds a message in a bottle.";
 
+/// The binary's allocator, as `fsdp-app` declares it (the bench measures what users run).
+#[global_allocator]
+static ALLOCATOR: fsdp_app::process::Allocator = fsdp_app::process::Allocator;
+
 fn main() -> anyhow::Result<()> {
     let threads: usize = std::env::var("FSDP_BENCH_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(2);
-    // Must be set before candle's thread pool starts.
-    fsdp_app::tune_cpu_threads(fsdp_app::CpuWorkload::Decode);
-    std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+    fsdp_app::process::init(fsdp_app::process::CpuWorkload::Decode, Some(threads))?;
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let gguf = common::bench_smollm2_gguf()?;
     let tmp = tempfile::tempdir()?;

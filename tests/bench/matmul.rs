@@ -2,7 +2,7 @@
 //! the BLAS libraries PyTorch and numpy users run, on this CPU, in one run: for each linear layer
 //! shape of the training bench's two models (tokens, in, out), the forward `y = x Wᵀ` and the
 //! backward's `dx = dy W` plus `dW = dyᵀ x`, as GFLOP/s:
-//! - ours: `models::ops::linear` (on AVX2 our packed driver, `models/src/ops/sgemm_packed.rs`,
+//! - ours: `ops::linear` (on AVX2 our packed driver, `models/kernels/src/sgemm_packed.rs`,
 //!   elsewhere the gemm crate's kernels; on candle's barrier pool), the code `finetune` runs
 //!   (`FSDP_MATMUL=gemm|packed` picks the kernels of this column instead);
 //! - MKL / oneDNN: PyTorch's CPU matmul through autograd (the PyPI wheel), the peer of the
@@ -83,8 +83,8 @@ fn step_sequence_rate() -> anyhow::Result<f64> {
     for _ in 0..6 {
         let t = Instant::now();
         for (x, w, dy) in &linears {
-            drop(models::ops::linear::linear(x, w)?);
-            drop(models::ops::linear::linear_grads(x, w, dy)?);
+            drop(ops::linear::linear(x, w)?);
+            drop(ops::linear::linear_grads(x, w, dy)?);
         }
         secs.push(t.elapsed().as_secs_f64());
     }
@@ -114,7 +114,7 @@ fn step_sequence_rows(threads: usize) -> anyhow::Result<()> {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    let level = models::ops::kernels::SimdLevel::current();
+    let level = kernels::simd::SimdLevel::current();
     println!("
 A 28M Llama step's products in training's order (6 layers of their own operands, forward, dx and dW), {threads} threads, kernels at {level:?}, 5 alternating rounds: GFLOP/s");
     println!(
@@ -136,15 +136,18 @@ A 28M Llama step's products in training's order (6 layers of their own operands,
         "
 ours / gemm: {:.2}x (median of the rounds' ratios{})",
         median(ratios),
-        if level >= models::ops::kernels::SimdLevel::Avx2 { "" } else { "; both rows ran gemm's kernels at this level" }
+        if level >= kernels::simd::SimdLevel::Avx2 { "" } else { "; both rows ran gemm's kernels at this level" }
     );
     Ok(())
 }
 
+/// The binary's allocator, as `fsdp-app` declares it (the bench measures what users run).
+#[global_allocator]
+static ALLOCATOR: fsdp_app::process::Allocator = fsdp_app::process::Allocator;
+
 fn main() -> anyhow::Result<()> {
     let threads: usize = std::env::var("FSDP_BENCH_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(2);
-    fsdp_app::tune_cpu_threads(fsdp_app::finetune_workload());
-    std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+    fsdp_app::process::init(fsdp_app::process::finetune_workload(), Some(threads))?;
     if std::env::args().any(|a| a == STEP_CHILD) {
         println!("{}", step_sequence_rate()?);
         return Ok(());
@@ -155,8 +158,8 @@ fn main() -> anyhow::Result<()> {
         let x = Tensor::randn(0f32, 1.0, (*m, *k), &dev)?;
         let w = Tensor::randn(0f32, 1.0, (*n, *k), &dev)?;
         let dy = Tensor::randn(0f32, 1.0, (*m, *n), &dev)?;
-        let fwd = best(|| drop(models::ops::linear::linear(&x, &w).unwrap()));
-        let bwd = best(|| drop(models::ops::linear::linear_grads(&x, &w, &dy).unwrap()));
+        let fwd = best(|| drop(ops::linear::linear(&x, &w).unwrap()));
+        let bwd = best(|| drop(ops::linear::linear_grads(&x, &w, &dy).unwrap()));
         ours.push((fwd, bwd));
     }
     let python = std::env::var("FSDP_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());

@@ -62,7 +62,7 @@ fn random_adapter(model_dir: &Path, out: &Path, settings: &models::LoraSettings,
     for spec in (0..cfg.num_hidden_layers).flat_map(|i| models::lora::layer_adapter_tensors(&cfg, settings, i)) {
         let n: usize = spec.shape.iter().product();
         let values: Vec<f32> =
-            (0..n).map(|_| ((models::rng::splitmix64(&mut state) >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.02).collect();
+            (0..n).map(|_| ((kernels::rng::splitmix64(&mut state) >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.02).collect();
         tensors.insert(spec.name.clone(), candle_core::Tensor::from_vec(values, spec.shape.as_slice(), &candle_core::Device::Cpu)?);
     }
     fsdp_app::model_files::adapter::write_adapter(out, &tensors, settings, "smollm2")

@@ -120,9 +120,12 @@ fn config(model: &Path, data: &Path, out: &Path, world: usize) -> FinetuneConfig
     }
 }
 
+/// The binary's allocator, as `fsdp-app` declares it (the bench measures what users run).
+#[global_allocator]
+static ALLOCATOR: fsdp_app::process::Allocator = fsdp_app::process::Allocator;
+
 fn main() -> anyhow::Result<()> {
-    fsdp_app::tune_cpu_threads(fsdp_app::finetune_workload());
-    std::env::set_var("RAYON_NUM_THREADS", THREADS.to_string());
+    fsdp_app::process::init(fsdp_app::process::finetune_workload(), Some(THREADS))?;
     let root = common::repo_root();
     let models_dir = root.join("target").join("bench-models");
     std::fs::create_dir_all(&models_dir)?;
@@ -149,7 +152,7 @@ const FORCE_AVX2: [(&str, &str); 4] =
 /// sides held to AVX2, so an AVX2 machine's figures can be read on this one. A child process:
 /// the kernel level is fixed once per process.
 fn forced_avx2_rows() -> anyhow::Result<()> {
-    use models::ops::kernels::SimdLevel;
+    use kernels::simd::SimdLevel;
     if SimdLevel::detected() < SimdLevel::Avx512 || std::env::var_os("FSDP_SIMD").is_some() {
         return Ok(());
     }
@@ -248,7 +251,7 @@ fn speed(root: &Path, models_dir: &Path, tmp: &Path, python: &str) -> anyhow::Re
         println!("(median of steps 2-{steps}, median of {ROUNDS} alternating rounds, ratio: median of the rounds' ratios; FSDP: FULL_SHARD, one unit per layer, no activation checkpointing)\n");
         // The level our kernels and the products ran at (FSDP_SIMD lowers it), and which
         // kernels ran the products (FSDP_MATMUL picks them).
-        let isa = format!("{:?}, products {}", models::ops::kernels::SimdLevel::current(), models::ops::matmul::kernels_in_use());
+        let isa = format!("{:?}, products {}", kernels::simd::SimdLevel::current(), kernels::matmul::kernels_in_use());
         println!("| run | ISA (kernels and matmuls) | tokens/s | vs PyTorch |");
         println!("|---|---|---|---|");
         for OurRow { world, tps, ratio, .. } in &ours {

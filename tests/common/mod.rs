@@ -4,6 +4,7 @@
 pub mod gguf;
 pub mod hub;
 pub mod server;
+pub mod training;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -68,7 +69,10 @@ pub fn run_cli(args: &[&str], env: &[(&str, &str)]) -> Output {
     for (k, v) in env {
         cmd.env(k, v);
     }
-    cmd.env_remove("RUST_BACKTRACE");
+    // A developer's RUST_BACKTRACE stays out of the CLI's output unless a test sets it.
+    if !env.iter().any(|(k, _)| *k == "RUST_BACKTRACE") {
+        cmd.env_remove("RUST_BACKTRACE");
+    }
     cmd.output().expect("running fsdp-app")
 }
 

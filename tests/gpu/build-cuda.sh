@@ -12,7 +12,7 @@
 # (candle-kernels' nvcc step); later builds take seconds while this environment stays the same.
 # Not part of CI.
 #
-# On the GPU machine (see README "GPU"): gunzip the files in .gpubin/, point LD_LIBRARY_PATH at
+# On the GPU machine (see docs/gpu.md): gunzip the files in .gpubin/, point LD_LIBRARY_PATH at
 # the venv's nvidia/cu13/lib and nvidia/nccl/lib, run .gpubin/fsdp-app or the test binaries.
 set -euo pipefail
 

@@ -6,23 +6,19 @@
 //! at every token and layer (with the GQA repeat and a transpose for the matmul, ~5 copies of
 //! it per layer and token: at 4,000 tokens SmolLM2 decoded at a fifth of its speed at 200).
 //! On the CPU in f32 queries attend over the blocks in place ([`attend`]): a decode step's one
-//! query by flash-decoding (`decode`), a prompt's chunk of queries by tiles with an online
-//! softmax (`prefill`), neither ever holding a (queries × context) score matrix. Other devices
+//! query by flash-decoding, a prompt's chunk of queries by tiles with an online softmax
+//! (`ops::kv_attention`), neither ever holding a (queries × context) score matrix. Other devices
 //! and dtypes take the whole cache as tensors ([`all`]).
 //!
 //! [`attend`]: LayerKvCache::attend
 //! [`all`]: LayerKvCache::all
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{Result, Tensor};
 
 use crate::config::ModelConfig;
-use crate::ops::cpu_f32_values;
 
-mod decode;
-mod prefill;
-
-/// Positions per block.
-pub const BLOCK: usize = 64;
+/// Positions per block (the layout the attention kernels read).
+pub use kernels::paged_attention::BLOCK;
 
 /// One layer's cached keys and values (batch 1).
 #[derive(Debug, Default)]
@@ -98,35 +94,8 @@ impl LayerKvCache {
     /// is not for these kernels (not f32 on the CPU): the caller then attends over
     /// [`LayerKvCache::all`]. One query takes the decode kernel, more the tiled prefill.
     pub fn attend(&self, q: &Tensor, scale: f64, window: Option<usize>) -> Result<Option<Tensor>> {
-        let cpu_f32 = |t: &Tensor| matches!(t.device(), Device::Cpu) && t.dtype() == DType::F32;
-        if !cpu_f32(q) || self.blocks.first().is_none_or(|(k, _)| !cpu_f32(k)) || q.track_op() {
-            return Ok(None);
-        }
-        let (_, heads, t, d) = q.dims4()?;
-        let kv_heads = self.blocks[0].0.dim(0)?;
-        if t > self.len || heads % kv_heads != 0 {
-            candle_core::bail!("KV cache attention: {t} queries of {heads} heads over {} positions of {kv_heads} kv heads", self.len);
-        }
-        let q = q.flatten_all()?.to_vec1::<f32>()?;
-        let guards: Vec<_> = self.blocks.iter().map(|(k, v)| (k.storage_and_layout(), v.storage_and_layout())).collect();
-        let blocks: Vec<(&[f32], &[f32])> =
-            guards.iter().map(|((k, kl), (v, vl))| Ok((cpu_f32_values(k, kl)?, cpu_f32_values(v, vl)?))).collect::<Result<_>>()?;
-        let kv = KvView { blocks: &blocks, kv_heads, head_dim: d, len: self.len };
-        let out = match t {
-            1 => decode::attend_one(&q, heads, &kv, scale as f32, window),
-            _ => prefill::attend_chunk(&q, heads, t, &kv, scale as f32, window),
-        };
-        Ok(Some(Tensor::from_vec(out, (1, t, heads * d), &Device::Cpu)?))
+        ops::kv_attention::attend(q, &self.blocks, self.len, scale, window)
     }
-}
-
-/// A layer's cached blocks read in place: `blocks[b]` holds positions `b·BLOCK..`, keys and
-/// values each (kv_heads, BLOCK, head_dim); `len` positions are filled.
-pub(crate) struct KvView<'a> {
-    pub blocks: &'a [(&'a [f32], &'a [f32])],
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    pub len: usize,
 }
 
 /// The KV caches of all layers of one sequence.
@@ -172,8 +141,9 @@ impl KvCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::{DType, Device};
 
-    use crate::rng::random_tensor as data;
+    use ops::testing::random_tensor as data;
 
     /// softmax(q Kᵀ · scale + mask) V for the newest `t` positions' queries q (1, heads, t, d),
     /// by candle's ops on `all()` with the model's causal mask: (1, t, heads · d).
@@ -186,7 +156,7 @@ mod tests {
             x.unsqueeze(2).unwrap().expand((b, g, heads / kv_heads, n, d)).unwrap().reshape((b, heads, n, d)).unwrap()
         };
         let scores = (q.matmul(&rep(k).t().unwrap()).unwrap() * scale).unwrap();
-        let scores = match crate::layers::causal_mask(t, cache.seq_len() - t, window, DType::F32, &Device::Cpu).unwrap() {
+        let scores = match crate::masks::causal_mask(t, cache.seq_len() - t, window, DType::F32, &Device::Cpu).unwrap() {
             Some(mask) => scores.broadcast_add(&mask).unwrap(),
             None => scores,
         };

@@ -226,8 +226,8 @@ impl UnitShards for DeviceShards {
 const SUM_ROW: usize = 1024;
 
 /// Σ g² of a chunk as a scalar tensor on its device. candle sums a whole tensor in one block of
-/// GPU threads (0.68 ms for a 16M-value chunk on an H100, 12% of the 1.1B bench's kernel time
-/// before this); summed by rows of [`SUM_ROW`] first, the work spreads over many blocks.
+/// GPU threads, a large share of the GPU bench's kernel time (docs/gpu.md); summed by rows of
+/// [`SUM_ROW`] first, the work spreads over many blocks.
 fn sq_sum(g: &Tensor) -> candle_core::Result<Tensor> {
     let sq = g.flatten_all()?.sqr()?;
     let n = sq.elem_count();

@@ -12,8 +12,9 @@ use candle_core::{DType, Tensor, Var};
 use super::shards::{round_through, with_f32_slice, AdamWStep, HostState, UnitCtx, UnitShards, WeightGrad};
 use super::{GatherFor, StateBytes, StatePart};
 use crate::dist::Collective;
-use crate::fsdp::optim::{adamw_step, sum_of_squares, AdamWState};
+use crate::fsdp::optim::{adamw_step, AdamWState};
 use crate::fsdp::plan::{ParamLayout, UnitPlan};
+use kernels::adamw::sum_of_squares;
 
 /// Parameters with at least this many values (16 MiB in f32) travel alone.
 const LARGE_PARAM: usize = 1 << 22;
@@ -120,7 +121,7 @@ fn packed_layout(cx: &UnitCtx, grads: bool) -> (Vec<Option<usize>>, usize) {
     (offsets, len)
 }
 
-use models::ops::pool::pool_add_into as add_into;
+use kernels::pool::pool_add_into as add_into;
 
 impl UnitShards for HostShards {
     fn gather(&self, cx: &UnitCtx, purpose: GatherFor) -> anyhow::Result<Vec<Tensor>> {
@@ -283,8 +284,8 @@ impl UnitShards for HostShards {
     /// With one shard, f32 values for compute (no `param_dtype` rounding) and the CPU, a
     /// gather's result is the master chunks themselves: they are moved into the gathered
     /// tensors and back (`reshard::take`), where a gather copied them (twice a step under
-    /// FULL_SHARD: before the unit's forward and again before its backward; 2% of a 28M
-    /// Llama step's samples) and held the copy beside them.
+    /// FULL_SHARD: before the unit's forward and again before its backward) and held the copy
+    /// beside them (docs/design.md, FSDP).
     fn lend(&mut self, cx: &UnitCtx) -> Option<Vec<Vec<f32>>> {
         let as_they_stand = cx.shards() == 1
             && cx.device.is_cpu()
@@ -338,7 +339,7 @@ impl HostShards {
         // the packed buffer and another out of it.
         if shards == 1 {
             let own = |(m, p): (&Vec<f32>, &crate::fsdp::plan::ParamLayout)| {
-                let mut full = models::ops::pool::pool_to_vec(&m[..p.numel()]);
+                let mut full = kernels::pool::pool_to_vec(&m[..p.numel()]);
                 round(&mut full);
                 full
             };

@@ -39,7 +39,7 @@ fn master(engine: &FsdpEngine, u: usize) -> Vec<(*const f32, Vec<f32>)> {
 /// Where each of unit `u`'s gathered tensors keeps its values.
 fn gathered(engine: &FsdpEngine, u: usize) -> Vec<*const f32> {
     let unit = &engine.units[u];
-    let tensors = unit.gathered.as_ref().unwrap();
+    let tensors = unit.gathered.tensors().unwrap();
     unit.plan.params.iter().map(|p| shards::with_f32_slice(&tensors[&p.spec.name], |v| v.as_ptr()).unwrap()).collect()
 }
 
@@ -74,7 +74,7 @@ fn one_shard_computes_on_its_master_chunks_without_a_copy() {
     assert_eq!(e.memory_bytes(), bytes, "lent chunks are still counted");
     // Values read through the gathered tensors are the master's.
     let name = e.units[u].plan.params[0].spec.name.clone();
-    let t = e.units[u].gathered.as_ref().unwrap()[&name].clone();
+    let t = e.units[u].gathered.tensors().unwrap()[&name].clone();
     assert_eq!(t.flatten_all().unwrap().to_vec1::<f32>().unwrap(), before[0].1);
     // The storage refuses to update lent chunks (AdamW while a unit is gathered).
     let n = e.units[u].plan.params.len();
@@ -93,7 +93,7 @@ fn one_shard_computes_on_its_master_chunks_without_a_copy() {
     // Dropped after the backward: home again, unchanged.
     e.drop_gathered(u).unwrap();
     assert_eq!(master(&e, u), before);
-    assert!(e.units[u].gathered.is_none() && !e.units[u].shards.is_lent());
+    assert!(matches!(e.units[u].gathered, super::Gathered::No) && !e.units[u].shards.is_lent());
 }
 
 #[test]

@@ -70,19 +70,40 @@ struct UnitState {
     shards: Box<dyn UnitShards>,
     /// With device state: its host copy, made by `sync_host` for checkpoints and inspection.
     host_copy: Option<shards::HostState>,
-    /// Full parameters while gathered; the trainable ones are variables (`Var`), so that a
-    /// forward over them builds the graph backward needs.
-    gathered: Option<HashMap<String, Tensor>>,
-    /// The gathered tensors' bytes were freed in place (FULL_SHARD between a unit's forward
-    /// and its backward, see `reshard`); they are refilled before the unit runs again.
-    freed: bool,
+    /// Where the unit's full parameters are.
+    gathered: Gathered,
+}
+
+/// A unit's full parameters: not gathered, gathered, or gathered with their bytes freed. The
+/// trainable ones are variables (`Var`), so that a forward over them builds the graph backward
+/// needs.
+enum Gathered {
+    /// Only the shards exist.
+    No,
+    /// Gathered and readable.
+    Full(HashMap<String, Tensor>),
+    /// The tensors stay (a kept graph points at them) but their bytes were freed in place
+    /// (FULL_SHARD between a unit's forward and its backward, see `reshard`); the unit is
+    /// refilled before it runs again. Their storage is left unreadable (`reshard::free`), so a
+    /// read that escaped this state fails loudly.
+    Freed(HashMap<String, Tensor>),
+}
+
+impl Gathered {
+    /// The gathered tensors, readable or freed.
+    fn tensors(&self) -> Option<&HashMap<String, Tensor>> {
+        match self {
+            Gathered::No => None,
+            Gathered::Full(t) | Gathered::Freed(t) => Some(t),
+        }
+    }
 }
 
 impl UnitState {
     /// Moves the master chunks this unit's gathered tensors hold (`UnitShards::lend`) back to
     /// its storage, no copy, leaving the tensors freed.
     fn return_lent(&mut self) -> Result<()> {
-        let Some(params) = &self.gathered else { return Ok(()) };
+        let Some(params) = self.gathered.tensors() else { return Ok(()) };
         let values = self.plan.params.iter().map(|p| reshard::take(&params[&p.spec.name])).collect::<candle_core::Result<_>>()?;
         self.shards.give_back(values)
     }
@@ -178,7 +199,7 @@ impl FsdpEngine {
             plan.iter().flat_map(|u| u.params.iter()).map(|p| (p.spec.name.clone(), weight_decay_all || p.spec.shape.len() >= 2)).collect();
         let units = plan
             .into_iter()
-            .map(|plan| UnitState { shards: Box::new(host::HostShards::zeros(&plan)), plan, host_copy: None, gathered: None, freed: false })
+            .map(|plan| UnitState { shards: Box::new(host::HostShards::zeros(&plan)), plan, host_copy: None, gathered: Gathered::No })
             .collect();
         Ok(Self { model, units, stage_units, groups, opts, device: Device::Cpu, adam, decay, host_stale: false, step: 0 })
     }
@@ -230,7 +251,7 @@ impl FsdpEngine {
     /// tensors are there for the graph, their values are not needed).
     fn gather_stage(&mut self, s: usize, refill: bool) -> Result<()> {
         for &u in &self.stage_units[s].clone() {
-            if self.units[u].gathered.is_none() {
+            if matches!(self.units[u].gathered, Gathered::No) {
                 let unit = &mut self.units[u];
                 let cx = unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device);
                 let tensors = match unit.shards.lend(&cx) {
@@ -242,8 +263,8 @@ impl FsdpEngine {
                     None => unit.shards.gather(&cx, GatherFor::Compute)?,
                 };
                 let named = unit.plan.params.iter().map(|p| p.spec.name.clone()).zip(tensors).collect();
-                self.units[u].gathered = Some(named);
-            } else if self.units[u].freed && refill {
+                self.units[u].gathered = Gathered::Full(named);
+            } else if matches!(self.units[u].gathered, Gathered::Freed(_)) && refill {
                 self.refill(u)?;
             }
         }
@@ -259,17 +280,18 @@ impl FsdpEngine {
             return self.drop_gathered(u);
         }
         let unit = &mut self.units[u];
-        let Some(params) = &unit.gathered else { return Ok(()) };
-        if !unit.freed {
-            if unit.shards.is_lent() {
-                unit.return_lent()?;
-            } else {
-                for t in params.values() {
-                    reshard::free(t)?;
-                }
+        let Gathered::Full(params) = &unit.gathered else { return Ok(()) };
+        if unit.shards.is_lent() {
+            unit.return_lent()?;
+        } else {
+            for t in params.values() {
+                reshard::free(t)?;
             }
-            unit.freed = true;
         }
+        unit.gathered = match std::mem::replace(&mut unit.gathered, Gathered::No) {
+            Gathered::Full(t) => Gathered::Freed(t),
+            other => other,
+        };
         Ok(())
     }
 
@@ -279,7 +301,7 @@ impl FsdpEngine {
         if unit.shards.is_lent() {
             unit.return_lent()?;
         }
-        (unit.gathered, unit.freed) = (None, false);
+        unit.gathered = Gathered::No;
         Ok(())
     }
 
@@ -292,11 +314,13 @@ impl FsdpEngine {
             Some(values) => values,
             None => unit.shards.gather_values(&cx)?,
         };
-        let params = unit.gathered.as_ref().expect("a freed unit keeps its tensors");
+        let Gathered::Freed(params) = std::mem::replace(&mut unit.gathered, Gathered::No) else {
+            anyhow::bail!("refilling unit {u}, which is not freed");
+        };
         for (p, v) in unit.plan.params.iter().zip(values) {
             reshard::refill(&params[&p.spec.name], v)?;
         }
-        unit.freed = false;
+        unit.gathered = Gathered::Full(params);
         Ok(())
     }
 
@@ -335,7 +359,7 @@ impl FsdpEngine {
     fn stage_params(&self, s: usize, with_graph: bool) -> HashMap<String, Tensor> {
         let mut out = HashMap::new();
         for &u in &self.stage_units[s] {
-            for (k, v) in self.units[u].gathered.as_ref().expect("gathered") {
+            for (k, v) in self.units[u].gathered.tensors().expect("the stage's units are gathered") {
                 out.insert(k.clone(), if with_graph { v.clone() } else { v.detach() });
             }
         }
@@ -378,7 +402,7 @@ impl FsdpEngine {
     pub fn forward_backward(&mut self, input_ids: &Tensor, ctx: &StageContext, loss: LossFn, grad_scale: f64) -> Result<f64> {
         // Ops that can (the embedding and the fused head, on the CPU) hand their weight
         // gradients to this sink instead of candle's gradient store.
-        let weight_grads = models::ops::weight_grads::WeightGrads::new();
+        let weight_grads = ops::weight_grads::WeightGrads::new();
         let ctx = &StageContext { weight_grads: Some(weight_grads.clone()), ..ctx.clone() };
         let n = self.model.num_stages();
         let ac = self.opts.activation_checkpointing;
@@ -427,7 +451,7 @@ impl FsdpEngine {
             let wanted = self.model.stage_parameters(s);
             let mut params: HashMap<String, Tensor> = HashMap::new();
             for &u in &self.stage_units[s] {
-                for (k, v) in self.units[u].gathered.as_ref().expect("gathered") {
+                for (k, v) in self.units[u].gathered.tensors().expect("the stage's units are gathered") {
                     if wanted.contains(k) {
                         params.insert(k.clone(), v.clone());
                     }
@@ -460,7 +484,7 @@ impl FsdpEngine {
             };
             // Units whose backward is done free their gathered bytes before their gradients are
             // reduced: some are made only now, a range of rows at a time (see
-            // `models::ops::weight_grads`), and need the weights no more.
+            // `ops::weight_grads`), and need the weights no more.
             for u in self.stage_units[s].clone() {
                 if self.units[u].plan.first_stage == s {
                     self.reshard(u)?;
@@ -504,7 +528,7 @@ impl FsdpEngine {
         s: usize,
         params: &HashMap<String, Tensor>,
         grads: &mut candle_core::backprop::GradStore,
-        sink: &models::ops::weight_grads::WeightGrads,
+        sink: &ops::weight_grads::WeightGrads,
     ) -> Result<()> {
         for u in self.stage_units[s].clone() {
             let unit = &mut self.units[u];

@@ -119,8 +119,8 @@ mod tests {
         assert!((&w + 1.0).is_err());
         assert!(w.to_vec2::<f32>().is_err());
         assert!(w.sqr().is_err());
-        assert!(models::ops::linear::linear(&x, &w).is_err());
-        assert!(models::ops::fused::rms_norm(&x, &w.narrow(0, 0, 1).unwrap().squeeze(0).unwrap(), 1e-5).is_err());
+        assert!(ops::linear::linear(&x, &w).is_err());
+        assert!(ops::fused::rms_norm(&x, &w.narrow(0, 0, 1).unwrap().squeeze(0).unwrap(), 1e-5).is_err());
         let view = w.t().unwrap();
         assert!(x.matmul(&view).is_err(), "a view shares the freed storage");
         // Refilled in place: the same tensor, used by the same graph, has its values back.

@@ -15,7 +15,7 @@ use super::{FsdpOptions, GatherFor, StateBytes, StatePart};
 use crate::dist::Collective;
 use crate::fsdp::optim::{AdamWConfig, AdamWState};
 use crate::fsdp::plan::UnitPlan;
-pub(super) use models::ops::weight_grads::WeightGrad;
+pub(super) use ops::weight_grads::WeightGrad;
 
 /// What a unit's storage needs to know to act: its plan, its shard group, the run's options.
 pub(super) struct UnitCtx<'a> {

@@ -163,7 +163,7 @@ fn run_job(st: &AppState, job: &JobRow) -> anyhow::Result<()> {
     let mut cmd = std::process::Command::new(std::env::current_exe()?);
     cmd.args(command_line(st, job)?).stdout(log.try_clone()?).stderr(log).stdin(std::process::Stdio::null());
     // The job shares the cores with this server's requests: its idle threads must not spin.
-    crate::child_shares_cores(&mut cmd);
+    crate::process::child_shares_cores(&mut cmd);
     // Its own process group: cancel stops the launcher and every rank at once.
     std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
     let mut child = cmd.spawn()?;

@@ -115,7 +115,7 @@ fn run_threads(cfg: &FinetuneConfig) -> Result<RunSummary> {
                 .name(format!("rank-{r}"))
                 .spawn(move || {
                     if world > 1 {
-                        models::ops::split_columns_evenly_on_this_thread();
+                        kernels::matmul::column_split::split_columns_evenly_on_this_thread();
                     }
                     run_rank(groups, &cfg, None)
                 })

@@ -162,7 +162,7 @@ fn reduce_stats(groups: &ProcessGroups, objective: &Objective, s: DpoStats) -> R
 /// The dropout seed of the sample at `place` in step `step`'s global batch.
 fn dropout_seed(seed: u64, step: usize, place: usize) -> u64 {
     let mut state = seed ^ ((step as u64) << 32) ^ place as u64;
-    models::rng::splitmix64(&mut state)
+    kernels::rng::splitmix64(&mut state)
 }
 
 /// The model's side files, plus (LoRA) the adapter settings, so `fsdp-app merge` can fold the

@@ -1,0 +1,48 @@
+//! Our CUDA sources and their compilation: each `.cu` here is compiled by NVRTC the first time a
+//! process needs it (no CUDA toolkit at build time; the PTX matches the driver's NVRTC), then
+//! loaded once per device by candle under its module name (the ops and the trainer launch them).
+
+use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use candle_core::Result;
+use std::sync::OnceLock;
+
+/// Eager attention's softmax, forward and backward (`ops::attention_softmax_cuda` launches it).
+pub static ATTENTION_SOFTMAX: RuntimeSource = RuntimeSource::new(
+    "fsdp_app_attention_softmax",
+    "models/kernels/src/cuda/attention_softmax.cu",
+    include_str!("attention_softmax.cu"),
+    true,
+);
+
+/// AdamW of a chunk, the host loop's IEEE operations (no contracted multiply-adds), so the GPU
+/// and the CPU give the same bits (the trainer's `fsdp::adamw_cuda` launches it).
+pub static ADAMW: RuntimeSource = RuntimeSource::new("fsdp_app_adamw", "models/kernels/src/cuda/adamw.cu", include_str!("adamw.cu"), false);
+
+/// A `.cu` source of ours, compiled on first use.
+pub struct RuntimeSource {
+    /// The module name candle loads the PTX under (one per source).
+    pub module: &'static str,
+    /// The source's path in the repository, for errors.
+    path: &'static str,
+    source: &'static str,
+    /// Whether NVRTC may contract a multiply and an add into one rounding.
+    fmad: bool,
+    ptx: OnceLock<std::result::Result<String, String>>,
+}
+
+impl RuntimeSource {
+    pub const fn new(module: &'static str, path: &'static str, source: &'static str, fmad: bool) -> Self {
+        Self { module, path, source, fmad, ptx: OnceLock::new() }
+    }
+
+    /// The PTX, compiled once per process.
+    pub fn ptx(&self) -> Result<&str> {
+        self.ptx
+            .get_or_init(|| {
+                let opts = CompileOptions { fmad: Some(self.fmad), ..Default::default() };
+                compile_ptx_with_opts(self.source, opts).map(|p| p.to_src()).map_err(|e| format!("{e:?}"))
+            })
+            .as_deref()
+            .map_err(|e| candle_core::Error::Msg(format!("compiling {} with NVRTC: {e}", self.path)))
+    }
+}

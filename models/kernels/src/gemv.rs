@@ -1,0 +1,245 @@
+//! Decoding's matrix-vector product and the dot products under it. With one or a few rows,
+//! `x · Wᵀ` reads the whole weight matrix once per token and is bound by memory bandwidth:
+//! gemm's blocked kernels are built for large tiles (packing that batch-1 decoding wastes), while
+//! a plain dot product per weight row, split over the threads, streams the weights at full
+//! speed. `dot` and `axpy` also serve the serving adapters' update by rows and attention.
+
+use crate::disjoint::DisjointWrites;
+use crate::pool::for_rows_of_many;
+use crate::simd::SimdLevel;
+
+/// Largest number of rows that take the matrix-vector path.
+pub const GEMV_MAX_ROWS: usize = 4;
+
+/// A weight element the matrix-vector kernel reads: f32, or f16 / bf16 widened in registers.
+pub trait GemvWeight: Copy + Send + Sync {
+    /// `Σ x[i] · w[i]` at `level` (which the caller has checked the CPU supports).
+    fn dot(x: &[f32], w: &[Self], level: SimdLevel) -> f32;
+}
+
+impl GemvWeight for f32 {
+    fn dot(x: &[f32], w: &[f32], level: SimdLevel) -> f32 {
+        dot(x, w, level)
+    }
+}
+
+/// `y[r, o] = dot(x[r, ..], w[o, ..])` for `rows` rows, the weight rows split over the threads.
+pub fn gemv_rows<W: GemvWeight>(x: &[f32], rows: usize, w: &[W], out_dim: usize, in_dim: usize, level: SimdLevel) -> Vec<f32> {
+    gemv_rows_many(x, rows, &[&w[..out_dim * in_dim]], in_dim, level).remove(0)
+}
+
+/// [`gemv_rows`] for several matrices (each `(out_i, in_dim)`, row-major) in one parallel region.
+pub fn gemv_rows_many<W: GemvWeight>(x: &[f32], rows: usize, ws: &[&[W]], in_dim: usize, level: SimdLevel) -> Vec<Vec<f32>> {
+    let out_dims: Vec<usize> = ws.iter().map(|w| w.len() / in_dim).collect();
+    // (out, rows) per matrix: each weight row's results together.
+    let mut yts: Vec<Vec<f32>> = out_dims.iter().map(|o| vec![0f32; o * rows]).collect();
+    let outs: Vec<DisjointWrites<f32>> = yts.iter_mut().map(|yt| DisjointWrites::new(yt)).collect();
+    for_rows_of_many(&out_dims, |i, range| {
+        for o in range {
+            let wrow = &ws[i][o * in_dim..(o + 1) * in_dim];
+            for r in 0..rows {
+                // SAFETY: every (matrix, o, r) is written by exactly one work item, inside that
+                // matrix's buffer.
+                unsafe { *outs[i].at(o * rows + r) = W::dot(&x[r * in_dim..(r + 1) * in_dim], wrow, level) };
+            }
+        }
+    });
+    drop(outs);
+    yts.into_iter().zip(out_dims).map(|(yt, o)| transposed(yt, o, rows)).collect()
+}
+
+/// Dot product at `level` (which the caller has checked the CPU supports).
+pub fn dot(a: &[f32], b: &[f32], level: SimdLevel) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: `usable` never exceeds the CPU's level, every feature of which is present.
+        match level.usable() {
+            SimdLevel::Avx512 => return unsafe { x86::dot_avx512(a, b) },
+            SimdLevel::Avx2 => return unsafe { x86::dot_avx2(a, b) },
+            SimdLevel::Scalar => {}
+        }
+    }
+    let _ = level;
+    dot_scalar(a, b)
+}
+
+/// `y += a · x` at `level` (which the caller has checked the CPU supports).
+pub fn axpy(y: &mut [f32], a: f32, x: &[f32], level: SimdLevel) {
+    debug_assert_eq!(y.len(), x.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: `usable` never exceeds the CPU's level, every feature of which is present.
+        match level.usable() {
+            SimdLevel::Avx512 => return unsafe { x86::axpy_avx512(y, a, x) },
+            SimdLevel::Avx2 => return unsafe { x86::axpy_avx2(y, a, x) },
+            SimdLevel::Scalar => {}
+        }
+    }
+    let _ = level;
+    y.iter_mut().zip(x).for_each(|(y, x)| *y += a * x);
+}
+
+/// Eight partial sums, as the vector kernels keep, so the three levels round alike.
+fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let chunks = a.len() / 8;
+    for c in 0..chunks {
+        for l in 0..8 {
+            acc[l] += a[c * 8 + l] * b[c * 8 + l];
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for i in chunks * 8..a.len() {
+        s += a[i] * b[i];
+    }
+    s
+}
+
+/// (out, rows) results as (rows, out).
+pub fn transposed(yt: Vec<f32>, out_dim: usize, rows: usize) -> Vec<f32> {
+    if rows == 1 {
+        return yt;
+    }
+    let mut y = vec![0f32; rows * out_dim];
+    for o in 0..out_dim {
+        for r in 0..rows {
+            y[r * out_dim + o] = yt[o * rows + r];
+        }
+    }
+    y
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// `y += a · x`, the plain loop compiled for each level (the compiler vectorises it with FMA).
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn axpy_avx512(y: &mut [f32], a: f32, x: &[f32]) {
+        y.iter_mut().zip(x).for_each(|(y, x)| *y = a.mul_add(*x, *y));
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn axpy_avx2(y: &mut [f32], a: f32, x: &[f32]) {
+        y.iter_mut().zip(x).for_each(|(y, x)| *y = a.mul_add(*x, *y));
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len();
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut acc = [_mm512_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 64 <= n {
+            for (k, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i + 16 * k)), _mm512_loadu_ps(pb.add(i + 16 * k)), *acc);
+            }
+            i += 64;
+        }
+        while i + 16 <= n {
+            acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc[0]);
+            i += 16;
+        }
+        let sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+        let mut s = _mm512_reduce_add_ps(sum);
+        while i < n {
+            s += *pa.add(i) * *pb.add(i);
+            i += 1;
+        }
+        s
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len();
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 32 <= n {
+            for (k, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8 * k)), _mm256_loadu_ps(pb.add(i + 8 * k)), *acc);
+            }
+            i += 32;
+        }
+        while i + 8 <= n {
+            acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc[0]);
+            i += 8;
+        }
+        let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), sum);
+        let mut s: f32 = lanes.iter().sum();
+        while i < n {
+            s += *pa.add(i) * *pb.add(i);
+            i += 1;
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device, Tensor};
+
+    fn data(n: usize, seed: u64) -> Vec<f32> {
+        let mut r = crate::rng::SplitMix64(seed);
+        (0..n).map(|_| r.next_signed()).collect()
+    }
+
+    /// Every level this CPU has gives candle's matmul, for odd sizes (tails) and 1-4 rows.
+    #[test]
+    fn every_level_matches_candle_matmul() {
+        let best = SimdLevel::detected();
+        for (rows, inp, out) in [(1, 576, 1536), (3, 77, 130), (4, 1000, 65), (2, 15, 3)] {
+            let x = Tensor::from_vec(data(rows * inp, 1), (rows, inp), &Device::Cpu).unwrap();
+            let w = Tensor::from_vec(data(out * inp, 2), (out, inp), &Device::Cpu).unwrap();
+            let want: Vec<f32> = x.matmul(&w.t().unwrap()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let (xs, ws) = (x.flatten_all().unwrap().to_vec1::<f32>().unwrap(), w.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            for level in [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512].into_iter().filter(|l| *l <= best) {
+                let got = gemv_rows(&xs, rows, &ws, out, inp, level);
+                // Relative to the scale of a sum of `inp` products (different summation orders).
+                let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs() / (b.abs() + (inp as f32).sqrt())).fold(0f32, f32::max);
+                assert!(worst < 1e-5, "{level:?} rows {rows} in {inp} out {out}: off by {worst}");
+            }
+        }
+    }
+
+    /// f16 and bf16 weights (widened in registers) give candle's f32 matmul of the same values,
+    /// on every level, for odd sizes.
+    #[test]
+    fn half_weights_match_candle_matmul_on_every_level() {
+        let best = SimdLevel::detected();
+        for (rows, inp, out) in [(1, 576, 130), (3, 77, 9), (4, 1000, 65), (2, 15, 3)] {
+            let x = Tensor::from_vec(data(rows * inp, 1), (rows, inp), &Device::Cpu).unwrap();
+            let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            for dtype in [DType::F16, DType::BF16] {
+                let w = Tensor::from_vec(data(out * inp, 2), (out, inp), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+                let want: Vec<f32> =
+                    x.matmul(&w.to_dtype(DType::F32).unwrap().t().unwrap()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+                for level in [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512].into_iter().filter(|l| *l <= best) {
+                    let got = match dtype {
+                        DType::F16 => gemv_rows(&xs, rows, &w.flatten_all().unwrap().to_vec1::<half::f16>().unwrap(), out, inp, level),
+                        _ => gemv_rows(&xs, rows, &w.flatten_all().unwrap().to_vec1::<half::bf16>().unwrap(), out, inp, level),
+                    };
+                    let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs() / (b.abs() + (inp as f32).sqrt())).fold(0f32, f32::max);
+                    assert!(worst < 1e-5, "{dtype:?} {level:?} rows {rows} in {inp} out {out}: off by {worst}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn axpy_agrees_on_every_level() {
+        let (x, y0) = (data(1003, 5), data(1003, 6));
+        for level in [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512].into_iter().filter(|l| *l <= SimdLevel::detected()) {
+            let mut y = y0.clone();
+            axpy(&mut y, -0.75, &x, level);
+            for i in 0..y.len() {
+                let want = y0[i] as f64 - 0.75 * x[i] as f64;
+                assert!((y[i] as f64 - want).abs() < 1e-6, "{level:?} at {i}: {} vs {want}", y[i]);
+            }
+        }
+    }
+}

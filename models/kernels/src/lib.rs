@@ -1,0 +1,31 @@
+//! The CPU kernels of fsdp-app (and its CUDA sources), over plain slices and strides: no candle
+//! `Tensor` in any signature (the `ops` crate wraps them as tensor ops). Each kernel has a
+//! version per [`simd::SimdLevel`] and a scalar one that the others are tested against; which
+//! one runs is decided in one place, [`simd::Kernels`].
+//!
+//! - `simd`: the CPU's features, the switches, the table of choices;
+//! - `disjoint`, `pool`: the thread pool our loops share with candle, and the one type through
+//!   which its threads write one buffer;
+//! - `matmul` (its packed driver `matmul::packed` with the register tiles `matmul::tiles`, and
+//!   `column_split`, the two-thread split): f32 matrix products;
+//! - `gemv`, `half_dot`, `small_batch`: products of a few rows (decoding), f32 / f16 / bf16
+//!   weights; `quant_blocks`: products over llama.cpp's 32-value block formats;
+//! - `exp`, `attend_rows`, `paged_attention`: softmax and attention over cached keys and values;
+//! - `adamw`: the optimizer's update of a chunk and the gradient norm's sum of squares;
+//! - `rng`: the generator of test data and initial weights; `cuda`: our `.cu` sources and NVRTC.
+
+pub mod adamw;
+pub mod attend_rows;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod disjoint;
+pub mod exp;
+pub mod gemv;
+pub mod half_dot;
+pub mod matmul;
+pub mod paged_attention;
+pub mod pool;
+pub mod quant_blocks;
+pub mod rng;
+pub mod simd;
+pub mod small_batch;

@@ -1,0 +1,172 @@
+//! Where a two-thread product splits its dst columns: in proportion to how fast each thread ran
+//! the last products, not in halves.
+//!
+//! Why: on the 2-core (virtual) machines training runs on, the two cores do not compute equally
+//! fast, and the calling thread waited for the worker at the end of each product
+//! (`BarrierGuard::drop`; the profile in docs/design.md, matrix products). Smaller pieces taken
+//! from a shared cursor would even that out too, but every piece packs the whole left operand
+//! again (see `parallel::gemm_rows`).
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+thread_local! {
+    /// Whether this thread's products split by measured speed (else in halves).
+    static ADAPTS: std::cell::Cell<bool> = const { std::cell::Cell::new(true) };
+
+    /// This thread's share of the columns of the products it calls, as f32 bits: starts at one
+    /// half. Per calling thread: ranks run as threads (the `local` backend) share the pool's
+    /// worker, and each learns its own ratio to it.
+    pub(crate) static CALLER_SHARE: CallerShare = const { CallerShare(AtomicU32::new(0x3f00_0000)) };
+}
+
+/// A calling thread's share of the columns, kept across products.
+pub(crate) struct CallerShare(AtomicU32);
+
+/// Makes this thread's two-thread products split their columns in halves, as they did before
+/// this module. For ranks running as threads of one process (the `local` backend at world > 1):
+/// there the two pieces' times measure how the OS slices two cores among the ranks and the
+/// pool's worker, not the cores, and following them was slower (docs/design.md, matrix
+/// products).
+pub fn split_columns_evenly_on_this_thread() {
+    ADAPTS.with(|a| a.set(false));
+}
+
+/// Whether this thread's products follow the measured speeds.
+pub(crate) fn adapts() -> bool {
+    ADAPTS.with(|a| a.get())
+}
+
+/// Splits are multiples of this many columns, the width of the register tile that computes
+/// them: a ragged edge runs a whole tile into scratch for part of it, or a slower kernel.
+fn align() -> usize {
+    super::tile_columns()
+}
+
+/// How far the split may move from halves (a thread that stalled once must not get nothing).
+const SHARE_RANGE: (f32, f32) = (0.3, 0.7);
+
+/// Weight of the newest product's speeds in the running share.
+const NEWEST: f32 = 0.25;
+
+/// Columns of an `n`-column product a calling thread with `share` computes.
+fn columns_at(share: f32, n: usize) -> usize {
+    let align = align();
+    let c = ((n as f32 * share / align as f32).round() as usize) * align;
+    c.clamp(align.min(n / 2), n - align.min(n / 2))
+}
+
+/// Whether every split the share can give computes each column of a `rows`-row, `n`-column
+/// product with the same arithmetic, so that its values do not depend on the split. gemm
+/// (gemm-common 0.19's `gemm_basic_generic`) sums a piece `w` columns wide differently by its
+/// size: with horizontal dot-product kernels when `w × rows <= 256`, and over k in blocks of
+/// 512 instead of its cache-derived block when `w <= 64` and `rows <= 64`. Where a piece could
+/// cross those lines, a column could change by an ulp from one product to the next: two
+/// forwards of the same weights, 5 tokens through 160-column products, gave logits 1e-6 apart
+/// while other threads computed (tests/checkpoint.rs failed on it once). Such products split
+/// in halves, always the same.
+pub(crate) fn splits_exactly(rows: usize, n: usize) -> bool {
+    let narrowest = narrowest(n);
+    narrowest * rows > 256 && (narrowest > 64 || rows > 64)
+}
+
+/// The narrowest piece a split of `n` columns can give either thread.
+pub(crate) fn narrowest(n: usize) -> usize {
+    columns_at(SHARE_RANGE.0, n).min(n - columns_at(SHARE_RANGE.1, n))
+}
+
+impl CallerShare {
+    /// Columns of an `n`-column product the calling thread computes (the rest go to the worker).
+    pub(crate) fn caller_columns(&self, n: usize) -> usize {
+        columns_at(f32::from_bits(self.0.load(Ordering::Relaxed)), n)
+    }
+
+    /// After a product whose two pieces ran on different threads: `(columns, seconds)` of the calling
+    /// thread's piece and of the worker's moves the share toward their speeds' ratio.
+    pub(crate) fn record(&self, caller: (usize, f64), worker: (usize, f64)) {
+        let speed = |(cols, secs): (usize, f64)| cols as f64 / secs.max(1e-9);
+        let (c, w) = (speed(caller), speed(worker));
+        let newest = (c / (c + w)) as f32;
+        let share = f32::from_bits(self.0.load(Ordering::Relaxed));
+        let next = ((1.0 - NEWEST) * share + NEWEST * newest).clamp(SHARE_RANGE.0, SHARE_RANGE.1);
+        self.0.store(next.to_bits(), Ordering::Relaxed);
+    }
+
+    /// Sets the share (tests: products at a given split).
+    #[cfg(test)]
+    pub(crate) fn set(&self, share: f32) {
+        self.0.store(share.to_bits(), Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The split stays aligned and inside the product, and follows the measured speeds within
+    /// its bounds: a worker twice as slow moves columns to the caller, never past 70%.
+    #[test]
+    fn the_split_follows_the_threads_speeds() {
+        let share = CallerShare(AtomicU32::new(0.5f32.to_bits()));
+        let c = share.caller_columns(512);
+        assert!(c == 256, "{c}");
+        for _ in 0..50 {
+            share.record((256, 1.0), (256, 2.0));
+        }
+        let want = if align() == 16 { 688 } else { 672 };
+        assert_eq!(share.caller_columns(1024), want, "the 2:1 speeds give 2/3 (683), rounded to {} columns", align());
+        for _ in 0..50 {
+            share.record((100, 1.0), (100, 100.0));
+        }
+        assert_eq!(share.caller_columns(1000), 704, "70% of 1,000 is 700, rounded to {} columns (16 or 32 alike)", align());
+        assert_eq!(share.caller_columns(20), 10, "a product narrower than two aligned pieces splits in halves");
+        for _ in 0..50 {
+            share.record((256, 1.0), (256, 1.0));
+        }
+        assert_eq!(share.caller_columns(512), 256);
+    }
+
+    /// Where `splits_exactly` says so, every split the share can give produces the same bits as
+    /// halves (both pieces through gemm as `linear` runs them), and some product it refuses
+    /// does differ by split: the line it draws is where gemm's arithmetic changes.
+    #[test]
+    fn a_product_is_the_same_at_every_split_it_allows() {
+        use crate::matmul::sgemm;
+        let mut refused_differ = false;
+        for (m, n, k) in
+            [(5usize, 160usize, 64usize), (5, 160, 576), (40, 160, 576), (64, 96, 576), (65, 160, 576), (8, 1536, 576), (300, 512, 64)]
+        {
+            let lhs: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * 1.7).collect();
+            let w: Vec<f32> = (0..k * n).map(|i| ((i * 104_729 % 997) as f32 / 997.0 - 0.5) * 0.3).collect();
+            // x · wᵀ for w (n, k), as the linear layers call it, in two column pieces.
+            let split_at = |s: f32| {
+                let split = columns_at(s, n);
+                let mut dst = vec![0f32; m * n];
+                for (lo, hi) in [(0, split), (split, n)] {
+                    // SAFETY: columns lo..hi of dst (rows n apart) and rows lo..hi of w are inside
+                    // their buffers.
+                    unsafe {
+                        sgemm(
+                            m,
+                            hi - lo,
+                            k,
+                            (dst.as_mut_ptr().add(lo), 1, n as isize),
+                            (lhs.as_ptr(), 1, k as isize),
+                            (w.as_ptr().add(lo * k), k as isize, 1),
+                            0.0,
+                            1.0,
+                        )
+                    }
+                }
+                dst.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            };
+            let halves = split_at(0.5);
+            let differ = [SHARE_RANGE.0, 0.4, 0.6, SHARE_RANGE.1].iter().any(|&s| split_at(s) != halves);
+            if splits_exactly(m, n) {
+                assert!(!differ, "({m}, {n}, {k}): a split changed the product");
+            } else {
+                refused_differ |= differ;
+            }
+        }
+        assert!(refused_differ, "no refused product differed by split: the line is drawn in the wrong place");
+    }
+}

@@ -1,0 +1,311 @@
+//! The one door to matrix products for our own f32 code (the fused linear ops, attention,
+//! prefill): `dst = alpha · dst + beta · lhs · rhs` on the calling thread, with the kernels of
+//! the level [`SimdLevel::current`] names: our packed driver (`packed`, whose threads can
+//! share a packed operand) where the kernel table (`simd::Kernels`) gives the products to it,
+//! elsewhere (and for products too small to pack) the gemm crate's.
+//!
+//! Why not `gemm::gemm` alone: gemm picks its microkernels once, by std's feature detection, with
+//! no way to ask for a lower level, so `FSDP_SIMD=avx2` on an AVX-512 machine would still have run
+//! every product on AVX-512 tiles. At a forced lower level the AVX2 driver runs exactly as on a
+//! CPU without AVX-512, and the scalar level calls gemm-common's public driver
+//! (`gemm_basic_generic`) with gemm-f32's scalar microkernels, so one binary measures either
+//! kind of machine.
+
+pub mod column_split;
+#[cfg(target_arch = "x86_64")]
+mod packed;
+pub mod parallel;
+#[cfg(target_arch = "x86_64")]
+mod tiles;
+
+use gemm_common::gemm::gemm_basic_generic;
+use gemm_common::simd::MixedSimd;
+use gemm_common::Parallelism;
+
+use crate::simd::SimdLevel;
+#[cfg(target_arch = "x86_64")]
+use crate::simd::{Kernels, MatmulKernels};
+
+/// An f32 matrix by pointer and (column, row) strides in elements.
+pub type Strided<P> = (P, isize, isize);
+
+/// `dst (m × n) = alpha · dst + beta · lhs (m × k) · rhs (k × n)`; `dst` is not read when alpha
+/// is 0 (so it may hold anything), on the calling thread (callers own the parallelism).
+///
+/// # Safety
+/// Each matrix's strides must stay inside its allocation for the given sizes; dst must not
+/// overlap lhs or rhs. Strides are non-negative.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn sgemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: Strided<*mut f32>,
+    lhs: Strided<*const f32>,
+    rhs: Strided<*const f32>,
+    alpha: f32,
+    beta: f32,
+) {
+    sgemm_at(SimdLevel::current(), m, n, k, dst, lhs, rhs, alpha, beta)
+}
+
+/// The register tile of our packed driver (`packed`) that products at `level` run on, if
+/// the kernel table ([`Kernels::matmul_at`]) gives them to it.
+#[cfg(target_arch = "x86_64")]
+fn packed_tile(level: SimdLevel) -> Option<Tile> {
+    match Kernels::get().matmul_at(level) {
+        MatmulKernels::Packed => Tile::at(level),
+        MatmulKernels::Gemm => None,
+    }
+}
+
+/// The kernels products at the current level run on, in words (for the benches' tables).
+pub fn kernels_in_use() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    match packed_tile(SimdLevel::current()) {
+        Some(Tile::Avx2) => return "packed 6x16",
+        Some(Tile::Avx512) => return "packed 6x32",
+        None => {}
+    }
+    "gemm"
+}
+
+/// Columns of dst the kernels of this thread's products compute at a time: a split of a
+/// product's columns into pieces that are not multiples of it runs ragged edge tiles.
+pub fn tile_columns() -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(tile) = packed_tile(SimdLevel::current()) {
+        return tile.nr();
+    }
+    // gemm's AVX2 microkernel computes 16 rows of its (transposed) dst, 16 of our columns.
+    16
+}
+
+#[cfg(target_arch = "x86_64")]
+pub use packed::SharedLhs;
+#[cfg(target_arch = "x86_64")]
+use tiles::Tile;
+/// Nothing to share off x86-64 (no packed driver there).
+#[cfg(not(target_arch = "x86_64"))]
+pub enum SharedLhs {}
+
+/// Runs `f` with lhs (m × k) packed once for the threads that compute pieces of a product's
+/// columns (each at least `narrowest` wide), where those pieces run on our packed driver
+/// and lhs is not too large to keep packed whole; with None elsewhere (each piece then packs
+/// what it reads itself).
+///
+/// # Safety
+/// As [`sgemm`] for lhs, which must outlive `f`.
+pub unsafe fn with_lhs_shared_by_pieces<R>(
+    m: usize,
+    narrowest: usize,
+    k: usize,
+    lhs: Strided<*const f32>,
+    f: impl FnOnce(Option<&SharedLhs>) -> R,
+) -> R {
+    #[cfg(target_arch = "x86_64")]
+    if packed_tile(SimdLevel::current()).is_some() && packed::shares_lhs(m, narrowest, k) {
+        return SharedLhs::with(m, k, lhs, |shared| f(Some(shared)));
+    }
+    let _ = (m, narrowest, k, lhs);
+    f(None)
+}
+
+/// [`sgemm`] of one piece of a product's columns into a row-major dst (`dst_rs` apart), with
+/// lhs's packed blocks from `shared` when given (from [`with_lhs_shared_by_pieces`] for this
+/// lhs); dst is read only when `accumulate`.
+///
+/// # Safety
+/// As [`sgemm`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn sgemm_piece(
+    m: usize,
+    n: usize,
+    k: usize,
+    (dst, dst_rs): (*mut f32, usize),
+    lhs: Strided<*const f32>,
+    rhs: Strided<*const f32>,
+    accumulate: bool,
+    shared: Option<&SharedLhs>,
+) {
+    match shared {
+        #[cfg(target_arch = "x86_64")]
+        Some(shared) => {
+            // A shared packing exists only where the level's products run on a packed tile.
+            let tile = packed_tile(SimdLevel::current()).expect("with_lhs_shared_by_pieces shares only for a packed tile");
+            packed::sgemm(tile, m, n, k, dst, dst_rs, lhs, rhs, accumulate, 1.0, Some(shared))
+        }
+        _ => sgemm(m, n, k, (dst, 1, dst_rs as isize), lhs, rhs, if accumulate { 1.0 } else { 0.0 }, 1.0),
+    }
+}
+
+/// [`sgemm`] with the kernels of `level` (the detected one or lower).
+///
+/// # Safety
+/// As [`sgemm`]; `level` must not exceed [`SimdLevel::detected`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn sgemm_at(
+    level: SimdLevel,
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: Strided<*mut f32>,
+    lhs: Strided<*const f32>,
+    rhs: Strided<*const f32>,
+    alpha: f32,
+    beta: f32,
+) {
+    debug_assert!([dst.1, dst.2, lhs.1, lhs.2, rhs.1, rhs.2].iter().all(|s| *s >= 0));
+    #[cfg(target_arch = "x86_64")]
+    if let Some(tile) = packed_tile(level).filter(|_| alpha == 0.0 || alpha == 1.0) {
+        if dst.1 == 1 && packed::worth_it(m, n, k) {
+            return packed::sgemm(tile, m, n, k, dst.0, dst.2 as usize, lhs, rhs, alpha != 0.0, beta, None);
+        }
+        // A column-major dst is the row-major dstᵀ = rhsᵀ · lhsᵀ.
+        if dst.2 == 1 && packed::worth_it(n, m, k) {
+            let (lhs_t, rhs_t) = ((rhs.0, rhs.2, rhs.1), (lhs.0, lhs.2, lhs.1));
+            return packed::sgemm(tile, n, m, k, dst.0, dst.1 as usize, lhs_t, rhs_t, alpha != 0.0, beta, None);
+        }
+    }
+    let read_dst = alpha != 0.0;
+    if level >= SimdLevel::detected() || !cfg!(target_arch = "x86_64") {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.0,
+            dst.1,
+            dst.2,
+            read_dst,
+            lhs.0,
+            lhs.1,
+            lhs.2,
+            rhs.0,
+            rhs.1,
+            rhs.2,
+            alpha,
+            beta,
+            false,
+            false,
+            false,
+            Parallelism::None,
+        );
+        return;
+    }
+    // gemm's own first step: its microkernels walk dst by columns, so a row-major dst is
+    // computed as the transposed product (dstᵀ = rhsᵀ · lhsᵀ).
+    let (m, n, dst, lhs, rhs) = if dst.1.abs() < dst.2.abs() {
+        (n, m, (dst.0, dst.2, dst.1), (rhs.0, rhs.2, rhs.1), (lhs.0, lhs.2, lhs.1))
+    } else {
+        (m, n, dst, lhs, rhs)
+    };
+    #[cfg(target_arch = "x86_64")]
+    match level {
+        SimdLevel::Avx2 => {
+            use gemm_f32::microkernel::fma::f32 as ukr;
+            let simd =
+                <gemm_common::simd::V3 as MixedSimd<f32, f32, f32, f32>>::try_new().expect("SimdLevel::current never exceeds the CPU");
+            gemm_basic_generic::<_, f32, 8, { ukr::MR_DIV_N * 8 }, { ukr::NR }, { ukr::MR_DIV_N }, { ukr::H_M }, { ukr::H_N }>(
+                simd,
+                m,
+                n,
+                k,
+                dst.0,
+                dst.1,
+                dst.2,
+                read_dst,
+                lhs.0,
+                lhs.1,
+                lhs.2,
+                rhs.0,
+                rhs.1,
+                rhs.2,
+                alpha,
+                beta,
+                false,
+                false,
+                false,
+                |a, b, c| a * b + c,
+                &ukr::UKR,
+                &ukr::H_UKR,
+                false,
+                Parallelism::None,
+            )
+        }
+        _ => {
+            use gemm_f32::microkernel::scalar::f32 as ukr;
+            let simd = <gemm_common::simd::Scalar as MixedSimd<f32, f32, f32, f32>>::try_new().expect("plain code runs everywhere");
+            gemm_basic_generic::<_, f32, 1, { ukr::MR_DIV_N }, { ukr::NR }, { ukr::MR_DIV_N }, { ukr::H_M }, { ukr::H_N }>(
+                simd,
+                m,
+                n,
+                k,
+                dst.0,
+                dst.1,
+                dst.2,
+                read_dst,
+                lhs.0,
+                lhs.1,
+                lhs.2,
+                rhs.0,
+                rhs.1,
+                rhs.2,
+                alpha,
+                beta,
+                false,
+                false,
+                false,
+                |a, b, c| a * b + c,
+                &ukr::UKR,
+                &ukr::H_UKR,
+                false,
+                Parallelism::None,
+            )
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every level's product (the detected one through gemm's dispatch, the lower ones through
+    /// the generic driver) against an f64 reference, on a row-major and a column-major dst.
+    #[test]
+    fn each_level_computes_the_product() {
+        let (m, n, k) = (37, 29, 51);
+        let lhs: Vec<f32> = (0..m * k).map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0).collect();
+        let rhs: Vec<f32> = (0..k * n).map(|i| ((i * 5 % 11) as f32 - 5.0) / 5.0).collect();
+        let want = |i: usize, j: usize| (0..k).map(|p| lhs[i * k + p] as f64 * rhs[p * n + j] as f64).sum::<f64>();
+        for level in [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512] {
+            if level > SimdLevel::detected() {
+                continue;
+            }
+            for row_major in [true, false] {
+                let mut dst = vec![1.0f32; m * n];
+                let (cs, rs) = if row_major { (1, n as isize) } else { (m as isize, 1) };
+                // SAFETY: all three matrices are dense with the strides given.
+                unsafe {
+                    sgemm_at(
+                        level,
+                        m,
+                        n,
+                        k,
+                        (dst.as_mut_ptr(), cs, rs),
+                        (lhs.as_ptr(), 1, k as isize),
+                        (rhs.as_ptr(), 1, n as isize),
+                        1.0,
+                        2.0,
+                    )
+                };
+                for i in 0..m {
+                    for j in 0..n {
+                        let got = dst[(i as isize * rs + j as isize * cs) as usize] as f64;
+                        let expected = 1.0 + 2.0 * want(i, j);
+                        assert!((got - expected).abs() < 1e-4, "{level:?} row_major {row_major} ({i}, {j}): {got} vs {expected}");
+                    }
+                }
+            }
+        }
+    }
+}

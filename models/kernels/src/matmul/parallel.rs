@@ -1,0 +1,215 @@
+//! Products of our own f32 code over the thread pool: `dst = [dst +] lhs · rhs` split by
+//! columns of dst between the pool's threads, the calling thread included. The entry points
+//! ([`product`], [`product_add`], [`product_wt`], [`input_grad_sum`]) take row-major slices.
+
+use super::column_split;
+use super::{sgemm_piece, with_lhs_shared_by_pieces, SharedLhs};
+use crate::disjoint::DisjointWrites;
+
+/// `dst (m × n, row-major) = [dst +] lhs (m × k) · rhs (k × n)`, matrices as (slice, column
+/// stride, row stride), over the threads when the product is big enough to pay for them.
+/// With `accumulate` false dst is only written, never read.
+///
+/// The threads are candle's barrier pool, which runs candle's own ops and our attention and
+/// decoding kernels, not gemm's rayon parallelism: with two pools on two cores, the pool that
+/// just finished spins (up to its spin limit) while the other computes. The product is split by
+/// columns of dst (each thread packs only its own part of the weight), one piece per thread of
+/// at least [`MIN_PIECE_COLUMNS`]: inside gemm every piece packs all of lhs again. On the packed
+/// driver the pieces share one packing of lhs (`matmul::with_lhs_shared_by_pieces`). Figures:
+/// docs/design.md, matrix products.
+///
+/// # Safety
+/// `dst` must have room for m × n values (initialised when `accumulate`), and the slices must
+/// hold the strided matrices they describe.
+unsafe fn gemm_rows(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    accumulate: bool,
+    lhs: (&[f32], isize, isize),
+    rhs: (&[f32], isize, isize),
+) {
+    let threads = candle_core::utils::get_num_threads();
+    let pieces = threads.min(n / MIN_PIECE_COLUMNS);
+    if m * n * k < PARALLEL_MIN_PRODUCT || threads < 2 || pieces < 2 {
+        return gemm_piece(m, n, k, dst, n, accumulate, lhs, rhs, None);
+    }
+    // Halves (a thread that does not adapt, or a split that could change a column's
+    // arithmetic) are the general split below with two pieces.
+    let two_adapting = threads == 2 && column_split::adapts() && column_split::splits_exactly(m, n);
+    let width = n.div_ceil(pieces);
+    let narrowest = if two_adapting { column_split::narrowest(n) } else { n - (pieces - 1) * width };
+    with_lhs_shared_by_pieces(m, narrowest, k, (lhs.0.as_ptr(), lhs.1, lhs.2), |shared| {
+        if two_adapting {
+            return gemm_two_threads(m, n, k, dst, accumulate, lhs, rhs, shared);
+        }
+        // SAFETY: dst has room for m × n values and nothing else uses them during the product
+        // (the caller's contract).
+        let out = unsafe { DisjointWrites::from_raw(dst, m * n) };
+        candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(width), |range| {
+            for piece in range {
+                // SAFETY: the pieces are disjoint column ranges of dst (the caller's contract).
+                unsafe { gemm_columns(m, n, k, piece * width..((piece + 1) * width).min(n), &out, accumulate, lhs, rhs, shared) }
+            }
+        });
+    })
+}
+
+/// [`gemm_rows`] on two threads: the calling thread's piece is as wide as
+/// this thread's [`column_split::CALLER_SHARE`] says, and the pieces' times move that share.
+///
+/// # Safety
+/// As [`gemm_rows`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_two_threads(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    accumulate: bool,
+    lhs: (&[f32], isize, isize),
+    rhs: (&[f32], isize, isize),
+    shared: Option<&SharedLhs>,
+) {
+    let split = column_split::CALLER_SHARE.with(|s| s.caller_columns(n));
+    let caller = std::thread::current().id();
+    // Per piece: (ran on the calling thread, seconds), filled by whichever thread took it.
+    let ran: [std::sync::Mutex<Option<(bool, f64)>>; 2] = Default::default();
+    // SAFETY: as in gemm_rows.
+    let out = unsafe { DisjointWrites::from_raw(dst, m * n) };
+    // The caller starts at once and usually takes piece 0, its share; the worker wakes and takes
+    // piece 1. Where one thread took both (the worker slept through, or this runs nested inside
+    // the pool), the times say nothing about the other thread and are not recorded.
+    candle_core::utils::barrier_pool().execute_chunked(2, |range| {
+        for piece in range {
+            let columns = if piece == 0 { 0..split } else { split..n };
+            let start = std::time::Instant::now();
+            // SAFETY: the two pieces are disjoint column ranges of dst (the caller's contract).
+            unsafe { gemm_columns(m, n, k, columns, &out, accumulate, lhs, rhs, shared) }
+            *ran[piece].lock().unwrap() = Some((std::thread::current().id() == caller, start.elapsed().as_secs_f64()));
+        }
+    });
+    let [a, b] = ran.map(|r| r.into_inner().unwrap());
+    if let (Some((a_on_caller, a_secs)), Some((b_on_caller, b_secs))) = (a, b) {
+        let (a, b) = ((split, a_secs), (n - split, b_secs));
+        match (a_on_caller, b_on_caller) {
+            (true, false) => column_split::CALLER_SHARE.with(|s| s.record(a, b)),
+            (false, true) => column_split::CALLER_SHARE.with(|s| s.record(b, a)),
+            _ => {}
+        }
+    }
+}
+
+/// Columns `columns` of [`gemm_rows`]' product, written into its dst.
+///
+/// # Safety
+/// As [`gemm_rows`]; no other thread writes these columns of dst meanwhile.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_columns(
+    m: usize,
+    n: usize,
+    k: usize,
+    columns: std::ops::Range<usize>,
+    out: &DisjointWrites<f32>,
+    accumulate: bool,
+    lhs: (&[f32], isize, isize),
+    rhs: (&[f32], isize, isize),
+    shared: Option<&SharedLhs>,
+) {
+    let rhs_from = (columns.start as isize * rhs.1) as usize;
+    // SAFETY: rhs's columns from columns.start are inside its slice (the caller's contract).
+    unsafe { gemm_piece(m, columns.len(), k, out.at(columns.start), n, accumulate, lhs, (&rhs.0[rhs_from..], rhs.1, rhs.2), shared) }
+}
+
+/// Products smaller than this (m · n · k) run on the calling thread.
+const PARALLEL_MIN_PRODUCT: usize = 1 << 15;
+
+/// Fewest dst columns one thread's piece of a product gets.
+const MIN_PIECE_COLUMNS: usize = 48;
+
+/// One thread's `dst (m × n, rows `dst_row_stride` apart) = [dst +] lhs · rhs`, lhs's packed
+/// blocks from `shared` when given (shared with the threads computing the other columns).
+///
+/// # Safety
+/// As [`gemm_rows`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_piece(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_row_stride: usize,
+    accumulate: bool,
+    lhs: (&[f32], isize, isize),
+    rhs: (&[f32], isize, isize),
+    shared: Option<&SharedLhs>,
+) {
+    sgemm_piece(m, n, k, (dst, dst_row_stride), (lhs.0.as_ptr(), lhs.1, lhs.2), (rhs.0.as_ptr(), rhs.1, rhs.2), accumulate, shared)
+}
+
+/// `lhs (m × k) · rhs (k × n)` as a new (m × n) buffer (see [`gemm_rows`] for the layout).
+pub fn product(m: usize, n: usize, k: usize, lhs: (&[f32], isize, isize), rhs: (&[f32], isize, isize)) -> Vec<f32> {
+    // Not zeroed first: the product overwrites every element (it does not read dst).
+    let mut dst: Vec<f32> = Vec::with_capacity(m * n);
+    // SAFETY: dst has room for m × n values, all of which gemm writes before the length is set;
+    // the callers pass slices holding the matrices they describe.
+    unsafe {
+        gemm_rows(m, n, k, dst.as_mut_ptr(), false, lhs, rhs);
+        dst.set_len(m * n);
+    }
+    dst
+}
+
+/// `x (rows, in) · wᵀ` for w (out, in): (rows, out), the forward of a linear layer.
+pub fn product_wt(x: &[f32], w: &[f32], out_dim: usize, in_dim: usize) -> Vec<f32> {
+    // wᵀ is (in, out): element (i, o) at o * in + i.
+    product(x.len() / in_dim, out_dim, in_dim, (x, 1, in_dim as isize), (w, in_dim as isize, 1))
+}
+
+/// `Σ gy (rows, out) · w (out, in)` over `terms` of (gy, w, out): the (rows, in) gradient of an
+/// input that several products read, made in one buffer (each product after the first added
+/// into it) rather than as one tensor per product that candle's backward then sums.
+pub fn input_grad_sum(rows: usize, in_dim: usize, terms: &[(&[f32], &[f32], usize)]) -> Vec<f32> {
+    let mut dx: Vec<f32> = Vec::new();
+    for (n, &(gy, w, out_dim)) in terms.iter().enumerate() {
+        let (lhs, rhs) = ((gy, 1, out_dim as isize), (w, 1, in_dim as isize));
+        match n {
+            0 => dx = product(rows, in_dim, out_dim, lhs, rhs),
+            _ => product_add(rows, in_dim, out_dim, &mut dx, lhs, rhs),
+        }
+    }
+    dx
+}
+
+/// `dst (m × n) += lhs (m × k) · rhs (k × n)` into an existing row-major buffer.
+pub fn product_add(m: usize, n: usize, k: usize, dst: &mut [f32], lhs: (&[f32], isize, isize), rhs: (&[f32], isize, isize)) {
+    assert_eq!(dst.len(), m * n);
+    // SAFETY: dst holds m × n initialised values; the slices hold the matrices they describe.
+    unsafe { gemm_rows(m, n, k, dst.as_mut_ptr(), true, lhs, rhs) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Products split between two threads at any share of the columns (the bounds and the
+    /// middle) equal the plain sum over k, with and without accumulating into dst.
+    #[test]
+    fn a_product_split_at_any_share_is_the_plain_product() {
+        let (m, n, k) = (64, 200, 40);
+        let lhs: Vec<f32> = (0..m * k).map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0).collect();
+        let rhs: Vec<f32> = (0..k * n).map(|i| ((i * 5 % 11) as f32 - 5.0) / 5.0).collect();
+        let want: Vec<f32> = (0..m * n).map(|e| (0..k).map(|p| lhs[e / n * k + p] * rhs[p * n + e % n]).sum()).collect();
+        for share in [0.3, 0.5, 0.7] {
+            column_split::CALLER_SHARE.with(|s| s.set(share));
+            let got = product(m, n, k, (&lhs, 1, k as isize), (&rhs, 1, n as isize));
+            let mut twice = got.clone();
+            product_add(m, n, k, &mut twice, (&lhs, 1, k as isize), (&rhs, 1, n as isize));
+            for e in 0..m * n {
+                assert!((got[e] - want[e]).abs() < 1e-4, "share {share}, ({}, {}): {} vs {}", e / n, e % n, got[e], want[e]);
+                assert!((twice[e] - 2.0 * want[e]).abs() < 2e-4, "share {share}, accumulated ({}, {})", e / n, e % n);
+            }
+        }
+    }
+}

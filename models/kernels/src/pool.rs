@@ -1,0 +1,230 @@
+//! The thread pool: our parallel loops run on candle's barrier pool, the pool candle's own ops
+//! and our matrix products run on, the calling thread working too. Each helper hands every
+//! thread disjoint pieces of the buffers it borrows ([`DisjointWrites`]). One pool, not two:
+//! with rayon's beside candle's, threads spin against each other for the same cores (why, with
+//! the profile, in docs/design.md).
+
+use crate::disjoint::DisjointWrites;
+
+/// Piece `c` of `chunk` places (the last shorter) of a buffer of `len`.
+fn piece_range(c: usize, chunk: usize, len: usize) -> std::ops::Range<usize> {
+    c * chunk..((c + 1) * chunk).min(len)
+}
+
+/// Runs `f(c, piece)` for every `chunk`-long piece `c` of `out` (the last may be shorter) on
+/// candle's barrier pool, the calling thread included. Training's elementwise ops run here, on
+/// the pool their matrix products run on: rayon's threads beside it spin against it for the
+/// same cores.
+pub fn pool_chunks_mut<T: Send>(out: &mut [T], chunk: usize, f: impl Fn(usize, &mut [T]) + Sync) {
+    let len = out.len();
+    let base = DisjointWrites::new(out);
+    candle_core::utils::barrier_pool().execute_chunked(len.div_ceil(chunk.max(1)), |range| {
+        for c in range {
+            // SAFETY: piece c goes to this thread only.
+            f(c, unsafe { base.piece(piece_range(c, chunk, len)) })
+        }
+    })
+}
+
+/// [`pool_chunks_mut`] over two buffers cut into the same number of pieces (`a` in pieces of
+/// `chunk_a`, `b` of `chunk_b`).
+pub fn pool_chunks_mut2<T: Send, U: Send>(
+    (a, chunk_a): (&mut [T], usize),
+    (b, chunk_b): (&mut [U], usize),
+    f: impl Fn(usize, &mut [T], &mut [U]) + Sync,
+) {
+    let pieces = a.len().div_ceil(chunk_a.max(1));
+    assert_eq!(pieces, b.len().div_ceil(chunk_b.max(1)), "pool_chunks_mut2: the buffers cut into different numbers of pieces");
+    let (len_a, len_b) = (a.len(), b.len());
+    let (pa, pb) = (DisjointWrites::new(a), DisjointWrites::new(b));
+    candle_core::utils::barrier_pool().execute_chunked(pieces, |range| {
+        for c in range {
+            // SAFETY: piece c of both buffers goes to this thread only.
+            f(c, unsafe { pa.piece(piece_range(c, chunk_a, len_a)) }, unsafe { pb.piece(piece_range(c, chunk_b, len_b)) })
+        }
+    })
+}
+
+/// [`pool_chunks_mut`] that keeps what `f` returns for each piece, in piece order.
+pub fn pool_map_chunks_mut<T: Send, R: Send + Sync>(out: &mut [T], chunk: usize, f: impl Fn(usize, &mut [T]) -> R + Sync) -> Vec<R> {
+    let slots: Vec<std::sync::OnceLock<R>> = (0..out.len().div_ceil(chunk.max(1))).map(|_| std::sync::OnceLock::new()).collect();
+    pool_chunks_mut(out, chunk, |c, piece| {
+        let _ = slots[c].set(f(c, piece));
+    });
+    slots.into_iter().map(|s| s.into_inner().expect("every piece ran")).collect()
+}
+
+/// A new buffer of `len` values that `f(c, piece)` fills as [`pool_map_chunks_mut`] would fill
+/// `vec![0.0; len]`, keeping what `f` returns per piece: each thread zeroes its own piece just
+/// before handing it to `f`. `vec![0.0; len]` was a memset on the calling thread alone while the
+/// pool's other threads spun (docs/design.md),
+/// and then a second pass over the buffer; a piece zeroed by its own thread is in its cache when
+/// `f` writes it. The buffer has room for `room_after` more values, which the caller pushes (a
+/// gradient's column sums after its rows) without moving it.
+pub fn pool_map_new<R: Send + Sync>(
+    len: usize,
+    room_after: usize,
+    chunk: usize,
+    f: impl Fn(usize, &mut [f32]) -> R + Sync,
+) -> (Vec<f32>, Vec<R>) {
+    let chunk = chunk.max(1);
+    let mut out: Vec<f32> = Vec::with_capacity(len + room_after);
+    let slots: Vec<std::sync::OnceLock<R>> = (0..len.div_ceil(chunk)).map(|_| std::sync::OnceLock::new()).collect();
+    let base = DisjointWrites::spare(&mut out, len);
+    candle_core::utils::barrier_pool().execute_chunked(slots.len(), |range| {
+        for c in range {
+            // SAFETY: piece c goes to this thread only (zeroed by it first).
+            let piece = unsafe { base.zeroed(piece_range(c, chunk, len)) };
+            let _ = slots[c].set(f(c, piece));
+        }
+    });
+    // SAFETY: every piece of the first `len` values was zeroed above (execute_chunked runs all).
+    unsafe { out.set_len(len) };
+    (out, slots.into_iter().map(|s| s.into_inner().expect("every piece ran")).collect())
+}
+
+/// [`pool_map_new`] with nothing kept per piece and no room after.
+pub fn pool_new(len: usize, chunk: usize, f: impl Fn(usize, &mut [f32]) + Sync) -> Vec<f32> {
+    pool_map_new(len, 0, chunk, f).0
+}
+
+/// A new buffer of `2 * half` values filled as [`pool_chunks_mut2`] fills its two buffers: the
+/// first `half` values in pieces of `chunk`, the second likewise, piece `c` of each to
+/// `f(c, first, second)`, each zeroed by its thread first (see [`pool_map_new`]).
+pub fn pool_new_halves(half: usize, chunk: usize, f: impl Fn(usize, &mut [f32], &mut [f32]) + Sync) -> Vec<f32> {
+    let chunk = chunk.max(1);
+    let mut out: Vec<f32> = Vec::with_capacity(2 * half);
+    let base = DisjointWrites::spare(&mut out, 2 * half);
+    candle_core::utils::barrier_pool().execute_chunked(half.div_ceil(chunk), |range| {
+        for c in range {
+            let r = piece_range(c, chunk, half);
+            // SAFETY: piece c of either half goes to this thread only (zeroed by it first).
+            let (a, b) = unsafe { (base.zeroed(r.clone()), base.zeroed(half + r.start..half + r.end)) };
+            f(c, a, b);
+        }
+    });
+    // SAFETY: every piece of both halves was zeroed above.
+    unsafe { out.set_len(2 * half) };
+    out
+}
+
+/// `f(i)` for every `i` in `0..n` on candle's barrier pool, in order.
+pub fn pool_map<R: Send + Sync>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
+    let slots: Vec<std::sync::OnceLock<R>> = (0..n).map(|_| std::sync::OnceLock::new()).collect();
+    candle_core::utils::barrier_pool().execute_chunked(n, |range| {
+        for i in range {
+            let _ = slots[i].set(f(i));
+        }
+    });
+    slots.into_iter().map(|s| s.into_inner().expect("every task ran")).collect()
+}
+
+/// Runs `task(scratch, i)` for every `i` in `0..n` on candle's barrier pool, the calling thread
+/// included, each thread's range of tasks sharing one `scratch` from `init` (rayon's
+/// `for_each_init`): training's attention runs on the pool its products run on.
+pub fn on_pool<S>(n: usize, init: impl Fn() -> S + Sync, task: impl Fn(&mut S, usize) + Sync) {
+    candle_core::utils::barrier_pool().execute_chunked(n, |range| {
+        let mut scratch = init();
+        for i in range {
+            task(&mut scratch, i);
+        }
+    })
+}
+
+/// Values per piece of the pool's copies and sums: big enough that handing out a piece costs
+/// nothing beside it, small enough that both threads get several.
+const ELEMENTWISE_PIECE: usize = 1 << 16;
+
+/// `dst += src` over the pool (one pass of memory traffic per thread instead of one thread's).
+pub fn pool_add_into(dst: &mut [f32], src: &[f32]) {
+    assert_eq!(dst.len(), src.len(), "pool_add_into: lengths differ");
+    if dst.len() < ELEMENTWISE_PIECE {
+        dst.iter_mut().zip(src).for_each(|(a, b)| *a += *b);
+        return;
+    }
+    pool_chunks_mut(dst, ELEMENTWISE_PIECE, |c, piece| piece.iter_mut().zip(&src[c * ELEMENTWISE_PIECE..]).for_each(|(a, b)| *a += *b))
+}
+
+/// A copy of `src` made over the pool (into memory not zeroed first: every value is written).
+pub fn pool_to_vec<T: Copy + Send + Sync>(src: &[T]) -> Vec<T> {
+    use std::mem::MaybeUninit;
+    if src.len() < ELEMENTWISE_PIECE {
+        return src.to_vec();
+    }
+    let mut out: Vec<MaybeUninit<T>> = Vec::with_capacity(src.len());
+    // SAFETY: MaybeUninit values need no initialisation; the capacity is src.len().
+    unsafe { out.set_len(src.len()) };
+    pool_chunks_mut(&mut out, ELEMENTWISE_PIECE, |c, piece| {
+        for (o, x) in piece.iter_mut().zip(&src[c * ELEMENTWISE_PIECE..]) {
+            o.write(*x);
+        }
+    });
+    let mut out = std::mem::ManuallyDrop::new(out);
+    // SAFETY: every element was written above; MaybeUninit<T> has T's layout.
+    unsafe { Vec::from_raw_parts(out.as_mut_ptr().cast::<T>(), out.len(), out.capacity()) }
+}
+
+/// Runs `f` over ranges of `0..n` weight rows on candle's barrier pool, which its own ops use:
+/// the calling thread works too, and the others spin briefly between decoding's ~200 products a
+/// token instead of sleeping in the kernel (rayon's idle threads cost a quarter of a token's time
+/// in `sched_yield` on 2 cores), and decoding runs on one pool, not two competing for the cores.
+pub fn for_weight_rows(n: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
+    candle_core::utils::barrier_pool().execute_chunked(n, f)
+}
+
+/// [`for_weight_rows`] over the rows of several matrices (`rows[i]` each) as one region:
+/// `f(i, range)` for the rows `range` of matrix `i`.
+pub fn for_rows_of_many(rows: &[usize], f: impl Fn(usize, std::ops::Range<usize>) + Sync) {
+    let starts: Vec<usize> = rows.iter().scan(0, |acc, r| Some(std::mem::replace(acc, *acc + r))).collect();
+    for_weight_rows(rows.iter().sum(), |range| {
+        // The part of `range` inside each matrix (a range may span two).
+        for (i, (&start, &n)) in starts.iter().zip(rows).enumerate() {
+            let (lo, hi) = (range.start.max(start), range.end.min(start + n));
+            if lo < hi {
+                f(i, lo - start..hi - start);
+            }
+        }
+    });
+}
+
+/// Runs `f(i, chunk)` over the `chunk`-sized pieces of `out` on the same pool as
+/// [`for_weight_rows`] (decoding's per-head attention).
+pub fn for_chunks_mut(out: &mut [f32], chunk: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
+    let n = out.len() / chunk;
+    let base = DisjointWrites::new(out);
+    for_weight_rows(n, |range| {
+        for i in range {
+            // SAFETY: piece i goes to this thread only.
+            f(i, unsafe { base.piece(i * chunk..(i + 1) * chunk) });
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every piece reaches `f` zeroed (what `vec![0.0; len]` gave), in pieces of the chunk with
+    /// a shorter last one, and comes back filled; room is left after; the halves pair up.
+    #[test]
+    fn new_buffers_are_zeroed_piece_by_piece_then_filled() {
+        let (len, chunk) = (1000, 64);
+        let (out, kept) = pool_map_new(len, 7, chunk, |c, piece| {
+            let zeroed = piece.iter().all(|v| v.to_bits() == 0);
+            piece.iter_mut().enumerate().filter(|(i, _)| i % 2 == 0).for_each(|(i, v)| *v = (c * chunk + i) as f32);
+            (zeroed, piece.len())
+        });
+        assert!(kept.iter().all(|(zeroed, _)| *zeroed), "a piece came to f not zeroed");
+        assert_eq!(kept.iter().map(|(_, n)| n).sum::<usize>(), len);
+        assert_eq!(kept.last().unwrap().1, len % chunk);
+        assert!(out.capacity() >= len + 7 && out.len() == len);
+        assert!(out.iter().enumerate().all(|(i, v)| *v == if i % 2 == 0 { i as f32 } else { 0.0 }));
+
+        let halves = pool_new_halves(300, 64, |c, a, b| {
+            assert!(a.iter().chain(b.iter()).all(|v| v.to_bits() == 0) && a.len() == b.len());
+            a.iter_mut().enumerate().for_each(|(i, v)| *v = (c * 64 + i) as f32);
+            b.iter_mut().enumerate().for_each(|(i, v)| *v = -((c * 64 + i) as f32));
+        });
+        assert!((0..300).all(|i| halves[i] == i as f32 && halves[300 + i] == -(i as f32)));
+    }
+}

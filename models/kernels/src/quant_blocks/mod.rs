@@ -1,0 +1,266 @@
+//! `x @ Wᵀ` over llama.cpp's 32-value block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) read in place:
+//! the formats candle has no AVX2 dot product for (Q4_1, Q5_0, Q5_1 run its scalar loop, ~7x
+//! slower than llama.cpp) and the two it has, so that all of them share one threading scheme.
+//!
+//! As in llama.cpp, each row of activations is quantised once to 8 bits per value in blocks of 32
+//! (a scale `d` and, for the formats with a minimum, `s = d · Σq`), and every weight block's dot
+//! product is an integer one: `Σ w_q · x_q` scaled by `d_w · d_x`, plus `m_w · s_x` for the
+//! formats whose values are `d · q + m`. Scales are rounded to f16 where llama.cpp stores them in
+//! f16, so both round alike. The weight rows are split over the threads; every thread runs all
+//! of a call's activation rows against its weight rows (decoding's one row and a prompt's many).
+
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use half::f16;
+
+use crate::disjoint::DisjointWrites;
+use crate::gemv::transposed;
+use crate::pool::for_rows_of_many;
+use crate::simd::SimdLevel;
+
+/// Values per block in every format here.
+pub const BLOCK: usize = 32;
+
+/// A block format: its ggml layout (all little endian, f16 scales first).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockFormat {
+    /// `d: f16, qs: [u8; 16]`: value `d · (nibble - 8)`.
+    Q4_0,
+    /// `d: f16, m: f16, qs: [u8; 16]`: value `d · nibble + m`.
+    Q4_1,
+    /// `d: f16, qh: u32, qs: [u8; 16]`: value `d · ((nibble | high bit << 4) - 16)`.
+    Q5_0,
+    /// `d: f16, m: f16, qh: u32, qs: [u8; 16]`: value `d · (nibble | high bit << 4) + m`.
+    Q5_1,
+    /// `d: f16, qs: [i8; 32]`: value `d · q`.
+    Q8_0,
+}
+
+impl BlockFormat {
+    /// The format of a GGUF type name (`q4_0`, ...; ggml's own spelling, any case).
+    pub fn from_ggml_name(name: &str) -> Option<Self> {
+        Some(match name.to_ascii_lowercase().as_str() {
+            "q4_0" => Self::Q4_0,
+            "q4_1" => Self::Q4_1,
+            "q5_0" => Self::Q5_0,
+            "q5_1" => Self::Q5_1,
+            "q8_0" => Self::Q8_0,
+            _ => return None,
+        })
+    }
+
+    pub fn block_bytes(self) -> usize {
+        match self {
+            Self::Q4_0 => 18,
+            Self::Q4_1 => 20,
+            Self::Q5_0 => 22,
+            Self::Q5_1 => 24,
+            Self::Q8_0 => 34,
+        }
+    }
+
+    /// Whether values carry a minimum (`d · q + m`), so the dot product needs `s_x`.
+    fn has_min(self) -> bool {
+        matches!(self, Self::Q4_1 | Self::Q5_1)
+    }
+}
+
+/// A quantised (out, in) matrix in one of the [`BlockFormat`]s, its blocks as the GGUF stores
+/// them.
+#[derive(Debug, Clone)]
+pub struct BlockMatrix {
+    format: BlockFormat,
+    rows: usize,
+    cols: usize,
+    bytes: Vec<u8>,
+}
+
+/// One activation row quantised: per block a scale, `d · Σq` and 32 values.
+#[derive(Debug, Clone, Default)]
+pub struct QuantizedRow {
+    pub d: Vec<f32>,
+    pub s: Vec<f32>,
+    pub q: Vec<i8>,
+}
+
+impl BlockMatrix {
+    /// A matrix of `rows` x `cols` values from its blocks as the GGUF stores them.
+    pub fn new(format: BlockFormat, rows: usize, cols: usize, bytes: Vec<u8>) -> Result<Self, String> {
+        if !cols.is_multiple_of(BLOCK) || bytes.len() != rows * cols / BLOCK * format.block_bytes() {
+            return Err(format!("{format:?} matrix {rows}x{cols}: {} bytes do not hold its blocks", bytes.len()));
+        }
+        Ok(Self { format, rows, cols, bytes })
+    }
+
+    pub fn format(&self) -> BlockFormat {
+        self.format
+    }
+
+    /// (rows, cols): (out, in) of the product.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+
+    /// `y (m, out) = x (m, in) · Wᵀ`, row-major.
+    pub fn multiply(&self, x: &[f32], level: SimdLevel) -> Vec<f32> {
+        Self::multiply_many(&[self], x, level).remove(0)
+    }
+
+    /// [`Self::multiply`] for several matrices of the same width, in one parallel region.
+    pub fn multiply_many(mats: &[&Self], x: &[f32], level: SimdLevel) -> Vec<Vec<f32>> {
+        let cols = mats[0].cols;
+        let m = x.len() / cols;
+        let with_sum = mats.iter().any(|w| w.format.has_min());
+        let acts: Vec<QuantizedRow> = x.chunks_exact(cols).map(|row| quantize_row(row, with_sum)).collect();
+        // (out, m) per matrix: each weight row's results together.
+        let mut yts: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; w.rows * m]).collect();
+        let outs: Vec<DisjointWrites<f32>> = yts.iter_mut().map(|yt| DisjointWrites::new(yt)).collect();
+        let rows: Vec<usize> = mats.iter().map(|w| w.rows).collect();
+        for_rows_of_many(&rows, |i, range| {
+            let w = mats[i];
+            let row_bytes = cols / BLOCK * w.format.block_bytes();
+            for o in range {
+                let wrow = &w.bytes[o * row_bytes..(o + 1) * row_bytes];
+                for (r, act) in acts.iter().enumerate() {
+                    // SAFETY: every (matrix, o, r) is written by exactly one work item, inside
+                    // that matrix's buffer.
+                    unsafe { *outs[i].at(o * m + r) = dot(w.format, wrow, act, level) };
+                }
+            }
+        });
+        drop(outs);
+        yts.into_iter().zip(mats).map(|(yt, w)| transposed(yt, w.rows, m)).collect()
+    }
+}
+
+/// f32 through f16 and back: llama.cpp keeps the activations' scales in f16.
+fn via_f16(x: f32) -> f32 {
+    f16::from_f32(x).to_f32()
+}
+
+/// ggml's `quantize_row_q8_0` / `q8_1`: per block `d = max|x| / 127`, `q = round(x / d)` (ties
+/// to even, as its AVX2 code rounds), `s = d · Σq` when `with_sum`.
+pub fn quantize_row(x: &[f32], with_sum: bool) -> QuantizedRow {
+    quantize_row_at(x, with_sum, SimdLevel::current())
+}
+
+pub fn quantize_row_at(x: &[f32], with_sum: bool, level: SimdLevel) -> QuantizedRow {
+    let blocks = x.len() / BLOCK;
+    let mut row = QuantizedRow { d: Vec::with_capacity(blocks), s: Vec::with_capacity(blocks), q: vec![0; x.len()] };
+    for (block, q) in x.chunks_exact(BLOCK).zip(row.q.chunks_exact_mut(BLOCK)) {
+        let (d, sum) = quantize_block(block, q, level);
+        row.d.push(via_f16(d));
+        row.s.push(if with_sum { via_f16(d * sum as f32) } else { 0.0 });
+    }
+    row
+}
+
+/// One block of 32: its 8-bit values into `q`; returns (`d`, `Σq`).
+fn quantize_block(x: &[f32], q: &mut [i8], level: SimdLevel) -> (f32, i32) {
+    #[cfg(target_arch = "x86_64")]
+    if level.usable() >= SimdLevel::Avx2 {
+        // SAFETY: `usable` never exceeds the CPU's level (AVX2's: AVX2, FMA, F16C); both slices
+        // hold one block.
+        return unsafe { x86::quantize_block(x, q) };
+    }
+    let _ = level;
+    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+    let mut sum = 0;
+    for (q, v) in q.iter_mut().zip(x) {
+        *q = (v * id).round_ties_even() as i8;
+        sum += *q as i32;
+    }
+    (d, sum)
+}
+
+/// One weight row's dot product with one quantised activation row, at `level`.
+fn dot(format: BlockFormat, w: &[u8], x: &QuantizedRow, level: SimdLevel) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if level.usable() >= SimdLevel::Avx2 {
+        // SAFETY: `usable` never exceeds the CPU's level (AVX2's: AVX2, FMA, F16C); `w` holds
+        // whole blocks and `x` as many blocks of 32 (both checked by the callers).
+        return unsafe { x86::dot(format, w, x) };
+    }
+    let _ = level;
+    dot_scalar(format, w, x)
+}
+
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// The 32 integer values of a weight block (before its scale and minimum), in order.
+pub(crate) fn block_values(format: BlockFormat, b: &[u8]) -> [i32; BLOCK] {
+    let mut v = [0i32; BLOCK];
+    let nibbles = |qs: &[u8], v: &mut [i32; BLOCK]| {
+        for j in 0..16 {
+            v[j] = (qs[j] & 0x0f) as i32;
+            v[j + 16] = (qs[j] >> 4) as i32;
+        }
+    };
+    match format {
+        BlockFormat::Q4_0 => {
+            nibbles(&b[2..18], &mut v);
+            v.iter_mut().for_each(|x| *x -= 8);
+        }
+        BlockFormat::Q4_1 => nibbles(&b[4..20], &mut v),
+        BlockFormat::Q5_0 | BlockFormat::Q5_1 => {
+            let (qh_at, qs_at) = if format == BlockFormat::Q5_0 { (2, 6) } else { (4, 8) };
+            let qh = u32::from_le_bytes(b[qh_at..qh_at + 4].try_into().unwrap());
+            nibbles(&b[qs_at..qs_at + 16], &mut v);
+            for (j, x) in v.iter_mut().enumerate() {
+                *x |= (((qh >> j) & 1) << 4) as i32;
+                if format == BlockFormat::Q5_0 {
+                    *x -= 16;
+                }
+            }
+        }
+        BlockFormat::Q8_0 => {
+            for j in 0..BLOCK {
+                v[j] = b[2 + j] as i8 as i32;
+            }
+        }
+    }
+    v
+}
+
+/// The plain-code dot product (any CPU; the reference the vector one is tested against).
+fn dot_scalar(format: BlockFormat, w: &[u8], x: &QuantizedRow) -> f32 {
+    let bb = format.block_bytes();
+    let mut total = 0f32;
+    for (i, b) in w.chunks_exact(bb).enumerate() {
+        let v = block_values(format, b);
+        let sumi: i32 = v.iter().zip(&x.q[i * BLOCK..(i + 1) * BLOCK]).map(|(a, b)| a * *b as i32).sum();
+        total += f16_at(b, 0) * x.d[i] * sumi as f32;
+        if format.has_min() {
+            total += f16_at(b, 2) * x.s[i];
+        }
+    }
+    total
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The vector quantiser rounds exactly as the plain one.
+    #[test]
+    fn activation_quantisation_is_the_same_at_every_level() {
+        let x = {
+            let mut r = crate::rng::SplitMix64(5);
+            (0..4 * BLOCK).map(|_| r.next_signed()).collect::<Vec<f32>>()
+        };
+        // Ties and zeros too: values on the half steps of a block whose max is 127.
+        let mut ties: Vec<f32> = (0..BLOCK).map(|i| i as f32 - 15.5).collect();
+        ties[0] = 127.0;
+        let zeros = vec![0f32; BLOCK];
+        for input in [x, ties, zeros] {
+            let plain = quantize_row_at(&input, true, SimdLevel::Scalar);
+            let best = quantize_row_at(&input, true, SimdLevel::detected());
+            assert_eq!((plain.d, plain.s, plain.q), (best.d, best.s, best.q));
+        }
+    }
+}

@@ -1,0 +1,308 @@
+//! Where a CPU kernel is chosen: the processor's features are read once, the switches are read
+//! once, and [`Kernels`] is the one table every kernel consults. Nothing else in the workspace
+//! reads CPUID or these variables.
+//!
+//! - [`SimdLevel`]: the vector code the element-wise kernels, dot products, exp, quantised blocks
+//!   and attention run (AVX-512, AVX2 or plain code). A level is available only when the CPU has
+//!   every feature its kernels enable, not only the one that names it.
+//! - [`MatmulKernels`]: who runs f32 matrix products at AVX-512, our packed driver or the gemm
+//!   crate's kernels. Chosen by a measurement, not by the vendor: on CPUs that execute a 512-bit
+//!   FMA as two 256-bit halves (Zen 4) gemm's wider tile gains nothing and our packed driver, which
+//!   reads both operands packed, wins; where a 512-bit FMA does twice a 256-bit one's work
+//!   (Intel's server cores with two 512-bit units) gemm's kernels win. See docs/design.md.
+//!
+//! Switches, validated by [`check_env`] (the binary calls it before any work):
+//! - `FSDP_SIMD=best|avx512|avx2|scalar`: at most this level (never one the CPU lacks; `best`
+//!   and `avx512` are the CPU's own), so tests and benches can run every path on one machine;
+//! - `FSDP_MATMUL=gemm|packed`: products on gemm's kernels, or on the packed driver at AVX-512 too.
+
+use std::sync::OnceLock;
+
+/// A vector instruction level; every kernel has a version for each (the scalar one is the
+/// reference the others are tested against).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum SimdLevel {
+    Scalar,
+    /// AVX2 with FMA and F16C.
+    Avx2,
+    /// AVX-512 F with AVX2, FMA and F16C (the AVX-512 kernels use all four).
+    Avx512,
+}
+
+/// The features of this CPU that our kernels use, read once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CpuFeatures {
+    pub avx2: bool,
+    pub fma: bool,
+    pub f16c: bool,
+    pub avx512f: bool,
+}
+
+impl CpuFeatures {
+    /// This CPU's features (std's detection: CPUID and the OS's saved-state support).
+    pub fn detected() -> Self {
+        static FEATURES: OnceLock<CpuFeatures> = OnceLock::new();
+        *FEATURES.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            {
+                Self {
+                    avx2: is_x86_feature_detected!("avx2"),
+                    fma: is_x86_feature_detected!("fma"),
+                    f16c: is_x86_feature_detected!("f16c"),
+                    avx512f: is_x86_feature_detected!("avx512f"),
+                }
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Self::default()
+        })
+    }
+
+    /// The highest level whose kernels' features are all present.
+    pub fn best_level(&self) -> SimdLevel {
+        let avx2 = self.avx2 && self.fma && self.f16c;
+        match (avx2, self.avx512f) {
+            (true, true) => SimdLevel::Avx512,
+            (true, false) => SimdLevel::Avx2,
+            _ => SimdLevel::Scalar,
+        }
+    }
+}
+
+/// Who runs f32 matrix products at AVX-512 (below it, the packed driver at AVX2 and gemm's
+/// scalar kernels are the only choices).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatmulKernels {
+    /// The gemm crate's kernels of the level.
+    Gemm,
+    /// Our packed driver's register tile of the level (`matmul::packed`).
+    Packed,
+}
+
+/// The kernel choices of this process: one value, made once from the CPU's features, one
+/// measurement and the switches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Kernels {
+    pub features: CpuFeatures,
+    /// The level every kernel runs at.
+    pub level: SimdLevel,
+    /// `FSDP_MATMUL`'s choice, for every level.
+    matmul_switch: Option<MatmulKernels>,
+    /// Who runs f32 products at AVX-512 when no switch says: the measurement's choice.
+    matmul_avx512: MatmulKernels,
+}
+
+/// The switches' variables and the values each takes, for errors and docs.
+pub const SWITCHES: [(&str, &str); 2] = [("FSDP_SIMD", "`best`, `avx512`, `avx2` or `scalar`"), ("FSDP_MATMUL", "`gemm` or `packed`")];
+
+impl Kernels {
+    /// The table of this process (the switches read from the environment once).
+    ///
+    /// # Panics
+    /// When a switch holds a value it does not take; [`check_env`] reports that as an error
+    /// before any kernel runs.
+    pub fn get() -> &'static Kernels {
+        match table() {
+            Ok(k) => k,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// The table for `features` and the switches' values (`None`: unset).
+    pub fn choose(
+        features: CpuFeatures,
+        simd: Option<&str>,
+        matmul: Option<&str>,
+        wide_fma: impl FnOnce() -> bool,
+    ) -> Result<Self, String> {
+        let best = features.best_level();
+        let level = match simd {
+            None | Some("best") | Some("avx512") => best,
+            Some("avx2") => best.min(SimdLevel::Avx2),
+            Some("scalar") => SimdLevel::Scalar,
+            Some(v) => return Err(invalid("FSDP_SIMD", v)),
+        };
+        let matmul_switch = match matmul {
+            None => None,
+            Some("gemm") => Some(MatmulKernels::Gemm),
+            Some("packed") => Some(MatmulKernels::Packed),
+            Some(v) => return Err(invalid("FSDP_MATMUL", v)),
+        };
+        // The measurement only matters (and only runs) where products may run at AVX-512.
+        let measure = matmul_switch.is_none() && best == SimdLevel::Avx512;
+        let matmul_avx512 = if measure && !wide_fma() { MatmulKernels::Packed } else { MatmulKernels::Gemm };
+        Ok(Self { features, level, matmul_switch, matmul_avx512 })
+    }
+
+    /// Who runs f32 products at `level` (the current one, or a lower one a test asks for): a
+    /// switch's choice; else at AVX2 the packed driver (faster on every CPU measured), at
+    /// AVX-512 the measurement's choice, and gemm's kernels at the scalar level (the packed
+    /// driver has no scalar tile).
+    pub fn matmul_at(&self, level: SimdLevel) -> MatmulKernels {
+        match (self.matmul_switch, level) {
+            (Some(choice), _) => choice,
+            (None, SimdLevel::Avx2) => MatmulKernels::Packed,
+            (None, SimdLevel::Avx512) => self.matmul_avx512,
+            (None, SimdLevel::Scalar) => MatmulKernels::Gemm,
+        }
+    }
+
+    /// Who runs f32 products at the level in use.
+    pub fn matmul(&self) -> MatmulKernels {
+        self.matmul_at(self.level)
+    }
+}
+
+fn invalid(var: &str, value: &str) -> String {
+    let takes = SWITCHES.iter().find(|(v, _)| *v == var).map_or("", |(_, t)| t);
+    format!("{var}={value:?}: expected {takes} (or unset)")
+}
+
+fn table() -> &'static Result<Kernels, String> {
+    static TABLE: OnceLock<Result<Kernels, String>> = OnceLock::new();
+    TABLE.get_or_init(|| {
+        let read = |var: &str| std::env::var(var).ok();
+        Kernels::choose(CpuFeatures::detected(), read("FSDP_SIMD").as_deref(), read("FSDP_MATMUL").as_deref(), wide_fma::measured)
+    })
+}
+
+/// Whether the switches hold values they take: for the binary to refuse a bad one, naming the
+/// variable and its values, before it starts work.
+pub fn check_env() -> Result<(), String> {
+    table().as_ref().map(|_| ()).map_err(Clone::clone)
+}
+
+impl SimdLevel {
+    /// The best level this CPU has (whatever the switches say).
+    pub fn detected() -> Self {
+        CpuFeatures::detected().best_level()
+    }
+
+    /// This level where the CPU has it, else the best it has: what a kernel given a level as an
+    /// argument dispatches on, so that no argument can make it run instructions the CPU lacks.
+    pub fn usable(self) -> Self {
+        self.min(Self::detected())
+    }
+
+    /// The level in use ([`Kernels::get`]).
+    pub fn current() -> Self {
+        Kernels::get().level
+    }
+}
+
+/// The one measurement behind the choice of matrix kernels: how much work a 512-bit FMA does
+/// beside a 256-bit one on this core.
+mod wide_fma {
+    /// Whether 512-bit FMAs run at least 1.5x the flops of 256-bit ones here (two full-width
+    /// units), from a few short timed loops (~0.5 ms in all).
+    pub fn measured() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if super::CpuFeatures::detected().best_level() == super::SimdLevel::Avx512 {
+            // The best of several runs each, interleaved: a shared core's noise only slows a run.
+            let (mut narrow, mut wide) = (f64::MAX, f64::MAX);
+            for _ in 0..5 {
+                // SAFETY: the CPU has AVX-512 F, AVX2 and FMA (the level says so).
+                narrow = narrow.min(time(|| unsafe { x86::chains_256(ITERS) }));
+                wide = wide.min(time(|| unsafe { x86::chains_512(ITERS) }));
+            }
+            // A 512-bit FMA does twice the flops: per flop, wide / 2 against narrow.
+            return narrow / (wide / 2.0) >= 1.5;
+        }
+        false
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    const ITERS: usize = 4096;
+
+    #[cfg(target_arch = "x86_64")]
+    fn time(f: impl Fn() -> f32) -> f64 {
+        let start = std::time::Instant::now();
+        std::hint::black_box(f());
+        start.elapsed().as_secs_f64()
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    mod x86 {
+        use std::arch::x86_64::*;
+
+        /// 12 independent FMA chains (enough to fill two units of 4-cycle latency).
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn chains_256(iters: usize) -> f32 {
+            let (m, a) = (_mm256_set1_ps(0.999_9), _mm256_set1_ps(1e-4));
+            let mut acc = [_mm256_set1_ps(1.0); 12];
+            for _ in 0..iters {
+                for r in acc.iter_mut() {
+                    *r = _mm256_fmadd_ps(*r, m, a);
+                }
+            }
+            let mut lanes = [0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), acc.iter().fold(_mm256_setzero_ps(), |s, r| _mm256_add_ps(s, *r)));
+            lanes.iter().sum()
+        }
+
+        /// [`chains_256`] on 512-bit registers.
+        #[target_feature(enable = "avx512f,avx2,fma")]
+        pub unsafe fn chains_512(iters: usize) -> f32 {
+            let (m, a) = (_mm512_set1_ps(0.999_9), _mm512_set1_ps(1e-4));
+            let mut acc = [_mm512_set1_ps(1.0); 12];
+            for _ in 0..iters {
+                for r in acc.iter_mut() {
+                    *r = _mm512_fmadd_ps(*r, m, a);
+                }
+            }
+            _mm512_reduce_add_ps(acc.iter().fold(_mm512_setzero_ps(), |s, r| _mm512_add_ps(s, *r)))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ALL: CpuFeatures = CpuFeatures { avx2: true, fma: true, f16c: true, avx512f: true };
+
+    /// A level needs every feature its kernels enable.
+    #[test]
+    fn a_level_needs_every_feature_of_its_kernels() {
+        assert_eq!(ALL.best_level(), SimdLevel::Avx512);
+        assert_eq!(CpuFeatures { avx512f: false, ..ALL }.best_level(), SimdLevel::Avx2);
+        assert_eq!(CpuFeatures { f16c: false, ..ALL }.best_level(), SimdLevel::Scalar);
+        assert_eq!(CpuFeatures { fma: false, avx512f: false, ..ALL }.best_level(), SimdLevel::Scalar);
+        assert_eq!(CpuFeatures::default().best_level(), SimdLevel::Scalar);
+    }
+
+    /// The switches lower the level, never raise it; matrix kernels follow the measurement
+    /// unless a switch names them; a bad value is an error naming the variable and its values.
+    #[test]
+    fn the_table_follows_features_measurement_and_switches() {
+        let pick = |f: CpuFeatures, simd, matmul, wide| Kernels::choose(f, simd, matmul, || wide).map(|k| (k.level, k.matmul()));
+        use MatmulKernels::*;
+        use SimdLevel::*;
+        assert_eq!(pick(ALL, None, None, true), Ok((Avx512, Gemm)));
+        assert_eq!(pick(ALL, None, None, false), Ok((Avx512, Packed)));
+        assert_eq!(pick(ALL, Some("avx2"), None, true), Ok((Avx2, Packed)));
+        assert_eq!(pick(ALL, Some("scalar"), None, false), Ok((Scalar, Gemm)));
+        assert_eq!(pick(ALL, None, Some("packed"), true), Ok((Avx512, Packed)));
+        assert_eq!(pick(ALL, None, Some("gemm"), false), Ok((Avx512, Gemm)));
+        // A lower level asked for by a test follows that level's default.
+        let k = Kernels::choose(ALL, None, None, || true).unwrap();
+        assert_eq!((k.matmul_at(Avx2), k.matmul_at(Scalar)), (Packed, Gemm));
+        let avx2_only = CpuFeatures { avx512f: false, ..ALL };
+        assert_eq!(pick(avx2_only, Some("avx512"), None, true), Ok((Avx2, Packed)));
+        let e = pick(ALL, Some("avx-512"), None, true).unwrap_err();
+        assert!(e.contains("FSDP_SIMD=\"avx-512\"") && e.contains("`best`, `avx512`, `avx2` or `scalar`"), "{e}");
+        assert_eq!(pick(ALL, Some("best"), None, true), Ok((Avx512, Gemm)));
+        let e = pick(ALL, None, Some("blas"), true).unwrap_err();
+        assert!(e.contains("FSDP_MATMUL=\"blas\"") && e.contains("`gemm` or `packed`"), "{e}");
+    }
+
+    /// The measurement runs on this CPU and gives an answer in well under a millisecond's loops.
+    #[test]
+    fn the_fma_width_measurement_runs() {
+        let start = std::time::Instant::now();
+        let wide = wide_fma::measured();
+        assert!(start.elapsed().as_millis() < 500, "took {:?}", start.elapsed());
+        if SimdLevel::detected() < SimdLevel::Avx512 {
+            assert!(!wide);
+        }
+    }
+}

@@ -1,0 +1,21 @@
+//! A GPU tensor's values as a kernel argument, for the ops (and the trainer) that launch our
+//! CUDA kernels (`kernels::cuda`).
+
+use candle_core::cuda_backend::cudarc::driver::CudaView;
+use candle_core::cuda_backend::CudaDType;
+use candle_core::{Result, Storage};
+
+/// `len` values (all the rest with `None`) of a GPU tensor's storage from `start`, for a kernel
+/// argument; `what` names the tensor in the error when it is not on the GPU.
+pub fn values<'a, T: CudaDType>(storage: &'a Storage, start: usize, len: Option<usize>, what: &str) -> Result<CudaView<'a, T>> {
+    match storage {
+        Storage::Cuda(s) => {
+            let all = s.as_cuda_slice::<T>()?;
+            Ok(match len {
+                Some(n) => all.slice(start..start + n),
+                None => all.slice(start..),
+            })
+        }
+        _ => candle_core::bail!("{what} is not on the GPU"),
+    }
+}

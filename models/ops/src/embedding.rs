@@ -1,0 +1,197 @@
+//! Token embedding for training on the CPU: rows of the table picked by id, with a backward that
+//! builds the table's gradient in one buffer (rows of the upstream gradient added at their ids)
+//! and, given a [`WeightGradTarget`], hands it to the trainer instead of candle's gradient store
+//! (see `crate::weight_grads`), as rows made on demand: a trainer reducing the gradient a range
+//! of rows at a time never holds the (vocab, hidden) buffer. The backward never reads the table
+//! itself. As torch's `nn.Embedding(padding_idx=...)`, which transformers builds with the
+//! model's `pad_token_id`, the padding row receives no gradient from the lookup.
+
+use std::sync::Arc;
+
+use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Storage, Tensor};
+
+use crate::f32_slice;
+use crate::weight_grads::{GradRows, WeightGradTarget};
+
+/// `w[ids]`: (ids..., hidden) rows of the (vocab, hidden) f32 table `w`; `ids` u32. The row
+/// `padding_idx` gets no gradient from the lookup.
+pub fn embedding(w: &Tensor, ids: &Tensor, padding_idx: Option<u32>, grad_to: Option<WeightGradTarget>) -> Result<Tensor> {
+    let hidden = w.dim(1)?;
+    let mut shape = ids.dims().to_vec();
+    shape.push(hidden);
+    let flat = ids.flatten_all()?.contiguous()?;
+    let out = w.contiguous()?.apply_op2(&flat, Embed { padding_idx, grad_to })?;
+    out.reshape(shape)
+}
+
+/// [`embedding`] composed of candle's ops, for every device and dtype: the lookup's rows at
+/// `padding_idx` are taken from a detached copy of the output, so no gradient reaches that row.
+pub fn embedding_composed(w: &Tensor, ids: &Tensor, padding_idx: Option<u32>) -> Result<Tensor> {
+    let hidden = w.dim(1)?;
+    let mut shape = ids.dims().to_vec();
+    shape.push(hidden);
+    let flat = ids.flatten_all()?;
+    let out = w.index_select(&flat, 0)?;
+    let out = match padding_idx {
+        Some(pad) if w.track_op() => {
+            let is_pad = flat.to_dtype(candle_core::DType::U32)?.eq(pad)?.unsqueeze(1)?.broadcast_as(out.shape())?;
+            is_pad.where_cond(&out.detach(), &out)?
+        }
+        _ => out,
+    };
+    out.reshape(shape)
+}
+
+struct Embed {
+    padding_idx: Option<u32>,
+    grad_to: Option<WeightGradTarget>,
+}
+
+fn ids_of(s: &CpuStorage, l: &Layout) -> Result<Vec<usize>> {
+    let (a, b) = l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("embedding: ids not contiguous".into()))?;
+    Ok(match s {
+        CpuStorage::U32(v) => v[a..b].iter().map(|&x| x as usize).collect(),
+        CpuStorage::I64(v) => v[a..b].iter().map(|&x| x as usize).collect(),
+        _ => candle_core::bail!("embedding: ids must be u32 or i64"),
+    })
+}
+
+impl CustomOp2 for Embed {
+    fn name(&self) -> &'static str {
+        "embedding"
+    }
+
+    fn cpu_fwd(&self, ws: &CpuStorage, wl: &Layout, is: &CpuStorage, il: &Layout) -> Result<(CpuStorage, Shape)> {
+        let w = f32_slice(ws, wl)?;
+        let (vocab, hidden) = wl.shape().dims2()?;
+        let ids = ids_of(is, il)?;
+        let mut out = Vec::with_capacity(ids.len() * hidden);
+        for &id in &ids {
+            if id >= vocab {
+                candle_core::bail!("token id {id} is outside the vocabulary ({vocab})");
+            }
+            out.extend_from_slice(&w[id * hidden..(id + 1) * hidden]);
+        }
+        Ok((CpuStorage::F32(out), Shape::from((ids.len(), hidden))))
+    }
+
+    fn bwd(&self, w: &Tensor, ids: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (vocab, hidden) = w.dims2()?;
+        let mut ids: Vec<u32> = ids.to_dtype(candle_core::DType::U32)?.to_vec1()?;
+        let grad = grad.contiguous()?;
+        let (gs, gl) = grad.storage_and_layout();
+        let Storage::Cpu(gc) = &*gs else { candle_core::bail!("embedding: the backward runs on the CPU") };
+        let mut upstream = f32_slice(gc, gl)?.to_vec();
+        if let Some(pad) = self.padding_idx {
+            // The padding positions' rows leave the gradient (fewer rows to add, too).
+            let keep: Vec<usize> = (0..ids.len()).filter(|&r| ids[r] != pad).collect();
+            upstream = keep.iter().flat_map(|&r| upstream[r * hidden..(r + 1) * hidden].iter().copied()).collect();
+            ids = keep.iter().map(|&r| ids[r]).collect();
+        }
+        let rows = EmbeddingGradRows { ids, upstream, vocab, hidden };
+        match &self.grad_to {
+            Some(t) => {
+                t.sink.add_rows(&t.name, Arc::new(rows))?;
+                Ok((None, None))
+            }
+            None => {
+                let mut dw = vec![0f32; vocab * hidden];
+                rows.add_rows(0, &mut dw);
+                Ok((Some(Tensor::from_vec(dw, (vocab, hidden), w.device())?), None))
+            }
+        }
+    }
+}
+
+/// The table's gradient: upstream row `r` added at row `ids[r]`.
+#[derive(Debug)]
+struct EmbeddingGradRows {
+    ids: Vec<u32>,
+    upstream: Vec<f32>,
+    vocab: usize,
+    hidden: usize,
+}
+
+impl GradRows for EmbeddingGradRows {
+    fn dims(&self) -> (usize, usize) {
+        (self.vocab, self.hidden)
+    }
+
+    fn add_rows(&self, first: usize, out: &mut [f32]) {
+        let h = self.hidden;
+        let range = first..first + out.len() / h;
+        for (r, &id) in self.ids.iter().enumerate() {
+            let id = id as usize;
+            if range.contains(&id) {
+                let at = (id - first) * h;
+                for (a, b) in out[at..at + h].iter_mut().zip(&self.upstream[r * h..(r + 1) * h]) {
+                    *a += *b;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::weight_grads::WeightGrads;
+    use candle_core::{Device, Var};
+    use candle_nn::Module;
+
+    #[test]
+    fn picks_rows_and_its_gradient_matches_index_select_s() {
+        let dev = Device::Cpu;
+        let w = Var::from_vec((0..12).map(|x| x as f32).collect(), (4, 3), &dev).unwrap();
+        let ids = Tensor::new(&[[1u32, 3, 1], [0, 2, 2]], &dev).unwrap();
+        let up = Tensor::new(&[[[1f32, 2., 3.], [4., 5., 6.], [7., 8., 9.]], [[1., 1., 1.], [2., 2., 2.], [3., 3., 3.]]], &dev).unwrap();
+        let ours = embedding(w.as_tensor(), &ids, None, None).unwrap();
+        let theirs = candle_nn::Embedding::new(w.as_tensor().clone(), 3).forward(&ids).unwrap();
+        assert_eq!(ours.to_vec3::<f32>().unwrap(), theirs.to_vec3::<f32>().unwrap());
+        let g_ours = (ours * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        let g_theirs = (theirs * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        let expected = g_theirs.get(w.as_tensor()).unwrap().to_vec2::<f32>().unwrap();
+        assert_eq!(g_ours.get(w.as_tensor()).unwrap().to_vec2::<f32>().unwrap(), expected);
+        // Through a sink: candle gets nothing, the sink holds the same gradient.
+        let sink = WeightGrads::new();
+        let out = embedding(w.as_tensor(), &ids, None, Some(WeightGradTarget { sink: sink.clone(), name: "e".into() })).unwrap();
+        let g = (out * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        assert!(g.get(w.as_tensor()).is_none());
+        let from_sink = sink.take("e").unwrap();
+        assert!(from_sink.as_dense().is_none(), "the sink gets rows, not a (vocab, hidden) buffer");
+        assert_eq!(from_sink.clone().into_tensor(&dev).unwrap().to_vec2::<f32>().unwrap(), expected);
+        // Any range of rows on its own: rows 1..3.
+        let mut some = vec![0f32; 2 * 3];
+        from_sink.add_rows(1, &mut some).unwrap();
+        assert_eq!(some, expected[1..3].concat());
+        // An id outside the table is an error.
+        assert!(embedding(w.as_tensor(), &Tensor::new(&[4u32], &dev).unwrap(), None, None).is_err());
+    }
+
+    /// The padding row gets no gradient from the lookup, in the fused and the composed form;
+    /// every other row gets what it got without a padding row; the outputs are unchanged.
+    #[test]
+    fn the_padding_row_gets_no_gradient() {
+        let dev = Device::Cpu;
+        let w = Var::from_vec((0..12).map(|x| x as f32).collect(), (4, 3), &dev).unwrap();
+        let ids = Tensor::new(&[[1u32, 3, 1], [0, 2, 2]], &dev).unwrap();
+        let up = Tensor::new(&[[[1f32, 2., 3.], [4., 5., 6.], [7., 8., 9.]], [[1., 1., 1.], [2., 2., 2.], [3., 3., 3.]]], &dev).unwrap();
+        let grad =
+            |out: Tensor| (out * &up).unwrap().sum_all().unwrap().backward().unwrap().get(w.as_tensor()).unwrap().to_vec2::<f32>().unwrap();
+        let plain = grad(embedding(w.as_tensor(), &ids, None, None).unwrap());
+        let mut want = plain.clone();
+        want[1] = vec![0.0; 3];
+        for (what, out) in [
+            ("fused", embedding(w.as_tensor(), &ids, Some(1), None).unwrap()),
+            ("composed", embedding_composed(w.as_tensor(), &ids, Some(1)).unwrap()),
+        ] {
+            assert_eq!(
+                out.to_vec3::<f32>().unwrap(),
+                embedding(w.as_tensor(), &ids, None, None).unwrap().to_vec3::<f32>().unwrap(),
+                "{what}"
+            );
+            assert_eq!(grad(out), want, "{what}");
+        }
+        assert_ne!(plain[1], vec![0.0; 3], "row 1 is looked up twice: without padding_idx it has a gradient");
+    }
+}

@@ -1,0 +1,477 @@
+//! Fused CPU ops that train: each is a candle custom op whose forward is one pass over the data
+//! (one output allocation, split over the threads) and whose `bwd` is exact, itself one fused
+//! pass. They replace composite chains of candle ops (a temporary tensor per step) on the
+//! training path. On other devices, and for dtypes other than f32, callers keep the composite
+//! ops (same values; see each op's test against them).
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use kernels::pool::{pool_map_new, pool_new, pool_new_halves};
+
+use super::f32_slice;
+use kernels::exp::exp_inplace;
+
+/// Rows of at least this many values each go to one thread task.
+const MIN_TASK: usize = 1 << 14;
+
+fn rows_per_task(row: usize) -> usize {
+    (MIN_TASK / row.max(1)).max(1)
+}
+
+// ---------------------------------------------------------------- RMSNorm
+
+/// `x / sqrt(mean(x^2) + eps) * w` over the last dimension (transformers' `LlamaRMSNorm` in f32).
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    x.contiguous()?.apply_op2(&w.contiguous()?, RmsNorm { eps: eps as f32 })
+}
+
+struct RmsNorm {
+    eps: f32,
+}
+
+fn inv_rms(row: &[f32], eps: f32) -> f32 {
+    let ss: f32 = row.iter().map(|v| v * v).sum();
+    1.0 / (ss / row.len() as f32 + eps).sqrt()
+}
+
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "fused-rms-norm"
+    }
+
+    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ws: &CpuStorage, wl: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (x, w) = (f32_slice(xs, xl)?, f32_slice(ws, wl)?);
+        let n = w.len();
+        let per = n * rows_per_task(n);
+        let y = pool_new(x.len(), per, |c, ys| {
+            let xs = &x[c * per..c * per + ys.len()];
+            for (yr, xr) in ys.chunks_mut(n).zip(xs.chunks(n)) {
+                let r = inv_rms(xr, self.eps);
+                for i in 0..n {
+                    yr[i] = xr[i] * r * w[i];
+                }
+            }
+        });
+        Ok((CpuStorage::F32(y), xl.shape().clone()))
+    }
+
+    /// With r = 1/rms(x): dx_j = r w_j g_j - r^3 x_j / n * sum_i g_i w_i x_i and
+    /// dw_i = sum over rows of g_i x_i r.
+    fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let g = g.contiguous()?;
+        let both = x.apply_op3_no_bwd(w, &g, &RmsNormBackward { eps: self.eps })?;
+        let rows = x.elem_count() / w.elem_count();
+        let dx = both.narrow(0, 0, rows)?.reshape(x.shape())?;
+        let dw = both.narrow(0, rows, 1)?.reshape(w.shape())?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+/// (x, w, g) -> (rows + 1, n): the rows of dx, then dw.
+struct RmsNormBackward {
+    eps: f32,
+}
+
+impl CustomOp3 for RmsNormBackward {
+    fn name(&self) -> &'static str {
+        "fused-rms-norm-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x, w, g) = (f32_slice(xs, xl)?, f32_slice(ws, wl)?, f32_slice(gs, gl)?);
+        let n = w.len();
+        let rows = x.len() / n;
+        let per = n * rows_per_task(n);
+        // dx per row, and each task's partial dw, summed after (into the row after dx's).
+        let (mut out, partial) = pool_map_new(rows * n, n, per, |c, dxs| {
+            let (xs, gs) = (&x[c * per..c * per + dxs.len()], &g[c * per..c * per + dxs.len()]);
+            let mut dw = vec![0f32; n];
+            for ((dxr, xr), gr) in dxs.chunks_mut(n).zip(xs.chunks(n)).zip(gs.chunks(n)) {
+                let r = inv_rms(xr, self.eps);
+                let mut dot = 0f32;
+                for i in 0..n {
+                    dot += gr[i] * w[i] * xr[i];
+                    dw[i] += gr[i] * xr[i] * r;
+                }
+                let c = r * r * r * dot / n as f32;
+                for j in 0..n {
+                    dxr[j] = r * w[j] * gr[j] - c * xr[j];
+                }
+            }
+            dw
+        });
+        out.resize((rows + 1) * n, 0.0);
+        let dw = &mut out[rows * n..];
+        for p in partial {
+            for i in 0..n {
+                dw[i] += p[i];
+            }
+        }
+        Ok((CpuStorage::F32(out), Shape::from((rows + 1, n))))
+    }
+}
+
+// ---------------------------------------------------------------- SwiGLU
+
+/// `silu(a) * b`, the Llama MLP's gate.
+pub fn swiglu(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    a.contiguous()?.apply_op2(&b.contiguous()?, SwiGlu)
+}
+
+struct SwiGlu;
+
+/// Sigmoid of a slice into `out` (through the vectorised exp).
+fn sigmoid_into(v: &[f32], out: &mut [f32]) {
+    out.iter_mut().zip(v).for_each(|(o, x)| *o = -x);
+    exp_inplace(out);
+    out.iter_mut().for_each(|o| *o = 1.0 / (1.0 + *o));
+}
+
+impl CustomOp2 for SwiGlu {
+    fn name(&self) -> &'static str {
+        "fused-swiglu"
+    }
+
+    fn cpu_fwd(&self, a_s: &CpuStorage, al: &Layout, b_s: &CpuStorage, bl: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (a, b) = (f32_slice(a_s, al)?, f32_slice(b_s, bl)?);
+        if a.len() != b.len() {
+            candle_core::bail!("swiglu: {} vs {} values", a.len(), b.len());
+        }
+        Ok((CpuStorage::F32(swiglu_values(a, b)), al.shape().clone()))
+    }
+
+    /// da = g b s (1 + a (1 - s)) with s = sigmoid(a); db = g a s.
+    fn bwd(&self, a: &Tensor, b: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let both = a.apply_op3_no_bwd(b, &g.contiguous()?, &SwiGluBackward)?;
+        let n = a.elem_count();
+        let da = both.narrow(0, 0, n)?.reshape(a.shape())?;
+        let db = both.narrow(0, n, n)?.reshape(b.shape())?;
+        Ok((Some(da), Some(db)))
+    }
+}
+
+/// (a, b, g) -> (2n): da then db.
+struct SwiGluBackward;
+
+impl CustomOp3 for SwiGluBackward {
+    fn name(&self) -> &'static str {
+        "fused-swiglu-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        a_s: &CpuStorage,
+        al: &Layout,
+        b_s: &CpuStorage,
+        bl: &Layout,
+        g_s: &CpuStorage,
+        gl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (a, b, g) = (f32_slice(a_s, al)?, f32_slice(b_s, bl)?, f32_slice(g_s, gl)?);
+        Ok((CpuStorage::F32(swiglu_grads(a, b, g)), Shape::from(2 * a.len())))
+    }
+}
+
+/// `silu(a) ∘ b` of two slices of the same length, over the pool.
+pub(crate) fn swiglu_values(a: &[f32], b: &[f32]) -> Vec<f32> {
+    pool_new(a.len(), MIN_TASK, |c, ys| {
+        let (as_, bs) = (&a[c * MIN_TASK..c * MIN_TASK + ys.len()], &b[c * MIN_TASK..c * MIN_TASK + ys.len()]);
+        sigmoid_into(as_, ys);
+        for i in 0..ys.len() {
+            ys[i] *= as_[i] * bs[i];
+        }
+    })
+}
+
+/// The gradients of [`swiglu_values`] for its output's gradient `g`: da, then db, in one
+/// buffer of 2n. da = g b s (1 + a (1 - s)) with s = sigmoid(a); db = g a s.
+pub(crate) fn swiglu_grads(a: &[f32], b: &[f32], g: &[f32]) -> Vec<f32> {
+    pool_new_halves(a.len(), MIN_TASK, |c, das, dbs| {
+        let off = c * MIN_TASK;
+        let mut s = vec![0f32; das.len()];
+        sigmoid_into(&a[off..off + das.len()], &mut s);
+        for i in 0..das.len() {
+            let (av, bv, gv, s) = (a[off + i], b[off + i], g[off + i], s[i]);
+            das[i] = gv * bv * s * (1.0 + av * (1.0 - s));
+            dbs[i] = gv * av * s;
+        }
+    })
+}
+
+// ---------------------------------------------------------------- rotary embedding
+
+/// Rotary embedding of `x` (batch, heads, seq, head_dim) with `cos`/`sin` tables (seq,
+/// head_dim / 2), halves rotated as transformers' `rotate_half` does (what candle's `rope_slow`
+/// computes, without concatenating the tables at every call).
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    x.contiguous()?.apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rope { inverse: false, token_major: false })
+}
+
+/// [`rope`] for `x` in the projections' token-major layout (batch, seq, heads, head_dim), as
+/// `ops::attention::attention` reads it.
+pub fn rope_token_major(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    x.contiguous()?.apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rope { inverse: false, token_major: true })
+}
+
+/// `inverse` rotates by the negative angle: the backward of a rotation is its inverse.
+/// `token_major`: x is (batch, seq, heads, head_dim), else (batch, heads, seq, head_dim).
+struct Rope {
+    inverse: bool,
+    token_major: bool,
+}
+
+impl CustomOp3 for Rope {
+    fn name(&self) -> &'static str {
+        "fused-rope"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        cs: &CpuStorage,
+        cl: &Layout,
+        ss: &CpuStorage,
+        sl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x, cos, sin) = (f32_slice(xs, xl)?, f32_slice(cs, cl)?, f32_slice(ss, sl)?);
+        let dims = xl.shape().dims();
+        // Rows of head_dim values; `heads` consecutive rows share a position when token-major.
+        let (seq, heads, d) = match (self.token_major, dims) {
+            (true, [_, t, h, d]) => (*t, *h, *d),
+            (false, [.., t, d]) => (*t, 1, *d),
+            _ => candle_core::bail!("rope: unexpected shape {dims:?}"),
+        };
+        let position = |row: usize| if self.token_major { (row / heads) % seq } else { row % seq };
+        Ok((CpuStorage::F32(rope_values(x, (cos, sin), (seq, d), position, self.inverse)?), xl.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        _y: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dx = g.contiguous()?.apply_op3_no_bwd(cos, sin, &Rope { inverse: !self.inverse, token_major: self.token_major })?;
+        Ok((Some(dx), None, None))
+    }
+}
+
+/// Rows of `d` values of `x` rotated by the angles of their positions (`position(row)`, under
+/// `seq`) in the (seq, d / 2) tables; by the negative angles when `inverse`. Over the pool,
+/// `seq` rows a task.
+pub(crate) fn rope_values(
+    x: &[f32],
+    (cos, sin): (&[f32], &[f32]),
+    (seq, d): (usize, usize),
+    position: impl Fn(usize) -> usize + Sync,
+    inverse: bool,
+) -> Result<Vec<f32>> {
+    let half = d / 2;
+    if cos.len() != seq * half || sin.len() != cos.len() {
+        candle_core::bail!("rope: tables of {} values for {seq} positions of {half}", cos.len());
+    }
+    let sign = if inverse { -1.0f32 } else { 1.0 };
+    let per = d * seq;
+    Ok(pool_new(x.len(), per, |c, ys| {
+        let xs = &x[c * per..c * per + ys.len()];
+        for (r, (yr, xr)) in ys.chunks_mut(d).zip(xs.chunks(d)).enumerate() {
+            let p = position(c * seq + r);
+            let (co, s) = (&cos[p * half..(p + 1) * half], &sin[p * half..(p + 1) * half]);
+            for i in 0..half {
+                let (x1, x2, si) = (xr[i], xr[i + half], sign * s[i]);
+                yr[i] = x1 * co[i] - x2 * si;
+                yr[i + half] = x2 * co[i] + x1 * si;
+            }
+        }
+    }))
+}
+
+// ---------------------------------------------------------------- cross-entropy
+
+/// Per-row `-log softmax(logits)[target]` of (rows, vocab) logits, 0 for rows whose target is
+/// negative (ignored). Neither pass keeps the (rows, vocab) log-probabilities: the forward
+/// needs each row's max and log-sum-exp, the backward recomputes softmax row by row.
+pub fn cross_entropy_rows(logits: &Tensor, targets: &[i64]) -> Result<Tensor> {
+    let (rows, vocab) = logits.dims2()?;
+    if targets.len() != rows {
+        candle_core::bail!("cross_entropy_rows: {} targets for {rows} rows", targets.len());
+    }
+    if let Some(t) = targets.iter().find(|&&t| t >= vocab as i64) {
+        candle_core::bail!("label {t} is outside the vocabulary ({vocab})");
+    }
+    logits.contiguous()?.apply_op1(CrossEntropy { targets: targets.to_vec() })
+}
+
+struct CrossEntropy {
+    targets: Vec<i64>,
+}
+
+/// The log-sum-exp of a row (`scratch`: a buffer of the row's length).
+fn row_lse(row: &[f32], scratch: &mut [f32]) -> f32 {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    scratch.iter_mut().zip(row).for_each(|(s, v)| *s = v - max);
+    exp_inplace(scratch);
+    max + scratch.iter().sum::<f32>().ln()
+}
+
+impl CustomOp1 for CrossEntropy {
+    fn name(&self) -> &'static str {
+        "fused-cross-entropy"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = f32_slice(s, l)?;
+        let rows = self.targets.len();
+        let vocab = x.len() / rows.max(1);
+        // Pieces of rows sharing one scratch row.
+        const ROWS: usize = 8;
+        let loss = pool_new(rows, ROWS, |c, ls| {
+            let mut scratch = vec![0f32; vocab];
+            for (i, l) in ls.iter_mut().enumerate() {
+                let r = c * ROWS + i;
+                let (row, t) = (&x[r * vocab..(r + 1) * vocab], self.targets[r]);
+                *l = if t < 0 { 0.0 } else { row_lse(row, &mut scratch) - row[t as usize] };
+            }
+        });
+        Ok((CpuStorage::F32(loss), Shape::from(rows)))
+    }
+
+    /// d logits[r, j] = g[r] * (softmax(logits[r])_j - [j == target_r]); 0 for ignored rows.
+    /// Each row's log-sum-exp comes back from its loss (loss + logits[target]).
+    fn bwd(&self, logits: &Tensor, loss: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        let g_and_loss = Tensor::stack(&[&g.contiguous()?, loss], 0)?;
+        Ok(Some(logits.apply_op2_no_bwd(&g_and_loss, &CrossEntropyBackward { targets: self.targets.clone() })?))
+    }
+}
+
+struct CrossEntropyBackward {
+    targets: Vec<i64>,
+}
+
+impl CustomOp2 for CrossEntropyBackward {
+    fn name(&self) -> &'static str {
+        "fused-cross-entropy-backward"
+    }
+
+    /// `gl` holds (2, rows): the upstream gradient, then the forward's losses.
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout, gs: &CpuStorage, gl: &Layout) -> Result<(CpuStorage, Shape)> {
+        let rows = self.targets.len();
+        let (x, gl_) = (f32_slice(s, l)?, f32_slice(gs, gl)?);
+        let (g, loss) = gl_.split_at(rows);
+        let vocab = x.len() / rows.max(1);
+        // Ignored rows keep their zeros.
+        let dx = pool_new(x.len(), vocab, |r, dr| {
+            let row = &x[r * vocab..(r + 1) * vocab];
+            let t = self.targets[r];
+            if t < 0 {
+                return;
+            }
+            let lse = loss[r] + row[t as usize];
+            dr.iter_mut().zip(row).for_each(|(d, v)| *d = v - lse);
+            exp_inplace(dr);
+            dr.iter_mut().for_each(|d| *d *= g[r]);
+            dr[t as usize] -= g[r];
+        });
+        Ok((CpuStorage::F32(dx), l.shape().clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{check_fd, grads, max_rel, rand};
+    use candle_core::{Device, Var, D};
+
+    /// RMSNorm as composite candle ops (what the training path used before).
+    fn rms_norm_composite(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+        let inv = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+        x.broadcast_mul(&inv)?.broadcast_mul(w)
+    }
+
+    #[test]
+    fn rms_norm_matches_the_composite_op_and_finite_differences() {
+        let (x, w) = (rand(&[3, 5, 64], 1, 2.0), rand(&[64], 2, 1.0));
+        let probe = rand(&[3, 5, 64], 3, 1.0);
+        assert!(max_rel(&rms_norm(&x, &w, 1e-6).unwrap(), &rms_norm_composite(&x, &w, 1e-6).unwrap()) < 1e-5);
+        let vars = [Var::from_tensor(&x).unwrap(), Var::from_tensor(&w).unwrap()];
+        let fused = grads(&vars, &probe, &|t| rms_norm(&t[0], &t[1], 1e-6));
+        let composite = grads(&vars, &probe, &|t| rms_norm_composite(&t[0], &t[1], 1e-6));
+        for (a, b) in fused.iter().zip(&composite) {
+            assert!(max_rel(a, b) < 1e-4, "{}", max_rel(a, b));
+        }
+        for (which, grad) in fused.iter().enumerate() {
+            check_fd(&[x.clone(), w.clone()], which, &probe, grad, &|t| rms_norm_composite(&t[0], &t[1], 1e-6));
+        }
+    }
+
+    #[test]
+    fn swiglu_matches_the_composite_op_and_finite_differences() {
+        let (a, b) = (rand(&[2, 7, 96], 4, 4.0), rand(&[2, 7, 96], 5, 2.0));
+        let probe = rand(&[2, 7, 96], 6, 1.0);
+        let composite = |t: &[Tensor]| candle_nn::ops::silu(&t[0])? * &t[1];
+        assert!(max_rel(&swiglu(&a, &b).unwrap(), &composite(&[a.clone(), b.clone()]).unwrap()) < 1e-5);
+        let vars = [Var::from_tensor(&a).unwrap(), Var::from_tensor(&b).unwrap()];
+        let fused = grads(&vars, &probe, &|t| swiglu(&t[0], &t[1]));
+        let reference = grads(&vars, &probe, &composite);
+        for (x, y) in fused.iter().zip(&reference) {
+            assert!(max_rel(x, y) < 1e-4, "{}", max_rel(x, y));
+        }
+        for (which, grad) in fused.iter().enumerate() {
+            check_fd(&[a.clone(), b.clone()], which, &probe, grad, &composite);
+        }
+    }
+
+    #[test]
+    fn cross_entropy_matches_log_softmax_and_finite_differences() {
+        let logits = rand(&[6, 50], 7, 5.0);
+        let targets = [3i64, -100, 49, 0, 17, -100];
+        let probe = rand(&[6], 8, 1.0);
+        let composite = |t: &[Tensor]| -> Result<Tensor> {
+            let lp = candle_nn::ops::log_softmax(&t[0], D::Minus1)?;
+            let idx = Tensor::from_vec(targets.iter().map(|&t| t.max(0) as u32).collect::<Vec<_>>(), (6, 1), &Device::Cpu)?;
+            let mask = Tensor::from_vec(targets.iter().map(|&t| if t < 0 { 0.0 } else { 1.0 }).collect::<Vec<f32>>(), 6, &Device::Cpu)?
+                .to_dtype(t[0].dtype())?;
+            lp.gather(&idx, 1)?.squeeze(1)?.neg()? * mask
+        };
+        let got = cross_entropy_rows(&logits, &targets).unwrap();
+        assert!(max_rel(&got, &composite(std::slice::from_ref(&logits)).unwrap()) < 1e-5);
+        let var = [Var::from_tensor(&logits).unwrap()];
+        let fused = grads(&var, &probe, &|t| cross_entropy_rows(&t[0], &targets));
+        let reference = grads(&var, &probe, &composite);
+        assert!(max_rel(&fused[0], &reference[0]) < 1e-4);
+        check_fd(&[logits], 0, &probe, &fused[0], &composite);
+        assert!(cross_entropy_rows(&rand(&[2, 4], 9, 1.0), &[4, 0]).is_err());
+    }
+
+    #[test]
+    fn rope_matches_rope_slow_and_finite_differences() {
+        let x = rand(&[2, 3, 5, 16], 10, 2.0);
+        let (cos, sin) = (rand(&[5, 8], 11, 1.0), rand(&[5, 8], 12, 1.0));
+        let probe = rand(&[2, 3, 5, 16], 13, 1.0);
+        let composite = |t: &[Tensor]| candle_nn::rotary_emb::rope_slow(&t[0], &cos.to_dtype(t[0].dtype())?, &sin.to_dtype(t[0].dtype())?);
+        assert!(max_rel(&rope(&x, &cos, &sin).unwrap(), &composite(std::slice::from_ref(&x)).unwrap()) < 1e-5);
+        let var = [Var::from_tensor(&x).unwrap()];
+        let fused = grads(&var, &probe, &|t| rope(&t[0], &cos, &sin));
+        let reference = grads(&var, &probe, &composite);
+        assert!(max_rel(&fused[0], &reference[0]) < 1e-5);
+        check_fd(std::slice::from_ref(&x), 0, &probe, &fused[0], &composite);
+        // Token-major (batch, seq, heads, head_dim): the same rotation, transposed.
+        let xt = x.transpose(1, 2).unwrap().contiguous().unwrap();
+        let want = rope(&x, &cos, &sin).unwrap().transpose(1, 2).unwrap();
+        assert!(max_rel(&rope_token_major(&xt, &cos, &sin).unwrap(), &want) < 1e-6);
+        let var = [Var::from_tensor(&xt).unwrap()];
+        let probe_t = probe.transpose(1, 2).unwrap().contiguous().unwrap();
+        let token_major = grads(&var, &probe_t, &|t| rope_token_major(&t[0], &cos, &sin));
+        assert!(max_rel(&token_major[0], &fused[0].transpose(1, 2).unwrap()) < 1e-6);
+    }
+}

@@ -1,0 +1,159 @@
+//! The first half of a Llama MLP for training on CPU, `silu(x W_gateᵀ) ∘ (x W_upᵀ)`, as one candle
+//! op. As three ops (two `linear`s, then `swiglu`), candle's backward adds each of gate's and
+//! up's gradients to a zero tensor of their (tokens, intermediate) size first (a memset on the
+//! calling thread while the pool waits, then a sum), and x's two gradients, one from each
+//! product, into a third: here gate and up are never graph nodes (the op keeps them for its
+//! backward), and x's gradient is one buffer, the second product added into the first's.
+//! The values are those of the three ops: the same products, the same SwiGLU kernel.
+
+use std::sync::Mutex;
+
+use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
+
+use crate::fused::{swiglu_grads, swiglu_values};
+use crate::linear::weight_grad;
+use crate::weight_grads::WeightGradTarget;
+use crate::{cpu_f32_values, f32_slice};
+use kernels::matmul::parallel::{input_grad_sum, product_wt};
+
+/// `silu(x · w_gateᵀ) ∘ (x · w_upᵀ)` for x (.., in) and both weights (intermediate, in):
+/// (.., intermediate). Each weight's gradient goes to its sink when given (see
+/// `linear::linear_to`). f32 on the CPU (see [`crate::applies`]).
+pub fn swiglu_linear_to(x: &Tensor, w_gate: &Tensor, w_up: &Tensor, grad_to: [Option<WeightGradTarget>; 2]) -> Result<Tensor> {
+    let (inter, in_dim) = w_gate.dims2()?;
+    if w_up.dims() != w_gate.dims() || x.dim(candle_core::D::Minus1)? != in_dim {
+        candle_core::bail!("gated MLP: input {:?} for a gate weight {:?} and an up weight {:?}", x.dims(), w_gate.dims(), w_up.dims());
+    }
+    let op = GatedUp { grad_to, saved: Mutex::new(None), inter };
+    x.contiguous()?.apply_op3(&w_gate.contiguous()?, &w_up.contiguous()?, op)
+}
+
+struct GatedUp {
+    grad_to: [Option<WeightGradTarget>; 2],
+    /// The forward's gate and up products, for the backward (which takes them: one backward
+    /// per forward, as training runs it).
+    saved: Mutex<Option<(Vec<f32>, Vec<f32>)>>,
+    inter: usize,
+}
+
+impl CustomOp3 for GatedUp {
+    fn name(&self) -> &'static str {
+        "fused-gated-mlp"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+        us: &CpuStorage,
+        ul: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x, w_gate, w_up) = (f32_slice(xs, xl)?, f32_slice(gs, gl)?, f32_slice(us, ul)?);
+        let in_dim = gl.dims()[1];
+        let gate = product_wt(x, w_gate, self.inter, in_dim);
+        let up = product_wt(x, w_up, self.inter, in_dim);
+        let h = swiglu_values(&gate, &up);
+        *self.saved.lock().expect("the gated MLP's saved products") = Some((gate, up));
+        let mut dims = xl.dims().to_vec();
+        *dims.last_mut().expect("checked: x has an `in` dimension") = self.inter;
+        Ok((CpuStorage::F32(h), Shape::from(dims)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w_gate: &Tensor,
+        w_up: &Tensor,
+        _h: &Tensor,
+        gh: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let Some((gate, up)) = self.saved.lock().expect("the gated MLP's saved products").take() else {
+            candle_core::bail!("gated MLP: a second backward through the same forward")
+        };
+        let gh = gh.contiguous()?;
+        let ((gs, gl), (wgs, wgl), (wus, wul)) = (gh.storage_and_layout(), w_gate.storage_and_layout(), w_up.storage_and_layout());
+        let grads = swiglu_grads(&gate, &up, cpu_f32_values(&gs, gl)?);
+        drop((gate, up));
+        let (in_dim, inter, n) = (w_gate.dim(1)?, self.inter, gh.elem_count());
+        let rows = n / inter;
+        // dx = d_gate · W_gate + d_up · W_up, into one buffer.
+        let (d_gate, d_up) = grads.split_at(n);
+        let terms = [(d_gate, cpu_f32_values(&wgs, wgl)?, inter), (d_up, cpu_f32_values(&wus, wul)?, inter)];
+        let dx = input_grad_sum(rows, in_dim, &terms);
+        drop(((gs, gl), (wgs, wgl), (wus, wul)));
+        let dx = Tensor::from_vec(dx, x.shape(), x.device())?;
+        // Each weight's gradient from its half of the buffer (views, no copies).
+        let grads = Tensor::from_vec(grads, (2, rows, inter), x.device())?;
+        let [to_gate, to_up] = self.grad_to.each_ref().map(Option::as_ref);
+        let dw_gate = weight_grad(x, w_gate, grads.get(0)?, to_gate)?;
+        let dw_up = weight_grad(x, w_up, grads.get(1)?, to_up)?;
+        Ok((Some(dx), dw_gate, dw_up))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::linear::linear;
+    use crate::testing::{check_fd, grads, max_rel, rand};
+    use crate::weight_grads::WeightGrads;
+    use candle_core::{Device, Var};
+
+    /// The three ops it replaces: two products, then the SwiGLU.
+    fn three_ops(t: &[Tensor]) -> Result<Tensor> {
+        crate::fused::swiglu(&linear(&t[0], &t[1])?, &linear(&t[0], &t[2])?)
+    }
+
+    /// The same in candle's composite ops, at any dtype (finite differences run in f64).
+    fn composite(t: &[Tensor]) -> Result<Tensor> {
+        let product = |w: &Tensor| t[0].broadcast_matmul(&w.t()?);
+        candle_nn::ops::silu(&product(&t[1])?)? * product(&t[2])?
+    }
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+    }
+
+    #[test]
+    fn matches_the_three_ops_and_finite_differences() {
+        let (x, w_gate, w_up) = (rand(&[2, 7, 24], 51, 1.0), rand(&[40, 24], 52, 0.5), rand(&[40, 24], 53, 0.5));
+        let inputs = [x.clone(), w_gate.clone(), w_up.clone()];
+        let fused = |t: &[Tensor]| swiglu_linear_to(&t[0], &t[1], &t[2], [None, None]);
+        assert_eq!(bits(&fused(&inputs).unwrap()), bits(&three_ops(&inputs).unwrap()), "not the three ops' values");
+        let probe = rand(&[2, 7, 40], 54, 1.0);
+        let vars = inputs.each_ref().map(|t| Var::from_tensor(t).unwrap());
+        let got = grads(&vars, &probe, &fused);
+        let want = grads(&vars, &probe, &three_ops);
+        for (which, (a, w)) in got.iter().zip(&want).enumerate() {
+            assert!(max_rel(a, w) < 1e-6, "input {which}: {}", max_rel(a, w));
+            check_fd(&inputs, which, &probe, a, &composite);
+        }
+        let loss = (fused(&vars.each_ref().map(|v| v.as_tensor().clone())).unwrap() * &probe).unwrap().sum_all().unwrap();
+        loss.backward().unwrap();
+        assert!(loss.backward().is_err(), "the forward's products were taken by the first backward");
+        assert!(swiglu_linear_to(&x, &w_gate, &rand(&[41, 24], 55, 0.5), [None, None]).is_err(), "weights of two shapes");
+        assert!(swiglu_linear_to(&rand(&[2, 7, 23], 56, 1.0), &w_gate, &w_up, [None, None]).is_err(), "an input of the wrong width");
+    }
+
+    /// With sinks, each weight's gradient goes to its own, as the linear layers' do, and
+    /// candle's store gets none for them.
+    #[test]
+    fn the_weight_gradients_go_to_their_sinks() {
+        let (x, w_gate, w_up) = (rand(&[2, 7, 24], 61, 1.0), rand(&[40, 24], 62, 0.5), rand(&[40, 24], 63, 0.5));
+        let vars = [&x, &w_gate, &w_up].map(|t| Var::from_tensor(t).unwrap());
+        let probe = rand(&[2, 7, 40], 64, 1.0);
+        let want = grads(&vars, &probe, &three_ops);
+        let sink = WeightGrads::new();
+        let to = |name: &str| Some(WeightGradTarget { sink: sink.clone(), name: name.into() });
+        let h = swiglu_linear_to(vars[0].as_tensor(), vars[1].as_tensor(), vars[2].as_tensor(), [to("gate"), to("up")]).unwrap();
+        let store = (h * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+        assert!(store.get(vars[1].as_tensor()).is_none() && store.get(vars[2].as_tensor()).is_none());
+        assert!(max_rel(store.get(vars[0].as_tensor()).unwrap(), &want[0]) < 1e-6);
+        for (name, want) in [("gate", &want[1]), ("up", &want[2])] {
+            let got = sink.take(name).expect("deposited").into_tensor(&Device::Cpu).unwrap();
+            assert!(max_rel(&got, want) < 1e-6, "{name}: {}", max_rel(&got, want));
+        }
+    }
+}

@@ -1,0 +1,63 @@
+//! Tensor ops with their backward (the candle-nn role), over the `kernels` crate: each op is one
+//! entry point that takes candle tensors, checks whether its fused CPU kernels apply (f32 on the
+//! CPU: [`applies`]) and otherwise composes candle's ops, so the model code only says which op
+//! it calls.
+//!
+//! - `fused`: RMSNorm, rope, SwiGLU; `gated_mlp`: an MLP's gate and up products with their
+//!   SwiGLU; `attention`: causal/packed attention with an online softmax; `self_attention`:
+//!   q/k/v, RoPE and attention as one op; `linear`: `x · wᵀ` with its backward; `head_loss`: the
+//!   head and cross-entropy fused, by rows; `embedding`: the lookup whose weight gradient is
+//!   made by rows; `weight_grads`: the sink those ops hand their weight gradients to (no
+//!   vocabulary-sized gradient tensor, no zeroed weight-sized one);
+//! - generation's products and attention: `gemv` (a few rows, f32 / f16 / bf16 weights),
+//!   `quant` (llama.cpp's block formats), `kv_attention` (over the KV cache's blocks in place),
+//!   `lora_rows` (the serving adapters' updates of a batch, each on its rows);
+//! - `eager_attention`: attention composed of candle's ops for every device, one graph node with
+//!   its own backward, whose softmax on a GPU is `attention_softmax_cuda`'s two kernels;
+//!   `cuda_args`: a GPU tensor as a kernel argument;
+//! - `testing`: what the ops' and the models' tests share (random tensors, finite differences).
+
+pub mod attention;
+#[cfg(feature = "cuda")]
+mod attention_softmax_cuda;
+#[cfg(feature = "cuda")]
+pub mod cuda_args;
+pub mod eager_attention;
+pub mod embedding;
+pub mod fused;
+pub mod gated_mlp;
+pub mod gemv;
+pub mod head_loss;
+pub mod kv_attention;
+pub mod linear;
+pub mod lora_rows;
+pub mod quant;
+pub mod self_attention;
+#[doc(hidden)]
+pub mod testing;
+pub mod weight_grads;
+
+use candle_core::{CpuStorage, DType, Layout, Result, Tensor};
+
+/// Whether the fused CPU kernels take `x` (f32 on the CPU); other devices and dtypes take
+/// candle's composite ops.
+pub fn applies(x: &Tensor) -> bool {
+    x.device().is_cpu() && x.dtype() == DType::F32
+}
+
+/// The f32 values of a contiguous CPU input of a custom op (every fused op's inputs are).
+pub fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&s.as_slice::<f32>()?[a..b]),
+        None => candle_core::bail!("fused op: the input is not contiguous"),
+    }
+}
+
+/// The f32 values of a contiguous tensor's storage, which must be on the CPU (for kernels that
+/// read tensors in place: `lora_rows`, the KV cache's attention).
+pub fn cpu_f32_values<'a>(storage: &'a candle_core::Storage, layout: &Layout) -> Result<&'a [f32]> {
+    match storage {
+        candle_core::Storage::Cpu(cpu) => f32_slice(cpu, layout),
+        _ => candle_core::bail!("a tensor read in place is not on the CPU"),
+    }
+}
