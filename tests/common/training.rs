@@ -93,3 +93,21 @@ pub fn assert_step_one_gradients_match(what: &str, dir: &Path, ac: bool, referen
     assert_eq!(checked + tied_extra, expected, "{what}: every parameter compared");
     grads
 }
+
+/// Every tensor of the safetensors files in `dir`.
+pub fn weights(dir: &Path) -> HashMap<String, Tensor> {
+    let mut all = HashMap::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "safetensors") {
+            all.extend(candle_core::safetensors::load(&p, &Device::Cpu).unwrap());
+        }
+    }
+    all
+}
+
+/// Largest absolute difference between two sets of the same tensors.
+pub fn max_weight_diff(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().map(|(k, t)| (t - &b[k]).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()).fold(0.0, f32::max)
+}
