@@ -22,6 +22,7 @@ token loss divided by the target tokens of the whole step (transformers' Trainer
 Holds the 12 losses and gradient norms.
 """
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -29,7 +30,6 @@ import tempfile
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, get_scheduler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_training_reference as base  # noqa: E402
@@ -70,42 +70,12 @@ def adamw_reference():
 
 
 def accumulation_reference(binary):
-    import json
-
     rows = [json.loads(line) for line in open(os.path.join(base.HERE, "train-data.jsonl"))]
     with tempfile.TemporaryDirectory() as work:
         d = os.path.join(work, "llama")
         subprocess.run([binary, "fixture", "--name", "llama", "--out", d], check=True)
-        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
-        model.train()
-        pad_id = model.config.eos_token_id
-        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": base.WD}, {"params": no_decay, "weight_decay": 0.0}],
-                                lr=base.LR, betas=(0.9, 0.999), eps=1e-8)
-        sched = get_scheduler("linear", opt, num_warmup_steps=base.WARMUP, num_training_steps=base.STEPS)
-        losses, norms = [], []
-        for step in range(base.STEPS):
-            batch = [base.pad(r, pad_id) for r in rows[step * base.BATCH:(step + 1) * base.BATCH]]
-            labels_all = torch.tensor([b[1] for b in batch])
-            count = (labels_all[:, 1:] != -100).sum()
-            opt.zero_grad()
-            step_loss = 0.0
-            for micro in (batch[:2], batch[2:]):
-                ids = torch.tensor([b[0] for b in micro])
-                labels = torch.tensor([b[1] for b in micro])
-                logits = model(ids).logits.float()
-                loss_sum = torch.nn.functional.cross_entropy(
-                    logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
-                loss = loss_sum / count
-                loss.backward()
-                step_loss += loss.item()
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), base.CLIP).item())
-            opt.step()
-            sched.step()
-            losses.append(step_loss)
-    save_file({"losses": torch.tensor(losses, dtype=torch.float64), "grad_norms": torch.tensor(norms, dtype=torch.float64)},
-              os.path.join(base.HERE, "training-llama-accum.safetensors"))
+        losses, _, norms = base.train(d, rows, micro_batches=2)
+    base.save(os.path.join(base.HERE, "training-llama-accum.safetensors"), losses, {}, norms)
     print(f"accumulated: losses {[round(x, 4) for x in losses]}", file=sys.stderr)
 
 

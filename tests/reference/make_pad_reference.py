@@ -19,8 +19,6 @@ import sys
 import tempfile
 
 import torch
-from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, get_scheduler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_training_reference as base  # noqa: E402
@@ -44,39 +42,10 @@ def main():
         cfg = json.load(open(cfg_path))
         cfg["pad_token_id"] = PAD
         json.dump(cfg, open(cfg_path, "w"), indent=2)
-        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
-        assert model.model.embed_tokens.padding_idx == PAD
-        model.train()
-        pad_id = model.config.eos_token_id
-        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": base.WD}, {"params": no_decay, "weight_decay": 0.0}],
-                                lr=base.LR, betas=(0.9, 0.999), eps=1e-8)
-        sched = get_scheduler("linear", opt, num_warmup_steps=base.WARMUP, num_training_steps=base.STEPS)
-        losses, grads0, norms = [], {}, []
-        for step in range(base.STEPS):
-            batch = [base.pad(r, pad_id) for r in rows[step * base.BATCH:(step + 1) * base.BATCH]]
-            ids = torch.tensor([b[0] for b in batch])
-            labels = torch.tensor([b[1] for b in batch])
-            logits = model(ids).logits.float()
-            shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1])
-            shift_labels = labels[:, 1:].reshape(-1)
-            loss_sum = torch.nn.functional.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")
-            loss = loss_sum / (shift_labels != -100).sum()
-            opt.zero_grad()
-            loss.backward()
-            if step == 0:
-                grads0 = {n: p.grad.detach().clone().contiguous() for n, p in model.named_parameters()}
-                assert grads0["model.embed_tokens.weight"][PAD].abs().max() == 0
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), base.CLIP).item())
-            opt.step()
-            sched.step()
-            losses.append(loss.item())
-    out = dict(grads0)
-    out["losses"] = torch.tensor(losses, dtype=torch.float64)
-    out["grad_norms"] = torch.tensor(norms, dtype=torch.float64)
-    out["pad_token_id"] = torch.tensor([PAD], dtype=torch.int64)
-    save_file(out, os.path.join(base.HERE, "training-llama-pad.safetensors"))
+        losses, grads0, norms = base.train(d, rows)
+        assert grads0["model.embed_tokens.weight"][PAD].abs().max() == 0, "transformers' padding_idx"
+    base.save(os.path.join(base.HERE, "training-llama-pad.safetensors"), losses, grads0, norms,
+              {"pad_token_id": torch.tensor([PAD], dtype=torch.int64)})
     print(f"llama with pad {PAD}: losses {[round(x, 4) for x in losses]}", file=sys.stderr)
 
 

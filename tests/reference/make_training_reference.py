@@ -49,10 +49,12 @@ def pad(row, pad_id):
     return ids, labels
 
 
-def run(binary, name, rows, work):
-    d = os.path.join(work, name)
-    subprocess.run([binary, "fixture", "--name", name, "--out", d], check=True)
-    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+def train(model_dir, rows, micro_batches=1):
+    """The 12 AdamW steps of fsdp-app's reference run on the model in `model_dir`: each step's
+    rows in `micro_batches` micro-batches, each micro-batch's summed token loss divided by the
+    target tokens of the whole step (so accumulation gives the gradients of one batch).
+    Returns (losses, step-1 gradients by name, gradient norms before clipping)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     model.train()
     pad_id = model.config.eos_token_id
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -61,29 +63,46 @@ def run(binary, name, rows, work):
                             lr=LR, betas=(0.9, 0.999), eps=1e-8)
     sched = get_scheduler("linear", opt, num_warmup_steps=WARMUP, num_training_steps=STEPS)
     losses, grads0, norms = [], {}, []
+    per_micro = BATCH // micro_batches
     for step in range(STEPS):
         batch = [pad(r, pad_id) for r in rows[step * BATCH:(step + 1) * BATCH]]
-        ids = torch.tensor([b[0] for b in batch])
-        labels = torch.tensor([b[1] for b in batch])
-        logits = model(ids).logits.float()
-        shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1])
-        shift_labels = labels[:, 1:].reshape(-1)
-        loss_sum = torch.nn.functional.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")
-        count = (shift_labels != -100).sum()
-        loss = loss_sum / count
+        count = (torch.tensor([b[1] for b in batch])[:, 1:] != -100).sum()
         opt.zero_grad()
-        loss.backward()
+        step_loss = 0.0
+        for m in range(micro_batches):
+            micro = batch[m * per_micro:(m + 1) * per_micro]
+            ids = torch.tensor([b[0] for b in micro])
+            labels = torch.tensor([b[1] for b in micro])
+            logits = model(ids).logits.float()
+            shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1])
+            shift_labels = labels[:, 1:].reshape(-1)
+            loss_sum = torch.nn.functional.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")
+            loss = loss_sum / count
+            loss.backward()
+            step_loss += loss.item()
         if step == 0:
             grads0 = {n: p.grad.detach().clone().contiguous() for n, p in model.named_parameters()}
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         sched.step()
-        losses.append(loss.item())
+        losses.append(step_loss)
         norms.append(norm.item())
+    return losses, grads0, norms
+
+
+def save(path, losses, grads0, norms, extra=None):
     out = dict(grads0)
     out["losses"] = torch.tensor(losses, dtype=torch.float64)
     out["grad_norms"] = torch.tensor(norms, dtype=torch.float64)
-    save_file(out, os.path.join(HERE, f"training-{name}.safetensors"))
+    out.update(extra or {})
+    save_file(out, path)
+
+
+def run(binary, name, rows, work):
+    d = os.path.join(work, name)
+    subprocess.run([binary, "fixture", "--name", name, "--out", d], check=True)
+    losses, grads0, norms = train(d, rows)
+    save(os.path.join(HERE, f"training-{name}.safetensors"), losses, grads0, norms)
     print(f"{name}: losses {[round(x, 4) for x in losses]}", file=sys.stderr)
 
 

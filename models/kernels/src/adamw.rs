@@ -83,9 +83,9 @@ fn update_chunk(level: SimdLevel, k: AdamWConstants, param: &mut [f32], grad: &[
 }
 
 /// The update of one chunk, the scalar reference: torch's IEEE operations in torch's order, its
-/// one fused multiply-add (the moment's `lerp_`) written as `mul_add` and no other (Rust never
-/// contracts on its own), so the vector copies below compute exactly what this loop does,
-/// several lanes at a time.
+/// fused multiply-adds (in the moments' `lerp_` and `addcmul_`) written as `mul_add` and no
+/// others (Rust never contracts on its own), so the vector copies below compute exactly what
+/// this loop does, several lanes at a time.
 #[inline(always)]
 fn chunk(k: AdamWConstants, param: &mut [f32], grad: &[f32], ms: &mut [f32], vs: &mut [f32]) {
     for (((p, &g), m), v) in param.iter_mut().zip(grad).zip(ms.iter_mut()).zip(vs.iter_mut()) {
@@ -96,15 +96,17 @@ fn chunk(k: AdamWConstants, param: &mut [f32], grad: &[f32], ms: &mut [f32], vs:
         if let Some(decay) = k.decay {
             *p *= decay;
         }
-        // torch's `lerp_` for a weight under 0.5: `m + w * (g - m)` as one fused multiply-add.
+        // torch's CPU kernels: `lerp_` (weight under 0.5) is `m + w * (g - m)` as one fused
+        // multiply-add, `addcmul_` is `v * b2 + ((1 - b2) * g) * g` with the last product fused,
+        // and `addcdiv_` is `p + (-step_size * m) / denom`.
         *m = k.one_minus_b1.mul_add(g - *m, *m);
-        *v = *v * k.b2 + k.one_minus_b2 * g * g;
+        *v = (k.one_minus_b2 * g).mul_add(g, *v * k.b2);
         let denom = v.sqrt() / k.bc2_sqrt + k.eps;
-        *p -= k.step_size * (*m / denom);
+        *p += (-k.step_size * *m) / denom;
     }
 }
 
-/// [`chunk`] compiled for AVX-512 (FMA for its one `mul_add`; Rust contracts nothing else).
+/// [`chunk`] compiled for AVX-512 (FMA for its `mul_add`s; Rust contracts nothing else).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
 unsafe fn chunk_avx512(k: AdamWConstants, param: &mut [f32], grad: &[f32], ms: &mut [f32], vs: &mut [f32]) {

@@ -115,10 +115,7 @@ mod x86 {
 mod tests {
     use super::*;
 
-    fn data(n: usize, seed: u64) -> Vec<f32> {
-        let mut r = crate::rng::SplitMix64(seed);
-        (0..n).map(|_| r.next_signed()).collect()
-    }
+    use crate::rng::signed_values as data;
 
     /// Every level this CPU has gives the row-by-row results, for row counts with and without a
     /// tail of the four-row pass and widths with and without a tail of 64.

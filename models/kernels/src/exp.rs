@@ -150,10 +150,7 @@ mod x86 {
 mod tests {
     use super::*;
 
-    fn data(n: usize, seed: u64) -> Vec<f32> {
-        let mut r = crate::rng::SplitMix64(seed);
-        (0..n).map(|_| r.next_signed()).collect()
-    }
+    use crate::rng::signed_values as data;
 
     #[test]
     fn exp_is_within_two_ulp_on_every_level() {

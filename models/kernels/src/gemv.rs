@@ -183,10 +183,7 @@ mod tests {
     use super::*;
     use candle_core::{DType, Device, Tensor};
 
-    fn data(n: usize, seed: u64) -> Vec<f32> {
-        let mut r = crate::rng::SplitMix64(seed);
-        (0..n).map(|_| r.next_signed()).collect()
-    }
+    use crate::rng::signed_values as data;
 
     /// Every level this CPU has gives candle's matmul, for odd sizes (tails) and 1-4 rows.
     #[test]

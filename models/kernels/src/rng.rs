@@ -23,3 +23,9 @@ impl SplitMix64 {
         ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 }
+
+/// `n` values uniform in [-1, 1) from `seed`: test inputs and fixture weights.
+pub fn signed_values(n: usize, seed: u64) -> Vec<f32> {
+    let mut r = SplitMix64(seed);
+    (0..n).map(|_| r.next_signed()).collect()
+}

@@ -90,10 +90,7 @@ pub fn gemv_t_many(x: &Tensor, ws: &[&Tensor]) -> Result<Option<Vec<Tensor>>> {
 mod tests {
     use super::*;
 
-    fn data(n: usize, seed: u64) -> Vec<f32> {
-        let mut r = kernels::rng::SplitMix64(seed);
-        (0..n).map(|_| r.next_signed()).collect()
-    }
+    use kernels::rng::signed_values as data;
 
     /// Several matrices in one region (q/k/v-like, sizes that make the threads' ranges span
     /// two matrices) give what each gives alone, bit for bit.

@@ -49,7 +49,5 @@ pub fn check_fd(inputs: &[Tensor], which: usize, probe: &Tensor, analytic: &Tens
 
 /// An f32 CPU tensor of `dims` with values uniform in [-1, 1) from `seed` (kernel tests' inputs).
 pub fn random_tensor(dims: &[usize], seed: u64) -> Tensor {
-    let mut r = kernels::rng::SplitMix64(seed);
-    let values: Vec<f32> = (0..dims.iter().product()).map(|_| r.next_signed()).collect();
-    Tensor::from_vec(values, dims, &Device::Cpu).unwrap()
+    Tensor::from_vec(kernels::rng::signed_values(dims.iter().product(), seed), dims, &Device::Cpu).unwrap()
 }

@@ -1,7 +1,7 @@
 // AdamW on a GPU: one pass over an f32 chunk, the host loop's arithmetic (models/kernels/src/
 // adamw.rs, `chunk`) operation by operation. Compiled at run time by NVRTC with --fmad=false, so
-// that no multiply and add are contracted into one rounding but the one fmaf the loop (and
-// torch's lerp) has: the same IEEE operations as the CPU, the same values.
+// that no multiply and add are contracted into one rounding but the fmafs the loop (and torch's
+// lerp and addcmul) has: the same IEEE operations as the CPU, the same values.
 //
 // The moments are updated in place; the new parameters go to `out` (a fresh chunk: the old one
 // may still be read through a gathered parameter that shares it).
@@ -20,11 +20,11 @@ extern "C" __global__ void adamw_f32(const float *param, const float *grad, floa
     float p = param[i];
     if (k.has_decay) p = p * k.decay;
     float m = exp_avg[i];
-    // torch's lerp: one fused multiply-add (the rest of the step has none).
+    // torch's CPU kernels: lerp and addcmul end in a fused multiply-add, addcdiv divides last.
     m = fmaf(k.one_minus_b1, g - m, m);
-    float v = exp_avg_sq[i] * k.b2 + k.one_minus_b2 * g * g;
+    float v = fmaf(k.one_minus_b2 * g, g, exp_avg_sq[i] * k.b2);
     float denom = sqrtf(v) / k.bc2_sqrt + k.eps;
-    out[i] = p - k.step_size * (m / denom);
+    out[i] = p + (-k.step_size * m) / denom;
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
   }

@@ -249,10 +249,7 @@ mod tests {
     /// The vector quantiser rounds exactly as the plain one.
     #[test]
     fn activation_quantisation_is_the_same_at_every_level() {
-        let x = {
-            let mut r = crate::rng::SplitMix64(5);
-            (0..4 * BLOCK).map(|_| r.next_signed()).collect::<Vec<f32>>()
-        };
+        let x = crate::rng::signed_values(4 * BLOCK, 5);
         // Ties and zeros too: values on the half steps of a block whose max is 127.
         let mut ties: Vec<f32> = (0..BLOCK).map(|i| i as f32 - 15.5).collect();
         ties[0] = 127.0;
