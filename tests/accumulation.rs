@@ -5,13 +5,9 @@
 
 mod common;
 
+use common::training::max_rel_diff;
 use common::*;
 use fsdp_app::train::finetune::run_local;
-
-fn max_rel_diff(a: &[f64], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(1e-12)).fold(0.0, f64::max)
-}
 
 #[test]
 fn accumulated_micro_batches_train_as_pytorch_does() {

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
-use common::training::{assert_step_one_gradients_match, engine_for, max_weight_diff, weights};
+use common::training::{assert_step_one_gradients_match, engine_for, max_rel_diff, max_weight_diff, weights};
 use common::*;
 use fsdp_app::fsdp::plan::ShardingStrategy;
 use fsdp_app::train::finetune::{run_local, FinetuneConfig, RunSummary};
@@ -22,10 +22,6 @@ fn training_data() -> PathBuf {
 /// The configuration the PyTorch reference used (see make_training_reference.py).
 fn reference_config(model: &Path, out: &Path) -> FinetuneConfig {
     reference_training_config(model, out)
-}
-
-fn max_rel_diff(a: &[f64], b: &[f64]) -> f64 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(1e-12)).fold(0.0, f64::max)
 }
 
 /// Largest per-tensor relative difference, ||a - b|| / ||b|| (Frobenius norms).

@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
+use common::training::max_rel_diff;
 use common::*;
 use fsdp_app::model_files::{load_model_with_adapter, resolve_model};
 use fsdp_app::train::finetune::{run_local, FinetuneConfig};
@@ -19,11 +20,6 @@ fn peft_adapter() -> PathBuf {
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
-}
-
-fn max_rel_diff(a: &[f64], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(1e-12)).fold(0.0, f64::max)
 }
 
 fn logits_with(model: &Path, adapter: Option<&Path>, ids: &[u32]) -> Tensor {

@@ -8,7 +8,7 @@ mod common;
 
 use std::path::Path;
 
-use common::training::assert_step_one_gradients_match;
+use common::training::{assert_step_one_gradients_match, max_rel_diff};
 use common::*;
 use fsdp_app::train::finetune::run_local;
 
@@ -20,10 +20,6 @@ fn fixture_with_pad(root: &Path, pad: u32) -> std::path::PathBuf {
     cfg["pad_token_id"] = pad.into();
     std::fs::write(&path, serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
     dir
-}
-
-fn max_rel_diff(a: &[f64], b: &[f64]) -> f64 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(1e-12)).fold(0.0, f64::max)
 }
 
 #[test]

@@ -111,3 +111,9 @@ pub fn max_weight_diff(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>)
     assert_eq!(a.len(), b.len());
     a.iter().map(|(k, t)| (t - &b[k]).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()).fold(0.0, f32::max)
 }
+
+/// Largest relative difference between two series of the same length (losses, grad norms).
+pub fn max_rel_diff(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(1e-12)).fold(0.0, f64::max)
+}
