@@ -1,7 +1,8 @@
-//! docs/usage.md's examples run as written. Every command of its usage block (the bash block
-//! that makes `./tiny-llama`) runs with bash, unchanged and in the page's order, in a scratch
-//! directory laid out as the examples assume (train.jsonl, chat.jsonl, chat.parquet, pairs.jsonl, configs/,
-//! ./my-model, model.gguf, target/smollm2-hf), with this build as `fsdp-app` on PATH.
+//! The docs' examples run as written. Every command of the `sh` blocks of the command and API
+//! pages ([`PAGES`], in that order) runs with bash, unchanged, in a scratch directory laid out as
+//! the examples assume (train.jsonl, chat.jsonl, chat.parquet, pairs.jsonl, configs/, ./my-model,
+//! model.gguf, target/smollm2-hf), with this build as `fsdp-app` on PATH; a docs page with an
+//! `fsdp-app` or `curl` example that is not in [`PAGES`] fails the test.
 //!
 //! What the test sets around the commands, never in them:
 //! - HF_ENDPOINT points at a local Hub (`common::hub`) that holds a tiny model under the id the
@@ -20,30 +21,63 @@ use common::hub::{dir_files, HubServer};
 use common::*;
 use serde_json::Value;
 
-/// The commands of docs/usage.md's usage block, each continuation (`\` or an open quote) joined.
+/// The pages whose examples run, in the order they run: models.md's `fixture` makes the
+/// ./tiny-llama the fine-tuning examples train, serve.md's server answers the pages after it.
+const PAGES: [&str; 6] = ["models.md", "generate.md", "finetune.md", "serve.md", "responses.md", "fine-tuning-jobs.md"];
+
+/// Pages whose examples need what CI's machine lacks (a GPU); docs/gpu.md says how to run them.
+const NOT_RUN: [&str; 1] = ["gpu.md"];
+
+fn docs_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("docs")
+}
+
+/// The `sh` blocks of a markdown page.
+fn sh_blocks(page: &str) -> Vec<&str> {
+    page.split("```").skip(1).step_by(2).filter_map(|b| b.strip_prefix("sh\n")).collect()
+}
+
+/// The commands of the pages' `sh` blocks, each continuation (`\` or an open quote) joined.
 fn usage_commands() -> Vec<String> {
-    let page = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs").join("usage.md")).unwrap();
-    let blocks: Vec<&str> = page.split("```").skip(1).step_by(2).collect();
-    let usage = blocks
-        .iter()
-        .find(|b| b.contains("fsdp-app fixture --name llama --out ./tiny-llama"))
-        .expect("docs/usage.md has no usage block making ./tiny-llama");
     let mut commands = vec![];
-    let mut pending = String::new();
-    for line in usage.lines().skip(1) {
-        let line = line.trim_end();
-        if pending.is_empty() && (line.trim().is_empty() || line.trim_start().starts_with('#')) {
-            continue;
+    for name in PAGES {
+        let page = std::fs::read_to_string(docs_dir().join(name)).unwrap_or_else(|e| panic!("docs/{name}: {e}"));
+        let blocks = sh_blocks(&page);
+        assert!(!blocks.is_empty(), "docs/{name} has no sh block of examples");
+        for block in blocks {
+            let mut pending = String::new();
+            for line in block.lines() {
+                let line = line.trim_end();
+                if pending.is_empty() && (line.trim().is_empty() || line.trim_start().starts_with('#')) {
+                    continue;
+                }
+                pending.push_str(line);
+                pending.push('\n');
+                if line.ends_with('\\') || !is_complete(&pending) {
+                    continue;
+                }
+                commands.push(std::mem::take(&mut pending));
+            }
+            assert!(pending.is_empty(), "docs/{name}: a block ends inside a command: {pending}");
         }
-        pending.push_str(line);
-        pending.push('\n');
-        if line.ends_with('\\') || !is_complete(&pending) {
-            continue;
-        }
-        commands.push(std::mem::take(&mut pending));
     }
-    assert!(pending.is_empty(), "docs/usage.md's usage block ends inside a command: {pending}");
     commands
+}
+
+/// Every docs page with an example of ours is one the test runs.
+#[test]
+fn every_page_with_examples_is_run() {
+    for entry in std::fs::read_dir(docs_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_str().unwrap().to_string();
+        let page = std::fs::read_to_string(&path).unwrap();
+        let ours = |l: &str| l.starts_with("fsdp-app ") || l.starts_with("curl ");
+        let has_examples = sh_blocks(&page).iter().any(|b| b.lines().any(ours));
+        assert!(
+            !has_examples || PAGES.contains(&name.as_str()) || NOT_RUN.contains(&name.as_str()),
+            "docs/{name} has examples that tests/docs_usage.rs does not run"
+        );
+    }
 }
 
 /// Whether bash parses `text` as complete commands (no open quote).
@@ -74,7 +108,7 @@ impl Scratch {
         eprintln!("{:5.1} s  {}", started.elapsed().as_secs_f64(), command.trim());
         assert!(
             o.status.success(),
-            "docs/usage.md's example failed ({}):\n{command}\nstderr:\n{}\nstdout:\n{}",
+            "the docs' example failed ({}):\n{command}\nstderr:\n{}\nstdout:\n{}",
             o.status,
             stderr(&o),
             stdout(&o)
@@ -109,13 +143,13 @@ fn every_usage_example_in_the_docs_runs_as_written() {
     let commands = usage_commands();
     let needs_mpi = commands.iter().any(|c| c.starts_with("mpirun"));
     if needs_mpi && !cfg!(feature = "mpi") {
-        return skip_or_fail(TEST, "docs/usage.md's mpirun example needs a build with --features mpi (README's test command has it)");
+        return skip_or_fail(TEST, "docs/finetune.md's mpirun example needs a build with --features mpi (README's test command has it)");
     }
     if needs_mpi && Command::new("mpirun").arg("--version").output().is_err() {
-        return skip_or_fail(TEST, "docs/usage.md's mpirun example needs Open MPI's mpirun (apt install openmpi-bin)");
+        return skip_or_fail(TEST, "docs/finetune.md's mpirun example needs Open MPI's mpirun (apt install openmpi-bin)");
     }
     if Command::new("curl").arg("--version").output().is_err() {
-        return skip_or_fail(TEST, "docs/usage.md's server examples use curl (apt install curl)");
+        return skip_or_fail(TEST, "docs/serve.md's server examples use curl (apt install curl)");
     }
 
     // The scratch directory as the examples assume it.
@@ -165,7 +199,7 @@ fn every_usage_example_in_the_docs_runs_as_written() {
         ran += 1;
     }
     drop(server);
-    assert!(ran >= 20, "only {ran} docs/usage.md examples ran: did the usage block's layout change?");
+    assert!(ran >= 21, "only {ran} docs examples ran: did a page's sh block change?");
     assert!(hub.requested_files().contains(&"config.json".to_string()), "the Hub example did not download from the local Hub");
 }
 
@@ -175,8 +209,8 @@ fn wait_for_health(url: &str, server: &mut Background) {
         if ureq::get(url).call().is_ok() {
             return;
         }
-        assert!(server.0.try_wait().unwrap().is_none(), "docs/usage.md's serve example exited");
-        assert!(Instant::now() < deadline, "docs/usage.md's serve example did not answer {url} within 120 s");
+        assert!(server.0.try_wait().unwrap().is_none(), "docs/serve.md's serve example exited");
+        assert!(Instant::now() < deadline, "docs/serve.md's serve example did not answer {url} within 120 s");
         std::thread::sleep(Duration::from_millis(200));
     }
 }
@@ -211,6 +245,10 @@ fn check_curl_answer(command: &str, o: &Output, file_id: &mut Option<String>) {
     eprintln!("         -> {}", text.chars().take(300).collect::<String>().replace('\n', " "));
     if command.contains("/v1/chat/completions") {
         assert!(text.contains("data: [DONE]") && !text.contains("\"error\""), "{command}:\n{text}");
+    } else if command.contains("/v1/responses") {
+        let v = json_of(o, command);
+        let text = v["output"][0]["content"][0]["text"].as_str().unwrap_or_default();
+        assert!(v["object"] == "response" && !text.is_empty(), "{command}: {v}");
     } else if command.contains("/v1/files") {
         let v = json_of(o, command);
         let id = v["id"].as_str().unwrap_or_else(|| panic!("{command}: {v}"));
@@ -224,7 +262,7 @@ fn check_curl_answer(command: &str, o: &Output, file_id: &mut Option<String>) {
     }
 }
 
-/// Cancels docs/usage.md's job: training SmolLM2 for two epochs is not this test's business.
+/// Cancels docs/fine-tuning-jobs.md's job: training SmolLM2 for two epochs is not this test's business.
 fn cancel(id: &str) {
     let r = ureq::post(&format!("http://localhost:8000/v1/fine_tuning/jobs/{id}/cancel")).set("Authorization", "Bearer secret").call();
     assert!(r.is_ok(), "cancelling {id}: {r:?}");

@@ -7,6 +7,7 @@
 //! decoder layer can be built on its own from a `VarBuilder` over just that layer's tensors.
 
 pub mod config;
+pub mod ends;
 pub mod kv_cache;
 pub mod layers;
 pub mod lora;

@@ -1,31 +1,26 @@
 //! The whole causal LM: embeddings, decoder layers, final norm, LM head (tied or not).
 
-use candle_core::{DType, Module, Result, Tensor};
-use candle_nn::{Embedding, VarBuilder};
+use candle_core::{DType, Result, Tensor};
+use candle_nn::VarBuilder;
 
 use crate::config::ModelConfig;
+use crate::ends::{HeadWeight, OutputHead, TokenEmbedding};
 use crate::kv_cache::{KvCache, LayerKvCache};
 use crate::layers::{DecoderLayer, OpMode, PositionInputs, RmsNorm, Rotary};
 use crate::masks::causal_mask;
 use crate::multi_lora::RowAdapters;
-use crate::quantized::{LinearWeight, QuantizedMatrix, QuantizedWeights};
+use crate::quantized::{QuantizedMatrix, QuantizedWeights};
 
+/// The network's stages built once from a checkpoint and chained here: every position at once
+/// ([`Self::forward`]), or after a KV cache for generation. The stages are the ones a trainer
+/// chains through [`crate::LlamaStages`].
 #[derive(Debug, Clone)]
 pub struct CausalLm {
     cfg: ModelConfig,
-    embed_tokens: Embedding,
+    embed_tokens: TokenEmbedding,
     layers: Vec<DecoderLayer>,
-    norm: RmsNorm,
-    lm_head: LmHead,
+    head: OutputHead,
     rotary: Rotary,
-}
-
-/// `lm_head.weight`, dense (with tied embeddings the very same tensor as the embedding table) or
-/// quantised (a GGUF's `output.weight`, or its quantised `token_embd.weight` when tied).
-#[derive(Debug, Clone)]
-enum LmHead {
-    Dense(Tensor),
-    Quantized(QuantizedMatrix),
 }
 
 impl CausalLm {
@@ -50,18 +45,19 @@ impl CausalLm {
             Some(q) => q.dequantize(vb.device())?.to_dtype(vb.dtype())?,
             None => vb.get((cfg.vocab_size, cfg.hidden_size), EMBED)?,
         };
-        let embed_tokens = Embedding::new(embed_w.clone(), cfg.hidden_size);
+        let embed_tokens = TokenEmbedding::new(embed_w.clone(), cfg.pad_token_id);
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| DecoderLayer::with_quantized(cfg, lora, quantized, vb.pp(format!("model.layers.{i}"))))
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("model.norm"))?;
         let head_name = head_weight_name(cfg);
-        let lm_head = match quantized.get(head_name) {
-            Some(q) => LmHead::Quantized(QuantizedMatrix::new(q)?),
-            None if cfg.tie_word_embeddings => LmHead::Dense(embed_w),
-            None => LmHead::Dense(vb.get((cfg.vocab_size, cfg.hidden_size), HEAD)?),
+        let head_weight = match quantized.get(head_name) {
+            Some(q) => HeadWeight::Quantized(QuantizedMatrix::new(q)?),
+            None if cfg.tie_word_embeddings => HeadWeight::Dense(embed_w),
+            None => HeadWeight::Dense(vb.get((cfg.vocab_size, cfg.hidden_size), HEAD)?),
         };
-        Ok(Self { cfg: cfg.clone(), embed_tokens, layers, norm, lm_head, rotary: Rotary::new(cfg) })
+        let head = OutputHead::new(norm, head_weight);
+        Ok(Self { cfg: cfg.clone(), embed_tokens, layers, head, rotary: Rotary::new(cfg) })
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -69,11 +65,11 @@ impl CausalLm {
     }
 
     pub fn device(&self) -> &candle_core::Device {
-        self.embed_tokens.embeddings().device()
+        self.embed_tokens.table().device()
     }
 
     pub fn dtype(&self) -> DType {
-        self.embed_tokens.embeddings().dtype()
+        self.embed_tokens.table().dtype()
     }
 
     fn position_inputs(&self, offset: usize, q_len: usize, mode: OpMode) -> Result<PositionInputs> {
@@ -83,29 +79,16 @@ impl CausalLm {
         Ok(PositionInputs { cos, sin, mask, mode, row_seeds: None, adapters: RowAdapters::default() })
     }
 
-    fn logits(&self, h: &Tensor) -> Result<Tensor> {
-        let head = match &self.lm_head {
-            LmHead::Dense(head) => head,
-            LmHead::Quantized(w) => return LinearWeight::forward_quantized(w, None, h),
-        };
-        // Decoding's last positions: the head is the largest matrix, read once per token.
-        match ops::gemv::gemv_t(h, head)? {
-            Some(logits) => Ok(logits),
-            None => h.broadcast_matmul(&head.t()?),
-        }
-    }
-
-    /// Logits at every position, (batch, seq, vocab), no cache. Uses only differentiable ops, so it
-    /// is the training forward.
+    /// Logits at every position, (batch, seq, vocab), no cache: the stages as training runs them
+    /// (differentiable ops), chained.
     pub fn forward(&self, input_ids: &Tensor) -> Result<Tensor> {
         let (_b, t) = input_ids.dims2()?;
         let pos = self.position_inputs(0, t, OpMode::Train)?;
-        let mut h = self.embed_tokens.forward(input_ids)?;
+        let mut h = self.embed_tokens.forward(input_ids, OpMode::Train, None)?;
         for layer in &self.layers {
             h = layer.forward(&h, &pos, None)?;
         }
-        let h = self.norm.forward(&h, OpMode::Train)?;
-        self.logits(&h)
+        self.head.logits(&h, OpMode::Train)
     }
 
     /// Feeds `input_ids` (batch, new_tokens) after the cached positions and returns the logits of
@@ -114,8 +97,7 @@ impl CausalLm {
     pub fn forward_cached(&self, input_ids: &Tensor, cache: &mut KvCache, adapters: &RowAdapters) -> Result<Tensor> {
         let h = self.hidden_cached(input_ids, cache, adapters)?;
         let t = h.dim(1)?;
-        let h = self.norm.forward(&h.narrow(1, t - 1, 1)?, OpMode::Generate)?;
-        self.logits(&h)?.squeeze(1)
+        self.head.logits(&h.narrow(1, t - 1, 1)?, OpMode::Generate)?.squeeze(1)
     }
 
     /// Feeds `input_ids` after the cached positions, only to extend the cache (a chunk of a
@@ -128,8 +110,7 @@ impl CausalLm {
     /// vocab): to score a prompt as it is fed.
     pub fn forward_cached_all(&self, input_ids: &Tensor, cache: &mut KvCache, adapters: &RowAdapters) -> Result<Tensor> {
         let h = self.hidden_cached(input_ids, cache, adapters)?;
-        let h = self.norm.forward(&h, OpMode::Generate)?;
-        self.logits(&h)
+        self.head.logits(&h, OpMode::Generate)
     }
 
     /// The last layer's hidden states of the new positions, the cache extended by them.
@@ -139,7 +120,7 @@ impl CausalLm {
         let (cos, sin) = self.rotary.tables(offset, t, self.dtype(), self.device())?;
         // No mask: each layer's cache masks its own attention (see `Attention::forward`).
         let pos = PositionInputs { cos, sin, mask: None, mode: OpMode::Generate, row_seeds: None, adapters: adapters.clone() };
-        let mut h = self.embed_tokens.forward(input_ids)?;
+        let mut h = self.embed_tokens.forward(input_ids, OpMode::Generate, None)?;
         for (layer, layer_cache) in self.layers.iter().zip(cache.layers.iter_mut()) {
             h = layer.forward(&h, &pos, Some(layer_cache))?;
         }
@@ -162,12 +143,11 @@ impl CausalLm {
         let (cos, sin) = self.rotary.tables_for(&pos_u32, rows, 1, self.dtype(), dev)?;
         let pos = PositionInputs { cos, sin, mask: None, mode: OpMode::Generate, row_seeds: None, adapters: adapters.clone() };
         let input = Tensor::new(tokens, dev)?.unsqueeze(1)?;
-        let mut h = self.embed_tokens.forward(&input)?;
+        let mut h = self.embed_tokens.forward(&input, OpMode::Generate, None)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let mut layer_caches: Vec<&mut LayerKvCache> = caches.iter_mut().map(|c| &mut c.layers[i]).collect();
             h = layer.forward_decode_rows(&h, &pos, &positions, self.cfg.sliding_window, &mut layer_caches)?;
         }
-        let h = self.norm.forward(&h, OpMode::Generate)?;
-        self.logits(&h)?.squeeze(1)
+        self.head.logits(&h, OpMode::Generate)?.squeeze(1)
     }
 }

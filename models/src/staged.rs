@@ -1,4 +1,5 @@
-//! A causal LM seen as a chain of stages, each a pure function of (its parameters, its input).
+//! A causal LM seen as a chain of stages, each a pure function of (its parameters, its input):
+//! the stages of [`crate::CausalLm`] (see `ends`), built one at a time from given parameters.
 //!
 //! This is the interface a distributed engine drives without knowing the architecture: it asks
 //! which tensors each stage reads, supplies them (gathered from shards, possibly as `Var`s), and
@@ -13,6 +14,7 @@ use candle_nn::VarBuilder;
 use ops::weight_grads::{WeightGradTarget, WeightGrads};
 
 use crate::config::ModelConfig;
+use crate::ends::{HeadWeight, OutputHead, TokenEmbedding};
 use crate::layers::{DecoderLayer, OpMode, PositionInputs, RmsNorm, Rotary};
 use crate::lora::{is_adapter_tensor, layer_adapter_tensors, LoraSettings};
 use crate::masks::{causal_mask, packed_mask};
@@ -175,38 +177,18 @@ impl StagedModel for LlamaStages {
         let grad_to = |name: &str| ctx.weight_grads.clone().map(|sink| WeightGradTarget { sink, name: name.to_string() });
         if s == 0 {
             let name = crate::tensors::EMBED_WEIGHT;
-            let w = get(name)?;
-            let pad = self.cfg.pad_token_id;
-            if w.device().is_cpu() && w.dtype() == candle_core::DType::F32 {
-                return ops::embedding::embedding(&w, input, pad, grad_to(name));
-            }
-            return ops::embedding::embedding_composed(&w, input, pad);
+            return TokenEmbedding::new(get(name)?, self.cfg.pad_token_id).forward(input, OpMode::Train, grad_to(name));
         }
         let names = self.stage_parameters(s);
         let like = get(&names[0])?;
         if s == last {
             let norm_vb = Self::vb(params, &names, &like);
             let norm = RmsNorm::new(self.cfg.hidden_size, self.cfg.rms_norm_eps, norm_vb.pp("model.norm"))?;
-            let h = norm.forward(input, OpMode::Train)?;
-            let head = get(self.head_weight_name())?;
-            let logits = if ops::applies(&h) && head.dtype() == h.dtype() {
-                if let Some(targets) = &ctx.targets {
-                    let (b, t, hidden) = h.dims3()?;
-                    return ops::head_loss::head_cross_entropy(
-                        &h.reshape((b * t, hidden))?,
-                        &head,
-                        targets,
-                        grad_to(self.head_weight_name()),
-                    );
-                }
-                // One product over all rows, forward and backward (no per-row weight gradients).
-                ops::linear::linear(&h, &head)?
-            } else {
-                h.broadcast_matmul(&head.t()?)?
-            };
+            let head_name = self.head_weight_name();
+            let head = OutputHead::new(norm, HeadWeight::Dense(get(head_name)?));
             return match &ctx.targets {
-                Some(targets) => per_position_loss(&logits, targets),
-                None => Ok(logits),
+                Some(targets) => head.losses(input, targets, grad_to(head_name)),
+                None => head.logits(input, OpMode::Train),
             };
         }
         let layer_vb = Self::vb(params, &names, &like);
@@ -225,22 +207,4 @@ impl StagedModel for LlamaStages {
         let pos = PositionInputs { cos, sin, mask, mode: OpMode::Train, row_seeds: ctx.row_seeds.clone(), adapters: Default::default() };
         layer.forward(input, &pos, None)
     }
-}
-
-/// `-log softmax(logits)[target]` per position of (batch, seq, vocab) logits, in f32 (as
-/// transformers' loss upcasts), 0 where the target is negative: the composite form of
-/// `ops::head_loss` for other devices and dtypes.
-fn per_position_loss(logits: &Tensor, targets: &[i64]) -> Result<Tensor> {
-    let (b, t, v) = logits.dims3()?;
-    if targets.len() != b * t {
-        candle_core::bail!("{} targets for {} positions", targets.len(), b * t);
-    }
-    if let Some(l) = targets.iter().find(|&&l| l >= v as i64) {
-        candle_core::bail!("label {l} is outside the vocabulary ({v})");
-    }
-    let dev = logits.device();
-    let log_probs = candle_nn::ops::log_softmax(&logits.reshape((b * t, v))?.to_dtype(DType::F32)?, candle_core::D::Minus1)?;
-    let index = Tensor::from_vec(targets.iter().map(|&l| l.max(0) as u32).collect::<Vec<_>>(), (b * t, 1), dev)?;
-    let mask = Tensor::from_vec(targets.iter().map(|&l| if l < 0 { 0f32 } else { 1.0 }).collect::<Vec<_>>(), b * t, dev)?;
-    log_probs.gather(&index, 1)?.squeeze(1)?.neg()? * mask
 }

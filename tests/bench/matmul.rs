@@ -2,7 +2,7 @@
 //! the BLAS libraries PyTorch and numpy users run, on this CPU, in one run: for each linear layer
 //! shape of the training bench's two models (tokens, in, out), the forward `y = x Wᵀ` and the
 //! backward's `dx = dy W` plus `dW = dyᵀ x`, as GFLOP/s:
-//! - ours: `ops::linear` (on AVX2 our packed driver, `models/kernels/src/sgemm_packed.rs`,
+//! - ours: `ops::linear` (on AVX2 our packed driver, `models/kernels/src/matmul/packed.rs`,
 //!   elsewhere the gemm crate's kernels; on candle's barrier pool), the code `finetune` runs
 //!   (`FSDP_MATMUL=gemm|packed` picks the kernels of this column instead);
 //! - MKL / oneDNN: PyTorch's CPU matmul through autograd (the PyPI wheel), the peer of the

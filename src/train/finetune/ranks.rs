@@ -113,12 +113,7 @@ fn run_threads(cfg: &FinetuneConfig) -> Result<RunSummary> {
             let cfg = cfg.clone();
             std::thread::Builder::new()
                 .name(format!("rank-{r}"))
-                .spawn(move || {
-                    if world > 1 {
-                        kernels::matmul::column_split::split_columns_evenly_on_this_thread();
-                    }
-                    run_rank(groups, &cfg, None)
-                })
+                .spawn(move || run_rank(groups, &cfg, None))
                 .expect("spawning a rank thread")
         })
         .collect();

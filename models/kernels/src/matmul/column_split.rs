@@ -7,12 +7,9 @@
 //! from a shared cursor would even that out too, but every piece packs the whole left operand
 //! again (see `parallel::gemm_rows`).
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 
 thread_local! {
-    /// Whether this thread's products split by measured speed (else in halves).
-    static ADAPTS: std::cell::Cell<bool> = const { std::cell::Cell::new(true) };
-
     /// This thread's share of the columns of the products it calls, as f32 bits: starts at one
     /// half. Per calling thread: ranks run as threads (the `local` backend) share the pool's
     /// worker, and each learns its own ratio to it.
@@ -22,18 +19,37 @@ thread_local! {
 /// A calling thread's share of the columns, kept across products.
 pub(crate) struct CallerShare(AtomicU32);
 
-/// Makes this thread's two-thread products split their columns in halves, as they did before
-/// this module. For ranks running as threads of one process (the `local` backend at world > 1):
-/// there the two pieces' times measure how the OS slices two cores among the ranks and the
-/// pool's worker, not the cores, and following them was slower (docs/design.md, matrix
-/// products).
-pub fn split_columns_evenly_on_this_thread() {
-    ADAPTS.with(|a| a.set(false));
+/// Threads inside a pooled product now.
+static CALLERS: AtomicUsize = AtomicUsize::new(0);
+
+/// Whether two threads were ever inside products at the same time: from then on every product of
+/// the process splits in halves.
+static SHARED_POOL: AtomicBool = AtomicBool::new(false);
+
+/// A thread's presence inside a pooled product, from [`enter_product`] to its drop.
+pub(crate) struct InProduct;
+
+/// Marks this thread as inside a product. Where it finds another one already inside, the process
+/// stops adapting for good: several callers (ranks run as threads of one process, the `local` backend
+/// at world > 1) share the pool's worker, the two pieces' times then measure how the OS slices
+/// the cores among them, not the cores, and following them was slower (docs/design.md, matrix
+/// products). The kernels see this themselves, so no caller has to say it.
+pub(crate) fn enter_product() -> InProduct {
+    if CALLERS.fetch_add(1, Ordering::AcqRel) > 0 {
+        SHARED_POOL.store(true, Ordering::Release);
+    }
+    InProduct
 }
 
-/// Whether this thread's products follow the measured speeds.
+impl Drop for InProduct {
+    fn drop(&mut self) {
+        CALLERS.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Whether products follow the measured speeds.
 pub(crate) fn adapts() -> bool {
-    ADAPTS.with(|a| a.get())
+    !SHARED_POOL.load(Ordering::Acquire)
 }
 
 /// Splits are multiples of this many columns, the width of the register tile that computes
@@ -101,6 +117,24 @@ impl CallerShare {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Once two threads are inside products at the same time, neither adapts, then or after.
+    #[test]
+    fn threads_that_meet_inside_a_product_split_in_halves() {
+        let both_inside = std::sync::Barrier::new(2);
+        std::thread::scope(|scope| {
+            for _ in 0..2 {
+                scope.spawn(|| {
+                    let inside = enter_product();
+                    both_inside.wait();
+                    drop(inside);
+                    assert!(!adapts());
+                    drop(enter_product());
+                    assert!(!adapts());
+                });
+            }
+        });
+    }
 
     /// The split stays aligned and inside the product, and follows the measured speeds within
     /// its bounds: a worker twice as slow moves columns to the caller, never past 70%.

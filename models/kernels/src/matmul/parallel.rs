@@ -35,6 +35,7 @@ unsafe fn gemm_rows(
     if m * n * k < PARALLEL_MIN_PRODUCT || threads < 2 || pieces < 2 {
         return gemm_piece(m, n, k, dst, n, accumulate, lhs, rhs, None);
     }
+    let _inside = column_split::enter_product();
     // Halves (a thread that does not adapt, or a split that could change a column's
     // arithmetic) are the general split below with two pieces.
     let two_adapting = threads == 2 && column_split::adapts() && column_split::splits_exactly(m, n);

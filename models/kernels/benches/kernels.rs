@@ -1,0 +1,182 @@
+//! `cargo bench -p kernels`: each CPU kernel family on its own, at every SIMD level this CPU has,
+//! on the shapes of SmolLM2-135M (hidden 576, MLP 1536, 9 heads of 64 over 3 kv heads): time per
+//! call (best of several rounds) and the level's speed over the scalar reference.
+//!
+//! Each level runs in a child process of this binary with `FSDP_SIMD` set, so that the kernels
+//! that read the process's table (matrix products, attention, AdamW) run at that level as in
+//! `finetune` and `serve`. Threads: candle's pool, `RAYON_NUM_THREADS` when set, else all cores.
+//! How to read and compare with the peers' benches: docs/benchmarks.md.
+
+use std::process::Command;
+use std::time::Instant;
+
+use half::{bf16, f16};
+use kernels::paged_attention::{self, KvView};
+use kernels::quant_blocks::{BlockFormat, BlockMatrix, BLOCK};
+use kernels::rng::signed_values;
+use kernels::simd::{CpuFeatures, Kernels, SimdLevel};
+
+/// Set in the children: the level they measure.
+const CHILD: &str = "KERNELS_BENCH_CHILD";
+const ROUNDS: usize = 20;
+
+const HIDDEN: usize = 576;
+const MLP: usize = 1536;
+const HEADS: usize = 9;
+const KV_HEADS: usize = 3;
+const HEAD_DIM: usize = 64;
+const CONTEXT: usize = 1024;
+
+fn main() {
+    if std::env::var_os(CHILD).is_some() {
+        return measure_this_level();
+    }
+    let features = CpuFeatures::detected();
+    println!("CPU: {}", cpu_model());
+    println!(
+        "features: avx2 {} fma {} f16c {} avx512f {}; best level {:?}",
+        features.avx2,
+        features.fma,
+        features.f16c,
+        features.avx512f,
+        features.best_level()
+    );
+    let levels: Vec<SimdLevel> =
+        [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512].into_iter().filter(|&l| l <= features.best_level()).collect();
+    // Per level: its rows in the order measured, and the matrix kernels its table chose.
+    let mut columns: Vec<(SimdLevel, Vec<(String, f64)>)> = vec![];
+    for &level in &levels {
+        let name = match level {
+            SimdLevel::Scalar => "scalar",
+            SimdLevel::Avx2 => "avx2",
+            SimdLevel::Avx512 => "avx512",
+        };
+        let out = Command::new(std::env::current_exe().expect("own path"))
+            .env(CHILD, "1")
+            .env("FSDP_SIMD", name)
+            .output()
+            .expect("running the bench at one level");
+        assert!(out.status.success(), "level {name}: {}", String::from_utf8_lossy(&out.stderr));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        for note in stdout.lines().filter(|l| l.starts_with('#')) {
+            println!("{name}: {}", note.trim_start_matches("# "));
+        }
+        let rows = stdout
+            .lines()
+            .filter_map(|l| l.split_once('\t'))
+            .map(|(k, v)| (k.to_string(), v.parse::<f64>().expect("microseconds")))
+            .collect();
+        columns.push((level, rows));
+    }
+    print!("\n{:<44}", "kernel (µs per call, best of 20)");
+    for (level, _) in &columns {
+        print!("{:>10}", format!("{level:?}"));
+    }
+    println!("{:>12}", "best/scalar");
+    for (i, (row, scalar)) in columns[0].1.iter().enumerate() {
+        print!("{row:<44}");
+        let mut best = *scalar;
+        for (_, col) in &columns {
+            let us = col[i].1;
+            best = best.min(us);
+            print!("{us:>10.1}");
+        }
+        println!("{:>11.2}x", scalar / best);
+    }
+}
+
+/// The child: every kernel at the level `FSDP_SIMD` chose, one `name\tmicroseconds` line each.
+fn measure_this_level() {
+    let level = SimdLevel::current();
+    let row = |name: &str, us: f64| println!("{name}\t{us}");
+    let kernels = Kernels::get();
+
+    // Training's products: x (256 tokens) · Wᵀ through the process's matrix kernels.
+    let x = signed_values(256 * HIDDEN, 1);
+    let w = signed_values(MLP * HIDDEN, 2);
+    println!("# f32 products on {:?} kernels ({})", kernels.matmul(), kernels::matmul::kernels_in_use());
+    row(&format!("matmul 256x{HIDDEN}x{MLP}"), best_us(|| drop(kernels::matmul::parallel::product_wt(&x, &w, MLP, HIDDEN))));
+
+    // Decoding's products of one row, per weight dtype.
+    let x1 = signed_values(HIDDEN, 3);
+    row(&format!("gemv f32 1x{HIDDEN}x{MLP}"), best_us(|| drop(kernels::gemv::gemv_rows(&x1, 1, &w, MLP, HIDDEN, level))));
+    let w16: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+    row(&format!("gemv f16 1x{HIDDEN}x{MLP}"), best_us(|| drop(kernels::gemv::gemv_rows(&x1, 1, &w16, MLP, HIDDEN, level))));
+    let wb16: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+    row(&format!("gemv bf16 1x{HIDDEN}x{MLP}"), best_us(|| drop(kernels::gemv::gemv_rows(&x1, 1, &wb16, MLP, HIDDEN, level))));
+    let x4 = signed_values(4 * HIDDEN, 4);
+    row(&format!("small batch f32 4x{HIDDEN}x{MLP}"), best_us(|| drop(kernels::small_batch::rows_many(&x4, 4, &[&w], HIDDEN, level))));
+
+    // Quantised weights: a decode step's one row and a prompt's 64.
+    let x64 = signed_values(64 * HIDDEN, 5);
+    for format in [BlockFormat::Q4_0, BlockFormat::Q4_1, BlockFormat::Q8_0] {
+        let q = block_matrix(format, MLP, HIDDEN);
+        row(&format!("{format:?} 1x{HIDDEN}x{MLP}"), best_us(|| drop(q.multiply(&x1, level))));
+        row(&format!("{format:?} 64x{HIDDEN}x{MLP}"), best_us(|| drop(q.multiply(&x64, level))));
+    }
+
+    // Attention over a 1,024-position cache: one decode query, a 64-query prompt chunk.
+    let kv_block = KV_HEADS * paged_attention::BLOCK * HEAD_DIM;
+    let (keys, values) =
+        (signed_values(CONTEXT / paged_attention::BLOCK * kv_block, 6), signed_values(CONTEXT / paged_attention::BLOCK * kv_block, 7));
+    let blocks: Vec<(&[f32], &[f32])> = keys.chunks_exact(kv_block).zip(values.chunks_exact(kv_block)).collect();
+    let kv = KvView { blocks: &blocks, kv_heads: KV_HEADS, head_dim: HEAD_DIM, len: CONTEXT };
+    let scale = 1.0 / (HEAD_DIM as f32).sqrt();
+    let q1 = signed_values(HEADS * HEAD_DIM, 8);
+    row(
+        &format!("attention decode, {CONTEXT} cached"),
+        best_us(|| drop(paged_attention::decode::attend_one(&q1, HEADS, &kv, scale, None))),
+    );
+    let q64 = signed_values(HEADS * 64 * HEAD_DIM, 9);
+    row(
+        &format!("attention prefill 64 of {CONTEXT}"),
+        best_us(|| drop(paged_attention::prefill::attend_chunk(&q64, HEADS, 64, &kv, scale, None))),
+    );
+
+    // The optimizer over a 1M-value shard.
+    let n = 1 << 20;
+    let (mut p, mut g, mut m, mut v) = (signed_values(n, 10), signed_values(n, 11), vec![0f32; n], vec![0f32; n]);
+    let k = kernels::adamw::AdamWConstants::new(0.9, 0.999, 1e-8, 1e-3, 0.01, 1, None);
+    row("adamw update 1M", best_us(|| kernels::adamw::update(k, &mut p, &mut g, &mut m, &mut v)));
+    let mut e = signed_values(n, 12);
+    row("exp 1M", best_us(|| kernels::exp::exp_inplace(&mut e)));
+}
+
+/// A `rows` x `cols` matrix of `format` with random quants and small finite scales.
+fn block_matrix(format: BlockFormat, rows: usize, cols: usize) -> BlockMatrix {
+    let block = format.block_bytes();
+    let mut state = 13u64;
+    let mut bytes = vec![0u8; rows * cols / BLOCK * block];
+    for b in bytes.chunks_exact_mut(block) {
+        for byte in b.iter_mut() {
+            *byte = kernels::rng::splitmix64(&mut state) as u8;
+        }
+        // The f16 scale first (and Q4_1's minimum after it) kept finite.
+        b[..2].copy_from_slice(&f16::from_f32(0.01).to_le_bytes());
+        if format == BlockFormat::Q4_1 {
+            b[2..4].copy_from_slice(&f16::from_f32(-0.05).to_le_bytes());
+        }
+    }
+    BlockMatrix::new(format, rows, cols, bytes).expect("block bytes")
+}
+
+/// Best time of [`ROUNDS`] calls after three warm-ups, in microseconds.
+fn best_us(mut f: impl FnMut()) -> f64 {
+    for _ in 0..3 {
+        f();
+    }
+    (0..ROUNDS)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64() * 1e6
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()))
+        .unwrap_or_else(|| "unknown".into())
+}
