@@ -365,3 +365,39 @@ fn finetune_runs_one_thread_per_cpu_it_may_use() {
     assert_eq!(threads("0,1", &["launch", "--nproc-per-node", "2", "--"]), [1], "two ranks on two CPUs");
     assert_eq!(threads("0,1", &["launch", "--nproc-per-node", "1", "--"]), [2], "one rank on two CPUs");
 }
+
+#[test]
+fn perplexity_scores_long_texts_in_windows_and_names_a_bad_window() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("llama", tmp.path());
+    let write = |name: &str, words: usize| {
+        let path = tmp.path().join(name);
+        std::fs::write(&path, (0..words).map(|i| format!("word{} ", i % 37)).collect::<String>()).unwrap();
+        path
+    };
+    let (short, long) = (write("short.txt", 20), write("long.txt", 400));
+    let score = |text: &Path, extra: &[&str]| {
+        run_cli(&[&["perplexity", "--model", model.to_str().unwrap(), "--file", text.to_str().unwrap()], extra].concat(), &[])
+    };
+    let json = |o: &std::process::Output| -> serde_json::Value {
+        assert!(o.status.success(), "{}", stderr(o));
+        serde_json::from_str(stdout(o).trim()).unwrap()
+    };
+    let whole = json(&score(&short, &[]));
+    assert_eq!(
+        (whole["windows"].as_u64(), whole["ctx_size"].as_u64()),
+        (Some(1), None),
+        "a text within the context is one window: {whole}"
+    );
+    // Longer than the fixture's context of 256: windows of the context, unasked.
+    let default = json(&score(&long, &[]));
+    let per_context = default["windows"].as_u64().unwrap();
+    assert!(per_context >= 2 && default["ctx_size"] == 256 && default["scored_tokens"].as_u64() == Some(per_context * 127), "{default}");
+    let windowed = json(&score(&long, &["--ctx-size", "64"]));
+    let windows = windowed["windows"].as_u64().unwrap();
+    assert!(windows >= 4 * per_context && windows < 4 * (per_context + 1), "{windowed} beside {default}");
+    assert_eq!(windowed["scored_tokens"].as_u64(), Some(windows * 31), "the second half of each window: {windowed}");
+    assert!(windowed["perplexity"].as_f64().unwrap().is_finite());
+    assert_clean_error(&score(&long, &["--ctx-size", "2"]), &["--ctx-size 2"]);
+    assert_clean_error(&score(&short, &["--ctx-size", "64"]), &["--ctx-size 64", "two windows"]);
+}

@@ -91,7 +91,8 @@ impl QuantizedMatrix {
             Self::Blocks(m) => candle_core::bail!("{:?} blocks are multiplied on the CPU only", m.format()),
             Self::Half(w) => match ops::gemv::gemv_t(&x, w)? {
                 Some(y) => Ok(y),
-                // A prompt's many rows: widened once per product, then candle's matmul.
+                // A prompt's or a batch's many rows: widened a piece of the weight at a time.
+                None if x.device().is_cpu() => ops::half_product::forward(&x, w),
                 None => x.broadcast_matmul(&w.to_dtype(DType::F32)?.t()?),
             },
             Self::Candle(w) => w.forward(&x),

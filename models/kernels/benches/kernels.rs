@@ -104,14 +104,17 @@ fn measure_this_level() {
     row(&format!("gemv f16 1x{HIDDEN}x{MLP}"), best_us(|| drop(kernels::gemv::gemv_rows(&x1, 1, &w16, MLP, HIDDEN, level))));
     let wb16: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
     row(&format!("gemv bf16 1x{HIDDEN}x{MLP}"), best_us(|| drop(kernels::gemv::gemv_rows(&x1, 1, &wb16, MLP, HIDDEN, level))));
+    let x64 = signed_values(64 * HIDDEN, 5);
+    row(&format!("half product f16 64x{HIDDEN}x{MLP}"), best_us(|| drop(kernels::matmul::half::product_wt(&x64, &w16, MLP, HIDDEN))));
     let x4 = signed_values(4 * HIDDEN, 4);
     row(&format!("small batch f32 4x{HIDDEN}x{MLP}"), best_us(|| drop(kernels::small_batch::rows_many(&x4, 4, &[&w], HIDDEN, level))));
 
-    // Quantised weights: a decode step's one row and a prompt's 64.
-    let x64 = signed_values(64 * HIDDEN, 5);
+    // Quantised weights: a decode step's one row, 16 streams' rows and a prompt's 64.
+    let x16 = signed_values(16 * HIDDEN, 6);
     for format in [BlockFormat::Q4_0, BlockFormat::Q4_1, BlockFormat::Q8_0] {
         let q = block_matrix(format, MLP, HIDDEN);
         row(&format!("{format:?} 1x{HIDDEN}x{MLP}"), best_us(|| drop(q.multiply(&x1, level))));
+        row(&format!("{format:?} 16x{HIDDEN}x{MLP}"), best_us(|| drop(q.multiply(&x16, level))));
         row(&format!("{format:?} 64x{HIDDEN}x{MLP}"), best_us(|| drop(q.multiply(&x64, level))));
     }
 

@@ -5,6 +5,7 @@
 //! - [`SimdLevel`]: the vector code the element-wise kernels, dot products, exp, quantised blocks
 //!   and attention run (AVX-512, AVX2 or plain code). A level is available only when the CPU has
 //!   every feature its kernels enable, not only the one that names it.
+//! - int8 block products ([`Kernels::int8_vnni_at`]): the AVX-512 VNNI kernel where the CPU has it;
 //! - [`MatmulKernels`]: who runs f32 matrix products at AVX-512, our packed driver or the gemm
 //!   crate's kernels. Chosen by a measurement, not by the vendor: on CPUs that execute a 512-bit
 //!   FMA as two 256-bit halves (Zen 4) gemm's wider tile gains nothing and our packed driver, which
@@ -36,6 +37,8 @@ pub struct CpuFeatures {
     pub fma: bool,
     pub f16c: bool,
     pub avx512f: bool,
+    /// AVX512-VNNI with AVX512-BW and VL: the AVX-512 kernel of the int8 block products.
+    pub avx512vnni: bool,
 }
 
 impl CpuFeatures {
@@ -50,6 +53,9 @@ impl CpuFeatures {
                     fma: is_x86_feature_detected!("fma"),
                     f16c: is_x86_feature_detected!("f16c"),
                     avx512f: is_x86_feature_detected!("avx512f"),
+                    avx512vnni: is_x86_feature_detected!("avx512vnni")
+                        && is_x86_feature_detected!("avx512vl")
+                        && is_x86_feature_detected!("avx512bw"),
                 }
             }
             #[cfg(not(target_arch = "x86_64"))]
@@ -144,6 +150,13 @@ impl Kernels {
             (None, SimdLevel::Avx512) => self.matmul_avx512,
             (None, SimdLevel::Scalar) => MatmulKernels::Gemm,
         }
+    }
+
+    /// Whether int8 block products at `level` run their AVX-512 kernel (two blocks a step, bytes
+    /// summed by `vpdpbusd`): at the AVX-512 level, on CPUs with AVX512-VNNI, BW and VL; else
+    /// the AVX2 kernel (the same results).
+    pub fn int8_vnni_at(&self, level: SimdLevel) -> bool {
+        level.min(self.level) == SimdLevel::Avx512 && self.features.avx512vnni
     }
 
     /// Who runs f32 products at the level in use.
@@ -258,7 +271,7 @@ mod wide_fma {
 mod tests {
     use super::*;
 
-    const ALL: CpuFeatures = CpuFeatures { avx2: true, fma: true, f16c: true, avx512f: true };
+    const ALL: CpuFeatures = CpuFeatures { avx2: true, fma: true, f16c: true, avx512f: true, avx512vnni: true };
 
     /// A level needs every feature its kernels enable.
     #[test]
@@ -288,6 +301,12 @@ mod tests {
         assert_eq!((k.matmul_at(Avx2), k.matmul_at(Scalar)), (Packed, Gemm));
         let avx2_only = CpuFeatures { avx512f: false, ..ALL };
         assert_eq!(pick(avx2_only, Some("avx512"), None, true), Ok((Avx2, Packed)));
+        // VNNI only at the AVX-512 level, and only where the CPU has it.
+        assert!(k.int8_vnni_at(Avx512) && !k.int8_vnni_at(Avx2));
+        let no_vnni = Kernels::choose(CpuFeatures { avx512vnni: false, ..ALL }, None, None, || true).unwrap();
+        assert!(!no_vnni.int8_vnni_at(Avx512));
+        let forced_avx2 = Kernels::choose(ALL, Some("avx2"), None, || true).unwrap();
+        assert!(!forced_avx2.int8_vnni_at(Avx512));
         let e = pick(ALL, Some("avx-512"), None, true).unwrap_err();
         assert!(e.contains("FSDP_SIMD=\"avx-512\"") && e.contains("`best`, `avx512`, `avx2` or `scalar`"), "{e}");
         assert_eq!(pick(ALL, Some("best"), None, true), Ok((Avx512, Gemm)));

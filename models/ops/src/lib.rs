@@ -10,6 +10,7 @@
 //!   made by rows; `weight_grads`: the sink those ops hand their weight gradients to (no
 //!   vocabulary-sized gradient tensor, no zeroed weight-sized one);
 //! - generation's products and attention: `gemv` (a few rows, f32 / f16 / bf16 weights),
+//!   `half_product` (many rows over f16 / bf16 weights),
 //!   `quant` (llama.cpp's block formats), `kv_attention` (over the KV cache's blocks in place),
 //!   `lora_rows` (the serving adapters' updates of a batch, each on its rows);
 //! - `eager_attention`: attention composed of candle's ops for every device, one graph node with
@@ -27,6 +28,7 @@ pub mod embedding;
 pub mod fused;
 pub mod gated_mlp;
 pub mod gemv;
+pub mod half_product;
 pub mod head_loss;
 pub mod kv_attention;
 pub mod linear;

@@ -12,6 +12,7 @@
 //! kind of machine.
 
 pub mod column_split;
+pub mod half;
 #[cfg(target_arch = "x86_64")]
 mod packed;
 pub mod parallel;

@@ -10,12 +10,13 @@
 //! of a call's activation rows against its weight rows (decoding's one row and a prompt's many).
 
 #[cfg(target_arch = "x86_64")]
+mod tiles;
+#[cfg(target_arch = "x86_64")]
 mod x86;
 
 use half::f16;
 
 use crate::disjoint::DisjointWrites;
-use crate::gemv::transposed;
 use crate::pool::for_rows_of_many;
 use crate::simd::SimdLevel;
 
@@ -97,6 +98,11 @@ impl BlockMatrix {
         self.format
     }
 
+    /// Bytes of one weight row.
+    fn row_bytes(&self) -> usize {
+        self.cols / BLOCK * self.format.block_bytes()
+    }
+
     /// (rows, cols): (out, in) of the product.
     pub fn dims(&self) -> (usize, usize) {
         (self.rows, self.cols)
@@ -113,24 +119,38 @@ impl BlockMatrix {
         let m = x.len() / cols;
         let with_sum = mats.iter().any(|w| w.format.has_min());
         let acts: Vec<QuantizedRow> = x.chunks_exact(cols).map(|row| quantize_row(row, with_sum)).collect();
-        // (out, m) per matrix: each weight row's results together.
-        let mut yts: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; w.rows * m]).collect();
-        let outs: Vec<DisjointWrites<f32>> = yts.iter_mut().map(|yt| DisjointWrites::new(yt)).collect();
+        // (m, out) per matrix, row-major, as the caller takes them.
+        let mut ys: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; m * w.rows]).collect();
+        let outs: Vec<DisjointWrites<f32>> = ys.iter_mut().map(|y| DisjointWrites::new(y)).collect();
         let rows: Vec<usize> = mats.iter().map(|w| w.rows).collect();
+        #[cfg(target_arch = "x86_64")]
+        if level.usable() >= SimdLevel::Avx2 {
+            let avx512 = crate::simd::Kernels::get().int8_vnni_at(level);
+            for_rows_of_many(&rows, |i, range| {
+                let w = mats[i];
+                // SAFETY: `usable` never exceeds the CPU's level (AVX2's: AVX2, FMA, F16C) and
+                // `int8_vnni_at` gives the AVX-512 kernel only where the CPU has its features; the matrix holds `rows`
+                // rows of `cols / BLOCK` blocks (checked by `new`), the activations as many
+                // blocks each; this work item alone writes the columns of its weight rows.
+                unsafe { tiles::product_rows(w.format, avx512, &w.bytes, w.row_bytes(), range, &acts, (outs[i].at(0), w.rows)) }
+            });
+            drop(outs);
+            return ys;
+        }
         for_rows_of_many(&rows, |i, range| {
             let w = mats[i];
-            let row_bytes = cols / BLOCK * w.format.block_bytes();
+            let row_bytes = w.row_bytes();
             for o in range {
                 let wrow = &w.bytes[o * row_bytes..(o + 1) * row_bytes];
                 for (r, act) in acts.iter().enumerate() {
                     // SAFETY: every (matrix, o, r) is written by exactly one work item, inside
                     // that matrix's buffer.
-                    unsafe { *outs[i].at(o * m + r) = dot(w.format, wrow, act, level) };
+                    unsafe { *outs[i].at(r * w.rows + o) = dot_scalar(w.format, wrow, act) };
                 }
             }
         });
         drop(outs);
-        yts.into_iter().zip(mats).map(|(yt, w)| transposed(yt, w.rows, m)).collect()
+        ys
     }
 }
 
@@ -174,18 +194,6 @@ fn quantize_block(x: &[f32], q: &mut [i8], level: SimdLevel) -> (f32, i32) {
         sum += *q as i32;
     }
     (d, sum)
-}
-
-/// One weight row's dot product with one quantised activation row, at `level`.
-fn dot(format: BlockFormat, w: &[u8], x: &QuantizedRow, level: SimdLevel) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if level.usable() >= SimdLevel::Avx2 {
-        // SAFETY: `usable` never exceeds the CPU's level (AVX2's: AVX2, FMA, F16C); `w` holds
-        // whole blocks and `x` as many blocks of 32 (both checked by the callers).
-        return unsafe { x86::dot(format, w, x) };
-    }
-    let _ = level;
-    dot_scalar(format, w, x)
 }
 
 fn f16_at(b: &[u8], at: usize) -> f32 {
@@ -245,6 +253,77 @@ fn dot_scalar(format: BlockFormat, w: &[u8], x: &QuantizedRow) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const FORMATS: [BlockFormat; 5] = [BlockFormat::Q4_0, BlockFormat::Q4_1, BlockFormat::Q5_0, BlockFormat::Q5_1, BlockFormat::Q8_0];
+
+    /// A `rows` x `cols` matrix of `format` with random quants, small finite scales and, for the
+    /// formats with one, a minimum.
+    fn random_matrix(format: BlockFormat, rows: usize, cols: usize, seed: u64) -> BlockMatrix {
+        let mut state = seed;
+        let mut bytes = vec![0u8; rows * cols / BLOCK * format.block_bytes()];
+        for b in bytes.chunks_exact_mut(format.block_bytes()) {
+            b.iter_mut().for_each(|x| *x = crate::rng::splitmix64(&mut state) as u8);
+            let scale = 0.002 + (crate::rng::splitmix64(&mut state) % 100) as f32 * 1e-4;
+            b[..2].copy_from_slice(&f16::from_f32(scale).to_le_bytes());
+            if format.has_min() {
+                b[2..4].copy_from_slice(&f16::from_f32(-8.0 * scale).to_le_bytes());
+            }
+            if format == BlockFormat::Q8_0 {
+                // ggml's quantiser never writes -128 (values are rounded within ±127).
+                b[2..].iter_mut().filter(|x| **x == 0x80).for_each(|x| *x = 0x81);
+            }
+        }
+        BlockMatrix::new(format, rows, cols, bytes).unwrap()
+    }
+
+    /// At every level, every format and tile shape (rows and activation rows that fill whole
+    /// tiles and ones that leave remainders) agrees with the plain dot product of each pair.
+    #[test]
+    fn block_products_match_the_plain_code_at_every_level() {
+        for format in FORMATS {
+            for (rows, m) in [(9usize, 1usize), (8, 3), (13, 7), (4, 2)] {
+                let cols = 4 * BLOCK;
+                let w = random_matrix(format, rows, cols, 7 + rows as u64);
+                let x = crate::rng::signed_values(m * cols, 3 + m as u64);
+                let acts: Vec<QuantizedRow> =
+                    x.chunks_exact(cols).map(|r| quantize_row_at(r, format.has_min(), SimdLevel::Scalar)).collect();
+                let row_bytes = w.row_bytes();
+                for level in [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512] {
+                    let y = w.multiply(&x, level);
+                    for c in 0..m {
+                        for o in 0..rows {
+                            let want = dot_scalar(format, &w.bytes[o * row_bytes..(o + 1) * row_bytes], &acts[c]);
+                            let got = y[c * rows + o];
+                            assert!(
+                                (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                                "{format:?} {level:?} {rows}x{m}: ({c}, {o}) {got} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A row's result is the same bits alone and inside a prompt's batch (every tile computes
+    /// each pair alike), and the same with `vpdpbusd` as with `vpmaddubsw` (the AVX-512 level
+    /// uses VNNI where the CPU has it, the AVX2 level never).
+    #[test]
+    fn a_rows_result_does_not_depend_on_its_batch_or_the_int8_instructions() {
+        let cols = 6 * BLOCK;
+        for format in FORMATS {
+            let w = random_matrix(format, 11, cols, 5);
+            let x = crate::rng::signed_values(7 * cols, 9);
+            for level in [SimdLevel::Avx2, SimdLevel::Avx512] {
+                let batch = w.multiply(&x, level);
+                for c in 0..7 {
+                    let alone = w.multiply(&x[c * cols..(c + 1) * cols], level);
+                    assert_eq!(alone, batch[c * 11..(c + 1) * 11], "{format:?} {level:?}: row {c}");
+                }
+                assert_eq!(batch, w.multiply(&x, SimdLevel::Avx2), "{format:?}: {level:?} and AVX2 differ");
+            }
+        }
+    }
 
     /// The vector quantiser rounds exactly as the plain one.
     #[test]
