@@ -166,6 +166,9 @@ fn versus_llama_cpp(root: &Path, tmp: &Path, gguf: &Path, tok: &TextTokenizer, p
         let line = String::from_utf8_lossy(&o.stdout).lines().last().unwrap_or("").to_string();
         serde_json::from_str(&line).map_err(|_| String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("no output").to_string())
     };
+    // Long prompts' prefill, per format, printed as a second table after the first.
+    let long_prompts: Vec<Vec<u32>> = PREFILL_PROMPTS.iter().map(|&n| text_ids.iter().copied().cycle().take(n).collect()).collect();
+    let mut prefill_rows = vec![];
     // FSDP_BENCH_FORMATS=f32,q8_0 runs only those rows (a quicker look at one format).
     let wanted = std::env::var("FSDP_BENCH_FORMATS").ok();
     let wanted = |f: &str| wanted.as_deref().is_none_or(|w| w.split(',').any(|x| x.trim() == f));
@@ -233,9 +236,40 @@ fn versus_llama_cpp(root: &Path, tmp: &Path, gguf: &Path, tok: &TextTokenizer, p
                 println!("(llama.cpp {format} {what}: {why})");
             }
         }
+        // Prefill of each long prompt: one new token, the engines taking turns, fastest kept.
+        let mut row = format!("| {format} |");
+        for long in &long_prompts {
+            let (mut their_best, mut our_best) = (f64::NAN, f64::NAN);
+            let long_json = serde_json::to_string(long)?;
+            for _ in 0..PREFILL_ROUNDS {
+                let args = ["run", f, &long_json, "1", &threads.to_string(), "1"];
+                let round = num(&python.clone().and_then(|py| llama_cpp(&py, &args)), "prefill_tokens_per_s");
+                their_best = if their_best.is_nan() { round } else { their_best.max(round) };
+                let once =
+                    generate(&model, tok, long, &HashSet::new(), &SamplingParams::greedy(1), DEFAULT_MAX_PREFILL_TOKENS, |_| Ok(()))?;
+                let ours = long.len() as f64 / once.time_to_first_token_s;
+                our_best = if our_best.is_nan() { ours } else { our_best.max(ours) };
+            }
+            row += &format!(" {} | {} | {} |", cell(their_best), cell(our_best), ratio(our_best, their_best));
+        }
+        prefill_rows.push(row);
+    }
+    println!("\nPrefill of long prompts (the text's ids repeated; one new token; {PREFILL_ROUNDS} turns each, the fastest kept):\n");
+    let mut header = "| weights |".to_string();
+    for n in PREFILL_PROMPTS {
+        header += &format!(" llama.cpp {n} tok/s | fsdp-app {n} tok/s | ratio |");
+    }
+    println!("{header}\n|---|{}", "---|---|---|".repeat(PREFILL_PROMPTS.len()));
+    for row in prefill_rows {
+        println!("{row}");
     }
     Ok(())
 }
+
+/// Prompt lengths of the long-prompt prefill table.
+const PREFILL_PROMPTS: [usize; 2] = [512, 2048];
+/// Turns per engine and length there.
+const PREFILL_ROUNDS: usize = 3;
 
 const LONG: usize = 4000;
 const WINDOW: usize = 200;

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The llama.cpp side of `cargo bench --bench generation` (llama-cpp-python, built from source
-with GGML_NATIVE=ON into the bench's own venv under target/).
+with GGML_NATIVE=ON into the bench's own venv under target/; on a CPU whose AMX the OS does not
+enable, build it with the ISA flags instead, as docs/benchmarks.md says).
 
     llama_cpp_generate.py quantize SRC.gguf OUT.gguf f32|f16|q8_0|q4_k_m
         writes OUT.gguf from SRC.gguf with llama.cpp's own quantizer (requantizing allowed), so
@@ -33,7 +34,8 @@ def quantize(src, out, fmt):
 
 def run(model, prompt_json, new_tokens, threads, repeats=3):
     prompt = json.loads(prompt_json)
-    llm = llama_cpp.Llama(model_path=model, n_ctx=2048, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
+    n_ctx = max(2048, len(prompt) + new_tokens + 8)
+    llm = llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
 
     def generate(n):
         llm.reset()
