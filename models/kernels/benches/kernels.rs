@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use half::{bf16, f16};
 use kernels::paged_attention::{self, KvView};
-use kernels::quant_blocks::{BlockFormat, BlockMatrix, BLOCK};
+use kernels::quant_blocks::{BlockFormat, BlockMatrix};
 use kernels::rng::signed_values;
 use kernels::simd::{CpuFeatures, Kernels, SimdLevel};
 
@@ -112,7 +112,7 @@ fn measure_this_level() {
     // Quantised weights: a decode step's one row, 16 streams' rows and a prompt's 64.
     let x16 = signed_values(16 * HIDDEN, 6);
     for format in [BlockFormat::Q4_0, BlockFormat::Q4_1, BlockFormat::Q8_0] {
-        let q = block_matrix(format, MLP, HIDDEN);
+        let q = BlockMatrix::random(format, MLP, HIDDEN, 13);
         row(&format!("{format:?} 1x{HIDDEN}x{MLP}"), best_us(|| drop(q.multiply(&x1, level))));
         row(&format!("{format:?} 16x{HIDDEN}x{MLP}"), best_us(|| drop(q.multiply(&x16, level))));
         row(&format!("{format:?} 64x{HIDDEN}x{MLP}"), best_us(|| drop(q.multiply(&x64, level))));
@@ -143,24 +143,6 @@ fn measure_this_level() {
     row("adamw update 1M", best_us(|| kernels::adamw::update(k, &mut p, &mut g, &mut m, &mut v)));
     let mut e = signed_values(n, 12);
     row("exp 1M", best_us(|| kernels::exp::exp_inplace(&mut e)));
-}
-
-/// A `rows` x `cols` matrix of `format` with random quants and small finite scales.
-fn block_matrix(format: BlockFormat, rows: usize, cols: usize) -> BlockMatrix {
-    let block = format.block_bytes();
-    let mut state = 13u64;
-    let mut bytes = vec![0u8; rows * cols / BLOCK * block];
-    for b in bytes.chunks_exact_mut(block) {
-        for byte in b.iter_mut() {
-            *byte = kernels::rng::splitmix64(&mut state) as u8;
-        }
-        // The f16 scale first (and Q4_1's minimum after it) kept finite.
-        b[..2].copy_from_slice(&f16::from_f32(0.01).to_le_bytes());
-        if format == BlockFormat::Q4_1 {
-            b[2..4].copy_from_slice(&f16::from_f32(-0.05).to_le_bytes());
-        }
-    }
-    BlockMatrix::new(format, rows, cols, bytes).expect("block bytes")
 }
 
 /// Best time of [`ROUNDS`] calls after three warm-ups, in microseconds.

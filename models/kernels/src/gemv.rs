@@ -97,7 +97,7 @@ fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// (out, rows) results as (rows, out).
-pub fn transposed(yt: Vec<f32>, out_dim: usize, rows: usize) -> Vec<f32> {
+fn transposed(yt: Vec<f32>, out_dim: usize, rows: usize) -> Vec<f32> {
     if rows == 1 {
         return yt;
     }

@@ -94,6 +94,26 @@ impl BlockMatrix {
         Ok(Self { format, rows, cols, bytes })
     }
 
+    /// A `rows` x `cols` matrix of `format` with random quants, small finite scales and, for the
+    /// formats with one, a minimum: the kernels' tests and bench data.
+    pub fn random(format: BlockFormat, rows: usize, cols: usize, seed: u64) -> Self {
+        let mut state = seed;
+        let mut bytes = vec![0u8; rows * cols / BLOCK * format.block_bytes()];
+        for b in bytes.chunks_exact_mut(format.block_bytes()) {
+            b.iter_mut().for_each(|x| *x = crate::rng::splitmix64(&mut state) as u8);
+            let scale = 0.002 + (crate::rng::splitmix64(&mut state) % 100) as f32 * 1e-4;
+            b[..2].copy_from_slice(&f16::from_f32(scale).to_le_bytes());
+            if format.has_min() {
+                b[2..4].copy_from_slice(&f16::from_f32(-8.0 * scale).to_le_bytes());
+            }
+            if format == BlockFormat::Q8_0 {
+                // ggml's quantiser never writes -128 (values are rounded within ±127).
+                b[2..].iter_mut().filter(|x| **x == 0x80).for_each(|x| *x = 0x81);
+            }
+        }
+        Self::new(format, rows, cols, bytes).expect("whole blocks")
+    }
+
     pub fn format(&self) -> BlockFormat {
         self.format
     }
@@ -256,26 +276,6 @@ mod tests {
 
     const FORMATS: [BlockFormat; 5] = [BlockFormat::Q4_0, BlockFormat::Q4_1, BlockFormat::Q5_0, BlockFormat::Q5_1, BlockFormat::Q8_0];
 
-    /// A `rows` x `cols` matrix of `format` with random quants, small finite scales and, for the
-    /// formats with one, a minimum.
-    fn random_matrix(format: BlockFormat, rows: usize, cols: usize, seed: u64) -> BlockMatrix {
-        let mut state = seed;
-        let mut bytes = vec![0u8; rows * cols / BLOCK * format.block_bytes()];
-        for b in bytes.chunks_exact_mut(format.block_bytes()) {
-            b.iter_mut().for_each(|x| *x = crate::rng::splitmix64(&mut state) as u8);
-            let scale = 0.002 + (crate::rng::splitmix64(&mut state) % 100) as f32 * 1e-4;
-            b[..2].copy_from_slice(&f16::from_f32(scale).to_le_bytes());
-            if format.has_min() {
-                b[2..4].copy_from_slice(&f16::from_f32(-8.0 * scale).to_le_bytes());
-            }
-            if format == BlockFormat::Q8_0 {
-                // ggml's quantiser never writes -128 (values are rounded within ±127).
-                b[2..].iter_mut().filter(|x| **x == 0x80).for_each(|x| *x = 0x81);
-            }
-        }
-        BlockMatrix::new(format, rows, cols, bytes).unwrap()
-    }
-
     /// At every level, every format and tile shape (rows and activation rows that fill whole
     /// tiles and ones that leave remainders) agrees with the plain dot product of each pair.
     #[test]
@@ -283,7 +283,7 @@ mod tests {
         for format in FORMATS {
             for (rows, m) in [(9usize, 1usize), (8, 3), (13, 7), (4, 2)] {
                 let cols = 4 * BLOCK;
-                let w = random_matrix(format, rows, cols, 7 + rows as u64);
+                let w = BlockMatrix::random(format, rows, cols, 7 + rows as u64);
                 let x = crate::rng::signed_values(m * cols, 3 + m as u64);
                 let acts: Vec<QuantizedRow> =
                     x.chunks_exact(cols).map(|r| quantize_row_at(r, format.has_min(), SimdLevel::Scalar)).collect();
@@ -312,7 +312,7 @@ mod tests {
     fn a_rows_result_does_not_depend_on_its_batch_or_the_int8_instructions() {
         let cols = 6 * BLOCK;
         for format in FORMATS {
-            let w = random_matrix(format, 11, cols, 5);
+            let w = BlockMatrix::random(format, 11, cols, 5);
             let x = crate::rng::signed_values(7 * cols, 9);
             for level in [SimdLevel::Avx2, SimdLevel::Avx512] {
                 let batch = w.multiply(&x, level);
