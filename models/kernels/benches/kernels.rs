@@ -111,7 +111,7 @@ fn measure_this_level() {
 
     // Quantised weights: a decode step's one row, 16 streams' rows and a prompt's 64.
     let x16 = signed_values(16 * HIDDEN, 6);
-    for format in [BlockFormat::Q4_0, BlockFormat::Q4_1, BlockFormat::Q8_0] {
+    for format in [BlockFormat::Q4_0, BlockFormat::Q4_1, BlockFormat::Q5_0, BlockFormat::Q8_0] {
         let q = BlockMatrix::random(format, MLP, HIDDEN, 13);
         row(&format!("{format:?} 1x{HIDDEN}x{MLP}"), best_us(|| drop(q.multiply(&x1, level))));
         row(&format!("{format:?} 16x{HIDDEN}x{MLP}"), best_us(|| drop(q.multiply(&x16, level))));

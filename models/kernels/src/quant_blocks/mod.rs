@@ -6,9 +6,12 @@
 //! (a scale `d` and, for the formats with a minimum, `s = d · Σq`), and every weight block's dot
 //! product is an integer one: `Σ w_q · x_q` scaled by `d_w · d_x`, plus `m_w · s_x` for the
 //! formats whose values are `d · q + m`. Scales are rounded to f16 where llama.cpp stores them in
-//! f16, so both round alike. The weight rows are split over the threads; every thread runs all
-//! of a call's activation rows against its weight rows (decoding's one row and a prompt's many).
+//! f16, so both round alike. The weights are repacked at load, 16 rows' blocks interleaved
+//! (`packed`), so that the kernels (`tiles`) work on 16 rows at once. The weight rows are split
+//! over the threads in groups of 16; every thread runs all of a call's activation rows against
+//! its weight rows (decoding's one row and a prompt's many).
 
+mod packed;
 #[cfg(target_arch = "x86_64")]
 mod tiles;
 #[cfg(target_arch = "x86_64")]
@@ -51,7 +54,7 @@ impl BlockFormat {
         })
     }
 
-    pub fn block_bytes(self) -> usize {
+    pub const fn block_bytes(self) -> usize {
         match self {
             Self::Q4_0 => 18,
             Self::Q4_1 => 20,
@@ -67,20 +70,21 @@ impl BlockFormat {
     }
 }
 
-/// A quantised (out, in) matrix in one of the [`BlockFormat`]s, its blocks as the GGUF stores
-/// them.
+/// A quantised (out, in) matrix in one of the [`BlockFormat`]s, its blocks interleaved 16 rows
+/// at a time (`packed`; the same bytes as the GGUF's blocks).
 #[derive(Debug, Clone)]
 pub struct BlockMatrix {
     format: BlockFormat,
     rows: usize,
     cols: usize,
-    bytes: Vec<u8>,
+    records: Vec<u8>,
 }
 
-/// One activation row quantised: per block a scale, `d · Σq` and 32 values.
+/// One activation row quantised: per block a scale, `Σq`, `d · Σq` and 32 values.
 #[derive(Debug, Clone, Default)]
 pub struct QuantizedRow {
     pub d: Vec<f32>,
+    pub sum: Vec<i32>,
     pub s: Vec<f32>,
     pub q: Vec<i8>,
 }
@@ -91,41 +95,45 @@ impl BlockMatrix {
         if !cols.is_multiple_of(BLOCK) || bytes.len() != rows * cols / BLOCK * format.block_bytes() {
             return Err(format!("{format:?} matrix {rows}x{cols}: {} bytes do not hold its blocks", bytes.len()));
         }
-        Ok(Self { format, rows, cols, bytes })
+        Ok(Self { format, rows, cols, records: packed::pack(format, rows, cols, &bytes) })
     }
 
     /// A `rows` x `cols` matrix of `format` with random quants, small finite scales and, for the
     /// formats with one, a minimum: the kernels' tests and bench data.
     pub fn random(format: BlockFormat, rows: usize, cols: usize, seed: u64) -> Self {
-        let mut state = seed;
-        let mut bytes = vec![0u8; rows * cols / BLOCK * format.block_bytes()];
-        for b in bytes.chunks_exact_mut(format.block_bytes()) {
-            b.iter_mut().for_each(|x| *x = crate::rng::splitmix64(&mut state) as u8);
-            let scale = 0.002 + (crate::rng::splitmix64(&mut state) % 100) as f32 * 1e-4;
-            b[..2].copy_from_slice(&f16::from_f32(scale).to_le_bytes());
-            if format.has_min() {
-                b[2..4].copy_from_slice(&f16::from_f32(-8.0 * scale).to_le_bytes());
-            }
-            if format == BlockFormat::Q8_0 {
-                // ggml's quantiser never writes -128 (values are rounded within ±127).
-                b[2..].iter_mut().filter(|x| **x == 0x80).for_each(|x| *x = 0x81);
-            }
-        }
-        Self::new(format, rows, cols, bytes).expect("whole blocks")
+        Self::new(format, rows, cols, random_blocks(format, rows, cols, seed)).expect("whole blocks")
     }
 
     pub fn format(&self) -> BlockFormat {
         self.format
     }
 
-    /// Bytes of one weight row.
-    fn row_bytes(&self) -> usize {
-        self.cols / BLOCK * self.format.block_bytes()
+    /// Groups of 16 rows (the last one padded).
+    fn groups(&self) -> usize {
+        self.rows.div_ceil(packed::GROUP)
+    }
+
+    /// Records of one group.
+    fn group_bytes(&self) -> usize {
+        self.cols / BLOCK * packed::Layout::of(self.format).record
     }
 
     /// (rows, cols): (out, in) of the product.
     pub fn dims(&self) -> (usize, usize) {
         (self.rows, self.cols)
+    }
+
+    /// Row `o`'s product with `x` in plain code (CPUs without AVX2), from the records.
+    fn dot_scalar(&self, o: usize, x: &QuantizedRow) -> f32 {
+        let record = packed::Layout::of(self.format).record;
+        let group = &self.records[o / packed::GROUP * self.group_bytes()..][..self.group_bytes()];
+        let mut total = 0f32;
+        for (b, rec) in group.chunks_exact(record).enumerate() {
+            let (v, d, m) = packed::row_block(self.format, rec, o % packed::GROUP);
+            let sum: i32 = v.iter().zip(&x.q[b * BLOCK..(b + 1) * BLOCK]).map(|(a, q)| a * *q as i32).sum();
+            total += d * x.d[b] * sum as f32 + m * x.s[b];
+        }
+        total
     }
 
     /// `y (m, out) = x (m, in) · Wᵀ`, row-major.
@@ -142,36 +150,57 @@ impl BlockMatrix {
         // (m, out) per matrix, row-major, as the caller takes them.
         let mut ys: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; m * w.rows]).collect();
         let outs: Vec<DisjointWrites<f32>> = ys.iter_mut().map(|y| DisjointWrites::new(y)).collect();
-        let rows: Vec<usize> = mats.iter().map(|w| w.rows).collect();
+        let groups: Vec<usize> = mats.iter().map(|w| w.groups()).collect();
         #[cfg(target_arch = "x86_64")]
         if level.usable() >= SimdLevel::Avx2 {
             let avx512 = crate::simd::Kernels::get().int8_vnni_at(level);
-            for_rows_of_many(&rows, |i, range| {
+            for_rows_of_many(&groups, |i, range| {
                 let w = mats[i];
                 // SAFETY: `usable` never exceeds the CPU's level (AVX2's: AVX2, FMA, F16C) and
-                // `int8_vnni_at` gives the AVX-512 kernel only where the CPU has its features; the matrix holds `rows`
-                // rows of `cols / BLOCK` blocks (checked by `new`), the activations as many
-                // blocks each; this work item alone writes the columns of its weight rows.
-                unsafe { tiles::product_rows(w.format, avx512, &w.bytes, w.row_bytes(), range, &acts, (outs[i].at(0), w.rows)) }
+                // `int8_vnni_at` gives the AVX-512 kernel only where the CPU has its features;
+                // the matrix holds its groups' records of `cols / BLOCK` blocks (made by `new`),
+                // the activations as many blocks each; this work item alone writes the columns
+                // of its groups' rows.
+                unsafe { tiles::product_groups(w.format, avx512, &w.records, range, &acts, (outs[i].at(0), w.rows)) }
             });
             drop(outs);
             return ys;
         }
-        for_rows_of_many(&rows, |i, range| {
+        for_rows_of_many(&groups, |i, range| {
             let w = mats[i];
-            let row_bytes = w.row_bytes();
-            for o in range {
-                let wrow = &w.bytes[o * row_bytes..(o + 1) * row_bytes];
-                for (r, act) in acts.iter().enumerate() {
-                    // SAFETY: every (matrix, o, r) is written by exactly one work item, inside
-                    // that matrix's buffer.
-                    unsafe { *outs[i].at(r * w.rows + o) = dot_scalar(w.format, wrow, act) };
+            for g in range {
+                for o in g * packed::GROUP..((g + 1) * packed::GROUP).min(w.rows) {
+                    for (r, act) in acts.iter().enumerate() {
+                        // SAFETY: every (matrix, o, r) is written by exactly one work item,
+                        // inside that matrix's buffer.
+                        unsafe { *outs[i].at(r * w.rows + o) = w.dot_scalar(o, act) };
+                    }
                 }
             }
         });
         drop(outs);
         ys
     }
+}
+
+/// GGUF blocks of `format` for a `rows` x `cols` matrix: random quants, small finite scales and,
+/// for the formats with one, a minimum.
+fn random_blocks(format: BlockFormat, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed;
+    let mut bytes = vec![0u8; rows * cols / BLOCK * format.block_bytes()];
+    for b in bytes.chunks_exact_mut(format.block_bytes()) {
+        b.iter_mut().for_each(|x| *x = crate::rng::splitmix64(&mut state) as u8);
+        let scale = 0.002 + (crate::rng::splitmix64(&mut state) % 100) as f32 * 1e-4;
+        b[..2].copy_from_slice(&f16::from_f32(scale).to_le_bytes());
+        if format.has_min() {
+            b[2..4].copy_from_slice(&f16::from_f32(-8.0 * scale).to_le_bytes());
+        }
+        if format == BlockFormat::Q8_0 {
+            // ggml's quantiser never writes -128 (values are rounded within ±127).
+            b[2..].iter_mut().filter(|x| **x == 0x80).for_each(|x| *x = 0x81);
+        }
+    }
+    bytes
 }
 
 /// f32 through f16 and back: llama.cpp keeps the activations' scales in f16.
@@ -187,10 +216,12 @@ pub fn quantize_row(x: &[f32], with_sum: bool) -> QuantizedRow {
 
 pub fn quantize_row_at(x: &[f32], with_sum: bool, level: SimdLevel) -> QuantizedRow {
     let blocks = x.len() / BLOCK;
-    let mut row = QuantizedRow { d: Vec::with_capacity(blocks), s: Vec::with_capacity(blocks), q: vec![0; x.len()] };
+    let mut row =
+        QuantizedRow { d: Vec::with_capacity(blocks), sum: Vec::with_capacity(blocks), s: Vec::with_capacity(blocks), q: vec![0; x.len()] };
     for (block, q) in x.chunks_exact(BLOCK).zip(row.q.chunks_exact_mut(BLOCK)) {
         let (d, sum) = quantize_block(block, q, level);
         row.d.push(via_f16(d));
+        row.sum.push(sum);
         row.s.push(if with_sum { via_f16(d * sum as f32) } else { 0.0 });
     }
     row
@@ -216,12 +247,14 @@ fn quantize_block(x: &[f32], q: &mut [i8], level: SimdLevel) -> (f32, i32) {
     (d, sum)
 }
 
+#[cfg(test)]
 fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
-/// The 32 integer values of a weight block (before its scale and minimum), in order.
-pub(crate) fn block_values(format: BlockFormat, b: &[u8]) -> [i32; BLOCK] {
+/// The 32 integer values of a GGUF weight block (before its scale and minimum), in order.
+#[cfg(test)]
+fn block_values(format: BlockFormat, b: &[u8]) -> [i32; BLOCK] {
     let mut v = [0i32; BLOCK];
     let nibbles = |qs: &[u8], v: &mut [i32; BLOCK]| {
         for j in 0..16 {
@@ -255,8 +288,10 @@ pub(crate) fn block_values(format: BlockFormat, b: &[u8]) -> [i32; BLOCK] {
     v
 }
 
-/// The plain-code dot product (any CPU; the reference the vector one is tested against).
-fn dot_scalar(format: BlockFormat, w: &[u8], x: &QuantizedRow) -> f32 {
+/// The dot product of a row of GGUF blocks, in plain code: the definition the packed products
+/// are tested against.
+#[cfg(test)]
+fn dot_gguf(format: BlockFormat, w: &[u8], x: &QuantizedRow) -> f32 {
     let bb = format.block_bytes();
     let mut total = 0f32;
     for (i, b) in w.chunks_exact(bb).enumerate() {
@@ -281,18 +316,21 @@ mod tests {
     #[test]
     fn block_products_match_the_plain_code_at_every_level() {
         for format in FORMATS {
-            for (rows, m) in [(9usize, 1usize), (8, 3), (13, 7), (4, 2)] {
+            // Whole groups of 16 rows and a padded last one (or only that); a half group; tiles of
+            // activation rows and remainders.
+            for (rows, m) in [(9usize, 1usize), (8, 3), (37, 7), (4, 2), (32, 9)] {
                 let cols = 4 * BLOCK;
-                let w = BlockMatrix::random(format, rows, cols, 7 + rows as u64);
+                let blocks = random_blocks(format, rows, cols, 7 + rows as u64);
+                let w = BlockMatrix::new(format, rows, cols, blocks.clone()).unwrap();
                 let x = crate::rng::signed_values(m * cols, 3 + m as u64);
                 let acts: Vec<QuantizedRow> =
                     x.chunks_exact(cols).map(|r| quantize_row_at(r, format.has_min(), SimdLevel::Scalar)).collect();
-                let row_bytes = w.row_bytes();
+                let row_bytes = cols / BLOCK * format.block_bytes();
                 for level in [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512] {
                     let y = w.multiply(&x, level);
                     for c in 0..m {
                         for o in 0..rows {
-                            let want = dot_scalar(format, &w.bytes[o * row_bytes..(o + 1) * row_bytes], &acts[c]);
+                            let want = dot_gguf(format, &blocks[o * row_bytes..(o + 1) * row_bytes], &acts[c]);
                             let got = y[c * rows + o];
                             assert!(
                                 (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
@@ -310,15 +348,15 @@ mod tests {
     /// uses VNNI where the CPU has it, the AVX2 level never).
     #[test]
     fn a_rows_result_does_not_depend_on_its_batch_or_the_int8_instructions() {
-        let cols = 6 * BLOCK;
+        let (cols, rows) = (6 * BLOCK, 27);
         for format in FORMATS {
-            let w = BlockMatrix::random(format, 11, cols, 5);
+            let w = BlockMatrix::random(format, rows, cols, 5);
             let x = crate::rng::signed_values(7 * cols, 9);
             for level in [SimdLevel::Avx2, SimdLevel::Avx512] {
                 let batch = w.multiply(&x, level);
                 for c in 0..7 {
                     let alone = w.multiply(&x[c * cols..(c + 1) * cols], level);
-                    assert_eq!(alone, batch[c * 11..(c + 1) * 11], "{format:?} {level:?}: row {c}");
+                    assert_eq!(alone, batch[c * rows..(c + 1) * rows], "{format:?} {level:?}: row {c}");
                 }
                 assert_eq!(batch, w.multiply(&x, SimdLevel::Avx2), "{format:?}: {level:?} and AVX2 differ");
             }
@@ -336,7 +374,7 @@ mod tests {
         for input in [x, ties, zeros] {
             let plain = quantize_row_at(&input, true, SimdLevel::Scalar);
             let best = quantize_row_at(&input, true, SimdLevel::detected());
-            assert_eq!((plain.d, plain.s, plain.q), (best.d, best.s, best.q));
+            assert_eq!((plain.d, plain.sum, plain.s, plain.q), (best.d, best.sum, best.s, best.q));
         }
     }
 }

@@ -1,219 +1,201 @@
-//! Products over 32-value block formats by register tiles, llamafile's tinyBLAS idea for
-//! llama.cpp's formats: a tile of `R` weight rows by `C` activation rows keeps its accumulators
-//! in registers; at each block index every weight block is unpacked once and used for all `C`
-//! activation rows, and every activation block loaded once for all `R` weight rows. A prompt's
-//! product (many activation rows) unpacks each weight block `m / C` times instead of `m` times.
+//! Products over the interleaved records (`packed`): a tile is one group of 16 weight rows by
+//! `C` activation rows, its 16 x `C` results in registers for the whole row. At each block the
+//! group's values are unpacked once and used for all `C` activation rows; each four of an
+//! activation row's bytes are broadcast and summed against four values of all 16 rows at once.
 //!
-//! Two kernels: AVX2 (eight lanes, bytes summed by `vpmaddubsw` + `vpmaddwd`), and AVX-512 with
-//! VNNI (sixteen lanes holding two consecutive blocks, bytes summed by `vpdpbusd`). Every pair's
-//! sum is kept as two accumulators, of its even and of its odd blocks, added at the end: the
-//! AVX-512 kernel's two halves are exactly those, so both kernels compute the same operations in
-//! the same order and give the same bits (the integer sums are exact in both: the weights' bytes
-//! are at most 31 unsigned or ±127 signed against ±127 activations, so `vpmaddubsw`'s 16-bit
-//! pair sums never saturate). A pair is computed alike in every tile shape, so a row's output
-//! does not depend on how many rows its batch has: decoding's one row and a prompt's rows agree
-//! bit for bit.
+//! Two kernels: AVX-512 with VNNI (the 16 rows in one register, `vpdpbusd`) and AVX2 (two
+//! halves of 8 rows, `vpmaddubsw` + `vpmaddwd`; Q8_0's full-range bytes would saturate
+//! `vpmaddubsw`, so there its sign moves onto the activations instead of an offset). Per
+//! result, both compute the same exact integer sum of each block and then the same float
+//! operations in the same order (`y += (d_w · d_x) · sum`, then `y += m_w · s_x`), so the two
+//! levels give the same bits, and a row's result does not depend on how many rows its batch has.
 
 use std::arch::x86_64::*;
 
-use super::x86::{bytes_from_bits_32, bytes_from_nibbles_32, f16_at, hsum};
+use super::packed::{Layout, GROUP};
 use super::{BlockFormat, QuantizedRow, BLOCK};
 
-/// One block format's layout, for the tile loop.
+/// One format's record, for the kernels.
 trait Format {
-    const BYTES: usize;
-    /// The block's values are signed (else unsigned with a minimum, `d · q + m`).
-    const SIGNED: bool;
-    /// The 32 integer values of the block at `b` (before its scale), as bytes.
-    unsafe fn values(b: *const u8) -> __m256i;
+    const LAYOUT: Layout;
+    /// Values are whole bytes (Q8_0) rather than nibbles (and fifth bits).
+    const EIGHT: bool;
 }
 
-struct Q4_0;
-struct Q4_1;
-struct Q5_0;
-struct Q5_1;
-struct Q8_0;
-
-impl Format for Q4_0 {
-    const BYTES: usize = 18;
-    const SIGNED: bool = true;
-    #[inline(always)]
-    unsafe fn values(b: *const u8) -> __m256i {
-        _mm256_sub_epi8(bytes_from_nibbles_32(b.add(2)), _mm256_set1_epi8(8))
-    }
-}
-
-impl Format for Q4_1 {
-    const BYTES: usize = 20;
-    const SIGNED: bool = false;
-    #[inline(always)]
-    unsafe fn values(b: *const u8) -> __m256i {
-        bytes_from_nibbles_32(b.add(4))
-    }
-}
-
-impl Format for Q5_0 {
-    const BYTES: usize = 22;
-    const SIGNED: bool = true;
-    #[inline(always)]
-    unsafe fn values(b: *const u8) -> __m256i {
-        // A clear fifth bit means value - 16: set the top nibble (0xf0 | n is n - 16).
-        let high = _mm256_andnot_si256(bytes_from_bits_32(b.add(2)), _mm256_set1_epi8(0xf0u8 as i8));
-        _mm256_or_si256(bytes_from_nibbles_32(b.add(6)), high)
-    }
-}
-
-impl Format for Q5_1 {
-    const BYTES: usize = 24;
-    const SIGNED: bool = false;
-    #[inline(always)]
-    unsafe fn values(b: *const u8) -> __m256i {
-        let high = _mm256_and_si256(bytes_from_bits_32(b.add(4)), _mm256_set1_epi8(0x10));
-        _mm256_or_si256(bytes_from_nibbles_32(b.add(8)), high)
-    }
-}
-
-impl Format for Q8_0 {
-    const BYTES: usize = 34;
-    const SIGNED: bool = true;
-    #[inline(always)]
-    unsafe fn values(b: *const u8) -> __m256i {
-        _mm256_loadu_si256(b.add(2) as *const __m256i)
-    }
-}
-
-/// Weight rows x activation rows of the AVX2 kernel's tile (two accumulators a pair: 12 of
-/// the 16 registers).
-const AVX2_TILE: (usize, usize) = (2, 3);
-/// The AVX-512 kernel's (one 16-lane accumulator a pair, of 32 registers).
-const AVX512_TILE: (usize, usize) = (4, 3);
-
-/// The AVX2 kernel: `out[r][c] = Σ w_r · x_c` over `blocks` blocks for the `R` weight rows
-/// starting at `w[r]` and the `C` activation rows `x[c]`.
-#[inline(always)]
-unsafe fn tile_avx2<F: Format, const R: usize, const C: usize>(w: [*const u8; R], x: [&QuantizedRow; C], blocks: usize) -> [[f32; C]; R] {
-    // [parity][r][c]: the even blocks' and the odd blocks' sums.
-    let mut acc = [[[_mm256_setzero_ps(); C]; R]; 2];
-    let mut mins = [[[0f32; C]; R]; 2];
-    for i in 0..blocks {
-        let p = i & 1;
-        let mut ys = [_mm256_setzero_si256(); C];
-        let mut dx = [0f32; C];
-        for c in 0..C {
-            ys[c] = _mm256_loadu_si256(x[c].q.as_ptr().add(i * BLOCK) as *const __m256i);
-            dx[c] = *x[c].d.get_unchecked(i);
+macro_rules! format {
+    ($name:ident, $eight:expr) => {
+        struct $name;
+        impl Format for $name {
+            const LAYOUT: Layout = Layout::of(BlockFormat::$name);
+            const EIGHT: bool = $eight;
         }
-        for r in 0..R {
-            let b = w[r].add(i * F::BYTES);
-            let values = F::values(b);
-            let dw = f16_at(b);
-            // Signed weights: their sign moves onto the activations, so one side is unsigned.
-            let u = if F::SIGNED { _mm256_sign_epi8(values, values) } else { values };
+    };
+}
+format!(Q4_0, false);
+format!(Q4_1, false);
+format!(Q5_0, false);
+format!(Q5_1, false);
+format!(Q8_0, true);
+
+/// Activation row `x`'s four bytes at value `at` of block `b`, in every 32-bit lane.
+#[inline(always)]
+unsafe fn four_bytes(x: &QuantizedRow, b: usize, at: usize) -> i32 {
+    (x.q.as_ptr().add(b * BLOCK + at) as *const i32).read_unaligned()
+}
+
+/// The byte-shuffle control that puts byte `byte` of each 32-bit lane in all four of its bytes,
+/// and the bits of values `4k..4k + 4` within that byte, one per byte of a lane.
+#[inline(always)]
+fn fifth_bit_pattern(k: usize) -> (i8, i32) {
+    ((k / 2) as i8, (0x0804_0201u32 << (4 * (k % 2))) as i32)
+}
+
+const LANE_STARTS: [i8; 16] = [0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12];
+
+/// 16 rows' values `4k..4k + 4` (`k` of 8) with their fifth bits from `qh` (each row's u32).
+#[inline(always)]
+unsafe fn with_fifth_bits_512(v: __m512i, qh: __m512i, k: usize) -> __m512i {
+    let (byte, bits) = fifth_bit_pattern(k);
+    let starts = _mm512_broadcast_i32x4(_mm_loadu_si128(LANE_STARTS.as_ptr() as *const __m128i));
+    let spread = _mm512_shuffle_epi8(qh, _mm512_add_epi8(starts, _mm512_set1_epi8(byte)));
+    let set = _mm512_test_epi8_mask(spread, _mm512_set1_epi32(bits));
+    _mm512_mask_add_epi8(v, set, v, _mm512_set1_epi8(16))
+}
+
+/// [`with_fifth_bits_512`] for 8 rows.
+#[inline(always)]
+unsafe fn with_fifth_bits_256(v: __m256i, qh: __m256i, k: usize) -> __m256i {
+    let (byte, bits) = fifth_bit_pattern(k);
+    let starts = _mm_loadu_si128(LANE_STARTS.as_ptr() as *const __m128i);
+    let starts = _mm256_broadcastsi128_si256(starts);
+    let spread = _mm256_shuffle_epi8(qh, _mm256_add_epi8(starts, _mm256_set1_epi8(byte)));
+    let bits = _mm256_set1_epi32(bits);
+    let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bits), bits);
+    _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(16)))
+}
+
+/// The AVX-512 kernel: the 16 rows of the group whose records start at `rec0` against the `C`
+/// activation rows `x`, over `blocks` blocks.
+#[inline(always)]
+unsafe fn tile_avx512<F: Format, const C: usize>(rec0: *const u8, blocks: usize, x: [&QuantizedRow; C]) -> [__m512; C] {
+    let l = F::LAYOUT;
+    let mut y = [_mm512_setzero_ps(); C];
+    let low = _mm512_set1_epi8(0x0f);
+    for b in 0..blocks {
+        let rec = rec0.add(b * l.record);
+        let mut sums = [_mm512_setzero_si512(); C];
+        let mut add = |w: __m512i, at: usize| {
             for c in 0..C {
-                let s = if F::SIGNED { _mm256_sign_epi8(ys[c], values) } else { ys[c] };
-                let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_set1_epi16(1), _mm256_maddubs_epi16(u, s)));
-                acc[p][r][c] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx[c]), sums, acc[p][r][c]);
+                sums[c] = _mm512_dpbusd_epi32(sums[c], w, _mm512_set1_epi32(four_bytes(x[c], b, at)));
             }
-            if !F::SIGNED {
-                let m = f16_at(b.add(2));
+        };
+        if F::EIGHT {
+            for k in 0..8 {
+                add(_mm512_loadu_si512(rec.add(l.qs + 64 * k) as *const __m512i), 4 * k);
+            }
+        } else {
+            let qh = l.qh.map(|at| _mm512_loadu_si512(rec.add(at) as *const __m512i));
+            for k in 0..4 {
+                let chunk = _mm512_loadu_si512(rec.add(l.qs + 64 * k) as *const __m512i);
+                let (mut first, mut second) = (_mm512_and_si512(chunk, low), _mm512_and_si512(_mm512_srli_epi16(chunk, 4), low));
+                if let Some(qh) = qh {
+                    first = with_fifth_bits_512(first, qh, k);
+                    second = with_fifth_bits_512(second, qh, k + 4);
+                }
+                add(first, 4 * k);
+                add(second, 16 + 4 * k);
+            }
+        }
+        let dw = _mm512_cvtph_ps(_mm256_loadu_si256(rec as *const __m256i));
+        for c in 0..C {
+            let sum = _mm512_sub_epi32(sums[c], _mm512_set1_epi32(l.offset * *x[c].sum.get_unchecked(b)));
+            y[c] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(*x[c].d.get_unchecked(b))), _mm512_cvtepi32_ps(sum), y[c]);
+        }
+        if let Some(m) = l.m {
+            let mw = _mm512_cvtph_ps(_mm256_loadu_si256(rec.add(m) as *const __m256i));
+            for c in 0..C {
+                y[c] = _mm512_fmadd_ps(mw, _mm512_set1_ps(*x[c].s.get_unchecked(b)), y[c]);
+            }
+        }
+    }
+    y
+}
+
+/// The AVX2 kernel: [`tile_avx512`] for half `h` of the group (its rows `8h..8h + 8`).
+#[inline(always)]
+unsafe fn tile_avx2<F: Format, const C: usize>(rec0: *const u8, h: usize, blocks: usize, x: [&QuantizedRow; C]) -> [__m256; C] {
+    let l = F::LAYOUT;
+    let mut y = [_mm256_setzero_ps(); C];
+    let (low, ones) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi16(1));
+    for b in 0..blocks {
+        let rec = rec0.add(b * l.record);
+        let mut sums = [_mm256_setzero_si256(); C];
+        let load = |at: usize| _mm256_loadu_si256(rec.add(at + 32 * h) as *const __m256i);
+        if F::EIGHT {
+            for k in 0..8 {
+                // `u - 128` is the signed value; |w| against x with w's sign, as llama.cpp does.
+                let w = _mm256_xor_si256(load(l.qs + 64 * k), _mm256_set1_epi8(-128));
+                let magnitude = _mm256_sign_epi8(w, w);
                 for c in 0..C {
-                    mins[p][r][c] += m * *x[c].s.get_unchecked(i);
+                    let signed_x = _mm256_sign_epi8(_mm256_set1_epi32(four_bytes(x[c], b, 4 * k)), w);
+                    sums[c] = _mm256_add_epi32(sums[c], _mm256_madd_epi16(ones, _mm256_maddubs_epi16(magnitude, signed_x)));
+                }
+            }
+        } else {
+            let qh = l.qh.map(|at| load(at));
+            for k in 0..4 {
+                let chunk = load(l.qs + 64 * k);
+                let (mut first, mut second) = (_mm256_and_si256(chunk, low), _mm256_and_si256(_mm256_srli_epi16(chunk, 4), low));
+                if let Some(qh) = qh {
+                    first = with_fifth_bits_256(first, qh, k);
+                    second = with_fifth_bits_256(second, qh, k + 4);
+                }
+                for c in 0..C {
+                    let a = _mm256_maddubs_epi16(first, _mm256_set1_epi32(four_bytes(x[c], b, 4 * k)));
+                    let z = _mm256_maddubs_epi16(second, _mm256_set1_epi32(four_bytes(x[c], b, 16 + 4 * k)));
+                    sums[c] = _mm256_add_epi32(sums[c], _mm256_madd_epi16(ones, _mm256_add_epi16(a, z)));
                 }
             }
         }
-    }
-    let mut out = [[0f32; C]; R];
-    for r in 0..R {
+        let dw = _mm256_cvtph_ps(_mm_loadu_si128(rec.add(16 * h) as *const __m128i));
+        // Q8_0's signs were applied above: no offset to take off.
+        let offset = if F::EIGHT { 0 } else { l.offset };
         for c in 0..C {
-            out[r][c] = hsum(_mm256_add_ps(acc[0][r][c], acc[1][r][c])) + (mins[0][r][c] + mins[1][r][c]);
+            let sum = _mm256_sub_epi32(sums[c], _mm256_set1_epi32(offset * *x[c].sum.get_unchecked(b)));
+            y[c] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(*x[c].d.get_unchecked(b))), _mm256_cvtepi32_ps(sum), y[c]);
         }
-    }
-    out
-}
-
-/// Two f32s as sixteen lanes: `a` in the low eight, `b` in the high eight.
-#[inline(always)]
-unsafe fn halves(a: f32, b: f32) -> __m512 {
-    _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(a), _mm512_set1_ps(b))
-}
-
-/// The AVX-512 kernel, two blocks a step (the low lanes block `i`, the high ones block `i + 1`):
-/// the same results as [`tile_avx2`].
-#[inline(always)]
-unsafe fn tile_avx512<F: Format, const R: usize, const C: usize>(w: [*const u8; R], x: [&QuantizedRow; C], blocks: usize) -> [[f32; C]; R] {
-    let mut acc = [[_mm512_setzero_ps(); C]; R];
-    let mut mins = [[[0f32; C]; R]; 2];
-    let mut i = 0;
-    while i < blocks {
-        // A last block alone: its partner's lanes are zero (zero sums, zero scale).
-        let two = i + 1 < blocks;
-        let mut ys = [_mm512_setzero_si512(); C];
-        let mut dx = [_mm512_setzero_ps(); C];
-        for c in 0..C {
-            let q = x[c].q.as_ptr().add(i * BLOCK);
-            ys[c] =
-                if two { _mm512_loadu_si512(q as *const __m512i) } else { _mm512_zextsi256_si512(_mm256_loadu_si256(q as *const __m256i)) };
-            dx[c] = halves(*x[c].d.get_unchecked(i), if two { *x[c].d.get_unchecked(i + 1) } else { 0.0 });
-        }
-        for r in 0..R {
-            let b = w[r].add(i * F::BYTES);
-            let low = F::values(b);
-            let high = if two { F::values(b.add(F::BYTES)) } else { _mm256_setzero_si256() };
-            let values = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(low), high);
-            let dw = halves(f16_at(b), if two { f16_at(b.add(F::BYTES)) } else { 0.0 });
-            // Signed weights: |w| against the activations negated where w is negative (where w
-            // is zero the product is zero either way), as `vpsignb` does on AVX2.
-            let negative = if F::SIGNED { _mm512_movepi8_mask(values) } else { 0 };
-            let u = if F::SIGNED { _mm512_abs_epi8(values) } else { values };
+        if let Some(m) = l.m {
+            let mw = _mm256_cvtph_ps(_mm_loadu_si128(rec.add(m + 16 * h) as *const __m128i));
             for c in 0..C {
-                let s = if F::SIGNED { _mm512_mask_sub_epi8(ys[c], negative, _mm512_setzero_si512(), ys[c]) } else { ys[c] };
-                let sums = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s));
-                acc[r][c] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx[c]), sums, acc[r][c]);
-            }
-            if !F::SIGNED {
-                for (p, block) in [i, i + 1].into_iter().enumerate().take(if two { 2 } else { 1 }) {
-                    let m = f16_at(w[r].add(block * F::BYTES + 2));
-                    for c in 0..C {
-                        mins[p][r][c] += m * *x[c].s.get_unchecked(block);
-                    }
-                }
+                y[c] = _mm256_fmadd_ps(mw, _mm256_set1_ps(*x[c].s.get_unchecked(b)), y[c]);
             }
         }
-        i += 2;
     }
-    let mut out = [[0f32; C]; R];
-    for r in 0..R {
-        for c in 0..C {
-            let a = acc[r][c];
-            let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a)));
-            out[r][c] = hsum(_mm256_add_ps(_mm512_castps512_ps256(a), high)) + (mins[0][r][c] + mins[1][r][c]);
-        }
-    }
-    out
+    y
 }
 
-/// Columns `rows` of `y` (m x out_dim, row-major: one activation row's results together) for
-/// the weight rows `rows` of `w` (`row_bytes` each) against every activation row of `x`.
+/// Columns of row groups `groups` of `y` (m x `rows`, row-major: one activation row's results
+/// together) from the records `w` (`blocks` a group) against every activation row of `x`.
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C (and AVX-512 F, BW, VL and VNNI when `avx512`); `w`
-/// must hold `rows.end` rows of `x[0].d.len()` blocks of `format`; `y` must have room for
-/// `x.len() * out_dim` values, of which this call writes columns `rows` alone.
-pub unsafe fn product_rows(
+/// must hold `groups.end` groups of `blocks` records of `format`, each row of `x` `blocks`
+/// blocks; `y` must have room for `x.len() * rows` values, of which this call writes the
+/// columns of its groups alone.
+pub unsafe fn product_groups(
     format: BlockFormat,
     avx512: bool,
     w: &[u8],
-    row_bytes: usize,
-    rows: std::ops::Range<usize>,
+    groups: std::ops::Range<usize>,
     x: &[QuantizedRow],
-    (y, out_dim): (*mut f32, usize),
+    (y, rows): (*mut f32, usize),
 ) {
     macro_rules! run {
         ($f:ty) => {
             if avx512 {
-                rows_avx512::<$f>(w, row_bytes, rows, x, (y, out_dim))
+                groups_avx512::<$f>(w, groups, x, (y, rows))
             } else {
-                rows_avx2::<$f>(w, row_bytes, rows, x, (y, out_dim))
+                groups_avx2::<$f>(w, groups, x, (y, rows))
             }
         };
     }
@@ -226,61 +208,68 @@ pub unsafe fn product_rows(
     }
 }
 
-/// [`product_rows`]' loop over one kernel's tiles: whole tiles, then the rows left over in tiles
-/// of one. A macro, so that each kernel's target features reach the tile code it inlines.
-macro_rules! tiled {
-    ($tile:ident, $f:ty, $shape:expr, $w:expr, $row_bytes:expr, $rows:expr, $x:expr, $y:expr) => {{
-        const R: usize = $shape.0;
-        const C: usize = $shape.1;
-        let (w, row_bytes, rows, x, (y, out_dim)): (&[u8], usize, std::ops::Range<usize>, &[QuantizedRow], (*mut f32, usize)) =
-            ($w, $row_bytes, $rows, $x, $y);
-        let m = x.len();
-        let blocks = x.first().map_or(0, |r| r.d.len());
-        debug_assert!(w.len() >= rows.end * row_bytes && row_bytes == blocks * <$f>::BYTES);
-        let row = |o: usize| w.as_ptr().add(o * row_bytes);
-        let put = |o: usize, c: usize, v: f32| *y.add(c * out_dim + o) = v;
-        let mut o = rows.start;
-        while o < rows.end {
-            let r_here = if rows.end - o >= R { R } else { 1 };
-            let mut c = 0;
-            while c < m {
-                let c_here = if m - c >= C { C } else { 1 };
-                match (r_here, c_here) {
-                    (R, C) => {
-                        let out = $tile::<$f, R, C>(std::array::from_fn(|r| row(o + r)), std::array::from_fn(|k| &x[c + k]), blocks);
-                        for (r, line) in out.iter().enumerate() {
-                            for (k, &v) in line.iter().enumerate() {
-                                put(o + r, c + k, v);
-                            }
-                        }
-                    }
-                    (R, _) => {
-                        let out = $tile::<$f, R, 1>(std::array::from_fn(|r| row(o + r)), [&x[c]], blocks);
-                        for (r, line) in out.iter().enumerate() {
-                            put(o + r, c, line[0]);
-                        }
-                    }
-                    (_, C) => {
-                        let out = $tile::<$f, 1, C>([row(o)], std::array::from_fn(|k| &x[c + k]), blocks);
-                        for (k, &v) in out[0].iter().enumerate() {
-                            put(o, c + k, v);
-                        }
-                    }
-                    _ => put(o, c, $tile::<$f, 1, 1>([row(o)], [&x[c]], blocks)[0][0]),
-                }
-                c += c_here;
+/// Writes `values` (the group starting at row `o`, 16 of them) into activation row `c`'s
+/// results, those past the matrix's last row left out.
+#[inline(always)]
+unsafe fn put(y: *mut f32, rows: usize, c: usize, o: usize, values: &[f32]) {
+    let n = values.len().min(rows - o);
+    std::ptr::copy_nonoverlapping(values.as_ptr(), y.add(c * rows + o), n);
+}
+
+/// Tiles of `C` activation rows of `x` while there are as many, then one at a time: `tile(c,
+/// rows)` for each. A macro, so that each kernel's target features reach the tile code.
+macro_rules! by_tiles {
+    ($c:expr, $x:expr, |$c0:ident, $xs:ident| $tile:expr) => {{
+        let x: &[QuantizedRow] = $x;
+        let mut $c0 = 0;
+        while $c0 < x.len() {
+            if x.len() - $c0 >= $c {
+                let $xs: [&QuantizedRow; $c] = std::array::from_fn(|k| &x[$c0 + k]);
+                $tile;
+                $c0 += $c;
+            } else {
+                let $xs = [&x[$c0]];
+                $tile;
+                $c0 += 1;
             }
-            o += r_here;
         }
     }};
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_avx2<F: Format>(w: &[u8], row_bytes: usize, rows: std::ops::Range<usize>, x: &[QuantizedRow], y: (*mut f32, usize)) {
-    tiled!(tile_avx2, F, AVX2_TILE, w, row_bytes, rows, x, y)
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn groups_avx512<F: Format>(w: &[u8], groups: std::ops::Range<usize>, x: &[QuantizedRow], (y, rows): (*mut f32, usize)) {
+    let blocks = x.first().map_or(0, |r| r.d.len());
+    let group_bytes = blocks * F::LAYOUT.record;
+    debug_assert!(w.len() >= groups.end * group_bytes);
+    for g in groups {
+        let rec0 = w.as_ptr().add(g * group_bytes);
+        by_tiles!(4, x, |c0, xs| {
+            for (k, v) in tile_avx512::<F, _>(rec0, blocks, xs).iter().enumerate() {
+                let mut values = [0f32; GROUP];
+                _mm512_storeu_ps(values.as_mut_ptr(), *v);
+                put(y, rows, c0 + k, g * GROUP, &values);
+            }
+        });
+    }
 }
 
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn rows_avx512<F: Format>(w: &[u8], row_bytes: usize, rows: std::ops::Range<usize>, x: &[QuantizedRow], y: (*mut f32, usize)) {
-    tiled!(tile_avx512, F, AVX512_TILE, w, row_bytes, rows, x, y)
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn groups_avx2<F: Format>(w: &[u8], groups: std::ops::Range<usize>, x: &[QuantizedRow], (y, rows): (*mut f32, usize)) {
+    let blocks = x.first().map_or(0, |r| r.d.len());
+    let group_bytes = blocks * F::LAYOUT.record;
+    debug_assert!(w.len() >= groups.end * group_bytes);
+    for g in groups {
+        let rec0 = w.as_ptr().add(g * group_bytes);
+        // A last group's second half may be all padding.
+        let halves = if g * GROUP + 8 < rows { 2 } else { 1 };
+        by_tiles!(3, x, |c0, xs| {
+            for h in 0..halves {
+                for (k, v) in tile_avx2::<F, _>(rec0, h, blocks, xs).iter().enumerate() {
+                    let mut values = [0f32; 8];
+                    _mm256_storeu_ps(values.as_mut_ptr(), *v);
+                    put(y, rows, c0 + k, g * GROUP + 8 * h, &values);
+                }
+            }
+        });
+    }
 }

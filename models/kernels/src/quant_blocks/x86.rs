@@ -1,42 +1,9 @@
-//! AVX2 pieces of the block formats (`quant_blocks`): reading f16 scales and unpacking a block's
-//! nibbles and fifth bits to bytes, as llama.cpp's x86 code does (the products that use them are
-//! in `tiles`), and quantising a block of activations to 8 bits.
+//! Quantising a block of activations to 8 bits with AVX2, as llama.cpp's x86 code does (the
+//! products are in `tiles`).
 
 use std::arch::x86_64::*;
 
 use super::BLOCK;
-
-/// An f16 at `p` (unaligned) as f32, by F16C.
-#[inline(always)]
-pub(super) unsafe fn f16_at(p: *const u8) -> f32 {
-    let bits = (p as *const u16).read_unaligned();
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
-}
-
-/// 16 bytes of nibbles to 32 bytes 0..15: low nibbles first (values 0..15), then high ones.
-#[inline(always)]
-pub(super) unsafe fn bytes_from_nibbles_32(p: *const u8) -> __m256i {
-    let tmp = _mm_loadu_si128(p as *const __m128i);
-    let bytes = _mm256_insertf128_si256(_mm256_castsi128_si256(tmp), _mm_srli_epi16(tmp, 4), 1);
-    _mm256_and_si256(_mm256_set1_epi8(0x0f), bytes)
-}
-
-/// The 32 bits at `p` as 32 bytes, 0xff where the bit is set.
-#[inline(always)]
-pub(super) unsafe fn bytes_from_bits_32(p: *const u8) -> __m256i {
-    let x32 = (p as *const u32).read_unaligned() as i32;
-    let shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-    let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(x32), shuffle);
-    let bit_mask = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
-    _mm256_cmpeq_epi8(_mm256_or_si256(bytes, bit_mask), _mm256_set1_epi64x(-1))
-}
-
-#[inline(always)]
-pub(super) unsafe fn hsum(x: __m256) -> f32 {
-    let r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
-    let r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-    _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)))
-}
 
 /// ggml's AVX2 `quantize_row_q8_1` for one block of 32: writes the 8-bit values to `q` and returns
 /// (`d`, `Σq`), `d = max|x| / 127`, the values rounded to nearest, ties to even.
