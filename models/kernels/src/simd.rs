@@ -159,11 +159,26 @@ impl Kernels {
         level.min(self.level) == SimdLevel::Avx512 && self.features.avx512vnni
     }
 
+    /// Who runs an f32 product whose lhs has `lhs_rows` rows at `level`: [`Self::matmul_at`],
+    /// except that where the measurement gave AVX-512 products to gemm, short ones (a short
+    /// prompt's or a decode batch's few rows) still run on the packed driver: gemm's per-call
+    /// work outweighs its kernels there (a 46-token SmolLM2 prefill ran 1.4x faster packed on
+    /// the AVX-512 Xeon, where a training step's products are even).
+    pub fn matmul_for(&self, level: SimdLevel, lhs_rows: usize) -> MatmulKernels {
+        match (self.matmul_switch, self.matmul_at(level)) {
+            (None, MatmulKernels::Gemm) if level == SimdLevel::Avx512 && lhs_rows < PACKED_BELOW_ROWS => MatmulKernels::Packed,
+            (_, choice) => choice,
+        }
+    }
+
     /// Who runs f32 products at the level in use.
     pub fn matmul(&self) -> MatmulKernels {
         self.matmul_at(self.level)
     }
 }
+
+/// Lhs rows below which [`Kernels::matmul_for`] keeps products on the packed driver.
+const PACKED_BELOW_ROWS: usize = 128;
 
 fn invalid(var: &str, value: &str) -> String {
     let takes = SWITCHES.iter().find(|(v, _)| *v == var).map_or("", |(_, t)| t);
@@ -301,6 +316,10 @@ mod tests {
         assert_eq!((k.matmul_at(Avx2), k.matmul_at(Scalar)), (Packed, Gemm));
         let avx2_only = CpuFeatures { avx512f: false, ..ALL };
         assert_eq!(pick(avx2_only, Some("avx512"), None, true), Ok((Avx2, Packed)));
+        // Short products run packed where the measurement gave AVX-512 to gemm, unless switched.
+        assert_eq!((k.matmul_for(Avx512, 46), k.matmul_for(Avx512, 512), k.matmul_for(Avx2, 46)), (Packed, Gemm, Packed));
+        let switched = Kernels::choose(ALL, None, Some("gemm"), || true).unwrap();
+        assert_eq!(switched.matmul_for(Avx512, 46), Gemm);
         // VNNI only at the AVX-512 level, and only where the CPU has it.
         assert!(k.int8_vnni_at(Avx512) && !k.int8_vnni_at(Avx2));
         let no_vnni = Kernels::choose(CpuFeatures { avx512vnni: false, ..ALL }, None, None, || true).unwrap();

@@ -60,6 +60,15 @@ fn packed_tile(level: SimdLevel) -> Option<Tile> {
     }
 }
 
+/// [`packed_tile`] for a product whose lhs has `lhs_rows` rows ([`Kernels::matmul_for`]).
+#[cfg(target_arch = "x86_64")]
+fn packed_tile_for(level: SimdLevel, lhs_rows: usize) -> Option<Tile> {
+    match Kernels::get().matmul_for(level, lhs_rows) {
+        MatmulKernels::Packed => Tile::at(level),
+        MatmulKernels::Gemm => None,
+    }
+}
+
 /// The kernels products at the current level run on, in words (for the benches' tables).
 pub fn kernels_in_use() -> &'static str {
     #[cfg(target_arch = "x86_64")]
@@ -105,7 +114,7 @@ pub unsafe fn with_lhs_shared_by_pieces<R>(
     f: impl FnOnce(Option<&SharedLhs>) -> R,
 ) -> R {
     #[cfg(target_arch = "x86_64")]
-    if packed_tile(SimdLevel::current()).is_some() && packed::shares_lhs(m, narrowest, k) {
+    if packed_tile_for(SimdLevel::current(), m).is_some() && packed::shares_lhs(m, narrowest, k) {
         return SharedLhs::with(m, k, lhs, |shared| f(Some(shared)));
     }
     let _ = (m, narrowest, k, lhs);
@@ -133,7 +142,7 @@ pub unsafe fn sgemm_piece(
         #[cfg(target_arch = "x86_64")]
         Some(shared) => {
             // A shared packing exists only where the level's products run on a packed tile.
-            let tile = packed_tile(SimdLevel::current()).expect("with_lhs_shared_by_pieces shares only for a packed tile");
+            let tile = packed_tile_for(SimdLevel::current(), m).expect("with_lhs_shared_by_pieces shares only for a packed tile");
             packed::sgemm(tile, m, n, k, dst, dst_rs, lhs, rhs, accumulate, 1.0, Some(shared))
         }
         _ => sgemm(m, n, k, (dst, 1, dst_rs as isize), lhs, rhs, if accumulate { 1.0 } else { 0.0 }, 1.0),
@@ -158,14 +167,18 @@ unsafe fn sgemm_at(
 ) {
     debug_assert!([dst.1, dst.2, lhs.1, lhs.2, rhs.1, rhs.2].iter().all(|s| *s >= 0));
     #[cfg(target_arch = "x86_64")]
-    if let Some(tile) = packed_tile(level).filter(|_| alpha == 0.0 || alpha == 1.0) {
+    if alpha == 0.0 || alpha == 1.0 {
         if dst.1 == 1 && packed::worth_it(m, n, k) {
-            return packed::sgemm(tile, m, n, k, dst.0, dst.2 as usize, lhs, rhs, alpha != 0.0, beta, None);
+            if let Some(tile) = packed_tile_for(level, m) {
+                return packed::sgemm(tile, m, n, k, dst.0, dst.2 as usize, lhs, rhs, alpha != 0.0, beta, None);
+            }
         }
         // A column-major dst is the row-major dstᵀ = rhsᵀ · lhsᵀ.
         if dst.2 == 1 && packed::worth_it(n, m, k) {
-            let (lhs_t, rhs_t) = ((rhs.0, rhs.2, rhs.1), (lhs.0, lhs.2, lhs.1));
-            return packed::sgemm(tile, n, m, k, dst.0, dst.1 as usize, lhs_t, rhs_t, alpha != 0.0, beta, None);
+            if let Some(tile) = packed_tile_for(level, n) {
+                let (lhs_t, rhs_t) = ((rhs.0, rhs.2, rhs.1), (lhs.0, lhs.2, lhs.1));
+                return packed::sgemm(tile, n, m, k, dst.0, dst.1 as usize, lhs_t, rhs_t, alpha != 0.0, beta, None);
+            }
         }
     }
     let read_dst = alpha != 0.0;
