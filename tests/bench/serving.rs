@@ -6,9 +6,10 @@
 //! over 4 adapters beside 16 on the base alone, with PEFT's default adapters (r 8 on q_proj and
 //! v_proj) and with the r 16 all-linear ones.
 //!
+//! The streams table runs twice: on the converted f32 model and on the shipped Q4_1 GGUF as it is.
 //! Then the long-prompt rows (`serving_long`).
 //!
-//! `cargo bench --bench serving -- lora` runs only the multi-LoRA throughput rows (for profiling
+//! `cargo bench --bench serving -- streams` runs only the two streams tables; `-- lora` only the multi-LoRA throughput rows (for profiling
 //! the server: `perf record -g -p <its pid>`); `-- long` only the long-prompt rows.
 //!
 //! Environment: FSDP_SMOLLM2_GGUF (else the GGUF the smollm2 test downloaded to target/smollm2).
@@ -168,24 +169,12 @@ fn bench_adapters(dir: &Path, root: &Path) -> anyhow::Result<(Vec<PathBuf>, Vec<
     Ok((heavy, light))
 }
 
-fn main() -> anyhow::Result<()> {
-    let gguf = common::bench_smollm2_gguf()?;
-    let tmp = tempfile::tempdir()?;
-    let dir = tmp.path().join("smollm2");
-    fsdp_app::convert::convert_gguf(&gguf, &dir, DType::BF16)?;
-    if std::env::args().skip(1).any(|a| a == "long") {
-        println!("CPU vector ISA: {}", common::vector_isa());
-        return serving_long::rows(&dir);
-    }
-    if std::env::args().skip(1).any(|a| a == "lora") {
-        println!("CPU vector ISA: {}", common::vector_isa());
-        let (heavy, light) = bench_adapters(&dir, tmp.path())?;
-        return multi_lora_throughput(&dir, &heavy, &light);
-    }
-    let (mut child, url) = start_server(&dir, &[])?;
+/// Aggregate tokens/s and time to first token of 1, 4 and 16 concurrent streams on `model` (a
+/// directory or a GGUF file), as a table.
+fn streams_table(model: &Path, weights: &str) -> anyhow::Result<()> {
+    let (mut child, url) = start_server(model, &[])?;
     stream_once(&url, "smollm2", 0); // warm-up
-    println!("CPU vector ISA: {}", common::vector_isa());
-    println!("fsdp-app serve, SmolLM2-135M-Instruct f32 on CPU, {NEW_TOKENS} new tokens per stream (sampling, temperature 0.7)");
+    println!("\nfsdp-app serve, SmolLM2-135M-Instruct {weights} on CPU, {NEW_TOKENS} new tokens per stream (sampling, temperature 0.7)");
     println!("| streams | aggregate tokens/s | per-stream tokens/s | mean TTFT (s) | max TTFT (s) | wall (s) |");
     println!("|---|---|---|---|---|---|");
     let mut single = 0.0;
@@ -216,6 +205,30 @@ fn main() -> anyhow::Result<()> {
     let _ = child.kill();
     let _ = child.wait();
     std::thread::sleep(Duration::from_millis(10));
+    Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
+    let gguf = common::bench_smollm2_gguf()?;
+    let tmp = tempfile::tempdir()?;
+    let dir = tmp.path().join("smollm2");
+    fsdp_app::convert::convert_gguf(&gguf, &dir, DType::BF16)?;
+    if std::env::args().skip(1).any(|a| a == "long") {
+        println!("CPU vector ISA: {}", common::vector_isa());
+        return serving_long::rows(&dir);
+    }
+    if std::env::args().skip(1).any(|a| a == "lora") {
+        println!("CPU vector ISA: {}", common::vector_isa());
+        let (heavy, light) = bench_adapters(&dir, tmp.path())?;
+        return multi_lora_throughput(&dir, &heavy, &light);
+    }
+    println!("CPU vector ISA: {}", common::vector_isa());
+    streams_table(&dir, "f32")?;
+    // The same streams over the shipped Q4_1 file as it is (its int8 block products).
+    streams_table(&gguf, "Q4_1 GGUF")?;
+    if std::env::args().skip(1).any(|a| a == "streams") {
+        return Ok(());
+    }
     serving_long::rows(&dir)?;
     let (heavy, light) = bench_adapters(&dir, tmp.path())?;
     multi_lora_memory(&dir, &heavy)?;

@@ -283,9 +283,15 @@ pub fn vector_isa() -> String {
     let flags = field("flags");
     let has = |f: &str| flags.split_whitespace().any(|x| x == f);
     let isa = match (has("avx512f"), has("avx2")) {
-        (true, _) => "AVX-512 (avx512f)",
+        (true, _) if has("avx512_vnni") => "AVX-512 (avx512f, avx512_vnni)",
+        (true, _) => "AVX-512 (avx512f, no avx512_vnni)",
         (false, true) => "AVX2 only (no avx512f)",
         _ => "no AVX2",
     };
-    format!("{isa}, {}, {} threads", field("model name"), std::thread::available_parallelism().map_or(1, |n| n.get()))
+    // A forced level is what the figures measure: say so beside what the CPU has.
+    let forced = match std::env::var("FSDP_SIMD") {
+        Ok(level) => format!("; fsdp-app's kernels forced to {level} (FSDP_SIMD)"),
+        Err(_) => String::new(),
+    };
+    format!("{isa}, {}, {} threads{forced}", field("model name"), std::thread::available_parallelism().map_or(1, |n| n.get()))
 }

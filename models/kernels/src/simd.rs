@@ -152,7 +152,7 @@ impl Kernels {
         }
     }
 
-    /// Whether int8 block products at `level` run their AVX-512 kernel (two blocks a step, bytes
+    /// Whether int8 block products at `level` run their AVX-512 kernel (16 rows a register, bytes
     /// summed by `vpdpbusd`): at the AVX-512 level, on CPUs with AVX512-VNNI, BW and VL; else
     /// the AVX2 kernel (the same results).
     pub fn int8_vnni_at(&self, level: SimdLevel) -> bool {

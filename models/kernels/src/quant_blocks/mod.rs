@@ -1,6 +1,6 @@
-//! `x @ Wᵀ` over llama.cpp's 32-value block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) read in place:
-//! the formats candle has no AVX2 dot product for (Q4_1, Q5_0, Q5_1 run its scalar loop, ~7x
-//! slower than llama.cpp) and the two it has, so that all of them share one threading scheme.
+//! `x @ Wᵀ` over llama.cpp's 32-value block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): the formats
+//! candle has no AVX2 dot product for (Q4_1, Q5_0, Q5_1 run its scalar loop, ~7x slower than
+//! llama.cpp) and the two it has, so that all of them share one layout and threading scheme.
 //!
 //! As in llama.cpp, each row of activations is quantised once to 8 bits per value in blocks of 32
 //! (a scale `d` and, for the formats with a minimum, `s = d · Σq`), and every weight block's dot

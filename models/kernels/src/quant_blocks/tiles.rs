@@ -142,7 +142,7 @@ unsafe fn tile_avx2<F: Format, const C: usize>(rec0: *const u8, h: usize, blocks
                 }
             }
         } else {
-            let qh = l.qh.map(|at| load(at));
+            let qh = l.qh.map(load);
             for k in 0..4 {
                 let chunk = load(l.qs + 64 * k);
                 let (mut first, mut second) = (_mm256_and_si256(chunk, low), _mm256_and_si256(_mm256_srli_epi16(chunk, 4), low));
