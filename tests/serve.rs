@@ -210,6 +210,9 @@ fn bad_requests_get_openai_errors_and_never_a_5xx() {
         (chat.clone(), json!({"model": "tiny", "messages": [{"role": "assistant", "content": "hi", "refusal": "no"}]}).to_string(), 400, Some("messages[0].refusal"), Some("unsupported_parameter")),
         (server.url("/v1/responses"), json!({"model": "tiny", "input": "x", "previous_response_id": "resp_1"}).to_string(), 400, Some("previous_response_id"), Some("unsupported_parameter")),
         (server.url("/v1/responses"), json!({"model": "tiny", "input": [{"type": "function_call_output", "output": "x"}]}).to_string(), 400, Some("input[0].call_id"), None),
+        // An output must answer a call earlier in the input (OpenAI answers 400 too).
+        (server.url("/v1/responses"), json!({"model": "tiny", "input": [{"type": "function_call_output", "call_id": "call_9", "output": "x"}]}).to_string(), 400, Some("input[0].call_id"), None),
+        (server.url("/v1/responses"), json!({"model": "tiny", "input": [{"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}, {"type": "function_call_output", "call_id": "call_9", "output": "x"}]}).to_string(), 400, Some("input[1].call_id"), None),
         (server.url("/v1/responses"), json!({"model": "tiny", "input": "x", "max_output_tokens": 100000}).to_string(), 400, Some("max_output_tokens"), None),
         (comp.clone(), json!({"model": "tiny", "prompt": "x", "suffix": "y"}).to_string(), 400, Some("suffix"), Some("unsupported_parameter")),
         (comp.clone(), json!({"model": "tiny", "prompt": "x", "best_of": 2}).to_string(), 400, Some("best_of"), Some("unsupported_parameter")),

@@ -181,8 +181,18 @@ fn input_item(item: &Value, at: &str, messages: &mut Vec<ChatMessage>, lenient: 
         }
         "function_call_output" => {
             ignored.extend(fields::check(item, &["type", "call_id", "output", "id", "status"], at, lenient)?);
-            let mut m = ChatMessage::new("tool", &string("output")?);
-            m.tool_call_id = Some(string("call_id")?);
+            let (output, call_id) = (string("output")?, string("call_id")?);
+            // An output answers a call earlier in `input` (no responses are stored to hold it),
+            // as OpenAI requires: one that answers nothing is the caller's mistake.
+            let mut calls = messages.iter().filter_map(|m| m.tool_calls.as_ref()).filter_map(Value::as_array).flatten();
+            if !calls.any(|c| c["id"] == call_id.as_str()) {
+                return Err(ApiError::invalid(
+                    &format!("{at}.call_id"),
+                    format!("No tool call found for function call output with call_id {call_id:?}: a function_call item with it must come earlier in `input`."),
+                ));
+            }
+            let mut m = ChatMessage::new("tool", &output);
+            m.tool_call_id = Some(call_id);
             messages.push(m);
         }
         other => {
