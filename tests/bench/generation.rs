@@ -248,11 +248,11 @@ fn versus_llama_cpp(root: &Path, tmp: &Path, gguf: &Path, tok: &TextTokenizer, p
             for _ in 0..PREFILL_ROUNDS {
                 let args = ["run", f, &long_json, "1", &threads.to_string(), "1"];
                 let round = num(&python.clone().and_then(|py| llama_cpp(&py, &args)), "prefill_tokens_per_s");
-                their_best = if their_best.is_nan() { round } else { their_best.max(round) };
+                their_best = their_best.max(round); // f64::max skips a NaN (a failed round)
                 let once =
                     generate(&model, tok, long, &HashSet::new(), &SamplingParams::greedy(1), DEFAULT_MAX_PREFILL_TOKENS, |_| Ok(()))?;
                 let ours = long.len() as f64 / once.time_to_first_token_s;
-                our_best = if our_best.is_nan() { ours } else { our_best.max(ours) };
+                our_best = our_best.max(ours);
             }
             row += &format!(" {} | {} | {} |", cell(their_best), cell(our_best), ratio(our_best, their_best));
         }

@@ -54,16 +54,19 @@ pub unsafe fn sgemm(
 /// the kernel table ([`Kernels::matmul_at`]) gives them to it.
 #[cfg(target_arch = "x86_64")]
 fn packed_tile(level: SimdLevel) -> Option<Tile> {
-    match Kernels::get().matmul_at(level) {
-        MatmulKernels::Packed => Tile::at(level),
-        MatmulKernels::Gemm => None,
-    }
+    tile_of(Kernels::get().matmul_at(level), level)
 }
 
 /// [`packed_tile`] for a product whose lhs has `lhs_rows` rows ([`Kernels::matmul_for`]).
 #[cfg(target_arch = "x86_64")]
 fn packed_tile_for(level: SimdLevel, lhs_rows: usize) -> Option<Tile> {
-    match Kernels::get().matmul_for(level, lhs_rows) {
+    tile_of(Kernels::get().matmul_for(level, lhs_rows), level)
+}
+
+/// The packed driver's tile at `level` when the kernel table's `choice` is the packed driver.
+#[cfg(target_arch = "x86_64")]
+fn tile_of(choice: MatmulKernels, level: SimdLevel) -> Option<Tile> {
+    match choice {
         MatmulKernels::Packed => Tile::at(level),
         MatmulKernels::Gemm => None,
     }

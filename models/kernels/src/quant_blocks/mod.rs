@@ -255,36 +255,26 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
 /// The 32 integer values of a GGUF weight block (before its scale and minimum), in order.
 #[cfg(test)]
 fn block_values(format: BlockFormat, b: &[u8]) -> [i32; BLOCK] {
+    let (_, qh_at, qs_at) = packed::source_offsets(format);
     let mut v = [0i32; BLOCK];
-    let nibbles = |qs: &[u8], v: &mut [i32; BLOCK]| {
-        for j in 0..16 {
-            v[j] = (qs[j] & 0x0f) as i32;
-            v[j + 16] = (qs[j] >> 4) as i32;
+    if format == BlockFormat::Q8_0 {
+        for (j, x) in v.iter_mut().enumerate() {
+            *x = b[qs_at + j] as i8 as i32;
         }
-    };
-    match format {
-        BlockFormat::Q4_0 => {
-            nibbles(&b[2..18], &mut v);
-            v.iter_mut().for_each(|x| *x -= 8);
-        }
-        BlockFormat::Q4_1 => nibbles(&b[4..20], &mut v),
-        BlockFormat::Q5_0 | BlockFormat::Q5_1 => {
-            let (qh_at, qs_at) = if format == BlockFormat::Q5_0 { (2, 6) } else { (4, 8) };
-            let qh = u32::from_le_bytes(b[qh_at..qh_at + 4].try_into().unwrap());
-            nibbles(&b[qs_at..qs_at + 16], &mut v);
-            for (j, x) in v.iter_mut().enumerate() {
-                *x |= (((qh >> j) & 1) << 4) as i32;
-                if format == BlockFormat::Q5_0 {
-                    *x -= 16;
-                }
-            }
-        }
-        BlockFormat::Q8_0 => {
-            for j in 0..BLOCK {
-                v[j] = b[2 + j] as i8 as i32;
-            }
-        }
+        return v;
     }
+    // Low nibbles are values 0..16, high ones 16..32; then the fifth bits and the offsets.
+    let qh = qh_at.map_or(0, |at| u32::from_le_bytes(b[at..at + 4].try_into().unwrap()));
+    for (j, x) in v.iter_mut().enumerate() {
+        let nibble = if j < 16 { b[qs_at + j] & 0x0f } else { b[qs_at + j - 16] >> 4 } as i32;
+        *x = nibble | (((qh >> j) & 1) << 4) as i32;
+    }
+    let offset = match format {
+        BlockFormat::Q4_0 => 8,
+        BlockFormat::Q5_0 => 16,
+        _ => 0,
+    };
+    v.iter_mut().for_each(|x| *x -= offset);
     v
 }
 

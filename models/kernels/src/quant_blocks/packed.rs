@@ -16,7 +16,8 @@
 //! A value is `u - OFFSET` (8 for Q4_0, 16 for Q5_0, 128 for Q8_0, 0 with a minimum), so every
 //! weight is an unsigned byte against signed activations, as `vpdpbusd` and `vpmaddubsw` take
 //! them, and the offset comes back as `OFFSET · Σx` per block. A record has the bytes of the 16
-//! blocks it holds: the layout costs no memory. Rows past the last (a group's padding) are zero.
+//! blocks it holds: the layout costs no memory. Rows past the last (a group's padding) are zero
+//! bytes; their lanes' results are never written out.
 
 use super::{BlockFormat, BLOCK};
 
@@ -57,8 +58,8 @@ impl Layout {
     }
 }
 
-/// Where the GGUF block keeps its minimum, fifth bits and values.
-fn source_offsets(format: BlockFormat) -> (Option<usize>, Option<usize>, usize) {
+/// Where the GGUF block keeps its minimum, fifth bits and values (its f16 scale is at 0).
+pub(super) fn source_offsets(format: BlockFormat) -> (Option<usize>, Option<usize>, usize) {
     match format {
         BlockFormat::Q4_0 => (None, None, 2),
         BlockFormat::Q4_1 => (Some(2), None, 4),
@@ -91,16 +92,6 @@ pub(crate) fn pack(format: BlockFormat, rows: usize, cols: usize, bytes: &[u8]) 
                 for j in 0..4 {
                     // Q8_0's signed bytes as `q + 128`: the top bit flipped.
                     rec[to + j] = if format == BlockFormat::Q8_0 { src[from + j] ^ 0x80 } else { src[from + j] };
-                }
-            }
-        }
-    }
-    // Padding rows in Q8_0 hold value 0 too (`u = 128`), though their zero scale hides them.
-    if format == BlockFormat::Q8_0 && !rows.is_multiple_of(GROUP) {
-        for rec in out.chunks_exact_mut(layout.record).skip((groups - 1) * blocks) {
-            for r in rows % GROUP..GROUP {
-                for c in 0..8 {
-                    rec[layout.qs + 64 * c + 4 * r..][..4].fill(0x80);
                 }
             }
         }
