@@ -288,6 +288,8 @@ pub fn vector_isa() -> String {
         (false, true) => "AVX2 only (no avx512f)",
         _ => "no AVX2",
     };
+    // AVX-VNNI (the 256-bit int8 dot) decides the AVX2 level's int8 kernel.
+    let isa = format!("{isa}{}", if has("avx_vnni") { ", avx_vnni" } else { "" });
     // A forced level is what the figures measure: say so beside what the CPU has.
     let forced = match std::env::var("FSDP_SIMD") {
         Ok(level) => format!("; fsdp-app's kernels forced to {level} (FSDP_SIMD)"),

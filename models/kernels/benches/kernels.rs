@@ -34,23 +34,27 @@ fn main() {
     let features = CpuFeatures::detected();
     println!("CPU: {}", cpu_model());
     println!(
-        "features: avx2 {} fma {} f16c {} avx512f {}; best level {:?}",
+        "features: avx2 {} fma {} f16c {} avx512f {} avx512_vnni {} avx_vnni {}; best level {:?}",
         features.avx2,
         features.fma,
         features.f16c,
         features.avx512f,
+        features.avx512vnni,
+        features.avxvnni,
         features.best_level()
     );
-    let levels: Vec<SimdLevel> =
-        [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512].into_iter().filter(|&l| l <= features.best_level()).collect();
-    // Per level: its rows in the order measured, and the matrix kernels its table chose.
-    let mut columns: Vec<(SimdLevel, Vec<(String, f64)>)> = vec![];
-    for &level in &levels {
-        let name = match level {
-            SimdLevel::Scalar => "scalar",
-            SimdLevel::Avx2 => "avx2",
-            SimdLevel::Avx512 => "avx512",
-        };
+    // Each FSDP_SIMD value this CPU can run: the levels, and AVX2 with AVX-VNNI where it has
+    // that (only the int8 block products differ there).
+    let best = features.best_level();
+    let columns_run = [
+        ("scalar", true),
+        ("avx2", best >= SimdLevel::Avx2),
+        ("avx2-vnni", best >= SimdLevel::Avx2 && features.avxvnni),
+        ("avx512", best >= SimdLevel::Avx512),
+    ];
+    // Per switch value: its rows in the order measured.
+    let mut columns: Vec<(&str, Vec<(String, f64)>)> = vec![];
+    for name in columns_run.iter().filter(|(_, runs)| *runs).map(|(name, _)| *name) {
         let out = Command::new(std::env::current_exe().expect("own path"))
             .env(CHILD, "1")
             .env("FSDP_SIMD", name)
@@ -66,11 +70,11 @@ fn main() {
             .filter_map(|l| l.split_once('\t'))
             .map(|(k, v)| (k.to_string(), v.parse::<f64>().expect("microseconds")))
             .collect();
-        columns.push((level, rows));
+        columns.push((name, rows));
     }
     print!("\n{:<44}", "kernel (µs per call, best of 20)");
-    for (level, _) in &columns {
-        print!("{:>10}", format!("{level:?}"));
+    for (name, _) in &columns {
+        print!("{name:>10}");
     }
     println!("{:>12}", "best/scalar");
     for (i, (row, scalar)) in columns[0].1.iter().enumerate() {

@@ -5,7 +5,8 @@
 //! - [`SimdLevel`]: the vector code the element-wise kernels, dot products, exp, quantised blocks
 //!   and attention run (AVX-512, AVX2 or plain code). A level is available only when the CPU has
 //!   every feature its kernels enable, not only the one that names it.
-//! - int8 block products ([`Kernels::int8_vnni_at`]): the AVX-512 VNNI kernel where the CPU has it;
+//! - int8 block products ([`Kernels::int8_at`]): the AVX-512 VNNI kernel where the CPU has it, else
+//!   AVX-VNNI's 256-bit `vpdpbusd` (Intel's client cores, Zen 5), else AVX2's `vpmaddubsw`;
 //! - [`MatmulKernels`]: who runs f32 matrix products at AVX-512, our packed driver or the gemm
 //!   crate's kernels. Chosen by a measurement, not by the vendor: on CPUs that execute a 512-bit
 //!   FMA as two 256-bit halves (Zen 4) gemm's wider tile gains nothing and our packed driver, which
@@ -13,8 +14,11 @@
 //!   (Intel's server cores with two 512-bit units) gemm's kernels win. See docs/design.md.
 //!
 //! Switches, validated by [`check_env`] (the binary calls it before any work):
-//! - `FSDP_SIMD=best|avx512|avx2|scalar`: at most this level (never one the CPU lacks; `best`
-//!   and `avx512` are the CPU's own), so tests and benches can run every path on one machine;
+//! - `FSDP_SIMD=best|avx512|avx2-vnni|avx2|scalar`: at most this level (never one the CPU lacks;
+//!   `best` and `avx512` are the CPU's own), so tests and benches can run every path on one
+//!   machine. `avx2` is an AVX2-only CPU's code (Zen 3: no int8 dot instruction); `avx2-vnni` is
+//!   the AVX2 level with AVX-VNNI where the CPU has it (an AVX2 CPU with VNNI, such as Intel's
+//!   client cores);
 //! - `FSDP_MATMUL=gemm|packed`: products on gemm's kernels, or on the packed driver at AVX-512 too.
 
 use std::sync::OnceLock;
@@ -39,6 +43,8 @@ pub struct CpuFeatures {
     pub avx512f: bool,
     /// AVX512-VNNI with AVX512-BW and VL: the AVX-512 kernel of the int8 block products.
     pub avx512vnni: bool,
+    /// AVX-VNNI (the VEX-encoded 256-bit `vpdpbusd`): the int8 instruction of the AVX2 kernel.
+    pub avxvnni: bool,
 }
 
 impl CpuFeatures {
@@ -56,6 +62,7 @@ impl CpuFeatures {
                     avx512vnni: is_x86_feature_detected!("avx512vnni")
                         && is_x86_feature_detected!("avx512vl")
                         && is_x86_feature_detected!("avx512bw"),
+                    avxvnni: is_x86_feature_detected!("avxvnni"),
                 }
             }
             #[cfg(not(target_arch = "x86_64"))]
@@ -71,6 +78,29 @@ impl CpuFeatures {
             (true, false) => SimdLevel::Avx2,
             _ => SimdLevel::Scalar,
         }
+    }
+}
+
+/// The kernel of the int8 block products (`quant_blocks`): all three give the same bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Int8Kernel {
+    /// 8 rows a register, bytes summed by `vpmaddubsw` + `vpmaddwd` (AVX2, FMA, F16C).
+    Avx2,
+    /// 8 rows a register, bytes summed by the 256-bit `vpdpbusd` (AVX2's features and AVX-VNNI).
+    AvxVnni,
+    /// 16 rows a register, bytes summed by `vpdpbusd` (AVX-512 F, BW, VL and VNNI).
+    Avx512Vnni,
+}
+
+impl Int8Kernel {
+    /// The kernels this CPU can run (whatever the switches say), for tests that compare them.
+    pub fn runnable() -> Vec<Self> {
+        let f = CpuFeatures::detected();
+        let avx2 = f.best_level() >= SimdLevel::Avx2;
+        [(Self::Avx2, avx2), (Self::AvxVnni, avx2 && f.avxvnni), (Self::Avx512Vnni, f.best_level() == SimdLevel::Avx512 && f.avx512vnni)]
+            .into_iter()
+            .filter_map(|(k, ok)| ok.then_some(k))
+            .collect()
     }
 }
 
@@ -91,6 +121,9 @@ pub struct Kernels {
     pub features: CpuFeatures,
     /// The level every kernel runs at.
     pub level: SimdLevel,
+    /// Whether the AVX2 level may use AVX-VNNI (the CPU has it and no switch held the code to
+    /// plain AVX2).
+    avxvnni: bool,
     /// `FSDP_MATMUL`'s choice, for every level.
     matmul_switch: Option<MatmulKernels>,
     /// Who runs f32 products at AVX-512 when no switch says: the measurement's choice.
@@ -98,7 +131,8 @@ pub struct Kernels {
 }
 
 /// The switches' variables and the values each takes, for errors and docs.
-pub const SWITCHES: [(&str, &str); 2] = [("FSDP_SIMD", "`best`, `avx512`, `avx2` or `scalar`"), ("FSDP_MATMUL", "`gemm` or `packed`")];
+pub const SWITCHES: [(&str, &str); 2] =
+    [("FSDP_SIMD", "`best`, `avx512`, `avx2-vnni`, `avx2` or `scalar`"), ("FSDP_MATMUL", "`gemm` or `packed`")];
 
 impl Kernels {
     /// The table of this process (the switches read from the environment once).
@@ -121,12 +155,14 @@ impl Kernels {
         wide_fma: impl FnOnce() -> bool,
     ) -> Result<Self, String> {
         let best = features.best_level();
-        let level = match simd {
-            None | Some("best") | Some("avx512") => best,
-            Some("avx2") => best.min(SimdLevel::Avx2),
-            Some("scalar") => SimdLevel::Scalar,
+        let (level, avxvnni) = match simd {
+            None | Some("best") | Some("avx512") => (best, true),
+            Some("avx2-vnni") => (best.min(SimdLevel::Avx2), true),
+            Some("avx2") => (best.min(SimdLevel::Avx2), false),
+            Some("scalar") => (SimdLevel::Scalar, false),
             Some(v) => return Err(invalid("FSDP_SIMD", v)),
         };
+        let avxvnni = avxvnni && features.avxvnni;
         let matmul_switch = match matmul {
             None => None,
             Some("gemm") => Some(MatmulKernels::Gemm),
@@ -136,7 +172,7 @@ impl Kernels {
         // The measurement only matters (and only runs) where products may run at AVX-512.
         let measure = matmul_switch.is_none() && best == SimdLevel::Avx512;
         let matmul_avx512 = if measure && !wide_fma() { MatmulKernels::Packed } else { MatmulKernels::Gemm };
-        Ok(Self { features, level, matmul_switch, matmul_avx512 })
+        Ok(Self { features, level, avxvnni, matmul_switch, matmul_avx512 })
     }
 
     /// Who runs f32 products at `level` (the current one, or a lower one a test asks for): a
@@ -152,11 +188,18 @@ impl Kernels {
         }
     }
 
-    /// Whether int8 block products at `level` run their AVX-512 kernel (16 rows a register, bytes
-    /// summed by `vpdpbusd`): at the AVX-512 level, on CPUs with AVX512-VNNI, BW and VL; else
-    /// the AVX2 kernel (the same results).
-    pub fn int8_vnni_at(&self, level: SimdLevel) -> bool {
-        level.min(self.level) == SimdLevel::Avx512 && self.features.avx512vnni
+    /// The kernel of int8 block products at `level` (at least AVX2; lower than the table's, or
+    /// the table's own): the AVX-512 one at the AVX-512 level on CPUs with AVX512-VNNI, BW and
+    /// VL; else the AVX2 one, with AVX-VNNI's `vpdpbusd` where the CPU has it and no switch
+    /// held the code to plain AVX2. Never one the CPU cannot run.
+    pub fn int8_at(&self, level: SimdLevel) -> Int8Kernel {
+        if level.min(self.level) == SimdLevel::Avx512 && self.features.avx512vnni {
+            Int8Kernel::Avx512Vnni
+        } else if self.avxvnni {
+            Int8Kernel::AvxVnni
+        } else {
+            Int8Kernel::Avx2
+        }
     }
 
     /// Who runs an f32 product whose lhs has `lhs_rows` rows at `level`: [`Self::matmul_at`],
@@ -286,7 +329,7 @@ mod wide_fma {
 mod tests {
     use super::*;
 
-    const ALL: CpuFeatures = CpuFeatures { avx2: true, fma: true, f16c: true, avx512f: true, avx512vnni: true };
+    const ALL: CpuFeatures = CpuFeatures { avx2: true, fma: true, f16c: true, avx512f: true, avx512vnni: true, avxvnni: true };
 
     /// A level needs every feature its kernels enable.
     #[test]
@@ -320,14 +363,19 @@ mod tests {
         assert_eq!((k.matmul_for(Avx512, 46), k.matmul_for(Avx512, 512), k.matmul_for(Avx2, 46)), (Packed, Gemm, Packed));
         let switched = Kernels::choose(ALL, None, Some("gemm"), || true).unwrap();
         assert_eq!(switched.matmul_for(Avx512, 46), Gemm);
-        // VNNI only at the AVX-512 level, and only where the CPU has it.
-        assert!(k.int8_vnni_at(Avx512) && !k.int8_vnni_at(Avx2));
-        let no_vnni = Kernels::choose(CpuFeatures { avx512vnni: false, ..ALL }, None, None, || true).unwrap();
-        assert!(!no_vnni.int8_vnni_at(Avx512));
-        let forced_avx2 = Kernels::choose(ALL, Some("avx2"), None, || true).unwrap();
-        assert!(!forced_avx2.int8_vnni_at(Avx512));
+        // AVX-512 VNNI only at the AVX-512 level and where the CPU has it; AVX-VNNI below it,
+        // unless FSDP_SIMD=avx2 holds the code to an AVX2-only CPU's.
+        use Int8Kernel::{Avx512Vnni, AvxVnni};
+        assert_eq!((k.int8_at(Avx512), k.int8_at(Avx2)), (Avx512Vnni, AvxVnni));
+        let int8 = |f: CpuFeatures, simd: Option<&str>| Kernels::choose(f, simd, None, || true).unwrap().int8_at(Avx512);
+        assert_eq!(int8(CpuFeatures { avx512vnni: false, ..ALL }, None), AvxVnni);
+        assert_eq!(int8(CpuFeatures { avx512vnni: false, avxvnni: false, ..ALL }, None), Int8Kernel::Avx2);
+        assert_eq!(int8(ALL, Some("avx2-vnni")), AvxVnni);
+        assert_eq!(int8(ALL, Some("avx2")), Int8Kernel::Avx2);
+        assert_eq!(int8(CpuFeatures { avxvnni: false, ..ALL }, Some("avx2-vnni")), Int8Kernel::Avx2);
+        assert_eq!(pick(ALL, Some("avx2-vnni"), None, true), Ok((Avx2, Packed)));
         let e = pick(ALL, Some("avx-512"), None, true).unwrap_err();
-        assert!(e.contains("FSDP_SIMD=\"avx-512\"") && e.contains("`best`, `avx512`, `avx2` or `scalar`"), "{e}");
+        assert!(e.contains("FSDP_SIMD=\"avx-512\"") && e.contains("`best`, `avx512`, `avx2-vnni`, `avx2` or `scalar`"), "{e}");
         assert_eq!(pick(ALL, Some("best"), None, true), Ok((Avx512, Gemm)));
         let e = pick(ALL, None, Some("blas"), true).unwrap_err();
         assert!(e.contains("FSDP_MATMUL=\"blas\"") && e.contains("`gemm` or `packed`"), "{e}");

@@ -21,7 +21,7 @@ use half::f16;
 
 use crate::disjoint::DisjointWrites;
 use crate::pool::for_rows_of_many;
-use crate::simd::SimdLevel;
+use crate::simd::{Int8Kernel, Kernels, SimdLevel};
 
 /// Values per block in every format here.
 pub const BLOCK: usize = 32;
@@ -143,6 +143,13 @@ impl BlockMatrix {
 
     /// [`Self::multiply`] for several matrices of the same width, in one parallel region.
     pub fn multiply_many(mats: &[&Self], x: &[f32], level: SimdLevel) -> Vec<Vec<f32>> {
+        let kernel = (cfg!(target_arch = "x86_64") && level.usable() >= SimdLevel::Avx2).then(|| Kernels::get().int8_at(level));
+        Self::multiply_many_on(mats, x, kernel)
+    }
+
+    /// [`Self::multiply_many`] on `kernel` (`None`: the plain code), which the CPU must be able
+    /// to run ([`Kernels::int8_at`] and [`Int8Kernel::runnable`] give only such kernels).
+    fn multiply_many_on(mats: &[&Self], x: &[f32], kernel: Option<Int8Kernel>) -> Vec<Vec<f32>> {
         let cols = mats[0].cols;
         let m = x.len() / cols;
         let with_sum = mats.iter().any(|w| w.format.has_min());
@@ -151,17 +158,16 @@ impl BlockMatrix {
         let mut ys: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; m * w.rows]).collect();
         let outs: Vec<DisjointWrites<f32>> = ys.iter_mut().map(|y| DisjointWrites::new(y)).collect();
         let groups: Vec<usize> = mats.iter().map(|w| w.groups()).collect();
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = kernel;
         #[cfg(target_arch = "x86_64")]
-        if level.usable() >= SimdLevel::Avx2 {
-            let avx512 = crate::simd::Kernels::get().int8_vnni_at(level);
+        if let Some(kernel) = kernel {
             for_rows_of_many(&groups, |i, range| {
                 let w = mats[i];
-                // SAFETY: `usable` never exceeds the CPU's level (AVX2's: AVX2, FMA, F16C) and
-                // `int8_vnni_at` gives the AVX-512 kernel only where the CPU has its features;
-                // the matrix holds its groups' records of `cols / BLOCK` blocks (made by `new`),
-                // the activations as many blocks each; this work item alone writes the columns
-                // of its groups' rows.
-                unsafe { tiles::product_groups(w.format, avx512, &w.records, range, &acts, (outs[i].at(0), w.rows)) }
+                // SAFETY: the CPU runs `kernel` (the caller's promise); the matrix holds its
+                // groups' records of `cols / BLOCK` blocks (made by `new`), the activations as
+                // many blocks each; this work item alone writes the columns of its groups' rows.
+                unsafe { tiles::product_groups(w.format, kernel, &w.records, range, &acts, (outs[i].at(0), w.rows)) }
             });
             drop(outs);
             return ys;
@@ -301,10 +307,15 @@ mod tests {
 
     const FORMATS: [BlockFormat; 5] = [BlockFormat::Q4_0, BlockFormat::Q4_1, BlockFormat::Q5_0, BlockFormat::Q5_1, BlockFormat::Q8_0];
 
-    /// At every level, every format and tile shape (rows and activation rows that fill whole
+    /// The plain code and every int8 kernel this CPU runs.
+    fn every_kernel() -> Vec<Option<Int8Kernel>> {
+        std::iter::once(None).chain(Int8Kernel::runnable().into_iter().map(Some)).collect()
+    }
+
+    /// On every kernel, every format and tile shape (rows and activation rows that fill whole
     /// tiles and ones that leave remainders) agrees with the plain dot product of each pair.
     #[test]
-    fn block_products_match_the_plain_code_at_every_level() {
+    fn block_products_match_the_plain_code_on_every_kernel() {
         for format in FORMATS {
             // Whole groups of 16 rows and a padded last one (or only that); a half group; tiles of
             // activation rows and remainders.
@@ -316,15 +327,15 @@ mod tests {
                 let acts: Vec<QuantizedRow> =
                     x.chunks_exact(cols).map(|r| quantize_row_at(r, format.has_min(), SimdLevel::Scalar)).collect();
                 let row_bytes = cols / BLOCK * format.block_bytes();
-                for level in [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512] {
-                    let y = w.multiply(&x, level);
+                for kernel in every_kernel() {
+                    let y = BlockMatrix::multiply_many_on(&[&w], &x, kernel).remove(0);
                     for c in 0..m {
                         for o in 0..rows {
                             let want = dot_gguf(format, &blocks[o * row_bytes..(o + 1) * row_bytes], &acts[c]);
                             let got = y[c * rows + o];
                             assert!(
                                 (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
-                                "{format:?} {level:?} {rows}x{m}: ({c}, {o}) {got} vs {want}"
+                                "{format:?} {kernel:?} {rows}x{m}: ({c}, {o}) {got} vs {want}"
                             );
                         }
                     }
@@ -334,21 +345,23 @@ mod tests {
     }
 
     /// A row's result is the same bits alone and inside a prompt's batch (every tile computes
-    /// each pair alike), and the same with `vpdpbusd` as with `vpmaddubsw` (the AVX-512 level
-    /// uses VNNI where the CPU has it, the AVX2 level never).
+    /// each pair alike), and the same on every int8 kernel: `vpdpbusd` at 512 and 256 bits and
+    /// `vpmaddubsw` (each that this CPU runs; CI's kinds differ in which).
     #[test]
     fn a_rows_result_does_not_depend_on_its_batch_or_the_int8_instructions() {
         let (cols, rows) = (6 * BLOCK, 27);
+        let kernels = Int8Kernel::runnable();
         for format in FORMATS {
             let w = BlockMatrix::random(format, rows, cols, 5);
             let x = crate::rng::signed_values(7 * cols, 9);
-            for level in [SimdLevel::Avx2, SimdLevel::Avx512] {
-                let batch = w.multiply(&x, level);
+            let on = |x: &[f32], k| BlockMatrix::multiply_many_on(&[&w], x, Some(k)).remove(0);
+            for &kernel in &kernels {
+                let batch = on(&x, kernel);
                 for c in 0..7 {
-                    let alone = w.multiply(&x[c * cols..(c + 1) * cols], level);
-                    assert_eq!(alone, batch[c * rows..(c + 1) * rows], "{format:?} {level:?}: row {c}");
+                    let alone = on(&x[c * cols..(c + 1) * cols], kernel);
+                    assert_eq!(alone, batch[c * rows..(c + 1) * rows], "{format:?} {kernel:?}: row {c}");
                 }
-                assert_eq!(batch, w.multiply(&x, SimdLevel::Avx2), "{format:?}: {level:?} and AVX2 differ");
+                assert_eq!(batch, on(&x, kernels[0]), "{format:?}: {kernel:?} and {:?} differ", kernels[0]);
             }
         }
     }

@@ -3,17 +3,19 @@
 //! group's values are unpacked once and used for all `C` activation rows; each four of an
 //! activation row's bytes are broadcast and summed against four values of all 16 rows at once.
 //!
-//! Two kernels: AVX-512 with VNNI (the 16 rows in one register, `vpdpbusd`) and AVX2 (two
-//! halves of 8 rows, `vpmaddubsw` + `vpmaddwd`; Q8_0's full-range bytes would saturate
+//! Three kernels ([`Int8Kernel`]): AVX-512 with VNNI (the 16 rows in one register, `vpdpbusd`),
+//! and AVX2 (two halves of 8 rows) summing bytes with AVX-VNNI's 256-bit `vpdpbusd` where the
+//! CPU has it, else with `vpmaddubsw` + `vpmaddwd` (Q8_0's full-range bytes would saturate
 //! `vpmaddubsw`, so there its sign moves onto the activations instead of an offset). Per
-//! result, both compute the same exact integer sum of each block and then the same float
-//! operations in the same order (`y += (d_w · d_x) · sum`, then `y += m_w · s_x`), so the two
-//! levels give the same bits, and a row's result does not depend on how many rows its batch has.
+//! result, all compute the same exact integer sum of each block and then the same float
+//! operations in the same order (`y += (d_w · d_x) · sum`, then `y += m_w · s_x`), so they give
+//! the same bits, and a row's result does not depend on how many rows its batch has.
 
 use std::arch::x86_64::*;
 
 use super::packed::{Layout, GROUP};
 use super::{BlockFormat, QuantizedRow, BLOCK};
+use crate::simd::Int8Kernel;
 
 /// One format's record, for the kernels.
 trait Format {
@@ -121,9 +123,15 @@ unsafe fn tile_avx512<F: Format, const C: usize>(rec0: *const u8, blocks: usize,
     y
 }
 
-/// The AVX2 kernel: [`tile_avx512`] for half `h` of the group (its rows `8h..8h + 8`).
+/// The AVX2 kernel: [`tile_avx512`] for half `h` of the group (its rows `8h..8h + 8`), its bytes
+/// summed by AVX-VNNI's `vpdpbusd` when `VNNI`, else by `vpmaddubsw` + `vpmaddwd`.
 #[inline(always)]
-unsafe fn tile_avx2<F: Format, const C: usize>(rec0: *const u8, h: usize, blocks: usize, x: [&QuantizedRow; C]) -> [__m256; C] {
+unsafe fn tile_avx2<F: Format, const C: usize, const VNNI: bool>(
+    rec0: *const u8,
+    h: usize,
+    blocks: usize,
+    x: [&QuantizedRow; C],
+) -> [__m256; C] {
     let l = F::LAYOUT;
     let mut y = [_mm256_setzero_ps(); C];
     let (low, ones) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi16(1));
@@ -131,7 +139,14 @@ unsafe fn tile_avx2<F: Format, const C: usize>(rec0: *const u8, h: usize, blocks
         let rec = rec0.add(b * l.record);
         let mut sums = [_mm256_setzero_si256(); C];
         let load = |at: usize| _mm256_loadu_si256(rec.add(at + 32 * h) as *const __m256i);
-        if F::EIGHT {
+        if F::EIGHT && VNNI {
+            for k in 0..8 {
+                let w = load(l.qs + 64 * k);
+                for c in 0..C {
+                    sums[c] = _mm256_dpbusd_avx_epi32(sums[c], w, _mm256_set1_epi32(four_bytes(x[c], b, 4 * k)));
+                }
+            }
+        } else if F::EIGHT {
             for k in 0..8 {
                 // `u - 128` is the signed value; |w| against x with w's sign, as llama.cpp does.
                 let w = _mm256_xor_si256(load(l.qs + 64 * k), _mm256_set1_epi8(-128));
@@ -151,15 +166,20 @@ unsafe fn tile_avx2<F: Format, const C: usize>(rec0: *const u8, h: usize, blocks
                     second = with_fifth_bits_256(second, qh, k + 4);
                 }
                 for c in 0..C {
-                    let a = _mm256_maddubs_epi16(first, _mm256_set1_epi32(four_bytes(x[c], b, 4 * k)));
-                    let z = _mm256_maddubs_epi16(second, _mm256_set1_epi32(four_bytes(x[c], b, 16 + 4 * k)));
+                    let (lo, hi) = (_mm256_set1_epi32(four_bytes(x[c], b, 4 * k)), _mm256_set1_epi32(four_bytes(x[c], b, 16 + 4 * k)));
+                    if VNNI {
+                        sums[c] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(sums[c], first, lo), second, hi);
+                        continue;
+                    }
+                    let a = _mm256_maddubs_epi16(first, lo);
+                    let z = _mm256_maddubs_epi16(second, hi);
                     sums[c] = _mm256_add_epi32(sums[c], _mm256_madd_epi16(ones, _mm256_add_epi16(a, z)));
                 }
             }
         }
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(rec.add(16 * h) as *const __m128i));
-        // Q8_0's signs were applied above: no offset to take off.
-        let offset = if F::EIGHT { 0 } else { l.offset };
+        // Q8_0's signs were applied above without VNNI: no offset to take off.
+        let offset = if F::EIGHT && !VNNI { 0 } else { l.offset };
         for c in 0..C {
             let sum = _mm256_sub_epi32(sums[c], _mm256_set1_epi32(offset * *x[c].sum.get_unchecked(b)));
             y[c] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(*x[c].d.get_unchecked(b))), _mm256_cvtepi32_ps(sum), y[c]);
@@ -178,13 +198,13 @@ unsafe fn tile_avx2<F: Format, const C: usize>(rec0: *const u8, h: usize, blocks
 /// together) from the records `w` (`blocks` a group) against every activation row of `x`.
 ///
 /// # Safety
-/// The CPU must have AVX2, FMA and F16C (and AVX-512 F, BW, VL and VNNI when `avx512`); `w`
+/// The CPU must have `kernel`'s features ([`Int8Kernel`]); `w`
 /// must hold `groups.end` groups of `blocks` records of `format`, each row of `x` `blocks`
 /// blocks; `y` must have room for `x.len() * rows` values, of which this call writes the
 /// columns of its groups alone.
 pub unsafe fn product_groups(
     format: BlockFormat,
-    avx512: bool,
+    kernel: Int8Kernel,
     w: &[u8],
     groups: std::ops::Range<usize>,
     x: &[QuantizedRow],
@@ -192,10 +212,10 @@ pub unsafe fn product_groups(
 ) {
     macro_rules! run {
         ($f:ty) => {
-            if avx512 {
-                groups_avx512::<$f>(w, groups, x, (y, rows))
-            } else {
-                groups_avx2::<$f>(w, groups, x, (y, rows))
+            match kernel {
+                Int8Kernel::Avx512Vnni => groups_avx512::<$f>(w, groups, x, (y, rows)),
+                Int8Kernel::AvxVnni => groups_avxvnni::<$f>(w, groups, x, (y, rows)),
+                Int8Kernel::Avx2 => groups_avx2::<$f>(w, groups, x, (y, rows)),
             }
         };
     }
@@ -254,7 +274,23 @@ unsafe fn groups_avx512<F: Format>(w: &[u8], groups: std::ops::Range<usize>, x: 
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn groups_avx2<F: Format>(w: &[u8], groups: std::ops::Range<usize>, x: &[QuantizedRow], (y, rows): (*mut f32, usize)) {
+unsafe fn groups_avx2<F: Format>(w: &[u8], groups: std::ops::Range<usize>, x: &[QuantizedRow], out: (*mut f32, usize)) {
+    groups_256::<F, false>(w, groups, x, out)
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+unsafe fn groups_avxvnni<F: Format>(w: &[u8], groups: std::ops::Range<usize>, x: &[QuantizedRow], out: (*mut f32, usize)) {
+    groups_256::<F, true>(w, groups, x, out)
+}
+
+/// The body of the two AVX2 kernels (inlined into each, so that their features reach it).
+#[inline(always)]
+unsafe fn groups_256<F: Format, const VNNI: bool>(
+    w: &[u8],
+    groups: std::ops::Range<usize>,
+    x: &[QuantizedRow],
+    (y, rows): (*mut f32, usize),
+) {
     let blocks = x.first().map_or(0, |r| r.d.len());
     let group_bytes = blocks * F::LAYOUT.record;
     debug_assert!(w.len() >= groups.end * group_bytes);
@@ -264,7 +300,7 @@ unsafe fn groups_avx2<F: Format>(w: &[u8], groups: std::ops::Range<usize>, x: &[
         let halves = if g * GROUP + 8 < rows { 2 } else { 1 };
         by_tiles!(3, x, |c0, xs| {
             for h in 0..halves {
-                for (k, v) in tile_avx2::<F, _>(rec0, h, blocks, xs).iter().enumerate() {
+                for (k, v) in tile_avx2::<F, _, VNNI>(rec0, h, blocks, xs).iter().enumerate() {
                     let mut values = [0f32; 8];
                     _mm256_storeu_ps(values.as_mut_ptr(), *v);
                     put(y, rows, c0 + k, g * GROUP + 8 * h, &values);
