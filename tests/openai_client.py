@@ -50,6 +50,11 @@ check(len(comp.choices[0].logprobs.token_logprobs) == comp.usage.completion_toke
 pieces = [c.choices[0].text for c in client.completions.create(model=model, prompt="Once upon a time", max_tokens=6, temperature=0, stream=True)]
 check("".join(pieces) == comp.choices[0].text, "streamed completion")
 
+# vLLM's extensions through the client's extra_body (as vLLM's docs show): ignore_eos runs to
+# max_tokens (best_of: tests/serve_vllm_params.rs; this server admits one sequence at a time).
+long = client.completions.create(model=model, prompt="Once upon a time", max_tokens=24, temperature=0, extra_body={"ignore_eos": True, "min_tokens": 4})
+check(long.usage.completion_tokens == 24 and long.choices[0].finish_reason == "length", f"ignore_eos: {long}")
+
 for exc, call in [
     (openai.BadRequestError, lambda: client.chat.completions.create(model=model, messages=msgs, temperature=5)),
     (openai.BadRequestError, lambda: client.chat.completions.create(model=model, messages=msgs, max_tokens=100000)),

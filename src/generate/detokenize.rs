@@ -13,8 +13,11 @@ use crate::tokenize::TextTokenizer;
 /// The decoding of every id pushed so far: equal to decoding them all at once, including a
 /// trailing U+FFFD while the last id ends inside a multi-byte character (`TextStream` holds
 /// that back).
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Clone)]
 pub struct Detokenizer {
+    /// How the text is written (`TextTokenizer::decode_output`).
+    skip_special_tokens: bool,
+    spaces_between_special_tokens: bool,
     /// Ids before `read` whose text is already in `text`, decoded again as context.
     prefix: usize,
     /// Ids before this one are in `text[..flushed]` for good.
@@ -23,11 +26,27 @@ pub struct Detokenizer {
     flushed: usize,
 }
 
+impl Default for Detokenizer {
+    /// Special tokens left out, as an answer's text is unless the client asks.
+    fn default() -> Self {
+        Self::new(true, true)
+    }
+}
+
 impl Detokenizer {
+    /// A detokenizer that writes text as [`TextTokenizer::decode_output`] with these settings.
+    pub fn new(skip_special_tokens: bool, spaces_between_special_tokens: bool) -> Self {
+        Self { skip_special_tokens, spaces_between_special_tokens, prefix: 0, read: 0, text: String::new(), flushed: 0 }
+    }
+
+    fn decode(&self, tokenizer: &TextTokenizer, ids: &[u32]) -> Result<String> {
+        tokenizer.decode_output(ids, self.skip_special_tokens, self.spaces_between_special_tokens)
+    }
+
     /// `ids`: every generated id so far (the previous call's plus new ones). Returns the text.
     pub fn push(&mut self, tokenizer: &TextTokenizer, ids: &[u32]) -> Result<&str> {
-        let context = tokenizer.decode(&ids[self.prefix..self.read], true)?;
-        let window = tokenizer.decode(&ids[self.prefix..], true)?;
+        let context = self.decode(tokenizer, &ids[self.prefix..self.read])?;
+        let window = self.decode(tokenizer, &ids[self.prefix..])?;
         self.text.truncate(self.flushed);
         match window.strip_prefix(context.as_str()) {
             Some(new) => {
@@ -41,7 +60,7 @@ impl Detokenizer {
             None => {
                 // A decoder whose text for the context is not a prefix of the window's (none of
                 // the supported tokenizers; kept correct, not fast): decode everything.
-                self.text = tokenizer.decode(ids, true)?;
+                self.text = self.decode(tokenizer, ids)?;
                 (self.flushed, self.prefix, self.read) = (0, 0, 0);
             }
         }
@@ -79,6 +98,29 @@ mod tests {
                 let got = d.push(&tok, &ids[..n]).unwrap().to_string();
                 assert_eq!(got, tok.decode(&ids[..n], true).unwrap(), "{name}: after {n} ids");
             }
+        }
+    }
+
+    /// With special tokens kept (vLLM's `skip_special_tokens: false`), after each id the text
+    /// equals decoding all ids so far the same way.
+    #[test]
+    fn keeps_special_tokens_when_asked() {
+        let tmp = tempfile::tempdir().unwrap();
+        let name = crate::fixtures::FIXTURE_NAMES[0];
+        crate::fixtures::write_fixture(name, tmp.path()).unwrap();
+        let tok = TextTokenizer::from_bytes(&std::fs::read(tmp.path().join("tokenizer.json")).unwrap(), None, None).unwrap();
+        let specials: Vec<u32> = tok.inner.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(id, _)| id).collect();
+        assert!(!specials.is_empty(), "{name} has special tokens");
+        let mut ids = tok.encode("Hello world, café", false).unwrap();
+        ids.insert(2, specials[0]);
+        ids.push(specials[0]);
+        for spaces in [true, false] {
+            let mut d = Detokenizer::new(false, spaces);
+            for n in 1..=ids.len() {
+                let got = d.push(&tok, &ids[..n]).unwrap().to_string();
+                assert_eq!(got, tok.decode_output(&ids[..n], false, spaces).unwrap(), "after {n} ids");
+            }
+            assert!(d.text().contains(&tok.decode(&specials[..1], false).unwrap()));
         }
     }
 

@@ -126,6 +126,46 @@ pub struct SamplingParams {
     /// (none for the first) with this many top alternatives, in the first step's
     /// `prompt_logprobs` (OpenAI's `echo` with `logprobs`).
     pub prompt_logprobs: Option<usize>,
+    /// Where the answer may end and how its text reads (vLLM's extensions).
+    pub output: OutputControls,
+}
+
+/// vLLM's sampling extensions, with vLLM's names and meaning: where an answer may end and how its
+/// text is written. The defaults change nothing.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OutputControls {
+    /// Go on past eos tokens (they become ordinary tokens) until the length limit, a stop string
+    /// or a stop token; a grammar's end still ends the answer.
+    pub ignore_eos: bool,
+    /// No eos token, stop token or stop string ends the answer before it has this many tokens
+    /// (eos and stop tokens are masked until then).
+    pub min_tokens: usize,
+    /// Tokens that end the answer (finish reason `stop`); the token counts as generated, its
+    /// text is kept only with `include_stop_str_in_output`.
+    pub stop_token_ids: Vec<u32>,
+    /// Keep the stop string (or stop token's text) that ended the answer in its text.
+    pub include_stop_str_in_output: bool,
+    /// Leave special tokens out of the text (true unless the client says otherwise).
+    pub skip_special_tokens: bool,
+    /// With special tokens kept: false writes a special token that follows another as its raw
+    /// content, without the space some decoders put between tokens.
+    pub spaces_between_special_tokens: bool,
+    /// Sum each sampled token's log-probability (for `best_of`'s ranking).
+    pub cumulative_logprob: bool,
+}
+
+impl Default for OutputControls {
+    fn default() -> Self {
+        Self {
+            ignore_eos: false,
+            min_tokens: 0,
+            stop_token_ids: vec![],
+            include_stop_str_in_output: false,
+            skip_special_tokens: true,
+            spaces_between_special_tokens: true,
+            cumulative_logprob: false,
+        }
+    }
 }
 
 impl SamplingParams {
@@ -145,6 +185,7 @@ impl SamplingParams {
             logprobs: None,
             logit_bias: vec![],
             prompt_logprobs: None,
+            output: OutputControls::default(),
         }
     }
 }

@@ -37,6 +37,8 @@ pub struct Sequence {
     budget: usize,
     /// The generated ids' text, kept up to date token by token.
     detokenizer: Detokenizer,
+    /// The sampled tokens' summed log-probability (with `OutputControls::cumulative_logprob`).
+    cumulative_logprob: f64,
     finish: Option<FinishReason>,
     /// The grammar the answer must follow (structured output), if any.
     constraint: Option<llguidance::Matcher>,
@@ -132,7 +134,7 @@ impl Sequence {
             sampler: LogitsProcessor::from_sampling(params.seed, params.sampling()),
             params: params.clone(),
             cache: KvCache::new(model.config()),
-            stream: TextStream::new(params.stop.clone()),
+            stream: TextStream::new(params.stop.clone(), params.output.include_stop_str_in_output),
             eos_ids: eos_ids.clone(),
             context: prompt_ids.to_vec(),
             prompt_len: prompt_ids.len(),
@@ -141,7 +143,8 @@ impl Sequence {
             scored_prompt: vec![],
             cached_prompt_tokens: 0,
             budget: params.max_new_tokens.min(max_ctx - prompt_ids.len()),
-            detokenizer: Detokenizer::default(),
+            detokenizer: Detokenizer::new(params.output.skip_special_tokens, params.output.spaces_between_special_tokens),
+            cumulative_logprob: 0.0,
             finish: None,
             constraint: None,
             adapter: None,
@@ -207,6 +210,11 @@ impl Sequence {
 
     pub fn generated_ids(&self) -> &[u32] {
         &self.generated
+    }
+
+    /// The sampled tokens' summed log-probability (0 unless the params ask for it).
+    pub fn cumulative_logprob(&self) -> f64 {
+        self.cumulative_logprob
     }
 
     pub fn finish_reason(&self) -> Option<FinishReason> {
@@ -292,18 +300,30 @@ impl Sequence {
             logits
         };
         let p = &self.params;
+        // vLLM's min_tokens: eos and stop tokens are masked until the answer has that many (not
+        // under a grammar, whose end may leave nothing else).
+        let hold_ends = self.generated.len() < p.output.min_tokens && self.constraint.is_none();
         let needs_values = p.presence_penalty != 0.0
             || p.frequency_penalty != 0.0
             || p.min_p.is_some_and(|m| m > 0.0)
             || p.logprobs.is_some()
             || !p.logit_bias.is_empty()
-            || self.constraint.is_some();
+            || self.constraint.is_some()
+            || hold_ends
+            || p.output.cumulative_logprob;
         let (logits, values) = if needs_values {
             let mut v = logits.to_vec1::<f32>()?;
             if let Some(m) = &mut self.constraint {
                 constraint::mask_logits(m, &mut v)?;
             }
             adjust_logits(&mut v, &self.generated, p);
+            if hold_ends {
+                for &t in self.eos_ids.iter().chain(&p.output.stop_token_ids) {
+                    if let Some(l) = v.get_mut(t as usize) {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
+            }
             (Tensor::new(v.as_slice(), logits.device())?, Some(v))
         } else {
             (logits, None)
@@ -313,22 +333,38 @@ impl Sequence {
             (Some(v), Some(top)) => Some(token_logprob(v, next, top)),
             _ => None,
         };
-        if self.eos_ids.contains(&next) {
+        if let (Some(v), true) = (&values, p.output.cumulative_logprob) {
+            self.cumulative_logprob += token_logprob(v, next, 0).logprob as f64;
+        }
+        // Under `ignore_eos` an eos token is an ordinary one, unless a grammar has ended.
+        if self.eos_ids.contains(&next) && !(p.output.ignore_eos && self.constraint.is_none()) {
             return Ok(self.end(FinishReason::Stop, None));
         }
         if let Some(m) = &mut self.constraint {
             m.consume_token(next).map_err(|e| anyhow::anyhow!("the output grammar refused token {next}: {e}"))?;
         }
+        let stop_token = self.params.output.stop_token_ids.contains(&next);
+        let keep_stop_text = self.params.output.include_stop_str_in_output;
+        if stop_token && !keep_stop_text {
+            // vLLM's stop_token_ids: the token is generated (counted) but its text is not shown.
+            let mut out = self.end(FinishReason::Stop, Some(next));
+            self.generated.push(next);
+            self.context.push(next);
+            out.logprob = logprob;
+            return Ok(out);
+        }
         self.generated.push(next);
         self.context.push(next);
         self.pending = vec![next];
-        let step = self.stream.push(self.detokenizer.push(tokenizer, &self.generated)?);
+        let check_stops = self.generated.len() >= self.params.output.min_tokens;
+        let step = self.stream.push(self.detokenizer.push(tokenizer, &self.generated)?, check_stops);
         if step.stopped {
             self.finish = Some(FinishReason::Stop);
             return Ok(SequenceStep { text: step.text, token: Some(next), logprob, finished: self.finish, ..Default::default() });
         }
-        if self.generated.len() >= self.budget {
-            let mut out = self.end(FinishReason::Length, Some(next));
+        if stop_token || self.generated.len() >= self.budget {
+            let reason = if stop_token { FinishReason::Stop } else { FinishReason::Length };
+            let mut out = self.end(reason, Some(next));
             out.text = step.text + &out.text;
             out.logprob = logprob;
             return Ok(out);

@@ -15,24 +15,44 @@ pub struct StreamStep {
 /// (byte-level merges, leading-space handling).
 pub struct TextStream {
     stop: Vec<String>,
+    /// The stop string that ends the text stays in it (vLLM's `include_stop_str_in_output`).
+    include_stop: bool,
     emitted: usize,
 }
 
 impl TextStream {
-    pub fn new(stop: Vec<String>) -> Self {
-        Self { stop: stop.into_iter().filter(|s| !s.is_empty()).collect(), emitted: 0 }
+    pub fn new(stop: Vec<String>, include_stop: bool) -> Self {
+        Self { stop: stop.into_iter().filter(|s| !s.is_empty()).collect(), include_stop, emitted: 0 }
     }
 
-    /// `full` is the decoding of every generated token so far.
-    pub fn push(&mut self, full: &str) -> StreamStep {
+    /// `full` is the decoding of every generated token so far; `check_stops`: whether a stop
+    /// string may end the text yet (not before vLLM's `min_tokens`: until then all is shown).
+    pub fn push(&mut self, full: &str, check_stops: bool) -> StreamStep {
         // A trailing U+FFFD means the last token ended inside a multi-byte character.
         let complete = full.trim_end_matches('\u{FFFD}');
+        if !check_stops {
+            let text = complete.get(self.emitted..).unwrap_or("").to_string();
+            self.emitted = self.emitted.max(complete.len());
+            return StreamStep { text, stopped: false };
+        }
         let search_from = self.emitted.saturating_sub(self.stop.iter().map(String::len).max().unwrap_or(0));
         let search_from = floor_char_boundary(complete, search_from);
-        let first_stop = self.stop.iter().filter_map(|s| complete[search_from..].find(s.as_str()).map(|i| search_from + i)).min();
-        if let Some(at) = first_stop {
-            let text = complete.get(self.emitted..at).unwrap_or("").to_string();
-            self.emitted = self.emitted.max(at);
+        // The first stop string that ends in text not yet shown (one shown before `min_tokens`
+        // ended nothing then, and ends nothing now).
+        let first_stop = self
+            .stop
+            .iter()
+            .filter_map(|s| {
+                complete[search_from..]
+                    .match_indices(s.as_str())
+                    .map(|(i, m)| (search_from + i, m.len()))
+                    .find(|(at, len)| at + len > self.emitted)
+            })
+            .min();
+        if let Some((at, len)) = first_stop {
+            let end = if self.include_stop { at + len } else { at };
+            let text = complete.get(self.emitted..end).unwrap_or("").to_string();
+            self.emitted = self.emitted.max(end);
             return StreamStep { text, stopped: true };
         }
         let safe_end = complete.len() - self.held_back(complete);
@@ -81,12 +101,17 @@ mod tests {
     use super::*;
 
     fn run(pieces: &[&str], stop: &[&str]) -> (Vec<String>, bool) {
-        let mut s = TextStream::new(stop.iter().map(|x| x.to_string()).collect());
+        run_with(pieces, stop, false, 0)
+    }
+
+    /// `include`: keep the stop string; stop strings count from piece `from` on.
+    fn run_with(pieces: &[&str], stop: &[&str], include: bool, from: usize) -> (Vec<String>, bool) {
+        let mut s = TextStream::new(stop.iter().map(|x| x.to_string()).collect(), include);
         let mut full = String::new();
         let mut out = vec![];
-        for p in pieces {
+        for (i, p) in pieces.iter().enumerate() {
             full.push_str(p);
-            let step = s.push(&full);
+            let step = s.push(&full, i + 1 >= from);
             out.push(step.text);
             if step.stopped {
                 return (out, true);
@@ -104,6 +129,21 @@ mod tests {
         assert!(out.iter().all(|o| !o.contains('#')));
     }
 
+    /// vLLM's `include_stop_str_in_output` keeps the stop string; `min_tokens` shows a stop
+    /// string completed before it and stops at the next one.
+    #[test]
+    fn stop_string_kept_or_counted_only_after_min_tokens() {
+        let (out, stopped) = run_with(&["Hello ", "wor", "ld", "###", " end"], &["ld##"], true, 0);
+        assert!(stopped);
+        assert_eq!(out.concat(), "Hello world##");
+        let (out, stopped) = run_with(&["a.", "b", ".", "c"], &["."], false, 3);
+        assert!(stopped);
+        assert_eq!(out.concat(), "a.b");
+        let (out, stopped) = run_with(&["a.", "b"], &["."], false, 3);
+        assert!(!stopped);
+        assert_eq!(out.concat(), "a.b");
+    }
+
     #[test]
     fn possible_stop_prefix_is_held_then_released() {
         let (out, stopped) = run(&["a<", "b"], &["<|end|>"]);
@@ -114,10 +154,10 @@ mod tests {
     #[test]
     fn incomplete_utf8_is_held_back() {
         // What decoding all ids gives after each token: the second token is the first byte of 'é'.
-        let mut s = TextStream::new(vec![]);
-        assert_eq!(s.push("caf").text, "caf");
-        assert_eq!(s.push("caf\u{FFFD}").text, "");
-        assert_eq!(s.push("café").text, "é");
+        let mut s = TextStream::new(vec![], false);
+        assert_eq!(s.push("caf", true).text, "caf");
+        assert_eq!(s.push("caf\u{FFFD}", true).text, "");
+        assert_eq!(s.push("café", true).text, "é");
         assert_eq!(s.finish("café"), "");
     }
 }

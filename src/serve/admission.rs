@@ -29,18 +29,18 @@ pub struct Submitted {
     pub answers: Vec<mpsc::UnboundedReceiver<Event>>,
 }
 
-/// Admits `req` and submits its `n` answers (answer i seeded `seed + i`, each with its own
-/// grammar matcher, which it takes from `req`).
+/// Admits `req` and submits its `best_of` answers (answer i seeded `seed + i`, each with its
+/// own grammar matcher, which it takes from `req`).
 pub fn submit(st: &Arc<AppState>, req: &mut ValidatedRequest) -> Result<Submitted, ApiError> {
     let cap = st.max_concurrent + st.max_queue;
     st.in_flight
-        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n + req.n <= cap).then_some(n + req.n))
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n + req.best_of <= cap).then_some(n + req.best_of))
         .map_err(|_| ApiError::overloaded(1))?;
-    let admission = Admission(st.clone(), req.n);
+    let admission = Admission(st.clone(), req.best_of);
     let mut constraints = std::mem::take(&mut req.constraints).into_iter();
     let tools = req.kind.tools();
     let mut answers = vec![];
-    for i in 0..req.n {
+    for i in 0..req.best_of {
         let (tx, rx) = mpsc::unbounded_channel();
         let mut params = req.params.clone();
         params.seed = params.seed.wrapping_add(i as u64);

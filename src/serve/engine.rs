@@ -52,6 +52,9 @@ pub enum Event {
         completion_tokens: usize,
         /// Prompt tokens whose keys and values came from the prefix cache.
         cached_tokens: usize,
+        /// The sum of the sampled tokens' log-probabilities, when the request ranks its answers
+        /// (`OutputControls::cumulative_logprob`; else 0).
+        cumulative_logprob: f64,
     },
     Error(String),
 }
@@ -212,6 +215,7 @@ fn run(
                                 prompt_tokens: r.seq.prompt_ids().len(),
                                 completion_tokens: r.seq.generated_ids().len(),
                                 cached_tokens: r.seq.cached_prompt_tokens(),
+                                cumulative_logprob: r.seq.cumulative_logprob(),
                             });
                             true
                         }

@@ -40,6 +40,13 @@ pub const COMPLETIONS: &[&str] = &[
     "stream",
     "stream_options",
     "best_of",
+    // vLLM's extensions (`validate::sampling`).
+    "ignore_eos",
+    "min_tokens",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
 ];
 
 /// `/v1/chat/completions`.
@@ -70,6 +77,13 @@ pub const CHAT: &[&str] = &[
     "parallel_tool_calls",
     "functions",
     "function_call",
+    // vLLM's extensions (`validate::sampling`).
+    "ignore_eos",
+    "min_tokens",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
     // Accepted, changing nothing a local server does (see `validate::no_op`).
     "store",
     "metadata",

@@ -18,7 +18,12 @@ pub const SPEC: &str = r##"{
         "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
         "stop": {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "maxItems": 4, "items": {"type": "string", "minLength": 1}}]},
         "logit_bias": {"type": "object", "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
-        "user": {"type": "string"}}},
+        "user": {"type": "string"},
+        "ignore_eos": {"type": "boolean", "description": "vLLM's: go on past eos tokens."},
+        "min_tokens": {"type": "integer", "minimum": 0, "description": "vLLM's: no eos, stop token or stop string ends the answer before this many tokens (at most max_tokens)."},
+        "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}, "description": "vLLM's: tokens that end the answer."},
+        "skip_special_tokens": {"type": "boolean"}, "spaces_between_special_tokens": {"type": "boolean"},
+        "include_stop_str_in_output": {"type": "boolean", "description": "vLLM's: keep the stop string or stop token's text."}}},
       "CompletionRequest": {"allOf": [{"$ref": "#/components/schemas/Sampling"}, {"type": "object", "required": ["model", "prompt"], "properties": {
         "model": {"type": "string"}, "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}}]},
         "echo": {"type": "boolean"}, "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}, "best_of": {"type": "integer", "minimum": 1, "maximum": 8}}}]},

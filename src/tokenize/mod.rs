@@ -93,6 +93,30 @@ impl TextTokenizer {
         self.inner.decode(ids, skip_special_tokens).map_err(|e| anyhow::anyhow!("decoding: {e}"))
     }
 
+    /// An answer's text as vLLM's detokenizer writes it: `skip_special_tokens` leaves special
+    /// tokens out; with them kept and `spaces_between_special_tokens` false, an added token that
+    /// follows another is written as its raw content, without the space a decoder may put before
+    /// a token (WordPiece's, for one), as vLLM's fast detokenizer does; otherwise the tokenizer's
+    /// own decoding.
+    pub fn decode_output(&self, ids: &[u32], skip_special_tokens: bool, spaces_between_special_tokens: bool) -> Result<String> {
+        if skip_special_tokens || spaces_between_special_tokens {
+            return self.decode(ids, skip_special_tokens);
+        }
+        let added = self.inner.get_added_tokens_decoder();
+        // Token by token: each token's piece is what it adds to the decoding of the ids before it.
+        let (mut text, mut before, mut after_added) = (String::new(), String::new(), false);
+        for i in 0..ids.len() {
+            let whole = self.decode(&ids[..=i], false)?;
+            match added.get(&ids[i]) {
+                Some(token) if after_added => text.push_str(&token.content),
+                _ => text.push_str(whole.strip_prefix(before.as_str()).or_else(|| whole.get(before.len()..)).unwrap_or("")),
+            }
+            after_added = added.contains_key(&ids[i]);
+            before = whole;
+        }
+        Ok(text)
+    }
+
     pub fn token_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }
@@ -103,4 +127,29 @@ pub fn load_tokenizer_json(path: &Path) -> Result<Tokenizer> {
         bail!("{}: missing tokenizer file", path.display());
     }
     Tokenizer::from_file(path).map_err(|e| anyhow::anyhow!("{}: not a valid tokenizer.json: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A WordPiece decoder puts a space before every token: vLLM's
+    /// `spaces_between_special_tokens: false` writes a special token after another without it,
+    /// and changes nothing else; with special tokens skipped it changes nothing at all.
+    #[test]
+    fn spaces_between_special_tokens_as_vllm_writes_them() {
+        let special = |id: u32, content: &str| serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true});
+        let json = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [special(0, "[A]"), special(1, "[B]")],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+            "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": false},
+            "model": {"type": "WordLevel", "vocab": {"[A]": 0, "[B]": 1, "hi": 2, "there": 3}, "unk_token": "[A]"}
+        });
+        let tok = TextTokenizer::from_bytes(json.to_string().as_bytes(), None, None).unwrap();
+        let ids = [2, 0, 1, 3, 1];
+        assert_eq!(tok.decode_output(&ids, false, true).unwrap(), "hi [A] [B] there [B]");
+        assert_eq!(tok.decode_output(&ids, false, false).unwrap(), "hi [A][B] there [B]");
+        assert_eq!(tok.decode_output(&ids, true, false).unwrap(), tok.decode(&ids, true).unwrap());
+    }
 }

@@ -69,11 +69,21 @@ async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -
         RequestKind::Completion { echo } => (echo.as_deref(), None),
         RequestKind::Chat { tools } | RequestKind::Responses { tools, .. } => (None, tools.as_ref()),
     };
+    let mut collected = vec![];
+    for mut rx in answers {
+        collected.push(collect(&st, &mut rx).await?);
+    }
+    if req.best_of > req.n {
+        // vLLM's best_of: the n answers of highest cumulative log-probability, most likely first.
+        collected.sort_by(|a, b| b.cumulative_logprob.total_cmp(&a.cumulative_logprob));
+        collected.truncate(req.n);
+    }
     let mut choices = vec![];
     let (mut completion_tokens, mut cached_tokens) = (0, 0);
-    for (index, mut rx) in answers.into_iter().enumerate() {
-        let Collected { text: answer, logprobs: lps, prompt_logprobs: prompt_lps, finish, completion_tokens: c, cached_tokens: cached } =
-            collect(&st, &mut rx).await?;
+    for (index, answer) in collected.into_iter().enumerate() {
+        let Collected {
+            text: answer, logprobs: lps, prompt_logprobs: prompt_lps, finish, completion_tokens: c, cached_tokens: cached, ..
+        } = answer;
         completion_tokens += c;
         cached_tokens = cached_tokens.max(cached);
         let text = format!("{}{answer}", echo.unwrap_or_default());
@@ -105,6 +115,8 @@ pub(super) struct Collected {
     pub completion_tokens: usize,
     /// Prompt tokens taken from the prefix cache.
     pub cached_tokens: usize,
+    /// The sampled tokens' summed log-probability (when the request ranks answers, else 0).
+    pub cumulative_logprob: f64,
 }
 
 /// Waits for an answer's events until it is done; an engine failure (the request was checked
@@ -122,8 +134,8 @@ pub(super) async fn collect(st: &AppState, rx: &mut mpsc::UnboundedReceiver<Even
                 text.push_str(&t);
                 logprobs.extend(logprob);
             }
-            Some(Event::Done { finish, completion_tokens, cached_tokens, .. }) => {
-                return Ok(Collected { text, logprobs, prompt_logprobs, finish, completion_tokens, cached_tokens });
+            Some(Event::Done { finish, completion_tokens, cached_tokens, cumulative_logprob, .. }) => {
+                return Ok(Collected { text, logprobs, prompt_logprobs, finish, completion_tokens, cached_tokens, cumulative_logprob });
             }
             Some(Event::Error(e)) => return Err(ApiError::internal(format!("Generation failed: {e}"))),
             None => return Err(ApiError::internal("the engine dropped the request")),

@@ -76,8 +76,11 @@ pub struct ValidatedRequest {
     /// The sampling of every answer (answer i seeds with `params.seed + i`), with
     /// `max_new_tokens` settled.
     pub params: SamplingParams,
-    /// Answers to generate.
+    /// Answers returned.
     pub n: usize,
+    /// Answers generated (at least `n`): the `n` with the highest cumulative log-probability are
+    /// returned (`best_of`).
+    pub best_of: usize,
     pub stream: bool,
     pub include_usage: bool,
     /// One grammar matcher per answer (`response_format`, a forced function call), or none.
@@ -96,6 +99,7 @@ pub fn completion(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError
     let model = target.model.clone();
     let mut s = sampling::parse(v, &model.defaults, false)?;
     s.params.logit_bias = sampling::logit_bias(v, model.vocab)?;
+    s.params.output.stop_token_ids = sampling::stop_token_ids(v, model.vocab)?;
     let (prompt_ids, text) = match prompt::prompt(v, model.vocab)? {
         Prompt::Text(t) => (model.tokenizer.encode(&t, true).map_err(|e| ApiError::bad_request(format!("{e:#}")))?, t),
         Prompt::Tokens(ids) => {
@@ -120,6 +124,7 @@ pub fn chat(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> {
     let model = target.model.clone();
     let mut s = sampling::parse(v, &model.defaults, true)?;
     s.params.logit_bias = sampling::logit_bias(v, model.vocab)?;
+    s.params.output.stop_token_ids = sampling::stop_token_ids(v, model.vocab)?;
     let messages = prompt::messages(v, st.lenient, &mut ignored)?;
     let (tools, constraints) = tools_and_constraints(st, &model, v, s.n, &mut ignored)?;
     let prompt_ids = model.chat_prompt_ids(&messages, tools.as_ref())?;
@@ -293,14 +298,19 @@ fn finish(
         let param = if s.max_tokens.is_some() { "max_tokens" } else { param };
         return Err(ApiError::invalid(param, message).with_code("context_length_exceeded"));
     }
-    // Each answer takes a generation slot or a queue place, as n separate requests would.
+    // Each answer generated takes a generation slot or a queue place, as separate requests would.
     let capacity = st.max_concurrent + st.max_queue;
-    if s.n > capacity {
+    if s.best_of > capacity {
+        let param = if s.best_of > s.n { "best_of" } else { "n" };
         let message = format!(
-            "`n` = {} is more sequences than this server admits at once ({capacity}: --max-concurrent-requests + --max-queue).",
-            s.n
+            "`{param}` = {} is more sequences than this server admits at once ({capacity}: --max-concurrent-requests + --max-queue).",
+            s.best_of
         );
-        return Err(ApiError::invalid("n", message));
+        return Err(ApiError::invalid(param, message));
+    }
+    if s.params.output.min_tokens > max_tokens {
+        let message = format!("`min_tokens` ({}) is more than the answer may have ({max_tokens}).", s.params.output.min_tokens);
+        return Err(ApiError::invalid("min_tokens", message));
     }
     let mut params = s.params;
     params.max_new_tokens = max_tokens;
@@ -312,6 +322,7 @@ fn finish(
         prompt_ids,
         params,
         n: s.n,
+        best_of: s.best_of,
         stream: s.stream,
         include_usage: s.include_usage,
         constraints,

@@ -3,7 +3,7 @@
 
 use serde_json::Value;
 
-use crate::generate::{ModelDefaults, SamplingParams};
+use crate::generate::{ModelDefaults, OutputControls, SamplingParams};
 use crate::serve::error::ApiError;
 use crate::serve::fields::Fields;
 
@@ -21,6 +21,8 @@ pub struct Sampling {
     pub max_tokens: Option<usize>,
     pub params: SamplingParams,
     pub n: usize,
+    /// Candidates generated, of which the `n` most likely are returned (`n` unless asked).
+    pub best_of: usize,
     pub stream: bool,
     pub include_usage: bool,
     pub echo: bool,
@@ -59,13 +61,6 @@ pub fn parse(v: &Value, defaults: &ModelDefaults, chat: bool) -> Result<Sampling
     };
     let seed = f.integer("seed", i64::MIN, i64::MAX)?.map(|s| s as u64);
     let n = f.integer("n", 1, MAX_N as i64)?.unwrap_or(1) as usize;
-    // best_of = n is n choices; ranking more candidates than are returned is not implemented.
-    if let Some(b) = f.integer("best_of", 1, MAX_N as i64)? {
-        if b as usize != n {
-            return Err(ApiError::invalid("best_of", format!("`best_of` other than `n` ({n}) is not supported by this server."))
-                .with_code("unsupported_parameter"));
-        }
-    }
     let stop: Vec<String> = match f.value("stop") {
         None => vec![],
         Some(Value::String(s)) if !s.is_empty() => vec![s.clone()],
@@ -104,7 +99,19 @@ pub fn parse(v: &Value, defaults: &ModelDefaults, chat: bool) -> Result<Sampling
         return Err(ApiError::invalid("stream_options", "`stream_options` is only allowed with `stream: true`."));
     }
     let echo = if chat { false } else { f.bool("echo")?.unwrap_or(false) };
-    let params = SamplingParams {
+    // vLLM's (and OpenAI's legacy) `best_of`: that many candidates, the `n` most likely returned.
+    let best_of = match f.integer("best_of", 1, MAX_N as i64)? {
+        None => n,
+        Some(b) if (b as usize) < n => return Err(ApiError::invalid("best_of", format!("`best_of` must be at least `n` ({n}), got {b}."))),
+        Some(b) if b as usize > n && stream => {
+            return Err(ApiError::invalid(
+                "best_of",
+                "`best_of` greater than `n` cannot be streamed: the best answers are known only at the end.",
+            ))
+        }
+        Some(b) => b as usize,
+    };
+    let mut params = SamplingParams {
         max_new_tokens: 0,
         temperature,
         top_k,
@@ -118,10 +125,40 @@ pub fn parse(v: &Value, defaults: &ModelDefaults, chat: bool) -> Result<Sampling
         logprobs,
         logit_bias: vec![],
         prompt_logprobs: None,
+        output: output_controls(&f, max_tokens)?,
     };
+    params.output.cumulative_logprob = best_of > n;
     // The one check of the sampling settings (the CLI's `generate` makes the same call).
     params.validate().map_err(|e| ApiError::bad_request(format!("{e:#}")))?;
-    Ok(Sampling { max_tokens, params, n, stream, include_usage, echo })
+    Ok(Sampling { max_tokens, params, n, best_of, stream, include_usage, echo })
+}
+
+/// vLLM's extensions that decide where an answer ends and how its text reads (all but
+/// `stop_token_ids`, which needs the vocabulary: [`stop_token_ids`]).
+fn output_controls(f: &Fields, max_tokens: Option<usize>) -> Result<OutputControls, ApiError> {
+    let min_tokens = f.integer("min_tokens", 0, 1 << 31)?.unwrap_or(0) as usize;
+    if let Some(max) = max_tokens.filter(|&m| min_tokens > m) {
+        return Err(ApiError::invalid("min_tokens", format!("`min_tokens` ({min_tokens}) must be at most `max_tokens` ({max}).")));
+    }
+    let defaults = OutputControls::default();
+    Ok(OutputControls {
+        ignore_eos: f.bool("ignore_eos")?.unwrap_or(defaults.ignore_eos),
+        min_tokens,
+        stop_token_ids: vec![],
+        include_stop_str_in_output: f.bool("include_stop_str_in_output")?.unwrap_or(defaults.include_stop_str_in_output),
+        skip_special_tokens: f.bool("skip_special_tokens")?.unwrap_or(defaults.skip_special_tokens),
+        spaces_between_special_tokens: f.bool("spaces_between_special_tokens")?.unwrap_or(defaults.spaces_between_special_tokens),
+        cumulative_logprob: false,
+    })
+}
+
+/// vLLM's `stop_token_ids`: token ids in the vocabulary that end the answer.
+pub fn stop_token_ids(v: &Value, vocab: usize) -> Result<Vec<u32>, ApiError> {
+    const P: &str = "stop_token_ids";
+    let Some(ids) = Fields::of(v)?.value(P) else { return Ok(vec![]) };
+    let bad = || ApiError::invalid(P, format!("`stop_token_ids` must be a list of token ids in [0, {vocab})."));
+    let Value::Array(ids) = ids else { return Err(bad()) };
+    ids.iter().map(|x| x.as_u64().filter(|&i| (i as usize) < vocab).map(|i| i as u32).ok_or_else(bad)).collect()
 }
 
 /// `logit_bias`: an object from token ids (as strings, OpenAI's form) to a bias in [-100, 100].
@@ -189,7 +226,27 @@ mod tests {
         ] {
             assert_eq!(logit_bias(&json!({"logit_bias": bias}), 10).is_ok(), ok, "{bias}");
         }
-        let e = parse(&json!({"model": "m", "n": 2, "best_of": 3}), &defaults(), false).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("best_of"));
+        for body in [json!({"model": "m", "n": 2, "best_of": 1}), json!({"model": "m", "best_of": 3, "stream": true})] {
+            assert_eq!(parse(&body, &defaults(), false).unwrap_err().param.as_deref(), Some("best_of"), "{body}");
+        }
+        let r = parse(&json!({"model": "m", "n": 2, "best_of": 3}), &defaults(), false).unwrap();
+        assert_eq!((r.n, r.best_of, r.params.output.cumulative_logprob), (2, 3, true));
+        // vLLM's extensions: read, checked, named.
+        let r = parse(&json!({"model": "m", "ignore_eos": true, "min_tokens": 3, "max_tokens": 5, "include_stop_str_in_output": true, "skip_special_tokens": false, "spaces_between_special_tokens": false}), &defaults(), true).unwrap();
+        let o = r.params.output;
+        assert!(o.ignore_eos && o.include_stop_str_in_output && !o.skip_special_tokens && !o.spaces_between_special_tokens);
+        assert_eq!(o.min_tokens, 3);
+        for (body, param) in [
+            (json!({"model": "m", "min_tokens": 6, "max_tokens": 5}), "min_tokens"),
+            (json!({"model": "m", "min_tokens": -1}), "min_tokens"),
+            (json!({"model": "m", "ignore_eos": "yes"}), "ignore_eos"),
+            (json!({"model": "m", "skip_special_tokens": 1}), "skip_special_tokens"),
+        ] {
+            assert_eq!(parse(&body, &defaults(), true).unwrap_err().param.as_deref(), Some(param), "{body}");
+        }
+        assert_eq!(stop_token_ids(&json!({"stop_token_ids": [3, 9]}), 10).unwrap(), vec![3, 9]);
+        for ids in [json!([10]), json!([-1]), json!(3), json!(["3"])] {
+            assert_eq!(stop_token_ids(&json!({"stop_token_ids": ids}), 10).unwrap_err().param.as_deref(), Some("stop_token_ids"));
+        }
     }
 }
