@@ -286,6 +286,45 @@ fn a_full_queue_answers_429_and_a_disconnected_client_frees_its_slot() {
     assert!(metrics.contains("fsdp_requests_total{status=\"429\"}"), "{metrics}");
 }
 
+/// `--max-queue-wait`: behind a long request holding the only slot, a queued request is answered
+/// 429 with Retry-After once it has waited that long, whole or streamed (a stream's 200 comes
+/// only once it runs), and the long request runs on.
+#[test]
+fn a_request_queued_past_max_queue_wait_is_answered_429() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = slow_model(tmp.path());
+    let server = Server::start(&dir, &["--max-concurrent-requests", "1", "--max-queue-wait", "1.5"]);
+    let url = server.url("/v1/completions");
+    let long = json!({"model": "tiny", "prompt": "count", "max_tokens": 900, "temperature": 0, "ignore_eos": true, "stream": true});
+    let resp = ureq::post(&url).send_string(&long.to_string()).unwrap();
+    let mut reader = BufReader::new(resp.into_reader());
+    let mut line = String::new();
+    while !line.starts_with("data: ") {
+        line.clear();
+        reader.read_line(&mut line).unwrap();
+    }
+    for stream in [false, true] {
+        let start = Instant::now();
+        let body = json!({"model": "tiny", "prompt": "x", "max_tokens": 2, "stream": stream});
+        let (status, text, retry) = post(&url, &body.to_string(), None);
+        let waited = start.elapsed();
+        assert_eq!(status, 429, "stream {stream}: {text}");
+        assert!(waited >= Duration::from_millis(1500) && waited < Duration::from_secs(10), "answered after {waited:?}");
+        assert!(retry.as_deref().and_then(|r| r.parse::<u64>().ok()).is_some_and(|r| r >= 1), "Retry-After: {retry:?}");
+        let error = &serde_json::from_str::<Value>(&text).unwrap()["error"];
+        assert!(error["type"] == "rate_limit_error" && error["message"].as_str().unwrap().contains("waited"), "{text}");
+    }
+    // The long request ran on meanwhile.
+    line.clear();
+    reader.read_line(&mut line).unwrap();
+    let mut next = String::new();
+    reader.read_line(&mut next).unwrap();
+    assert!(line.starts_with("data: {") || next.starts_with("data: {"), "{line:?} {next:?}");
+    let mut metrics = String::new();
+    ureq::get(&server.url("/metrics")).call().unwrap().into_reader().read_to_string(&mut metrics).unwrap();
+    assert!(metrics.contains("fsdp_queue_timeouts_total 2"), "{metrics}");
+}
+
 #[test]
 fn the_official_openai_python_client_works_against_the_server() {
     let Some(python) = python_or_skip("the_official_openai_python_client_works_against_the_server", &["openai", "jsonschema"]) else {

@@ -44,6 +44,11 @@ pub struct ServeArgs {
     /// Requests that may wait for a slot; beyond that the answer is 429 with Retry-After.
     #[arg(long, default_value_t = 64)]
     max_queue: usize,
+    /// Seconds a request may wait in the queue for a slot; one that waits longer is answered 429
+    /// with Retry-After (streams too: their 200 comes only once they run), so a client with a
+    /// 60 s timeout hears back in time. 0: wait as long as it takes.
+    #[arg(long, default_value_t = 30.0)]
+    max_queue_wait: f64,
     /// Longest prompt in tokens (default: the context minus one).
     #[arg(long)]
     max_input_tokens: Option<usize>,
@@ -120,6 +125,10 @@ impl TryFrom<ServeArgs> for ServeConfig {
             max_prefill_tokens: a.max_prefill_tokens,
             kv_cache_memory: a.kv_cache_memory.checked_mul(1 << 20).context("--kv-cache-memory: too many MiB")?,
             max_queue: a.max_queue,
+            max_queue_wait: match a.max_queue_wait {
+                0.0 => None,
+                s => Some(seconds("--max-queue-wait", s)?),
+            },
             max_input_tokens: a.max_input_tokens,
             max_total_tokens: a.max_total_tokens,
             max_body_bytes: a.max_body_bytes,

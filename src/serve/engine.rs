@@ -2,12 +2,13 @@
 //! requests (a new one joins between decode steps), runs new prompts, and advances every
 //! decoding sequence by one token in a single batched forward (each sequence keeps its own KV
 //! cache). A sequence whose client went away is dropped before the next step. Requests wait in
-//! a queue bounded by the HTTP layer's admission count.
+//! a queue bounded by the HTTP layer's admission count, and for at most `max_queue_wait`: one
+//! that waited longer is answered `Event::QueueTimeout` (a 429) instead of running.
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use models::{CausalLm, ServingAdapter};
 use tokio::sync::mpsc::UnboundedSender;
@@ -57,6 +58,11 @@ pub enum Event {
         cumulative_logprob: f64,
     },
     Error(String),
+    /// The sequence waited in the queue longer than `EngineSettings::max_queue_wait` and was
+    /// not run.
+    QueueTimeout {
+        waited: Duration,
+    },
 }
 
 /// The handle the HTTP side keeps.
@@ -89,6 +95,9 @@ pub struct EngineSettings {
     pub max_batched_tokens: usize,
     /// Bytes of KV blocks the prefix cache keeps (0: none).
     pub prefix_cache_bytes: usize,
+    /// Longest a sequence waits for a slot before it is answered `Event::QueueTimeout` (None:
+    /// no limit).
+    pub max_queue_wait: Option<Duration>,
 }
 
 /// Starts the engine thread.
@@ -121,25 +130,36 @@ fn run(
     let (max_running, max_batched_tokens) = (settings.max_running.max(1), settings.max_batched_tokens.max(1));
     let mut prefixes = PrefixCache::new(settings.prefix_cache_bytes);
     let mut active: Vec<Running> = vec![];
+    // Jobs received and not yet running, oldest first.
+    let mut waiting: VecDeque<Job> = VecDeque::new();
     loop {
-        // Admit new sequences between decode steps; block only when idle.
-        while active.len() < max_running {
-            let mut job = if active.is_empty() {
-                // Idle: what the last requests freed goes back to the OS before we wait.
-                crate::memory::return_free_memory();
-                match rx.recv() {
-                    Ok(j) => j,
-                    Err(_) => return,
-                }
-            } else {
-                match rx.try_recv() {
-                    Ok(j) => j,
-                    Err(_) => break,
-                }
-            };
-            if job.events.is_closed() {
-                continue;
+        // Block only when idle; else take what arrived since the last step.
+        if active.is_empty() && waiting.is_empty() {
+            // Idle: what the last requests freed goes back to the OS before we wait.
+            crate::memory::return_free_memory();
+            match rx.recv() {
+                Ok(j) => waiting.push_back(j),
+                Err(_) => return,
             }
+        }
+        waiting.extend(rx.try_iter());
+        // Gone clients' jobs leave the queue; jobs past the wait limit are answered.
+        let now = Instant::now();
+        waiting.retain(|job| {
+            let waited = now - job.enqueued;
+            match settings.max_queue_wait {
+                _ if job.events.is_closed() => false,
+                Some(limit) if waited > limit => {
+                    metrics.queue_timeout();
+                    let _ = job.events.send(Event::QueueTimeout { waited });
+                    false
+                }
+                _ => true,
+            }
+        });
+        // Admit new sequences between decode steps.
+        while active.len() < max_running {
+            let Some(mut job) = waiting.pop_front() else { break };
             match Sequence::new(&model, &job.prompt_ids, &eos, &job.params) {
                 Ok(mut seq) => {
                     if let Some(m) = job.constraint.take() {

@@ -45,6 +45,7 @@ pub struct Metrics {
     tokens: AtomicU64,
     cancelled: AtomicU64,
     stream_errors: AtomicU64,
+    queue_timeouts: AtomicU64,
 }
 
 impl Metrics {
@@ -62,6 +63,10 @@ impl Metrics {
     }
     pub fn cancelled(&self) {
         self.cancelled.fetch_add(1, Ordering::Relaxed);
+    }
+    /// A sequence waited past `--max-queue-wait` and was answered 429 without running.
+    pub fn queue_timeout(&self) {
+        self.queue_timeouts.fetch_add(1, Ordering::Relaxed);
     }
     /// A stream that had answered 200 ended with an error event (the engine failed, or the
     /// server shut down): the status counter cannot show it.
@@ -92,6 +97,10 @@ impl Metrics {
         out.push_str(&format!(
             "# HELP fsdp_stream_errors_total Streams ended by an error event after their 200 (engine failure, shutdown).\n# TYPE fsdp_stream_errors_total counter\nfsdp_stream_errors_total {}\n",
             self.stream_errors.load(Ordering::Relaxed)
+        ));
+        out.push_str(&format!(
+            "# HELP fsdp_queue_timeouts_total Sequences answered 429 after waiting longer than --max-queue-wait.\n# TYPE fsdp_queue_timeouts_total counter\nfsdp_queue_timeouts_total {}\n",
+            self.queue_timeouts.load(Ordering::Relaxed)
         ));
         out
     }

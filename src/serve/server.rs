@@ -34,6 +34,8 @@ pub struct ServeConfig {
     /// Bytes of KV blocks each model's prefix cache keeps (0: no prefix caching).
     pub kv_cache_memory: usize,
     pub max_queue: usize,
+    /// Longest a request's sequence waits for a slot before it is answered 429 (None: no limit).
+    pub max_queue_wait: Option<std::time::Duration>,
     pub max_input_tokens: Option<usize>,
     pub max_total_tokens: Option<usize>,
     pub max_body_bytes: usize,
@@ -77,6 +79,7 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
             max_running: max_concurrent,
             max_batched_tokens: cfg.max_prefill_tokens.max(1),
             prefix_cache_bytes: cfg.kv_cache_memory,
+            max_queue_wait: cfg.max_queue_wait,
         },
         limit_input: cfg.max_input_tokens,
         limit_total: cfg.max_total_tokens,

@@ -25,6 +25,7 @@ use tokio::sync::mpsc;
 /// The response to a validated, submitted request: streamed or whole.
 pub async fn answer(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -> Result<Response, ApiError> {
     let ignored = req.ignored.clone();
+    let submitted = if req.stream { started(&st, submitted).await? } else { submitted };
     let response = match (&req.kind, req.stream) {
         (RequestKind::Responses { .. }, true) => responses::sse(st, req, submitted),
         (RequestKind::Responses { .. }, false) => responses::whole(st, req, submitted).await?,
@@ -137,10 +138,50 @@ pub(super) async fn collect(st: &AppState, rx: &mut mpsc::UnboundedReceiver<Even
             Some(Event::Done { finish, completion_tokens, cached_tokens, cumulative_logprob, .. }) => {
                 return Ok(Collected { text, logprobs, prompt_logprobs, finish, completion_tokens, cached_tokens, cumulative_logprob });
             }
-            Some(Event::Error(e)) => return Err(ApiError::internal(format!("Generation failed: {e}"))),
+            Some(ev @ (Event::Error(_) | Event::QueueTimeout { .. })) => return Err(failure(&ev)),
             None => return Err(ApiError::internal("the engine dropped the request")),
         }
     }
+}
+
+/// What an answer that ended without running to its end reports: the engine's failure (500), or
+/// a wait in the queue past `--max-queue-wait` (429, retry after as long again: the queue was
+/// that slow to move).
+pub(super) fn failure(ev: &Event) -> ApiError {
+    match ev {
+        Event::QueueTimeout { waited } => {
+            let message = format!("The request waited {:.0} s in the queue for a generation slot; retry later.", waited.as_secs_f64());
+            ApiError { message, ..ApiError::overloaded(waited.as_secs().max(1)) }
+        }
+        Event::Error(e) => ApiError::internal(format!("Generation failed: {e}")),
+        _ => ApiError::internal("the engine ended an answer without a reason"),
+    }
+}
+
+/// Waits until every answer has left the queue (its first event), putting that event back: a
+/// stream's status is sent with its first chunk, so a request the queue times out must be
+/// answered 429 before it, not as an error inside a 200 stream.
+async fn started(st: &AppState, mut submitted: Submitted) -> Result<Submitted, ApiError> {
+    for rx in &mut submitted.answers {
+        let first = tokio::select! {
+            ev = rx.recv() => ev.ok_or_else(|| ApiError::internal("the engine dropped the request"))?,
+            _ = st.shutdown.forced() => return Err(ApiError::shutting_down()),
+        };
+        if matches!(first, Event::QueueTimeout { .. }) {
+            return Err(failure(&first));
+        }
+        let (tx, again) = mpsc::unbounded_channel();
+        let _ = tx.send(first);
+        let mut rest = std::mem::replace(rx, again);
+        tokio::spawn(async move {
+            while let Some(ev) = rest.recv().await {
+                if tx.send(ev).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    Ok(submitted)
 }
 
 /// The assistant's message for an answer: its function calls when it makes any (then

@@ -270,7 +270,7 @@ impl Streamer {
                 }
                 Some(Event::PromptLogprobs(_)) => {}
                 Some(Event::Done { finish, completion_tokens, cached_tokens, .. }) => break (finish, completion_tokens, cached_tokens),
-                Some(Event::Error(e)) => return self.fail(st, ApiError::internal(format!("Generation failed: {e}"))),
+                Some(ev @ (Event::Error(_) | Event::QueueTimeout { .. })) => return self.fail(st, super::failure(&ev)),
                 None => return self.fail(st, ApiError::internal("the engine dropped the request")),
             }
         };

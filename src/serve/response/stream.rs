@@ -161,7 +161,7 @@ impl<'a> Streamer<'a> {
                         None => return,
                     }
                 }
-                Event::Error(e) => return self.fail(st, ApiError::internal(format!("Generation failed: {e}"))),
+                ev @ (Event::Error(_) | Event::QueueTimeout { .. }) => return self.fail(st, super::failure(&ev)),
             };
             if !self.send(choice) {
                 return;
