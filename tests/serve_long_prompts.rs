@@ -1,7 +1,8 @@
 //! Long prompts on a real server process: a conversation's second turn takes its first turn's
 //! KV blocks from the prefix cache and answers exactly as a server without the cache does, and
 //! a short request sent while a long prompt is being prefilled (in chunks) is answered before
-//! that prompt's first token; a quantised model goes through the same chunks and cache.
+//! that prompt's first token; a quantised model goes through the same chunks and cache; after a
+//! burst of long prompts an idle server holds its prefix cache and little more.
 
 mod common;
 
@@ -121,4 +122,40 @@ fn a_quantised_model_answers_the_same_in_small_chunks_and_from_the_cache() {
     let again = chat(&chunked, &messages, json!({}));
     assert!(cached_tokens(&again["usage"]) >= 256, "{}", again["usage"]);
     assert_eq!(answer(&again), reference, "from the prefix cache");
+}
+
+/// Bytes of KV blocks the server's prefix cache holds (its `/metrics` gauge).
+fn prefix_cache_bytes(server: &Server) -> u64 {
+    let metrics = ureq::get(&server.url("/metrics")).call().unwrap().into_string().unwrap();
+    let line = metrics.lines().find(|l| l.starts_with("fsdp_prefix_cache_bytes ")).expect("the prefix cache gauge");
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// A burst of eight long prompts at once, then idle: the resident set grows by what the prefix
+/// cache now keeps (at most its budget) and little more. Each KV block is one allocation for all
+/// layers; per-layer blocks of a few KiB, the cached ones interleaved with those freed, kept
+/// allocator pages alive (75-85 MiB over the cache on SmolLM2, 29 now).
+#[test]
+fn an_idle_server_after_a_burst_of_long_prompts_holds_its_cache_and_little_more() {
+    let Some(gguf) = smollm2_gguf_or_skip("an_idle_server_after_a_burst_of_long_prompts_holds_its_cache_and_little_more") else { return };
+    let server = Server::start(&gguf, &["--kv-cache-memory", "256", "--max-queue-wait", "0"]);
+    let url = server.url("/v1/completions");
+    let words: String = (0..700).map(|i| format!(" word{i}")).collect();
+    let complete = |prompt: String| post_json(&url, &json!({"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}));
+    // Warm: one long prompt has run (its one-off growth, and its blocks in the cache).
+    complete(format!("warm{words}"));
+    std::thread::sleep(Duration::from_millis(1500));
+    let pid = server.child.id();
+    let (start, cached_at_start) = (rss_of(pid), prefix_cache_bytes(&server));
+    std::thread::scope(|s| {
+        for k in 0..8 {
+            let prompt = format!("{k}{words}");
+            s.spawn(move || complete(prompt));
+        }
+    });
+    std::thread::sleep(Duration::from_secs(3));
+    let (idle, cached) = (rss_of(pid), prefix_cache_bytes(&server));
+    assert!(cached <= 256 << 20 && cached > cached_at_start, "the cache keeps {cached} bytes (was {cached_at_start})");
+    let over = (idle - start) as f64 / 1048576.0 - (cached - cached_at_start) as f64 / 1048576.0;
+    assert!(over < 48.0, "idle: {:.0} MiB above the start, {over:.0} MiB more than the cache's growth", (idle - start) as f64 / 1048576.0);
 }

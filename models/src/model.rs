@@ -117,6 +117,7 @@ impl CausalLm {
     fn hidden_cached(&self, input_ids: &Tensor, cache: &mut KvCache, adapters: &RowAdapters) -> Result<Tensor> {
         let (_b, t) = input_ids.dims2()?;
         let offset = cache.seq_len();
+        cache.reserve(t, self.dtype(), self.device())?;
         let (cos, sin) = self.rotary.tables(offset, t, self.dtype(), self.device())?;
         // No mask: each layer's cache masks its own attention (see `Attention::forward`).
         let pos = PositionInputs { cos, sin, mask: None, mode: OpMode::Generate, row_seeds: None, adapters: adapters.clone() };
@@ -139,6 +140,9 @@ impl CausalLm {
         }
         let dev = self.device();
         let positions: Vec<usize> = caches.iter().map(|c| c.seq_len()).collect();
+        for cache in caches.iter_mut() {
+            cache.reserve(1, self.dtype(), self.device())?;
+        }
         let pos_u32: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
         let (cos, sin) = self.rotary.tables_for(&pos_u32, rows, 1, self.dtype(), dev)?;
         let pos = PositionInputs { cos, sin, mask: None, mode: OpMode::Generate, row_seeds: None, adapters: adapters.clone() };

@@ -250,6 +250,7 @@ fn run(
         }
         let mut flags = done.into_iter();
         active.retain(|_| !flags.next().unwrap());
+        metrics.prefix_cache_bytes(prefixes.used_bytes());
         running_count.store(active.len(), Ordering::SeqCst);
     }
 }

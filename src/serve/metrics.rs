@@ -46,6 +46,7 @@ pub struct Metrics {
     cancelled: AtomicU64,
     stream_errors: AtomicU64,
     queue_timeouts: AtomicU64,
+    prefix_cache_bytes: AtomicU64,
 }
 
 impl Metrics {
@@ -63,6 +64,10 @@ impl Metrics {
     }
     pub fn cancelled(&self) {
         self.cancelled.fetch_add(1, Ordering::Relaxed);
+    }
+    /// Bytes of KV blocks the prefix cache holds now (the engine sets it after each step).
+    pub fn prefix_cache_bytes(&self, bytes: usize) {
+        self.prefix_cache_bytes.store(bytes as u64, Ordering::Relaxed);
     }
     /// A sequence waited past `--max-queue-wait` and was answered 429 without running.
     pub fn queue_timeout(&self) {
@@ -97,6 +102,10 @@ impl Metrics {
         out.push_str(&format!(
             "# HELP fsdp_stream_errors_total Streams ended by an error event after their 200 (engine failure, shutdown).\n# TYPE fsdp_stream_errors_total counter\nfsdp_stream_errors_total {}\n",
             self.stream_errors.load(Ordering::Relaxed)
+        ));
+        out.push_str(&format!(
+            "# HELP fsdp_prefix_cache_bytes Bytes of KV blocks the prefix cache keeps (at most --kv-cache-memory).\n# TYPE fsdp_prefix_cache_bytes gauge\nfsdp_prefix_cache_bytes {}\n",
+            self.prefix_cache_bytes.load(Ordering::Relaxed)
         ));
         out.push_str(&format!(
             "# HELP fsdp_queue_timeouts_total Sequences answered 429 after waiting longer than --max-queue-wait.\n# TYPE fsdp_queue_timeouts_total counter\nfsdp_queue_timeouts_total {}\n",
