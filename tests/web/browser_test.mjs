@@ -97,9 +97,9 @@ try {
   // DPO from the same form: the method picker shows beta, a preference file trains a model.
   await page.goto(`${BASE}/finetune`);
   await page.waitForFunction(() => document.querySelectorAll("#base option").length > 0);
-  check(await page.isHidden("#beta"), "beta is hidden for supervised fine-tuning");
+  check(await page.isHidden("#beta") && await page.isHidden("#beta-label"), "beta and its label are hidden for supervised fine-tuning");
   await page.selectOption("#method", "dpo");
-  check(await page.isVisible("#beta"), "beta shows for DPO");
+  check(await page.isVisible("#beta") && await page.isVisible("#beta-label"), "beta and its label show for DPO");
   await page.fill("#beta", "0.2");
   await page.setInputFiles("#file", PREFERENCE_FILE);
   await page.fill("#suffix", "browser-dpo");
