@@ -98,3 +98,47 @@ fn lenient_mode_logit_bias_echo_logprobs_and_n_admission() {
     assert_eq!(status, 400, "{text}");
     assert!(text.contains("\"param\":\"n\""), "{text}");
 }
+
+/// Qwen3's chat template's generation prompt: with `enable_thinking` false it opens the answer
+/// with an empty thinking block (the template's own text, from Qwen3's tokenizer_config.json).
+const QWEN3_GENERATION_PROMPT: &str = r#"{%- for message in messages %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}"#;
+
+/// `chat_template_kwargs` reach the chat template (vLLM's and SGLang's field): Qwen3's
+/// `enable_thinking: false` renders its no-think prompt, in `/tokenize` and in a chat request's
+/// prompt; a variable the server sets is refused by name.
+#[test]
+fn chat_template_kwargs_reach_the_template() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("qwen3", tmp.path());
+    std::fs::write(model.join("chat_template.jinja"), QWEN3_GENERATION_PROMPT).unwrap();
+    let server = Server::start(&model, &[]);
+    let messages = json!([{"role": "user", "content": "Hi"}]);
+    let tokenize = |extra: Value| {
+        let mut body = json!({"model": "tiny", "messages": messages});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        post_json(&server.url("/tokenize"), &body)["tokens"].clone()
+    };
+    let text = |ids: &Value| post_json(&server.url("/detokenize"), &json!({"tokens": ids}))["prompt"].as_str().unwrap().to_string();
+    let (thinking, plain) = (tokenize(json!({})), tokenize(json!({"chat_template_kwargs": {"enable_thinking": false}})));
+    assert!(text(&thinking).ends_with("<|im_start|>assistant\n"), "{}", text(&thinking));
+    assert!(text(&plain).ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"), "{}", text(&plain));
+    assert_eq!(tokenize(json!({"chat_template_kwargs": {"enable_thinking": true}})), thinking);
+    let chat = |kwargs: Value| {
+        let body = json!({"model": "tiny", "messages": messages, "max_tokens": 1, "chat_template_kwargs": kwargs});
+        post_json(&server.url("/v1/chat/completions"), &body)["usage"]["prompt_tokens"].as_u64().unwrap()
+    };
+    assert_eq!(chat(json!({"enable_thinking": false})), plain.as_array().unwrap().len() as u64);
+    assert_eq!(chat(json!({})), thinking.as_array().unwrap().len() as u64);
+    for (kwargs, param) in [(json!({"messages": []}), "chat_template_kwargs.messages"), (json!(true), "chat_template_kwargs")] {
+        let body = json!({"model": "tiny", "messages": messages, "chat_template_kwargs": kwargs});
+        let (status, answer, _) = post(&server.url("/v1/chat/completions"), &body.to_string(), None);
+        let v: Value = serde_json::from_str(&answer).unwrap();
+        assert_eq!((status, v["error"]["param"].as_str()), (400, Some(param)), "{answer}");
+    }
+}

@@ -84,6 +84,8 @@ pub const CHAT: &[&str] = &[
     "skip_special_tokens",
     "spaces_between_special_tokens",
     "include_stop_str_in_output",
+    // Variables for the chat template (vLLM's and SGLang's), e.g. `enable_thinking`.
+    "chat_template_kwargs",
     // Accepted, changing nothing a local server does (see `validate::no_op`).
     "store",
     "metadata",

@@ -59,6 +59,7 @@ pub const SPEC: &str = r##"{
         "service_tier": {"type": "string"}, "prompt_cache_key": {"type": "string"}, "safety_identifier": {"type": "string"},
         "modalities": {"type": "array", "items": {"type": "string", "enum": ["text"]}},
         "reasoning_effort": {"type": "string", "enum": ["minimal", "low", "medium", "high"]},
+        "chat_template_kwargs": {"type": "object", "description": "More variables for the chat template, e.g. {\"enable_thinking\": false} (vLLM's and SGLang's field)."},
         "functions": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}, "description": {"type": "string"}, "parameters": {"type": "object"}}}},
         "function_call": {"oneOf": [{"type": "string", "enum": ["none", "auto"]}, {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}]},
         "response_format": {"type": "object", "required": ["type"], "properties": {"type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},

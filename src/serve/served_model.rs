@@ -15,6 +15,9 @@ use crate::generate::constraint::Grammars;
 use crate::generate::ModelDefaults;
 use crate::tokenize::{ChatMessage, TextTokenizer};
 
+/// The `chat_template_kwargs` of a request: more variables for the chat template.
+pub type TemplateKwargs = serde_json::Map<String, serde_json::Value>;
+
 /// Where served models compute; the base model and fine-tuned ones alike.
 #[derive(Debug, Clone)]
 pub struct Placement {
@@ -109,7 +112,9 @@ impl ServedModel {
     /// assistant's answer (as transformers' `apply_chat_template(..., add_generation_prompt=True)`).
     /// With functions: through the template when it reads `tools`, else in the generic format
     /// (`tools::generic_messages`), which also writes a history's calls and results.
-    pub fn chat_prompt_ids(&self, messages: &[ChatMessage], tools: Option<&Tools>) -> Result<Vec<u32>, ApiError> {
+    /// The ids of a conversation through the chat template, with `kwargs` (the request's
+    /// `chat_template_kwargs`) among the template's variables.
+    pub fn chat_prompt_ids(&self, messages: &[ChatMessage], tools: Option<&Tools>, kwargs: &TemplateKwargs) -> Result<Vec<u32>, ApiError> {
         let template = self
             .tokenizer
             .chat_template
@@ -117,11 +122,11 @@ impl ServedModel {
             .ok_or_else(|| ApiError::bad_request("This model has no chat template; use /v1/completions."))?;
         let has_tool_turns = messages.iter().any(|m| m.tool_calls.is_some() || m.role == "tool");
         let rendered = if template.takes_tools {
-            template.render_with_tools(messages, tools.map(|t| &t.definitions), true)
+            template.render_with(messages, tools.map(|t| &t.definitions), true, kwargs)
         } else if tools.is_some() || has_tool_turns {
-            template.render(&tools::generic_messages(tools, messages), true)
+            template.render_with(&tools::generic_messages(tools, messages), None, true, kwargs)
         } else {
-            template.render(messages, true)
+            template.render_with(messages, None, true, kwargs)
         };
         let text = rendered.map_err(|e| ApiError::invalid("messages", format!("The chat template failed: {e:#}")))?;
         self.tokenizer.encode(&text, false).map_err(|e| ApiError::bad_request(format!("{e:#}")))

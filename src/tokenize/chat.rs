@@ -32,6 +32,9 @@ impl ChatMessage {
     }
 }
 
+/// The variables the server gives every template, which template arguments cannot replace.
+pub const RENDER_VARIABLES: [&str; 5] = ["messages", "tools", "add_generation_prompt", "bos_token", "eos_token"];
+
 pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: Option<String>,
@@ -187,17 +190,23 @@ impl ChatTemplate {
 
     /// Renders a conversation; `add_generation_prompt` opens the assistant's turn.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
-        self.render_with_tools(messages, None, add_generation_prompt)
+        self.render_with(messages, None, add_generation_prompt, &serde_json::Map::new())
     }
 
     /// As [`Self::render`], with function definitions (`[{"type": "function", "function":
-    /// {...}}]`) in the template's `tools`, as transformers' `apply_chat_template(tools=...)`.
-    pub fn render_with_tools(
+    /// {...}}]`) in the template's `tools`, as transformers' `apply_chat_template(tools=...)`,
+    /// and `kwargs`, more variables the template reads (`enable_thinking`, ...), as
+    /// `apply_chat_template(**kwargs)`; they cannot replace [`RENDER_VARIABLES`].
+    pub fn render_with(
         &self,
         messages: &[ChatMessage],
         tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String> {
+        if let Some(k) = kwargs.keys().find(|k| RENDER_VARIABLES.contains(&k.as_str())) {
+            anyhow::bail!("`{k}` is set by the server, not by template arguments");
+        }
         let tmpl = self.env.get_template(TEMPLATE_NAME)?;
         tmpl.render(context! {
             messages => messages,
@@ -205,6 +214,7 @@ impl ChatTemplate {
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.clone().unwrap_or_default(),
             eos_token => self.eos_token.clone().unwrap_or_default(),
+            ..minijinja::Value::from_serialize(kwargs)
         })
         .map_err(|e| anyhow::anyhow!("rendering the chat template: {e:#}"))
     }

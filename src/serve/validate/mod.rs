@@ -127,7 +127,8 @@ pub fn chat(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> {
     s.params.output.stop_token_ids = sampling::stop_token_ids(v, model.vocab)?;
     let messages = prompt::messages(v, st.lenient, &mut ignored)?;
     let (tools, constraints) = tools_and_constraints(st, &model, v, s.n, &mut ignored)?;
-    let prompt_ids = model.chat_prompt_ids(&messages, tools.as_ref())?;
+    let kwargs = prompt::chat_template_kwargs(v)?;
+    let prompt_ids = model.chat_prompt_ids(&messages, tools.as_ref(), &kwargs)?;
     finish(st, target, RequestKind::Chat { tools }, prompt_ids, s, constraints, ignored)
 }
 
@@ -149,7 +150,7 @@ pub fn responses(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError>
     let mut s = sampling::parse(&r.chat, &model.defaults, true)?;
     s.max_tokens = r.max_output_tokens;
     let (tools, constraints) = tools_and_constraints(st, &model, &r.chat, s.n, &mut ignored).map_err(renamed)?;
-    let prompt_ids = model.chat_prompt_ids(&r.messages, tools.as_ref())?;
+    let prompt_ids = model.chat_prompt_ids(&r.messages, tools.as_ref(), &Default::default())?;
     let kind = RequestKind::Responses { tools, echo: r.echo };
     let named = |e: ApiError| ApiError { param: e.param.as_ref().map(|p| p.replace("max_tokens", "max_output_tokens")), ..e };
     finish(st, target, kind, prompt_ids, s, constraints, ignored).map_err(named)
@@ -185,7 +186,7 @@ fn tools_and_constraints(
 pub fn tokenize(st: &AppState, v: &Value) -> Result<(Arc<ServedModel>, Vec<u32>), ApiError> {
     let model = model_or_base(st, v)?;
     let ids = if v.get("messages").is_some() {
-        model.chat_prompt_ids(&prompt::messages(v, st.lenient, &mut vec![])?, None)?
+        model.chat_prompt_ids(&prompt::messages(v, st.lenient, &mut vec![])?, None, &prompt::chat_template_kwargs(v)?)?
     } else {
         match prompt::prompt(v, model.vocab)? {
             Prompt::Text(t) => {

@@ -6,6 +6,8 @@ use serde_json::Value;
 use crate::generate::constraint::OutputFormat;
 use crate::serve::error::ApiError;
 use crate::serve::fields::{self, Fields};
+use crate::serve::served_model::TemplateKwargs;
+use crate::tokenize::chat::RENDER_VARIABLES;
 use crate::tokenize::ChatMessage;
 
 /// Completions' prompt.
@@ -108,6 +110,22 @@ pub fn messages(v: &Value, lenient: bool, ignored: &mut Vec<String>) -> Result<V
             Ok(message)
         })
         .collect()
+}
+
+/// `chat_template_kwargs` (vLLM's and SGLang's): an object of more variables for the chat
+/// template (`enable_thinking`, ...); the ones the server sets are refused by name.
+pub fn chat_template_kwargs(v: &Value) -> Result<TemplateKwargs, ApiError> {
+    const P: &str = "chat_template_kwargs";
+    match Fields::of(v)?.value(P) {
+        None => Ok(TemplateKwargs::new()),
+        Some(Value::Object(map)) => match map.keys().find(|k| RENDER_VARIABLES.contains(&k.as_str())) {
+            Some(k) => {
+                Err(ApiError::invalid(&format!("{P}.{k}"), format!("`{k}` is set by the server; it cannot be a template argument.")))
+            }
+            None => Ok(map.clone()),
+        },
+        Some(_) => Err(ApiError::invalid(P, "`chat_template_kwargs` must be an object of the chat template's variables.")),
+    }
 }
 
 /// `response_format` of chat: `text` (no constraint), `json_object`, or `json_schema` with
