@@ -44,6 +44,11 @@ pub struct ServeArgs {
     /// Requests that may wait for a slot; beyond that the answer is 429 with Retry-After.
     #[arg(long, default_value_t = 64)]
     max_queue: usize,
+    /// How a reasoning model's thinking is told apart from its answer (`reasoning_content`):
+    /// `auto` splits `<think>` blocks for models whose chat template writes them; `qwen3` /
+    /// `deepseek_r1` (vLLM's names) always; `none` leaves thinking in the answer's text.
+    #[arg(long, default_value = "auto", value_parser = fsdp_app::generate::reasoning::ReasoningChoice::parse)]
+    reasoning_parser: fsdp_app::generate::reasoning::ReasoningChoice,
     /// Seconds a request may wait in the queue for a slot; one that waits longer is answered 429
     /// with Retry-After (streams too: their 200 comes only once they run), so a client with a
     /// 60 s timeout hears back in time. 0: wait as long as it takes.
@@ -125,6 +130,7 @@ impl TryFrom<ServeArgs> for ServeConfig {
             max_prefill_tokens: a.max_prefill_tokens,
             kv_cache_memory: a.kv_cache_memory.checked_mul(1 << 20).context("--kv-cache-memory: too many MiB")?,
             max_queue: a.max_queue,
+            reasoning_parser: a.reasoning_parser,
             max_queue_wait: match a.max_queue_wait {
                 0.0 => None,
                 s => Some(seconds("--max-queue-wait", s)?),

@@ -6,6 +6,7 @@ pub mod detokenize;
 pub mod json_schema;
 pub mod perplexity;
 pub mod prefix_cache;
+pub mod reasoning;
 pub mod schedule;
 pub mod sequence;
 pub mod stream;

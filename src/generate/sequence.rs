@@ -12,6 +12,7 @@ use serde::Serialize;
 
 use super::detokenize::Detokenizer;
 use super::prefix_cache::Namespace;
+use super::reasoning::ThinkSplit;
 use super::{constraint, FinishReason, SamplingParams, TextStream};
 use crate::tokenize::TextTokenizer;
 
@@ -42,8 +43,20 @@ pub struct Sequence {
     finish: Option<FinishReason>,
     /// The grammar the answer must follow (structured output), if any.
     constraint: Option<llguidance::Matcher>,
+    /// A reasoning model's thinking, followed as the text grows: it counts the thinking's
+    /// tokens, and the grammar holds only the answer after it.
+    thinking: Option<Thinking>,
     /// The LoRA adapter this sequence runs with over the base (multi-LoRA serving), if any.
     pub(super) adapter: Option<Arc<ServingAdapter>>,
+}
+
+/// Where a reasoning model's answer is: in its thinking or past it.
+struct Thinking {
+    split: ThinkSplit,
+    /// Bytes of the generated text fed to `split`.
+    fed: usize,
+    /// Generated tokens when the thinking ended.
+    ended_at: Option<usize>,
 }
 
 /// What one step produced (nothing, `default()`, for a chunk of a prompt with more to feed).
@@ -147,8 +160,29 @@ impl Sequence {
             cumulative_logprob: 0.0,
             finish: None,
             constraint: None,
+            thinking: None,
             adapter: None,
         })
+    }
+
+    /// Follows the answer's thinking (a reasoning model's, `inside`: the prompt opened the
+    /// block): a grammar from [`Self::constrain`] then applies once the thinking is over.
+    pub fn expect_thinking(&mut self, inside: bool) {
+        self.thinking = Some(Thinking { split: ThinkSplit::new(inside), fed: 0, ended_at: None });
+    }
+
+    /// Tokens of the answer's thinking: up to the one that ended it, or all when it never
+    /// ended; 0 without thinking.
+    pub fn reasoning_tokens(&self) -> usize {
+        match &self.thinking {
+            Some(t) if t.split.thought() => t.ended_at.unwrap_or(self.generated.len()),
+            _ => 0,
+        }
+    }
+
+    /// Whether a grammar holds the next token (none before the thinking is over).
+    fn constrained_now(&self) -> bool {
+        self.constraint.is_some() && self.thinking.as_ref().is_none_or(|t| t.ended_at.is_some())
     }
 
     /// Makes the answer follow `matcher`'s grammar (see `constraint`).
@@ -302,18 +336,19 @@ impl Sequence {
         let p = &self.params;
         // vLLM's min_tokens: eos and stop tokens are masked until the answer has that many (not
         // under a grammar, whose end may leave nothing else).
-        let hold_ends = self.generated.len() < p.output.min_tokens && self.constraint.is_none();
+        let constrained = self.constrained_now();
+        let hold_ends = self.generated.len() < p.output.min_tokens && !constrained;
         let needs_values = p.presence_penalty != 0.0
             || p.frequency_penalty != 0.0
             || p.min_p.is_some_and(|m| m > 0.0)
             || p.logprobs.is_some()
             || !p.logit_bias.is_empty()
-            || self.constraint.is_some()
+            || constrained
             || hold_ends
             || p.output.cumulative_logprob;
         let (logits, values) = if needs_values {
             let mut v = logits.to_vec1::<f32>()?;
-            if let Some(m) = &mut self.constraint {
+            if let Some(m) = self.constraint.as_mut().filter(|_| constrained) {
                 constraint::mask_logits(m, &mut v)?;
             }
             adjust_logits(&mut v, &self.generated, p);
@@ -337,10 +372,10 @@ impl Sequence {
             self.cumulative_logprob += token_logprob(v, next, 0).logprob as f64;
         }
         // Under `ignore_eos` an eos token is an ordinary one, unless a grammar has ended.
-        if self.eos_ids.contains(&next) && !(p.output.ignore_eos && self.constraint.is_none()) {
+        if self.eos_ids.contains(&next) && (constrained || !p.output.ignore_eos) {
             return Ok(self.end(FinishReason::Stop, None));
         }
-        if let Some(m) = &mut self.constraint {
+        if let Some(m) = self.constraint.as_mut().filter(|_| constrained) {
             m.consume_token(next).map_err(|e| anyhow::anyhow!("the output grammar refused token {next}: {e}"))?;
         }
         let stop_token = self.params.output.stop_token_ids.contains(&next);
@@ -357,7 +392,18 @@ impl Sequence {
         self.context.push(next);
         self.pending = vec![next];
         let check_stops = self.generated.len() >= self.params.output.min_tokens;
-        let step = self.stream.push(self.detokenizer.push(tokenizer, &self.generated)?, check_stops);
+        let full = self.detokenizer.push(tokenizer, &self.generated)?;
+        if let Some(t) = self.thinking.as_mut().filter(|t| t.ended_at.is_none()) {
+            let complete = full.trim_end_matches('\u{FFFD}');
+            if let Some(new) = complete.get(t.fed..) {
+                t.split.push(new);
+                t.fed = complete.len();
+            }
+            if t.split.answering() {
+                t.ended_at = Some(self.generated.len());
+            }
+        }
+        let step = self.stream.push(full, check_stops);
         if step.stopped {
             self.finish = Some(FinishReason::Stop);
             return Ok(SequenceStep { text: step.text, token: Some(next), logprob, finished: self.finish, ..Default::default() });

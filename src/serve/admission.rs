@@ -12,6 +12,7 @@ use super::engine::{Event, Job};
 use super::error::ApiError;
 use super::state::AppState;
 use super::validate::ValidatedRequest;
+use crate::generate::reasoning::PromptThinking;
 
 /// Counts a request's sequences as admitted until dropped (when the response is complete or the
 /// client is gone), so the queue bound holds for streams too.
@@ -51,6 +52,7 @@ pub fn submit(st: &Arc<AppState>, req: &mut ValidatedRequest) -> Result<Submitte
             stop_when: tools.and_then(|t| t.repeat_watch()),
             adapter: req.adapter.clone(),
             cache_key: req.cache_key.clone(),
+            thinking: req.thinking.filter(|t| *t != PromptThinking::Closed).map(PromptThinking::inside),
             events: tx,
             enqueued: Instant::now(),
         };

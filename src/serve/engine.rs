@@ -31,6 +31,9 @@ pub struct Job {
     pub adapter: Option<Arc<ServingAdapter>>,
     /// The client's `prompt_cache_key`, a hint for the prefix cache.
     pub cache_key: Option<String>,
+    /// A reasoning model's answer: its thinking is followed (`Sequence::expect_thinking`;
+    /// true: the prompt opened the block).
+    pub thinking: Option<bool>,
     pub events: UnboundedSender<Event>,
     pub enqueued: Instant,
 }
@@ -56,6 +59,8 @@ pub enum Event {
         /// The sum of the sampled tokens' log-probabilities, when the request ranks its answers
         /// (`OutputControls::cumulative_logprob`; else 0).
         cumulative_logprob: f64,
+        /// Tokens of the answer's thinking (0 without).
+        reasoning_tokens: usize,
     },
     Error(String),
     /// The sequence waited in the queue longer than `EngineSettings::max_queue_wait` and was
@@ -168,6 +173,9 @@ fn run(
                     if let Some(a) = job.adapter.take() {
                         seq.adapt(a);
                     }
+                    if let Some(inside) = job.thinking {
+                        seq.expect_thinking(inside);
+                    }
                     let blocks = prefixes.lookup(seq.namespace(), &job.prompt_ids, seq.reusable_prompt_blocks());
                     if let Err(e) = seq.reuse_prefix(&model, &blocks) {
                         let _ = job.events.send(Event::Error(format!("{e:#}")));
@@ -236,6 +244,7 @@ fn run(
                                 completion_tokens: r.seq.generated_ids().len(),
                                 cached_tokens: r.seq.cached_prompt_tokens(),
                                 cumulative_logprob: r.seq.cumulative_logprob(),
+                                reasoning_tokens: r.seq.reasoning_tokens(),
                             });
                             true
                         }

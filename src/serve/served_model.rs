@@ -12,6 +12,7 @@ use super::error::ApiError;
 use super::metrics::Metrics;
 use super::tools::{self, Tools};
 use crate::generate::constraint::Grammars;
+use crate::generate::reasoning::{PromptThinking, ReasoningChoice};
 use crate::generate::ModelDefaults;
 use crate::tokenize::{ChatMessage, TextTokenizer};
 
@@ -38,6 +39,8 @@ pub struct LoadSettings {
     pub limit_input: Option<usize>,
     pub limit_total: Option<usize>,
     pub metrics: Arc<Metrics>,
+    /// `--reasoning-parser`: whether models' thinking is split out of their answers.
+    pub reasoning: ReasoningChoice,
 }
 
 pub struct ServedModel {
@@ -55,6 +58,9 @@ pub struct ServedModel {
     pub grammars: std::result::Result<Arc<Grammars>, String>,
     /// Its config.json (the shapes LoRA adapters served over it must fit).
     pub config: models::ModelConfig,
+    /// Its answers' thinking is split out (`reasoning_content`): a reasoning model's template,
+    /// or `--reasoning-parser` says so.
+    pub splits_reasoning: bool,
 }
 
 impl ServedModel {
@@ -86,6 +92,7 @@ impl ServedModel {
             }
         };
         let config = loaded.config.clone();
+        let splits_reasoning = settings.reasoning.splits(tokenizer.chat_template.as_ref().map(|t| t.source.as_str()));
         let engine = engine::start(loaded.model, tokenizer.clone(), eos, settings.engine, settings.metrics.clone());
         let max_total_tokens = settings.limit_total.unwrap_or(context).min(context);
         Ok(Self {
@@ -100,6 +107,7 @@ impl ServedModel {
             defaults,
             grammars,
             config,
+            splits_reasoning,
         })
     }
 
@@ -112,6 +120,13 @@ impl ServedModel {
     /// assistant's answer (as transformers' `apply_chat_template(..., add_generation_prompt=True)`).
     /// With functions: through the template when it reads `tools`, else in the generic format
     /// (`tools::generic_messages`), which also writes a history's calls and results.
+    /// Where a chat prompt leaves the answer's thinking, for a model whose thinking is split out
+    /// (None otherwise): from the rendered prompt's last tokens.
+    pub fn prompt_thinking(&self, prompt_ids: &[u32]) -> Option<PromptThinking> {
+        let tail = &prompt_ids[prompt_ids.len().saturating_sub(16)..];
+        self.splits_reasoning.then(|| PromptThinking::of(&self.tokenizer.decode(tail, false).unwrap_or_default()))
+    }
+
     /// The ids of a conversation through the chat template, with `kwargs` (the request's
     /// `chat_template_kwargs`) among the template's variables.
     pub fn chat_prompt_ids(&self, messages: &[ChatMessage], tools: Option<&Tools>, kwargs: &TemplateKwargs) -> Result<Vec<u32>, ApiError> {

@@ -34,6 +34,8 @@ pub struct ServeConfig {
     /// Bytes of KV blocks each model's prefix cache keeps (0: no prefix caching).
     pub kv_cache_memory: usize,
     pub max_queue: usize,
+    /// `--reasoning-parser`: how thinking is split out of answers.
+    pub reasoning_parser: crate::generate::reasoning::ReasoningChoice,
     /// Longest a request's sequence waits for a slot before it is answered 429 (None: no limit).
     pub max_queue_wait: Option<std::time::Duration>,
     pub max_input_tokens: Option<usize>,
@@ -84,6 +86,7 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
         limit_input: cfg.max_input_tokens,
         limit_total: cfg.max_total_tokens,
         metrics: metrics.clone(),
+        reasoning: cfg.reasoning_parser,
     };
     let base = ServedModel::load(&base_id, &cfg.model, cfg.revision.as_deref(), &load)?;
     let adapters = Adapters::new(base.config.clone(), load.placement.clone(), cfg.max_loras, cfg.lora_dir.as_deref())?;

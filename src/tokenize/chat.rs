@@ -41,6 +41,8 @@ pub struct ChatTemplate {
     eos_token: Option<String>,
     /// The template reads `tools` (it renders function definitions itself).
     pub takes_tools: bool,
+    /// Its text (what it writes tells, e.g., a reasoning model's think tags).
+    pub source: String,
 }
 
 const TEMPLATE_NAME: &str = "chat";
@@ -185,7 +187,7 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_template_owned(TEMPLATE_NAME, source.to_string()).map_err(|e| anyhow::anyhow!("{e:#}"))?;
         let takes_tools = source.contains("tools");
-        Ok(Self { env, bos_token, eos_token, takes_tools })
+        Ok(Self { env, bos_token, eos_token, takes_tools, source: source.to_string() })
     }
 
     /// Renders a conversation; `add_generation_prompt` opens the assistant's turn.

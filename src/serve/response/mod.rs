@@ -19,7 +19,7 @@ use super::fields;
 use super::state::AppState;
 use super::tools::{self, Tools};
 use super::validate::{RequestKind, ValidatedRequest};
-use crate::generate::{FinishReason, TokenLogprob};
+use crate::generate::{reasoning, FinishReason, TokenLogprob};
 use tokio::sync::mpsc;
 
 /// The response to a validated, submitted request: streamed or whole.
@@ -56,10 +56,15 @@ fn names(kind: &RequestKind, chunk: bool) -> (String, &'static str) {
     (id, object)
 }
 
-/// `cached_tokens`: prompt tokens whose keys and values came from the prefix cache.
-fn usage(prompt_tokens: usize, cached_tokens: usize, completion_tokens: usize) -> Value {
-    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens,
-           "prompt_tokens_details": {"cached_tokens": cached_tokens}})
+/// `cached_tokens`: prompt tokens whose keys and values came from the prefix cache;
+/// `reasoning_tokens`: the answers' thinking, for a model whose thinking is split out.
+fn usage(prompt_tokens: usize, cached_tokens: usize, completion_tokens: usize, reasoning_tokens: Option<usize>) -> Value {
+    let mut u = json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": cached_tokens}});
+    if let Some(r) = reasoning_tokens {
+        u["completion_tokens_details"] = json!({"reasoning_tokens": r});
+    }
+    u
 }
 
 /// Waits for every answer, then one JSON object.
@@ -80,12 +85,20 @@ async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -
         collected.truncate(req.n);
     }
     let mut choices = vec![];
-    let (mut completion_tokens, mut cached_tokens) = (0, 0);
+    let (mut completion_tokens, mut cached_tokens, mut reasoning_tokens) = (0, 0, 0);
     for (index, answer) in collected.into_iter().enumerate() {
         let Collected {
-            text: answer, logprobs: lps, prompt_logprobs: prompt_lps, finish, completion_tokens: c, cached_tokens: cached, ..
+            text: answer,
+            logprobs: lps,
+            prompt_logprobs: prompt_lps,
+            finish,
+            completion_tokens: c,
+            cached_tokens: cached,
+            reasoning_tokens: r,
+            ..
         } = answer;
         completion_tokens += c;
+        reasoning_tokens += r;
         cached_tokens = cached_tokens.max(cached);
         let text = format!("{}{answer}", echo.unwrap_or_default());
         let logprobs = req.params.logprobs.map(|_| match req.kind {
@@ -93,7 +106,15 @@ async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -
             _ => logprobs::chat(tokenizer, &lps),
         });
         choices.push(if req.kind.is_chat() {
-            let (message, finish) = assistant_message(tools, text, json!(finish));
+            // A reasoning model's thinking apart; tools read the answer after it.
+            let (reasoning, text) = match req.thinking {
+                Some(t) => reasoning::split(&text, t.inside()),
+                None => (None, text),
+            };
+            let (mut message, finish) = assistant_message(tools, text, json!(finish));
+            if let Some(r) = reasoning {
+                message["reasoning_content"] = json!(r);
+            }
             json!({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish})
         } else {
             json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
@@ -101,7 +122,7 @@ async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -
     }
     drop(admission);
     let (id, object) = names(&req.kind, false);
-    let usage = usage(req.prompt_ids.len(), cached_tokens, completion_tokens);
+    let usage = usage(req.prompt_ids.len(), cached_tokens, completion_tokens, req.thinking.map(|_| reasoning_tokens));
     Ok(Json(json!({"id": id, "object": object, "created": super::ids::now_s(), "model": req.model_id, "choices": choices, "usage": usage}))
         .into_response())
 }
@@ -118,6 +139,8 @@ pub(super) struct Collected {
     pub cached_tokens: usize,
     /// The sampled tokens' summed log-probability (when the request ranks answers, else 0).
     pub cumulative_logprob: f64,
+    /// Tokens of its thinking (0 without).
+    pub reasoning_tokens: usize,
 }
 
 /// Waits for an answer's events until it is done; an engine failure (the request was checked
@@ -135,8 +158,19 @@ pub(super) async fn collect(st: &AppState, rx: &mut mpsc::UnboundedReceiver<Even
                 text.push_str(&t);
                 logprobs.extend(logprob);
             }
-            Some(Event::Done { finish, completion_tokens, cached_tokens, cumulative_logprob, .. }) => {
-                return Ok(Collected { text, logprobs, prompt_logprobs, finish, completion_tokens, cached_tokens, cumulative_logprob });
+            Some(Event::Done { finish, completion_tokens, cached_tokens, cumulative_logprob, reasoning_tokens, .. }) => {
+                let (c, cached) = (completion_tokens, cached_tokens);
+                let (cumulative_logprob, reasoning_tokens) = (cumulative_logprob, reasoning_tokens);
+                return Ok(Collected {
+                    text,
+                    logprobs,
+                    prompt_logprobs,
+                    finish,
+                    completion_tokens: c,
+                    cached_tokens: cached,
+                    cumulative_logprob,
+                    reasoning_tokens,
+                });
             }
             Some(ev @ (Event::Error(_) | Event::QueueTimeout { .. })) => return Err(failure(&ev)),
             None => return Err(ApiError::internal("the engine dropped the request")),

@@ -19,6 +19,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use super::{assistant_message, logprobs, names, usage};
+use crate::generate::reasoning::{Split, ThinkSplit};
 use crate::serve::admission::Submitted;
 use crate::serve::call_stream::{CallEvent, CallStream};
 use crate::serve::engine::Event;
@@ -70,6 +71,8 @@ struct Streamer<'a> {
     shown: Vec<usize>,
     /// Where each completion answer's next token begins in its text (`text_offset`).
     offsets: Vec<usize>,
+    /// Each chat answer's thinking split from its answer, for a reasoning model.
+    thinking: Vec<Option<ThinkSplit>>,
 }
 
 impl<'a> Streamer<'a> {
@@ -81,7 +84,8 @@ impl<'a> Streamer<'a> {
         };
         let calls = (0..n).map(|_| forced(req).and_then(Tools::call_stream)).collect();
         let (held, shown, offsets) = (vec![String::new(); n], vec![0; n], vec![start; n]);
-        Self { req, out, id, object, created: crate::serve::ids::now_s(), n, held, calls, shown, offsets }
+        let thinking = (0..n).map(|_| req.thinking.map(|t| ThinkSplit::new(t.inside()))).collect();
+        Self { req, out, id, object, created: crate::serve::ids::now_s(), n, held, calls, shown, offsets, thinking }
     }
 
     fn chunk(&self, choices: Value, usage: Option<Value>) -> SseEvent {
@@ -127,7 +131,7 @@ impl<'a> Streamer<'a> {
                 return;
             }
         }
-        let (mut finished, mut completion_tokens, mut cached_tokens) = (0, 0, 0);
+        let (mut finished, mut completion_tokens, mut cached_tokens, mut reasoning_tokens) = (0, 0, 0, 0);
         loop {
             let (index, ev) = tokio::select! {
                 got = events.recv() => match got {
@@ -148,14 +152,30 @@ impl<'a> Streamer<'a> {
                     );
                     json!({"index": index, "text": e, "logprobs": lp, "finish_reason": null})
                 }
-                Event::Delta { text, logprob } => match self.delta(index, text, logprob) {
-                    Some(c) => c,
-                    None => continue,
-                },
-                Event::Done { finish, completion_tokens: c, cached_tokens: cached, .. } => {
+                Event::Delta { text, logprob } => {
+                    let Some(text) = self.past_thinking(index, text, false) else { return };
+                    if text.is_empty() && logprob.is_none() {
+                        continue;
+                    }
+                    match self.delta(index, text, logprob) {
+                        Some(c) => c,
+                        None => continue,
+                    }
+                }
+                Event::Done { finish, completion_tokens: c, cached_tokens: cached, reasoning_tokens: r, .. } => {
                     finished += 1;
                     completion_tokens += c;
                     cached_tokens = cached_tokens.max(cached);
+                    reasoning_tokens += r;
+                    // What the split held back: no tag can complete any more.
+                    let Some(rest) = self.past_thinking(index, String::new(), true) else { return };
+                    if !rest.is_empty() {
+                        if let Some(c) = self.delta(index, rest, None) {
+                            if !self.send(c) {
+                                return;
+                            }
+                        }
+                    }
                     match self.end(index, json!(finish)) {
                         Some(c) => c,
                         None => return,
@@ -171,9 +191,27 @@ impl<'a> Streamer<'a> {
             }
         }
         if self.req.include_usage {
-            let _ = self.out.send(Ok(self.chunk(json!([]), Some(usage(self.req.prompt_ids.len(), cached_tokens, completion_tokens)))));
+            let reasoning = self.req.thinking.map(|_| reasoning_tokens);
+            let _ = self
+                .out
+                .send(Ok(self.chunk(json!([]), Some(usage(self.req.prompt_ids.len(), cached_tokens, completion_tokens, reasoning)))));
         }
         let _ = self.out.send(Ok(SseEvent::default().data("[DONE]")));
+    }
+
+    /// For a reasoning model's answer: sends the thinking in `text` (with `end`, in what was
+    /// held back: the answer is over) as a `delta.reasoning_content` chunk and returns the
+    /// answer's part; `text` itself otherwise. None when the client is gone.
+    fn past_thinking(&mut self, index: usize, text: String, end: bool) -> Option<String> {
+        let Some(t) = self.thinking[index].as_mut() else { return Some(text) };
+        let Split { reasoning, content } = if end { t.finish() } else { t.push(&text) };
+        if !reasoning.is_empty() {
+            let chunk = json!({"index": index, "delta": {"reasoning_content": reasoning}, "logprobs": null, "finish_reason": null});
+            if !self.send(chunk) {
+                return None;
+            }
+        }
+        Some(content)
     }
 
     /// The chunk of a token (None: nothing to send now, the text being held).

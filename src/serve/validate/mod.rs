@@ -20,6 +20,7 @@ use super::served_model::ServedModel;
 use super::state::AppState;
 use super::tools::{self, ToolChoice, Tools};
 use crate::generate::constraint::OutputFormat;
+use crate::generate::reasoning::PromptThinking;
 use crate::generate::SamplingParams;
 use models::ServingAdapter;
 use prompt::Prompt;
@@ -90,6 +91,8 @@ pub struct ValidatedRequest {
     /// The client's `prompt_cache_key`: the prefix cache keeps this conversation's blocks
     /// longer than unnamed ones (`PrefixCache::insert`).
     pub cache_key: Option<String>,
+    /// For a chat answer of a model whose thinking is split out: where the prompt leaves it.
+    pub thinking: Option<PromptThinking>,
 }
 
 /// `/v1/completions`.
@@ -129,7 +132,10 @@ pub fn chat(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> {
     let (tools, constraints) = tools_and_constraints(st, &model, v, s.n, &mut ignored)?;
     let kwargs = prompt::chat_template_kwargs(v)?;
     let prompt_ids = model.chat_prompt_ids(&messages, tools.as_ref(), &kwargs)?;
-    finish(st, target, RequestKind::Chat { tools }, prompt_ids, s, constraints, ignored)
+    let thinking = model.prompt_thinking(&prompt_ids);
+    let mut req = finish(st, target, RequestKind::Chat { tools }, prompt_ids, s, constraints, ignored)?;
+    req.thinking = thinking;
+    Ok(req)
 }
 
 /// `/v1/responses`: read into chat's values (`responses`), then chat's checks, with the fields
@@ -329,5 +335,6 @@ fn finish(
         constraints,
         ignored,
         cache_key,
+        thinking: None,
     })
 }

@@ -1,0 +1,107 @@
+//! A reasoning model's thinking against a real server: a qwen3 fixture fine-tuned by our own
+//! `finetune` to think before it answers (`<think> ... </think>`, as Qwen3 writes), served with a
+//! chat template that has Qwen3's thinking switch. Its thinking comes back as
+//! `reasoning_content` apart from the answer, whole and streamed (split exactly at the tags,
+//! whichever tokens they span), counted in `completion_tokens_details.reasoning_tokens`;
+//! `enable_thinking: false` renders the no-think prompt; a JSON schema holds the answer after
+//! the thinking, not the thinking; `--reasoning-parser none` leaves the text whole.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::server::*;
+use common::*;
+use serde_json::{json, Value};
+
+/// Qwen3's chat template's turns and generation prompt (its thinking switch included).
+const QWEN3_TEMPLATE: &str = r#"{%- for message in messages %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}"#;
+
+const THINKING: &str = "\nplan a greeting\n";
+const ANSWER: &str = "\n\nHello there!";
+
+/// A qwen3 fixture fine-tuned until its greedy answer to "Hi" is `<think>THINKING</think>ANSWER`.
+fn thinking_model(root: &Path) -> PathBuf {
+    let (base, tuned) = (root.join("base"), root.join("tuned"));
+    let o = run_cli(&["fixture", "--name", "qwen3", "--out", base.to_str().unwrap()], &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    std::fs::write(base.join("chat_template.jinja"), QWEN3_TEMPLATE).unwrap();
+    let row = json!({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": format!("<think>{THINKING}</think>{ANSWER}")}]});
+    let data = root.join("rows.jsonl");
+    std::fs::write(&data, format!("{row}\n").repeat(4)).unwrap();
+    let o = run_cli(
+        &["finetune", "--model", base.to_str().unwrap(), "--data", data.to_str().unwrap(), "--output-dir", tuned.to_str().unwrap()]
+            .into_iter()
+            .chain(["--seq-len", "64", "--max-steps", "40", "--lr", "3e-3", "--lr-scheduler", "constant"])
+            .collect::<Vec<_>>(),
+        &[],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    tuned
+}
+
+fn chat_body(extra: Value) -> Value {
+    let mut body = json!({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40, "temperature": 0});
+    body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    body
+}
+
+#[test]
+fn thinking_is_split_from_the_answer_whole_and_streamed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = thinking_model(tmp.path());
+    let server = Server::start(&model, &[]);
+    let url = server.url("/v1/chat/completions");
+
+    let whole = post_json(&url, &chat_body(json!({})));
+    let message = &whole["choices"][0]["message"];
+    assert_eq!((message["reasoning_content"].as_str(), message["content"].as_str()), (Some(THINKING), Some(ANSWER)), "{whole}");
+    let usage = &whole["usage"];
+    let reasoning_tokens = usage["completion_tokens_details"]["reasoning_tokens"].as_u64().unwrap();
+    assert!(reasoning_tokens > 0 && reasoning_tokens < usage["completion_tokens"].as_u64().unwrap(), "{usage}");
+
+    // Streamed: thinking deltas, then answer deltas, adding up to the whole answer's parts.
+    let lines = sse(&url, &chat_body(json!({"stream": true, "stream_options": {"include_usage": true}})));
+    let chunks: Vec<Value> = lines[..lines.len() - 1].iter().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let part =
+        |key: &str| -> String { chunks.iter().filter_map(|c| c["choices"].get(0)?["delta"][key].as_str().map(str::to_string)).collect() };
+    assert_eq!((part("reasoning_content"), part("content")), (THINKING.to_string(), ANSWER.to_string()), "{lines:?}");
+    let last_thinking = chunks.iter().rposition(|c| c["choices"].get(0).is_some_and(|ch| ch["delta"]["reasoning_content"].is_string()));
+    let first_answer =
+        chunks.iter().position(|c| c["choices"].get(0).is_some_and(|ch| ch["delta"]["content"].as_str().is_some_and(|t| !t.is_empty())));
+    assert!(last_thinking < first_answer, "thinking comes first: {lines:?}");
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens_details"]["reasoning_tokens"], json!(reasoning_tokens));
+
+    // The template's no-think prompt: no thinking to split out.
+    let off = post_json(&url, &chat_body(json!({"chat_template_kwargs": {"enable_thinking": false}})));
+    assert!(off["choices"][0]["message"].get("reasoning_content").is_none_or(Value::is_null), "{off}");
+    assert!(off["usage"]["prompt_tokens"].as_u64() > whole["usage"]["prompt_tokens"].as_u64(), "the closed think block is in the prompt");
+
+    // A schema holds the answer after the thinking: the model thinks as trained, then writes JSON.
+    let schema = json!({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": false});
+    let format = json!({"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}, "max_tokens": 60});
+    let constrained = post_json(&url, &chat_body(format));
+    let message = &constrained["choices"][0]["message"];
+    assert_eq!(message["reasoning_content"].as_str(), Some(THINKING), "{constrained}");
+    let answer: Value = serde_json::from_str(message["content"].as_str().unwrap().trim()).unwrap_or_else(|e| panic!("{e}: {constrained}"));
+    assert!(answer["ok"].is_boolean(), "{answer}");
+}
+
+#[test]
+fn reasoning_parser_none_leaves_the_thinking_in_the_text() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = thinking_model(tmp.path());
+    let server = Server::start(&model, &["--reasoning-parser", "none"]);
+    let whole = post_json(&server.url("/v1/chat/completions"), &chat_body(json!({})));
+    let message = &whole["choices"][0]["message"];
+    assert_eq!(message["content"].as_str(), Some(format!("<think>{THINKING}</think>{ANSWER}").as_str()), "{whole}");
+    assert!(message.get("reasoning_content").is_none() && whole["usage"].get("completion_tokens_details").is_none(), "{whole}");
+    let o = run_cli(&["serve", "--model", model.to_str().unwrap(), "--reasoning-parser", "mistral"], &[]);
+    assert!(!o.status.success() && stderr(&o).contains("--reasoning-parser"), "{}", stderr(&o));
+}
