@@ -323,7 +323,7 @@ for param, call in [
     ("previous_response_id", lambda: client.responses.create(model=model, input="x", previous_response_id="resp_1")),
     ("store", lambda: client.responses.create(model=model, input="x", store=True)),
     ("foo_bar", lambda: client.responses.create(model=model, input="x", extra_body={"foo_bar": 1})),
-    ("input[0].type", lambda: client.responses.create(model=model, input=[{"type": "reasoning", "summary": []}])),
+    ("input[0].type", lambda: client.responses.create(model=model, input=[{"type": "computer_call_output", "call_id": "c1", "output": {}}])),
 ]:
     try:
         call()

@@ -105,3 +105,44 @@ fn reasoning_parser_none_leaves_the_thinking_in_the_text() {
     let o = run_cli(&["serve", "--model", model.to_str().unwrap(), "--reasoning-parser", "mistral"], &[]);
     assert!(!o.status.success() && stderr(&o).contains("--reasoning-parser"), "{}", stderr(&o));
 }
+
+/// The Responses API: the thinking is a `reasoning` item before the message, whole and streamed
+/// (`response.reasoning_text.delta` events adding up to it), counted in
+/// `output_tokens_details.reasoning_tokens`; output items sent back as input (as the Agents SDK
+/// replays them), the reasoning item among them, are taken.
+#[test]
+fn the_responses_api_returns_the_thinking_as_a_reasoning_item() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = thinking_model(tmp.path());
+    let server = Server::start(&model, &[]);
+    let url = server.url("/v1/responses");
+    let body = json!({"model": "tiny", "input": "Hi", "max_output_tokens": 40, "temperature": 0});
+    let whole = post_json(&url, &body);
+    let output = whole["output"].as_array().unwrap();
+    assert_eq!(output.iter().map(|i| i["type"].as_str().unwrap()).collect::<Vec<_>>(), ["reasoning", "message"], "{whole}");
+    assert_eq!(output[0]["content"][0], json!({"type": "reasoning_text", "text": THINKING}));
+    assert_eq!(output[1]["content"][0]["text"].as_str(), Some(ANSWER));
+    assert!(whole["usage"]["output_tokens_details"]["reasoning_tokens"].as_u64() > Some(0), "{whole}");
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let r = ureq::post(&url).set("Content-Type", "application/json").send_string(&streamed.to_string()).unwrap();
+    let events: Vec<Value> = std::io::BufRead::lines(std::io::BufReader::new(r.into_reader()))
+        .map(Result::unwrap)
+        .filter_map(|l| l.strip_prefix("data: ").map(|d| serde_json::from_str(d).unwrap()))
+        .collect();
+    let deltas = |kind: &str| -> String { events.iter().filter(|e| e["type"] == kind).map(|e| e["delta"].as_str().unwrap()).collect() };
+    assert_eq!(deltas("response.reasoning_text.delta"), THINKING);
+    assert_eq!(deltas("response.output_text.delta"), ANSWER);
+    let done = events.iter().find(|e| e["type"] == "response.completed").expect("completed");
+    let kinds_and_texts = |items: &Value| -> Vec<(String, String)> {
+        items.as_array().unwrap().iter().map(|i| (i["type"].to_string(), i["content"][0]["text"].to_string())).collect()
+    };
+    assert_eq!(kinds_and_texts(&done["response"]["output"]), kinds_and_texts(&whole["output"]));
+
+    let mut history = vec![json!({"role": "user", "content": "Hi"})];
+    history.extend(output.iter().cloned());
+    history.push(json!({"role": "user", "content": "Hi"}));
+    let next = post_json(&url, &json!({"model": "tiny", "input": history, "max_output_tokens": 40, "temperature": 0}));
+    assert_eq!(next["status"], "completed", "{next}");
+}

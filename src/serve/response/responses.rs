@@ -3,7 +3,8 @@
 //! stream the official client and the Agents SDK consume (`response.created`,
 //! `response.output_item.added`, `response.output_text.delta`,
 //! `response.function_call_arguments.delta`/`.done`, `response.output_item.done`,
-//! `response.completed`, each with its `sequence_number`).
+//! `response.completed`, each with its `sequence_number`). A reasoning model's thinking is a
+//! `reasoning` item before the answer's (`response.reasoning_text.delta`/`.done` as it streams).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -15,6 +16,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
+use crate::generate::reasoning::{self, Split, ThinkSplit};
 use crate::generate::FinishReason;
 use crate::serve::admission::Submitted;
 use crate::serve::call_stream::{CallEvent, CallStream};
@@ -39,6 +41,10 @@ fn message_item(id: &str, text: &str, status: &str) -> Value {
            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
 }
 
+fn reasoning_item(id: &str, text: &str, status: &str) -> Value {
+    json!({"type": "reasoning", "id": id, "status": status, "summary": [], "content": [{"type": "reasoning_text", "text": text}]})
+}
+
 fn call_item(id: &str, call_id: &str, name: &str, arguments: &str, status: &str) -> Value {
     json!({"type": "function_call", "id": id, "call_id": call_id, "name": name, "arguments": arguments, "status": status})
 }
@@ -57,23 +63,20 @@ fn output_items(tools: Option<&Tools>, text: &str) -> Vec<Value> {
     }
 }
 
+/// How an answer ended: why, its tokens, its prompt's cached tokens and its thinking's tokens.
+type Finish = (FinishReason, usize, usize, usize);
+
 /// The `response` object: `output` so far, `finish` when done (None: in progress).
-fn response_object(
-    req: &ValidatedRequest,
-    id: &str,
-    created: i64,
-    output: Vec<Value>,
-    finish: Option<(FinishReason, usize, usize)>,
-) -> Value {
+fn response_object(req: &ValidatedRequest, id: &str, created: i64, output: Vec<Value>, finish: Option<Finish>) -> Value {
     let RequestKind::Responses { echo, .. } = &req.kind else { unreachable!("a responses request") };
     let e = |k: &str| echo.0.get(k).cloned().unwrap_or(Value::Null);
     let or = |k: &str, default: Value| Some(e(k)).filter(|v| !v.is_null()).unwrap_or(default);
     let (status, incomplete, usage) = match finish {
         None => ("in_progress", Value::Null, Value::Null),
-        Some((reason, completion, cached)) => {
+        Some((reason, completion, cached, reasoning)) => {
             let prompt = req.prompt_ids.len();
             let usage = json!({"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": completion,
-                               "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion});
+                               "output_tokens_details": {"reasoning_tokens": reasoning}, "total_tokens": prompt + completion});
             match reason {
                 FinishReason::Length => ("incomplete", json!({"reason": "max_output_tokens"}), usage),
                 FinishReason::Stop => ("completed", Value::Null, usage),
@@ -97,8 +100,13 @@ pub async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitte
     let mut rx = answers.remove(0);
     let answer = super::collect(&st, &mut rx).await?;
     drop(admission);
-    let output = output_items(tools_of(&req), &answer.text);
-    let finish = Some((answer.finish, answer.completion_tokens, answer.cached_tokens));
+    let (thinking, text) = match req.thinking {
+        Some(t) => reasoning::split(&answer.text, t.inside()),
+        None => (None, answer.text),
+    };
+    let thought = thinking.map(|t| reasoning_item(&item_id("rs"), &t, "completed"));
+    let output = thought.into_iter().chain(output_items(tools_of(&req), &text)).collect();
+    let finish = Some((answer.finish, answer.completion_tokens, answer.cached_tokens, answer.reasoning_tokens));
     Ok(Json(response_object(&req, &item_id("resp"), ids::now_s(), output, finish)).into_response())
 }
 
@@ -117,8 +125,18 @@ pub fn sse(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -> Re
 
 /// An output item being streamed.
 enum Item {
+    Reasoning { id: String, text: String },
     Message { id: String, text: String },
     Call { id: String, call_id: String, name: String, arguments: String },
+}
+
+/// Where the answer's stream is: its forced calls, its held text (an `auto` answer with
+/// functions, shaped at the end), its open message and thinking items.
+struct Answer {
+    calls: Option<CallStream>,
+    held: Option<String>,
+    message: Option<usize>,
+    thinking: Option<usize>,
 }
 
 struct Streamer {
@@ -147,6 +165,7 @@ impl Streamer {
 
     fn item_json(item: &Item, status: &str) -> Value {
         match item {
+            Item::Reasoning { id, text } => reasoning_item(id, text, status),
             Item::Message { id, text } => message_item(id, text, status),
             Item::Call { id, call_id, name, arguments } => call_item(id, call_id, name, arguments, status),
         }
@@ -156,6 +175,9 @@ impl Streamer {
     fn open(&mut self, item: Item) -> Option<usize> {
         let index = self.items.len();
         let mut added = Self::item_json(&item, "in_progress");
+        if let Item::Reasoning { .. } = &item {
+            added["content"] = json!([]);
+        }
         if let Item::Message { id, .. } = &item {
             added["content"] = json!([]);
             let part = json!({"type": "output_text", "text": "", "annotations": [], "logprobs": []});
@@ -173,6 +195,14 @@ impl Streamer {
     /// More text of item `index` (a message's text or a call's arguments).
     fn delta(&mut self, index: usize, piece: &str) -> bool {
         match &mut self.items[index] {
+            Item::Reasoning { id, text } => {
+                text.push_str(piece);
+                let id = id.clone();
+                self.send(
+                    "response.reasoning_text.delta",
+                    json!({"item_id": id, "output_index": index, "content_index": 0, "delta": piece}),
+                )
+            }
             Item::Message { id, text } => {
                 text.push_str(piece);
                 let id = id.clone();
@@ -194,6 +224,13 @@ impl Streamer {
         for index in 0..self.items.len() {
             let done = Self::item_json(&self.items[index], "completed");
             let ok = match &self.items[index] {
+                Item::Reasoning { id, text } => {
+                    let (id, text) = (id.clone(), text.clone());
+                    self.send(
+                        "response.reasoning_text.done",
+                        json!({"item_id": id, "output_index": index, "content_index": 0, "text": text}),
+                    )
+                }
                 Item::Message { id, text } => {
                     let part = json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []});
                     let (id, text) = (id.clone(), text.clone());
@@ -218,6 +255,47 @@ impl Streamer {
         true
     }
 
+    /// One piece of the answer: its thinking into the reasoning item, the rest into calls, held
+    /// text or the message. False when the client is gone.
+    fn answer_piece(&mut self, a: &mut Answer, piece: Split) -> bool {
+        if !piece.reasoning.is_empty() {
+            let index = match a.thinking {
+                Some(i) => Some(i),
+                None => self.open(Item::Reasoning { id: item_id("rs"), text: String::new() }),
+            };
+            a.thinking = index;
+            if !index.is_some_and(|i| self.delta(i, &piece.reasoning)) {
+                return false;
+            }
+        }
+        let text = piece.content;
+        if let Some(held) = a.held.as_mut() {
+            held.push_str(&text);
+            return true;
+        }
+        match a.calls.as_mut() {
+            Some(c) => c.push(&text).into_iter().all(|e| match e {
+                CallEvent::Start { name, .. } => {
+                    let item = Item::Call { id: item_id("fc"), call_id: tools::new_call_id(), name, arguments: String::new() };
+                    self.open(item).is_some()
+                }
+                CallEvent::Args { index, fragment } => {
+                    let at = self.items.iter().enumerate().filter(|(_, i)| matches!(i, Item::Call { .. })).nth(index).map(|(k, _)| k);
+                    at.is_some_and(|k| self.delta(k, &fragment))
+                }
+            }),
+            None if text.is_empty() => true,
+            None => {
+                let index = match a.message {
+                    Some(i) => Some(i),
+                    None => self.open(Item::Message { id: item_id("msg"), text: String::new() }),
+                };
+                a.message = index;
+                index.is_some_and(|i| self.delta(i, &text))
+            }
+        }
+    }
+
     async fn run(&mut self, st: &AppState, req: &ValidatedRequest, mut rx: mpsc::UnboundedReceiver<Event>) {
         let start = response_object(req, &self.id, self.created, vec![], None);
         if !(self.send("response.created", json!({"response": start})) && self.send("response.in_progress", json!({"response": start}))) {
@@ -225,55 +303,41 @@ impl Streamer {
         }
         let tools = tools_of(req);
         // A forced call streams as it is generated; an `auto` answer with functions is held.
-        let mut calls: Option<CallStream> = tools.and_then(Tools::call_stream);
-        let holds = tools.is_some() && calls.is_none();
-        let mut held = String::new();
-        let mut message: Option<usize> = None;
-        let (finish, completion, cached) = loop {
+        let calls = tools.and_then(Tools::call_stream);
+        let held = (tools.is_some() && calls.is_none()).then(String::new);
+        let mut answer = Answer { calls, held, message: None, thinking: None };
+        // A reasoning model's thinking, split from the answer as it streams (its own item).
+        let mut split = req.thinking.map(|t| ThinkSplit::new(t.inside()));
+        let finish = loop {
             let ev = tokio::select! {
                 ev = rx.recv() => ev,
                 _ = st.shutdown.forced() => return self.fail(st, ApiError::shutting_down()),
             };
             match ev {
-                Some(Event::Delta { text, .. }) if holds => held.push_str(&text),
                 Some(Event::Delta { text, .. }) => {
-                    let ok = match calls.as_mut() {
-                        Some(c) => c.push(&text).into_iter().all(|e| match e {
-                            CallEvent::Start { name, .. } => {
-                                let item = Item::Call { id: item_id("fc"), call_id: tools::new_call_id(), name, arguments: String::new() };
-                                self.open(item).is_some()
-                            }
-                            CallEvent::Args { index, fragment } => {
-                                let at = self
-                                    .items
-                                    .iter()
-                                    .enumerate()
-                                    .filter(|(_, i)| matches!(i, Item::Call { .. }))
-                                    .nth(index)
-                                    .map(|(k, _)| k);
-                                at.is_some_and(|k| self.delta(k, &fragment))
-                            }
-                        }),
-                        None if text.is_empty() => true,
-                        None => {
-                            let index = match message {
-                                Some(i) => Some(i),
-                                None => self.open(Item::Message { id: item_id("msg"), text: String::new() }),
-                            };
-                            message = index;
-                            index.is_some_and(|i| self.delta(i, &text))
-                        }
+                    let piece = match split.as_mut() {
+                        Some(s) => s.push(&text),
+                        None => Split { reasoning: String::new(), content: text },
                     };
-                    if !ok {
+                    if !self.answer_piece(&mut answer, piece) {
                         return; // the client went away: dropping the receiver cancels the answer
                     }
                 }
                 Some(Event::PromptLogprobs(_)) => {}
-                Some(Event::Done { finish, completion_tokens, cached_tokens, .. }) => break (finish, completion_tokens, cached_tokens),
+                Some(Event::Done { finish, completion_tokens, cached_tokens, reasoning_tokens, .. }) => {
+                    if let Some(rest) = split.as_mut().map(ThinkSplit::finish) {
+                        if !self.answer_piece(&mut answer, rest) {
+                            return;
+                        }
+                    }
+                    break (finish, completion_tokens, cached_tokens, reasoning_tokens);
+                }
                 Some(ev @ (Event::Error(_) | Event::QueueTimeout { .. })) => return self.fail(st, super::failure(&ev)),
                 None => return self.fail(st, ApiError::internal("the engine dropped the request")),
             }
         };
+        let holds = answer.held.is_some();
+        let held = answer.held.take().unwrap_or_default();
         if holds {
             for item in output_items(tools, &held) {
                 let (piece, item) = match item["type"].as_str() {
@@ -295,8 +359,8 @@ impl Streamer {
             return;
         }
         let output = self.items.iter().map(|i| Self::item_json(i, "completed")).collect();
-        let done = response_object(req, &self.id, self.created, output, Some((finish, completion, cached)));
-        let kind = if finish == FinishReason::Length { "response.incomplete" } else { "response.completed" };
+        let done = response_object(req, &self.id, self.created, output, Some(finish));
+        let kind = if finish.0 == FinishReason::Length { "response.incomplete" } else { "response.completed" };
         self.send(kind, json!({"response": done}));
     }
 }

@@ -91,7 +91,8 @@ pub struct ValidatedRequest {
     /// The client's `prompt_cache_key`: the prefix cache keeps this conversation's blocks
     /// longer than unnamed ones (`PrefixCache::insert`).
     pub cache_key: Option<String>,
-    /// For a chat answer of a model whose thinking is split out: where the prompt leaves it.
+    /// For a chat or Responses answer of a model whose thinking is split out: where the prompt
+    /// leaves it.
     pub thinking: Option<PromptThinking>,
 }
 
@@ -157,9 +158,12 @@ pub fn responses(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError>
     s.max_tokens = r.max_output_tokens;
     let (tools, constraints) = tools_and_constraints(st, &model, &r.chat, s.n, &mut ignored).map_err(renamed)?;
     let prompt_ids = model.chat_prompt_ids(&r.messages, tools.as_ref(), &Default::default())?;
+    let thinking = model.prompt_thinking(&prompt_ids);
     let kind = RequestKind::Responses { tools, echo: r.echo };
     let named = |e: ApiError| ApiError { param: e.param.as_ref().map(|p| p.replace("max_tokens", "max_output_tokens")), ..e };
-    finish(st, target, kind, prompt_ids, s, constraints, ignored).map_err(named)
+    let mut req = finish(st, target, kind, prompt_ids, s, constraints, ignored).map_err(named)?;
+    req.thinking = thinking;
+    Ok(req)
 }
 
 /// A chat-shaped body's functions (none when `tool_choice` is `none`) and the grammar matchers

@@ -195,10 +195,16 @@ fn input_item(item: &Value, at: &str, messages: &mut Vec<ChatMessage>, lenient: 
             m.tool_call_id = Some(call_id);
             messages.push(m);
         }
+        // A reasoning item of an earlier answer, sent back as clients replay output items (the
+        // Agents SDK does): its fields are checked; past thinking is not rendered again, as
+        // reasoning models' templates drop it from the history.
+        "reasoning" => {
+            ignored.extend(fields::check(item, &["type", "id", "summary", "content", "encrypted_content", "status"], at, lenient)?);
+        }
         other => {
             return Err(ApiError::invalid(
                 &format!("{at}.type"),
-                format!("input items of type {other:?} are not supported (message, function_call, function_call_output)."),
+                format!("input items of type {other:?} are not supported (message, function_call, function_call_output, reasoning)."),
             ))
         }
     }
