@@ -8,43 +8,10 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-
+use common::reasoning::{thinking_model, ANSWER, THINKING};
 use common::server::*;
 use common::*;
 use serde_json::{json, Value};
-
-/// Qwen3's chat template's turns and generation prompt (its thinking switch included).
-const QWEN3_TEMPLATE: &str = r#"{%- for message in messages %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-    {%- if enable_thinking is defined and enable_thinking is false %}
-        {{- '<think>\n\n</think>\n\n' }}
-    {%- endif %}
-{%- endif %}"#;
-
-const THINKING: &str = "\nplan a greeting\n";
-const ANSWER: &str = "\n\nHello there!";
-
-/// A qwen3 fixture fine-tuned until its greedy answer to "Hi" is `<think>THINKING</think>ANSWER`.
-fn thinking_model(root: &Path) -> PathBuf {
-    let (base, tuned) = (root.join("base"), root.join("tuned"));
-    let o = run_cli(&["fixture", "--name", "qwen3", "--out", base.to_str().unwrap()], &[]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    std::fs::write(base.join("chat_template.jinja"), QWEN3_TEMPLATE).unwrap();
-    let row = json!({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": format!("<think>{THINKING}</think>{ANSWER}")}]});
-    let data = root.join("rows.jsonl");
-    std::fs::write(&data, format!("{row}\n").repeat(4)).unwrap();
-    let o = run_cli(
-        &["finetune", "--model", base.to_str().unwrap(), "--data", data.to_str().unwrap(), "--output-dir", tuned.to_str().unwrap()]
-            .into_iter()
-            .chain(["--seq-len", "64", "--max-steps", "40", "--lr", "3e-3", "--lr-scheduler", "constant"])
-            .collect::<Vec<_>>(),
-        &[],
-    );
-    assert!(o.status.success(), "{}", stderr(&o));
-    tuned
-}
 
 fn chat_body(extra: Value) -> Value {
     let mut body = json!({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40, "temperature": 0});

@@ -42,6 +42,36 @@ fn playwright() -> Result<PathBuf, String> {
     Ok(dir)
 }
 
+/// Runs `script` (a copy next to the installed playwright-core, which ES modules resolve from
+/// the script's own directory) with `env`; its output, asserting it passed.
+fn run_browser_script(modules: &Path, script: &str, env: &[(&str, String)], passed: &str) {
+    let copy = modules.join(script);
+    std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests").join("web").join(script), &copy).unwrap();
+    let out = Command::new("node").arg(&copy).envs(env.iter().map(|(k, v)| (*k, v.as_str()))).output().unwrap();
+    let log = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && log.contains(passed), "{log}");
+}
+
+/// A reasoning model on the chat page: `tests/web/thinking_test.mjs` against a model our
+/// `finetune` taught to think (tests/common/reasoning.rs).
+#[test]
+fn a_reasoning_models_thinking_is_folded_apart_from_its_answer() {
+    let (browser, modules) = match (chromium(), playwright()) {
+        (Ok(b), Ok(m)) => (b, m),
+        (Err(why), _) | (_, Err(why)) => return skip_or_fail("a_reasoning_models_thinking_is_folded_apart_from_its_answer", &why),
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let model = reasoning::thinking_model(tmp.path());
+    let server = server::Server::start(&model, &[]);
+    let env = [
+        ("BASE", server.url("")),
+        ("CHROMIUM", browser.to_string_lossy().to_string()),
+        ("THINKING", reasoning::THINKING.to_string()),
+        ("ANSWER", reasoning::ANSWER.to_string()),
+    ];
+    run_browser_script(&modules, "thinking_test.mjs", &env, "browser: thinking checks passed");
+}
+
 #[test]
 fn the_pages_chat_and_fine_tune_in_headless_chromium() {
     let (browser, modules) = match (chromium(), playwright()) {
@@ -91,22 +121,18 @@ fn the_pages_chat_and_fine_tune_in_headless_chromium() {
     }
     std::thread::spawn(move || for _ in err.lines() {});
     let addr = line.split("http://").nth(1).unwrap().split_whitespace().next().unwrap().to_string();
-    // ES modules resolve `playwright-core` from the script's own directory: run a copy placed
-    // next to the installed node_modules.
-    let script = modules.join("browser_test.mjs");
-    std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests").join("web").join("browser_test.mjs"), &script).unwrap();
-    let out = Command::new("node")
-        .arg(&script)
-        .env("BASE", format!("http://{addr}"))
-        .env("KEY", "web-key")
-        .env("CHROMIUM", &browser)
-        .env("TRAIN_FILE", Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/zephyrix-codename.jsonl"))
-        .env("PREFERENCE_FILE", Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/zephyrix-preferences.jsonl"))
-        .output()
-        .unwrap();
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let env = [
+        ("BASE", format!("http://{addr}")),
+        ("KEY", "web-key".to_string()),
+        ("CHROMIUM", browser.to_string_lossy().to_string()),
+        ("TRAIN_FILE", repo.join("tests/data/zephyrix-codename.jsonl").to_string_lossy().to_string()),
+        ("PREFERENCE_FILE", repo.join("tests/data/zephyrix-preferences.jsonl").to_string_lossy().to_string()),
+    ];
+    let passed = std::panic::catch_unwind(|| run_browser_script(&modules, "browser_test.mjs", &env, "browser: all checks passed"));
     let _ = server.kill();
     let _ = server.wait();
-    let log = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{log}");
-    assert!(log.contains("browser: all checks passed"), "{log}");
+    if let Err(e) = passed {
+        std::panic::resume_unwind(e);
+    }
 }

@@ -45,6 +45,9 @@ async function fillModels(select, preferred) {
     opt.value = m.id;
     opt.textContent = m.parent ? `${m.id} (${m.lora ? "LoRA" : "fine-tuned"} on ${m.parent})` : m.id;
     opt.dataset.context = String(m.max_model_len || (base && base.max_model_len) || "");
+    // A reasoning model's template switch (adapters run on their base's template).
+    const own = m.parent ? list.data.find((b) => b.id === m.parent) || base : m;
+    opt.dataset.thinkingSwitch = String(Boolean((own || m).thinking_switch));
     select.appendChild(opt);
   }
   if (preferred) select.value = preferred;
@@ -61,7 +64,8 @@ function numberFields(fields) {
   return out;
 }
 
-// Streams a chat completion into `target` (a .msg element). Marks it data-done="true" at the end
+// Streams a chat completion into `target` (a .msg element): a reasoning model's thinking into a
+// folded "Thinking" block as it comes, the answer below it. Marks it data-done="true" at the end
 // and counts the content chunks in data-chunks.
 async function streamChat(model, messages, params, target) {
   target.dataset.chunks = "0";
@@ -79,6 +83,11 @@ async function streamChat(model, messages, params, target) {
   const decoder = new TextDecoder();
   let buffer = "";
   let text = "";
+  let thinking = null;
+  const answer = document.createElement("span");
+  answer.className = "answer";
+  target.textContent = "";
+  target.appendChild(answer);
   for (;;) {
     const { value, done } = await reader.read();
     if (done) break;
@@ -93,9 +102,19 @@ async function streamChat(model, messages, params, target) {
       const chunk = JSON.parse(data);
       if (chunk.error) throw new Error(chunk.error.message);
       const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
+      if (delta && delta.reasoning_content) {
+        if (!thinking) {
+          const details = document.createElement("details");
+          details.className = "thinking";
+          details.innerHTML = "<summary>Thinking</summary><div></div>";
+          target.insertBefore(details, answer);
+          thinking = details.querySelector("div");
+        }
+        thinking.textContent += delta.reasoning_content;
+      }
       if (delta && delta.content) {
         text += delta.content;
-        target.textContent = text;
+        answer.textContent = text;
         target.dataset.chunks = String(Number(target.dataset.chunks) + 1);
       }
     }

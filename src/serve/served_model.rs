@@ -112,8 +112,13 @@ impl ServedModel {
     }
 
     /// OpenAI's `model` object.
+    /// OpenAI's `model` object, with vLLM's `max_model_len` and what the web page needs to know
+    /// of a reasoning model: its thinking is split out (`reasoning`), its template reads
+    /// `enable_thinking` (`thinking_switch`).
     pub fn object(&self) -> Value {
-        json!({"id": self.id, "object": "model", "created": self.created, "owned_by": "fsdp-app", "max_model_len": self.context})
+        let switch = self.tokenizer.chat_template.as_ref().is_some_and(|t| t.source.contains("enable_thinking"));
+        json!({"id": self.id, "object": "model", "created": self.created, "owned_by": "fsdp-app", "max_model_len": self.context,
+               "reasoning": self.splits_reasoning, "thinking_switch": switch})
     }
 
     /// Token ids of a conversation rendered with the model's chat template, ready for the

@@ -3,6 +3,7 @@
 
 pub mod gguf;
 pub mod hub;
+pub mod reasoning;
 pub mod server;
 pub mod training;
 
