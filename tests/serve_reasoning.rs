@@ -58,6 +58,18 @@ fn thinking_is_split_from_the_answer_whole_and_streamed() {
     assert_eq!(message["reasoning_content"].as_str(), Some(THINKING), "{constrained}");
     let answer: Value = serde_json::from_str(message["content"].as_str().unwrap().trim()).unwrap_or_else(|e| panic!("{e}: {constrained}"));
     assert!(answer["ok"].is_boolean(), "{answer}");
+
+    // A forced call from a reasoning model: the call comes back parsed. (This template renders no
+    // tools, so the generic tool prompt changes the prompt and the tiny model does not think
+    // here; the grammar's wait for the thinking is shown by the schema above.)
+    let tools = json!([{"type": "function", "function": {"name": "greet", "parameters": {"type": "object", "properties": {"loud": {"type": "boolean"}}, "required": ["loud"], "additionalProperties": false}}}]);
+    let called = post_json(&url, &chat_body(json!({"tools": tools, "tool_choice": "required", "max_tokens": 80})));
+    let message = &called["choices"][0]["message"];
+    assert_eq!(message["tool_calls"][0]["function"]["name"], "greet", "{called}");
+    let thought = message.get("reasoning_content").is_some_and(|r| !r.is_null());
+    assert_eq!(thought, called["usage"]["completion_tokens_details"]["reasoning_tokens"].as_u64() > Some(0), "{called}");
+    let args: Value = serde_json::from_str(message["tool_calls"][0]["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert!(args["loud"].is_boolean(), "{args}");
 }
 
 #[test]

@@ -22,7 +22,8 @@ pub const ANSWER: &str = "\n\nHello there!";
 /// A qwen3 fixture fine-tuned until its greedy answer to "Hi" is `<think>THINKING</think>ANSWER`.
 pub fn thinking_model(root: &Path) -> PathBuf {
     let (base, tuned) = (root.join("base"), root.join("tuned"));
-    let o = run_cli(&["fixture", "--name", "qwen3", "--out", base.to_str().unwrap()], &[]);
+    // A context long enough for the generic tool prompt (the template renders no tools itself).
+    let o = run_cli(&["fixture", "--name", "qwen3", "--out", base.to_str().unwrap(), "--set", "max_position_embeddings=1024"], &[]);
     assert!(o.status.success(), "{}", stderr(&o));
     std::fs::write(base.join("chat_template.jinja"), QWEN3_TEMPLATE).unwrap();
     let row = json!({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": format!("<think>{THINKING}</think>{ANSWER}")}]});
