@@ -256,13 +256,7 @@ fn a_full_queue_answers_429_and_a_disconnected_client_frees_its_slot() {
     let server = Server::start(&dir, &["--max-concurrent-requests", "1", "--max-queue", "0"]);
     let url = server.url("/v1/completions");
     let long = json!({"model": "tiny", "prompt": "count", "max_tokens": 900, "temperature": 0, "stream": true});
-    let resp = ureq::post(&url).send_string(&long.to_string()).unwrap();
-    let mut reader = BufReader::new(resp.into_reader());
-    let mut line = String::new();
-    while !line.starts_with("data: ") {
-        line.clear();
-        reader.read_line(&mut line).unwrap();
-    }
+    let (reader, _) = first_chunk(&url, &long);
     // The one slot is taken: the next request is refused at once.
     let (status, text, retry) = post(&url, &json!({"model": "tiny", "prompt": "x", "max_tokens": 2}).to_string(), None);
     assert_eq!(status, 429, "{text}");
@@ -286,6 +280,18 @@ fn a_full_queue_answers_429_and_a_disconnected_client_frees_its_slot() {
     assert!(metrics.contains("fsdp_requests_total{status=\"429\"}"), "{metrics}");
 }
 
+/// A streamed request's answer, read up to its first chunk (that line, and the reader).
+fn first_chunk(url: &str, body: &Value) -> (BufReader<Box<dyn std::io::Read + Send + Sync + 'static>>, String) {
+    let resp = ureq::post(url).send_string(&body.to_string()).unwrap();
+    let mut reader = BufReader::new(resp.into_reader());
+    let mut line = String::new();
+    while !line.starts_with("data: ") {
+        line.clear();
+        reader.read_line(&mut line).unwrap();
+    }
+    (reader, line)
+}
+
 /// `--max-queue-wait`: behind a long request holding the only slot, a queued request is answered
 /// 429 with Retry-After once it has waited that long, whole or streamed (a stream's 200 comes
 /// only once it runs), and the long request runs on.
@@ -296,13 +302,7 @@ fn a_request_queued_past_max_queue_wait_is_answered_429() {
     let server = Server::start(&dir, &["--max-concurrent-requests", "1", "--max-queue-wait", "1.5"]);
     let url = server.url("/v1/completions");
     let long = json!({"model": "tiny", "prompt": "count", "max_tokens": 900, "temperature": 0, "ignore_eos": true, "stream": true});
-    let resp = ureq::post(&url).send_string(&long.to_string()).unwrap();
-    let mut reader = BufReader::new(resp.into_reader());
-    let mut line = String::new();
-    while !line.starts_with("data: ") {
-        line.clear();
-        reader.read_line(&mut line).unwrap();
-    }
+    let (mut reader, mut line) = first_chunk(&url, &long);
     for stream in [false, true] {
         let start = Instant::now();
         let body = json!({"model": "tiny", "prompt": "x", "max_tokens": 2, "stream": stream});

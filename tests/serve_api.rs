@@ -99,16 +99,6 @@ fn lenient_mode_logit_bias_echo_logprobs_and_n_admission() {
     assert!(text.contains("\"param\":\"n\""), "{text}");
 }
 
-/// Qwen3's chat template's generation prompt: with `enable_thinking` false it opens the answer
-/// with an empty thinking block (the template's own text, from Qwen3's tokenizer_config.json).
-const QWEN3_GENERATION_PROMPT: &str = r#"{%- for message in messages %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-    {%- if enable_thinking is defined and enable_thinking is false %}
-        {{- '<think>\n\n</think>\n\n' }}
-    {%- endif %}
-{%- endif %}"#;
-
 /// `chat_template_kwargs` reach the chat template (vLLM's and SGLang's field): Qwen3's
 /// `enable_thinking: false` renders its no-think prompt, in `/tokenize` and in a chat request's
 /// prompt; a variable the server sets is refused by name.
@@ -116,7 +106,7 @@ const QWEN3_GENERATION_PROMPT: &str = r#"{%- for message in messages %}{{- '<|im
 fn chat_template_kwargs_reach_the_template() {
     let tmp = tempfile::tempdir().unwrap();
     let model = fixture("qwen3", tmp.path());
-    std::fs::write(model.join("chat_template.jinja"), QWEN3_GENERATION_PROMPT).unwrap();
+    std::fs::write(model.join("chat_template.jinja"), common::reasoning::QWEN3_TEMPLATE).unwrap();
     let server = Server::start(&model, &[]);
     let messages = json!([{"role": "user", "content": "Hi"}]);
     let tokenize = |extra: Value| {

@@ -40,13 +40,6 @@ pub const COMPLETIONS: &[&str] = &[
     "stream",
     "stream_options",
     "best_of",
-    // vLLM's extensions (`validate::sampling`).
-    "ignore_eos",
-    "min_tokens",
-    "stop_token_ids",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "include_stop_str_in_output",
 ];
 
 /// `/v1/chat/completions`.
@@ -77,13 +70,6 @@ pub const CHAT: &[&str] = &[
     "parallel_tool_calls",
     "functions",
     "function_call",
-    // vLLM's extensions (`validate::sampling`).
-    "ignore_eos",
-    "min_tokens",
-    "stop_token_ids",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "include_stop_str_in_output",
     // Variables for the chat template (vLLM's and SGLang's), e.g. `enable_thinking`.
     "chat_template_kwargs",
     // Accepted, changing nothing a local server does (see `validate::no_op`).
@@ -95,6 +81,10 @@ pub const CHAT: &[&str] = &[
     "modalities",
     "reasoning_effort",
 ];
+
+/// vLLM's sampling extensions, which completions and chat accept too (`validate::sampling`).
+pub const VLLM_SAMPLING: &[&str] =
+    &["ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"];
 
 /// `/v1/responses`.
 pub const RESPONSES: &[&str] = &[
@@ -159,10 +149,15 @@ const NOT_IMPLEMENTED: &[&str] = &[
 /// for a message) against `accepted`. Returns the keys to ignore (`lenient`), or the 400 for
 /// the first one that is not accepted.
 pub fn check(v: &Value, accepted: &[&str], at: &str, lenient: bool) -> Result<Vec<String>, ApiError> {
+    check_lists(v, &[accepted], at, lenient)
+}
+
+/// [`check`] against the union of several lists.
+pub fn check_lists(v: &Value, accepted: &[&[&str]], at: &str, lenient: bool) -> Result<Vec<String>, ApiError> {
     let Value::Object(map) = v else { return Ok(vec![]) };
     let mut ignored = vec![];
     for (k, val) in map {
-        if val.is_null() || accepted.contains(&k.as_str()) {
+        if val.is_null() || accepted.iter().any(|list| list.contains(&k.as_str())) {
             continue;
         }
         let param = if at.is_empty() { k.clone() } else { format!("{at}.{k}") };

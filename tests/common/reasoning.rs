@@ -8,7 +8,7 @@ use serde_json::json;
 use super::{run_cli, stderr};
 
 /// Qwen3's chat template's turns and generation prompt (its thinking switch included).
-const QWEN3_TEMPLATE: &str = r#"{%- for message in messages %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endfor %}
+pub const QWEN3_TEMPLATE: &str = r#"{%- for message in messages %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endfor %}
 {%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\n' }}
     {%- if enable_thinking is defined and enable_thinking is false %}

@@ -98,7 +98,7 @@ pub struct ValidatedRequest {
 
 /// `/v1/completions`.
 pub fn completion(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> {
-    let ignored = fields::check(v, fields::COMPLETIONS, "", st.lenient)?;
+    let ignored = fields::check_lists(v, &[fields::COMPLETIONS, fields::VLLM_SAMPLING], "", st.lenient)?;
     let target = Target::of(st, v)?;
     let model = target.model.clone();
     let mut s = sampling::parse(v, &model.defaults, false)?;
@@ -122,7 +122,7 @@ pub fn completion(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError
 
 /// `/v1/chat/completions`.
 pub fn chat(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> {
-    let mut ignored = fields::check(v, fields::CHAT, "", st.lenient)?;
+    let mut ignored = fields::check_lists(v, &[fields::CHAT, fields::VLLM_SAMPLING], "", st.lenient)?;
     no_op::check(v)?;
     let target = Target::of(st, v)?;
     let model = target.model.clone();
