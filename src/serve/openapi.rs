@@ -184,9 +184,10 @@ mod tests {
             out
         };
         let set = |f: &[&str]| f.iter().map(|s| s.to_string()).collect::<BTreeSet<_>>();
+        let with_vllm = |f: &[&str]| set(f).union(&set(crate::serve::fields::VLLM_SAMPLING)).cloned().collect::<BTreeSet<_>>();
         let schemas = &v["components"]["schemas"];
-        assert_eq!(props(&schemas["CompletionRequest"]), set(crate::serve::fields::COMPLETIONS));
-        assert_eq!(props(&schemas["ChatRequest"]), set(crate::serve::fields::CHAT));
+        assert_eq!(props(&schemas["CompletionRequest"]), with_vllm(crate::serve::fields::COMPLETIONS));
+        assert_eq!(props(&schemas["ChatRequest"]), with_vllm(crate::serve::fields::CHAT));
         assert_eq!(props(&schemas["ResponsesRequest"]), set(crate::serve::fields::RESPONSES));
         assert_eq!(props(&schemas["ChatRequest"]["allOf"][1]["properties"]["messages"]["items"]), set(crate::serve::fields::MESSAGE));
         let job = &v["paths"]["/v1/fine_tuning/jobs"]["post"]["requestBody"]["content"]["application/json"]["schema"];
