@@ -23,8 +23,11 @@ fn chromium() -> Result<PathBuf, String> {
     Err("no chromium (apt-get install chromium, or set CHROMIUM)".into())
 }
 
-/// target/web-test with playwright-core installed.
+/// target/web-test with playwright-core installed (once: the tests of this file run in
+/// parallel, and two npm installs into one directory fail).
 fn playwright() -> Result<PathBuf, String> {
+    static INSTALL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = INSTALL.lock().unwrap_or_else(|e| e.into_inner());
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target").join("web-test");
     if dir.join("node_modules").join("playwright-core").is_dir() {
         return Ok(dir);
