@@ -9,9 +9,9 @@
 //!   bookkeeping of OpenAI's platform. `prompt_cache_key` (a string) is checked here and used as
 //!   the prefix cache's eviction hint (`generate::prefix_cache`).
 //! - `modalities`: `["text"]` only (audio output is not implemented).
-//! - `reasoning_effort` (`minimal`, `low`, `medium`, `high`): the models served here have no
-//!   reasoning mode to tune, so the answer is the same at every level (as vLLM treats it for
-//!   such models).
+//! - `reasoning_effort` (`minimal`, `low`, `medium`, `high`): open reasoning models have no
+//!   effort levels, only thinking on or off (`chat_template_kwargs`), so the answer is the same
+//!   at every level (as vLLM treats it for such models).
 //! - `user` is read with the sampling fields; a message's `name` goes to the chat template.
 
 use serde_json::Value;
