@@ -23,7 +23,7 @@ use serde_json::Value;
 
 /// The pages whose examples run, in the order they run: models.md's `fixture` makes the
 /// ./tiny-llama the fine-tuning examples train, serve.md's server answers the pages after it.
-const PAGES: [&str; 6] = ["models.md", "generate.md", "finetune.md", "serve.md", "responses.md", "fine-tuning-jobs.md"];
+const PAGES: [&str; 7] = ["models.md", "generate.md", "finetune.md", "serve.md", "responses.md", "anthropic.md", "fine-tuning-jobs.md"];
 
 /// Pages whose examples need what CI's machine lacks (a GPU); docs/gpu.md says how to run them.
 const NOT_RUN: [&str; 1] = ["gpu.md"];
@@ -249,6 +249,10 @@ fn check_curl_answer(command: &str, o: &Output, file_id: &mut Option<String>) {
         let v = json_of(o, command);
         let text = v["output"][0]["content"][0]["text"].as_str().unwrap_or_default();
         assert!(v["object"] == "response" && !text.is_empty(), "{command}: {v}");
+    } else if command.contains("/v1/messages") {
+        let v = json_of(o, command);
+        let text = v["content"][0]["text"].as_str().unwrap_or_default();
+        assert!(v["type"] == "message" && !text.is_empty(), "{command}: {v}");
     } else if command.contains("/v1/files") {
         let v = json_of(o, command);
         let id = v["id"].as_str().unwrap_or_else(|| panic!("{command}: {v}"));

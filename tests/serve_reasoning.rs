@@ -125,3 +125,59 @@ fn the_responses_api_returns_the_thinking_as_a_reasoning_item() {
     let next = post_json(&url, &json!({"model": "tiny", "input": history, "max_output_tokens": 40, "temperature": 0}));
     assert_eq!(next["status"], "completed", "{next}");
 }
+
+/// Anthropic's Messages API: thinking off by default (the template's no-think prompt, no thinking
+/// block); `thinking: enabled` gives a `thinking` block before the text, whole and streamed
+/// (`thinking_delta`s, then its `signature_delta`); `display: omitted` an empty one; a
+/// `budget_tokens` below the model's thinking closes it there, and the answer follows.
+#[test]
+fn the_messages_api_returns_thinking_blocks_and_holds_the_budget() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = thinking_model(tmp.path());
+    let server = Server::start(&model, &[]);
+    let url = server.url("/v1/messages");
+    let body = |thinking: Value| {
+        let mut b = json!({"model": "tiny", "max_tokens": 40, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]});
+        if !thinking.is_null() {
+            b["thinking"] = thinking;
+        }
+        b
+    };
+    let kinds =
+        |m: &Value| -> Vec<String> { m["content"].as_array().unwrap().iter().map(|b| b["type"].as_str().unwrap().to_string()).collect() };
+
+    let off = post_json(&url, &body(Value::Null));
+    assert_eq!(kinds(&off), ["text"], "{off}");
+    let chat_off = post_json(&server.url("/v1/chat/completions"), &chat_body(json!({"chat_template_kwargs": {"enable_thinking": false}})));
+    assert_eq!(off["content"][0]["text"], chat_off["choices"][0]["message"]["content"], "thinking off is the template's no-think prompt");
+
+    let on = post_json(&url, &body(json!({"type": "enabled", "budget_tokens": 30})));
+    assert_eq!(
+        on["content"],
+        json!([{"type": "thinking", "thinking": THINKING, "signature": ""}, {"type": "text", "text": ANSWER}]),
+        "{on}"
+    );
+    let omitted = post_json(&url, &body(json!({"type": "adaptive", "display": "omitted"})));
+    assert_eq!(omitted["content"][0], json!({"type": "thinking", "thinking": "", "signature": ""}), "{omitted}");
+    assert_eq!(omitted["content"][1]["text"].as_str(), Some(ANSWER));
+
+    let mut streamed = body(json!({"type": "enabled", "budget_tokens": 30}));
+    streamed["stream"] = json!(true);
+    let events: Vec<Value> = sse(&url, &streamed).iter().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let deltas = |kind: &str, key: &str| -> String {
+        events.iter().filter(|e| e["delta"]["type"] == kind).map(|e| e["delta"][key].as_str().unwrap()).collect()
+    };
+    assert_eq!((deltas("thinking_delta", "thinking"), deltas("text_delta", "text")), (THINKING.to_string(), ANSWER.to_string()));
+    let at = |pred: &dyn Fn(&Value) -> bool| events.iter().position(pred).unwrap();
+    let signature = at(&|e| e["delta"]["type"] == "signature_delta");
+    assert!(at(&|e| e["delta"]["type"] == "thinking_delta") < signature, "{events:?}");
+    assert!(signature < at(&|e| e["type"] == "content_block_stop") && signature < at(&|e| e["delta"]["type"] == "text_delta"));
+
+    // A budget of 2 tokens: the thinking stops short of the model's, its end is written for it,
+    // and the answer follows it.
+    let short = post_json(&url, &body(json!({"type": "enabled", "budget_tokens": 2})));
+    assert_eq!(kinds(&short), ["thinking", "text"], "{short}");
+    let thought = short["content"][0]["thinking"].as_str().unwrap();
+    assert!(thought.len() < THINKING.len() && THINKING.starts_with(thought.trim_end()), "{short}");
+    assert!(!short["content"][1]["text"].as_str().unwrap().trim().is_empty(), "{short}");
+}

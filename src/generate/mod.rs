@@ -153,6 +153,9 @@ pub struct OutputControls {
     pub spaces_between_special_tokens: bool,
     /// Sum each sampled token's log-probability (for `best_of`'s ranking).
     pub cumulative_logprob: bool,
+    /// For a reasoning model's answer: the most tokens its thinking may take before the thinking
+    /// is closed for it (Anthropic's `thinking.budget_tokens`).
+    pub thinking_budget: Option<reasoning::ThinkingBudget>,
 }
 
 impl Default for OutputControls {
@@ -165,6 +168,7 @@ impl Default for OutputControls {
             skip_special_tokens: true,
             spaces_between_special_tokens: true,
             cumulative_logprob: false,
+            thinking_budget: None,
         }
     }
 }

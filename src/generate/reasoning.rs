@@ -77,6 +77,15 @@ enum Phase {
     Answer,
 }
 
+/// How long a reasoning model may think: once its thinking has `tokens` tokens, the next tokens
+/// are `close_ids` (the template's end of a thinking block, e.g. `\n</think>\n\n`) instead of
+/// sampled ones, and the answer follows: the end the model would write, written for it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ThinkingBudget {
+    pub tokens: usize,
+    pub close_ids: Vec<u32>,
+}
+
 /// Splits an answer's text into thinking and answer as it arrives.
 #[derive(Debug, Clone)]
 pub struct ThinkSplit {

@@ -1,7 +1,7 @@
 //! One sequence being generated: its KV cache, sampler, stop strings and streamed text,
 //! advanced a forward at a time (a chunk of its prompt, then one token per step).
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 
 use anyhow::{bail, Result};
@@ -41,6 +41,8 @@ pub struct Sequence {
     /// The sampled tokens' summed log-probability (with `OutputControls::cumulative_logprob`).
     cumulative_logprob: f64,
     finish: Option<FinishReason>,
+    /// The stop string that ended the answer, if one did.
+    stopped_by: Option<String>,
     /// The grammar the answer must follow (structured output), if any.
     constraint: Option<llguidance::Matcher>,
     /// A reasoning model's thinking, followed as the text grows: it counts the thinking's
@@ -57,6 +59,8 @@ struct Thinking {
     fed: usize,
     /// Generated tokens when the thinking ended.
     ended_at: Option<usize>,
+    /// The end of the thinking still to write once its budget is spent (then `Some`).
+    closing: Option<VecDeque<u32>>,
 }
 
 /// What one step produced (nothing, `default()`, for a chunk of a prompt with more to feed).
@@ -161,6 +165,7 @@ impl Sequence {
             finish: None,
             constraint: None,
             thinking: None,
+            stopped_by: None,
             adapter: None,
         })
     }
@@ -168,7 +173,7 @@ impl Sequence {
     /// Follows the answer's thinking (a reasoning model's, `inside`: the prompt opened the
     /// block): a grammar from [`Self::constrain`] then applies once the thinking is over.
     pub fn expect_thinking(&mut self, inside: bool) {
-        self.thinking = Some(Thinking { split: ThinkSplit::new(inside), fed: 0, ended_at: None });
+        self.thinking = Some(Thinking { split: ThinkSplit::new(inside), fed: 0, ended_at: None, closing: None });
     }
 
     /// Tokens of the answer's thinking: up to the one that ended it, or all when it never
@@ -178,6 +183,17 @@ impl Sequence {
             Some(t) if t.split.thought() => t.ended_at.unwrap_or(self.generated.len()),
             _ => 0,
         }
+    }
+
+    /// The token that replaces the sampled one: the thinking's end, once its budget
+    /// (`OutputControls::thinking_budget`) is spent and until the end is written.
+    fn forced_by_budget(&mut self) -> Option<u32> {
+        let budget = self.params.output.thinking_budget.as_ref()?;
+        let t = self.thinking.as_mut().filter(|t| t.ended_at.is_none())?;
+        if t.closing.is_none() && t.split.thought() && self.generated.len() >= budget.tokens {
+            t.closing = Some(budget.close_ids.iter().copied().collect());
+        }
+        t.closing.as_mut()?.pop_front()
     }
 
     /// Whether a grammar holds the next token (none before the thinking is over).
@@ -255,6 +271,11 @@ impl Sequence {
         self.finish
     }
 
+    /// The stop string that ended the answer (None when something else did).
+    pub fn stop_string(&self) -> Option<&str> {
+        self.stopped_by.as_deref()
+    }
+
     /// The text emitted so far (stop strings and held-back text excluded).
     pub fn text(&self) -> String {
         self.stream.emitted_text(self.detokenizer.text())
@@ -327,6 +348,7 @@ impl Sequence {
     /// Samples from `logits` (vocab) of the sequence's next position: penalties, sampler, eos,
     /// stop strings, length.
     pub(super) fn accept(&mut self, logits: Tensor, tokenizer: &TextTokenizer) -> Result<SequenceStep> {
+        let forced = self.forced_by_budget();
         let logits = logits.to_dtype(DType::F32)?;
         let logits = if self.params.repetition_penalty != 1.0 {
             candle_transformers::utils::apply_repeat_penalty(&logits, self.params.repetition_penalty, &self.context)?
@@ -363,7 +385,8 @@ impl Sequence {
         } else {
             (logits, None)
         };
-        let next = self.sampler.sample(&logits)?;
+        let sampled = self.sampler.sample(&logits)?;
+        let next = forced.unwrap_or(sampled);
         let logprob = match (&values, p.logprobs) {
             (Some(v), Some(top)) => Some(token_logprob(v, next, top)),
             _ => None,
@@ -404,8 +427,9 @@ impl Sequence {
             }
         }
         let step = self.stream.push(full, check_stops);
-        if step.stopped {
+        if step.stopped.is_some() {
             self.finish = Some(FinishReason::Stop);
+            self.stopped_by = step.stopped;
             return Ok(SequenceStep { text: step.text, token: Some(next), logprob, finished: self.finish, ..Default::default() });
         }
         if stop_token || self.generated.len() >= self.budget {

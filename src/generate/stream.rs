@@ -6,8 +6,9 @@
 pub struct StreamStep {
     /// New text that is now safe to show.
     pub text: String,
-    /// A stop string was completed; `text` ends right before it.
-    pub stopped: bool,
+    /// The stop string completed, if one was; `text` ends right before it (or after it, with
+    /// `include_stop`).
+    pub stopped: Option<String>,
 }
 
 /// Tracks the decoded text of the generated tokens. `decode` turns all generated ids into text;
@@ -33,7 +34,7 @@ impl TextStream {
         if !check_stops {
             let text = complete.get(self.emitted..).unwrap_or("").to_string();
             self.emitted = self.emitted.max(complete.len());
-            return StreamStep { text, stopped: false };
+            return StreamStep { text, stopped: None };
         }
         let search_from = self.emitted.saturating_sub(self.stop.iter().map(String::len).max().unwrap_or(0));
         let search_from = floor_char_boundary(complete, search_from);
@@ -50,15 +51,16 @@ impl TextStream {
             })
             .min();
         if let Some((at, len)) = first_stop {
+            let matched = complete[at..at + len].to_string();
             let end = if self.include_stop { at + len } else { at };
             let text = complete.get(self.emitted..end).unwrap_or("").to_string();
             self.emitted = self.emitted.max(end);
-            return StreamStep { text, stopped: true };
+            return StreamStep { text, stopped: Some(matched) };
         }
         let safe_end = complete.len() - self.held_back(complete);
         let text = if safe_end > self.emitted { complete[self.emitted..safe_end].to_string() } else { String::new() };
         self.emitted = self.emitted.max(safe_end);
-        StreamStep { text, stopped: false }
+        StreamStep { text, stopped: None }
     }
 
     /// Everything not yet emitted, at the end of generation (no more tokens will come).
@@ -113,7 +115,7 @@ mod tests {
             full.push_str(p);
             let step = s.push(&full, i + 1 >= from);
             out.push(step.text);
-            if step.stopped {
+            if step.stopped.is_some() {
                 return (out, true);
             }
         }
@@ -146,6 +148,10 @@ mod tests {
 
     #[test]
     fn possible_stop_prefix_is_held_then_released() {
+        let mut s = TextStream::new(vec!["zz".into(), "b.".into(), "a".into()], false);
+        assert_eq!(s.push("xb", true).stopped, None);
+        // The stop that ends first wins, whichever of the list it is.
+        assert_eq!(s.push("xb.za", true).stopped.as_deref(), Some("b."));
         let (out, stopped) = run(&["a<", "b"], &["<|end|>"]);
         assert!(!stopped);
         assert_eq!(out, vec!["a".to_string(), "<b".to_string(), String::new()]);

@@ -61,6 +61,8 @@ pub enum Event {
         cumulative_logprob: f64,
         /// Tokens of the answer's thinking (0 without).
         reasoning_tokens: usize,
+        /// The stop string that ended the answer, if one did (Anthropic's `stop_sequence`).
+        stop_string: Option<String>,
     },
     Error(String),
     /// The sequence waited in the queue longer than `EngineSettings::max_queue_wait` and was
@@ -245,6 +247,7 @@ fn run(
                                 cached_tokens: r.seq.cached_prompt_tokens(),
                                 cumulative_logprob: r.seq.cumulative_logprob(),
                                 reasoning_tokens: r.seq.reasoning_tokens(),
+                                stop_string: r.seq.stop_string().map(str::to_string),
                             });
                             true
                         }

@@ -49,8 +49,12 @@ impl ApiError {
     }
 
     pub fn unauthorized() -> Self {
-        Self::new(StatusCode::UNAUTHORIZED, "invalid_request_error", "Incorrect or missing API key: send `Authorization: Bearer <key>`.")
-            .with_code("invalid_api_key")
+        Self::new(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            "Incorrect or missing API key: send `Authorization: Bearer <key>` (or `x-api-key: <key>`).",
+        )
+        .with_code("invalid_api_key")
     }
 
     pub fn overloaded(retry_after: u64) -> Self {
@@ -77,6 +81,42 @@ impl ApiError {
 
     pub fn body(&self) -> serde_json::Value {
         json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+    }
+}
+
+/// The error in Anthropic's shape (`/v1/messages`): `{"type": "error", "error": {"type",
+/// "message"}}`, the type Anthropic gives the status, the parameter named in the message (as
+/// Anthropic's own messages name it: `messages.0.content: ...`).
+pub struct AnthropicError(pub ApiError);
+
+impl AnthropicError {
+    pub fn body(&self) -> serde_json::Value {
+        let e = &self.0;
+        let kind = match e.status.as_u16() {
+            400 | 405 | 422 => "invalid_request_error",
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 => "overloaded_error",
+            _ => "api_error",
+        };
+        let message = match &e.param {
+            Some(p) if !e.message.contains(p.as_str()) => format!("{p}: {}", e.message),
+            _ => e.message.clone(),
+        };
+        json!({"type": "error", "error": {"type": kind, "message": message}})
+    }
+}
+
+impl IntoResponse for AnthropicError {
+    fn into_response(self) -> Response {
+        let mut resp = (self.0.status, axum::Json(self.body())).into_response();
+        if let Some(s) = self.0.retry_after {
+            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        resp
     }
 }
 

@@ -27,6 +27,30 @@ pub const SPEC: &str = r##"{
       "CompletionRequest": {"allOf": [{"$ref": "#/components/schemas/Sampling"}, {"type": "object", "required": ["model", "prompt"], "properties": {
         "model": {"type": "string"}, "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}}]},
         "echo": {"type": "boolean"}, "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}, "best_of": {"type": "integer", "minimum": 1, "maximum": 8}}}]},
+      "MessagesRequest": {"type": "object", "required": ["model", "messages", "max_tokens"], "description": "Anthropic's Messages API.", "allOf": [{"$ref": "#/components/schemas/CountTokensRequest"}, {"properties": {
+        "max_tokens": {"type": "integer", "minimum": 1}, "stop_sequences": {"type": "array", "items": {"type": "string"}}, "stream": {"type": "boolean"},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2}, "top_p": {"type": "number", "exclusiveMinimum": true, "minimum": 0, "maximum": 1},
+        "top_k": {"type": "integer", "minimum": 1}, "metadata": {"type": "object", "properties": {"user_id": {"type": "string"}}},
+        "service_tier": {"type": "string", "description": "Accepted; changes nothing here."}}}]},
+      "CountTokensRequest": {"type": "object", "required": ["model", "messages"], "properties": {
+        "model": {"type": "string"},
+        "system": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}]},
+        "messages": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role", "content"], "properties": {
+          "role": {"type": "string", "enum": ["user", "assistant"]},
+          "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object", "required": ["type"], "properties": {
+            "type": {"type": "string", "enum": ["text", "tool_use", "tool_result", "thinking", "redacted_thinking"]}, "text": {"type": "string"},
+            "id": {"type": "string"}, "name": {"type": "string"}, "input": {"type": "object"}, "tool_use_id": {"type": "string"},
+            "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]}, "is_error": {"type": "boolean"},
+            "thinking": {"type": "string"}, "signature": {"type": "string"}}}}]}}}},
+        "tools": {"type": "array", "items": {"type": "object", "required": ["name", "input_schema"], "properties": {"name": {"type": "string"},
+          "description": {"type": "string"}, "input_schema": {"type": "object"}, "type": {"type": "string", "enum": ["custom"]}}}},
+        "tool_choice": {"type": "object", "required": ["type"], "properties": {"type": {"type": "string", "enum": ["auto", "any", "tool", "none"]},
+          "name": {"type": "string"}, "disable_parallel_tool_use": {"type": "boolean"}}},
+        "thinking": {"type": "object", "required": ["type"], "properties": {"type": {"type": "string", "enum": ["enabled", "adaptive", "disabled"]},
+          "budget_tokens": {"type": "integer", "minimum": 1}, "display": {"type": "string", "enum": ["summarized", "omitted"]}}},
+        "output_config": {"type": "object", "properties": {"effort": {"type": "string", "enum": ["low", "medium", "high", "xhigh", "max"]},
+          "format": {"type": "object", "required": ["type", "schema"], "properties": {"type": {"type": "string", "enum": ["json_schema"]}, "schema": {"type": "object"}}}}},
+        "cache_control": {"type": "object", "description": "Accepted: the prefix cache keeps every prompt's blocks."}}},
       "ResponsesRequest": {"type": "object", "required": ["model", "input"], "properties": {
         "model": {"type": "string"},
         "input": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "object", "properties": {
@@ -89,6 +113,12 @@ pub const SPEC: &str = r##"{
       "responses": {"200": {"description": "A response object, or an SSE stream of typed response events."},
         "400": {"description": "Invalid request.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}},
         "404": {"description": "Unknown model."}, "429": {"description": "The queue is full (Retry-After)."}}}},
+    "/v1/messages": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/MessagesRequest"}}}},
+      "responses": {"200": {"description": "A message object, or an SSE stream of Anthropic's message events."},
+        "400": {"description": "Invalid request ({\"type\": \"error\", \"error\": {\"type\", \"message\"}})."},
+        "404": {"description": "Unknown model."}, "429": {"description": "The queue is full (Retry-After)."}}}},
+    "/v1/messages/count_tokens": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/CountTokensRequest"}}}},
+      "responses": {"200": {"description": "{\"input_tokens\": n}"}, "400": {"description": "Invalid request."}, "404": {"description": "Unknown model."}}}},
     "/v1/load_lora_adapter": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"type": "object", "required": ["lora_name", "lora_path"],
         "properties": {"lora_name": {"type": "string"}, "lora_path": {"type": "string", "description": "A PEFT adapter directory under --lora-dir."}}}}}},
       "responses": {"200": {"description": "The adapter is served as model lora_name."}, "400": {"description": "Invalid name, path or adapter."},
@@ -189,6 +219,9 @@ mod tests {
         assert_eq!(props(&schemas["CompletionRequest"]), with_vllm(crate::serve::fields::COMPLETIONS));
         assert_eq!(props(&schemas["ChatRequest"]), with_vllm(crate::serve::fields::CHAT));
         assert_eq!(props(&schemas["ResponsesRequest"]), set(crate::serve::fields::RESPONSES));
+        use crate::serve::validate::anthropic;
+        assert_eq!(props(&schemas["MessagesRequest"]), set(anthropic::accepted(false)));
+        assert_eq!(props(&schemas["CountTokensRequest"]), set(anthropic::accepted(true)));
         assert_eq!(props(&schemas["ChatRequest"]["allOf"][1]["properties"]["messages"]["items"]), set(crate::serve::fields::MESSAGE));
         let job = &v["paths"]["/v1/fine_tuning/jobs"]["post"]["requestBody"]["content"]["application/json"]["schema"];
         assert_eq!(props(job), set(crate::serve::fields::JOB));

@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 
-use super::error::ApiError;
+use super::error::{AnthropicError, ApiError};
 use super::state::AppState;
 use super::{files, jobs, routes, web};
 
@@ -33,6 +33,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(routes::completions))
         .route("/v1/chat/completions", post(routes::chat_completions))
         .route("/v1/responses", post(routes::responses))
+        .route("/v1/messages", post(routes::messages))
+        .route("/v1/messages/count_tokens", post(routes::count_tokens))
         .route("/v1/load_lora_adapter", post(routes::load_lora_adapter))
         .route("/v1/unload_lora_adapter", post(routes::unload_lora_adapter))
         .route("/v1/files", post(files::upload).get(files::list).layer(DefaultBodyLimit::disable()))
@@ -59,29 +61,30 @@ fn same_secret(a: &[u8], b: &[u8]) -> bool {
     diff == 0
 }
 
-/// Every route but /health and the static pages needs `Authorization: Bearer <key>` when a key
-/// is set.
+/// The key a request carries: `Authorization: Bearer <key>` (OpenAI's clients), else
+/// `x-api-key: <key>` (Anthropic's).
+fn given_key(req: &Request) -> &str {
+    let header = |name| req.headers().get(name).and_then(|v: &axum::http::HeaderValue| v.to_str().ok());
+    header(axum::http::header::AUTHORIZATION.as_str()).and_then(|v| v.strip_prefix("Bearer ")).or_else(|| header("x-api-key")).unwrap_or("")
+}
+
+/// Every route but /health and the static pages needs the key when one is set (see
+/// `given_key`). Anthropic's routes answer in Anthropic's error shape.
 async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let anthropic = req.uri().path().starts_with("/v1/messages");
+    let shaped = |e: ApiError| if anthropic { AnthropicError(e).into_response() } else { e.into_response() };
     // Draining: requests on connections still open get 503 (the listener is closed).
     if st.shutdown.begun() {
-        let resp = ApiError::shutting_down().into_response();
+        let resp = shaped(ApiError::shutting_down());
         st.metrics.request(resp.status().as_u16());
         return resp;
     }
     if let Some(key) = &st.api_key {
         let path = req.uri().path();
-        if path != "/health" && !web::PUBLIC_PATHS.contains(&path) {
-            let given = req
-                .headers()
-                .get(axum::http::header::AUTHORIZATION)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.strip_prefix("Bearer "))
-                .unwrap_or("");
-            if !same_secret(given.as_bytes(), key.as_bytes()) {
-                let resp = ApiError::unauthorized().into_response();
-                st.metrics.request(resp.status().as_u16());
-                return resp;
-            }
+        if path != "/health" && !web::PUBLIC_PATHS.contains(&path) && !same_secret(given_key(&req).as_bytes(), key.as_bytes()) {
+            let resp = shaped(ApiError::unauthorized());
+            st.metrics.request(resp.status().as_u16());
+            return resp;
         }
     }
     let resp = next.run(req).await;

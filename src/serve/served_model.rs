@@ -111,7 +111,6 @@ impl ServedModel {
         })
     }
 
-    /// OpenAI's `model` object.
     /// OpenAI's `model` object, with vLLM's `max_model_len` and what the web page needs to know
     /// of a reasoning model: its thinking is split out (`reasoning`), its template reads
     /// `enable_thinking` (`thinking_switch`).
@@ -121,10 +120,6 @@ impl ServedModel {
                "reasoning": self.splits_reasoning, "thinking_switch": switch})
     }
 
-    /// Token ids of a conversation rendered with the model's chat template, ready for the
-    /// assistant's answer (as transformers' `apply_chat_template(..., add_generation_prompt=True)`).
-    /// With functions: through the template when it reads `tools`, else in the generic format
-    /// (`tools::generic_messages`), which also writes a history's calls and results.
     /// Where a chat prompt leaves the answer's thinking, for a model whose thinking is split out
     /// (None otherwise): from the rendered prompt's last tokens.
     pub fn prompt_thinking(&self, prompt_ids: &[u32]) -> Option<PromptThinking> {
@@ -132,9 +127,25 @@ impl ServedModel {
         self.splits_reasoning.then(|| PromptThinking::of(&self.tokenizer.decode(tail, false).unwrap_or_default()))
     }
 
-    /// The ids of a conversation through the chat template, with `kwargs` (the request's
-    /// `chat_template_kwargs`) among the template's variables.
+    /// Token ids of a conversation rendered with the model's chat template, ready for the
+    /// assistant's answer (as transformers' `apply_chat_template(..., add_generation_prompt=True)`),
+    /// with `kwargs` (the request's `chat_template_kwargs`) among the template's variables.
+    /// With functions: through the template when it reads `tools`, else in the generic format
+    /// (`tools::generic_messages`), which also writes a history's calls and results.
     pub fn chat_prompt_ids(&self, messages: &[ChatMessage], tools: Option<&Tools>, kwargs: &TemplateKwargs) -> Result<Vec<u32>, ApiError> {
+        self.chat_prompt_ids_continuing(messages, tools, kwargs, "")
+    }
+
+    /// The same, with the answer begun by `prefill` (an Anthropic request whose last turn is the
+    /// assistant's: the answer continues it): the text follows the opened assistant turn, and
+    /// the whole prompt is tokenised at once, as one text.
+    pub fn chat_prompt_ids_continuing(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&Tools>,
+        kwargs: &TemplateKwargs,
+        prefill: &str,
+    ) -> Result<Vec<u32>, ApiError> {
         let template = self
             .tokenizer
             .chat_template
@@ -148,7 +159,7 @@ impl ServedModel {
         } else {
             template.render_with(messages, None, true, kwargs)
         };
-        let text = rendered.map_err(|e| ApiError::invalid("messages", format!("The chat template failed: {e:#}")))?;
+        let text = rendered.map_err(|e| ApiError::invalid("messages", format!("The chat template failed: {e:#}")))? + prefill;
         self.tokenizer.encode(&text, false).map_err(|e| ApiError::bad_request(format!("{e:#}")))
     }
 }

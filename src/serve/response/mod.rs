@@ -2,6 +2,7 @@
 //! done, or an SSE stream of chunks (`stream`); both for completions and chat, with logprobs,
 //! echo, and function calls read from a chat answer.
 
+mod anthropic;
 mod logprobs;
 mod responses;
 mod stream;
@@ -29,6 +30,8 @@ pub async fn answer(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitt
     let response = match (&req.kind, req.stream) {
         (RequestKind::Responses { .. }, true) => responses::sse(st, req, submitted),
         (RequestKind::Responses { .. }, false) => responses::whole(st, req, submitted).await?,
+        (RequestKind::Messages { .. }, true) => anthropic::sse(st, req, submitted),
+        (RequestKind::Messages { .. }, false) => anthropic::whole(st, req, submitted).await?,
         (_, true) => stream::sse(st, req, submitted),
         (_, false) => whole(st, req, submitted).await?,
     };
@@ -73,7 +76,7 @@ async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -
     let tokenizer = &req.model.tokenizer;
     let (echo, tools) = match &req.kind {
         RequestKind::Completion { echo } => (echo.as_deref(), None),
-        RequestKind::Chat { tools } | RequestKind::Responses { tools, .. } => (None, tools.as_ref()),
+        RequestKind::Chat { tools } | RequestKind::Responses { tools, .. } | RequestKind::Messages { tools, .. } => (None, tools.as_ref()),
     };
     let mut collected = vec![];
     for mut rx in answers {
@@ -141,6 +144,8 @@ pub(super) struct Collected {
     pub cumulative_logprob: f64,
     /// Tokens of its thinking (0 without).
     pub reasoning_tokens: usize,
+    /// The stop string that ended it, if one did.
+    pub stop_string: Option<String>,
 }
 
 /// Waits for an answer's events until it is done; an engine failure (the request was checked
@@ -158,7 +163,7 @@ pub(super) async fn collect(st: &AppState, rx: &mut mpsc::UnboundedReceiver<Even
                 text.push_str(&t);
                 logprobs.extend(logprob);
             }
-            Some(Event::Done { finish, completion_tokens, cached_tokens, cumulative_logprob, reasoning_tokens, .. }) => {
+            Some(Event::Done { finish, completion_tokens, cached_tokens, cumulative_logprob, reasoning_tokens, stop_string, .. }) => {
                 let (c, cached) = (completion_tokens, cached_tokens);
                 let (cumulative_logprob, reasoning_tokens) = (cumulative_logprob, reasoning_tokens);
                 return Ok(Collected {
@@ -170,6 +175,7 @@ pub(super) async fn collect(st: &AppState, rx: &mut mpsc::UnboundedReceiver<Even
                     cached_tokens: cached,
                     cumulative_logprob,
                     reasoning_tokens,
+                    stop_string,
                 });
             }
             Some(ev @ (Event::Error(_) | Event::QueueTimeout { .. })) => return Err(failure(&ev)),

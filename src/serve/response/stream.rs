@@ -125,7 +125,9 @@ impl<'a> Streamer<'a> {
                     Some(json!({"index": index, "text": e, "logprobs": null, "finish_reason": null}))
                 }
                 RequestKind::Completion { .. } => None,
-                RequestKind::Responses { .. } => unreachable!("/v1/responses streams its own events (response::responses)"),
+                RequestKind::Responses { .. } | RequestKind::Messages { .. } => {
+                    unreachable!("/v1/responses and /v1/messages stream their own events (response::responses, response::anthropic)")
+                }
             };
             if first.is_some_and(|c| !self.send(c)) {
                 return;
@@ -271,7 +273,9 @@ impl<'a> Streamer<'a> {
             }
             RequestKind::Chat { tools: None } => Some(json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": finish})),
             RequestKind::Completion { .. } => Some(json!({"index": index, "text": "", "logprobs": null, "finish_reason": finish})),
-            RequestKind::Responses { .. } => unreachable!("/v1/responses streams its own events (response::responses)"),
+            RequestKind::Responses { .. } | RequestKind::Messages { .. } => {
+                unreachable!("/v1/responses and /v1/messages stream their own events (response::responses, response::anthropic)")
+            }
         }
     }
 }

@@ -5,6 +5,7 @@
 //! built. Everything a client can get wrong is a 400 here; nothing after this pass refuses a
 //! request for what it asked (the queue may still be full: 429).
 
+pub mod anthropic;
 mod no_op;
 mod prompt;
 pub mod responses;
@@ -20,7 +21,7 @@ use super::served_model::ServedModel;
 use super::state::AppState;
 use super::tools::{self, ToolChoice, Tools};
 use crate::generate::constraint::OutputFormat;
-use crate::generate::reasoning::PromptThinking;
+use crate::generate::reasoning::{PromptThinking, ThinkingBudget};
 use crate::generate::SamplingParams;
 use models::ServingAdapter;
 use prompt::Prompt;
@@ -39,6 +40,9 @@ pub enum RequestKind {
     Chat { tools: Option<Tools> },
     /// `/v1/responses`: chat's answer in output items; `echo`: the settings the response repeats.
     Responses { tools: Option<Tools>, echo: responses::Echo },
+    /// `/v1/messages` (Anthropic's): chat's answer in content blocks; `thinking`: what its
+    /// thinking becomes.
+    Messages { tools: Option<Tools>, thinking: anthropic::ThinkingBlocks },
 }
 
 impl RequestKind {
@@ -49,7 +53,7 @@ impl RequestKind {
     /// The functions the answer may call.
     pub fn tools(&self) -> Option<&Tools> {
         match self {
-            Self::Chat { tools } | Self::Responses { tools, .. } => tools.as_ref(),
+            Self::Chat { tools } | Self::Responses { tools, .. } | Self::Messages { tools, .. } => tools.as_ref(),
             Self::Completion { .. } => None,
         }
     }
@@ -58,7 +62,7 @@ impl RequestKind {
     fn prompt_param(&self) -> &'static str {
         match self {
             Self::Completion { .. } => "prompt",
-            Self::Chat { .. } => "messages",
+            Self::Chat { .. } | Self::Messages { .. } => "messages",
             Self::Responses { .. } => "input",
         }
     }
@@ -164,6 +168,58 @@ pub fn responses(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError>
     let mut req = finish(st, target, kind, prompt_ids, s, constraints, ignored).map_err(named)?;
     req.thinking = thinking;
     Ok(req)
+}
+
+/// `/v1/messages` (Anthropic's): read into chat's values (`anthropic`), then chat's checks, with
+/// the fields named as the Messages API names them.
+pub fn messages(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> {
+    let mut ignored = fields::check(v, anthropic::accepted(false), "", st.lenient)?;
+    let target = Target::of(st, v)?;
+    let model = target.model.clone();
+    let renamed = |e: ApiError| ApiError { param: e.param.as_deref().map(anthropic::rename_param), ..e };
+    let r = anthropic::read(v, false, st.lenient, &mut ignored)?;
+    let mut s = sampling::parse(&r.chat, &model.defaults, true).map_err(renamed)?;
+    let (tools, constraints) = tools_and_constraints(st, &model, &r.chat, s.n, &mut ignored).map_err(renamed)?;
+    let prompt_ids = anthropic_prompt(&model, &r, tools.as_ref())?;
+    let thinking = model.prompt_thinking(&prompt_ids);
+    if model.splits_reasoning {
+        s.params.output.thinking_budget = Some(thinking_budget(&model, r.thinking)?);
+    } else if matches!(r.thinking, anthropic::Thinking::On { budget: Some(_), .. }) {
+        // `adaptive` lets the model decide, and this one decides not to think.
+        let message = "This model does not think: its chat template marks no thinking (see `--reasoning-parser`).";
+        return Err(ApiError::invalid("thinking", message));
+    }
+    let kind = RequestKind::Messages { tools, thinking: r.thinking.blocks() };
+    let mut req = finish(st, target, kind, prompt_ids, s, constraints, ignored).map_err(renamed)?;
+    req.thinking = thinking;
+    Ok(req)
+}
+
+/// `/v1/messages/count_tokens`: the model and the prompt's token count, as `/v1/messages` with
+/// the same body would have it.
+pub fn count_tokens(st: &AppState, v: &Value) -> Result<usize, ApiError> {
+    fields::check(v, anthropic::accepted(true), "", false)?;
+    let model = st.target(model_field(v)?)?.0;
+    let r = anthropic::read(v, true, false, &mut vec![])?;
+    let tools = tools::parse(&r.chat).map_err(|e| ApiError { param: e.param.as_deref().map(anthropic::rename_param), ..e })?;
+    Ok(anthropic_prompt(&model, &r, tools.filter(|t| t.choice != ToolChoice::None).as_ref())?.len())
+}
+
+fn anthropic_prompt(model: &ServedModel, r: &anthropic::AsChat, tools: Option<&Tools>) -> Result<Vec<u32>, ApiError> {
+    let kwargs = prompt::chat_template_kwargs(&r.chat)?;
+    model.chat_prompt_ids_continuing(&r.messages, tools, &kwargs, &r.prefill)
+}
+
+/// The tokens a reasoning model's thinking may take (none with thinking off: a template that
+/// cannot switch it off has it closed at once), and the text that closes it.
+fn thinking_budget(model: &ServedModel, thinking: anthropic::Thinking) -> Result<ThinkingBudget, ApiError> {
+    let close = format!("\n{}\n\n", crate::generate::reasoning::THINK_END);
+    let close_ids = model.tokenizer.encode(&close, false).map_err(|e| ApiError::internal(format!("{e:#}")))?;
+    let tokens = match thinking {
+        anthropic::Thinking::Off => 0,
+        anthropic::Thinking::On { budget, .. } => budget.unwrap_or(usize::MAX),
+    };
+    Ok(ThinkingBudget { tokens, close_ids })
 }
 
 /// A chat-shaped body's functions (none when `tool_choice` is `none`) and the grammar matchers
@@ -297,7 +353,9 @@ fn finish(
     }
     let default_max = match kind {
         RequestKind::Completion { .. } => DEFAULT_COMPLETION_MAX_TOKENS,
-        RequestKind::Chat { .. } | RequestKind::Responses { .. } => model.max_total_tokens.saturating_sub(prompt_tokens),
+        RequestKind::Chat { .. } | RequestKind::Responses { .. } | RequestKind::Messages { .. } => {
+            model.max_total_tokens.saturating_sub(prompt_tokens)
+        }
     };
     let max_tokens = s.max_tokens.unwrap_or(default_max);
     if prompt_tokens + max_tokens > model.max_total_tokens || max_tokens == 0 {
