@@ -20,7 +20,7 @@ use tokenizers::{AddedToken, Tokenizer};
 use crate::model_files::write::StagedDir;
 use kernels::rng::SplitMix64;
 
-pub const FIXTURE_NAMES: &[&str] = &["llama", "qwen2", "qwen3", "mistral"];
+pub const FIXTURE_NAMES: &[&str] = &["llama", "qwen2", "qwen3", "mistral", "qwen3-embedding"];
 
 pub const VOCAB_SIZE: usize = 384;
 const SPECIAL_TOKENS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
@@ -80,6 +80,14 @@ fn config_json(name: &str) -> Result<Value> {
             "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16, "rms_norm_eps": 1e-5,
             "rope_theta": 10000.0, "tie_word_embeddings": false, "sliding_window": 8,
         }),
+        // An embedding model laid out as Qwen3-Embedding is: the bare model (no LM head, tensor
+        // names without `model.`) with sentence-transformers' last-token pooling.
+        "qwen3-embedding" => {
+            let mut qwen3 = config_json("qwen3")?;
+            qwen3["architectures"] = json!(["Qwen3Model"]);
+            qwen3["tie_word_embeddings"] = json!(true);
+            return Ok(qwen3);
+        }
         other => bail!("unknown fixture {other:?}; available: {}", FIXTURE_NAMES.join(", ")),
     };
     let mut cfg = common;
@@ -174,6 +182,23 @@ pub fn write_fixture_with(name: &str, out: &Path, overrides: &[(String, Value)])
             staged.write_safetensors(file, &part.into_iter().collect::<HashMap<_, _>>())?;
         }
         staged.write_json("model.safetensors.index.json", &json!({"metadata": {"total_size": total}, "weight_map": weight_map}))?;
+    } else if cfg.headless {
+        let bare = weights.into_iter().map(|(n, t)| (n.strip_prefix("model.").unwrap_or(&n).to_string(), t));
+        staged.write_safetensors("model.safetensors", &bare.collect::<HashMap<_, _>>())?;
+        staged.write_json(
+            "modules.json",
+            &json!([
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]),
+        )?;
+        std::fs::create_dir_all(staged.path().join("1_Pooling"))?;
+        staged.write_json(
+            "1_Pooling/config.json",
+            &json!({"word_embedding_dimension": cfg.hidden_size, "pooling_mode_cls_token": false,
+            "pooling_mode_mean_tokens": false, "pooling_mode_max_tokens": false, "pooling_mode_mean_sqrt_len_tokens": false,
+            "pooling_mode_weightedmean_tokens": false, "pooling_mode_lasttoken": true, "include_prompt": true}),
+        )?;
     } else {
         staged.write_safetensors("model.safetensors", &weights.into_iter().collect::<HashMap<_, _>>())?;
     }

@@ -5,12 +5,14 @@
 //! autoregressive generation; `convert` imports GGUF files; `fixtures` makes tiny test models;
 //! `memory` reports process memory; `process` is what the binary sets for the whole process; `dist` is the process group and its
 //! collectives; `fsdp` shards parameters and runs training steps; `train` holds data loading and
-//! the fine-tuning loop; `serve` is the OpenAI-compatible HTTP server.
+//! the fine-tuning loop; `embed` pools hidden states into embeddings; `serve` is the
+//! OpenAI-compatible HTTP server.
 
 pub mod checkpoint;
 pub mod convert;
 pub mod device;
 pub mod dist;
+pub mod embed;
 pub mod fixtures;
 pub mod fsdp;
 pub mod generate;

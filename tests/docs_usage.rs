@@ -253,6 +253,10 @@ fn check_curl_answer(command: &str, o: &Output, file_id: &mut Option<String>) {
         let v = json_of(o, command);
         let text = v["content"][0]["text"].as_str().unwrap_or_default();
         assert!(v["type"] == "message" && !text.is_empty(), "{command}: {v}");
+    } else if command.contains("/v1/embeddings") {
+        let v = json_of(o, command);
+        let n = v["data"].as_array().map_or(0, |d| d.iter().filter(|e| e["embedding"].as_array().is_some_and(|x| !x.is_empty())).count());
+        assert!(v["object"] == "list" && n == 2, "{command}: {v}");
     } else if command.contains("/v1/files") {
         let v = json_of(o, command);
         let id = v["id"].as_str().unwrap_or_else(|| panic!("{command}: {v}"));

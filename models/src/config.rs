@@ -21,13 +21,22 @@ pub enum Architecture {
 }
 
 impl Architecture {
+    /// The architecture of a `config.json` name: `...ForCausalLM`, or `...Model` for a checkpoint
+    /// of the bare model without an LM head (embedding models: Qwen3-Embedding, e5-mistral).
     pub fn from_hf_name(name: &str) -> Result<Self> {
         Ok(match name {
+            "LlamaModel" => Self::Llama,
+            "MistralModel" => Self::Mistral,
+            "Qwen2Model" => Self::Qwen2,
+            "Qwen3Model" => Self::Qwen3,
             "LlamaForCausalLM" => Self::Llama,
             "MistralForCausalLM" => Self::Mistral,
             "Qwen2ForCausalLM" => Self::Qwen2,
             "Qwen3ForCausalLM" => Self::Qwen3,
-            other => bail!("unsupported architecture {other:?}; supported: {}", SUPPORTED_ARCHITECTURES.join(", ")),
+            other => bail!(
+                "unsupported architecture {other:?}; supported: {} (or the bare `...Model` of each, for embedding)",
+                SUPPORTED_ARCHITECTURES.join(", ")
+            ),
         })
     }
 
@@ -73,6 +82,9 @@ pub struct ModelConfig {
     pub rope_scaling: RopeScaling,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
+    /// The checkpoint is the bare model (`architectures: ["Qwen3Model"]`): no LM head, so the
+    /// embedding table stands in for it (tied); such a model is served for embeddings.
+    pub headless: bool,
     /// Bias on q/k/v projections (Qwen2 always; Llama/Qwen3 when `attention_bias`).
     pub qkv_bias: bool,
     /// Bias on o_proj (Llama's `attention_bias` covers o_proj too; Qwen2's does not).
@@ -140,6 +152,7 @@ impl ModelConfig {
         let archs = raw.architectures.clone().unwrap_or_default();
         let arch_name = archs.first().context(format!("missing field `architectures` (one of: {})", SUPPORTED_ARCHITECTURES.join(", ")))?;
         let architecture = Architecture::from_hf_name(arch_name)?;
+        let headless = !arch_name.ends_with("ForCausalLM");
         if let Some(act) = &raw.hidden_act {
             if act != "silu" {
                 bail!("field `hidden_act` is {act:?}; only \"silu\" is supported");
@@ -187,7 +200,8 @@ impl ModelConfig {
             rope_theta,
             rope_scaling,
             max_position_embeddings: raw.max_position_embeddings.unwrap_or(2048),
-            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false) || headless,
+            headless,
             qkv_bias,
             o_bias,
             mlp_bias: raw.mlp_bias.unwrap_or(false),

@@ -67,6 +67,11 @@ impl OutputHead {
         Self { norm, weight }
     }
 
+    /// The final norm of hidden states (what the head multiplies; what embedding models pool).
+    pub fn norm(&self, h: &Tensor, mode: OpMode) -> Result<Tensor> {
+        self.norm.forward(h, mode)
+    }
+
     /// Logits (..., vocab) of hidden states (..., hidden).
     pub fn logits(&self, h: &Tensor, mode: OpMode) -> Result<Tensor> {
         let h = self.norm.forward(h, mode)?;

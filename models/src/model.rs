@@ -113,6 +113,14 @@ impl CausalLm {
         self.head.logits(&h, OpMode::Generate)
     }
 
+    /// The final norm's output at every position of `input_ids`, (batch, seq, hidden): what an
+    /// embedding model pools. Forward-only (fused ops); no cache is kept.
+    pub fn final_hidden(&self, input_ids: &Tensor) -> Result<Tensor> {
+        let mut cache = KvCache::new(&self.cfg);
+        let h = self.hidden_cached(input_ids, &mut cache, &RowAdapters::default())?;
+        self.head.norm(&h, OpMode::Generate)
+    }
+
     /// The last layer's hidden states of the new positions, the cache extended by them.
     fn hidden_cached(&self, input_ids: &Tensor, cache: &mut KvCache, adapters: &RowAdapters) -> Result<Tensor> {
         let (_b, t) = input_ids.dims2()?;

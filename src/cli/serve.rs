@@ -49,6 +49,16 @@ pub struct ServeArgs {
     /// `deepseek_r1` (vLLM's names) always; `none` leaves thinking in the answer's text.
     #[arg(long, default_value = "auto", value_parser = fsdp_app::generate::reasoning::ReasoningChoice::parse)]
     reasoning_parser: fsdp_app::generate::reasoning::ReasoningChoice,
+    /// What the model is served for: `generate` (text; `/v1/embeddings` too), `embed` (only
+    /// `/v1/embeddings`; the generation endpoints refuse it), or `auto`: embed for an embedding
+    /// model (a bare `Qwen3Model`-style checkpoint, or one with sentence-transformers'
+    /// modules.json), else generate.
+    #[arg(long, default_value = "auto", value_parser = fsdp_app::serve::Task::parse)]
+    task: fsdp_app::serve::Task,
+    /// How embeddings pool a text's hidden states: `last` (the last token's), `mean` or `cls`
+    /// (the first token's). Default: the model's sentence-transformers pooling, else `last`.
+    #[arg(long, value_parser = fsdp_app::embed::Pooling::parse)]
+    pooling: Option<fsdp_app::embed::Pooling>,
     /// Seconds a request may wait in the queue for a slot; one that waits longer is answered 429
     /// with Retry-After (streams too: their 200 comes only once they run), so a client with a
     /// 60 s timeout hears back in time. 0: wait as long as it takes.
@@ -131,6 +141,8 @@ impl TryFrom<ServeArgs> for ServeConfig {
             kv_cache_memory: a.kv_cache_memory.checked_mul(1 << 20).context("--kv-cache-memory: too many MiB")?,
             max_queue: a.max_queue,
             reasoning_parser: a.reasoning_parser,
+            task: a.task,
+            pooling: a.pooling,
             max_queue_wait: match a.max_queue_wait {
                 0.0 => None,
                 s => Some(seconds("--max-queue-wait", s)?),

@@ -11,9 +11,14 @@ pub const TOKENIZER_CONFIG: &str = "tokenizer_config.json";
 pub const GENERATION_CONFIG: &str = "generation_config.json";
 pub const CHAT_TEMPLATE: &str = "chat_template.jinja";
 pub const SPECIAL_TOKENS_MAP: &str = "special_tokens_map.json";
+/// sentence-transformers' module list of an embedding model, and its pooling module's settings
+/// (at the path every published model uses; `embed::Pooling` reads both).
+pub const ST_MODULES: &str = "modules.json";
+pub const ST_POOLING: &str = "1_Pooling/config.json";
 
 /// The optional side files, fetched when present.
-pub(super) const OPTIONAL_FILES: &[&str] = &[TOKENIZER, TOKENIZER_CONFIG, GENERATION_CONFIG, CHAT_TEMPLATE, SPECIAL_TOKENS_MAP];
+pub(super) const OPTIONAL_FILES: &[&str] =
+    &[TOKENIZER, TOKENIZER_CONFIG, GENERATION_CONFIG, CHAT_TEMPLATE, SPECIAL_TOKENS_MAP, ST_MODULES, ST_POOLING];
 
 /// Weight formats that are pickles: loading them can execute arbitrary code.
 pub(super) const PICKLE_WEIGHTS: &[&str] =
@@ -32,6 +37,9 @@ pub struct ModelFiles {
     pub generation_config: Option<PathBuf>,
     pub chat_template: Option<PathBuf>,
     pub special_tokens_map: Option<PathBuf>,
+    /// sentence-transformers' `modules.json` and pooling settings, when the model has them.
+    pub st_modules: Option<PathBuf>,
+    pub st_pooling: Option<PathBuf>,
     pub format: WeightFormat,
 }
 
@@ -53,6 +61,8 @@ impl ModelFiles {
             GENERATION_CONFIG => self.generation_config = path,
             CHAT_TEMPLATE => self.chat_template = path,
             SPECIAL_TOKENS_MAP => self.special_tokens_map = path,
+            ST_MODULES => self.st_modules = path,
+            ST_POOLING => self.st_pooling = path,
             _ => unreachable!("unknown optional file {name}"),
         }
     }

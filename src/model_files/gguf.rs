@@ -77,6 +77,8 @@ pub fn resolve_gguf(path: &Path, source: String) -> Result<ModelFiles> {
         generation_config: optional(files::GENERATION_CONFIG),
         chat_template: None,
         special_tokens_map: None,
+        st_modules: None,
+        st_pooling: None,
         format: WeightFormat::Gguf,
     })
 }

@@ -168,6 +168,45 @@ pub fn load_model(files: ModelFiles, dtype: DType, device: &Device) -> Result<Lo
     load_model_with_adapter(files, None, dtype, device)
 }
 
+/// A bare model's embedding table (see `BareNames`).
+const BARE_EMBED_WEIGHT: &str = "embed_tokens.weight";
+
+/// Safetensors whose names lack the causal LM's `model.` when `bare`: the model asks for
+/// `model.layers.0...`, the file has `layers.0...`.
+struct BareNames {
+    inner: candle_core::safetensors::MmapedSafetensors,
+    bare: bool,
+}
+
+impl BareNames {
+    fn stored_name<'a>(&self, name: &'a str) -> &'a str {
+        if self.bare {
+            name.strip_prefix("model.").unwrap_or(name)
+        } else {
+            name
+        }
+    }
+}
+
+impl SimpleBackend for BareNames {
+    fn get(
+        &self,
+        s: candle_core::Shape,
+        name: &str,
+        h: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<candle_core::Tensor> {
+        SimpleBackend::get(&self.inner, s, self.stored_name(name), h, dtype, dev)
+    }
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<candle_core::Tensor> {
+        SimpleBackend::get_unchecked(&self.inner, self.stored_name(name), dtype, dev)
+    }
+    fn contains_tensor(&self, name: &str) -> bool {
+        SimpleBackend::contains_tensor(&self.inner, self.stored_name(name))
+    }
+}
+
 /// Looks tensors up in each backend in turn: a LoRA adapter's tensors over the base weights.
 struct Layered(Vec<Box<dyn SimpleBackend>>);
 
@@ -217,13 +256,19 @@ pub fn load_model_with(files: ModelFiles, opts: &LoadOptions, device: &Device) -
     let weights: Box<dyn SimpleBackend> = match files.format {
         WeightFormat::Safetensors => {
             let stored = read_weight_headers(&files.weights)?;
+            // A bare model's checkpoint (an embedding model saved from `AutoModel`) names its
+            // tensors without the `model.` of a causal LM's.
+            let bare = !stored.contains_key(models::tensors::EMBED_WEIGHT) && stored.contains_key(BARE_EMBED_WEIGHT);
+            let stored = if bare { stored.into_iter().map(|(n, t)| (format!("model.{n}"), t)).collect() } else { stored };
             check_tensors(&config, &stored, &files.source)?;
             // SAFETY: the files were just validated; they must not be modified while the model
             // lives, the same contract as every mmap-based loader (transformers included).
             let base = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files.weights) }
                 .with_context(|| format!("{}: mapping the weights", files.source))?;
+            let base = BareNames { inner: base, bare };
             if let Some(format) = opts.quantize {
-                let read = |name: &str| Ok(stored.contains_key(name).then(|| base.load(name, device)).transpose()?);
+                let read =
+                    |name: &str| Ok(stored.contains_key(name).then(|| base.inner.load(base.stored_name(name), device)).transpose()?);
                 super::quantize::quantize_weights(&config, format, read, &mut quantized)?;
             }
             Box::new(base)

@@ -124,6 +124,8 @@ fn resolve_local(dir: &Path) -> Result<ModelFiles> {
         generation_config: None,
         chat_template: None,
         special_tokens_map: None,
+        st_modules: None,
+        st_pooling: None,
         format: WeightFormat::Safetensors,
     };
     for name in OPTIONAL_FILES {
@@ -164,6 +166,8 @@ fn resolve_hub(repo_id: &str, revision: &str) -> Result<ModelFiles> {
         generation_config: None,
         chat_template: None,
         special_tokens_map: None,
+        st_modules: None,
+        st_pooling: None,
         format: WeightFormat::Safetensors,
     };
     for name in OPTIONAL_FILES {

@@ -30,14 +30,19 @@ pub struct Submitted {
     pub answers: Vec<mpsc::UnboundedReceiver<Event>>,
 }
 
+/// Takes `places` in the queue, or answers 429 when they are not free.
+pub fn admit(st: &Arc<AppState>, places: usize) -> Result<Admission, ApiError> {
+    let cap = st.max_concurrent + st.max_queue;
+    st.in_flight
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n + places <= cap).then_some(n + places))
+        .map_err(|_| ApiError::overloaded(1))?;
+    Ok(Admission(st.clone(), places))
+}
+
 /// Admits `req` and submits its `best_of` answers (answer i seeded `seed + i`, each with its
 /// own grammar matcher, which it takes from `req`).
 pub fn submit(st: &Arc<AppState>, req: &mut ValidatedRequest) -> Result<Submitted, ApiError> {
-    let cap = st.max_concurrent + st.max_queue;
-    st.in_flight
-        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n + req.best_of <= cap).then_some(n + req.best_of))
-        .map_err(|_| ApiError::overloaded(1))?;
-    let admission = Admission(st.clone(), req.best_of);
+    let admission = admit(st, req.best_of)?;
     let mut constraints = std::mem::take(&mut req.constraints).into_iter();
     let tools = req.kind.tools();
     let mut answers = vec![];

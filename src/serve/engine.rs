@@ -3,7 +3,9 @@
 //! decoding sequence by one token in a single batched forward (each sequence keeps its own KV
 //! cache). A sequence whose client went away is dropped before the next step. Requests wait in
 //! a queue bounded by the HTTP layer's admission count, and for at most `max_queue_wait`: one
-//! that waited longer is answered `Event::QueueTimeout` (a 429) instead of running.
+//! that waited longer is answered `Event::QueueTimeout` (a 429) instead of running. Texts to
+//! embed share the loop: each step embeds waiting texts up to the step's token budget before the
+//! decode step, so neither kind of work starves the other.
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -14,6 +16,7 @@ use models::{CausalLm, ServingAdapter};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::metrics::Metrics;
+use crate::embed::Pooling;
 use crate::generate::prefix_cache::PrefixCache;
 use crate::generate::{step_all, FinishReason, SamplingParams, Sequence, TokenLogprob};
 use crate::tokenize::TextTokenizer;
@@ -36,6 +39,20 @@ pub struct Job {
     pub thinking: Option<bool>,
     pub events: UnboundedSender<Event>,
     pub enqueued: Instant,
+}
+
+/// One text to embed (`/v1/embeddings`): its vector, or why it failed, goes to `reply`.
+pub struct EmbedJob {
+    pub ids: Vec<u32>,
+    pub pooling: Pooling,
+    pub reply: tokio::sync::oneshot::Sender<Result<Vec<f32>, String>>,
+}
+
+/// What the engine is handed.
+enum Work {
+    // Boxed: a job is large (its sampling settings and grammar), an embedding small.
+    Generate(Box<Job>),
+    Embed(EmbedJob),
 }
 
 /// Reads an answer's text as it is generated; true: end the answer now.
@@ -75,14 +92,35 @@ pub enum Event {
 /// The handle the HTTP side keeps.
 #[derive(Clone)]
 pub struct EngineHandle {
-    jobs: mpsc::Sender<Job>,
+    jobs: mpsc::Sender<Work>,
     /// Sequences being generated now.
     pub running: Arc<AtomicUsize>,
 }
 
 impl EngineHandle {
     pub fn submit(&self, job: Job) -> Result<(), String> {
-        self.jobs.send(job).map_err(|_| "the engine has stopped".to_string())
+        self.jobs.send(Work::Generate(Box::new(job))).map_err(|_| "the engine has stopped".to_string())
+    }
+
+    pub fn submit_embed(&self, job: EmbedJob) -> Result<(), String> {
+        self.jobs.send(Work::Embed(job)).map_err(|_| "the engine has stopped".to_string())
+    }
+}
+
+/// Embeds waiting texts, oldest first, up to `budget` tokens (at least one text); a text whose
+/// client went away is skipped.
+fn embed_some(model: &CausalLm, to_embed: &mut VecDeque<EmbedJob>, budget: usize) {
+    let mut spent = 0;
+    while let Some(job) = to_embed.front() {
+        if spent > 0 && spent + job.ids.len() > budget {
+            break;
+        }
+        let job = to_embed.pop_front().expect("a front job");
+        if job.reply.is_closed() {
+            continue;
+        }
+        spent += job.ids.len();
+        let _ = job.reply.send(crate::embed::embed(model, &job.ids, job.pooling).map_err(|e| format!("{e:#}")));
     }
 }
 
@@ -115,7 +153,7 @@ pub fn start(
     settings: EngineSettings,
     metrics: Arc<Metrics>,
 ) -> EngineHandle {
-    let (tx, rx) = mpsc::channel::<Job>();
+    let (tx, rx) = mpsc::channel::<Work>();
     let running = Arc::new(AtomicUsize::new(0));
     let handle = EngineHandle { jobs: tx, running: running.clone() };
     std::thread::Builder::new()
@@ -130,7 +168,7 @@ fn run(
     tokenizer: Arc<TextTokenizer>,
     eos: HashSet<u32>,
     settings: EngineSettings,
-    rx: mpsc::Receiver<Job>,
+    rx: mpsc::Receiver<Work>,
     running_count: Arc<AtomicUsize>,
     metrics: Arc<Metrics>,
 ) {
@@ -139,17 +177,25 @@ fn run(
     let mut active: Vec<Running> = vec![];
     // Jobs received and not yet running, oldest first.
     let mut waiting: VecDeque<Job> = VecDeque::new();
+    let mut to_embed: VecDeque<EmbedJob> = VecDeque::new();
+    let take = |work: Work, waiting: &mut VecDeque<Job>, to_embed: &mut VecDeque<EmbedJob>| match work {
+        Work::Generate(job) => waiting.push_back(*job),
+        Work::Embed(job) => to_embed.push_back(job),
+    };
     loop {
         // Block only when idle; else take what arrived since the last step.
-        if active.is_empty() && waiting.is_empty() {
+        if active.is_empty() && waiting.is_empty() && to_embed.is_empty() {
             // Idle: what the last requests freed goes back to the OS before we wait.
             crate::memory::return_free_memory();
             match rx.recv() {
-                Ok(j) => waiting.push_back(j),
+                Ok(w) => take(w, &mut waiting, &mut to_embed),
                 Err(_) => return,
             }
         }
-        waiting.extend(rx.try_iter());
+        for w in rx.try_iter() {
+            take(w, &mut waiting, &mut to_embed);
+        }
+        embed_some(&model, &mut to_embed, max_batched_tokens);
         // Gone clients' jobs leave the queue; jobs past the wait limit are answered.
         let now = Instant::now();
         waiting.retain(|job| {

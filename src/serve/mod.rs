@@ -9,13 +9,15 @@
 //! timeouts and `shutdown` the drain on SIGTERM. Fine-tuning: `files`, `jobs` (API and runner),
 //! `store` (SQLite), `checkpoints` (a job's checkpoints, served), `process` (their process
 //! groups). `fields` says which request fields each endpoint takes, `tools` is function calling,
-//! `error` OpenAI's error shape.
+//! `error` OpenAI's error shape (and Anthropic's, for `/v1/messages`). `embeddings` is
+//! `/v1/embeddings`, whose texts the engine embeds between decode steps.
 
 mod adapters;
 mod admission;
 mod body;
 mod call_stream;
 pub mod checkpoints;
+pub mod embeddings;
 pub mod engine;
 pub mod error;
 pub mod fields;
@@ -38,4 +40,5 @@ pub mod tools;
 pub mod validate;
 pub mod web;
 
+pub use served_model::Task;
 pub use server::{run, ServeConfig};

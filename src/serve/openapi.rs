@@ -27,6 +27,14 @@ pub const SPEC: &str = r##"{
       "CompletionRequest": {"allOf": [{"$ref": "#/components/schemas/Sampling"}, {"type": "object", "required": ["model", "prompt"], "properties": {
         "model": {"type": "string"}, "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}}]},
         "echo": {"type": "boolean"}, "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}, "best_of": {"type": "integer", "minimum": 1, "maximum": 8}}}]},
+      "EmbeddingsRequest": {"type": "object", "required": ["model", "input"], "properties": {
+        "model": {"type": "string"},
+        "input": {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "maxItems": 2048, "items": {"type": "string", "minLength": 1}},
+          {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+          {"type": "array", "minItems": 1, "maxItems": 2048, "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}}]},
+        "encoding_format": {"type": "string", "enum": ["float", "base64"]},
+        "dimensions": {"type": "integer", "minimum": 1, "description": "Only for a model with matryoshka_dimensions in its config.json."},
+        "user": {"type": "string"}}},
       "MessagesRequest": {"type": "object", "required": ["model", "messages", "max_tokens"], "description": "Anthropic's Messages API.", "allOf": [{"$ref": "#/components/schemas/CountTokensRequest"}, {"properties": {
         "max_tokens": {"type": "integer", "minimum": 1}, "stop_sequences": {"type": "array", "items": {"type": "string"}}, "stream": {"type": "boolean"},
         "temperature": {"type": "number", "minimum": 0, "maximum": 2}, "top_p": {"type": "number", "exclusiveMinimum": true, "minimum": 0, "maximum": 1},
@@ -111,6 +119,10 @@ pub const SPEC: &str = r##"{
         "404": {"description": "Unknown model."}, "429": {"description": "The queue is full (Retry-After)."}}}},
     "/v1/responses": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ResponsesRequest"}}}},
       "responses": {"200": {"description": "A response object, or an SSE stream of typed response events."},
+        "400": {"description": "Invalid request.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}},
+        "404": {"description": "Unknown model."}, "429": {"description": "The queue is full (Retry-After)."}}}},
+    "/v1/embeddings": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/EmbeddingsRequest"}}}},
+      "responses": {"200": {"description": "A list of embedding objects with usage."},
         "400": {"description": "Invalid request.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}},
         "404": {"description": "Unknown model."}, "429": {"description": "The queue is full (Retry-After)."}}}},
     "/v1/messages": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/MessagesRequest"}}}},
@@ -219,6 +231,7 @@ mod tests {
         assert_eq!(props(&schemas["CompletionRequest"]), with_vllm(crate::serve::fields::COMPLETIONS));
         assert_eq!(props(&schemas["ChatRequest"]), with_vllm(crate::serve::fields::CHAT));
         assert_eq!(props(&schemas["ResponsesRequest"]), set(crate::serve::fields::RESPONSES));
+        assert_eq!(props(&schemas["EmbeddingsRequest"]), set(crate::serve::embeddings::FIELDS));
         use crate::serve::validate::anthropic;
         assert_eq!(props(&schemas["MessagesRequest"]), set(anthropic::accepted(false)));
         assert_eq!(props(&schemas["CountTokensRequest"]), set(anthropic::accepted(true)));

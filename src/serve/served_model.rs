@@ -11,6 +11,7 @@ use super::engine::{self, EngineHandle, EngineSettings};
 use super::error::ApiError;
 use super::metrics::Metrics;
 use super::tools::{self, Tools};
+use crate::embed::Pooling;
 use crate::generate::constraint::Grammars;
 use crate::generate::reasoning::{PromptThinking, ReasoningChoice};
 use crate::generate::ModelDefaults;
@@ -41,6 +42,33 @@ pub struct LoadSettings {
     pub metrics: Arc<Metrics>,
     /// `--reasoning-parser`: whether models' thinking is split out of their answers.
     pub reasoning: ReasoningChoice,
+    /// `--task`: whether models generate, or only embed.
+    pub task: Task,
+    /// `--pooling`: how texts' hidden states become embeddings (default: the model's own).
+    pub pooling: Option<Pooling>,
+}
+
+/// What a served model is for (`serve --task`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Task {
+    /// Embed only for an embedding model (a bare `...Model` checkpoint, or one with
+    /// sentence-transformers' `modules.json`); else generate, and embed too.
+    Auto,
+    /// Generate text (and embed, last-token pooled, on `/v1/embeddings`).
+    Generate,
+    /// Embed only: the generation endpoints refuse the model.
+    Embed,
+}
+
+impl Task {
+    pub fn parse(name: &str) -> Result<Self, String> {
+        match name {
+            "auto" => Ok(Self::Auto),
+            "generate" => Ok(Self::Generate),
+            "embed" => Ok(Self::Embed),
+            other => Err(format!("unknown task {other:?}: auto, generate or embed")),
+        }
+    }
 }
 
 pub struct ServedModel {
@@ -61,6 +89,13 @@ pub struct ServedModel {
     /// Its answers' thinking is split out (`reasoning_content`): a reasoning model's template,
     /// or `--reasoning-parser` says so.
     pub splits_reasoning: bool,
+    /// It generates text (false: it only embeds, `--task embed`).
+    pub generates: bool,
+    /// How its embeddings pool the hidden states.
+    pub pooling: Pooling,
+    /// The embedding sizes `dimensions` may ask for (config.json's `matryoshka_dimensions`; empty
+    /// with `is_matryoshka: true`: any size up to the full one), or None: only the full size.
+    pub matryoshka: Option<Vec<usize>>,
 }
 
 impl ServedModel {
@@ -68,6 +103,8 @@ impl ServedModel {
     pub fn load(id: &str, source: &str, revision: Option<&str>, settings: &LoadSettings) -> Result<Self> {
         let placement = &settings.placement;
         let files = crate::model_files::resolve_model(source, revision)?;
+        let own_pooling = Pooling::of_model(&files)?;
+        let matryoshka = matryoshka(&files.config)?;
         let opts = crate::model_files::LoadOptions { adapter: None, dtype: placement.dtype, quantize: placement.quantize };
         let loaded = crate::model_files::load_model_with(files, &opts, &placement.device)?;
         // The engine thread computes on its own (per-thread) stream: the weights must have landed.
@@ -92,6 +129,12 @@ impl ServedModel {
             }
         };
         let config = loaded.config.clone();
+        let generates = match settings.task {
+            Task::Generate => true,
+            Task::Embed => false,
+            Task::Auto => !config.headless && own_pooling.is_none(),
+        };
+        let pooling = settings.pooling.or(own_pooling).unwrap_or(Pooling::Last);
         let splits_reasoning = settings.reasoning.splits(tokenizer.chat_template.as_ref().map(|t| t.source.as_str()));
         let engine = engine::start(loaded.model, tokenizer.clone(), eos, settings.engine, settings.metrics.clone());
         let max_total_tokens = settings.limit_total.unwrap_or(context).min(context);
@@ -108,6 +151,9 @@ impl ServedModel {
             grammars,
             config,
             splits_reasoning,
+            generates,
+            pooling,
+            matryoshka,
         })
     }
 
@@ -118,6 +164,17 @@ impl ServedModel {
         let switch = self.tokenizer.chat_template.as_ref().is_some_and(|t| t.source.contains("enable_thinking"));
         json!({"id": self.id, "object": "model", "created": self.created, "owned_by": "fsdp-app", "max_model_len": self.context,
                "reasoning": self.splits_reasoning, "thinking_switch": switch})
+    }
+
+    /// The refusal of a generation request for a model that only embeds.
+    pub fn check_generates(&self) -> Result<(), ApiError> {
+        match self.generates {
+            true => Ok(()),
+            false => Err(ApiError::invalid(
+                "model",
+                format!("`{}` is served for embeddings only (an embedding model, or --task embed): use /v1/embeddings.", self.id),
+            )),
+        }
     }
 
     /// Where a chat prompt leaves the answer's thinking, for a model whose thinking is split out
@@ -162,4 +219,14 @@ impl ServedModel {
         let text = rendered.map_err(|e| ApiError::invalid("messages", format!("The chat template failed: {e:#}")))? + prefill;
         self.tokenizer.encode(&text, false).map_err(|e| ApiError::bad_request(format!("{e:#}")))
     }
+}
+
+/// config.json's Matryoshka sizes (see `ServedModel::matryoshka`), as vLLM reads them.
+fn matryoshka(config: &std::path::Path) -> Result<Option<Vec<usize>>> {
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(config)?)?;
+    if let Some(list) = v.get("matryoshka_dimensions").filter(|l| !l.is_null()) {
+        let sizes = list.as_array().and_then(|a| a.iter().map(|x| x.as_u64().map(|n| n as usize)).collect::<Option<Vec<_>>>());
+        return sizes.map(Some).ok_or_else(|| anyhow::anyhow!("{}: `matryoshka_dimensions` must be a list of sizes", config.display()));
+    }
+    Ok(v.get("is_matryoshka").and_then(Value::as_bool).unwrap_or(false).then(Vec::new))
 }

@@ -36,6 +36,9 @@ pub struct ServeConfig {
     pub max_queue: usize,
     /// `--reasoning-parser`: how thinking is split out of answers.
     pub reasoning_parser: crate::generate::reasoning::ReasoningChoice,
+    /// `--task` and `--pooling`: whether the model generates or only embeds, and how it pools.
+    pub task: super::served_model::Task,
+    pub pooling: Option<crate::embed::Pooling>,
     /// Longest a request's sequence waits for a slot before it is answered 429 (None: no limit).
     pub max_queue_wait: Option<std::time::Duration>,
     pub max_input_tokens: Option<usize>,
@@ -87,6 +90,8 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
         limit_total: cfg.max_total_tokens,
         metrics: metrics.clone(),
         reasoning: cfg.reasoning_parser,
+        task: cfg.task,
+        pooling: cfg.pooling,
     };
     let base = ServedModel::load(&base_id, &cfg.model, cfg.revision.as_deref(), &load)?;
     let adapters = Adapters::new(base.config.clone(), load.placement.clone(), cfg.max_loras, cfg.lora_dir.as_deref())?;

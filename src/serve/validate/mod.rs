@@ -326,6 +326,7 @@ impl Target {
     fn of(st: &AppState, v: &Value) -> Result<Self, ApiError> {
         let id = model_field(v)?;
         let (model, adapter) = st.target(id)?;
+        model.check_generates()?;
         let cache_key = v.get("prompt_cache_key").and_then(Value::as_str).map(str::to_string);
         Ok(Self { id: id.to_string(), model, adapter, cache_key })
     }

@@ -1,0 +1,159 @@
+//! `POST /v1/embeddings`, as OpenAI's: `input` a string, a list of strings, a list of token ids
+//! or a list of lists of token ids (each one text, embedded on its own); `encoding_format`
+//! `float` or `base64` (the vector's little-endian f32 bytes, which the `openai` client decodes);
+//! `dimensions` only for a Matryoshka model (config.json says which sizes), the vector cut to
+//! that size and normalised again, as vLLM does; `user` accepted. The texts go through the
+//! model's engine, between its decode steps (`engine::EmbedJob`); the request takes one queue
+//! place. A text longer than the model's context is refused with both numbers.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::Json;
+use base64::Engine as _;
+use serde_json::{json, Value};
+
+use super::body::json_body;
+use super::engine::EmbedJob;
+use super::error::ApiError;
+use super::fields::{self, Fields};
+use super::served_model::ServedModel;
+use super::state::AppState;
+
+/// OpenAI's limit on `input`'s length.
+const MAX_INPUTS: usize = 2048;
+
+/// `/v1/embeddings`' fields.
+pub const FIELDS: &[&str] = &["model", "input", "encoding_format", "dimensions", "user"];
+
+/// A checked request: the model, each text's ids, the answer's shape.
+struct EmbeddingRequest {
+    model: Arc<ServedModel>,
+    model_id: String,
+    inputs: Vec<Vec<u32>>,
+    base64: bool,
+    dimensions: Option<usize>,
+}
+
+pub async fn embeddings(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
+    let req = read(&st, &json_body(body, st.max_body_bytes)?)?;
+    let _admission = super::admission::admit(&st, 1)?;
+    let mut replies = vec![];
+    for ids in &req.inputs {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        req.model.engine.submit_embed(EmbedJob { ids: ids.clone(), pooling: req.model.pooling, reply }).map_err(ApiError::internal)?;
+        replies.push(rx);
+    }
+    let mut data = vec![];
+    for (index, rx) in replies.into_iter().enumerate() {
+        let vector = tokio::select! {
+            v = rx => v.map_err(|_| ApiError::internal("the engine dropped the request"))?,
+            _ = st.shutdown.forced() => return Err(ApiError::shutting_down()),
+        };
+        let mut vector = vector.map_err(|e| ApiError::internal(format!("Embedding failed: {e}")))?;
+        if let Some(d) = req.dimensions {
+            vector.truncate(d);
+            crate::embed::normalize(&mut vector);
+        }
+        let embedding = match req.base64 {
+            true => {
+                json!(base64::engine::general_purpose::STANDARD.encode(vector.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>()))
+            }
+            false => json!(vector),
+        };
+        data.push(json!({"object": "embedding", "index": index, "embedding": embedding}));
+    }
+    let tokens: usize = req.inputs.iter().map(Vec::len).sum();
+    Ok(Json(json!({"object": "list", "data": data, "model": req.model_id, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})))
+}
+
+fn read(st: &AppState, v: &Value) -> Result<EmbeddingRequest, ApiError> {
+    fields::check(v, FIELDS, "", st.lenient)?;
+    let f = Fields::of(v)?;
+    let model_id = f.string("model")?.ok_or_else(|| ApiError::invalid("model", "`model` is required."))?;
+    let (model, adapter) = st.target(model_id)?;
+    if adapter.is_some() {
+        return Err(ApiError::invalid("model", format!("`{model_id}` is a LoRA adapter; embeddings come from the base model alone.")));
+    }
+    f.string("user")?;
+    let base64 = match f.string("encoding_format")? {
+        None | Some("float") => false,
+        Some("base64") => true,
+        Some(other) => return Err(ApiError::invalid("encoding_format", format!("`encoding_format` {other:?}: use float or base64."))),
+    };
+    let dimensions = f.integer("dimensions", 1, 1 << 20)?.map(|d| d as usize);
+    if let Some(d) = dimensions {
+        check_dimensions(&model, d)?;
+    }
+    let inputs = inputs(&model, f.value("input"))?;
+    Ok(EmbeddingRequest { model, model_id: model_id.to_string(), inputs, base64, dimensions })
+}
+
+/// `dimensions` for a Matryoshka model: one of its sizes (any up to the full one when it lists
+/// none); refused by name for every other model.
+fn check_dimensions(model: &ServedModel, d: usize) -> Result<(), ApiError> {
+    let full = model.config.hidden_size;
+    match &model.matryoshka {
+        None => Err(ApiError::invalid(
+            "dimensions",
+            format!(
+                "`{}` does not support `dimensions` (its config.json has no matryoshka_dimensions); its embeddings have {full}.",
+                model.id
+            ),
+        )),
+        Some(sizes) if sizes.is_empty() && d <= full => Ok(()),
+        Some(sizes) if sizes.contains(&d) => Ok(()),
+        Some(sizes) => {
+            let allowed = if sizes.is_empty() { format!("at most {full}") } else { format!("one of {sizes:?}") };
+            Err(ApiError::invalid("dimensions", format!("`dimensions` {d}: this model's sizes are {allowed}.")))
+        }
+    }
+}
+
+/// `input` as token ids, one list per text, each within the model's context.
+fn inputs(model: &ServedModel, input: Option<&Value>) -> Result<Vec<Vec<u32>>, ApiError> {
+    const P: &str = "input";
+    let shape = "`input` must be a string, a list of strings, a list of token ids or a list of lists of token ids.";
+    let ids_of = |v: &[Value], at: &str| -> Result<Vec<u32>, ApiError> {
+        v.iter()
+            .map(|x| x.as_u64().filter(|&i| (i as usize) < model.vocab).map(|i| i as u32))
+            .collect::<Option<Vec<u32>>>()
+            .ok_or_else(|| ApiError::invalid(at, format!("token ids must be integers in [0, {}).", model.vocab)))
+    };
+    let encode = |text: &str, at: &str| -> Result<Vec<u32>, ApiError> {
+        if text.is_empty() {
+            return Err(ApiError::invalid(at, "an input must not be empty."));
+        }
+        model.tokenizer.encode(text, true).map_err(|e| ApiError::bad_request(format!("{e:#}")))
+    };
+    let texts: Vec<Vec<u32>> = match input {
+        Some(Value::String(s)) => vec![encode(s, P)?],
+        Some(Value::Array(a)) if a.is_empty() => return Err(ApiError::invalid(P, "`input` must not be empty.")),
+        Some(Value::Array(a)) if a.iter().all(Value::is_number) => vec![ids_of(a, P)?],
+        Some(Value::Array(a)) => a
+            .iter()
+            .enumerate()
+            .map(|(i, x)| {
+                let at = format!("{P}[{i}]");
+                match x {
+                    Value::String(s) => encode(s, &at),
+                    Value::Array(ids) if !ids.is_empty() => ids_of(ids, &at),
+                    _ => Err(ApiError::invalid(&at, shape)),
+                }
+            })
+            .collect::<Result<_, _>>()?,
+        _ => return Err(ApiError::invalid(P, shape)),
+    };
+    if texts.len() > MAX_INPUTS {
+        return Err(ApiError::invalid(P, format!("`input` has {} texts; at most {MAX_INPUTS} per request.", texts.len())));
+    }
+    for (i, ids) in texts.iter().enumerate() {
+        if ids.len() > model.context {
+            let message = format!("input[{i}] has {} tokens; this model's context is {} tokens.", ids.len(), model.context);
+            return Err(ApiError::invalid(P, message).with_code("context_length_exceeded"));
+        }
+    }
+    Ok(texts)
+}
