@@ -20,7 +20,10 @@ use tokenizers::{AddedToken, Tokenizer};
 use crate::model_files::write::StagedDir;
 use kernels::rng::SplitMix64;
 
-pub const FIXTURE_NAMES: &[&str] = &["llama", "qwen2", "qwen3", "mistral", "qwen3-embedding"];
+/// The causal LMs.
+pub const FIXTURE_NAMES: &[&str] = &["llama", "qwen2", "qwen3", "mistral"];
+/// An embedding model laid out as Qwen3-Embedding is (see `config_json`).
+pub const EMBEDDING_FIXTURE: &str = "qwen3-embedding";
 
 pub const VOCAB_SIZE: usize = 384;
 const SPECIAL_TOKENS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
@@ -82,13 +85,13 @@ fn config_json(name: &str) -> Result<Value> {
         }),
         // An embedding model laid out as Qwen3-Embedding is: the bare model (no LM head, tensor
         // names without `model.`) with sentence-transformers' last-token pooling.
-        "qwen3-embedding" => {
+        EMBEDDING_FIXTURE => {
             let mut qwen3 = config_json("qwen3")?;
             qwen3["architectures"] = json!(["Qwen3Model"]);
             qwen3["tie_word_embeddings"] = json!(true);
             return Ok(qwen3);
         }
-        other => bail!("unknown fixture {other:?}; available: {}", FIXTURE_NAMES.join(", ")),
+        other => bail!("unknown fixture {other:?}; available: {}, {EMBEDDING_FIXTURE}", FIXTURE_NAMES.join(", ")),
     };
     let mut cfg = common;
     for (k, v) in specific.as_object().unwrap() {
@@ -165,7 +168,8 @@ pub fn write_fixture_with(name: &str, out: &Path, overrides: &[(String, Value)])
     let staged = StagedDir::new(out)?;
     staged.write_json("config.json", &cfg_json)?;
 
-    let seed = FIXTURE_NAMES.iter().position(|n| *n == name).unwrap() as u64 + 1;
+    // Each fixture its own seed (the embedding model's follows the causal LMs').
+    let seed = FIXTURE_NAMES.iter().position(|n| *n == name).unwrap_or(FIXTURE_NAMES.len()) as u64 + 1;
     let weights = random_weights(&cfg, seed)?;
     if name == "llama" {
         // Sharded like a big checkpoint: embeddings and layer 0 in the first file, the rest in the second.

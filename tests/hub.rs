@@ -36,6 +36,7 @@ fn downloads_through_hf_endpoint_then_works_offline_from_the_cache() {
             "model-00001-of-00002.safetensors",
             "model-00002-of-00002.safetensors",
             "model.safetensors.index.json",
+            "modules.json",            // optional (sentence-transformers' pooling), absent
             "special_tokens_map.json", // optional, absent
             "tokenizer.json",
             "tokenizer_config.json",

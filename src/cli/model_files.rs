@@ -39,8 +39,9 @@ pub struct MergeArgs {
 #[derive(Args)]
 pub struct FixtureArgs {
     /// Which fixture: llama (GQA, untied, sharded, Llama 3 rope scaling), qwen2 (qkv bias, tied),
-    /// qwen3 (q/k norm), mistral (sliding window).
-    #[arg(long, value_parser = fsdp_app::fixtures::FIXTURE_NAMES.to_vec())]
+    /// qwen3 (q/k norm), mistral (sliding window); qwen3-embedding (a bare Qwen3Model with
+    /// sentence-transformers' last-token pooling, laid out as Qwen3-Embedding is).
+    #[arg(long, value_parser = [fsdp_app::fixtures::FIXTURE_NAMES, &[fsdp_app::fixtures::EMBEDDING_FIXTURE]].concat())]
     name: String,
     #[arg(long)]
     out: PathBuf,

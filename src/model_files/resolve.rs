@@ -132,6 +132,10 @@ fn resolve_local(dir: &Path) -> Result<ModelFiles> {
         let p = dir.join(name);
         files.set_optional(name, p.is_file().then_some(p));
     }
+    if files.st_modules.is_some() {
+        let p = dir.join(ST_POOLING);
+        files.set_optional(ST_POOLING, p.is_file().then_some(p));
+    }
     Ok(files)
 }
 
@@ -172,6 +176,9 @@ fn resolve_hub(repo_id: &str, revision: &str) -> Result<ModelFiles> {
     };
     for name in OPTIONAL_FILES {
         files.set_optional(name, repo.get_optional(name)?);
+    }
+    if files.st_modules.is_some() {
+        files.set_optional(ST_POOLING, repo.get_optional(ST_POOLING)?);
     }
     Ok(files)
 }
