@@ -59,6 +59,12 @@ pub struct ServeArgs {
     /// (the first token's). Default: the model's sentence-transformers pooling, else `last`.
     #[arg(long, value_parser = fsdp_app::embed::Pooling::parse)]
     pooling: Option<fsdp_app::embed::Pooling>,
+    /// How the model writes function calls when `tool_choice` is `auto` (vLLM's names):
+    /// `hermes` (`<tool_call>` blocks: Hermes, Qwen 2.5 / 3), `llama3_json` (Llama 3.1+ JSON),
+    /// `mistral` (`[TOOL_CALLS]`), or `auto`: the one the chat template writes, else `hermes`
+    /// (the format the generic tool prompt asks for).
+    #[arg(long, default_value = "auto", value_parser = fsdp_app::serve::tool_format::ToolParser::parse)]
+    tool_call_parser: fsdp_app::serve::tool_format::ToolParser,
     /// Seconds a request may wait in the queue for a slot; one that waits longer is answered 429
     /// with Retry-After (streams too: their 200 comes only once they run), so a client with a
     /// 60 s timeout hears back in time. 0: wait as long as it takes.
@@ -143,6 +149,7 @@ impl TryFrom<ServeArgs> for ServeConfig {
             reasoning_parser: a.reasoning_parser,
             task: a.task,
             pooling: a.pooling,
+            tool_call_parser: a.tool_call_parser,
             max_queue_wait: match a.max_queue_wait {
                 0.0 => None,
                 s => Some(seconds("--max-queue-wait", s)?),

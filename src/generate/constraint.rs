@@ -23,22 +23,30 @@ pub enum OutputFormat {
     JsonObject,
     /// JSON valid against this schema (`response_format: {"type": "json_schema", ...}`).
     JsonSchema(Value),
+    /// A grammar in llguidance's Lark syntax (an `auto` answer's calls, `serve::tool_format`).
+    Lark(String),
 }
 
 impl OutputFormat {
     fn grammar(&self) -> TopLevelGrammar {
-        let mut schema = match self {
-            OutputFormat::JsonObject => json!({"type": "object"}),
-            OutputFormat::JsonSchema(s) => super::json_schema::tighten(s),
-        };
-        // Compact JSON (", " and ": " as separators, no other whitespace) unless the schema says
-        // otherwise: with free whitespace a model can pad its answer with blanks until
-        // max_tokens and never finish the object.
-        if let Some(o) = schema.as_object_mut() {
-            o.entry("x-guidance").or_insert(json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}));
+        match self {
+            OutputFormat::JsonObject => TopLevelGrammar::from_json_schema(compact_json(&json!({"type": "object"}))),
+            OutputFormat::JsonSchema(s) => TopLevelGrammar::from_json_schema(compact_json(s)),
+            OutputFormat::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
         }
-        TopLevelGrammar::from_json_schema(schema)
     }
+}
+
+/// A schema as the grammar engine takes it: tightened (`json_schema::tighten`), and compact JSON
+/// (", " and ": " as separators, no other whitespace) unless the schema says otherwise: with
+/// free whitespace a model can pad its answer with blanks until max_tokens and never finish the
+/// object.
+pub fn compact_json(schema: &Value) -> Value {
+    let mut schema = super::json_schema::tighten(schema);
+    if let Some(o) = schema.as_object_mut() {
+        o.entry("x-guidance").or_insert(json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}));
+    }
+    schema
 }
 
 /// A model's vocabulary as the grammar engine sees it: built once per served model.

@@ -17,8 +17,7 @@ pub const ST_MODULES: &str = "modules.json";
 pub const ST_POOLING: &str = "1_Pooling/config.json";
 
 /// The optional side files, fetched when present (and `ST_POOLING` when `ST_MODULES` is).
-pub(super) const OPTIONAL_FILES: &[&str] =
-    &[TOKENIZER, TOKENIZER_CONFIG, GENERATION_CONFIG, CHAT_TEMPLATE, SPECIAL_TOKENS_MAP, ST_MODULES];
+pub(super) const OPTIONAL_FILES: &[&str] = &[TOKENIZER, TOKENIZER_CONFIG, GENERATION_CONFIG, CHAT_TEMPLATE, SPECIAL_TOKENS_MAP, ST_MODULES];
 
 /// Weight formats that are pickles: loading them can execute arbitrary code.
 pub(super) const PICKLE_WEIGHTS: &[&str] =

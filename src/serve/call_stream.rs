@@ -5,7 +5,8 @@
 //! answer agree to the byte).
 //!
 //! The answer is a named function's arguments (`Named`) or a list of `{"name", "arguments"}`
-//! objects, or one such object (`required`). A call identical to an earlier one is never shown:
+//! objects, or such objects one after another (`required`, and the calls of a model's own format,
+//! `tool_format`; Llama 3.1 writes `parameters` for `arguments`). A call identical to an earlier one is never shown:
 //! while a call's text is still a prefix of an earlier call's, its events are held, and dropped
 //! if it completes identical: [`CallStream::repeated`] then tells the engine to end the answer
 //! (a small model would otherwise repeat the call until `max_tokens`).
@@ -199,7 +200,9 @@ impl CallStream {
                 return;
             }
         }
-        let arguments_start = self.depth == inside && self.slot == Slot::Value && self.key == "arguments" && !c.is_whitespace();
+        // Llama 3.1's JSON calls name their arguments `parameters`.
+        let args_key = self.key == "arguments" || self.key == "parameters";
+        let arguments_start = self.depth == inside && self.slot == Slot::Value && args_key && !c.is_whitespace();
         match c {
             _ if arguments_start => {
                 self.in_args = true;

@@ -8,7 +8,8 @@
 //! the settings every route reads; `server` starts it all; `listen` is the accept loop with its
 //! timeouts and `shutdown` the drain on SIGTERM. Fine-tuning: `files`, `jobs` (API and runner),
 //! `store` (SQLite), `checkpoints` (a job's checkpoints, served), `process` (their process
-//! groups). `fields` says which request fields each endpoint takes, `tools` is function calling,
+//! groups). `fields` says which request fields each endpoint takes, `tools` is function calling
+//! (`tool_format` the models' own call formats, `call_stream` a call's JSON as it streams),
 //! `error` OpenAI's error shape (and Anthropic's, for `/v1/messages`). `embeddings` is
 //! `/v1/embeddings`, whose texts the engine embeds between decode steps.
 
@@ -36,6 +37,7 @@ mod server;
 pub mod shutdown;
 pub mod state;
 pub mod store;
+pub mod tool_format;
 pub mod tools;
 pub mod validate;
 pub mod web;

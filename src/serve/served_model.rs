@@ -10,6 +10,7 @@ use serde_json::{json, Value};
 use super::engine::{self, EngineHandle, EngineSettings};
 use super::error::ApiError;
 use super::metrics::Metrics;
+use super::tool_format::{ToolFormat, ToolParser};
 use super::tools::{self, Tools};
 use crate::embed::Pooling;
 use crate::generate::constraint::Grammars;
@@ -46,6 +47,8 @@ pub struct LoadSettings {
     pub task: Task,
     /// `--pooling`: how texts' hidden states become embeddings (default: the model's own).
     pub pooling: Option<Pooling>,
+    /// `--tool-call-parser`: how models write their calls.
+    pub tool_parser: ToolParser,
 }
 
 /// What a served model is for (`serve --task`).
@@ -93,6 +96,8 @@ pub struct ServedModel {
     pub generates: bool,
     /// How its embeddings pool the hidden states.
     pub pooling: Pooling,
+    /// How it writes function calls when free to (`tool_choice: auto`).
+    pub tool_format: ToolFormat,
     /// The embedding sizes `dimensions` may ask for (config.json's `matryoshka_dimensions`; empty
     /// with `is_matryoshka: true`: any size up to the full one), or None: only the full size.
     pub matryoshka: Option<Vec<usize>>,
@@ -135,7 +140,9 @@ impl ServedModel {
             Task::Auto => !config.headless && own_pooling.is_none(),
         };
         let pooling = settings.pooling.or(own_pooling).unwrap_or(Pooling::Last);
-        let splits_reasoning = settings.reasoning.splits(tokenizer.chat_template.as_ref().map(|t| t.source.as_str()));
+        let template = tokenizer.chat_template.as_ref().map(|t| t.source.as_str());
+        let splits_reasoning = settings.reasoning.splits(template);
+        let tool_format = settings.tool_parser.format(template, |t| tokenizer.token_id(t)).map_err(|e| anyhow::anyhow!("{source}: {e}"))?;
         let engine = engine::start(loaded.model, tokenizer.clone(), eos, settings.engine, settings.metrics.clone());
         let max_total_tokens = settings.limit_total.unwrap_or(context).min(context);
         Ok(Self {
@@ -153,6 +160,7 @@ impl ServedModel {
             splits_reasoning,
             generates,
             pooling,
+            tool_format,
             matryoshka,
         })
     }

@@ -39,6 +39,8 @@ pub struct ServeConfig {
     /// `--task` and `--pooling`: whether the model generates or only embeds, and how it pools.
     pub task: super::served_model::Task,
     pub pooling: Option<crate::embed::Pooling>,
+    /// `--tool-call-parser`: how the model writes function calls.
+    pub tool_call_parser: super::tool_format::ToolParser,
     /// Longest a request's sequence waits for a slot before it is answered 429 (None: no limit).
     pub max_queue_wait: Option<std::time::Duration>,
     pub max_input_tokens: Option<usize>,
@@ -92,6 +94,7 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
         reasoning: cfg.reasoning_parser,
         task: cfg.task,
         pooling: cfg.pooling,
+        tool_parser: cfg.tool_call_parser,
     };
     let base = ServedModel::load(&base_id, &cfg.model, cfg.revision.as_deref(), &load)?;
     let adapters = Adapters::new(base.config.clone(), load.placement.clone(), cfg.max_loras, cfg.lora_dir.as_deref())?;

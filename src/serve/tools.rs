@@ -10,15 +10,18 @@
 //! - `required` and a named function are constrained decoding (see `generate::constraint`):
 //!   the answer is a call (or, with `parallel_tool_calls`, a list of calls) whose arguments
 //!   follow the function's parameter schema; a named function's answer is its arguments.
-//! - `auto` leaves the model free; its answer is a call when it holds `<tool_call>` blocks
-//!   (Hermes, Qwen 2.5, SmolLM's format) or is a bare `{"name", "arguments"|"parameters"}`
-//!   object naming one of the functions (Llama 3.1's).
+//! - `auto` leaves the model free to write text or calls in its own format (`tool_format`:
+//!   Hermes / Qwen `<tool_call>` blocks, Llama 3.1's JSON, Mistral's `[TOOL_CALLS]`); from the
+//!   moment it opens a call, a lazy grammar holds the call to the functions' schemas. A bare
+//!   `{"name", "arguments"}` answer naming a function is read as a call too (small models
+//!   asked in the generic format write that).
 
 use serde_json::{json, Map, Value};
 
 use super::call_stream::CallStream;
 use super::engine::StopWhen;
 use super::error::ApiError;
+use super::tool_format::{NativeCalls, Piece, ToolFormat, HERMES_CLOSE, HERMES_OPEN, MISTRAL_TRIGGER};
 use crate::generate::constraint::OutputFormat;
 use crate::generate::json_schema;
 use crate::tokenize::ChatMessage;
@@ -41,6 +44,8 @@ pub struct Tools {
     parameters: Vec<Value>,
     pub choice: ToolChoice,
     pub parallel: bool,
+    /// How the model writes calls when free to (`auto`); set from the model (`tool_format`).
+    pub format: ToolFormat,
 }
 
 /// A call the model made.
@@ -144,7 +149,7 @@ pub fn parse(v: &Value) -> Result<Option<Tools>, ApiError> {
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(ApiError::invalid("parallel_tool_calls", "`parallel_tool_calls` must be a boolean.")),
     };
-    Ok(Some(Tools { definitions, names, parameters, choice, parallel }))
+    Ok(Some(Tools { definitions, names, parameters, choice, parallel, format: ToolFormat::Hermes }))
 }
 
 impl Tools {
@@ -176,6 +181,7 @@ impl Tools {
             OutputFormat::JsonObject => json!({"type": "object"}),
             // `$` cannot start a function's name, so this name meets none of theirs.
             OutputFormat::JsonSchema(s) => json_schema::embed(s, "$response_format", &mut defs),
+            OutputFormat::Lark(_) => unreachable!("a response_format is JSON"),
         });
         OutputFormat::JsonSchema(json!({"anyOf": choices, "$defs": defs}))
     }
@@ -184,14 +190,49 @@ impl Tools {
     /// move into the wrapper's `$defs` with their own definitions beside them, so their `$ref`s
     /// resolve as they did alone.
     fn call_schemas(&self, defs: &mut Map<String, Value>) -> Vec<Value> {
+        self.call_schemas_with(defs, "arguments")
+    }
+
+    /// The same, the arguments under `key` (Llama 3.1 writes `parameters`).
+    fn call_schemas_with(&self, defs: &mut Map<String, Value>, key: &str) -> Vec<Value> {
         self.names
             .iter()
             .zip(&self.parameters)
             .map(|(n, p)| {
                 let arguments = json_schema::embed(p, n, defs);
-                json!({"type": "object", "properties": {"name": {"enum": [n]}, "arguments": arguments}, "required": ["name", "arguments"], "additionalProperties": false})
+                json!({"type": "object", "properties": {"name": {"enum": [n]}, key: arguments}, "required": ["name", key], "additionalProperties": false})
             })
             .collect()
+    }
+
+    /// The lazy grammar of an `auto` answer in the model's own format (None for other choices).
+    pub fn auto_grammar(&self) -> Option<OutputFormat> {
+        (self.choice == ToolChoice::Auto).then(|| {
+            let mut defs = Map::new();
+            let calls = self.call_schemas_with(&mut defs, self.format.arguments_key());
+            let call = crate::generate::constraint::compact_json(&json!({"anyOf": calls, "$defs": defs}));
+            OutputFormat::Lark(self.format.grammar(&call, self.parallel))
+        })
+    }
+
+    /// A reader of an `auto` answer's text and calls as it streams (None for other choices).
+    pub fn auto_stream(&self) -> Option<NativeCalls> {
+        (self.choice == ToolChoice::Auto).then(|| self.format.stream())
+    }
+
+    /// A fresh id for a call, in the form the model's template takes back.
+    pub fn new_call_id(&self) -> String {
+        self.format.call_id()
+    }
+
+    /// OpenAI's `tool_calls` of a response message.
+    pub fn calls_json(&self, calls: &[ToolCall]) -> Value {
+        Value::Array(
+            calls
+                .iter()
+                .map(|c| json!({"id": self.new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
+                .collect(),
+        )
     }
 
     fn index(&self, name: &str) -> usize {
@@ -217,7 +258,10 @@ impl Tools {
                 let calls = stream.calls().into_iter().map(|c| ToolCall { name: c.name, arguments: c.arguments }).collect();
                 Some((None, calls))
             }
-            ToolChoice::Auto => self.detect(answer),
+            ToolChoice::Auto => match self.format {
+                ToolFormat::Hermes => self.detect(answer),
+                ToolFormat::Llama3Json | ToolFormat::Mistral(_) => self.read_streamed(answer).or_else(|| self.detect(answer)),
+            },
         }
     }
 
@@ -241,24 +285,54 @@ impl Tools {
         }))
     }
 
-    /// `{"name", "arguments"|"parameters"}` naming one of the functions, as a call.
-    fn call_of(&self, v: &Value) -> Option<ToolCall> {
+    /// A `{"name", "arguments"|"parameters"}` object naming one of the functions, as a call; its
+    /// arguments as the model wrote them (as a streamed call's fragments add up to).
+    fn call_of(&self, text: &str) -> Option<ToolCall> {
+        let v: Value = serde_json::from_str(text).ok()?;
         let name = v.get("name")?.as_str()?;
         if !self.names.iter().any(|n| n == name) {
             return None;
         }
-        let args = v.get("arguments").or_else(|| v.get("parameters")).cloned().unwrap_or(json!({}));
-        let arguments = match args {
-            Value::String(s) => s,
-            other => other.to_string(),
+        let arguments = match v.get("arguments").or_else(|| v.get("parameters")) {
+            None => "{}".to_string(),
+            Some(Value::String(s)) => s.clone(),
+            Some(_) => {
+                let mut reader = CallStream::new(None);
+                reader.push(text);
+                reader.calls().pop()?.arguments
+            }
         };
         Some(ToolCall { name: name.to_string(), arguments })
     }
 
+    /// Calls in a free answer read as it would stream (Llama 3.1's, Mistral's): the text before
+    /// the calls, and the calls, each of a declared function (else the answer is text).
+    fn read_streamed(&self, answer: &str) -> Option<(Option<String>, Vec<ToolCall>)> {
+        let mut stream = self.format.stream();
+        let pieces = stream.push(answer).into_iter().chain(stream.finish());
+        let text: String = pieces.filter_map(|p| if let Piece::Text(t) = p { Some(t) } else { None }).collect();
+        if !stream.calling() {
+            return None;
+        }
+        let mut reader = CallStream::new(None);
+        let body = answer.trim_start();
+        let body = match self.format {
+            ToolFormat::Mistral(_) => &body[body.find(MISTRAL_TRIGGER)? + MISTRAL_TRIGGER.len()..],
+            _ => body,
+        };
+        reader.push(body);
+        let calls: Vec<ToolCall> = reader.calls().into_iter().map(|c| ToolCall { name: c.name, arguments: c.arguments }).collect();
+        if calls.is_empty() || !calls.iter().all(|c| self.names.contains(&c.name)) {
+            return None;
+        }
+        let text = text.trim();
+        Some(((!text.is_empty()).then(|| text.to_string()), calls))
+    }
+
     /// Calls in a free answer: `<tool_call>` blocks, or the whole answer as one call object.
     fn detect(&self, answer: &str) -> Option<(Option<String>, Vec<ToolCall>)> {
-        const OPEN: &str = "<tool_call>";
-        const CLOSE: &str = "</tool_call>";
+        const OPEN: &str = HERMES_OPEN;
+        const CLOSE: &str = HERMES_CLOSE;
         let mut calls = vec![];
         let mut outside = String::new();
         let mut rest = answer;
@@ -266,17 +340,13 @@ impl Tools {
             outside.push_str(&rest[..at]);
             let body = &rest[at + OPEN.len()..];
             let end = body.find(CLOSE).unwrap_or(body.len());
-            let parsed: Option<Value> = serde_json::from_str(body[..end].trim()).ok();
-            match parsed.as_ref().and_then(|v| self.call_of(v)) {
-                Some(c) => calls.push(c),
-                None => return None, // a block that is not a call of ours: leave the text alone
-            }
+            // A block that is not a call of ours: leave the text alone.
+            calls.push(self.call_of(body[..end].trim())?);
             rest = body.get(end + CLOSE.len()..).unwrap_or("");
         }
         outside.push_str(rest);
         if calls.is_empty() {
-            let v: Value = serde_json::from_str(answer.trim()).ok()?;
-            return Some((None, vec![self.call_of(&v)?]));
+            return Some((None, vec![self.call_of(answer.trim())?]));
         }
         let outside = outside.trim();
         Some(((!outside.is_empty()).then(|| outside.to_string()), calls))
@@ -359,16 +429,6 @@ pub fn new_call_id() -> String {
     super::ids::new_id("call").replace("call-", "call_")
 }
 
-/// OpenAI's `tool_calls` of a response message.
-pub fn calls_json(calls: &[ToolCall]) -> Value {
-    Value::Array(
-        calls
-            .iter()
-            .map(|c| json!({"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
-            .collect(),
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -395,10 +455,10 @@ mod tests {
         let (text, calls) =
             auto.calls_in("Sure. <tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}</tool_call>").unwrap();
         assert_eq!(text.as_deref(), Some("Sure."));
-        assert_eq!(calls, vec![ToolCall { name: "get_weather".into(), arguments: "{\"city\":\"Paris\"}".into() }]);
+        assert_eq!(calls, vec![ToolCall { name: "get_weather".into(), arguments: "{\"city\": \"Paris\"}".into() }]);
         assert_eq!(
             auto.calls_in("{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\"}}").unwrap().1[0].arguments,
-            "{\"city\":\"Oslo\"}"
+            "{\"city\": \"Oslo\"}"
         );
         assert!(auto.calls_in("It is sunny.").is_none());
         assert!(auto.calls_in("{\"name\": \"other\", \"arguments\": {}}").is_none());
@@ -429,7 +489,7 @@ mod tests {
         assert!(!accepts(r#"{"name": "other", "arguments": {}}"#), "a function not given");
         assert!(!accepts(r#"{"temp": "hot"}"#), "the answer's $ref");
         // What the grammar lets through is read back as the call it is.
-        assert_eq!(t.calls_in(call).unwrap().1, vec![ToolCall { name: "get_weather".into(), arguments: "{\"city\":\"Paris\"}".into() }]);
+        assert_eq!(t.calls_in(call).unwrap().1, vec![ToolCall { name: "get_weather".into(), arguments: "{\"city\": \"Paris\"}".into() }]);
         assert!(t.calls_in(r#"{"temp": 21}"#).is_none());
     }
 

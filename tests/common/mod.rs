@@ -5,6 +5,7 @@ pub mod gguf;
 pub mod hub;
 pub mod reasoning;
 pub mod server;
+pub mod tool_models;
 pub mod training;
 
 use std::path::{Path, PathBuf};

@@ -4,7 +4,8 @@
 //! stream Anthropic's SDKs consume: `message_start`, `ping`, per block `content_block_start`,
 //! `content_block_delta` (`thinking_delta` and its `signature_delta`, `text_delta`,
 //! `input_json_delta`) and `content_block_stop`, then `message_delta` with the stop reason and
-//! usage, and `message_stop`. Errors are Anthropic's `error` event.
+//! usage, and `message_stop`. Errors are Anthropic's `error` event. An `auto` answer streams its
+//! text until it opens a call in the model's own format, then its calls (`tool_format`).
 //!
 //! `usage.input_tokens` counts the prompt tokens not read from the prefix cache and
 //! `cache_read_input_tokens` those that were, as Anthropic counts them (their sum is
@@ -20,14 +21,16 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
-use crate::generate::reasoning::{self, Split, ThinkSplit};
+use super::reader::{follow, Followed, Read};
+use crate::generate::reasoning;
 use crate::generate::FinishReason;
 use crate::serve::admission::Submitted;
-use crate::serve::call_stream::{CallEvent, CallStream};
+use crate::serve::call_stream::CallEvent;
 use crate::serve::engine::Event;
 use crate::serve::error::{AnthropicError, ApiError};
 use crate::serve::ids;
 use crate::serve::state::AppState;
+use crate::serve::tool_format::Piece;
 use crate::serve::tools::Tools;
 use crate::serve::validate::anthropic::ThinkingBlocks;
 use crate::serve::validate::{RequestKind, ValidatedRequest};
@@ -195,96 +198,46 @@ impl Streamer {
         self.delta_at(self.blocks - 1, delta)
     }
 
-    /// A whole block at once (an `auto` answer's, shaped at its end).
-    fn block(&mut self, block: &Value) -> bool {
-        match block["type"].as_str() {
-            Some("tool_use") => {
-                let partial = block["input"].to_string();
-                let mut opened = block.clone();
-                opened["input"] = json!({});
-                self.start(Open::ToolUse, opened)
-                    && self.delta_at(self.blocks - 1, json!({"type": "input_json_delta", "partial_json": partial}))
-            }
-            _ => self.write(Open::Text, block["text"].as_str().unwrap_or_default()),
-        }
-    }
-
-    /// One piece of the answer: thinking into a thinking block (when shown), the rest into
-    /// calls, held text or a text block. False when the client is gone.
-    fn piece(&mut self, thinking: ThinkingBlocks, calls: Option<&mut CallStream>, held: Option<&mut String>, piece: Split) -> bool {
+    /// One piece of the answer: thinking into a thinking block (when shown), its text and calls
+    /// into text and `tool_use` blocks. False when the client is gone.
+    fn piece(&mut self, thinking: ThinkingBlocks, read: Read) -> bool {
         let thought = match thinking {
-            ThinkingBlocks::Shown => self.write(Open::Thinking, &piece.reasoning),
-            ThinkingBlocks::Omitted if !piece.reasoning.is_empty() && self.open != Some(Open::Thinking) => {
+            ThinkingBlocks::Shown => self.write(Open::Thinking, &read.reasoning),
+            ThinkingBlocks::Omitted if !read.reasoning.is_empty() && self.open != Some(Open::Thinking) => {
                 self.start(Open::Thinking, json!({"type": "thinking", "thinking": "", "signature": ""}))
             }
             ThinkingBlocks::Omitted | ThinkingBlocks::None => true,
         };
-        if !thought {
-            return false;
-        }
-        if let Some(held) = held {
-            held.push_str(&piece.content);
-            return true;
-        }
-        match calls {
-            Some(c) => c.push(&piece.content).into_iter().all(|e| match e {
-                CallEvent::Start { name, .. } => {
-                    self.start(Open::ToolUse, json!({"type": "tool_use", "id": new_id("toolu"), "name": name, "input": {}}))
-                }
-                CallEvent::Args { fragment, .. } => {
-                    self.delta_at(self.blocks - 1, json!({"type": "input_json_delta", "partial_json": fragment}))
-                }
-            }),
-            None => self.write(Open::Text, &piece.content),
-        }
+        thought && self.pieces(read.pieces)
     }
 
-    async fn run(&mut self, st: &AppState, req: &ValidatedRequest, mut rx: mpsc::UnboundedReceiver<Event>) {
+    /// Text into a text block, calls into `tool_use` blocks (their input as `input_json_delta`s).
+    fn pieces(&mut self, pieces: Vec<Piece>) -> bool {
+        pieces.into_iter().all(|p| match p {
+            Piece::Call(CallEvent::Start { name, .. }) => {
+                self.start(Open::ToolUse, json!({"type": "tool_use", "id": new_id("toolu"), "name": name, "input": {}}))
+            }
+            Piece::Call(CallEvent::Args { fragment, .. }) => {
+                self.delta_at(self.blocks - 1, json!({"type": "input_json_delta", "partial_json": fragment}))
+            }
+            Piece::Text(text) => self.write(Open::Text, &text),
+        })
+    }
+
+    async fn run(&mut self, st: &AppState, req: &ValidatedRequest, rx: mpsc::UnboundedReceiver<Event>) {
         let id = new_id("msg");
         let start = message_object(req, &id, vec![], (Value::Null, Value::Null), usage(req.prompt_ids.len(), 0, 0));
         if !(self.send("message_start", json!({"message": start})) && self.send("ping", json!({}))) {
             return;
         }
-        let tools = req.kind.tools();
-        // A forced call streams as it is generated; an `auto` answer with functions is held.
-        let mut calls = tools.and_then(Tools::call_stream);
-        let mut held = (tools.is_some() && calls.is_none()).then(String::new);
-        let mut split = req.thinking.map(|t| ThinkSplit::new(t.inside()));
         let show = thinking_blocks(req);
-        let done = loop {
-            let ev = tokio::select! {
-                ev = rx.recv() => ev,
-                _ = st.shutdown.forced() => return self.fail(st, ApiError::shutting_down()),
-            };
-            match ev {
-                Some(Event::Delta { text, .. }) => {
-                    let piece = match split.as_mut() {
-                        Some(s) => s.push(&text),
-                        None => Split { reasoning: String::new(), content: text },
-                    };
-                    if !self.piece(show, calls.as_mut(), held.as_mut(), piece) {
-                        return; // the client went away: dropping the receiver cancels the answer
-                    }
-                }
-                Some(Event::PromptLogprobs(_)) => {}
-                Some(Event::Done { finish, completion_tokens, cached_tokens, stop_string, .. }) => {
-                    if let Some(rest) = split.as_mut().map(ThinkSplit::finish) {
-                        if !self.piece(show, calls.as_mut(), held.as_mut(), rest) {
-                            return;
-                        }
-                    }
-                    break (finish, completion_tokens, cached_tokens, stop_string);
-                }
-                Some(ev @ (Event::Error(_) | Event::QueueTimeout { .. })) => return self.fail(st, super::failure(&ev)),
-                None => return self.fail(st, ApiError::internal("the engine dropped the request")),
-            }
+        let done = match follow(st, req, rx, |read| self.piece(show, read)).await {
+            Followed::Done(done) => done,
+            Followed::ClientGone => return,
+            Followed::Failed(e) => return self.fail(st, e),
         };
-        let (finish, output_tokens, cached_tokens, stop_string) = done;
-        if let Some(text) = held {
-            if !answer_blocks(tools, &text).iter().all(|b| self.block(b)) {
-                return;
-            }
-        }
+        let (finish, output_tokens, cached_tokens, stop_string) =
+            (done.finish, done.completion_tokens, done.cached_tokens, done.stop_string);
         if !self.close() {
             return;
         }

@@ -4,6 +4,7 @@
 
 mod anthropic;
 mod logprobs;
+mod reader;
 mod responses;
 mod stream;
 
@@ -18,7 +19,7 @@ use super::engine::Event;
 use super::error::ApiError;
 use super::fields;
 use super::state::AppState;
-use super::tools::{self, Tools};
+use super::tools::Tools;
 use super::validate::{RequestKind, ValidatedRequest};
 use crate::generate::{reasoning, FinishReason, TokenLogprob};
 use tokio::sync::mpsc;
@@ -228,10 +229,10 @@ async fn started(st: &AppState, mut submitted: Submitted) -> Result<Submitted, A
 /// `finish_reason` "tool_calls" for an answer that ended by itself), else its text; a forced
 /// call's grammar text is never content (cut before any call completed: no content, no calls).
 fn assistant_message(tools: Option<&Tools>, text: String, finish: Value) -> (Value, Value) {
-    match tools.and_then(|t| t.calls_in(&text)).filter(|(_, calls)| !calls.is_empty()) {
-        Some((content, calls)) => {
+    match tools.and_then(|t| Some((t, t.calls_in(&text)?))).filter(|(_, (_, calls))| !calls.is_empty()) {
+        Some((t, (content, calls))) => {
             let finish = if finish == "stop" { json!("tool_calls") } else { finish };
-            (json!({"role": "assistant", "content": content, "tool_calls": tools::calls_json(&calls)}), finish)
+            (json!({"role": "assistant", "content": content, "tool_calls": t.calls_json(&calls)}), finish)
         }
         None if tools.is_some_and(Tools::forces_call) => (json!({"role": "assistant", "content": null}), finish),
         None => (json!({"role": "assistant", "content": text}), finish),

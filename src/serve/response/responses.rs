@@ -16,15 +16,17 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
-use crate::generate::reasoning::{self, Split, ThinkSplit};
+use super::reader::{follow, Followed, Read};
+use crate::generate::reasoning;
 use crate::generate::FinishReason;
 use crate::serve::admission::Submitted;
-use crate::serve::call_stream::{CallEvent, CallStream};
+use crate::serve::call_stream::CallEvent;
 use crate::serve::engine::Event;
 use crate::serve::error::ApiError;
 use crate::serve::ids;
 use crate::serve::state::AppState;
-use crate::serve::tools::{self, Tools};
+use crate::serve::tool_format::{Piece, ToolFormat};
+use crate::serve::tools::Tools;
 use crate::serve::validate::{RequestKind, ValidatedRequest};
 
 /// An id with OpenAI's spelling for response objects (`resp_...`, `msg_...`, `fc_...`).
@@ -55,7 +57,9 @@ fn output_items(tools: Option<&Tools>, text: &str) -> Vec<Value> {
     match tools.and_then(|t| t.calls_in(text)).filter(|(_, calls)| !calls.is_empty()) {
         Some((outside, calls)) => {
             let message = outside.map(|t| message_item(&item_id("msg"), &t, "completed"));
-            let calls = calls.iter().map(|c| call_item(&item_id("fc"), &tools::new_call_id(), &c.name, &c.arguments, "completed"));
+            let calls = calls
+                .iter()
+                .map(|c| call_item(&item_id("fc"), &tools.map(Tools::new_call_id).unwrap_or_default(), &c.name, &c.arguments, "completed"));
             message.into_iter().chain(calls).collect()
         }
         None if tools.is_some_and(Tools::forces_call) => vec![],
@@ -117,7 +121,8 @@ pub fn sse(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -> Re
     let (out_tx, out_rx) = mpsc::unbounded_channel::<Result<SseEvent, Infallible>>();
     tokio::spawn(async move {
         let _admission = admission;
-        let mut s = Streamer { out: out_tx, seq: 0, id: item_id("resp"), created: ids::now_s(), items: vec![] };
+        let format = req.model.tool_format;
+        let mut s = Streamer { out: out_tx, seq: 0, id: item_id("resp"), created: ids::now_s(), items: vec![], format };
         s.run(&st, &req, rx).await;
     });
     Sse::new(UnboundedReceiverStream::new(out_rx)).keep_alive(KeepAlive::default()).into_response()
@@ -130,11 +135,8 @@ enum Item {
     Call { id: String, call_id: String, name: String, arguments: String },
 }
 
-/// Where the answer's stream is: its forced calls, its held text (an `auto` answer with
-/// functions, shaped at the end), its open message and thinking items.
+/// The answer's open message and thinking items.
 struct Answer {
-    calls: Option<CallStream>,
-    held: Option<String>,
     message: Option<usize>,
     thinking: Option<usize>,
 }
@@ -145,6 +147,8 @@ struct Streamer {
     id: String,
     created: i64,
     items: Vec<Item>,
+    /// The model's call format (call ids take its form).
+    format: ToolFormat,
 }
 
 impl Streamer {
@@ -255,37 +259,36 @@ impl Streamer {
         true
     }
 
-    /// One piece of the answer: its thinking into the reasoning item, the rest into calls, held
-    /// text or the message. False when the client is gone.
-    fn answer_piece(&mut self, a: &mut Answer, piece: Split) -> bool {
-        if !piece.reasoning.is_empty() {
+    /// One piece of the answer: its thinking into the reasoning item, its text and calls into
+    /// the message and call items. False when the client is gone.
+    fn answer_piece(&mut self, a: &mut Answer, read: Read) -> bool {
+        if !read.reasoning.is_empty() {
             let index = match a.thinking {
                 Some(i) => Some(i),
                 None => self.open(Item::Reasoning { id: item_id("rs"), text: String::new() }),
             };
             a.thinking = index;
-            if !index.is_some_and(|i| self.delta(i, &piece.reasoning)) {
+            if !index.is_some_and(|i| self.delta(i, &read.reasoning)) {
                 return false;
             }
         }
-        let text = piece.content;
-        if let Some(held) = a.held.as_mut() {
-            held.push_str(&text);
-            return true;
-        }
-        match a.calls.as_mut() {
-            Some(c) => c.push(&text).into_iter().all(|e| match e {
-                CallEvent::Start { name, .. } => {
-                    let item = Item::Call { id: item_id("fc"), call_id: tools::new_call_id(), name, arguments: String::new() };
-                    self.open(item).is_some()
-                }
-                CallEvent::Args { index, fragment } => {
-                    let at = self.items.iter().enumerate().filter(|(_, i)| matches!(i, Item::Call { .. })).nth(index).map(|(k, _)| k);
-                    at.is_some_and(|k| self.delta(k, &fragment))
-                }
-            }),
-            None if text.is_empty() => true,
-            None => {
+        self.pieces(a, read.pieces)
+    }
+
+    /// Text into the message item (opened on its first text), calls into call items. False when
+    /// the client is gone.
+    fn pieces(&mut self, a: &mut Answer, pieces: Vec<Piece>) -> bool {
+        pieces.into_iter().all(|p| match p {
+            Piece::Call(CallEvent::Start { name, .. }) => {
+                let call_id = self.format.call_id();
+                self.open(Item::Call { id: item_id("fc"), call_id, name, arguments: String::new() }).is_some()
+            }
+            Piece::Call(CallEvent::Args { index, fragment }) => {
+                let at = self.items.iter().enumerate().filter(|(_, i)| matches!(i, Item::Call { .. })).nth(index).map(|(k, _)| k);
+                at.is_some_and(|k| self.delta(k, &fragment))
+            }
+            Piece::Text(text) if text.is_empty() => true,
+            Piece::Text(text) => {
                 let index = match a.message {
                     Some(i) => Some(i),
                     None => self.open(Item::Message { id: item_id("msg"), text: String::new() }),
@@ -293,68 +296,21 @@ impl Streamer {
                 a.message = index;
                 index.is_some_and(|i| self.delta(i, &text))
             }
-        }
+        })
     }
 
-    async fn run(&mut self, st: &AppState, req: &ValidatedRequest, mut rx: mpsc::UnboundedReceiver<Event>) {
+    async fn run(&mut self, st: &AppState, req: &ValidatedRequest, rx: mpsc::UnboundedReceiver<Event>) {
         let start = response_object(req, &self.id, self.created, vec![], None);
         if !(self.send("response.created", json!({"response": start})) && self.send("response.in_progress", json!({"response": start}))) {
             return;
         }
-        let tools = tools_of(req);
-        // A forced call streams as it is generated; an `auto` answer with functions is held.
-        let calls = tools.and_then(Tools::call_stream);
-        let held = (tools.is_some() && calls.is_none()).then(String::new);
-        let mut answer = Answer { calls, held, message: None, thinking: None };
-        // A reasoning model's thinking, split from the answer as it streams (its own item).
-        let mut split = req.thinking.map(|t| ThinkSplit::new(t.inside()));
-        let finish = loop {
-            let ev = tokio::select! {
-                ev = rx.recv() => ev,
-                _ = st.shutdown.forced() => return self.fail(st, ApiError::shutting_down()),
-            };
-            match ev {
-                Some(Event::Delta { text, .. }) => {
-                    let piece = match split.as_mut() {
-                        Some(s) => s.push(&text),
-                        None => Split { reasoning: String::new(), content: text },
-                    };
-                    if !self.answer_piece(&mut answer, piece) {
-                        return; // the client went away: dropping the receiver cancels the answer
-                    }
-                }
-                Some(Event::PromptLogprobs(_)) => {}
-                Some(Event::Done { finish, completion_tokens, cached_tokens, reasoning_tokens, .. }) => {
-                    if let Some(rest) = split.as_mut().map(ThinkSplit::finish) {
-                        if !self.answer_piece(&mut answer, rest) {
-                            return;
-                        }
-                    }
-                    break (finish, completion_tokens, cached_tokens, reasoning_tokens);
-                }
-                Some(ev @ (Event::Error(_) | Event::QueueTimeout { .. })) => return self.fail(st, super::failure(&ev)),
-                None => return self.fail(st, ApiError::internal("the engine dropped the request")),
-            }
+        let mut answer = Answer { message: None, thinking: None };
+        let done = match follow(st, req, rx, |read| self.answer_piece(&mut answer, read)).await {
+            Followed::Done(done) => done,
+            Followed::ClientGone => return,
+            Followed::Failed(e) => return self.fail(st, e),
         };
-        let holds = answer.held.is_some();
-        let held = answer.held.take().unwrap_or_default();
-        if holds {
-            for item in output_items(tools, &held) {
-                let (piece, item) = match item["type"].as_str() {
-                    Some("message") => (
-                        item["content"][0]["text"].as_str().unwrap_or_default().to_string(),
-                        Item::Message { id: item["id"].as_str().unwrap_or_default().into(), text: String::new() },
-                    ),
-                    _ => {
-                        let s = |k: &str| item[k].as_str().unwrap_or_default().to_string();
-                        (s("arguments"), Item::Call { id: s("id"), call_id: s("call_id"), name: s("name"), arguments: String::new() })
-                    }
-                };
-                if !self.open(item).is_some_and(|i| self.delta(i, &piece)) {
-                    return;
-                }
-            }
-        }
+        let finish = (done.finish, done.completion_tokens, done.cached_tokens, done.reasoning_tokens);
         if !self.close_all() {
             return;
         }

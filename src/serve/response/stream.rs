@@ -5,9 +5,9 @@
 //! scores, once they come, when logprobs are asked for). A forced call (`tool_choice` required
 //! or a named function) streams as OpenAI and vLLM stream it: a call's first `delta.tool_calls`
 //! chunk carries its index, id, type and name as soon as the name is complete, then argument
-//! fragments as they are generated (see `call_stream`). An `auto` answer with functions may be
-//! text or calls, so it is held until complete, then sent as calls (id and name, then argument
-//! fragments) or as text.
+//! fragments as they are generated (see `call_stream`). An `auto` answer with functions streams
+//! its text as `delta.content` until it opens a call in the model's own format, then its calls
+//! the same way (see `tool_format`).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -18,13 +18,14 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
-use super::{assistant_message, logprobs, names, usage};
-use crate::generate::reasoning::{Split, ThinkSplit};
+use super::reader::AnswerReader;
+use super::{logprobs, names, usage};
 use crate::serve::admission::Submitted;
-use crate::serve::call_stream::{CallEvent, CallStream};
+use crate::serve::call_stream::CallEvent;
 use crate::serve::engine::Event;
 use crate::serve::error::ApiError;
 use crate::serve::state::AppState;
+use crate::serve::tool_format::Piece;
 use crate::serve::tools::{self, Tools};
 use crate::serve::validate::{RequestKind, ValidatedRequest};
 
@@ -63,16 +64,12 @@ struct Streamer<'a> {
     object: &'static str,
     created: i64,
     n: usize,
-    /// Each answer's text so far, for an `auto` chat answer with functions (held to the end).
-    held: Vec<String>,
-    /// Each answer's forced calls as they are generated (None unless the choice forces a call),
-    /// and how many it has shown.
-    calls: Vec<Option<CallStream>>,
+    /// Each answer read as it streams: thinking, text, calls.
+    readers: Vec<AnswerReader>,
+    /// How many calls each answer has shown.
     shown: Vec<usize>,
     /// Where each completion answer's next token begins in its text (`text_offset`).
     offsets: Vec<usize>,
-    /// Each chat answer's thinking split from its answer, for a reasoning model.
-    thinking: Vec<Option<ThinkSplit>>,
 }
 
 impl<'a> Streamer<'a> {
@@ -82,10 +79,9 @@ impl<'a> Streamer<'a> {
             RequestKind::Completion { echo: Some(e) } => e.chars().count(),
             _ => 0,
         };
-        let calls = (0..n).map(|_| forced(req).and_then(Tools::call_stream)).collect();
-        let (held, shown, offsets) = (vec![String::new(); n], vec![0; n], vec![start; n]);
-        let thinking = (0..n).map(|_| req.thinking.map(|t| ThinkSplit::new(t.inside()))).collect();
-        Self { req, out, id, object, created: crate::serve::ids::now_s(), n, held, calls, shown, offsets, thinking }
+        let readers = (0..n).map(|_| AnswerReader::new(req)).collect();
+        let (shown, offsets) = (vec![0; n], vec![start; n]);
+        Self { req, out, id, object, created: crate::serve::ids::now_s(), n, readers, shown, offsets }
     }
 
     fn chunk(&self, choices: Value, usage: Option<Value>) -> SseEvent {
@@ -109,9 +105,30 @@ impl<'a> Streamer<'a> {
         let _ = self.out.send(Ok(SseEvent::default().data("[DONE]")));
     }
 
-    /// An `auto` answer with functions: held to the end.
-    fn holds_calls(&self) -> bool {
-        matches!(&self.req.kind, RequestKind::Chat { tools: Some(t) } if !t.forces_call())
+    /// A call event as a `delta.tool_calls` chunk of answer `index` (the call's first carries
+    /// its id, type and name).
+    fn call_chunk(&mut self, index: usize, event: CallEvent) -> Value {
+        let delta = match event {
+            CallEvent::Start { index: k, name } => {
+                self.shown[index] += 1;
+                let id = self.req.kind.tools().map(Tools::new_call_id).unwrap_or_else(tools::new_call_id);
+                json!({"tool_calls": [{"index": k, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]})
+            }
+            CallEvent::Args { index: k, fragment } => json!({"tool_calls": [{"index": k, "function": {"arguments": fragment}}]}),
+        };
+        json!({"index": index, "delta": delta, "logprobs": null, "finish_reason": null})
+    }
+
+    /// Sends an `auto` answer's pieces: text as content, calls as tool_calls; false when the
+    /// client is gone.
+    fn send_pieces(&mut self, index: usize, pieces: Vec<Piece>) -> bool {
+        pieces.into_iter().all(|p| {
+            let chunk = match p {
+                Piece::Text(t) => json!({"index": index, "delta": {"content": t}, "logprobs": null, "finish_reason": null}),
+                Piece::Call(e) => self.call_chunk(index, e),
+            };
+            self.send(chunk)
+        })
     }
 
     async fn run(mut self, st: &AppState, mut events: mpsc::UnboundedReceiver<(usize, Event)>) {
@@ -155,11 +172,11 @@ impl<'a> Streamer<'a> {
                     json!({"index": index, "text": e, "logprobs": lp, "finish_reason": null})
                 }
                 Event::Delta { text, logprob } => {
-                    let Some(text) = self.past_thinking(index, text, false) else { return };
-                    if text.is_empty() && logprob.is_none() {
-                        continue;
+                    let read = self.readers[index].push(text);
+                    if !self.send_reasoning(index, read.reasoning) {
+                        return;
                     }
-                    match self.delta(index, text, logprob) {
+                    match self.delta(index, read.pieces, logprob) {
                         Some(c) => c,
                         None => continue,
                     }
@@ -169,13 +186,14 @@ impl<'a> Streamer<'a> {
                     completion_tokens += c;
                     cached_tokens = cached_tokens.max(cached);
                     reasoning_tokens += r;
-                    // What the split held back: no tag can complete any more.
-                    let Some(rest) = self.past_thinking(index, String::new(), true) else { return };
-                    if !rest.is_empty() {
-                        if let Some(c) = self.delta(index, rest, None) {
-                            if !self.send(c) {
-                                return;
-                            }
+                    // What the reader held back: no tag or call opening can complete any more.
+                    let read = self.readers[index].finish();
+                    if !self.send_reasoning(index, read.reasoning) {
+                        return;
+                    }
+                    if let Some(c) = self.delta(index, read.pieces, None) {
+                        if !self.send(c) {
+                            return;
                         }
                     }
                     match self.end(index, json!(finish)) {
@@ -201,23 +219,17 @@ impl<'a> Streamer<'a> {
         let _ = self.out.send(Ok(SseEvent::default().data("[DONE]")));
     }
 
-    /// For a reasoning model's answer: sends the thinking in `text` (with `end`, in what was
-    /// held back: the answer is over) as a `delta.reasoning_content` chunk and returns the
-    /// answer's part; `text` itself otherwise. None when the client is gone.
-    fn past_thinking(&mut self, index: usize, text: String, end: bool) -> Option<String> {
-        let Some(t) = self.thinking[index].as_mut() else { return Some(text) };
-        let Split { reasoning, content } = if end { t.finish() } else { t.push(&text) };
-        if !reasoning.is_empty() {
-            let chunk = json!({"index": index, "delta": {"reasoning_content": reasoning}, "logprobs": null, "finish_reason": null});
-            if !self.send(chunk) {
-                return None;
-            }
-        }
-        Some(content)
+    /// Sends a reasoning model's thinking as a `delta.reasoning_content` chunk (none when
+    /// empty); false when the client is gone.
+    fn send_reasoning(&mut self, index: usize, reasoning: String) -> bool {
+        reasoning.is_empty()
+            || self.send(json!({"index": index, "delta": {"reasoning_content": reasoning}, "logprobs": null, "finish_reason": null}))
     }
 
-    /// The chunk of a token (None: nothing to send now, the text being held).
-    fn delta(&mut self, index: usize, text: String, logprob: Option<crate::generate::TokenLogprob>) -> Option<Value> {
+    /// The chunk of a token's pieces (None: nothing more to send now). One piece of text is one
+    /// chunk with the token's log-probabilities; calls (and text beside them) go out as their own
+    /// chunks, the log-probabilities after them.
+    fn delta(&mut self, index: usize, pieces: Vec<Piece>, logprob: Option<crate::generate::TokenLogprob>) -> Option<Value> {
         let tokenizer = &self.req.model.tokenizer;
         let chat = self.req.kind.is_chat();
         let lp = logprob.map(|l| {
@@ -229,30 +241,19 @@ impl<'a> Streamer<'a> {
                 v
             }
         });
-        if let Some(calls) = self.calls[index].as_mut() {
-            for event in calls.push(&text) {
-                let delta = match event {
-                    CallEvent::Start { index: k, name } => {
-                        self.shown[index] += 1;
-                        json!({"tool_calls": [{"index": k, "id": tools::new_call_id(), "type": "function", "function": {"name": name, "arguments": ""}}]})
-                    }
-                    CallEvent::Args { index: k, fragment } => json!({"tool_calls": [{"index": k, "function": {"arguments": fragment}}]}),
-                };
-                if !self.send(json!({"index": index, "delta": delta, "logprobs": null, "finish_reason": null})) {
+        let lp_only = |lp: Option<Value>| lp.map(|lp| json!({"index": index, "delta": {}, "logprobs": lp, "finish_reason": null}));
+        match &pieces[..] {
+            [] if chat => lp_only(lp),
+            [] => lp.map(|lp| json!({"index": index, "text": "", "logprobs": lp, "finish_reason": null})),
+            [Piece::Text(text)] if chat => Some(json!({"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": null})),
+            [Piece::Text(text)] => Some(json!({"index": index, "text": text, "logprobs": lp, "finish_reason": null})),
+            _ => {
+                if !self.send_pieces(index, pieces) {
                     return None;
                 }
+                lp_only(lp)
             }
-            return lp.map(|lp| json!({"index": index, "delta": {}, "logprobs": lp, "finish_reason": null}));
         }
-        if self.holds_calls() {
-            self.held[index].push_str(&text);
-            return lp.map(|lp| json!({"index": index, "delta": {}, "logprobs": lp, "finish_reason": null}));
-        }
-        Some(if chat {
-            json!({"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": null})
-        } else {
-            json!({"index": index, "text": text, "logprobs": lp, "finish_reason": null})
-        })
     }
 
     /// The last chunk of an answer, after its held text or calls (None: the client is gone).
@@ -262,13 +263,8 @@ impl<'a> Streamer<'a> {
                 let finish = if self.shown[index] > 0 && finish == "stop" { json!("tool_calls") } else { finish };
                 Some(json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": finish}))
             }
-            RequestKind::Chat { tools: Some(t) } => {
-                let (message, finish) = assistant_message(Some(t), std::mem::take(&mut self.held[index]), finish);
-                for delta in held_answer_deltas(&message) {
-                    if !self.send(json!({"index": index, "delta": delta, "logprobs": null, "finish_reason": null})) {
-                        return None;
-                    }
-                }
+            RequestKind::Chat { tools: Some(_) } => {
+                let finish = if self.shown[index] > 0 && finish == "stop" { json!("tool_calls") } else { finish };
                 Some(json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": finish}))
             }
             RequestKind::Chat { tools: None } => Some(json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": finish})),
@@ -278,29 +274,4 @@ impl<'a> Streamer<'a> {
             }
         }
     }
-}
-
-/// The request's functions when its choice forces a call.
-fn forced(req: &ValidatedRequest) -> Option<&Tools> {
-    match &req.kind {
-        RequestKind::Chat { tools: Some(t) } if t.forces_call() => Some(t),
-        _ => None,
-    }
-}
-
-/// A held answer as stream deltas: its text, then per call its id and name, then its arguments
-/// in fragments that concatenate to the JSON.
-fn held_answer_deltas(message: &Value) -> Vec<Value> {
-    let mut out = vec![];
-    if let Some(text) = message["content"].as_str().filter(|t| !t.is_empty()) {
-        out.push(json!({"content": text}));
-    }
-    for (k, call) in message["tool_calls"].as_array().into_iter().flatten().enumerate() {
-        out.push(json!({"tool_calls": [{"index": k, "id": call["id"], "type": "function", "function": {"name": call["function"]["name"], "arguments": ""}}]}));
-        let args: Vec<char> = call["function"]["arguments"].as_str().unwrap_or_default().chars().collect();
-        for piece in args.chunks(16) {
-            out.push(json!({"tool_calls": [{"index": k, "function": {"arguments": piece.iter().collect::<String>()}}]}));
-        }
-    }
-    out
 }

@@ -134,7 +134,7 @@ pub fn chat(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> {
     s.params.logit_bias = sampling::logit_bias(v, model.vocab)?;
     s.params.output.stop_token_ids = sampling::stop_token_ids(v, model.vocab)?;
     let messages = prompt::messages(v, st.lenient, &mut ignored)?;
-    let (tools, constraints) = tools_and_constraints(st, &model, v, s.n, &mut ignored)?;
+    let (tools, constraints) = tools_and_constraints(st, &model, v, &mut s, &mut ignored)?;
     let kwargs = prompt::chat_template_kwargs(v)?;
     let prompt_ids = model.chat_prompt_ids(&messages, tools.as_ref(), &kwargs)?;
     let thinking = model.prompt_thinking(&prompt_ids);
@@ -160,7 +160,7 @@ pub fn responses(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError>
     };
     let mut s = sampling::parse(&r.chat, &model.defaults, true)?;
     s.max_tokens = r.max_output_tokens;
-    let (tools, constraints) = tools_and_constraints(st, &model, &r.chat, s.n, &mut ignored).map_err(renamed)?;
+    let (tools, constraints) = tools_and_constraints(st, &model, &r.chat, &mut s, &mut ignored).map_err(renamed)?;
     let prompt_ids = model.chat_prompt_ids(&r.messages, tools.as_ref(), &Default::default())?;
     let thinking = model.prompt_thinking(&prompt_ids);
     let kind = RequestKind::Responses { tools, echo: r.echo };
@@ -179,7 +179,7 @@ pub fn messages(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> 
     let renamed = |e: ApiError| ApiError { param: e.param.as_deref().map(anthropic::rename_param), ..e };
     let r = anthropic::read(v, false, st.lenient, &mut ignored)?;
     let mut s = sampling::parse(&r.chat, &model.defaults, true).map_err(renamed)?;
-    let (tools, constraints) = tools_and_constraints(st, &model, &r.chat, s.n, &mut ignored).map_err(renamed)?;
+    let (tools, constraints) = tools_and_constraints(st, &model, &r.chat, &mut s, &mut ignored).map_err(renamed)?;
     let prompt_ids = anthropic_prompt(&model, &r, tools.as_ref())?;
     let thinking = model.prompt_thinking(&prompt_ids);
     if model.splits_reasoning {
@@ -222,28 +222,39 @@ fn thinking_budget(model: &ServedModel, thinking: anthropic::Thinking) -> Result
     Ok(ThinkingBudget { tokens, close_ids })
 }
 
-/// A chat-shaped body's functions (none when `tool_choice` is `none`) and the grammar matchers
-/// its answers follow (`response_format`, or a forced call), one per answer.
+/// A chat-shaped body's functions (none when `tool_choice` is `none`), in the model's own call
+/// format, and the grammar matchers its answers follow (`response_format`, a forced call, or an
+/// `auto` answer's lazy grammar), one per answer. A format whose calls open with a special token
+/// keeps special tokens in the text.
 fn tools_and_constraints(
     st: &AppState,
     model: &ServedModel,
     v: &Value,
-    n: usize,
+    s: &mut sampling::Sampling,
     ignored: &mut Vec<String>,
 ) -> Result<(Option<Tools>, Vec<llguidance::Matcher>), ApiError> {
-    let tools = tools::parse(v)?.filter(|t| t.choice != ToolChoice::None);
+    let tools = tools::parse(v)?.filter(|t| t.choice != ToolChoice::None).map(|mut t| {
+        t.format = model.tool_format;
+        t
+    });
     // Read (and checked) even when a forced call decides this answer: `response_format` is then
     // for the text answer of a later turn (OpenAI's reading, and what the Agents SDK relies on).
     // Under `auto` the model picks a call or the format.
     let answer = prompt::response_format(v, st.lenient, ignored)?;
     let format = match tools.as_ref() {
         Some(t) if t.forces_call() => t.output_format().map(|f| (f, true)),
-        Some(t) => answer.map(|a| (t.call_or(&a), true)),
+        Some(t) => match answer {
+            Some(a) => Some((t.call_or(&a), true)),
+            None => t.auto_grammar().map(|f| (f, true)),
+        },
         None => answer.map(|f| (f, false)),
     };
+    if tools.as_ref().is_some_and(|t| t.choice == ToolChoice::Auto && t.format.needs_special_tokens()) {
+        s.params.output.skip_special_tokens = false;
+    }
     let constraints = match &format {
         None => vec![],
-        Some((f, from_tools)) => matchers(model, f, *from_tools, n)?,
+        Some((f, from_tools)) => matchers(model, f, *from_tools, s.n)?,
     };
     Ok((tools, constraints))
 }
@@ -304,7 +315,7 @@ fn matchers(model: &ServedModel, format: &OutputFormat, from_tools: bool, n: usi
     let param = match (from_tools, format) {
         (true, _) => "tools",
         (false, OutputFormat::JsonSchema(_)) => "response_format.json_schema.schema",
-        (false, OutputFormat::JsonObject) => "response_format",
+        (false, OutputFormat::JsonObject | OutputFormat::Lark(_)) => "response_format",
     };
     (0..n)
         .map(|_| grammars.matcher(format))

@@ -1,0 +1,34 @@
+#!/usr/bin/env python3
+"""LangChain's `ChatOpenAI.bind_tools` under `tool_choice: auto` against a running `fsdp-app
+serve` of a model that writes its own call format (tests/serve_tool_calls.rs starts it): the
+call comes back as the AIMessage's `tool_calls`, whole and streamed; a greeting as text.
+
+    BASE_URL=... API_KEY=... MODEL=tiny TOOLS='[...]' QUESTION=... REPLY=... python3 tests/langchain_tools.py
+"""
+import json
+import os
+import sys
+
+from langchain_openai import ChatOpenAI
+
+base, key, model = os.environ["BASE_URL"], os.environ["API_KEY"], os.environ["MODEL"]
+tools, question, reply = json.loads(os.environ["TOOLS"]), os.environ["QUESTION"], os.environ["REPLY"]
+
+
+def check(cond, what):
+    if not cond:
+        print(f"FAILED: {what}", file=sys.stderr)
+        sys.exit(1)
+
+
+llm = ChatOpenAI(model=model, base_url=base, api_key=key, temperature=0, max_tokens=120, max_retries=0)
+bound = llm.bind_tools(tools)
+msg = bound.invoke(question)
+check([(c["name"], c["args"]) for c in msg.tool_calls] == [("get_weather", {"city": "Paris"})], f"invoke: {msg}")
+streamed = None
+for chunk in bound.stream(question):
+    streamed = chunk if streamed is None else streamed + chunk
+check([(c["name"], c["args"]) for c in streamed.tool_calls] == [("get_weather", {"city": "Paris"})], f"stream: {streamed}")
+text = bound.invoke("Hi")
+check(text.content == reply and not text.tool_calls, f"text answer: {text}")
+print("all checks passed")
