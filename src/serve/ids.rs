@@ -12,6 +12,11 @@ pub fn new_id(prefix: &str) -> String {
     format!("{prefix}-{a:016x}{:08x}", b as u32)
 }
 
+/// A fresh call id, OpenAI's spelling (`call_...`).
+pub fn new_call_id() -> String {
+    new_id("call").replace("call-", "call_")
+}
+
 /// A seed no other call in this process (or another process at the same instant) gets: time,
 /// pid and a counter mixed. For ids and for requests that give no `seed`.
 pub fn fresh_seed() -> u64 {

@@ -96,7 +96,7 @@ impl ToolFormat {
     /// A call id in the form the model's template accepts back (Mistral's must be 9
     /// alphanumerics), else OpenAI's `call_...`.
     pub fn call_id(self) -> String {
-        let id = super::tools::new_call_id();
+        let id = super::ids::new_call_id();
         match self {
             Self::Mistral(_) => id.chars().filter(char::is_ascii_alphanumeric).rev().take(9).collect(),
             Self::Hermes | Self::Llama3Json => id,
@@ -324,43 +324,5 @@ mod tests {
         assert!(ToolParser::Mistral.format(None, none).unwrap_err().contains("[TOOL_CALLS]"));
         assert_eq!(ToolParser::Auto.format(None, none), Ok(ToolFormat::Hermes));
         assert!(ToolFormat::Mistral(1).call_id().chars().all(|c| c.is_ascii_alphanumeric()) && ToolFormat::Mistral(1).call_id().len() == 9);
-    }
-
-    #[test]
-    fn the_lazy_grammars_leave_text_free_and_hold_calls_to_the_functions() {
-        use crate::generate::constraint::{Grammars, OutputFormat};
-        let mut tok = crate::fixtures::train_tokenizer().unwrap();
-        tok.add_special_tokens(&[tokenizers::AddedToken::from(MISTRAL_TRIGGER, true)]);
-        let trigger = tok.token_to_id(MISTRAL_TRIGGER).unwrap();
-        let eos = tok.token_to_id("<|im_end|>").unwrap();
-        let grammars = Grammars::new(&tok.to_string(false).unwrap(), tok.get_vocab_size(true), eos).unwrap();
-        let body = json!({"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]});
-        let accepts = |format: ToolFormat, parallel: bool, special: Option<u32>, text: &str| {
-            let mut tools = crate::serve::tools::parse(&body).unwrap().unwrap();
-            (tools.format, tools.parallel) = (format, parallel);
-            let Some(OutputFormat::Lark(g)) = tools.auto_grammar() else { panic!("a lark grammar") };
-            let mut m = grammars.matcher(&OutputFormat::Lark(g.clone())).unwrap_or_else(|e| panic!("{e}: {g}"));
-            let mut ids: Vec<u32> = special.into_iter().collect();
-            ids.extend(m.tok_env().unwrap().tokenize_bytes(text.as_bytes()));
-            m.validate_tokens(&ids).unwrap() == ids.len() && m.consume_tokens(&ids).is_ok() && m.is_accepting().unwrap()
-        };
-        let call = |key: &str, city: &str| format!("{{\"name\": \"get_weather\", \"{key}\": {{\"city\": \"{city}\"}}}}");
-        let hermes = |text: &str, parallel: bool| accepts(ToolFormat::Hermes, parallel, None, text);
-        assert!(hermes("It is sunny.", true), "text alone");
-        assert!(hermes(&format!("Let me look. <tool_call>\n{}\n</tool_call>", call("arguments", "Paris")), true));
-        let two =
-            format!("<tool_call>\n{}\n</tool_call>\n<tool_call>\n{}\n</tool_call>", call("arguments", "Paris"), call("arguments", "Oslo"));
-        assert!(hermes(&two, true) && !hermes(&two, false), "a second call only with parallel_tool_calls");
-        assert!(!hermes("<tool_call>\n{\"name\": \"other\", \"arguments\": {}}\n</tool_call>", true), "a function not given");
-        assert!(
-            !hermes("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"town\": \"x\"}}\n</tool_call>", true),
-            "arguments off the schema"
-        );
-        let llama = |text: &str| accepts(ToolFormat::Llama3Json, true, None, text);
-        assert!(llama(&call("parameters", "Paris")) && llama(&format!("{}; {}", call("parameters", "Paris"), call("parameters", "Rome"))));
-        assert!(llama("It is sunny.") && !llama(&call("arguments", "Paris")), "Llama's calls have parameters");
-        let mistral = |special: Option<u32>, text: &str| accepts(ToolFormat::Mistral(trigger), true, special, text);
-        assert!(mistral(Some(trigger), &format!(" [{}]", call("arguments", "Paris"))) && mistral(None, "It is sunny."));
-        assert!(!mistral(Some(trigger), "[{\"name\": \"other\", \"arguments\": {}}]"));
     }
 }
