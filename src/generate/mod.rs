@@ -224,6 +224,14 @@ impl SamplingParams {
         Ok(())
     }
 
+    /// Whether sampling draws from the whole distribution (greedy, or a temperature alone): then
+    /// a token drawn freely and kept only when a grammar allows it (else drawn again under the
+    /// grammar's mask) is drawn as from the masked distribution, since that is rejection sampling.
+    /// Not with top-k / top-p / min-p, which would cut a different distribution.
+    pub fn draws_from_whole_distribution(&self) -> bool {
+        matches!(self.sampling(), Sampling::ArgMax | Sampling::All { .. }) && self.min_p.is_none_or(|m| m == 0.0)
+    }
+
     fn sampling(&self) -> Sampling {
         // A temperature this close to 0 is greedy, as vLLM treats it (`_SAMPLING_EPS`): the
         // logits divided by it overflow to infinity (1e-308, found by schemathesis, made every

@@ -345,6 +345,28 @@ impl Sequence {
             && !scoring_prompt
     }
 
+    /// The logits the sampler draws from: as given, or (`as_values`) as a vector with the
+    /// request's biases and penalties, the grammar's mask (`mask`) and the ends `min_tokens` holds
+    /// back (`hold_ends`) applied, returned too for scores.
+    fn adjusted(&mut self, logits: &Tensor, as_values: bool, mask: bool, hold_ends: bool) -> Result<(Tensor, Option<Vec<f32>>)> {
+        if !as_values {
+            return Ok((logits.clone(), None));
+        }
+        let mut v = logits.to_vec1::<f32>()?;
+        if let Some(m) = self.constraint.as_mut().filter(|_| mask) {
+            constraint::mask_logits(m, &mut v)?;
+        }
+        adjust_logits(&mut v, &self.generated, &self.params);
+        if hold_ends {
+            for &t in self.eos_ids.iter().chain(&self.params.output.stop_token_ids) {
+                if let Some(l) = v.get_mut(t as usize) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
+        Ok((Tensor::new(v.as_slice(), logits.device())?, Some(v)))
+    }
+
     /// Samples from `logits` (vocab) of the sequence's next position: penalties, sampler, eos,
     /// stop strings, length.
     pub(super) fn accept(&mut self, logits: Tensor, tokenizer: &TextTokenizer) -> Result<SequenceStep> {
@@ -360,32 +382,31 @@ impl Sequence {
         // under a grammar, whose end may leave nothing else).
         let constrained = self.constrained_now();
         let hold_ends = self.generated.len() < p.output.min_tokens && !constrained;
+        // Under a grammar, a token it allows needs no mask (computing one reads the whole
+        // vocabulary): draw freely and mask only when the grammar refuses the draw, as llama.cpp
+        // does. The same token when greedy, the same distribution with a temperature alone; not
+        // when scores are reported (they are the masked distribution's).
+        let check_first = constrained && p.logprobs.is_none() && !p.output.cumulative_logprob && p.draws_from_whole_distribution();
+        let mask_now = constrained && !check_first;
         let needs_values = p.presence_penalty != 0.0
             || p.frequency_penalty != 0.0
             || p.min_p.is_some_and(|m| m > 0.0)
             || p.logprobs.is_some()
             || !p.logit_bias.is_empty()
-            || constrained
+            || mask_now
             || hold_ends
             || p.output.cumulative_logprob;
-        let (logits, values) = if needs_values {
-            let mut v = logits.to_vec1::<f32>()?;
-            if let Some(m) = self.constraint.as_mut().filter(|_| constrained) {
-                constraint::mask_logits(m, &mut v)?;
+        let (scores, values) = self.adjusted(&logits, needs_values, mask_now, hold_ends)?;
+        let mut sampled = self.sampler.sample(&scores)?;
+        if check_first && forced.is_none() {
+            let m = self.constraint.as_mut().expect("a grammar when constrained");
+            let allowed = m.validate_tokens(&[sampled]).map_err(|e| anyhow::anyhow!("the output grammar: {e}"))? == 1;
+            if !allowed {
+                let (masked, _) = self.adjusted(&logits, true, true, false)?;
+                sampled = self.sampler.sample(&masked)?;
             }
-            adjust_logits(&mut v, &self.generated, p);
-            if hold_ends {
-                for &t in self.eos_ids.iter().chain(&p.output.stop_token_ids) {
-                    if let Some(l) = v.get_mut(t as usize) {
-                        *l = f32::NEG_INFINITY;
-                    }
-                }
-            }
-            (Tensor::new(v.as_slice(), logits.device())?, Some(v))
-        } else {
-            (logits, None)
-        };
-        let sampled = self.sampler.sample(&logits)?;
+        }
+        let p = &self.params;
         let next = forced.unwrap_or(sampled);
         let logprob = match (&values, p.logprobs) {
             (Some(v), Some(top)) => Some(token_logprob(v, next, top)),
