@@ -87,6 +87,18 @@ impl Pooling {
     }
 }
 
+/// The embedding sizes a Matryoshka model may be cut to, from its config.json as vLLM reads them:
+/// `matryoshka_dimensions`, or any size with `is_matryoshka: true` (an empty list); None for a
+/// model that has only its full size.
+pub fn matryoshka_sizes(config: &Path) -> Result<Option<Vec<usize>>> {
+    let v = read_json(config)?;
+    if let Some(list) = v.get("matryoshka_dimensions").filter(|l| !l.is_null()) {
+        let sizes = list.as_array().and_then(|a| a.iter().map(|x| x.as_u64().map(|n| n as usize)).collect::<Option<Vec<_>>>());
+        return sizes.map(Some).with_context(|| format!("{}: `matryoshka_dimensions` must be a list of sizes", config.display()));
+    }
+    Ok(v.get("is_matryoshka").and_then(Value::as_bool).unwrap_or(false).then(Vec::new))
+}
+
 fn read_json(path: &Path) -> Result<Value> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", path.display()))

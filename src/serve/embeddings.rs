@@ -21,6 +21,7 @@ use super::error::ApiError;
 use super::fields::{self, Fields};
 use super::served_model::ServedModel;
 use super::state::AppState;
+use super::validate::token_ids;
 
 /// OpenAI's limit on `input`'s length.
 const MAX_INPUTS: usize = 2048;
@@ -117,10 +118,7 @@ fn inputs(model: &ServedModel, input: Option<&Value>) -> Result<Vec<Vec<u32>>, A
     const P: &str = "input";
     let shape = "`input` must be a string, a list of strings, a list of token ids or a list of lists of token ids.";
     let ids_of = |v: &[Value], at: &str| -> Result<Vec<u32>, ApiError> {
-        v.iter()
-            .map(|x| x.as_u64().filter(|&i| (i as usize) < model.vocab).map(|i| i as u32))
-            .collect::<Option<Vec<u32>>>()
-            .ok_or_else(|| ApiError::invalid(at, format!("token ids must be integers in [0, {}).", model.vocab)))
+        token_ids(v, model.vocab).ok_or_else(|| ApiError::invalid(at, format!("token ids must be integers in [0, {}).", model.vocab)))
     };
     let encode = |text: &str, at: &str| -> Result<Vec<u32>, ApiError> {
         if text.is_empty() {

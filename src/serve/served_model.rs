@@ -14,7 +14,7 @@ use super::tool_format::{ToolFormat, ToolParser};
 use super::tools::{self, Tools};
 use crate::embed::Pooling;
 use crate::generate::constraint::Grammars;
-use crate::generate::reasoning::{PromptThinking, ReasoningChoice};
+use crate::generate::reasoning::{PromptThinking, ReasoningChoice, THINK_END};
 use crate::generate::ModelDefaults;
 use crate::tokenize::{ChatMessage, TextTokenizer};
 
@@ -92,6 +92,9 @@ pub struct ServedModel {
     /// Its answers' thinking is split out (`reasoning_content`): a reasoning model's template,
     /// or `--reasoning-parser` says so.
     pub splits_reasoning: bool,
+    /// The end of a thinking block as the model writes it (`\n</think>\n\n`), tokenised: what a
+    /// thinking budget writes for it (empty unless `splits_reasoning`).
+    pub thinking_end_ids: Vec<u32>,
     /// It generates text (false: it only embeds, `--task embed`).
     pub generates: bool,
     /// How its embeddings pool the hidden states.
@@ -109,7 +112,7 @@ impl ServedModel {
         let placement = &settings.placement;
         let files = crate::model_files::resolve_model(source, revision)?;
         let own_pooling = Pooling::of_model(&files)?;
-        let matryoshka = matryoshka(&files.config)?;
+        let matryoshka = crate::embed::matryoshka_sizes(&files.config)?;
         let opts = crate::model_files::LoadOptions { adapter: None, dtype: placement.dtype, quantize: placement.quantize };
         let loaded = crate::model_files::load_model_with(files, &opts, &placement.device)?;
         // The engine thread computes on its own (per-thread) stream: the weights must have landed.
@@ -142,6 +145,8 @@ impl ServedModel {
         let pooling = settings.pooling.or(own_pooling).unwrap_or(Pooling::Last);
         let template = tokenizer.chat_template.as_ref().map(|t| t.source.as_str());
         let splits_reasoning = settings.reasoning.splits(template);
+        let thinking_end = format!("\n{THINK_END}\n\n");
+        let thinking_end_ids = if splits_reasoning { tokenizer.encode(&thinking_end, false)? } else { vec![] };
         let tool_format = settings.tool_parser.format(template, |t| tokenizer.token_id(t)).map_err(|e| anyhow::anyhow!("{source}: {e}"))?;
         let engine = engine::start(loaded.model, tokenizer.clone(), eos, settings.engine, settings.metrics.clone());
         let max_total_tokens = settings.limit_total.unwrap_or(context).min(context);
@@ -158,6 +163,7 @@ impl ServedModel {
             grammars,
             config,
             splits_reasoning,
+            thinking_end_ids,
             generates,
             pooling,
             tool_format,
@@ -227,14 +233,4 @@ impl ServedModel {
         let text = rendered.map_err(|e| ApiError::invalid("messages", format!("The chat template failed: {e:#}")))? + prefill;
         self.tokenizer.encode(&text, false).map_err(|e| ApiError::bad_request(format!("{e:#}")))
     }
-}
-
-/// config.json's Matryoshka sizes (see `ServedModel::matryoshka`), as vLLM reads them.
-fn matryoshka(config: &std::path::Path) -> Result<Option<Vec<usize>>> {
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(config)?)?;
-    if let Some(list) = v.get("matryoshka_dimensions").filter(|l| !l.is_null()) {
-        let sizes = list.as_array().and_then(|a| a.iter().map(|x| x.as_u64().map(|n| n as usize)).collect::<Option<Vec<_>>>());
-        return sizes.map(Some).ok_or_else(|| anyhow::anyhow!("{}: `matryoshka_dimensions` must be a list of sizes", config.display()));
-    }
-    Ok(v.get("is_matryoshka").and_then(Value::as_bool).unwrap_or(false).then(Vec::new))
 }

@@ -14,7 +14,7 @@
 
 use serde_json::{json, Value};
 
-use super::call_stream::{CallEvent, CallStream};
+use super::call_stream::{CallEvent, CallStream, StreamedCall};
 
 pub const HERMES_OPEN: &str = "<tool_call>";
 pub const HERMES_CLOSE: &str = "</tool_call>";
@@ -252,6 +252,11 @@ impl NativeCalls {
             Phase::Start | Phase::Text if rest.is_empty() => vec![],
             Phase::Start | Phase::Text => vec![Piece::Text(rest)],
         }
+    }
+
+    /// The calls finished so far.
+    pub fn calls(&self) -> Vec<StreamedCall> {
+        self.calls.calls()
     }
 
     /// Whether a call has opened.

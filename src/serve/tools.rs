@@ -21,7 +21,7 @@ use serde_json::{json, Map, Value};
 use super::call_stream::CallStream;
 use super::engine::StopWhen;
 use super::error::ApiError;
-use super::tool_format::{NativeCalls, Piece, ToolFormat, HERMES_CLOSE, HERMES_OPEN, MISTRAL_TRIGGER};
+use super::tool_format::{NativeCalls, Piece, ToolFormat, HERMES_CLOSE, HERMES_OPEN};
 use crate::generate::constraint::OutputFormat;
 use crate::generate::json_schema;
 use crate::tokenize::ChatMessage;
@@ -309,19 +309,12 @@ impl Tools {
     /// the calls, and the calls, each of a declared function (else the answer is text).
     fn read_streamed(&self, answer: &str) -> Option<(Option<String>, Vec<ToolCall>)> {
         let mut stream = self.format.stream();
-        let pieces = stream.push(answer).into_iter().chain(stream.finish());
-        let text: String = pieces.filter_map(|p| if let Piece::Text(t) = p { Some(t) } else { None }).collect();
+        let pieces: Vec<Piece> = stream.push(answer).into_iter().chain(stream.finish()).collect();
+        let text: String = pieces.into_iter().filter_map(|p| if let Piece::Text(t) = p { Some(t) } else { None }).collect();
         if !stream.calling() {
             return None;
         }
-        let mut reader = CallStream::new(None);
-        let body = answer.trim_start();
-        let body = match self.format {
-            ToolFormat::Mistral(_) => &body[body.find(MISTRAL_TRIGGER)? + MISTRAL_TRIGGER.len()..],
-            _ => body,
-        };
-        reader.push(body);
-        let calls: Vec<ToolCall> = reader.calls().into_iter().map(|c| ToolCall { name: c.name, arguments: c.arguments }).collect();
+        let calls: Vec<ToolCall> = stream.calls().into_iter().map(|c| ToolCall { name: c.name, arguments: c.arguments }).collect();
         if calls.is_empty() || !calls.iter().all(|c| self.names.contains(&c.name)) {
             return None;
         }
@@ -513,8 +506,8 @@ mod tests {
     fn the_lazy_grammars_leave_text_free_and_hold_calls_to_the_functions() {
         use crate::generate::constraint::{Grammars, OutputFormat};
         let mut tok = crate::fixtures::train_tokenizer().unwrap();
-        tok.add_special_tokens(&[tokenizers::AddedToken::from(super::MISTRAL_TRIGGER, true)]);
-        let trigger = tok.token_to_id(super::MISTRAL_TRIGGER).unwrap();
+        tok.add_special_tokens(&[tokenizers::AddedToken::from(super::super::tool_format::MISTRAL_TRIGGER, true)]);
+        let trigger = tok.token_to_id(super::super::tool_format::MISTRAL_TRIGGER).unwrap();
         let eos = tok.token_to_id("<|im_end|>").unwrap();
         let grammars = Grammars::new(&tok.to_string(false).unwrap(), tok.get_vocab_size(true), eos).unwrap();
         let body = json!({"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]});

@@ -26,7 +26,6 @@ use crate::serve::engine::Event;
 use crate::serve::error::ApiError;
 use crate::serve::state::AppState;
 use crate::serve::tool_format::Piece;
-use crate::serve::tools::Tools;
 use crate::serve::validate::{RequestKind, ValidatedRequest};
 
 type Sender = mpsc::UnboundedSender<Result<SseEvent, Infallible>>;
@@ -111,7 +110,7 @@ impl<'a> Streamer<'a> {
         let delta = match event {
             CallEvent::Start { index: k, name } => {
                 self.shown[index] += 1;
-                let id = self.req.kind.tools().map(Tools::new_call_id).unwrap_or_else(crate::serve::ids::new_call_id);
+                let id = self.req.model.tool_format.call_id();
                 json!({"tool_calls": [{"index": k, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]})
             }
             CallEvent::Args { index: k, fragment } => json!({"tool_calls": [{"index": k, "function": {"arguments": fragment}}]}),

@@ -24,6 +24,7 @@ use crate::generate::constraint::OutputFormat;
 use crate::generate::reasoning::{PromptThinking, ThinkingBudget};
 use crate::generate::SamplingParams;
 use models::ServingAdapter;
+pub use prompt::token_ids;
 use prompt::Prompt;
 pub use sampling::{MAX_N, MAX_STOP};
 
@@ -183,7 +184,7 @@ pub fn messages(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> 
     let prompt_ids = anthropic_prompt(&model, &r, tools.as_ref())?;
     let thinking = model.prompt_thinking(&prompt_ids);
     if model.splits_reasoning {
-        s.params.output.thinking_budget = Some(thinking_budget(&model, r.thinking)?);
+        s.params.output.thinking_budget = Some(thinking_budget(&model, r.thinking));
     } else if matches!(r.thinking, anthropic::Thinking::On { budget: Some(_), .. }) {
         // `adaptive` lets the model decide, and this one decides not to think.
         let message = "This model does not think: its chat template marks no thinking (see `--reasoning-parser`).";
@@ -212,14 +213,12 @@ fn anthropic_prompt(model: &ServedModel, r: &anthropic::AsChat, tools: Option<&T
 
 /// The tokens a reasoning model's thinking may take (none with thinking off: a template that
 /// cannot switch it off has it closed at once), and the text that closes it.
-fn thinking_budget(model: &ServedModel, thinking: anthropic::Thinking) -> Result<ThinkingBudget, ApiError> {
-    let close = format!("\n{}\n\n", crate::generate::reasoning::THINK_END);
-    let close_ids = model.tokenizer.encode(&close, false).map_err(|e| ApiError::internal(format!("{e:#}")))?;
+fn thinking_budget(model: &ServedModel, thinking: anthropic::Thinking) -> ThinkingBudget {
     let tokens = match thinking {
         anthropic::Thinking::Off => 0,
         anthropic::Thinking::On { budget, .. } => budget.unwrap_or(usize::MAX),
     };
-    Ok(ThinkingBudget { tokens, close_ids })
+    ThinkingBudget { tokens, close_ids: model.thinking_end_ids.clone() }
 }
 
 /// A chat-shaped body's functions (none when `tool_choice` is `none`), in the model's own call
@@ -280,10 +279,7 @@ pub fn tokenize(st: &AppState, v: &Value) -> Result<(Arc<ServedModel>, Vec<u32>)
 pub fn detokenize(st: &AppState, v: &Value) -> Result<(Arc<ServedModel>, Vec<u32>), ApiError> {
     let model = model_or_base(st, v)?;
     let ids = match v.get("tokens") {
-        Some(Value::Array(a)) => a
-            .iter()
-            .map(|x| x.as_u64().filter(|&i| (i as usize) < model.vocab).map(|i| i as u32))
-            .collect::<Option<_>>()
+        Some(Value::Array(a)) => prompt::token_ids(a, model.vocab)
             .ok_or_else(|| ApiError::invalid("tokens", format!("`tokens` must be integers in [0, {}).", model.vocab)))?,
         _ => return Err(ApiError::invalid("tokens", "`tokens` must be a list of token ids.")),
     };

@@ -10,6 +10,11 @@ use crate::serve::served_model::TemplateKwargs;
 use crate::tokenize::chat::RENDER_VARIABLES;
 use crate::tokenize::ChatMessage;
 
+/// Token ids given as JSON numbers, each in [0, vocab); None when one is not.
+pub fn token_ids(list: &[Value], vocab: usize) -> Option<Vec<u32>> {
+    list.iter().map(|x| x.as_u64().filter(|&i| (i as usize) < vocab).map(|i| i as u32)).collect()
+}
+
 /// Completions' prompt.
 pub enum Prompt {
     Text(String),
@@ -23,10 +28,7 @@ pub fn prompt(v: &Value, vocab: usize) -> Result<Prompt, ApiError> {
         Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
         Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => Ok(Prompt::Text(a[0].as_str().unwrap().to_string())),
         Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_number) => {
-            let ids = a
-                .iter()
-                .map(|x| x.as_u64().filter(|&i| (i as usize) < vocab).map(|i| i as u32))
-                .collect::<Option<Vec<u32>>>()
+            let ids = token_ids(a, vocab)
                 .ok_or_else(|| ApiError::invalid("prompt", format!("token ids in `prompt` must be integers in [0, {vocab}).")))?;
             Ok(Prompt::Tokens(ids))
         }

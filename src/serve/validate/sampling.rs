@@ -159,7 +159,7 @@ pub fn stop_token_ids(v: &Value, vocab: usize) -> Result<Vec<u32>, ApiError> {
     let Some(ids) = Fields::of(v)?.value(P) else { return Ok(vec![]) };
     let bad = || ApiError::invalid(P, format!("`stop_token_ids` must be a list of token ids in [0, {vocab})."));
     let Value::Array(ids) = ids else { return Err(bad()) };
-    ids.iter().map(|x| x.as_u64().filter(|&i| (i as usize) < vocab).map(|i| i as u32).ok_or_else(bad)).collect()
+    super::prompt::token_ids(ids, vocab).ok_or_else(bad)
 }
 
 /// `logit_bias`: an object from token ids (as strings, OpenAI's form) to a bias in [-100, 100].
