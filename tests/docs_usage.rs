@@ -23,7 +23,8 @@ use serde_json::Value;
 
 /// The pages whose examples run, in the order they run: models.md's `fixture` makes the
 /// ./tiny-llama the fine-tuning examples train, serve.md's server answers the pages after it.
-const PAGES: [&str; 7] = ["models.md", "generate.md", "finetune.md", "serve.md", "responses.md", "anthropic.md", "fine-tuning-jobs.md"];
+const PAGES: [&str; 8] =
+    ["models.md", "generate.md", "finetune.md", "grpo.md", "serve.md", "responses.md", "anthropic.md", "fine-tuning-jobs.md"];
 
 /// Pages whose examples need what CI's machine lacks (a GPU); docs/gpu.md says how to run them.
 const NOT_RUN: [&str; 1] = ["gpu.md"];
@@ -162,6 +163,8 @@ fn every_usage_example_in_the_docs_runs_as_written() {
     std::fs::copy(data.join("zephyrix-codename.jsonl"), dir.join("chat.jsonl")).unwrap();
     std::fs::copy(data.join("zephyrix-codename.parquet"), dir.join("chat.parquet")).unwrap();
     std::fs::copy(data.join("zephyrix-preferences.jsonl"), dir.join("pairs.jsonl")).unwrap();
+    std::fs::copy(data.join("sums.jsonl"), dir.join("sums.jsonl")).unwrap();
+    std::fs::copy(data.join("sums-grader.json"), dir.join("grader.json")).unwrap();
     std::os::unix::fs::symlink(Path::new(env!("CARGO_MANIFEST_DIR")).join("configs"), dir.join("configs")).unwrap();
     std::os::unix::fs::symlink(&gguf, dir.join("model.gguf")).unwrap();
     let my_model = fixture("llama", tmp.path());
@@ -199,7 +202,7 @@ fn every_usage_example_in_the_docs_runs_as_written() {
         ran += 1;
     }
     drop(server);
-    assert!(ran >= 21, "only {ran} docs examples ran: did a page's sh block change?");
+    assert!(ran >= 22, "only {ran} docs examples ran: did a page's sh block change?");
     assert!(hub.requested_files().contains(&"config.json".to_string()), "the Hub example did not download from the local Hub");
 }
 

@@ -208,7 +208,7 @@ fn dpo_refuses_what_it_cannot_honour() {
     assert!(run(&["--method", "dpo", "--dpo-loss", "kto"]).contains("sigmoid, hinge or ipo"));
     assert!(run(&["--method", "dpo", "--dpo-beta", "0"]).contains("--dpo-beta must be a positive number"));
     assert!(run(&["--dpo-beta", "0.2"]).contains("apply to --method dpo"));
-    assert!(run(&["--method", "ppo"]).contains("use sft or dpo"));
+    assert!(run(&["--method", "ppo"]).contains("use sft, dpo or grpo"));
     // Preference rows under SFT say what to do.
     assert!(run(&["--max-steps", "1"]).contains("--method dpo"));
 }

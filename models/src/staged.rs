@@ -43,6 +43,11 @@ pub struct StageContext {
     /// Given, the CPU training ops of the embedding and the fused head hand their weight's
     /// gradient to it instead of to candle's gradient store (`ops::weight_grads`).
     pub weight_grads: Option<WeightGrads>,
+    /// Without targets: the last stage returns the logits of these positions only (row-major
+    /// flat indices into the batch), as (positions, vocab), as transformers' `logits_to_keep`:
+    /// a GRPO step scores its completions, a fraction of its rows' positions, and the head is
+    /// the largest product.
+    pub keep_positions: Option<std::sync::Arc<[u32]>>,
     /// Run the layers without their LoRA adapters: the frozen base alone, which is DPO's
     /// reference model in a LoRA run (PEFT's `disable_adapter`), with no second copy of it.
     pub adapters_off: bool,
@@ -186,9 +191,15 @@ impl StagedModel for LlamaStages {
             let norm = RmsNorm::new(self.cfg.hidden_size, self.cfg.rms_norm_eps, norm_vb.pp("model.norm"))?;
             let head_name = self.head_weight_name();
             let head = OutputHead::new(norm, HeadWeight::Dense(get(head_name)?));
-            return match &ctx.targets {
-                Some(targets) => head.losses(input, targets, grad_to(head_name)),
-                None => head.logits(input, OpMode::Train),
+            return match (&ctx.targets, &ctx.keep_positions) {
+                (Some(targets), _) => head.losses(input, targets, grad_to(head_name)),
+                (None, Some(keep)) => {
+                    let (b, t, hidden) = input.dims3()?;
+                    let index = Tensor::from_slice(keep, keep.len(), input.device())?;
+                    let kept = input.reshape((b * t, hidden))?.index_select(&index, 0)?.unsqueeze(0)?;
+                    head.logits(&kept, OpMode::Train)?.squeeze(0)
+                }
+                (None, None) => head.logits(input, OpMode::Train),
             };
         }
         let layer_vb = Self::vb(params, &names, &like);

@@ -43,6 +43,8 @@ pub struct Sequence {
     finish: Option<FinishReason>,
     /// The stop string that ended the answer, if one did.
     stopped_by: Option<String>,
+    /// The eos token that ended the answer, if one did (it is not among the generated ids).
+    ended_by_eos: Option<u32>,
     /// The grammar the answer must follow (structured output), if any.
     constraint: Option<llguidance::Matcher>,
     /// A reasoning model's thinking, followed as the text grows: it counts the thinking's
@@ -166,6 +168,7 @@ impl Sequence {
             constraint: None,
             thinking: None,
             stopped_by: None,
+            ended_by_eos: None,
             adapter: None,
         })
     }
@@ -244,6 +247,19 @@ impl Sequence {
         Ok(())
     }
 
+    /// Starts from `cache`, the keys and values of this sequence's prompt but its last token,
+    /// computed once for several sequences of the same prompt (a GRPO group): only the last
+    /// prompt token is left, which joins the batched decode of the next step.
+    pub fn start_after(&mut self, cache: &KvCache) -> Result<()> {
+        if cache.seq_len() + 1 != self.prompt_len || self.cache.seq_len() > 0 {
+            bail!("a cache of {} positions for a prompt of {} tokens (it must hold all but the last)", cache.seq_len(), self.prompt_len);
+        }
+        self.cache = cache.clone();
+        self.pending.drain(..cache.seq_len());
+        self.cached_prompt_tokens = cache.seq_len();
+        Ok(())
+    }
+
     /// Prompt tokens whose keys and values came from a prefix cache.
     pub fn cached_prompt_tokens(&self) -> usize {
         self.cached_prompt_tokens
@@ -269,6 +285,11 @@ impl Sequence {
 
     pub fn finish_reason(&self) -> Option<FinishReason> {
         self.finish
+    }
+
+    /// The eos token that ended the answer (None when something else did).
+    pub fn eos_token(&self) -> Option<u32> {
+        self.ended_by_eos
     }
 
     /// The stop string that ended the answer (None when something else did).
@@ -417,6 +438,7 @@ impl Sequence {
         }
         // Under `ignore_eos` an eos token is an ordinary one, unless a grammar has ended.
         if self.eos_ids.contains(&next) && (constrained || !p.output.ignore_eos) {
+            self.ended_by_eos = Some(next);
             return Ok(self.end(FinishReason::Stop, None));
         }
         if let Some(m) = self.constraint.as_mut().filter(|_| constrained) {

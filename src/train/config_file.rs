@@ -150,6 +150,31 @@ fn scalar(y: &Yaml) -> Option<Value> {
     })
 }
 
+/// A whole YAML document as JSON (mappings with string keys, lists, scalars): for files that
+/// describe a structure rather than flags (a GRPO grader).
+pub fn yaml_to_json(text: &str) -> Result<Value> {
+    fn convert(y: &Yaml) -> Result<Value> {
+        Ok(match y {
+            Yaml::Hash(map) => {
+                let mut out = serde_json::Map::new();
+                for (k, v) in map {
+                    let Yaml::String(key) = k else { bail!("keys must be strings, found {}", type_name(k)) };
+                    out.insert(key.clone(), convert(v).with_context(|| format!("key `{key}`"))?);
+                }
+                Value::Object(out)
+            }
+            Yaml::Array(items) => Value::Array(items.iter().map(convert).collect::<Result<_>>()?),
+            Yaml::Null => Value::Null,
+            other => scalar(other).with_context(|| format!("{} is not a JSON value", type_name(other)))?,
+        })
+    }
+    let docs = YamlLoader::load_from_str(text).map_err(|e| anyhow::anyhow!("not valid YAML: {e}"))?;
+    match docs.first() {
+        Some(doc) => convert(doc),
+        None => bail!("the file is empty"),
+    }
+}
+
 /// `a,b` or `[a, b]` as the comma-separated value a flag takes; None for anything else.
 fn name_list(v: &Yaml) -> Option<String> {
     match v {

@@ -70,7 +70,15 @@ impl DpoSettings {
                 }
                 Ok(Some(Self { beta, loss: loss.map(str::parse).transpose()?.unwrap_or_default() }))
             }
-            other => anyhow::bail!("--method {other:?}: use sft or dpo"),
+            "grpo" => {
+                if beta.is_some() || loss.is_some() {
+                    anyhow::bail!(
+                        "--dpo-beta and --dpo-loss apply to --method dpo (this run is --method grpo: see --beta and --loss-type)"
+                    );
+                }
+                Ok(None)
+            }
+            other => anyhow::bail!("--method {other:?}: use sft, dpo or grpo"),
         }
     }
 }

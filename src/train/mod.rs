@@ -10,6 +10,7 @@ pub mod dpo;
 pub mod estimate;
 pub mod finetune;
 pub mod formats;
+pub mod grpo;
 pub mod loss;
 pub mod metrics_row;
 pub mod preference;

@@ -44,9 +44,11 @@ pub struct FinetuneArgs {
     /// "value"}]}, Alpaca {"instruction", "input", "output"}, or {"input_ids", "labels"}.
     #[arg(long)]
     pub data: Option<PathBuf>,
-    /// What to train for: sft (next-token cross-entropy on the data's completions) or dpo
+    /// What to train for: sft (next-token cross-entropy on the data's completions), dpo
     /// (direct preference optimisation on {"prompt", "chosen", "rejected"} pairs, OpenAI's DPO
-    /// rows or pre-tokenised pairs; --batch-size and the global batch count pairs).
+    /// rows or pre-tokenised pairs; --batch-size and the global batch count pairs) or grpo
+    /// (reinforcement learning on {"prompt", ...} rows scored by --grader; --batch-size counts
+    /// prompts, each sampled --num-generations times).
     #[arg(long, default_value = "sft")]
     pub method: String,
     /// DPO's beta: how far the policy may move from the reference (TRL's default 0.1).
@@ -192,6 +194,8 @@ pub struct FinetuneArgs {
     pub save_full_every: Option<usize>,
     #[command(flatten)]
     pub lora: LoraArgs,
+    #[command(flatten)]
+    pub grpo: super::grpo_args::GrpoArgs,
     /// Continue training this PEFT LoRA adapter directory (its r, alpha, dropout and targets).
     #[arg(long, conflicts_with_all = ["lora_r", "lora_alpha", "lora_dropout", "lora_targets"])]
     pub adapter: Option<PathBuf>,
@@ -329,7 +333,7 @@ impl FinetuneArgs {
 /// The JSON field of flag `flag` in serialised [`FinetuneArgs`]: in one of the flattened groups
 /// (`sharding`, `lora`: the `--lora` switch is `lora.lora`), else top-level.
 fn field_mut<'a>(fields: &'a mut serde_json::Value, flag: &str) -> Option<&'a mut serde_json::Value> {
-    match ["sharding", "lora"].into_iter().find(|g| fields[*g].get(flag).is_some()) {
+    match ["sharding", "lora", "grpo"].into_iter().find(|g| fields[*g].get(flag).is_some()) {
         Some(group) => fields[group].get_mut(flag),
         None => fields.get_mut(flag),
     }
@@ -414,6 +418,7 @@ impl TryFrom<FinetuneArgs> for FinetuneConfig {
             save_full_every: a.save_full_every,
             train_on: a.train_on.parse()?,
             dpo: crate::train::dpo::DpoSettings::from_flags(&a.method, a.dpo_beta, a.dpo_loss.as_deref())?,
+            grpo: a.grpo.config(&a.method)?,
             skip_bad_rows: a.skip_bad_rows,
             packing: a.packing,
             show_sample: a.show_sample,

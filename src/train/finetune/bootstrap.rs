@@ -15,7 +15,8 @@ use crate::fsdp::plan::{plan_units, UnitPlan};
 use crate::model_files::adapter::{adapter_config_json, parse_adapter_config, read_adapter, Adapter};
 use crate::model_files::{resolve_model, ModelFiles};
 use crate::tokenize::TextTokenizer;
-use crate::train::data::{describe_sample, DataOptions, Dataset, Sample, TextTools};
+use crate::train::data::{describe_sample, DataOptions, Dataset, Sample, TextTools, IGNORE_INDEX};
+use crate::train::grpo::prompts::{load_prompts, PromptRow};
 
 /// Files that travel as bytes from rank 0: (file name, contents).
 pub(super) type SideFiles = Vec<(String, Vec<u8>)>;
@@ -64,6 +65,9 @@ pub(super) struct TrainingData {
     /// never separate an example's samples.
     pub group: usize,
     pub eval_samples: Vec<Sample>,
+    /// GRPO: the prompts, by data row (`samples` then holds each prompt as a sample with no
+    /// target, one per row, for the data order and the run's shape).
+    pub prompts: Vec<PromptRow>,
     /// The training file's identity, for checkpoints to record: rank 0 only (the one that reads
     /// the file, writes checkpoints and checks resumes), so no other rank hashes it.
     pub identity: Option<DataIdentity>,
@@ -159,6 +163,9 @@ fn load_data(
     let eos = model_cfg.eos_token_ids.first().copied();
     let template = tokenizer.as_ref().and_then(|t| t.chat_template.as_ref());
     let tools = TextTools { encode: &encode, decode: &decode, template, eos_id: eos, pad_id: eos.unwrap_or(0) };
+    if let Some(grpo) = &cfg.grpo {
+        return load_grpo_prompts(groups, cfg, grpo, seq_len, &tools);
+    }
     let opts = DataOptions { seq_len, train_on: cfg.train_on, skip_bad_rows: cfg.skip_bad_rows, packing: cfg.packing };
     let read = |spec: &Path| shared_dataset(groups, spec, &opts, &tools, cfg.dpo.is_some());
     let (dataset, identity) = read(&cfg.data)?;
@@ -187,7 +194,49 @@ fn load_data(
     if is_root && cfg.verbose && !eval_samples.is_empty() {
         eprintln!("eval: {} samples", eval_samples.len());
     }
-    Ok(TrainingData { samples, group, eval_samples, identity })
+    Ok(TrainingData { samples, group, eval_samples, prompts: vec![], identity })
+}
+
+/// GRPO's prompts: rank 0 reads the file, every rank tokenises the same rows; each row must
+/// hold what the grader reads (`{{item.FIELD}}`), and given rollouts must match the rows.
+fn load_grpo_prompts(
+    groups: &ProcessGroups,
+    cfg: &FinetuneConfig,
+    grpo: &crate::train::grpo::GrpoConfig,
+    seq_len: usize,
+    tools: &TextTools,
+) -> Result<TrainingData> {
+    let max_prompt = seq_len.checked_sub(grpo.settings.max_completion_length).filter(|n| *n > 0).with_context(|| {
+        format!("--max-completion-length {} leaves no room for a prompt in --seq-len {seq_len}", grpo.settings.max_completion_length)
+    })?;
+    let (identity, body) = root_tries(groups.world.as_ref(), "read the data", || {
+        let path = crate::train::data::resolve_data(&cfg.data.to_string_lossy())?;
+        let bytes = std::fs::read(&path).with_context(|| format!("{}: cannot read", path.display()))?;
+        Ok((DataIdentity::of(&cfg.data.to_string_lossy(), &bytes), bytes))
+    })?;
+    let check = |item: &Value| grpo.grader.as_ref().map_or(Ok(()), |g| g.check_item(item));
+    let (prompts, skipped) = load_prompts(&cfg.data, &body, tools, max_prompt, cfg.skip_bad_rows, &check)?;
+    if let Some(given) = &grpo.given {
+        let g = grpo.settings.num_generations;
+        let groups_ok = given.completions.iter().zip(&given.rewards).all(|(c, r)| c.len() == g && r.len() == g);
+        if given.completions.len() != prompts.len() || given.rewards.len() != prompts.len() || !groups_ok {
+            bail!("given rollouts: {} groups for {} prompts, each of {g} completions", given.completions.len(), prompts.len());
+        }
+    }
+    if groups.world.rank() == 0 && cfg.verbose {
+        let tokens: usize = prompts.iter().map(|p| p.ids.len()).sum();
+        eprintln!(
+            "data: {} prompts ({skipped} skipped), {tokens} prompt tokens; each sampled {} times, at most {} tokens per completion",
+            prompts.len(),
+            grpo.settings.num_generations,
+            grpo.settings.max_completion_length
+        );
+    }
+    let samples = prompts
+        .iter()
+        .map(|p| Sample { input_ids: p.ids.clone(), labels: vec![IGNORE_INDEX; p.ids.len()], len: p.ids.len(), segments: vec![] })
+        .collect();
+    Ok(TrainingData { samples, group: 1, eval_samples: vec![], prompts, identity })
 }
 
 fn report_dataset(dataset: &Dataset, cfg: &FinetuneConfig, seq_len: usize) {

@@ -79,6 +79,8 @@ pub struct FinetuneConfig {
     pub train_on: TrainOn,
     /// `--method dpo`: preference tuning with these settings; `None`: supervised fine-tuning.
     pub dpo: Option<crate::train::dpo::DpoSettings>,
+    /// `--method grpo`: reinforcement learning with these settings and grader.
+    pub grpo: Option<crate::train::grpo::GrpoConfig>,
     pub skip_bad_rows: bool,
     /// Several samples per row, unable to see each other.
     pub packing: bool,
@@ -185,6 +187,23 @@ pub fn validate(cfg: &FinetuneConfig, world: usize) -> Result<()> {
         }
         if cfg.train_on != TrainOn::Auto {
             bail!("--train-on applies to --method sft; DPO scores each pair's completions");
+        }
+    }
+    if let Some(grpo) = &cfg.grpo {
+        if cfg.packing {
+            bail!("--packing cannot be used with --method grpo: each completion is scored whole, one per row");
+        }
+        if cfg.train_on != TrainOn::Auto {
+            bail!("--train-on applies to --method sft; GRPO trains on its sampled completions");
+        }
+        if cfg.eval_data.is_some() || cfg.eval_split.is_some() || cfg.eval_steps.is_some() {
+            bail!("--eval-data, --eval-split and --eval-steps are not supported with --method grpo (the mean reward of each step is logged instead)");
+        }
+        // A checkpoint holds weights, not rollouts: it must fall where a batch of rollouts ends,
+        // so that a resumed run samples that batch again from the same weights.
+        let mu = grpo.settings.num_iterations;
+        if let Some(n) = cfg.save_steps.filter(|n| !n.is_multiple_of(mu)) {
+            bail!("--save-steps {n} must be a multiple of --num-iterations {mu}: a checkpoint falls where a batch of rollouts ends");
         }
     }
     if let Some(dir) = &cfg.adapter {

@@ -25,8 +25,8 @@ pub(super) struct StepReport {
     /// `trained_tokens` count.
     pub tokens: f64,
     pub secs: f64,
-    /// DPO's statistics (TRL's names); empty for SFT.
-    pub metrics: Vec<(&'static str, f64)>,
+    /// DPO's or GRPO's statistics (TRL's names); empty for SFT.
+    pub metrics: Vec<(String, f64)>,
 }
 
 pub(super) struct MetricsLog {
@@ -97,7 +97,7 @@ impl MetricsLog {
             step_s: r.secs,
             tokens: r.tokens as u64,
             gpu_memory_bytes_per_rank: gpu.clone(),
-            preference: r.metrics.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            preference: r.metrics.iter().cloned().collect(),
         });
         writeln!(f, "{}", serde_json::to_string(&row)?)?;
         f.flush()?;
@@ -118,7 +118,7 @@ impl MetricsLog {
                 if let Some(g) = &gpu {
                     line += &format!(" | GPU memory per rank [{}]", list(g));
                 }
-                line += &preference_line(&r.metrics);
+                line += &preference_line(r.metrics.iter().map(|(k, v)| (k.as_str(), *v)));
                 // A hidden bar (stderr not a terminal) drops println: print plainly then.
                 if pb.is_hidden() {
                     eprintln!("{line}");
@@ -143,7 +143,7 @@ impl MetricsLog {
             self.history.write_svg(&self.output_dir.join("loss.svg"))?;
             if self.verbose {
                 let ppl = perplexity.map(|p| format!(" | perplexity {p:.3}")).unwrap_or_default();
-                eprintln!("eval  {step:>5} | loss {loss:.4}{ppl}{}", preference_line(metrics));
+                eprintln!("eval  {step:>5} | loss {loss:.4}{ppl}{}", preference_line(metrics.iter().map(|(k, v)| (*k, *v))));
             }
         }
         Ok(())
@@ -157,9 +157,9 @@ impl MetricsLog {
     }
 }
 
-/// DPO's statistics on a step or eval line: ` | rewards/chosen 0.0123 | ...`.
-fn preference_line(metrics: &[(&'static str, f64)]) -> String {
-    metrics.iter().map(|(k, v)| format!(" | {k} {v:.4}")).collect()
+/// DPO's or GRPO's statistics on a step or eval line: ` | rewards/chosen 0.0123 | ...`.
+fn preference_line<'a>(metrics: impl Iterator<Item = (&'a str, f64)>) -> String {
+    metrics.map(|(k, v)| format!(" | {k} {v:.4}")).collect()
 }
 
 /// Peak RSS of every rank's process (the same process for local ranks) and, on GPUs, the

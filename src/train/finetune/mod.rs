@@ -21,12 +21,16 @@ mod auto_batch;
 mod bootstrap;
 mod config;
 mod export;
+mod grpo_args;
+mod grpo_step;
 pub mod interrupt;
 mod metrics_log;
 mod objective;
 pub mod plan;
 mod ranks;
+mod rollouts;
 mod setup;
+mod step;
 mod train_loop;
 
 use std::path::PathBuf;

@@ -47,9 +47,15 @@ impl RunPlan {
         let micro_batch = micro_batch * group;
         let global_batch = micro_batch * world_size * grad_accum;
         let samples = boot.data.samples.len();
-        let steps_per_epoch = samples / global_batch;
+        // GRPO trains `num_iterations` steps on each batch of prompts.
+        let iterations = cfg.grpo.as_ref().map_or(1, |g| g.settings.num_iterations);
+        let steps_per_epoch = samples / global_batch * iterations;
         if steps_per_epoch == 0 {
-            let what = if group == 2 { "pairs" } else { "samples" };
+            let what = match (group, cfg.grpo.is_some()) {
+                (_, true) => "prompts",
+                (2, _) => "pairs",
+                _ => "samples",
+            };
             bail!(
                 "{}: {} {what} of {} tokens, fewer than one global batch of {} (batch size {} x {world_size} ranks x {} accumulation)",
                 cfg.data.display(),

@@ -225,9 +225,27 @@ fn effective_settings(cfg: &FinetuneConfig, plan: &RunPlan) -> String {
             (false, 1) => "cpu (1 thread)".to_string(),
             (false, n) => format!("cpu ({n} threads)"),
         },
-    ) + &match cfg.dpo {
+    ) + &match (cfg.dpo, &cfg.grpo) {
         // A pair is two sequences: say how many pairs a step takes.
-        Some(d) => format!(", method dpo (beta {}, loss {:?}, {} pairs per step)", d.beta, d.loss, plan.global_batch / plan.group).to_lowercase(),
-        None => String::new(),
+        (Some(d), _) => format!(", method dpo (beta {}, loss {:?}, {} pairs per step)", d.beta, d.loss, plan.global_batch / plan.group).to_lowercase(),
+        // GRPO's rows are prompts, each sampled num_generations times.
+        (_, Some(g)) => {
+            let s = &g.settings;
+            format!(
+                ", method grpo ({} prompts x {} completions of at most {} tokens per step, loss_type {:?}, beta {}, epsilon {}/{}, num_iterations {}, scale_rewards {:?}, temperature {})",
+                plan.global_batch,
+                s.num_generations,
+                s.max_completion_length,
+                s.loss_type,
+                s.beta,
+                s.epsilon,
+                s.epsilon_high,
+                s.num_iterations,
+                s.scale_rewards,
+                s.temperature
+            )
+            .to_lowercase()
+        }
+        (None, None) => String::new(),
     }
 }

@@ -10,9 +10,11 @@ use serde_json::json;
 use super::bootstrap::Bootstrap;
 use super::config::FinetuneConfig;
 use super::export::export_result;
+use super::grpo_step::{self, GrpoState, StepInputs};
 use super::metrics_log::{MetricsLog, StepReport};
 use super::objective::{Objective, Split};
 use super::plan::RunPlan;
+use super::step::{dropout_seed, StepOutcome};
 use crate::checkpoint::identity::{self, DataCursor};
 use crate::checkpoint::sharded::{self, SaveExtras};
 use crate::dist::{all_reduce_scalar, ProcessGroups};
@@ -44,6 +46,7 @@ pub(super) fn train(
     // The data order is a pure function of (seed, epoch), so the cursor is the step.
     let mut order_epoch = start_step / plan.steps_per_epoch;
     let mut order = epoch_order_grouped(data.samples.len(), data.group, order_epoch, cfg.seed, cfg.shuffle);
+    let mut grpo = cfg.grpo.as_ref().map(|_| GrpoState::new(boot)).transpose()?;
     for step in start_step..plan.total_steps {
         let epoch = step / plan.steps_per_epoch;
         if epoch != order_epoch {
@@ -52,9 +55,16 @@ pub(super) fn train(
         }
         let start = Instant::now();
         let lr = cfg.lr * lr_multiplier(cfg.schedule, step, cfg.warmup_for(plan.total_steps), plan.total_steps);
-        let micro = micro_batches(groups, plan, &order, step);
-        let StepOutcome { loss, grad_norm, tokens, metrics } =
-            train_step(engine, groups, cfg, plan, objective, &data.samples, &micro, (step, lr))?;
+        let StepOutcome { loss, grad_norm, tokens, metrics } = match (&cfg.grpo, grpo.as_mut()) {
+            (Some(run), Some(state)) => {
+                let inputs = StepInputs { groups, cfg, plan, boot, run, order: &order };
+                grpo_step::train_step(engine, &inputs, state, (step, lr))?
+            }
+            _ => {
+                let micro = micro_batches(groups, plan, &order, step);
+                train_step(engine, groups, cfg, plan, objective, &data.samples, &micro, (step, lr))?
+            }
+        };
         curve.losses.push(loss);
         curve.grad_norms.push(grad_norm);
         log.step(
@@ -92,17 +102,6 @@ fn micro_batches(groups: &ProcessGroups, plan: &RunPlan, order: &[usize], step: 
         .collect()
 }
 
-/// What one step did, over all ranks.
-struct StepOutcome {
-    /// Mean loss of the global batch (per target token for SFT, per pair for DPO).
-    loss: f64,
-    grad_norm: f64,
-    /// Real (unpadded) tokens of the global batch: what tokens/s counts.
-    tokens: f64,
-    /// DPO's statistics of the global batch (TRL's names and means); empty for SFT.
-    metrics: Vec<(&'static str, f64)>,
-}
-
 /// Forward + backward of every micro-batch (the loss normalised by the global batch's target
 /// tokens or pairs, so N ranks give one rank's gradients), then the optimizer step.
 #[allow(clippy::too_many_arguments)]
@@ -135,7 +134,7 @@ fn train_step(
         local_loss += objective.run_micro_batch(engine, samples, (Split::Train, indices), ctx, Some(1.0 / normaliser), &mut stats)?;
     }
     let loss = all_reduce_scalar(groups.world.as_ref(), local_loss)? / normaliser;
-    let metrics = reduce_stats(groups, objective, stats)?;
+    let metrics = reduce_stats(groups, objective, stats)?.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
     let stats = engine.optimizer_step(lr, cfg.max_grad_norm)?;
     Ok(StepOutcome { loss, grad_norm: stats.grad_norm, tokens, metrics })
 }
@@ -157,12 +156,6 @@ fn reduce_stats(groups: &ProcessGroups, objective: &Objective, s: DpoStats) -> R
         logps_rejected: sums[5],
     };
     Ok(total.means())
-}
-
-/// The dropout seed of the sample at `place` in step `step`'s global batch.
-fn dropout_seed(seed: u64, step: usize, place: usize) -> u64 {
-    let mut state = seed ^ ((step as u64) << 32) ^ place as u64;
-    kernels::rng::splitmix64(&mut state)
 }
 
 /// The model's side files, plus (LoRA) the adapter settings, so `fsdp-app merge` can fold the
