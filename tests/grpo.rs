@@ -292,7 +292,10 @@ fn grpo_refuses_what_it_cannot_honour() {
         (vec!["--method", "grpo", "--grader", g, "--num-generations", "1"], "--num-generations must be at least 2"),
         (vec!["--method", "grpo", "--grader", g, "--loss-type", "ppo"], "--loss-type \"ppo\""),
         (vec!["--method", "grpo", "--grader", g, "--packing"], "--packing cannot be used with --method grpo"),
-        (vec!["--method", "grpo", "--grader", g, "--eval-split", "0.2"], "not supported with --method grpo"),
+        (
+            vec!["--method", "grpo", "--grader", g, "--eval-split", "0.2", "--num-generations-eval", "1"],
+            "--num-generations-eval must be at least 2",
+        ),
         (vec!["--method", "grpo", "--grader", g, "--num-iterations", "2", "--save-steps", "3"], "--save-steps 3"),
         (vec!["--method", "grpo", "--grader", data.to_str().unwrap()], "--grader"),
     ] {
@@ -323,4 +326,30 @@ fn grpo_refuses_what_it_cannot_honour() {
     );
     let err = common::stderr(&o);
     assert!(!o.status.success() && err.contains("bad.jsonl:2") && err.contains("no field `answer`"), "{err}");
+}
+
+/// Evaluation on held-out prompts (`--eval-split`, every step and at the end, two ranks): TRL's
+/// eval metrics in the eval rows, the mean reward within the graders' range.
+#[test]
+fn evaluation_samples_and_grades_the_held_out_prompts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = common::fixture("llama", tmp.path());
+    let data = sum_prompts(tmp.path());
+    let out = tmp.path().join("eval");
+    let mut cfg = sampled_run(&model, &data, &out);
+    (cfg.world_size, cfg.batch_size, cfg.max_steps, cfg.eval_split, cfg.eval_steps) = (2, 1, Some(2), Some(0.25), Some(1));
+    cfg.grpo.as_mut().unwrap().settings.num_generations_eval = Some(3);
+    run_local(&cfg).unwrap();
+    let rows: Vec<Value> =
+        std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let evals: Vec<&Value> = rows.iter().filter(|r| r.get("eval_loss").is_some()).collect();
+    assert_eq!(evals.len(), 2, "an evaluation after step 1 and at the end: {rows:?}");
+    for e in evals {
+        let reward = e["eval_reward"].as_f64().unwrap();
+        assert!((0.0..=2.0).contains(&reward) && e["eval_loss"].as_f64().unwrap().is_finite(), "{e}");
+        for key in ["eval_reward_std", "eval_rewards/close/mean", "eval_rewards/has/mean", "eval_completions/mean_length"] {
+            assert!(e[key].is_number(), "no {key} in {e}");
+        }
+        assert!(e["eval_completions/mean_length"].as_f64().unwrap() <= 6.0, "{e}");
+    }
 }

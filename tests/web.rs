@@ -131,6 +131,7 @@ fn the_pages_chat_and_fine_tune_in_headless_chromium() {
         ("CHROMIUM", browser.to_string_lossy().to_string()),
         ("TRAIN_FILE", repo.join("tests/data/zephyrix-codename.jsonl").to_string_lossy().to_string()),
         ("PREFERENCE_FILE", repo.join("tests/data/zephyrix-preferences.jsonl").to_string_lossy().to_string()),
+        ("PROMPT_FILE", repo.join("tests/data/sums.jsonl").to_string_lossy().to_string()),
     ];
     let passed = std::panic::catch_unwind(|| run_browser_script(&modules, "browser_test.mjs", &env, "browser: all checks passed"));
     let _ = server.kill();

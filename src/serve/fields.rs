@@ -122,7 +122,7 @@ pub const MESSAGE: &[&str] = &["role", "content", "tool_calls", "tool_call_id", 
 pub const JOB: &[&str] = &["model", "training_file", "validation_file", "hyperparameters", "suffix", "seed", "method", "fsdp_app"];
 
 /// `fsdp_app` of a job (our extension).
-pub const JOB_EXTENSION: &[&str] = &["world_size", "seq_len", "max_steps", "lora", "merge"];
+pub const JOB_EXTENSION: &[&str] = &["world_size", "seq_len", "max_steps", "max_completion_length", "lora", "merge"];
 
 /// `fsdp_app.lora` of a job.
 pub const JOB_LORA: &[&str] = &["r", "alpha", "dropout", "targets"];

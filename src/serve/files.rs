@@ -32,12 +32,16 @@ fn internal(e: impl std::fmt::Display) -> ApiError {
 pub enum RowKind {
     Supervised,
     Preference,
+    /// Prompts for reinforcement fine-tuning (TRL's GRPO rows, OpenAI's RFT rows).
+    Prompt,
 }
 
 impl RowKind {
     pub fn of(row: &Value) -> Self {
         if crate::train::preference::is_preference_row(row) {
             Self::Preference
+        } else if crate::train::grpo::prompts::is_prompt_row(row) {
+            Self::Prompt
         } else {
             Self::Supervised
         }
@@ -47,8 +51,28 @@ impl RowKind {
         match self {
             Self::Supervised => "supervised",
             Self::Preference => "preference (DPO)",
+            Self::Prompt => "prompt (reinforcement)",
         }
     }
+}
+
+/// Checks that `grader` finds every field it reads (`{{item.FIELD}}`) in every row of the
+/// prompt file at `path`; a 400 naming the line otherwise.
+pub fn check_grader_reads(path: &Path, grader: &crate::train::grpo::graders::Grader) -> Result<(), ApiError> {
+    let reader = std::io::BufReader::new(std::fs::File::open(path).map_err(internal)?);
+    for (i, line) in reader.lines().enumerate() {
+        let line = line.map_err(internal)?;
+        let text = crate::train::data::without_bom(&line);
+        if text.trim().is_empty() {
+            continue;
+        }
+        let row: Value = serde_json::from_str(text).map_err(internal)?;
+        if let Err(e) = grader.check_item(&crate::train::grpo::prompts::item_of(&row)) {
+            let message = format!("Line {} of the training file: {e:#}.", i + 1);
+            return Err(ApiError::invalid("method.reinforcement.grader", message).with_code("invalid_file"));
+        }
+    }
+    Ok(())
 }
 
 /// The kind of rows a stored (validated, so one-kind) file holds: its first row's.
@@ -82,6 +106,9 @@ fn validate_row(v: &Value, kind: RowKind, vocab: usize, at: usize) -> Result<(),
         return Err(ApiError::invalid("file", message));
     }
     let invalid = |e: anyhow::Error| ApiError::invalid("file", format!("Line {at}: {e:#}."));
+    if kind == RowKind::Prompt {
+        return crate::train::grpo::prompts::check_prompt_row(v).map_err(invalid);
+    }
     if kind == RowKind::Preference {
         let row = crate::train::preference::parse_preference_row(v).map_err(invalid)?;
         crate::train::preference::check_pair(&row).map_err(|e| invalid(e).with_code("no_trainable_tokens"))?;

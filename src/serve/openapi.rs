@@ -165,13 +165,15 @@ pub const SPEC: &str = r##"{
         "requestBody": {"required": true, "content": {"application/json": {"schema": {"type": "object", "required": ["model", "training_file"], "properties": {
           "model": {"type": "string"}, "training_file": {"type": "string"}, "validation_file": {"type": "string"}, "suffix": {"type": "string", "maxLength": 64},
           "seed": {"type": "integer", "minimum": 0},
-          "method": {"type": "object", "required": ["type"], "properties": {"type": {"type": "string", "enum": ["supervised", "dpo"]}, "supervised": {"type": "object", "properties": {"hyperparameters": {"type": "object"}}}, "dpo": {"type": "object", "properties": {"hyperparameters": {"type": "object"}}}}},
+          "method": {"type": "object", "required": ["type"], "properties": {"type": {"type": "string", "enum": ["supervised", "dpo", "reinforcement"]}, "supervised": {"type": "object", "properties": {"hyperparameters": {"type": "object"}}}, "dpo": {"type": "object", "properties": {"hyperparameters": {"type": "object"}}},
+            "reinforcement": {"type": "object", "required": ["grader"], "properties": {"grader": {"type": "object", "description": "string_check, text_similarity, json_schema, multi or command (docs/grpo.md)."},
+              "hyperparameters": {"type": "object", "description": "n_epochs, batch_size (prompts per step), learning_rate_multiplier, compute_multiplier (completions per prompt: 8 x it), eval_interval and eval_samples (\"auto\" only)."}}}}},
           "hyperparameters": {"type": "object", "properties": {
             "n_epochs": {"oneOf": [{"type": "integer", "minimum": 1, "maximum": 50}, {"type": "string", "enum": ["auto"]}]},
             "batch_size": {"oneOf": [{"type": "integer", "minimum": 1, "maximum": 256}, {"type": "string", "enum": ["auto"]}]},
             "learning_rate_multiplier": {"oneOf": [{"type": "number", "minimum": 0.001, "maximum": 100}, {"type": "string", "enum": ["auto"]}]}}},
           "fsdp_app": {"type": "object", "properties": {"world_size": {"type": "integer", "minimum": 1, "maximum": 16}, "seq_len": {"type": "integer", "minimum": 16},
-            "max_steps": {"type": "integer", "minimum": 1}, "lora": {"type": "object", "properties": {"r": {"type": "integer", "minimum": 1}, "alpha": {"type": "number"},
+            "max_steps": {"type": "integer", "minimum": 1}, "max_completion_length": {"type": "integer", "minimum": 1, "description": "Reinforcement jobs: the most tokens a completion may have (default: half of seq_len)."}, "lora": {"type": "object", "properties": {"r": {"type": "integer", "minimum": 1}, "alpha": {"type": "number"},
             "dropout": {"type": "number", "minimum": 0, "maximum": 0.99}, "targets": {"type": "array", "items": {"type": "string"}}}},
             "merge": {"type": "boolean", "description": "With lora: serve a merged copy instead of the adapter over the base."}}}}}}}},
         "responses": {"200": {"description": "The job (the same one again for a retried Idempotency-Key)."}, "400": {"description": "Invalid request."},

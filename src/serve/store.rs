@@ -40,7 +40,14 @@ pub struct JobRow {
 impl JobRow {
     /// OpenAI's `fine_tuning.job` object.
     pub fn to_json(&self) -> Value {
-        let hyperparameters = json!(self.hyperparameters);
+        let mut hyperparameters = json!(self.hyperparameters);
+        let kind = self.hyperparameters.method_type();
+        let mut method = json!({"type": kind});
+        method[kind] = json!({});
+        if let Some(grader) = hyperparameters.as_object_mut().and_then(|h| h.remove("grader")) {
+            method[kind]["grader"] = grader;
+        }
+        method[kind]["hyperparameters"] = hyperparameters.clone();
         json!({
             "id": self.id, "object": "fine_tuning.job", "model": self.model, "created_at": self.created_at,
             "finished_at": self.finished_at, "fine_tuned_model": self.fine_tuned_model, "organization_id": "org-fsdp-app",
@@ -48,7 +55,7 @@ impl JobRow {
             "validation_file": self.validation_file, "hyperparameters": hyperparameters,
             "trained_tokens": self.trained_tokens, "error": self.error, "seed": self.seed, "suffix": self.suffix,
             "estimated_finish": null, "integrations": [], "metadata": null,
-            "method": {"type": self.hyperparameters.method_type(), self.hyperparameters.method_type(): {"hyperparameters": hyperparameters}},
+            "method": method,
             "fsdp_app": self.extensions,
         })
     }

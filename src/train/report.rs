@@ -1,5 +1,6 @@
 //! The loss curve a person looks at: `OUTPUT/loss.svg`, rewritten (atomically) as training goes,
-//! with the training loss per step and the evaluation loss where it was measured.
+//! with the training loss per step, the evaluation loss where it was measured, and (GRPO) the
+//! mean reward per step on its own scale (the right-hand axis).
 
 use std::path::Path;
 
@@ -10,6 +11,8 @@ use anyhow::Result;
 pub struct LossHistory {
     pub train: Vec<(usize, f64)>,
     pub eval: Vec<(usize, f64)>,
+    /// GRPO's mean reward per step (empty otherwise).
+    pub reward: Vec<(usize, f64)>,
 }
 
 fn fmt(v: f64) -> String {
@@ -26,8 +29,9 @@ impl LossHistory {
     pub fn to_svg(&self) -> String {
         let (w, h, left, right, top, bottom) = (720.0, 360.0, 60.0, 20.0, 30.0, 40.0);
         let all: Vec<&(usize, f64)> = self.train.iter().chain(&self.eval).filter(|(_, v)| v.is_finite()).collect();
-        let max_step = all.iter().map(|(s, _)| *s).max().unwrap_or(1).max(1) as f64;
-        let min_step = all.iter().map(|(s, _)| *s).min().unwrap_or(0) as f64;
+        let steps: Vec<usize> = all.iter().map(|(s, _)| *s).chain(self.reward.iter().map(|(s, _)| *s)).collect();
+        let max_step = steps.iter().copied().max().unwrap_or(1).max(1) as f64;
+        let min_step = steps.iter().copied().min().unwrap_or(0) as f64;
         let hi = all.iter().map(|(_, v)| *v).fold(f64::MIN, f64::max);
         let lo = all.iter().map(|(_, v)| *v).fold(f64::MAX, f64::min).min(hi);
         let (lo, hi) = if all.is_empty() {
@@ -46,10 +50,14 @@ impl LossHistory {
                 .collect::<Vec<_>>()
                 .join(" ")
         };
+        let title = match self.reward.is_empty() {
+            true => "loss by step (train: blue line, eval: orange dots)",
+            false => "loss (blue, left axis) and mean reward (green, right axis) by step",
+        };
         let mut svg = format!(
             "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
              <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
-             <text x=\"{left}\" y=\"18\" font-size=\"14\">loss by step (train: blue line, eval: orange dots)</text>\n\
+             <text x=\"{left}\" y=\"18\" font-size=\"14\">{title}</text>\n\
              <line x1=\"{left}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"#444\"/>\n<line x1=\"{left}\" y1=\"{top}\" x2=\"{left}\" y2=\"{}\" stroke=\"#444\"/>\n",
             h - bottom,
             w - right,
@@ -72,6 +80,19 @@ impl LossHistory {
                 y(*v)
             );
         }
+        let rewards: Vec<&(usize, f64)> = self.reward.iter().filter(|(_, v)| v.is_finite()).collect();
+        if !rewards.is_empty() {
+            let r_hi = rewards.iter().map(|(_, v)| *v).fold(f64::MIN, f64::max);
+            let r_lo = rewards.iter().map(|(_, v)| *v).fold(f64::MAX, f64::min);
+            let (r_lo, r_hi) = if r_hi - r_lo < 1e-9 { (r_lo - 0.5, r_hi + 0.5) } else { (r_lo, r_hi) };
+            let ry = |v: f64| top + (r_hi - v) / (r_hi - r_lo) * (h - top - bottom);
+            let points: Vec<String> = rewards.iter().map(|(s, v)| format!("{:.1},{:.1}", x(*s as f64), ry(*v))).collect();
+            svg += &format!("<polyline fill=\"none\" stroke=\"#2ca02c\" stroke-width=\"2\" points=\"{}\"/>\n", points.join(" "));
+            for v in [r_lo, r_hi] {
+                svg +=
+                    &format!("<text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\" fill=\"#2ca02c\">{}</text>\n", w - 2.0, ry(v) + 4.0, fmt(v));
+            }
+        }
         svg += "</svg>\n";
         svg
     }
@@ -91,13 +112,16 @@ mod tests {
 
     #[test]
     fn svg_has_both_curves_scaled_into_the_frame() {
-        let h = LossHistory { train: vec![(1, 4.0), (2, 3.0), (3, 2.0)], eval: vec![(3, 2.5)] };
+        let h = LossHistory { train: vec![(1, 4.0), (2, 3.0), (3, 2.0)], eval: vec![(3, 2.5)], reward: vec![] };
         let svg = h.to_svg();
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
         assert!(svg.contains("<polyline") && svg.contains("points=\"60.0,30.0 "), "{svg}");
         assert!(svg.contains("eval loss 2.5000 at step 3"));
         // Empty and flat histories still render.
         assert!(LossHistory::default().to_svg().contains("</svg>"));
-        assert!(LossHistory { train: vec![(1, 1.0), (2, 1.0)], eval: vec![] }.to_svg().contains("<polyline"));
+        assert!(LossHistory { train: vec![(1, 1.0), (2, 1.0)], eval: vec![], reward: vec![] }.to_svg().contains("<polyline"));
+        // GRPO's reward, on its own axis.
+        let grpo = LossHistory { train: vec![(1, 0.1), (2, 0.0)], eval: vec![], reward: vec![(1, 0.25), (2, 0.75)] }.to_svg();
+        assert!(grpo.contains("stroke=\"#2ca02c\"") && grpo.contains("mean reward"), "{grpo}");
     }
 }

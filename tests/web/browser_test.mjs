@@ -2,10 +2,10 @@
 // running `fsdp-app serve` (tests/web.rs starts it): a chat message gets a streamed answer; a small
 // fine-tuning job runs to success from the page, its loss is charted, and its model answers.
 //
-//   BASE=http://127.0.0.1:8000 KEY=k CHROMIUM=/usr/bin/chromium TRAIN_FILE=data.jsonl PREFERENCE_FILE=pairs.jsonl node tests/web/browser_test.mjs
+//   BASE=http://127.0.0.1:8000 KEY=k CHROMIUM=/usr/bin/chromium TRAIN_FILE=data.jsonl PREFERENCE_FILE=pairs.jsonl PROMPT_FILE=prompts.jsonl node tests/web/browser_test.mjs
 import { chromium } from "playwright-core";
 
-const { BASE, KEY, CHROMIUM, TRAIN_FILE, PREFERENCE_FILE } = process.env;
+const { BASE, KEY, CHROMIUM, TRAIN_FILE, PREFERENCE_FILE, PROMPT_FILE } = process.env;
 function check(cond, what) {
   if (!cond) {
     console.error(`FAILED: ${what}`);
@@ -116,6 +116,33 @@ try {
   }, [KEY, await page.textContent("#job-id")]);
   check(dpoJob.method.type === "dpo" && dpoJob.method.dpo.hyperparameters.beta === 0.2, `the job is DPO with beta 0.2: ${JSON.stringify(dpoJob.method)}`);
   check((await page.textContent("#ft-model")).includes(":browser-dpo:"), "the DPO model is named");
+
+  // Reinforcement (GRPO) from the same form: the grader editor shows, a prompt file trains.
+  await page.goto(`${BASE}/finetune`);
+  await page.waitForFunction(() => document.querySelectorAll("#base option").length > 0);
+  check(await page.isHidden("#grader"), "the grader editor is hidden for supervised fine-tuning");
+  await page.selectOption("#method", "reinforcement");
+  check(await page.isVisible("#grader") && await page.isHidden("#beta") && await page.isHidden("#validation"), "the grader editor shows for GRPO, beta and validation do not");
+  await page.selectOption("#grader-operation", "ilike");
+  await page.fill("#grader-name", "has_sum");
+  await page.fill("#generations", "4");
+  await page.setInputFiles("#file", PROMPT_FILE);
+  await page.fill("#suffix", "browser-grpo");
+  await page.fill("#epochs", "1");
+  await page.fill("#max-steps", "2");
+  await page.click("#start");
+  await page.waitForFunction(() => ["succeeded", "failed", "cancelled"].includes(document.getElementById("status").textContent), null, { timeout: 240000 });
+  const grpoStatus = await page.textContent("#status");
+  check(grpoStatus === "succeeded", `the GRPO job succeeded: ${grpoStatus} ${await page.textContent("#ft-error")}`);
+  const grpoJob = await page.evaluate(async ([key, id]) => {
+    const r = await fetch(`/v1/fine_tuning/jobs/${id}`, { headers: { Authorization: `Bearer ${key}` } });
+    return r.json();
+  }, [KEY, await page.textContent("#job-id")]);
+  const grader = grpoJob.method.reinforcement && grpoJob.method.reinforcement.grader;
+  check(grpoJob.method.type === "reinforcement" && grader.type === "string_check" && grader.operation === "ilike" && grader.name === "has_sum"
+    && grader.reference === "{{item.answer}}" && grpoJob.method.reinforcement.hyperparameters.compute_multiplier === 0.5,
+    `the job is GRPO with the editor's grader: ${JSON.stringify(grpoJob.method)}`);
+  check((await page.textContent("#events")).includes("mean reward="), `the events show the mean reward: ${await page.textContent("#events")}`);
   check(errors.length === 0, `no page errors: ${errors.join("; ")}`);
   console.log("browser: all checks passed");
 } finally {

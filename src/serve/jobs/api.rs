@@ -24,37 +24,58 @@ fn internal(e: anyhow::Error) -> ApiError {
     ApiError::internal(format!("{e:#}"))
 }
 
-/// `method`: `{"type": "supervised" | "dpo", "<type>": {"hyperparameters": {...}}}`, OpenAI's
-/// form (reinforcement fine-tuning is not implemented). Returns the method's type and its
-/// hyperparameters, if it gives any.
-fn method(v: &Value, lenient: bool) -> Result<(&'static str, Option<Value>), ApiError> {
-    let Some(m) = v.get("method").filter(|x| !x.is_null()) else { return Ok(("supervised", None)) };
+/// `method`: `{"type": "supervised" | "dpo" | "reinforcement", "<type>": {"hyperparameters":
+/// {...}}}`, OpenAI's form (`reinforcement` also takes its `grader`, checked here: a bad one is a
+/// 400 naming its field). Returns the method's type, its hyperparameters if it gives any, and
+/// the grader.
+fn method(v: &Value, lenient: bool) -> Result<(&'static str, Option<Value>, Option<Value>), ApiError> {
+    let Some(m) = v.get("method").filter(|x| !x.is_null()) else { return Ok(("supervised", None, None)) };
     if !m.is_object() {
         return Err(ApiError::invalid("method", "`method` must be an object such as {\"type\": \"supervised\"}."));
     }
     let kind = match m.get("type").and_then(Value::as_str) {
         Some("supervised") => "supervised",
         Some("dpo") => "dpo",
-        Some("reinforcement") => {
-            return Err(ApiError::invalid(
-                "method.type",
-                "`method.type` \"reinforcement\" is not supported by this server; use \"supervised\" or \"dpo\".",
-            )
-            .with_code("unsupported_parameter"))
-        }
-        _ => return Err(ApiError::invalid("method.type", "`method.type` must be \"supervised\" or \"dpo\".")),
+        Some("reinforcement") => "reinforcement",
+        _ => return Err(ApiError::invalid("method.type", "`method.type` must be \"supervised\", \"dpo\" or \"reinforcement\".")),
     };
     fields::check(m, &["type", kind], "method", lenient)?;
-    let Some(s) = m.get(kind).filter(|x| !x.is_null()) else { return Ok((kind, None)) };
-    fields::check(s, &["hyperparameters"], &format!("method.{kind}"), lenient)?;
-    Ok((kind, s.get("hyperparameters").filter(|x| !x.is_null()).cloned()))
+    let settings = m.get(kind).filter(|x| !x.is_null());
+    let grader = match kind {
+        "reinforcement" => {
+            let g = settings.and_then(|s| s.get("grader")).filter(|x| !x.is_null());
+            let g = g.ok_or_else(|| {
+                ApiError::invalid("method.reinforcement.grader", "A reinforcement job needs `method.reinforcement.grader`.")
+            })?;
+            Some(checked_grader(g)?)
+        }
+        _ => None,
+    };
+    let Some(s) = settings else { return Ok((kind, None, grader)) };
+    let allowed: &[&str] = if kind == "reinforcement" { &["grader", "hyperparameters"] } else { &["hyperparameters"] };
+    fields::check(s, allowed, &format!("method.{kind}"), lenient)?;
+    Ok((kind, s.get("hyperparameters").filter(|x| !x.is_null()).cloned(), grader))
+}
+
+/// A grader the trainer can run, or a 400 whose `param` names the bad field
+/// (`method.reinforcement.grader.operation`, ...).
+fn checked_grader(g: &Value) -> Result<Value, ApiError> {
+    match crate::train::grpo::graders::Grader::from_json(g) {
+        Ok(_) => Ok(g.clone()),
+        Err(e) => {
+            let message = format!("{e:#}");
+            // The grader's errors start with the field's path: `grader.graders.a.operation: ...`.
+            let field = message.split(':').next().filter(|f| f.starts_with("grader") && !f.contains(' ')).unwrap_or("grader");
+            Err(ApiError::invalid(&format!("method.reinforcement.{field}"), message))
+        }
+    }
 }
 
 /// `hyperparameters` (or `method.<type>.hyperparameters`, not both): n_epochs, batch_size and
 /// learning_rate_multiplier, and for DPO beta, each a number or "auto".
 fn hyperparameters(v: &Value, lenient: bool) -> Result<Hyperparameters, ApiError> {
     let top = v.get("hyperparameters").filter(|x| !x.is_null()).cloned();
-    let (kind, from_method) = method(v, lenient)?;
+    let (kind, from_method, grader) = method(v, lenient)?;
     let h = match (top, from_method) {
         (Some(_), Some(_)) => {
             return Err(ApiError::invalid(
@@ -88,6 +109,7 @@ fn hyperparameters(v: &Value, lenient: bool) -> Result<Hyperparameters, ApiError
     };
     let known: &[&str] = match kind {
         "dpo" => &["n_epochs", "batch_size", "learning_rate_multiplier", "beta"],
+        "reinforcement" => &["n_epochs", "batch_size", "learning_rate_multiplier", "compute_multiplier", "eval_interval", "eval_samples"],
         _ => &["n_epochs", "batch_size", "learning_rate_multiplier"],
     };
     for k in h.as_object().unwrap().keys() {
@@ -107,6 +129,20 @@ fn hyperparameters(v: &Value, lenient: bool) -> Result<Hyperparameters, ApiError
             "dpo" => Some(auto_or("beta", 1e-6, 2.0, crate::train::dpo::DEFAULT_BETA, false)?),
             _ => None,
         },
+        compute_multiplier: match kind {
+            "reinforcement" => Some(auto_or("compute_multiplier", 0.25, 8.0, 1.0, false)?),
+            _ => None,
+        },
+        // 0 stands for "auto" here: absent.
+        eval_interval: match kind {
+            "reinforcement" => Some(auto_or("eval_interval", 1.0, 1e6, 0.0, true)? as u64).filter(|n| *n > 0),
+            _ => None,
+        },
+        eval_samples: match kind {
+            "reinforcement" => Some(auto_or("eval_samples", 2.0, 64.0, 0.0, true)? as u64).filter(|n| *n > 0),
+            _ => None,
+        },
+        grader,
     })
 }
 
@@ -128,12 +164,19 @@ fn extensions(v: &Value, lenient: bool, context: usize) -> Result<JobExtensions,
         ));
     }
     let max_steps = f.integer("max_steps", 1, 1_000_000).map_err(named)?.map(|n| n as u64);
+    let max_completion_length = f.integer("max_completion_length", 1, 1 << 20).map_err(named)?.map(|n| n as u64);
+    if max_completion_length.is_some_and(|n| n >= seq_len) {
+        return Err(ApiError::invalid(
+            "fsdp_app.max_completion_length",
+            "`max_completion_length` must leave room for the prompt in `seq_len`.",
+        ));
+    }
     let lora = f.value("lora").map(|l| lora(l, lenient)).transpose()?;
     let merge = f.bool("merge").map_err(named)?.unwrap_or(false);
     if merge && lora.is_none() {
         return Err(ApiError::invalid("fsdp_app.merge", "`merge` needs `lora`: it merges the trained adapter into the base."));
     }
-    Ok(JobExtensions { world_size, seq_len, max_steps, lora, merge })
+    Ok(JobExtensions { world_size, seq_len, max_steps, max_completion_length, lora, merge })
 }
 
 /// `fsdp_app.lora`.
@@ -190,7 +233,14 @@ pub async fn create(
     let validation_file = file("validation_file", false)?;
     let hyperparameters = hyperparameters(&v, st.lenient)?;
     // Uploads hold one kind of row (checked at upload): the method must train on that kind.
-    let wanted = if hyperparameters.beta.is_some() { RowKind::Preference } else { RowKind::Supervised };
+    let wanted = match hyperparameters.method_type() {
+        "dpo" => RowKind::Preference,
+        "reinforcement" => RowKind::Prompt,
+        _ => RowKind::Supervised,
+    };
+    if hyperparameters.eval_interval.is_some() && validation_file.is_none() {
+        return Err(ApiError::invalid("hyperparameters.eval_interval", "`eval_interval` needs a `validation_file` to evaluate on."));
+    }
     for (k, id) in [("training_file", Some(&training_file)), ("validation_file", validation_file.as_ref())] {
         let Some(id) = id else { continue };
         let kind = tokio::task::block_in_place(|| file_row_kind(&st.store.file_path(id))).map_err(internal)?;
@@ -206,6 +256,11 @@ pub async fn create(
             )
             .with_code("invalid_file"));
         }
+    }
+    if let Some(g) = &hyperparameters.grader {
+        let grader = crate::train::grpo::graders::Grader::from_json(g).map_err(internal)?;
+        let path = st.store.file_path(&training_file);
+        tokio::task::block_in_place(|| crate::serve::files::check_grader_reads(&path, &grader))?;
     }
     let suffix = f.string("suffix")?.map(str::to_string);
     if let Some(s) = &suffix {

@@ -101,6 +101,16 @@ pub fn finetune_args(job: &JobRow, base_source: &str, data: &dyn Fn(&str) -> std
         a.method = "dpo".into();
         a.dpo_beta = Some(beta);
     }
+    if let Some(g) = h.num_generations() {
+        // OpenAI's batch_size counts prompts here, each sampled num_generations times.
+        a.method = "grpo".into();
+        a.grpo.num_generations = Some(g);
+        a.grpo.grader = Some(grader_path(job));
+        // Unless told, a prompt may take half the rows and the completion the other half.
+        a.grpo.max_completion_length = Some(e.max_completion_length.map_or((e.seq_len as usize / 2).max(1), |n| n as usize));
+        a.eval_steps = h.eval_interval.map(|n| n as usize);
+        a.grpo.num_generations_eval = h.eval_samples.map(|n| n as usize);
+    }
     if let Some(l) = &e.lora {
         a.lora.lora_r = Some(l.r as usize);
         a.lora.lora_alpha = Some(l.alpha);
@@ -118,9 +128,20 @@ pub fn finetune_args(job: &JobRow, base_source: &str, data: &dyn Fn(&str) -> std
     a
 }
 
+/// Where a reinforcement job's grader is written for its child (next to its settings).
+fn grader_path(job: &JobRow) -> std::path::PathBuf {
+    Path::new(&job.output_dir).with_extension("grader.json")
+}
+
 /// The `fsdp-app launch ... -- finetune --args-file FILE` command line of a job, after writing
-/// its settings to FILE (next to the job's log).
+/// its settings to FILE (next to the job's log), and a reinforcement job's grader beside them.
 fn command_line(st: &AppState, job: &JobRow) -> anyhow::Result<Vec<String>> {
+    if let Some(g) = &job.hyperparameters.grader {
+        let path = grader_path(job);
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(&tmp, serde_json::to_vec_pretty(g)?)?;
+        std::fs::rename(&tmp, &path)?;
+    }
     let settings = Path::new(&job.output_dir).with_extension("args.json");
     let on_gpu = !st.load.placement.device.is_cpu();
     finetune_args(job, &st.base_source, &|id| st.store.file_path(id), on_gpu).write_file(&settings)?;
@@ -181,13 +202,24 @@ fn run_job(st: &AppState, job: &JobRow) -> anyhow::Result<()> {
                     trained_tokens += r.tokens;
                     last_step = step;
                     checkpoints.saw(step, "train_loss", r.loss);
-                    let data = json!({"step": step, "train_loss": r.loss, "learning_rate": r.lr, "tokens_per_s": r.tokens_per_s});
-                    store.add_event(&job.id, "info", &format!("Step {step}: training loss={:.4}", r.loss), "metrics", Some(data))?;
+                    let mut data = json!({"step": step, "train_loss": r.loss, "learning_rate": r.lr, "tokens_per_s": r.tokens_per_s});
+                    let mut message = format!("Step {step}: training loss={:.4}", r.loss);
+                    // A reinforcement job's mean reward, the number its user watches.
+                    if let Some(reward) = r.preference.get("reward") {
+                        data["reward"] = json!(reward);
+                        message += &format!(", mean reward={reward:.4}");
+                    }
+                    store.add_event(&job.id, "info", &message, "metrics", Some(data))?;
                 }
                 MetricsRow::Eval(r) => {
                     checkpoints.saw(step, "valid_loss", r.eval_loss);
-                    let data = json!({"step": step, "valid_loss": r.eval_loss});
-                    store.add_event(&job.id, "info", &format!("Step {step}: validation loss={:.4}", r.eval_loss), "metrics", Some(data))?;
+                    let mut data = json!({"step": step, "valid_loss": r.eval_loss});
+                    let mut message = format!("Step {step}: validation loss={:.4}", r.eval_loss);
+                    if let Some(reward) = r.preference.get("eval_reward") {
+                        data["valid_reward"] = json!(reward);
+                        message += &format!(", validation mean reward={reward:.4}");
+                    }
+                    store.add_event(&job.id, "info", &message, "metrics", Some(data))?;
                 }
             }
         }

@@ -66,22 +66,50 @@ pub struct Hyperparameters {
     /// existed: supervised).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub beta: Option<f64>,
+    /// Reinforcement fine-tuning's: given exactly for `method.type` "reinforcement".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_multiplier: Option<f64>,
+    /// Reinforcement: evaluate on the validation file every this many steps (else at the end).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_interval: Option<u64>,
+    /// Reinforcement: completions per validation prompt (else as many as per training prompt).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_samples: Option<u64>,
+    /// Reinforcement fine-tuning's grader, as the request gave it (checked at creation). The
+    /// job object shows it under `method.reinforcement.grader`, not among the hyperparameters.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grader: Option<serde_json::Value>,
 }
 
 impl Default for Hyperparameters {
     fn default() -> Self {
-        Self { n_epochs: 3, batch_size: 1, learning_rate_multiplier: 1.0, beta: None }
+        Self {
+            n_epochs: 3,
+            batch_size: 1,
+            learning_rate_multiplier: 1.0,
+            beta: None,
+            compute_multiplier: None,
+            eval_interval: None,
+            eval_samples: None,
+            grader: None,
+        }
     }
 }
 
 impl Hyperparameters {
-    /// OpenAI's `method.type`: "dpo" or "supervised".
+    /// OpenAI's `method.type`: "supervised", "dpo" or "reinforcement".
     pub fn method_type(&self) -> &'static str {
-        if self.beta.is_some() {
-            "dpo"
-        } else {
-            "supervised"
+        match (self.beta, self.compute_multiplier) {
+            (Some(_), _) => "dpo",
+            (_, Some(_)) => "reinforcement",
+            _ => "supervised",
         }
+    }
+
+    /// A reinforcement job's completions per prompt: TRL's 8 scaled by `compute_multiplier`
+    /// (OpenAI's knob for the compute spent on exploring), at least 2.
+    pub fn num_generations(&self) -> Option<usize> {
+        self.compute_multiplier.map(|m| ((crate::train::grpo::settings::DEFAULT_NUM_GENERATIONS as f64 * m).round() as usize).max(2))
     }
 }
 
@@ -103,6 +131,10 @@ pub struct JobExtensions {
     /// Tokens per row: min([`crate::train::DEFAULT_SEQ_LEN`], the model's context) unless given.
     pub seq_len: u64,
     pub max_steps: Option<u64>,
+    /// Reinforcement jobs: the most tokens a completion may have (half of `seq_len` unless
+    /// given; absent in jobs stored before it existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_completion_length: Option<u64>,
     /// LoRA on the frozen base instead of full fine-tuning.
     pub lora: Option<JobLora>,
     /// With LoRA: also write the merged full model and serve that, instead of the adapter over
@@ -114,7 +146,14 @@ pub struct JobExtensions {
 impl JobExtensions {
     /// A job that sets none, on a model of `context` tokens.
     pub fn defaults(context: usize) -> Self {
-        Self { world_size: 1, seq_len: crate::train::DEFAULT_SEQ_LEN.min(context) as u64, max_steps: None, lora: None, merge: false }
+        Self {
+            world_size: 1,
+            seq_len: crate::train::DEFAULT_SEQ_LEN.min(context) as u64,
+            max_steps: None,
+            max_completion_length: None,
+            lora: None,
+            merge: false,
+        }
     }
 }
 

@@ -68,6 +68,8 @@ pub(super) struct TrainingData {
     /// GRPO: the prompts, by data row (`samples` then holds each prompt as a sample with no
     /// target, one per row, for the data order and the run's shape).
     pub prompts: Vec<PromptRow>,
+    /// GRPO: the evaluation prompts (`--eval-data` or `--eval-split`).
+    pub eval_prompts: Vec<PromptRow>,
     /// The training file's identity, for checkpoints to record: rank 0 only (the one that reads
     /// the file, writes checkpoints and checks resumes), so no other rank hashes it.
     pub identity: Option<DataIdentity>,
@@ -194,7 +196,7 @@ fn load_data(
     if is_root && cfg.verbose && !eval_samples.is_empty() {
         eprintln!("eval: {} samples", eval_samples.len());
     }
-    Ok(TrainingData { samples, group, eval_samples, prompts: vec![], identity })
+    Ok(TrainingData { samples, group, eval_samples, prompts: vec![], eval_prompts: vec![], identity })
 }
 
 /// GRPO's prompts: rank 0 reads the file, every rank tokenises the same rows; each row must
@@ -215,7 +217,25 @@ fn load_grpo_prompts(
         Ok((DataIdentity::of(&cfg.data.to_string_lossy(), &bytes), bytes))
     })?;
     let check = |item: &Value| grpo.grader.as_ref().map_or(Ok(()), |g| g.check_item(item));
-    let (prompts, skipped) = load_prompts(&cfg.data, &body, tools, max_prompt, cfg.skip_bad_rows, &check)?;
+    let (mut prompts, skipped) = load_prompts(&cfg.data, &body, tools, max_prompt, cfg.skip_bad_rows, &check)?;
+    let eval_prompts = match (&cfg.eval_data, cfg.eval_split) {
+        (Some(path), _) => {
+            let (_, body) = root_tries(groups.world.as_ref(), "read the eval data", || {
+                let resolved = crate::train::data::resolve_data(&path.to_string_lossy())?;
+                Ok(((), std::fs::read(&resolved).with_context(|| format!("{}: cannot read", resolved.display()))?))
+            })?;
+            load_prompts(path, &body, tools, max_prompt, cfg.skip_bad_rows, &check)?.0
+        }
+        // The last rows, as for SFT.
+        (None, Some(f)) => {
+            let n = ((prompts.len() as f64 * f).round() as usize).max(1);
+            if n >= prompts.len() {
+                bail!("--eval-split {f} leaves no training prompts ({} in all)", prompts.len());
+            }
+            prompts.split_off(prompts.len() - n)
+        }
+        (None, None) => vec![],
+    };
     if let Some(given) = &grpo.given {
         let g = grpo.settings.num_generations;
         let groups_ok = given.completions.iter().zip(&given.rewards).all(|(c, r)| c.len() == g && r.len() == g);
@@ -236,7 +256,7 @@ fn load_grpo_prompts(
         .iter()
         .map(|p| Sample { input_ids: p.ids.clone(), labels: vec![IGNORE_INDEX; p.ids.len()], len: p.ids.len(), segments: vec![] })
         .collect();
-    Ok(TrainingData { samples, group: 1, eval_samples: vec![], prompts, identity })
+    Ok(TrainingData { samples, group: 1, eval_samples: vec![], prompts, eval_prompts, identity })
 }
 
 fn report_dataset(dataset: &Dataset, cfg: &FinetuneConfig, seq_len: usize) {

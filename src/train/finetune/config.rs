@@ -196,9 +196,6 @@ pub fn validate(cfg: &FinetuneConfig, world: usize) -> Result<()> {
         if cfg.train_on != TrainOn::Auto {
             bail!("--train-on applies to --method sft; GRPO trains on its sampled completions");
         }
-        if cfg.eval_data.is_some() || cfg.eval_split.is_some() || cfg.eval_steps.is_some() {
-            bail!("--eval-data, --eval-split and --eval-steps are not supported with --method grpo (the mean reward of each step is logged instead)");
-        }
         // A checkpoint holds weights, not rollouts: it must fall where a batch of rollouts ends,
         // so that a resumed run samples that batch again from the same weights.
         let mu = grpo.settings.num_iterations;

@@ -51,6 +51,10 @@ pub struct GrpoArgs {
     /// GRPO: write every N-th step's rollouts to OUTPUT/rollouts.jsonl (default 1; 0: never).
     #[arg(long)]
     pub log_completions_steps: Option<usize>,
+    /// GRPO: completions per evaluation prompt (--eval-data / --eval-split; default
+    /// --num-generations).
+    #[arg(long)]
+    pub num_generations_eval: Option<usize>,
 }
 
 impl GrpoArgs {
@@ -69,6 +73,7 @@ impl GrpoArgs {
             (self.loss_type.is_some(), "--loss-type"),
             (self.scale_rewards.is_some(), "--scale-rewards"),
             (self.log_completions_steps.is_some(), "--log-completions-steps"),
+            (self.num_generations_eval.is_some(), "--num-generations-eval"),
         ];
         given.into_iter().find(|(g, _)| *g).map(|(_, name)| name)
     }
@@ -96,6 +101,7 @@ impl GrpoArgs {
             loss_type: self.loss_type.as_deref().map(str::parse).transpose()?.unwrap_or(d.loss_type),
             scale_rewards: self.scale_rewards.as_deref().map(str::parse).transpose()?.unwrap_or(d.scale_rewards),
             log_completions_steps: self.log_completions_steps.unwrap_or(d.log_completions_steps),
+            num_generations_eval: self.num_generations_eval,
         };
         settings.validate()?;
         let Some(path) = &self.grader else {

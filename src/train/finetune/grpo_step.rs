@@ -88,6 +88,20 @@ impl GrpoState {
         let pad = boot.model_cfg.pad_token_id.or_else(|| boot.model_cfg.eos_token_ids.first().copied()).unwrap_or(0);
         Ok(Self { tokenizer, eos, pad, generation: None, reference: None })
     }
+
+    pub fn tokenizer(&self) -> &TextTokenizer {
+        &self.tokenizer
+    }
+
+    pub fn eos(&self) -> &HashSet<u32> {
+        &self.eos
+    }
+
+    /// Full fine-tuning with a KL term: the starting weights, once the first step has gathered
+    /// them.
+    pub fn reference(&self) -> Option<&CausalLm> {
+        self.reference.as_ref()
+    }
 }
 
 /// Everything a step reads but does not change.

@@ -84,6 +84,9 @@ impl MetricsLog {
     pub fn step(&mut self, groups: &ProcessGroups, device: &Device, r: &StepReport) -> Result<()> {
         let (rss, gpu) = memory_per_rank(groups, device)?;
         self.history.train.push((r.step, r.loss));
+        if let Some((_, reward)) = r.metrics.iter().find(|(k, _)| k == "reward") {
+            self.history.reward.push((r.step, *reward));
+        }
         let Some(f) = self.metrics.as_mut() else { return Ok(()) };
         let row = MetricsRow::Step(StepRow {
             step: r.step,
@@ -132,8 +135,8 @@ impl MetricsLog {
         Ok(())
     }
 
-    /// Records an evaluation (rank 0 writes it): SFT's perplexity, or DPO's statistics.
-    pub fn eval(&mut self, step: usize, loss: f64, perplexity: Option<f64>, metrics: &[(&'static str, f64)]) -> Result<()> {
+    /// Records an evaluation (rank 0 writes it): SFT's perplexity, or DPO's or GRPO's statistics.
+    pub fn eval(&mut self, step: usize, loss: f64, perplexity: Option<f64>, metrics: &[(String, f64)]) -> Result<()> {
         self.history.eval.push((step, loss));
         if let Some(f) = self.metrics.as_mut() {
             let preference = metrics.iter().map(|(k, v)| (format!("eval_{k}"), *v)).collect();
@@ -143,7 +146,7 @@ impl MetricsLog {
             self.history.write_svg(&self.output_dir.join("loss.svg"))?;
             if self.verbose {
                 let ppl = perplexity.map(|p| format!(" | perplexity {p:.3}")).unwrap_or_default();
-                eprintln!("eval  {step:>5} | loss {loss:.4}{ppl}{}", preference_line(metrics.iter().map(|(k, v)| (*k, *v))));
+                eprintln!("eval  {step:>5} | loss {loss:.4}{ppl}{}", preference_line(metrics.iter().map(|(k, v)| (k.as_str(), *v))));
             }
         }
         Ok(())

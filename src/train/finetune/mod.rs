@@ -22,6 +22,7 @@ mod bootstrap;
 mod config;
 mod export;
 mod grpo_args;
+mod grpo_eval;
 mod grpo_step;
 pub mod interrupt;
 mod metrics_log;

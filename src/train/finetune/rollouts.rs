@@ -55,6 +55,13 @@ impl Policy {
     }
 }
 
+impl Policy {
+    /// The adapter for every row of a forward (none for full fine-tuning).
+    pub fn adapter_rows(&self) -> RowAdapters {
+        RowAdapters::all(self.adapter.as_ref())
+    }
+}
+
 /// One sampled completion.
 #[derive(Debug, Clone)]
 pub(super) struct Completion {

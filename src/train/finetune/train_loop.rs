@@ -10,6 +10,7 @@ use serde_json::json;
 use super::bootstrap::Bootstrap;
 use super::config::FinetuneConfig;
 use super::export::export_result;
+use super::grpo_eval;
 use super::grpo_step::{self, GrpoState, StepInputs};
 use super::metrics_log::{MetricsLog, StepReport};
 use super::objective::{Objective, Split};
@@ -74,7 +75,12 @@ pub(super) fn train(
         )?;
         let done = step + 1;
         if cfg.eval_steps.is_some_and(|n| done % n == 0) && done != plan.total_steps {
-            run_eval(engine, groups, plan, boot, objective, done, &mut log)?;
+            let grpo = cfg
+                .grpo
+                .as_ref()
+                .zip(grpo.as_ref())
+                .map(|(run, state)| (StepInputs { groups, cfg, plan, boot, run, order: &order }, state));
+            run_eval(engine, (groups, plan, boot, objective), grpo, done, &mut log)?;
         }
         if cfg.save_steps.is_some_and(|n| done % n == 0) || (cfg.save_each_epoch && plan.ends_epoch(done)) {
             save_checkpoint(engine, groups, cfg, plan, boot, done, &checkpoint_files)?;
@@ -84,7 +90,8 @@ pub(super) fn train(
         }
     }
     log.finish();
-    run_eval(engine, groups, plan, boot, objective, plan.total_steps, &mut log)?;
+    let grpo = cfg.grpo.as_ref().zip(grpo.as_ref()).map(|(run, state)| (StepInputs { groups, cfg, plan, boot, run, order: &order }, state));
+    run_eval(engine, (groups, plan, boot, objective), grpo, plan.total_steps, &mut log)?;
     Ok(curve)
 }
 
@@ -198,19 +205,27 @@ fn save_checkpoint(
     Ok(())
 }
 
+/// An evaluation after step `step`, if the run has evaluation data: SFT's and DPO's on samples,
+/// GRPO's (`grpo`: its inputs and state) on prompts.
 fn run_eval(
     engine: &mut FsdpEngine,
-    groups: &ProcessGroups,
-    plan: &RunPlan,
-    boot: &Bootstrap,
-    objective: &Objective,
+    (groups, plan, boot, objective): (&ProcessGroups, &RunPlan, &Bootstrap, &Objective),
+    grpo: Option<(StepInputs, &GrpoState)>,
     step: usize,
     log: &mut MetricsLog,
 ) -> Result<()> {
+    if let Some((inputs, state)) = grpo {
+        if boot.data.eval_prompts.is_empty() {
+            return Ok(());
+        }
+        let (loss, metrics) = grpo_eval::evaluate(engine, &inputs, state, step)?;
+        return log.eval(step, loss, None, &metrics);
+    }
     if boot.data.eval_samples.is_empty() {
         return Ok(());
     }
     let (loss, metrics) = evaluate(engine, groups, objective, &boot.data.eval_samples, plan.micro_batch)?;
+    let metrics: Vec<(String, f64)> = metrics.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
     // Perplexity is a token loss's: SFT's.
     let perplexity = matches!(objective, Objective::Sft).then(|| loss.exp());
     log.eval(step, loss, perplexity, &metrics)

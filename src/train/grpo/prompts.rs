@@ -55,6 +55,53 @@ pub fn load_prompts(
     Ok((out, skipped))
 }
 
+/// The fields that hold a row's prompt; the rest is its `item`.
+const PROMPT_FIELDS: [&str; 3] = ["prompt", "messages", "prompt_input_ids"];
+
+/// Whether `row` is a prompt for reinforcement fine-tuning rather than an SFT or DPO example: a
+/// `prompt` without `completion` (or `chosen`), `prompt_input_ids` alone, or `messages` that end
+/// before the assistant's turn.
+pub fn is_prompt_row(row: &Value) -> bool {
+    let has = |k: &str| row.get(k).is_some();
+    let messages_end_before_an_answer = row
+        .get("messages")
+        .and_then(Value::as_array)
+        .and_then(|m| m.last())
+        .is_some_and(|m| m.get("role").and_then(Value::as_str) != Some("assistant"));
+    (has("prompt") && !has("completion") && !has("chosen"))
+        || (has("prompt_input_ids") && !has("chosen_input_ids"))
+        || messages_end_before_an_answer
+}
+
+/// Checks a prompt row's shape without a tokenizer (what an upload can check).
+pub fn check_prompt_row(row: &Value) -> Result<()> {
+    let given: Vec<&str> = PROMPT_FIELDS.into_iter().filter(|k| row.get(*k).is_some()).collect();
+    match given.as_slice() {
+        ["prompt"] => match &row["prompt"] {
+            Value::String(s) if !s.is_empty() => Ok(()),
+            list @ Value::Array(_) => messages(list, "prompt", "role", "content").map(drop),
+            _ => bail!("field `prompt` must be a non-empty string or a list of messages"),
+        },
+        ["messages"] => messages(&row["messages"], "messages", "role", "content").map(drop),
+        ["prompt_input_ids"] => serde_json::from_value::<Vec<u32>>(row["prompt_input_ids"].clone())
+            .map(drop)
+            .context("field `prompt_input_ids` must be a list of token ids"),
+        [] => bail!("needs `prompt`, `messages` or `prompt_input_ids`"),
+        _ => bail!("give one of `prompt`, `messages` and `prompt_input_ids`"),
+    }
+}
+
+/// The row without its prompt: what its graders read as `item`.
+pub fn item_of(row: &Value) -> Value {
+    let mut item = row.clone();
+    if let Some(m) = item.as_object_mut() {
+        for k in PROMPT_FIELDS {
+            m.remove(k);
+        }
+    }
+    item
+}
+
 fn prompt_row(row: Value, tools: &TextTools, max_prompt_tokens: usize) -> Result<PromptRow> {
     let Value::Object(mut fields) = row else { bail!("a row must be an object with a `prompt` or `messages` field") };
     if let Some(ids) = fields.remove("prompt_input_ids") {

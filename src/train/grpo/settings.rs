@@ -82,6 +82,9 @@ pub struct GrpoSettings {
     pub scale_rewards: ScaleRewards,
     /// Write the rollouts of every N-th step to `OUTPUT/rollouts.jsonl` (0: never).
     pub log_completions_steps: usize,
+    /// Completions per evaluation prompt (TRL's `num_generations_eval`; `num_generations` unless
+    /// set).
+    pub num_generations_eval: Option<usize>,
 }
 
 /// TRL's defaults.
@@ -104,11 +107,16 @@ impl Default for GrpoSettings {
             loss_type: GrpoLossType::default(),
             scale_rewards: ScaleRewards::default(),
             log_completions_steps: 1,
+            num_generations_eval: None,
         }
     }
 }
 
 impl GrpoSettings {
+    pub fn eval_generations(&self) -> usize {
+        self.num_generations_eval.unwrap_or(self.num_generations)
+    }
+
     /// Refuses settings TRL would refuse or that cannot work, naming the flag.
     pub fn validate(&self) -> Result<()> {
         if self.num_generations < 2 {
@@ -133,6 +141,9 @@ impl GrpoSettings {
         }
         if self.epsilon >= 1.0 {
             bail!("--epsilon {} would let the ratio's lower bound 1 - epsilon reach 0 or below", self.epsilon);
+        }
+        if self.num_generations_eval.is_some_and(|n| n < 2) {
+            bail!("--num-generations-eval must be at least 2 (an evaluation's advantages compare a prompt's completions)");
         }
         if self.num_iterations == 0 {
             bail!("--num-iterations must be positive");
