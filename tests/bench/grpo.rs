@@ -14,63 +14,33 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+#[path = "streams.rs"]
+mod streams;
 
-use std::io::{BufRead, BufReader};
+use std::io::BufReader;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use streams::{peak_rss, start_server, stream_once, NEW_TOKENS};
 
-const NEW_TOKENS: usize = 64;
 const STREAMS: usize = 16;
 
+/// The prompts `serve`'s streams and the GRPO rollouts continue (`streams::stream_once`'s).
 fn prompt(i: usize) -> String {
     format!("Story {i}: Once upon a time, in a small village by the sea,")
 }
 
-/// One streamed completion from `serve`: its generated tokens.
-fn stream_once(url: &str, i: usize) -> usize {
-    let body = json!({"model": "smollm2", "prompt": prompt(i), "max_tokens": NEW_TOKENS, "temperature": 0.7, "seed": i, "stream": true,
-                      "stream_options": {"include_usage": true}});
-    let r = ureq::post(url).send_string(&body.to_string()).expect("request");
-    let mut tokens = 0;
-    for line in BufReader::new(r.into_reader()).lines() {
-        let line = line.unwrap();
-        let Some(data) = line.strip_prefix("data: ") else { continue };
-        if data == "[DONE]" {
-            break;
-        }
-        let v: Value = serde_json::from_str(data).unwrap();
-        if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
-            tokens = n as usize;
-        }
-    }
-    tokens
-}
-
 /// Aggregate generated tokens/s of `STREAMS` concurrent streams from `serve` of `dir`.
 fn serve_streams(dir: &Path) -> anyhow::Result<f64> {
-    let mut child = Command::new(common::bin())
-        .args(["serve", "--model", dir.to_str().unwrap(), "--port", "0", "--served-model-name", "smollm2"])
-        .args(["--max-concurrent-requests", "16", "--max-queue", "64"])
-        .stderr(Stdio::piped())
-        .spawn()?;
-    let mut err = BufReader::new(child.stderr.take().unwrap());
-    let mut line = String::new();
-    while !line.contains("listening on http://") {
-        line.clear();
-        anyhow::ensure!(err.read_line(&mut line)? > 0, "the server did not start");
-    }
-    std::thread::spawn(move || for _ in err.lines() {});
-    let addr = line.split("http://").nth(1).unwrap().split_whitespace().next().unwrap().to_string();
-    let url = format!("http://{addr}/v1/completions");
-    stream_once(&url, 0); // warm-up
+    let (mut child, url) = start_server(dir, &[])?;
+    stream_once(&url, "smollm2", 0); // warm-up
     let start = Instant::now();
     let handles: Vec<_> = (0..STREAMS)
         .map(|i| {
             let url = url.clone();
-            std::thread::spawn(move || stream_once(&url, 100 + i))
+            std::thread::spawn(move || stream_once(&url, "smollm2", 100 + i).0)
         })
         .collect();
     let tokens: usize = handles.into_iter().map(|h| h.join().unwrap()).sum();
@@ -92,10 +62,7 @@ fn finetune(args: &[&str]) -> anyhow::Result<u64> {
     });
     let mut peak = 0;
     let status = loop {
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-        if let Some(kb) = status.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()) {
-            peak = peak.max(kb * 1024);
-        }
+        peak = peak.max(peak_rss(pid));
         if let Some(s) = child.try_wait()? {
             break s;
         }
@@ -136,7 +103,7 @@ fn main() -> anyhow::Result<()> {
     std::fs::write(&grader, json!({"type": "text_similarity", "input": "{{sample.output_text}}", "reference": "{{item.opening}}", "evaluation_metric": "rouge_l"}).to_string())?;
     // SFT rows as long as a rollout's: the prompt and 64 tokens of text.
     let sft = tmp.path().join("sft.jsonl");
-    let story = "the fishermen mended their nets and told stories of the sea ".repeat(8);
+    let story = "the fishermen mended their nets and told stories of the sea ".repeat(5);
     std::fs::write(&sft, (0..16).map(|i| format!("{}\n", json!({"prompt": prompt(i), "completion": story}))).collect::<String>())?;
 
     let (p, g, s) = (prompts.to_str().unwrap(), grader.to_str().unwrap(), sft.to_str().unwrap());

@@ -18,41 +18,14 @@
 mod common;
 #[path = "serving_long.rs"]
 mod serving_long;
+#[path = "streams.rs"]
+mod streams;
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use candle_core::DType;
-
-const NEW_TOKENS: usize = 64;
-
-fn stream_once(url: &str, model: &str, i: usize) -> (usize, f64, f64) {
-    let body = serde_json::json!({
-        "model": model, "prompt": format!("Story {i}: Once upon a time, in a small village by the sea,"),
-        "max_tokens": NEW_TOKENS, "temperature": 0.7, "seed": i, "stream": true, "stream_options": {"include_usage": true},
-    });
-    let start = Instant::now();
-    let r = ureq::post(url).send_string(&body.to_string()).expect("request");
-    let mut first = None;
-    let mut tokens = 0;
-    for line in BufReader::new(r.into_reader()).lines() {
-        let line = line.unwrap();
-        let Some(data) = line.strip_prefix("data: ") else { continue };
-        if data == "[DONE]" {
-            break;
-        }
-        let v: serde_json::Value = serde_json::from_str(data).unwrap();
-        if first.is_none() && v["choices"].get(0).is_some_and(|c| c["text"].as_str().is_some_and(|t| !t.is_empty())) {
-            first = Some(start.elapsed().as_secs_f64());
-        }
-        if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
-            tokens = n as usize;
-        }
-    }
-    (tokens, first.unwrap_or(f64::NAN), start.elapsed().as_secs_f64())
-}
+use streams::{start_server, stream_once, NEW_TOKENS};
 
 /// A LoRA adapter for the model in `model_dir` with `settings` (random non-zero weights: the work
 /// of a trained one), written in PEFT's format to `out`.
@@ -67,27 +40,6 @@ fn random_adapter(model_dir: &Path, out: &Path, settings: &models::LoraSettings,
         tensors.insert(spec.name.clone(), candle_core::Tensor::from_vec(values, spec.shape.as_slice(), &candle_core::Device::Cpu)?);
     }
     fsdp_app::model_files::adapter::write_adapter(out, &tensors, settings, "smollm2")
-}
-
-/// `fsdp-app serve` of `dir` with `extra` flags; the child and its completions URL.
-fn start_server(dir: &Path, extra: &[String]) -> anyhow::Result<(Child, String)> {
-    let mut child = Command::new(common::bin())
-        .args(["serve", "--model", dir.to_str().unwrap(), "--port", "0", "--served-model-name", "smollm2"])
-        .args(["--max-concurrent-requests", "16", "--max-queue", "64"])
-        .args(extra)
-        .stderr(Stdio::piped())
-        .spawn()?;
-    let mut err = BufReader::new(child.stderr.take().unwrap());
-    let mut line = String::new();
-    while !line.contains("listening on http://") {
-        line.clear();
-        if err.read_line(&mut line)? == 0 {
-            anyhow::bail!("the server did not start");
-        }
-    }
-    std::thread::spawn(move || for _ in err.lines() {});
-    let addr = line.split("http://").nth(1).unwrap().split_whitespace().next().unwrap().to_string();
-    Ok((child, format!("http://{addr}/v1/completions")))
 }
 
 /// Aggregate tokens/s of `streams` concurrent streams, stream i on `models[i % len]`.

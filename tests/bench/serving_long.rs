@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use super::{common, start_server};
+use super::common;
+use super::streams::{peak_rss, start_server};
 
 /// A prompt of exactly `tokens` tokens of SmolLM2's tokenizer (numbered lines of prose, cut),
 /// starting with `label`: prompts with different labels share no prefix to cache.
@@ -23,13 +24,6 @@ fn prompt_of(dir: &Path, label: &str, tokens: usize) -> anyhow::Result<String> {
     let ids = tok.encode(text, false).map_err(anyhow::Error::msg)?.get_ids().to_vec();
     anyhow::ensure!(ids.len() >= tokens, "the generated text has only {} tokens", ids.len());
     tok.decode(&ids[..tokens], false).map_err(anyhow::Error::msg)
-}
-
-/// The peak resident set (VmHWM) of a process, read from outside.
-fn peak_rss(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let kb = status.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok());
-    kb.unwrap_or(0) * 1024
 }
 
 fn mib(bytes: u64) -> f64 {

@@ -119,6 +119,7 @@ pub(super) fn train_step(engine: &mut FsdpEngine, x: &StepInputs, state: &mut Gr
     let settings = &x.run.settings;
     let index = step / settings.num_iterations;
     if state.generation.as_ref().is_none_or(|g| g.index != index) {
+        // The old rollouts go before the new ones are made, not after.
         state.generation = None;
         state.generation = Some(generate(engine, x, state, index, step)?);
     }

@@ -64,12 +64,44 @@ pub fn completion_logps(logits: &Tensor, rows: &[CompletionRow], temperature: f6
         }
         other => candle_core::bail!("logits of shape {other:?} for {n} completion tokens"),
     };
-    let scaled = (picked / temperature)?;
+    // At temperature 1 (TRL's default) no scaled copy of the logits is made.
+    let scaled = if temperature == 1.0 { picked } else { (picked / temperature)? };
+    if ops::applies(&scaled) {
+        // The fused cross-entropy keeps no (tokens, vocab) intermediate for its backward: it
+        // recomputes each row's softmax from the logits, which the graph holds anyway.
+        let targets: Vec<i64> = targets.iter().map(|&t| t as i64).collect();
+        let logps = ops::fused::cross_entropy_rows(&scaled, &targets)?.neg()?;
+        let entropy = row_entropies(&scaled.detach())?;
+        return Ok((logps, entropy));
+    }
     let log_probs = candle_nn::ops::log_softmax(&scaled, D::Minus1)?;
     let logps = log_probs.gather(&Tensor::from_vec(targets, (n, 1), dev)?, 1)?.squeeze(1)?;
     let detached = log_probs.detach();
     let entropy = (detached.exp()? * &detached)?.sum(D::Minus1)?.neg()?.to_vec1::<f32>()?;
     Ok((logps, entropy))
+}
+
+/// Each row's entropy `−Σ p log p` of softmax(row) for (rows, vocab) f32 CPU logits, read in
+/// place: `log S − Σ e^(z−m) (z−m) / S` with `S = Σ e^(z−m)`, `m` the row's max.
+fn row_entropies(logits: &Tensor) -> Result<Vec<f32>> {
+    let (rows, vocab) = logits.dims2()?;
+    let logits = logits.contiguous()?;
+    let (storage, layout) = logits.storage_and_layout();
+    let values = ops::cpu_f32_values(&storage, layout)?;
+    Ok((0..rows)
+        .map(|r| {
+            let row = &values[r * vocab..(r + 1) * vocab];
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let (mut sum, mut weighted) = (0f64, 0f64);
+            for &z in row {
+                let d = z as f64 - max;
+                let e = d.exp();
+                sum += e;
+                weighted += e * d;
+            }
+            (sum.ln() - weighted / sum) as f32
+        })
+        .collect())
 }
 
 /// What the loss needs of each completion token besides the policy's log-probability, in the
