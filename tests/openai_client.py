@@ -364,7 +364,7 @@ check(any(j.id == job.id for j in client.fine_tuning.jobs.list(limit=10).data), 
 check(any(m.id == got.fine_tuned_model for m in client.models.list().data), "the fine-tuned model is listed")
 answer = client.chat.completions.create(model=got.fine_tuned_model, messages=msgs, max_tokens=3)
 check(answer.model == got.fine_tuned_model, f"chat with the fine-tuned model: {answer}")
-for param, extra in [("method.type", {"method": {"type": "reinforcement"}}), ("training_file", {"method": {"type": "dpo"}}),
+for param, extra in [("method.reinforcement.grader", {"method": {"type": "reinforcement"}}), ("training_file", {"method": {"type": "dpo"}}),
                      ("integrations", {"integrations": [{"type": "wandb", "wandb": {"project": "p"}}]}),
                      ("fsdp_app.foo", {"fsdp_app": {"foo": 1}})]:
     try:
@@ -388,6 +388,24 @@ while (dpo_done := client.fine_tuning.jobs.retrieve(dpo_job.id)).status not in (
 check(dpo_done.status == "succeeded", f"the DPO job: {dpo_done}")
 answer = client.chat.completions.create(model=dpo_done.fine_tuned_model, messages=msgs, max_tokens=3)
 check(answer.model == dpo_done.fine_tuned_model, f"chat with the DPO model: {answer}")
+# Reinforcement fine-tuning through the client's own `method` argument: OpenAI's RFT rows and a grader.
+rft_rows = "".join(json.dumps({"messages": [{"role": "user", "content": f"Say {w}"}], "answer": w}) + "\n"
+                   for w in ["red", "green", "blue", "white"])
+prompts = client.files.create(file=("rft.jsonl", rft_rows.encode()), purpose="fine-tune")
+grader = {"type": "string_check", "name": "said", "input": "{{sample.output_text}}", "reference": "{{item.answer}}", "operation": "ilike"}
+rft_job = client.fine_tuning.jobs.create(
+    model=model, training_file=prompts.id, suffix="pyrft",
+    extra_body={"fsdp_app": {"seq_len": 128, "max_steps": 1, "max_completion_length": 8}},
+    method={"type": "reinforcement", "reinforcement": {"grader": grader, "hyperparameters": {"n_epochs": 1, "batch_size": 2, "compute_multiplier": 0.25}}})
+check(rft_job.method.type == "reinforcement" and rft_job.method.reinforcement.grader.type == "string_check"
+      and rft_job.method.reinforcement.grader.operation == "ilike", f"a reinforcement job: {rft_job.method}")
+deadline = time.time() + 300
+while (rft_done := client.fine_tuning.jobs.retrieve(rft_job.id)).status not in ("succeeded", "failed", "cancelled"):
+    check(time.time() < deadline, f"the reinforcement job did not finish: {rft_done}")
+    time.sleep(0.5)
+check(rft_done.status == "succeeded", f"the reinforcement job: {rft_done}")
+rft_events = client.fine_tuning.jobs.list_events(rft_job.id, limit=50)
+check(any("mean reward=" in e.message for e in rft_events.data), f"reinforcement events: {[e.message for e in rft_events.data]}")
 longer = client.fine_tuning.jobs.create(model=model, training_file=uploaded.id, hyperparameters={"n_epochs": 50},
                                         extra_body={"fsdp_app": {"seq_len": 128, "max_steps": 100000}})
 check(client.fine_tuning.jobs.cancel(longer.id).status == "cancelled", "jobs.cancel")

@@ -69,6 +69,10 @@ fn a_reinforcement_job_checks_its_grader_trains_and_serves_its_model() {
     assert_eq!(e["param"], "hyperparameters.eval_interval", "{e}");
     let e = refused(json!({"model": "tiny", "training_file": prompts["id"], "method": {"type": "reinforcement"}}));
     assert_eq!(e["param"], "method.reinforcement.grader", "{e}");
+    // A client must not run programs on the server.
+    let inside_multi = json!({"type": "multi", "graders": {"a": string_check(), "b": {"type": "command", "command": ["true"]}}, "calculate_output": "a + b"});
+    let e = refused(request(&prompts, inside_multi, json!({})));
+    assert!(e["param"] == "method.reinforcement.grader" && e["message"].as_str().unwrap().contains("not accepted over HTTP"), "{e}");
 
     // Fuzzy similarity: rewards that differ within a group even for the fixture's random text.
     let fuzzy = json!({"type": "text_similarity", "name": "close", "input": "{{sample.output_text}}", "reference": "The answer is {{item.answer}}.",

@@ -24,7 +24,10 @@ else the log-probability when the rollouts were made, before the first of their 
 aggregated by loss_type: grpo: mean over completions of each one's token mean; bnpo: the token
 mean of each rank's batch, averaged over ranks ("bnpo_world2": the two halves, one prompt
 each, as two ranks hold them); dr_grpo: token sum / (completions x max_completion_length 6);
-dapo: token sum / the global batch's tokens.
+dapo: token sum / the global batch's tokens. Runs: every loss type with beta 0 and 0.04 and
+num_iterations 1 and 2 (epsilon 0.2; with 2, 0.01 / 0.015 so that the second steps clip), named
+"<type>[_kl][_mu2]", and "lora_dapo_kl_mu2" (tests/reference/lora-llama trained, the reference the
+same model inside `disable_adapter()`).
 """
 import argparse
 import copy
@@ -43,18 +46,17 @@ PROMPTS, G, PER_STEP, MAX_LEN, TEMPERATURE = 8, 4, 2, 6, 0.7
 LR, WD, CLIP, WARMUP = 1e-3, 0.1, 1.0, 2
 EOS = 2
 
-# name: (loss_type, beta, num_iterations, epsilon, epsilon_high, lora)
-RUNS = {
-    "grpo": ("grpo", 0.0, 1, 0.2, 0.2, False),
-    "bnpo": ("bnpo", 0.0, 1, 0.2, 0.2, False),
-    "bnpo_world2": ("bnpo_world2", 0.0, 1, 0.2, 0.2, False),
-    "dr_grpo": ("dr_grpo", 0.0, 1, 0.2, 0.2, False),
-    "dapo": ("dapo", 0.0, 1, 0.2, 0.2, False),
-    "dapo_kl": ("dapo", 0.04, 1, 0.2, 0.2, False),
-    "grpo_mu2_kl": ("grpo", 0.04, 2, 0.01, 0.015, False),
-    "dapo_mu2": ("dapo", 0.0, 2, 0.01, 0.015, False),
-    "lora_dapo_mu2_kl": ("dapo", 0.04, 2, 0.01, 0.015, True),
-}
+# name: (loss_type, beta, num_iterations, epsilon, epsilon_high, lora). Every loss type with and
+# without the KL term and with num_iterations 1 and 2 ("<type>[_kl][_mu2]"; μ = 2 with tighter bounds so
+# that its second steps clip); bnpo also as two ranks split it ("bnpo_world2..."); LoRA once.
+RUNS = {}
+for kind in ["grpo", "bnpo", "bnpo_world2", "dr_grpo", "dapo"]:
+    for beta in [0.0, 0.04]:
+        for mu in [1, 2]:
+            name = kind + ("_kl" if beta else "") + ("_mu2" if mu == 2 else "")
+            eps = (0.2, 0.2) if mu == 1 else (0.01, 0.015)
+            RUNS[name] = (kind, beta, mu, *eps, False)
+RUNS["lora_dapo_kl_mu2"] = ("dapo", 0.04, 2, 0.01, 0.015, True)
 
 
 def make_rows(eos):

@@ -61,6 +61,12 @@ fn method(v: &Value, lenient: bool) -> Result<(&'static str, Option<Value>, Opti
 /// (`method.reinforcement.grader.operation`, ...).
 fn checked_grader(g: &Value) -> Result<Value, ApiError> {
     match crate::train::grpo::graders::Grader::from_json(g) {
+        // A client of the server must not run programs on it.
+        Ok(grader) if grader.runs_commands() => Err(ApiError::invalid(
+            "method.reinforcement.grader",
+            "`command` graders run a program on the server and are not accepted over HTTP; use them with `fsdp-app finetune --grader`.",
+        )
+        .with_code("unsupported_parameter")),
         Ok(_) => Ok(g.clone()),
         Err(e) => {
             let message = format!("{e:#}");

@@ -230,6 +230,15 @@ impl Grader {
         Ok(scores)
     }
 
+    /// Whether the grader (or one inside it) runs a program.
+    pub fn runs_commands(&self) -> bool {
+        match &self.kind {
+            Kind::Command(_) => true,
+            Kind::Multi { graders, .. } => graders.iter().any(Grader::runs_commands),
+            _ => false,
+        }
+    }
+
     /// `text_similarity` graders with a pass threshold: (name, threshold), for the pass-rate
     /// metrics.
     pub fn pass_thresholds(&self) -> Vec<(String, f64)> {
