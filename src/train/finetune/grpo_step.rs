@@ -208,11 +208,15 @@ fn my_prompts(x: &StepInputs, index: usize) -> Vec<(usize, usize)> {
         .collect()
 }
 
+/// The sampling seed of the completion at `slot` (place in the global batch × G + k) of rollout
+/// batch `generation`: a function of the run's seed and the completion's place only.
 fn rollout_seed(seed: u64, generation: usize, slot: usize) -> u64 {
     let mut state = seed ^ ((generation as u64) << 32) ^ (slot as u64).wrapping_mul(0x9E37_79B9);
     kernels::rng::splitmix64(&mut state)
 }
 
+/// Rollout batch `index` on this rank (made at step `step`): sampled (or given), graded, its
+/// advantages and the log-probabilities the loss needs.
 fn generate(engine: &mut FsdpEngine, x: &StepInputs, state: &mut GrpoState, index: usize, step: usize) -> Result<Generation> {
     let settings = &x.run.settings;
     let g = settings.num_generations;
