@@ -101,6 +101,16 @@ fn ids_in_vocab(row: &Value, field: &str, vocab: usize, at: usize) -> Result<(),
 
 /// One row of a file whose first row was of `kind`: read as that kind, and training something.
 fn validate_row(v: &Value, kind: RowKind, vocab: usize, at: usize) -> Result<(), ApiError> {
+    if kind == RowKind::Supervised && RowKind::of(v) == RowKind::Prompt {
+        // A chat without an answer in an SFT file: what its user needs to hear is that the row
+        // trains nothing.
+        let why = crate::train::formats::parse_row(v, true).ok().and_then(|e| crate::train::formats::trains_nothing(&e));
+        let message = format!(
+            "Line {at}: this row trains no token: {} (a prompt for reinforcement fine-tuning; a file holds one kind of row).",
+            why.unwrap_or("it has no completion")
+        );
+        return Err(ApiError::invalid("file", message).with_code("no_trainable_tokens"));
+    }
     if RowKind::of(v) != kind {
         let message = format!("Line {at}: a {} row in a file of {} rows; a file holds one kind.", RowKind::of(v).name(), kind.name());
         return Err(ApiError::invalid("file", message));
