@@ -223,29 +223,35 @@ fn generate(engine: &mut FsdpEngine, x: &StepInputs, state: &mut GrpoState, inde
     let mine = my_prompts(x, index);
     let prompts: Vec<&[u32]> = mine.iter().map(|&(_, d)| x.boot.data.prompts[d].ids.as_slice()).collect();
     let dtype = if engine.device().is_cpu() { DType::F32 } else { x.cfg.param_dtype };
-    let needs_whole_reference = settings.beta > 0.0 && x.boot.lora.is_none();
-    if needs_whole_reference && state.reference.is_none() {
-        if engine.step > 0 {
-            bail!("a resumed full fine-tuning run with --beta > 0 has no starting weights for its reference model; resume is supported with --beta 0 or LoRA");
-        }
-        state.reference = Some(Policy::gather(engine, &x.boot.model_cfg, None, dtype)?.model);
+    let needs_whole_reference = settings.beta > 0.0 && x.boot.lora.is_none() && state.reference.is_none();
+    if needs_whole_reference && engine.step > 0 {
+        bail!("a resumed full fine-tuning run with --beta > 0 has no starting weights for its reference model; resume is supported with --beta 0 or LoRA");
     }
 
     let start = Instant::now();
-    let mut gather_s = 0.0;
-    let completions: Vec<Completion> = match &x.run.given {
-        Some(given) => mine
+    // One gather serves the sampling and, at the first step, the reference: the starting
+    // weights, whose tensors the reference keeps (shared, not copied) once the policy is dropped.
+    let policy = match x.run.given.is_none() || needs_whole_reference {
+        true => Some(Policy::gather(engine, &x.boot.model_cfg, x.boot.lora.as_ref(), dtype)?),
+        false => None,
+    };
+    if needs_whole_reference {
+        state.reference = policy.as_ref().map(|p| p.model.clone());
+    }
+    let gather_s = start.elapsed().as_secs_f64();
+    let completions: Vec<Completion> = match (&x.run.given, &policy) {
+        (Some(given), _) => mine
             .iter()
             .flat_map(|&(_, d)| given.completions[d].iter())
             .map(|ids| Completion { truncated: !ids.last().is_some_and(|t| state.eos.contains(t)), ids: ids.clone() })
             .collect(),
-        None => {
-            let policy = Policy::gather(engine, &x.boot.model_cfg, x.boot.lora.as_ref(), dtype)?;
-            gather_s = start.elapsed().as_secs_f64();
+        (None, Some(policy)) => {
             let seeds: Vec<u64> = mine.iter().flat_map(|&(q, _)| (0..g).map(move |k| rollout_seed(x.cfg.seed, index, q * g + k))).collect();
-            rollouts::sample(&policy, &state.tokenizer, &state.eos, settings, &prompts, &seeds)?
+            rollouts::sample(policy, &state.tokenizer, &state.eos, settings, &prompts, &seeds)?
         }
+        (None, None) => unreachable!("a run without given rollouts gathers its policy"),
     };
+    drop(policy);
     let generation_s = start.elapsed().as_secs_f64();
 
     let start = Instant::now();
