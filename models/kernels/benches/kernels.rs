@@ -26,6 +26,7 @@ const HEADS: usize = 9;
 const KV_HEADS: usize = 3;
 const HEAD_DIM: usize = 64;
 const CONTEXT: usize = 1024;
+const VOCAB: usize = 49152;
 
 fn main() {
     if std::env::var_os(CHILD).is_some() {
@@ -108,13 +109,23 @@ fn measure_this_level() {
     row(&format!("gemv f16 1x{HIDDEN}x{MLP}"), best_us(|| drop(kernels::gemv::gemv_rows(&x1, 1, &w16, MLP, HIDDEN, level))));
     let wb16: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
     row(&format!("gemv bf16 1x{HIDDEN}x{MLP}"), best_us(|| drop(kernels::gemv::gemv_rows(&x1, 1, &wb16, MLP, HIDDEN, level))));
+    // A decoding step streams every weight from DRAM: the same product over a matrix no cache
+    // holds (SmolLM2's LM head four times over, 453 MB), where the kernel's reading pattern shows.
+    let tall = 4 * VOCAB;
+    let w_tall = signed_values(tall * HIDDEN, 8);
+    row(&format!("gemv f32 1x{HIDDEN}x{tall} (DRAM)"), best_us(|| drop(kernels::gemv::gemv_rows(&x1, 1, &w_tall, tall, HIDDEN, level))));
+    let w_tall16: Vec<f16> = w_tall.iter().map(|&v| f16::from_f32(v)).collect();
+    drop(w_tall);
+    row(&format!("gemv f16 1x{HIDDEN}x{tall} (DRAM)"), best_us(|| drop(kernels::gemv::gemv_rows(&x1, 1, &w_tall16, tall, HIDDEN, level))));
+    drop(w_tall16);
     let x64 = signed_values(64 * HIDDEN, 5);
     row(&format!("half product f16 64x{HIDDEN}x{MLP}"), best_us(|| drop(kernels::matmul::half::product_wt(&x64, &w16, MLP, HIDDEN))));
     let x4 = signed_values(4 * HIDDEN, 4);
     row(&format!("small batch f32 4x{HIDDEN}x{MLP}"), best_us(|| drop(kernels::small_batch::rows_many(&x4, 4, &[&w], HIDDEN, level))));
+    let x16 = signed_values(16 * HIDDEN, 6);
+    row(&format!("small batch f32 16x{HIDDEN}x{MLP}"), best_us(|| drop(kernels::small_batch::rows_many(&x16, 16, &[&w], HIDDEN, level))));
 
     // Quantised weights: a decode step's one row, 16 streams' rows and a prompt's 64.
-    let x16 = signed_values(16 * HIDDEN, 6);
     for format in [BlockFormat::Q4_0, BlockFormat::Q4_1, BlockFormat::Q5_0, BlockFormat::Q8_0] {
         let q = BlockMatrix::random(format, MLP, HIDDEN, 13);
         row(&format!("{format:?} 1x{HIDDEN}x{MLP}"), best_us(|| drop(q.multiply(&x1, level))));

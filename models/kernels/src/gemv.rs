@@ -15,11 +15,40 @@ pub const GEMV_MAX_ROWS: usize = 4;
 pub trait GemvWeight: Copy + Send + Sync {
     /// `Σ x[i] · w[i]` at `level` (which the caller has checked the CPU supports).
     fn dot(x: &[f32], w: &[Self], level: SimdLevel) -> f32;
+
+    /// The dot products of `x` with the [`ROW_GROUP`] consecutive rows of `w` (each `x.len()`
+    /// long), prefetching `next` (the rows this thread reads after them; may be empty).
+    fn dot_group(x: &[f32], w: &[Self], next: &[Self], level: SimdLevel) -> [f32; ROW_GROUP] {
+        let _ = next;
+        std::array::from_fn(|k| Self::dot(x, &w[k * x.len()..(k + 1) * x.len()], level))
+    }
 }
+
+/// Weight rows the matrix-vector kernels read at once. Four streams from memory at a time keep
+/// more cache-line misses in flight than one row after another (and load x once for four
+/// rows): a decoding step streams every weight from DRAM, and one row at a time left the
+/// bandwidth a core can draw unused (docs/design.md, "Decoding's matrix-vector product").
+pub const ROW_GROUP: usize = 4;
 
 impl GemvWeight for f32 {
     fn dot(x: &[f32], w: &[f32], level: SimdLevel) -> f32 {
         dot(x, w, level)
+    }
+
+    fn dot_group(x: &[f32], w: &[f32], next: &[f32], level: SimdLevel) -> [f32; ROW_GROUP] {
+        debug_assert_eq!(w.len(), ROW_GROUP * x.len());
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: `usable` never exceeds the CPU's level, every feature of which is present;
+            // w holds ROW_GROUP rows of x.len() values.
+            match level.usable() {
+                SimdLevel::Avx512 => return unsafe { x86::dot_group_avx512(x, w, next) },
+                SimdLevel::Avx2 => return unsafe { x86::dot_group_avx2(x, w, next) },
+                SimdLevel::Scalar => {}
+            }
+        }
+        let _ = next;
+        std::array::from_fn(|k| dot_scalar(x, &w[k * x.len()..(k + 1) * x.len()]))
     }
 }
 
@@ -35,8 +64,26 @@ pub fn gemv_rows_many<W: GemvWeight>(x: &[f32], rows: usize, ws: &[&[W]], in_dim
     let mut yts: Vec<Vec<f32>> = out_dims.iter().map(|o| vec![0f32; o * rows]).collect();
     let outs: Vec<DisjointWrites<f32>> = yts.iter_mut().map(|yt| DisjointWrites::new(yt)).collect();
     for_rows_of_many(&out_dims, |i, range| {
-        for o in range {
-            let wrow = &ws[i][o * in_dim..(o + 1) * in_dim];
+        let w = ws[i];
+        let mut o = range.start;
+        while o + ROW_GROUP <= range.end {
+            let group = &w[o * in_dim..(o + ROW_GROUP) * in_dim];
+            // The group after this one (or this one again at the matrix's end) is fetched
+            // while this one is read.
+            let after = (o + ROW_GROUP).min(out_dims[i] - ROW_GROUP);
+            let next = &w[after * in_dim..(after + ROW_GROUP) * in_dim];
+            for r in 0..rows {
+                let sums = W::dot_group(&x[r * in_dim..(r + 1) * in_dim], group, if r == 0 { next } else { &[] }, level);
+                for (k, sum) in sums.into_iter().enumerate() {
+                    // SAFETY: every (matrix, o, r) is written by exactly one work item, inside
+                    // that matrix's buffer.
+                    unsafe { *outs[i].at((o + k) * rows + r) = sum };
+                }
+            }
+            o += ROW_GROUP;
+        }
+        for o in o..range.end {
+            let wrow = &w[o * in_dim..(o + 1) * in_dim];
             for r in 0..rows {
                 // SAFETY: every (matrix, o, r) is written by exactly one work item, inside that
                 // matrix's buffer.
@@ -114,6 +161,8 @@ fn transposed(yt: Vec<f32>, out_dim: usize, rows: usize) -> Vec<f32> {
 mod x86 {
     use std::arch::x86_64::*;
 
+    use super::ROW_GROUP;
+
     /// `y += a · x`, the plain loop compiled for each level (the compiler vectorises it with FMA).
     #[target_feature(enable = "avx512f,avx2,fma")]
     pub unsafe fn axpy_avx512(y: &mut [f32], a: f32, x: &[f32]) {
@@ -124,6 +173,48 @@ mod x86 {
     pub unsafe fn axpy_avx2(y: &mut [f32], a: f32, x: &[f32]) {
         y.iter_mut().zip(x).for_each(|(y, x)| *y = a.mul_add(*x, *y));
     }
+
+    /// One `$lanes`-lane accumulator per row over the vectors of x, the tail (x.len() not a
+    /// multiple of the lanes) by scalars; one prefetch of each of `next`'s rows per vector.
+    macro_rules! dot_group {
+        ($name:ident, $features:literal, $lanes:literal, $zero:ident, $load:ident, $fma:ident, |$v:ident| $sum:expr) => {
+            #[target_feature(enable = $features)]
+            pub unsafe fn $name(x: &[f32], w: &[f32], next: &[f32]) -> [f32; ROW_GROUP] {
+                let d = x.len();
+                let (px, pw, pn) = (x.as_ptr(), w.as_ptr(), next.as_ptr());
+                let prefetch = next.len() == w.len();
+                let mut acc = [$zero(); ROW_GROUP];
+                let mut i = 0;
+                while i + $lanes <= d {
+                    if prefetch {
+                        for k in 0..ROW_GROUP {
+                            _mm_prefetch::<_MM_HINT_T0>(pn.add(k * d + i) as *const i8);
+                        }
+                    }
+                    let xv = $load(px.add(i));
+                    for (k, acc) in acc.iter_mut().enumerate() {
+                        *acc = $fma(xv, $load(pw.add(k * d + i)), *acc);
+                    }
+                    i += $lanes;
+                }
+                std::array::from_fn(|k| {
+                    let $v = acc[k];
+                    let mut s: f32 = $sum;
+                    for j in i..d {
+                        s += x[j] * w[k * d + j];
+                    }
+                    s
+                })
+            }
+        };
+    }
+
+    dot_group!(dot_group_avx512, "avx512f", 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps, |v| _mm512_reduce_add_ps(v));
+    dot_group!(dot_group_avx2, "avx2,fma", 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, |v| {
+        let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let h = _mm_hadd_ps(h, h);
+        _mm_cvtss_f32(_mm_hadd_ps(h, h))
+    });
 
     #[target_feature(enable = "avx512f")]
     pub unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {

@@ -5,7 +5,7 @@
 
 use half::{bf16, f16};
 
-use crate::gemv::GemvWeight;
+use crate::gemv::{GemvWeight, ROW_GROUP};
 use crate::simd::SimdLevel;
 
 impl GemvWeight for f16 {
@@ -18,6 +18,17 @@ impl GemvWeight for f16 {
         }
         let _ = level;
         x.iter().zip(w).map(|(a, b)| a * b.to_f32()).sum()
+    }
+
+    fn dot_group(x: &[f32], w: &[Self], next: &[Self], level: SimdLevel) -> [f32; ROW_GROUP] {
+        debug_assert_eq!(w.len(), ROW_GROUP * x.len());
+        #[cfg(target_arch = "x86_64")]
+        if level.usable() >= SimdLevel::Avx2 {
+            // SAFETY: as above; w holds ROW_GROUP rows of x.len() values.
+            return unsafe { x86::dot_f16_group(x, w, next) };
+        }
+        let _ = next;
+        std::array::from_fn(|k| Self::dot(x, &w[k * x.len()..(k + 1) * x.len()], level))
     }
 }
 
@@ -32,6 +43,17 @@ impl GemvWeight for bf16 {
         let _ = level;
         x.iter().zip(w).map(|(a, b)| a * b.to_f32()).sum()
     }
+
+    fn dot_group(x: &[f32], w: &[Self], next: &[Self], level: SimdLevel) -> [f32; ROW_GROUP] {
+        debug_assert_eq!(w.len(), ROW_GROUP * x.len());
+        #[cfg(target_arch = "x86_64")]
+        if level.usable() >= SimdLevel::Avx2 {
+            // SAFETY: as above; w holds ROW_GROUP rows of x.len() values.
+            return unsafe { x86::dot_bf16_group(x, w, next) };
+        }
+        let _ = next;
+        std::array::from_fn(|k| Self::dot(x, &w[k * x.len()..(k + 1) * x.len()], level))
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -39,6 +61,8 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use half::{bf16, f16};
+
+    use super::ROW_GROUP;
 
     /// A dot product whose weights are u16 lanes widened to f32 eight at a time by `$widen`; four
     /// accumulators of eight lanes, as the f32 kernel keeps. A macro, so that each kernel is one
@@ -74,6 +98,50 @@ mod x86 {
             }
         };
     }
+
+    /// [`ROW_GROUP`] rows at once (as the f32 kernel: one accumulator of eight lanes per row, x
+    /// widened once for all), prefetching `next`'s rows when it holds as many.
+    macro_rules! dot_group_widened {
+        ($name:ident, $elem:ty, $features:literal, |$p:ident| $widen:expr) => {
+            #[target_feature(enable = $features)]
+            pub unsafe fn $name(x: &[f32], w: &[$elem], next: &[$elem]) -> [f32; ROW_GROUP] {
+                let d = x.len();
+                let (px, pw, pn) = (x.as_ptr(), w.as_ptr() as *const u16, next.as_ptr() as *const u16);
+                let widen = |$p: *const u16| $widen;
+                let prefetch = next.len() == w.len();
+                let mut acc = [_mm256_setzero_ps(); ROW_GROUP];
+                let mut i = 0;
+                while i + 8 <= d {
+                    // A 64-byte line holds 32 half values: one prefetch per row every fourth step.
+                    if prefetch && i % 32 == 0 {
+                        for k in 0..ROW_GROUP {
+                            _mm_prefetch::<_MM_HINT_T0>(pn.add(k * d + i) as *const i8);
+                        }
+                    }
+                    let xv = _mm256_loadu_ps(px.add(i));
+                    for (k, acc) in acc.iter_mut().enumerate() {
+                        *acc = _mm256_fmadd_ps(xv, widen(pw.add(k * d + i)), *acc);
+                    }
+                    i += 8;
+                }
+                std::array::from_fn(|k| {
+                    let mut lanes = [0f32; 8];
+                    _mm256_storeu_ps(lanes.as_mut_ptr(), acc[k]);
+                    let mut s: f32 = lanes.iter().sum();
+                    for j in i..d {
+                        s += x[j] * w[k * d + j].to_f32();
+                    }
+                    s
+                })
+            }
+        };
+    }
+
+    dot_group_widened!(dot_f16_group, f16, "avx2,fma,f16c", |p| _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)));
+    dot_group_widened!(dot_bf16_group, bf16, "avx2,fma", |p| _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)),
+        16
+    )));
 
     dot_widened!(dot_f16, f16, "avx2,fma,f16c", |p| _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)));
     // bf16 is the top half of an f32: widen to 32 bits and shift into place.

@@ -46,7 +46,7 @@ pub fn rows_many(x: &[f32], rows: usize, ws: &[&[f32]], in_dim: usize, level: Si
             let n = o1 - o0;
             let mut r = 0;
             #[cfg(target_arch = "x86_64")]
-            if level.usable() >= SimdLevel::Avx2 && in_dim.is_multiple_of(8) {
+            if let Some(kernel) = x86::Kernel::at(level, in_dim) {
                 // The next block comes from memory while this one is read from L1: each pass
                 // over this block prefetches its share of the next.
                 let next = &ws[i][o1 * in_dim..(o1 + block_rows).min(range.end) * in_dim];
@@ -57,9 +57,9 @@ pub fn rows_many(x: &[f32], rows: usize, ws: &[&[f32]], in_dim: usize, level: Si
                     let (two, out) = (&mut dots[..X_ROWS * n], &outs[i]);
                     let pass = r / X_ROWS;
                     let prefetch = &next[(pass * share).min(next.len())..((pass + 1) * share).min(next.len())];
-                    // SAFETY: the usable level is at least AVX2, so the CPU has AVX2 and FMA; x holds rows × in_dim values, the block
-                    // n × in_dim, `two` X_ROWS × n.
-                    unsafe { x86::rows_avx2(&x[r * in_dim..(r + X_ROWS) * in_dim], block, in_dim, two, prefetch) };
+                    // SAFETY: `Kernel::at` checked the CPU and in_dim; x holds rows × in_dim
+                    // values, the block n × in_dim, `two` X_ROWS × n.
+                    unsafe { kernel.run(&x[r * in_dim..(r + X_ROWS) * in_dim], block, in_dim, two, prefetch) };
                     for k in 0..X_ROWS {
                         // SAFETY: (matrix i, row r + k, columns o0..o1) is written by this work
                         // item alone, inside matrix i's (rows × out_i) buffer.
@@ -88,78 +88,127 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::X_ROWS;
+    use crate::simd::SimdLevel;
+
     /// Weight rows a pass.
     const W_ROWS: usize = 3;
 
-    /// `out[k · n + j] = x_k · w_j` for the [`X_ROWS`] rows `x_k` of `x` and the `n` rows `w_j`
-    /// of `w` (`d` values each, a multiple of 8): three weight rows by four batch rows a pass,
-    /// twelve accumulators, seven loads for twelve FMAs.
-    #[target_feature(enable = "avx2,fma")]
-    /// Meanwhile it prefetches `prefetch` into the caches, one 64-byte line per step.
-    pub unsafe fn rows_avx2(x: &[f32], w: &[f32], d: usize, out: &mut [f32], prefetch: &[f32]) {
-        let n = w.len() / d;
-        let (px, pw) = (x.as_ptr(), w.as_ptr());
-        let (mut line, lines) = (0, prefetch.len().div_ceil(16));
-        let mut j = 0;
-        while j + W_ROWS <= n {
-            let mut acc = [[_mm256_setzero_ps(); W_ROWS]; X_ROWS];
-            for i in (0..d).step_by(8) {
-                if line < lines {
-                    _mm_prefetch::<_MM_HINT_T0>(prefetch.as_ptr().add(line * 16) as *const i8);
-                    line += 1;
-                }
-                let wv = [0, 1, 2].map(|c| _mm256_loadu_ps(pw.add((j + c) * d + i)));
-                for (k, acc) in acc.iter_mut().enumerate() {
-                    let xv = _mm256_loadu_ps(px.add(k * d + i));
-                    for c in 0..W_ROWS {
-                        acc[c] = _mm256_fmadd_ps(xv, wv[c], acc[c]);
-                    }
-                }
+    /// The tiled kernel of a level: its vectors' width, and in_dim a multiple of it.
+    #[derive(Clone, Copy)]
+    pub enum Kernel {
+        Avx2,
+        Avx512,
+    }
+
+    impl Kernel {
+        /// The widest kernel `level` allows for rows of `in_dim` values, if any.
+        pub fn at(level: SimdLevel, in_dim: usize) -> Option<Kernel> {
+            match level.usable() {
+                SimdLevel::Avx512 if in_dim.is_multiple_of(16) => Some(Kernel::Avx512),
+                SimdLevel::Avx512 | SimdLevel::Avx2 if in_dim.is_multiple_of(8) => Some(Kernel::Avx2),
+                _ => None,
             }
-            for (k, acc) in acc.iter().enumerate() {
-                // hadd(hadd(a0, a1), hadd(a2, 0)) holds each sum split over the two halves.
-                let t = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], _mm256_setzero_ps()));
-                let mut sums = [0f32; 4];
-                _mm_storeu_ps(sums.as_mut_ptr(), _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
-                out[k * n + j..k * n + j + W_ROWS].copy_from_slice(&sums[..W_ROWS]);
-            }
-            j += W_ROWS;
         }
-        for j in j..n {
-            for k in 0..X_ROWS {
-                let mut acc = _mm256_setzero_ps();
-                for i in (0..d).step_by(8) {
-                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(px.add(k * d + i)), _mm256_loadu_ps(pw.add(j * d + i)), acc);
-                }
-                let h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-                let h = _mm_hadd_ps(_mm_hadd_ps(h, h), _mm_hadd_ps(h, h));
-                out[k * n + j] = _mm_cvtss_f32(h);
+
+        /// [`rows_avx2`] / [`rows_avx512`].
+        ///
+        /// # Safety
+        /// As theirs; `self` came from [`Kernel::at`] for this `d`.
+        pub unsafe fn run(self, x: &[f32], w: &[f32], d: usize, out: &mut [f32], prefetch: &[f32]) {
+            match self {
+                Kernel::Avx2 => rows_avx2(x, w, d, out, prefetch),
+                Kernel::Avx512 => rows_avx512(x, w, d, out, prefetch),
             }
         }
     }
+
+    /// `out[k · n + j] = x_k · w_j` for the [`X_ROWS`] rows `x_k` of `x` and the `n` rows `w_j`
+    /// of `w` (`d` values each, a multiple of `$lanes`): three weight rows by four batch rows a
+    /// pass, twelve accumulators, seven loads for twelve FMAs. Meanwhile it prefetches
+    /// `prefetch` into the caches, one 64-byte line per step.
+    macro_rules! rows_kernel {
+        ($name:ident, $features:literal, $lanes:literal, $zero:ident, $load:ident, $fma:ident, |$v:ident| $sum:expr) => {
+            #[target_feature(enable = $features)]
+            pub unsafe fn $name(x: &[f32], w: &[f32], d: usize, out: &mut [f32], prefetch: &[f32]) {
+                let n = w.len() / d;
+                let (px, pw) = (x.as_ptr(), w.as_ptr());
+                let (mut line, lines) = (0, prefetch.len().div_ceil(16));
+                let mut fetch_line = || {
+                    if line < lines {
+                        _mm_prefetch::<_MM_HINT_T0>(prefetch.as_ptr().add(line * 16) as *const i8);
+                        line += 1;
+                    }
+                };
+                let mut j = 0;
+                while j + W_ROWS <= n {
+                    let mut acc = [[$zero(); W_ROWS]; X_ROWS];
+                    for i in (0..d).step_by($lanes) {
+                        fetch_line();
+                        let wv = [0, 1, 2].map(|c| $load(pw.add((j + c) * d + i)));
+                        for (k, acc) in acc.iter_mut().enumerate() {
+                            let xv = $load(px.add(k * d + i));
+                            for c in 0..W_ROWS {
+                                acc[c] = $fma(xv, wv[c], acc[c]);
+                            }
+                        }
+                    }
+                    for (k, acc) in acc.iter().enumerate() {
+                        for c in 0..W_ROWS {
+                            let $v = acc[c];
+                            out[k * n + j + c] = $sum;
+                        }
+                    }
+                    j += W_ROWS;
+                }
+                for j in j..n {
+                    for k in 0..X_ROWS {
+                        let mut acc = $zero();
+                        for i in (0..d).step_by($lanes) {
+                            acc = $fma($load(px.add(k * d + i)), $load(pw.add(j * d + i)), acc);
+                        }
+                        let $v = acc;
+                        out[k * n + j] = $sum;
+                    }
+                }
+            }
+        };
+    }
+
+    rows_kernel!(rows_avx512, "avx512f", 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps, |v| _mm512_reduce_add_ps(v));
+    rows_kernel!(rows_avx2, "avx2,fma", 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, |v| {
+        let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let h = _mm_hadd_ps(h, h);
+        _mm_cvtss_f32(_mm_hadd_ps(h, h))
+    });
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// Each level's kernel (AVX-512 where in_dim is a multiple of 16, the AVX2 one at a multiple
+    /// of 8, the plain dot products elsewhere) gives the plain dot products.
     #[test]
     fn every_row_and_matrix_matches_plain_dot_products() {
         let mut seed = 7u64;
         let mut data = |n: usize| -> Vec<f32> {
             (0..n).map(|_| (crate::rng::splitmix64(&mut seed) >> 40) as f32 / (1u64 << 24) as f32 - 0.5).collect()
         };
-        let (rows, in_dim) = (13, 72);
-        let x = data(rows * in_dim);
-        let (w1, w2) = (data(70 * in_dim), data(5 * in_dim));
-        let level = SimdLevel::current();
-        let ys = rows_many(&x, rows, &[&w1, &w2], in_dim, level);
-        for (w, y) in [(&w1, &ys[0]), (&w2, &ys[1])] {
-            let out = w.len() / in_dim;
-            for r in 0..rows {
-                for o in 0..out {
-                    let want: f64 = (0..in_dim).map(|k| x[r * in_dim + k] as f64 * w[o * in_dim + k] as f64).sum();
-                    assert!((y[r * out + o] as f64 - want).abs() < 1e-5, "row {r}, column {o}: {} vs {want}", y[r * out + o]);
+        let levels = [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512];
+        for (rows, in_dim) in [(13, 72), (16, 80), (5, 36)] {
+            let x = data(rows * in_dim);
+            let (w1, w2) = (data(70 * in_dim), data(5 * in_dim));
+            for level in levels.into_iter().filter(|l| *l <= SimdLevel::detected()) {
+                let ys = rows_many(&x, rows, &[&w1, &w2], in_dim, level);
+                for (w, y) in [(&w1, &ys[0]), (&w2, &ys[1])] {
+                    let out = w.len() / in_dim;
+                    for r in 0..rows {
+                        for o in 0..out {
+                            let want: f64 = (0..in_dim).map(|k| x[r * in_dim + k] as f64 * w[o * in_dim + k] as f64).sum();
+                            let got = y[r * out + o] as f64;
+                            assert!((got - want).abs() < 1e-5, "{level:?}, in {in_dim}, row {r}, column {o}: {got} vs {want}");
+                        }
+                    }
                 }
             }
         }
