@@ -8,53 +8,39 @@ use half::{bf16, f16};
 use crate::gemv::{GemvWeight, ROW_GROUP};
 use crate::simd::SimdLevel;
 
-impl GemvWeight for f16 {
-    fn dot(x: &[f32], w: &[Self], level: SimdLevel) -> f32 {
-        debug_assert_eq!(x.len(), w.len());
-        #[cfg(target_arch = "x86_64")]
-        if level.usable() >= SimdLevel::Avx2 {
-            // SAFETY: `usable` never exceeds the CPU's level, and AVX2's includes F16C and FMA.
-            return unsafe { x86::dot_f16(x, w) };
-        }
-        let _ = level;
-        x.iter().zip(w).map(|(a, b)| a * b.to_f32()).sum()
-    }
+/// [`GemvWeight`] for a half type: its x86 kernels at AVX2 and above, widening value by value
+/// below.
+macro_rules! half_weight {
+    ($elem:ty, $dot:ident, $dot_group:ident) => {
+        impl GemvWeight for $elem {
+            fn dot(x: &[f32], w: &[Self], level: SimdLevel) -> f32 {
+                debug_assert_eq!(x.len(), w.len());
+                #[cfg(target_arch = "x86_64")]
+                if level.usable() >= SimdLevel::Avx2 {
+                    // SAFETY: `usable` never exceeds the CPU's level, and AVX2's includes F16C
+                    // and FMA.
+                    return unsafe { x86::$dot(x, w) };
+                }
+                let _ = level;
+                x.iter().zip(w).map(|(a, b)| a * b.to_f32()).sum()
+            }
 
-    fn dot_group(x: &[f32], w: &[Self], next: &[Self], level: SimdLevel) -> [f32; ROW_GROUP] {
-        debug_assert_eq!(w.len(), ROW_GROUP * x.len());
-        #[cfg(target_arch = "x86_64")]
-        if level.usable() >= SimdLevel::Avx2 {
-            // SAFETY: as above; w holds ROW_GROUP rows of x.len() values.
-            return unsafe { x86::dot_f16_group(x, w, next) };
+            fn dot_group(x: &[f32], w: &[Self], next: &[Self], level: SimdLevel) -> [f32; ROW_GROUP] {
+                debug_assert_eq!(w.len(), ROW_GROUP * x.len());
+                #[cfg(target_arch = "x86_64")]
+                if level.usable() >= SimdLevel::Avx2 {
+                    // SAFETY: as above; w holds ROW_GROUP rows of x.len() values.
+                    return unsafe { x86::$dot_group(x, w, next) };
+                }
+                let _ = next;
+                std::array::from_fn(|k| Self::dot(x, &w[k * x.len()..(k + 1) * x.len()], level))
+            }
         }
-        let _ = next;
-        std::array::from_fn(|k| Self::dot(x, &w[k * x.len()..(k + 1) * x.len()], level))
-    }
+    };
 }
 
-impl GemvWeight for bf16 {
-    fn dot(x: &[f32], w: &[Self], level: SimdLevel) -> f32 {
-        debug_assert_eq!(x.len(), w.len());
-        #[cfg(target_arch = "x86_64")]
-        if level.usable() >= SimdLevel::Avx2 {
-            // SAFETY: as above.
-            return unsafe { x86::dot_bf16(x, w) };
-        }
-        let _ = level;
-        x.iter().zip(w).map(|(a, b)| a * b.to_f32()).sum()
-    }
-
-    fn dot_group(x: &[f32], w: &[Self], next: &[Self], level: SimdLevel) -> [f32; ROW_GROUP] {
-        debug_assert_eq!(w.len(), ROW_GROUP * x.len());
-        #[cfg(target_arch = "x86_64")]
-        if level.usable() >= SimdLevel::Avx2 {
-            // SAFETY: as above; w holds ROW_GROUP rows of x.len() values.
-            return unsafe { x86::dot_bf16_group(x, w, next) };
-        }
-        let _ = next;
-        std::array::from_fn(|k| Self::dot(x, &w[k * x.len()..(k + 1) * x.len()], level))
-    }
-}
+half_weight!(f16, dot_f16, dot_f16_group);
+half_weight!(bf16, dot_bf16, dot_bf16_group);
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
