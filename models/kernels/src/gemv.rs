@@ -16,12 +16,12 @@ pub trait GemvWeight: Copy + Send + Sync {
     /// `Σ x[i] · w[i]` at `level` (which the caller has checked the CPU supports).
     fn dot(x: &[f32], w: &[Self], level: SimdLevel) -> f32;
 
-    /// The dot products of `x` with the [`ROW_GROUP`] consecutive rows of `w` (each `x.len()`
-    /// long), prefetching `next` (the rows this thread reads after them; may be empty).
-    fn dot_group(x: &[f32], w: &[Self], next: &[Self], level: SimdLevel) -> [f32; ROW_GROUP] {
-        let _ = next;
-        std::array::from_fn(|k| Self::dot(x, &w[k * x.len()..(k + 1) * x.len()], level))
-    }
+    /// The dot products of `x` with the `R` consecutive rows of `w` (each `x.len()` long),
+    /// prefetching `next` (the rows this thread reads after them) when it holds as many values
+    /// as `w`. Each row's arithmetic does not depend on `R`: the matrix-vector product runs
+    /// groups of [`ROW_GROUP`] and single rows where a thread's range ends, and a row's result
+    /// must not depend on where the threads' ranges fell.
+    fn dot_rows<const R: usize>(x: &[f32], w: &[Self], next: &[Self], level: SimdLevel) -> [f32; R];
 }
 
 /// Weight rows the matrix-vector kernels read at once. Four streams from memory at a time keep
@@ -35,15 +35,15 @@ impl GemvWeight for f32 {
         dot(x, w, level)
     }
 
-    fn dot_group(x: &[f32], w: &[f32], next: &[f32], level: SimdLevel) -> [f32; ROW_GROUP] {
-        debug_assert_eq!(w.len(), ROW_GROUP * x.len());
+    fn dot_rows<const R: usize>(x: &[f32], w: &[f32], next: &[f32], level: SimdLevel) -> [f32; R] {
+        debug_assert_eq!(w.len(), R * x.len());
         #[cfg(target_arch = "x86_64")]
         {
             // SAFETY: `usable` never exceeds the CPU's level, every feature of which is present;
-            // w holds ROW_GROUP rows of x.len() values.
+            // w holds R rows of x.len() values.
             match level.usable() {
-                SimdLevel::Avx512 => return unsafe { x86::dot_group_avx512(x, w, next) },
-                SimdLevel::Avx2 => return unsafe { x86::dot_group_avx2(x, w, next) },
+                SimdLevel::Avx512 => return unsafe { x86::dot_rows_avx512(x, w, next) },
+                SimdLevel::Avx2 => return unsafe { x86::dot_rows_avx2(x, w, next) },
                 SimdLevel::Scalar => {}
             }
         }
@@ -73,7 +73,7 @@ pub fn gemv_rows_many<W: GemvWeight>(x: &[f32], rows: usize, ws: &[&[W]], in_dim
             let after = (o + ROW_GROUP).min(out_dims[i] - ROW_GROUP);
             let next = &w[after * in_dim..(after + ROW_GROUP) * in_dim];
             for r in 0..rows {
-                let sums = W::dot_group(&x[r * in_dim..(r + 1) * in_dim], group, if r == 0 { next } else { &[] }, level);
+                let sums = W::dot_rows::<ROW_GROUP>(&x[r * in_dim..(r + 1) * in_dim], group, if r == 0 { next } else { &[] }, level);
                 for (k, sum) in sums.into_iter().enumerate() {
                     // SAFETY: every (matrix, o, r) is written by exactly one work item, inside
                     // that matrix's buffer.
@@ -85,9 +85,9 @@ pub fn gemv_rows_many<W: GemvWeight>(x: &[f32], rows: usize, ws: &[&[W]], in_dim
         for o in o..range.end {
             let wrow = &w[o * in_dim..(o + 1) * in_dim];
             for r in 0..rows {
-                // SAFETY: every (matrix, o, r) is written by exactly one work item, inside that
-                // matrix's buffer.
-                unsafe { *outs[i].at(o * rows + r) = W::dot(&x[r * in_dim..(r + 1) * in_dim], wrow, level) };
+                let [sum] = W::dot_rows::<1>(&x[r * in_dim..(r + 1) * in_dim], wrow, &[], level);
+                // SAFETY: as above.
+                unsafe { *outs[i].at(o * rows + r) = sum };
             }
         }
     });
@@ -161,8 +161,6 @@ fn transposed(yt: Vec<f32>, out_dim: usize, rows: usize) -> Vec<f32> {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::ROW_GROUP;
-
     /// `y += a · x`, the plain loop compiled for each level (the compiler vectorises it with FMA).
     #[target_feature(enable = "avx512f,avx2,fma")]
     pub unsafe fn axpy_avx512(y: &mut [f32], a: f32, x: &[f32]) {
@@ -174,20 +172,20 @@ mod x86 {
         y.iter_mut().zip(x).for_each(|(y, x)| *y = a.mul_add(*x, *y));
     }
 
-    /// One `$lanes`-lane accumulator per row over the vectors of x, the tail (x.len() not a
-    /// multiple of the lanes) by scalars; one prefetch of each of `next`'s rows per vector.
-    macro_rules! dot_group {
+    /// `R` rows: one `$lanes`-lane accumulator per row over the vectors of x, the tail (x.len()
+    /// not a multiple of the lanes) by scalars; one prefetch of each of `next`'s rows per vector.
+    macro_rules! dot_rows {
         ($name:ident, $features:literal, $lanes:literal, $zero:ident, $load:ident, $fma:ident, |$v:ident| $sum:expr) => {
             #[target_feature(enable = $features)]
-            pub unsafe fn $name(x: &[f32], w: &[f32], next: &[f32]) -> [f32; ROW_GROUP] {
+            pub unsafe fn $name<const R: usize>(x: &[f32], w: &[f32], next: &[f32]) -> [f32; R] {
                 let d = x.len();
                 let (px, pw, pn) = (x.as_ptr(), w.as_ptr(), next.as_ptr());
                 let prefetch = next.len() == w.len();
-                let mut acc = [$zero(); ROW_GROUP];
+                let mut acc = [$zero(); R];
                 let mut i = 0;
                 while i + $lanes <= d {
                     if prefetch {
-                        for k in 0..ROW_GROUP {
+                        for k in 0..R {
                             _mm_prefetch::<_MM_HINT_T0>(pn.add(k * d + i) as *const i8);
                         }
                     }
@@ -209,8 +207,8 @@ mod x86 {
         };
     }
 
-    dot_group!(dot_group_avx512, "avx512f", 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps, |v| _mm512_reduce_add_ps(v));
-    dot_group!(dot_group_avx2, "avx2,fma", 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, |v| {
+    dot_rows!(dot_rows_avx512, "avx512f", 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps, |v| _mm512_reduce_add_ps(v));
+    dot_rows!(dot_rows_avx2, "avx2,fma", 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, |v| {
         let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let h = _mm_hadd_ps(h, h);
         _mm_cvtss_f32(_mm_hadd_ps(h, h))
@@ -314,6 +312,28 @@ mod tests {
                     let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs() / (b.abs() + (inp as f32).sqrt())).fold(0f32, f32::max);
                     assert!(worst < 1e-5, "{dtype:?} {level:?} rows {rows} in {inp} out {out}: off by {worst}");
                 }
+            }
+        }
+    }
+
+    /// A row's result is the same bits in a group of four as alone (the matrix-vector product
+    /// runs both, as the threads' ranges fall), for each weight type, level and a tail length.
+    #[test]
+    fn a_row_gives_the_same_bits_in_a_group_and_alone() {
+        fn check<W: GemvWeight + std::fmt::Debug>(w: &[W], x: &[f32], level: SimdLevel) {
+            let d = x.len();
+            let group = W::dot_rows::<ROW_GROUP>(x, w, w, level);
+            for (k, sum) in group.iter().enumerate() {
+                let [alone] = W::dot_rows::<1>(x, &w[k * d..(k + 1) * d], &[], level);
+                assert_eq!(sum.to_bits(), alone.to_bits(), "{level:?} d {d} row {k}: {sum} vs {alone}");
+            }
+        }
+        for d in [576, 77] {
+            let (x, w) = (data(d, 11), data(ROW_GROUP * d, 12));
+            for level in [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512].into_iter().filter(|l| *l <= SimdLevel::detected()) {
+                check(&w, &x, level);
+                check(&w.iter().map(|&v| half::f16::from_f32(v)).collect::<Vec<_>>(), &x, level);
+                check(&w.iter().map(|&v| half::bf16::from_f32(v)).collect::<Vec<_>>(), &x, level);
             }
         }
     }

@@ -5,13 +5,13 @@
 
 use half::{bf16, f16};
 
-use crate::gemv::{GemvWeight, ROW_GROUP};
+use crate::gemv::GemvWeight;
 use crate::simd::SimdLevel;
 
 /// [`GemvWeight`] for a half type: its x86 kernels at AVX2 and above, widening value by value
 /// below.
 macro_rules! half_weight {
-    ($elem:ty, $dot:ident, $dot_group:ident) => {
+    ($elem:ty, $dot:ident, $dot_rows:ident) => {
         impl GemvWeight for $elem {
             fn dot(x: &[f32], w: &[Self], level: SimdLevel) -> f32 {
                 debug_assert_eq!(x.len(), w.len());
@@ -25,30 +25,31 @@ macro_rules! half_weight {
                 x.iter().zip(w).map(|(a, b)| a * b.to_f32()).sum()
             }
 
-            fn dot_group(x: &[f32], w: &[Self], next: &[Self], level: SimdLevel) -> [f32; ROW_GROUP] {
-                debug_assert_eq!(w.len(), ROW_GROUP * x.len());
+            fn dot_rows<const R: usize>(x: &[f32], w: &[Self], next: &[Self], level: SimdLevel) -> [f32; R] {
+                debug_assert_eq!(w.len(), R * x.len());
                 #[cfg(target_arch = "x86_64")]
                 if level.usable() >= SimdLevel::Avx2 {
-                    // SAFETY: as above; w holds ROW_GROUP rows of x.len() values.
-                    return unsafe { x86::$dot_group(x, w, next) };
+                    // SAFETY: as above; w holds R rows of x.len() values.
+                    return unsafe { x86::$dot_rows(x, w, next) };
                 }
                 let _ = next;
-                std::array::from_fn(|k| Self::dot(x, &w[k * x.len()..(k + 1) * x.len()], level))
+                std::array::from_fn(|k| {
+                    let row = &w[k * x.len()..(k + 1) * x.len()];
+                    x.iter().zip(row).map(|(a, b)| a * b.to_f32()).sum()
+                })
             }
         }
     };
 }
 
-half_weight!(f16, dot_f16, dot_f16_group);
-half_weight!(bf16, dot_bf16, dot_bf16_group);
+half_weight!(f16, dot_f16, dot_f16_rows);
+half_weight!(bf16, dot_bf16, dot_bf16_rows);
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
     use half::{bf16, f16};
-
-    use super::ROW_GROUP;
 
     /// A dot product whose weights are u16 lanes widened to f32 eight at a time by `$widen`; four
     /// accumulators of eight lanes, as the f32 kernel keeps. A macro, so that each kernel is one
@@ -85,22 +86,22 @@ mod x86 {
         };
     }
 
-    /// [`ROW_GROUP`] rows at once (as the f32 kernel: one accumulator of eight lanes per row, x
-    /// widened once for all), prefetching `next`'s rows when it holds as many.
-    macro_rules! dot_group_widened {
+    /// `R` rows at once (as the f32 kernel: one accumulator of eight lanes per row, x loaded once
+    /// for all), prefetching `next`'s rows when it holds as many.
+    macro_rules! dot_rows_widened {
         ($name:ident, $elem:ty, $features:literal, |$p:ident| $widen:expr) => {
             #[target_feature(enable = $features)]
-            pub unsafe fn $name(x: &[f32], w: &[$elem], next: &[$elem]) -> [f32; ROW_GROUP] {
+            pub unsafe fn $name<const R: usize>(x: &[f32], w: &[$elem], next: &[$elem]) -> [f32; R] {
                 let d = x.len();
                 let (px, pw, pn) = (x.as_ptr(), w.as_ptr() as *const u16, next.as_ptr() as *const u16);
                 let widen = |$p: *const u16| $widen;
                 let prefetch = next.len() == w.len();
-                let mut acc = [_mm256_setzero_ps(); ROW_GROUP];
+                let mut acc = [_mm256_setzero_ps(); R];
                 let mut i = 0;
                 while i + 8 <= d {
                     // A 64-byte line holds 32 half values: one prefetch per row every fourth step.
                     if prefetch && i % 32 == 0 {
-                        for k in 0..ROW_GROUP {
+                        for k in 0..R {
                             _mm_prefetch::<_MM_HINT_T0>(pn.add(k * d + i) as *const i8);
                         }
                     }
@@ -123,8 +124,8 @@ mod x86 {
         };
     }
 
-    dot_group_widened!(dot_f16_group, f16, "avx2,fma,f16c", |p| _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)));
-    dot_group_widened!(dot_bf16_group, bf16, "avx2,fma", |p| _mm256_castsi256_ps(_mm256_slli_epi32(
+    dot_rows_widened!(dot_f16_rows, f16, "avx2,fma,f16c", |p| _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)));
+    dot_rows_widened!(dot_bf16_rows, bf16, "avx2,fma", |p| _mm256_castsi256_ps(_mm256_slli_epi32(
         _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)),
         16
     )));
