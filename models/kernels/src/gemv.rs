@@ -13,9 +13,6 @@ pub const GEMV_MAX_ROWS: usize = 4;
 
 /// A weight element the matrix-vector kernel reads: f32, or f16 / bf16 widened in registers.
 pub trait GemvWeight: Copy + Send + Sync {
-    /// `Σ x[i] · w[i]` at `level` (which the caller has checked the CPU supports).
-    fn dot(x: &[f32], w: &[Self], level: SimdLevel) -> f32;
-
     /// The dot products of `x` with the `R` consecutive rows of `w` (each `x.len()` long),
     /// prefetching `next` (the rows this thread reads after them) when it holds as many values
     /// as `w`. Each row's arithmetic does not depend on `R`: the matrix-vector product runs
@@ -31,10 +28,6 @@ pub trait GemvWeight: Copy + Send + Sync {
 pub const ROW_GROUP: usize = 4;
 
 impl GemvWeight for f32 {
-    fn dot(x: &[f32], w: &[f32], level: SimdLevel) -> f32 {
-        dot(x, w, level)
-    }
-
     fn dot_rows<const R: usize>(x: &[f32], w: &[f32], next: &[f32], level: SimdLevel) -> [f32; R] {
         debug_assert_eq!(w.len(), R * x.len());
         #[cfg(target_arch = "x86_64")]

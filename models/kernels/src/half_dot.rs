@@ -11,25 +11,14 @@ use crate::simd::SimdLevel;
 /// [`GemvWeight`] for a half type: its x86 kernels at AVX2 and above, widening value by value
 /// below.
 macro_rules! half_weight {
-    ($elem:ty, $dot:ident, $dot_rows:ident) => {
+    ($elem:ty, $dot_rows:ident) => {
         impl GemvWeight for $elem {
-            fn dot(x: &[f32], w: &[Self], level: SimdLevel) -> f32 {
-                debug_assert_eq!(x.len(), w.len());
-                #[cfg(target_arch = "x86_64")]
-                if level.usable() >= SimdLevel::Avx2 {
-                    // SAFETY: `usable` never exceeds the CPU's level, and AVX2's includes F16C
-                    // and FMA.
-                    return unsafe { x86::$dot(x, w) };
-                }
-                let _ = level;
-                x.iter().zip(w).map(|(a, b)| a * b.to_f32()).sum()
-            }
-
             fn dot_rows<const R: usize>(x: &[f32], w: &[Self], next: &[Self], level: SimdLevel) -> [f32; R] {
                 debug_assert_eq!(w.len(), R * x.len());
                 #[cfg(target_arch = "x86_64")]
                 if level.usable() >= SimdLevel::Avx2 {
-                    // SAFETY: as above; w holds R rows of x.len() values.
+                    // SAFETY: `usable` never exceeds the CPU's level, and AVX2's includes F16C
+                    // and FMA; w holds R rows of x.len() values.
                     return unsafe { x86::$dot_rows(x, w, next) };
                 }
                 let _ = next;
@@ -42,49 +31,14 @@ macro_rules! half_weight {
     };
 }
 
-half_weight!(f16, dot_f16, dot_f16_rows);
-half_weight!(bf16, dot_bf16, dot_bf16_rows);
+half_weight!(f16, dot_f16_rows);
+half_weight!(bf16, dot_bf16_rows);
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
     use half::{bf16, f16};
-
-    /// A dot product whose weights are u16 lanes widened to f32 eight at a time by `$widen`; four
-    /// accumulators of eight lanes, as the f32 kernel keeps. A macro, so that each kernel is one
-    /// function compiled with its features (a function pointer or closure would not inline them).
-    macro_rules! dot_widened {
-        ($name:ident, $elem:ty, $features:literal, |$p:ident| $widen:expr) => {
-            #[target_feature(enable = $features)]
-            pub unsafe fn $name(x: &[f32], w: &[$elem]) -> f32 {
-                let n = x.len();
-                let (px, pw) = (x.as_ptr(), w.as_ptr() as *const u16);
-                let widen = |$p: *const u16| $widen;
-                let mut acc = [_mm256_setzero_ps(); 4];
-                let mut i = 0;
-                while i + 32 <= n {
-                    for (k, acc) in acc.iter_mut().enumerate() {
-                        *acc = _mm256_fmadd_ps(_mm256_loadu_ps(px.add(i + 8 * k)), widen(pw.add(i + 8 * k)), *acc);
-                    }
-                    i += 32;
-                }
-                while i + 8 <= n {
-                    acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(px.add(i)), widen(pw.add(i)), acc[0]);
-                    i += 8;
-                }
-                let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-                let mut lanes = [0f32; 8];
-                _mm256_storeu_ps(lanes.as_mut_ptr(), sum);
-                let mut s: f32 = lanes.iter().sum();
-                while i < n {
-                    s += x[i] * w[i].to_f32();
-                    i += 1;
-                }
-                s
-            }
-        };
-    }
 
     /// `R` rows at once (as the f32 kernel: one accumulator of eight lanes per row, x loaded once
     /// for all), prefetching `next`'s rows when it holds as many.
@@ -125,14 +79,8 @@ mod x86 {
     }
 
     dot_rows_widened!(dot_f16_rows, f16, "avx2,fma,f16c", |p| _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)));
-    dot_rows_widened!(dot_bf16_rows, bf16, "avx2,fma", |p| _mm256_castsi256_ps(_mm256_slli_epi32(
-        _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)),
-        16
-    )));
-
-    dot_widened!(dot_f16, f16, "avx2,fma,f16c", |p| _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)));
     // bf16 is the top half of an f32: widen to 32 bits and shift into place.
-    dot_widened!(dot_bf16, bf16, "avx2,fma", |p| _mm256_castsi256_ps(_mm256_slli_epi32(
+    dot_rows_widened!(dot_bf16_rows, bf16, "avx2,fma", |p| _mm256_castsi256_ps(_mm256_slli_epi32(
         _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)),
         16
     )));
