@@ -86,26 +86,33 @@ unsafe fn tile_avx512<F: Format, const C: usize>(rec0: *const u8, blocks: usize,
     for b in 0..blocks {
         let rec = rec0.add(b * l.record);
         let mut sums = [_mm512_setzero_si512(); C];
-        let mut add = |w: __m512i, at: usize| {
-            for c in 0..C {
-                sums[c] = _mm512_dpbusd_epi32(sums[c], w, _mm512_set1_epi32(four_bytes(x[c], b, at)));
-            }
-        };
+        // Macros, not closures calling intrinsics, here and in `tile_avx2` (closures below only
+        // compute addresses): a closure has no target features, and where it is not inlined
+        // (the test profile) each `vpdpbusd` in it became a call.
+        macro_rules! add {
+            ($w:expr, $at:expr) => {{
+                let w = $w;
+                for c in 0..C {
+                    sums[c] = _mm512_dpbusd_epi32(sums[c], w, _mm512_set1_epi32(four_bytes(x[c], b, $at)));
+                }
+            }};
+        }
         if F::EIGHT {
             for k in 0..8 {
-                add(_mm512_loadu_si512(rec.add(l.qs + 64 * k) as *const __m512i), 4 * k);
+                add!(_mm512_loadu_si512(rec.add(l.qs + 64 * k) as *const __m512i), 4 * k);
             }
         } else {
-            let qh = l.qh.map(|at| _mm512_loadu_si512(rec.add(at) as *const __m512i));
+            let qh = l.qh.map(|at| rec.add(at) as *const __m512i);
             for k in 0..4 {
                 let chunk = _mm512_loadu_si512(rec.add(l.qs + 64 * k) as *const __m512i);
                 let (mut first, mut second) = (_mm512_and_si512(chunk, low), _mm512_and_si512(_mm512_srli_epi16(chunk, 4), low));
                 if let Some(qh) = qh {
+                    let qh = _mm512_loadu_si512(qh);
                     first = with_fifth_bits_512(first, qh, k);
                     second = with_fifth_bits_512(second, qh, k + 4);
                 }
-                add(first, 4 * k);
-                add(second, 16 + 4 * k);
+                add!(first, 4 * k);
+                add!(second, 16 + 4 * k);
             }
         }
         let dw = _mm512_cvtph_ps(_mm256_loadu_si256(rec as *const __m256i));
@@ -138,10 +145,14 @@ unsafe fn tile_avx2<F: Format, const C: usize, const VNNI: bool>(
     for b in 0..blocks {
         let rec = rec0.add(b * l.record);
         let mut sums = [_mm256_setzero_si256(); C];
-        let load = |at: usize| _mm256_loadu_si256(rec.add(at + 32 * h) as *const __m256i);
+        macro_rules! load {
+            ($at:expr) => {
+                _mm256_loadu_si256(rec.add($at + 32 * h) as *const __m256i)
+            };
+        }
         if F::EIGHT && VNNI {
             for k in 0..8 {
-                let w = load(l.qs + 64 * k);
+                let w = load!(l.qs + 64 * k);
                 for c in 0..C {
                     sums[c] = _mm256_dpbusd_avx_epi32(sums[c], w, _mm256_set1_epi32(four_bytes(x[c], b, 4 * k)));
                 }
@@ -149,7 +160,7 @@ unsafe fn tile_avx2<F: Format, const C: usize, const VNNI: bool>(
         } else if F::EIGHT {
             for k in 0..8 {
                 // `u - 128` is the signed value; |w| against x with w's sign, as llama.cpp does.
-                let w = _mm256_xor_si256(load(l.qs + 64 * k), _mm256_set1_epi8(-128));
+                let w = _mm256_xor_si256(load!(l.qs + 64 * k), _mm256_set1_epi8(-128));
                 let magnitude = _mm256_sign_epi8(w, w);
                 for c in 0..C {
                     let signed_x = _mm256_sign_epi8(_mm256_set1_epi32(four_bytes(x[c], b, 4 * k)), w);
@@ -157,11 +168,12 @@ unsafe fn tile_avx2<F: Format, const C: usize, const VNNI: bool>(
                 }
             }
         } else {
-            let qh = l.qh.map(load);
+            let qh = l.qh.map(|at| rec.add(at + 32 * h) as *const __m256i);
             for k in 0..4 {
-                let chunk = load(l.qs + 64 * k);
+                let chunk = load!(l.qs + 64 * k);
                 let (mut first, mut second) = (_mm256_and_si256(chunk, low), _mm256_and_si256(_mm256_srli_epi16(chunk, 4), low));
                 if let Some(qh) = qh {
+                    let qh = _mm256_loadu_si256(qh);
                     first = with_fifth_bits_256(first, qh, k);
                     second = with_fifth_bits_256(second, qh, k + 4);
                 }
