@@ -86,9 +86,8 @@ unsafe fn tile_avx512<F: Format, const C: usize>(rec0: *const u8, blocks: usize,
     for b in 0..blocks {
         let rec = rec0.add(b * l.record);
         let mut sums = [_mm512_setzero_si512(); C];
-        // Macros, not closures calling intrinsics, here and in `tile_avx2` (closures below only
-        // compute addresses): a closure has no target features, and where it is not inlined
-        // (the test profile) each `vpdpbusd` in it became a call.
+        // Macros, not closures, here and in `tile_avx2`: a closure has no target features, and
+        // where it is not inlined (the test profile) each `vpdpbusd` in it became a call.
         macro_rules! add {
             ($w:expr, $at:expr) => {{
                 let w = $w;
@@ -102,12 +101,11 @@ unsafe fn tile_avx512<F: Format, const C: usize>(rec0: *const u8, blocks: usize,
                 add!(_mm512_loadu_si512(rec.add(l.qs + 64 * k) as *const __m512i), 4 * k);
             }
         } else {
-            let qh = l.qh.map(|at| rec.add(at) as *const __m512i);
             for k in 0..4 {
                 let chunk = _mm512_loadu_si512(rec.add(l.qs + 64 * k) as *const __m512i);
                 let (mut first, mut second) = (_mm512_and_si512(chunk, low), _mm512_and_si512(_mm512_srli_epi16(chunk, 4), low));
-                if let Some(qh) = qh {
-                    let qh = _mm512_loadu_si512(qh);
+                if let Some(at) = l.qh {
+                    let qh = _mm512_loadu_si512(rec.add(at) as *const __m512i);
                     first = with_fifth_bits_512(first, qh, k);
                     second = with_fifth_bits_512(second, qh, k + 4);
                 }
@@ -168,12 +166,11 @@ unsafe fn tile_avx2<F: Format, const C: usize, const VNNI: bool>(
                 }
             }
         } else {
-            let qh = l.qh.map(|at| rec.add(at + 32 * h) as *const __m256i);
             for k in 0..4 {
                 let chunk = load!(l.qs + 64 * k);
                 let (mut first, mut second) = (_mm256_and_si256(chunk, low), _mm256_and_si256(_mm256_srli_epi16(chunk, 4), low));
-                if let Some(qh) = qh {
-                    let qh = _mm256_loadu_si256(qh);
+                if let Some(at) = l.qh {
+                    let qh = load!(at);
                     first = with_fifth_bits_256(first, qh, k);
                     second = with_fifth_bits_256(second, qh, k + 4);
                 }
