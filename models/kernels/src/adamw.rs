@@ -122,21 +122,57 @@ unsafe fn chunk_avx2(k: AdamWConstants, param: &mut [f32], grad: &[f32], ms: &mu
 
 /// `Σ x²` in f64 over the pool: eight running sums per task so the loop runs in vector lanes
 /// (the gradient norm before clipping; the order of the f64 sums differs from one loop's only
-/// far below f32's precision).
+/// far below f32's precision). Each level's copy sums in the same order, so all give the
+/// same bits.
 pub fn sum_of_squares(xs: &[f32]) -> f64 {
-    let partial = crate::pool::pool_map(xs.len().div_ceil(CHUNK), |c| {
-        let chunk = &xs[c * CHUNK..((c + 1) * CHUNK).min(xs.len())];
-        let mut acc = [0f64; 8];
-        let lanes = chunk.chunks_exact(8);
-        let tail: f64 = lanes.remainder().iter().map(|&x| x as f64 * x as f64).sum();
-        for l in lanes {
-            for (a, &x) in acc.iter_mut().zip(l) {
-                *a += x as f64 * x as f64;
-            }
-        }
-        acc.iter().sum::<f64>() + tail
-    });
+    let level = SimdLevel::current();
+    let partial = crate::pool::pool_map(xs.len().div_ceil(CHUNK), |c| squares_at(level, &xs[c * CHUNK..((c + 1) * CHUNK).min(xs.len())]));
     partial.iter().sum()
+}
+
+/// [`squares`] at `level`: compiled for the baseline x86-64 the loop converts and sums two
+/// values per instruction (docs/design.md, AdamW).
+fn squares_at(level: SimdLevel, chunk: &[f32]) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: `usable` never exceeds the level this CPU has.
+        match level.usable() {
+            SimdLevel::Avx512 => return unsafe { squares_avx512(chunk) },
+            SimdLevel::Avx2 => return unsafe { squares_avx2(chunk) },
+            SimdLevel::Scalar => {}
+        }
+    }
+    let _ = level;
+    squares(chunk)
+}
+
+/// One task's `Σ x²`: eight f64 sums, element i into sum i mod 8, then the sums in order and
+/// the tail.
+#[inline(always)]
+fn squares(chunk: &[f32]) -> f64 {
+    let mut acc = [0f64; 8];
+    let lanes = chunk.chunks_exact(8);
+    let tail: f64 = lanes.remainder().iter().map(|&x| x as f64 * x as f64).sum();
+    for l in lanes {
+        for (a, &x) in acc.iter_mut().zip(l) {
+            *a += x as f64 * x as f64;
+        }
+    }
+    acc.iter().sum::<f64>() + tail
+}
+
+/// [`squares`] compiled for AVX-512 (no FMA contraction: Rust never contracts on its own).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2")]
+unsafe fn squares_avx512(chunk: &[f32]) -> f64 {
+    squares(chunk)
+}
+
+/// [`squares`] compiled for AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn squares_avx2(chunk: &[f32]) -> f64 {
+    squares(chunk)
 }
 
 #[cfg(test)]
@@ -169,6 +205,19 @@ mod tests {
         let plain = run(SimdLevel::Scalar);
         for level in [SimdLevel::Avx2, SimdLevel::Avx512].into_iter().filter(|l| *l <= SimdLevel::detected()) {
             assert_eq!(run(level), plain, "{level:?}");
+        }
+    }
+
+    /// Every level's sum of squares gives the plain loop's bits, tail included.
+    #[test]
+    fn vectorised_sums_of_squares_equal_the_plain_loop() {
+        let mut r = crate::rng::SplitMix64(9);
+        let xs: Vec<f32> = (0..CHUNK + 13).map(|_| r.next_signed() * 3.0).collect();
+        let plain = squares(&xs);
+        let f64_sum: f64 = xs.iter().map(|&x| x as f64 * x as f64).sum();
+        assert!((plain - f64_sum).abs() <= 1e-12 * f64_sum, "{plain} vs {f64_sum}");
+        for level in [SimdLevel::Avx2, SimdLevel::Avx512].into_iter().filter(|l| *l <= SimdLevel::detected()) {
+            assert_eq!(squares_at(level, &xs).to_bits(), plain.to_bits(), "{level:?}");
         }
     }
 }

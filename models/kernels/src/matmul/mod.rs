@@ -18,6 +18,7 @@ mod packed;
 pub mod parallel;
 #[cfg(target_arch = "x86_64")]
 mod tiles;
+mod transpose;
 
 use gemm_common::gemm::gemm_basic_generic;
 use gemm_common::simd::MixedSimd;
@@ -93,6 +94,30 @@ pub fn tile_columns() -> usize {
     // gemm's AVX2 microkernel computes 16 rows of its (transposed) dst, 16 of our columns.
     16
 }
+
+/// Whether a thread's piece of `x · Wᵀ` (`m × n × k`, W row-major with rows `k` long) runs
+/// faster with W's rows written out as columns of a row-major block first
+/// ([`transpose::rows_as_columns`]) than read as `Wᵀ` in place: where gemm's kernels run it and
+/// the rows are a power of two of at least 512 values apart. gemm packs such a weight by
+/// reading one value from each of 64 rows at a time; rows a power of two of 2 KiB or more apart
+/// fall into the same few L1 sets. At other row lengths gemm's own packing was the faster
+/// (docs/design.md, matrix products, has the figures).
+pub(crate) fn writes_weight_columns_first(m: usize, n: usize, k: usize) -> bool {
+    k >= 512 && k.is_power_of_two() && runs_on_gemm(m, n, k)
+}
+
+/// Whether [`sgemm`] runs an `m × n × k` product into a row-major dst on gemm's kernels (not on
+/// our packed driver, which packs both operands its own way).
+fn runs_on_gemm(m: usize, n: usize, k: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if packed::worth_it(m, n, k) && packed_tile_for(SimdLevel::current(), m).is_some() {
+        return false;
+    }
+    let _ = (m, n, k);
+    true
+}
+
+pub(crate) use transpose::rows_as_columns;
 
 #[cfg(target_arch = "x86_64")]
 pub use packed::SharedLhs;

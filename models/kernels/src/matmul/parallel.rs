@@ -118,9 +118,67 @@ unsafe fn gemm_columns(
     rhs: (&[f32], isize, isize),
     shared: Option<&SharedLhs>,
 ) {
+    // More than 64 rows: gemm then sums every block of at least 16 columns the same way whatever
+    // its width (`column_split::splits_exactly`), so the blocks do not change a value.
+    let wt = rhs.2 == 1 && rhs.1 == k as isize && m > 64 && columns.len() >= 16;
+    if shared.is_none() && wt && super::writes_weight_columns_first(m, columns.len(), k) {
+        // SAFETY: as this function's; rhs is Wᵀ of a row-major w (n × k), the linear forward.
+        return unsafe { gemm_columns_of_wt(m, n, k, columns, out, accumulate, lhs, rhs.0) };
+    }
     let rhs_from = (columns.start as isize * rhs.1) as usize;
     // SAFETY: rhs's columns from columns.start are inside its slice (the caller's contract).
     unsafe { gemm_piece(m, columns.len(), k, out.at(columns.start), n, accumulate, lhs, (&rhs.0[rhs_from..], rhs.1, rhs.2), shared) }
+}
+
+/// Values of a weight's rows a thread writes out as columns at a time
+/// ([`gemm_columns_of_wt`]): 512 KiB, within L2 while gemm reads them (larger blocks ran
+/// slower; docs/design.md, matrix products).
+const WT_BLOCK_VALUES: usize = 1 << 17;
+
+/// Padding of the block's rows beyond its width: rows a power of two apart are what the block
+/// avoids.
+const WT_BLOCK_PAD: usize = 16;
+
+thread_local! {
+    /// This thread's block of weight columns, kept between products (a fresh buffer per product
+    /// would fault its pages in again).
+    static WT_BLOCK: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// [`gemm_columns`] for rhs = `Wᵀ` of a row-major `w` (n × k): the rows of w behind these
+/// columns written out as a row-major block first (`matmul::writes_weight_columns_first` says
+/// why), a block at a time, each block's product then read from it.
+///
+/// # Safety
+/// As [`gemm_columns`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_columns_of_wt(
+    m: usize,
+    n: usize,
+    k: usize,
+    columns: std::ops::Range<usize>,
+    out: &DisjointWrites<f32>,
+    accumulate: bool,
+    lhs: (&[f32], isize, isize),
+    w: &[f32],
+) {
+    let block = (WT_BLOCK_VALUES / k).max(64);
+    // Blocks of `block` columns, the last one taking a remainder narrower than 16 with it.
+    let starts: Vec<usize> = columns.clone().step_by(block).filter(|&from| from == columns.start || columns.end - from >= 16).collect();
+    WT_BLOCK.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        for (b, &from) in starts.iter().enumerate() {
+            let rows = from..starts.get(b + 1).copied().unwrap_or(columns.end);
+            let (width, stride) = (rows.len(), rows.len() + WT_BLOCK_PAD);
+            if buf.len() < k * stride {
+                buf.resize(k * stride, 0.0);
+            }
+            super::rows_as_columns(w, k, rows, stride, &mut buf);
+            // SAFETY: these columns of dst are this thread's (the caller's contract); buf holds
+            // the block, k rows `stride` apart.
+            unsafe { gemm_piece(m, width, k, out.at(from), n, accumulate, lhs, (&buf[..], 1, stride as isize), None) }
+        }
+    })
 }
 
 /// Products smaller than this (m · n · k) run on the calling thread.
@@ -193,6 +251,34 @@ pub fn product_add(m: usize, n: usize, k: usize, dst: &mut [f32], lhs: (&[f32], 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A piece of `x · Wᵀ` made from blocks of W's rows written out as columns gives gemm's
+    /// bits for the piece read in place, over several blocks and a narrow remainder that joins
+    /// the last one.
+    #[test]
+    fn a_linear_forward_from_weight_columns_is_the_product_read_in_place() {
+        let (m, k) = (96, 512);
+        let block = WT_BLOCK_VALUES / k;
+        let n = 2 * block + 10;
+        let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * 1.7).collect();
+        let w: Vec<f32> = (0..n * k).map(|i| ((i * 104_729 % 997) as f32 / 997.0 - 0.5) * 0.3).collect();
+        let (lhs, rhs) = ((&x[..], 1, k as isize), (&w[..], k as isize, 1));
+        let mut in_place = vec![0f32; m * n];
+        // SAFETY: dst is m × n; x and w hold the matrices the strides describe.
+        unsafe { gemm_piece(m, n, k, in_place.as_mut_ptr(), n, false, lhs, rhs, None) };
+        for columns in [0..n, 16..n - 16] {
+            let mut blocks = vec![0f32; m * n];
+            // SAFETY: as above; these columns of dst go to this call only.
+            unsafe { gemm_columns_of_wt(m, n, k, columns.clone(), &DisjointWrites::from_raw(blocks.as_mut_ptr(), m * n), false, lhs, &w) };
+            for i in 0..m {
+                for j in columns.clone() {
+                    assert_eq!(blocks[i * n + j].to_bits(), in_place[i * n + j].to_bits(), "columns {columns:?}: ({i}, {j})");
+                }
+            }
+        }
+        let want: f64 = (0..k).map(|p| x[5 * k + p] as f64 * w[7 * k + p] as f64).sum();
+        assert!((in_place[5 * n + 7] as f64 - want).abs() < 1e-4, "{} vs {want}", in_place[5 * n + 7]);
+    }
 
     /// Products split between two threads at any share of the columns (the bounds and the
     /// middle) equal the plain sum over k, with and without accumulating into dst.
