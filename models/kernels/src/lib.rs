@@ -12,11 +12,11 @@
 //!   weights; `quant_blocks`: products over llama.cpp's 32-value block formats;
 //! - `exp`, `attend_rows`, `paged_attention`: softmax and attention over cached keys and values;
 //! - `adamw`: the optimizer's update of a chunk and the gradient norm's sum of squares;
-//! - `rng`: the generator of test data and initial weights; `cuda`: our `.cu` sources and NVRTC.
+//! - `rng`: the generator of test data and initial weights; `cuda`: our `.cu` sources (their
+//!   NVRTC compilation with the `cuda` feature).
 
 pub mod adamw;
 pub mod attend_rows;
-#[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod disjoint;
 pub mod exp;

@@ -1,8 +1,12 @@
 //! Our CUDA sources and their compilation: each `.cu` here is compiled by NVRTC the first time a
 //! process needs it (no CUDA toolkit at build time; the PTX matches the driver's NVRTC), then
 //! loaded once per device by candle under its module name (the ops and the trainer launch them).
+//! The sources and their compile options are here without the `cuda` feature too: a CPU test
+//! (`tests/cuda_sources.rs`) compiles every one of [`ALL`] for the GPUs we run on.
 
+#[cfg(feature = "cuda")]
 use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+#[cfg(feature = "cuda")]
 use candle_core::Result;
 use std::sync::OnceLock;
 
@@ -18,6 +22,9 @@ pub static ATTENTION_SOFTMAX: RuntimeSource = RuntimeSource::new(
 /// and the CPU give the same bits (the trainer's `fsdp::adamw_cuda` launches it).
 pub static ADAMW: RuntimeSource = RuntimeSource::new("fsdp_app_adamw", "models/kernels/src/cuda/adamw.cu", include_str!("adamw.cu"), false);
 
+/// Every source above.
+pub static ALL: [&RuntimeSource; 2] = [&ATTENTION_SOFTMAX, &ADAMW];
+
 /// A `.cu` source of ours, compiled on first use.
 pub struct RuntimeSource {
     /// The module name candle loads the PTX under (one per source).
@@ -27,6 +34,7 @@ pub struct RuntimeSource {
     source: &'static str,
     /// Whether NVRTC may contract a multiply and an add into one rounding.
     fmad: bool,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     ptx: OnceLock<std::result::Result<String, String>>,
 }
 
@@ -35,7 +43,23 @@ impl RuntimeSource {
         Self { module, path, source, fmad, ptx: OnceLock::new() }
     }
 
+    /// The source's path in the repository.
+    pub fn path(&self) -> &'static str {
+        self.path
+    }
+
+    /// The CUDA C++ text.
+    pub fn source(&self) -> &'static str {
+        self.source
+    }
+
+    /// Whether NVRTC may contract a multiply and an add (its `--fmad`).
+    pub fn fmad(&self) -> bool {
+        self.fmad
+    }
+
     /// The PTX, compiled once per process.
+    #[cfg(feature = "cuda")]
     pub fn ptx(&self) -> Result<&str> {
         self.ptx
             .get_or_init(|| {
