@@ -117,6 +117,48 @@ fn attention_softmax_kernels_match_composed_ops() {
     }
 }
 
+/// The training linear op on the GPU (`ops::linear`: cuBLAS reading wᵀ in place, dW one product
+/// of gyᵀ and x): y, dx and dW against the CPU op in f32, for 3-d inputs and the heads form, dW
+/// through candle's store and through a sink; bf16 within its rounding.
+#[test]
+fn linear_op_on_cuda_matches_cpu() {
+    use candle_core::Var;
+    use ops::weight_grads::{WeightGradTarget, WeightGrads};
+    let dev = gpu();
+    let (x, w, probe) = (
+        Tensor::randn(0f32, 1.0, (2, 33, 48), &Device::Cpu).unwrap(),
+        Tensor::randn(0f32, 0.5, (40, 48), &Device::Cpu).unwrap(),
+        Tensor::randn(0f32, 1.0, (2, 33, 40), &Device::Cpu).unwrap(),
+    );
+    // (y, dx, dW) on `device` in `dtype`, with dW through a sink or candle's store.
+    let run = |device: &Device, dtype: DType, sink: bool, heads: bool| {
+        let xv = Var::from_tensor(&x.to_device(device).unwrap().to_dtype(dtype).unwrap()).unwrap();
+        let wv = Var::from_tensor(&w.to_device(device).unwrap().to_dtype(dtype).unwrap()).unwrap();
+        let store = WeightGrads::new();
+        let to = sink.then(|| WeightGradTarget { sink: store.clone(), name: "w".into() });
+        let y = match heads {
+            true => ops::linear::linear_heads_to(xv.as_tensor(), wv.as_tensor(), 4, to).unwrap().reshape((2, 33, 40)).unwrap(),
+            false => ops::linear::linear_to(xv.as_tensor(), wv.as_tensor(), to).unwrap(),
+        };
+        let grads = (y.to_dtype(DType::F32).unwrap() * probe.to_device(device).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+        let dw = match sink {
+            true => store.take("w").expect("the sink got dW").into_tensor(device).unwrap(),
+            false => grads.get(wv.as_tensor()).unwrap().clone(),
+        };
+        [values(&y), values(grads.get(xv.as_tensor()).unwrap()), values(&dw)]
+    };
+    let expected = run(&Device::Cpu, DType::F32, false, false);
+    for (dtype, tolerance) in [(DType::F32, 1e-5), (DType::BF16, 2e-2)] {
+        for (sink, heads) in [(false, false), (true, false), (true, true)] {
+            for (name, (g, e)) in ["y", "dx", "dW"].iter().zip(run(&dev, dtype, sink, heads).iter().zip(&expected)) {
+                let diff = rel_norm_diff(g, e);
+                eprintln!("{dtype:?}, sink {sink}, heads {heads}: {name} relative difference {diff:.2e}");
+                assert!(diff < tolerance, "{dtype:?}, sink {sink}, heads {heads}: {name} differs from the CPU op by {diff}");
+            }
+        }
+    }
+}
+
 /// The AdamW kernel (`models/kernels/src/cuda/adamw.cu`) against the host loop (`optim::adamw_step`) over three
 /// steps of a chunk that is no multiple of a block, with and without weight decay and clipping:
 /// the same IEEE operations, so the same values (checked to 1e-5 relative, the values whose bits differ counted).

@@ -263,9 +263,12 @@ impl AdaptedLinear {
         };
         // Decoding's few rows take the matrix-vector kernel. Training on the CPU, and a prompt's
         // many rows: our linear op (its backward computes only the gradients that exist; its
-        // threads are the pool the other kernels use, not a second one). Else candle's matmul.
+        // threads are the pool the other kernels use, not a second one). Training on a GPU: the
+        // same op on cuBLAS (dW one product, not a sum through a transposed view of W). Else
+        // candle's matmul.
         let ours = ops::applies(x) && base.weight().dtype() == x.dtype();
-        let product = match mode == OpMode::Train && ours {
+        let on_gpu = x.device().is_cuda() && base.weight().dtype() == x.dtype();
+        let product = match mode == OpMode::Train && (ours || on_gpu) {
             true => Some(ops::linear::linear_to(x, base.weight(), self.weight_grad_target())?),
             false => match ops::gemv::gemv_t(x, base.weight())? {
                 None if ours => Some(ops::linear::linear(x, base.weight())?),

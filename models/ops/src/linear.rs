@@ -6,6 +6,10 @@
 //! gradient computed at all. Given a sink, dW goes there as its two factors (gy and x,
 //! [`LinearGradRows`]) while they are no larger than dW, and the trainer makes it straight
 //! into its own gradient buffer.
+//!
+//! On a GPU the same op runs on cuBLAS through candle's matmul: the forward reads W transposed
+//! in place, dW is one product of gyᵀ and x (no zero tensor, no strided sum over the transposed
+//! view of W, which candle's `Linear` backward ends in), and with a sink dW goes there whole.
 
 use crate::cpu_f32_values;
 use crate::f32_slice;
@@ -71,6 +75,31 @@ struct Linear {
     heads: Option<usize>,
 }
 
+/// `x · wᵀ` by a backend's own matrix product (cuBLAS on a GPU): x as (rows, in), wᵀ as the
+/// (in, out) view of w's storage, which the product reads transposed in place. Both inputs
+/// contiguous ([`linear_to`] makes them so).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn backend_product_wt<B: candle_core::backend::BackendStorage>(xs: &B, xl: &Layout, ws: &B, wl: &Layout) -> Result<B> {
+    let (out_dim, in_dim) = (wl.dims()[0], wl.dims()[1]);
+    let rows = xl.shape().elem_count() / in_dim;
+    let x = Layout::contiguous_with_offset((rows, in_dim), xl.start_offset());
+    let wt = Layout::new(Shape::from((in_dim, out_dim)), vec![1, in_dim], wl.start_offset());
+    xs.matmul(ws, (1, rows, out_dim, in_dim), &x, &wt)
+}
+
+impl Linear {
+    /// y's shape for an input laid out as `xl`: (.., out), or (.., heads, out / heads).
+    fn output_shape(&self, xl: &Layout, out_dim: usize) -> Shape {
+        let mut dims = xl.dims().to_vec();
+        *dims.last_mut().unwrap() = out_dim;
+        if let Some(heads) = self.heads {
+            *dims.last_mut().unwrap() = heads;
+            dims.push(out_dim / heads);
+        }
+        Shape::from(dims)
+    }
+}
+
 impl CustomOp2 for Linear {
     fn name(&self) -> &'static str {
         "fused-linear"
@@ -79,14 +108,19 @@ impl CustomOp2 for Linear {
     fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ws: &CpuStorage, wl: &Layout) -> Result<(CpuStorage, Shape)> {
         let (x, w) = (f32_slice(xs, xl)?, f32_slice(ws, wl)?);
         let (out_dim, in_dim) = (wl.dims()[0], wl.dims()[1]);
-        let y = product_wt(x, w, out_dim, in_dim);
-        let mut dims = xl.dims().to_vec();
-        *dims.last_mut().unwrap() = out_dim;
-        if let Some(heads) = self.heads {
-            *dims.last_mut().unwrap() = heads;
-            dims.push(out_dim / heads);
-        }
-        Ok((CpuStorage::F32(y), Shape::from(dims)))
+        Ok((CpuStorage::F32(product_wt(x, w, out_dim, in_dim)), self.output_shape(xl, out_dim)))
+    }
+
+    /// `x · wᵀ` by cuBLAS ([`backend_product_wt`]).
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((backend_product_wt(xs, xl, ws, wl)?, self.output_shape(xl, wl.dims()[0])))
     }
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, gy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
@@ -100,8 +134,30 @@ fn linear_backward(x: &Tensor, w: &Tensor, gy: &Tensor, grad_to: Option<&WeightG
     let mut rows = x.dims().to_vec();
     *rows.last_mut().expect("a linear input has a last dimension") = w.dim(0)?;
     let gy = gy.contiguous()?.reshape(rows)?;
-    let dx = gy.apply_op2_no_bwd(w, &InputGrad)?;
+    let dx = match gy.device().is_cpu() {
+        true => gy.apply_op2_no_bwd(w, &InputGrad)?,
+        false => input_grad_by_matmul(&gy, w, x.dims())?,
+    };
     Ok((Some(dx), weight_grad(x, w, gy, grad_to)?))
+}
+
+/// `dx = gy w` by candle's matmul (cuBLAS on a GPU), in x's shape `x_dims`.
+fn input_grad_by_matmul(gy: &Tensor, w: &Tensor, x_dims: &[usize]) -> Result<Tensor> {
+    gy.flatten_to(gy.rank() - 2)?.matmul(w)?.reshape(x_dims)
+}
+
+/// `dW = gyᵀ x` as one tensor: our product on the CPU, elsewhere one product of candle's
+/// matmul (cuBLAS on a GPU) that reads gyᵀ transposed in place.
+fn weight_grad_tensor(x: &Tensor, gy: &Tensor) -> Result<Tensor> {
+    match gy.device().is_cpu() {
+        true => gy.apply_op2_no_bwd(x, &WeightGrad),
+        false => weight_grad_by_matmul(x, gy),
+    }
+}
+
+/// [`weight_grad_tensor`]'s product off the CPU.
+fn weight_grad_by_matmul(x: &Tensor, gy: &Tensor) -> Result<Tensor> {
+    gy.flatten_to(gy.rank() - 2)?.t()?.matmul(&x.contiguous()?.flatten_to(x.rank() - 2)?)
 }
 
 /// `dW = gyᵀ x` of `y = x wᵀ`, for `gy` (.., out) contiguous: only for a weight that trains,
@@ -109,15 +165,16 @@ fn linear_backward(x: &Tensor, w: &Tensor, gy: &Tensor, grad_to: Option<&WeightG
 pub(crate) fn weight_grad(x: &Tensor, w: &Tensor, gy: Tensor, grad_to: Option<&WeightGradTarget>) -> Result<Option<Tensor>> {
     match (w.track_op(), grad_to) {
         (false, _) => Ok(None),
-        (true, None) => Ok(Some(gy.apply_op2_no_bwd(x, &WeightGrad)?)),
+        (true, None) => Ok(Some(weight_grad_tensor(x, &gy)?)),
         (true, Some(to)) => {
             let (out_dim, in_dim) = w.dims2()?;
             // The factors while they are no larger than dW itself (as many rows as inputs
-            // or fewer): a long sequence's gy would outweigh the gradient it makes.
-            if gy.elem_count() / out_dim <= in_dim {
+            // or fewer): a long sequence's gy would outweigh the gradient it makes. The rows
+            // are made by our CPU product; on a GPU dW is one product at once.
+            if gy.device().is_cpu() && gy.elem_count() / out_dim <= in_dim {
                 to.sink.add_rows(&to.name, Arc::new(LinearGradRows::new(gy, x.clone())?))?;
             } else {
-                to.sink.add(&to.name, gy.apply_op2_no_bwd(x, &WeightGrad)?)?;
+                to.sink.add(&to.name, weight_grad_tensor(x, &gy)?)?;
             }
             Ok(None)
         }
@@ -343,6 +400,24 @@ mod tests {
             let want_part = (want.narrow(0, 10, 15).unwrap() + 1.0).unwrap();
             assert_eq!(max_rel(&Tensor::from_vec(part, (15, 24), &candle_core::Device::Cpu).unwrap(), &want_part), 0.0);
         }
+    }
+
+    /// What the GPU path computes, run here through the CPU backend: the forward's product
+    /// reading wᵀ in place, dx and dW by candle's matmul, against our CPU op and its gradients.
+    #[test]
+    fn the_gpu_paths_products_equal_the_cpu_ops() {
+        use candle_core::Storage;
+        let (x, w) = (rand(&[2, 9, 24], 41, 1.0), rand(&[40, 24], 42, 0.5));
+        let (xs, xl) = x.storage_and_layout();
+        let (ws, wl) = w.storage_and_layout();
+        let (Storage::Cpu(xs), Storage::Cpu(ws)) = (&*xs, &*ws) else { panic!("CPU tensors") };
+        let y = backend_product_wt(xs, xl, ws, wl).unwrap();
+        let y = Tensor::from_vec(y.as_slice::<f32>().unwrap().to_vec(), (2, 9, 40), &candle_core::Device::Cpu).unwrap();
+        assert!(max_rel(&y, &linear(&x, &w).unwrap()) < 1e-6);
+        let gy = rand(&[2, 9, 40], 43, 1.0);
+        let (dx, dw) = linear_grads(&x, &w, &gy).unwrap();
+        assert!(max_rel(&input_grad_by_matmul(&gy, &w, x.dims()).unwrap(), &dx) < 1e-6);
+        assert!(max_rel(&weight_grad_by_matmul(&x, &gy).unwrap(), &dw) < 1e-6);
     }
 
     trait ForwardT {
