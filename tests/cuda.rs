@@ -159,6 +159,34 @@ fn linear_op_on_cuda_matches_cpu() {
     }
 }
 
+/// RMSNorm's kernels (`models/kernels/src/cuda/rms_norm.cu`): y, dx and the weight's gradient
+/// against the CPU op in f32, over rows that fill no whole block of warps and a row length
+/// that is no multiple of a warp; bf16 within its rounding.
+#[test]
+fn rms_norm_kernels_match_cpu() {
+    use candle_core::Var;
+    let dev = gpu();
+    let x = Tensor::randn(0f32, 1.0, (3, 37, 200), &Device::Cpu).unwrap();
+    let w = (Tensor::randn(0f32, 0.2, 200, &Device::Cpu).unwrap() + 1.0).unwrap();
+    let probe = Tensor::randn(0f32, 1.0, (3, 37, 200), &Device::Cpu).unwrap();
+    let run = |device: &Device, dtype: DType| {
+        let xv = Var::from_tensor(&x.to_device(device).unwrap().to_dtype(dtype).unwrap()).unwrap();
+        let wv = Var::from_tensor(&w.to_device(device).unwrap().to_dtype(dtype).unwrap()).unwrap();
+        assert!(ops::fused::rms_norm_applies(xv.as_tensor(), wv.as_tensor()), "{device:?} {dtype:?}");
+        let y = ops::fused::rms_norm(xv.as_tensor(), wv.as_tensor(), 1e-5).unwrap();
+        let grads = (y.to_dtype(DType::F32).unwrap() * probe.to_device(device).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+        [values(&y), values(grads.get(xv.as_tensor()).unwrap()), values(grads.get(wv.as_tensor()).unwrap())]
+    };
+    let expected = run(&Device::Cpu, DType::F32);
+    for (dtype, tolerance) in [(DType::F32, 1e-5), (DType::BF16, 2e-2)] {
+        for (name, (g, e)) in ["y", "dx", "dw"].iter().zip(run(&dev, dtype).iter().zip(&expected)) {
+            let diff = rel_norm_diff(g, e);
+            eprintln!("rms_norm {dtype:?}: {name} relative difference {diff:.2e}");
+            assert!(diff < tolerance, "rms_norm {dtype:?}: {name} differs from the CPU op by {diff}");
+        }
+    }
+}
+
 /// The AdamW kernel (`models/kernels/src/cuda/adamw.cu`) against the host loop (`optim::adamw_step`) over three
 /// steps of a chunk that is no multiple of a block, with and without weight decay and clipping:
 /// the same IEEE operations, so the same values (checked to 1e-5 relative, the values whose bits differ counted).

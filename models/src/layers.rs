@@ -31,7 +31,7 @@ impl RmsNorm {
     pub fn forward(&self, x: &Tensor, mode: OpMode) -> Result<Tensor> {
         match mode {
             OpMode::Generate => candle_nn::ops::rms_norm(x, &self.weight, self.eps as f32),
-            OpMode::Train if ops::applies(x) && self.weight.dtype() == DType::F32 => ops::fused::rms_norm(x, &self.weight, self.eps),
+            OpMode::Train if ops::fused::rms_norm_applies(x, &self.weight) => ops::fused::rms_norm(x, &self.weight, self.eps),
             OpMode::Train => {
                 let xf = x.to_dtype(DType::F32)?;
                 let inv_rms = (xf.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?.sqrt()?.recip()?;

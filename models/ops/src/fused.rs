@@ -2,7 +2,8 @@
 //! (one output allocation, split over the threads) and whose `bwd` is exact, itself one fused
 //! pass. They replace composite chains of candle ops (a temporary tensor per step) on the
 //! training path. On other devices, and for dtypes other than f32, callers keep the composite
-//! ops (same values; see each op's test against them).
+//! ops (same values; see each op's test against them); RMSNorm has GPU kernels too (f32, bf16:
+//! `rms_norm_cuda`).
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use kernels::pool::{pool_map_new, pool_new, pool_new_halves};
@@ -18,6 +19,21 @@ fn rows_per_task(row: usize) -> usize {
 }
 
 // ---------------------------------------------------------------- RMSNorm
+
+/// Whether [`rms_norm`] runs for these tensors: f32 on the CPU; f32 or bf16 on a GPU, where the
+/// kernels take rows of at most 12,288 values (the backward sums the weight's gradient in a
+/// block's shared memory).
+pub fn rms_norm_applies(x: &Tensor, w: &Tensor) -> bool {
+    let on_gpu = || {
+        #[cfg(feature = "cuda")]
+        return x.device().is_cuda()
+            && matches!(x.dtype(), candle_core::DType::F32 | candle_core::DType::BF16)
+            && w.elem_count() <= crate::rms_norm_cuda::MAX_ROW;
+        #[cfg(not(feature = "cuda"))]
+        false
+    };
+    w.dtype() == x.dtype() && (crate::applies(x) || on_gpu())
+}
 
 /// `x / sqrt(mean(x^2) + eps) * w` over the last dimension (transformers' `LlamaRMSNorm` in f32).
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
@@ -52,6 +68,18 @@ impl CustomOp2 for RmsNorm {
             }
         });
         Ok((CpuStorage::F32(y), xl.shape().clone()))
+    }
+
+    /// On a GPU: our kernels (`rms_norm_cuda`), f32 and bf16.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((crate::rms_norm_cuda::forward(xs, xl, ws, wl, self.eps)?, xl.shape().clone()))
     }
 
     /// With r = 1/rms(x): dx_j = r w_j g_j - r^3 x_j / n * sum_i g_i w_i x_i and
@@ -115,6 +143,20 @@ impl CustomOp3 for RmsNormBackward {
             }
         }
         Ok((CpuStorage::F32(out), Shape::from((rows + 1, n))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+        gs: &candle_core::CudaStorage,
+        gl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (n, rows) = (wl.shape().elem_count(), xl.shape().elem_count() / wl.shape().elem_count().max(1));
+        Ok((crate::rms_norm_cuda::backward(xs, xl, ws, wl, gs, gl, self.eps)?, Shape::from((rows + 1, n))))
     }
 }
 

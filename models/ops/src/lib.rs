@@ -15,7 +15,7 @@
 //!   `lora_rows` (the serving adapters' updates of a batch, each on its rows);
 //! - `eager_attention`: attention composed of candle's ops for every device, one graph node with
 //!   its own backward, whose softmax on a GPU is `attention_softmax_cuda`'s two kernels;
-//!   `cuda_args`: a GPU tensor as a kernel argument;
+//!   `cuda_args`: a GPU tensor as a kernel argument; `rms_norm_cuda`: `fused::rms_norm` on a GPU;
 //! - `testing`: what the ops' and the models' tests share (random tensors, finite differences).
 
 pub mod attention;
@@ -34,6 +34,8 @@ pub mod kv_attention;
 pub mod linear;
 pub mod lora_rows;
 pub mod quant;
+#[cfg(feature = "cuda")]
+mod rms_norm_cuda;
 pub mod self_attention;
 #[doc(hidden)]
 pub mod testing;

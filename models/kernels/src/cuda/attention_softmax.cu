@@ -1,6 +1,6 @@
 // The softmax of eager attention on a GPU, forward and backward, one warp per row of scores.
-// Compiled at run time by NVRTC (models/src/ops/attention_softmax_cuda.rs), so it includes no
-// header: bf16 values are handled as their bits.
+// Compiled at run time by NVRTC (models/ops/src/attention_softmax_cuda.rs) after values.cuh
+// (no header of CUDA's: bf16 values are handled as their bits).
 //
 // Row r of the scores (rows = batch * heads * T, each S long) belongs to query t = r % T of
 // (batch, head) = (r / T / heads, r / T % heads). x = score * scale + mask, in f32, like
@@ -11,35 +11,6 @@
 //             max and sum again: a row is a few KB, so the passes after the first read it from
 //             the cache, not memory); delta = rowsum(dout * out), f32 per row.
 // A row masked everywhere (max = -inf) has p = 0 (composition gives NaN there).
-
-typedef unsigned short bf16_t;
-
-#define NEG_INF __int_as_float(0xff800000u)
-
-__device__ __forceinline__ float load(const float *p, long long i) { return p[i]; }
-__device__ __forceinline__ float load(const bf16_t *p, long long i) { return __uint_as_float(((unsigned int)p[i]) << 16); }
-
-__device__ __forceinline__ void store(float *p, long long i, float v) { p[i] = v; }
-// Round to nearest even, as candle's casts do; a NaN stays a (quiet) NaN.
-__device__ __forceinline__ void store(bf16_t *p, long long i, float v) {
-  unsigned int u = __float_as_uint(v);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    p[i] = (bf16_t)((u >> 16) | 0x40u);
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  p[i] = (bf16_t)(u >> 16);
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 
 // Where a row lives: its scores and its mask row (mask strides over batch and head may be 0:
 // a broadcast mask; its rows are S apart).

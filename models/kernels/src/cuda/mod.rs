@@ -10,20 +10,33 @@ use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOpt
 use candle_core::Result;
 use std::sync::OnceLock;
 
+/// A source file after `values.cuh` (bf16 as bits, loads, stores, warp sums), its own line
+/// numbers kept for NVRTC's messages.
+macro_rules! after_values {
+    ($file:literal) => {
+        concat!(include_str!("values.cuh"), "\n#line 1 \"", $file, "\"\n", include_str!($file))
+    };
+}
+
 /// Eager attention's softmax, forward and backward (`ops::attention_softmax_cuda` launches it).
 pub static ATTENTION_SOFTMAX: RuntimeSource = RuntimeSource::new(
     "fsdp_app_attention_softmax",
     "models/kernels/src/cuda/attention_softmax.cu",
-    include_str!("attention_softmax.cu"),
+    after_values!("attention_softmax.cu"),
     true,
 );
+
+/// RMSNorm, forward and backward (`ops::rms_norm_cuda` launches it). No contracted
+/// multiply-adds: the sums keep the CPU loop's roundings.
+pub static RMS_NORM: RuntimeSource =
+    RuntimeSource::new("fsdp_app_rms_norm", "models/kernels/src/cuda/rms_norm.cu", after_values!("rms_norm.cu"), false);
 
 /// AdamW of a chunk, the host loop's IEEE operations (no contracted multiply-adds), so the GPU
 /// and the CPU give the same bits (the trainer's `fsdp::adamw_cuda` launches it).
 pub static ADAMW: RuntimeSource = RuntimeSource::new("fsdp_app_adamw", "models/kernels/src/cuda/adamw.cu", include_str!("adamw.cu"), false);
 
 /// Every source above.
-pub static ALL: [&RuntimeSource; 2] = [&ATTENTION_SOFTMAX, &ADAMW];
+pub static ALL: [&RuntimeSource; 3] = [&ATTENTION_SOFTMAX, &RMS_NORM, &ADAMW];
 
 /// A `.cu` source of ours, compiled on first use.
 pub struct RuntimeSource {
