@@ -159,7 +159,7 @@ fn linear_op_on_cuda_matches_cpu() {
     }
 }
 
-/// RMSNorm's kernels (`models/kernels/src/cuda/rms_norm.cu`): y, dx and the weight's gradient
+/// RMSNorm's kernels (`models/kernels/src/cuda/fused.cu`): y, dx and the weight's gradient
 /// against the CPU op in f32, over rows that fill no whole block of warps and a row length
 /// that is no multiple of a warp; bf16 within its rounding.
 #[test]
@@ -183,6 +183,31 @@ fn rms_norm_kernels_match_cpu() {
             let diff = rel_norm_diff(g, e);
             eprintln!("rms_norm {dtype:?}: {name} relative difference {diff:.2e}");
             assert!(diff < tolerance, "rms_norm {dtype:?}: {name} differs from the CPU op by {diff}");
+        }
+    }
+}
+
+/// SwiGLU's kernels (`models/kernels/src/cuda/fused.cu`): y, da and db against the CPU op in f32,
+/// over a length that fills no whole block; bf16 within its rounding.
+#[test]
+fn swiglu_kernels_match_cpu() {
+    use candle_core::Var;
+    let dev = gpu();
+    let inputs = [3.0, 1.0].map(|scale| Tensor::randn(0f32, scale, (3, 37, 129), &Device::Cpu).unwrap());
+    let probe = Tensor::randn(0f32, 1.0, (3, 37, 129), &Device::Cpu).unwrap();
+    let run = |device: &Device, dtype: DType| {
+        let [a, b] = inputs.clone().map(|t| Var::from_tensor(&t.to_device(device).unwrap().to_dtype(dtype).unwrap()).unwrap());
+        assert!(ops::fused::swiglu_applies(a.as_tensor(), b.as_tensor()), "{device:?} {dtype:?}");
+        let y = ops::fused::swiglu(a.as_tensor(), b.as_tensor()).unwrap();
+        let grads = (y.to_dtype(DType::F32).unwrap() * probe.to_device(device).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+        [values(&y), values(grads.get(a.as_tensor()).unwrap()), values(grads.get(b.as_tensor()).unwrap())]
+    };
+    let expected = run(&Device::Cpu, DType::F32);
+    for (dtype, tolerance) in [(DType::F32, 1e-5), (DType::BF16, 2e-2)] {
+        for (name, (g, e)) in ["y", "da", "db"].iter().zip(run(&dev, dtype).iter().zip(&expected)) {
+            let diff = rel_norm_diff(g, e);
+            eprintln!("swiglu {dtype:?}: {name} relative difference {diff:.2e}");
+            assert!(diff < tolerance, "swiglu {dtype:?}: {name} differs from the CPU op by {diff}");
         }
     }
 }

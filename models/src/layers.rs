@@ -401,7 +401,7 @@ impl Mlp {
                     AdaptedLinear::forward_shared(&[&self.gate_proj, &self.up_proj], x, pos.mode, seeds, &pos.adapters)?
                         .try_into()
                         .expect("two products");
-                match ops::applies(&gate) {
+                match ops::fused::swiglu_applies(&gate, &up) {
                     true => ops::fused::swiglu(&gate, &up)?,
                     false => (candle_nn::ops::silu(&gate)? * up)?,
                 }

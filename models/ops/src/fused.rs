@@ -2,8 +2,8 @@
 //! (one output allocation, split over the threads) and whose `bwd` is exact, itself one fused
 //! pass. They replace composite chains of candle ops (a temporary tensor per step) on the
 //! training path. On other devices, and for dtypes other than f32, callers keep the composite
-//! ops (same values; see each op's test against them); RMSNorm has GPU kernels too (f32, bf16:
-//! `rms_norm_cuda`).
+//! ops (same values; see each op's test against them); RMSNorm and SwiGLU have GPU kernels too
+//! (f32, bf16: `fused_cuda`).
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use kernels::pool::{pool_map_new, pool_new, pool_new_halves};
@@ -28,7 +28,7 @@ pub fn rms_norm_applies(x: &Tensor, w: &Tensor) -> bool {
         #[cfg(feature = "cuda")]
         return x.device().is_cuda()
             && matches!(x.dtype(), candle_core::DType::F32 | candle_core::DType::BF16)
-            && w.elem_count() <= crate::rms_norm_cuda::MAX_ROW;
+            && w.elem_count() <= crate::fused_cuda::MAX_ROW;
         #[cfg(not(feature = "cuda"))]
         false
     };
@@ -70,7 +70,7 @@ impl CustomOp2 for RmsNorm {
         Ok((CpuStorage::F32(y), xl.shape().clone()))
     }
 
-    /// On a GPU: our kernels (`rms_norm_cuda`), f32 and bf16.
+    /// On a GPU: our kernels (`fused_cuda`), f32 and bf16.
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
@@ -79,7 +79,7 @@ impl CustomOp2 for RmsNorm {
         ws: &candle_core::CudaStorage,
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((crate::rms_norm_cuda::forward(xs, xl, ws, wl, self.eps)?, xl.shape().clone()))
+        Ok((crate::fused_cuda::rms_norm_forward(xs, xl, ws, wl, self.eps)?, xl.shape().clone()))
     }
 
     /// With r = 1/rms(x): dx_j = r w_j g_j - r^3 x_j / n * sum_i g_i w_i x_i and
@@ -156,11 +156,17 @@ impl CustomOp3 for RmsNormBackward {
         gl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (n, rows) = (wl.shape().elem_count(), xl.shape().elem_count() / wl.shape().elem_count().max(1));
-        Ok((crate::rms_norm_cuda::backward(xs, xl, ws, wl, gs, gl, self.eps)?, Shape::from((rows + 1, n))))
+        Ok((crate::fused_cuda::rms_norm_backward(xs, xl, ws, wl, gs, gl, self.eps)?, Shape::from((rows + 1, n))))
     }
 }
 
 // ---------------------------------------------------------------- SwiGLU
+
+/// Whether [`swiglu`] runs for these tensors: f32 on the CPU; f32 or bf16 on a GPU.
+pub fn swiglu_applies(a: &Tensor, b: &Tensor) -> bool {
+    let on_gpu = cfg!(feature = "cuda") && a.device().is_cuda() && matches!(a.dtype(), candle_core::DType::F32 | candle_core::DType::BF16);
+    a.dtype() == b.dtype() && (crate::applies(a) || on_gpu)
+}
 
 /// `silu(a) * b`, the Llama MLP's gate.
 pub fn swiglu(a: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -187,6 +193,18 @@ impl CustomOp2 for SwiGlu {
             candle_core::bail!("swiglu: {} vs {} values", a.len(), b.len());
         }
         Ok((CpuStorage::F32(swiglu_values(a, b)), al.shape().clone()))
+    }
+
+    /// On a GPU: our kernels (`fused_cuda`), f32 and bf16.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        a_s: &candle_core::CudaStorage,
+        al: &Layout,
+        b_s: &candle_core::CudaStorage,
+        bl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((crate::fused_cuda::swiglu_forward(a_s, al, b_s, bl)?, al.shape().clone()))
     }
 
     /// da = g b s (1 + a (1 - s)) with s = sigmoid(a); db = g a s.
@@ -218,6 +236,19 @@ impl CustomOp3 for SwiGluBackward {
     ) -> Result<(CpuStorage, Shape)> {
         let (a, b, g) = (f32_slice(a_s, al)?, f32_slice(b_s, bl)?, f32_slice(g_s, gl)?);
         Ok((CpuStorage::F32(swiglu_grads(a, b, g)), Shape::from(2 * a.len())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        a_s: &candle_core::CudaStorage,
+        al: &Layout,
+        b_s: &candle_core::CudaStorage,
+        bl: &Layout,
+        g_s: &candle_core::CudaStorage,
+        gl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((crate::fused_cuda::swiglu_backward(a_s, al, b_s, bl, g_s, gl)?, Shape::from(2 * al.shape().elem_count())))
     }
 }
 

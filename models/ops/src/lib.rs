@@ -15,7 +15,7 @@
 //!   `lora_rows` (the serving adapters' updates of a batch, each on its rows);
 //! - `eager_attention`: attention composed of candle's ops for every device, one graph node with
 //!   its own backward, whose softmax on a GPU is `attention_softmax_cuda`'s two kernels;
-//!   `cuda_args`: a GPU tensor as a kernel argument; `rms_norm_cuda`: `fused::rms_norm` on a GPU;
+//!   `cuda_args`: a GPU tensor as a kernel argument; `fused_cuda`: `fused`'s RMSNorm and SwiGLU on a GPU;
 //! - `testing`: what the ops' and the models' tests share (random tensors, finite differences).
 
 pub mod attention;
@@ -26,6 +26,8 @@ pub mod cuda_args;
 pub mod eager_attention;
 pub mod embedding;
 pub mod fused;
+#[cfg(feature = "cuda")]
+mod fused_cuda;
 pub mod gated_mlp;
 pub mod gemv;
 pub mod half_product;
@@ -34,8 +36,6 @@ pub mod kv_attention;
 pub mod linear;
 pub mod lora_rows;
 pub mod quant;
-#[cfg(feature = "cuda")]
-mod rms_norm_cuda;
 pub mod self_attention;
 #[doc(hidden)]
 pub mod testing;

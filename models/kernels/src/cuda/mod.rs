@@ -26,17 +26,17 @@ pub static ATTENTION_SOFTMAX: RuntimeSource = RuntimeSource::new(
     true,
 );
 
-/// RMSNorm, forward and backward (`ops::rms_norm_cuda` launches it). No contracted
-/// multiply-adds: the sums keep the CPU loop's roundings.
-pub static RMS_NORM: RuntimeSource =
-    RuntimeSource::new("fsdp_app_rms_norm", "models/kernels/src/cuda/rms_norm.cu", after_values!("rms_norm.cu"), false);
+/// The fused training ops, RMSNorm and SwiGLU, forward and backward (`ops::fused_cuda` launches
+/// them). No contracted multiply-adds: the sums keep the CPU loops' roundings.
+pub static FUSED: RuntimeSource =
+    RuntimeSource::new("fsdp_app_fused", "models/kernels/src/cuda/fused.cu", after_values!("fused.cu"), false);
 
 /// AdamW of a chunk, the host loop's IEEE operations (no contracted multiply-adds), so the GPU
 /// and the CPU give the same bits (the trainer's `fsdp::adamw_cuda` launches it).
 pub static ADAMW: RuntimeSource = RuntimeSource::new("fsdp_app_adamw", "models/kernels/src/cuda/adamw.cu", include_str!("adamw.cu"), false);
 
 /// Every source above.
-pub static ALL: [&RuntimeSource; 3] = [&ATTENTION_SOFTMAX, &RMS_NORM, &ADAMW];
+pub static ALL: [&RuntimeSource; 3] = [&ATTENTION_SOFTMAX, &FUSED, &ADAMW];
 
 /// A `.cu` source of ours, compiled on first use.
 pub struct RuntimeSource {

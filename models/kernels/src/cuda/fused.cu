@@ -1,7 +1,7 @@
-// RMSNorm over rows of n values on a GPU, forward and backward, one warp per row. Compiled at
-// run time by NVRTC (models/ops/src/rms_norm_cuda.rs) after values.cuh.
+// The fused training ops of `ops::fused` on a GPU, forward and backward: RMSNorm and SwiGLU.
+// Compiled at run time by NVRTC (models/ops/src/fused_cuda.rs) after values.cuh.
 //
-// As transformers' LlamaRMSNorm (and `ops::fused::rms_norm`'s CPU loop): in f32, r = 1 / sqrt(
+// RMSNorm over rows of n values, one warp per row. As transformers' LlamaRMSNorm (and `ops::fused::rms_norm`'s CPU loop): in f32, r = 1 / sqrt(
 // mean(x^2) + eps), the normalised value x r held in the dtype (rounded to bf16 for bf16
 // tensors) before the weight multiplies it:
 //   forward:  y = w * held(x r)
@@ -65,6 +65,30 @@ __device__ void norm_backward_weight(const float *dw, T *out, Norm p) {
   if (i < p.n) store(out, p.rows * p.n + i, dw[i]);
 }
 
+// SwiGLU, y = silu(a) b with s = sigmoid(a), over n values in a grid-stride loop; silu(a) held in
+// the dtype before b multiplies it, as `silu(gate) * up` of candle's ops rounds it in bf16:
+//   forward:  y = held(a s) b
+//   backward: da = g b s (1 + a (1 - s)), db = g held(a s), written as da's n values, then db's.
+template <typename T>
+__device__ __forceinline__ float sigmoid(const T *a, long long i) {
+  return 1.0f / (1.0f + expf(-load(a, i)));
+}
+
+template <typename T>
+__device__ void swiglu_forward(const T *a, const T *b, T *y, long long n) {
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+    store(y, i, as_held(load(a, i) * sigmoid(a, i), a) * load(b, i));
+}
+
+template <typename T>
+__device__ void swiglu_backward(const T *a, const T *b, const T *g, T *out, long long n) {
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    float av = load(a, i), gv = load(g, i), s = sigmoid(a, i);
+    store(out, i, gv * load(b, i) * s * (1.0f + av * (1.0f - s)));
+    store(out, n + i, gv * as_held(av * s, a));
+  }
+}
+
 #define INSTANTIATE(NAME, T)                                                                                      \
   extern "C" __global__ void rms_norm_forward_##NAME(const T *x, const T *w, T *y, Norm p) {                     \
     norm_forward<T>(x, w, y, p);                                                                                 \
@@ -75,6 +99,12 @@ __device__ void norm_backward_weight(const float *dw, T *out, Norm p) {
   }                                                                                                              \
   extern "C" __global__ void rms_norm_backward_weight_##NAME(const float *dw, T *out, Norm p) {                   \
     norm_backward_weight<T>(dw, out, p);                                                                         \
+  }                                                                                                              \
+  extern "C" __global__ void swiglu_forward_##NAME(const T *a, const T *b, T *y, long long n) {                    \
+    swiglu_forward<T>(a, b, y, n);                                                                               \
+  }                                                                                                              \
+  extern "C" __global__ void swiglu_backward_##NAME(const T *a, const T *b, const T *g, T *out, long long n) {     \
+    swiglu_backward<T>(a, b, g, out, n);                                                                         \
   }
 
 INSTANTIATE(f32, float)

@@ -1,0 +1,241 @@
+//! `ops::fused`'s RMSNorm and SwiGLU on a GPU as kernels of our own (`fused.cu`): RMSNorm's
+//! forward one pass over x, its backward one pass over x and the gradient (dx and the weight's
+//! gradient together); SwiGLU's forward and backward one pass each. Composed from candle's ops
+//! (RMSNorm in f32: casts, a square, a mean, a square root, a reciprocal, two broadcast products;
+//! SwiGLU: silu, then a product; and their backwards) each made several passes over
+//! activation-sized tensors.
+//!
+//! The source is `kernels::cuda::FUSED`, compiled by NVRTC the first time a process needs it.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{CudaStorage, DType, Layout, Result, WithDType};
+use kernels::cuda::FUSED as SOURCE;
+
+/// One warp per row; eight rows a block.
+const WARPS_PER_BLOCK: u32 = 8;
+
+/// The backward's blocks at most: each sums its rows' weight gradient in shared memory, then
+/// adds it into one buffer (fewer blocks, fewer of those adds; enough to fill an H100).
+const BACKWARD_BLOCKS: u64 = 1024;
+
+/// Shared memory a block may use without opting in: the backward's weight gradient per block.
+const SHARED_BYTES: usize = 48 << 10;
+
+/// The longest rows the kernels take (the backward's per-block weight gradient in f32).
+pub(crate) const MAX_ROW: usize = SHARED_BYTES / std::mem::size_of::<f32>();
+
+/// The kernels' `Norm`: rows of n values.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Norm {
+    rows: i64,
+    n: i32,
+    eps: f32,
+}
+
+// SAFETY: plain data laid out as the kernels' C struct.
+unsafe impl DeviceRepr for Norm {}
+
+impl Norm {
+    fn new(xl: &Layout, wl: &Layout, eps: f32) -> Result<Self> {
+        let n = wl.shape().elem_count();
+        if n == 0 || xl.dims().last() != Some(&n) || xl.contiguous_offsets().is_none() || wl.contiguous_offsets().is_none() {
+            candle_core::bail!("rms_norm on the GPU: x {:?} and weight {:?} are not contiguous rows of one length", xl.dims(), wl.dims());
+        }
+        Ok(Self { rows: (xl.shape().elem_count() / n) as i64, n: n as i32, eps })
+    }
+
+    fn blocks(&self) -> u64 {
+        (self.rows as u64).div_ceil(WARPS_PER_BLOCK as u64)
+    }
+}
+
+/// `{op}_{pass}_{dtype}`.
+fn kernel_name(op_pass: &str, dtype: DType) -> Result<String> {
+    match dtype {
+        DType::F32 => Ok(format!("{op_pass}_f32")),
+        DType::BF16 => Ok(format!("{op_pass}_bf16")),
+        other => candle_core::bail!("{op_pass}: no {other:?} kernel"),
+    }
+}
+
+/// The values of a contiguous input from its start.
+fn input<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
+    let start = l.start_offset();
+    Ok(s.as_cuda_slice::<T>()?.slice(start..start + l.shape().elem_count()))
+}
+
+/// `w · held(x r)` for rows of x (.., n) and w (n).
+pub(crate) fn rms_norm_forward(xs: &CudaStorage, xl: &Layout, ws: &CudaStorage, wl: &Layout, eps: f32) -> Result<CudaStorage> {
+    match xs.dtype() {
+        DType::F32 => rms_norm_forward_as::<f32>(xs, xl, ws, wl, eps),
+        DType::BF16 => rms_norm_forward_as::<half::bf16>(xs, xl, ws, wl, eps),
+        other => candle_core::bail!("rms_norm kernels: no {other:?} version"),
+    }
+}
+
+fn rms_norm_forward_as<T: CudaDType + DeviceRepr + WithDType>(
+    xs: &CudaStorage,
+    xl: &Layout,
+    ws: &CudaStorage,
+    wl: &Layout,
+    eps: f32,
+) -> Result<CudaStorage> {
+    let p = Norm::new(xl, wl, eps)?;
+    let dev = xs.device.clone();
+    let (x, w) = (input::<T>(xs, xl)?, input::<T>(ws, wl)?);
+    let y = unsafe { dev.alloc::<T>(xl.shape().elem_count())? };
+    let func = dev.get_or_load_custom_func(&kernel_name("rms_norm_forward", T::DTYPE)?, SOURCE.module, SOURCE.ptx()?)?;
+    let mut args = func.builder();
+    args.arg(&x).arg(&w).arg(&y).arg(&p);
+    let cfg = LaunchConfig { grid_dim: (p.blocks() as u32, 1, 1), block_dim: (32 * WARPS_PER_BLOCK, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the kernel reads rows × n values of x and n of w and writes rows × n of y, all
+    // inside the buffers (Norm::new checked the shapes).
+    unsafe { args.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(y, dev))
+}
+
+/// (rows + 1, n): the rows of dx, then the weight's gradient, for x, w and the gradient g of y.
+pub(crate) fn rms_norm_backward(
+    xs: &CudaStorage,
+    xl: &Layout,
+    ws: &CudaStorage,
+    wl: &Layout,
+    gs: &CudaStorage,
+    gl: &Layout,
+    eps: f32,
+) -> Result<CudaStorage> {
+    match xs.dtype() {
+        DType::F32 => rms_norm_backward_as::<f32>(xs, xl, ws, wl, gs, gl, eps),
+        DType::BF16 => rms_norm_backward_as::<half::bf16>(xs, xl, ws, wl, gs, gl, eps),
+        other => candle_core::bail!("rms_norm kernels: no {other:?} version"),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rms_norm_backward_as<T: CudaDType + DeviceRepr + WithDType>(
+    xs: &CudaStorage,
+    xl: &Layout,
+    ws: &CudaStorage,
+    wl: &Layout,
+    gs: &CudaStorage,
+    gl: &Layout,
+    eps: f32,
+) -> Result<CudaStorage> {
+    let p = Norm::new(xl, wl, eps)?;
+    if gl.dims() != xl.dims() || gl.contiguous_offsets().is_none() {
+        candle_core::bail!("rms_norm backward on the GPU: gradient {:?} for x {:?}", gl.dims(), xl.dims());
+    }
+    if p.n as usize > MAX_ROW {
+        candle_core::bail!("rms_norm backward on the GPU: rows of {} values (at most {MAX_ROW})", p.n);
+    }
+    let shared = p.n as usize * std::mem::size_of::<f32>();
+    let dev = xs.device.clone();
+    let (x, w, g) = (input::<T>(xs, xl)?, input::<T>(ws, wl)?, input::<T>(gs, gl)?);
+    let out = unsafe { dev.alloc::<T>((p.rows as usize + 1) * p.n as usize)? };
+    let dw = dev.alloc_zeros::<f32>(p.n as usize)?;
+    let rows = dev.get_or_load_custom_func(&kernel_name("rms_norm_backward_rows", T::DTYPE)?, SOURCE.module, SOURCE.ptx()?)?;
+    let mut args = rows.builder();
+    args.arg(&x).arg(&w).arg(&g).arg(&out).arg(&dw).arg(&p);
+    let cfg = LaunchConfig {
+        grid_dim: (p.blocks().min(BACKWARD_BLOCKS) as u32, 1, 1),
+        block_dim: (32 * WARPS_PER_BLOCK, 1, 1),
+        shared_mem_bytes: shared as u32,
+    };
+    // SAFETY: reads rows × n values of x and g and n of w; writes the first rows × n values of
+    // out and adds into the n of dw, all allocated above; n floats of shared memory per block.
+    unsafe { args.launch(cfg) }.w()?;
+    let weight = dev.get_or_load_custom_func(&kernel_name("rms_norm_backward_weight", T::DTYPE)?, SOURCE.module, SOURCE.ptx()?)?;
+    let mut args = weight.builder();
+    args.arg(&dw).arg(&out).arg(&p);
+    let cfg = LaunchConfig { grid_dim: ((p.n as u32).div_ceil(256), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: reads the n values of dw, writes out's last row (its values rows × n .. + n).
+    unsafe { args.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
+
+/// Blocks of SwiGLU's grid-stride loops at most (enough to fill an H100).
+const SWIGLU_BLOCKS: u64 = 4096;
+
+fn elementwise_config(n: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: ((n as u64).div_ceil(256).clamp(1, SWIGLU_BLOCKS) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Checks that SwiGLU's inputs are contiguous and of one length: that length.
+fn swiglu_len(layouts: &[&Layout]) -> Result<usize> {
+    let n = layouts[0].shape().elem_count();
+    if layouts.iter().any(|l| l.shape().elem_count() != n || l.contiguous_offsets().is_none()) {
+        candle_core::bail!(
+            "swiglu on the GPU: inputs {:?} are not contiguous and of one length",
+            layouts.iter().map(|l| l.dims()).collect::<Vec<_>>()
+        );
+    }
+    Ok(n)
+}
+
+/// `silu(a) b`.
+pub(crate) fn swiglu_forward(a_s: &CudaStorage, al: &Layout, b_s: &CudaStorage, bl: &Layout) -> Result<CudaStorage> {
+    match a_s.dtype() {
+        DType::F32 => swiglu_forward_as::<f32>(a_s, al, b_s, bl),
+        DType::BF16 => swiglu_forward_as::<half::bf16>(a_s, al, b_s, bl),
+        other => candle_core::bail!("swiglu kernels: no {other:?} version"),
+    }
+}
+
+fn swiglu_forward_as<T: CudaDType + DeviceRepr + WithDType>(
+    a_s: &CudaStorage,
+    al: &Layout,
+    b_s: &CudaStorage,
+    bl: &Layout,
+) -> Result<CudaStorage> {
+    let n = swiglu_len(&[al, bl])?;
+    let dev = a_s.device.clone();
+    let (a, b) = (input::<T>(a_s, al)?, input::<T>(b_s, bl)?);
+    let y = unsafe { dev.alloc::<T>(n)? };
+    let func = dev.get_or_load_custom_func(&kernel_name("swiglu_forward", T::DTYPE)?, SOURCE.module, SOURCE.ptx()?)?;
+    let mut args = func.builder();
+    let len = n as i64;
+    args.arg(&a).arg(&b).arg(&y).arg(&len);
+    // SAFETY: reads n values of a and b, writes n of y (swiglu_len checked the lengths).
+    unsafe { args.launch(elementwise_config(n)) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(y, dev))
+}
+
+/// (2n): da, then db, for a, b and the gradient g of `silu(a) b`.
+pub(crate) fn swiglu_backward(
+    a_s: &CudaStorage,
+    al: &Layout,
+    b_s: &CudaStorage,
+    bl: &Layout,
+    g_s: &CudaStorage,
+    gl: &Layout,
+) -> Result<CudaStorage> {
+    match a_s.dtype() {
+        DType::F32 => swiglu_backward_as::<f32>(a_s, al, b_s, bl, g_s, gl),
+        DType::BF16 => swiglu_backward_as::<half::bf16>(a_s, al, b_s, bl, g_s, gl),
+        other => candle_core::bail!("swiglu kernels: no {other:?} version"),
+    }
+}
+
+fn swiglu_backward_as<T: CudaDType + DeviceRepr + WithDType>(
+    a_s: &CudaStorage,
+    al: &Layout,
+    b_s: &CudaStorage,
+    bl: &Layout,
+    g_s: &CudaStorage,
+    gl: &Layout,
+) -> Result<CudaStorage> {
+    let n = swiglu_len(&[al, bl, gl])?;
+    let dev = a_s.device.clone();
+    let (a, b, g) = (input::<T>(a_s, al)?, input::<T>(b_s, bl)?, input::<T>(g_s, gl)?);
+    let out = unsafe { dev.alloc::<T>(2 * n)? };
+    let func = dev.get_or_load_custom_func(&kernel_name("swiglu_backward", T::DTYPE)?, SOURCE.module, SOURCE.ptx()?)?;
+    let mut args = func.builder();
+    let len = n as i64;
+    args.arg(&a).arg(&b).arg(&g).arg(&out).arg(&len);
+    // SAFETY: reads n values of a, b and g, writes the 2n of out (lengths checked above).
+    unsafe { args.launch(elementwise_config(n)) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
