@@ -46,6 +46,19 @@ fn values(t: &Tensor) -> Vec<f32> {
     t.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap()
 }
 
+/// Each of `names`' values that `run` makes on the GPU in f32 (within 1e-5 relative) and bf16
+/// (within 2e-2) against what it makes on the CPU in f32.
+fn gpu_matches_cpu<const N: usize>(what: &str, names: [&str; N], run: impl Fn(&Device, DType) -> [Vec<f32>; N]) {
+    let expected = run(&Device::Cpu, DType::F32);
+    for (dtype, tolerance) in [(DType::F32, 1e-5), (DType::BF16, 2e-2)] {
+        for (name, (g, e)) in names.iter().zip(run(&gpu(), dtype).iter().zip(&expected)) {
+            let diff = rel_norm_diff(g, e);
+            eprintln!("{what} {dtype:?}: {name} relative difference {diff:.2e}");
+            assert!(diff < tolerance, "{what} {dtype:?}: {name} differs from the CPU op by {diff}");
+        }
+    }
+}
+
 #[test]
 fn logits_on_cuda_match_cpu() {
     let tmp = tempfile::tempdir().unwrap();
@@ -165,7 +178,6 @@ fn linear_op_on_cuda_matches_cpu() {
 #[test]
 fn rms_norm_kernels_match_cpu() {
     use candle_core::Var;
-    let dev = gpu();
     let x = Tensor::randn(0f32, 1.0, (3, 37, 200), &Device::Cpu).unwrap();
     let w = (Tensor::randn(0f32, 0.2, 200, &Device::Cpu).unwrap() + 1.0).unwrap();
     let probe = Tensor::randn(0f32, 1.0, (3, 37, 200), &Device::Cpu).unwrap();
@@ -177,14 +189,7 @@ fn rms_norm_kernels_match_cpu() {
         let grads = (y.to_dtype(DType::F32).unwrap() * probe.to_device(device).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
         [values(&y), values(grads.get(xv.as_tensor()).unwrap()), values(grads.get(wv.as_tensor()).unwrap())]
     };
-    let expected = run(&Device::Cpu, DType::F32);
-    for (dtype, tolerance) in [(DType::F32, 1e-5), (DType::BF16, 2e-2)] {
-        for (name, (g, e)) in ["y", "dx", "dw"].iter().zip(run(&dev, dtype).iter().zip(&expected)) {
-            let diff = rel_norm_diff(g, e);
-            eprintln!("rms_norm {dtype:?}: {name} relative difference {diff:.2e}");
-            assert!(diff < tolerance, "rms_norm {dtype:?}: {name} differs from the CPU op by {diff}");
-        }
-    }
+    gpu_matches_cpu("rms_norm", ["y", "dx", "dw"], run);
 }
 
 /// SwiGLU's kernels (`models/kernels/src/cuda/fused.cu`): y, da and db against the CPU op in f32,
@@ -192,7 +197,6 @@ fn rms_norm_kernels_match_cpu() {
 #[test]
 fn swiglu_kernels_match_cpu() {
     use candle_core::Var;
-    let dev = gpu();
     let inputs = [3.0, 1.0].map(|scale| Tensor::randn(0f32, scale, (3, 37, 129), &Device::Cpu).unwrap());
     let probe = Tensor::randn(0f32, 1.0, (3, 37, 129), &Device::Cpu).unwrap();
     let run = |device: &Device, dtype: DType| {
@@ -202,14 +206,7 @@ fn swiglu_kernels_match_cpu() {
         let grads = (y.to_dtype(DType::F32).unwrap() * probe.to_device(device).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
         [values(&y), values(grads.get(a.as_tensor()).unwrap()), values(grads.get(b.as_tensor()).unwrap())]
     };
-    let expected = run(&Device::Cpu, DType::F32);
-    for (dtype, tolerance) in [(DType::F32, 1e-5), (DType::BF16, 2e-2)] {
-        for (name, (g, e)) in ["y", "da", "db"].iter().zip(run(&dev, dtype).iter().zip(&expected)) {
-            let diff = rel_norm_diff(g, e);
-            eprintln!("swiglu {dtype:?}: {name} relative difference {diff:.2e}");
-            assert!(diff < tolerance, "swiglu {dtype:?}: {name} differs from the CPU op by {diff}");
-        }
-    }
+    gpu_matches_cpu("swiglu", ["y", "da", "db"], run);
 }
 
 /// The AdamW kernel (`models/kernels/src/cuda/adamw.cu`) against the host loop (`optim::adamw_step`) over three

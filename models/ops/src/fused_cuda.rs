@@ -52,6 +52,17 @@ impl Norm {
     }
 }
 
+/// `$f::<T>(args)` for the dtype's T (f32 or bf16), or an error naming `$op`.
+macro_rules! by_dtype {
+    ($dtype:expr, $op:literal, $f:ident($($arg:expr),*)) => {
+        match $dtype {
+            DType::F32 => $f::<f32>($($arg),*),
+            DType::BF16 => $f::<half::bf16>($($arg),*),
+            other => candle_core::bail!("{} kernels: no {other:?} version", $op),
+        }
+    };
+}
+
 /// `{op}_{pass}_{dtype}`.
 fn kernel_name(op_pass: &str, dtype: DType) -> Result<String> {
     match dtype {
@@ -69,11 +80,7 @@ fn input<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> Result<candle_core
 
 /// `w · held(x r)` for rows of x (.., n) and w (n).
 pub(crate) fn rms_norm_forward(xs: &CudaStorage, xl: &Layout, ws: &CudaStorage, wl: &Layout, eps: f32) -> Result<CudaStorage> {
-    match xs.dtype() {
-        DType::F32 => rms_norm_forward_as::<f32>(xs, xl, ws, wl, eps),
-        DType::BF16 => rms_norm_forward_as::<half::bf16>(xs, xl, ws, wl, eps),
-        other => candle_core::bail!("rms_norm kernels: no {other:?} version"),
-    }
+    by_dtype!(xs.dtype(), "rms_norm", rms_norm_forward_as(xs, xl, ws, wl, eps))
 }
 
 fn rms_norm_forward_as<T: CudaDType + DeviceRepr + WithDType>(
@@ -107,11 +114,7 @@ pub(crate) fn rms_norm_backward(
     gl: &Layout,
     eps: f32,
 ) -> Result<CudaStorage> {
-    match xs.dtype() {
-        DType::F32 => rms_norm_backward_as::<f32>(xs, xl, ws, wl, gs, gl, eps),
-        DType::BF16 => rms_norm_backward_as::<half::bf16>(xs, xl, ws, wl, gs, gl, eps),
-        other => candle_core::bail!("rms_norm kernels: no {other:?} version"),
-    }
+    by_dtype!(xs.dtype(), "rms_norm", rms_norm_backward_as(xs, xl, ws, wl, gs, gl, eps))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -177,11 +180,7 @@ fn swiglu_len(layouts: &[&Layout]) -> Result<usize> {
 
 /// `silu(a) b`.
 pub(crate) fn swiglu_forward(a_s: &CudaStorage, al: &Layout, b_s: &CudaStorage, bl: &Layout) -> Result<CudaStorage> {
-    match a_s.dtype() {
-        DType::F32 => swiglu_forward_as::<f32>(a_s, al, b_s, bl),
-        DType::BF16 => swiglu_forward_as::<half::bf16>(a_s, al, b_s, bl),
-        other => candle_core::bail!("swiglu kernels: no {other:?} version"),
-    }
+    by_dtype!(a_s.dtype(), "swiglu", swiglu_forward_as(a_s, al, b_s, bl))
 }
 
 fn swiglu_forward_as<T: CudaDType + DeviceRepr + WithDType>(
@@ -212,11 +211,7 @@ pub(crate) fn swiglu_backward(
     g_s: &CudaStorage,
     gl: &Layout,
 ) -> Result<CudaStorage> {
-    match a_s.dtype() {
-        DType::F32 => swiglu_backward_as::<f32>(a_s, al, b_s, bl, g_s, gl),
-        DType::BF16 => swiglu_backward_as::<half::bf16>(a_s, al, b_s, bl, g_s, gl),
-        other => candle_core::bail!("swiglu kernels: no {other:?} version"),
-    }
+    by_dtype!(a_s.dtype(), "swiglu", swiglu_backward_as(a_s, al, b_s, bl, g_s, gl))
 }
 
 fn swiglu_backward_as<T: CudaDType + DeviceRepr + WithDType>(

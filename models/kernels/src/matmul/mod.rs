@@ -64,6 +64,13 @@ fn packed_tile_for(level: SimdLevel, lhs_rows: usize) -> Option<Tile> {
     tile_of(Kernels::get().matmul_for(level, lhs_rows), level)
 }
 
+/// The tile an `m × n × k` product into a row-major dst runs on at `level`: None where it goes
+/// to gemm (the table gives products of this many rows to gemm, or packing would not pay).
+#[cfg(target_arch = "x86_64")]
+fn packed_tile_of_product(level: SimdLevel, m: usize, n: usize, k: usize) -> Option<Tile> {
+    packed::worth_it(m, n, k).then(|| packed_tile_for(level, m)).flatten()
+}
+
 /// The packed driver's tile at `level` when the kernel table's `choice` is the packed driver.
 #[cfg(target_arch = "x86_64")]
 fn tile_of(choice: MatmulKernels, level: SimdLevel) -> Option<Tile> {
@@ -110,7 +117,7 @@ pub(crate) fn writes_weight_columns_first(m: usize, n: usize, k: usize) -> bool 
 /// our packed driver, which packs both operands its own way).
 fn runs_on_gemm(m: usize, n: usize, k: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if packed::worth_it(m, n, k) && packed_tile_for(SimdLevel::current(), m).is_some() {
+    if packed_tile_of_product(SimdLevel::current(), m, n, k).is_some() {
         return false;
     }
     let _ = (m, n, k);
@@ -196,14 +203,14 @@ unsafe fn sgemm_at(
     debug_assert!([dst.1, dst.2, lhs.1, lhs.2, rhs.1, rhs.2].iter().all(|s| *s >= 0));
     #[cfg(target_arch = "x86_64")]
     if alpha == 0.0 || alpha == 1.0 {
-        if dst.1 == 1 && packed::worth_it(m, n, k) {
-            if let Some(tile) = packed_tile_for(level, m) {
+        if dst.1 == 1 {
+            if let Some(tile) = packed_tile_of_product(level, m, n, k) {
                 return packed::sgemm(tile, m, n, k, dst.0, dst.2 as usize, lhs, rhs, alpha != 0.0, beta, None);
             }
         }
         // A column-major dst is the row-major dstᵀ = rhsᵀ · lhsᵀ.
-        if dst.2 == 1 && packed::worth_it(n, m, k) {
-            if let Some(tile) = packed_tile_for(level, n) {
+        if dst.2 == 1 {
+            if let Some(tile) = packed_tile_of_product(level, n, m, k) {
                 let (lhs_t, rhs_t) = ((rhs.0, rhs.2, rhs.1), (lhs.0, lhs.2, lhs.1));
                 return packed::sgemm(tile, n, m, k, dst.0, dst.1 as usize, lhs_t, rhs_t, alpha != 0.0, beta, None);
             }

@@ -163,12 +163,16 @@ unsafe fn gemm_columns_of_wt(
     w: &[f32],
 ) {
     let block = (WT_BLOCK_VALUES / k).max(64);
-    // Blocks of `block` columns, the last one taking a remainder narrower than 16 with it.
-    let starts: Vec<usize> = columns.clone().step_by(block).filter(|&from| from == columns.start || columns.end - from >= 16).collect();
     WT_BLOCK.with(|buf| {
         let mut buf = buf.borrow_mut();
-        for (b, &from) in starts.iter().enumerate() {
-            let rows = from..starts.get(b + 1).copied().unwrap_or(columns.end);
+        let mut from = columns.start;
+        while from < columns.end {
+            // Blocks of `block` columns, the last one taking a remainder narrower than 16 with it.
+            let to = match (from + block).min(columns.end) {
+                to if columns.end - to < 16 => columns.end,
+                to => to,
+            };
+            let rows = from..to;
             let (width, stride) = (rows.len(), rows.len() + WT_BLOCK_PAD);
             if buf.len() < k * stride {
                 buf.resize(k * stride, 0.0);
@@ -177,6 +181,7 @@ unsafe fn gemm_columns_of_wt(
             // SAFETY: these columns of dst are this thread's (the caller's contract); buf holds
             // the block, k rows `stride` apart.
             unsafe { gemm_piece(m, width, k, out.at(from), n, accumulate, lhs, (&buf[..], 1, stride as isize), None) }
+            from = to;
         }
     })
 }
