@@ -130,6 +130,57 @@ fn attention_softmax_kernels_match_composed_ops() {
     }
 }
 
+/// Flash attention (`models/kernels/src/cuda/flash_attention.cu`, tensor cores): values and q, k,
+/// v gradients against eager attention on the CPU in f32 over k and v repeated to every query
+/// head, bf16 and f16, head dims 64 and 128, causal over a cache offset, a window, GQA, no mask,
+/// lengths that are no multiple of the kernels' 64-row tiles. `tests/cuda_emulated.rs` runs the
+/// same kernels on the CPU.
+#[test]
+fn flash_attention_matches_cpu_attention() {
+    use candle_core::Var;
+    use ops::flash_attention::{attention, Visibility};
+    let dev = gpu();
+    // (head dim, batch, heads, kv heads, T, S, causal, window)
+    let cases = [
+        (64, 2, 4, 2, 100, 100, true, None),
+        (128, 1, 4, 1, 96, 200, true, Some(50)),
+        (64, 1, 2, 2, 37, 150, true, None),
+        (128, 1, 2, 2, 80, 90, false, None),
+        (64, 1, 32, 4, 1024, 1024, true, None),
+    ];
+    for (d, b, h, hkv, t, s, causal, window) in cases {
+        let visibility = Visibility { causal, offset: s - t, window };
+        let scale = 1.0 / (d as f64).sqrt();
+        for (dtype, tolerance) in [(DType::BF16, 1e-2), (DType::F16, 2e-3)] {
+            let what = format!("{dtype:?} d {d}, heads {h}/{hkv}, T {t}, S {s}, {visibility:?}");
+            let inputs = [(b, h, t, d), (b, hkv, s, d), (b, hkv, s, d)]
+                .map(|shape| Tensor::randn(0f32, 1.0, shape, &Device::Cpu).unwrap().to_dtype(dtype).unwrap());
+            let probe = Tensor::randn(0f32, 1.0, (b, h, t, d), &Device::Cpu).unwrap();
+            let run = |device: &Device, dtype: DType, f: &dyn Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>| {
+                let vars: Vec<Var> =
+                    inputs.iter().map(|x| Var::from_tensor(&x.to_dtype(dtype).unwrap().to_device(device).unwrap()).unwrap()).collect();
+                let out = f(vars[0].as_tensor(), vars[1].as_tensor(), vars[2].as_tensor()).unwrap();
+                let probe = probe.to_device(device).unwrap();
+                let grads = (out.to_dtype(DType::F32).unwrap() * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+                let mut all = vec![values(&out)];
+                all.extend(vars.iter().map(|v| values(grads.get(v.as_tensor()).unwrap())));
+                all
+            };
+            let repeat = |x: &Tensor| x.unsqueeze(2)?.broadcast_as((b, hkv, h / hkv, s, d))?.reshape((b, h, s, d));
+            let mask = if causal { models::masks::causal_mask(t, s - t, window, DType::F32, &Device::Cpu).unwrap() } else { None };
+            let expected = run(&Device::Cpu, DType::F32, &|q, k, v| {
+                ops::eager_attention::attention(q, &repeat(k)?, &repeat(v)?, mask.as_ref(), scale)
+            });
+            let got = run(&dev, dtype, &|q, k, v| attention(q, k, v, visibility, scale));
+            for (name, (g, e)) in ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&expected)) {
+                let diff = rel_norm_diff(g, e);
+                eprintln!("{what}: {name} relative difference {diff:.2e}");
+                assert!(diff < tolerance, "{what}: {name} differs from the CPU's attention by {diff}");
+            }
+        }
+    }
+}
+
 /// The training linear op on the GPU (`ops::linear`: cuBLAS reading wᵀ in place, dW one product
 /// of gyᵀ and x): y, dx and dW against the CPU op in f32, for 3-d inputs and the heads form, dW
 /// through candle's store and through a sink; bf16 within its rounding.

@@ -3,8 +3,8 @@
 machine without a GPU: the check behind tests/cuda_sources.rs, so that a kernel that does not
 compile fails CI before a GPU machine is ever lent.
 
-stdin: a JSON list of {"path", "source", "fmad"}; argv[1]: the virtual architecture
-(compute_90). stdout: a JSON list of {"path", "ok", "log", "target", "entries"}, one per source.
+stdin: a JSON list of {"path", "source", "fmad", "arch"}; argv[1]: the virtual architecture
+(compute_90) for sources whose "arch" is null. stdout: a JSON list of {"path", "ok", "log", "target", "entries"}, one per source.
 The options are the run time's (`kernels::cuda::RuntimeSource::ptx`: only `--fmad`) plus the
 architecture.
 """
@@ -60,7 +60,7 @@ def main():
     arch = sys.argv[1]
     nvrtc = nvrtc_library()
     sources = json.load(sys.stdin)
-    print(json.dumps([compile_one(nvrtc, arch, s["path"], s["source"], s["fmad"]) for s in sources]))
+    print(json.dumps([compile_one(nvrtc, s["arch"] or arch, s["path"], s["source"], s["fmad"]) for s in sources]))
 
 
 if __name__ == "__main__":

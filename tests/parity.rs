@@ -182,7 +182,8 @@ fn decoder_layers_built_alone_reassemble_the_model() {
         let mut h = candle_nn::Embedding::new(embed.clone(), cfg.hidden_size).forward(&input).unwrap();
         let (cos, sin) = Rotary::new(cfg).tables(0, ids.len(), DType::F32, &Device::Cpu).unwrap();
         let mask = causal_mask(ids.len(), 0, cfg.sliding_window, DType::F32, &Device::Cpu).unwrap();
-        let pos = PositionInputs { cos, sin, mask, mode: OpMode::Train, row_seeds: None, adapters: Default::default() };
+        let visibility = Some(ops::flash_attention::Visibility::causal(0, cfg.sliding_window));
+        let pos = PositionInputs { cos, sin, mask, visibility, mode: OpMode::Train, row_seeds: None, adapters: Default::default() };
         for i in 0..cfg.num_hidden_layers {
             let prefix = format!("model.layers.{i}.");
             let own: std::collections::HashMap<String, Tensor> =

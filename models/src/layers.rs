@@ -14,6 +14,7 @@ use crate::masks::causal_mask;
 pub use crate::mode::OpMode;
 use crate::multi_lora::RowAdapters;
 use crate::quantized::{LinearWeight, QuantizedWeights};
+use ops::flash_attention::Visibility;
 use ops::weight_grads::WeightGrads;
 
 /// RMSNorm computed in f32 like transformers' `LlamaRMSNorm`, cast back, then scaled.
@@ -131,6 +132,9 @@ pub struct PositionInputs {
     /// attention is not allowed; None when every key is visible (single-token decode without a
     /// sliding window).
     pub mask: Option<Tensor>,
+    /// What `mask` says as a rule (causal, offset, window), for attention that masks as it goes
+    /// (`ops::flash_attention`); None for masks no rule says (packed rows).
+    pub visibility: Option<Visibility>,
     pub mode: OpMode,
     /// One LoRA-dropout seed per batch row while training; None disables dropout.
     pub row_seeds: Option<Vec<u64>>,
@@ -292,7 +296,7 @@ impl Attention {
     fn attend_heads(&self, x: &Tensor, pos: &PositionInputs, cache: Option<&mut LayerKvCache>) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (q, k, v) = self.heads_qkv(x, pos)?;
-        let mut mask = pos.mask.clone();
+        let (mut mask, mut visibility) = (pos.mask.clone(), pos.visibility);
         let (k, v) = match cache {
             Some(cache) => {
                 cache.append(&k, &v)?;
@@ -302,10 +306,18 @@ impl Attention {
                 // Other devices and dtypes: the whole cache as tensors, masked here (the
                 // in-place kernels need no mask, so the model builds none for a cached pass).
                 mask = causal_mask(t, cache.seq_len() - t, self.window, q.dtype(), q.device())?;
+                visibility = Some(Visibility::causal(cache.seq_len() - t, self.window));
                 cache.all()?
             }
             None => (k, v),
         };
+        let s = k.dim(2)?;
+        let flash = visibility.filter(|vis| (!vis.causal || vis.offset + t == s) && ops::flash_attention::applies(&q, self.num_kv_heads));
+        if let Some(visibility) = flash {
+            // k and v as they are: the kernels read each kv head for its group of query heads.
+            let out = ops::flash_attention::attention(&q, &k, &v, visibility, self.scale())?;
+            return out.transpose(1, 2)?.reshape((b, t, self.num_heads * self.head_dim));
+        }
         let n_rep = self.num_heads / self.num_kv_heads;
         let (k, v) = (repeat_kv(k, n_rep)?, repeat_kv(v, n_rep)?);
         // One op in a training graph, with its own backward (see ops::eager_attention).

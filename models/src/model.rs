@@ -10,6 +10,7 @@ use crate::layers::{DecoderLayer, OpMode, PositionInputs, RmsNorm, Rotary};
 use crate::masks::causal_mask;
 use crate::multi_lora::RowAdapters;
 use crate::quantized::{QuantizedMatrix, QuantizedWeights};
+use ops::flash_attention::Visibility;
 
 /// The network's stages built once from a checkpoint and chained here: every position at once
 /// ([`Self::forward`]), or after a KV cache for generation. The stages are the ones a trainer
@@ -76,7 +77,8 @@ impl CausalLm {
         let dev = self.device();
         let (cos, sin) = self.rotary.tables(offset, q_len, self.dtype(), dev)?;
         let mask = causal_mask(q_len, offset, self.cfg.sliding_window, self.dtype(), dev)?;
-        Ok(PositionInputs { cos, sin, mask, mode, row_seeds: None, adapters: RowAdapters::default() })
+        let visibility = Some(Visibility::causal(offset, self.cfg.sliding_window));
+        Ok(PositionInputs { cos, sin, mask, visibility, mode, row_seeds: None, adapters: RowAdapters::default() })
     }
 
     /// Logits at every position, (batch, seq, vocab), no cache: the stages as training runs them
@@ -128,7 +130,8 @@ impl CausalLm {
         cache.reserve(t, self.dtype(), self.device())?;
         let (cos, sin) = self.rotary.tables(offset, t, self.dtype(), self.device())?;
         // No mask: each layer's cache masks its own attention (see `Attention::forward`).
-        let pos = PositionInputs { cos, sin, mask: None, mode: OpMode::Generate, row_seeds: None, adapters: adapters.clone() };
+        let pos =
+            PositionInputs { cos, sin, mask: None, visibility: None, mode: OpMode::Generate, row_seeds: None, adapters: adapters.clone() };
         let mut h = self.embed_tokens.forward(input_ids, OpMode::Generate, None)?;
         for (layer, layer_cache) in self.layers.iter().zip(cache.layers.iter_mut()) {
             h = layer.forward(&h, &pos, Some(layer_cache))?;
@@ -153,7 +156,8 @@ impl CausalLm {
         }
         let pos_u32: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
         let (cos, sin) = self.rotary.tables_for(&pos_u32, rows, 1, self.dtype(), dev)?;
-        let pos = PositionInputs { cos, sin, mask: None, mode: OpMode::Generate, row_seeds: None, adapters: adapters.clone() };
+        let pos =
+            PositionInputs { cos, sin, mask: None, visibility: None, mode: OpMode::Generate, row_seeds: None, adapters: adapters.clone() };
         let input = Tensor::new(tokens, dev)?.unsqueeze(1)?;
         let mut h = self.embed_tokens.forward(&input, OpMode::Generate, None)?;
         for (i, layer) in self.layers.iter().enumerate() {

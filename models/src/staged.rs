@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use candle_core::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
 
+use ops::flash_attention::Visibility;
 use ops::weight_grads::{WeightGradTarget, WeightGrads};
 
 use crate::config::ModelConfig;
@@ -208,14 +209,25 @@ impl StagedModel for LlamaStages {
         layer.send_weight_grads_to(ctx.weight_grads.clone());
         let (b, t, _h) = input.dims3()?;
         let dtype = if input.dtype() == DType::U32 { like.dtype() } else { input.dtype() };
-        let (cos, sin, mask) = match &ctx.packing {
-            None => self.unpacked_positions(t, dtype, input.device())?,
+        let (cos, sin, mask, visibility) = match &ctx.packing {
+            None => {
+                let (cos, sin, mask) = self.unpacked_positions(t, dtype, input.device())?;
+                (cos, sin, mask, Some(Visibility::causal(0, self.cfg.sliding_window)))
+            }
             Some(p) => {
                 let (cos, sin) = self.rotary.tables_for(&p.positions, b, t, dtype, input.device())?;
-                (cos, sin, Some(packed_mask(&p.segments, b, t, self.cfg.sliding_window, dtype, input.device())?))
+                (cos, sin, Some(packed_mask(&p.segments, b, t, self.cfg.sliding_window, dtype, input.device())?), None)
             }
         };
-        let pos = PositionInputs { cos, sin, mask, mode: OpMode::Train, row_seeds: ctx.row_seeds.clone(), adapters: Default::default() };
+        let pos = PositionInputs {
+            cos,
+            sin,
+            mask,
+            visibility,
+            mode: OpMode::Train,
+            row_seeds: ctx.row_seeds.clone(),
+            adapters: Default::default(),
+        };
         layer.forward(input, &pos, None)
     }
 }

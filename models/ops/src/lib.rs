@@ -15,6 +15,8 @@
 //!   `lora_rows` (the serving adapters' updates of a batch, each on its rows);
 //! - `eager_attention`: attention composed of candle's ops for every device, one graph node with
 //!   its own backward, whose softmax on a GPU is `attention_softmax_cuda`'s two kernels;
+//!   `flash_attention`: attention on a GPU's tensor cores for the masks a model describes (`visibility`: causal,
+//!   a window), no scores in memory, forward and backward (`flash_attention_cuda`'s kernels);
 //!   `cuda_args`: a GPU tensor as a kernel argument; `fused_cuda`: `fused`'s RMSNorm and SwiGLU on a GPU;
 //! - `testing`: what the ops' and the models' tests share (random tensors, finite differences).
 
@@ -25,6 +27,9 @@ mod attention_softmax_cuda;
 pub mod cuda_args;
 pub mod eager_attention;
 pub mod embedding;
+pub mod flash_attention;
+#[cfg(feature = "cuda")]
+mod flash_attention_cuda;
 pub mod fused;
 #[cfg(feature = "cuda")]
 mod fused_cuda;
@@ -39,6 +44,7 @@ pub mod quant;
 pub mod self_attention;
 #[doc(hidden)]
 pub mod testing;
+pub mod visibility;
 pub mod weight_grads;
 
 use candle_core::{CpuStorage, DType, Layout, Result, Tensor};

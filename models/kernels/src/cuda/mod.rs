@@ -35,8 +35,22 @@ pub static FUSED: RuntimeSource =
 /// and the CPU give the same bits (the trainer's `fsdp::adamw_cuda` launches it).
 pub static ADAMW: RuntimeSource = RuntimeSource::new("fsdp_app_adamw", "models/kernels/src/cuda/adamw.cu", include_str!("adamw.cu"), false);
 
+/// Flash attention on the tensor cores, forward and backward (`ops::flash_attention_cuda`
+/// launches it): `mma` on half precision needs sm_80 or later.
+pub static FLASH_ATTENTION: RuntimeSource = RuntimeSource::for_arch(
+    "fsdp_app_flash_attention",
+    "models/kernels/src/cuda/flash_attention.cu",
+    after_values!("flash_attention.cu"),
+    true,
+    TENSOR_CORE_ARCH,
+);
+
+/// The oldest GPUs whose tensor cores run `mma.m16n8k16` on bf16 (Ampere); the driver compiles
+/// the PTX on for the GPU at hand.
+pub const TENSOR_CORE_ARCH: &str = "compute_80";
+
 /// Every source above.
-pub static ALL: [&RuntimeSource; 3] = [&ATTENTION_SOFTMAX, &FUSED, &ADAMW];
+pub static ALL: [&RuntimeSource; 4] = [&ATTENTION_SOFTMAX, &FUSED, &ADAMW, &FLASH_ATTENTION];
 
 /// A `.cu` source of ours, compiled on first use.
 pub struct RuntimeSource {
@@ -47,13 +61,20 @@ pub struct RuntimeSource {
     source: &'static str,
     /// Whether NVRTC may contract a multiply and an add into one rounding.
     fmad: bool,
+    /// The virtual architecture it needs (NVRTC's `--gpu-architecture`), if not NVRTC's default.
+    arch: Option<&'static str>,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     ptx: OnceLock<std::result::Result<String, String>>,
 }
 
 impl RuntimeSource {
     pub const fn new(module: &'static str, path: &'static str, source: &'static str, fmad: bool) -> Self {
-        Self { module, path, source, fmad, ptx: OnceLock::new() }
+        Self { module, path, source, fmad, arch: None, ptx: OnceLock::new() }
+    }
+
+    /// A source compiled for `arch` (a `compute_XY` NVRTC takes) instead of NVRTC's default.
+    pub const fn for_arch(module: &'static str, path: &'static str, source: &'static str, fmad: bool, arch: &'static str) -> Self {
+        Self { module, path, source, fmad, arch: Some(arch), ptx: OnceLock::new() }
     }
 
     /// The source's path in the repository.
@@ -71,12 +92,17 @@ impl RuntimeSource {
         self.fmad
     }
 
+    /// The virtual architecture it is compiled for, if not NVRTC's default.
+    pub fn arch(&self) -> Option<&'static str> {
+        self.arch
+    }
+
     /// The PTX, compiled once per process.
     #[cfg(feature = "cuda")]
     pub fn ptx(&self) -> Result<&str> {
         self.ptx
             .get_or_init(|| {
-                let opts = CompileOptions { fmad: Some(self.fmad), ..Default::default() };
+                let opts = CompileOptions { fmad: Some(self.fmad), arch: self.arch, ..Default::default() };
                 compile_ptx_with_opts(self.source, opts).map(|p| p.to_src()).map_err(|e| format!("{e:?}"))
             })
             .as_deref()

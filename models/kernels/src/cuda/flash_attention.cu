@@ -1,0 +1,412 @@
+// Flash attention, forward and backward, on the tensor cores (FlashAttention-2's algorithm): the
+// scores live in registers a tile at a time and never reach memory. Compiled at run time by NVRTC
+// after values.cuh (models/ops/src/flash_attention_cuda.rs launches it); a CPU test compiles it as
+// C++ with tests/cuda_emulation/emulate.h, which runs each GPU thread as a thread.
+//
+// Layouts (contiguous, half precision as bits): q, out, dout, dq (batch, heads, T, D); k, v, dk, dv
+// (batch, kv_heads, S, D), query head h reading kv head h / (heads / kv_heads) (GQA without
+// repeating k and v); lse and delta (batch, heads, T) in f32.
+//
+// A block is four warps; a warp owns 16 rows of the outer matrix (queries for the forward and dq,
+// keys for dk and dv), its A operand in registers, and walks tiles of the inner one, which the
+// block stages in shared memory. Products are mma.m16n8k16 (f32 accumulators); the C fragment
+// of one product is the A fragment of the next (the probabilities rounded to half first), so
+// nothing is transposed through memory. The backward is two kernels, dq by query rows and dk, dv
+// by key rows, each recomputing the probabilities from lse: no atomics, the same bits every run.
+//   forward: s = q kᵀ, m and l the running max and sum, o += p v;  lse = m + ln l
+//   dq:      p = exp(s scale - lse), dp = dout vᵀ, ds = p (dp - delta), dq = ds k scale
+//   dk, dv:  pᵀ, dpᵀ = v doutᵀ, dv = pᵀ dout, dk = dsᵀ q scale (summed over the group's heads)
+// where delta = rowsum(dout * out). A query sees key j when j <= its position (i + offset) if
+// causal, and position - j < window if window > 0 (masks.rs's causal_mask).
+
+#define WARPS 4
+#define ROWS 64          // outer rows of a block: WARPS x 16
+#define PAD 8            // halves after each staged row: rows 2 x (D + 8) bytes apart hit distinct banks
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
+typedef unsigned short half_bits;
+
+struct Shape {
+  int t_len, s_len, heads, kv_heads;
+  int offset;  // position of query 0 among the keys
+  int causal;  // keys after a query's position are hidden
+  int window;  // > 0: keys at or before position - window are hidden
+  float scale; // on the scores
+};
+
+__device__ __forceinline__ bool visible(int i, int j, const Shape &s) {
+  if (i >= s.t_len || j >= s.s_len) return false;
+  int pos = i + s.offset;
+  if (s.causal && j > pos) return false;
+  if (s.window > 0 && pos - j >= s.window) return false;
+  return true;
+}
+
+// The half formats: the tensor-core product and the rounding of two f32 into one 32-bit pair
+// (round to nearest even; the lower index in the low half).
+struct Bf16 {
+  static __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+#ifdef FSDP_CUDA_EMULATION
+    emulation::mma<true>(c, a, b0, b1);
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+  }
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+#ifdef FSDP_CUDA_EMULATION
+    return emulation::pack<true>(lo, hi);
+#else
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#endif
+  }
+};
+
+struct F16 {
+  static __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+#ifdef FSDP_CUDA_EMULATION
+    emulation::mma<false>(c, a, b0, b1);
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+  }
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+#ifdef FSDP_CUDA_EMULATION
+    return emulation::pack<false>(lo, hi);
+#else
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#endif
+  }
+};
+
+// Halves (col, col + 1) of row `row` of a (rows x D) matrix as one word; 0 past `rows`.
+template <int D>
+__device__ __forceinline__ unsigned pair_at(const half_bits *m, int rows, int row, int col) {
+  return row < rows ? *reinterpret_cast<const unsigned *>(m + (long long)row * D + col) : 0u;
+}
+
+// A fragments (16 x D) of rows 0..15 of `m` (rows past `rows` read as 0). Lane (g, t) = (lane / 4,
+// lane % 4) holds, per 16 columns kk: row g cols 2t, 2t+1; row g+8 the same; then both at +8.
+template <int D>
+__device__ __forceinline__ void load_a(const half_bits *m, int rows, int lane, unsigned (&a)[D / 16][4]) {
+  int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; kk++) {
+    int c = kk * 16 + 2 * t;
+    a[kk][0] = pair_at<D>(m, rows, g, c);
+    a[kk][1] = pair_at<D>(m, rows, g + 8, c);
+    a[kk][2] = pair_at<D>(m, rows, g, c + 8);
+    a[kk][3] = pair_at<D>(m, rows, g + 8, c + 8);
+  }
+}
+
+// Stages rows 0..N-1 of a (rows x D) matrix in `tile` (rows D + PAD apart), 16 bytes per thread
+// and step; rows past `rows` as zeros (so masked products read 0, never stale values).
+template <int N, int D>
+__device__ __forceinline__ void stage(half_bits *tile, const half_bits *m, int rows) {
+  const int per_row = D / 8;
+  for (int i = threadIdx.x; i < N * per_row; i += WARPS * 32) {
+    int r = i / per_row, c = (i % per_row) * 8;
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (r < rows) v = *reinterpret_cast<const uint4 *>(m + (long long)r * D + c);
+    *reinterpret_cast<uint4 *>(tile + r * (D + PAD) + c) = v;
+  }
+}
+
+// Values (rows 0..N-1) of a tile of f32 per row, `fill` past `rows`.
+template <int N>
+__device__ __forceinline__ void stage_row_values(float *tile, const float *m, int rows, float fill) {
+  for (int i = threadIdx.x; i < N; i += WARPS * 32) tile[i] = i < rows ? m[i] : fill;
+}
+
+// acc (16 x N) = a (16 x D) · tileᵀ, the tile's N rows as the columns. acc[nt] holds columns
+// nt*8 + 2t, +1 of rows g (0, 1) and g+8 (2, 3).
+template <class H, int N, int D>
+__device__ __forceinline__ void times_rows(const unsigned (&a)[D / 16][4], const half_bits *tile, int lane, float (&acc)[N / 8][4]) {
+  int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < N / 8; nt++) {
+    acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+    const half_bits *row = tile + (nt * 8 + g) * (D + PAD) + 2 * t;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+      unsigned b0 = *reinterpret_cast<const unsigned *>(row + kk * 16);
+      unsigned b1 = *reinterpret_cast<const unsigned *>(row + kk * 16 + 8);
+      H::mma(acc[nt], a[kk], b0, b1);
+    }
+  }
+}
+
+// out (16 x D) += p (16 x N, f32 in C fragments, rounded to half here) · tile (N x D).
+template <class H, int N, int D>
+__device__ __forceinline__ void accumulate(const float (&p)[N / 8][4], const half_bits *tile, int lane, float (&out)[D / 8][4]) {
+  int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int kk = 0; kk < N / 16; kk++) {
+    unsigned a[4] = {H::pack(p[2 * kk][0], p[2 * kk][1]), H::pack(p[2 * kk][2], p[2 * kk][3]),
+                     H::pack(p[2 * kk + 1][0], p[2 * kk + 1][1]), H::pack(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+    const half_bits *r0 = tile + (kk * 16 + 2 * t) * (D + PAD) + g;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; nt++) {
+      const half_bits *c = r0 + nt * 8;
+      unsigned b0 = (unsigned)c[0] | ((unsigned)c[D + PAD] << 16);
+      unsigned b1 = (unsigned)c[8 * (D + PAD)] | ((unsigned)c[9 * (D + PAD)] << 16);
+      H::mma(out[nt], a, b0, b1);
+    }
+  }
+}
+
+// Sum over the four lanes that share a row (lanes 4g .. 4g+3).
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+__device__ __forceinline__ float quad_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+// Writes rows g and g+8 of a warp's (16 x D) f32 result, times `scale`, to rows `row0 + ..` of a
+// (rows x D) half matrix.
+template <class H, int D>
+__device__ __forceinline__ void store_rows(const float (&acc)[D / 8][4], half_bits *m, int rows, int row0, int lane, float scale0, float scale8) {
+  int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < D / 8; nt++) {
+    int c = nt * 8 + 2 * t;
+    if (row0 + g < rows)
+      *reinterpret_cast<unsigned *>(m + (long long)(row0 + g) * D + c) = H::pack(acc[nt][0] * scale0, acc[nt][1] * scale0);
+    if (row0 + g + 8 < rows)
+      *reinterpret_cast<unsigned *>(m + (long long)(row0 + g + 8) * D + c) = H::pack(acc[nt][2] * scale8, acc[nt][3] * scale8);
+  }
+}
+
+// The keys [first, end) that queries [m0, m0 + count) may see.
+__device__ __forceinline__ int2 key_range(int m0, int count, const Shape &s) {
+  int end = s.causal ? min(s.s_len, m0 + count + s.offset) : s.s_len;
+  int first = s.window > 0 ? max(0, m0 + s.offset - s.window + 1) : 0;
+  return make_int2(first, end);
+}
+
+// The queries [first, end) that may see keys [n0, n0 + count).
+__device__ __forceinline__ int2 query_range(int n0, int count, const Shape &s) {
+  int first = s.causal ? max(0, n0 - s.offset) : 0;
+  int end = s.window > 0 ? min(s.t_len, n0 + count - 1 + s.window - s.offset) : s.t_len;
+  return make_int2(first, max(first, end));
+}
+
+// Grid (ceil(T / 64), batch * heads); 128 threads.
+template <class H, int D>
+__device__ void flash_forward(const half_bits *q, const half_bits *k, const half_bits *v, half_bits *out, float *lse, Shape s) {
+  __shared__ uint4 k_raw[ROWS * (D + PAD) / 8], v_raw[ROWS * (D + PAD) / 8];
+  half_bits *k_tile = reinterpret_cast<half_bits *>(k_raw), *v_tile = reinterpret_cast<half_bits *>(v_raw);
+  int bh = blockIdx.y, kvh = (bh / s.heads) * s.kv_heads + (bh % s.heads) / (s.heads / s.kv_heads);
+  int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  int m0 = blockIdx.x * ROWS, row0 = m0 + warp * 16;
+  const half_bits *qh = q + (long long)bh * s.t_len * D, *kh = k + (long long)kvh * s.s_len * D, *vh = v + (long long)kvh * s.s_len * D;
+
+  unsigned qa[D / 16][4];
+  load_a<D>(qh + (long long)row0 * D, s.t_len - row0, lane, qa);
+  float o[D / 8][4];
+#pragma unroll
+  for (int nt = 0; nt < D / 8; nt++) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+  const float k2 = s.scale * LOG2E;
+
+  int2 keys = key_range(m0, ROWS, s);
+  for (int n0 = keys.x / ROWS * ROWS; n0 < keys.y; n0 += ROWS) {
+    __syncthreads();
+    stage<ROWS, D>(k_tile, kh + (long long)n0 * D, s.s_len - n0);
+    stage<ROWS, D>(v_tile, vh + (long long)n0 * D, s.s_len - n0);
+    __syncthreads();
+    float sc[ROWS / 8][4];
+    times_rows<H, ROWS, D>(qa, k_tile, lane, sc);
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+      int i = row0 + g + 8 * half;
+      float mx = NEG_INF;
+#pragma unroll
+      for (int nt = 0; nt < ROWS / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          int j = n0 + nt * 8 + 2 * t + e;
+          float x = visible(i, j, s) ? sc[nt][2 * half + e] * k2 : NEG_INF;
+          sc[nt][2 * half + e] = x;
+          mx = fmaxf(mx, x);
+        }
+      float m_new = fmaxf(m[half], quad_max(mx));
+      // A row that sees nothing yet keeps p = 0 (exp2(-inf - 0)).
+      float base = m_new == NEG_INF ? 0.0f : m_new;
+      float keep = exp2f(m[half] - base), sum = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < ROWS / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          float p = exp2f(sc[nt][2 * half + e] - base);
+          sc[nt][2 * half + e] = p;
+          sum += p;
+        }
+      l[half] = l[half] * keep + sum;
+      m[half] = m_new;
+#pragma unroll
+      for (int nt = 0; nt < D / 8; nt++) {
+        o[nt][2 * half] *= keep;
+        o[nt][2 * half + 1] *= keep;
+      }
+    }
+    accumulate<H, ROWS, D>(sc, v_tile, lane, o);
+  }
+
+  float inv[2];
+#pragma unroll
+  for (int half = 0; half < 2; half++) {
+    float total = quad_sum(l[half]);
+    inv[half] = total > 0.0f ? 1.0f / total : 0.0f;
+    int i = row0 + g + 8 * half;
+    if (t == 0 && i < s.t_len) lse[(long long)bh * s.t_len + i] = total > 0.0f ? (m[half] + log2f(total)) * LN2 : NEG_INF;
+  }
+  store_rows<H, D>(o, out + (long long)bh * s.t_len * D, s.t_len, row0, lane, inv[0], inv[1]);
+}
+
+// p of a score (already times scale · log2 e) for a row of log-sum-exp `lse2` (in log2 units).
+__device__ __forceinline__ float prob(float x, float lse2) { return lse2 == NEG_INF ? 0.0f : exp2f(x - lse2); }
+
+// Grid (ceil(T / 64), batch * heads); 128 threads.
+template <class H, int D>
+__device__ void flash_backward_dq(const half_bits *q, const half_bits *k, const half_bits *v, const half_bits *dout,
+                                  const float *lse, const float *delta, half_bits *dq, Shape s) {
+  __shared__ uint4 k_raw[ROWS * (D + PAD) / 8], v_raw[ROWS * (D + PAD) / 8];
+  half_bits *k_tile = reinterpret_cast<half_bits *>(k_raw), *v_tile = reinterpret_cast<half_bits *>(v_raw);
+  int bh = blockIdx.y, kvh = (bh / s.heads) * s.kv_heads + (bh % s.heads) / (s.heads / s.kv_heads);
+  int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  int m0 = blockIdx.x * ROWS, row0 = m0 + warp * 16;
+  long long rows_at = (long long)bh * s.t_len;
+  const half_bits *kh = k + (long long)kvh * s.s_len * D, *vh = v + (long long)kvh * s.s_len * D;
+
+  unsigned qa[D / 16][4], da[D / 16][4];
+  load_a<D>(q + (rows_at + row0) * D, s.t_len - row0, lane, qa);
+  load_a<D>(dout + (rows_at + row0) * D, s.t_len - row0, lane, da);
+  float lse2[2], dl[2];
+#pragma unroll
+  for (int half = 0; half < 2; half++) {
+    int i = row0 + g + 8 * half;
+    lse2[half] = i < s.t_len ? lse[rows_at + i] * LOG2E : NEG_INF;
+    dl[half] = i < s.t_len ? delta[rows_at + i] : 0.0f;
+  }
+  float acc[D / 8][4];
+#pragma unroll
+  for (int nt = 0; nt < D / 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+  const float k2 = s.scale * LOG2E;
+
+  int2 keys = key_range(m0, ROWS, s);
+  for (int n0 = keys.x / ROWS * ROWS; n0 < keys.y; n0 += ROWS) {
+    __syncthreads();
+    stage<ROWS, D>(k_tile, kh + (long long)n0 * D, s.s_len - n0);
+    stage<ROWS, D>(v_tile, vh + (long long)n0 * D, s.s_len - n0);
+    __syncthreads();
+    float p[ROWS / 8][4], dp[ROWS / 8][4];
+    times_rows<H, ROWS, D>(qa, k_tile, lane, p);
+    times_rows<H, ROWS, D>(da, v_tile, lane, dp);
+#pragma unroll
+    for (int nt = 0; nt < ROWS / 8; nt++)
+#pragma unroll
+      for (int r = 0; r < 4; r++) {
+        int half = r / 2, i = row0 + g + 8 * half, j = n0 + nt * 8 + 2 * t + (r & 1);
+        float pr = visible(i, j, s) ? prob(p[nt][r] * k2, lse2[half]) : 0.0f;
+        p[nt][r] = pr * (dp[nt][r] - dl[half]);
+      }
+    accumulate<H, ROWS, D>(p, k_tile, lane, acc);
+  }
+  store_rows<H, D>(acc, dq + rows_at * D, s.t_len, row0, lane, s.scale, s.scale);
+}
+
+// Queries staged per step by the dk/dv kernel: fewer at D = 128, where its warps hold k, v, dk and
+// dv (16 x 128 each) in registers.
+#define QUERIES(D) ((D) > 64 ? 32 : 64)
+
+// Grid (ceil(S / 64), batch * kv_heads); 128 threads.
+template <class H, int D>
+__device__ void flash_backward_dkv(const half_bits *q, const half_bits *k, const half_bits *v, const half_bits *dout,
+                                   const float *lse, const float *delta, half_bits *dk, half_bits *dv, Shape s) {
+  const int QN = QUERIES(D);
+  __shared__ uint4 q_raw[QN * (D + PAD) / 8], d_raw[QN * (D + PAD) / 8];
+  __shared__ float lse_tile[QN], delta_tile[QN];
+  half_bits *q_tile = reinterpret_cast<half_bits *>(q_raw), *d_tile = reinterpret_cast<half_bits *>(d_raw);
+  int bkv = blockIdx.y, b = bkv / s.kv_heads, group = s.heads / s.kv_heads;
+  int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  int n0 = blockIdx.x * ROWS, key0 = n0 + warp * 16;
+  long long keys_at = (long long)bkv * s.s_len;
+
+  unsigned ka[D / 16][4], va[D / 16][4];
+  load_a<D>(k + (keys_at + key0) * D, s.s_len - key0, lane, ka);
+  load_a<D>(v + (keys_at + key0) * D, s.s_len - key0, lane, va);
+  float dk_acc[D / 8][4], dv_acc[D / 8][4];
+#pragma unroll
+  for (int nt = 0; nt < D / 8; nt++)
+#pragma unroll
+    for (int r = 0; r < 4; r++) dk_acc[nt][r] = dv_acc[nt][r] = 0.0f;
+  const float k2 = s.scale * LOG2E;
+
+  int2 queries = query_range(n0, ROWS, s);
+  for (int head = (bkv % s.kv_heads) * group; head < (bkv % s.kv_heads + 1) * group; head++) {
+    long long rows_at = ((long long)b * s.heads + head) * s.t_len;
+    for (int m0 = queries.x / QN * QN; m0 < queries.y; m0 += QN) {
+      __syncthreads();
+      stage<QN, D>(q_tile, q + (rows_at + m0) * D, s.t_len - m0);
+      stage<QN, D>(d_tile, dout + (rows_at + m0) * D, s.t_len - m0);
+      stage_row_values<QN>(lse_tile, lse + rows_at + m0, s.t_len - m0, NEG_INF);
+      stage_row_values<QN>(delta_tile, delta + rows_at + m0, s.t_len - m0, 0.0f);
+      __syncthreads();
+      float p[QN / 8][4], dp[QN / 8][4];
+      times_rows<H, QN, D>(ka, q_tile, lane, p);
+#pragma unroll
+      for (int nt = 0; nt < QN / 8; nt++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+          int c = nt * 8 + 2 * t + (r & 1), j = key0 + g + 8 * (r / 2);
+          p[nt][r] = visible(m0 + c, j, s) ? prob(p[nt][r] * k2, lse_tile[c] * LOG2E) : 0.0f;
+        }
+      accumulate<H, QN, D>(p, d_tile, lane, dv_acc);
+      times_rows<H, QN, D>(va, d_tile, lane, dp);
+#pragma unroll
+      for (int nt = 0; nt < QN / 8; nt++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) p[nt][r] *= dp[nt][r] - delta_tile[nt * 8 + 2 * t + (r & 1)];
+      accumulate<H, QN, D>(p, q_tile, lane, dk_acc);
+    }
+  }
+  store_rows<H, D>(dk_acc, dk + keys_at * D, s.s_len, key0, lane, s.scale, s.scale);
+  store_rows<H, D>(dv_acc, dv + keys_at * D, s.s_len, key0, lane, 1.0f, 1.0f);
+}
+
+#define INSTANTIATE(NAME, H, D)                                                                                       \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                            \
+      flash_forward_##NAME##_d##D(const half_bits *q, const half_bits *k, const half_bits *v, half_bits *out,          \
+                                  float *lse, Shape s) {                                                              \
+    flash_forward<H, D>(q, k, v, out, lse, s);                                                                        \
+  }                                                                                                                   \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                            \
+      flash_backward_dq_##NAME##_d##D(const half_bits *q, const half_bits *k, const half_bits *v,                    \
+                                      const half_bits *dout, const float *lse, const float *delta, half_bits *dq,     \
+                                      Shape s) {                                                                      \
+    flash_backward_dq<H, D>(q, k, v, dout, lse, delta, dq, s);                                                        \
+  }                                                                                                                   \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                            \
+      flash_backward_dkv_##NAME##_d##D(const half_bits *q, const half_bits *k, const half_bits *v,                   \
+                                       const half_bits *dout, const float *lse, const float *delta, half_bits *dk,    \
+                                       half_bits *dv, Shape s) {                                                      \
+    flash_backward_dkv<H, D>(q, k, v, dout, lse, delta, dk, dv, s);                                                   \
+  }
+
+INSTANTIATE(bf16, Bf16, 64)
+INSTANTIATE(bf16, Bf16, 128)
+INSTANTIATE(f16, F16, 64)
+INSTANTIATE(f16, F16, 128)

@@ -1,0 +1,65 @@
+//! Attention on a GPU's tensor cores without the (batch × heads × T × S) scores in memory:
+//! FlashAttention-2's forward and backward as kernels of our own (`flash_attention_cuda`), for
+//! the masks a model can describe instead of materialise (causal, with an offset over a cache and
+//! a sliding window), GQA without repeating k and v, bf16 and f16, head dims 64 and 128. The
+//! same op serves training (with its backward) and prefill.
+//!
+//! Eager attention (`eager_attention`) stays for what this does not take: the CPU, f32, packed
+//! rows (whose mask is per document), other head dims.
+
+use candle_core::{DType, Result, Tensor};
+
+pub use crate::visibility::Visibility;
+
+/// The head dims the kernels are built for (`flash_attention.cu`'s instantiations).
+pub const HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// Whether [`attention`] takes q (batch, heads, T, d) over `kv_heads` heads of k and v: a GPU
+/// (built with the `cuda` feature), bf16 or f16, a head dim of [`HEAD_DIMS`], heads a multiple of
+/// kv_heads. `FSDP_FLASH_ATTENTION=0` turns it off (eager attention instead), for comparisons.
+pub fn applies(q: &Tensor, kv_heads: usize) -> bool {
+    let on = cfg!(feature = "cuda") && std::env::var("FSDP_FLASH_ATTENTION").map_or(true, |v| v != "0");
+    let Ok((_, heads, _, d)) = q.dims4() else { return false };
+    on && q.device().is_cuda()
+        && matches!(q.dtype(), DType::BF16 | DType::F16)
+        && HEAD_DIMS.contains(&d)
+        && kv_heads > 0
+        && heads % kv_heads == 0
+}
+
+/// Attention of q (batch, heads, T, d) over k, v (batch, kv_heads, S, d) with `visibility` and
+/// `scale` on the scores: (batch, heads, T, d), with its backward when an input trains. Only
+/// where [`applies`] says so.
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, visibility: Visibility, scale: f64) -> Result<Tensor> {
+    let (b, h, t, d) = q.dims4()?;
+    let (kb, kvh, s, kd) = k.dims4()?;
+    if !applies(q, kvh) || (kb, kd) != (b, d) || v.dims() != k.dims() || k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+        candle_core::bail!(
+            "flash attention: q {:?} {:?}, k {:?} {:?}, v {:?} {:?} on {:?} (a GPU, bf16 or f16, head dim {HEAD_DIMS:?}, \
+             heads a multiple of kv heads)",
+            q.dims(),
+            q.dtype(),
+            k.dims(),
+            k.dtype(),
+            v.dims(),
+            v.dtype(),
+            q.device().location()
+        );
+    }
+    if visibility.causal && visibility.offset + t != s {
+        candle_core::bail!("flash attention: {t} causal queries at offset {} over {s} keys", visibility.offset);
+    }
+    let fits = |n: usize| i32::try_from(n).is_ok();
+    if !fits(b * h * t.max(s)) || !fits(visibility.offset) || !fits(visibility.window.unwrap_or(0)) {
+        candle_core::bail!("flash attention: q {:?} over {s} keys is too large for the kernels' 32-bit counts", q.dims());
+    }
+    #[cfg(feature = "cuda")]
+    {
+        super::flash_attention_cuda::attention(q, k, v, visibility, scale)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = scale;
+        unreachable!("applies() is false without the cuda feature")
+    }
+}

@@ -1,0 +1,283 @@
+//! `flash_attention`'s op on a GPU: the forward kernel as a candle op that keeps the rows'
+//! log-sum-exp for its backward, and the backward as two kernels (dq by query rows; dk and dv
+//! by key rows, summed over each kv head's query heads), from `kernels::cuda::FLASH_ATTENTION`,
+//! compiled by NVRTC the first time a process needs it.
+
+use std::sync::Mutex;
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{CpuStorage, CudaStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType, D};
+use kernels::cuda::FLASH_ATTENTION as SOURCE;
+
+use crate::cuda_args::values;
+use crate::visibility::Visibility;
+
+/// Four warps a block, each 16 of the block's 64 query (or key) rows (flash_attention.cu's ROWS).
+const THREADS: u32 = 128;
+const ROWS: usize = 64;
+
+/// The kernels' `Shape`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct KernelShape {
+    t_len: i32,
+    s_len: i32,
+    heads: i32,
+    kv_heads: i32,
+    offset: i32,
+    causal: i32,
+    window: i32,
+    scale: f32,
+}
+
+// SAFETY: plain data laid out as the kernels' C struct.
+unsafe impl DeviceRepr for KernelShape {}
+
+/// What the three kernels share: the problem's sizes.
+#[derive(Clone, Copy, Debug)]
+struct Problem {
+    batch: usize,
+    head_dim: usize,
+    shape: KernelShape,
+}
+
+impl Problem {
+    fn new(q: &Tensor, k: &Tensor, visibility: Visibility, scale: f64) -> Result<Self> {
+        let Visibility { causal, offset, window } = visibility;
+        let (batch, heads, t, head_dim) = q.dims4()?;
+        let (_, kv_heads, s, _) = k.dims4()?;
+        let shape = KernelShape {
+            t_len: t as i32,
+            s_len: s as i32,
+            heads: heads as i32,
+            kv_heads: kv_heads as i32,
+            offset: offset as i32,
+            causal: causal as i32,
+            window: window.unwrap_or(0) as i32,
+            scale: scale as f32,
+        };
+        Ok(Self { batch, head_dim, shape })
+    }
+
+    fn query_rows(&self) -> usize {
+        self.batch * self.shape.heads as usize * self.shape.t_len as usize
+    }
+
+    fn key_rows(&self) -> usize {
+        self.batch * self.shape.kv_heads as usize * self.shape.s_len as usize
+    }
+
+    /// Blocks over query rows (forward, dq) or key rows (dk, dv).
+    fn config(&self, rows: i32, heads: i32) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: ((rows as usize).div_ceil(ROWS) as u32, (self.batch * heads as usize) as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// The kernel `flash_{pass}_{dtype}_d{head_dim}`.
+    fn kernel(&self, pass: &str, dtype: DType) -> Result<String> {
+        let name = match dtype {
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            other => candle_core::bail!("flash attention kernels: no {other:?} version"),
+        };
+        Ok(format!("flash_{pass}_{name}_d{}", self.head_dim))
+    }
+}
+
+/// `flash_attention::attention` on checked inputs.
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, visibility: Visibility, scale: f64) -> Result<Tensor> {
+    let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
+    let op = Flash { problem: Problem::new(&q, &k, visibility, scale)?, lse: Mutex::new(None) };
+    if q.track_op() || k.track_op() || v.track_op() {
+        q.apply_op3(&k, &v, op)
+    } else {
+        q.apply_op3_no_bwd(&k, &v, &op)
+    }
+}
+
+/// `x` contiguous from a 16-byte boundary (the kernels stage rows with 16-byte loads).
+fn aligned(x: &Tensor) -> Result<Tensor> {
+    let starts_aligned = x.layout().start_offset() % 8 == 0;
+    if x.is_contiguous() && starts_aligned {
+        Ok(x.clone())
+    } else {
+        x.copy()
+    }
+}
+
+/// A contiguous input's values from its start.
+fn start_of(layout: &Layout, what: &str) -> Result<usize> {
+    match layout.contiguous_offsets() {
+        Some((start, _)) if start % 8 == 0 => Ok(start),
+        _ => candle_core::bail!("flash attention: {what} is not contiguous from a 16-byte boundary"),
+    }
+}
+
+/// An input's values, contiguous from a 16-byte boundary.
+fn view<'a, T: CudaDType>((storage, layout): (&'a CudaStorage, &Layout), what: &str) -> Result<CudaView<'a, T>> {
+    Ok(storage.as_cuda_slice::<T>()?.slice(start_of(layout, what)?..))
+}
+
+/// The forward, keeping each query row's log-sum-exp (f32) for the backward.
+struct Flash {
+    problem: Problem,
+    lse: Mutex<Option<CudaSlice<f32>>>,
+}
+
+impl Flash {
+    fn forward<T: CudaDType + DeviceRepr + WithDType>(&self, [q, k, v]: [(&CudaStorage, &Layout); 3]) -> Result<CudaStorage> {
+        let p = &self.problem;
+        let dev = q.0.device.clone();
+        let (q, k, v) = (view::<T>(q, "q")?, view::<T>(k, "k")?, view::<T>(v, "v")?);
+        let out = unsafe { dev.alloc::<T>(p.query_rows() * p.head_dim)? };
+        let lse = unsafe { dev.alloc::<f32>(p.query_rows())? };
+        let func = dev.get_or_load_custom_func(&p.kernel("forward", T::DTYPE)?, SOURCE.module, SOURCE.ptx()?)?;
+        let mut args = func.builder();
+        args.arg(&q).arg(&k).arg(&v).arg(&out).arg(&lse).arg(&p.shape);
+        // SAFETY: q, k and v hold the rows `Problem` counts (their shapes made it); out and lse
+        // are allocated for them above.
+        unsafe { args.launch(p.config(p.shape.t_len, p.shape.heads)) }.w()?;
+        *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(lse);
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+}
+
+impl CustomOp3 for Flash {
+    fn name(&self) -> &'static str {
+        "flash-attention"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("flash attention runs on a GPU only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        q: &CudaStorage,
+        ql: &Layout,
+        k: &CudaStorage,
+        kl: &Layout,
+        v: &CudaStorage,
+        vl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let inputs = [(q, ql), (k, kl), (v, vl)];
+        let out = match q.dtype() {
+            DType::BF16 => self.forward::<half::bf16>(inputs)?,
+            DType::F16 => self.forward::<half::f16>(inputs)?,
+            other => candle_core::bail!("flash attention kernels: no {other:?} version"),
+        };
+        Ok((out, ql.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        dout: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let Some(lse) = lse else { candle_core::bail!("flash attention: a backward without its forward's log-sum-exp (or a second one)") };
+        let dout = aligned(dout)?;
+        // rowsum(dout ∘ out): FlashAttention's delta, (batch, heads, T, 1) in f32.
+        let delta = (dout.to_dtype(DType::F32)? * out.to_dtype(DType::F32)?)?.sum_keepdim(D::Minus1)?.contiguous()?;
+        let pass = Backward { problem: self.problem, lse: &lse, dout: &dout, delta: &delta };
+        let (q, k, v) = (q.detach(), k.detach(), v.detach());
+        let dq = q.apply_op3_no_bwd(&k, &v, &Gradient { pass: &pass, of_queries: true })?;
+        let dkv = q.apply_op3_no_bwd(&k, &v, &Gradient { pass: &pass, of_queries: false })?;
+        Ok((Some(dq), Some(dkv.get(0)?), Some(dkv.get(1)?)))
+    }
+}
+
+/// What both backward kernels read besides q, k and v.
+struct Backward<'a> {
+    problem: Problem,
+    lse: &'a CudaSlice<f32>,
+    dout: &'a Tensor,
+    delta: &'a Tensor,
+}
+
+/// dq (batch, heads, T, d), or dk and dv stacked (2, batch, kv_heads, S, d).
+struct Gradient<'a> {
+    pass: &'a Backward<'a>,
+    of_queries: bool,
+}
+
+impl Gradient<'_> {
+    fn run<T: CudaDType + DeviceRepr + WithDType>(&self, [q, k, v]: [(&CudaStorage, &Layout); 3]) -> Result<CudaStorage> {
+        let p = &self.pass.problem;
+        let dev = q.0.device.clone();
+        let (q, k, v) = (view::<T>(q, "q")?, view::<T>(k, "k")?, view::<T>(v, "v")?);
+        let (dout_storage, dout_layout) = self.pass.dout.storage_and_layout();
+        let dout = values::<T>(&dout_storage, start_of(dout_layout, "dout")?, None, "flash attention: dout")?;
+        let (delta_storage, delta_layout) = self.pass.delta.storage_and_layout();
+        let delta = values::<f32>(&delta_storage, start_of(delta_layout, "delta")?, None, "flash attention: delta")?;
+        let (pass, len, config) = if self.of_queries {
+            ("backward_dq", p.query_rows() * p.head_dim, p.config(p.shape.t_len, p.shape.heads))
+        } else {
+            ("backward_dkv", 2 * p.key_rows() * p.head_dim, p.config(p.shape.s_len, p.shape.kv_heads))
+        };
+        let grads = unsafe { dev.alloc::<T>(len)? };
+        let func = dev.get_or_load_custom_func(&p.kernel(pass, T::DTYPE)?, SOURCE.module, SOURCE.ptx()?)?;
+        {
+            let mut args = func.builder();
+            args.arg(&q).arg(&k).arg(&v).arg(&dout).arg(self.pass.lse).arg(&delta);
+            let dv = grads.slice(len / 2..);
+            if self.of_queries {
+                args.arg(&grads);
+            } else {
+                args.arg(&grads).arg(&dv);
+            }
+            args.arg(&p.shape);
+            // SAFETY: the inputs hold the rows `Problem` counts, lse and delta one value per query
+            // row (the forward's and `bwd`'s), and `grads` is allocated for what the kernel writes.
+            unsafe { args.launch(config) }.w()?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(grads, dev))
+    }
+}
+
+impl CustomOp3 for Gradient<'_> {
+    fn name(&self) -> &'static str {
+        if self.of_queries {
+            "flash-attention-dq"
+        } else {
+            "flash-attention-dkv"
+        }
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("flash attention runs on a GPU only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        q: &CudaStorage,
+        ql: &Layout,
+        k: &CudaStorage,
+        kl: &Layout,
+        v: &CudaStorage,
+        vl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let inputs = [(q, ql), (k, kl), (v, vl)];
+        let grads = match q.dtype() {
+            DType::BF16 => self.run::<half::bf16>(inputs)?,
+            DType::F16 => self.run::<half::f16>(inputs)?,
+            other => candle_core::bail!("flash attention kernels: no {other:?} version"),
+        };
+        let shape = if self.of_queries {
+            ql.shape().clone()
+        } else {
+            let mut dims = vec![2];
+            dims.extend(kl.dims());
+            Shape::from(dims)
+        };
+        Ok((grads, shape))
+    }
+}

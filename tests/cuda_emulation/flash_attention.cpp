@@ -1,0 +1,97 @@
+// Runs models/kernels/src/cuda/flash_attention.cu on the CPU (emulate.h): the forward, then both
+// backward kernels, on inputs a test wrote. tests/cuda_emulated.rs builds it with the kernel
+// source as `kernel.cu` on the include path and compares the results with the CPU's attention.
+//
+// usage: flash_attention DIR bf16|f16 D BATCH HEADS KV_HEADS T S OFFSET CAUSAL WINDOW SCALE
+// reads DIR/{q,k,v,dout}.bin (half bits), writes DIR/{out,dq,dk,dv}.bin (half bits) and
+// DIR/lse.bin (f32).
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "kernel.cu"
+
+using Bits = std::vector<unsigned short>;
+
+static std::vector<char> read_file(const std::string &path, size_t bytes) {
+  std::vector<char> data(bytes);
+  FILE *f = std::fopen(path.c_str(), "rb");
+  if (!f || std::fread(data.data(), 1, bytes, f) != bytes) {
+    std::fprintf(stderr, "%s: cannot read %zu bytes\n", path.c_str(), bytes);
+    std::exit(2);
+  }
+  std::fclose(f);
+  return data;
+}
+
+template <class T>
+static std::vector<T> read_values(const std::string &path, size_t n) {
+  auto bytes = read_file(path, n * sizeof(T));
+  std::vector<T> v(n);
+  std::memcpy(v.data(), bytes.data(), bytes.size());
+  return v;
+}
+
+template <class T>
+static void write_values(const std::string &path, const std::vector<T> &v) {
+  FILE *f = std::fopen(path.c_str(), "wb");
+  if (!f || std::fwrite(v.data(), sizeof(T), v.size(), f) != v.size()) {
+    std::fprintf(stderr, "%s: cannot write\n", path.c_str());
+    std::exit(2);
+  }
+  std::fclose(f);
+}
+
+struct Kernels {
+  void (*forward)(const half_bits *, const half_bits *, const half_bits *, half_bits *, float *, Shape);
+  void (*dq)(const half_bits *, const half_bits *, const half_bits *, const half_bits *, const float *, const float *, half_bits *, Shape);
+  void (*dkv)(const half_bits *, const half_bits *, const half_bits *, const half_bits *, const float *, const float *, half_bits *, half_bits *,
+              Shape);
+};
+
+#define KERNELS(NAME, D) Kernels{flash_forward_##NAME##_d##D, flash_backward_dq_##NAME##_d##D, flash_backward_dkv_##NAME##_d##D}
+
+int main(int argc, char **argv) {
+  if (argc != 13) {
+    std::fprintf(stderr, "usage: %s DIR bf16|f16 D BATCH HEADS KV_HEADS T S OFFSET CAUSAL WINDOW SCALE\n", argv[0]);
+    return 2;
+  }
+  std::string dir = argv[1], dtype = argv[2];
+  int d = std::atoi(argv[3]), batch = std::atoi(argv[4]);
+  Shape s{std::atoi(argv[7]), std::atoi(argv[8]), std::atoi(argv[5]), std::atoi(argv[6]), std::atoi(argv[9]), std::atoi(argv[10]), std::atoi(argv[11]),
+          (float)std::atof(argv[12])};
+  Kernels k;
+  if (dtype == "bf16" && d == 64) k = KERNELS(bf16, 64);
+  else if (dtype == "bf16" && d == 128) k = KERNELS(bf16, 128);
+  else if (dtype == "f16" && d == 64) k = KERNELS(f16, 64);
+  else if (dtype == "f16" && d == 128) k = KERNELS(f16, 128);
+  else {
+    std::fprintf(stderr, "no kernels for %s, head dim %d\n", dtype.c_str(), d);
+    return 2;
+  }
+  size_t rows = (size_t)batch * s.heads * s.t_len, kv_rows = (size_t)batch * s.kv_heads * s.s_len;
+  auto q = read_values<half_bits>(dir + "/q.bin", rows * d), dout = read_values<half_bits>(dir + "/dout.bin", rows * d);
+  auto kk = read_values<half_bits>(dir + "/k.bin", kv_rows * d), v = read_values<half_bits>(dir + "/v.bin", kv_rows * d);
+  Bits out(rows * d), dq(rows * d), dk(kv_rows * d), dv(kv_rows * d);
+  std::vector<float> lse(rows), delta(rows);
+
+  const unsigned threads = WARPS * 32, rows_per_block = ROWS;
+  dim3 queries{(unsigned)(s.t_len + rows_per_block - 1) / rows_per_block, (unsigned)(batch * s.heads), 1};
+  dim3 keys{(unsigned)(s.s_len + rows_per_block - 1) / rows_per_block, (unsigned)(batch * s.kv_heads), 1};
+  emulation::launch(k.forward, queries, threads, q.data(), kk.data(), v.data(), out.data(), lse.data(), s);
+  auto value = [&](unsigned short h) { return dtype == "bf16" ? emulation::bf16_value(h) : emulation::f16_value(h); };
+  for (size_t r = 0; r < rows; r++) {
+    float sum = 0.0f;
+    for (int i = 0; i < d; i++) sum += value(dout[r * d + i]) * value(out[r * d + i]);
+    delta[r] = sum;
+  }
+  emulation::launch(k.dq, queries, threads, q.data(), kk.data(), v.data(), dout.data(), lse.data(), delta.data(), dq.data(), s);
+  emulation::launch(k.dkv, keys, threads, q.data(), kk.data(), v.data(), dout.data(), lse.data(), delta.data(), dk.data(), dv.data(), s);
+  write_values(dir + "/out.bin", out);
+  write_values(dir + "/lse.bin", lse);
+  write_values(dir + "/dq.bin", dq);
+  write_values(dir + "/dk.bin", dk);
+  write_values(dir + "/dv.bin", dv);
+  return 0;
+}
