@@ -260,6 +260,33 @@ fn swiglu_kernels_match_cpu() {
     gpu_matches_cpu("swiglu", ["y", "da", "db"], run);
 }
 
+/// Rope's kernel (`models/kernels/src/cuda/fused.cu`): y and dx against the CPU op in f32, for
+/// heads-major and token-major rows; bf16 within its rounding.
+#[test]
+fn rope_kernel_matches_cpu() {
+    use candle_core::Var;
+    let (b, h, t, d) = (2, 3, 37, 64);
+    let angles = (Tensor::arange(0f32, (t * d / 2) as f32, &Device::Cpu).unwrap().reshape((t, d / 2)).unwrap() * 0.37).unwrap();
+    let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+    for token_major in [false, true] {
+        let dims = if token_major { (b, t, h, d) } else { (b, h, t, d) };
+        let x = Tensor::randn(0f32, 1.0, dims, &Device::Cpu).unwrap();
+        let probe = Tensor::randn(0f32, 1.0, dims, &Device::Cpu).unwrap();
+        let run = |device: &Device, dtype: DType| {
+            let on = |t: &Tensor| t.to_device(device).unwrap().to_dtype(dtype).unwrap();
+            let xv = Var::from_tensor(&on(&x)).unwrap();
+            let (c, s) = (on(&cos), on(&sin));
+            assert!(ops::fused::rope_applies(xv.as_tensor(), &c), "{device:?} {dtype:?}");
+            let rope = if token_major { ops::fused::rope_token_major } else { ops::fused::rope };
+            let y = rope(xv.as_tensor(), &c, &s).unwrap();
+            let grads =
+                (y.to_dtype(DType::F32).unwrap() * probe.to_device(device).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+            [values(&y), values(grads.get(xv.as_tensor()).unwrap())]
+        };
+        gpu_matches_cpu(&format!("rope (token-major {token_major})"), ["y", "dx"], run);
+    }
+}
+
 /// The AdamW kernel (`models/kernels/src/cuda/adamw.cu`) against the host loop (`optim::adamw_step`) over three
 /// steps of a chunk that is no multiple of a block, with and without weight decay and clipping:
 /// the same IEEE operations, so the same values (checked to 1e-5 relative, the values whose bits differ counted).

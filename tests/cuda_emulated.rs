@@ -1,9 +1,12 @@
-//! Our flash-attention kernels (`models/kernels/src/cuda/flash_attention.cu`) run on the CPU,
-//! without a GPU: the source NVRTC compiles is compiled as C++ with `tests/cuda_emulation/emulate.h`
-//! (each GPU thread a thread, the warp's shuffles and tensor-core products as collectives of 32),
-//! and its forward, log-sum-exp and three gradients are compared with the CPU's attention op
-//! (`ops::eager_attention`, f32, on the same half-precision inputs). This checks the kernels' tiling,
-//! indexing, masking and online softmax on every CI run; `tests/cuda.rs` checks them on a GPU.
+//! Our CUDA kernels run on the CPU, without a GPU: the source NVRTC compiles is compiled as C++
+//! with `tests/cuda_emulation/emulate.h` (each GPU thread a thread, the warp's shuffles and
+//! tensor-core products as collectives of 32) and a driver per source that launches them as the
+//! ops do, and the results are compared with the CPU's ops on the same inputs:
+//! - flash attention (`flash_attention.cu`): forward, log-sum-exp and the three gradients against
+//!   `ops::eager_attention` in f32 (tiling, indexing, masks, the online softmax);
+//! - the fused training ops (`fused.cu`): RMSNorm, SwiGLU and rope, forward and backward, in f32
+//!   against `ops::fused`'s CPU ops, in bf16 rope bit for bit against candle's `rope_slow`.
+//! `tests/cuda.rs` checks the same kernels on a GPU.
 
 mod common;
 
@@ -35,28 +38,29 @@ const CASES: [Case; 7] = [
 #[test]
 fn flash_attention_kernels_match_the_cpu_attention() {
     let test = "flash_attention_kernels_match_the_cpu_attention";
-    let Some(binary) = build(test) else { return };
+    let Some(binary) = build(test, &kernels::cuda::FLASH_ATTENTION, "flash_attention.cpp") else { return };
     for case in CASES {
         check(&binary, case);
     }
 }
 
-/// The driver built with the kernel source as NVRTC gets it, or None (skipped) without g++.
-fn build(test: &str) -> Option<PathBuf> {
+/// `driver` (in tests/cuda_emulation) built with `source` as NVRTC gets it, or None (skipped)
+/// without g++.
+fn build(test: &str, source: &kernels::cuda::RuntimeSource, driver: &str) -> Option<PathBuf> {
     if Command::new("g++").arg("--version").output().is_err() {
         common::skip_or_fail(test, "g++ is not installed (apt install g++)");
         return None;
     }
-    let dir = scratch("build");
-    std::fs::write(dir.join("kernel.cu"), kernels::cuda::FLASH_ATTENTION.source()).unwrap();
+    let dir = scratch(driver);
+    std::fs::write(dir.join("kernel.cu"), source.source()).unwrap();
     let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/cuda_emulation");
-    let binary = dir.join("flash_attention");
+    let binary = dir.join(driver.trim_end_matches(".cpp"));
     let out = Command::new("g++")
         .args(["-std=c++20", "-O2", "-pthread", "-include"])
         .arg(here.join("emulate.h"))
         .arg("-I")
         .arg(&dir)
-        .arg(here.join("flash_attention.cpp"))
+        .arg(here.join(driver))
         .arg("-o")
         .arg(&binary)
         .output()
@@ -88,13 +92,13 @@ fn check(binary: &Path, (dtype, d, b, h, hkv, t, s, causal, window): Case) {
 
     let dir = scratch("run");
     for (name, x) in [("q", &q), ("k", &k), ("v", &v), ("dout", &dout)] {
-        write_half_bits(&dir.join(format!("{name}.bin")), x);
+        write_values(&dir.join(format!("{name}.bin")), x);
     }
     let name = if dtype == DType::BF16 { "bf16" } else { "f16" };
     let args = [d, b, h, hkv, t, s, offset, causal as usize, window].map(|n| n.to_string());
     let out = Command::new(binary).arg(&dir).arg(name).args(&args).arg(format!("{scale}")).output().unwrap();
     assert!(out.status.success(), "{what}: the emulated kernels failed: {}", String::from_utf8_lossy(&out.stderr));
-    let read = |file: &str| read_half(&dir.join(file), dtype);
+    let read = |file: &str| read_values(&dir.join(file), dtype);
     let (got_out, got_dq, got_dk, got_dv) = (read("out.bin"), read("dq.bin"), read("dk.bin"), read("dv.bin"));
     let got_lse: Vec<f32> =
         std::fs::read(dir.join("lse.bin")).unwrap().chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
@@ -127,17 +131,23 @@ fn check(binary: &Path, (dtype, d, b, h, hkv, t, s, causal, window): Case) {
         ("dk", &got_dk, values(grads.get(kv.as_tensor()).unwrap()), tolerance),
         ("dv", &got_dv, values(grads.get(vv.as_tensor()).unwrap()), tolerance),
     ] {
-        assert_eq!(got.len(), expected.len(), "{what}: {name}");
-        let (diff, norm) =
-            got.iter().zip(&expected).fold((0f64, 0f64), |(d, n), (x, y)| (d + ((x - y) as f64).powi(2), n + (*y as f64).powi(2)));
-        let rel = (diff / norm.max(1e-30)).sqrt();
-        eprintln!("{what}: {name} relative difference {rel:.2e}");
-        assert!(rel < tolerance, "{what}: {name} differs from the CPU's by {rel} (tolerance {tolerance})");
+        assert_close(&format!("{what}: {name}"), got, &expected, tolerance);
     }
 }
 
-fn write_half_bits(path: &Path, x: &Tensor) {
+/// ||got - expected|| / ||expected|| under `tolerance`.
+fn assert_close(what: &str, got: &[f32], expected: &[f32], tolerance: f64) {
+    assert_eq!(got.len(), expected.len(), "{what}");
+    let (diff, norm) =
+        got.iter().zip(expected).fold((0f64, 0f64), |(d, n), (x, y)| (d + ((x - y) as f64).powi(2), n + (*y as f64).powi(2)));
+    let rel = (diff / norm.max(1e-30)).sqrt();
+    eprintln!("{what}: relative difference {rel:.2e}");
+    assert!(rel < tolerance, "{what}: differs from the CPU's by {rel} (tolerance {tolerance})");
+}
+
+fn write_values(path: &Path, x: &Tensor) {
     let bytes: Vec<u8> = match x.dtype() {
+        DType::F32 => x.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().flat_map(|v| v.to_le_bytes()).collect(),
         DType::BF16 => x.flatten_all().unwrap().to_vec1::<half::bf16>().unwrap().iter().flat_map(|v| v.to_bits().to_le_bytes()).collect(),
         DType::F16 => x.flatten_all().unwrap().to_vec1::<half::f16>().unwrap().iter().flat_map(|v| v.to_bits().to_le_bytes()).collect(),
         other => panic!("no half bits for {other:?}"),
@@ -145,8 +155,11 @@ fn write_half_bits(path: &Path, x: &Tensor) {
     std::fs::write(path, bytes).unwrap();
 }
 
-fn read_half(path: &Path, dtype: DType) -> Vec<f32> {
+fn read_values(path: &Path, dtype: DType) -> Vec<f32> {
     let bits = std::fs::read(path).unwrap();
+    if dtype == DType::F32 {
+        return bits.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    }
     bits.chunks(2)
         .map(|c| {
             let h = u16::from_le_bytes([c[0], c[1]]);
@@ -157,4 +170,90 @@ fn read_half(path: &Path, dtype: DType) -> Vec<f32> {
             }
         })
         .collect()
+}
+
+/// The fused training ops' kernels (`fused.cu`, launched as `ops::fused_cuda` does): RMSNorm over
+/// rows of a length no multiple of a warp (dx and the weight's gradient summed over blocks),
+/// SwiGLU over a length no multiple of a block, rope on heads-major and token-major rows, each
+/// forward and backward. f32 within 1e-5 of `ops::fused`'s CPU ops; bf16 within 2e-2 of them,
+/// and rope bit for bit what candle's `rope_slow` composes in bf16 (forward and backward).
+#[test]
+fn fused_kernels_match_the_cpu_ops() {
+    let test = "fused_kernels_match_the_cpu_ops";
+    let Some(binary) = build(test, &kernels::cuda::FUSED, "fused.cpp") else { return };
+    let cpu = Device::Cpu;
+    let random = |dims: &[usize]| Tensor::randn(0f32, 1.0, dims, &cpu).unwrap();
+    // Each op's f32 inputs; both sides read them rounded to the dtype.
+    let (rows, n) = (37, 96);
+    let norm_inputs = [random(&[rows, n]), ((random(&[n]) * 0.1).unwrap() + 1.0).unwrap(), random(&[rows, n])];
+    let glu_inputs = [random(&[5000]), random(&[5000]), random(&[5000])];
+    let (b, h, t, d) = (2, 3, 7, 16);
+    let angles = Tensor::arange(0f32, (t * d / 2) as f32, &cpu).unwrap().reshape((t, d / 2)).unwrap() * 0.37;
+    let (cos, sin) = (angles.as_ref().unwrap().cos().unwrap(), angles.unwrap().sin().unwrap());
+
+    for (dtype, tolerance) in [(DType::F32, 1e-5), (DType::BF16, 2e-2)] {
+        let held = |x: &Tensor| x.to_dtype(dtype).unwrap().to_dtype(DType::F32).unwrap();
+        let run = |op: &str, inputs: &[(&str, &Tensor)], args: &[String]| -> [Vec<f32>; 2] {
+            let dir = scratch(op);
+            for (name, x) in inputs {
+                write_values(&dir.join(format!("{name}.bin")), &x.to_dtype(dtype).unwrap());
+            }
+            let name = if dtype == DType::F32 { "f32" } else { "bf16" };
+            let out = Command::new(&binary).arg(&dir).arg(name).arg(op).args(args).output().unwrap();
+            assert!(out.status.success(), "{op} {dtype:?}: the emulated kernels failed: {}", String::from_utf8_lossy(&out.stderr));
+            let got = [read_values(&dir.join("y.bin"), dtype), read_values(&dir.join("grads.bin"), dtype)];
+            let _ = std::fs::remove_dir_all(&dir);
+            got
+        };
+
+        // RMSNorm: y, then (dx; dw) as the kernel writes them.
+        let [x, w, g] = &norm_inputs;
+        let [y, grads] = run("rms_norm", &[("x", x), ("w", w), ("g", g)], &[rows.to_string(), n.to_string(), "1e-5".into()]);
+        let (xv, wv) = (Var::from_tensor(&held(x)).unwrap(), Var::from_tensor(&held(w)).unwrap());
+        let expected_y = ops::fused::rms_norm(xv.as_tensor(), wv.as_tensor(), 1e-5).unwrap();
+        let all = (&expected_y * held(g)).unwrap().sum_all().unwrap().backward().unwrap();
+        let expected_grads =
+            Tensor::cat(&[all.get(xv.as_tensor()).unwrap().flatten_all().unwrap(), all.get(wv.as_tensor()).unwrap().clone()], 0).unwrap();
+        assert_close(&format!("rms_norm {dtype:?}: y"), &y, &flat(&expected_y), tolerance);
+        assert_close(&format!("rms_norm {dtype:?}: dx, dw"), &grads, &flat(&expected_grads), tolerance);
+
+        // SwiGLU: y, then (da; db).
+        let [a, bb, g] = &glu_inputs;
+        let [y, grads] = run("swiglu", &[("a", a), ("b", bb), ("g", g)], &["5000".into()]);
+        let (av, bv) = (Var::from_tensor(&held(a)).unwrap(), Var::from_tensor(&held(bb)).unwrap());
+        let expected_y = ops::fused::swiglu(av.as_tensor(), bv.as_tensor()).unwrap();
+        let all = (&expected_y * held(g)).unwrap().sum_all().unwrap().backward().unwrap();
+        let expected_grads = Tensor::cat(&[all.get(av.as_tensor()).unwrap(), all.get(bv.as_tensor()).unwrap()], 0).unwrap();
+        assert_close(&format!("swiglu {dtype:?}: y"), &y, &flat(&expected_y), tolerance);
+        assert_close(&format!("swiglu {dtype:?}: da, db"), &grads, &flat(&expected_grads), tolerance);
+
+        // Rope, heads-major (b, h, t, d) and token-major (b, t, h, d): y, then g rotated back.
+        for token_major in [false, true] {
+            let (x, g) =
+                if token_major { (random(&[b, t, h, d]), random(&[b, t, h, d])) } else { (random(&[b, h, t, d]), random(&[b, h, t, d])) };
+            let heads = if token_major { h } else { 1 };
+            let args = [b * h * t, t, heads, d / 2].map(|v| v.to_string());
+            let [y, grads] = run("rope", &[("x", &x), ("cos", &cos), ("sin", &sin), ("g", &g)], &args);
+            let rope = if token_major { ops::fused::rope_token_major } else { ops::fused::rope };
+            let xv = Var::from_tensor(&held(&x)).unwrap();
+            let expected_y = rope(xv.as_tensor(), &held(&cos), &held(&sin)).unwrap();
+            let all = (&expected_y * held(&g)).unwrap().sum_all().unwrap().backward().unwrap();
+            let what = format!("rope {dtype:?} token-major {token_major}");
+            assert_close(&format!("{what}: y"), &y, &flat(&expected_y), tolerance);
+            assert_close(&format!("{what}: dx"), &grads, &flat(all.get(xv.as_tensor()).unwrap()), tolerance);
+            if dtype == DType::BF16 && !token_major {
+                // What the GPU training ran before (candle's composition in bf16), bit for bit.
+                let xv = Var::from_tensor(&x.to_dtype(dtype).unwrap()).unwrap();
+                let (c, s) = (cos.to_dtype(dtype).unwrap(), sin.to_dtype(dtype).unwrap());
+                let composed = candle_nn::rotary_emb::rope_slow(xv.as_tensor(), &c, &s).unwrap();
+                let all = (&composed * g.to_dtype(dtype).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+                assert_eq!(y, flat(&composed), "{what}: y differs from rope_slow's bits");
+                assert_eq!(grads, flat(all.get(xv.as_tensor()).unwrap()), "{what}: dx differs from rope_slow's backward bits");
+            }
+        }
+    }
+}
+
+fn flat(x: &Tensor) -> Vec<f32> {
+    x.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
 }

@@ -278,7 +278,7 @@ impl Attention {
         let v = heads(v, self.num_kv_heads, &None)?;
         let (q, k) = match pos.mode {
             _ if pos.cos.rank() == 3 => (rope_rows(&q, &pos.cos, &pos.sin)?, rope_rows(&k, &pos.cos, &pos.sin)?),
-            OpMode::Train if ops::applies(&q) && pos.cos.dtype() == DType::F32 => {
+            OpMode::Train if ops::fused::rope_applies(&q, &pos.cos) => {
                 (ops::fused::rope(&q, &pos.cos, &pos.sin)?, ops::fused::rope(&k, &pos.cos, &pos.sin)?)
             }
             OpMode::Train => {

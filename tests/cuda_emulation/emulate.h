@@ -9,6 +9,7 @@
 
 #pragma once
 
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -61,6 +62,10 @@ inline int __float_as_int(float f) { return bits_as<int>(f); }
 
 namespace emulation {
 
+struct alignas(16) uint4_storage {
+  unsigned words[4];
+};
+
 // What one warp's collectives exchange: each lane's words, then a barrier of the 32.
 struct Warp {
   std::barrier<> arrived{32};
@@ -68,14 +73,22 @@ struct Warp {
 };
 
 struct Block {
-  explicit Block(unsigned threads) : all(threads), warps(threads / 32) {
+  Block(unsigned threads, size_t shared_bytes) : all(threads), warps(threads / 32), shared((shared_bytes + 15) / 16) {
     for (auto &w : warps) w = std::make_unique<Warp>();
   }
   std::barrier<> all;
   std::vector<std::unique_ptr<Warp>> warps;
+  // The launch's dynamic shared memory (16-byte aligned).
+  std::vector<uint4_storage> shared;
 };
 
 inline Block *block = nullptr;
+
+// `extern __shared__ T name[]` (values.cuh's DYNAMIC_SHARED).
+template <class T>
+inline T *dynamic_shared() {
+  return reinterpret_cast<T *>(block->shared.data());
+}
 
 inline unsigned thread_index() { return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z); }
 inline Warp &warp() { return *block->warps[thread_index() / 32]; }
@@ -147,6 +160,8 @@ inline void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1)
 
 inline void __syncthreads() { emulation::block->all.arrive_and_wait(); }
 
+inline float atomicAdd(float *at, float v) { return std::atomic_ref<float>(*at).fetch_add(v); }
+
 template <class T>
 inline T shuffle(T v, unsigned (*source)(unsigned lane, int arg), int arg) {
   static_assert(sizeof(T) == 4);
@@ -167,17 +182,18 @@ inline T __shfl_sync(unsigned, T v, int src) {
 
 namespace emulation {
 
-// Runs `kernel(args...)` over `grid` blocks of `threads` threads (a multiple of 32), a block at a
-// time. A thread that returns leaves the block's and its warp's barriers, as exited GPU threads do.
+// Runs `kernel(args...)` over `grid` blocks of `threads` threads (a multiple of 32) with
+// `shared_bytes` of dynamic shared memory, a block at a time. A thread that returns leaves the
+// block's and its warp's barriers, as exited GPU threads do.
 template <class... Params, class... Args>
-inline void launch(void (*kernel)(Params...), dim3 grid, unsigned threads, Args... args) {
+inline void launch(void (*kernel)(Params...), dim3 grid, unsigned threads, size_t shared_bytes, Args... args) {
   gridDim = grid;
   blockDim = dim3{threads, 1, 1};
   for (unsigned z = 0; z < grid.z; z++)
     for (unsigned y = 0; y < grid.y; y++)
       for (unsigned x = 0; x < grid.x; x++) {
         blockIdx = dim3{x, y, z};
-        Block b(threads);
+        Block b(threads, shared_bytes);
         block = &b;
         std::vector<std::thread> running;
         for (unsigned i = 0; i < threads; i++)

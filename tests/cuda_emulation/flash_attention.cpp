@@ -79,15 +79,15 @@ int main(int argc, char **argv) {
   const unsigned threads = WARPS * 32, rows_per_block = ROWS;
   dim3 queries{(unsigned)(s.t_len + rows_per_block - 1) / rows_per_block, (unsigned)(batch * s.heads), 1};
   dim3 keys{(unsigned)(s.s_len + rows_per_block - 1) / rows_per_block, (unsigned)(batch * s.kv_heads), 1};
-  emulation::launch(k.forward, queries, threads, q.data(), kk.data(), v.data(), out.data(), lse.data(), s);
+  emulation::launch(k.forward, queries, threads, 0, q.data(), kk.data(), v.data(), out.data(), lse.data(), s);
   auto value = [&](unsigned short h) { return dtype == "bf16" ? emulation::bf16_value(h) : emulation::f16_value(h); };
   for (size_t r = 0; r < rows; r++) {
     float sum = 0.0f;
     for (int i = 0; i < d; i++) sum += value(dout[r * d + i]) * value(out[r * d + i]);
     delta[r] = sum;
   }
-  emulation::launch(k.dq, queries, threads, q.data(), kk.data(), v.data(), dout.data(), lse.data(), delta.data(), dq.data(), s);
-  emulation::launch(k.dkv, keys, threads, q.data(), kk.data(), v.data(), dout.data(), lse.data(), delta.data(), dk.data(), dv.data(), s);
+  emulation::launch(k.dq, queries, threads, 0, q.data(), kk.data(), v.data(), dout.data(), lse.data(), delta.data(), dq.data(), s);
+  emulation::launch(k.dkv, keys, threads, 0, q.data(), kk.data(), v.data(), dout.data(), lse.data(), delta.data(), dk.data(), dv.data(), s);
   write_values(dir + "/out.bin", out);
   write_values(dir + "/lse.bin", lse);
   write_values(dir + "/dq.bin", dq);

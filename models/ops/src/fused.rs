@@ -2,8 +2,8 @@
 //! (one output allocation, split over the threads) and whose `bwd` is exact, itself one fused
 //! pass. They replace composite chains of candle ops (a temporary tensor per step) on the
 //! training path. On other devices, and for dtypes other than f32, callers keep the composite
-//! ops (same values; see each op's test against them); RMSNorm and SwiGLU have GPU kernels too
-//! (f32, bf16: `fused_cuda`).
+//! ops (same values; see each op's test against them); RMSNorm, SwiGLU and rope have GPU kernels
+//! too (f32, bf16: `fused_cuda`).
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use kernels::pool::{pool_map_new, pool_new, pool_new_halves};
@@ -280,6 +280,13 @@ pub(crate) fn swiglu_grads(a: &[f32], b: &[f32], g: &[f32]) -> Vec<f32> {
 
 // ---------------------------------------------------------------- rotary embedding
 
+/// Whether [`rope`] runs for x and these tables: f32 on the CPU; f32 or bf16 on a GPU, the tables
+/// in x's dtype.
+pub fn rope_applies(x: &Tensor, cos: &Tensor) -> bool {
+    let on_gpu = cfg!(feature = "cuda") && x.device().is_cuda() && matches!(x.dtype(), candle_core::DType::F32 | candle_core::DType::BF16);
+    cos.dtype() == x.dtype() && (crate::applies(x) || on_gpu)
+}
+
 /// Rotary embedding of `x` (batch, heads, seq, head_dim) with `cos`/`sin` tables (seq,
 /// head_dim / 2), halves rotated as transformers' `rotate_half` does (what candle's `rope_slow`
 /// computes, without concatenating the tables at every call).
@@ -300,9 +307,35 @@ struct Rope {
     token_major: bool,
 }
 
+impl Rope {
+    /// Positions, rows sharing a position, and head dim of an x of `dims`.
+    fn geometry(&self, dims: &[usize]) -> Result<(usize, usize, usize)> {
+        match (self.token_major, dims) {
+            (true, [_, t, h, d]) => Ok((*t, *h, *d)),
+            (false, [.., t, d]) => Ok((*t, 1, *d)),
+            _ => candle_core::bail!("rope: unexpected shape {dims:?}"),
+        }
+    }
+}
+
 impl CustomOp3 for Rope {
     fn name(&self) -> &'static str {
         "fused-rope"
+    }
+
+    /// On a GPU: our kernel (`fused_cuda`), f32 and bf16.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        cs: &candle_core::CudaStorage,
+        cl: &Layout,
+        ss: &candle_core::CudaStorage,
+        sl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (seq, heads, _) = self.geometry(xl.dims())?;
+        Ok((crate::fused_cuda::rope(xs, xl, cs, cl, ss, sl, (seq, heads), self.inverse)?, xl.shape().clone()))
     }
 
     fn cpu_fwd(
@@ -315,13 +348,8 @@ impl CustomOp3 for Rope {
         sl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (x, cos, sin) = (f32_slice(xs, xl)?, f32_slice(cs, cl)?, f32_slice(ss, sl)?);
-        let dims = xl.shape().dims();
         // Rows of head_dim values; `heads` consecutive rows share a position when token-major.
-        let (seq, heads, d) = match (self.token_major, dims) {
-            (true, [_, t, h, d]) => (*t, *h, *d),
-            (false, [.., t, d]) => (*t, 1, *d),
-            _ => candle_core::bail!("rope: unexpected shape {dims:?}"),
-        };
+        let (seq, heads, d) = self.geometry(xl.dims())?;
         let position = |row: usize| if self.token_major { (row / heads) % seq } else { row % seq };
         Ok((CpuStorage::F32(rope_values(x, (cos, sin), (seq, d), position, self.inverse)?), xl.shape().clone()))
     }

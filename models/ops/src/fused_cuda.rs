@@ -1,6 +1,7 @@
-//! `ops::fused`'s RMSNorm and SwiGLU on a GPU as kernels of our own (`fused.cu`): RMSNorm's
+//! `ops::fused`'s RMSNorm, SwiGLU and rope on a GPU as kernels of our own (`fused.cu`): RMSNorm's
 //! forward one pass over x, its backward one pass over x and the gradient (dx and the weight's
-//! gradient together); SwiGLU's forward and backward one pass each. Composed from candle's ops
+//! gradient together); SwiGLU's forward and backward one pass each; rope one pass, the backward
+//! the same kernel rotating back. Composed from candle's ops
 //! (RMSNorm in f32: casts, a square, a mean, a square root, a reciprocal, two broadcast products;
 //! SwiGLU: silu, then a product; and their backwards) each made several passes over
 //! activation-sized tensors.
@@ -159,11 +160,15 @@ fn rms_norm_backward_as<T: CudaDType + DeviceRepr + WithDType>(
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }
 
-/// Blocks of SwiGLU's grid-stride loops at most (enough to fill an H100).
-const SWIGLU_BLOCKS: u64 = 4096;
+/// Blocks of the elementwise kernels' grid-stride loops at most (enough to fill an H100).
+const ELEMENTWISE_BLOCKS: u64 = 4096;
 
 fn elementwise_config(n: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: ((n as u64).div_ceil(256).clamp(1, SWIGLU_BLOCKS) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+    LaunchConfig {
+        grid_dim: ((n as u64).div_ceil(256).clamp(1, ELEMENTWISE_BLOCKS) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// Checks that SwiGLU's inputs are contiguous and of one length: that length.
@@ -233,4 +238,75 @@ fn swiglu_backward_as<T: CudaDType + DeviceRepr + WithDType>(
     // SAFETY: reads n values of a, b and g, writes the 2n of out (lengths checked above).
     unsafe { args.launch(elementwise_config(n)) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
+
+/// The kernel's `Rotation`: rows of 2 half values, row r at position (r / heads) % seq.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Rotation {
+    rows: i64,
+    seq: i32,
+    heads: i32,
+    half: i32,
+    sign: f32,
+}
+
+// SAFETY: plain data laid out as the kernel's C struct.
+unsafe impl DeviceRepr for Rotation {}
+
+/// Rows of x rotated by the angles of the (seq, half) tables, `heads` consecutive rows sharing a
+/// position (1 for heads-major rows); by the negative angles when `inverse` (the backward).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rope(
+    xs: &CudaStorage,
+    xl: &Layout,
+    cs: &CudaStorage,
+    cl: &Layout,
+    ss: &CudaStorage,
+    sl: &Layout,
+    (seq, heads): (usize, usize),
+    inverse: bool,
+) -> Result<CudaStorage> {
+    by_dtype!(xs.dtype(), "rope", rope_as(xs, xl, cs, cl, ss, sl, (seq, heads), inverse))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rope_as<T: CudaDType + DeviceRepr + WithDType>(
+    xs: &CudaStorage,
+    xl: &Layout,
+    cs: &CudaStorage,
+    cl: &Layout,
+    ss: &CudaStorage,
+    sl: &Layout,
+    (seq, heads): (usize, usize),
+    inverse: bool,
+) -> Result<CudaStorage> {
+    let d = xl.dims().last().copied().unwrap_or(0);
+    let half = d / 2;
+    let contiguous = [xl, cl, sl].iter().all(|l| l.contiguous_offsets().is_some());
+    if d % 2 != 0 || !contiguous || cl.shape().elem_count() != seq * half || sl.dims() != cl.dims() || cs.dtype() != xs.dtype() {
+        candle_core::bail!(
+            "rope on the GPU: x {:?}, tables {:?} / {:?} for {seq} positions (contiguous, of x's dtype)",
+            xl.dims(),
+            cl.dims(),
+            sl.dims()
+        );
+    }
+    let n = xl.shape().elem_count();
+    let p = Rotation {
+        rows: (n / d.max(1)) as i64,
+        seq: seq as i32,
+        heads: heads as i32,
+        half: half as i32,
+        sign: if inverse { -1.0 } else { 1.0 },
+    };
+    let dev = xs.device.clone();
+    let (x, cos, sin) = (input::<T>(xs, xl)?, input::<T>(cs, cl)?, input::<T>(ss, sl)?);
+    let y = unsafe { dev.alloc::<T>(n)? };
+    let func = dev.get_or_load_custom_func(&kernel_name("rope", T::DTYPE)?, SOURCE.module, SOURCE.ptx()?)?;
+    let mut args = func.builder();
+    args.arg(&x).arg(&cos).arg(&sin).arg(&y).arg(&p);
+    // SAFETY: reads the n values of x and seq × half of each table, writes the n of y (checked above).
+    unsafe { args.launch(elementwise_config(n / 2)) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(y, dev))
 }

@@ -1,4 +1,4 @@
-// The fused training ops of `ops::fused` on a GPU, forward and backward: RMSNorm and SwiGLU.
+// The fused training ops of `ops::fused` on a GPU, forward and backward: RMSNorm, SwiGLU, rope.
 // Compiled at run time by NVRTC (models/ops/src/fused_cuda.rs) after values.cuh.
 //
 // RMSNorm over rows of n values, one warp per row. As transformers' LlamaRMSNorm (and `ops::fused::rms_norm`'s CPU loop): in f32, r = 1 / sqrt(
@@ -38,7 +38,7 @@ __device__ void norm_forward(const T *x, const T *w, T *y, Norm p) {
 
 template <typename T>
 __device__ void norm_backward_rows(const T *x, const T *w, const T *g, T *dx, float *dw, Norm p) {
-  extern __shared__ float block_dw[];
+  DYNAMIC_SHARED(float, block_dw);
   for (int i = threadIdx.x; i < p.n; i += blockDim.x) block_dw[i] = 0.0f;
   __syncthreads();
   int warps = blockDim.x / 32, lane = threadIdx.x % 32;
@@ -89,6 +89,30 @@ __device__ void swiglu_backward(const T *a, const T *b, const T *g, T *out, long
   }
 }
 
+// Rotary embedding, halves rotated as transformers' rotate_half: row r of d = 2 half values is
+// at position (r / heads) % seq in the (seq, half) tables (heads = 1 for heads-major rows). Each
+// product held in the dtype before the sum, as candle's rope_slow rounds it in bf16; sign -1
+// rotates back, which is the backward:
+//   y_j = held(x_j c_j) + held(-x_{j+half} s_j),  y_{j+half} = held(x_{j+half} c_j) + held(x_j s_j)
+struct Rotation {
+  long long rows;
+  int seq, heads, half;
+  float sign;
+};
+
+template <typename T>
+__device__ void rope(const T *x, const T *cos, const T *sin, T *y, Rotation p) {
+  long long n = p.rows * p.half;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    long long row = i / p.half, at = row * 2 * p.half;
+    int j = (int)(i % p.half), table = (int)((row / p.heads) % p.seq) * p.half + j;
+    float c = load(cos, table), s = p.sign * load(sin, table);
+    float x1 = load(x, at + j), x2 = load(x, at + j + p.half);
+    store(y, at + j, as_held(x1 * c, x) + as_held(-(x2 * s), x));
+    store(y, at + j + p.half, as_held(x2 * c, x) + as_held(x1 * s, x));
+  }
+}
+
 #define INSTANTIATE(NAME, T)                                                                                      \
   extern "C" __global__ void rms_norm_forward_##NAME(const T *x, const T *w, T *y, Norm p) {                     \
     norm_forward<T>(x, w, y, p);                                                                                 \
@@ -105,6 +129,9 @@ __device__ void swiglu_backward(const T *a, const T *b, const T *g, T *out, long
   }                                                                                                              \
   extern "C" __global__ void swiglu_backward_##NAME(const T *a, const T *b, const T *g, T *out, long long n) {     \
     swiglu_backward<T>(a, b, g, out, n);                                                                         \
+  }                                                                                                              \
+  extern "C" __global__ void rope_##NAME(const T *x, const T *cos, const T *sin, T *y, Rotation p) {              \
+    rope<T>(x, cos, sin, y, p);                                                                                  \
   }
 
 INSTANTIATE(f32, float)

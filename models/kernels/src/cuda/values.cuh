@@ -5,6 +5,14 @@ typedef unsigned short bf16_t;
 
 #define NEG_INF __int_as_float(0xff800000u)
 
+// A block's shared memory sized at launch (the C++ emulation of tests/cuda_emulation hands out
+// its own buffer: `extern __shared__` has no C++ spelling).
+#ifdef FSDP_CUDA_EMULATION
+#define DYNAMIC_SHARED(T, NAME) T *NAME = emulation::dynamic_shared<T>()
+#else
+#define DYNAMIC_SHARED(T, NAME) extern __shared__ T NAME[]
+#endif
+
 __device__ __forceinline__ float load(const float *p, long long i) { return p[i]; }
 __device__ __forceinline__ float load(const bf16_t *p, long long i) { return __uint_as_float(((unsigned int)p[i]) << 16); }
 
