@@ -6,6 +6,7 @@
 //!   `ops::eager_attention` in f32 (tiling, indexing, masks, the online softmax);
 //! - the fused training ops (`fused.cu`): RMSNorm, SwiGLU and rope, forward and backward, in f32
 //!   against `ops::fused`'s CPU ops, in bf16 rope bit for bit against candle's `rope_slow`.
+//!
 //! `tests/cuda.rs` checks the same kernels on a GPU.
 
 mod common;
