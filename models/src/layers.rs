@@ -356,9 +356,16 @@ impl Attention {
         let k = rope_rows(&heads(k, self.num_kv_heads, &self.k_norm)?, cos, sin)?;
         let v = heads(v, self.num_kv_heads, &None)?;
         let scale = 1.0 / (d as f64).sqrt();
-        let mut outs = Vec::with_capacity(rows);
         for (r, cache) in caches.iter_mut().enumerate() {
             cache.append(&k.narrow(0, r, 1)?, &v.narrow(0, r, 1)?)?;
+        }
+        // On a GPU, every row in one kernel over the caches' blocks.
+        let tables: Vec<(&[(Tensor, Tensor)], usize)> = caches.iter().map(|c| (c.blocks(), c.seq_len())).collect();
+        if let Some(out) = ops::flash_attention::decode(&q, &tables, scale, window)? {
+            return self.o_proj.forward(&out, OpMode::Generate, None, adapters);
+        }
+        let mut outs = Vec::with_capacity(rows);
+        for (r, cache) in caches.iter().enumerate() {
             if let Some(out) = cache.attend(&q.narrow(0, r, 1)?, scale, window)? {
                 outs.push(out);
                 continue;

@@ -5,6 +5,9 @@
 // usage: flash_attention DIR bf16|f16 D BATCH HEADS KV_HEADS T S OFFSET CAUSAL WINDOW SCALE
 // reads DIR/{q,k,v,dout}.bin (half bits), writes DIR/{out,dq,dk,dv}.bin (half bits) and
 // DIR/lse.bin (f32).
+//        flash_attention DIR decode bf16|f16 D HEADS KV_HEADS WINDOW SCALE LEN...
+// one sequence per LEN: reads DIR/q.bin (sequences x heads x D) and each sequence's cache blocks
+// DIR/k<r>.bin, DIR/v<r>.bin (ceil(LEN / 64) blocks of kv_heads x 64 x D), writes DIR/out.bin.
 
 #include <cstdio>
 #include <cstdlib>
@@ -52,7 +55,46 @@ struct Kernels {
 
 #define KERNELS(NAME, D) Kernels{flash_forward_##NAME##_d##D, flash_backward_dq_##NAME##_d##D, flash_backward_dkv_##NAME##_d##D}
 
+static int decode_main(int argc, char **argv) {
+  std::string dir = argv[1], dtype = argv[3];
+  int d = std::atoi(argv[4]), heads = std::atoi(argv[5]), kv_heads = std::atoi(argv[6]);
+  Decode s{heads, kv_heads, 0, std::atoi(argv[7]), (float)std::atof(argv[8])};
+  std::vector<int> lens;
+  for (int i = 9; i < argc; i++) lens.push_back(std::atoi(argv[i]));
+  int seqs = (int)lens.size();
+  for (int len : lens) s.max_blocks = std::max(s.max_blocks, (len + CACHE_BLOCK - 1) / CACHE_BLOCK);
+  auto q = read_values<half_bits>(dir + "/q.bin", (size_t)seqs * heads * d);
+  std::vector<Bits> k(seqs), v(seqs);
+  std::vector<unsigned long long> k_table((size_t)seqs * s.max_blocks), v_table(k_table.size());
+  size_t block = (size_t)kv_heads * CACHE_BLOCK * d;
+  for (int r = 0; r < seqs; r++) {
+    int blocks = (lens[r] + CACHE_BLOCK - 1) / CACHE_BLOCK;
+    k[r] = read_values<half_bits>(dir + "/k" + std::to_string(r) + ".bin", blocks * block);
+    v[r] = read_values<half_bits>(dir + "/v" + std::to_string(r) + ".bin", blocks * block);
+    for (int b = 0; b < blocks; b++) {
+      k_table[(size_t)r * s.max_blocks + b] = (unsigned long long)(k[r].data() + b * block);
+      v_table[(size_t)r * s.max_blocks + b] = (unsigned long long)(v[r].data() + b * block);
+    }
+  }
+  decltype(&flash_decode_bf16_d64) kernel;
+  if (dtype == "bf16" && d == 64) kernel = flash_decode_bf16_d64;
+  else if (dtype == "bf16" && d == 128) kernel = flash_decode_bf16_d128;
+  else if (dtype == "f16" && d == 64) kernel = flash_decode_f16_d64;
+  else if (dtype == "f16" && d == 128) kernel = flash_decode_f16_d128;
+  else {
+    std::fprintf(stderr, "no decode kernel for %s, head dim %d\n", dtype.c_str(), d);
+    return 2;
+  }
+  Bits out((size_t)seqs * heads * d);
+  unsigned head_chunks = (unsigned)((heads / kv_heads + 15) / 16);
+  emulation::launch(kernel, dim3{(unsigned)seqs, (unsigned)kv_heads, head_chunks}, WARPS * 32, 0, q.data(), k_table.data(), v_table.data(),
+                    lens.data(), out.data(), s);
+  write_values(dir + "/out.bin", out);
+  return 0;
+}
+
 int main(int argc, char **argv) {
+  if (argc > 2 && std::string(argv[2]) == "decode") return decode_main(argc, argv);
   if (argc != 13) {
     std::fprintf(stderr, "usage: %s DIR bf16|f16 D BATCH HEADS KV_HEADS T S OFFSET CAUSAL WINDOW SCALE\n", argv[0]);
     return 2;

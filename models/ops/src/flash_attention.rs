@@ -2,7 +2,8 @@
 //! FlashAttention-2's forward and backward as kernels of our own (`flash_attention_cuda`), for
 //! the masks a model can describe instead of materialise (causal, with an offset over a cache and
 //! a sliding window), GQA without repeating k and v, bf16 and f16, head dims 64 and 128. The
-//! same op serves training (with its backward) and prefill.
+//! same op serves training (with its backward) and prefill; [`decode`] is one new query per
+//! sequence over the KV cache's blocks, every sequence of a decoding step in one launch.
 //!
 //! Eager attention (`eager_attention`) stays for what this does not take: the CPU, f32, packed
 //! rows (whose mask is per document), other head dims.
@@ -60,6 +61,28 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, visibility: Visibility, sca
     #[cfg(not(feature = "cuda"))]
     {
         let _ = scale;
+        unreachable!("applies() is false without the cuda feature")
+    }
+}
+
+/// One new query per sequence over each sequence's cached blocks, where [`applies`] takes `q`
+/// (sequences, heads, 1, d) for the blocks' kv_heads: (sequences, 1, heads · d). `caches` holds
+/// per sequence its blocks ((keys, values), each (kv_heads, 64, d), `models::kv_cache`'s layout)
+/// and its length, the new position last; `window` as the model's sliding window. None where the
+/// kernels do not apply.
+pub fn decode(q: &Tensor, caches: &[(&[(Tensor, Tensor)], usize)], scale: f64, window: Option<usize>) -> Result<Option<Tensor>> {
+    let kv_heads = caches.first().and_then(|(blocks, _)| blocks.first()).map(|(k, _)| k.dim(0)).transpose()?;
+    let Some(kv_heads) = kv_heads else { return Ok(None) };
+    if q.dim(2)? != 1 || !applies(q, kv_heads) || q.dim(0)? != caches.len() {
+        return Ok(None);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        super::flash_attention_cuda::decode(q, caches, scale, window).map(Some)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (scale, window);
         unreachable!("applies() is false without the cuda feature")
     }
 }

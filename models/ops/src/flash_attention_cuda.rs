@@ -1,12 +1,12 @@
-//! `flash_attention`'s op on a GPU: the forward kernel as a candle op that keeps the rows'
-//! log-sum-exp for its backward, and the backward as two kernels (dq by query rows; dk and dv
-//! by key rows, summed over each kv head's query heads), from `kernels::cuda::FLASH_ATTENTION`,
-//! compiled by NVRTC the first time a process needs it.
+//! `flash_attention`'s ops on a GPU: the forward kernel as a candle op that keeps the rows'
+//! log-sum-exp for its backward, the backward as two kernels (dq by query rows; dk and dv by key
+//! rows, summed over each kv head's query heads), and decoding over the KV cache's blocks, from
+//! `kernels::cuda::FLASH_ATTENTION`, compiled by NVRTC the first time a process needs it.
 
 use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CpuStorage, CudaStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType, D};
 use kernels::cuda::FLASH_ATTENTION as SOURCE;
@@ -280,4 +280,135 @@ impl CustomOp3 for Gradient<'_> {
         };
         Ok((grads, shape))
     }
+}
+
+/// Positions per cache block (flash_attention.cu's CACHE_BLOCK, models::kv_cache's BLOCK).
+pub const CACHE_BLOCK: usize = 64;
+
+/// The decode kernel's `Decode`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct DecodeShape {
+    heads: i32,
+    kv_heads: i32,
+    max_blocks: i32,
+    window: i32,
+    scale: f32,
+}
+
+// SAFETY: plain data laid out as the kernel's C struct.
+unsafe impl DeviceRepr for DecodeShape {}
+
+/// One new query per sequence, q (sequences, heads, 1, d), over each sequence's cached blocks
+/// ((keys, values), each (kv_heads, CACHE_BLOCK, d)) and length: (sequences, 1, heads · d).
+pub fn decode(q: &Tensor, caches: &[(&[(Tensor, Tensor)], usize)], scale: f64, window: Option<usize>) -> Result<Tensor> {
+    let (rows, heads, _, d) = q.dims4()?;
+    let kv_heads = caches.first().and_then(|(blocks, _)| blocks.first()).map(|(k, _)| k.dim(0)).transpose()?.unwrap_or(0);
+    for (r, (blocks, len)) in caches.iter().enumerate() {
+        let fits = |t: &Tensor| t.dims() == [kv_heads, CACHE_BLOCK, d] && t.dtype() == q.dtype() && t.device().same_device(q.device());
+        if blocks.len() < len.div_ceil(CACHE_BLOCK) || *len == 0 || !blocks.iter().all(|(k, v)| fits(k) && fits(v)) {
+            candle_core::bail!("flash decode: sequence {r} has {} cache blocks for {len} positions, not ({kv_heads}, {CACHE_BLOCK}, {d}) of q's dtype and device", blocks.len());
+        }
+    }
+    let max_blocks = caches.iter().map(|(_, len)| len.div_ceil(CACHE_BLOCK)).max().unwrap_or(0);
+    let shape = DecodeShape {
+        heads: heads as i32,
+        kv_heads: kv_heads as i32,
+        max_blocks: max_blocks as i32,
+        window: window.unwrap_or(0) as i32,
+        scale: scale as f32,
+    };
+    aligned(q)?.apply_op1_no_bwd(&Decode { caches, shape, rows, head_dim: d })
+}
+
+struct Decode<'a> {
+    caches: &'a [(&'a [(Tensor, Tensor)], usize)],
+    shape: DecodeShape,
+    rows: usize,
+    head_dim: usize,
+}
+
+impl Decode<'_> {
+    /// The device addresses of each sequence's key and value blocks, `max_blocks` entries a
+    /// sequence (0 past its blocks), and the lengths.
+    fn tables<T: CudaDType>(
+        &self,
+        stream: &candle_core::cuda_backend::cudarc::driver::CudaStream,
+    ) -> Result<(Vec<u64>, Vec<u64>, Vec<i32>)> {
+        let width = self.shape.max_blocks as usize;
+        let (mut keys, mut values) = (vec![0u64; self.rows * width], vec![0u64; self.rows * width]);
+        let address = |t: &Tensor| -> Result<u64> {
+            let (storage, layout) = t.storage_and_layout();
+            let view = values_of::<T>(&storage, start_of(layout, "a cache block")?)?;
+            let (ptr, _record) = view.device_ptr(stream);
+            Ok(ptr)
+        };
+        for (r, (blocks, len)) in self.caches.iter().enumerate() {
+            for (b, (k, v)) in blocks.iter().take(len.div_ceil(CACHE_BLOCK)).enumerate() {
+                keys[r * width + b] = address(k)?;
+                values[r * width + b] = address(v)?;
+            }
+        }
+        let lens = self.caches.iter().map(|(_, len)| *len as i32).collect();
+        Ok((keys, values, lens))
+    }
+
+    fn run<T: CudaDType + DeviceRepr + WithDType>(&self, q: &CudaStorage, layout: &Layout) -> Result<CudaStorage> {
+        let dev = q.device.clone();
+        let q = view::<T>((q, layout), "q")?;
+        let stream = dev.cuda_stream();
+        let (keys, values, lens) = self.tables::<T>(&stream)?;
+        let upload = |host: &[u64]| -> Result<CudaSlice<u64>> {
+            let mut on_device = unsafe { dev.alloc::<u64>(host.len())? };
+            dev.memcpy_htod(host, &mut on_device)?;
+            Ok(on_device)
+        };
+        let (keys, values) = (upload(&keys)?, upload(&values)?);
+        let mut lens_on_device = unsafe { dev.alloc::<i32>(lens.len())? };
+        dev.memcpy_htod(&lens, &mut lens_on_device)?;
+        let out = unsafe { dev.alloc::<T>(self.rows * self.shape.heads as usize * self.head_dim)? };
+        let name = match T::DTYPE {
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            other => candle_core::bail!("flash decode kernels: no {other:?} version"),
+        };
+        let func = dev.get_or_load_custom_func(&format!("flash_decode_{name}_d{}", self.head_dim), SOURCE.module, SOURCE.ptx()?)?;
+        let group = (self.shape.heads / self.shape.kv_heads) as u32;
+        let config = LaunchConfig {
+            grid_dim: (self.rows as u32, self.shape.kv_heads as u32, group.div_ceil(16)),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut args = func.builder();
+        args.arg(&q).arg(&keys).arg(&values).arg(&lens_on_device).arg(&out).arg(&self.shape);
+        // SAFETY: the tables list, per sequence, blocks of (kv_heads, CACHE_BLOCK, d) values that
+        // `decode` checked and the caches keep alive; the kernel reads positions under each length
+        // and writes the rows × heads × d values of `out`.
+        unsafe { args.launch(config) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+}
+
+impl candle_core::CustomOp1 for Decode<'_> {
+    fn name(&self) -> &'static str {
+        "flash-decode"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("flash decode runs on a GPU only")
+    }
+
+    fn cuda_fwd(&self, q: &CudaStorage, layout: &Layout) -> Result<(CudaStorage, Shape)> {
+        let out = match q.dtype() {
+            DType::BF16 => self.run::<half::bf16>(q, layout)?,
+            DType::F16 => self.run::<half::f16>(q, layout)?,
+            other => candle_core::bail!("flash decode kernels: no {other:?} version"),
+        };
+        Ok((out, Shape::from((self.rows, 1, self.shape.heads as usize * self.head_dim))))
+    }
+}
+
+/// A GPU tensor's values from `start`.
+fn values_of<T: CudaDType>(storage: &candle_core::Storage, start: usize) -> Result<CudaView<'_, T>> {
+    values::<T>(storage, start, None, "flash decode: a cache block")
 }

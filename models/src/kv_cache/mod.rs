@@ -92,6 +92,11 @@ impl LayerKvCache {
         Ok(())
     }
 
+    /// The blocks of keys and values, each (kv_heads, BLOCK, head_dim), positions in order.
+    pub fn blocks(&self) -> &[(Tensor, Tensor)] {
+        &self.blocks
+    }
+
     /// Every cached position's keys and values, (1, kv_heads, len, head_dim) each (a copy).
     pub fn all(&self) -> Result<(Tensor, Tensor)> {
         let part = |i: usize, t: &Tensor| t.narrow(1, 0, (self.len - i * BLOCK).min(BLOCK));

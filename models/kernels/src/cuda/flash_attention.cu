@@ -127,15 +127,15 @@ __device__ __forceinline__ void stage_row_values(float *tile, const float *m, in
   for (int i = threadIdx.x; i < N; i += WARPS * 32) tile[i] = i < rows ? m[i] : fill;
 }
 
-// acc (16 x N) = a (16 x D) · tileᵀ, the tile's N rows as the columns. acc[nt] holds columns
-// nt*8 + 2t, +1 of rows g (0, 1) and g+8 (2, 3).
+// acc (16 x N) = a (16 x D) · tileᵀ, the tile's N rows (`stride` halves apart) as the columns.
+// acc[nt] holds columns nt*8 + 2t, +1 of rows g (0, 1) and g+8 (2, 3).
 template <class H, int N, int D>
-__device__ __forceinline__ void times_rows(const unsigned (&a)[D / 16][4], const half_bits *tile, int lane, float (&acc)[N / 8][4]) {
+__device__ __forceinline__ void times_rows(const unsigned (&a)[D / 16][4], const half_bits *tile, int stride, int lane, float (&acc)[N / 8][4]) {
   int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int nt = 0; nt < N / 8; nt++) {
     acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-    const half_bits *row = tile + (nt * 8 + g) * (D + PAD) + 2 * t;
+    const half_bits *row = tile + (nt * 8 + g) * stride + 2 * t;
 #pragma unroll
     for (int kk = 0; kk < D / 16; kk++) {
       unsigned b0 = *reinterpret_cast<const unsigned *>(row + kk * 16);
@@ -145,20 +145,25 @@ __device__ __forceinline__ void times_rows(const unsigned (&a)[D / 16][4], const
   }
 }
 
-// out (16 x D) += p (16 x N, f32 in C fragments, rounded to half here) · tile (N x D).
-template <class H, int N, int D>
-__device__ __forceinline__ void accumulate(const float (&p)[N / 8][4], const half_bits *tile, int lane, float (&out)[D / 8][4]) {
+// out (16 x D) += p (16 x N, f32 in C fragments, rounded to half here) · tile (N x D, rows
+// `stride` halves apart). BOUNDED: the tile's rows from `rows` on read as 0 (they may hold
+// anything, and p = 0 times a NaN would still be NaN); a staged tile is zero-filled already.
+template <class H, int N, int D, bool BOUNDED = false>
+__device__ __forceinline__ void accumulate(const float (&p)[N / 8][4], const half_bits *tile, int stride, int lane, float (&out)[D / 8][4],
+                                           int rows = N) {
   int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int kk = 0; kk < N / 16; kk++) {
     unsigned a[4] = {H::pack(p[2 * kk][0], p[2 * kk][1]), H::pack(p[2 * kk][2], p[2 * kk][3]),
                      H::pack(p[2 * kk + 1][0], p[2 * kk + 1][1]), H::pack(p[2 * kk + 1][2], p[2 * kk + 1][3])};
-    const half_bits *r0 = tile + (kk * 16 + 2 * t) * (D + PAD) + g;
+    int r = kk * 16 + 2 * t;
+    const half_bits *r0 = tile + r * stride + g;
+    bool in[4] = {!BOUNDED || r < rows, !BOUNDED || r + 1 < rows, !BOUNDED || r + 8 < rows, !BOUNDED || r + 9 < rows};
 #pragma unroll
     for (int nt = 0; nt < D / 8; nt++) {
       const half_bits *c = r0 + nt * 8;
-      unsigned b0 = (unsigned)c[0] | ((unsigned)c[D + PAD] << 16);
-      unsigned b1 = (unsigned)c[8 * (D + PAD)] | ((unsigned)c[9 * (D + PAD)] << 16);
+      unsigned b0 = (in[0] ? (unsigned)c[0] : 0u) | ((in[1] ? (unsigned)c[stride] : 0u) << 16);
+      unsigned b1 = (in[2] ? (unsigned)c[8 * stride] : 0u) | ((in[3] ? (unsigned)c[9 * stride] : 0u) << 16);
       H::mma(out[nt], a, b0, b1);
     }
   }
@@ -203,6 +208,38 @@ __device__ __forceinline__ int2 query_range(int n0, int count, const Shape &s) {
   return make_int2(first, max(first, end));
 }
 
+// One tile of a warp's scores (times scale · log2 e, NEG_INF where hidden) into its rows' running
+// max m and sum l (this lane's share of the row) and output o, rescaled as the max grows; the
+// scores become the probabilities p (exp2(x - m)) that multiply the tile's values next.
+template <int N, int D>
+__device__ __forceinline__ void online_softmax(float (&sc)[N / 8][4], float (&m)[2], float (&l)[2], float (&o)[D / 8][4]) {
+#pragma unroll
+  for (int half = 0; half < 2; half++) {
+    float mx = NEG_INF;
+#pragma unroll
+    for (int nt = 0; nt < N / 8; nt++) mx = fmaxf(mx, fmaxf(sc[nt][2 * half], sc[nt][2 * half + 1]));
+    float m_new = fmaxf(m[half], quad_max(mx));
+    // A row that sees nothing yet keeps p = 0 (exp2(-inf - 0)).
+    float base = m_new == NEG_INF ? 0.0f : m_new;
+    float keep = exp2f(m[half] - base), sum = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < N / 8; nt++)
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        float p = exp2f(sc[nt][2 * half + e] - base);
+        sc[nt][2 * half + e] = p;
+        sum += p;
+      }
+    l[half] = l[half] * keep + sum;
+    m[half] = m_new;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; nt++) {
+      o[nt][2 * half] *= keep;
+      o[nt][2 * half + 1] *= keep;
+    }
+  }
+}
+
 // Grid (ceil(T / 64), batch * heads); 128 threads.
 template <class H, int D>
 __device__ void flash_forward(const half_bits *q, const half_bits *k, const half_bits *v, half_bits *out, float *lse, Shape s) {
@@ -228,41 +265,16 @@ __device__ void flash_forward(const half_bits *q, const half_bits *k, const half
     stage<ROWS, D>(v_tile, vh + (long long)n0 * D, s.s_len - n0);
     __syncthreads();
     float sc[ROWS / 8][4];
-    times_rows<H, ROWS, D>(qa, k_tile, lane, sc);
+    times_rows<H, ROWS, D>(qa, k_tile, D + PAD, lane, sc);
 #pragma unroll
-    for (int half = 0; half < 2; half++) {
-      int i = row0 + g + 8 * half;
-      float mx = NEG_INF;
+    for (int nt = 0; nt < ROWS / 8; nt++)
 #pragma unroll
-      for (int nt = 0; nt < ROWS / 8; nt++)
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-          int j = n0 + nt * 8 + 2 * t + e;
-          float x = visible(i, j, s) ? sc[nt][2 * half + e] * k2 : NEG_INF;
-          sc[nt][2 * half + e] = x;
-          mx = fmaxf(mx, x);
-        }
-      float m_new = fmaxf(m[half], quad_max(mx));
-      // A row that sees nothing yet keeps p = 0 (exp2(-inf - 0)).
-      float base = m_new == NEG_INF ? 0.0f : m_new;
-      float keep = exp2f(m[half] - base), sum = 0.0f;
-#pragma unroll
-      for (int nt = 0; nt < ROWS / 8; nt++)
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-          float p = exp2f(sc[nt][2 * half + e] - base);
-          sc[nt][2 * half + e] = p;
-          sum += p;
-        }
-      l[half] = l[half] * keep + sum;
-      m[half] = m_new;
-#pragma unroll
-      for (int nt = 0; nt < D / 8; nt++) {
-        o[nt][2 * half] *= keep;
-        o[nt][2 * half + 1] *= keep;
+      for (int r = 0; r < 4; r++) {
+        int i = row0 + g + 8 * (r / 2), j = n0 + nt * 8 + 2 * t + (r & 1);
+        sc[nt][r] = visible(i, j, s) ? sc[nt][r] * k2 : NEG_INF;
       }
-    }
-    accumulate<H, ROWS, D>(sc, v_tile, lane, o);
+    online_softmax<ROWS, D>(sc, m, l, o);
+    accumulate<H, ROWS, D>(sc, v_tile, D + PAD, lane, o);
   }
 
   float inv[2];
@@ -313,8 +325,8 @@ __device__ void flash_backward_dq(const half_bits *q, const half_bits *k, const 
     stage<ROWS, D>(v_tile, vh + (long long)n0 * D, s.s_len - n0);
     __syncthreads();
     float p[ROWS / 8][4], dp[ROWS / 8][4];
-    times_rows<H, ROWS, D>(qa, k_tile, lane, p);
-    times_rows<H, ROWS, D>(da, v_tile, lane, dp);
+    times_rows<H, ROWS, D>(qa, k_tile, D + PAD, lane, p);
+    times_rows<H, ROWS, D>(da, v_tile, D + PAD, lane, dp);
 #pragma unroll
     for (int nt = 0; nt < ROWS / 8; nt++)
 #pragma unroll
@@ -323,7 +335,7 @@ __device__ void flash_backward_dq(const half_bits *q, const half_bits *k, const 
         float pr = visible(i, j, s) ? prob(p[nt][r] * k2, lse2[half]) : 0.0f;
         p[nt][r] = pr * (dp[nt][r] - dl[half]);
       }
-    accumulate<H, ROWS, D>(p, k_tile, lane, acc);
+    accumulate<H, ROWS, D>(p, k_tile, D + PAD, lane, acc);
   }
   store_rows<H, D>(acc, dq + rows_at * D, s.t_len, row0, lane, s.scale, s.scale);
 }
@@ -366,7 +378,7 @@ __device__ void flash_backward_dkv(const half_bits *q, const half_bits *k, const
       stage_row_values<QN>(delta_tile, delta + rows_at + m0, s.t_len - m0, 0.0f);
       __syncthreads();
       float p[QN / 8][4], dp[QN / 8][4];
-      times_rows<H, QN, D>(ka, q_tile, lane, p);
+      times_rows<H, QN, D>(ka, q_tile, D + PAD, lane, p);
 #pragma unroll
       for (int nt = 0; nt < QN / 8; nt++)
 #pragma unroll
@@ -374,17 +386,95 @@ __device__ void flash_backward_dkv(const half_bits *q, const half_bits *k, const
           int c = nt * 8 + 2 * t + (r & 1), j = key0 + g + 8 * (r / 2);
           p[nt][r] = visible(m0 + c, j, s) ? prob(p[nt][r] * k2, lse_tile[c] * LOG2E) : 0.0f;
         }
-      accumulate<H, QN, D>(p, d_tile, lane, dv_acc);
-      times_rows<H, QN, D>(va, d_tile, lane, dp);
+      accumulate<H, QN, D>(p, d_tile, D + PAD, lane, dv_acc);
+      times_rows<H, QN, D>(va, d_tile, D + PAD, lane, dp);
 #pragma unroll
       for (int nt = 0; nt < QN / 8; nt++)
 #pragma unroll
         for (int r = 0; r < 4; r++) p[nt][r] *= dp[nt][r] - delta_tile[nt * 8 + 2 * t + (r & 1)];
-      accumulate<H, QN, D>(p, q_tile, lane, dk_acc);
+      accumulate<H, QN, D>(p, q_tile, D + PAD, lane, dk_acc);
     }
   }
   store_rows<H, D>(dk_acc, dk + keys_at * D, s.s_len, key0, lane, s.scale, s.scale);
   store_rows<H, D>(dv_acc, dv + keys_at * D, s.s_len, key0, lane, 1.0f, 1.0f);
+}
+
+// Decoding: one new query per sequence over its cached keys and values, kept in blocks of
+// CACHE_BLOCK positions ((kv_heads, CACHE_BLOCK, D) each, models::kv_cache) that a table lists per
+// sequence (`max_blocks` entries a sequence; lens[r] positions cached, the new one last). A block
+// of threads per (sequence, kv head, 16 of its query heads): those heads are the rows of the A
+// fragment, each warp walks every fourth cache block from global memory with its own running max,
+// sum and output, and the four are merged through shared memory. Grid (sequences, kv_heads,
+// ceil(group / 16)); 128 threads.
+#define CACHE_BLOCK 64
+
+struct Decode {
+  int heads, kv_heads, max_blocks;
+  int window;  // > 0: only the last `window` positions are seen
+  float scale;
+};
+
+template <class H, int D>
+__device__ void flash_decode(const half_bits *q, const unsigned long long *k_blocks, const unsigned long long *v_blocks, const int *lens,
+                             half_bits *out, Decode s) {
+  __shared__ float m_s[WARPS][16], l_s[WARPS][16], o_s[WARPS][16][D];
+  int seq = blockIdx.x, kvh = blockIdx.y, group = s.heads / s.kv_heads, head0 = blockIdx.z * 16;
+  int rows = min(16, group - head0);
+  int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  int len = lens[seq], first = s.window > 0 ? max(0, len - s.window) : 0;
+  long long q_row = (long long)seq * s.heads + kvh * group + head0;
+
+  unsigned qa[D / 16][4];
+  load_a<D>(q + q_row * D, rows, lane, qa);
+  float o[D / 8][4];
+#pragma unroll
+  for (int nt = 0; nt < D / 8; nt++) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+  const float k2 = s.scale * LOG2E;
+  for (int b = first / CACHE_BLOCK + warp; b * CACHE_BLOCK < len; b += WARPS) {
+    long long at = (long long)seq * s.max_blocks + b, head_at = (long long)kvh * CACHE_BLOCK * D;
+    const half_bits *kb = reinterpret_cast<const half_bits *>(k_blocks[at]) + head_at;
+    const half_bits *vb = reinterpret_cast<const half_bits *>(v_blocks[at]) + head_at;
+    float sc[CACHE_BLOCK / 8][4];
+    times_rows<H, CACHE_BLOCK, D>(qa, kb, D, lane, sc);
+#pragma unroll
+    for (int nt = 0; nt < CACHE_BLOCK / 8; nt++)
+#pragma unroll
+      for (int r = 0; r < 4; r++) {
+        int j = b * CACHE_BLOCK + nt * 8 + 2 * t + (r & 1);
+        sc[nt][r] = j >= first && j < len ? sc[nt][r] * k2 : NEG_INF;
+      }
+    online_softmax<CACHE_BLOCK, D>(sc, m, l, o);
+    accumulate<H, CACHE_BLOCK, D, true>(sc, vb, D, lane, o, len - b * CACHE_BLOCK);
+  }
+
+#pragma unroll
+  for (int half = 0; half < 2; half++) {
+    float total = quad_sum(l[half]);
+    if (t == 0) {
+      m_s[warp][g + 8 * half] = m[half];
+      l_s[warp][g + 8 * half] = total;
+    }
+#pragma unroll
+    for (int nt = 0; nt < D / 8; nt++)
+#pragma unroll
+      for (int e = 0; e < 2; e++) o_s[warp][g + 8 * half][nt * 8 + 2 * t + e] = o[nt][2 * half + e];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < rows * D / 2; i += WARPS * 32) {
+    int row = i / (D / 2), c = (i % (D / 2)) * 2;
+    float mx = NEG_INF;
+    for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, m_s[w][row]);
+    float base = mx == NEG_INF ? 0.0f : mx, total = 0.0f, o0 = 0.0f, o1 = 0.0f;
+    for (int w = 0; w < WARPS; w++) {
+      float f = exp2f(m_s[w][row] - base);
+      total += l_s[w][row] * f;
+      o0 += o_s[w][row][c] * f;
+      o1 += o_s[w][row][c + 1] * f;
+    }
+    float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    *reinterpret_cast<unsigned *>(out + (q_row + row) * D + c) = H::pack(o0 * inv, o1 * inv);
+  }
 }
 
 #define INSTANTIATE(NAME, H, D)                                                                                       \
@@ -404,6 +494,11 @@ __device__ void flash_backward_dkv(const half_bits *q, const half_bits *k, const
                                        const half_bits *dout, const float *lse, const float *delta, half_bits *dk,    \
                                        half_bits *dv, Shape s) {                                                      \
     flash_backward_dkv<H, D>(q, k, v, dout, lse, delta, dk, dv, s);                                                   \
+  }                                                                                                                   \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                            \
+      flash_decode_##NAME##_d##D(const half_bits *q, const unsigned long long *k_blocks,                              \
+                                 const unsigned long long *v_blocks, const int *lens, half_bits *out, Decode s) {     \
+    flash_decode<H, D>(q, k_blocks, v_blocks, lens, out, s);                                                          \
   }
 
 INSTANTIATE(bf16, Bf16, 64)
