@@ -3,9 +3,10 @@
 //! same GPU in the same run.
 //!
 //! (a) fine-tuning tokens/s and MFU of a ~1.1B-parameter Llama (random weights, bf16 compute,
-//!     fp32 master, seq 2048, activation checkpointing), one rank through the NCCL backend,
-//!     next to PyTorch FSDP2 (`fully_shard` per decoder layer, MixedPrecisionPolicy bf16/fp32,
-//!     world size 1) on the same model directory and data;
+//!     fp32 master, seq 2048, activation checkpointing) at batch 1 and 8, one rank through the
+//!     NCCL backend, next to PyTorch FSDP2 (`fully_shard` per decoder layer, MixedPrecisionPolicy
+//!     bf16/fp32, world size 1) on the same model directory and data, with the two loss curves'
+//!     largest relative difference;
 //! (b) greedy generation tokens/s at batch 1 and 16 (bf16, 128 new tokens after a 128-token
 //!     prompt) next to transformers' `generate`.
 //!
@@ -35,6 +36,8 @@ const HIDDEN: usize = 2048;
 const LAYERS: usize = 16;
 const PROMPT: usize = 128;
 const NEW_TOKENS: usize = 128;
+/// The training rows' batch sizes (batch 8: where the GPU can be kept busy).
+const BATCHES: [usize; 2] = [1, 8];
 
 fn python_json(python: &str, script: &Path, args: &[String]) -> Result<Value, String> {
     match Command::new(python).arg(script).args(args).output() {
@@ -88,78 +91,89 @@ fn main() -> anyhow::Result<()> {
         fsdp_app::fixtures::write_fixture_with("llama", &model, &overrides)?;
     }
     let data = root.join("train-2048.jsonl");
-    let rows = 2 * steps;
+    let rows = BATCHES.iter().max().unwrap() * steps;
     let text: String = (0..rows)
         .map(|i| json!({"input_ids": (0..SEQ).map(|j| (i * 7919 + j * 104_729) % VOCAB).collect::<Vec<_>>()}).to_string() + "\n")
         .collect();
     std::fs::write(&data, text)?;
 
-    // (a) ours: one rank under a launcher's environment, NCCL backend, like `fsdp-app launch
-    // --nproc-per-node 1 -- finetune --device cuda --param-dtype bf16 ...`.
-    let out = root.join("ours-out");
-    let _ = std::fs::remove_dir_all(&out);
-    let cfg = fsdp_app::train::finetune::FinetuneConfig {
-        lr: 1e-5,
-        batch_size: 1,
-        seq_len: Some(SEQ),
-        max_steps: Some(steps),
-        schedule: Schedule::Constant,
-        shuffle: false,
-        activation_checkpointing: true,
-        param_dtype: DType::BF16,
-        reduce_dtype: DType::F32,
-        device: fsdp_app::device::DeviceSpec::Cuda(Some(0)),
-        backend: if cfg!(feature = "nccl") { fsdp_app::train::finetune::Backend::Nccl } else { fsdp_app::train::finetune::Backend::Local },
-        verbose: true,
-        ..fsdp_app::train::finetune::FinetuneConfig::new(model.to_str().unwrap(), &data, &out)
-    };
-    let env = fsdp_app::dist::env::DistEnv {
-        rank: 0,
-        world_size: 1,
-        local_rank: 0,
-        master_addr: "127.0.0.1".into(),
-        master_port: std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port(),
-        launcher: "torchrun",
-    };
-    let summary = fsdp_app::train::finetune::run(&cfg, cfg!(feature = "nccl").then_some(&env))?.expect("rank 0 summary");
-    let metrics: Vec<Value> =
-        std::fs::read_to_string(out.join("metrics.jsonl"))?.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    let ours_tps = median(metrics.iter().skip(2).map(|m| m["tokens_per_s"].as_f64().unwrap_or(0.0)).collect());
-    let embedding = (VOCAB * HIDDEN) as f64;
-    let fpt = flops_per_token(summary.total_params as f64 - embedding);
-    let torch = python_json(
-        &python,
-        &scripts.join("torch_gpu_train.py"),
-        &[model.display().to_string(), data.display().to_string(), SEQ.to_string(), steps.to_string()],
-    );
-
-    println!(
-        "\n(a) Fine-tuning, Llama {:.2}B parameters (random), batch 1 x {SEQ} tokens, bf16 compute, fp32 master + AdamW,",
-        summary.total_params as f64 / 1e9
-    );
-    println!("    activation checkpointing on, 1 GPU; median of steps 3-{steps}; MFU against {:.0} TFLOPS bf16 dense\n", peak / 1e12);
-    println!("| run | tokens/s | MFU | vs PyTorch |");
-    println!("|---|---|---|---|");
-    let torch_tps = torch.as_ref().ok().and_then(|t| t["tokens_per_s"].as_f64());
-    let ratio = |x: f64| torch_tps.map(|t| format!("{:.2}x", x / t)).unwrap_or_else(|| "n/a".into());
-    println!("| fsdp-app (nccl backend, world 1) | {ours_tps:.0} | {:.1}% | {} |", 100.0 * ours_tps * fpt / peak, ratio(ours_tps));
-    match &torch {
-        Ok(t) => {
-            let tps = t["tokens_per_s"].as_f64().unwrap_or(0.0);
-            println!(
-                "| PyTorch {} FSDP2 fully_shard (world 1) | {tps:.0} | {:.1}% | 1.00x |",
-                t["torch"].as_str().unwrap_or("?"),
-                100.0 * tps * fpt / peak
-            );
-            let ours_gpu = metrics.last().and_then(|m| m["gpu_memory_bytes_per_rank"][0].as_f64()).unwrap_or(0.0) / (1u64 << 30) as f64;
-            println!(
-                "\nGPU memory: fsdp-app {ours_gpu:.1} GiB in use at the last step's end (driver: allocations + pools); \
-                 PyTorch {:.1} GiB peak allocated",
-                t["peak_gpu_gib"].as_f64().unwrap_or(0.0)
-            );
-        }
-        Err(why) => println!("| PyTorch | n/a: {why} | | |"),
+    let mut trained = vec![];
+    for batch in BATCHES {
+        // (a) ours: one rank under a launcher's environment, NCCL backend, like `fsdp-app launch
+        // --nproc-per-node 1 -- finetune --device cuda --param-dtype bf16 ...`.
+        let out = root.join(format!("ours-out-{batch}"));
+        let _ = std::fs::remove_dir_all(&out);
+        let cfg = fsdp_app::train::finetune::FinetuneConfig {
+            lr: 1e-5,
+            batch_size: batch,
+            seq_len: Some(SEQ),
+            max_steps: Some(steps),
+            schedule: Schedule::Constant,
+            shuffle: false,
+            activation_checkpointing: true,
+            param_dtype: DType::BF16,
+            reduce_dtype: DType::F32,
+            device: fsdp_app::device::DeviceSpec::Cuda(Some(0)),
+            backend: if cfg!(feature = "nccl") {
+                fsdp_app::train::finetune::Backend::Nccl
+            } else {
+                fsdp_app::train::finetune::Backend::Local
+            },
+            verbose: true,
+            ..fsdp_app::train::finetune::FinetuneConfig::new(model.to_str().unwrap(), &data, &out)
+        };
+        let env = fsdp_app::dist::env::DistEnv {
+            rank: 0,
+            world_size: 1,
+            local_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port(),
+            launcher: "torchrun",
+        };
+        let summary = fsdp_app::train::finetune::run(&cfg, cfg!(feature = "nccl").then_some(&env))?.expect("rank 0 summary");
+        let metrics: Vec<Value> =
+            std::fs::read_to_string(out.join("metrics.jsonl"))?.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let torch = python_json(
+            &python,
+            &scripts.join("torch_gpu_train.py"),
+            &[model.display().to_string(), data.display().to_string(), SEQ.to_string(), steps.to_string(), batch.to_string()],
+        );
+        trained.push((batch, summary.total_params, metrics, torch));
     }
+
+    let params = trained[0].1 as f64;
+    let fpt = flops_per_token(params - (VOCAB * HIDDEN) as f64);
+    println!("\n(a) Fine-tuning, Llama {:.2}B parameters (random), batch x {SEQ} tokens, bf16 compute, fp32 master + AdamW,", params / 1e9);
+    println!("    activation checkpointing on, 1 GPU; median of steps 3-{steps}; MFU against {:.0} TFLOPS bf16 dense\n", peak / 1e12);
+    println!("| batch | fsdp-app (nccl, world 1) tokens/s | MFU | PyTorch FSDP2 fully_shard tokens/s | MFU | ratio | losses: largest relative difference | GPU memory: ours / PyTorch |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for (batch, _, metrics, torch) in &trained {
+        let ours_tps = median(metrics.iter().skip(2).map(|m| m["tokens_per_s"].as_f64().unwrap_or(0.0)).collect());
+        let mfu = |tps: f64| format!("{:.1}%", 100.0 * tps * fpt / peak);
+        let ours_gpu = metrics.last().and_then(|m| m["gpu_memory_bytes_per_rank"][0].as_f64()).unwrap_or(0.0) / (1u64 << 30) as f64;
+        match torch {
+            Ok(t) => {
+                let tps = t["tokens_per_s"].as_f64().unwrap_or(0.0);
+                let theirs: Vec<f64> = t["losses"].as_array().map(|l| l.iter().filter_map(Value::as_f64).collect()).unwrap_or_default();
+                let ours: Vec<f64> = metrics.iter().filter_map(|m| m["loss"].as_f64()).collect();
+                let loss_diff = ours.iter().zip(&theirs).map(|(a, b)| ((a - b) / b).abs()).fold(0.0, f64::max);
+                println!(
+                    "| {batch} | {ours_tps:.0} | {} | {tps:.0} ({}) | {} | {:.2}x | {loss_diff:.1e} over {} steps | {ours_gpu:.1} / {:.1} GiB |",
+                    mfu(ours_tps),
+                    t["torch"].as_str().unwrap_or("?"),
+                    mfu(tps),
+                    ours_tps / tps,
+                    ours.len().min(theirs.len()),
+                    t["peak_gpu_gib"].as_f64().unwrap_or(0.0)
+                );
+            }
+            Err(why) => println!("| {batch} | {ours_tps:.0} | {} | n/a: {why} | | | | {ours_gpu:.1} GiB / |", mfu(ours_tps)),
+        }
+    }
+    println!(
+        "\nGPU memory: ours in use at the last step's end (driver: allocations + pools), PyTorch's peak allocated. \
+         Losses are each step's mean token loss, ours against PyTorch's on the same weights and rows."
+    );
 
     // (b) generation.
     let dev = Device::new_cuda(0)?;

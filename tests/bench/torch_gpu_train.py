@@ -5,7 +5,7 @@ every decoder layer and the root, MixedPrecisionPolicy(param_dtype=bf16, reduce_
 over fp32 parameters (the master copy), activation checkpointing, AdamW, global-norm clipping,
 loss normalised by the target tokens. World size 1 (NCCL process group). Prints one JSON line.
 
-usage: torch_gpu_train.py MODEL_DIR DATA.jsonl SEQ STEPS
+usage: torch_gpu_train.py MODEL_DIR DATA.jsonl SEQ STEPS [BATCH]
 """
 import json
 import os
@@ -20,6 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM
 
 model_dir, data_path, seq, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+batch = int(sys.argv[5]) if len(sys.argv) > 5 else 1
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -40,7 +41,7 @@ rows = [json.loads(l)["input_ids"][:seq] for l in open(data_path)]
 
 times, losses = [], []
 for step in range(steps):
-    ids = torch.tensor([rows[step % len(rows)]], device="cuda")
+    ids = torch.tensor([rows[(step * batch + i) % len(rows)] for i in range(batch)], device="cuda")
     torch.cuda.synchronize()
     t = time.perf_counter()
     logits = model(input_ids=ids).logits.float()
@@ -52,7 +53,7 @@ for step in range(steps):
     torch.cuda.synchronize()
     times.append(time.perf_counter() - t)
     losses.append(loss.item())
-tps = sorted(seq / x for x in times[2:])
+tps = sorted(batch * seq / x for x in times[2:])
 print(json.dumps({"tokens_per_s": tps[len(tps) // 2], "losses": losses, "torch": torch.__version__,
                   "transformers": transformers.__version__, "gpu": torch.cuda.get_device_name(0),
                   "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30}))

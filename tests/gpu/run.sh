@@ -4,6 +4,8 @@
 #   bash tests/gpu/run.sh check   # tests/cuda.rs (CUDA vs CPU, NCCL world 1) + a launched run
 #   bash tests/gpu/run.sh bench   # tests/bench/gpu.rs: training MFU and generation vs PyTorch
 #   bash tests/gpu/run.sh profile # the bench's training run under tests/gpu/kernel_profile.c
+#   bash tests/gpu/run.sh all     # the three in one call (a lent machine's minutes are few), then
+#                                 # a table of the parts; the profile goes to $OUT if set
 #
 # With the device tool: run(command="bash tests/gpu/run.sh check", carry=[".gpubin"]).
 # Needs the NVIDIA driver and a Python venv with torch (its nvidia/cu13 and nvidia/nccl wheels
@@ -71,7 +73,22 @@ for i in range(16): print(json.dumps({"input_ids": [(i * 7919 + j * 104729) % 32
       --output-dir "$work/out" --device cuda --param-dtype bf16 --activation-checkpointing --seq-len 2048 --batch-size 1 \
       --max-steps "${PROFILE_STEPS:-4}" --no-shuffle
     ;;
-  *) echo "usage: $0 check|bench|profile" >&2; exit 2 ;;
+  all)
+    # Each part in its own process, so that one failing still lets the others run.
+    rows=()
+    for p in check bench profile; do
+      start=$SECONDS
+      if PROFILE_OUT=${PROFILE_OUT:-${OUT:-.}/profile.txt} bash tests/gpu/run.sh "$p"; then r=ok; else r=FAILED; failed+=("$p"); fi
+      rows+=("| $p | $r | $((SECONDS - start)) s |")
+    done
+    echo "== the profile's head (${PROFILE_OUT:-${OUT:-.}/profile.txt})"
+    head -n 60 "${PROFILE_OUT:-${OUT:-.}/profile.txt}" || true
+    echo
+    echo "| part | result | time |"
+    echo "|---|---|---|"
+    printf '%s\n' "${rows[@]}"
+    ;;
+  *) echo "usage: $0 check|bench|profile|all" >&2; exit 2 ;;
 esac
 if [ ${#failed[@]} -gt 0 ]; then
   echo "failed: ${failed[*]}" >&2
