@@ -203,25 +203,6 @@ fn flash_decode_matches_cpu_attention() {
                     (kv(), kv())
                 })
                 .collect();
-            let caches: Vec<LayerKvCache> = kvs
-                .iter()
-                .map(|(k, v)| {
-                    let mut cache = LayerKvCache::default();
-                    // Appended in two parts, as a prompt and then a token come.
-                    let len = k.dim(2).unwrap();
-                    let split = len / 2;
-                    for (from, n) in [(0, split), (split, len - split)].into_iter().filter(|(_, n)| *n > 0) {
-                        let part = |x: &Tensor| x.narrow(2, from, n).unwrap().to_device(&dev).unwrap();
-                        cache.append(&part(k), &part(v)).unwrap();
-                    }
-                    cache
-                })
-                .collect();
-            let tables: Vec<_> = caches.iter().map(|c| (c.blocks(), c.seq_len())).collect();
-            let got = ops::flash_attention::decode(&q.to_device(&dev).unwrap(), &tables, scale, window)
-                .unwrap()
-                .expect("the decode kernel applies");
-            assert_eq!(got.dims(), [lens.len(), 1, h * d]);
             let mut expected = vec![];
             for (r, (k, v)) in kvs.iter().enumerate() {
                 let len = lens[r];
@@ -239,9 +220,49 @@ fn flash_decode_matches_cpu_attention() {
                 let qr = q.narrow(0, r, 1).unwrap().to_dtype(DType::F32).unwrap();
                 expected.extend(values(&ops::eager_attention::attention(&qr, &repeat(k), &repeat(v), mask.as_ref(), scale).unwrap()));
             }
-            let diff = rel_norm_diff(&values(&got), &expected);
-            eprintln!("{what}: relative difference {diff:.2e}");
-            assert!(diff < tolerance, "{what}: differs from the CPU's attention by {diff}");
+            for write_new in [false, true] {
+                // Appended in parts, as a prompt and then tokens come; with `write_new` the last
+                // position is only counted (`grow`) and the kernel writes it.
+                let mut caches: Vec<LayerKvCache> = kvs
+                    .iter()
+                    .map(|(k, v)| {
+                        let mut cache = LayerKvCache::default();
+                        let len = k.dim(2).unwrap();
+                        let stored = if write_new { len - 1 } else { len };
+                        for (from, n) in [(0, stored / 2), (stored / 2, stored - stored / 2)].into_iter().filter(|(_, n)| *n > 0) {
+                            let part = |x: &Tensor| x.narrow(2, from, n).unwrap().to_device(&dev).unwrap();
+                            cache.append(&part(k), &part(v)).unwrap();
+                        }
+                        cache
+                    })
+                    .collect();
+                let last = |x: &Tensor| x.narrow(2, x.dim(2).unwrap() - 1, 1).unwrap();
+                let new_k = Tensor::cat(&kvs.iter().map(|(k, _)| last(k)).collect::<Vec<_>>(), 0).unwrap().to_device(&dev).unwrap();
+                let new_v = Tensor::cat(&kvs.iter().map(|(_, v)| last(v)).collect::<Vec<_>>(), 0).unwrap().to_device(&dev).unwrap();
+                if write_new {
+                    for cache in caches.iter_mut() {
+                        cache.grow((hkv, d), dtype, &dev).unwrap();
+                    }
+                }
+                let tables: Vec<_> = caches.iter().map(|c| (c.blocks(), c.seq_len())).collect();
+                let new = write_new.then_some((&new_k, &new_v));
+                let got = ops::flash_attention::decode(&q.to_device(&dev).unwrap(), new, &tables, scale, window).unwrap();
+                assert_eq!(got.dims(), [lens.len(), 1, h * d]);
+                let diff = rel_norm_diff(&values(&got), &expected);
+                eprintln!("{what}, the kernel writing the new position {write_new}: relative difference {diff:.2e}");
+                assert!(
+                    diff < tolerance,
+                    "{what}, the kernel writing the new position {write_new}: differs from the CPU's attention by {diff}"
+                );
+                if write_new {
+                    // The caches now hold every position, as appending them would have made them.
+                    for (cache, (k, v)) in caches.iter().zip(&kvs) {
+                        let (ck, cv) = cache.all().unwrap();
+                        assert_eq!(values(&ck), values(k), "{what}: keys in the cache after the kernel wrote the new position");
+                        assert_eq!(values(&cv), values(v), "{what}: values in the cache after the kernel wrote the new position");
+                    }
+                }
+            }
         }
     }
 }

@@ -255,18 +255,16 @@ fn fused_kernels_match_the_cpu_ops() {
     }
 }
 
-fn flat(x: &Tensor) -> Vec<f32> {
-    x.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
-}
-
 /// One decoding problem: (dtype, head dim, heads, kv heads, window, the sequences' lengths).
 type DecodeCase = (DType, usize, usize, usize, usize, &'static [usize]);
 
 /// The decode kernel (`flash_decode` in flash_attention.cu): one query per sequence over its
 /// cache blocks (64 positions each, as models::kv_cache keeps them) through a table of block
 /// addresses, sequences of different lengths in one launch, against eager attention on the CPU per
-/// sequence. Cached positions past a sequence's length hold NaN (as stale memory might): the kernel
-/// must read none of them into its sums. Groups of query heads over 16 take two blocks of threads.
+/// sequence; with the new position's keys and values already in the blocks, and handed to the
+/// kernel to write there itself (checked: those rows, and only those, change). Cached positions
+/// past what is stored hold NaN (as stale memory might): the kernel must read none of them into
+/// its sums. Groups of query heads over 16 take two blocks of threads.
 #[test]
 fn flash_decode_kernel_matches_the_cpu_attention() {
     let test = "flash_decode_kernel_matches_the_cpu_attention";
@@ -277,56 +275,86 @@ fn flash_decode_kernel_matches_the_cpu_attention() {
         (DType::BF16, 64, 36, 2, 0, &[70]),
         (DType::BF16, 64, 4, 4, 50, &[130, 20]),
     ];
-    let cpu = Device::Cpu;
-    const BLOCK: usize = 64;
-    for (dtype, d, h, hkv, window, lens) in cases {
-        let what = format!("decode {dtype:?} d {d}, heads {h}/{hkv}, window {window}, lengths {lens:?}");
-        let scale = 1.0 / (d as f64).sqrt();
-        let dir = scratch("decode");
-        let q = Tensor::randn(0f32, 1.0, (lens.len(), h, d), &cpu).unwrap().to_dtype(dtype).unwrap();
-        write_values(&dir.join("q.bin"), &q);
-        let mut expected = vec![];
-        for (r, &len) in lens.iter().enumerate() {
-            let blocks = len.div_ceil(BLOCK);
-            // (blocks, kv_heads, BLOCK, d), NaN past the length.
-            let cache = |name: &str| {
-                let values = Tensor::randn(0f32, 1.0, (blocks, hkv, BLOCK, d), &cpu).unwrap().to_dtype(dtype).unwrap();
-                let position = Tensor::arange(0u32, (blocks * BLOCK) as u32, &cpu).unwrap().reshape((blocks, 1, BLOCK, 1)).unwrap();
-                let past = position.ge(len as u32).unwrap().broadcast_as(values.shape()).unwrap();
-                let nan = Tensor::full(f32::NAN, values.shape(), &cpu).unwrap().to_dtype(dtype).unwrap();
-                let stored = past.where_cond(&nan, &values).unwrap();
-                write_values(&dir.join(format!("{name}{r}.bin")), &stored);
-                // (1, kv_heads, len, d) in f32, as the CPU attends over it.
-                values
-                    .to_dtype(DType::F32)
-                    .unwrap()
-                    .transpose(0, 1)
-                    .unwrap()
-                    .reshape((hkv, blocks * BLOCK, d))
-                    .unwrap()
-                    .narrow(1, 0, len)
-                    .unwrap()
-                    .unsqueeze(0)
-                    .unwrap()
-            };
-            let (k, v) = (cache("k"), cache("v"));
-            let repeat =
-                |x: &Tensor| x.unsqueeze(2).unwrap().broadcast_as((1, hkv, h / hkv, len, d)).unwrap().reshape((1, h, len, d)).unwrap();
-            let mask = models::masks::causal_mask(1, len - 1, (window > 0).then_some(window), DType::F32, &cpu).unwrap();
-            let qr = q.get(r).unwrap().to_dtype(DType::F32).unwrap().reshape((1, h, 1, d)).unwrap();
-            let out = ops::eager_attention::attention(&qr, &repeat(&k), &repeat(&v), mask.as_ref(), scale).unwrap();
-            expected.extend(flat(&out));
+    for case in cases {
+        for append in [false, true] {
+            check_decode(&binary, case, append);
         }
-        let name = if dtype == DType::BF16 { "bf16" } else { "f16" };
-        let mut args: Vec<String> = ["decode".into(), name.into()].into();
-        args.extend([d, h, hkv, window].map(|n| n.to_string()));
-        args.push(format!("{scale}"));
-        args.extend(lens.iter().map(|n| n.to_string()));
-        let out = Command::new(&binary).arg(&dir).args(&args).output().unwrap();
-        assert!(out.status.success(), "{what}: the emulated kernel failed: {}", String::from_utf8_lossy(&out.stderr));
-        let got = read_values(&dir.join("out.bin"), dtype);
-        let _ = std::fs::remove_dir_all(&dir);
-        assert!(got.iter().all(|v| v.is_finite()), "{what}: non-finite outputs (a cached position past a length was read)");
-        assert_close(&what, &got, &expected, if dtype == DType::BF16 { 1e-2 } else { 2e-3 });
     }
+}
+
+fn check_decode(binary: &Path, (dtype, d, h, hkv, window, lens): DecodeCase, append: bool) {
+    const BLOCK: usize = 64;
+    let cpu = Device::Cpu;
+    let what = format!("decode {dtype:?} d {d}, heads {h}/{hkv}, window {window}, lengths {lens:?}, appending {append}");
+    let scale = 1.0 / (d as f64).sqrt();
+    let dir = scratch("decode");
+    let q = Tensor::randn(0f32, 1.0, (lens.len(), h, d), &cpu).unwrap().to_dtype(dtype).unwrap();
+    write_values(&dir.join("q.bin"), &q);
+    let (mut expected, mut new_k, mut new_v, mut stored_blocks) = (vec![], vec![], vec![], vec![]);
+    for (r, &len) in lens.iter().enumerate() {
+        let blocks = len.div_ceil(BLOCK);
+        // Each cache: (1, kv_heads, len, d) values; stored as (blocks, kv_heads, BLOCK, d) with NaN
+        // past what is stored (the last position too when the kernel is to write it).
+        let stored = if append { len - 1 } else { len };
+        let cache = |name: &str| {
+            let values = Tensor::randn(0f32, 1.0, (1, hkv, len, d), &cpu).unwrap().to_dtype(dtype).unwrap();
+            let padded = Tensor::full(f32::NAN, (1, hkv, blocks * BLOCK, d), &cpu).unwrap().to_dtype(dtype).unwrap();
+            let padded = match stored {
+                0 => padded,
+                _ => padded.slice_assign(&[0..1, 0..hkv, 0..stored, 0..d], &values.narrow(2, 0, stored).unwrap()).unwrap(),
+            };
+            let layout = padded.reshape((hkv, blocks, BLOCK, d)).unwrap().transpose(0, 1).unwrap().contiguous().unwrap();
+            write_values(&dir.join(format!("{name}{r}.bin")), &layout);
+            (values, layout)
+        };
+        let ((k, k_layout), (v, v_layout)) = (cache("k"), cache("v"));
+        new_k.push(k.narrow(2, len - 1, 1).unwrap().squeeze(0).unwrap().squeeze(1).unwrap());
+        new_v.push(v.narrow(2, len - 1, 1).unwrap().squeeze(0).unwrap().squeeze(1).unwrap());
+        stored_blocks.push((k_layout, v_layout));
+        let repeat = |x: &Tensor| {
+            x.to_dtype(DType::F32)
+                .unwrap()
+                .unsqueeze(2)
+                .unwrap()
+                .broadcast_as((1, hkv, h / hkv, len, d))
+                .unwrap()
+                .reshape((1, h, len, d))
+                .unwrap()
+        };
+        let mask = models::masks::causal_mask(1, len - 1, (window > 0).then_some(window), DType::F32, &cpu).unwrap();
+        let qr = q.get(r).unwrap().to_dtype(DType::F32).unwrap().reshape((1, h, 1, d)).unwrap();
+        expected.extend(flat(&ops::eager_attention::attention(&qr, &repeat(&k), &repeat(&v), mask.as_ref(), scale).unwrap()));
+    }
+    if append {
+        write_values(&dir.join("k_new.bin"), &Tensor::stack(&new_k, 0).unwrap());
+        write_values(&dir.join("v_new.bin"), &Tensor::stack(&new_v, 0).unwrap());
+    }
+    let name = if dtype == DType::BF16 { "bf16" } else { "f16" };
+    let mut args: Vec<String> = ["decode".into(), name.into()].into();
+    args.extend([d, h, hkv, window].map(|n| n.to_string()));
+    args.push(format!("{scale}"));
+    args.push((append as usize).to_string());
+    args.extend(lens.iter().map(|n| n.to_string()));
+    let out = Command::new(binary).arg(&dir).args(&args).output().unwrap();
+    assert!(out.status.success(), "{what}: the emulated kernel failed: {}", String::from_utf8_lossy(&out.stderr));
+    let got = read_values(&dir.join("out.bin"), dtype);
+    assert!(got.iter().all(|v| v.is_finite()), "{what}: non-finite outputs (a cached position past a length was read)");
+    assert_close(&what, &got, &expected, if dtype == DType::BF16 { 1e-2 } else { 2e-3 });
+    if append {
+        // The blocks afterwards: as stored, with the new position's rows written.
+        for (r, &len) in lens.iter().enumerate() {
+            for (name, stored, new) in [("k", &stored_blocks[r].0, &new_k[r]), ("v", &stored_blocks[r].1, &new_v[r])] {
+                let (b, at) = ((len - 1) / BLOCK, (len - 1) % BLOCK);
+                let want = stored.slice_assign(&[b..b + 1, 0..hkv, at..at + 1, 0..d], &new.reshape((1, hkv, 1, d)).unwrap()).unwrap();
+                let after = read_values(&dir.join(format!("{name}{r}.out")), dtype);
+                let same = after.iter().zip(flat(&want)).all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()));
+                assert!(same, "{what}: sequence {r}'s {name} blocks after the kernel are not the stored ones plus the new position");
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn flat(x: &Tensor) -> Vec<f32> {
+    x.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
 }

@@ -356,13 +356,18 @@ impl Attention {
         let k = rope_rows(&heads(k, self.num_kv_heads, &self.k_norm)?, cos, sin)?;
         let v = heads(v, self.num_kv_heads, &None)?;
         let scale = 1.0 / (d as f64).sqrt();
+        if ops::flash_attention::decode_applies(&q, self.num_kv_heads) {
+            // On a GPU, every row in one kernel over the caches' blocks, which writes the new
+            // position there too.
+            for cache in caches.iter_mut() {
+                cache.grow((self.num_kv_heads, d), k.dtype(), k.device())?;
+            }
+            let tables: Vec<(&[(Tensor, Tensor)], usize)> = caches.iter().map(|c| (c.blocks(), c.seq_len())).collect();
+            let out = ops::flash_attention::decode(&q, Some((&k, &v)), &tables, scale, window)?;
+            return self.o_proj.forward(&out, OpMode::Generate, None, adapters);
+        }
         for (r, cache) in caches.iter_mut().enumerate() {
             cache.append(&k.narrow(0, r, 1)?, &v.narrow(0, r, 1)?)?;
-        }
-        // On a GPU, every row in one kernel over the caches' blocks.
-        let tables: Vec<(&[(Tensor, Tensor)], usize)> = caches.iter().map(|c| (c.blocks(), c.seq_len())).collect();
-        if let Some(out) = ops::flash_attention::decode(&q, &tables, scale, window)? {
-            return self.o_proj.forward(&out, OpMode::Generate, None, adapters);
         }
         let mut outs = Vec::with_capacity(rows);
         for (r, cache) in caches.iter().enumerate() {

@@ -5,9 +5,11 @@
 // usage: flash_attention DIR bf16|f16 D BATCH HEADS KV_HEADS T S OFFSET CAUSAL WINDOW SCALE
 // reads DIR/{q,k,v,dout}.bin (half bits), writes DIR/{out,dq,dk,dv}.bin (half bits) and
 // DIR/lse.bin (f32).
-//        flash_attention DIR decode bf16|f16 D HEADS KV_HEADS WINDOW SCALE LEN...
+//        flash_attention DIR decode bf16|f16 D HEADS KV_HEADS WINDOW SCALE APPEND LEN...
 // one sequence per LEN: reads DIR/q.bin (sequences x heads x D) and each sequence's cache blocks
-// DIR/k<r>.bin, DIR/v<r>.bin (ceil(LEN / 64) blocks of kv_heads x 64 x D), writes DIR/out.bin.
+// DIR/k<r>.bin, DIR/v<r>.bin (ceil(LEN / 64) blocks of kv_heads x 64 x D), with APPEND 1 also
+// DIR/k_new.bin, DIR/v_new.bin (sequences x kv_heads x D) for the kernel to write at each last
+// position; writes DIR/out.bin and (APPEND 1) the blocks back to DIR/k<r>.out, DIR/v<r>.out.
 
 #include <cstdio>
 #include <cstdlib>
@@ -59,8 +61,9 @@ static int decode_main(int argc, char **argv) {
   std::string dir = argv[1], dtype = argv[3];
   int d = std::atoi(argv[4]), heads = std::atoi(argv[5]), kv_heads = std::atoi(argv[6]);
   Decode s{heads, kv_heads, 0, std::atoi(argv[7]), (float)std::atof(argv[8])};
+  bool append = std::atoi(argv[9]) != 0;
   std::vector<int> lens;
-  for (int i = 9; i < argc; i++) lens.push_back(std::atoi(argv[i]));
+  for (int i = 10; i < argc; i++) lens.push_back(std::atoi(argv[i]));
   int seqs = (int)lens.size();
   for (int len : lens) s.max_blocks = std::max(s.max_blocks, (len + CACHE_BLOCK - 1) / CACHE_BLOCK);
   auto q = read_values<half_bits>(dir + "/q.bin", (size_t)seqs * heads * d);
@@ -85,11 +88,21 @@ static int decode_main(int argc, char **argv) {
     std::fprintf(stderr, "no decode kernel for %s, head dim %d\n", dtype.c_str(), d);
     return 2;
   }
+  Bits k_new, v_new;
+  if (append) {
+    k_new = read_values<half_bits>(dir + "/k_new.bin", (size_t)seqs * kv_heads * d);
+    v_new = read_values<half_bits>(dir + "/v_new.bin", (size_t)seqs * kv_heads * d);
+  }
   Bits out((size_t)seqs * heads * d);
   unsigned head_chunks = (unsigned)((heads / kv_heads + 15) / 16);
-  emulation::launch(kernel, dim3{(unsigned)seqs, (unsigned)kv_heads, head_chunks}, WARPS * 32, 0, q.data(), k_table.data(), v_table.data(),
-                    lens.data(), out.data(), s);
+  const half_bits *kn = append ? k_new.data() : nullptr, *vn = append ? v_new.data() : nullptr;
+  emulation::launch(kernel, dim3{(unsigned)seqs, (unsigned)kv_heads, head_chunks}, WARPS * 32, 0, q.data(), kn, vn, k_table.data(),
+                    v_table.data(), lens.data(), out.data(), s);
   write_values(dir + "/out.bin", out);
+  for (int r = 0; r < seqs && append; r++) {
+    write_values(dir + "/k" + std::to_string(r) + ".out", k[r]);
+    write_values(dir + "/v" + std::to_string(r) + ".out", v[r]);
+  }
   return 0;
 }
 

@@ -65,24 +65,42 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, visibility: Visibility, sca
     }
 }
 
-/// One new query per sequence over each sequence's cached blocks, where [`applies`] takes `q`
-/// (sequences, heads, 1, d) for the blocks' kv_heads: (sequences, 1, heads · d). `caches` holds
-/// per sequence its blocks ((keys, values), each (kv_heads, 64, d), `models::kv_cache`'s layout)
-/// and its length, the new position last; `window` as the model's sliding window. None where the
-/// kernels do not apply.
-pub fn decode(q: &Tensor, caches: &[(&[(Tensor, Tensor)], usize)], scale: f64, window: Option<usize>) -> Result<Option<Tensor>> {
-    let kv_heads = caches.first().and_then(|(blocks, _)| blocks.first()).map(|(k, _)| k.dim(0)).transpose()?;
-    let Some(kv_heads) = kv_heads else { return Ok(None) };
-    if q.dim(2)? != 1 || !applies(q, kv_heads) || q.dim(0)? != caches.len() {
-        return Ok(None);
+/// Whether [`decode`] takes q (sequences, heads, 1, d) over caches of `kv_heads` heads: where
+/// [`applies`] does, one position a sequence.
+pub fn decode_applies(q: &Tensor, kv_heads: usize) -> bool {
+    q.dims4().is_ok_and(|(_, _, t, _)| t == 1) && applies(q, kv_heads)
+}
+
+/// One new query per sequence, q (sequences, heads, 1, d), over each sequence's cached blocks,
+/// where [`decode_applies`]: (sequences, 1, heads · d). `caches` holds per sequence its blocks
+/// ((keys, values), each (kv_heads, 64, d), `models::kv_cache`'s layout) and its length, the new
+/// position last; with `new` ((sequences, kv_heads, 1, d) keys and values) the kernel writes the
+/// new position first (the caches counted it without writing it). `window` as the model's sliding
+/// window.
+pub fn decode(
+    q: &Tensor,
+    new: Option<(&Tensor, &Tensor)>,
+    caches: &[(&[(Tensor, Tensor)], usize)],
+    scale: f64,
+    window: Option<usize>,
+) -> Result<Tensor> {
+    let kv_heads = caches.first().and_then(|(blocks, _)| blocks.first()).map(|(k, _)| k.dim(0)).transpose()?.unwrap_or(0);
+    if !decode_applies(q, kv_heads) || q.dim(0)? != caches.len() {
+        candle_core::bail!(
+            "flash decode: q {:?} {:?} on {:?} over {} caches of {kv_heads} kv heads (a GPU, bf16 or f16, head dim {HEAD_DIMS:?}, one position)",
+            q.dims(),
+            q.dtype(),
+            q.device().location(),
+            caches.len()
+        );
     }
     #[cfg(feature = "cuda")]
     {
-        super::flash_attention_cuda::decode(q, caches, scale, window).map(Some)
+        super::flash_attention_cuda::decode(q, new, caches, scale, window)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (scale, window);
+        let _ = (new, scale, window);
         unreachable!("applies() is false without the cuda feature")
     }
 }

@@ -300,8 +300,15 @@ struct DecodeShape {
 unsafe impl DeviceRepr for DecodeShape {}
 
 /// One new query per sequence, q (sequences, heads, 1, d), over each sequence's cached blocks
-/// ((keys, values), each (kv_heads, CACHE_BLOCK, d)) and length: (sequences, 1, heads · d).
-pub fn decode(q: &Tensor, caches: &[(&[(Tensor, Tensor)], usize)], scale: f64, window: Option<usize>) -> Result<Tensor> {
+/// ((keys, values), each (kv_heads, CACHE_BLOCK, d)) and length, `new` keys and values written at
+/// the last position first: (sequences, 1, heads · d).
+pub fn decode(
+    q: &Tensor,
+    new: Option<(&Tensor, &Tensor)>,
+    caches: &[(&[(Tensor, Tensor)], usize)],
+    scale: f64,
+    window: Option<usize>,
+) -> Result<Tensor> {
     let (rows, heads, _, d) = q.dims4()?;
     let kv_heads = caches.first().and_then(|(blocks, _)| blocks.first()).map(|(k, _)| k.dim(0)).transpose()?.unwrap_or(0);
     for (r, (blocks, len)) in caches.iter().enumerate() {
@@ -310,6 +317,16 @@ pub fn decode(q: &Tensor, caches: &[(&[(Tensor, Tensor)], usize)], scale: f64, w
             candle_core::bail!("flash decode: sequence {r} has {} cache blocks for {len} positions, not ({kv_heads}, {CACHE_BLOCK}, {d}) of q's dtype and device", blocks.len());
         }
     }
+    let new = match new {
+        Some((k, v)) => {
+            let want = [rows, kv_heads, 1, d];
+            if k.dims() != want || v.dims() != want || k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+                candle_core::bail!("flash decode: new keys {:?} and values {:?} for {want:?} of q's dtype", k.dims(), v.dims());
+            }
+            Some((aligned(k)?, aligned(v)?))
+        }
+        None => None,
+    };
     let max_blocks = caches.iter().map(|(_, len)| len.div_ceil(CACHE_BLOCK)).max().unwrap_or(0);
     let shape = DecodeShape {
         heads: heads as i32,
@@ -318,11 +335,13 @@ pub fn decode(q: &Tensor, caches: &[(&[(Tensor, Tensor)], usize)], scale: f64, w
         window: window.unwrap_or(0) as i32,
         scale: scale as f32,
     };
-    aligned(q)?.apply_op1_no_bwd(&Decode { caches, shape, rows, head_dim: d })
+    aligned(q)?.apply_op1_no_bwd(&Decode { caches, new: new.as_ref(), shape, rows, head_dim: d })
 }
 
 struct Decode<'a> {
     caches: &'a [(&'a [(Tensor, Tensor)], usize)],
+    /// Keys and values to write at each sequence's last position first.
+    new: Option<&'a (Tensor, Tensor)>,
     shape: DecodeShape,
     rows: usize,
     head_dim: usize,
@@ -379,11 +398,25 @@ impl Decode<'_> {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
+        let new_storage = self.new.map(|(k, v)| (k.storage_and_layout(), v.storage_and_layout()));
+        let new_values = match &new_storage {
+            Some(((ks, kl), (vs, vl))) => {
+                Some((values_of::<T>(ks, start_of(kl, "new keys")?)?, values_of::<T>(vs, start_of(vl, "new values")?)?))
+            }
+            None => None,
+        };
+        let none = 0u64;
         let mut args = func.builder();
-        args.arg(&q).arg(&keys).arg(&values).arg(&lens_on_device).arg(&out).arg(&self.shape);
+        args.arg(&q);
+        match &new_values {
+            Some((k, v)) => args.arg(k).arg(v),
+            None => args.arg(&none).arg(&none),
+        };
+        args.arg(&keys).arg(&values).arg(&lens_on_device).arg(&out).arg(&self.shape);
         // SAFETY: the tables list, per sequence, blocks of (kv_heads, CACHE_BLOCK, d) values that
-        // `decode` checked and the caches keep alive; the kernel reads positions under each length
-        // and writes the rows × heads × d values of `out`.
+        // `decode` checked and the caches keep alive; the kernel writes the new keys and values
+        // (sequences × kv_heads × d each, checked) at each last position inside them, reads the
+        // positions under each length and writes the rows × heads × d values of `out`.
         unsafe { args.launch(config) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }

@@ -72,23 +72,38 @@ impl LayerKvCache {
         }
         let mut done = 0;
         while done < t {
-            if self.len.is_multiple_of(BLOCK) {
-                let fits = |(rk, _): &(Tensor, Tensor)| rk.dims() == [kv_heads, BLOCK, d] && rk.dtype() == k.dtype();
-                let block = match self.ready.pop_front() {
-                    Some(block) if fits(&block) => block,
-                    _ => {
-                        let zeros = || Tensor::zeros((kv_heads, BLOCK, d), k.dtype(), k.device());
-                        (zeros()?, zeros()?)
-                    }
-                };
-                self.blocks.push(block);
-            }
+            self.open_block((kv_heads, d), k.dtype(), k.device())?;
             let (at, n) = (self.len % BLOCK, (BLOCK - self.len % BLOCK).min(t - done));
             let (bk, bv) = self.blocks.last().expect("pushed above");
             bk.slice_set(&k.narrow(2, done, n)?.squeeze(0)?.contiguous()?, 1, at)?;
             bv.slice_set(&v.narrow(2, done, n)?.squeeze(0)?.contiguous()?, 1, at)?;
             (done, self.len) = (done + n, self.len + n);
         }
+        Ok(())
+    }
+
+    /// Counts one more position without writing it, its block made ready: for a kernel that
+    /// writes the position's keys and values into [`Self::blocks`] itself (a GPU's decoding).
+    pub fn grow(&mut self, (kv_heads, head_dim): (usize, usize), dtype: DType, device: &Device) -> Result<()> {
+        self.open_block((kv_heads, head_dim), dtype, device)?;
+        self.len += 1;
+        Ok(())
+    }
+
+    /// A new block when the next position starts one: a ready block of this shape, else zeros.
+    fn open_block(&mut self, (kv_heads, d): (usize, usize), dtype: DType, device: &Device) -> Result<()> {
+        if !self.len.is_multiple_of(BLOCK) {
+            return Ok(());
+        }
+        let fits = |(rk, _): &(Tensor, Tensor)| rk.dims() == [kv_heads, BLOCK, d] && rk.dtype() == dtype;
+        let block = match self.ready.pop_front() {
+            Some(block) if fits(&block) => block,
+            _ => {
+                let zeros = || Tensor::zeros((kv_heads, BLOCK, d), dtype, device);
+                (zeros()?, zeros()?)
+            }
+        };
+        self.blocks.push(block);
         Ok(())
     }
 
@@ -188,6 +203,25 @@ mod tests {
     use candle_core::{DType, Device};
 
     use ops::testing::random_tensor as data;
+
+    /// `grow` counts a position and opens its block when it starts one, writing nothing: what
+    /// was appended stays, and the new block is there for a kernel to write.
+    #[test]
+    fn grow_counts_a_position_and_opens_its_block() {
+        let dev = Device::Cpu;
+        let (kv_heads, d) = (2, 4);
+        let mut cache = LayerKvCache::default();
+        let (k, v) = (data(&[1, kv_heads, BLOCK - 1, d], 1), data(&[1, kv_heads, BLOCK - 1, d], 2));
+        cache.append(&k, &v).unwrap();
+        cache.grow((kv_heads, d), DType::F32, &dev).unwrap();
+        assert_eq!((cache.seq_len(), cache.blocks().len()), (BLOCK, 1));
+        cache.grow((kv_heads, d), DType::F32, &dev).unwrap();
+        assert_eq!((cache.seq_len(), cache.blocks().len()), (BLOCK + 1, 2));
+        assert_eq!(cache.blocks()[1].0.dims(), [kv_heads, BLOCK, d]);
+        let (all_k, _) = cache.all().unwrap();
+        let kept = all_k.narrow(2, 0, BLOCK - 1).unwrap();
+        assert_eq!(kept.flatten_all().unwrap().to_vec1::<f32>().unwrap(), k.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+    }
 
     /// softmax(q Kᵀ · scale + mask) V for the newest `t` positions' queries q (1, heads, t, d),
     /// by candle's ops on `all()` with the model's causal mask: (1, t, heads · d).

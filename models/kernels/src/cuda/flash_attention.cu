@@ -401,11 +401,13 @@ __device__ void flash_backward_dkv(const half_bits *q, const half_bits *k, const
 
 // Decoding: one new query per sequence over its cached keys and values, kept in blocks of
 // CACHE_BLOCK positions ((kv_heads, CACHE_BLOCK, D) each, models::kv_cache) that a table lists per
-// sequence (`max_blocks` entries a sequence; lens[r] positions cached, the new one last). A block
-// of threads per (sequence, kv head, 16 of its query heads): those heads are the rows of the A
-// fragment, each warp walks every fourth cache block from global memory with its own running max,
-// sum and output, and the four are merged through shared memory. Grid (sequences, kv_heads,
-// ceil(group / 16)); 128 threads.
+// sequence (`max_blocks` entries a sequence; lens[r] positions, the new one last). With k_new and
+// v_new ((sequences, kv_heads, D)), the kernel first writes them at the new position (the cache
+// only counted it): one launch instead of two copies per sequence. A block of threads per
+// (sequence, kv head, 16 of its query heads): those heads are the rows of the A fragment, each
+// warp walks every fourth cache block from global memory with its own running max, sum and
+// output, and the four are merged through shared memory. Grid (sequences, kv_heads,
+// ceil(group / 16)); 128 threads. (Blocks of one kv head write the same new values: no race.)
 #define CACHE_BLOCK 64
 
 struct Decode {
@@ -415,14 +417,25 @@ struct Decode {
 };
 
 template <class H, int D>
-__device__ void flash_decode(const half_bits *q, const unsigned long long *k_blocks, const unsigned long long *v_blocks, const int *lens,
-                             half_bits *out, Decode s) {
+__device__ void flash_decode(const half_bits *q, const half_bits *k_new, const half_bits *v_new, const unsigned long long *k_blocks,
+                             const unsigned long long *v_blocks, const int *lens, half_bits *out, Decode s) {
   __shared__ float m_s[WARPS][16], l_s[WARPS][16], o_s[WARPS][16][D];
   int seq = blockIdx.x, kvh = blockIdx.y, group = s.heads / s.kv_heads, head0 = blockIdx.z * 16;
   int rows = min(16, group - head0);
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   int len = lens[seq], first = s.window > 0 ? max(0, len - s.window) : 0;
   long long q_row = (long long)seq * s.heads + kvh * group + head0;
+  if (k_new) {
+    int p = len - 1;
+    long long at = (long long)seq * s.max_blocks + p / CACHE_BLOCK, row = ((long long)kvh * CACHE_BLOCK + p % CACHE_BLOCK) * D;
+    long long from = ((long long)seq * s.kv_heads + kvh) * D;
+    half_bits *kb = reinterpret_cast<half_bits *>(k_blocks[at]) + row, *vb = reinterpret_cast<half_bits *>(v_blocks[at]) + row;
+    for (int i = threadIdx.x; i < D; i += WARPS * 32) {
+      kb[i] = k_new[from + i];
+      vb[i] = v_new[from + i];
+    }
+    __syncthreads();
+  }
 
   unsigned qa[D / 16][4];
   load_a<D>(q + q_row * D, rows, lane, qa);
@@ -496,9 +509,10 @@ __device__ void flash_decode(const half_bits *q, const unsigned long long *k_blo
     flash_backward_dkv<H, D>(q, k, v, dout, lse, delta, dk, dv, s);                                                   \
   }                                                                                                                   \
   extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                            \
-      flash_decode_##NAME##_d##D(const half_bits *q, const unsigned long long *k_blocks,                              \
-                                 const unsigned long long *v_blocks, const int *lens, half_bits *out, Decode s) {     \
-    flash_decode<H, D>(q, k_blocks, v_blocks, lens, out, s);                                                          \
+      flash_decode_##NAME##_d##D(const half_bits *q, const half_bits *k_new, const half_bits *v_new,                  \
+                                 const unsigned long long *k_blocks, const unsigned long long *v_blocks,              \
+                                 const int *lens, half_bits *out, Decode s) {                                         \
+    flash_decode<H, D>(q, k_new, v_new, k_blocks, v_blocks, lens, out, s);                                            \
   }
 
 INSTANTIATE(bf16, Bf16, 64)
