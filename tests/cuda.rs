@@ -166,11 +166,7 @@ fn flash_attention_matches_cpu_attention() {
                 all.extend(vars.iter().map(|v| values(grads.get(v.as_tensor()).unwrap())));
                 all
             };
-            let repeat = |x: &Tensor| x.unsqueeze(2)?.broadcast_as((b, hkv, h / hkv, s, d))?.reshape((b, h, s, d));
-            let mask = if causal { models::masks::causal_mask(t, s - t, window, DType::F32, &Device::Cpu).unwrap() } else { None };
-            let expected = run(&Device::Cpu, DType::F32, &|q, k, v| {
-                ops::eager_attention::attention(q, &repeat(k)?, &repeat(v)?, mask.as_ref(), scale)
-            });
+            let expected = run(&Device::Cpu, DType::F32, &|q, k, v| common::attention::reference_attention(q, k, v, causal, window, scale));
             let got = run(&dev, dtype, &|q, k, v| attention(q, k, v, visibility, scale));
             for (name, (g, e)) in ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&expected)) {
                 let diff = rel_norm_diff(g, e);
@@ -205,20 +201,8 @@ fn flash_decode_matches_cpu_attention() {
                 .collect();
             let mut expected = vec![];
             for (r, (k, v)) in kvs.iter().enumerate() {
-                let len = lens[r];
-                let repeat = |x: &Tensor| {
-                    x.to_dtype(DType::F32)
-                        .unwrap()
-                        .unsqueeze(2)
-                        .unwrap()
-                        .broadcast_as((1, hkv, h / hkv, len, d))
-                        .unwrap()
-                        .reshape((1, h, len, d))
-                        .unwrap()
-                };
-                let mask = models::masks::causal_mask(1, len - 1, window, DType::F32, &Device::Cpu).unwrap();
-                let qr = q.narrow(0, r, 1).unwrap().to_dtype(DType::F32).unwrap();
-                expected.extend(values(&ops::eager_attention::attention(&qr, &repeat(k), &repeat(v), mask.as_ref(), scale).unwrap()));
+                let qr = q.narrow(0, r, 1).unwrap();
+                expected.extend(values(&common::attention::reference_attention(&qr, k, v, true, window, scale).unwrap()));
             }
             for write_new in [false, true] {
                 // Appended in parts, as a prompt and then tokens come; with `write_new` the last

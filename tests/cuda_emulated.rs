@@ -311,19 +311,9 @@ fn check_decode(binary: &Path, (dtype, d, h, hkv, window, lens): DecodeCase, app
         new_k.push(k.narrow(2, len - 1, 1).unwrap().squeeze(0).unwrap().squeeze(1).unwrap());
         new_v.push(v.narrow(2, len - 1, 1).unwrap().squeeze(0).unwrap().squeeze(1).unwrap());
         stored_blocks.push((k_layout, v_layout));
-        let repeat = |x: &Tensor| {
-            x.to_dtype(DType::F32)
-                .unwrap()
-                .unsqueeze(2)
-                .unwrap()
-                .broadcast_as((1, hkv, h / hkv, len, d))
-                .unwrap()
-                .reshape((1, h, len, d))
-                .unwrap()
-        };
-        let mask = models::masks::causal_mask(1, len - 1, (window > 0).then_some(window), DType::F32, &cpu).unwrap();
-        let qr = q.get(r).unwrap().to_dtype(DType::F32).unwrap().reshape((1, h, 1, d)).unwrap();
-        expected.extend(flat(&ops::eager_attention::attention(&qr, &repeat(&k), &repeat(&v), mask.as_ref(), scale).unwrap()));
+        let qr = q.get(r).unwrap().reshape((1, h, 1, d)).unwrap();
+        let window = (window > 0).then_some(window);
+        expected.extend(flat(&common::attention::reference_attention(&qr, &k, &v, true, window, scale).unwrap()));
     }
     if append {
         write_values(&dir.join("k_new.bin"), &Tensor::stack(&new_k, 0).unwrap());

@@ -111,10 +111,16 @@ impl Rotary {
     }
 }
 
-/// Rotary embedding with per-row tables (batch, seq, head_dim / 2), rotate-half layout, built
+/// Rotary embedding with per-row tables (batch, seq, head_dim / 2), rotate-half layout: the
+/// fused op where each row has one position (decoding; the same values, one pass), else built
 /// from differentiable ops.
 fn rope_rows(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let d = x.dim(D::Minus1)?;
+    let (b, h, t, d) = x.dims4()?;
+    if t == 1 && ops::fused::rope_applies(x, cos) {
+        // One position a row (decoding): the rows are token-major (1, b, h, d), the tables (b, d / 2).
+        let tables = |c: &Tensor| c.reshape((b, d / 2));
+        return ops::fused::rope_token_major(&x.reshape((1, b, h, d))?, &tables(cos)?, &tables(sin)?)?.reshape((b, h, 1, d));
+    }
     let cos = Tensor::cat(&[cos, cos], D::Minus1)?.unsqueeze(1)?;
     let sin = Tensor::cat(&[sin, sin], D::Minus1)?.unsqueeze(1)?;
     let x1 = x.narrow(D::Minus1, 0, d / 2)?;

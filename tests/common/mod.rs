@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests: fixture directories, the CLI binary, reference files.
 #![allow(dead_code)]
 
+pub mod attention;
 pub mod gguf;
 pub mod hub;
 pub mod reasoning;

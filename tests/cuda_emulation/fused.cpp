@@ -44,22 +44,18 @@ static const unsigned WARPS_PER_BLOCK = 8, BACKWARD_BLOCKS = 1024, ELEMENTWISE_B
 static dim3 blocks(unsigned long long n) { return dim3{(unsigned)n, 1, 1}; }
 static dim3 elementwise(unsigned long long n) { return blocks(std::min(std::max((n + 255) / 256, 1ull), (unsigned long long)ELEMENTWISE_BLOCKS)); }
 
-struct Kernels32 {
-  static constexpr auto norm_forward = rms_norm_forward_f32;
-  static constexpr auto norm_rows = rms_norm_backward_rows_f32;
-  static constexpr auto norm_weight = rms_norm_backward_weight_f32;
-  static constexpr auto glu_forward = swiglu_forward_f32;
-  static constexpr auto glu_backward = swiglu_backward_f32;
-  static constexpr auto rotate = rope_f32;
-};
-struct KernelsBf16 {
-  static constexpr auto norm_forward = rms_norm_forward_bf16;
-  static constexpr auto norm_rows = rms_norm_backward_rows_bf16;
-  static constexpr auto norm_weight = rms_norm_backward_weight_bf16;
-  static constexpr auto glu_forward = swiglu_forward_bf16;
-  static constexpr auto glu_backward = swiglu_backward_bf16;
-  static constexpr auto rotate = rope_bf16;
-};
+// One dtype's kernels of the source.
+#define KERNELS(STRUCT, NAME)                                             \
+  struct STRUCT {                                                         \
+    static constexpr auto norm_forward = rms_norm_forward_##NAME;         \
+    static constexpr auto norm_rows = rms_norm_backward_rows_##NAME;      \
+    static constexpr auto norm_weight = rms_norm_backward_weight_##NAME;  \
+    static constexpr auto glu_forward = swiglu_forward_##NAME;            \
+    static constexpr auto glu_backward = swiglu_backward_##NAME;          \
+    static constexpr auto rotate = rope_##NAME;                           \
+  };
+KERNELS(Kernels32, f32)
+KERNELS(KernelsBf16, bf16)
 
 template <class T, class K>
 static int run(const std::string &op, char **args, int count) {

@@ -96,7 +96,7 @@ pub fn decode(
     }
     #[cfg(feature = "cuda")]
     {
-        super::flash_attention_cuda::decode(q, new, caches, scale, window)
+        super::flash_attention_cuda::decode(q, new, (caches, kv_heads), scale, window)
     }
     #[cfg(not(feature = "cuda"))]
     {

@@ -78,15 +78,30 @@ impl Problem {
         }
     }
 
-    /// The kernel `flash_{pass}_{dtype}_d{head_dim}`.
     fn kernel(&self, pass: &str, dtype: DType) -> Result<String> {
-        let name = match dtype {
-            DType::BF16 => "bf16",
-            DType::F16 => "f16",
-            other => candle_core::bail!("flash attention kernels: no {other:?} version"),
-        };
-        Ok(format!("flash_{pass}_{name}_d{}", self.head_dim))
+        kernel_name(pass, dtype, self.head_dim)
     }
+}
+
+/// The kernel `flash_{pass}_{dtype}_d{head_dim}` of the source.
+fn kernel_name(pass: &str, dtype: DType, head_dim: usize) -> Result<String> {
+    let name = match dtype {
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        other => candle_core::bail!("flash attention kernels: no {other:?} version"),
+    };
+    Ok(format!("flash_{pass}_{name}_d{head_dim}"))
+}
+
+/// `$self.$f::<T>($args)` for the half type of `$dtype` (the kernels' two formats).
+macro_rules! by_half_dtype {
+    ($dtype:expr, $self:ident.$f:ident($($arg:expr),*)) => {
+        match $dtype {
+            DType::BF16 => $self.$f::<half::bf16>($($arg),*),
+            DType::F16 => $self.$f::<half::f16>($($arg),*),
+            other => candle_core::bail!("flash attention kernels: no {other:?} version"),
+        }
+    };
 }
 
 /// `flash_attention::attention` on checked inputs.
@@ -166,11 +181,7 @@ impl CustomOp3 for Flash {
         vl: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
         let inputs = [(q, ql), (k, kl), (v, vl)];
-        let out = match q.dtype() {
-            DType::BF16 => self.forward::<half::bf16>(inputs)?,
-            DType::F16 => self.forward::<half::f16>(inputs)?,
-            other => candle_core::bail!("flash attention kernels: no {other:?} version"),
-        };
+        let out = by_half_dtype!(q.dtype(), self.forward(inputs))?;
         Ok((out, ql.shape().clone()))
     }
 
@@ -266,11 +277,7 @@ impl CustomOp3 for Gradient<'_> {
         vl: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
         let inputs = [(q, ql), (k, kl), (v, vl)];
-        let grads = match q.dtype() {
-            DType::BF16 => self.run::<half::bf16>(inputs)?,
-            DType::F16 => self.run::<half::f16>(inputs)?,
-            other => candle_core::bail!("flash attention kernels: no {other:?} version"),
-        };
+        let grads = by_half_dtype!(q.dtype(), self.run(inputs))?;
         let shape = if self.of_queries {
             ql.shape().clone()
         } else {
@@ -301,16 +308,16 @@ unsafe impl DeviceRepr for DecodeShape {}
 
 /// One new query per sequence, q (sequences, heads, 1, d), over each sequence's cached blocks
 /// ((keys, values), each (kv_heads, CACHE_BLOCK, d)) and length, `new` keys and values written at
-/// the last position first: (sequences, 1, heads · d).
+/// the last position first: (sequences, 1, heads · d). `flash_attention::decode` checked the
+/// problem; this checks the blocks.
 pub fn decode(
     q: &Tensor,
     new: Option<(&Tensor, &Tensor)>,
-    caches: &[(&[(Tensor, Tensor)], usize)],
+    (caches, kv_heads): (&[(&[(Tensor, Tensor)], usize)], usize),
     scale: f64,
     window: Option<usize>,
 ) -> Result<Tensor> {
     let (rows, heads, _, d) = q.dims4()?;
-    let kv_heads = caches.first().and_then(|(blocks, _)| blocks.first()).map(|(k, _)| k.dim(0)).transpose()?.unwrap_or(0);
     for (r, (blocks, len)) in caches.iter().enumerate() {
         let fits = |t: &Tensor| t.dims() == [kv_heads, CACHE_BLOCK, d] && t.dtype() == q.dtype() && t.device().same_device(q.device());
         if blocks.len() < len.div_ceil(CACHE_BLOCK) || *len == 0 || !blocks.iter().all(|(k, v)| fits(k) && fits(v)) {
@@ -386,12 +393,7 @@ impl Decode<'_> {
         let mut lens_on_device = unsafe { dev.alloc::<i32>(lens.len())? };
         dev.memcpy_htod(&lens, &mut lens_on_device)?;
         let out = unsafe { dev.alloc::<T>(self.rows * self.shape.heads as usize * self.head_dim)? };
-        let name = match T::DTYPE {
-            DType::BF16 => "bf16",
-            DType::F16 => "f16",
-            other => candle_core::bail!("flash decode kernels: no {other:?} version"),
-        };
-        let func = dev.get_or_load_custom_func(&format!("flash_decode_{name}_d{}", self.head_dim), SOURCE.module, SOURCE.ptx()?)?;
+        let func = dev.get_or_load_custom_func(&kernel_name("decode", T::DTYPE, self.head_dim)?, SOURCE.module, SOURCE.ptx()?)?;
         let group = (self.shape.heads / self.shape.kv_heads) as u32;
         let config = LaunchConfig {
             grid_dim: (self.rows as u32, self.shape.kv_heads as u32, group.div_ceil(16)),
@@ -432,11 +434,7 @@ impl candle_core::CustomOp1 for Decode<'_> {
     }
 
     fn cuda_fwd(&self, q: &CudaStorage, layout: &Layout) -> Result<(CudaStorage, Shape)> {
-        let out = match q.dtype() {
-            DType::BF16 => self.run::<half::bf16>(q, layout)?,
-            DType::F16 => self.run::<half::f16>(q, layout)?,
-            other => candle_core::bail!("flash decode kernels: no {other:?} version"),
-        };
+        let out = by_half_dtype!(q.dtype(), self.run(q, layout))?;
         Ok((out, Shape::from((self.rows, 1, self.shape.heads as usize * self.head_dim))))
     }
 }

@@ -335,7 +335,7 @@ impl CustomOp3 for Rope {
         sl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (seq, heads, _) = self.geometry(xl.dims())?;
-        Ok((crate::fused_cuda::rope(xs, xl, cs, cl, ss, sl, (seq, heads), self.inverse)?, xl.shape().clone()))
+        Ok((crate::fused_cuda::rope([(xs, xl), (cs, cl), (ss, sl)], (seq, heads), self.inverse)?, xl.shape().clone()))
     }
 
     fn cpu_fwd(

@@ -254,30 +254,17 @@ struct Rotation {
 // SAFETY: plain data laid out as the kernel's C struct.
 unsafe impl DeviceRepr for Rotation {}
 
+/// x, cos and sin of a rotation on the GPU, with their layouts.
+pub(crate) type RopeInputs<'a> = [(&'a CudaStorage, &'a Layout); 3];
+
 /// Rows of x rotated by the angles of the (seq, half) tables, `heads` consecutive rows sharing a
 /// position (1 for heads-major rows); by the negative angles when `inverse` (the backward).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn rope(
-    xs: &CudaStorage,
-    xl: &Layout,
-    cs: &CudaStorage,
-    cl: &Layout,
-    ss: &CudaStorage,
-    sl: &Layout,
-    (seq, heads): (usize, usize),
-    inverse: bool,
-) -> Result<CudaStorage> {
-    by_dtype!(xs.dtype(), "rope", rope_as(xs, xl, cs, cl, ss, sl, (seq, heads), inverse))
+pub(crate) fn rope(inputs: RopeInputs, (seq, heads): (usize, usize), inverse: bool) -> Result<CudaStorage> {
+    by_dtype!(inputs[0].0.dtype(), "rope", rope_as(inputs, (seq, heads), inverse))
 }
 
-#[allow(clippy::too_many_arguments)]
 fn rope_as<T: CudaDType + DeviceRepr + WithDType>(
-    xs: &CudaStorage,
-    xl: &Layout,
-    cs: &CudaStorage,
-    cl: &Layout,
-    ss: &CudaStorage,
-    sl: &Layout,
+    [(xs, xl), (cs, cl), (ss, sl)]: RopeInputs,
     (seq, heads): (usize, usize),
     inverse: bool,
 ) -> Result<CudaStorage> {

@@ -44,48 +44,33 @@ __device__ __forceinline__ bool visible(int i, int j, const Shape &s) {
 }
 
 // The half formats: the tensor-core product and the rounding of two f32 into one 32-bit pair
-// (round to nearest even; the lower index in the low half).
-struct Bf16 {
-  static __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+// (round to nearest even; the lower index in the low half). PTX names the format (`bf16`, `f16`).
 #ifdef FSDP_CUDA_EMULATION
-    emulation::mma<true>(c, a, b0, b1);
+#define HALF_FORMAT(NAME, PTX, IS_BF16)                                                                       \
+  struct NAME {                                                                                               \
+    static void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {                        \
+      emulation::mma<IS_BF16>(c, a, b0, b1);                                                                  \
+    }                                                                                                         \
+    static unsigned pack(float lo, float hi) { return emulation::pack<IS_BF16>(lo, hi); }                    \
+  };
 #else
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#define HALF_FORMAT(NAME, PTX, IS_BF16)                                                                       \
+  struct NAME {                                                                                               \
+    static __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) { \
+      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX "." PTX ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};" \
+                   : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                            \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                           \
+    }                                                                                                         \
+    static __device__ __forceinline__ unsigned pack(float lo, float hi) {                                    \
+      unsigned r;                                                                                             \
+      asm("cvt.rn." PTX "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));                                   \
+      return r;                                                                                               \
+    }                                                                                                         \
+  };
 #endif
-  }
-  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-#ifdef FSDP_CUDA_EMULATION
-    return emulation::pack<true>(lo, hi);
-#else
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-#endif
-  }
-};
 
-struct F16 {
-  static __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-#ifdef FSDP_CUDA_EMULATION
-    emulation::mma<false>(c, a, b0, b1);
-#else
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-  }
-  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-#ifdef FSDP_CUDA_EMULATION
-    return emulation::pack<false>(lo, hi);
-#else
-    unsigned r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-#endif
-  }
-};
+HALF_FORMAT(Bf16, "bf16", true)
+HALF_FORMAT(F16, "f16", false)
 
 // Halves (col, col + 1) of row `row` of a (rows x D) matrix as one word; 0 past `rows`.
 template <int D>
@@ -119,6 +104,21 @@ __device__ __forceinline__ void stage(half_bits *tile, const half_bits *m, int r
     if (r < rows) v = *reinterpret_cast<const uint4 *>(m + (long long)r * D + c);
     *reinterpret_cast<uint4 *>(tile + r * (D + PAD) + c) = v;
   }
+}
+
+// The next tiles of two (rows x D) matrices, once every warp is done with the last ones.
+template <int N, int D>
+__device__ __forceinline__ void stage_both(half_bits *tile_a, const half_bits *a, half_bits *tile_b, const half_bits *b, int rows) {
+  __syncthreads();
+  stage<N, D>(tile_a, a, rows);
+  stage<N, D>(tile_b, b, rows);
+  __syncthreads();
+}
+
+template <int N>
+__device__ __forceinline__ void zero(float (&acc)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 }
 
 // Values (rows 0..N-1) of a tile of f32 per row, `fill` past `rows`.
@@ -253,17 +253,13 @@ __device__ void flash_forward(const half_bits *q, const half_bits *k, const half
   unsigned qa[D / 16][4];
   load_a<D>(qh + (long long)row0 * D, s.t_len - row0, lane, qa);
   float o[D / 8][4];
-#pragma unroll
-  for (int nt = 0; nt < D / 8; nt++) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+  zero(o);
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
   const float k2 = s.scale * LOG2E;
 
   int2 keys = key_range(m0, ROWS, s);
   for (int n0 = keys.x / ROWS * ROWS; n0 < keys.y; n0 += ROWS) {
-    __syncthreads();
-    stage<ROWS, D>(k_tile, kh + (long long)n0 * D, s.s_len - n0);
-    stage<ROWS, D>(v_tile, vh + (long long)n0 * D, s.s_len - n0);
-    __syncthreads();
+    stage_both<ROWS, D>(k_tile, kh + (long long)n0 * D, v_tile, vh + (long long)n0 * D, s.s_len - n0);
     float sc[ROWS / 8][4];
     times_rows<H, ROWS, D>(qa, k_tile, D + PAD, lane, sc);
 #pragma unroll
@@ -314,16 +310,12 @@ __device__ void flash_backward_dq(const half_bits *q, const half_bits *k, const 
     dl[half] = i < s.t_len ? delta[rows_at + i] : 0.0f;
   }
   float acc[D / 8][4];
-#pragma unroll
-  for (int nt = 0; nt < D / 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+  zero(acc);
   const float k2 = s.scale * LOG2E;
 
   int2 keys = key_range(m0, ROWS, s);
   for (int n0 = keys.x / ROWS * ROWS; n0 < keys.y; n0 += ROWS) {
-    __syncthreads();
-    stage<ROWS, D>(k_tile, kh + (long long)n0 * D, s.s_len - n0);
-    stage<ROWS, D>(v_tile, vh + (long long)n0 * D, s.s_len - n0);
-    __syncthreads();
+    stage_both<ROWS, D>(k_tile, kh + (long long)n0 * D, v_tile, vh + (long long)n0 * D, s.s_len - n0);
     float p[ROWS / 8][4], dp[ROWS / 8][4];
     times_rows<H, ROWS, D>(qa, k_tile, D + PAD, lane, p);
     times_rows<H, ROWS, D>(da, v_tile, D + PAD, lane, dp);
@@ -361,10 +353,8 @@ __device__ void flash_backward_dkv(const half_bits *q, const half_bits *k, const
   load_a<D>(k + (keys_at + key0) * D, s.s_len - key0, lane, ka);
   load_a<D>(v + (keys_at + key0) * D, s.s_len - key0, lane, va);
   float dk_acc[D / 8][4], dv_acc[D / 8][4];
-#pragma unroll
-  for (int nt = 0; nt < D / 8; nt++)
-#pragma unroll
-    for (int r = 0; r < 4; r++) dk_acc[nt][r] = dv_acc[nt][r] = 0.0f;
+  zero(dk_acc);
+  zero(dv_acc);
   const float k2 = s.scale * LOG2E;
 
   int2 queries = query_range(n0, ROWS, s);
@@ -372,11 +362,9 @@ __device__ void flash_backward_dkv(const half_bits *q, const half_bits *k, const
     long long rows_at = ((long long)b * s.heads + head) * s.t_len;
     for (int m0 = queries.x / QN * QN; m0 < queries.y; m0 += QN) {
       __syncthreads();
-      stage<QN, D>(q_tile, q + (rows_at + m0) * D, s.t_len - m0);
-      stage<QN, D>(d_tile, dout + (rows_at + m0) * D, s.t_len - m0);
       stage_row_values<QN>(lse_tile, lse + rows_at + m0, s.t_len - m0, NEG_INF);
       stage_row_values<QN>(delta_tile, delta + rows_at + m0, s.t_len - m0, 0.0f);
-      __syncthreads();
+      stage_both<QN, D>(q_tile, q + (rows_at + m0) * D, d_tile, dout + (rows_at + m0) * D, s.t_len - m0);
       float p[QN / 8][4], dp[QN / 8][4];
       times_rows<H, QN, D>(ka, q_tile, D + PAD, lane, p);
 #pragma unroll
@@ -440,8 +428,7 @@ __device__ void flash_decode(const half_bits *q, const half_bits *k_new, const h
   unsigned qa[D / 16][4];
   load_a<D>(q + q_row * D, rows, lane, qa);
   float o[D / 8][4];
-#pragma unroll
-  for (int nt = 0; nt < D / 8; nt++) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+  zero(o);
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
   const float k2 = s.scale * LOG2E;
   for (int b = first / CACHE_BLOCK + warp; b * CACHE_BLOCK < len; b += WARPS) {
