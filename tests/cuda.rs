@@ -357,6 +357,26 @@ fn rope_kernel_matches_cpu() {
     }
 }
 
+/// Cross-entropy's kernels (`models/kernels/src/cuda/fused.cu`, `ops::cross_entropy`): per-row
+/// losses and d logits against the CPU op in f32 over a 32,000-token vocabulary with ignored
+/// targets; bf16 logits within their rounding.
+#[test]
+fn cross_entropy_kernels_match_cpu() {
+    use candle_core::Var;
+    let (rows, vocab) = (37, 32000);
+    let logits = (Tensor::randn(0f32, 1.0, (rows, vocab), &Device::Cpu).unwrap() * 3.0).unwrap();
+    let targets: Vec<i64> = (0..rows as i64).map(|r| if r % 7 == 2 { -100 } else { (r * 7919) % vocab as i64 }).collect();
+    let probe = Tensor::randn(0f32, 1.0, rows, &Device::Cpu).unwrap();
+    let run = |device: &Device, dtype: DType| {
+        let x = Var::from_tensor(&logits.to_device(device).unwrap().to_dtype(dtype).unwrap()).unwrap();
+        assert!(ops::cross_entropy::applies(x.as_tensor()), "{device:?} {dtype:?}");
+        let loss = ops::cross_entropy::cross_entropy_rows(x.as_tensor(), &targets).unwrap();
+        let grads = (&loss * probe.to_device(device).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+        [values(&loss), values(grads.get(x.as_tensor()).unwrap())]
+    };
+    gpu_matches_cpu("cross-entropy", ["loss", "d logits"], run);
+}
+
 /// The AdamW kernel (`models/kernels/src/cuda/adamw.cu`) against the host loop (`optim::adamw_step`) over three
 /// steps of a chunk that is no multiple of a block, with and without weight decay and clipping:
 /// the same IEEE operations, so the same values (checked to 1e-5 relative, the values whose bits differ counted).

@@ -4,8 +4,9 @@
 //! ops do, and the results are compared with the CPU's ops on the same inputs:
 //! - flash attention (`flash_attention.cu`): forward, log-sum-exp and the three gradients against
 //!   `ops::eager_attention` in f32 (tiling, indexing, masks, the online softmax);
-//! - the fused training ops (`fused.cu`): RMSNorm, SwiGLU and rope, forward and backward, in f32
-//!   against `ops::fused`'s CPU ops, in bf16 rope bit for bit against candle's `rope_slow`.
+//! - the fused training ops (`fused.cu`): RMSNorm, SwiGLU, rope and cross-entropy, forward and
+//!   backward, in f32 against `ops::fused`'s and `ops::cross_entropy`'s CPU ops, in bf16 rope bit
+//!   for bit against candle's `rope_slow`.
 //!
 //! `tests/cuda.rs` checks the same kernels on a GPU.
 
@@ -175,8 +176,8 @@ fn read_values(path: &Path, dtype: DType) -> Vec<f32> {
 
 /// The fused training ops' kernels (`fused.cu`, launched as `ops::fused_cuda` does): RMSNorm over
 /// rows of a length no multiple of a warp (dx and the weight's gradient summed over blocks),
-/// SwiGLU over a length no multiple of a block, rope on heads-major and token-major rows, each
-/// forward and backward. f32 within 1e-5 of `ops::fused`'s CPU ops; bf16 within 2e-2 of them,
+/// SwiGLU over a length no multiple of a block, rope on heads-major and token-major rows,
+/// cross-entropy over rows of 1,000 logits with ignored targets, each forward and backward. f32 within 1e-5 of `ops::fused`'s CPU ops; bf16 within 2e-2 of them,
 /// and rope bit for bit what candle's `rope_slow` composes in bf16 (forward and backward).
 #[test]
 fn fused_kernels_match_the_cpu_ops() {
@@ -227,6 +228,27 @@ fn fused_kernels_match_the_cpu_ops() {
         let expected_grads = Tensor::cat(&[all.get(av.as_tensor()).unwrap(), all.get(bv.as_tensor()).unwrap()], 0).unwrap();
         assert_close(&format!("swiglu {dtype:?}: y"), &y, &flat(&expected_y), tolerance);
         assert_close(&format!("swiglu {dtype:?}: da, db"), &grads, &flat(&expected_grads), tolerance);
+
+        // Cross-entropy: per-row losses in f32, then d logits.
+        let (rows, vocab) = (13, 1000);
+        let logits = (random(&[rows, vocab]) * 3.0).unwrap();
+        let targets: Vec<i64> = (0..rows as i64).map(|r| if r % 5 == 3 { -100 } else { (r * 379) % vocab as i64 }).collect();
+        let g = random(&[rows]);
+        let dir = scratch("cross_entropy");
+        write_values(&dir.join("x.bin"), &logits.to_dtype(dtype).unwrap());
+        std::fs::write(dir.join("targets.bin"), targets.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+        write_values(&dir.join("g.bin"), &g);
+        let name = if dtype == DType::F32 { "f32" } else { "bf16" };
+        let out =
+            Command::new(&binary).arg(&dir).arg(name).args(["cross_entropy", &rows.to_string(), &vocab.to_string()]).output().unwrap();
+        assert!(out.status.success(), "cross_entropy {dtype:?}: the emulated kernels failed: {}", String::from_utf8_lossy(&out.stderr));
+        let (loss, grads) = (read_values(&dir.join("loss.bin"), DType::F32), read_values(&dir.join("grads.bin"), dtype));
+        let _ = std::fs::remove_dir_all(&dir);
+        let xv = Var::from_tensor(&held(&logits)).unwrap();
+        let expected = ops::cross_entropy::cross_entropy_rows(xv.as_tensor(), &targets).unwrap();
+        let all = (&expected * &g).unwrap().sum_all().unwrap().backward().unwrap();
+        assert_close(&format!("cross_entropy {dtype:?}: loss"), &loss, &flat(&expected), 1e-5);
+        assert_close(&format!("cross_entropy {dtype:?}: d logits"), &grads, &flat(all.get(xv.as_tensor()).unwrap()), tolerance);
 
         // Rope, heads-major (b, h, t, d) and token-major (b, t, h, d): y, then g rotated back.
         for token_major in [false, true] {

@@ -94,7 +94,8 @@ impl OutputHead {
     /// Training's end: `-log softmax(logits)[target]` per position of (batch, seq, hidden)
     /// states, f32, 0 where the target is negative (`targets` row-major). On the CPU the head
     /// and the cross-entropy run as one op that never holds (positions, vocab) logits
-    /// (`ops::head_loss`), handing the head's gradient to `grad_to` when given.
+    /// (`ops::head_loss`), handing the head's gradient to `grad_to` when given; on a GPU the
+    /// cross-entropy is one op over the logits (`ops::cross_entropy`).
     pub fn losses(&self, h: &Tensor, targets: &[i64], grad_to: Option<WeightGradTarget>) -> Result<Tensor> {
         if let HeadWeight::Dense(head) = &self.weight {
             let normed = self.norm.forward(h, OpMode::Train)?;
@@ -103,7 +104,13 @@ impl OutputHead {
                 return ops::head_loss::head_cross_entropy(&normed.reshape((b * t, hidden))?, head, targets, grad_to);
             }
         }
-        per_position_loss(&self.logits(h, OpMode::Train)?, targets)
+        let logits = self.logits(h, OpMode::Train)?;
+        if logits.device().is_cuda() && ops::cross_entropy::applies(&logits) {
+            // One pass each way over the logits in their dtype (no f32 copy of them).
+            let (b, t, vocab) = logits.dims3()?;
+            return ops::cross_entropy::cross_entropy_rows(&logits.reshape((b * t, vocab))?, targets);
+        }
+        per_position_loss(&logits, targets)
     }
 }
 

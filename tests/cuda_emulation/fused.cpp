@@ -5,6 +5,7 @@
 // usage: fused DIR f32|bf16 rms_norm ROWS N EPS      reads x, w, g; writes y, grads ((ROWS + 1) x N)
 //        fused DIR f32|bf16 swiglu N                  reads a, b, g; writes y, grads (2N)
 //        fused DIR f32|bf16 rope ROWS SEQ HEADS HALF  reads x, cos, sin, g; writes y, grads (g rotated back)
+//        fused DIR f32|bf16 cross_entropy ROWS VOCAB  reads x, targets (i64), g (f32); writes loss (f32), grads
 // Every file holds raw values of the dtype (bf16 as its bits).
 
 #include <cstdio>
@@ -53,6 +54,8 @@ static dim3 elementwise(unsigned long long n) { return blocks(std::min(std::max(
     static constexpr auto glu_forward = swiglu_forward_##NAME;            \
     static constexpr auto glu_backward = swiglu_backward_##NAME;          \
     static constexpr auto rotate = rope_##NAME;                           \
+    static constexpr auto entropy_forward = cross_entropy_forward_##NAME; \
+    static constexpr auto entropy_backward = cross_entropy_backward_##NAME; \
   };
 KERNELS(Kernels32, f32)
 KERNELS(KernelsBf16, bf16)
@@ -90,6 +93,20 @@ static int run(const std::string &op, char **args, int count) {
     p.sign = -1.0f;
     emulation::launch(K::rotate, elementwise(n / 2), 256, 0, g.data(), cos.data(), sin.data(), grads.data(), p);
     write_values("y", y);
+    write_values("grads", grads);
+  } else if (op == "cross_entropy" && count == 2) {
+    Entropy p{arg(0), (int)arg(1)};
+    size_t n = (size_t)p.rows * p.vocab;
+    auto x = read_values<T>("x", n);
+    auto targets = read_values<long long>("targets", p.rows);
+    auto g = read_values<float>("g", p.rows);
+    std::vector<float> loss(p.rows), g_and_loss(2 * p.rows);
+    std::vector<T> grads(n);
+    emulation::launch(K::entropy_forward, blocks(p.rows), 256, 0, x.data(), targets.data(), loss.data(), p);
+    std::copy(g.begin(), g.end(), g_and_loss.begin());
+    std::copy(loss.begin(), loss.end(), g_and_loss.begin() + p.rows);
+    emulation::launch(K::entropy_backward, blocks(p.rows), 256, 0, x.data(), targets.data(), g_and_loss.data(), grads.data(), p);
+    write_values("loss", loss);
     write_values("grads", grads);
   } else {
     std::fprintf(stderr, "unknown op or arguments: %s\n", op.c_str());

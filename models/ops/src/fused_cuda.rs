@@ -1,7 +1,8 @@
 //! `ops::fused`'s RMSNorm, SwiGLU and rope on a GPU as kernels of our own (`fused.cu`): RMSNorm's
 //! forward one pass over x, its backward one pass over x and the gradient (dx and the weight's
 //! gradient together); SwiGLU's forward and backward one pass each; rope one pass, the backward
-//! the same kernel rotating back. Composed from candle's ops
+//! the same kernel rotating back; cross-entropy a block of threads per row each way
+//! (`ops::cross_entropy`). Composed from candle's ops
 //! (RMSNorm in f32: casts, a square, a mean, a square root, a reciprocal, two broadcast products;
 //! SwiGLU: silu, then a product; and their backwards) each made several passes over
 //! activation-sized tensors.
@@ -296,4 +297,98 @@ fn rope_as<T: CudaDType + DeviceRepr + WithDType>(
     // SAFETY: reads the n values of x and seq × half of each table, writes the n of y (checked above).
     unsafe { args.launch(elementwise_config(n / 2)) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(y, dev))
+}
+
+/// Threads per row of the cross-entropy kernels.
+const ENTROPY_THREADS: u32 = 256;
+
+/// The kernels' `Entropy`: rows of `vocab` logits.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Entropy {
+    rows: i64,
+    vocab: i32,
+}
+
+// SAFETY: plain data laid out as the kernels' C struct.
+unsafe impl DeviceRepr for Entropy {}
+
+impl Entropy {
+    fn new(logits: &Layout, targets: &[i64]) -> Result<Self> {
+        let rows = targets.len();
+        match logits.dims() {
+            [r, vocab] if *r == rows && logits.contiguous_offsets().is_some() && i32::try_from(*vocab).is_ok() => {
+                Ok(Self { rows: rows as i64, vocab: *vocab as i32 })
+            }
+            dims => candle_core::bail!("cross-entropy on the GPU: logits {dims:?} (contiguous) for {rows} targets"),
+        }
+    }
+
+    fn config(&self) -> LaunchConfig {
+        LaunchConfig { grid_dim: (self.rows as u32, 1, 1), block_dim: (ENTROPY_THREADS, 1, 1), shared_mem_bytes: 0 }
+    }
+}
+
+/// The targets on the device.
+fn upload_targets(dev: &candle_core::CudaDevice, targets: &[i64]) -> Result<candle_core::cuda_backend::cudarc::driver::CudaSlice<i64>> {
+    let mut on_device = unsafe { dev.alloc::<i64>(targets.len().max(1))? };
+    if !targets.is_empty() {
+        dev.memcpy_htod(targets, &mut on_device)?;
+    }
+    Ok(on_device)
+}
+
+/// Per-row losses (f32) of (rows, vocab) logits against `targets` (0 where negative).
+pub(crate) fn cross_entropy_forward((xs, xl): (&CudaStorage, &Layout), targets: &[i64]) -> Result<CudaStorage> {
+    by_dtype!(xs.dtype(), "cross-entropy", cross_entropy_forward_as((xs, xl), targets))
+}
+
+fn cross_entropy_forward_as<T: CudaDType + DeviceRepr + WithDType>(
+    (xs, xl): (&CudaStorage, &Layout),
+    targets: &[i64],
+) -> Result<CudaStorage> {
+    let p = Entropy::new(xl, targets)?;
+    let dev = xs.device.clone();
+    let x = input::<T>(xs, xl)?;
+    let on_device = upload_targets(&dev, targets)?;
+    let loss = unsafe { dev.alloc::<f32>(targets.len())? };
+    let func = dev.get_or_load_custom_func(&kernel_name("cross_entropy_forward", T::DTYPE)?, SOURCE.module, SOURCE.ptx()?)?;
+    let mut args = func.builder();
+    args.arg(&x).arg(&on_device).arg(&loss).arg(&p);
+    // SAFETY: reads rows × vocab logits (Entropy::new checked the shape) and one target a row,
+    // writes one loss a row.
+    unsafe { args.launch(p.config()) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(loss, dev))
+}
+
+/// d logits, in the logits' dtype, for `g_and_loss` (2, rows) in f32: the upstream gradient of
+/// each row's loss, then the forward's losses.
+pub(crate) fn cross_entropy_backward(
+    (xs, xl): (&CudaStorage, &Layout),
+    (gs, gl): (&CudaStorage, &Layout),
+    targets: &[i64],
+) -> Result<CudaStorage> {
+    by_dtype!(xs.dtype(), "cross-entropy", cross_entropy_backward_as((xs, xl), (gs, gl), targets))
+}
+
+fn cross_entropy_backward_as<T: CudaDType + DeviceRepr + WithDType>(
+    (xs, xl): (&CudaStorage, &Layout),
+    (gs, gl): (&CudaStorage, &Layout),
+    targets: &[i64],
+) -> Result<CudaStorage> {
+    let p = Entropy::new(xl, targets)?;
+    if gl.shape().elem_count() != 2 * targets.len() || gl.contiguous_offsets().is_none() {
+        candle_core::bail!("cross-entropy backward on the GPU: gradient and losses {:?} for {} rows", gl.dims(), targets.len());
+    }
+    let dev = xs.device.clone();
+    let (x, g_and_loss) = (input::<T>(xs, xl)?, input::<f32>(gs, gl)?);
+    let on_device = upload_targets(&dev, targets)?;
+    let dx = unsafe { dev.alloc::<T>(xl.shape().elem_count())? };
+    let func = dev.get_or_load_custom_func(&kernel_name("cross_entropy_backward", T::DTYPE)?, SOURCE.module, SOURCE.ptx()?)?;
+    let mut args = func.builder();
+    args.arg(&x).arg(&on_device).arg(&g_and_loss).arg(&dx).arg(&p);
+    // SAFETY: reads rows × vocab logits, one target a row and the 2 × rows gradients and losses
+    // (checked above), writes rows × vocab values of dx.
+    unsafe { args.launch(p.config()) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(dx, dev))
 }

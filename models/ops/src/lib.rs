@@ -3,7 +3,7 @@
 //! CPU: [`applies`]) and otherwise composes candle's ops, so the model code only says which op
 //! it calls.
 //!
-//! - `fused`: RMSNorm, rope, SwiGLU; `gated_mlp`: an MLP's gate and up products with their
+//! - `fused`: RMSNorm, rope, SwiGLU; `cross_entropy`: rows of logits against targets; `gated_mlp`: an MLP's gate and up products with their
 //!   SwiGLU; `attention`: causal/packed attention with an online softmax; `self_attention`:
 //!   q/k/v, RoPE and attention as one op; `linear`: `x · wᵀ` with its backward; `head_loss`: the
 //!   head and cross-entropy fused, by rows; `embedding`: the lookup whose weight gradient is
@@ -23,6 +23,7 @@
 pub mod attention;
 #[cfg(feature = "cuda")]
 mod attention_softmax_cuda;
+pub mod cross_entropy;
 #[cfg(feature = "cuda")]
 pub mod cuda_args;
 pub mod eager_attention;

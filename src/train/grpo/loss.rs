@@ -70,7 +70,7 @@ pub fn completion_logps(logits: &Tensor, rows: &[CompletionRow], temperature: f6
         // The fused cross-entropy keeps no (tokens, vocab) intermediate for its backward: it
         // recomputes each row's softmax from the logits, which the graph holds anyway.
         let targets: Vec<i64> = targets.iter().map(|&t| t as i64).collect();
-        let logps = ops::fused::cross_entropy_rows(&scaled, &targets)?.neg()?;
+        let logps = ops::cross_entropy::cross_entropy_rows(&scaled, &targets)?.neg()?;
         let entropy = row_entropies(&scaled.detach())?;
         return Ok((logps, entropy));
     }

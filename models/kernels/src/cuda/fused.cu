@@ -1,4 +1,5 @@
-// The fused training ops of `ops::fused` on a GPU, forward and backward: RMSNorm, SwiGLU, rope.
+// The fused training ops of `ops::fused` and `ops::cross_entropy` on a GPU, forward and backward:
+// RMSNorm, SwiGLU, rope, cross-entropy.
 // Compiled at run time by NVRTC (models/ops/src/fused_cuda.rs) after values.cuh.
 //
 // RMSNorm over rows of n values, one warp per row. As transformers' LlamaRMSNorm (and `ops::fused::rms_norm`'s CPU loop): in f32, r = 1 / sqrt(
@@ -113,6 +114,50 @@ __device__ void rope(const T *x, const T *cos, const T *sin, T *y, Rotation p) {
   }
 }
 
+// Cross-entropy of rows of `vocab` logits in f32 (transformers upcasts the logits), a block of
+// threads per row:
+//   forward:  loss = lse(x) - x[t], 0 where t < 0
+//   backward: dx_j = g (exp(x_j - lse) - [j == t]), 0 where t < 0, with lse = loss + x[t]
+// (the forward's loss and the upstream gradient g come as g_and_loss: (2, rows)).
+struct Entropy {
+  long long rows;
+  int vocab;
+};
+
+// The max (MAX) or sum of v over the block.
+template <bool MAX>
+__device__ __forceinline__ float block_all(float v) {
+  __shared__ float part[32];
+  int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  v = MAX ? warp_max(v) : warp_sum(v);
+  __syncthreads();  // the last call's readers are done with part
+  if (lane == 0) part[warp] = v;
+  __syncthreads();
+  v = lane < (int)(blockDim.x / 32) ? part[lane] : (MAX ? NEG_INF : 0.0f);
+  return MAX ? warp_max(v) : warp_sum(v);
+}
+
+template <typename T>
+__device__ void cross_entropy_forward(const T *x, const long long *targets, float *loss, Entropy p) {
+  long long row = blockIdx.x, t = targets[row];
+  const T *xr = x + row * p.vocab;
+  float mx = NEG_INF;
+  for (int j = threadIdx.x; j < p.vocab; j += blockDim.x) mx = fmaxf(mx, load(xr, j));
+  mx = block_all<true>(mx);
+  float sum = 0.0f;
+  for (int j = threadIdx.x; j < p.vocab; j += blockDim.x) sum += expf(load(xr, j) - mx);
+  sum = block_all<false>(sum);
+  if (threadIdx.x == 0) loss[row] = t < 0 ? 0.0f : mx + logf(sum) - load(xr, t);
+}
+
+template <typename T>
+__device__ void cross_entropy_backward(const T *x, const long long *targets, const float *g_and_loss, T *dx, Entropy p) {
+  long long row = blockIdx.x, t = targets[row], at = row * p.vocab;
+  float g = t < 0 ? 0.0f : g_and_loss[row], lse = t < 0 ? 0.0f : g_and_loss[p.rows + row] + load(x, at + t);
+  for (int j = threadIdx.x; j < p.vocab; j += blockDim.x)
+    store(dx, at + j, t < 0 ? 0.0f : g * (expf(load(x, at + j) - lse) - (j == t ? 1.0f : 0.0f)));
+}
+
 #define INSTANTIATE(NAME, T)                                                                                      \
   extern "C" __global__ void rms_norm_forward_##NAME(const T *x, const T *w, T *y, Norm p) {                     \
     norm_forward<T>(x, w, y, p);                                                                                 \
@@ -132,6 +177,14 @@ __device__ void rope(const T *x, const T *cos, const T *sin, T *y, Rotation p) {
   }                                                                                                              \
   extern "C" __global__ void rope_##NAME(const T *x, const T *cos, const T *sin, T *y, Rotation p) {              \
     rope<T>(x, cos, sin, y, p);                                                                                  \
+  }                                                                                                              \
+  extern "C" __global__ void cross_entropy_forward_##NAME(const T *x, const long long *targets, float *loss,      \
+                                                          Entropy p) {                                           \
+    cross_entropy_forward<T>(x, targets, loss, p);                                                               \
+  }                                                                                                              \
+  extern "C" __global__ void cross_entropy_backward_##NAME(const T *x, const long long *targets,                 \
+                                                           const float *g_and_loss, T *dx, Entropy p) {          \
+    cross_entropy_backward<T>(x, targets, g_and_loss, dx, p);                                                    \
   }
 
 INSTANTIATE(f32, float)
