@@ -68,16 +68,18 @@ static int decode_main(int argc, char **argv) {
   for (int len : lens) s.max_blocks = std::max(s.max_blocks, (len + CACHE_BLOCK - 1) / CACHE_BLOCK);
   auto q = read_values<half_bits>(dir + "/q.bin", (size_t)seqs * heads * d);
   std::vector<Bits> k(seqs), v(seqs);
-  std::vector<unsigned long long> k_table((size_t)seqs * s.max_blocks), v_table(k_table.size());
+  size_t entries = (size_t)seqs * s.max_blocks;
+  std::vector<unsigned long long> table(2 * entries + seqs, 0);
   size_t block = (size_t)kv_heads * CACHE_BLOCK * d;
   for (int r = 0; r < seqs; r++) {
     int blocks = (lens[r] + CACHE_BLOCK - 1) / CACHE_BLOCK;
     k[r] = read_values<half_bits>(dir + "/k" + std::to_string(r) + ".bin", blocks * block);
     v[r] = read_values<half_bits>(dir + "/v" + std::to_string(r) + ".bin", blocks * block);
     for (int b = 0; b < blocks; b++) {
-      k_table[(size_t)r * s.max_blocks + b] = (unsigned long long)(k[r].data() + b * block);
-      v_table[(size_t)r * s.max_blocks + b] = (unsigned long long)(v[r].data() + b * block);
+      table[(size_t)r * s.max_blocks + b] = (unsigned long long)(k[r].data() + b * block);
+      table[entries + (size_t)r * s.max_blocks + b] = (unsigned long long)(v[r].data() + b * block);
     }
+    table[2 * entries + r] = (unsigned long long)lens[r];
   }
   decltype(&flash_decode_bf16_d64) kernel;
   if (dtype == "bf16" && d == 64) kernel = flash_decode_bf16_d64;
@@ -96,8 +98,8 @@ static int decode_main(int argc, char **argv) {
   Bits out((size_t)seqs * heads * d);
   unsigned head_chunks = (unsigned)((heads / kv_heads + 15) / 16);
   const half_bits *kn = append ? k_new.data() : nullptr, *vn = append ? v_new.data() : nullptr;
-  emulation::launch(kernel, dim3{(unsigned)seqs, (unsigned)kv_heads, head_chunks}, WARPS * 32, 0, q.data(), kn, vn, k_table.data(),
-                    v_table.data(), lens.data(), out.data(), s);
+  emulation::launch(kernel, dim3{(unsigned)seqs, (unsigned)kv_heads, head_chunks}, WARPS * 32, 0, q.data(), kn, vn, table.data(), out.data(),
+                    s);
   write_values(dir + "/out.bin", out);
   for (int r = 0; r < seqs && append; r++) {
     write_values(dir + "/k" + std::to_string(r) + ".out", k[r]);

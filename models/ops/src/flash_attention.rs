@@ -19,7 +19,9 @@ pub const HEAD_DIMS: [usize; 2] = [64, 128];
 /// (built with the `cuda` feature), bf16 or f16, a head dim of [`HEAD_DIMS`], heads a multiple of
 /// kv_heads. `FSDP_FLASH_ATTENTION=0` turns it off (eager attention instead), for comparisons.
 pub fn applies(q: &Tensor, kv_heads: usize) -> bool {
-    let on = cfg!(feature = "cuda") && std::env::var("FSDP_FLASH_ATTENTION").map_or(true, |v| v != "0");
+    static TURNED_OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *TURNED_OFF.get_or_init(|| std::env::var("FSDP_FLASH_ATTENTION").is_ok_and(|v| v == "0"));
+    let on = cfg!(feature = "cuda") && !off;
     let Ok((_, heads, _, d)) = q.dims4() else { return false };
     on && q.device().is_cuda()
         && matches!(q.dtype(), DType::BF16 | DType::F16)

@@ -355,14 +355,12 @@ struct Decode<'a> {
 }
 
 impl Decode<'_> {
-    /// The device addresses of each sequence's key and value blocks, `max_blocks` entries a
-    /// sequence (0 past its blocks), and the lengths.
-    fn tables<T: CudaDType>(
-        &self,
-        stream: &candle_core::cuda_backend::cudarc::driver::CudaStream,
-    ) -> Result<(Vec<u64>, Vec<u64>, Vec<i32>)> {
+    /// The kernel's table: the device addresses of each sequence's key blocks, `max_blocks`
+    /// entries a sequence (0 past its blocks), the value blocks' likewise, then the lengths.
+    fn table<T: CudaDType>(&self, stream: &candle_core::cuda_backend::cudarc::driver::CudaStream) -> Result<Vec<u64>> {
         let width = self.shape.max_blocks as usize;
-        let (mut keys, mut values) = (vec![0u64; self.rows * width], vec![0u64; self.rows * width]);
+        let entries = self.rows * width;
+        let mut table = vec![0u64; 2 * entries + self.rows];
         let address = |t: &Tensor| -> Result<u64> {
             let (storage, layout) = t.storage_and_layout();
             let view = values_of::<T>(&storage, start_of(layout, "a cache block")?)?;
@@ -371,27 +369,21 @@ impl Decode<'_> {
         };
         for (r, (blocks, len)) in self.caches.iter().enumerate() {
             for (b, (k, v)) in blocks.iter().take(len.div_ceil(CACHE_BLOCK)).enumerate() {
-                keys[r * width + b] = address(k)?;
-                values[r * width + b] = address(v)?;
+                table[r * width + b] = address(k)?;
+                table[entries + r * width + b] = address(v)?;
             }
+            table[2 * entries + r] = *len as u64;
         }
-        let lens = self.caches.iter().map(|(_, len)| *len as i32).collect();
-        Ok((keys, values, lens))
+        Ok(table)
     }
 
     fn run<T: CudaDType + DeviceRepr + WithDType>(&self, q: &CudaStorage, layout: &Layout) -> Result<CudaStorage> {
         let dev = q.device.clone();
         let q = view::<T>((q, layout), "q")?;
         let stream = dev.cuda_stream();
-        let (keys, values, lens) = self.tables::<T>(&stream)?;
-        let upload = |host: &[u64]| -> Result<CudaSlice<u64>> {
-            let mut on_device = unsafe { dev.alloc::<u64>(host.len())? };
-            dev.memcpy_htod(host, &mut on_device)?;
-            Ok(on_device)
-        };
-        let (keys, values) = (upload(&keys)?, upload(&values)?);
-        let mut lens_on_device = unsafe { dev.alloc::<i32>(lens.len())? };
-        dev.memcpy_htod(&lens, &mut lens_on_device)?;
+        let host = self.table::<T>(&stream)?;
+        let mut table = unsafe { dev.alloc::<u64>(host.len())? };
+        dev.memcpy_htod(&host, &mut table)?;
         let out = unsafe { dev.alloc::<T>(self.rows * self.shape.heads as usize * self.head_dim)? };
         let func = dev.get_or_load_custom_func(&kernel_name("decode", T::DTYPE, self.head_dim)?, SOURCE.module, SOURCE.ptx()?)?;
         let group = (self.shape.heads / self.shape.kv_heads) as u32;
@@ -414,7 +406,7 @@ impl Decode<'_> {
             Some((k, v)) => args.arg(k).arg(v),
             None => args.arg(&none).arg(&none),
         };
-        args.arg(&keys).arg(&values).arg(&lens_on_device).arg(&out).arg(&self.shape);
+        args.arg(&table).arg(&out).arg(&self.shape);
         // SAFETY: the tables list, per sequence, blocks of (kv_heads, CACHE_BLOCK, d) values that
         // `decode` checked and the caches keep alive; the kernel writes the new keys and values
         // (sequences × kv_heads × d each, checked) at each last position inside them, reads the

@@ -388,8 +388,9 @@ __device__ void flash_backward_dkv(const half_bits *q, const half_bits *k, const
 }
 
 // Decoding: one new query per sequence over its cached keys and values, kept in blocks of
-// CACHE_BLOCK positions ((kv_heads, CACHE_BLOCK, D) each, models::kv_cache) that a table lists per
-// sequence (`max_blocks` entries a sequence; lens[r] positions, the new one last). With k_new and
+// CACHE_BLOCK positions ((kv_heads, CACHE_BLOCK, D) each, models::kv_cache) that a table lists:
+// the key blocks' addresses (`max_blocks` a sequence), the value blocks' likewise, then each
+// sequence's length (the new position last); one upload a layer. With k_new and
 // v_new ((sequences, kv_heads, D)), the kernel first writes them at the new position (the cache
 // only counted it): one launch instead of two copies per sequence. A block of threads per
 // (sequence, kv head, 16 of its query heads): those heads are the rows of the A fragment, each
@@ -405,13 +406,15 @@ struct Decode {
 };
 
 template <class H, int D>
-__device__ void flash_decode(const half_bits *q, const half_bits *k_new, const half_bits *v_new, const unsigned long long *k_blocks,
-                             const unsigned long long *v_blocks, const int *lens, half_bits *out, Decode s) {
+__device__ void flash_decode(const half_bits *q, const half_bits *k_new, const half_bits *v_new, const unsigned long long *table,
+                             half_bits *out, Decode s) {
   __shared__ float m_s[WARPS][16], l_s[WARPS][16], o_s[WARPS][16][D];
   int seq = blockIdx.x, kvh = blockIdx.y, group = s.heads / s.kv_heads, head0 = blockIdx.z * 16;
   int rows = min(16, group - head0);
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
-  int len = lens[seq], first = s.window > 0 ? max(0, len - s.window) : 0;
+  long long entries = (long long)gridDim.x * s.max_blocks;
+  const unsigned long long *k_blocks = table, *v_blocks = table + entries;
+  int len = (int)table[2 * entries + seq], first = s.window > 0 ? max(0, len - s.window) : 0;
   long long q_row = (long long)seq * s.heads + kvh * group + head0;
   if (k_new) {
     int p = len - 1;
@@ -497,9 +500,8 @@ __device__ void flash_decode(const half_bits *q, const half_bits *k_new, const h
   }                                                                                                                   \
   extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                            \
       flash_decode_##NAME##_d##D(const half_bits *q, const half_bits *k_new, const half_bits *v_new,                  \
-                                 const unsigned long long *k_blocks, const unsigned long long *v_blocks,              \
-                                 const int *lens, half_bits *out, Decode s) {                                         \
-    flash_decode<H, D>(q, k_new, v_new, k_blocks, v_blocks, lens, out, s);                                            \
+                                 const unsigned long long *table, half_bits *out, Decode s) {                         \
+    flash_decode<H, D>(q, k_new, v_new, table, out, s);                                                               \
   }
 
 INSTANTIATE(bf16, Bf16, 64)
