@@ -8,7 +8,7 @@
 //!   backward, in f32 against `ops::fused`'s and `ops::cross_entropy`'s CPU ops, in bf16 rope bit
 //!   for bit against candle's `rope_slow`.
 //!
-//! `tests/cuda.rs` checks the same kernels on a GPU.
+//! `tests/cuda/kernels.rs` checks the same kernels on a GPU.
 
 mod common;
 

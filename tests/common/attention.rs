@@ -1,4 +1,4 @@
-//! The CPU's attention as the GPU kernels' tests (tests/cuda.rs, tests/cuda_emulated.rs) take
+//! The CPU's attention as the GPU kernels' tests (tests/cuda/, tests/cuda_emulated.rs) take
 //! it for reference.
 
 use candle_core::{DType, Device, Result, Tensor};

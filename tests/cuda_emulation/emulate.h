@@ -5,7 +5,7 @@
 // The sources take `FSDP_CUDA_EMULATION` to call `emulation::mma` / `emulation::pack` where the GPU
 // runs inline PTX. The emulated mma follows the fragment layouts of PTX ISA's "Matrix Fragments
 // for mma.m16n8k16 with floating point type" (A row-major 16 x 16, B column-major 16 x 8, C/D
-// 16 x 8 in f32); the GPU test (tests/cuda.rs) checks the same kernels against the CPU there.
+// 16 x 8 in f32); the GPU tests (tests/cuda/kernels.rs) check the same kernels against the CPU there.
 
 #pragma once
 

@@ -97,7 +97,7 @@ gcc -shared -fPIC -O2 -Wall -I"$NV/include" tests/gpu/kernel_profile.c -L"$NV/li
 # Stripped (80 MB -> ~45 MB) so that all three fit in the device tool's 64 MiB carry.
 strip -o .gpubin/fsdp-app target/cuda/release/fsdp-app && gzip -f .gpubin/fsdp-app
 if [ "$WITH_TESTS" = 1 ]; then
-  # The GPU tests (tests/cuda.rs) and the GPU benchmark (tests/bench/gpu.rs) as standalone
+  # The GPU tests (tests/cuda/) and the GPU benchmark (tests/bench/gpu.rs) as standalone
   # binaries: they use the library only, and find tests/ from the repository root.
   pick() { "$VENV/bin/python" -c '
 import json, sys, shutil

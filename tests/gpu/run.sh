@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the CUDA build (made by tests/gpu/build-cuda.sh, carried in .gpubin/) on a GPU machine:
 #
-#   bash tests/gpu/run.sh check   # tests/cuda.rs (CUDA vs CPU, NCCL world 1) + a launched run
+#   bash tests/gpu/run.sh check   # tests/cuda/ (CUDA vs CPU, NCCL world 1) + a launched run
 #   bash tests/gpu/run.sh bench   # tests/bench/gpu.rs: training MFU and generation vs PyTorch
 #   bash tests/gpu/run.sh profile # the bench's training run under tests/gpu/kernel_profile.c
 #   bash tests/gpu/run.sh all     # the three in one call (a lent machine's minutes are few), then
@@ -42,7 +42,7 @@ part() { local name=$1; shift; echo "== $name"; if "$@"; then echo "== $name: ok
 
 case "$what" in
   check)
-    part "tests/cuda.rs" "$BIN/cuda-tests" --test-threads 1 --nocapture
+    part "tests/cuda/" "$BIN/cuda-tests" --test-threads 1 --nocapture
     # The CLI end to end: one rank under the launcher, NCCL backend, bf16 compute.
     work=$(mktemp -d)
     part "fixture" "$BIN/fsdp-app" fixture --name llama --out "$work/model"
