@@ -20,6 +20,27 @@ pub(super) struct DeviceShards {
 }
 
 impl DeviceShards {
+    /// Zero state made on `cx.device` (no host values to move).
+    pub fn zeros(cx: &UnitCtx) -> anyhow::Result<Self> {
+        let zeros = |n: usize| Tensor::zeros(n, DType::F32, cx.device);
+        let mut s = Self { master: vec![], grad: vec![], exp_avg: vec![], exp_avg_sq: vec![], full_grads: vec![] };
+        for p in &cx.plan.params {
+            s.master.push(zeros(p.chunk_len())?);
+            let trained = || -> candle_core::Result<Option<Tensor>> {
+                if p.trainable {
+                    zeros(p.chunk_len()).map(Some)
+                } else {
+                    Ok(None)
+                }
+            };
+            s.grad.push(trained()?);
+            s.exp_avg.push(trained()?);
+            s.exp_avg_sq.push(trained()?);
+            s.full_grads.push(None);
+        }
+        Ok(s)
+    }
+
     /// Uploads host state to `cx.device`.
     pub fn upload(host: &HostState, cx: &UnitCtx) -> anyhow::Result<Self> {
         let upload = |v: &[f32]| Tensor::from_slice(v, v.len(), cx.device);

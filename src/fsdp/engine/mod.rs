@@ -164,6 +164,9 @@ pub struct FsdpEngine {
     decay: HashMap<String, bool>,
     /// The state changed since `sync_host` last copied device state to the host.
     host_stale: bool,
+    /// Nothing was loaded or trained yet: every unit's state is zeros (what `with_device` may
+    /// make on the device itself instead of uploading).
+    fresh: bool,
     pub step: u64,
 }
 
@@ -201,7 +204,7 @@ impl FsdpEngine {
             .into_iter()
             .map(|plan| UnitState { shards: Box::new(host::HostShards::zeros(&plan)), plan, host_copy: None, gathered: Gathered::No })
             .collect();
-        Ok(Self { model, units, stage_units, groups, opts, device: Device::Cpu, adam, decay, host_stale: false, step: 0 })
+        Ok(Self { model, units, stage_units, groups, opts, device: Device::Cpu, adam, decay, host_stale: false, fresh: true, step: 0 })
     }
 
     /// Runs the units on `device` (default: CPU), with the fp32 master chunks, gradients and
@@ -209,6 +212,11 @@ impl FsdpEngine {
     /// runs the GPU's code path, for tests) or in host vectors (CPU runs, and `--cpu-offload`
     /// on a GPU as FSDP2's `CPUOffloadPolicy`: a unit's parameters go to the device when
     /// gathered, its gradients come back when reduce-scattered, AdamW runs on the CPU).
+    ///
+    /// On an engine fresh from [`Self::new`] (nothing loaded or trained: its state all zeros)
+    /// device state is made on the device: uploading the host's zeros moved four times the
+    /// master weights' bytes (weights, gradients, both moments) before loading moved the
+    /// weights again.
     pub fn with_device(mut self, device: Device, state_on_device: bool) -> Result<Self> {
         self.device = device;
         self.place_state(state_on_device)?;
@@ -220,6 +228,7 @@ impl FsdpEngine {
         for unit in &mut self.units {
             let cx = unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device);
             match (on_device, unit.shards.as_host()) {
+                (true, Some(_)) if self.fresh => unit.shards = Box::new(device::DeviceShards::zeros(&cx)?),
                 (true, Some(host)) => unit.shards = Box::new(device::DeviceShards::upload(host, &cx)?),
                 (false, None) => unit.shards = Box::new(host::HostShards::from_state(unit.shards.to_host(&cx)?)),
                 _ => {}
@@ -371,6 +380,7 @@ impl FsdpEngine {
     /// Forward only (evaluation): the summed token loss of one micro-batch. Units are gathered
     /// and freed as in training; no graph is built and no gradient is touched.
     pub fn forward_loss(&mut self, input_ids: &Tensor, ctx: &StageContext, loss: LossFn) -> Result<f64> {
+        self.fresh = false;
         let n = self.model.num_stages();
         let mut x = input_ids.clone();
         // `s` names the stage in several of the engine's calls, not only an index into `saved`.
@@ -400,6 +410,7 @@ impl FsdpEngine {
     /// micro-batches). `ctx` carries what the model's stages take (packing, dropout seeds,
     /// targets). Returns the value of `loss`.
     pub fn forward_backward(&mut self, input_ids: &Tensor, ctx: &StageContext, loss: LossFn, grad_scale: f64) -> Result<f64> {
+        self.fresh = false;
         // Ops that can (the embedding and the fused head, on the CPU) hand their weight
         // gradients to this sink instead of candle's gradient store.
         let weight_grads = ops::weight_grads::WeightGrads::new();

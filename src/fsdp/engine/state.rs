@@ -61,6 +61,7 @@ impl FsdpEngine {
     /// and scattering each piece before reading the next: beyond its own shard it holds one
     /// piece per rank ([`STREAM_PIECE`] values each), never a whole unit or parameter.
     pub fn load_unit_part_from(&mut self, u: usize, part: StatePart, source: Option<&dyn ParamSource>) -> Result<()> {
+        self.fresh = false;
         let world = &self.groups.world;
         let shard_size = self.groups.shard.world_size();
         let plan = &self.units[u].plan;

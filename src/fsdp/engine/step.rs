@@ -8,6 +8,7 @@ impl FsdpEngine {
     /// Ends a step: gradients summed over replicas, global-norm clipping (`max_grad_norm` None
     /// = off), AdamW with learning rate `lr`, gradients zeroed. The norm is before clipping.
     pub fn optimizer_step(&mut self, lr: f64, max_grad_norm: Option<f64>) -> Result<StepStats> {
+        self.fresh = false;
         if self.groups.replicate.world_size() > 1 {
             for unit in &mut self.units {
                 unit.shards.all_reduce_grads(self.groups.replicate.as_ref())?;
@@ -38,6 +39,7 @@ impl FsdpEngine {
     /// collected or reduced gradients are dropped, so the next step starts from the state the
     /// last optimizer step left, as if this one had not begun.
     pub fn discard_step(&mut self) -> Result<()> {
+        self.fresh = false;
         for u in 0..self.units.len() {
             self.drop_gathered(u)?;
             self.units[u].shards.discard_grads()?;
