@@ -63,12 +63,24 @@ fn gpu_matches_cpu<const N: usize>(what: &str, names: [&str; N], run: impl Fn(&D
     }
 }
 
+/// Every fixture as written, and again with 64-value heads (head dims the flash-attention
+/// kernels take, so that the models run on them; mistral's with its sliding window): (what, dir).
+fn fixtures_with_kernel_heads(root: &Path) -> Vec<(String, std::path::PathBuf)> {
+    let mut all = vec![];
+    for name in fsdp_app::fixtures::FIXTURE_NAMES {
+        all.push((name.to_string(), fixture(name, root)));
+        // qwen2's head dim is hidden / heads (4 heads); the others name theirs.
+        let heads_of_64: &[(&str, u64)] = if *name == "qwen2" { &[("hidden_size", 256)] } else { &[("head_dim", 64)] };
+        all.push((format!("{name} (64-value heads)"), fixture_with(name, &root.join(format!("{name}-heads-64")), heads_of_64)));
+    }
+    all
+}
+
 #[test]
 fn logits_on_cuda_match_cpu() {
     let tmp = tempfile::tempdir().unwrap();
     let dev = gpu();
-    for name in fsdp_app::fixtures::FIXTURE_NAMES {
-        let dir = fixture(name, tmp.path());
+    for (name, dir) in fixtures_with_kernel_heads(tmp.path()) {
         let files = || resolve_model(dir.to_str().unwrap(), None).unwrap();
         let cpu = load_model(files(), DType::F32, &Device::Cpu).unwrap();
         let ids: Vec<u32> = (0..2 * 24).map(|i| (i * 37 + 11) % 384).collect();
@@ -79,6 +91,51 @@ fn logits_on_cuda_match_cpu() {
             let d = rel_norm_diff(&got, &expected);
             eprintln!("{name} {dtype:?}: logits relative difference {d:.2e}");
             assert!(d < tolerance, "{name} {dtype:?}: CUDA logits differ from CPU by {d} (relative norm)");
+        }
+    }
+}
+
+/// The attention kernels inside the models on the GPU (bf16, fixtures with 64-value heads): the
+/// full forward runs flash attention, a cached prompt flash attention over the cache, each next
+/// token the decode kernel (which writes the cache), several sequences' next tokens one decode
+/// launch. Each cached step's logits against the full forward's at that position; the
+/// several-sequence step against the full forward at each sequence's position.
+#[test]
+fn cached_decoding_on_cuda_follows_the_full_forward() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dev = gpu();
+    let none = models::RowAdapters::default();
+    for (name, dir) in fixtures_with_kernel_heads(tmp.path()).into_iter().filter(|(name, _)| name.contains("64-value")) {
+        let loaded = load_model(resolve_model(dir.to_str().unwrap(), None).unwrap(), DType::BF16, &dev).unwrap();
+        let model = &loaded.model;
+        let ids: Vec<u32> = (0..24).map(|i| (i * 37 + 11) % 384).collect();
+        let tokens = |range: std::ops::Range<usize>| Tensor::from_vec(ids[range.clone()].to_vec(), (1, range.len()), &dev).unwrap();
+        let full = model.forward(&tokens(0..24)).unwrap().squeeze(0).unwrap();
+        let at = |i: usize| values(&full.get(i).unwrap());
+        let close = |what: String, got: &Tensor, i: usize| {
+            let d = rel_norm_diff(&values(got), &at(i));
+            eprintln!("{what}: relative difference {d:.2e}");
+            assert!(d < 3e-2, "{what}: differs from the full forward at position {i} by {d}");
+        };
+        let mut cache = models::KvCache::new(&loaded.config);
+        close(format!("{name}: a 16-token prompt"), &model.forward_cached(&tokens(0..16), &mut cache, &none).unwrap(), 15);
+        for i in 16..24 {
+            close(format!("{name}: token {i}"), &model.forward_cached(&tokens(i..i + 1), &mut cache, &none).unwrap(), i);
+        }
+        let lens = [5usize, 11, 20];
+        let mut caches: Vec<models::KvCache> = lens
+            .iter()
+            .map(|&n| {
+                let mut c = models::KvCache::new(&loaded.config);
+                model.forward_cached(&tokens(0..n), &mut c, &none).unwrap();
+                c
+            })
+            .collect();
+        let mut refs: Vec<&mut models::KvCache> = caches.iter_mut().collect();
+        let next: Vec<u32> = lens.iter().map(|&n| ids[n]).collect();
+        let rows = model.forward_decode_rows(&next, &mut refs, &none).unwrap();
+        for (r, &n) in lens.iter().enumerate() {
+            close(format!("{name}: sequence {r} of a three-sequence step"), &rows.get(r).unwrap(), n);
         }
     }
 }
@@ -110,8 +167,7 @@ fn engine_for(dir: &Path, device: &Device, param_dtype: DType, ac: bool) -> Fsdp
 fn gradients_on_cuda_match_cpu() {
     let tmp = tempfile::tempdir().unwrap();
     let dev = gpu();
-    for name in fsdp_app::fixtures::FIXTURE_NAMES {
-        let dir = fixture(name, tmp.path());
+    for (name, dir) in fixtures_with_kernel_heads(tmp.path()) {
         let ids: Vec<u32> = (0..4 * 16).map(|i| (i * 53 + 7) % 384).collect();
         let labels: Vec<i64> = ids.iter().enumerate().map(|(i, &t)| if i % 16 < 3 { -100 } else { t as i64 }).collect();
         let targets = (0..4).map(|b| labels[b * 16 + 1..(b + 1) * 16].iter().filter(|&&x| x != -100).count()).sum::<usize>() as f64;
