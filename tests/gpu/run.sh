@@ -78,7 +78,12 @@ for i in range(16): print(json.dumps({"input_ids": [(i * 7919 + j * 104729) % 32
     rows=()
     for p in check bench profile; do
       start=$SECONDS
-      if PROFILE_OUT=${PROFILE_OUT:-${OUT:-.}/profile.txt} bash tests/gpu/run.sh "$p"; then r=ok; else r=FAILED; failed+=("$p"); fi
+      if FSDP_BENCH_STEPS=${FSDP_BENCH_STEPS:-6} PROFILE_OUT=${PROFILE_OUT:-${OUT:-.}/profile.txt} bash tests/gpu/run.sh "$p"; then
+        r=ok
+      else
+        r=FAILED
+        failed+=("$p")
+      fi
       rows+=("| $p | $r | $((SECONDS - start)) s |")
     done
     echo "== the profile's head (${PROFILE_OUT:-${OUT:-.}/profile.txt})"
