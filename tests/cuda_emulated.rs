@@ -125,7 +125,7 @@ fn check(binary: &Path, (dtype, d, b, h, hkv, t, s, causal, window): Case) {
 
     // bf16 keeps 8 bits of mantissa, f16 11: the kernel rounds p to it before p · v.
     let tolerance = if dtype == DType::BF16 { 1e-2 } else { 2e-3 };
-    let values = |x: &Tensor| x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let values = common::f32_values;
     for (name, got, expected, tolerance) in [
         ("out", &got_out, values(&expected_out), tolerance),
         ("lse", &got_lse, values(&expected_lse), 1e-5),
@@ -139,10 +139,7 @@ fn check(binary: &Path, (dtype, d, b, h, hkv, t, s, causal, window): Case) {
 
 /// ||got - expected|| / ||expected|| under `tolerance`.
 fn assert_close(what: &str, got: &[f32], expected: &[f32], tolerance: f64) {
-    assert_eq!(got.len(), expected.len(), "{what}");
-    let (diff, norm) =
-        got.iter().zip(expected).fold((0f64, 0f64), |(d, n), (x, y)| (d + ((x - y) as f64).powi(2), n + (*y as f64).powi(2)));
-    let rel = (diff / norm.max(1e-30)).sqrt();
+    let rel = common::rel_norm_diff(got, expected);
     eprintln!("{what}: relative difference {rel:.2e}");
     assert!(rel < tolerance, "{what}: differs from the CPU's by {rel} (tolerance {tolerance})");
 }
@@ -216,8 +213,8 @@ fn fused_kernels_match_the_cpu_ops() {
         let all = (&expected_y * held(g)).unwrap().sum_all().unwrap().backward().unwrap();
         let expected_grads =
             Tensor::cat(&[all.get(xv.as_tensor()).unwrap().flatten_all().unwrap(), all.get(wv.as_tensor()).unwrap().clone()], 0).unwrap();
-        assert_close(&format!("rms_norm {dtype:?}: y"), &y, &flat(&expected_y), tolerance);
-        assert_close(&format!("rms_norm {dtype:?}: dx, dw"), &grads, &flat(&expected_grads), tolerance);
+        assert_close(&format!("rms_norm {dtype:?}: y"), &y, &common::f32_values(&expected_y), tolerance);
+        assert_close(&format!("rms_norm {dtype:?}: dx, dw"), &grads, &common::f32_values(&expected_grads), tolerance);
 
         // SwiGLU: y, then (da; db).
         let [a, bb, g] = &glu_inputs;
@@ -226,8 +223,8 @@ fn fused_kernels_match_the_cpu_ops() {
         let expected_y = ops::fused::swiglu(av.as_tensor(), bv.as_tensor()).unwrap();
         let all = (&expected_y * held(g)).unwrap().sum_all().unwrap().backward().unwrap();
         let expected_grads = Tensor::cat(&[all.get(av.as_tensor()).unwrap(), all.get(bv.as_tensor()).unwrap()], 0).unwrap();
-        assert_close(&format!("swiglu {dtype:?}: y"), &y, &flat(&expected_y), tolerance);
-        assert_close(&format!("swiglu {dtype:?}: da, db"), &grads, &flat(&expected_grads), tolerance);
+        assert_close(&format!("swiglu {dtype:?}: y"), &y, &common::f32_values(&expected_y), tolerance);
+        assert_close(&format!("swiglu {dtype:?}: da, db"), &grads, &common::f32_values(&expected_grads), tolerance);
 
         // Cross-entropy: per-row losses in f32, then d logits.
         let (rows, vocab) = (13, 1000);
@@ -247,8 +244,13 @@ fn fused_kernels_match_the_cpu_ops() {
         let xv = Var::from_tensor(&held(&logits)).unwrap();
         let expected = ops::cross_entropy::cross_entropy_rows(xv.as_tensor(), &targets).unwrap();
         let all = (&expected * &g).unwrap().sum_all().unwrap().backward().unwrap();
-        assert_close(&format!("cross_entropy {dtype:?}: loss"), &loss, &flat(&expected), 1e-5);
-        assert_close(&format!("cross_entropy {dtype:?}: d logits"), &grads, &flat(all.get(xv.as_tensor()).unwrap()), tolerance);
+        assert_close(&format!("cross_entropy {dtype:?}: loss"), &loss, &common::f32_values(&expected), 1e-5);
+        assert_close(
+            &format!("cross_entropy {dtype:?}: d logits"),
+            &grads,
+            &common::f32_values(all.get(xv.as_tensor()).unwrap()),
+            tolerance,
+        );
 
         // Rope, heads-major (b, h, t, d) and token-major (b, t, h, d): y, then g rotated back.
         for token_major in [false, true] {
@@ -262,16 +264,20 @@ fn fused_kernels_match_the_cpu_ops() {
             let expected_y = rope(xv.as_tensor(), &held(&cos), &held(&sin)).unwrap();
             let all = (&expected_y * held(&g)).unwrap().sum_all().unwrap().backward().unwrap();
             let what = format!("rope {dtype:?} token-major {token_major}");
-            assert_close(&format!("{what}: y"), &y, &flat(&expected_y), tolerance);
-            assert_close(&format!("{what}: dx"), &grads, &flat(all.get(xv.as_tensor()).unwrap()), tolerance);
+            assert_close(&format!("{what}: y"), &y, &common::f32_values(&expected_y), tolerance);
+            assert_close(&format!("{what}: dx"), &grads, &common::f32_values(all.get(xv.as_tensor()).unwrap()), tolerance);
             if dtype == DType::BF16 && !token_major {
                 // What the GPU training ran before (candle's composition in bf16), bit for bit.
                 let xv = Var::from_tensor(&x.to_dtype(dtype).unwrap()).unwrap();
                 let (c, s) = (cos.to_dtype(dtype).unwrap(), sin.to_dtype(dtype).unwrap());
                 let composed = candle_nn::rotary_emb::rope_slow(xv.as_tensor(), &c, &s).unwrap();
                 let all = (&composed * g.to_dtype(dtype).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
-                assert_eq!(y, flat(&composed), "{what}: y differs from rope_slow's bits");
-                assert_eq!(grads, flat(all.get(xv.as_tensor()).unwrap()), "{what}: dx differs from rope_slow's backward bits");
+                assert_eq!(y, common::f32_values(&composed), "{what}: y differs from rope_slow's bits");
+                assert_eq!(
+                    grads,
+                    common::f32_values(all.get(xv.as_tensor()).unwrap()),
+                    "{what}: dx differs from rope_slow's backward bits"
+                );
             }
         }
     }
@@ -335,7 +341,7 @@ fn check_decode(binary: &Path, (dtype, d, h, hkv, window, lens): DecodeCase, app
         stored_blocks.push((k_layout, v_layout));
         let qr = q.get(r).unwrap().reshape((1, h, 1, d)).unwrap();
         let window = (window > 0).then_some(window);
-        expected.extend(flat(&common::attention::reference_attention(&qr, &k, &v, true, window, scale).unwrap()));
+        expected.extend(common::f32_values(&common::attention::reference_attention(&qr, &k, &v, true, window, scale).unwrap()));
     }
     if append {
         write_values(&dir.join("k_new.bin"), &Tensor::stack(&new_k, 0).unwrap());
@@ -359,14 +365,11 @@ fn check_decode(binary: &Path, (dtype, d, h, hkv, window, lens): DecodeCase, app
                 let (b, at) = ((len - 1) / BLOCK, (len - 1) % BLOCK);
                 let want = stored.slice_assign(&[b..b + 1, 0..hkv, at..at + 1, 0..d], &new.reshape((1, hkv, 1, d)).unwrap()).unwrap();
                 let after = read_values(&dir.join(format!("{name}{r}.out")), dtype);
-                let same = after.iter().zip(flat(&want)).all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()));
+                let same =
+                    after.iter().zip(common::f32_values(&want)).all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()));
                 assert!(same, "{what}: sequence {r}'s {name} blocks after the kernel are not the stored ones plus the new position");
             }
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-fn flat(x: &Tensor) -> Vec<f32> {
-    x.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
 }

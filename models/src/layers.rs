@@ -304,14 +304,6 @@ impl Attention {
         let (q, k, v) = self.heads_qkv(x, pos)?;
         let (mut mask, mut visibility) = (pos.mask.clone(), pos.visibility);
         let (k, v) = match cache {
-            // One new position on a GPU: the decode kernel writes it into the cache and attends
-            // over the cache's blocks in place (no copy of the whole cache a token).
-            Some(cache) if b == 1 && t == 1 && ops::flash_attention::decode_applies(&q, self.num_kv_heads) => {
-                cache.grow((self.num_kv_heads, self.head_dim), k.dtype(), k.device())?;
-                let tables = [(cache.blocks(), cache.seq_len())];
-                let out = ops::flash_attention::decode(&q, Some((&k, &v)), &tables, self.scale(), self.window)?;
-                return out.reshape((b, t, self.num_heads * self.head_dim));
-            }
             Some(cache) => {
                 cache.append(&k, &v)?;
                 if let Some(out) = cache.attend(&q, self.scale(), self.window)? {

@@ -12,7 +12,7 @@ pub mod training;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 pub const FIXTURES: &[&str] = fsdp_app::fixtures::FIXTURE_NAMES;
 
@@ -299,4 +299,20 @@ pub fn vector_isa() -> String {
         Err(_) => String::new(),
     };
     format!("{isa}, {}, {} threads{forced}", field("model name"), std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// A tensor's values as f32 on the host, flattened.
+pub fn f32_values(t: &Tensor) -> Vec<f32> {
+    t.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+}
+
+/// ||a - b|| / ||b|| over all values.
+pub fn rel_norm_diff(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let (mut d, mut n) = (0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        d += ((x - y) as f64).powi(2);
+        n += (*y as f64).powi(2);
+    }
+    (d / n.max(1e-30)).sqrt()
 }

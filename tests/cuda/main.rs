@@ -35,20 +35,7 @@ fn gpu() -> Device {
     Device::new_cuda(0).expect("these tests need an NVIDIA GPU and its driver")
 }
 
-/// ||a - b|| / ||b|| over all values.
-fn rel_norm_diff(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let (mut d, mut n) = (0f64, 0f64);
-    for (x, y) in a.iter().zip(b) {
-        d += ((x - y) as f64).powi(2);
-        n += (*y as f64).powi(2);
-    }
-    (d / n.max(1e-30)).sqrt()
-}
-
-fn values(t: &Tensor) -> Vec<f32> {
-    t.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap()
-}
+use common::f32_values as values;
 
 /// Each of `names`' values that `run` makes on the GPU in f32 (within 1e-5 relative) and bf16
 /// (within 2e-2) against what it makes on the CPU in f32.

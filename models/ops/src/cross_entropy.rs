@@ -51,7 +51,7 @@ impl CustomOp1 for CrossEntropy {
     /// On a GPU: our kernel (`fused_cuda`), f32 and bf16 logits, losses in f32.
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((crate::fused_cuda::cross_entropy_forward((s, l), &self.targets)?, Shape::from(self.targets.len())))
+        Ok((crate::fused_cuda::cross_entropy_forward([(s, l)], &self.targets)?, Shape::from(self.targets.len())))
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
@@ -97,7 +97,7 @@ impl CustomOp2 for CrossEntropyBackward {
         gs: &candle_core::CudaStorage,
         gl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((crate::fused_cuda::cross_entropy_backward((s, l), (gs, gl), &self.targets)?, l.shape().clone()))
+        Ok((crate::fused_cuda::cross_entropy_backward([(s, l), (gs, gl)], &self.targets)?, l.shape().clone()))
     }
 
     /// `gl` holds (2, rows): the upstream gradient, then the forward's losses.

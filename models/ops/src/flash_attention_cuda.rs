@@ -11,7 +11,7 @@ use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CpuStorage, CudaStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType, D};
 use kernels::cuda::FLASH_ATTENTION as SOURCE;
 
-use crate::cuda_args::values;
+use crate::cuda_args::{contiguous_values, values};
 use crate::visibility::Visibility;
 
 /// Four warps a block, each 16 of the block's 64 query (or key) rows (flash_attention.cu's ROWS).
@@ -125,17 +125,23 @@ fn aligned(x: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// A contiguous input's values from its start.
+/// Where a tensor that must be contiguous from a 16-byte boundary starts; `what` names it.
 fn start_of(layout: &Layout, what: &str) -> Result<usize> {
     match layout.contiguous_offsets() {
         Some((start, _)) if start % 8 == 0 => Ok(start),
-        _ => candle_core::bail!("flash attention: {what} is not contiguous from a 16-byte boundary"),
+        _ => candle_core::bail!("{what} is not contiguous from a 16-byte boundary"),
     }
+}
+
+/// A tensor's values (from its storage and layout), contiguous from a 16-byte boundary.
+fn tensor_values<'a, T: CudaDType>(storage: &'a candle_core::Storage, layout: &Layout, what: &str) -> Result<CudaView<'a, T>> {
+    values::<T>(storage, start_of(layout, what)?, None, what)
 }
 
 /// An input's values, contiguous from a 16-byte boundary.
 fn view<'a, T: CudaDType>((storage, layout): (&'a CudaStorage, &Layout), what: &str) -> Result<CudaView<'a, T>> {
-    Ok(storage.as_cuda_slice::<T>()?.slice(start_of(layout, what)?..))
+    start_of(layout, what)?;
+    contiguous_values(storage, layout)
 }
 
 /// The forward, keeping each query row's log-sum-exp (f32) for the backward.
@@ -148,7 +154,7 @@ impl Flash {
     fn forward<T: CudaDType + DeviceRepr + WithDType>(&self, [q, k, v]: [(&CudaStorage, &Layout); 3]) -> Result<CudaStorage> {
         let p = &self.problem;
         let dev = q.0.device.clone();
-        let (q, k, v) = (view::<T>(q, "q")?, view::<T>(k, "k")?, view::<T>(v, "v")?);
+        let (q, k, v) = (view::<T>(q, "flash attention: q")?, view::<T>(k, "flash attention: k")?, view::<T>(v, "flash attention: v")?);
         let out = unsafe { dev.alloc::<T>(p.query_rows() * p.head_dim)? };
         let lse = unsafe { dev.alloc::<f32>(p.query_rows())? };
         let func = dev.get_or_load_custom_func(&p.kernel("forward", T::DTYPE)?, SOURCE.module, SOURCE.ptx()?)?;
@@ -224,11 +230,11 @@ impl Gradient<'_> {
     fn run<T: CudaDType + DeviceRepr + WithDType>(&self, [q, k, v]: [(&CudaStorage, &Layout); 3]) -> Result<CudaStorage> {
         let p = &self.pass.problem;
         let dev = q.0.device.clone();
-        let (q, k, v) = (view::<T>(q, "q")?, view::<T>(k, "k")?, view::<T>(v, "v")?);
+        let (q, k, v) = (view::<T>(q, "flash attention: q")?, view::<T>(k, "flash attention: k")?, view::<T>(v, "flash attention: v")?);
         let (dout_storage, dout_layout) = self.pass.dout.storage_and_layout();
-        let dout = values::<T>(&dout_storage, start_of(dout_layout, "dout")?, None, "flash attention: dout")?;
+        let dout = tensor_values::<T>(&dout_storage, dout_layout, "flash attention: dout")?;
         let (delta_storage, delta_layout) = self.pass.delta.storage_and_layout();
-        let delta = values::<f32>(&delta_storage, start_of(delta_layout, "delta")?, None, "flash attention: delta")?;
+        let delta = tensor_values::<f32>(&delta_storage, delta_layout, "flash attention: delta")?;
         let (pass, len, config) = if self.of_queries {
             ("backward_dq", p.query_rows() * p.head_dim, p.config(p.shape.t_len, p.shape.heads))
         } else {
@@ -363,7 +369,7 @@ impl Decode<'_> {
         let mut table = vec![0u64; 2 * entries + self.rows];
         let address = |t: &Tensor| -> Result<u64> {
             let (storage, layout) = t.storage_and_layout();
-            let view = values_of::<T>(&storage, start_of(layout, "a cache block")?)?;
+            let view = tensor_values::<T>(&storage, layout, "flash decode: a cache block")?;
             let (ptr, _record) = view.device_ptr(stream);
             Ok(ptr)
         };
@@ -379,7 +385,7 @@ impl Decode<'_> {
 
     fn run<T: CudaDType + DeviceRepr + WithDType>(&self, q: &CudaStorage, layout: &Layout) -> Result<CudaStorage> {
         let dev = q.device.clone();
-        let q = view::<T>((q, layout), "q")?;
+        let q = view::<T>((q, layout), "flash decode: q")?;
         let stream = dev.cuda_stream();
         let host = self.table::<T>(&stream)?;
         let mut table = unsafe { dev.alloc::<u64>(host.len())? };
@@ -395,7 +401,7 @@ impl Decode<'_> {
         let new_storage = self.new.map(|(k, v)| (k.storage_and_layout(), v.storage_and_layout()));
         let new_values = match &new_storage {
             Some(((ks, kl), (vs, vl))) => {
-                Some((values_of::<T>(ks, start_of(kl, "new keys")?)?, values_of::<T>(vs, start_of(vl, "new values")?)?))
+                Some((tensor_values::<T>(ks, kl, "flash decode: new keys")?, tensor_values::<T>(vs, vl, "flash decode: new values")?))
             }
             None => None,
         };
@@ -429,9 +435,4 @@ impl candle_core::CustomOp1 for Decode<'_> {
         let out = by_half_dtype!(q.dtype(), self.run(q, layout))?;
         Ok((out, Shape::from((self.rows, 1, self.shape.heads as usize * self.head_dim))))
     }
-}
-
-/// A GPU tensor's values from `start`.
-fn values_of<T: CudaDType>(storage: &candle_core::Storage, start: usize) -> Result<CudaView<'_, T>> {
-    values::<T>(storage, start, None, "flash decode: a cache block")
 }

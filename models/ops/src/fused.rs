@@ -79,7 +79,7 @@ impl CustomOp2 for RmsNorm {
         ws: &candle_core::CudaStorage,
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((crate::fused_cuda::rms_norm_forward(xs, xl, ws, wl, self.eps)?, xl.shape().clone()))
+        Ok((crate::fused_cuda::rms_norm_forward([(xs, xl), (ws, wl)], self.eps)?, xl.shape().clone()))
     }
 
     /// With r = 1/rms(x): dx_j = r w_j g_j - r^3 x_j / n * sum_i g_i w_i x_i and
@@ -156,7 +156,7 @@ impl CustomOp3 for RmsNormBackward {
         gl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (n, rows) = (wl.shape().elem_count(), xl.shape().elem_count() / wl.shape().elem_count().max(1));
-        Ok((crate::fused_cuda::rms_norm_backward(xs, xl, ws, wl, gs, gl, self.eps)?, Shape::from((rows + 1, n))))
+        Ok((crate::fused_cuda::rms_norm_backward([(xs, xl), (ws, wl), (gs, gl)], self.eps)?, Shape::from((rows + 1, n))))
     }
 }
 
@@ -204,7 +204,7 @@ impl CustomOp2 for SwiGlu {
         b_s: &candle_core::CudaStorage,
         bl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((crate::fused_cuda::swiglu_forward(a_s, al, b_s, bl)?, al.shape().clone()))
+        Ok((crate::fused_cuda::swiglu_forward([(a_s, al), (b_s, bl)])?, al.shape().clone()))
     }
 
     /// da = g b s (1 + a (1 - s)) with s = sigmoid(a); db = g a s.
@@ -248,7 +248,7 @@ impl CustomOp3 for SwiGluBackward {
         g_s: &candle_core::CudaStorage,
         gl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((crate::fused_cuda::swiglu_backward(a_s, al, b_s, bl, g_s, gl)?, Shape::from(2 * al.shape().elem_count())))
+        Ok((crate::fused_cuda::swiglu_backward([(a_s, al), (b_s, bl), (g_s, gl)])?, Shape::from(2 * al.shape().elem_count())))
     }
 }
 

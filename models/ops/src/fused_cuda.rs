@@ -15,6 +15,8 @@ use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaStorage, DType, Layout, Result, WithDType};
 use kernels::cuda::FUSED as SOURCE;
 
+use crate::cuda_args::contiguous_values;
+
 /// One warp per row; eight rows a block.
 const WARPS_PER_BLOCK: u32 = 8;
 
@@ -74,27 +76,18 @@ fn kernel_name(op_pass: &str, dtype: DType) -> Result<String> {
     }
 }
 
-/// The values of a contiguous input from its start.
-fn input<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
-    let start = l.start_offset();
-    Ok(s.as_cuda_slice::<T>()?.slice(start..start + l.shape().elem_count()))
-}
+/// A kernel's inputs: each one's storage and layout.
+pub(crate) type Inputs<'a, const N: usize> = [(&'a CudaStorage, &'a Layout); N];
 
 /// `w · held(x r)` for rows of x (.., n) and w (n).
-pub(crate) fn rms_norm_forward(xs: &CudaStorage, xl: &Layout, ws: &CudaStorage, wl: &Layout, eps: f32) -> Result<CudaStorage> {
-    by_dtype!(xs.dtype(), "rms_norm", rms_norm_forward_as(xs, xl, ws, wl, eps))
+pub(crate) fn rms_norm_forward(inputs: Inputs<2>, eps: f32) -> Result<CudaStorage> {
+    by_dtype!(inputs[0].0.dtype(), "rms_norm", rms_norm_forward_as(inputs, eps))
 }
 
-fn rms_norm_forward_as<T: CudaDType + DeviceRepr + WithDType>(
-    xs: &CudaStorage,
-    xl: &Layout,
-    ws: &CudaStorage,
-    wl: &Layout,
-    eps: f32,
-) -> Result<CudaStorage> {
+fn rms_norm_forward_as<T: CudaDType + DeviceRepr + WithDType>([(xs, xl), (ws, wl)]: Inputs<2>, eps: f32) -> Result<CudaStorage> {
     let p = Norm::new(xl, wl, eps)?;
     let dev = xs.device.clone();
-    let (x, w) = (input::<T>(xs, xl)?, input::<T>(ws, wl)?);
+    let (x, w) = (contiguous_values::<T>(xs, xl)?, contiguous_values::<T>(ws, wl)?);
     let y = unsafe { dev.alloc::<T>(xl.shape().elem_count())? };
     let func = dev.get_or_load_custom_func(&kernel_name("rms_norm_forward", T::DTYPE)?, SOURCE.module, SOURCE.ptx()?)?;
     let mut args = func.builder();
@@ -107,28 +100,11 @@ fn rms_norm_forward_as<T: CudaDType + DeviceRepr + WithDType>(
 }
 
 /// (rows + 1, n): the rows of dx, then the weight's gradient, for x, w and the gradient g of y.
-pub(crate) fn rms_norm_backward(
-    xs: &CudaStorage,
-    xl: &Layout,
-    ws: &CudaStorage,
-    wl: &Layout,
-    gs: &CudaStorage,
-    gl: &Layout,
-    eps: f32,
-) -> Result<CudaStorage> {
-    by_dtype!(xs.dtype(), "rms_norm", rms_norm_backward_as(xs, xl, ws, wl, gs, gl, eps))
+pub(crate) fn rms_norm_backward(inputs: Inputs<3>, eps: f32) -> Result<CudaStorage> {
+    by_dtype!(inputs[0].0.dtype(), "rms_norm", rms_norm_backward_as(inputs, eps))
 }
 
-#[allow(clippy::too_many_arguments)]
-fn rms_norm_backward_as<T: CudaDType + DeviceRepr + WithDType>(
-    xs: &CudaStorage,
-    xl: &Layout,
-    ws: &CudaStorage,
-    wl: &Layout,
-    gs: &CudaStorage,
-    gl: &Layout,
-    eps: f32,
-) -> Result<CudaStorage> {
+fn rms_norm_backward_as<T: CudaDType + DeviceRepr + WithDType>([(xs, xl), (ws, wl), (gs, gl)]: Inputs<3>, eps: f32) -> Result<CudaStorage> {
     let p = Norm::new(xl, wl, eps)?;
     if gl.dims() != xl.dims() || gl.contiguous_offsets().is_none() {
         candle_core::bail!("rms_norm backward on the GPU: gradient {:?} for x {:?}", gl.dims(), xl.dims());
@@ -138,7 +114,7 @@ fn rms_norm_backward_as<T: CudaDType + DeviceRepr + WithDType>(
     }
     let shared = p.n as usize * std::mem::size_of::<f32>();
     let dev = xs.device.clone();
-    let (x, w, g) = (input::<T>(xs, xl)?, input::<T>(ws, wl)?, input::<T>(gs, gl)?);
+    let (x, w, g) = (contiguous_values::<T>(xs, xl)?, contiguous_values::<T>(ws, wl)?, contiguous_values::<T>(gs, gl)?);
     let out = unsafe { dev.alloc::<T>((p.rows as usize + 1) * p.n as usize)? };
     let dw = dev.alloc_zeros::<f32>(p.n as usize)?;
     let rows = dev.get_or_load_custom_func(&kernel_name("rms_norm_backward_rows", T::DTYPE)?, SOURCE.module, SOURCE.ptx()?)?;
@@ -185,19 +161,14 @@ fn swiglu_len(layouts: &[&Layout]) -> Result<usize> {
 }
 
 /// `silu(a) b`.
-pub(crate) fn swiglu_forward(a_s: &CudaStorage, al: &Layout, b_s: &CudaStorage, bl: &Layout) -> Result<CudaStorage> {
-    by_dtype!(a_s.dtype(), "swiglu", swiglu_forward_as(a_s, al, b_s, bl))
+pub(crate) fn swiglu_forward(inputs: Inputs<2>) -> Result<CudaStorage> {
+    by_dtype!(inputs[0].0.dtype(), "swiglu", swiglu_forward_as(inputs))
 }
 
-fn swiglu_forward_as<T: CudaDType + DeviceRepr + WithDType>(
-    a_s: &CudaStorage,
-    al: &Layout,
-    b_s: &CudaStorage,
-    bl: &Layout,
-) -> Result<CudaStorage> {
+fn swiglu_forward_as<T: CudaDType + DeviceRepr + WithDType>([(a_s, al), (b_s, bl)]: Inputs<2>) -> Result<CudaStorage> {
     let n = swiglu_len(&[al, bl])?;
     let dev = a_s.device.clone();
-    let (a, b) = (input::<T>(a_s, al)?, input::<T>(b_s, bl)?);
+    let (a, b) = (contiguous_values::<T>(a_s, al)?, contiguous_values::<T>(b_s, bl)?);
     let y = unsafe { dev.alloc::<T>(n)? };
     let func = dev.get_or_load_custom_func(&kernel_name("swiglu_forward", T::DTYPE)?, SOURCE.module, SOURCE.ptx()?)?;
     let mut args = func.builder();
@@ -209,28 +180,14 @@ fn swiglu_forward_as<T: CudaDType + DeviceRepr + WithDType>(
 }
 
 /// (2n): da, then db, for a, b and the gradient g of `silu(a) b`.
-pub(crate) fn swiglu_backward(
-    a_s: &CudaStorage,
-    al: &Layout,
-    b_s: &CudaStorage,
-    bl: &Layout,
-    g_s: &CudaStorage,
-    gl: &Layout,
-) -> Result<CudaStorage> {
-    by_dtype!(a_s.dtype(), "swiglu", swiglu_backward_as(a_s, al, b_s, bl, g_s, gl))
+pub(crate) fn swiglu_backward(inputs: Inputs<3>) -> Result<CudaStorage> {
+    by_dtype!(inputs[0].0.dtype(), "swiglu", swiglu_backward_as(inputs))
 }
 
-fn swiglu_backward_as<T: CudaDType + DeviceRepr + WithDType>(
-    a_s: &CudaStorage,
-    al: &Layout,
-    b_s: &CudaStorage,
-    bl: &Layout,
-    g_s: &CudaStorage,
-    gl: &Layout,
-) -> Result<CudaStorage> {
+fn swiglu_backward_as<T: CudaDType + DeviceRepr + WithDType>([(a_s, al), (b_s, bl), (g_s, gl)]: Inputs<3>) -> Result<CudaStorage> {
     let n = swiglu_len(&[al, bl, gl])?;
     let dev = a_s.device.clone();
-    let (a, b, g) = (input::<T>(a_s, al)?, input::<T>(b_s, bl)?, input::<T>(g_s, gl)?);
+    let (a, b, g) = (contiguous_values::<T>(a_s, al)?, contiguous_values::<T>(b_s, bl)?, contiguous_values::<T>(g_s, gl)?);
     let out = unsafe { dev.alloc::<T>(2 * n)? };
     let func = dev.get_or_load_custom_func(&kernel_name("swiglu_backward", T::DTYPE)?, SOURCE.module, SOURCE.ptx()?)?;
     let mut args = func.builder();
@@ -255,17 +212,14 @@ struct Rotation {
 // SAFETY: plain data laid out as the kernel's C struct.
 unsafe impl DeviceRepr for Rotation {}
 
-/// x, cos and sin of a rotation on the GPU, with their layouts.
-pub(crate) type RopeInputs<'a> = [(&'a CudaStorage, &'a Layout); 3];
-
 /// Rows of x rotated by the angles of the (seq, half) tables, `heads` consecutive rows sharing a
 /// position (1 for heads-major rows); by the negative angles when `inverse` (the backward).
-pub(crate) fn rope(inputs: RopeInputs, (seq, heads): (usize, usize), inverse: bool) -> Result<CudaStorage> {
+pub(crate) fn rope(inputs: Inputs<3>, (seq, heads): (usize, usize), inverse: bool) -> Result<CudaStorage> {
     by_dtype!(inputs[0].0.dtype(), "rope", rope_as(inputs, (seq, heads), inverse))
 }
 
 fn rope_as<T: CudaDType + DeviceRepr + WithDType>(
-    [(xs, xl), (cs, cl), (ss, sl)]: RopeInputs,
+    [(xs, xl), (cs, cl), (ss, sl)]: Inputs<3>,
     (seq, heads): (usize, usize),
     inverse: bool,
 ) -> Result<CudaStorage> {
@@ -289,7 +243,7 @@ fn rope_as<T: CudaDType + DeviceRepr + WithDType>(
         sign: if inverse { -1.0 } else { 1.0 },
     };
     let dev = xs.device.clone();
-    let (x, cos, sin) = (input::<T>(xs, xl)?, input::<T>(cs, cl)?, input::<T>(ss, sl)?);
+    let (x, cos, sin) = (contiguous_values::<T>(xs, xl)?, contiguous_values::<T>(cs, cl)?, contiguous_values::<T>(ss, sl)?);
     let y = unsafe { dev.alloc::<T>(n)? };
     let func = dev.get_or_load_custom_func(&kernel_name("rope", T::DTYPE)?, SOURCE.module, SOURCE.ptx()?)?;
     let mut args = func.builder();
@@ -339,17 +293,14 @@ fn upload_targets(dev: &candle_core::CudaDevice, targets: &[i64]) -> Result<cand
 }
 
 /// Per-row losses (f32) of (rows, vocab) logits against `targets` (0 where negative).
-pub(crate) fn cross_entropy_forward((xs, xl): (&CudaStorage, &Layout), targets: &[i64]) -> Result<CudaStorage> {
-    by_dtype!(xs.dtype(), "cross-entropy", cross_entropy_forward_as((xs, xl), targets))
+pub(crate) fn cross_entropy_forward(inputs: Inputs<1>, targets: &[i64]) -> Result<CudaStorage> {
+    by_dtype!(inputs[0].0.dtype(), "cross-entropy", cross_entropy_forward_as(inputs, targets))
 }
 
-fn cross_entropy_forward_as<T: CudaDType + DeviceRepr + WithDType>(
-    (xs, xl): (&CudaStorage, &Layout),
-    targets: &[i64],
-) -> Result<CudaStorage> {
+fn cross_entropy_forward_as<T: CudaDType + DeviceRepr + WithDType>([(xs, xl)]: Inputs<1>, targets: &[i64]) -> Result<CudaStorage> {
     let p = Entropy::new(xl, targets)?;
     let dev = xs.device.clone();
-    let x = input::<T>(xs, xl)?;
+    let x = contiguous_values::<T>(xs, xl)?;
     let on_device = upload_targets(&dev, targets)?;
     let loss = unsafe { dev.alloc::<f32>(targets.len())? };
     let func = dev.get_or_load_custom_func(&kernel_name("cross_entropy_forward", T::DTYPE)?, SOURCE.module, SOURCE.ptx()?)?;
@@ -363,17 +314,12 @@ fn cross_entropy_forward_as<T: CudaDType + DeviceRepr + WithDType>(
 
 /// d logits, in the logits' dtype, for `g_and_loss` (2, rows) in f32: the upstream gradient of
 /// each row's loss, then the forward's losses.
-pub(crate) fn cross_entropy_backward(
-    (xs, xl): (&CudaStorage, &Layout),
-    (gs, gl): (&CudaStorage, &Layout),
-    targets: &[i64],
-) -> Result<CudaStorage> {
-    by_dtype!(xs.dtype(), "cross-entropy", cross_entropy_backward_as((xs, xl), (gs, gl), targets))
+pub(crate) fn cross_entropy_backward(inputs: Inputs<2>, targets: &[i64]) -> Result<CudaStorage> {
+    by_dtype!(inputs[0].0.dtype(), "cross-entropy", cross_entropy_backward_as(inputs, targets))
 }
 
 fn cross_entropy_backward_as<T: CudaDType + DeviceRepr + WithDType>(
-    (xs, xl): (&CudaStorage, &Layout),
-    (gs, gl): (&CudaStorage, &Layout),
+    [(xs, xl), (gs, gl)]: Inputs<2>,
     targets: &[i64],
 ) -> Result<CudaStorage> {
     let p = Entropy::new(xl, targets)?;
@@ -381,7 +327,7 @@ fn cross_entropy_backward_as<T: CudaDType + DeviceRepr + WithDType>(
         candle_core::bail!("cross-entropy backward on the GPU: gradient and losses {:?} for {} rows", gl.dims(), targets.len());
     }
     let dev = xs.device.clone();
-    let (x, g_and_loss) = (input::<T>(xs, xl)?, input::<f32>(gs, gl)?);
+    let (x, g_and_loss) = (contiguous_values::<T>(xs, xl)?, contiguous_values::<f32>(gs, gl)?);
     let on_device = upload_targets(&dev, targets)?;
     let dx = unsafe { dev.alloc::<T>(xl.shape().elem_count())? };
     let func = dev.get_or_load_custom_func(&kernel_name("cross_entropy_backward", T::DTYPE)?, SOURCE.module, SOURCE.ptx()?)?;

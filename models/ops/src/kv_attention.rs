@@ -1,5 +1,6 @@
-//! Attention of new positions' queries over a layer's cached blocks, read in place
-//! (`kernels::paged_attention`): one query by the decode kernel, more by the tiled prefill.
+//! Attention of new positions' queries over a layer's cached blocks, read in place: on the CPU
+//! (`kernels::paged_attention`) one query by the decode kernel, more by the tiled prefill; on a
+//! GPU one query by `flash_attention`'s decode kernel.
 
 use candle_core::{DType, Device, Result, Tensor};
 use kernels::paged_attention::{decode, prefill, KvView};
@@ -10,8 +11,13 @@ use crate::cpu_f32_values;
 /// `len` cached positions in `blocks` (keys and values, each (kv_heads, BLOCK, head_dim),
 /// contiguous), each query seeing itself and the positions before it (the last `window` of
 /// them when set): (1, t, heads · head_dim), token-major. `None` when the call is not for these
-/// kernels (not f32 on the CPU, or a graph to keep): the caller then attends with candle's ops.
+/// kernels (not f32 on the CPU nor one query the GPU's decode kernel takes, or a graph to keep):
+/// the caller then attends with candle's ops.
 pub fn attend(q: &Tensor, blocks: &[(Tensor, Tensor)], len: usize, scale: f64, window: Option<usize>) -> Result<Option<Tensor>> {
+    let kv_heads = blocks.first().map(|(k, _)| k.dim(0)).transpose()?;
+    if kv_heads.is_some_and(|h| !q.track_op() && crate::flash_attention::decode_applies(q, h)) {
+        return crate::flash_attention::decode(q, None, &[(blocks, len)], scale, window).map(Some);
+    }
     let cpu_f32 = |t: &Tensor| matches!(t.device(), Device::Cpu) && t.dtype() == DType::F32;
     if !cpu_f32(q) || blocks.first().is_none_or(|(k, _)| !cpu_f32(k)) || q.track_op() {
         return Ok(None);

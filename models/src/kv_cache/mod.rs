@@ -7,8 +7,9 @@
 //! it per layer and token: at 4,000 tokens SmolLM2 decoded at a fifth of its speed at 200).
 //! On the CPU in f32 queries attend over the blocks in place ([`attend`]): a decode step's one
 //! query by flash-decoding, a prompt's chunk of queries by tiles with an online softmax
-//! (`ops::kv_attention`), neither ever holding a (queries × context) score matrix. Other devices
-//! and dtypes take the whole cache as tensors ([`all`]).
+//! (`ops::kv_attention`), neither ever holding a (queries × context) score matrix; on a GPU one
+//! query attends over the blocks in place too (`ops::flash_attention`'s decode kernel). Other
+//! devices, dtypes and prompts take the whole cache as tensors ([`all`]).
 //!
 //! [`attend`]: LayerKvCache::attend
 //! [`all`]: LayerKvCache::all
@@ -123,8 +124,9 @@ impl LayerKvCache {
     /// Attention of the newest `t` positions' queries `q` (1, heads, t, head_dim) over the
     /// cached positions each may see (itself and those before it; the last `window` of them
     /// when a sliding window is set): (1, t, heads · head_dim), token-major. `None` when the call
-    /// is not for these kernels (not f32 on the CPU): the caller then attends over
-    /// [`LayerKvCache::all`]. One query takes the decode kernel, more the tiled prefill.
+    /// is not for these kernels (f32 on the CPU; one query in bf16 or f16 on a GPU): the caller
+    /// then attends over [`LayerKvCache::all`]. One query takes a decode kernel, more the tiled
+    /// prefill.
     pub fn attend(&self, q: &Tensor, scale: f64, window: Option<usize>) -> Result<Option<Tensor>> {
         ops::kv_attention::attend(q, &self.blocks, self.len, scale, window)
     }

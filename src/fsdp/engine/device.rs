@@ -20,43 +20,25 @@ pub(super) struct DeviceShards {
 }
 
 impl DeviceShards {
-    /// Zero state made on `cx.device` (no host values to move).
-    pub fn zeros(cx: &UnitCtx) -> anyhow::Result<Self> {
-        let zeros = |n: usize| Tensor::zeros(n, DType::F32, cx.device);
-        let mut s = Self { master: vec![], grad: vec![], exp_avg: vec![], exp_avg_sq: vec![], full_grads: vec![] };
-        for p in &cx.plan.params {
-            s.master.push(zeros(p.chunk_len())?);
-            let trained = || -> candle_core::Result<Option<Tensor>> {
-                if p.trainable {
-                    zeros(p.chunk_len()).map(Some)
-                } else {
-                    Ok(None)
-                }
-            };
-            s.grad.push(trained()?);
-            s.exp_avg.push(trained()?);
-            s.exp_avg_sq.push(trained()?);
-            s.full_grads.push(None);
-        }
-        Ok(s)
-    }
-
-    /// Uploads host state to `cx.device`.
-    pub fn upload(host: &HostState, cx: &UnitCtx) -> anyhow::Result<Self> {
-        let upload = |v: &[f32]| Tensor::from_slice(v, v.len(), cx.device);
+    /// State on `cx.device`: host state uploaded, or with `None` zeros made there (no host
+    /// values to move).
+    pub fn new(host: Option<&HostState>, cx: &UnitCtx) -> anyhow::Result<Self> {
+        // Part `part` of parameter `i`'s state, from `host` when given: 0 its master chunk,
+        // 1 its gradient, 2 and 3 its moments.
+        let chunk = |i: usize, part: usize, n: usize| match host {
+            Some(h) => {
+                let v = [&h.master[i], &h.grad[i], &h.adam[i].exp_avg, &h.adam[i].exp_avg_sq][part];
+                Tensor::from_slice(v, v.len(), cx.device)
+            }
+            None => Tensor::zeros(n, DType::F32, cx.device),
+        };
         let mut s = Self { master: vec![], grad: vec![], exp_avg: vec![], exp_avg_sq: vec![], full_grads: vec![] };
         for (i, p) in cx.plan.params.iter().enumerate() {
-            s.master.push(upload(&host.master[i])?);
-            let trained = |v: &[f32]| -> candle_core::Result<Option<Tensor>> {
-                if p.trainable {
-                    upload(v).map(Some)
-                } else {
-                    Ok(None)
-                }
-            };
-            s.grad.push(trained(&host.grad[i])?);
-            s.exp_avg.push(trained(&host.adam[i].exp_avg)?);
-            s.exp_avg_sq.push(trained(&host.adam[i].exp_avg_sq)?);
+            s.master.push(chunk(i, 0, p.chunk_len())?);
+            let trained = |part| p.trainable.then(|| chunk(i, part, p.chunk_len())).transpose();
+            s.grad.push(trained(1)?);
+            s.exp_avg.push(trained(2)?);
+            s.exp_avg_sq.push(trained(3)?);
             s.full_grads.push(None);
         }
         Ok(s)

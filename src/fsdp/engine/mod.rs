@@ -228,8 +228,8 @@ impl FsdpEngine {
         for unit in &mut self.units {
             let cx = unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device);
             match (on_device, unit.shards.as_host()) {
-                (true, Some(_)) if self.fresh => unit.shards = Box::new(device::DeviceShards::zeros(&cx)?),
-                (true, Some(host)) => unit.shards = Box::new(device::DeviceShards::upload(host, &cx)?),
+                // A fresh engine's state is zeros: made on the device, not uploaded.
+                (true, Some(host)) => unit.shards = Box::new(device::DeviceShards::new((!self.fresh).then_some(host), &cx)?),
                 (false, None) => unit.shards = Box::new(host::HostShards::from_state(unit.shards.to_host(&cx)?)),
                 _ => {}
             }

@@ -53,7 +53,7 @@ __device__ __forceinline__ float probability(const T *x, const T *m, int j, cons
 
 template <typename T>
 __device__ void softmax_forward(const T *scores, const T *mask, T *probs, Rows g) {
-  long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  long long row = warp_row();
   if (row >= g.rows) return;
   int lane = threadIdx.x % 32;
   const T *x = scores + row * g.s_len;
@@ -64,7 +64,7 @@ __device__ void softmax_forward(const T *scores, const T *mask, T *probs, Rows g
 
 template <typename T>
 __device__ void softmax_backward(const T *scores, const T *mask, const T *dp, const float *delta, T *ds, Rows g) {
-  long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  long long row = warp_row();
   if (row >= g.rows) return;
   int lane = threadIdx.x % 32;
   const T *x = scores + row * g.s_len;

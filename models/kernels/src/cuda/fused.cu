@@ -29,7 +29,7 @@ __device__ __forceinline__ float inv_rms(const T *x, const Norm &p, int lane) {
 
 template <typename T>
 __device__ void norm_forward(const T *x, const T *w, T *y, Norm p) {
-  long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  long long row = warp_row();
   if (row >= p.rows) return;
   int lane = threadIdx.x % 32;
   const T *xr = x + row * p.n;

@@ -28,6 +28,9 @@ __device__ __forceinline__ void store(bf16_t *p, long long i, float v) {
   p[i] = (bf16_t)(u >> 16);
 }
 
+// The row of the calling warp where each warp of the grid takes one row.
+__device__ __forceinline__ long long warp_row() { return (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; }
+
 __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
