@@ -395,6 +395,10 @@ fn device_resident_state_reproduces_the_host_path() {
             c.activation_checkpointing = ac;
             c.shard_group_size = group;
             c.cpu_offload = Some(offload);
+            // Device state with the next unit's all-gather started before a unit runs and
+            // reduce-scatters finished a unit later, as NCCL runs them (host state starts
+            // nothing early): the same numbers.
+            c.prefetch = Some(true);
             c.lora = with_lora.then(|| lora.clone());
             c.weight_decay = 0.1;
             if mixed {

@@ -12,12 +12,15 @@ pub mod local;
 pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod pending;
 pub mod tcp;
 
 use std::sync::Arc;
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
+
+pub use self::pending::PendingTensor;
 
 /// Collective operations over one group of ranks. A rank's handle is used by that rank only
 /// (it is shared between the engine and the training loop of that rank).
@@ -94,6 +97,24 @@ pub trait Collective: Send + Sync {
         }
         let mine = self.reduce_scatter(&host_f32(full)?)?;
         back_to_device(mine, full)
+    }
+
+    /// Starts [`Self::all_gather_tensor`]: where the backend runs collectives beside compute
+    /// ([`Self::overlaps_compute`]), what is issued before [`PendingTensor::wait`] runs while
+    /// the collective does. The default runs it at once.
+    fn start_all_gather_tensor(&self, shard: &Tensor) -> Result<PendingTensor> {
+        Ok(PendingTensor::ready(self.all_gather_tensor(shard)?))
+    }
+
+    /// Starts [`Self::reduce_scatter_tensor`] (see [`Self::start_all_gather_tensor`]).
+    fn start_reduce_scatter_tensor(&self, full: &Tensor) -> Result<PendingTensor> {
+        Ok(PendingTensor::ready(self.reduce_scatter_tensor(full)?))
+    }
+
+    /// Whether a started tensor collective runs beside the compute issued after it (on a
+    /// stream of its own), so that starting it early pays: the engine prefetches then.
+    fn overlaps_compute(&self) -> bool {
+        false
     }
 
     /// `all_reduce` (sum) of a 1-D tensor, into a new tensor on its device, in its dtype.

@@ -30,6 +30,7 @@ pub fn engine_for(dir: &Path, ac: bool) -> FsdpEngine {
         activation_checkpointing: ac,
         param_dtype: DType::F32,
         reduce_dtype: DType::F32,
+        prefetch: false,
     };
     let mut engine = FsdpEngine::new(staged, plan, groups, opts, AdamWConfig::default(), false).unwrap();
     let mut stored = HashMap::new();

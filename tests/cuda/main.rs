@@ -135,7 +135,13 @@ fn engine_for(dir: &Path, device: &Device, param_dtype: DType, ac: bool) -> Fsdp
     let plan = plan_units(staged.as_ref(), WrapPolicy::TransformerBased, 1).unwrap();
     let g = |_: ()| -> Arc<dyn fsdp_app::dist::Collective> { Arc::new(LocalGroup::create(1, Duration::from_secs(10)).pop().unwrap()) };
     let groups = ProcessGroups { world: g(()), shard: g(()), replicate: g(()) };
-    let opts = FsdpOptions { strategy: ShardingStrategy::FullShard, activation_checkpointing: ac, param_dtype, reduce_dtype: DType::F32 };
+    let opts = FsdpOptions {
+        strategy: ShardingStrategy::FullShard,
+        activation_checkpointing: ac,
+        param_dtype,
+        reduce_dtype: DType::F32,
+        prefetch: false,
+    };
     let mut engine =
         FsdpEngine::new(staged, plan, groups, opts, AdamWConfig::default(), false).unwrap().with_device(device.clone(), true).unwrap();
     let mut stored = HashMap::new();
@@ -311,6 +317,34 @@ mod nccl {
                 }
             }
         }
+    }
+
+    /// Collectives started on NCCL's own stream, their inputs dropped at once and other work
+    /// allocated and written on the compute stream before their results are taken: the results
+    /// are still the inputs' (an input lives until the compute stream has waited for the
+    /// collective; the output is never handed out before). A started one dropped unwaited
+    /// leaves the group usable.
+    #[test]
+    fn started_collectives_outlive_their_inputs() {
+        let dev = gpu();
+        let (groups, _proxies) = fsdp_app::dist::nccl::connect(&env(), 1, Duration::from_secs(30), &dev).unwrap();
+        let g = &groups.shard;
+        assert!(g.overlaps_compute());
+        let n = 1 << 24;
+        let v: Vec<f32> = (0..n).map(|i| (i % 1000) as f32).collect();
+        let x = Tensor::from_vec(v.clone(), n, &dev).unwrap();
+        let gathered = g.start_all_gather_tensor(&x).unwrap();
+        let reduced = g.start_reduce_scatter_tensor(&(&x * 2.0).unwrap()).unwrap();
+        drop(x);
+        let noise: Vec<Tensor> = (0..8).map(|i| Tensor::full(-1f32 - i as f32, n, &dev).unwrap()).collect();
+        let (a, b) = (gathered.wait().unwrap(), reduced.wait().unwrap());
+        drop(noise);
+        assert_eq!(a.to_vec1::<f32>().unwrap(), v);
+        assert_eq!(b.to_vec1::<f32>().unwrap(), v.iter().map(|x| x * 2.0).collect::<Vec<_>>());
+        drop(g.start_all_gather_tensor(&Tensor::ones(n, DType::BF16, &dev).unwrap()).unwrap());
+        let mut f = [1.5f64];
+        g.all_reduce_f64(&mut f).unwrap();
+        assert_eq!(f, [1.5]);
     }
 
     /// bf16 training through NCCL (NCCL all-gathers the bf16 chunks in device memory) computes

@@ -5,7 +5,7 @@ use candle_core::{DType, Tensor, Var};
 
 use super::shards::{AdamWStep, HostState, UnitCtx, UnitShards, WeightGrad};
 use super::{GatherFor, StateBytes, StatePart};
-use crate::dist::Collective;
+use crate::dist::{Collective, PendingTensor};
 use crate::fsdp::optim::{adamw_step_tensors, AdamWState, AdamWTensors};
 
 pub(super) struct DeviceShards {
@@ -17,6 +17,8 @@ pub(super) struct DeviceShards {
     /// Full-size f32 gradients collected during backward, until reduce-scatter (summed when a
     /// tied weight gets two contributions).
     full_grads: Vec<Option<Tensor>>,
+    /// A reduce-scatter of this unit's gradients still running (see `FsdpOptions::prefetch`).
+    reducing: Option<PendingTensor>,
 }
 
 impl DeviceShards {
@@ -32,7 +34,7 @@ impl DeviceShards {
             }
             None => Tensor::zeros(n, DType::F32, cx.device),
         };
-        let mut s = Self { master: vec![], grad: vec![], exp_avg: vec![], exp_avg_sq: vec![], full_grads: vec![] };
+        let mut s = Self { master: vec![], grad: vec![], exp_avg: vec![], exp_avg_sq: vec![], full_grads: vec![], reducing: None };
         for (i, p) in cx.plan.params.iter().enumerate() {
             s.master.push(chunk(i, 0, p.chunk_len())?);
             let trained = |part| p.trainable.then(|| chunk(i, part, p.chunk_len())).transpose();
@@ -45,28 +47,49 @@ impl DeviceShards {
     }
 }
 
+impl DeviceShards {
+    /// The unit's chunks in one flat buffer, for the all-gather. For compute they are cast to
+    /// `param_dtype` before it, as FSDP2 does: the same values as casting after it (the cast is
+    /// elementwise), with half the traffic and half the gathered buffer in bf16.
+    fn packed_chunks(&self, cx: &UnitCtx, purpose: GatherFor) -> candle_core::Result<Tensor> {
+        let flat = Tensor::cat(&self.master, 0)?;
+        match purpose == GatherFor::Compute && cx.opts.param_dtype != DType::F32 {
+            true => flat.to_dtype(cx.opts.param_dtype),
+            false => Ok(flat),
+        }
+    }
+}
+
+/// The full parameters cut out of a unit's all-gathered chunks (rank-major: row k is rank k's
+/// chunks of every parameter), in plan order, for compute (the compute dtype, trainable ones
+/// as `Var`s) or as stored.
+fn unpack(cx: &UnitCtx, all: Tensor, purpose: GatherFor) -> anyhow::Result<Vec<Tensor>> {
+    let all = all.reshape((cx.shards(), cx.plan.chunk_len))?;
+    let dtype = if purpose == GatherFor::Compute { cx.compute_dtype } else { DType::F32 };
+    let mut out = Vec::with_capacity(cx.plan.params.len());
+    for p in &cx.plan.params {
+        let full = all.narrow(1, p.offset, p.chunk_len())?.flatten_all()?.narrow(0, 0, p.numel())?;
+        let t = full.reshape(p.spec.shape.as_slice())?.to_dtype(dtype)?;
+        // `Var::from_tensor` copies: the variable owns its buffer, not a view of `all`.
+        out.push(if p.trainable { Var::from_tensor(&t)?.as_tensor().clone() } else { t.contiguous()? });
+    }
+    Ok(out)
+}
+
 impl UnitShards for DeviceShards {
     /// One all-gather of the unit's chunks on the device, the full parameters cut out of its
-    /// result there. For compute the chunks are cast to `param_dtype` before the all-gather,
-    /// as FSDP2 does: the same values as casting after it (the cast is elementwise), with half
-    /// the traffic and half the gathered buffer in bf16.
+    /// result there (`unpack`).
     fn gather(&self, cx: &UnitCtx, purpose: GatherFor) -> anyhow::Result<Vec<Tensor>> {
-        let mut flat = Tensor::cat(&self.master, 0)?;
-        let round = purpose == GatherFor::Compute;
-        if round && cx.opts.param_dtype != DType::F32 {
-            flat = flat.to_dtype(cx.opts.param_dtype)?;
-        }
-        // Rank-major: row k is rank k's chunks of every parameter.
-        let all = cx.shard.all_gather_tensor(&flat)?.reshape((cx.shards(), cx.plan.chunk_len))?;
-        let dtype = if round { cx.compute_dtype } else { DType::F32 };
-        let mut out = Vec::with_capacity(cx.plan.params.len());
-        for p in &cx.plan.params {
-            let full = all.narrow(1, p.offset, p.chunk_len())?.flatten_all()?.narrow(0, 0, p.numel())?;
-            let t = full.reshape(p.spec.shape.as_slice())?.to_dtype(dtype)?;
-            // `Var::from_tensor` copies: the variable owns its buffer, not a view of `all`.
-            out.push(if p.trainable { Var::from_tensor(&t)?.as_tensor().clone() } else { t.contiguous()? });
-        }
-        Ok(out)
+        let all = cx.shard.all_gather_tensor(&self.packed_chunks(cx, purpose)?)?;
+        unpack(cx, all, purpose)
+    }
+
+    fn start_gather(&self, cx: &UnitCtx) -> anyhow::Result<Option<PendingTensor>> {
+        Ok(Some(cx.shard.start_all_gather_tensor(&self.packed_chunks(cx, GatherFor::Compute)?)?))
+    }
+
+    fn finish_gather(&self, cx: &UnitCtx, started: PendingTensor) -> anyhow::Result<Vec<Tensor>> {
+        unpack(cx, started.wait()?, GatherFor::Compute)
     }
 
     fn gather_values(&self, cx: &UnitCtx) -> anyhow::Result<Vec<Vec<f32>>> {
@@ -109,8 +132,17 @@ impl UnitShards for DeviceShards {
         if cx.opts.reduce_dtype != DType::F32 {
             packed = packed.to_dtype(cx.opts.reduce_dtype)?.to_dtype(DType::F32)?;
         }
-        let mine = cx.shard.reduce_scatter_tensor(&packed)?;
+        self.reducing = Some(cx.shard.start_reduce_scatter_tensor(&packed)?);
         drop(packed);
+        if !cx.opts.prefetch {
+            self.finish_reduce(cx)?;
+        }
+        Ok(())
+    }
+
+    fn finish_reduce(&mut self, cx: &UnitCtx) -> anyhow::Result<()> {
+        let Some(started) = self.reducing.take() else { return Ok(()) };
+        let mine = started.wait()?;
         for (i, p) in cx.plan.params.iter().enumerate() {
             if let Some(g) = &mut self.grad[i] {
                 *g = (&*g + mine.narrow(0, p.grad_offset, p.chunk_len())?)?;
@@ -149,6 +181,7 @@ impl UnitShards for DeviceShards {
             *g = g.zeros_like()?;
         }
         self.full_grads.iter_mut().for_each(|g| *g = None);
+        self.reducing = None;
         Ok(())
     }
 

@@ -20,8 +20,13 @@ fn engine(dir: &std::path::Path, param_dtype: DType) -> FsdpEngine {
     let staged: Arc<dyn StagedModel> = Arc::new(models::LlamaStages::new(&cfg, None));
     let plan = plan_units(staged.as_ref(), WrapPolicy::TransformerBased, 1).unwrap();
     let groups = create_process_groups(1, 1, Duration::from_secs(10)).pop().unwrap();
-    let opts =
-        FsdpOptions { strategy: ShardingStrategy::FullShard, activation_checkpointing: false, param_dtype, reduce_dtype: DType::F32 };
+    let opts = FsdpOptions {
+        strategy: ShardingStrategy::FullShard,
+        activation_checkpointing: false,
+        param_dtype,
+        reduce_dtype: DType::F32,
+        prefetch: false,
+    };
     let mut engine = FsdpEngine::new(staged, plan, groups, opts, AdamWConfig::default(), false).unwrap();
     for u in 0..engine.units.len() {
         let full =

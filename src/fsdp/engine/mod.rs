@@ -23,8 +23,10 @@ mod reshard;
 mod shards;
 mod state;
 mod step;
+mod unit;
 
-use self::shards::{UnitCtx, UnitShards, WeightGrad};
+use self::shards::{UnitCtx, WeightGrad};
+use self::unit::{Gathered, UnitState};
 use super::optim::{clip_coefficient, AdamWConfig};
 use super::plan::{ShardingStrategy, UnitPlan};
 pub use crate::dist::ProcessGroups;
@@ -41,6 +43,12 @@ pub struct FsdpOptions {
     pub param_dtype: DType,
     /// dtype gradients are reduced in.
     pub reduce_dtype: DType,
+    /// Start the all-gather of the units the next stage reads before this stage runs, in the
+    /// forward and in the backward, and leave a unit's reduce-scatter running under the next
+    /// stage's backward (FSDP2's implicit prefetch): where collectives run beside compute
+    /// (`Collective::overlaps_compute`, NCCL's stream), the communication hides under
+    /// compute, for one more unit's parameters (and one more unit's gradients) at a time.
+    pub prefetch: bool,
 }
 
 /// The three per-parameter parts of the state a checkpoint carries.
@@ -61,51 +69,6 @@ impl StatePart {
             StatePart::ExpAvg => ".exp_avg",
             StatePart::ExpAvgSq => ".exp_avg_sq",
         }
-    }
-}
-
-struct UnitState {
-    plan: UnitPlan,
-    /// This rank's share of the unit's state, where it lives.
-    shards: Box<dyn UnitShards>,
-    /// With device state: its host copy, made by `sync_host` for checkpoints and inspection.
-    host_copy: Option<shards::HostState>,
-    /// Where the unit's full parameters are.
-    gathered: Gathered,
-}
-
-/// A unit's full parameters: not gathered, gathered, or gathered with their bytes freed. The
-/// trainable ones are variables (`Var`), so that a forward over them builds the graph backward
-/// needs.
-enum Gathered {
-    /// Only the shards exist.
-    No,
-    /// Gathered and readable.
-    Full(HashMap<String, Tensor>),
-    /// The tensors stay (a kept graph points at them) but their bytes were freed in place
-    /// (FULL_SHARD between a unit's forward and its backward, see `reshard`); the unit is
-    /// refilled before it runs again. Their storage is left unreadable (`reshard::free`), so a
-    /// read that escaped this state fails loudly.
-    Freed(HashMap<String, Tensor>),
-}
-
-impl Gathered {
-    /// The gathered tensors, readable or freed.
-    fn tensors(&self) -> Option<&HashMap<String, Tensor>> {
-        match self {
-            Gathered::No => None,
-            Gathered::Full(t) | Gathered::Freed(t) => Some(t),
-        }
-    }
-}
-
-impl UnitState {
-    /// Moves the master chunks this unit's gathered tensors hold (`UnitShards::lend`) back to
-    /// its storage, no copy, leaving the tensors freed.
-    fn return_lent(&mut self) -> Result<()> {
-        let Some(params) = self.gathered.tensors() else { return Ok(()) };
-        let values = self.plan.params.iter().map(|p| reshard::take(&params[&p.spec.name])).collect::<candle_core::Result<_>>()?;
-        self.shards.give_back(values)
     }
 }
 
@@ -260,7 +223,14 @@ impl FsdpEngine {
     /// tensors are there for the graph, their values are not needed).
     fn gather_stage(&mut self, s: usize, refill: bool) -> Result<()> {
         for &u in &self.stage_units[s].clone() {
-            if matches!(self.units[u].gathered, Gathered::No) {
+            if let Gathered::Coming(_) = self.units[u].gathered {
+                let Gathered::Coming(started) = std::mem::replace(&mut self.units[u].gathered, Gathered::No) else { unreachable!() };
+                let unit = &mut self.units[u];
+                let cx = unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device);
+                let tensors = unit.shards.finish_gather(&cx, started)?;
+                let named = unit.plan.params.iter().map(|p| p.spec.name.clone()).zip(tensors).collect();
+                unit.gathered = Gathered::Full(named);
+            } else if matches!(self.units[u].gathered, Gathered::No) {
                 let unit = &mut self.units[u];
                 let cx = unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device);
                 let tensors = match unit.shards.lend(&cx) {
@@ -275,6 +245,24 @@ impl FsdpEngine {
                 self.units[u].gathered = Gathered::Full(named);
             } else if matches!(self.units[u].gathered, Gathered::Freed(_)) && refill {
                 self.refill(u)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts the all-gather of the units stage `s` reads that are not gathered (see
+    /// `FsdpOptions::prefetch`), where their storage can start one.
+    fn prefetch(&mut self, s: usize) -> Result<()> {
+        if !self.opts.prefetch || s >= self.stage_units.len() {
+            return Ok(());
+        }
+        for &u in &self.stage_units[s].clone() {
+            let unit = &mut self.units[u];
+            if matches!(unit.gathered, Gathered::No) {
+                let cx = unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device);
+                if let Some(started) = unit.shards.start_gather(&cx)? {
+                    unit.gathered = Gathered::Coming(started);
+                }
             }
         }
         Ok(())
@@ -387,6 +375,7 @@ impl FsdpEngine {
         #[allow(clippy::needless_range_loop)]
         for s in 0..n {
             self.ensure_gathered(s)?;
+            self.prefetch(s + 1)?;
             x = self.model.forward_stage(s, &self.stage_params(s, false), &x, ctx)?;
             // No graph: a unit no later stage reads can go now.
             for u in self.stage_units[s].clone() {
@@ -424,6 +413,7 @@ impl FsdpEngine {
         #[allow(clippy::needless_range_loop)]
         for s in 0..n {
             self.ensure_gathered(s)?;
+            self.prefetch(s + 1)?;
             inputs.push(x.clone());
             if ac && self.recomputes(s) {
                 // No Var anywhere: candle builds no graph.
@@ -457,6 +447,9 @@ impl FsdpEngine {
             // A kept graph whose backward reads no parameter needs their tensors, not their
             // values: freed ones stay freed.
             self.gather_stage(s, recompute || self.model.stage_backward_reads_params(s))?;
+            if s > 1 || (s == 1 && self.stage_trains(0)) {
+                self.prefetch(s - 1)?;
+            }
             // The stage's parameters are the gathered tensors themselves: with activation
             // checkpointing the stage is recomputed over them (its forward built no graph).
             let wanted = self.model.stage_parameters(s);
@@ -509,7 +502,18 @@ impl FsdpEngine {
             drop(grads);
             self.finish_units_after_backward(s)?;
         }
+        self.finish_reductions()?;
         Ok(loss_sum)
+    }
+
+    /// Finishes the reduce-scatters still running (see `FsdpOptions::prefetch`): their chunks
+    /// added to the gradient chunks.
+    fn finish_reductions(&mut self) -> Result<()> {
+        for unit in &mut self.units {
+            let cx = unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device);
+            unit.shards.finish_reduce(&cx)?;
+        }
+        Ok(())
     }
 
     /// After stage `s`'s backward, a unit whose first stage is `s` has all its gradients:
@@ -518,6 +522,8 @@ impl FsdpEngine {
     fn finish_units_after_backward(&mut self, s: usize) -> Result<()> {
         for u in self.stage_units[s].clone() {
             if self.units[u].plan.first_stage == s {
+                // One reduce-scatter left running at a time: the one before ends here.
+                self.finish_reductions()?;
                 let unit = &mut self.units[u];
                 unit.shards.reduce_scatter(&unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device))?;
                 self.drop_gathered(u)?;

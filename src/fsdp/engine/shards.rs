@@ -12,7 +12,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::{FsdpOptions, GatherFor, StateBytes, StatePart};
-use crate::dist::Collective;
+use crate::dist::{Collective, PendingTensor};
 use crate::fsdp::optim::{AdamWConfig, AdamWState};
 use crate::fsdp::plan::UnitPlan;
 pub(super) use ops::weight_grads::WeightGrad;
@@ -50,6 +50,17 @@ pub(super) trait UnitShards: Send {
     /// `param_dtype`, in the compute dtype, trainable ones as `Var`s) or as stored (export).
     fn gather(&self, cx: &UnitCtx, purpose: GatherFor) -> anyhow::Result<Vec<Tensor>>;
 
+    /// Starts the unit's all-gather for compute, where this storage can leave it running
+    /// while other work is issued (see `FsdpOptions::prefetch`); None where it cannot.
+    fn start_gather(&self, _cx: &UnitCtx) -> anyhow::Result<Option<PendingTensor>> {
+        Ok(None)
+    }
+
+    /// What [`UnitShards::gather`] for compute returns, from a gather `start_gather` started.
+    fn finish_gather(&self, _cx: &UnitCtx, _started: PendingTensor) -> anyhow::Result<Vec<Tensor>> {
+        anyhow::bail!("this storage starts no gather")
+    }
+
     /// The full parameters for compute as f32 vectors, in plan order: what a freed unit is
     /// refilled with (see `reshard`).
     fn gather_values(&self, cx: &UnitCtx) -> anyhow::Result<Vec<Vec<f32>>>;
@@ -60,8 +71,14 @@ pub(super) trait UnitShards: Send {
     fn add_grad(&mut self, cx: &UnitCtx, i: usize, grad: Option<WeightGrad>) -> anyhow::Result<()>;
 
     /// After the unit's backward: reduce-scatters what `add_grad` collected and adds this
-    /// rank's chunks to the gradient chunks.
+    /// rank's chunks to the gradient chunks. With `FsdpOptions::prefetch`, storage may leave
+    /// the reduce-scatter running until [`UnitShards::finish_reduce`].
     fn reduce_scatter(&mut self, cx: &UnitCtx) -> anyhow::Result<()>;
+
+    /// Finishes a reduce-scatter `reduce_scatter` left running, if any.
+    fn finish_reduce(&mut self, _cx: &UnitCtx) -> anyhow::Result<()> {
+        Ok(())
+    }
 
     /// Sums the gradient chunks over the replicas (NO_SHARD, HYBRID_SHARD).
     fn all_reduce_grads(&mut self, replicate: &dyn Collective) -> anyhow::Result<()>;

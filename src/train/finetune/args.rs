@@ -410,6 +410,7 @@ impl TryFrom<FinetuneArgs> for FinetuneConfig {
             backend: a.backend.parse()?,
             device: a.device.parse()?,
             cpu_offload: a.cpu_offload.then_some(true),
+            prefetch: None,
             save_steps: a.save_steps,
             save_each_epoch: save_each_epoch(a.save_strategy.as_deref(), a.save_steps)?,
             save_total_limit: a.save_total_limit,

@@ -61,6 +61,10 @@ pub struct FinetuneConfig {
     /// (FSDP2's CPUOffloadPolicy), `Some(false)` the device, `None` the device's default (host
     /// on CPU, device on a GPU).
     pub cpu_offload: Option<bool>,
+    /// Start each unit's all-gather a stage ahead and leave reduce-scatters running under the
+    /// next backward (`FsdpOptions::prefetch`); `None`: where the backend's collectives run
+    /// beside compute (NCCL), unless `FSDP_PREFETCH=0`.
+    pub prefetch: Option<bool>,
     pub max_shard_size: usize,
     /// Save a sharded checkpoint every this many steps.
     pub save_steps: Option<usize>,

@@ -27,6 +27,11 @@ pub(super) fn build_engine(groups: &ProcessGroups, cfg: &FinetuneConfig, boot: &
         activation_checkpointing: cfg.activation_checkpointing,
         param_dtype: cfg.param_dtype,
         reduce_dtype: cfg.reduce_dtype,
+        // By default where collectives run beside compute (NCCL's stream); `FSDP_PREFETCH=0`
+        // turns that off, for comparisons.
+        prefetch: cfg
+            .prefetch
+            .unwrap_or_else(|| groups.shard.overlaps_compute() && std::env::var("FSDP_PREFETCH").map_or(true, |v| v != "0")),
     };
     let adam = AdamWConfig { lr: cfg.lr, weight_decay: cfg.weight_decay, ..Default::default() };
     let device = match device {
