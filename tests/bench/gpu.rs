@@ -98,10 +98,13 @@ fn main() -> anyhow::Result<()> {
     std::fs::write(&data, text)?;
 
     let mut trained = vec![];
-    for batch in BATCHES {
+    // Each batch with the engine's prefetch (NCCL's default), then batch 1 without it: the
+    // overlap of collectives with compute, before and after, in the same run.
+    let runs = BATCHES.iter().map(|&b| (b, true)).chain([(BATCHES[0], false)]);
+    for (batch, prefetch) in runs {
         // (a) ours: one rank under a launcher's environment, NCCL backend, like `fsdp-app launch
         // --nproc-per-node 1 -- finetune --device cuda --param-dtype bf16 ...`.
-        let out = root.join(format!("ours-out-{batch}"));
+        let out = root.join(format!("ours-out-{batch}-{prefetch}"));
         let _ = std::fs::remove_dir_all(&out);
         let cfg = fsdp_app::train::finetune::FinetuneConfig {
             lr: 1e-5,
@@ -120,6 +123,7 @@ fn main() -> anyhow::Result<()> {
                 fsdp_app::train::finetune::Backend::Local
             },
             verbose: true,
+            prefetch: Some(prefetch),
             ..fsdp_app::train::finetune::FinetuneConfig::new(model.to_str().unwrap(), &data, &out)
         };
         let env = fsdp_app::dist::env::DistEnv {
@@ -133,21 +137,26 @@ fn main() -> anyhow::Result<()> {
         let summary = fsdp_app::train::finetune::run(&cfg, cfg!(feature = "nccl").then_some(&env))?.expect("rank 0 summary");
         let metrics: Vec<Value> =
             std::fs::read_to_string(out.join("metrics.jsonl"))?.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-        let torch = python_json(
-            &python,
-            &scripts.join("torch_gpu_train.py"),
-            &[model.display().to_string(), data.display().to_string(), SEQ.to_string(), steps.to_string(), batch.to_string()],
-        );
-        trained.push((batch, summary.total_params, metrics, torch));
+        // PyTorch once per batch (the row without prefetch is compared with the same run).
+        let torch = match trained.iter().find(|(b, _, _, _, _)| *b == batch) {
+            Some((_, _, _, _, torch)) => Clone::clone(torch),
+            None => python_json(
+                &python,
+                &scripts.join("torch_gpu_train.py"),
+                &[model.display().to_string(), data.display().to_string(), SEQ.to_string(), steps.to_string(), batch.to_string()],
+            ),
+        };
+        trained.push((batch, prefetch, summary.total_params, metrics, torch));
     }
 
-    let params = trained[0].1 as f64;
+    let params = trained[0].2 as f64;
     let fpt = flops_per_token(params - (VOCAB * HIDDEN) as f64);
     println!("\n(a) Fine-tuning, Llama {:.2}B parameters (random), batch x {SEQ} tokens, bf16 compute, fp32 master + AdamW,", params / 1e9);
     println!("    activation checkpointing on, 1 GPU; median of steps 3-{steps}; MFU against {:.0} TFLOPS bf16 dense\n", peak / 1e12);
     println!("| batch | fsdp-app (nccl, world 1) tokens/s | MFU | PyTorch FSDP2 fully_shard tokens/s | MFU | ratio | losses: largest relative difference | GPU memory: ours / PyTorch |");
     println!("|---|---|---|---|---|---|---|---|");
-    for (batch, _, metrics, torch) in &trained {
+    for (batch, prefetch, _, metrics, torch) in &trained {
+        let batch = if *prefetch { batch.to_string() } else { format!("{batch} (no prefetch)") };
         let ours_tps = median(metrics.iter().skip(2).map(|m| m["tokens_per_s"].as_f64().unwrap_or(0.0)).collect());
         let mfu = |tps: f64| format!("{:.1}%", 100.0 * tps * fpt / peak);
         let ours_gpu = metrics.last().and_then(|m| m["gpu_memory_bytes_per_rank"][0].as_f64()).unwrap_or(0.0) / (1u64 << 30) as f64;

@@ -59,8 +59,9 @@ case "$what" in
     part "tests/bench/gpu.rs" "$BIN/gpu-bench"
     ;;
   profile)
-    # The bench's training run (a 1.1B Llama, bf16, seq 2048, activation checkpointing) for
-    # PROFILE_STEPS steps under the CUPTI profiler (tests/gpu/kernel_profile.c): GPU busy time,
+    # The bench's training run (a 1.1B Llama, bf16, seq 2048, activation checkpointing, one rank
+    # under the launcher with NCCL, as the bench runs it) for PROFILE_STEPS steps under the
+    # CUPTI profiler (the launcher starts no CUDA: only the rank writes the profile) (tests/gpu/kernel_profile.c): GPU busy time,
     # kernels, copies and driver calls, into $PROFILE_OUT (default profile.txt).
     work=$(mktemp -d)
     part "fixture, 1.1B" "$BIN/fsdp-app" fixture --name llama --out "$work/model" --set vocab_size=32000 --set hidden_size=2048 \
@@ -69,9 +70,9 @@ case "$what" in
     "$PY" -c 'import json
 for i in range(16): print(json.dumps({"input_ids": [(i * 7919 + j * 104729) % 32000 for j in range(2048)]}))' > "$work/data.jsonl"
     CUDA_INJECTION64_PATH=$BIN/libkernel_profile.so KERNEL_PROFILE_OUT=${PROFILE_OUT:-profile.txt} \
-      part "finetune under the profiler" "$BIN/fsdp-app" finetune --model "$work/model" --data "$work/data.jsonl" \
-      --output-dir "$work/out" --device cuda --param-dtype bf16 --activation-checkpointing --seq-len 2048 --batch-size 1 \
-      --max-steps "${PROFILE_STEPS:-4}" --no-shuffle
+      part "finetune under the profiler" "$BIN/fsdp-app" launch --nproc-per-node 1 -- finetune --model "$work/model" \
+      --data "$work/data.jsonl" --output-dir "$work/out" --device cuda --backend nccl --param-dtype bf16 \
+      --activation-checkpointing --seq-len 2048 --batch-size 1 --max-steps "${PROFILE_STEPS:-4}" --no-shuffle
     ;;
   all)
     # Each part in its own process, so that one failing still lets the others run.
