@@ -385,7 +385,7 @@ fn device_resident_state_reproduces_the_host_path() {
     ];
     for (i, (world, strategy, ac, group, accum, with_lora, mixed)) in cases.into_iter().enumerate() {
         let what = format!("world {world} {strategy:?} ac {ac} accum {accum} lora {with_lora} bf16 {mixed}");
-        let config = |name: &str, offload: bool| {
+        let config = |name: &str, offload: bool, prefetch: bool| {
             let mut c = reference_config(&model, &tmp.path().join(format!("{name}{i}")));
             c.max_steps = Some(6);
             c.world_size = world;
@@ -395,10 +395,7 @@ fn device_resident_state_reproduces_the_host_path() {
             c.activation_checkpointing = ac;
             c.shard_group_size = group;
             c.cpu_offload = Some(offload);
-            // Device state with the next unit's all-gather started before a unit runs and
-            // reduce-scatters finished a unit later, as NCCL runs them (host state starts
-            // nothing early): the same numbers.
-            c.prefetch = Some(true);
+            c.prefetch = Some(prefetch);
             c.lora = with_lora.then(|| lora.clone());
             c.weight_decay = 0.1;
             if mixed {
@@ -407,15 +404,21 @@ fn device_resident_state_reproduces_the_host_path() {
             }
             c
         };
-        let host = run_local(&config("host", true)).unwrap_or_else(|e| panic!("{what}: {e:#}"));
-        let on_device = run_local(&config("dev", false)).unwrap_or_else(|e| panic!("{what}: {e:#}"));
-        let d = max_rel_diff(&on_device.losses, &host.losses);
-        let dn = max_rel_diff(&on_device.grad_norms, &host.grad_norms);
-        let (w, name) = max_rel_weight_diff(&weights(&tmp.path().join(format!("dev{i}"))), &weights(&tmp.path().join(format!("host{i}"))));
-        eprintln!("{what}: loss {d:.1e}, grad norm {dn:.1e}, weights {w:.1e} ({name})");
-        assert!(d < 1e-5 && dn < 1e-5, "{what}: device-state losses/norms differ by {d}/{dn}\n{:?}\n{:?}", on_device.losses, host.losses);
-        assert!(w < 1e-5, "{what}: final weights differ by {w} ({name})");
-        assert_eq!(on_device.rank_bytes, host.rank_bytes, "{what}");
+        let host = run_local(&config("host", true, false)).unwrap_or_else(|e| panic!("{what}: {e:#}"));
+        // Device state, and host state with prefetch: the next stage's all-gathers started
+        // before a stage runs and each reduce-scatter finished a unit later, on the
+        // collectives' own thread (`dist::overlap`): the same numbers.
+        for (name, offload, prefetch) in [("dev", false, false), ("dev-prefetch", false, true), ("host-prefetch", true, true)] {
+            let run = run_local(&config(name, offload, prefetch)).unwrap_or_else(|e| panic!("{what} {name}: {e:#}"));
+            let d = max_rel_diff(&run.losses, &host.losses);
+            let dn = max_rel_diff(&run.grad_norms, &host.grad_norms);
+            let (w, wname) =
+                max_rel_weight_diff(&weights(&tmp.path().join(format!("{name}{i}"))), &weights(&tmp.path().join(format!("host{i}"))));
+            eprintln!("{what} {name}: loss {d:.1e}, grad norm {dn:.1e}, weights {w:.1e} ({wname})");
+            assert!(d < 1e-5 && dn < 1e-5, "{what} {name}: losses/norms differ by {d}/{dn}\n{:?}\n{:?}", run.losses, host.losses);
+            assert!(w < 1e-5, "{what} {name}: final weights differ by {w} ({wname})");
+            assert_eq!(run.rank_bytes, host.rank_bytes, "{what} {name}");
+        }
     }
 
     // Save at step 3 with device state, resume from it: the curve goes on as if uninterrupted.

@@ -59,6 +59,17 @@ fn launched_processes_train_like_local_threads() {
     assert!(stderr(&o).contains("peak RSS per rank ["), "{}", stderr(&o));
     assert_eq!(metric_losses(&launched_out), metric_losses(&local_out), "same collectives, same order: identical losses");
 
+    // With prefetch the collectives run on a thread of their own, started a unit ahead: still
+    // the same collectives in the same order on both ranks, the same losses.
+    let prefetch_out = tmp.path().join("prefetch");
+    let port = free_port();
+    let mut args = vec!["launch", "--nproc-per-node", "2", "--master-port", &port, "--"];
+    args.extend(finetune_args(m, prefetch_out.to_str().unwrap(), d, "6"));
+    args.extend(["--prefetch", "on"]);
+    let o = run_cli(&args, &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(metric_losses(&prefetch_out), metric_losses(&local_out), "prefetch: identical losses");
+
     // The same processes started by hand with torchrun's variables (as torchrun or srun would).
     let manual_out = tmp.path().join("manual");
     let port = free_port();

@@ -12,6 +12,7 @@ pub mod local;
 pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod overlap;
 pub mod pending;
 pub mod tcp;
 
@@ -20,7 +21,7 @@ use std::sync::Arc;
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
 
-pub use self::pending::PendingTensor;
+pub use self::pending::{Pending, PendingTensor};
 
 /// Collective operations over one group of ranks. A rank's handle is used by that rank only
 /// (it is shared between the engine and the training loop of that rank).
@@ -111,8 +112,18 @@ pub trait Collective: Send + Sync {
         Ok(PendingTensor::ready(self.reduce_scatter_tensor(full)?))
     }
 
-    /// Whether a started tensor collective runs beside the compute issued after it (on a
-    /// stream of its own), so that starting it early pays: the engine prefetches then.
+    /// Starts [`Self::all_gather_owned`] (see [`Self::start_all_gather_tensor`]).
+    fn start_all_gather_owned(&self, shard: Vec<f32>) -> Result<Pending<Vec<f32>>> {
+        Ok(Pending::ready(self.all_gather_owned(shard)?))
+    }
+
+    /// Starts [`Self::reduce_scatter_owned`] (see [`Self::start_all_gather_tensor`]).
+    fn start_reduce_scatter_owned(&self, full: Vec<f32>) -> Result<Pending<Vec<f32>>> {
+        Ok(Pending::ready(self.reduce_scatter_owned(full)?))
+    }
+
+    /// Whether a started collective runs beside the work issued after it (on a GPU stream or
+    /// a thread of its own), so that starting it early pays: the engine prefetches then.
     fn overlaps_compute(&self) -> bool {
         false
     }
@@ -154,8 +165,13 @@ fn check_1d(t: &Tensor) -> Result<()> {
 
 /// `values` as a tensor on `like`'s device, in `like`'s dtype.
 fn back_to_device(values: Vec<f32>, like: &Tensor) -> Result<Tensor> {
+    to_device(values, like.dtype(), like.device())
+}
+
+/// `values` as a tensor on `device`, in `dtype`.
+fn to_device(values: Vec<f32>, dtype: DType, device: &candle_core::Device) -> Result<Tensor> {
     let n = values.len();
-    Ok(Tensor::from_vec(values, n, like.device())?.to_dtype(like.dtype())?)
+    Ok(Tensor::from_vec(values, n, device)?.to_dtype(dtype)?)
 }
 
 /// Failures of a collective that callers tell apart (by type, not by message).

@@ -180,14 +180,19 @@ pub fn fsdp_key(key: &str, v: &Yaml) -> Result<Flags, String> {
             Some(other) => Err(format!("{other}: use SHARDED_STATE_DICT or FULL_STATE_DICT")),
             None => Err("expected SHARDED_STATE_DICT or FULL_STATE_DICT".into()),
         },
-        // Scheduling and bookkeeping hints that do not change what is computed: each unit is
-        // gathered just before it runs, and parameters keep their names and shapes.
+        // Prefetch: fsdp-app has one switch (`--prefetch`, forward and backward alike). FSDP1's
+        // default BACKWARD_PRE (and BACKWARD_POST) leave it at `auto`: on where collectives run
+        // beside compute (NCCL); NO_PREFETCH turns it off, `fsdp_forward_prefetch: true` on (the
+        // two together conflict, and the settings' merge says so).
         "fsdp_backward_prefetch" => match v {
             Yaml::Null => Ok(vec![]),
-            Yaml::String(s) if ["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"].contains(&s.as_str()) => Ok(vec![]),
+            Yaml::String(s) if s == "BACKWARD_PRE" || s == "BACKWARD_POST" => Ok(vec![]),
+            Yaml::String(s) if s == "NO_PREFETCH" => Ok(vec![("prefetch", "off".to_string())]),
             _ => Err("use BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH".into()),
         },
-        "fsdp_forward_prefetch" | "fsdp_use_orig_params" => boolean(v).map(|_| vec![]),
+        "fsdp_forward_prefetch" => boolean(v).map(|b| if b { vec![("prefetch", "on".to_string())] } else { vec![] }),
+        // Parameters keep their names and shapes either way.
+        "fsdp_use_orig_params" => boolean(v).map(|_| vec![]),
         other => Err(format!(
             "unknown FSDP setting `{other}`; known: fsdp_version, fsdp_sharding_strategy, fsdp_reshard_after_forward, \
              fsdp_auto_wrap_policy, fsdp_transformer_layer_cls_to_wrap, fsdp_min_num_params, fsdp_activation_checkpointing, \

@@ -46,6 +46,7 @@ const SIMPLE: &[(&str, &str)] = &[
     ("shard_group_size", "shard_group_size"),
     ("backend", "backend"),
     ("collective_timeout", "collective_timeout"),
+    ("prefetch", "prefetch"),
     ("world_size", "world_size"),
     ("num_processes", "world_size"),
     // TrainingArguments / TRL.
@@ -443,6 +444,11 @@ mod tests {
         assert!(f.contains(&("device", "cpu".into())) && f.contains(&("world_size", "4".into())), "{f:?}");
         assert_eq!(flags("fsdp_config:\n  fsdp_reshard_after_forward: false\n"), vec![("sharding_strategy", "SHARD_GRAD_OP".into())]);
         assert_eq!(flags("distributed_type: MULTI_CPU\n"), vec![("sharding_strategy", "NO_SHARD".into())]);
+        // Prefetch: BACKWARD_PRE (above) leaves --prefetch at auto; these set it.
+        assert!(!f.iter().any(|(flag, _)| *flag == "prefetch"), "{f:?}");
+        assert_eq!(flags("fsdp_config:\n  fsdp_backward_prefetch: NO_PREFETCH\n"), vec![("prefetch", "off".into())]);
+        assert_eq!(flags("fsdp_config:\n  fsdp_forward_prefetch: true\n"), vec![("prefetch", "on".into())]);
+        assert_eq!(flags("prefetch: on\n"), vec![("prefetch", "on".into())]);
         assert_eq!(flags("warmup_ratio: 0.1\nbf16: true\ngradient_checkpointing: true\n").len(), 3);
         let e = |t: &str| format!("{:#}", parse(t).unwrap_err());
         assert!(e("distributed_type: DEEPSPEED\n").contains("key `distributed_type`: DEEPSPEED"));

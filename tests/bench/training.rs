@@ -7,9 +7,13 @@
 //!     checkpoint's save and merge;
 //! (b) training tokens/s at world 1 on CPU for a ~28M-parameter Llama (batch 4 x 128 tokens,
 //!     2 threads) next to PyTorch + transformers doing the same steps in the same run;
-//! (c) the same at world 2 (`local` backend, same global batch), to show the sharding overhead.
+//! (c) the same at world 2 (`local` backend, same global batch), to show the sharding overhead;
+//! (d) the small model at world 2 as two processes over the tcp backend (`fsdp-app launch`),
+//!     with `--prefetch off` and `on` (collectives on a thread of their own, started a unit
+//!     ahead), alternating: what overlapping the collectives with compute does on this CPU.
 //!
-//! `cargo bench --bench training -- speed` runs only (b) and (c), `-- memory` only (a).
+//! `cargo bench --bench training -- speed` runs only (b), (c) and (d), `-- prefetch` only (d),
+//! `-- memory` only (a).
 //!
 //! Environment: FSDP_BENCH_PYTHON (Python with torch + transformers, torchrun beside it;
 //! default python3),
@@ -132,6 +136,10 @@ fn main() -> anyhow::Result<()> {
     let tmp = tempfile::tempdir()?;
     let python = std::env::var("FSDP_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
     let only = |part: &str| std::env::args().skip(1).any(|a| a == part);
+    if only("prefetch") {
+        let (small, small_data) = small_model(&models_dir, tmp.path())?;
+        return prefetch_over_tcp(&small, &small_data, tmp.path());
+    }
     if !only("memory") {
         speed(&root, &models_dir, tmp.path(), &python)?;
         forced_avx2_rows()?;
@@ -177,22 +185,7 @@ struct OurRow {
 fn speed(root: &Path, models_dir: &Path, tmp: &Path, python: &str) -> anyhow::Result<()> {
     // (b) and (c): each model at world 1 (and the small one at world 2), then PyTorch on the
     // same files and rows, alternating.
-    let small = model(
-        models_dir,
-        "llama-28m",
-        &[
-            ("vocab_size", json!(8192)),
-            ("hidden_size", json!(512)),
-            ("intermediate_size", json!(1408)),
-            ("num_hidden_layers", json!(6)),
-            ("num_attention_heads", json!(8)),
-            ("num_key_value_heads", json!(8)),
-            ("head_dim", json!(64)),
-            ("rope_scaling", Value::Null),
-        ],
-    )?;
-    let small_data = tmp.join("small.jsonl");
-    data(&small_data, 64, 128, 8192)?;
+    let (small, small_data) = small_model(models_dir, tmp)?;
     let mut runs = vec![(
         "Llama 28M (vocab 8192, hidden 512, 6 layers)".to_string(),
         small.clone(),
@@ -275,7 +268,74 @@ fn speed(root: &Path, models_dir: &Path, tmp: &Path, python: &str) -> anyhow::Re
             println!("\nsame losses as PyTorch: max relative difference {d:.1e} over {steps} steps");
         }
     }
+    prefetch_over_tcp(&small, &small_data, tmp)
+}
 
+/// The 28M Llama of (b)-(d) and its rows.
+fn small_model(models_dir: &Path, tmp: &Path) -> anyhow::Result<(PathBuf, PathBuf)> {
+    let small = model(
+        models_dir,
+        "llama-28m",
+        &[
+            ("vocab_size", json!(8192)),
+            ("hidden_size", json!(512)),
+            ("intermediate_size", json!(1408)),
+            ("num_hidden_layers", json!(6)),
+            ("num_attention_heads", json!(8)),
+            ("num_key_value_heads", json!(8)),
+            ("head_dim", json!(64)),
+            ("rope_scaling", Value::Null),
+        ],
+    )?;
+    let small_data = tmp.join("small.jsonl");
+    data(&small_data, 64, 128, 8192)?;
+    Ok((small, small_data))
+}
+
+/// (d): world 2 as processes over tcp, `--prefetch off` against `on`, alternating rounds.
+fn prefetch_over_tcp(model: &Path, data: &Path, tmp: &Path) -> anyhow::Result<()> {
+    const STEPS: usize = 12;
+    let modes = ["off", "on"];
+    // Per mode: each round's median tokens/s (steps 3 on), the last round's peak RSS per rank
+    // and losses.
+    let mut rounds: Vec<(Vec<f64>, Vec<u64>, Vec<f64>)> = modes.iter().map(|_| (vec![], vec![], vec![])).collect();
+    for round in 0..ROUNDS {
+        for (mode, (tps, rss, losses)) in modes.iter().zip(rounds.iter_mut()) {
+            let out = tmp.join(format!("tcp-prefetch-{mode}-{round}"));
+            let run = Command::new(env!("CARGO_BIN_EXE_fsdp-app"))
+                .args(["launch", "--nproc-per-node", "2", "--", "finetune", "--backend", "tcp", "--prefetch", mode])
+                .args(["--lr", "1e-4", "--lr-scheduler", "constant", "--seq-len", "128", "--batch-size", "2", "--no-shuffle"])
+                .arg("--max-steps")
+                .arg(STEPS.to_string())
+                .arg("--model")
+                .arg(model)
+                .arg("--data")
+                .arg(data)
+                .arg("--output-dir")
+                .arg(&out)
+                .output()?;
+            let why = String::from_utf8_lossy(&run.stderr);
+            anyhow::ensure!(run.status.success(), "the tcp run with --prefetch {mode} failed: {}\n{why}", run.status);
+            let m = metrics(&out);
+            tps.push(median(m.iter().skip(2).map(|r| r["tokens_per_s"].as_f64().unwrap()).collect()));
+            *rss =
+                m.last().map(|r| r["peak_rss_bytes_per_rank"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap()).collect()).unwrap();
+            *losses = m.iter().map(|r| r["loss"].as_f64().unwrap()).collect();
+            eprintln!("round {round}, tcp, prefetch {mode}: {:.0}", tps.last().unwrap());
+        }
+    }
+    println!("\nCPU vector ISA: {}", common::vector_isa());
+    println!("World 2 as two processes over tcp (`fsdp-app launch`), the 28M model, batch 2 x 128 tokens per rank, {STEPS} steps");
+    println!("(median of steps 3-{STEPS}, median of {ROUNDS} alternating rounds; ratio: median of the rounds' ratios to --prefetch off)\n");
+    println!("| --prefetch | tokens/s | vs off | peak RSS per rank |");
+    println!("|---|---|---|---|");
+    for (mode, (tps, rss, _)) in modes.iter().zip(&rounds) {
+        let ratio = median(tps.iter().zip(&rounds[0].0).map(|(a, b)| a / b).collect());
+        let rss: Vec<String> = rss.iter().map(|&b| human_bytes(b)).collect();
+        println!("| {mode} | {:.0} | {ratio:.2}x | {} |", median(tps.clone()), rss.join(", "));
+    }
+    let same = rounds[0].2 == rounds[1].2;
+    println!("\nlosses with and without prefetch: {}", if same { "the same bits" } else { "DIFFERENT" });
     Ok(())
 }
 

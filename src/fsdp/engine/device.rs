@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Tensor, Var};
 
-use super::shards::{AdamWStep, HostState, UnitCtx, UnitShards, WeightGrad};
+use super::shards::{AdamWStep, HostState, StartedGather, UnitCtx, UnitShards, WeightGrad};
 use super::{GatherFor, StateBytes, StatePart};
 use crate::dist::{Collective, PendingTensor};
 use crate::fsdp::optim::{adamw_step_tensors, AdamWState, AdamWTensors};
@@ -84,12 +84,13 @@ impl UnitShards for DeviceShards {
         unpack(cx, all, purpose)
     }
 
-    fn start_gather(&self, cx: &UnitCtx) -> anyhow::Result<Option<PendingTensor>> {
-        Ok(Some(cx.shard.start_all_gather_tensor(&self.packed_chunks(cx, GatherFor::Compute)?)?))
+    fn start_gather(&self, cx: &UnitCtx) -> anyhow::Result<Option<StartedGather>> {
+        Ok(Some(StartedGather::Tensor(cx.shard.start_all_gather_tensor(&self.packed_chunks(cx, GatherFor::Compute)?)?)))
     }
 
-    fn finish_gather(&self, cx: &UnitCtx, started: PendingTensor) -> anyhow::Result<Vec<Tensor>> {
-        unpack(cx, started.wait()?, GatherFor::Compute)
+    fn finish_gather(&self, cx: &UnitCtx, started: StartedGather) -> anyhow::Result<Vec<Tensor>> {
+        let StartedGather::Tensor(all) = started else { anyhow::bail!("device storage finishing a gather host storage started") };
+        unpack(cx, all.wait()?, GatherFor::Compute)
     }
 
     fn gather_values(&self, cx: &UnitCtx) -> anyhow::Result<Vec<Vec<f32>>> {

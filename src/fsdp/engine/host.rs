@@ -7,11 +7,12 @@
 //! gradient reduce-scattered straight from the gradient tensor, in its own collective. Every
 //! rank takes the same decisions in the same (plan) order, so collectives stay matched.
 
+use anyhow::Context;
 use candle_core::{DType, Tensor, Var};
 
-use super::shards::{round_through, with_f32_slice, AdamWStep, HostState, UnitCtx, UnitShards, WeightGrad};
+use super::shards::{round_through, with_f32_slice, AdamWStep, HostState, StartedGather, UnitCtx, UnitShards, WeightGrad};
 use super::{GatherFor, StateBytes, StatePart};
-use crate::dist::Collective;
+use crate::dist::{Collective, Pending};
 use crate::fsdp::optim::{adamw_step, AdamWState};
 use crate::fsdp::plan::{ParamLayout, UnitPlan};
 use kernels::adamw::sum_of_squares;
@@ -28,6 +29,8 @@ pub(crate) struct HostShards {
     /// While the master chunks are lent to the engine's gathered tensors (see `lend`): their
     /// lengths, the vectors in `state.master` being empty meanwhile.
     lent: Option<Vec<usize>>,
+    /// A reduce-scatter of the packed gradients still running (see `FsdpOptions::prefetch`).
+    reducing: Option<Pending<Vec<f32>>>,
 }
 
 impl HostShards {
@@ -42,12 +45,13 @@ impl HostShards {
             },
             packed_grad: None,
             lent: None,
+            reducing: None,
         }
     }
 
     /// State from its parts (the device storage's copy back).
     pub fn from_state(state: HostState) -> Self {
-        Self { state, packed_grad: None, lent: None }
+        Self { state, packed_grad: None, lent: None, reducing: None }
     }
 
     /// The state itself, which must not be lent out (its master vectors are empty then).
@@ -134,6 +138,20 @@ impl UnitShards for HostShards {
         self.gather_for(cx, GatherFor::Compute)
     }
 
+    /// Where the shard group runs collectives beside compute (otherwise a gather is started
+    /// and finished at once anyway, and one shard lends or copies its chunks).
+    fn start_gather(&self, cx: &UnitCtx) -> anyhow::Result<Option<StartedGather>> {
+        if cx.shards() == 1 || !cx.shard.overlaps_compute() {
+            return Ok(None);
+        }
+        Ok(Some(self.start_collectives(cx, GatherFor::Compute)?))
+    }
+
+    fn finish_gather(&self, cx: &UnitCtx, started: StartedGather) -> anyhow::Result<Vec<Tensor>> {
+        let values = cut(cx, started)?;
+        cx.plan.params.iter().zip(values).map(|(p, full)| Ok(compute_tensor(p, full, cx.compute_dtype, cx.device)?)).collect()
+    }
+
     fn add_grad(&mut self, cx: &UnitCtx, i: usize, grad: Option<WeightGrad>) -> anyhow::Result<()> {
         let p = &cx.plan.params[i];
         let shards = cx.shards();
@@ -189,9 +207,18 @@ impl UnitShards for HostShards {
 
     fn reduce_scatter(&mut self, cx: &UnitCtx) -> anyhow::Result<()> {
         let Some(mut buf) = self.packed_grad.take() else { return Ok(()) };
-        let (offsets, _) = packed_layout(cx, true);
         round_through(&mut buf, cx.opts.reduce_dtype);
-        let mine = if cx.shards() == 1 { buf } else { cx.shard.reduce_scatter(&buf)? };
+        self.reducing = Some(if cx.shards() == 1 { Pending::ready(buf) } else { cx.shard.start_reduce_scatter_owned(buf)? });
+        if !cx.opts.prefetch {
+            self.finish_reduce(cx)?;
+        }
+        Ok(())
+    }
+
+    fn finish_reduce(&mut self, cx: &UnitCtx) -> anyhow::Result<()> {
+        let Some(started) = self.reducing.take() else { return Ok(()) };
+        let mine = started.wait()?;
+        let (offsets, _) = packed_layout(cx, true);
         for (i, p) in cx.plan.params.iter().enumerate() {
             if let Some(at) = offsets[i] {
                 add_into(&mut self.state.grad[i], &mine[at..at + p.chunk_len()]);
@@ -222,6 +249,7 @@ impl UnitShards for HostShards {
     fn discard_grads(&mut self) -> anyhow::Result<()> {
         self.state.grad.iter_mut().for_each(|g| g.fill(0.0));
         self.packed_grad = None;
+        self.reducing = None;
         Ok(())
     }
 
@@ -328,56 +356,77 @@ impl HostShards {
     /// All-gathers the unit's chunks (one collective for the packed parameters, one for each
     /// that travels alone) and cuts the result into the full parameters, in plan order.
     fn gather_for(&self, cx: &UnitCtx, purpose: GatherFor) -> anyhow::Result<Vec<Vec<f32>>> {
-        let state = self.own_state();
-        let shards = cx.shards();
-        let round = |v: &mut Vec<f32>| {
-            if purpose == GatherFor::Compute {
-                round_through(v, cx.opts.param_dtype);
-            }
-        };
         // A shard group of one rank holds every parameter whole: one copy each, not one into
         // the packed buffer and another out of it.
-        if shards == 1 {
-            let own = |(m, p): (&Vec<f32>, &crate::fsdp::plan::ParamLayout)| {
+        if cx.shards() == 1 {
+            let own = |(m, p): (&Vec<f32>, &ParamLayout)| {
                 let mut full = kernels::pool::pool_to_vec(&m[..p.numel()]);
-                round(&mut full);
+                round_for(&mut full, cx, purpose);
                 full
             };
-            return Ok(state.master.iter().zip(&cx.plan.params).map(own).collect());
+            return Ok(self.own_state().master.iter().zip(&cx.plan.params).map(own).collect());
         }
+        cut(cx, self.start_collectives(cx, purpose)?)
+    }
+
+    /// Starts the unit's all-gathers: the packed chunks' (when any parameter is packed), then
+    /// each that travels alone, straight into its own buffer, in plan order.
+    fn start_collectives(&self, cx: &UnitCtx, purpose: GatherFor) -> anyhow::Result<StartedGather> {
+        let state = self.own_state();
         let (offsets, seg) = packed_layout(cx, false);
-        let mut buf: Vec<f32> = Vec::with_capacity(seg);
+        let mut started = vec![];
+        if seg > 0 {
+            let mut buf: Vec<f32> = Vec::with_capacity(seg);
+            for (m, at) in state.master.iter().zip(&offsets) {
+                if at.is_some() {
+                    buf.extend_from_slice(m);
+                }
+            }
+            round_for(&mut buf, cx, purpose);
+            started.push(cx.shard.start_all_gather_owned(buf)?);
+        }
         for (m, at) in state.master.iter().zip(&offsets) {
-            if at.is_some() {
-                buf.extend_from_slice(m);
+            if at.is_none() {
+                let mut mine = m.clone();
+                round_for(&mut mine, cx, purpose);
+                started.push(cx.shard.start_all_gather_owned(mine)?);
             }
         }
-        round(&mut buf);
-        let all = if seg == 0 { buf } else { cx.shard.all_gather(&buf)? };
-        let mut out = Vec::with_capacity(cx.plan.params.len());
-        for (i, p) in cx.plan.params.iter().enumerate() {
-            let mut full = match offsets[i] {
-                Some(at) => {
-                    let mut full = Vec::with_capacity(p.chunk_len() * shards);
-                    for k in 0..shards {
-                        full.extend_from_slice(&all[k * seg + at..][..p.chunk_len()]);
-                    }
-                    full
-                }
-                // Straight into its own buffer: rank-major chunks of whole rows are the rows.
-                None => {
-                    let mut mine = state.master[i].clone();
-                    round(&mut mine);
-                    if shards == 1 {
-                        mine
-                    } else {
-                        cx.shard.all_gather(&mine)?
-                    }
-                }
-            };
-            full.truncate(p.numel());
-            out.push(full);
-        }
-        Ok(out)
+        Ok(StartedGather::Host(started))
     }
+}
+
+/// Rounds values gathered for compute through `param_dtype` (what they travel in).
+fn round_for(v: &mut [f32], cx: &UnitCtx, purpose: GatherFor) {
+    if purpose == GatherFor::Compute {
+        round_through(v, cx.opts.param_dtype);
+    }
+}
+
+/// The full parameters, in plan order, out of the gathers [`HostShards::start_collectives`]
+/// started: rank k's chunk of a packed parameter sits in rank k's segment of the packed
+/// result; one that travels alone is its own result (rank-major chunks of whole rows are the
+/// rows).
+fn cut(cx: &UnitCtx, started: StartedGather) -> anyhow::Result<Vec<Vec<f32>>> {
+    let StartedGather::Host(started) = started else { anyhow::bail!("host storage finishing a gather device storage started") };
+    let (offsets, seg) = packed_layout(cx, false);
+    let mut started = started.into_iter();
+    let mut next = || started.next().context("fewer gathers than the unit's layout")?.wait();
+    let all = if seg > 0 { next()? } else { vec![] };
+    let mut out = Vec::with_capacity(cx.plan.params.len());
+    for (i, p) in cx.plan.params.iter().enumerate() {
+        let mut full = match offsets[i] {
+            Some(at) => {
+                let mut full = Vec::with_capacity(p.chunk_len() * cx.shards());
+                for k in 0..cx.shards() {
+                    full.extend_from_slice(&all[k * seg + at..][..p.chunk_len()]);
+                }
+                full
+            }
+            None => next()?,
+        };
+        full.truncate(p.numel());
+        out.push(full);
+    }
+    Ok(out)
 }

@@ -12,7 +12,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::{FsdpOptions, GatherFor, StateBytes, StatePart};
-use crate::dist::{Collective, PendingTensor};
+use crate::dist::{Collective, Pending, PendingTensor};
 use crate::fsdp::optim::{AdamWConfig, AdamWState};
 use crate::fsdp::plan::UnitPlan;
 pub(super) use ops::weight_grads::WeightGrad;
@@ -52,14 +52,10 @@ pub(super) trait UnitShards: Send {
 
     /// Starts the unit's all-gather for compute, where this storage can leave it running
     /// while other work is issued (see `FsdpOptions::prefetch`); None where it cannot.
-    fn start_gather(&self, _cx: &UnitCtx) -> anyhow::Result<Option<PendingTensor>> {
-        Ok(None)
-    }
+    fn start_gather(&self, cx: &UnitCtx) -> anyhow::Result<Option<StartedGather>>;
 
     /// What [`UnitShards::gather`] for compute returns, from a gather `start_gather` started.
-    fn finish_gather(&self, _cx: &UnitCtx, _started: PendingTensor) -> anyhow::Result<Vec<Tensor>> {
-        anyhow::bail!("this storage starts no gather")
-    }
+    fn finish_gather(&self, cx: &UnitCtx, started: StartedGather) -> anyhow::Result<Vec<Tensor>>;
 
     /// The full parameters for compute as f32 vectors, in plan order: what a freed unit is
     /// refilled with (see `reshard`).
@@ -123,6 +119,16 @@ pub(super) trait UnitShards: Send {
     fn is_lent(&self) -> bool {
         false
     }
+}
+
+/// A unit's all-gather that `start_gather` started: its collectives in flight, read back by the
+/// storage that started them.
+pub(super) enum StartedGather {
+    /// The unit's chunks gathered as one tensor (device storage).
+    Tensor(PendingTensor),
+    /// The packed chunks' gather (when any parameter is packed), then one gather for each
+    /// parameter that travels alone, in plan order (host storage).
+    Host(Vec<Pending<Vec<f32>>>),
 }
 
 /// A unit's state as host vectors: what host storage computes on, what a checkpoint stores, and

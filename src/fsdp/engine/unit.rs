@@ -7,8 +7,7 @@ use anyhow::Result;
 use candle_core::Tensor;
 
 use super::reshard;
-use super::shards::{HostState, UnitShards};
-use crate::dist::PendingTensor;
+use super::shards::{HostState, StartedGather, UnitShards};
 use crate::fsdp::plan::UnitPlan;
 
 pub(super) struct UnitState {
@@ -28,7 +27,7 @@ pub(super) enum Gathered {
     /// Only the shards exist.
     No,
     /// The all-gather was started (prefetch) and may still be running.
-    Coming(PendingTensor),
+    Coming(StartedGather),
     /// Gathered and readable.
     Full(HashMap<String, Tensor>),
     /// The tensors stay (a kept graph points at them) but their bytes were freed in place

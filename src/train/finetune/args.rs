@@ -163,6 +163,13 @@ pub struct FinetuneArgs {
     /// memory (FSDP2's CPUOffloadPolicy) instead of on the GPU; AdamW then runs on the CPU.
     #[arg(long)]
     pub cpu_offload: bool,
+    /// Start each unit's all-gather while the unit before it computes, forward and backward,
+    /// and leave each unit's reduce-scatter running under the next unit's backward (FSDP2's
+    /// prefetch; one more unit's parameters and gradients held at a time): auto (with NCCL,
+    /// whose collectives run on a stream of their own), on (also tcp, mpi and local, whose
+    /// collectives then run on a thread of their own: CPU clusters, ranks sharing a GPU) or off.
+    #[arg(long, default_value = "auto")]
+    pub prefetch: String,
     /// Seconds a collective may wait for the other ranks before the run fails.
     #[arg(long, default_value_t = 600)]
     pub collective_timeout: u64,
@@ -410,7 +417,12 @@ impl TryFrom<FinetuneArgs> for FinetuneConfig {
             backend: a.backend.parse()?,
             device: a.device.parse()?,
             cpu_offload: a.cpu_offload.then_some(true),
-            prefetch: None,
+            prefetch: match a.prefetch.as_str() {
+                "auto" => None,
+                "on" | "true" => Some(true),
+                "off" | "false" => Some(false),
+                other => bail!("--prefetch: expected auto, on or off, got {other:?}"),
+            },
             save_steps: a.save_steps,
             save_each_epoch: save_each_epoch(a.save_strategy.as_deref(), a.save_steps)?,
             save_total_limit: a.save_total_limit,

@@ -62,8 +62,9 @@ pub struct FinetuneConfig {
     /// on CPU, device on a GPU).
     pub cpu_offload: Option<bool>,
     /// Start each unit's all-gather a stage ahead and leave reduce-scatters running under the
-    /// next backward (`FsdpOptions::prefetch`); `None`: where the backend's collectives run
-    /// beside compute (NCCL), unless `FSDP_PREFETCH=0`.
+    /// next backward (`FsdpOptions::prefetch`, `--prefetch`); `None`: where the backend's
+    /// collectives run beside compute (NCCL), unless `FSDP_PREFETCH=0`. `Some(true)` on the
+    /// other backends runs their collectives on a thread of their own (`dist::overlap`).
     pub prefetch: Option<bool>,
     pub max_shard_size: usize,
     /// Save a sharded checkpoint every this many steps.

@@ -136,6 +136,12 @@ fn run_threads(cfg: &FinetuneConfig) -> Result<RunSummary> {
 
 /// `device`: the rank's device when the backend already opened it (NCCL), else opened here.
 fn run_rank(groups: ProcessGroups, cfg: &FinetuneConfig, device: Option<Device>) -> Result<Option<RunSummary>> {
+    // Prefetch asked of a backend that runs collectives on the calling thread: they move to a
+    // thread of their own, so that a started one runs while the rank computes.
+    let groups = match cfg.prefetch == Some(true) && !groups.shard.overlaps_compute() {
+        true => crate::dist::overlap::overlapped(groups),
+        false => groups,
+    };
     let result = super::run_rank_phases(&groups, cfg, device);
     if let Err(e) = &result {
         groups.abort(&format!("{e:#}"));
