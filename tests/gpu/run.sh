@@ -4,6 +4,7 @@
 #   bash tests/gpu/run.sh check   # tests/cuda/ (CUDA vs CPU, NCCL world 1) + a launched run
 #   bash tests/gpu/run.sh bench   # tests/bench/gpu.rs: training MFU and generation vs PyTorch
 #   bash tests/gpu/run.sh profile # the bench's training run under tests/gpu/kernel_profile.c
+#   bash tests/gpu/run.sh overlap # two ranks sharing the GPU over tcp, --prefetch off and on
 #   bash tests/gpu/run.sh all     # the three in one call (a lent machine's minutes are few), then
 #                                 # a table of the parts; the profile goes to $OUT if set
 #
@@ -54,6 +55,36 @@ case "$what" in
     part "launch, 2 ranks, tcp" "$BIN/fsdp-app" launch --nproc-per-node 2 -- finetune --model "$work/model" \
       --data tests/reference/train-data.jsonl --output-dir "$work/out2" --device cuda:0 --backend tcp \
       --param-dtype bf16 --seq-len 16 --batch-size 2 --max-steps 6 --no-shuffle
+    # The same with the collectives on a thread of their own, started a unit ahead: the same
+    # losses (the same kernels in the same order; 1e-6 leaves room for a nondeterministic one).
+    part "launch, 2 ranks, tcp, prefetch" "$BIN/fsdp-app" launch --nproc-per-node 2 -- finetune --model "$work/model" \
+      --data tests/reference/train-data.jsonl --output-dir "$work/out3" --device cuda:0 --backend tcp \
+      --param-dtype bf16 --seq-len 16 --batch-size 2 --max-steps 6 --no-shuffle --prefetch on
+    part "prefetch: same losses" "$PY" -c 'import json, sys
+loss = lambda d: [json.loads(l)["loss"] for l in open(d + "/metrics.jsonl")]
+a, b = loss(sys.argv[1]), loss(sys.argv[2])
+print("losses without / with prefetch:", a, b)
+sys.exit(0 if len(a) == len(b) == 6 and all(abs(x - y) <= 1e-6 * abs(x) for x, y in zip(a, b)) else 1)' "$work/out2" "$work/out3"
+    ;;
+  overlap)
+    # Two ranks sharing the GPU over tcp (NCCL refuses two ranks on one device), the bench's
+    # 1.1B model at batch 1 x 2048, --prefetch off, then on: tokens/s of steps 3 on. Not in
+    # `all` (about two minutes); run it when a lent machine has the time.
+    work=$(mktemp -d)
+    part "fixture, 1.1B" "$BIN/fsdp-app" fixture --name llama --out "$work/model" --set vocab_size=32000 --set hidden_size=2048 \
+      --set intermediate_size=8192 --set num_hidden_layers=16 --set num_attention_heads=32 --set num_key_value_heads=8 \
+      --set head_dim=64 --set max_position_embeddings=4096 --set rope_scaling=null
+    "$PY" -c 'import json
+for i in range(32): print(json.dumps({"input_ids": [(i * 7919 + j * 104729) % 32000 for j in range(2048)]}))' > "$work/data.jsonl"
+    for mode in off on; do
+      part "2 ranks on one GPU, tcp, --prefetch $mode" "$BIN/fsdp-app" launch --nproc-per-node 2 -- finetune --model "$work/model" \
+        --data "$work/data.jsonl" --output-dir "$work/out-$mode" --device cuda:0 --backend tcp --param-dtype bf16 \
+        --activation-checkpointing --seq-len 2048 --batch-size 1 --max-steps 8 --no-shuffle --prefetch "$mode"
+    done
+    "$PY" -c 'import json, statistics, sys
+for mode in ("off", "on"):
+    rows = [json.loads(l) for l in open(sys.argv[1] + "/out-" + mode + "/metrics.jsonl")]
+    print("| --prefetch", mode, "|", round(statistics.median(r["tokens_per_s"] for r in rows[2:])), "tokens/s |", [round(r["loss"], 4) for r in rows])' "$work"
     ;;
   bench)
     part "tests/bench/gpu.rs" "$BIN/gpu-bench"
@@ -94,7 +125,7 @@ for i in range(16): print(json.dumps({"input_ids": [(i * 7919 + j * 104729) % 32
     echo "|---|---|---|"
     printf '%s\n' "${rows[@]}"
     ;;
-  *) echo "usage: $0 check|bench|profile|all" >&2; exit 2 ;;
+  *) echo "usage: $0 check|bench|profile|overlap|all" >&2; exit 2 ;;
 esac
 if [ ${#failed[@]} -gt 0 ]; then
   echo "failed: ${failed[*]}" >&2
