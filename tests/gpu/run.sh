@@ -41,6 +41,15 @@ if ldd "$BIN/fsdp-app" | grep 'not found'; then echo "missing libraries (above)"
 failed=()
 part() { local name=$1; shift; echo "== $name"; if "$@"; then echo "== $name: ok"; else echo "== $name: FAILED"; failed+=("$name"); fi; }
 
+# The bench's 1.1B Llama (random weights) in $1/model and $2 rows of 2048 tokens in $1/data.jsonl.
+bench_model() {
+  part "fixture, 1.1B" "$BIN/fsdp-app" fixture --name llama --out "$1/model" --set vocab_size=32000 --set hidden_size=2048 \
+    --set intermediate_size=8192 --set num_hidden_layers=16 --set num_attention_heads=32 --set num_key_value_heads=8 \
+    --set head_dim=64 --set max_position_embeddings=4096 --set rope_scaling=null
+  "$PY" -c 'import json, sys
+for i in range(int(sys.argv[1])): print(json.dumps({"input_ids": [(i * 7919 + j * 104729) % 32000 for j in range(2048)]}))' "$2" > "$1/data.jsonl"
+}
+
 case "$what" in
   check)
     part "tests/cuda/" "$BIN/cuda-tests" --test-threads 1 --nocapture
@@ -71,11 +80,7 @@ sys.exit(0 if len(a) == len(b) == 6 and all(abs(x - y) <= 1e-6 * abs(x) for x, y
     # 1.1B model at batch 1 x 2048, --prefetch off, then on: tokens/s of steps 3 on. Not in
     # `all` (about two minutes); run it when a lent machine has the time.
     work=$(mktemp -d)
-    part "fixture, 1.1B" "$BIN/fsdp-app" fixture --name llama --out "$work/model" --set vocab_size=32000 --set hidden_size=2048 \
-      --set intermediate_size=8192 --set num_hidden_layers=16 --set num_attention_heads=32 --set num_key_value_heads=8 \
-      --set head_dim=64 --set max_position_embeddings=4096 --set rope_scaling=null
-    "$PY" -c 'import json
-for i in range(32): print(json.dumps({"input_ids": [(i * 7919 + j * 104729) % 32000 for j in range(2048)]}))' > "$work/data.jsonl"
+    bench_model "$work" 32
     for mode in off on; do
       part "2 ranks on one GPU, tcp, --prefetch $mode" "$BIN/fsdp-app" launch --nproc-per-node 2 -- finetune --model "$work/model" \
         --data "$work/data.jsonl" --output-dir "$work/out-$mode" --device cuda:0 --backend tcp --param-dtype bf16 \
@@ -92,14 +97,11 @@ for mode in ("off", "on"):
   profile)
     # The bench's training run (a 1.1B Llama, bf16, seq 2048, activation checkpointing, one rank
     # under the launcher with NCCL, as the bench runs it) for PROFILE_STEPS steps under the
-    # CUPTI profiler (the launcher starts no CUDA: only the rank writes the profile) (tests/gpu/kernel_profile.c): GPU busy time,
-    # kernels, copies and driver calls, into $PROFILE_OUT (default profile.txt).
+    # CUPTI profiler (tests/gpu/kernel_profile.c; the launcher starts no CUDA, so only the rank
+    # writes it): GPU busy time, kernels, copies and driver calls, into $PROFILE_OUT (default
+    # profile.txt).
     work=$(mktemp -d)
-    part "fixture, 1.1B" "$BIN/fsdp-app" fixture --name llama --out "$work/model" --set vocab_size=32000 --set hidden_size=2048 \
-      --set intermediate_size=8192 --set num_hidden_layers=16 --set num_attention_heads=32 --set num_key_value_heads=8 \
-      --set head_dim=64 --set max_position_embeddings=4096 --set rope_scaling=null
-    "$PY" -c 'import json
-for i in range(16): print(json.dumps({"input_ids": [(i * 7919 + j * 104729) % 32000 for j in range(2048)]}))' > "$work/data.jsonl"
+    bench_model "$work" 16
     CUDA_INJECTION64_PATH=$BIN/libkernel_profile.so KERNEL_PROFILE_OUT=${PROFILE_OUT:-profile.txt} \
       part "finetune under the profiler" "$BIN/fsdp-app" launch --nproc-per-node 1 -- finetune --model "$work/model" \
       --data "$work/data.jsonl" --output-dir "$work/out" --device cuda --backend nccl --param-dtype bf16 \

@@ -134,10 +134,6 @@ impl UnitShards for DeviceShards {
             packed = packed.to_dtype(cx.opts.reduce_dtype)?.to_dtype(DType::F32)?;
         }
         self.reducing = Some(cx.shard.start_reduce_scatter_tensor(&packed)?);
-        drop(packed);
-        if !cx.opts.prefetch {
-            self.finish_reduce(cx)?;
-        }
         Ok(())
     }
 

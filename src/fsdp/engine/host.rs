@@ -209,9 +209,6 @@ impl UnitShards for HostShards {
         let Some(mut buf) = self.packed_grad.take() else { return Ok(()) };
         round_through(&mut buf, cx.opts.reduce_dtype);
         self.reducing = Some(if cx.shards() == 1 { Pending::ready(buf) } else { cx.shard.start_reduce_scatter_owned(buf)? });
-        if !cx.opts.prefetch {
-            self.finish_reduce(cx)?;
-        }
         Ok(())
     }
 

@@ -522,10 +522,14 @@ impl FsdpEngine {
     fn finish_units_after_backward(&mut self, s: usize) -> Result<()> {
         for u in self.stage_units[s].clone() {
             if self.units[u].plan.first_stage == s {
-                // One reduce-scatter left running at a time: the one before ends here.
+                // One reduce-scatter left running at a time (with prefetch; else none): the
+                // one before ends here.
                 self.finish_reductions()?;
                 let unit = &mut self.units[u];
                 unit.shards.reduce_scatter(&unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device))?;
+                if !self.opts.prefetch {
+                    self.finish_reductions()?;
+                }
                 self.drop_gathered(u)?;
                 self.host_stale = true;
             } else if self.opts.strategy.reshard_after_forward() && !self.stage_units[s - 1].contains(&u) && self.reshard_before_backward()

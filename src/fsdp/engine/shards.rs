@@ -66,15 +66,13 @@ pub(super) trait UnitShards: Send {
     /// order, since some storage reduce-scatters here.
     fn add_grad(&mut self, cx: &UnitCtx, i: usize, grad: Option<WeightGrad>) -> anyhow::Result<()>;
 
-    /// After the unit's backward: reduce-scatters what `add_grad` collected and adds this
-    /// rank's chunks to the gradient chunks. With `FsdpOptions::prefetch`, storage may leave
-    /// the reduce-scatter running until [`UnitShards::finish_reduce`].
+    /// After the unit's backward: starts the reduce-scatter of what `add_grad` collected;
+    /// [`UnitShards::finish_reduce`] adds this rank's chunks to the gradient chunks (at once,
+    /// or a unit later with `FsdpOptions::prefetch`).
     fn reduce_scatter(&mut self, cx: &UnitCtx) -> anyhow::Result<()>;
 
-    /// Finishes a reduce-scatter `reduce_scatter` left running, if any.
-    fn finish_reduce(&mut self, _cx: &UnitCtx) -> anyhow::Result<()> {
-        Ok(())
-    }
+    /// Finishes the reduce-scatter `reduce_scatter` started, if any.
+    fn finish_reduce(&mut self, cx: &UnitCtx) -> anyhow::Result<()>;
 
     /// Sums the gradient chunks over the replicas (NO_SHARD, HYBRID_SHARD).
     fn all_reduce_grads(&mut self, replicate: &dyn Collective) -> anyhow::Result<()>;
