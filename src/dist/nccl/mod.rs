@@ -30,7 +30,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
 use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, NcclType, ReduceOp};
 use candle_core::cuda_backend::{CudaDType, CudaStorage};
 use candle_core::op::BackpropOp;
@@ -66,14 +66,20 @@ pub struct NcclGroup {
 pub fn connect(env: &DistEnv, shard_size: usize, timeout: Duration, device: &Device) -> Result<(ProcessGroups, Proxies)> {
     let cuda = device.as_cuda_device().context("--backend nccl needs --device cuda")?;
     let compute = cuda.cuda_stream();
-    // The two streams are ordered by the events of `start` (see the module's comment), not by
-    // cudarc's per-buffer events: those would add a wait and a record to every kernel launch
-    // once the context has a second stream.
-    // SAFETY: no tensor is freed before another stream's use of it is finished, used on the
-    // communication stream before its allocation, or written by both streams at once: `start`
-    // and its `PendingTensor` keep to that.
-    unsafe { cuda.disable_event_tracking() };
-    let comm_stream = compute.context().new_stream().map_err(nccl_err("creating the communication stream"))?;
+    // `FSDP_NCCL_STREAM=0` puts the communicators on the compute stream (collectives in line
+    // with the kernels, as before they had a stream of their own), for comparisons.
+    let comm_stream = if std::env::var("FSDP_NCCL_STREAM").is_ok_and(|v| v == "0") {
+        compute.clone()
+    } else {
+        // The two streams are ordered by the events of `start` (see the module's comment), not
+        // by cudarc's per-buffer events: those would add a wait and a record to every kernel
+        // launch once the context has a second stream.
+        // SAFETY: no tensor is freed before another stream's use of it is finished, used on
+        // the communication stream before its allocation, or written by both streams at once:
+        // `start` and its `PendingTensor` keep to that.
+        unsafe { cuda.disable_event_tracking() };
+        compute.context().new_stream().map_err(nccl_err("creating the communication stream"))?
+    };
     let (control, proxies) = super::tcp::connect(env, shard_size, timeout)?;
     let slots = communicator_slots(env.rank, env.world_size, shard_size);
     let ids = if env.rank == 0 {
@@ -144,7 +150,7 @@ impl NcclGroup {
     /// compute stream so far, into a new buffer of `out_len` values that belongs to the
     /// compute stream. Returns the buffer and the event behind the collective, which the
     /// compute stream waits for before reading it (`finish`).
-    fn start<T: DeviceRepr + ValidAsZeroBits>(
+    fn start<T: DeviceRepr>(
         &self,
         op: &'static str,
         out_len: usize,
@@ -152,7 +158,8 @@ impl NcclGroup {
     ) -> Result<(CudaSlice<T>, candle_core::cuda_backend::cudarc::driver::CudaEvent)> {
         let guard = self.comm.comm(op)?;
         let comm = &guard.as_ref().expect("checked by `comm`").0;
-        let mut out = self.compute.alloc_zeros::<T>(out_len).map_err(nccl_err(op))?;
+        // SAFETY: every collective here writes all of its output before anything reads it.
+        let mut out = unsafe { self.compute.alloc::<T>(out_len) }.map_err(nccl_err(op))?;
         // The inputs, and the output's allocation, are ready where the compute stream is now.
         let ready = self.compute.record_event(None).map_err(nccl_err(op))?;
         self.comm_stream.wait(&ready).map_err(nccl_err(op))?;
@@ -175,7 +182,7 @@ impl NcclGroup {
         }
     }
 
-    fn start_tensor_typed<T: NcclType + DeviceRepr + ValidAsZeroBits + CudaDType + 'static>(
+    fn start_tensor_typed<T: NcclType + DeviceRepr + CudaDType + 'static>(
         &self,
         op: TensorOp,
         input: &Tensor,
