@@ -223,8 +223,7 @@ impl FsdpEngine {
     /// tensors are there for the graph, their values are not needed).
     fn gather_stage(&mut self, s: usize, refill: bool) -> Result<()> {
         for &u in &self.stage_units[s].clone() {
-            if let Gathered::Coming(_) = self.units[u].gathered {
-                let Gathered::Coming(started) = std::mem::replace(&mut self.units[u].gathered, Gathered::No) else { unreachable!() };
+            if let Some(started) = self.units[u].gathered.take_started() {
                 let unit = &mut self.units[u];
                 let cx = unit_ctx(&unit.plan, &self.groups, &self.opts, &self.device);
                 let tensors = unit.shards.finish_gather(&cx, started)?;

@@ -45,6 +45,17 @@ impl Gathered {
             Gathered::Full(t) | Gathered::Freed(t) => Some(t),
         }
     }
+
+    /// The gather started for these parameters, if one was (leaving them not gathered).
+    pub fn take_started(&mut self) -> Option<StartedGather> {
+        match std::mem::replace(self, Gathered::No) {
+            Gathered::Coming(started) => Some(started),
+            other => {
+                *self = other;
+                None
+            }
+        }
+    }
 }
 
 impl UnitState {
