@@ -16,7 +16,8 @@
 //!
 //! Environment: FSDP_BENCH_PYTHON (a Python with torch + transformers; default python3),
 //! FSDP_BENCH_DIR (where the model is generated; default a temporary directory),
-//! FSDP_BENCH_STEPS (training steps, default 8; the first 2 are warm-up).
+//! FSDP_BENCH_STEPS (training steps, default 8; the first 2 are warm-up),
+//! FSDP_BENCH_NO_PREFETCH_ROW=1 (batch 1 again with `--prefetch off`).
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -98,9 +99,11 @@ fn main() -> anyhow::Result<()> {
     std::fs::write(&data, text)?;
 
     let mut trained = vec![];
-    // Each batch with the engine's prefetch (NCCL's default), then batch 1 without it: the
-    // overlap of collectives with compute, before and after, in the same run.
-    let runs = BATCHES.iter().map(|&b| (b, true)).chain([(BATCHES[0], false)]);
+    // Each batch with the engine's prefetch (NCCL's default); with FSDP_BENCH_NO_PREFETCH_ROW=1
+    // batch 1 again without it (the overlap of collectives with compute, before and after, in
+    // the same run; off by default: `run.sh all` must fit a lent machine's call).
+    let ab = std::env::var("FSDP_BENCH_NO_PREFETCH_ROW").is_ok_and(|v| v == "1");
+    let runs = BATCHES.iter().map(|&b| (b, true)).chain(ab.then_some((BATCHES[0], false)));
     for (batch, prefetch) in runs {
         // (a) ours: one rank under a launcher's environment, NCCL backend, like `fsdp-app launch
         // --nproc-per-node 1 -- finetune --device cuda --param-dtype bf16 ...`.
