@@ -108,11 +108,14 @@ for mode in ("off", "on"):
       --activation-checkpointing --seq-len 2048 --batch-size 1 --max-steps "${PROFILE_STEPS:-4}" --no-shuffle
     ;;
   all)
-    # Each part in its own process, so that one failing still lets the others run.
+    # Each part in its own process, so that one failing still lets the others run. Each part's
+    # output also goes to ${OUT:-.}/<part>.log as it runs: a call cut off at its time limit
+    # still brings back what the parts printed (the device tool returns $OUT's files).
     rows=()
     for p in check bench profile; do
       start=$SECONDS
-      if FSDP_BENCH_STEPS=${FSDP_BENCH_STEPS:-6} PROFILE_OUT=${PROFILE_OUT:-${OUT:-.}/profile.txt} bash tests/gpu/run.sh "$p"; then
+      if FSDP_BENCH_STEPS=${FSDP_BENCH_STEPS:-6} PROFILE_OUT=${PROFILE_OUT:-${OUT:-.}/profile.txt} \
+        bash tests/gpu/run.sh "$p" 2>&1 | tee "${OUT:-.}/$p.log"; then
         r=ok
       else
         r=FAILED
