@@ -194,3 +194,38 @@ impl Collective for Overlapped {
         true
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::dist::local::create_process_groups;
+
+    /// A started collective returns at once, before the other rank has joined, and runs on the
+    /// collectives' thread; a call made after it waits for it, so both ranks meet in the same
+    /// collectives in the same order.
+    #[test]
+    fn started_collectives_run_beside_the_caller_and_keep_their_order() {
+        let mut ranks = create_process_groups(2, 2, Duration::from_secs(20)).into_iter().map(overlapped);
+        let (rank0, rank1) = (ranks.next().unwrap(), ranks.next().unwrap());
+        assert!(rank0.shard.overlaps_compute());
+        let first = std::thread::spawn(move || {
+            let t = Instant::now();
+            let gathered = rank0.shard.start_all_gather_owned(vec![1.0, 2.0]).unwrap();
+            let started_in = t.elapsed();
+            let reduced = rank0.shard.reduce_scatter(&[1.0, 2.0, 3.0, 4.0]).unwrap();
+            (started_in, gathered.wait().unwrap(), reduced)
+        });
+        // Rank 1 joins late: rank 0's start must not have waited for it.
+        std::thread::sleep(Duration::from_millis(400));
+        let gathered = rank1.shard.start_all_gather_owned(vec![3.0, 4.0]).unwrap();
+        let reduced = rank1.shard.reduce_scatter(&[10.0, 20.0, 30.0, 40.0]).unwrap();
+        assert_eq!(gathered.wait().unwrap(), [1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(reduced, [33.0, 44.0]);
+        let (started_in, gathered0, reduced0) = first.join().unwrap();
+        assert!(started_in < Duration::from_millis(200), "starting took {started_in:?}: it waited for the other rank");
+        assert_eq!(gathered0, [1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(reduced0, [11.0, 22.0]);
+    }
+}
