@@ -30,7 +30,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
+use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DeviceRepr};
 use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, NcclType, ReduceOp};
 use candle_core::cuda_backend::{CudaDType, CudaStorage};
 use candle_core::op::BackpropOp;
@@ -155,7 +155,7 @@ impl NcclGroup {
         op: &'static str,
         out_len: usize,
         launch: impl FnOnce(&Comm, &mut CudaSlice<T>) -> Result<()>,
-    ) -> Result<(CudaSlice<T>, candle_core::cuda_backend::cudarc::driver::CudaEvent)> {
+    ) -> Result<(CudaSlice<T>, Arc<CudaEvent>)> {
         let guard = self.comm.comm(op)?;
         let comm = &guard.as_ref().expect("checked by `comm`").0;
         // SAFETY: every collective here writes all of its output before anything reads it.
@@ -164,8 +164,8 @@ impl NcclGroup {
         let ready = self.compute.record_event(None).map_err(nccl_err(op))?;
         self.comm_stream.wait(&ready).map_err(nccl_err(op))?;
         launch(comm, &mut out)?;
-        let done = self.comm_stream.record_event(None).map_err(nccl_err(op))?;
-        self.comm.track(self.comm_stream.record_event(None).map_err(nccl_err(op))?, op);
+        let done = Arc::new(self.comm_stream.record_event(None).map_err(nccl_err(op))?);
+        self.comm.track(done.clone(), op);
         Ok((out, done))
     }
 

@@ -23,7 +23,7 @@ unsafe impl Send for CommHandle {}
 /// A collective enqueued and not yet seen complete.
 struct InFlight {
     /// Recorded on the communication stream behind the collective.
-    done: CudaEvent,
+    done: Arc<CudaEvent>,
     since: Instant,
     op: &'static str,
 }
@@ -71,17 +71,14 @@ impl Watched {
     }
 
     /// Follows a collective until `done` (recorded behind it) completes.
-    pub fn track(&self, done: CudaEvent, op: &'static str) {
+    pub fn track(&self, done: Arc<CudaEvent>, op: &'static str) {
         lock(&self.in_flight).push_back(InFlight { done, since: Instant::now(), op });
     }
 
     /// Fails when the communicator was aborted: a result the host waited for may then be
     /// what an aborted collective left, not the sum or gather asked for.
     pub fn check(&self, op: &str) -> Result<()> {
-        if lock(&self.comm).is_none() {
-            bail!("nccl {op} on the {} group: {}", self.name, self.why_aborted());
-        }
-        Ok(())
+        self.comm(op).map(drop)
     }
 
     fn why_aborted(&self) -> String {

@@ -344,6 +344,12 @@ impl FsdpEngine {
         self.model.stage_backward_reads_params(s) || !self.device.is_cpu()
     }
 
+    /// Whether stage `s`'s backward runs (and gathers its units): all but a first stage with
+    /// nothing to train (a frozen embedding), whose gradient no one needs.
+    fn backward_runs(&self, s: usize) -> bool {
+        s > 0 || self.stage_trains(0)
+    }
+
     /// Whether stage `s` has a parameter to train.
     fn stage_trains(&self, s: usize) -> bool {
         let wanted = self.model.stage_parameters(s);
@@ -437,7 +443,7 @@ impl FsdpEngine {
         for s in (0..n).rev() {
             // A first stage with nothing to train (a frozen embedding) needs no backward, and
             // its units no gather.
-            if s == 0 && !self.stage_trains(0) {
+            if !self.backward_runs(s) {
                 saved[s] = None;
                 self.finish_units_after_backward(s)?;
                 continue;
@@ -446,7 +452,7 @@ impl FsdpEngine {
             // A kept graph whose backward reads no parameter needs their tensors, not their
             // values: freed ones stay freed.
             self.gather_stage(s, recompute || self.model.stage_backward_reads_params(s))?;
-            if s > 1 || (s == 1 && self.stage_trains(0)) {
+            if s > 0 && self.backward_runs(s - 1) {
                 self.prefetch(s - 1)?;
             }
             // The stage's parameters are the gathered tensors themselves: with activation
