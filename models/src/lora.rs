@@ -267,7 +267,7 @@ impl AdaptedLinear {
         // same op on cuBLAS (dW one product, not a sum through a transposed view of W). Else
         // candle's matmul.
         let ours = ops::applies(x) && base.weight().dtype() == x.dtype();
-        let on_gpu = x.device().is_cuda() && base.weight().dtype() == x.dtype();
+        let on_gpu = ops::gpu_kernels_take(x) && base.weight().dtype() == x.dtype();
         let product = match mode == OpMode::Train && (ours || on_gpu) {
             true => Some(ops::linear::linear_to(x, base.weight(), self.weight_grad_target())?),
             false => match ops::gemv::gemv_t(x, base.weight())? {

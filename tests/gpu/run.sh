@@ -41,13 +41,25 @@ if ldd "$BIN/fsdp-app" | grep 'not found'; then echo "missing libraries (above)"
 failed=()
 part() { local name=$1; shift; echo "== $name"; if "$@"; then echo "== $name: ok"; else echo "== $name: FAILED"; failed+=("$name"); fi; }
 
-# The bench's 1.1B Llama (random weights) in $1/model and $2 rows of 2048 tokens in $1/data.jsonl.
+# The bench's 1.1B Llama (random weights; tests/bench/gpu.rs makes the same one) in $1/llama-1b,
+# unless it is there already (`all` shares one between its parts through FSDP_BENCH_DIR: writing
+# its 4.4 GB takes a while), and $2 rows of 2048 tokens in $1/data.jsonl.
 bench_model() {
-  part "fixture, 1.1B" "$BIN/fsdp-app" fixture --name llama --out "$1/model" --set vocab_size=32000 --set hidden_size=2048 \
-    --set intermediate_size=8192 --set num_hidden_layers=16 --set num_attention_heads=32 --set num_key_value_heads=8 \
-    --set head_dim=64 --set max_position_embeddings=4096 --set rope_scaling=null
+  [ -f "$1/llama-1b/config.json" ] || part "fixture, 1.1B" "$BIN/fsdp-app" fixture --name llama --out "$1/llama-1b" \
+    --set vocab_size=32000 --set hidden_size=2048 --set intermediate_size=8192 --set num_hidden_layers=16 \
+    --set num_attention_heads=32 --set num_key_value_heads=8 --set head_dim=64 --set max_position_embeddings=4096 \
+    --set rope_scaling=null --set tie_word_embeddings=false
   "$PY" -c 'import json, sys
 for i in range(int(sys.argv[1])): print(json.dumps({"input_ids": [(i * 7919 + j * 104729) % 32000 for j in range(2048)]}))' "$2" > "$1/data.jsonl"
+}
+
+# Whether the runs in $1 and $2 logged the same number of finite losses, each within $3 (relative).
+same_losses() {
+  "$PY" -c 'import json, math, sys
+loss = lambda d: [json.loads(l)["loss"] for l in open(d + "/metrics.jsonl")]
+a, b, tol = loss(sys.argv[1]), loss(sys.argv[2]), float(sys.argv[3])
+print("losses:", a, b, sep="\n  ")
+sys.exit(0 if a and len(a) == len(b) and all(math.isfinite(x) and abs(x - y) <= tol * abs(x) for x, y in zip(a, b)) else 1)' "$@"
 }
 
 case "$what" in
@@ -55,10 +67,18 @@ case "$what" in
     part "tests/cuda/" "$BIN/cuda-tests" --test-threads 1 --nocapture
     # The CLI end to end: one rank under the launcher, NCCL backend, bf16 compute.
     work=$(mktemp -d)
-    part "fixture" "$BIN/fsdp-app" fixture --name llama --out "$work/model"
-    part "launch, 1 rank, nccl, bf16" "$BIN/fsdp-app" launch --nproc-per-node 1 -- finetune --model "$work/model" \
-      --data tests/reference/train-data.jsonl --output-dir "$work/out" --device cuda --backend nccl \
-      --param-dtype bf16 --activation-checkpointing --seq-len 16 --batch-size 4 --max-steps 6 --no-shuffle
+    # Heads of 64 values, so that attention runs on the flash kernels.
+    part "fixture" "$BIN/fsdp-app" fixture --name llama --out "$work/model" --set head_dim=64
+    # lr 1e-2: each step's update moves the next loss by more than bf16's rounding does. $1 the
+    # output directory, then variables for the environment.
+    train_1_rank() { local out=$1; shift; env "$@" "$BIN/fsdp-app" launch --nproc-per-node 1 -- finetune --model "$work/model" \
+      --data tests/reference/train-data.jsonl --output-dir "$out" --device cuda --backend nccl --lr 1e-2 \
+      --param-dtype bf16 --activation-checkpointing --seq-len 16 --batch-size 4 --max-steps 6 --no-shuffle; }
+    part "launch, 1 rank, nccl, bf16" train_1_rank "$work/out"
+    # The same with our CUDA kernels off (candle's composed ops, eager attention): the switches
+    # a lent machine bisects with, and a whole run's check of the kernels' forward and backward.
+    part "launch, 1 rank, composed ops" train_1_rank "$work/out-composed" FSDP_CUDA_KERNELS=0 FSDP_FLASH_ATTENTION=0
+    part "kernels vs composed ops: losses within 1%" same_losses "$work/out" "$work/out-composed" 1e-2
     part "generate on cuda" "$BIN/fsdp-app" generate --model "$work/out" --device cuda --prompt "Hello" --max-new-tokens 8 --json
     # Two ranks sharing the one GPU (NCCL refuses two ranks on a device; the tcp backend does not).
     part "launch, 2 ranks, tcp" "$BIN/fsdp-app" launch --nproc-per-node 2 -- finetune --model "$work/model" \
@@ -69,26 +89,23 @@ case "$what" in
     part "launch, 2 ranks, tcp, prefetch" "$BIN/fsdp-app" launch --nproc-per-node 2 -- finetune --model "$work/model" \
       --data tests/reference/train-data.jsonl --output-dir "$work/out3" --device cuda:0 --backend tcp \
       --param-dtype bf16 --seq-len 16 --batch-size 2 --max-steps 6 --no-shuffle --prefetch on
-    part "prefetch: same losses" "$PY" -c 'import json, sys
-loss = lambda d: [json.loads(l)["loss"] for l in open(d + "/metrics.jsonl")]
-a, b = loss(sys.argv[1]), loss(sys.argv[2])
-print("losses without / with prefetch:", a, b)
-sys.exit(0 if len(a) == len(b) == 6 and all(abs(x - y) <= 1e-6 * abs(x) for x, y in zip(a, b)) else 1)' "$work/out2" "$work/out3"
+    part "prefetch: same losses" same_losses "$work/out2" "$work/out3" 1e-6
     ;;
   overlap)
     # Two ranks sharing the GPU over tcp (NCCL refuses two ranks on one device), the bench's
     # 1.1B model at batch 1 x 2048, --prefetch off, then on: tokens/s of steps 3 on. Not in
     # `all` (about two minutes); run it when a lent machine has the time.
-    work=$(mktemp -d)
+    work=${FSDP_BENCH_DIR:-$(mktemp -d)}
     bench_model "$work" 32
+    rm -rf "$work"/overlap-*
     for mode in off on; do
-      part "2 ranks on one GPU, tcp, --prefetch $mode" "$BIN/fsdp-app" launch --nproc-per-node 2 -- finetune --model "$work/model" \
-        --data "$work/data.jsonl" --output-dir "$work/out-$mode" --device cuda:0 --backend tcp --param-dtype bf16 \
+      part "2 ranks on one GPU, tcp, --prefetch $mode" "$BIN/fsdp-app" launch --nproc-per-node 2 -- finetune --model "$work/llama-1b" \
+        --data "$work/data.jsonl" --output-dir "$work/overlap-$mode" --device cuda:0 --backend tcp --param-dtype bf16 \
         --activation-checkpointing --seq-len 2048 --batch-size 1 --max-steps 8 --no-shuffle --prefetch "$mode"
     done
     "$PY" -c 'import json, statistics, sys
 for mode in ("off", "on"):
-    rows = [json.loads(l) for l in open(sys.argv[1] + "/out-" + mode + "/metrics.jsonl")]
+    rows = [json.loads(l) for l in open(sys.argv[1] + "/overlap-" + mode + "/metrics.jsonl")]
     print("| --prefetch", mode, "|", round(statistics.median(r["tokens_per_s"] for r in rows[2:])), "tokens/s |", [round(r["loss"], 4) for r in rows])' "$work"
     ;;
   bench)
@@ -100,11 +117,12 @@ for mode in ("off", "on"):
     # CUPTI profiler (tests/gpu/kernel_profile.c; the launcher starts no CUDA, so only the rank
     # writes it): GPU busy time, kernels, copies and driver calls, into $PROFILE_OUT (default
     # profile.txt).
-    work=$(mktemp -d)
+    work=${FSDP_BENCH_DIR:-$(mktemp -d)}
     bench_model "$work" 16
+    rm -rf "$work/profile-out"
     CUDA_INJECTION64_PATH=$BIN/libkernel_profile.so KERNEL_PROFILE_OUT=${PROFILE_OUT:-profile.txt} \
-      part "finetune under the profiler" "$BIN/fsdp-app" launch --nproc-per-node 1 -- finetune --model "$work/model" \
-      --data "$work/data.jsonl" --output-dir "$work/out" --device cuda --backend nccl --param-dtype bf16 \
+      part "finetune under the profiler" "$BIN/fsdp-app" launch --nproc-per-node 1 -- finetune --model "$work/llama-1b" \
+      --data "$work/data.jsonl" --output-dir "$work/profile-out" --device cuda --backend nccl --param-dtype bf16 \
       --activation-checkpointing --seq-len 2048 --batch-size 1 --max-steps "${PROFILE_STEPS:-4}" --no-shuffle
     ;;
   all)
@@ -112,6 +130,8 @@ for mode in ("off", "on"):
     # output also goes to ${OUT:-.}/<part>.log as it runs: a call cut off at its time limit
     # still brings back what the parts printed (the device tool returns $OUT's files).
     rows=()
+    # One 1.1B model for the bench and the profile.
+    export FSDP_BENCH_DIR=${FSDP_BENCH_DIR:-$(mktemp -d)}
     for p in check bench profile; do
       start=$SECONDS
       if FSDP_BENCH_STEPS=${FSDP_BENCH_STEPS:-6} PROFILE_OUT=${PROFILE_OUT:-${OUT:-.}/profile.txt} \

@@ -12,8 +12,9 @@ use crate::f32_slice;
 
 /// Whether [`cross_entropy_rows`] takes these logits: f32 on the CPU; f32 or bf16 on a GPU.
 pub fn applies(logits: &Tensor) -> bool {
-    let on_gpu =
-        cfg!(feature = "cuda") && logits.device().is_cuda() && matches!(logits.dtype(), candle_core::DType::F32 | candle_core::DType::BF16);
+    let on_gpu = cfg!(feature = "cuda")
+        && crate::gpu_kernels_take(logits)
+        && matches!(logits.dtype(), candle_core::DType::F32 | candle_core::DType::BF16);
     crate::applies(logits) || on_gpu
 }
 

@@ -26,7 +26,7 @@ fn rows_per_task(row: usize) -> usize {
 pub fn rms_norm_applies(x: &Tensor, w: &Tensor) -> bool {
     let on_gpu = || {
         #[cfg(feature = "cuda")]
-        return x.device().is_cuda()
+        return crate::gpu_kernels_take(x)
             && matches!(x.dtype(), candle_core::DType::F32 | candle_core::DType::BF16)
             && w.elem_count() <= crate::fused_cuda::MAX_ROW;
         #[cfg(not(feature = "cuda"))]
@@ -164,7 +164,8 @@ impl CustomOp3 for RmsNormBackward {
 
 /// Whether [`swiglu`] runs for these tensors: f32 on the CPU; f32 or bf16 on a GPU.
 pub fn swiglu_applies(a: &Tensor, b: &Tensor) -> bool {
-    let on_gpu = cfg!(feature = "cuda") && a.device().is_cuda() && matches!(a.dtype(), candle_core::DType::F32 | candle_core::DType::BF16);
+    let on_gpu =
+        cfg!(feature = "cuda") && crate::gpu_kernels_take(a) && matches!(a.dtype(), candle_core::DType::F32 | candle_core::DType::BF16);
     a.dtype() == b.dtype() && (crate::applies(a) || on_gpu)
 }
 
@@ -283,7 +284,8 @@ pub(crate) fn swiglu_grads(a: &[f32], b: &[f32], g: &[f32]) -> Vec<f32> {
 /// Whether [`rope`] runs for x and these tables: f32 on the CPU; f32 or bf16 on a GPU, the tables
 /// in x's dtype.
 pub fn rope_applies(x: &Tensor, cos: &Tensor) -> bool {
-    let on_gpu = cfg!(feature = "cuda") && x.device().is_cuda() && matches!(x.dtype(), candle_core::DType::F32 | candle_core::DType::BF16);
+    let on_gpu =
+        cfg!(feature = "cuda") && crate::gpu_kernels_take(x) && matches!(x.dtype(), candle_core::DType::F32 | candle_core::DType::BF16);
     cos.dtype() == x.dtype() && (crate::applies(x) || on_gpu)
 }
 

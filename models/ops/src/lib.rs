@@ -56,6 +56,15 @@ pub fn applies(x: &Tensor) -> bool {
     x.device().is_cpu() && x.dtype() == DType::F32
 }
 
+/// Whether `x` is on a GPU whose ops take our CUDA kernels (`fused_cuda`: RMSNorm, SwiGLU,
+/// rope, cross-entropy; `linear` on cuBLAS for training). `FSDP_CUDA_KERNELS=0` sends them to
+/// candle's composed ops instead: to tell which kernel moved a GPU figure, or to get past one
+/// that fails on a GPU this machine could not test (flash attention has its own switch).
+pub fn gpu_kernels_take(x: &Tensor) -> bool {
+    static TURNED_OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    x.device().is_cuda() && !*TURNED_OFF.get_or_init(|| std::env::var("FSDP_CUDA_KERNELS").is_ok_and(|v| v == "0"))
+}
+
 /// The f32 values of a contiguous CPU input of a custom op (every fused op's inputs are).
 pub fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
     match l.contiguous_offsets() {
