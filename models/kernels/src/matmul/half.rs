@@ -4,32 +4,138 @@
 //! ([`super::sgemm`]). The whole matrix is never widened: that moved twice its f32 size through
 //! memory on every product and held it meanwhile.
 
-use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 use crate::disjoint::DisjointWrites;
+use crate::simd::SimdLevel;
 
 /// Weight rows widened at a time (dst columns of one piece): a multiple of every tile's width,
 /// and at SmolLM2's width 576 a 288 KiB buffer, within a core's L2.
 const PIECE_ROWS: usize = 128;
 
-/// A 2-byte weight type and its exact widening to f32.
+/// A 2-byte weight type and its exact widening to f32 (every f16 and bf16 is an f32 exactly, so
+/// the values do not depend on the instructions).
 pub trait HalfWeight: Copy + Send + Sync {
-    fn widen(src: &[Self], dst: &mut [f32]);
+    /// `src` widened into `dst` (as long) with the instructions of `level` (or the best below
+    /// it this CPU has).
+    fn widen(src: &[Self], dst: &mut [f32], level: SimdLevel);
+
+    /// `super::sgemm_piece_wt` for this type: the piece's product with the rows widened as
+    /// they are packed, if our packed driver runs it (false: nothing done).
+    ///
+    /// # Safety
+    /// As `super::sgemm_piece_wt`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn packed_piece(
+        m: usize,
+        n: usize,
+        k: usize,
+        dst: (*mut f32, usize),
+        lhs: super::Strided<*const f32>,
+        w: *const Self,
+        shared: Option<&super::SharedLhs>,
+    ) -> bool;
+}
+
+/// The half types' `packed_piece`: the packed driver on x86-64, nothing elsewhere.
+macro_rules! packed_piece {
+    () => {
+        unsafe fn packed_piece(
+            m: usize,
+            n: usize,
+            k: usize,
+            dst: (*mut f32, usize),
+            lhs: super::Strided<*const f32>,
+            w: *const Self,
+            shared: Option<&super::SharedLhs>,
+        ) -> bool {
+            #[cfg(target_arch = "x86_64")]
+            return super::sgemm_piece_wt(m, n, k, dst, lhs, w, shared);
+            #[cfg(not(target_arch = "x86_64"))]
+            {
+                let _ = (m, n, k, dst, lhs, w, shared);
+                false
+            }
+        }
+    };
 }
 
 impl HalfWeight for f16 {
-    fn widen(src: &[Self], dst: &mut [f32]) {
-        // half's slice conversion runs F16C where the CPU has it; every f16 is an f32 exactly, so
-        // the values do not depend on the instructions.
-        src.convert_to_f32_slice(dst)
+    fn widen(src: &[Self], dst: &mut [f32], level: SimdLevel) {
+        assert_eq!(src.len(), dst.len());
+        #[cfg(target_arch = "x86_64")]
+        match level.usable() {
+            // SAFETY: `usable` never exceeds the CPU's level; AVX2's includes F16C; equal lengths.
+            SimdLevel::Avx512 => return unsafe { x86::widen_f16_avx512(src, dst) },
+            SimdLevel::Avx2 => return unsafe { x86::widen_f16_avx2(src, dst) },
+            SimdLevel::Scalar => {}
+        }
+        let _ = level;
+        dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32());
     }
+
+    packed_piece!();
 }
 
 impl HalfWeight for bf16 {
-    fn widen(src: &[Self], dst: &mut [f32]) {
-        src.convert_to_f32_slice(dst)
+    fn widen(src: &[Self], dst: &mut [f32], level: SimdLevel) {
+        assert_eq!(src.len(), dst.len());
+        #[cfg(target_arch = "x86_64")]
+        match level.usable() {
+            // SAFETY: as for f16.
+            SimdLevel::Avx512 => return unsafe { x86::widen_bf16_avx512(src, dst) },
+            SimdLevel::Avx2 => return unsafe { x86::widen_bf16_avx2(src, dst) },
+            SimdLevel::Scalar => {}
+        }
+        let _ = level;
+        dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32());
     }
+
+    packed_piece!();
+}
+
+/// The widening loops, the conversion inline: half's slice conversion calls a function for
+/// every 8 values, and was a fifth of an f16 prompt's profile (docs/design.md).
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use half::{bf16, f16};
+
+    /// A loop over `src` in vectors of `$lanes`, the last values one by one.
+    macro_rules! widen_loop {
+        ($name:ident, $elem:ty, $features:literal, $lanes:literal, |$p:ident, $q:ident| $step:expr) => {
+            #[target_feature(enable = $features)]
+            pub unsafe fn $name(src: &[$elem], dst: &mut [f32]) {
+                let n = src.len().min(dst.len());
+                let (s, d) = (src.as_ptr() as *const u16, dst.as_mut_ptr());
+                let mut i = 0;
+                while i + $lanes <= n {
+                    let ($p, $q) = (s.add(i), d.add(i));
+                    $step;
+                    i += $lanes;
+                }
+                for i in i..n {
+                    *d.add(i) = src[i].to_f32();
+                }
+            }
+        };
+    }
+
+    widen_loop!(widen_f16_avx512, f16, "avx512f,avx2,f16c", 16, |p, q| _mm512_storeu_ps(
+        q,
+        _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+    ));
+    widen_loop!(widen_f16_avx2, f16, "avx2,f16c", 8, |p, q| _mm256_storeu_ps(q, _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))));
+    // bf16 is the top half of an f32.
+    widen_loop!(widen_bf16_avx512, bf16, "avx512f,avx2", 16, |p, q| _mm512_storeu_ps(
+        q,
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i))))
+    ));
+    widen_loop!(widen_bf16_avx2, bf16, "avx2", 8, |p, q| _mm256_storeu_ps(
+        q,
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i))))
+    ));
 }
 
 thread_local! {
@@ -45,41 +151,69 @@ pub fn product_wt<W: HalfWeight>(x: &[f32], w: &[W], out_dim: usize, in_dim: usi
     assert!(in_dim > 0 && x.len().is_multiple_of(in_dim) && w.len() == out_dim * in_dim, "half product: shapes do not match");
     let m = x.len() / in_dim;
     let mut dst = vec![0f32; m * out_dim];
+    if m == 0 || out_dim == 0 {
+        return dst;
+    }
     let out = DisjointWrites::new(&mut dst);
     let pieces = out_dim.div_ceil(PIECE_ROWS);
-    candle_core::utils::barrier_pool().execute_chunked(pieces, |range| {
-        WIDENED.with(|buf| {
-            let mut buf = buf.borrow_mut();
-            buf.resize(PIECE_ROWS * in_dim, 0.0);
-            for piece in range {
-                let rows = piece * PIECE_ROWS..((piece + 1) * PIECE_ROWS).min(out_dim);
-                let widened = &mut buf[..rows.len() * in_dim];
-                W::widen(&w[rows.start * in_dim..rows.end * in_dim], widened);
-                // SAFETY: dst has m × out_dim values; this piece writes columns `rows` of each of
-                // its m rows (row stride out_dim) and no other piece writes them; x holds m rows
-                // of in_dim and the widened buffer rows.len() rows of in_dim (read transposed:
-                // element (i, o) at o · in_dim + i).
-                unsafe {
-                    super::sgemm(
-                        m,
-                        rows.len(),
-                        in_dim,
-                        (out.at(rows.start), 1, out_dim as isize),
-                        (x.as_ptr(), 1, in_dim as isize),
-                        (widened.as_ptr(), in_dim as isize, 1),
-                        0.0,
-                        1.0,
-                    )
+    let level = SimdLevel::current();
+    let narrowest = out_dim - (pieces - 1) * PIECE_ROWS;
+    let lhs = || (x.as_ptr(), 1, in_dim as isize);
+    let pieces_of = |shared: Option<&super::SharedLhs>| {
+        candle_core::utils::barrier_pool().execute_chunked(pieces, |range| {
+            WIDENED.with(|buf| {
+                for piece in range {
+                    let rows = piece * PIECE_ROWS..((piece + 1) * PIECE_ROWS).min(out_dim);
+                    // SAFETY: dst has m × out_dim values; columns `rows` of each row are this
+                    // piece's, which no other piece writes.
+                    let piece_dst = unsafe { (out.at(rows.start), out_dim) };
+                    // SAFETY: as below, with w's rows `rows` read in place.
+                    if unsafe { W::packed_piece(m, rows.len(), in_dim, piece_dst, lhs(), w[rows.start * in_dim..].as_ptr(), shared) } {
+                        continue;
+                    }
+                    let mut buf = buf.borrow_mut();
+                    buf.resize(PIECE_ROWS * in_dim, 0.0);
+                    let widened = &mut buf[..rows.len() * in_dim];
+                    W::widen(&w[rows.start * in_dim..rows.end * in_dim], widened, level);
+                    // SAFETY: dst has m × out_dim values; this piece writes columns `rows` of each
+                    // of its m rows (row stride out_dim) and no other piece writes them; x holds m
+                    // rows of in_dim and the widened buffer rows.len() rows of in_dim (read
+                    // transposed: element (i, o) at o · in_dim + i); `shared` packs this x.
+                    unsafe {
+                        super::sgemm_piece(m, rows.len(), in_dim, piece_dst, lhs(), (widened.as_ptr(), in_dim as isize, 1), false, shared)
+                    }
                 }
-            }
+            })
         })
-    });
+    };
+    // Every piece reads all of x: on our packed driver the threads share one packing of it.
+    // SAFETY: x holds m rows of in_dim and outlives the product.
+    unsafe { super::with_lhs_shared_by_pieces(m, narrowest, in_dim, lhs(), pieces_of) };
     dst
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every f16 and bf16 value widens to what `to_f32` gives, at every level this CPU has
+    /// (NaNs to NaNs), over lengths with and without a partial last vector.
+    #[test]
+    fn widening_is_exact_at_every_level() {
+        let levels = [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512];
+        let bits: Vec<u16> = (0..=u16::MAX).collect();
+        let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+        for level in levels.into_iter().filter(|l| *l <= SimdLevel::detected()) {
+            for len in [bits.len(), 37, 16, 7] {
+                let (h, b): (Vec<f16>, Vec<bf16>) = bits[..len].iter().map(|&u| (f16::from_bits(u), bf16::from_bits(u))).unzip();
+                let mut out = vec![0f32; len];
+                f16::widen(&h, &mut out, level);
+                assert!(h.iter().zip(&out).all(|(v, o)| same(v.to_f32(), *o)), "f16 at {level:?}, {len} values");
+                bf16::widen(&b, &mut out, level);
+                assert!(b.iter().zip(&out).all(|(v, o)| same(v.to_f32(), *o)), "bf16 at {level:?}, {len} values");
+            }
+        }
+    }
 
     /// Equal to the f32 product of the widened matrix (the same kernels on the same values),
     /// for shapes with a partial last piece, f16 and bf16.

@@ -184,6 +184,38 @@ pub unsafe fn sgemm_piece(
     }
 }
 
+/// [`sgemm_piece`] of `x · Wᵀ` for a row-major `w` (n × k) of 2-byte values, widened to f32
+/// while our packed driver packs it, where that driver runs this product; false (nothing done)
+/// where gemm's kernels would, which read f32 only (the caller then widens the rows itself).
+///
+/// # Safety
+/// As [`sgemm_piece`], with rhs the (k × n) `Wᵀ` read in place from `w`.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn sgemm_piece_wt<T: packed::RhsElem>(
+    m: usize,
+    n: usize,
+    k: usize,
+    (dst, dst_rs): (*mut f32, usize),
+    lhs: Strided<*const f32>,
+    w: *const T,
+    shared: Option<&SharedLhs>,
+) -> bool {
+    let level = SimdLevel::current();
+    // The choice `sgemm_piece` makes: the shared packing's tile, else the product's own.
+    let tile = match shared {
+        Some(_) => packed_tile_for(level, m),
+        None => packed_tile_of_product(level, m, n, k),
+    };
+    match tile {
+        Some(tile) => {
+            packed::sgemm(tile, m, n, k, dst, dst_rs, lhs, (w, k as isize, 1), false, 1.0, shared);
+            true
+        }
+        None => false,
+    }
+}
+
 /// [`sgemm`] with the kernels of `level` (the detected one or lower).
 ///
 /// # Safety

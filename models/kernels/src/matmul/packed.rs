@@ -19,9 +19,55 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU8, Ordering};
 
+use half::{bf16, f16};
+
 use super::tiles::{Tile, MR, NR_AVX2, NR_AVX512};
 use super::transpose::transpose8;
 use super::Strided;
+
+/// A value of rhs as the packing reads it: f32, or a 2-byte weight widened to f32 on its way
+/// into the packed panels (the weight is never widened as a whole matrix first: a prompt's
+/// product over f16 weights then read every weight once, not three times).
+pub trait RhsElem: Copy {
+    /// Eight values from `at` (adjacent) as f32. Inlined into the packing, which has AVX2, FMA
+    /// and F16C.
+    unsafe fn load8(at: *const Self) -> __m256;
+    fn to_f32(self) -> f32;
+}
+
+impl RhsElem for f32 {
+    #[inline(always)]
+    unsafe fn load8(at: *const Self) -> __m256 {
+        _mm256_loadu_ps(at)
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl RhsElem for f16 {
+    #[inline(always)]
+    unsafe fn load8(at: *const Self) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i))
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+}
+
+impl RhsElem for bf16 {
+    /// bf16 is the top half of an f32.
+    #[inline(always)]
+    unsafe fn load8(at: *const Self) -> __m256 {
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(at as *const __m128i))))
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+}
 
 /// Depth of a packed block: an rhs micro-panel (KC × NR floats) is 16 KiB at AVX2 (32 KiB at
 /// AVX-512) and stays in L1 while the kernel walks the lhs block.
@@ -146,11 +192,11 @@ impl SharedLhs {
 /// columns of the same product.
 ///
 /// # Safety
-/// The CPU must have the tile's instructions (and AVX2 and FMA, for the packing). The strided
+/// The CPU must have the tile's instructions (and AVX2, FMA and F16C, for the packing). The strided
 /// matrices must stay inside their allocations; dst must not overlap lhs or rhs. Strides are
 /// non-negative.
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn sgemm(
+pub(crate) unsafe fn sgemm<T: RhsElem>(
     tile: Tile,
     m: usize,
     n: usize,
@@ -158,7 +204,7 @@ pub(crate) unsafe fn sgemm(
     dst: *mut f32,
     dst_rs: usize,
     lhs: Strided<*const f32>,
-    rhs: Strided<*const f32>,
+    rhs: Strided<*const T>,
     accumulate: bool,
     beta: f32,
     shared: Option<&SharedLhs>,
@@ -196,8 +242,8 @@ pub(crate) unsafe fn sgemm(
                 // The panel width as a constant: the copy loops unroll (a run-time width was
                 // slower).
                 match tile {
-                    Tile::Avx2 => pack_rhs::<NR_AVX2>(kc, nc, src, rhs.1, rhs.2, b_pack),
-                    Tile::Avx512 => pack_rhs::<NR_AVX512>(kc, nc, src, rhs.1, rhs.2, b_pack),
+                    Tile::Avx2 => pack_rhs::<NR_AVX2, T>(kc, nc, src, rhs.1, rhs.2, b_pack),
+                    Tile::Avx512 => pack_rhs::<NR_AVX512, T>(kc, nc, src, rhs.1, rhs.2, b_pack),
                 }
                 // Later depth blocks add to what the first wrote.
                 let load_dst = accumulate || pc > 0;
@@ -278,8 +324,8 @@ unsafe fn pack_lhs(mc: usize, kc: usize, src: *const f32, cs: isize, rs: isize, 
 /// Packs a `kc × nc` block of rhs (element (p, j) at `p·rs + j·cs`) as micro-panels of `NR` (the
 /// tile's width, a multiple of 8) columns: panel q holds, for each p, columns NR·q..NR·q+NR
 /// (zeros past the block's columns).
-#[target_feature(enable = "avx2,fma")]
-unsafe fn pack_rhs<const NR: usize>(kc: usize, nc: usize, src: *const f32, cs: isize, rs: isize, out: *mut f32) {
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pack_rhs<const NR: usize, T: RhsElem>(kc: usize, nc: usize, src: *const T, cs: isize, rs: isize, out: *mut f32) {
     for q in 0..nc.div_ceil(NR) {
         let cols = NR.min(nc - q * NR);
         let (s, o) = (src.offset((q * NR) as isize * cs), out.add(q * NR * kc));
@@ -288,7 +334,7 @@ unsafe fn pack_rhs<const NR: usize>(kc: usize, nc: usize, src: *const f32, cs: i
             for p in 0..kc {
                 let row = s.offset(p as isize * rs);
                 for v in (0..NR).step_by(8) {
-                    _mm256_storeu_ps(o.add(p * NR + v), _mm256_loadu_ps(row.add(v)));
+                    _mm256_storeu_ps(o.add(p * NR + v), T::load8(row.add(v)));
                 }
             }
             continue;
@@ -299,7 +345,7 @@ unsafe fn pack_rhs<const NR: usize>(kc: usize, nc: usize, src: *const f32, cs: i
                 for part in (0..NR).step_by(8) {
                     let mut v = [_mm256_setzero_ps(); 8];
                     for (j, v) in v.iter_mut().enumerate() {
-                        *v = _mm256_loadu_ps(s.offset((part + j) as isize * cs + p as isize));
+                        *v = T::load8(s.offset((part + j) as isize * cs + p as isize));
                     }
                     for (pp, t) in transpose8(v).into_iter().enumerate() {
                         _mm256_storeu_ps(o.add((p + pp) * NR + part), t);
@@ -310,7 +356,7 @@ unsafe fn pack_rhs<const NR: usize>(kc: usize, nc: usize, src: *const f32, cs: i
         }
         for p in p..kc {
             for j in 0..NR {
-                *o.add(p * NR + j) = if j < cols { *s.offset(p as isize * rs + j as isize * cs) } else { 0.0 };
+                *o.add(p * NR + j) = if j < cols { (*s.offset(p as isize * rs + j as isize * cs)).to_f32() } else { 0.0 };
             }
         }
     }
@@ -380,6 +426,39 @@ mod tests {
                             }
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// A 2-byte rhs, widened as it is packed, gives the bits of the f32 product of its widened
+    /// values, in both layouts the packing reads (rows along p, and the transposed weight) and
+    /// with edge panels, at every tile.
+    #[test]
+    fn a_half_rhs_widened_while_packed_is_its_f32_product() {
+        for tile in tiles() {
+            for &(m, n, k) in &[(7, 300, 64), (45, 128, 576), (13, 37, 300)] {
+                let lhs: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * 1.7).collect();
+                let w: Vec<f32> = (0..k * n).map(|i| ((i * 104_729 % 997) as f32 / 997.0 - 0.5) * 0.3).collect();
+                let w16: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+                let wb16: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+                let (w16_f32, wb16_f32): (Vec<f32>, Vec<f32>) = w16.iter().zip(&wb16).map(|(a, b)| (a.to_f32(), b.to_f32())).unzip();
+                let l = (lhs.as_ptr(), 1, k as isize);
+                // (column stride, row stride) of rhs: a row-major (k × n), and Wᵀ of a row-major (n × k).
+                for (cs, rs) in [(1, n as isize), (k as isize, 1)] {
+                    let product = |run: &dyn Fn(*mut f32)| {
+                        let mut dst = vec![0f32; m * n];
+                        run(dst.as_mut_ptr());
+                        dst
+                    };
+                    // SAFETY: dense matrices with these strides; the CPU runs the tile.
+                    let want16 = product(&|d| unsafe { sgemm(tile, m, n, k, d, n, l, (w16_f32.as_ptr(), cs, rs), false, 1.0, None) });
+                    let got16 = product(&|d| unsafe { sgemm(tile, m, n, k, d, n, l, (w16.as_ptr(), cs, rs), false, 1.0, None) });
+                    let wantb16 = product(&|d| unsafe { sgemm(tile, m, n, k, d, n, l, (wb16_f32.as_ptr(), cs, rs), false, 1.0, None) });
+                    let gotb16 = product(&|d| unsafe { sgemm(tile, m, n, k, d, n, l, (wb16.as_ptr(), cs, rs), false, 1.0, None) });
+                    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(same(&got16, &want16), "{tile:?} f16 ({m}, {n}, {k}) strides ({cs}, {rs})");
+                    assert!(same(&gotb16, &wantb16), "{tile:?} bf16 ({m}, {n}, {k}) strides ({cs}, {rs})");
                 }
             }
         }
