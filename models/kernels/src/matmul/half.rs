@@ -37,62 +37,48 @@ pub trait HalfWeight: Copy + Send + Sync {
     ) -> bool;
 }
 
-/// The half types' `packed_piece`: the packed driver on x86-64, nothing elsewhere.
-macro_rules! packed_piece {
-    () => {
-        unsafe fn packed_piece(
-            m: usize,
-            n: usize,
-            k: usize,
-            dst: (*mut f32, usize),
-            lhs: super::Strided<*const f32>,
-            w: *const Self,
-            shared: Option<&super::SharedLhs>,
-        ) -> bool {
-            #[cfg(target_arch = "x86_64")]
-            return super::sgemm_piece_wt(m, n, k, dst, lhs, w, shared);
-            #[cfg(not(target_arch = "x86_64"))]
-            {
-                let _ = (m, n, k, dst, lhs, w, shared);
-                false
+/// [`HalfWeight`] for a half type: its widening loops at AVX2 and AVX-512 (value by value
+/// below), and the packed driver on x86-64 (nothing elsewhere).
+macro_rules! half_weight {
+    ($elem:ty, $widen_avx512:ident, $widen_avx2:ident) => {
+        impl HalfWeight for $elem {
+            fn widen(src: &[Self], dst: &mut [f32], level: SimdLevel) {
+                assert_eq!(src.len(), dst.len());
+                #[cfg(target_arch = "x86_64")]
+                match level.usable() {
+                    // SAFETY: `usable` never exceeds the CPU's level; AVX2's includes F16C;
+                    // equal lengths.
+                    SimdLevel::Avx512 => return unsafe { x86::$widen_avx512(src, dst) },
+                    SimdLevel::Avx2 => return unsafe { x86::$widen_avx2(src, dst) },
+                    SimdLevel::Scalar => {}
+                }
+                let _ = level;
+                dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32());
+            }
+
+            unsafe fn packed_piece(
+                m: usize,
+                n: usize,
+                k: usize,
+                dst: (*mut f32, usize),
+                lhs: super::Strided<*const f32>,
+                w: *const Self,
+                shared: Option<&super::SharedLhs>,
+            ) -> bool {
+                #[cfg(target_arch = "x86_64")]
+                return super::sgemm_piece_wt(m, n, k, dst, lhs, w, shared);
+                #[cfg(not(target_arch = "x86_64"))]
+                {
+                    let _ = (m, n, k, dst, lhs, w, shared);
+                    false
+                }
             }
         }
     };
 }
 
-impl HalfWeight for f16 {
-    fn widen(src: &[Self], dst: &mut [f32], level: SimdLevel) {
-        assert_eq!(src.len(), dst.len());
-        #[cfg(target_arch = "x86_64")]
-        match level.usable() {
-            // SAFETY: `usable` never exceeds the CPU's level; AVX2's includes F16C; equal lengths.
-            SimdLevel::Avx512 => return unsafe { x86::widen_f16_avx512(src, dst) },
-            SimdLevel::Avx2 => return unsafe { x86::widen_f16_avx2(src, dst) },
-            SimdLevel::Scalar => {}
-        }
-        let _ = level;
-        dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32());
-    }
-
-    packed_piece!();
-}
-
-impl HalfWeight for bf16 {
-    fn widen(src: &[Self], dst: &mut [f32], level: SimdLevel) {
-        assert_eq!(src.len(), dst.len());
-        #[cfg(target_arch = "x86_64")]
-        match level.usable() {
-            // SAFETY: as for f16.
-            SimdLevel::Avx512 => return unsafe { x86::widen_bf16_avx512(src, dst) },
-            SimdLevel::Avx2 => return unsafe { x86::widen_bf16_avx2(src, dst) },
-            SimdLevel::Scalar => {}
-        }
-        let _ = level;
-        dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32());
-    }
-
-    packed_piece!();
-}
+half_weight!(f16, widen_f16_avx512, widen_f16_avx2);
+half_weight!(bf16, widen_bf16_avx512, widen_bf16_avx2);
 
 /// The widening loops, the conversion inline: half's slice conversion calls a function for
 /// every 8 values, and was a fifth of an f16 prompt's profile (docs/design.md).
