@@ -12,10 +12,7 @@ use crate::f32_slice;
 
 /// Whether [`cross_entropy_rows`] takes these logits: f32 on the CPU; f32 or bf16 on a GPU.
 pub fn applies(logits: &Tensor) -> bool {
-    let on_gpu = cfg!(feature = "cuda")
-        && crate::gpu_kernels_take(logits)
-        && matches!(logits.dtype(), candle_core::DType::F32 | candle_core::DType::BF16);
-    crate::applies(logits) || on_gpu
+    crate::applies(logits) || crate::fused_cuda_takes(logits)
 }
 
 /// Per-row `-log softmax(logits)[target]` of (rows, vocab) logits, 0 for rows whose target is

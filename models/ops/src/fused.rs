@@ -26,9 +26,7 @@ fn rows_per_task(row: usize) -> usize {
 pub fn rms_norm_applies(x: &Tensor, w: &Tensor) -> bool {
     let on_gpu = || {
         #[cfg(feature = "cuda")]
-        return crate::gpu_kernels_take(x)
-            && matches!(x.dtype(), candle_core::DType::F32 | candle_core::DType::BF16)
-            && w.elem_count() <= crate::fused_cuda::MAX_ROW;
+        return crate::fused_cuda_takes(x) && w.elem_count() <= crate::fused_cuda::MAX_ROW;
         #[cfg(not(feature = "cuda"))]
         false
     };
@@ -164,9 +162,7 @@ impl CustomOp3 for RmsNormBackward {
 
 /// Whether [`swiglu`] runs for these tensors: f32 on the CPU; f32 or bf16 on a GPU.
 pub fn swiglu_applies(a: &Tensor, b: &Tensor) -> bool {
-    let on_gpu =
-        cfg!(feature = "cuda") && crate::gpu_kernels_take(a) && matches!(a.dtype(), candle_core::DType::F32 | candle_core::DType::BF16);
-    a.dtype() == b.dtype() && (crate::applies(a) || on_gpu)
+    a.dtype() == b.dtype() && (crate::applies(a) || crate::fused_cuda_takes(a))
 }
 
 /// `silu(a) * b`, the Llama MLP's gate.
@@ -284,9 +280,7 @@ pub(crate) fn swiglu_grads(a: &[f32], b: &[f32], g: &[f32]) -> Vec<f32> {
 /// Whether [`rope`] runs for x and these tables: f32 on the CPU; f32 or bf16 on a GPU, the tables
 /// in x's dtype.
 pub fn rope_applies(x: &Tensor, cos: &Tensor) -> bool {
-    let on_gpu =
-        cfg!(feature = "cuda") && crate::gpu_kernels_take(x) && matches!(x.dtype(), candle_core::DType::F32 | candle_core::DType::BF16);
-    cos.dtype() == x.dtype() && (crate::applies(x) || on_gpu)
+    cos.dtype() == x.dtype() && (crate::applies(x) || crate::fused_cuda_takes(x))
 }
 
 /// Rotary embedding of `x` (batch, heads, seq, head_dim) with `cos`/`sin` tables (seq,

@@ -65,6 +65,12 @@ pub fn gpu_kernels_take(x: &Tensor) -> bool {
     x.device().is_cuda() && !*TURNED_OFF.get_or_init(|| std::env::var("FSDP_CUDA_KERNELS").is_ok_and(|v| v == "0"))
 }
 
+/// Whether our CUDA kernels of `fused_cuda` take `x` ([`gpu_kernels_take`]): they are built
+/// for f32 and bf16.
+pub(crate) fn fused_cuda_takes(x: &Tensor) -> bool {
+    cfg!(feature = "cuda") && gpu_kernels_take(x) && matches!(x.dtype(), DType::F32 | DType::BF16)
+}
+
 /// The f32 values of a contiguous CPU input of a custom op (every fused op's inputs are).
 pub fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
     match l.contiguous_offsets() {

@@ -1,8 +1,10 @@
 //! `x · Wᵀ` for f32 activations and f16 / bf16 weights with many rows (a prompt's chunk, a batch
-//! past decoding's matrix-vector kernels): the weight rows are widened to f32 a piece at a time
-//! into a per-thread buffer that stays in the cache, and each piece runs as an f32 product
-//! ([`super::sgemm`]). The whole matrix is never widened: that moved twice its f32 size through
-//! memory on every product and held it meanwhile.
+//! past decoding's matrix-vector kernels), a piece of weight rows at a time. Where our packed
+//! driver runs a piece, its rows are widened to f32 as they are packed (`packed::RhsElem`) and
+//! the pieces share one packing of x; elsewhere (gemm's kernels read f32 only) a piece is widened
+//! into a per-thread buffer that stays in the cache and run as an f32 product. The whole matrix
+//! is never widened: that moved twice its f32 size through memory on every product and held it
+//! meanwhile.
 
 use half::{bf16, f16};
 
