@@ -12,8 +12,10 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor}
 
 use crate::f32_slice;
 use kernels::disjoint::DisjointWrites;
-use kernels::exp::exp_inplace;
+use kernels::exp::softmax_row;
+use kernels::gemv::dot;
 use kernels::matmul::sgemm;
+use kernels::simd::SimdLevel;
 
 /// `softmax(q kᵀ · scale + mask) v` for q (batch, seq, heads, head_dim) and k, v (batch, seq,
 /// kv_heads, head_dim); `mask` is additive, (seq, seq) or (batch, 1, seq, seq). Returns
@@ -124,18 +126,7 @@ fn probabilities(
         );
     }
     for i in rows.clone() {
-        let row = &mut p[i * t..i * t + keys];
-        let m = mask_row(mask, bi, i, t);
-        let mut max = f32::NEG_INFINITY;
-        for j in 0..keys {
-            let s = row[j] * scale + m.map_or(0.0, |m| m[j]);
-            row[j] = s;
-            max = max.max(s);
-        }
-        row.iter_mut().for_each(|s| *s -= max);
-        exp_inplace(row);
-        let inv = 1.0 / row.iter().sum::<f32>();
-        row.iter_mut().for_each(|s| *s *= inv);
+        softmax_row(&mut p[i * t..i * t + keys], scale, mask_row(mask, bi, i, t).map(|m| &m[..keys]));
     }
 }
 
@@ -218,7 +209,7 @@ impl Attention {
         let (mut dq, mut dk, mut dv) = (Vec::with_capacity(q.len()), Vec::with_capacity(k.len()), Vec::with_capacity(v.len()));
         let (dq_p, dk_p, dv_p) =
             (DisjointWrites::spare(&mut dq, q.len()), DisjointWrites::spare(&mut dk, k.len()), DisjointWrites::spare(&mut dv, v.len()));
-        let scale = self.scale;
+        let (scale, level) = (self.scale, SimdLevel::current());
         let blocks: Vec<_> = (0..b).map(|bi| query_blocks(mask, bi, t)).collect();
         // One task per (batch row, kv head): it alone accumulates that kv head's dk and dv, over
         // the query heads sharing it.
@@ -248,7 +239,7 @@ impl Attention {
                         // delta_i = dout_i · o_i: the softmax backward's row term.
                         for i in rows.clone() {
                             let at = qa(h, i);
-                            delta[i] = dout[at..at + d].iter().zip(&o[at..at + d]).map(|(a, b)| a * b).sum();
+                            delta[i] = dot(&dout[at..at + d], &o[at..at + d], level);
                         }
                         // SAFETY: this task writes head h's rows of dq (h belongs to group g only)
                         // and kv head g's rows of dk and dv; all other reads are of inputs.

@@ -5,7 +5,7 @@
 //! logits exists.
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
-use kernels::exp::exp_inplace;
+use kernels::exp::{exp_inplace, exp_shifted_sum, max_of};
 use kernels::pool::pool_new;
 
 use crate::f32_slice;
@@ -35,10 +35,9 @@ struct CrossEntropy {
 
 /// The log-sum-exp of a row (`scratch`: a buffer of the row's length).
 fn row_lse(row: &[f32], scratch: &mut [f32]) -> f32 {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    scratch.iter_mut().zip(row).for_each(|(s, v)| *s = v - max);
-    exp_inplace(scratch);
-    max + scratch.iter().sum::<f32>().ln()
+    let max = max_of(row);
+    scratch.copy_from_slice(row);
+    max + exp_shifted_sum(scratch, max).ln()
 }
 
 impl CustomOp1 for CrossEntropy {

@@ -18,7 +18,7 @@ use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Storage, Tensor}
 use kernels::pool::pool_chunks_mut2;
 
 use crate::weight_grads::{GradRows, WeightGradTarget};
-use kernels::exp::exp_inplace;
+use kernels::exp::{exp_shifted_sum, max_of};
 use kernels::matmul::parallel::{product, product_add};
 
 /// Most logits alive at once (32 MiB of f32).
@@ -123,11 +123,9 @@ impl HeadCrossEntropy {
                     row.fill(0.0);
                     return;
                 }
-                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                row.iter_mut().for_each(|x| *x -= max);
-                let z_target = row[t as usize];
-                exp_inplace(row);
-                let sum: f32 = row.iter().sum();
+                let max = max_of(row);
+                let z_target = row[t as usize] - max;
+                let sum = exp_shifted_sum(row, max);
                 *l = sum.ln() - z_target;
                 if grads {
                     // d loss / d logits = softmax - onehot(target), times the upstream weight.
