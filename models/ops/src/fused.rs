@@ -10,6 +10,8 @@ use kernels::pool::{pool_map_new, pool_new, pool_new_halves};
 
 use super::f32_slice;
 use kernels::exp::exp_inplace;
+use kernels::gemv::dot;
+use kernels::simd::SimdLevel;
 
 /// Rows of at least this many values each go to one thread task.
 const MIN_TASK: usize = 1 << 14;
@@ -42,8 +44,10 @@ struct RmsNorm {
     eps: f32,
 }
 
+/// 1 / rms of a row, its sum of squares in vector lanes (a plain float sum runs one value at a
+/// time).
 fn inv_rms(row: &[f32], eps: f32) -> f32 {
-    let ss: f32 = row.iter().map(|v| v * v).sum();
+    let ss = dot(row, row, SimdLevel::current());
     1.0 / (ss / row.len() as f32 + eps).sqrt()
 }
 
@@ -118,15 +122,15 @@ impl CustomOp3 for RmsNormBackward {
         // dx per row, and each task's partial dw, summed after (into the row after dx's).
         let (mut out, partial) = pool_map_new(rows * n, n, per, |c, dxs| {
             let (xs, gs) = (&x[c * per..c * per + dxs.len()], &g[c * per..c * per + dxs.len()]);
-            let mut dw = vec![0f32; n];
+            // gw: a row's g ∘ w, whose dot product with x is taken in vector lanes.
+            let (mut dw, mut gw) = (vec![0f32; n], vec![0f32; n]);
             for ((dxr, xr), gr) in dxs.chunks_mut(n).zip(xs.chunks(n)).zip(gs.chunks(n)) {
                 let r = inv_rms(xr, self.eps);
-                let mut dot = 0f32;
                 for i in 0..n {
-                    dot += gr[i] * w[i] * xr[i];
+                    gw[i] = gr[i] * w[i];
                     dw[i] += gr[i] * xr[i] * r;
                 }
-                let c = r * r * r * dot / n as f32;
+                let c = r * r * r * dot(&gw, xr, SimdLevel::current()) / n as f32;
                 for j in 0..n {
                     dxr[j] = r * w[j] * gr[j] - c * xr[j];
                 }
