@@ -91,15 +91,21 @@ pub fn kernels_in_use() -> &'static str {
     "gemm"
 }
 
-/// Columns of dst the kernels of this thread's products compute at a time: a split of a
-/// product's columns into pieces that are not multiples of it runs ragged edge tiles.
-pub fn tile_columns() -> usize {
+/// Columns of dst the kernels of this thread's products compute at a time, and the narrowest
+/// piece they compute without running a whole tile into scratch: a split of a product's columns
+/// into pieces that are not multiples of the first runs ragged edges, at the second's grain.
+pub fn tile_columns() -> (usize, usize) {
     #[cfg(target_arch = "x86_64")]
     if let Some(tile) = packed_tile(SimdLevel::current()) {
-        return tile.nr();
+        return (tile.nr(), tile.nr());
     }
-    // gemm's AVX2 microkernel computes 16 rows of its (transposed) dst, 16 of our columns.
-    16
+    // gemm's microkernels compute 16-lane vectors of its (transposed) dst, our columns: four at
+    // AVX-512 (64 columns; 16 to 48 run narrower, slower kernels), two of 8 at AVX2.
+    #[cfg(target_arch = "x86_64")]
+    if SimdLevel::current() == SimdLevel::Avx512 {
+        return (64, 16);
+    }
+    (16, 16)
 }
 
 /// Whether a thread's piece of `x · Wᵀ` (`m × n × k`, W row-major with rows `k` long) runs
