@@ -184,7 +184,7 @@ mod tests {
         assert_eq!(columns_at(0.53, n), 4 * tile, "0.53 of {n}: 3% from halves");
         let fine = ((0.56 * n as f32 / edge as f32).round() as usize) * edge;
         assert_eq!(columns_at(0.56, n), fine, "0.56 of {n}: 6% from halves");
-        assert!(tile == edge || fine % tile != 0, "{fine} of {n} is whole tiles of {tile}");
+        assert!(tile == edge || !fine.is_multiple_of(tile), "{fine} of {n} is whole tiles of {tile}");
     }
 
     /// Where `splits_exactly` says so, every split the share can give produces the same bits as
