@@ -252,20 +252,20 @@ fn speed(root: &Path, models_dir: &Path, tmp: &Path, python: &str) -> anyhow::Re
         if let Ok(t) = torch.as_mut() {
             t["tokens_per_s"] = json!(median(torch_rounds.clone()));
         }
-        let all_rounds = |rounds: &[f64]| torch_rounds.len() == rounds.len();
-        let paired = |rounds: &[f64]| all_rounds(rounds).then(|| median(rounds.iter().zip(&torch_rounds).map(|(a, b)| a / b).collect()));
-        let fastest = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
-        let spread: Vec<String> = match ours.first() {
-            Some((_, rounds, ..)) if all_rounds(rounds) => rounds.iter().zip(&torch_rounds).map(|(a, b)| format!("{:.2}", a / b)).collect(),
-            _ => vec![],
+        // Each round's ratio to PyTorch's, when PyTorch ran every round.
+        let ratios = |rounds: &[f64]| -> Option<Vec<f64>> {
+            (torch_rounds.len() == rounds.len()).then(|| rounds.iter().zip(&torch_rounds).map(|(a, b)| a / b).collect())
         };
+        let fastest = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
+        let spread: Vec<String> =
+            ours.first().and_then(|(_, rounds, ..)| ratios(rounds)).unwrap_or_default().iter().map(|r| format!("{r:.2}")).collect();
         let ours: Vec<OurRow> = ours
             .into_iter()
             .map(|(world, rounds, params, losses)| OurRow {
                 world,
                 tps: median(rounds.clone()),
-                ratio: paired(&rounds),
-                fastest_ratio: all_rounds(&rounds).then(|| fastest(&rounds) / fastest(&torch_rounds)),
+                ratio: ratios(&rounds).map(median),
+                fastest_ratio: ratios(&rounds).map(|_| fastest(&rounds) / fastest(&torch_rounds)),
                 params,
                 losses,
             })
