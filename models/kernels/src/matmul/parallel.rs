@@ -30,6 +30,12 @@ unsafe fn gemm_rows(
     lhs: (&[f32], isize, isize),
     rhs: (&[f32], isize, isize),
 ) {
+    if lhs.2 == 1 && lhs.1 > 1 && m >= LHS_BLOCK_MIN_ROWS && super::writes_lhs_rows_first(m, n, k) {
+        // SAFETY: as this function's; each block's rows of dst are rows of this product's dst.
+        return lhs_in_row_blocks(m, k, lhs, |rows, block| unsafe {
+            gemm_rows(rows.len(), n, k, dst.add(rows.start * n), accumulate, block, rhs)
+        });
+    }
     let threads = candle_core::utils::get_num_threads();
     let pieces = threads.min(n / MIN_PIECE_COLUMNS);
     if m * n * k < PARALLEL_MIN_PRODUCT || threads < 2 || pieces < 2 {
@@ -177,10 +183,57 @@ unsafe fn gemm_columns_of_wt(
             if buf.len() < k * stride {
                 buf.resize(k * stride, 0.0);
             }
-            super::rows_as_columns(w, k, rows, stride, &mut buf);
+            super::rows_as_columns(w, k, rows, 0..k, stride, &mut buf);
             // SAFETY: these columns of dst are this thread's (the caller's contract); buf holds
             // the block, k rows `stride` apart.
             unsafe { gemm_piece(m, width, k, out.at(from), n, accumulate, lhs, (&buf[..], 1, stride as isize), None) }
+            from = to;
+        }
+    })
+}
+
+/// Values of a column-major lhs written out as row-major rows at a time
+/// ([`lhs_in_row_blocks`]): 4 MiB, a linear layer's whole `gyᵀ` at the bench models' sizes; a
+/// vocabulary-wide head's in a few blocks, so that the buffer kept between products stays small.
+const LHS_BLOCK_VALUES: usize = 1 << 20;
+
+/// Fewest rows of a block of [`lhs_in_row_blocks`]: gemm sums a product of more rows the same
+/// way whatever their number (`column_split::splits_exactly`), and the kernel table gives
+/// products of fewer to the packed driver (`simd::Kernels::matmul_for`), so a block of at least
+/// this many computes each value of dst as the whole product would.
+const LHS_BLOCK_MIN_ROWS: usize = 128;
+
+thread_local! {
+    /// This thread's block of lhs rows, kept between products (as [`WT_BLOCK`]).
+    static LHS_ROWS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f(rows, block)` for blocks of the rows of a column-major lhs (m × k: rows 1 apart,
+/// columns `lhs.1` apart; a weight gradient's `gyᵀ`), each block written out first as
+/// row-major rows (`matmul::writes_lhs_rows_first` says why) by the pool's threads.
+fn lhs_in_row_blocks(m: usize, k: usize, lhs: (&[f32], isize, isize), mut f: impl FnMut(std::ops::Range<usize>, (&[f32], isize, isize))) {
+    // Rows padded past k: rows a power of two of 2 KiB or more apart share a few L1 sets.
+    let width = k + WT_BLOCK_PAD;
+    let block = (LHS_BLOCK_VALUES / width / 64 * 64).max(LHS_BLOCK_MIN_ROWS);
+    LHS_ROWS.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        let mut from = 0;
+        while from < m {
+            // The last block takes a remainder too small to be a block of its own.
+            let to = match (from + block).min(m) {
+                to if m - to < LHS_BLOCK_MIN_ROWS => m,
+                to => to,
+            };
+            if buf.len() < (to - from) * width {
+                buf.resize((to - from) * width, 0.0);
+            }
+            let out = &mut buf[..(to - from) * width];
+            let half = (to - from).div_ceil(2);
+            crate::pool::pool_chunks_mut(out, half * width, |c, piece| {
+                let first = from + c * half;
+                super::rows_as_columns(lhs.0, lhs.1 as usize, 0..k, first..first + piece.len() / width, width, piece);
+            });
+            f(from..to, (out, 1, width as isize));
             from = to;
         }
     })
@@ -302,6 +355,55 @@ mod tests {
                 assert!((got[e] - want[e]).abs() < 1e-4, "share {share}, ({}, {}): {} vs {}", e / n, e % n, got[e], want[e]);
                 assert!((twice[e] - 2.0 * want[e]).abs() < 2e-4, "share {share}, accumulated ({}, {})", e / n, e % n);
             }
+        }
+    }
+
+    /// A column-major lhs comes out as row-major blocks that cover its rows once, in order, each
+    /// of at least `LHS_BLOCK_MIN_ROWS` rows (a remainder joins the last block), read from a
+    /// window of a wider buffer as a weight gradient's `gyᵀ` is.
+    #[test]
+    fn a_column_major_lhs_comes_out_in_row_blocks() {
+        let (m, k, cs) = (1000, 2048, 1030);
+        let src: Vec<f32> = (0..k * cs).map(|i| i as f32).collect();
+        let lhs = (&src[7..], cs as isize, 1);
+        let mut seen = vec![];
+        lhs_in_row_blocks(m, k, lhs, |rows, (block, one, width)| {
+            assert_eq!(one, 1);
+            for i in rows.clone() {
+                for p in 0..k {
+                    assert_eq!(block[(i - rows.start) * width as usize + p], src[7 + p * cs + i], "row {i}, column {p}");
+                }
+            }
+            seen.push(rows);
+        });
+        let width = k + WT_BLOCK_PAD;
+        let block = LHS_BLOCK_VALUES / width / 64 * 64;
+        assert_eq!(seen, [0..block, block..m], "blocks of {block} rows");
+        assert!(m - block >= LHS_BLOCK_MIN_ROWS && m - 2 * block < LHS_BLOCK_MIN_ROWS);
+    }
+
+    /// A weight gradient's product, lhs read column-major (`gyᵀ` in place), gives the bits of
+    /// the same product from a row-major copy of lhs, over several row blocks, with and
+    /// without accumulating; and the plain sum to rounding.
+    #[test]
+    fn a_column_major_lhs_gives_the_bits_of_its_row_major_copy() {
+        let (m, n, k) = (1000, 96, 2048);
+        let gy: Vec<f32> = (0..k * m).map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * 1.3).collect();
+        let x: Vec<f32> = (0..k * n).map(|i| ((i * 104_729 % 997) as f32 / 997.0 - 0.5) * 0.7).collect();
+        let gy_t: Vec<f32> = (0..m * k).map(|e| gy[e % k * m + e / k]).collect();
+        let (column_major, row_major, x) = ((&gy[..], m as isize, 1), (&gy_t[..], 1, k as isize), (&x[..], 1, n as isize));
+        let got = product(m, n, k, column_major, x);
+        assert_eq!(
+            got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            product(m, n, k, row_major, x).iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+        let (mut twice, mut twice_rows) = (got.clone(), got.clone());
+        product_add(m, n, k, &mut twice, column_major, x);
+        product_add(m, n, k, &mut twice_rows, row_major, x);
+        assert!(twice.iter().zip(&twice_rows).all(|(a, b)| a.to_bits() == b.to_bits()));
+        for (i, j) in [(0, 0), (517, 33), (999, 95)] {
+            let want: f64 = (0..k).map(|p| gy[p * m + i] as f64 * x.0[p * n + j] as f64).sum();
+            assert!((got[i * n + j] as f64 - want).abs() < 1e-3, "({i}, {j}): {} vs {want}", got[i * n + j]);
         }
     }
 }
