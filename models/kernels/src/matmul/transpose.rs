@@ -15,12 +15,27 @@ use crate::simd::SimdLevel;
 /// `rows.len()` is left as it is). `cols` is the whole row (`0..row_len`) for a weight's rows, a
 /// window of it for a column-major matrix's rows read out of a wider buffer.
 pub(crate) fn rows_as_columns(src: &[f32], row_len: usize, rows: Range<usize>, cols: Range<usize>, width: usize, out: &mut [f32]) {
+    rows_as_columns_at(SimdLevel::current(), src, row_len, rows, cols, width, out)
+}
+
+/// [`rows_as_columns`] with the kernels of `level` (at most the CPU's).
+fn rows_as_columns_at(
+    level: SimdLevel,
+    src: &[f32],
+    row_len: usize,
+    rows: Range<usize>,
+    cols: Range<usize>,
+    width: usize,
+    out: &mut [f32],
+) {
     let fits = cols.start <= cols.end && cols.end <= row_len && (rows.is_empty() || (rows.end - 1) * row_len + cols.end <= src.len());
     assert!(fits && width >= rows.len() && out.len() >= cols.len() * width, "rows_as_columns: {rows:?} x {cols:?} of {row_len}-wide rows");
+    // SAFETY (both): the level is at most what the CPU has (`usable`); the bounds are checked above.
     #[cfg(target_arch = "x86_64")]
-    if SimdLevel::current() >= SimdLevel::Avx2 {
-        // SAFETY: the level in use is at most what the CPU has; the bounds are checked above.
-        return unsafe { rows_as_columns_avx2(src, row_len, rows, cols, width, out) };
+    match level.usable() {
+        SimdLevel::Avx512 => return unsafe { rows_as_columns_avx512(src, row_len, rows, cols, width, out) },
+        SimdLevel::Avx2 => return unsafe { rows_as_columns_avx2(src, row_len, rows, cols, width, out) },
+        _ => {}
     }
     rows_as_columns_scalar(src, row_len, rows, cols, width, out, 0, 0);
 }
@@ -66,6 +81,79 @@ unsafe fn rows_as_columns_avx2(src: &[f32], row_len: usize, rows: Range<usize>, 
     rows_as_columns_scalar(src, row_len, rows, cols, width, out, full_j, full_p);
 }
 
+/// 16 × 16 blocks: each output row's 16 values are one whole 64-byte store (the 8 × 8 blocks
+/// of AVX2 write half a line at a time, and their transposes take more shuffles per value).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn rows_as_columns_avx512(src: &[f32], row_len: usize, rows: Range<usize>, cols: Range<usize>, width: usize, out: &mut [f32]) {
+    let (full_j, full_p) = (rows.len() / 16 * 16, cols.len() / 16 * 16);
+    let (s, o) = (src.as_ptr().add(rows.start * row_len + cols.start), out.as_mut_ptr());
+    for j in (0..full_j).step_by(16) {
+        for p in (0..full_p).step_by(16) {
+            let mut v = [_mm512_setzero_ps(); 16];
+            for (r, v) in v.iter_mut().enumerate() {
+                *v = _mm512_loadu_ps(s.add((j + r) * row_len + p));
+            }
+            for (pp, t) in transpose16(v).into_iter().enumerate() {
+                _mm512_storeu_ps(o.add((p + pp) * width + j), t);
+            }
+        }
+    }
+    // The edges (fewer than 16 rows or columns left) as AVX2 does them, 8 at a time and then
+    // one at a time: the rows past the last 16, then the columns past the last 16 of the rest.
+    if full_j < rows.len() {
+        rows_as_columns_avx2(src, row_len, rows.start + full_j..rows.end, cols.clone(), width, &mut out[full_j..]);
+    }
+    if full_p < cols.len() && full_j > 0 {
+        rows_as_columns_avx2(
+            src,
+            row_len,
+            rows.start..rows.start + full_j,
+            cols.start + full_p..cols.end,
+            width,
+            &mut out[full_p * width..],
+        );
+    }
+}
+
+/// The 16 × 16 transpose of sixteen rows: lane r of output c is lane c of input r.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
+    // Pairs of rows interleaved, then quads: in each 128-bit lane l, u[4q + c] holds column
+    // 4l + c of rows 4q .. 4q + 4.
+    let mut t = [_mm512_setzero_ps(); 16];
+    for q in 0..8 {
+        t[2 * q] = _mm512_unpacklo_ps(r[2 * q], r[2 * q + 1]);
+        t[2 * q + 1] = _mm512_unpackhi_ps(r[2 * q], r[2 * q + 1]);
+    }
+    let mut u = [_mm512_setzero_ps(); 16];
+    for q in 0..4 {
+        let (a, b) = (4 * q, 4 * q + 2);
+        u[4 * q] = _mm512_shuffle_ps::<0x44>(t[a], t[b]);
+        u[4 * q + 1] = _mm512_shuffle_ps::<0xEE>(t[a], t[b]);
+        u[4 * q + 2] = _mm512_shuffle_ps::<0x44>(t[a + 1], t[b + 1]);
+        u[4 * q + 3] = _mm512_shuffle_ps::<0xEE>(t[a + 1], t[b + 1]);
+    }
+    // Lanes gathered across registers: v[8h + c] holds columns c and c + 8 of rows 8h .. 8h + 8.
+    let mut v = [_mm512_setzero_ps(); 16];
+    for half in 0..2 {
+        for c in 0..4 {
+            let (a, b) = (u[8 * half + c], u[8 * half + 4 + c]);
+            v[8 * half + c] = _mm512_shuffle_f32x4::<0x88>(a, b);
+            v[8 * half + 4 + c] = _mm512_shuffle_f32x4::<0xDD>(a, b);
+        }
+    }
+    let mut w = [_mm512_setzero_ps(); 16];
+    for c in 0..8 {
+        // v[c] holds columns c (lanes 0, 2) and c + 8 (lanes 1, 3) of rows 0-7, v[8 + c] the
+        // same of rows 8-15.
+        w[c] = _mm512_shuffle_f32x4::<0x88>(v[c], v[8 + c]);
+        w[c + 8] = _mm512_shuffle_f32x4::<0xDD>(v[c], v[8 + c]);
+    }
+    w
+}
+
 /// The 8 × 8 transpose of eight rows: lane r of output j is lane j of input r.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
@@ -107,15 +195,25 @@ mod tests {
     /// rows), and leaves the padding alone.
     #[test]
     fn rows_become_columns() {
-        let (n, k) = (37, 29);
+        let (n, k) = (53, 45);
         let src: Vec<f32> = (0..n * k).map(|i| i as f32).collect();
-        for (rows, cols, width) in [(0..n, 0..k, n), (3..30, 0..k, 27), (5..21, 0..k, 20), (2..n, 3..k - 1, 40), (0..9, 17..k, 9)] {
-            let mut out = vec![-1.0; cols.len() * width];
-            rows_as_columns(&src, k, rows.clone(), cols.clone(), width, &mut out);
-            for p in cols.clone() {
-                for j in 0..width {
-                    let want = if j < rows.len() { src[(rows.start + j) * k + p] } else { -1.0 };
-                    assert_eq!(out[(p - cols.start) * width + j], want, "rows {rows:?}, cols {cols:?}: ({p}, {j})");
+        for (rows, cols, width) in [
+            (0..n, 0..k, n),
+            (3..30, 0..k, 27),
+            (5..21, 0..k, 20),
+            (2..n, 3..k - 1, 60),
+            (0..9, 17..k, 9),
+            (1..49, 2..36, 48),
+            (0..32, 0..32, 33),
+        ] {
+            for level in [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512].into_iter().filter(|l| *l <= SimdLevel::detected()) {
+                let mut out = vec![-1.0; cols.len() * width];
+                rows_as_columns_at(level, &src, k, rows.clone(), cols.clone(), width, &mut out);
+                for p in cols.clone() {
+                    for j in 0..width {
+                        let want = if j < rows.len() { src[(rows.start + j) * k + p] } else { -1.0 };
+                        assert_eq!(out[(p - cols.start) * width + j], want, "{level:?}, rows {rows:?}, cols {cols:?}: ({p}, {j})");
+                    }
                 }
             }
         }
