@@ -7,6 +7,7 @@ pub mod json_schema;
 pub mod perplexity;
 pub mod prefix_cache;
 pub mod reasoning;
+pub mod sampler;
 pub mod schedule;
 pub mod sequence;
 pub mod stream;

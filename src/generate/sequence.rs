@@ -6,20 +6,20 @@ use std::sync::Arc;
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
-use candle_transformers::generation::LogitsProcessor;
 use models::{CausalLm, KvCache, RowAdapters, ServingAdapter, SharedBlock, KV_BLOCK};
 use serde::Serialize;
 
 use super::detokenize::Detokenizer;
 use super::prefix_cache::Namespace;
 use super::reasoning::ThinkSplit;
+use super::sampler::Sampler;
 use super::{constraint, FinishReason, SamplingParams, TextStream};
 use crate::tokenize::TextTokenizer;
 
 /// One sequence being generated, advanced a token at a time: the unit a serving loop
 /// interleaves (each sequence owns its KV cache, sampler and stop-string state).
 pub struct Sequence {
-    sampler: LogitsProcessor,
+    sampler: Sampler,
     params: SamplingParams,
     pub(super) cache: KvCache,
     stream: TextStream,
@@ -150,7 +150,7 @@ impl Sequence {
             bail!("the prompt has {} tokens; the model's context is {max_ctx}", prompt_ids.len());
         }
         Ok(Self {
-            sampler: LogitsProcessor::from_sampling(params.seed, params.sampling()),
+            sampler: Sampler::new(params.seed, params.sampling()),
             params: params.clone(),
             cache: KvCache::new(model.config()),
             stream: TextStream::new(params.stop.clone(), params.output.include_stop_str_in_output),
