@@ -4,8 +4,8 @@
 //! tokens it picked there; the probabilities come from our vector softmax
 //! (`kernels::exp::softmax_row`) in place of candle's tensor ops (a division by the temperature,
 //! a softmax of scalar `expf`, a copy) and the draw walks the running sum instead of building
-//! rand's `WeightedIndex` table: the two took ~7% of a 16-stream Q4_1 serve's profile
-//! (docs/design.md, decoding).
+//! rand's `WeightedIndex` table: both ran on the scheduler's thread, one token at a time, while
+//! the pool's other threads waited (docs/design.md, decoding, has the profile).
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor, D};

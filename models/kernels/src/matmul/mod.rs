@@ -121,11 +121,11 @@ pub(crate) fn writes_weight_columns_first(m: usize, n: usize, k: usize) -> bool 
 
 /// Whether an `m × n × k` product whose lhs is column-major (a weight gradient's `gyᵀ`: rows 1
 /// apart, columns a row of gy apart) runs faster with lhs written out as row-major rows first
-/// (`parallel::lhs_in_row_blocks`) than read in place: where gemm's kernels run it. gemm packs that operand a few adjacent
-/// values from each of lhs's k columns at a time, every column a different cache line, and
-/// columns of power-of-two length fall into the same few L1 sets: gemm's packing was ~20% of
-/// the weight gradients' products. Written out as rows, it packs contiguous runs (docs/design.md,
-/// matrix products, has the figures).
+/// (`parallel::lhs_in_row_blocks`) than read in place: where gemm's kernels run it. gemm packs
+/// that operand a few adjacent values from each of its k columns at a time, every column a
+/// different cache line, and columns of power-of-two length fall into the same few L1 sets;
+/// written out as rows, it packs contiguous runs (docs/design.md, matrix products, has the
+/// figures).
 pub(crate) fn writes_lhs_rows_first(m: usize, n: usize, k: usize) -> bool {
     k >= 16 && runs_on_gemm(m, n, k)
 }
