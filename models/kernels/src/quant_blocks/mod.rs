@@ -20,7 +20,7 @@ mod x86;
 use half::f16;
 
 use crate::disjoint::DisjointWrites;
-use crate::pool::for_rows_of_many;
+use crate::pool::{for_rows_of_many, pool_map};
 use crate::simd::{Int8Kernel, Kernels, SimdLevel};
 
 /// Values per block in every format here.
@@ -153,10 +153,16 @@ impl BlockMatrix {
         let cols = mats[0].cols;
         let m = x.len() / cols;
         let with_sum = mats.iter().any(|w| w.format.has_min());
-        let acts: Vec<QuantizedRow> = x.chunks_exact(cols).map(|row| quantize_row(row, with_sum)).collect();
-        // (m, out) per matrix, row-major, as the caller takes them.
-        let mut ys: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; m * w.rows]).collect();
-        let outs: Vec<DisjointWrites<f32>> = ys.iter_mut().map(|y| DisjointWrites::new(y)).collect();
+        let row = |r: usize| quantize_row(&x[r * cols..][..cols], with_sum);
+        // Several decoding streams' rows quantised by the pool's threads: on the calling thread
+        // alone the others waited through it.
+        let acts: Vec<QuantizedRow> = if m * cols >= POOLED_QUANTIZE_VALUES { pool_map(m, row) } else { (0..m).map(row).collect() };
+        // (m, out) per matrix, row-major, as the caller takes them; not zeroed first (a memset
+        // on the calling thread while the others waited): both paths below write every value.
+        let mut ys: Vec<Vec<f32>> = mats.iter().map(|w| Vec::with_capacity(m * w.rows)).collect();
+        // SAFETY: each buffer has room for its m × rows values.
+        let outs: Vec<DisjointWrites<f32>> =
+            ys.iter_mut().map(|y| unsafe { DisjointWrites::from_raw(y.as_mut_ptr(), y.capacity()) }).collect();
         let groups: Vec<usize> = mats.iter().map(|w| w.groups()).collect();
         #[cfg(not(target_arch = "x86_64"))]
         let _ = kernel;
@@ -170,7 +176,7 @@ impl BlockMatrix {
                 unsafe { tiles::product_groups(w.format, kernel, &w.records, range, &acts, (outs[i].at(0), w.rows)) }
             });
             drop(outs);
-            return ys;
+            return written(ys, mats, m);
         }
         for_rows_of_many(&groups, |i, range| {
             let w = mats[i];
@@ -185,8 +191,22 @@ impl BlockMatrix {
             }
         });
         drop(outs);
-        ys
+        written(ys, mats, m)
     }
+}
+
+/// Activation values (rows × columns) from which a product's rows are quantised on the pool.
+const POOLED_QUANTIZE_VALUES: usize = 4096;
+
+/// [`BlockMatrix::multiply_many_on`]'s outputs, once every value of each is written: their
+/// lengths set.
+fn written(mut ys: Vec<Vec<f32>>, mats: &[&BlockMatrix], m: usize) -> Vec<Vec<f32>> {
+    for (y, w) in ys.iter_mut().zip(mats) {
+        // SAFETY: the caller wrote all m × rows values (each group's rows for every activation
+        // row), within the capacity the buffer was made with.
+        unsafe { y.set_len(m * w.rows) };
+    }
+    ys
 }
 
 /// GGUF blocks of `format` for a `rows` x `cols` matrix: random quants, small finite scales and,
