@@ -39,21 +39,20 @@ impl Sampler {
         let mut probs = logits.to_dtype(DType::F32)?.to_vec1::<f32>()?;
         kernels::exp::softmax_row(&mut probs, (1.0 / temperature) as f32, None);
         match self.sampling {
-            Sampling::TopK { k, .. } => self.top_k(&probs, k, None),
+            Sampling::TopK { k, .. } => self.top_k(probs, k, None),
             Sampling::TopP { p, .. } if p > 0.0 && p < 1.0 => {
                 cut_to_top_p(&mut probs, p as f32);
                 self.draw(&probs)
             }
-            Sampling::TopKThenTopP { k, p, .. } => self.top_k(&probs, k, Some(p as f32)),
+            Sampling::TopKThenTopP { k, p, .. } => self.top_k(probs, k, Some(p as f32)),
             _ => self.draw(&probs),
         }
     }
 
     /// A draw among the `k` most likely tokens (then cut to `top_p` of their sum, where given
     /// and below it), as candle's `sample_topk` / `sample_topk_topp`.
-    fn top_k(&mut self, probs: &[f32], k: usize, top_p: Option<f32>) -> Result<u32> {
+    fn top_k(&mut self, mut probs: Vec<f32>, k: usize, top_p: Option<f32>) -> Result<u32> {
         if k >= probs.len() {
-            let mut probs = probs.to_vec();
             if let Some(p) = top_p {
                 cut_to_top_p(&mut probs, p);
             }
@@ -79,7 +78,8 @@ impl Sampler {
             if w.is_nan() || *w < 0.0 {
                 bail!("sampling: the probability of token {i} is {w} (the logits hold NaN or are all -inf)");
             }
-            total = if i == 0 { *w } else { total + w };
+            // From 0: the first sum is the first weight exactly, as WeightedIndex starts.
+            total += w;
         }
         if total <= 0.0 || !total.is_finite() {
             bail!("sampling: the probabilities sum to {total}");
@@ -87,7 +87,7 @@ impl Sampler {
         let chosen = Uniform::new(0.0f32, total)?.sample(&mut self.rng);
         let mut running = 0f32;
         for (i, w) in weights[..weights.len() - 1].iter().enumerate() {
-            running = if i == 0 { *w } else { running + w };
+            running += w;
             if running > chosen {
                 return Ok(i as u32);
             }

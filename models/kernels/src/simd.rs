@@ -221,7 +221,7 @@ impl Kernels {
 }
 
 /// Lhs rows below which [`Kernels::matmul_for`] keeps products on the packed driver.
-const PACKED_BELOW_ROWS: usize = 128;
+pub(crate) const PACKED_BELOW_ROWS: usize = 128;
 
 fn invalid(var: &str, value: &str) -> String {
     let takes = SWITCHES.iter().find(|(v, _)| *v == var).map_or("", |(_, t)| t);

@@ -197,11 +197,12 @@ unsafe fn gemm_columns_of_wt(
 /// vocabulary-wide head's in a few blocks, so that the buffer kept between products stays small.
 const LHS_BLOCK_VALUES: usize = 1 << 20;
 
-/// Fewest rows of a block of [`lhs_in_row_blocks`]: gemm sums a product of more rows the same
-/// way whatever their number (`column_split::splits_exactly`), and the kernel table gives
-/// products of fewer to the packed driver (`simd::Kernels::matmul_for`), so a block of at least
+/// Fewest rows of a block of [`lhs_in_row_blocks`]: the kernel table gives products of fewer to
+/// the packed driver (`simd::Kernels::matmul_for`), and gemm sums a product of more than 64 rows
+/// the same way whatever their number (`column_split::splits_exactly`), so a block of at least
 /// this many computes each value of dst as the whole product would.
-const LHS_BLOCK_MIN_ROWS: usize = 128;
+const LHS_BLOCK_MIN_ROWS: usize = crate::simd::PACKED_BELOW_ROWS;
+const _: () = assert!(LHS_BLOCK_MIN_ROWS > 64);
 
 thread_local! {
     /// This thread's block of lhs rows, kept between products (as [`WT_BLOCK`]).
