@@ -186,3 +186,55 @@ fn smollm2_formats_match_llama_cpp() {
     near("f16", perplexity(dir, &["--dtype", "f16"]));
     near("f32", perplexity(dir, &[]));
 }
+
+/// Fine-tuning from a GGUF file trains its weights dequantised to f32 (as transformers
+/// dequantises a GGUF it loads to train): the same losses as from the directory `convert` makes
+/// of it, the dequantised copy written once into the cache, and a LoRA adapter trained on the
+/// file that `generate` then runs over the file's quantised blocks.
+#[test]
+fn a_gguf_model_fine_tunes_from_its_dequantised_weights() {
+    let Some(smollm2) = smollm2_gguf_or_skip("a_gguf_model_fine_tunes_from_its_dequantised_weights") else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let gguf = tmp.path().join("tiny-Q8_0.gguf");
+    write_tiny_gguf(&smollm2, GgmlDType::Q8_0, &gguf);
+    let cache = tmp.path().join("cache");
+    let env = [("XDG_CACHE_HOME", cache.to_str().unwrap())];
+    let data = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests").join("reference").join("train-data.jsonl");
+    let finetune = |model: &std::path::Path, out: &str, extra: &[&str]| {
+        let out = tmp.path().join(out);
+        let mut args = vec!["finetune", "--model", model.to_str().unwrap(), "--data", data.to_str().unwrap()];
+        args.extend(["--output-dir", out.to_str().unwrap(), "--max-steps", "3", "--seq-len", "32", "--lr", "1e-3", "--no-shuffle"]);
+        args.extend(extra);
+        let o = run_cli(&args, &env);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let losses: Vec<f64> = std::fs::read_to_string(out.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap())
+            .collect();
+        (o, losses)
+    };
+
+    let (first, from_gguf) = finetune(&gguf, "from-gguf", &[]);
+    assert!(stderr(&first).contains("dequantising to f32 safetensors for training (once)"), "{}", stderr(&first));
+    let converted = tmp.path().join("converted");
+    let conv = run_cli(&["convert", "--gguf", gguf.to_str().unwrap(), "--out", converted.to_str().unwrap(), "--dtype", "f32"], &[]);
+    assert!(conv.status.success(), "{}", stderr(&conv));
+    let (_, from_dir) = finetune(&converted, "from-dir", &[]);
+    assert_eq!(from_gguf.len(), 3);
+    assert_eq!(from_gguf, from_dir, "the GGUF trains as its converted directory does");
+    assert!(from_gguf[2] < from_gguf[0], "the loss falls: {from_gguf:?}");
+
+    // The second run reads the cached copy; a LoRA adapter trained on the file runs over it.
+    let (again, _) = finetune(&gguf, "lora", &["--lora"]);
+    assert!(!stderr(&again).contains("dequantising"), "{}", stderr(&again));
+    let adapter = tmp.path().join("lora");
+    let args =
+        ["generate", "--model", gguf.to_str().unwrap(), "--adapter", adapter.to_str().unwrap(), "--prompt", "Hi", "--max-new-tokens", "3"];
+    let gen = run_cli(&args, &env);
+    assert!(gen.status.success(), "{}", stderr(&gen));
+
+    // `estimate` reads the file's config from its metadata.
+    let est = run_cli(&["estimate", "--model", gguf.to_str().unwrap(), "--json"], &env);
+    assert!(est.status.success(), "{}", stderr(&est));
+}

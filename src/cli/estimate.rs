@@ -8,7 +8,8 @@ use fsdp_app::train::finetune::args::{lora_settings, LoraArgs, ShardingArgs};
 
 #[derive(Args)]
 pub struct EstimateArgs {
-    /// Local model directory or Hub id (only config.json is read or downloaded).
+    /// Local model directory, GGUF file or Hub id (only config.json is read or downloaded; a
+    /// GGUF file's metadata).
     #[arg(long)]
     model: String,
     #[arg(long)]
@@ -36,8 +37,12 @@ pub struct EstimateArgs {
 
 pub fn run(a: EstimateArgs) -> Result<()> {
     use fsdp_app::train::estimate::{estimate, EstimateInput};
-    let config_path = if std::path::Path::new(&a.model).is_dir() {
-        std::path::Path::new(&a.model).join("config.json")
+    let model = std::path::Path::new(&a.model);
+    let config_path = if model.is_dir() {
+        model.join("config.json")
+    } else if model.is_file() {
+        // A GGUF file (the only file --model takes): its config comes from its metadata.
+        fsdp_app::model_files::resolve_model(&a.model, None)?.config
     } else {
         fsdp_app::model_files::hub::HubRepo::open(&a.model, a.revision.as_deref().unwrap_or("main"))?.get("config.json")?
     };

@@ -13,7 +13,8 @@ use crate::checkpoint::identity::DataIdentity;
 use crate::dist::{root_tries, ProcessGroups};
 use crate::fsdp::plan::{plan_units, UnitPlan};
 use crate::model_files::adapter::{adapter_config_json, parse_adapter_config, read_adapter, Adapter};
-use crate::model_files::{resolve_model, ModelFiles};
+use crate::model_files::gguf::dequantized_for_training;
+use crate::model_files::{resolve_model, ModelFiles, WeightFormat};
 use crate::tokenize::TextTokenizer;
 use crate::train::data::{describe_sample, DataOptions, Dataset, Sample, TextTools, IGNORE_INDEX};
 use crate::train::grpo::prompts::{load_prompts, PromptRow};
@@ -99,6 +100,11 @@ pub(super) fn bootstrap(groups: &ProcessGroups, cfg: &FinetuneConfig) -> Result<
 fn share_model_files(groups: &ProcessGroups, cfg: &FinetuneConfig) -> Result<(Option<ModelFiles>, SideFiles)> {
     let (files, bytes) = root_tries(groups.world.as_ref(), "resolve the model", || {
         let f = resolve_model(&cfg.model, cfg.revision.as_deref())?;
+        // Training reads f32 safetensors: a GGUF model's blocks are dequantised first.
+        let f = match f.format {
+            WeightFormat::Gguf => dequantized_for_training(f)?,
+            WeightFormat::Safetensors => f,
+        };
         let read = |p: &Path| std::fs::read(p).with_context(|| format!("{}: cannot read", p.display()));
         let mut side = vec![];
         for p in [&Some(f.config.clone()), &f.tokenizer, &f.tokenizer_config, &f.generation_config, &f.chat_template, &f.special_tokens_map]
