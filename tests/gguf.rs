@@ -103,6 +103,11 @@ fn a_hub_repos_gguf_file_is_downloaded_by_name() {
     let missing = run_cli(&["generate", "--model", "acme/tiny-GGUF:nope.gguf", "--prompt", "Hi"], &env);
     assert!(!missing.status.success());
     assert!(stderr(&missing).contains("nope.gguf"), "{}", stderr(&missing));
+    // A local GGUF name that names no file is said so, not looked for on the Hub.
+    let missing = run_cli(&["generate", "--model", "absent.gguf", "--prompt", "Hi"], &env);
+    assert!(!missing.status.success());
+    assert!(stderr(&missing).contains("absent.gguf: no such GGUF file"), "{}", stderr(&missing));
+    assert!(!stderr(&missing).contains("downloading"), "the Hub is not asked: {}", stderr(&missing));
 }
 
 /// `fsdp-app perplexity` of the text llama.cpp's reference scored, as JSON.

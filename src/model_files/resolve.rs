@@ -34,6 +34,10 @@ pub fn resolve_model(model: &str, revision: Option<&str>) -> Result<ModelFiles> 
         let path = repo.get(file)?;
         return super::gguf::resolve_gguf(&path, format!("{}:{file}", repo.description()));
     }
+    if super::gguf::is_gguf_name(model) && !Path::new(model).exists() {
+        // A GGUF file's name is never a Hub repository's: the Hub is not where this one is.
+        bail!("{model}: no such GGUF file (a Hub repository's GGUF file is named as org/name:FILE.gguf)");
+    }
     if looks_like_hub_id(model) {
         resolve_hub(model, revision.unwrap_or("main"))
     } else {
