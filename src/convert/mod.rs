@@ -1,5 +1,6 @@
 //! `fsdp-app convert --gguf FILE --out DIR`: a llama.cpp GGUF file to a Hugging Face model
-//! directory that transformers (and fsdp-app) load as a normal Llama.
+//! directory that transformers (and fsdp-app) load as a normal Llama; and the same conversion,
+//! cached, that `finetune --model FILE.gguf` trains from.
 
 pub mod gguf_tokenizer;
 pub mod llama_meta;
@@ -13,8 +14,9 @@ use candle_core::{DType, Device, Tensor};
 
 use llama_meta::{hf_name, unpermute_rows, LlamaDims};
 
+use crate::model_files::files::CONFIG;
 use crate::model_files::write::StagedDir;
-use crate::model_files::{load, read_model_config};
+use crate::model_files::{gguf, load, read_model_config, resolve_model, ModelFiles};
 
 /// What a finished conversion wrote.
 pub struct ConvertReport {
@@ -65,4 +67,28 @@ pub fn convert_gguf(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Conver
     let n = stored.len();
     let out = staged.commit()?;
     Ok(ConvertReport { out, tensors: n, parameters })
+}
+
+/// The model files to fine-tune from a GGUF model (`files` as `model_files::gguf::resolve_gguf`
+/// made them): its weights dequantised to f32 safetensors, as transformers dequantises a GGUF
+/// it loads to train, written once into a cache directory named after the file (its path,
+/// length and modification time), beside the side files; `files.source` still names the GGUF.
+pub fn dequantized_for_training(files: ModelFiles) -> Result<ModelFiles> {
+    let gguf = files.weights.first().context("a GGUF model without its file")?.clone();
+    let meta = std::fs::metadata(&gguf).with_context(|| format!("{}: cannot read", gguf.display()))?;
+    let modified = meta.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).map_or(0, |d| d.as_nanos());
+    let path = std::fs::canonicalize(&gguf).unwrap_or_else(|_| gguf.clone());
+    let key = format!("{}\n{}\n{modified}", path.display(), meta.len());
+    let dir = gguf::side_files_root().join(format!("f32-{:016x}", gguf::fnv64(key.as_bytes())));
+    if !dir.join(CONFIG).is_file() {
+        eprintln!("{}: dequantising to f32 safetensors for training (once): {}", files.source, dir.display());
+        if let Err(e) = convert_gguf(&gguf, &dir, DType::F32) {
+            // Another process may have written the very same directory first.
+            if !dir.join(CONFIG).is_file() {
+                return Err(e.context(format!("{}: dequantising for training", files.source)));
+            }
+        }
+    }
+    let dequantized = resolve_model(&dir.display().to_string(), None)?;
+    Ok(ModelFiles { source: files.source, ..dequantized })
 }

@@ -34,7 +34,7 @@ fn read_content(path: &Path) -> Result<(std::fs::File, Content)> {
 
 /// Where the side files of GGUF models live: `$XDG_CACHE_HOME/fsdp-app/gguf`, else
 /// `~/.cache/fsdp-app/gguf`.
-fn side_files_root() -> PathBuf {
+pub fn side_files_root() -> PathBuf {
     let base = std::env::var_os("XDG_CACHE_HOME")
         .filter(|v| !v.is_empty())
         .map(PathBuf::from)
@@ -43,7 +43,7 @@ fn side_files_root() -> PathBuf {
 }
 
 /// FNV-1a, 64 bits: names a side-file directory after its content.
-fn fnv64(bytes: &[u8]) -> u64 {
+pub fn fnv64(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
 }
 
@@ -81,30 +81,6 @@ pub fn resolve_gguf(path: &Path, source: String) -> Result<ModelFiles> {
         st_pooling: None,
         format: WeightFormat::Gguf,
     })
-}
-
-/// The model files to fine-tune from a GGUF model (`files` as [`resolve_gguf`] made them): its
-/// weights dequantised to f32 safetensors, as transformers dequantises a GGUF it loads to train,
-/// written once into a cache directory named after the file (its path, length and modification
-/// time), beside the side files; `files.source` still names the GGUF in messages.
-pub fn dequantized_for_training(files: ModelFiles) -> Result<ModelFiles> {
-    let gguf = files.weights.first().context("a GGUF model without its file")?.clone();
-    let meta = std::fs::metadata(&gguf).with_context(|| format!("{}: cannot read", gguf.display()))?;
-    let modified = meta.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).map_or(0, |d| d.as_nanos());
-    let path = std::fs::canonicalize(&gguf).unwrap_or_else(|_| gguf.clone());
-    let key = format!("{}\n{}\n{modified}", path.display(), meta.len());
-    let dir = side_files_root().join(format!("f32-{:016x}", fnv64(key.as_bytes())));
-    if !dir.join(files::CONFIG).is_file() {
-        eprintln!("{}: dequantising to f32 safetensors for training (once): {}", files.source, dir.display());
-        if let Err(e) = crate::convert::convert_gguf(&gguf, &dir, DType::F32) {
-            // Another process may have written the very same directory first.
-            if !dir.join(files::CONFIG).is_file() {
-                return Err(e.context(format!("{}: dequantising for training", files.source)));
-            }
-        }
-    }
-    let dequantized = super::resolve::resolve_model(&dir.display().to_string(), None)?;
-    Ok(ModelFiles { source: files.source, ..dequantized })
 }
 
 /// The weights of a GGUF model, by transformers name, q_proj/k_proj rows back in transformers'

@@ -10,10 +10,10 @@ use serde_json::{json, Value};
 
 use super::config::{shard_size, FinetuneConfig};
 use crate::checkpoint::identity::DataIdentity;
+use crate::convert::dequantized_for_training;
 use crate::dist::{root_tries, ProcessGroups};
 use crate::fsdp::plan::{plan_units, UnitPlan};
 use crate::model_files::adapter::{adapter_config_json, parse_adapter_config, read_adapter, Adapter};
-use crate::model_files::gguf::dequantized_for_training;
 use crate::model_files::{resolve_model, ModelFiles, WeightFormat};
 use crate::tokenize::TextTokenizer;
 use crate::train::data::{describe_sample, DataOptions, Dataset, Sample, TextTools, IGNORE_INDEX};
