@@ -32,8 +32,8 @@ fn read_content(path: &Path) -> Result<(std::fs::File, Content)> {
     Ok((file, content))
 }
 
-/// Where the side files of GGUF models live: `$XDG_CACHE_HOME/fsdp-app/gguf`, else
-/// `~/.cache/fsdp-app/gguf`.
+/// Where the side files of GGUF models (and their f32 copies for training) live:
+/// `$XDG_CACHE_HOME/fsdp-app/gguf`, else `~/.cache/fsdp-app/gguf`.
 pub fn side_files_root() -> PathBuf {
     let base = std::env::var_os("XDG_CACHE_HOME")
         .filter(|v| !v.is_empty())
@@ -42,7 +42,8 @@ pub fn side_files_root() -> PathBuf {
     base.join("fsdp-app").join("gguf")
 }
 
-/// FNV-1a, 64 bits: names a side-file directory after its content.
+/// FNV-1a, 64 bits: names a cache directory after what it holds (the side files after their
+/// content; `convert::dequantized_for_training`'s copy after the file it came from).
 pub fn fnv64(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
 }
