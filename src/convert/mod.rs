@@ -79,16 +79,10 @@ pub fn dequantized_for_training(files: ModelFiles) -> Result<ModelFiles> {
     let modified = meta.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).map_or(0, |d| d.as_nanos());
     let path = std::fs::canonicalize(&gguf).unwrap_or_else(|_| gguf.clone());
     let key = format!("{}\n{}\n{modified}", path.display(), meta.len());
-    let dir = gguf::side_files_root().join(format!("f32-{:016x}", gguf::fnv64(key.as_bytes())));
-    if !dir.join(CONFIG).is_file() {
+    let dir = gguf::cache_dir("f32-", key.as_bytes(), CONFIG, |dir| {
         eprintln!("{}: dequantising to f32 safetensors for training (once): {}", files.source, dir.display());
-        if let Err(e) = convert_gguf(&gguf, &dir, DType::F32) {
-            // Another process may have written the very same directory first.
-            if !dir.join(CONFIG).is_file() {
-                return Err(e.context(format!("{}: dequantising for training", files.source)));
-            }
-        }
-    }
+        convert_gguf(&gguf, dir, DType::F32).map(drop).with_context(|| format!("{}: dequantising for training", files.source))
+    })?;
     let dequantized = resolve_model(&dir.display().to_string(), None)?;
     Ok(ModelFiles { source: files.source, ..dequantized })
 }

@@ -34,7 +34,7 @@ fn read_content(path: &Path) -> Result<(std::fs::File, Content)> {
 
 /// Where the side files of GGUF models (and their f32 copies for training) live:
 /// `$XDG_CACHE_HOME/fsdp-app/gguf`, else `~/.cache/fsdp-app/gguf`.
-pub fn side_files_root() -> PathBuf {
+fn side_files_root() -> PathBuf {
     let base = std::env::var_os("XDG_CACHE_HOME")
         .filter(|v| !v.is_empty())
         .map(PathBuf::from)
@@ -42,10 +42,25 @@ pub fn side_files_root() -> PathBuf {
     base.join("fsdp-app").join("gguf")
 }
 
-/// FNV-1a, 64 bits: names a cache directory after what it holds (the side files after their
-/// content; `convert::dequantized_for_training`'s copy after the file it came from).
-pub fn fnv64(bytes: &[u8]) -> u64 {
+/// FNV-1a, 64 bits: names a cache directory after what it holds.
+fn fnv64(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+}
+
+/// The cache directory `prefix` + a hash of `key` (what the directory is made from: the side
+/// files after their content, `convert::dequantized_for_training`'s copy after the file it came
+/// from), made by `make(dir)` unless it holds `marker` already. Several processes may make the
+/// same one at once: a `make` that fails because another one's directory is there is no error.
+pub fn cache_dir(prefix: &str, key: &[u8], marker: &str, make: impl FnOnce(&Path) -> Result<()>) -> Result<PathBuf> {
+    let dir = side_files_root().join(format!("{prefix}{:016x}", fnv64(key)));
+    if !dir.join(marker).is_file() {
+        if let Err(e) = make(&dir) {
+            if !dir.join(marker).is_file() {
+                return Err(e);
+            }
+        }
+    }
+    Ok(dir)
 }
 
 /// The model files of the GGUF at `path`; `source` names it in messages.
@@ -56,17 +71,11 @@ pub fn resolve_gguf(path: &Path, source: String) -> Result<ModelFiles> {
     // Named after the content: the same file (or one with the same metadata) reuses the
     // directory, and a changed file or a changed converter never reads stale side files.
     let text = serde_json::to_string(&[&side.config, &side.tokenizer_json, &side.tokenizer_config, &side.generation_config])?;
-    let dir = side_files_root().join(format!("{:016x}", fnv64(text.as_bytes())));
-    if !dir.join("generation_config.json").is_file() {
-        let staged = StagedDir::new(&dir)?;
+    let dir = cache_dir("", text.as_bytes(), files::GENERATION_CONFIG, |dir| {
+        let staged = StagedDir::new(dir)?;
         side.write_into(&staged)?;
-        if let Err(e) = staged.commit() {
-            // Another process may have written the very same files first.
-            if !dir.join("generation_config.json").is_file() {
-                return Err(e);
-            }
-        }
-    }
+        staged.commit().map(drop)
+    })?;
     let optional = |name: &str| Some(dir.join(name)).filter(|p| p.is_file());
     Ok(ModelFiles {
         source,
