@@ -76,7 +76,7 @@ fn a_200_mb_upload_streams_to_disk_and_the_servers_memory_stays_flat() {
 }
 
 #[test]
-fn an_upload_past_the_limit_is_a_413_naming_it_and_bad_rows_are_named_by_line() {
+fn an_upload_past_the_limit_is_a_413_naming_it_and_bad_rows_are_named_by_line_and_field() {
     let tmp = tempfile::tempdir().unwrap();
     let model = fixture("qwen2", tmp.path());
     let data = tmp.path().join("data");
@@ -93,4 +93,17 @@ fn an_upload_past_the_limit_is_a_413_naming_it_and_bad_rows_are_named_by_line() 
     // Nothing half-received or refused stays in the files directory.
     let left: Vec<_> = std::fs::read_dir(data.join("files")).unwrap().flatten().map(|e| e.file_name()).collect();
     assert!(left.is_empty(), "left behind: {left:?}");
+    // OpenAI's function-calling rows are taken; a call whose arguments are not JSON is named.
+    let call = |arguments: &str| {
+        serde_json::json!({"messages": [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "18C"}, {"role": "assistant", "content": "18C.", "weight": 1}],
+            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]})
+    };
+    let (status, file) = upload(&server, "calls.jsonl", format!("{}\n", call("{\"city\": \"Oslo\"}")).as_bytes());
+    assert_eq!(status, 200, "{file}");
+    let (status, err) = upload(&server, "calls.jsonl", format!("{}\n{}\n", call("{}"), call("{oops")).as_bytes());
+    assert_eq!(status, 400, "{err}");
+    let message = err["error"]["message"].as_str().unwrap();
+    assert!(message.starts_with("Line 2: messages[1].tool_calls[0].function.arguments: `arguments` is not JSON"), "{err}");
 }

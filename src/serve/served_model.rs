@@ -11,12 +11,12 @@ use super::engine::{self, EngineHandle, EngineSettings};
 use super::error::ApiError;
 use super::metrics::Metrics;
 use super::tool_format::{ToolFormat, ToolParser};
-use super::tools::{self, Tools};
+use super::tools::Tools;
 use crate::embed::Pooling;
 use crate::generate::constraint::Grammars;
 use crate::generate::reasoning::{PromptThinking, ReasoningChoice, THINK_END};
 use crate::generate::ModelDefaults;
-use crate::tokenize::{ChatMessage, TextTokenizer};
+use crate::tokenize::{tool_prompt, ChatMessage, TextTokenizer};
 
 /// The `chat_template_kwargs` of a request: more variables for the chat template.
 pub type TemplateKwargs = serde_json::Map<String, serde_json::Value>;
@@ -202,7 +202,7 @@ impl ServedModel {
     /// assistant's answer (as transformers' `apply_chat_template(..., add_generation_prompt=True)`),
     /// with `kwargs` (the request's `chat_template_kwargs`) among the template's variables.
     /// With functions: through the template when it reads `tools`, else in the generic format
-    /// (`tools::generic_messages`), which also writes a history's calls and results.
+    /// (`tokenize::tool_prompt`), which also writes a history's calls and results.
     pub fn chat_prompt_ids(&self, messages: &[ChatMessage], tools: Option<&Tools>, kwargs: &TemplateKwargs) -> Result<Vec<u32>, ApiError> {
         self.chat_prompt_ids_continuing(messages, tools, kwargs, "")
     }
@@ -222,14 +222,7 @@ impl ServedModel {
             .chat_template
             .as_ref()
             .ok_or_else(|| ApiError::bad_request("This model has no chat template; use /v1/completions."))?;
-        let has_tool_turns = messages.iter().any(|m| m.tool_calls.is_some() || m.role == "tool");
-        let rendered = if template.takes_tools {
-            template.render_with(messages, tools.map(|t| &t.definitions), true, kwargs)
-        } else if tools.is_some() || has_tool_turns {
-            template.render_with(&tools::generic_messages(tools, messages), None, true, kwargs)
-        } else {
-            template.render_with(messages, None, true, kwargs)
-        };
+        let rendered = tool_prompt::render(template, messages, tools.map(|t| &t.definitions), true, kwargs);
         let text = rendered.map_err(|e| ApiError::invalid("messages", format!("The chat template failed: {e:#}")))? + prefill;
         self.tokenizer.encode(&text, false).map_err(|e| ApiError::bad_request(format!("{e:#}")))
     }

@@ -24,7 +24,7 @@ use super::error::ApiError;
 use super::tool_format::{NativeCalls, Piece, ToolFormat, HERMES_CLOSE, HERMES_OPEN};
 use crate::generate::constraint::OutputFormat;
 use crate::generate::json_schema;
-use crate::tokenize::ChatMessage;
+use crate::tokenize::tool_prompt;
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum ToolChoice {
@@ -344,77 +344,12 @@ impl Tools {
         let outside = outside.trim();
         Some(((!outside.is_empty()).then(|| outside.to_string()), calls))
     }
-
-    /// The system instructions of the generic format: the functions, and how to call them.
-    fn instructions(&self) -> String {
-        let mut defs = String::new();
-        for d in self.definitions.as_array().into_iter().flatten() {
-            defs.push_str(&d["function"].to_string());
-            defs.push('\n');
-        }
-        format!(
-            "You may call functions. Their definitions, one JSON object per line:\n{defs}To call one, answer with <tool_call>{{\"name\": NAME, \"arguments\": {{...}}}}</tool_call> (one block per call) and nothing else."
-        )
-    }
-}
-
-/// The generic prompt format, for a template that does not read `tools`: the functions (if any)
-/// in a system turn (merged into the first system message, if there is one), past calls as
-/// `<tool_call>` text of the assistant's turn, tool results as `<tool_response>` user turns.
-pub fn generic_messages(tools: Option<&Tools>, messages: &[ChatMessage]) -> Vec<ChatMessage> {
-    let mut out: Vec<ChatMessage> = vec![];
-    for m in messages {
-        let mut m = m.clone();
-        if let Some(calls) = m.tool_calls.take() {
-            for c in calls.as_array().into_iter().flatten() {
-                let f = c.get("function").unwrap_or(c);
-                m.content.push_str(&format!("<tool_call>{}</tool_call>", json!({"name": f["name"], "arguments": f["arguments"]})));
-            }
-        }
-        if m.role == "tool" {
-            m = ChatMessage::new("user", &format!("<tool_response>{}</tool_response>", m.content));
-        }
-        out.push(m);
-    }
-    if let Some(t) = tools {
-        match out.first_mut() {
-            Some(first) if first.role == "system" => first.content = format!("{}\n\n{}", first.content, t.instructions()),
-            _ => out.insert(0, ChatMessage::new("system", &t.instructions())),
-        }
-    }
-    out
 }
 
 /// A message's `tool_calls` as the request has them (`arguments` a JSON string), checked, in the
-/// form templates take (`arguments` an object).
+/// form templates take (`arguments` an object); errors name the field under `at`.
 pub fn message_tool_calls(calls: &Value, at: &str) -> Result<Value, ApiError> {
-    let Value::Array(list) = calls else { return Err(ApiError::invalid(at, "`tool_calls` must be a list.")) };
-    let mut out = vec![];
-    for (i, c) in list.iter().enumerate() {
-        let here = format!("{at}[{i}]");
-        let f = c
-            .get("function")
-            .filter(|f| f.is_object())
-            .ok_or_else(|| ApiError::invalid(&here, "each tool call needs `function` {name, arguments}."))?;
-        let name = f
-            .get("name")
-            .and_then(Value::as_str)
-            .ok_or_else(|| ApiError::invalid(&format!("{here}.function.name"), "`name` must be a string."))?;
-        let args = match f.get("arguments") {
-            Some(Value::String(s)) => serde_json::from_str::<Value>(s)
-                .map_err(|e| ApiError::invalid(&format!("{here}.function.arguments"), format!("`arguments` is not JSON: {e}")))?,
-            Some(o @ Value::Object(_)) => o.clone(),
-            _ => return Err(ApiError::invalid(&format!("{here}.function.arguments"), "`arguments` must be a JSON string.")),
-        };
-        let mut call = Map::new();
-        call.insert("type".into(), json!("function"));
-        if let Some(id) = c.get("id") {
-            call.insert("id".into(), id.clone());
-        }
-        call.insert("function".into(), json!({"name": name, "arguments": args}));
-        out.push(Value::Object(call));
-    }
-    Ok(Value::Array(out))
+    tool_prompt::template_tool_calls(calls).map_err(|e| ApiError::invalid(&format!("{at}{}", e.at), e.message))
 }
 
 #[cfg(test)]
@@ -482,24 +417,9 @@ mod tests {
     }
 
     #[test]
-    fn the_generic_format_lists_the_functions_and_writes_history_as_text() {
-        let t = tools(json!("auto"));
-        let mut assistant = ChatMessage::new("assistant", "");
-        assistant.tool_calls = Some(
-            message_tool_calls(
-                &json!([{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]),
-                "messages[1].tool_calls",
-            )
-            .unwrap(),
-        );
-        let mut result = ChatMessage::new("tool", "18C");
-        result.tool_call_id = Some("call_1".into());
-        let out = generic_messages(Some(&t), &[ChatMessage::new("user", "weather?"), assistant, result]);
-        assert_eq!(out[0].role, "system");
-        assert!(out[0].content.contains("get_weather") && out[0].content.contains("<tool_call>"));
-        assert_eq!(out[2].content, "<tool_call>{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\"}}</tool_call>");
-        assert_eq!((out[3].role.as_str(), out[3].content.as_str()), ("user", "<tool_response>18C</tool_response>"));
-        assert!(message_tool_calls(&json!([{"function": {"name": "f", "arguments": "{bad"}}]), "m").is_err());
+    fn a_bad_call_is_named_under_its_message() {
+        let e = message_tool_calls(&json!([{"function": {"name": "f", "arguments": "{bad"}}]), "messages[1].tool_calls").unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[1].tool_calls[0].function.arguments"));
     }
 
     #[test]

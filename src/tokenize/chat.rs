@@ -86,6 +86,14 @@ fn tojson(value: Value, indent: Option<usize>, kwargs: minijinja::value::Kwargs)
     Ok(Value::from_safe_string(out))
 }
 
+/// `json.dumps(value, ensure_ascii=False)`: Python's default separators (`", "`, `": "`), as
+/// transformers' `tojson` writes JSON into prompts and as constrained decoding writes it.
+pub fn python_json(v: &serde_json::Value) -> String {
+    let mut out = String::new();
+    write_py_json(v, None, 0, &mut out);
+    out
+}
+
 fn write_py_json(v: &serde_json::Value, indent: Option<usize>, depth: usize, out: &mut String) {
     use serde_json::Value as J;
     let newline = |out: &mut String, depth: usize| {

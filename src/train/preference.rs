@@ -24,16 +24,30 @@ use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
 use super::data::{pad, read_rows_bytes, Dataset, Sample, TextTools, IGNORE_INDEX};
-use super::formats::{id_list, messages, short, string_field};
+use super::formats::{id_list, messages, row_tools, short, string_field};
 use super::text_budget;
-use crate::tokenize::ChatMessage;
+use crate::tokenize::{tool_prompt, ChatMessage};
 
 /// One preference row as read, before tokenisation.
 #[derive(Debug, Clone, PartialEq)]
 pub enum PreferenceRow {
-    Text { prompt: String, chosen: String, rejected: String },
-    Chat { prompt: Vec<ChatMessage>, chosen: Vec<ChatMessage>, rejected: Vec<ChatMessage> },
-    Tokens { prompt: Vec<u32>, chosen: Vec<u32>, rejected: Vec<u32> },
+    Text {
+        prompt: String,
+        chosen: String,
+        rejected: String,
+    },
+    /// `tools`: the functions the conversation may call (`formats::row_tools`).
+    Chat {
+        prompt: Vec<ChatMessage>,
+        chosen: Vec<ChatMessage>,
+        rejected: Vec<ChatMessage>,
+        tools: Option<Value>,
+    },
+    Tokens {
+        prompt: Vec<u32>,
+        chosen: Vec<u32>,
+        rejected: Vec<u32>,
+    },
 }
 
 /// A tokenised pair: the shared prompt and each completion.
@@ -84,6 +98,7 @@ pub fn parse_preference_row(row: &Value) -> Result<PreferenceRow> {
             prompt,
             chosen: message_list(row, "preferred_output")?,
             rejected: message_list(row, "non_preferred_output")?,
+            tools: row_tools(input)?,
         });
     }
     let (Some(chosen), Some(_)) = (row.get("chosen"), row.get("rejected")) else {
@@ -107,7 +122,7 @@ pub fn parse_preference_row(row: &Value) -> Result<PreferenceRow> {
     let (chosen, rejected) = (message_list(row, "chosen")?, message_list(row, "rejected")?);
     match row.get("prompt") {
         Some(Value::String(_)) => bail!("field `prompt` is a string but `chosen` is a list of messages; give both as messages"),
-        Some(_) => Ok(PreferenceRow::Chat { prompt: message_list(row, "prompt")?, chosen, rejected }),
+        Some(_) => Ok(PreferenceRow::Chat { prompt: message_list(row, "prompt")?, chosen, rejected, tools: row_tools(row)? }),
         None => {
             // TRL's extract_prompt: the leading turns both conversations share.
             let shared = chosen.iter().zip(&rejected).take_while(|(a, b)| a == b).count();
@@ -121,6 +136,7 @@ pub fn parse_preference_row(row: &Value) -> Result<PreferenceRow> {
                 prompt: chosen[..shared].to_vec(),
                 chosen: chosen[shared..].to_vec(),
                 rejected: rejected[shared..].to_vec(),
+                tools: row_tools(row)?,
             })
         }
     }
@@ -140,7 +156,7 @@ pub fn bound_pair(row: &mut PreferenceRow, seq_len: usize) {
             text_budget::keep_start(chosen, budget);
             text_budget::keep_start(rejected, budget);
         }
-        PreferenceRow::Chat { prompt, chosen, rejected } => {
+        PreferenceRow::Chat { prompt, chosen, rejected, .. } => {
             text_budget::contents(prompt, budget, text_budget::keep_end);
             text_budget::contents(chosen, budget, text_budget::keep_start);
             text_budget::contents(rejected, budget, text_budget::keep_start);
@@ -190,11 +206,14 @@ pub fn tokenize_pair(row: &PreferenceRow, tools: &TextTools) -> Result<PairToken
             };
             (encode(prompt, true)?, with_eos(chosen)?, with_eos(rejected)?)
         }
-        PreferenceRow::Chat { prompt, chosen, rejected } => {
+        PreferenceRow::Chat { prompt, chosen, rejected, tools: functions } => {
             let template = tools.template.context("conversational preference rows need a chat template, and this model has none")?;
-            let whole =
-                |completion: &[ChatMessage]| encode(&template.render(&[prompt.clone(), completion.to_vec()].concat(), false)?, false);
-            (encode(&template.render(prompt, true)?, false)?, whole(chosen)?, whole(rejected)?)
+            // As the server renders a request (`tokenize::tool_prompt`): with the functions, calls and results.
+            let render = |turns: &[ChatMessage], add_generation_prompt: bool| {
+                tool_prompt::render(template, turns, functions.as_ref(), add_generation_prompt, &serde_json::Map::new())
+            };
+            let whole = |completion: &[ChatMessage]| encode(&render(&[prompt.clone(), completion.to_vec()].concat(), false)?, false);
+            (encode(&render(prompt, true)?, false)?, whole(chosen)?, whole(rejected)?)
         }
     };
     let prompt_len = common_prefix(&prompt, &chosen).min(common_prefix(&prompt, &rejected));
@@ -297,7 +316,7 @@ mod tests {
             parse_preference_row(&json!({"prompt": "p", "chosen": "a", "rejected": "b"})).unwrap(),
             PreferenceRow::Text { prompt: "p".into(), chosen: "a".into(), rejected: "b".into() }
         );
-        let chat = PreferenceRow::Chat { prompt: vec![user("q")], chosen: vec![bot("a")], rejected: vec![bot("b")] };
+        let chat = PreferenceRow::Chat { prompt: vec![user("q")], chosen: vec![bot("a")], rejected: vec![bot("b")], tools: None };
         let m = |r: &str, c: &str| json!({"role": r, "content": c});
         let trl = json!({"prompt": [m("user", "q")], "chosen": [m("assistant", "a")], "rejected": [m("assistant", "b")]});
         assert_eq!(parse_preference_row(&trl).unwrap(), chat);
@@ -305,6 +324,12 @@ mod tests {
         assert_eq!(parse_preference_row(&implicit).unwrap(), chat);
         let openai = json!({"input": {"messages": [m("user", "q")]}, "preferred_output": [m("assistant", "a")], "non_preferred_output": [m("assistant", "b")]});
         assert_eq!(parse_preference_row(&openai).unwrap(), chat);
+        // OpenAI's preference rows with functions: a call preferred to a text answer.
+        let tools = json!([{"type": "function", "function": {"name": "f"}}]);
+        let call = json!({"role": "assistant", "content": null, "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]});
+        let with_tools = json!({"input": {"messages": [m("user", "q")], "tools": tools}, "preferred_output": [call], "non_preferred_output": [m("assistant", "b")]});
+        let PreferenceRow::Chat { chosen, tools: read, .. } = parse_preference_row(&with_tools).unwrap() else { panic!("a chat pair") };
+        assert_eq!((read, chosen[0].tool_calls.is_some()), (Some(tools), true));
         let ids = json!({"prompt_input_ids": [1, 2], "chosen_input_ids": [3], "rejected_input_ids": [4, 5]});
         assert_eq!(
             parse_preference_row(&ids).unwrap(),

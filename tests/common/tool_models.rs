@@ -30,7 +30,7 @@ pub enum Family {
 }
 
 impl Family {
-    fn template(self) -> &'static str {
+    pub fn template(self) -> &'static str {
         match self {
             // Qwen 2.5's shape: the functions in a system turn, calls in <tool_call> blocks.
             Self::Hermes => concat!(

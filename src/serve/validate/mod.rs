@@ -262,7 +262,9 @@ fn tools_and_constraints(
 pub fn tokenize(st: &AppState, v: &Value) -> Result<(Arc<ServedModel>, Vec<u32>), ApiError> {
     let model = model_or_base(st, v)?;
     let ids = if v.get("messages").is_some() {
-        model.chat_prompt_ids(&prompt::messages(v, st.lenient, &mut vec![])?, None, &prompt::chat_template_kwargs(v)?)?
+        // The functions too, as the chat endpoint renders them (none under `tool_choice: none`).
+        let tools = tools::parse(v)?.filter(|t| t.choice != ToolChoice::None);
+        model.chat_prompt_ids(&prompt::messages(v, st.lenient, &mut vec![])?, tools.as_ref(), &prompt::chat_template_kwargs(v)?)?
     } else {
         match prompt::prompt(v, model.vocab)? {
             Prompt::Text(t) => {

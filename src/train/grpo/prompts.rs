@@ -14,7 +14,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::{Map, Value};
 
 use crate::train::data::{read_rows_bytes, TextTools};
-use crate::train::formats::messages;
+use crate::train::formats::{messages, row_tools};
 
 /// One prompt of the data and the fields its graders may read.
 #[derive(Debug, Clone, PartialEq)]
@@ -111,6 +111,8 @@ fn prompt_row(row: Value, tools: &TextTools, max_prompt_tokens: usize) -> Result
         let ids: Vec<u32> = serde_json::from_value(ids).context("field `prompt_input_ids` must be a list of token ids")?;
         return finish(ids, fields, max_prompt_tokens);
     }
+    // The functions a conversational prompt may call (they stay in the row for the graders too).
+    let functions = row_tools(&serde_json::json!({"tools": fields.get("tools"), "functions": fields.get("functions")}))?;
     let ids = match (fields.remove("prompt"), fields.remove("messages")) {
         (Some(_), Some(_)) => bail!("give `prompt` (TRL's rows) or `messages` (OpenAI's), not both"),
         (Some(Value::String(text)), None) => {
@@ -119,9 +121,9 @@ fn prompt_row(row: Value, tools: &TextTools, max_prompt_tokens: usize) -> Result
             }
             (tools.encode)(&text, true)?.0
         }
-        (Some(list @ Value::Array(_)), None) => chat_prompt(&list, "prompt", tools)?,
+        (Some(list @ Value::Array(_)), None) => chat_prompt(&list, "prompt", functions.as_ref(), tools)?,
         (Some(_), None) => bail!("field `prompt` must be a string or a list of messages"),
-        (None, Some(list)) => chat_prompt(&list, "messages", tools)?,
+        (None, Some(list)) => chat_prompt(&list, "messages", functions.as_ref(), tools)?,
         (None, None) => bail!("needs `prompt` (a string or messages), `messages` (OpenAI's reinforcement rows) or `prompt_input_ids`"),
     };
     finish(ids, fields, max_prompt_tokens)
@@ -140,13 +142,16 @@ fn finish(ids: Vec<u32>, fields: Map<String, Value>, max_prompt_tokens: usize) -
     Ok(PromptRow { ids, item: Value::Object(fields) })
 }
 
-fn chat_prompt(list: &Value, field: &str, tools: &TextTools) -> Result<Vec<u32>> {
+fn chat_prompt(list: &Value, field: &str, functions: Option<&Value>, tools: &TextTools) -> Result<Vec<u32>> {
     let turns = messages(list, field, "role", "content")?;
     if turns.last().is_some_and(|m| m.role == "assistant") {
         bail!("field `{field}` ends with an assistant message; the prompt ends where the model's answer begins");
     }
     let template = tools.template.context("conversational prompts need a chat template, and this model has none")?;
-    Ok((tools.encode)(&template.render(&turns, true)?, false)?.0)
+    // As the server renders a request with these functions (`tool_prompt`), so rollouts see the
+    // prompt the served model will.
+    let text = crate::tokenize::tool_prompt::render(template, &turns, functions, true, &serde_json::Map::new())?;
+    Ok((tools.encode)(&text, false)?.0)
 }
 
 #[cfg(test)]
@@ -174,6 +179,17 @@ mod tests {
         let chat = b"{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"answer\": 1}\n";
         let err = format!("{:#}", load_prompts(Path::new("c.jsonl"), chat, &tools, 8, false, &|_| Ok(())).unwrap_err());
         assert!(err.contains("c.jsonl:1") && err.contains("chat template"), "{err}");
+        // A conversational prompt's functions are rendered into it, as the server renders them.
+        let template = crate::tokenize::ChatTemplate::new(
+            "{% for t in tools %}({{ t.function.name }}){% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}",
+            None,
+            None,
+        )
+        .unwrap();
+        let with_template = TextTools { template: Some(&template), ..tools };
+        let calls = b"{\"prompt\": [{\"role\": \"user\", \"content\": \"hi\"}], \"tools\": [{\"name\": \"f\"}]}\n";
+        let (rows, _) = load_prompts(Path::new("t.jsonl"), calls, &with_template, 16, false, &|_| Ok(())).unwrap();
+        assert_eq!(rows[0].ids, b"(f)hi".iter().map(|&b| b as u32).collect::<Vec<_>>());
         let neither = b"{\"question\": \"x\"}\n";
         let err = format!("{:#}", load_prompts(Path::new("n.jsonl"), neither, &tools, 8, false, &|_| Ok(())).unwrap_err());
         assert!(err.contains("n.jsonl:1") && err.contains("needs `prompt`"), "{err}");

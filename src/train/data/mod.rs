@@ -11,11 +11,14 @@
 //!
 //! Sequences are right-padded to `seq_len` with ignored labels and cut when longer.
 
+mod chat_labels;
+
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
+use self::chat_labels::{chat_tokens, mask_by_spans};
 use super::formats::{parse_row, Example};
 use super::text_budget;
 use crate::tokenize::ChatTemplate;
@@ -209,51 +212,6 @@ fn read_rows(path: &Path, text: &str) -> Result<Vec<(usize, Result<Value>)>> {
         .collect())
 }
 
-/// Token labels for `ids` whose byte ranges `offsets` fall inside one of `spans`.
-fn mask_by_spans(ids: &[u32], offsets: &[(usize, usize)], spans: &[(usize, usize)]) -> Vec<i64> {
-    ids.iter()
-        .zip(offsets)
-        .map(|(&id, &(a, b))| {
-            let inside = spans.iter().any(|&(s, e)| a < e && b > s && b > a);
-            if inside {
-                id as i64
-            } else {
-                IGNORE_INDEX
-            }
-        })
-        .collect()
-}
-
-/// One chat row: the rendered text's tokens and labels.
-fn chat_tokens(messages: &[crate::tokenize::ChatMessage], tools: &TextTools, train_on: TrainOn) -> Result<(Vec<u32>, Vec<i64>)> {
-    let template = tools.template.context("chat rows need a chat template, and this model has none")?;
-    let full = template.render(messages, false)?;
-    let (ids, offsets) = (tools.encode)(&full, false)?;
-    if train_on == TrainOn::All {
-        let labels = ids.iter().map(|&x| x as i64).collect();
-        return Ok((ids, labels));
-    }
-    let assistant: Vec<usize> = messages.iter().enumerate().filter(|(_, m)| m.role == "assistant").map(|(i, _)| i).collect();
-    let chosen: Vec<usize> = match train_on {
-        TrainOn::Completion => assistant.last().copied().into_iter().collect(),
-        _ => assistant,
-    };
-    let mut spans = vec![];
-    for i in chosen {
-        let before = template.render(&messages[..i], true)?;
-        let through = template.render(&messages[..=i], false)?;
-        if !full.starts_with(&before) || !full.starts_with(&through) || through.len() < before.len() {
-            bail!(
-                "the chat template does not render the conversation's prefixes as prefixes of the whole, so the assistant \
-                 tokens of message {i} cannot be located; use --train-on all"
-            );
-        }
-        spans.push((before.len(), through.len()));
-    }
-    let labels = mask_by_spans(&ids, &offsets, &spans);
-    Ok((ids, labels))
-}
-
 /// A supervised row bounded for `seq_len`: samples keep their first `seq_len` tokens, so every
 /// field keeps its start; a text row past [`text_budget::TEXT_ROW_LIMIT`] is refused.
 pub fn bound_example(example: &mut Example, seq_len: usize) -> Result<()> {
@@ -270,7 +228,7 @@ pub fn bound_example(example: &mut Example, seq_len: usize) -> Result<()> {
             text_budget::keep_start(prompt, budget);
             text_budget::keep_start(completion, budget);
         }
-        Example::Chat(messages) => text_budget::contents(messages, budget, text_budget::keep_start),
+        Example::Chat(chat) => text_budget::contents(&mut chat.messages, budget, text_budget::keep_start),
         Example::Text(_) | Example::Tokens { .. } => {}
     }
     Ok(())
@@ -320,7 +278,7 @@ pub fn load_dataset_bytes(path: &Path, bytes: &[u8], opts: &DataOptions, tools: 
                     }
                     Some((ids, labels))
                 }
-                Example::Chat(messages) => Some(chat_tokens(&messages, tools, opts.train_on)?),
+                Example::Chat(chat) => Some(chat_tokens(&chat, tools, opts.train_on)?),
                 Example::Tokens { input_ids, labels } => {
                     let ids: Vec<u32> = input_ids.iter().map(|&x| x as u32).collect();
                     Some((ids, labels.unwrap_or(input_ids)))
