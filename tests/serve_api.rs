@@ -131,4 +131,9 @@ fn chat_template_kwargs_reach_the_template() {
         let v: Value = serde_json::from_str(&answer).unwrap();
         assert_eq!((status, v["error"]["param"].as_str()), (400, Some(param)), "{answer}");
     }
+    // `/tokenize` names a field it does not take instead of ignoring it.
+    let body = json!({"model": "tiny", "messages": messages, "add_generation_prompt": false});
+    let (status, answer, _) = post(&server.url("/tokenize"), &body.to_string(), None);
+    let v: Value = serde_json::from_str(&answer).unwrap();
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("add_generation_prompt")), "{answer}");
 }

@@ -118,6 +118,10 @@ pub const RESPONSES: &[&str] = &[
 /// One chat message.
 pub const MESSAGE: &[&str] = &["role", "content", "tool_calls", "tool_call_id", "name"];
 
+/// `POST /tokenize`: a prompt, or a conversation (with its functions and template arguments)
+/// rendered as the chat endpoint renders it.
+pub const TOKENIZE: &[&str] = &["model", "prompt", "add_special_tokens", "messages", "chat_template_kwargs", "tools"];
+
 /// `POST /v1/fine_tuning/jobs`.
 pub const JOB: &[&str] = &["model", "training_file", "validation_file", "hyperparameters", "suffix", "seed", "method", "fsdp_app"];
 

@@ -143,8 +143,10 @@ pub const SPEC: &str = r##"{
         "400": {"description": "Invalid request.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}},
         "404": {"description": "Unknown model."}, "429": {"description": "The queue is full (Retry-After)."}}}},
     "/tokenize": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"type": "object", "properties": {
-        "prompt": {"type": "string"}, "add_special_tokens": {"type": "boolean"}}}}}},
-      "responses": {"200": {"description": "Token ids."}, "400": {"description": "Invalid request."}}}},
+        "model": {"type": "string"}, "prompt": {"type": "string"}, "add_special_tokens": {"type": "boolean"},
+        "messages": {"type": "array", "items": {"type": "object"}}, "chat_template_kwargs": {"type": "object"},
+        "tools": {"type": "array", "items": {"type": "object"}}}}}}},
+      "responses": {"200": {"description": "Token ids."}, "400": {"description": "Invalid request."}, "404": {"description": "Unknown model."}}}},
     "/detokenize": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"type": "object", "required": ["tokens"], "properties": {
         "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}}}},
       "responses": {"200": {"description": "Text."}, "400": {"description": "Invalid request."}}}},
@@ -231,6 +233,8 @@ mod tests {
         let with_vllm = |f: &[&str]| set(f).union(&set(crate::serve::fields::VLLM_SAMPLING)).cloned().collect::<BTreeSet<_>>();
         let schemas = &v["components"]["schemas"];
         assert_eq!(props(&schemas["CompletionRequest"]), with_vllm(crate::serve::fields::COMPLETIONS));
+        let tokenize = &v["paths"]["/tokenize"]["post"]["requestBody"]["content"]["application/json"]["schema"];
+        assert_eq!(props(tokenize), set(crate::serve::fields::TOKENIZE));
         assert_eq!(props(&schemas["ChatRequest"]), with_vllm(crate::serve::fields::CHAT));
         assert_eq!(props(&schemas["ResponsesRequest"]), set(crate::serve::fields::RESPONSES));
         assert_eq!(props(&schemas["EmbeddingsRequest"]), set(crate::serve::embeddings::FIELDS));

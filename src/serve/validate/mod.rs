@@ -260,10 +260,11 @@ fn tools_and_constraints(
 
 /// `/tokenize`: the model named (else the base model) and the ids of its `prompt` or `messages`.
 pub fn tokenize(st: &AppState, v: &Value) -> Result<(Arc<ServedModel>, Vec<u32>), ApiError> {
+    fields::check(v, fields::TOKENIZE, "", st.lenient)?;
     let model = model_or_base(st, v)?;
     let ids = if v.get("messages").is_some() {
-        // The functions too, as the chat endpoint renders them (none under `tool_choice: none`).
-        let tools = tools::parse(v)?.filter(|t| t.choice != ToolChoice::None);
+        // The functions too, as the chat endpoint renders them.
+        let tools = tools::parse(v)?;
         model.chat_prompt_ids(&prompt::messages(v, st.lenient, &mut vec![])?, tools.as_ref(), &prompt::chat_template_kwargs(v)?)?
     } else {
         match prompt::prompt(v, model.vocab)? {
