@@ -64,6 +64,7 @@ pub(super) fn chat_tokens(chat: &Chat, tools: &TextTools, train_on: TrainOn) -> 
 mod tests {
     use serde_json::json;
 
+    use super::super::{describe_sample, pad};
     use super::*;
     use crate::tokenize::ChatTemplate;
     use crate::train::formats::{parse_row, Example};
@@ -73,28 +74,15 @@ mod tests {
         Ok((s.bytes().map(|b| b as u32).collect(), (0..s.len()).map(|i| (i, i + 1)).collect()))
     }
 
-    /// The row's text with the untrained parts in brackets.
+    /// The row's text with the untrained parts in brackets (`describe_sample`'s marks, shortened).
     fn shown(template: &ChatTemplate, row: serde_json::Value, train_on: TrainOn) -> String {
         let Example::Chat(chat) = parse_row(&row, true).unwrap() else { panic!("a chat row") };
-        let decode = |_: &[u32]| -> Result<String> { unreachable!() };
+        let decode = |ids: &[u32]| -> Result<String> { Ok(ids.iter().map(|&i| i as u8 as char).collect()) };
         let tools = TextTools { encode: &bytes, decode: &decode, template: Some(template), eos_id: None, pad_id: 0 };
         let (ids, labels) = chat_tokens(&chat, &tools, train_on).unwrap();
-        let mut out = String::new();
-        for (i, (&id, &label)) in ids.iter().zip(&labels).enumerate() {
-            let trained = label != IGNORE_INDEX;
-            let was_trained = i > 0 && labels[i - 1] != IGNORE_INDEX;
-            if !trained && (i == 0 || was_trained) {
-                out.push('[');
-            }
-            if trained && was_trained != trained && i > 0 {
-                out.push(']');
-            }
-            out.push(id as u8 as char);
-        }
-        if labels.last() == Some(&IGNORE_INDEX) {
-            out.push(']');
-        }
-        out
+        let len = ids.len();
+        let described = describe_sample(&pad(ids, labels, len, 0), &decode).unwrap();
+        described.replace("[masked]", "[").replace("[/masked]", "]")
     }
 
     fn weather_row() -> serde_json::Value {
