@@ -129,4 +129,13 @@ fn chat_rows_train_on_assistant_turns_rendered_with_the_models_template() {
         &[],
     );
     assert!(!o.status.success() && stderr(&o).contains("no token is trained on"), "{}", stderr(&o));
+    // A turn's thinking this model's template would drop is refused by file and line, not
+    // silently left untrained.
+    let thinking = tmp.path().join("thinking.jsonl");
+    let row = serde_json::json!({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", "reasoning_content": "greet"}]});
+    std::fs::write(&thinking, format!("{}\n{row}\n", rows[0])).unwrap();
+    let args = ["finetune", "--model", model.to_str().unwrap(), "--data", thinking.to_str().unwrap(), "--output-dir"];
+    let o = run_cli(&[&args[..], &[tmp.path().join("y").to_str().unwrap(), "--seq-len", "64"]].concat(), &[]);
+    let e = stderr(&o);
+    assert!(!o.status.success() && e.contains("thinking.jsonl:2") && e.contains("chat template writes no thinking"), "{e}");
 }

@@ -181,3 +181,59 @@ fn the_messages_api_returns_thinking_blocks_and_holds_the_budget() {
     assert!(thought.len() < THINKING.len() && THINKING.starts_with(thought.trim_end()), "{short}");
     assert!(!short["content"][1]["text"].as_str().unwrap().trim().is_empty(), "{short}");
 }
+
+/// A past answer's thinking, sent back as each API's clients send it, reaches the template (this
+/// one writes every turn's): chat's `reasoning_content` (the `openai` client's message object)
+/// and vLLM's `reasoning`, Anthropic's `thinking` blocks, the Responses API's reasoning items;
+/// the same tokens each way. The `openai` and `anthropic` clients send their answers back
+/// (tests/reasoning_client.py).
+#[test]
+fn a_past_answers_thinking_reaches_the_template_from_every_api() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = thinking_model(tmp.path());
+    let server = Server::start(&model, &[]);
+    let hi = json!({"role": "user", "content": "Hi"});
+    let chat_prompt = |answer: Value| {
+        let body = json!({"model": "tiny", "messages": [hi, answer, hi], "chat_template_kwargs": {"enable_thinking": false}});
+        post_json(&server.url("/tokenize"), &body)["tokens"].clone()
+    };
+    let text = |ids: &Value| post_json(&server.url("/detokenize"), &json!({"tokens": ids}))["prompt"].as_str().unwrap().to_string();
+    let plain = chat_prompt(json!({"role": "assistant", "content": ANSWER}));
+    let thought = chat_prompt(json!({"role": "assistant", "content": ANSWER, "reasoning_content": THINKING, "refusal": null}));
+    assert!(text(&thought).contains(&format!("<|im_start|>assistant\n<think>{THINKING}</think>{ANSWER}<|im_end|>")), "{}", text(&thought));
+    assert_eq!(chat_prompt(json!({"role": "assistant", "content": ANSWER, "reasoning": THINKING})), thought);
+    let added = thought.as_array().unwrap().len() - plain.as_array().unwrap().len();
+
+    // Anthropic's count_tokens (thinking off: the same no-think prompt as above).
+    let count = |answer: Value| {
+        let body = json!({"model": "tiny", "messages": [hi, {"role": "assistant", "content": answer}, hi]});
+        post_json(&server.url("/v1/messages/count_tokens"), &body)["input_tokens"].as_u64().unwrap() as usize
+    };
+    let text_block = json!({"type": "text", "text": ANSWER});
+    let thinking_block = json!({"type": "thinking", "thinking": THINKING, "signature": ""});
+    assert_eq!(count(json!([thinking_block, text_block])) - count(json!([text_block])), added);
+    assert_eq!(count(json!([text_block])), plain.as_array().unwrap().len());
+
+    // The Responses API's input items (its prompt opens the thinking: the counts differ from
+    // the above by the same amount).
+    let input_tokens = |items: Vec<Value>| {
+        let input: Vec<Value> = [vec![hi.clone()], items, vec![hi.clone()]].concat();
+        let body = json!({"model": "tiny", "input": input, "max_output_tokens": 1});
+        post_json(&server.url("/v1/responses"), &body)["usage"]["input_tokens"].as_u64().unwrap() as usize
+    };
+    let message = json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": ANSWER}]});
+    let reasoning = json!({"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": THINKING}]});
+    assert_eq!(input_tokens(vec![reasoning, message.clone()]) - input_tokens(vec![message]), added);
+
+    // A bad one is named.
+    let conflict = json!({"model": "tiny", "max_tokens": 1,
+        "messages": [hi, {"role": "assistant", "content": ANSWER, "reasoning": "a", "reasoning_content": "b"}, hi]});
+    let (status, body, _) = post(&server.url("/v1/chat/completions"), &conflict.to_string(), None);
+    let param = serde_json::from_str::<Value>(&body).unwrap()["error"]["param"].clone();
+    assert_eq!((status, param), (400, json!("messages[1].reasoning")), "{body}");
+
+    let Some(python) = python_or_skip("a_past_answers_thinking_reaches_the_template_from_every_api", &["openai", "anthropic"]) else {
+        return;
+    };
+    run_client_script(&python, "reasoning_client.py", &server, "", "tiny", &[("THINKING", THINKING)]);
+}

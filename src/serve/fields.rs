@@ -116,7 +116,7 @@ pub const RESPONSES: &[&str] = &[
 ];
 
 /// One chat message.
-pub const MESSAGE: &[&str] = &["role", "content", "tool_calls", "tool_call_id", "name"];
+pub const MESSAGE: &[&str] = &["role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content", "reasoning"];
 
 /// `POST /tokenize`: a prompt, or a conversation (with its functions and template arguments)
 /// rendered as the chat endpoint renders it.

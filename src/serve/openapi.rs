@@ -100,7 +100,7 @@ pub const SPEC: &str = r##"{
           "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]}, "name": {"type": "string"},
           "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}]},
           "tool_calls": {"type": "array", "items": {"type": "object", "required": ["function"], "properties": {"id": {"type": "string"}, "type": {"type": "string"}, "function": {"type": "object", "required": ["name", "arguments"], "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}}},
-          "tool_call_id": {"type": "string"}}}}}}]}
+          "tool_call_id": {"type": "string"}, "reasoning_content": {"type": "string"}, "reasoning": {"type": "string"}}}}}}]}
     }
   },
   "security": [{"bearer": []}],

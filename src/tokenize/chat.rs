@@ -8,27 +8,60 @@ use anyhow::{bail, Context, Result};
 use minijinja::{context, Environment, Error, ErrorKind, Value};
 use serde::{Deserialize, Serialize};
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// Read from JSON with the fields' names (the thinking's as either); written for templates by
+/// the `Serialize` below.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
     /// An assistant turn's function calls, as chat templates take them:
     /// `[{"type": "function", "function": {"name", "arguments": {...}}}]` (arguments as an
     /// object, as transformers' and vLLM's templates expect).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub tool_calls: Option<serde_json::Value>,
     /// A `tool` turn's answer to this call.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub tool_call_id: Option<String>,
     /// Who speaks (OpenAI's message `name`: a user in a group, an agent of several); templates
     /// that read `message.name` render it, others leave it out.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub name: Option<String>,
+    /// An assistant turn's thinking, apart from its `content` (a reasoning model's answer as the
+    /// server returns it). Templates read it as `reasoning_content` (Qwen3's, DeepSeek's) or
+    /// `reasoning` (vLLM's newer name): the message carries it under both, as vLLM passes it.
+    /// Templates decide whether a past turn's thinking is shown again (Qwen3's keeps it only
+    /// after the last user message, within a turn's function calls).
+    #[serde(default, alias = "reasoning_content")]
+    pub reasoning: Option<String>,
 }
 
 impl ChatMessage {
     pub fn new(role: &str, content: &str) -> Self {
-        Self { role: role.to_string(), content: content.to_string(), tool_calls: None, tool_call_id: None, name: None }
+        Self { role: role.to_string(), content: content.to_string(), tool_calls: None, tool_call_id: None, name: None, reasoning: None }
+    }
+}
+
+/// The message as a template sees it: the fields that are set, the thinking under both names.
+impl Serialize for ChatMessage {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = serializer.serialize_map(None)?;
+        map.serialize_entry("role", &self.role)?;
+        map.serialize_entry("content", &self.content)?;
+        if let Some(calls) = &self.tool_calls {
+            map.serialize_entry("tool_calls", calls)?;
+        }
+        if let Some(id) = &self.tool_call_id {
+            map.serialize_entry("tool_call_id", id)?;
+        }
+        if let Some(name) = &self.name {
+            map.serialize_entry("name", name)?;
+        }
+        if let Some(thinking) = &self.reasoning {
+            map.serialize_entry("reasoning_content", thinking)?;
+            map.serialize_entry("reasoning", thinking)?;
+        }
+        map.end()
     }
 }
 
@@ -41,6 +74,9 @@ pub struct ChatTemplate {
     eos_token: Option<String>,
     /// The template reads `tools` (it renders function definitions itself).
     pub takes_tools: bool,
+    /// The template reads a message's thinking (`reasoning_content` or `reasoning`); others
+    /// drop it without a word.
+    pub takes_reasoning: bool,
     /// Its text (what it writes tells, e.g., a reasoning model's think tags).
     pub source: String,
 }
@@ -195,7 +231,8 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_template_owned(TEMPLATE_NAME, source.to_string()).map_err(|e| anyhow::anyhow!("{e:#}"))?;
         let takes_tools = source.contains("tools");
-        Ok(Self { env, bos_token, eos_token, takes_tools, source: source.to_string() })
+        let takes_reasoning = source.contains("reasoning_content") || source.contains(".reasoning");
+        Ok(Self { env, bos_token, eos_token, takes_tools, takes_reasoning, source: source.to_string() })
     }
 
     /// Renders a conversation; `add_generation_prompt` opens the assistant's turn.
@@ -247,6 +284,22 @@ mod tests {
         let env = &t.env;
         let out = env.get_template(TEMPLATE_NAME).unwrap().render(context! { x => serde_json::json!({"a": [1, "é<"], "b": {}}) }).unwrap();
         assert_eq!(out, "{\"a\": [1, \"é<\"], \"b\": {}}|{\n  \"a\": [\n    1,\n    \"é<\"\n  ],\n  \"b\": {}\n}");
+    }
+
+    #[test]
+    fn a_turns_thinking_reaches_the_template_under_both_names() {
+        let mut m = ChatMessage::new("assistant", "Hello");
+        m.reasoning = Some("greet".into());
+        let both = ChatTemplate::new(
+            "{% for m in messages %}{{ m.reasoning_content }}|{{ m['reasoning'] }}|{{ m.content }}{% endfor %}",
+            None,
+            None,
+        )
+        .unwrap();
+        assert_eq!(both.render(&[m.clone()], false).unwrap(), "greet|greet|Hello");
+        assert!(both.takes_reasoning);
+        let plain = ChatTemplate::new("{% for m in messages %}{{ m.content }}{% endfor %}", None, None).unwrap();
+        assert_eq!((plain.render(&[m], false).unwrap().as_str(), plain.takes_reasoning), ("Hello", false));
     }
 
     #[test]

@@ -32,6 +32,20 @@ pub fn render(
     }
 }
 
+/// A training row's conversation rendered as [`render`] renders a request (no template
+/// arguments). A turn's thinking (`reasoning`) that the template would drop is refused: a row
+/// that carries it means it to be trained on.
+pub fn render_row(template: &ChatTemplate, messages: &[ChatMessage], tools: Option<&Value>, add_generation_prompt: bool) -> Result<String> {
+    if !template.takes_reasoning && messages.iter().any(|m| m.reasoning.is_some()) {
+        anyhow::bail!(
+            "an assistant turn has `reasoning_content` (or `reasoning`), but this model's chat template writes no thinking (it reads \
+             neither), so it would not be trained on; put the thinking in the turn's `content` as the model writes it (e.g. \
+             `<think>...</think>` before the answer), or leave it out"
+        );
+    }
+    render(template, messages, tools, add_generation_prompt, &Map::new())
+}
+
 /// The generic format's messages: the functions (if any) in a system turn (merged into the
 /// first system message, if there is one), past calls as `<tool_call>` text of the assistant's
 /// turn, tool results as `<tool_response>` user turns.

@@ -132,6 +132,7 @@ fn weighted_messages(list: &Value, field: &str, role_key: &str, content_key: &st
                     Some(other) => bail!("{field}[{i}].{key} must be a string, found {}", short(other)),
                 }
             }
+            message.reasoning = reasoning(m, role, &format!("{field}[{i}]"))?;
             match m.get("weight") {
                 None | Some(Value::Null) => {}
                 Some(w) if role == "assistant" && (w == 0 || w == 1) => {
@@ -151,6 +152,25 @@ fn weighted_messages(list: &Value, field: &str, role_key: &str, content_key: &st
         out.push(message);
     }
     Ok((out, untrained))
+}
+
+/// An assistant turn's thinking, apart from its content, under the server's names
+/// (`reasoning_content`, or vLLM's `reasoning`): reasoning datasets carry it so for templates
+/// that write it (Qwen3's `<think>` block). None for a turn without.
+fn reasoning(m: &Value, role: &str, at: &str) -> Result<Option<String>> {
+    let mut found: Option<(&str, &str)> = None;
+    for key in ["reasoning_content", "reasoning"] {
+        match m.get(key) {
+            None | Some(Value::Null) => {}
+            Some(_) if role != "assistant" => bail!("{at}.{key} is on a {role} turn; only assistant turns think"),
+            Some(Value::String(s)) => match found {
+                Some((first, earlier)) if earlier != s => bail!("{at}.{key} differs from its `{first}`; give the thinking once"),
+                _ => found = Some((key, s)),
+            },
+            Some(other) => bail!("{at}.{key} must be a string, found {}", short(other)),
+        }
+    }
+    Ok(found.map(|(_, s)| s.to_string()))
 }
 
 /// An assistant turn's calls (`tool_calls`, or the legacy single `function_call`) in the form
@@ -378,5 +398,26 @@ mod tests {
         // An answer of calls only still trains; one whose only answer has weight 0 trains nothing.
         assert_eq!(trains_nothing(&Example::Chat(chat(with(json!({"role": "assistant", "tool_calls": [call]}), json!(null))))), None);
         assert!(trains_nothing(&Example::Chat(chat(with(weight(json!(0)), json!(null))))).is_some());
+    }
+
+    #[test]
+    fn a_turns_thinking_reads_under_either_name() {
+        let row = |m: Value| json!({"messages": [{"role": "user", "content": "q"}, m]});
+        let thinking = |v: Value| match parse_row(&v, true).unwrap() {
+            Example::Chat(c) => c.messages[1].reasoning.clone(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(thinking(row(json!({"role": "assistant", "content": "a", "reasoning_content": "t"}))), Some("t".into()));
+        assert_eq!(
+            thinking(row(json!({"role": "assistant", "content": "a", "reasoning": "t", "reasoning_content": "t"}))),
+            Some("t".into())
+        );
+        assert_eq!(thinking(row(json!({"role": "assistant", "content": "a", "reasoning_content": null}))), None);
+        let e = |m: Value| format!("{:#}", parse_row(&row(m), true).unwrap_err());
+        assert!(e(json!({"role": "assistant", "content": "a", "reasoning": "t", "reasoning_content": "u"}))
+            .contains("messages[1].reasoning differs from its `reasoning_content`"));
+        assert!(e(json!({"role": "user", "content": "a", "reasoning_content": "t"}))
+            .contains("messages[1].reasoning_content is on a user turn"));
+        assert!(e(json!({"role": "assistant", "content": "a", "reasoning": ["t"]})).contains("messages[1].reasoning must be a string"));
     }
 }

@@ -210,7 +210,7 @@ pub fn tokenize_pair(row: &PreferenceRow, tools: &TextTools) -> Result<PairToken
             let template = tools.template.context("conversational preference rows need a chat template, and this model has none")?;
             // As the server renders a request (`tokenize::tool_prompt`): with the functions, calls and results.
             let render = |turns: &[ChatMessage], add_generation_prompt: bool| {
-                tool_prompt::render(template, turns, functions.as_ref(), add_generation_prompt, &serde_json::Map::new())
+                tool_prompt::render_row(template, turns, functions.as_ref(), add_generation_prompt)
             };
             let whole = |completion: &[ChatMessage]| encode(&render(&[prompt.clone(), completion.to_vec()].concat(), false)?, false);
             (encode(&render(prompt, true)?, false)?, whole(chosen)?, whole(rejected)?)

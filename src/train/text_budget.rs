@@ -11,10 +11,13 @@
 
 use crate::tokenize::ChatMessage;
 
-/// Every message's content cut by `cut` to `budget` bytes.
+/// Every message's content (and thinking) cut by `cut` to `budget` bytes.
 pub fn contents(messages: &mut [ChatMessage], budget: usize, cut: fn(&mut String, usize)) {
     for m in messages {
         cut(&mut m.content, budget);
+        if let Some(thinking) = m.reasoning.as_mut() {
+            cut(thinking, budget);
+        }
     }
 }
 

@@ -7,8 +7,10 @@ use serde_json::json;
 
 use super::{run_cli, stderr};
 
-/// Qwen3's chat template's turns and generation prompt (its thinking switch included).
-pub const QWEN3_TEMPLATE: &str = r#"{%- for message in messages %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endfor %}
+/// Qwen3's chat template's turns and generation prompt (its thinking switch included). A turn's
+/// `reasoning_content` is written as a think block before its content on every turn, as
+/// templates that keep thinking in the history do (Qwen3's own keeps only the current turn's).
+pub const QWEN3_TEMPLATE: &str = r#"{%- for message in messages %}{{- '<|im_start|>' + message.role + '\n' }}{%- if message.reasoning_content %}{{- '<think>' + message.reasoning_content + '</think>' }}{%- endif %}{{- message.content + '<|im_end|>\n' }}{%- endfor %}
 {%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\n' }}
     {%- if enable_thinking is defined and enable_thinking is false %}
@@ -26,7 +28,10 @@ pub fn thinking_model(root: &Path) -> PathBuf {
     let o = run_cli(&["fixture", "--name", "qwen3", "--out", base.to_str().unwrap(), "--set", "max_position_embeddings=1024"], &[]);
     assert!(o.status.success(), "{}", stderr(&o));
     std::fs::write(base.join("chat_template.jinja"), QWEN3_TEMPLATE).unwrap();
-    let row = json!({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": format!("<think>{THINKING}</think>{ANSWER}")}]});
+    // The thinking as reasoning datasets carry it (`reasoning_content`), which the template
+    // writes before the answer: `<think>THINKING</think>ANSWER` is what the model learns.
+    let row =
+        json!({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ANSWER, "reasoning_content": THINKING}]});
     let data = root.join("rows.jsonl");
     std::fs::write(&data, format!("{row}\n").repeat(4)).unwrap();
     let o = run_cli(

@@ -129,6 +129,12 @@ pub fn read(v: &Value, count: bool, lenient: bool, ignored: &mut Vec<String>) ->
                             "the last message cannot be the assistant's tool_use: answer it with a user turn of tool_result blocks.",
                         ));
                     }
+                    if m.reasoning.is_some() {
+                        return Err(ApiError::invalid(
+                            &at,
+                            "the last message, the answer's beginning, cannot hold thinking blocks: the answer's thinking is written by the model.",
+                        ));
+                    }
                     // Anthropic's prefill: the answer continues this text (trailing whitespace
                     // is refused there; here it is trimmed, which tokenises the same way).
                     prefill = m.content.trim_end().to_string();
@@ -275,10 +281,12 @@ fn user_turn(
     Ok(())
 }
 
-/// An assistant turn: its text, its `tool_use` blocks as calls; past thinking is not rendered
-/// again (reasoning models' templates drop it from the history).
+/// An assistant turn: its text, its `tool_use` blocks as calls, its `thinking` blocks as the
+/// turn's thinking (the template decides whether a past turn's thinking is shown again: Qwen3's
+/// keeps it within a turn's tool calls, as Anthropic asks clients to send it back there).
+/// `redacted_thinking` holds no text to render.
 fn assistant_turn(content: Option<&Value>, at: &str, lenient: bool, ignored: &mut Vec<String>) -> Result<ChatMessage, ApiError> {
-    let (mut text, mut calls) = (vec![], vec![]);
+    let (mut text, mut calls, mut thinking) = (vec![], vec![], vec![]);
     for (here, b) in blocks(content, at)? {
         if let Value::String(s) = b {
             text.push(s.clone());
@@ -302,6 +310,11 @@ fn assistant_turn(content: Option<&Value>, at: &str, lenient: bool, ignored: &mu
             }
             Some("thinking") => {
                 ignored.extend(fields::check(b, &["type", "thinking", "signature"], &here, lenient)?);
+                let t = b
+                    .get("thinking")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| ApiError::invalid(&format!("{here}.thinking"), "`thinking` must be a string."))?;
+                thinking.push(t.to_string());
             }
             Some("redacted_thinking") => {
                 ignored.extend(fields::check(b, &["type", "data"], &here, lenient)?);
@@ -311,6 +324,7 @@ fn assistant_turn(content: Option<&Value>, at: &str, lenient: bool, ignored: &mu
     }
     let mut m = ChatMessage::new("assistant", &text.join("\n"));
     m.tool_calls = (!calls.is_empty()).then(|| Value::Array(calls));
+    m.reasoning = (!thinking.is_empty()).then(|| thinking.join("\n"));
     Ok(m)
 }
 
@@ -473,7 +487,7 @@ mod tests {
            "stop_sequences": ["##"]}));
         let roles: Vec<&str> = r.messages.iter().map(|m| m.role.as_str()).collect();
         assert_eq!(roles, ["system", "user", "assistant", "tool", "user"]);
-        assert_eq!(r.messages[2].content, "Let me look.");
+        assert_eq!((r.messages[2].content.as_str(), r.messages[2].reasoning.as_deref()), ("Let me look.", Some("hm")));
         assert_eq!(r.messages[2].tool_calls.as_ref().unwrap()[0]["function"]["arguments"]["city"], "Paris");
         assert_eq!(r.messages[3].tool_call_id.as_deref(), Some("toolu_1"));
         assert_eq!(
@@ -505,6 +519,12 @@ mod tests {
         assert_eq!(err(base(json!({"tools": [{"type": "web_search_20250305", "name": "s"}]}))), "tools[0].type");
         assert_eq!(err(base(json!({"tool_choice": {"type": "any"}}))), "tool_choice");
         assert_eq!(err(base(json!({"messages": [{"role": "system", "content": "x"}]}))), "messages[0].role");
+        let thinking = json!([{"type": "thinking", "thinking": 5, "signature": ""}]);
+        let turns =
+            json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": thinking}, {"role": "user", "content": "go"}]);
+        assert_eq!(err(base(json!({"messages": turns}))), "messages[1].content[0].thinking");
+        let prefill = json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": ""}]}]);
+        assert_eq!(err(base(json!({"messages": prefill}))), "messages[1]");
         assert_eq!(rename_param("stop"), "stop_sequences");
         assert_eq!(rename_param("tools[1].function.parameters"), "tools[1].input_schema");
     }

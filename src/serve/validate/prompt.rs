@@ -39,7 +39,7 @@ pub fn prompt(v: &Value, vocab: usize) -> Result<Prompt, ApiError> {
 
 /// `messages` of /v1/chat/completions: roles system, user, assistant (and developer, read as
 /// system); content a string or a list of text parts (joined with newlines, as vLLM does).
-/// Message fields other than `role` and `content` are refused (or, `lenient`, added to
+/// Message fields other than [`fields::MESSAGE`] are refused (or, `lenient`, added to
 /// `ignored`).
 pub fn messages(v: &Value, lenient: bool, ignored: &mut Vec<String>) -> Result<Vec<ChatMessage>, ApiError> {
     let f = Fields::of(v)?;
@@ -109,9 +109,32 @@ pub fn messages(v: &Value, lenient: bool, ignored: &mut Vec<String>) -> Result<V
             };
             let mut message = ChatMessage::new(&role, &content);
             (message.tool_calls, message.tool_call_id, message.name) = (tool_calls, tool_call_id, name);
+            message.reasoning = reasoning(o, &role, &param)?;
             Ok(message)
         })
         .collect()
+}
+
+/// An assistant message's thinking, as a reasoning model's answer returned it and clients send
+/// it back (the `openai` client's message object carries `reasoning_content`): under either of
+/// vLLM's names, `reasoning_content` or `reasoning`; both must then agree.
+fn reasoning(o: &serde_json::Map<String, Value>, role: &str, param: &str) -> Result<Option<String>, ApiError> {
+    let mut found: Option<(&str, &String)> = None;
+    for key in ["reasoning_content", "reasoning"] {
+        let at = format!("{param}.{key}");
+        match o.get(key) {
+            None | Some(Value::Null) => {}
+            Some(_) if role != "assistant" => return Err(ApiError::invalid(&at, format!("only assistant messages carry `{key}`."))),
+            Some(Value::String(s)) => match found {
+                Some((first, earlier)) if earlier != s => {
+                    return Err(ApiError::invalid(&at, format!("`{key}` differs from `{first}`; send the thinking once.")))
+                }
+                _ => found = Some((key, s)),
+            },
+            Some(_) => return Err(ApiError::invalid(&at, format!("`{key}` must be a string."))),
+        }
+    }
+    Ok(found.map(|(_, s)| s.clone()))
 }
 
 /// `chat_template_kwargs` (vLLM's and SGLang's): an object of more variables for the chat
@@ -185,5 +208,26 @@ mod tests {
         let parts = json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]});
         assert_eq!(messages(&parts, false, &mut vec![]).unwrap()[0].content, "a\nb");
         assert_eq!(prompt(&json!({"prompt": [1, 99]}), 10).err().unwrap().param.as_deref(), Some("prompt"));
+    }
+
+    /// An answer's message sent back as the `openai` client sends it: `reasoning_content` (or
+    /// vLLM's `reasoning`) is the turn's thinking.
+    #[test]
+    fn an_assistant_turns_thinking_is_read_under_either_name() {
+        let read = |m: Value| messages(&json!({"messages": [{"role": "user", "content": "Hi"}, m]}), false, &mut vec![]);
+        let answer = json!({"role": "assistant", "content": "Hello", "refusal": null, "tool_calls": null, "reasoning_content": "greet"});
+        assert_eq!(read(answer).unwrap()[1].reasoning.as_deref(), Some("greet"));
+        let both = json!({"role": "assistant", "content": "Hello", "reasoning": "greet", "reasoning_content": "greet"});
+        assert_eq!(read(both).unwrap()[1].reasoning.as_deref(), Some("greet"));
+        let param = |m: Value| read(m).unwrap_err().param;
+        assert_eq!(
+            param(json!({"role": "assistant", "content": "x", "reasoning": "a", "reasoning_content": "b"})).as_deref(),
+            Some("messages[1].reasoning")
+        );
+        assert_eq!(
+            param(json!({"role": "user", "content": "x", "reasoning_content": "a"})).as_deref(),
+            Some("messages[1].reasoning_content")
+        );
+        assert_eq!(param(json!({"role": "assistant", "content": "x", "reasoning": 3})).as_deref(), Some("messages[1].reasoning"));
     }
 }

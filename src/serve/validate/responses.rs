@@ -157,9 +157,24 @@ fn input_item(item: &Value, at: &str, messages: &mut Vec<ChatMessage>, lenient: 
                     .join("\n"),
                 _ => return Err(ApiError::invalid(&format!("{at}.content"), "`content` must be a string or a list of text parts.")),
             };
-            let mut m = ChatMessage::new(role, &content);
-            m.name = o.get("name").and_then(Value::as_str).map(str::to_string);
-            messages.push(m);
+            let name = o.get("name").and_then(Value::as_str).map(str::to_string);
+            match messages.last_mut() {
+                // The answer after a reasoning item: the same assistant turn.
+                Some(m)
+                    if role == "assistant"
+                        && m.role == "assistant"
+                        && m.reasoning.is_some()
+                        && m.content.is_empty()
+                        && m.tool_calls.is_none() =>
+                {
+                    (m.content, m.name) = (content, name)
+                }
+                _ => {
+                    let mut m = ChatMessage::new(role, &content);
+                    m.name = name;
+                    messages.push(m);
+                }
+            }
         }
         "function_call" => {
             ignored.extend(fields::check(item, &["type", "call_id", "name", "arguments", "id", "status"], at, lenient)?);
@@ -196,10 +211,36 @@ fn input_item(item: &Value, at: &str, messages: &mut Vec<ChatMessage>, lenient: 
             messages.push(m);
         }
         // A reasoning item of an earlier answer, sent back as clients replay output items (the
-        // Agents SDK does): its fields are checked; past thinking is not rendered again, as
-        // reasoning models' templates drop it from the history.
+        // Agents SDK does): the thinking of the assistant turn its message or calls that follow
+        // make (the template decides whether a past turn's thinking is shown again). Its text is
+        // `content`'s reasoning_text parts, else `summary`'s; `encrypted_content` holds none.
         "reasoning" => {
             ignored.extend(fields::check(item, &["type", "id", "summary", "content", "encrypted_content", "status"], at, lenient)?);
+            let texts = |key: &str, kind: &str| -> Result<Vec<String>, ApiError> {
+                let parts = match o.get(key) {
+                    None | Some(Value::Null) => return Ok(vec![]),
+                    Some(Value::Array(parts)) => parts,
+                    Some(_) => return Err(ApiError::invalid(&format!("{at}.{key}"), format!("`{key}` must be a list of {kind} parts."))),
+                };
+                parts
+                    .iter()
+                    .enumerate()
+                    .map(|(j, p)| match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                        (Some(t), Some(text)) if t == kind => Ok(text.to_string()),
+                        _ => Err(ApiError::invalid(
+                            &format!("{at}.{key}[{j}]"),
+                            format!("each part must be {{\"type\": \"{kind}\", \"text\": ...}}."),
+                        )),
+                    })
+                    .collect()
+            };
+            let (content, summary) = (texts("content", "reasoning_text")?, texts("summary", "summary_text")?);
+            let thinking = if content.is_empty() { summary } else { content };
+            if !thinking.is_empty() {
+                let mut m = ChatMessage::new("assistant", "");
+                m.reasoning = Some(thinking.join("\n"));
+                messages.push(m);
+            }
         }
         other => {
             return Err(ApiError::invalid(
@@ -277,5 +318,44 @@ mod tests {
             (json!("auto"), json!(false), json!(3))
         );
         assert_eq!(chat["tools"][0]["function"]["name"], "f");
+    }
+
+    /// Output items sent back as input: a reasoning item is the thinking of the assistant turn
+    /// its message or calls make.
+    #[test]
+    fn a_replayed_reasoning_item_is_its_turns_thinking() {
+        let read_input = |input: Value| read(&json!({"model": "m", "input": input}), false, &mut vec![]).map(|r| r.messages);
+        let thought =
+            |text: &str| json!({"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": text}]});
+        let messages = read_input(json!([
+            {"role": "user", "content": "Weather?"},
+            thought("look it up"),
+            {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+            thought("say it"),
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sunny."}]},
+            {"role": "user", "content": "Thanks"},
+        ]))
+        .unwrap();
+        let turns: Vec<(&str, &str, Option<&str>, bool)> =
+            messages.iter().map(|m| (m.role.as_str(), m.content.as_str(), m.reasoning.as_deref(), m.tool_calls.is_some())).collect();
+        assert_eq!(
+            turns,
+            [
+                ("user", "Weather?", None, false),
+                ("assistant", "", Some("look it up"), true),
+                ("tool", "sunny", None, false),
+                ("assistant", "Sunny.", Some("say it"), false),
+                ("user", "Thanks", None, false)
+            ]
+        );
+        // A summary stands in for the text; an encrypted item holds none.
+        let summary = json!({"type": "reasoning", "summary": [{"type": "summary_text", "text": "short"}]});
+        let reply = json!({"role": "assistant", "content": "Hi."});
+        assert_eq!(read_input(json!([summary, reply.clone()])).unwrap()[0].reasoning.as_deref(), Some("short"));
+        let encrypted = json!({"type": "reasoning", "summary": [], "encrypted_content": "gAAA"});
+        assert_eq!(read_input(json!([encrypted, reply])).unwrap()[0].reasoning, None);
+        let bad = json!({"type": "reasoning", "content": [{"type": "output_text", "text": "x"}]});
+        assert_eq!(read_input(json!([bad])).unwrap_err().param.as_deref(), Some("input[0].content[0]"));
     }
 }

@@ -29,10 +29,9 @@ pub(super) fn mask_by_spans(ids: &[u32], offsets: &[(usize, usize)], spans: &[(u
 /// train; turns of `weight` 0 never do).
 pub(super) fn chat_tokens(chat: &Chat, tools: &TextTools, train_on: TrainOn) -> Result<(Vec<u32>, Vec<i64>)> {
     let template = tools.template.context("chat rows need a chat template, and this model has none")?;
-    let (messages, functions, none) = (&chat.messages, chat.tools.as_ref(), serde_json::Map::new());
-    let render = |upto: usize, add_generation_prompt: bool| {
-        tool_prompt::render(template, &messages[..upto], functions, add_generation_prompt, &none)
-    };
+    let (messages, functions) = (&chat.messages, chat.tools.as_ref());
+    let render =
+        |upto: usize, add_generation_prompt: bool| tool_prompt::render_row(template, &messages[..upto], functions, add_generation_prompt);
     let full = render(messages.len(), false)?;
     let (ids, offsets) = (tools.encode)(&full, false)?;
     if train_on == TrainOn::All {
@@ -108,6 +107,34 @@ mod tests {
             ),
             "{shown}"
         );
+    }
+
+    /// Qwen3's way with thinking, shortened: an assistant turn after the last user message
+    /// writes its `reasoning_content` in a think block; earlier turns' thinking is dropped.
+    const THINKING_TEMPLATE: &str = "{% set ns = namespace(last_user=-1) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' and loop.index0 > ns.last_user and m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}</>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}";
+
+    #[test]
+    fn a_turns_thinking_trains_where_the_template_writes_it_and_is_refused_where_it_would_be_dropped() {
+        let thinking = ChatTemplate::new(THINKING_TEMPLATE, None, None).unwrap();
+        let row =
+            json!({"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning_content": "add"}]});
+        assert_eq!(shown(&thinking, row.clone(), TrainOn::Auto), "[<user>2+2?</><assistant>]<think>add</think>4</>");
+        // Earlier turns' thinking is the template's to drop (and their answers still train).
+        let mut two = row.clone();
+        two["messages"]
+            .as_array_mut()
+            .unwrap()
+            .extend([json!({"role": "user", "content": "3+3?"}), json!({"role": "assistant", "content": "6", "reasoning": "add"})]);
+        assert_eq!(
+            shown(&thinking, two, TrainOn::Completion),
+            "[<user>2+2?</><assistant>4</><user>3+3?</><assistant>]<think>add</think>6</>"
+        );
+        let plain = ChatTemplate::new("{% for m in messages %}<{{ m.role }}>{{ m.content }}</>{% endfor %}", None, None).unwrap();
+        let Example::Chat(chat) = parse_row(&row, true).unwrap() else { panic!("a chat row") };
+        let decode = |ids: &[u32]| -> Result<String> { Ok(ids.iter().map(|&i| i as u8 as char).collect()) };
+        let tools = TextTools { encode: &bytes, decode: &decode, template: Some(&plain), eos_id: None, pad_id: 0 };
+        let e = format!("{:#}", chat_tokens(&chat, &tools, TrainOn::Auto).unwrap_err());
+        assert!(e.contains("`reasoning_content` (or `reasoning`), but this model's chat template writes no thinking"), "{e}");
     }
 
     #[test]

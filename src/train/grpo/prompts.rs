@@ -150,7 +150,7 @@ fn chat_prompt(list: &Value, field: &str, functions: Option<&Value>, tools: &Tex
     let template = tools.template.context("conversational prompts need a chat template, and this model has none")?;
     // As the server renders a request with these functions (`tool_prompt`), so rollouts see the
     // prompt the served model will.
-    let text = crate::tokenize::tool_prompt::render(template, &turns, functions, true, &serde_json::Map::new())?;
+    let text = crate::tokenize::tool_prompt::render_row(template, &turns, functions, true)?;
     Ok((tools.encode)(&text, false)?.0)
 }
 
