@@ -23,13 +23,14 @@ def check(cond, what):
 
 
 # OpenAI's client: the answer's message object appended to the conversation, as its docs show
-# for multi-turn chat. The object carries the server's `reasoning_content` (and `refusal`), and
-# the client sends them back.
+# for multi-turn chat. The object carries the server's `reasoning_content` and `reasoning` (and
+# `refusal`), and the client sends them back.
 client = openai.OpenAI(base_url=base, api_key=key, max_retries=0)
 hi = {"role": "user", "content": "Hi"}
 first = client.chat.completions.create(model=model, messages=[hi], max_tokens=40, temperature=0)
 message = first.choices[0].message
-check((message.model_extra or {}).get("reasoning_content") == thinking, f"the first answer's thinking: {message}")
+extra = message.model_extra or {}
+check(extra.get("reasoning_content") == thinking == extra.get("reasoning"), f"the first answer's thinking, under both names: {message}")
 second = client.chat.completions.create(model=model, messages=[hi, message, hi], max_tokens=40, temperature=0)
 check(second.choices[0].message.content is not None, f"the second answer: {second}")
 without = {"role": "assistant", "content": message.content}

@@ -29,6 +29,7 @@ fn thinking_is_split_from_the_answer_whole_and_streamed() {
     let whole = post_json(&url, &chat_body(json!({})));
     let message = &whole["choices"][0]["message"];
     assert_eq!((message["reasoning_content"].as_str(), message["content"].as_str()), (Some(THINKING), Some(ANSWER)), "{whole}");
+    assert_eq!(message["reasoning"], message["reasoning_content"], "vLLM's name too");
     let usage = &whole["usage"];
     let reasoning_tokens = usage["completion_tokens_details"]["reasoning_tokens"].as_u64().unwrap();
     assert!(reasoning_tokens > 0 && reasoning_tokens < usage["completion_tokens"].as_u64().unwrap(), "{usage}");
@@ -39,6 +40,7 @@ fn thinking_is_split_from_the_answer_whole_and_streamed() {
     let part =
         |key: &str| -> String { chunks.iter().filter_map(|c| c["choices"].get(0)?["delta"][key].as_str().map(str::to_string)).collect() };
     assert_eq!((part("reasoning_content"), part("content")), (THINKING.to_string(), ANSWER.to_string()), "{lines:?}");
+    assert_eq!(part("reasoning"), THINKING);
     let last_thinking = chunks.iter().rposition(|c| c["choices"].get(0).is_some_and(|ch| ch["delta"]["reasoning_content"].is_string()));
     let first_answer =
         chunks.iter().position(|c| c["choices"].get(0).is_some_and(|ch| ch["delta"]["content"].as_str().is_some_and(|t| !t.is_empty())));

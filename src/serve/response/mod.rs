@@ -117,7 +117,9 @@ async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -
             };
             let (mut message, finish) = assistant_message(tools, text, json!(finish));
             if let Some(r) = reasoning {
-                message["reasoning_content"] = json!(r);
+                // Under both names: DeepSeek's `reasoning_content`, which most clients read, and
+                // `reasoning`, which vLLM writes now (clients written for it read only that).
+                (message["reasoning_content"], message["reasoning"]) = (json!(r), json!(r));
             }
             json!({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish})
         } else {

@@ -218,11 +218,11 @@ impl<'a> Streamer<'a> {
         let _ = self.out.send(Ok(SseEvent::default().data("[DONE]")));
     }
 
-    /// Sends a reasoning model's thinking as a `delta.reasoning_content` chunk (none when
-    /// empty); false when the client is gone.
+    /// Sends a reasoning model's thinking as a delta chunk, under both of the whole answer's
+    /// names (`reasoning_content`, `reasoning`; none when empty); false when the client is gone.
     fn send_reasoning(&mut self, index: usize, reasoning: String) -> bool {
-        reasoning.is_empty()
-            || self.send(json!({"index": index, "delta": {"reasoning_content": reasoning}, "logprobs": null, "finish_reason": null}))
+        let delta = json!({"reasoning_content": reasoning, "reasoning": reasoning});
+        reasoning.is_empty() || self.send(json!({"index": index, "delta": delta, "logprobs": null, "finish_reason": null}))
     }
 
     /// The chunk of a token's pieces (None: nothing more to send now). One piece of text is one
