@@ -1,13 +1,14 @@
 //! A chat row's tokens and which of them train: the conversation is rendered as the server
 //! renders a request (`tokenize::tool_prompt`: with its functions, calls and results), so a
 //! model tuned on it is served the prompt it learned; each trained assistant turn's span is found
-//! by rendering the conversation's prefixes (templates need no `{% generation %}` markers), and
-//! tokens are matched to spans by their byte offsets.
+//! by rendering the conversation's prefixes, else (a template that writes a turn differently once
+//! others follow it) where the whole changes with the turn, as Axolotl finds turns; templates need
+//! no `{% generation %}` markers. Tokens are matched to spans by their byte offsets.
 
 use anyhow::{bail, Context, Result};
 
 use super::{TextTools, TrainOn, IGNORE_INDEX};
-use crate::tokenize::tool_prompt;
+use crate::tokenize::{tool_prompt, ChatMessage};
 use crate::train::formats::Chat;
 
 /// Token labels for `ids` whose byte ranges `offsets` fall inside one of `spans`.
@@ -44,19 +45,79 @@ pub(super) fn chat_tokens(chat: &Chat, tools: &TextTools, train_on: TrainOn) -> 
         _ => assistant,
     };
     let mut spans = vec![];
+    let mut closing = None;
     for i in chosen {
         let before = render(i, true)?;
         let through = render(i + 1, false)?;
-        if !full.starts_with(&before) || !full.starts_with(&through) || through.len() < before.len() {
-            bail!(
-                "the chat template does not render the conversation's prefixes as prefixes of the whole, so the assistant \
-                 tokens of message {i} cannot be located; use --train-on all"
-            );
+        if full.starts_with(&before) && full.starts_with(&through) && through.len() >= before.len() {
+            spans.push((before.len(), through.len()));
+            continue;
         }
-        spans.push((before.len(), through.len()));
+        // The template writes this turn differently when it ends the conversation (Qwen3's
+        // empty think block on the last turn, its dropping of thinking before the last user
+        // message): find the turn where the whole differs from the whole with the turn blanked.
+        let closing = match &closing {
+            Some(c) => c,
+            None => closing.insert(turn_closing(&|m: &[ChatMessage]| tool_prompt::render_row(template, m, functions, false))?),
+        };
+        let blank = blanked(messages, i);
+        let span = span_by_difference(&full, &tool_prompt::render_row(template, &blank, functions, false)?, closing)
+            .filter(|_| full.starts_with(&before))
+            .map(|(start, end)| (start.min(before.len()), end));
+        match span {
+            Some(span) => spans.push(span),
+            None => bail!(
+                "the chat template renders message {i} so that its assistant tokens cannot be located (neither as a prefix of \
+                 the whole nor where the whole changes with it); use --train-on all or --train-on completion"
+            ),
+        }
     }
     let labels = mask_by_spans(&ids, &offsets, &spans);
     Ok((ids, labels))
+}
+
+/// Stands in for a turn's text where a turn is located by difference: private-use characters no
+/// real text holds.
+const MARKER: &str = "\u{e000}\u{e001}";
+
+/// The conversation with turn `i`'s content replaced by [`MARKER`], its calls and thinking gone.
+fn blanked(messages: &[ChatMessage], i: usize) -> Vec<ChatMessage> {
+    let mut out = messages.to_vec();
+    let turn = &mut out[i];
+    (turn.content, turn.tool_calls, turn.reasoning) = (MARKER.to_string(), None, None);
+    out
+}
+
+/// The bytes where `full` and `blank` (the same conversation with one turn blanked) differ, as
+/// a span of `full`, stretched over the `closing` text the template writes after a turn (its end
+/// token, which the turn trains on). None when they do not differ.
+fn span_by_difference(full: &str, blank: &str, closing: &str) -> Option<(usize, usize)> {
+    let mut prefix = common_len(full.bytes(), blank.bytes());
+    let suffix = common_len(full.bytes().rev(), blank.bytes().rev()).min(full.len() - prefix).min(blank.len() - prefix);
+    let mut end = full.len() - suffix;
+    // Whole characters: two texts may differ inside one.
+    while !full.is_char_boundary(prefix) {
+        prefix -= 1;
+    }
+    while !full.is_char_boundary(end) {
+        end += 1;
+    }
+    if end <= prefix {
+        return None;
+    }
+    let closing = [closing, closing.trim_end()].into_iter().find(|c| !c.is_empty() && full[end..].starts_with(c));
+    Some((prefix, end + closing.map_or(0, str::len)))
+}
+
+fn common_len(a: impl Iterator<Item = u8>, b: impl Iterator<Item = u8>) -> usize {
+    a.zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// What the template writes after an assistant turn's text (`<|im_end|>\n` for ChatML), from a
+/// conversation of one question and one answer.
+fn turn_closing(render: &dyn Fn(&[ChatMessage]) -> Result<String>) -> Result<String> {
+    let text = render(&[ChatMessage::new("user", "q"), ChatMessage::new("assistant", MARKER)])?;
+    Ok(text.rsplit_once(MARKER).map(|(_, after)| after.to_string()).unwrap_or_default())
 }
 
 #[cfg(test)]
@@ -110,8 +171,9 @@ mod tests {
     }
 
     /// Qwen3's way with thinking, shortened: an assistant turn after the last user message
-    /// writes its `reasoning_content` in a think block; earlier turns' thinking is dropped.
-    const THINKING_TEMPLATE: &str = "{% set ns = namespace(last_user=-1) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' and loop.index0 > ns.last_user and m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}</>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}";
+    /// writes its `reasoning_content` in a think block, and the last turn always has one (empty
+    /// without thinking); earlier turns' thinking is dropped.
+    const THINKING_TEMPLATE: &str = "{% set ns = namespace(last_user=-1) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' and loop.index0 > ns.last_user and (loop.last or m.reasoning_content) %}<think>{{ m.reasoning_content or '' }}</think>{% endif %}{{ m.content }}</>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}";
 
     #[test]
     fn a_turns_thinking_trains_where_the_template_writes_it_and_is_refused_where_it_would_be_dropped() {
@@ -119,22 +181,44 @@ mod tests {
         let row =
             json!({"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning_content": "add"}]});
         assert_eq!(shown(&thinking, row.clone(), TrainOn::Auto), "[<user>2+2?</><assistant>]<think>add</think>4</>");
-        // Earlier turns' thinking is the template's to drop (and their answers still train).
+        // Earlier turns' thinking is the template's to drop, and their answers still train:
+        // found where the whole changes with them, since alone they render as a last turn.
         let mut two = row.clone();
         two["messages"]
             .as_array_mut()
             .unwrap()
             .extend([json!({"role": "user", "content": "3+3?"}), json!({"role": "assistant", "content": "6", "reasoning": "add"})]);
         assert_eq!(
-            shown(&thinking, two, TrainOn::Completion),
+            shown(&thinking, two.clone(), TrainOn::Completion),
             "[<user>2+2?</><assistant>4</><user>3+3?</><assistant>]<think>add</think>6</>"
         );
+        assert_eq!(shown(&thinking, two, TrainOn::Auto), "[<user>2+2?</><assistant>]4</>[<user>3+3?</><assistant>]<think>add</think>6</>");
         let plain = ChatTemplate::new("{% for m in messages %}<{{ m.role }}>{{ m.content }}</>{% endfor %}", None, None).unwrap();
         let Example::Chat(chat) = parse_row(&row, true).unwrap() else { panic!("a chat row") };
         let decode = |ids: &[u32]| -> Result<String> { Ok(ids.iter().map(|&i| i as u8 as char).collect()) };
         let tools = TextTools { encode: &bytes, decode: &decode, template: Some(&plain), eos_id: None, pad_id: 0 };
         let e = format!("{:#}", chat_tokens(&chat, &tools, TrainOn::Auto).unwrap_err());
         assert!(e.contains("`reasoning_content` (or `reasoning`), but this model's chat template writes no thinking"), "{e}");
+    }
+
+    /// Multi-turn rows under a template that writes the last turn its own way (Qwen3's empty think
+    /// block): every answer trains, with its end, calls included.
+    #[test]
+    fn every_turn_trains_under_a_template_that_writes_the_last_turn_its_own_way() {
+        let thinking = ChatTemplate::new(THINKING_TEMPLATE, None, None).unwrap();
+        let row = json!({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "bye"}, {"role": "assistant", "content": "ciao"}]});
+        assert_eq!(shown(&thinking, row, TrainOn::Auto), "[<user>hi</><assistant>]hello</>[<user>bye</><assistant>]<think></think>ciao</>");
+        let mut calls = weather_row();
+        calls["messages"]
+            .as_array_mut()
+            .unwrap()
+            .extend([json!({"role": "user", "content": "thanks"}), json!({"role": "assistant", "content": "bye"})]);
+        let shown = shown(&thinking, calls, TrainOn::Auto);
+        assert!(
+            shown.ends_with("<user>weather?</><assistant>]<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}</tool_call></>[<user><tool_response>18C</tool_response></><assistant>]18C.</>[<user>thanks</><assistant>]<think></think>bye</>"),
+            "{shown}"
+        );
     }
 
     #[test]
