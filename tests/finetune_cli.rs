@@ -139,3 +139,39 @@ fn chat_rows_train_on_assistant_turns_rendered_with_the_models_template() {
     let e = stderr(&o);
     assert!(!o.status.success() && e.contains("thinking.jsonl:2") && e.contains("chat template writes no thinking"), "{e}");
 }
+
+/// `--chat-template` (TRL's `chat_template_path`): chat rows render with the given template
+/// instead of the model's, and the trained model is written with it as its only template; a
+/// file that is not there, or not a template, is named.
+#[test]
+fn chat_template_renders_the_rows_and_travels_with_the_trained_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("llama", tmp.path());
+    let template =
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}";
+    let file = tmp.path().join("plain.jinja");
+    std::fs::write(&file, template).unwrap();
+    let data = tmp.path().join("chat.jsonl");
+    let row = serde_json::json!({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]});
+    std::fs::write(&data, format!("{row}\n{row}\n")).unwrap();
+    let run = |template: &str, out: &str| {
+        let out = tmp.path().join(out);
+        let args =
+            ["finetune", "--model", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap()];
+        (run_cli(&[&args[..], &["--seq-len", "32", "--max-steps", "1", "--show-sample", "--chat-template", template]].concat(), &[]), out)
+    };
+    let (o, out) = run(file.to_str().unwrap(), "run");
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("[masked][user] Hi\n[assistant] [/masked]Hello\n"), "{}", stderr(&o));
+    assert_eq!(std::fs::read_to_string(out.join("chat_template.jinja")).unwrap(), template);
+    let config: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("tokenizer_config.json")).unwrap()).unwrap();
+    assert!(config.get("chat_template").is_none() && config.get("eos_token").is_some(), "{config}");
+    // Inline, as vLLM takes it.
+    let (o, _) = run(template, "inline");
+    assert!(o.status.success() && stderr(&o).contains("[assistant] [/masked]Hello"), "{}", stderr(&o));
+    let (o, _) = run("/no/such.jinja", "missing");
+    assert!(!o.status.success() && stderr(&o).contains("--chat-template /no/such.jinja: no such file"), "{}", stderr(&o));
+    std::fs::write(&file, "{% for m in messages %}").unwrap();
+    let (o, _) = run(file.to_str().unwrap(), "broken");
+    assert!(!o.status.success() && stderr(&o).contains("not a template"), "{}", stderr(&o));
+}

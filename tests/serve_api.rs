@@ -99,6 +99,26 @@ fn lenient_mode_logit_bias_echo_logprobs_and_n_admission() {
     assert!(text.contains("\"param\":\"n\""), "{text}");
 }
 
+/// `serve --chat-template` (vLLM's flag), a file or inline: chat prompts render with it instead
+/// of the model's own.
+#[test]
+fn chat_template_replaces_the_models_own() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("qwen2", tmp.path());
+    let template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}";
+    let file = tmp.path().join("t.jinja");
+    std::fs::write(&file, template).unwrap();
+    let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]});
+    for given in [file.to_str().unwrap(), template] {
+        let server = Server::start(&model, &["--chat-template", given]);
+        let ids = post_json(&server.url("/tokenize"), &body)["tokens"].clone();
+        let text = post_json(&server.url("/detokenize"), &json!({"tokens": ids}))["prompt"].as_str().unwrap().to_string();
+        assert_eq!(text, "<user>Hi<assistant>", "{given}");
+    }
+    let o = run_cli(&["serve", "--model", model.to_str().unwrap(), "--chat-template", "/no/such.jinja"], &[]);
+    assert!(!o.status.success() && stderr(&o).contains("--chat-template /no/such.jinja: no such file"), "{}", stderr(&o));
+}
+
 /// `chat_template_kwargs` reach the chat template (vLLM's and SGLang's field): Qwen3's
 /// `enable_thinking: false` renders its no-think prompt, in `/tokenize` and in a chat request's
 /// prompt; a variable the server sets is refused by name.

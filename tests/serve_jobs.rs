@@ -16,7 +16,13 @@ fn fine_tuning_jobs_run_to_a_served_model_persist_and_survive_a_restart() {
     let model = fixture("qwen2", tmp.path());
     let data_dir = tmp.path().join("data");
     let chat = std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/zephyrix-codename.jsonl")).unwrap();
-    let server = Server::start(&model, &["--data-dir", data_dir.to_str().unwrap()]);
+    // The server's --chat-template (the model's own, marked): jobs train with it and their
+    // models carry it.
+    let own: Value = serde_json::from_slice(&std::fs::read(model.join("tokenizer_config.json")).unwrap()).unwrap();
+    let template = format!("{{# served with --chat-template #}}{}", own["chat_template"].as_str().unwrap());
+    let template_file = tmp.path().join("served.jinja");
+    std::fs::write(&template_file, &template).unwrap();
+    let server = Server::start(&model, &["--data-dir", data_dir.to_str().unwrap(), "--chat-template", template_file.to_str().unwrap()]);
 
     // Files: validated on upload, listed, read back, deleted.
     let (s, bad) = upload(
@@ -73,6 +79,10 @@ fn fine_tuning_jobs_run_to_a_served_model_persist_and_survive_a_restart() {
     assert_eq!(done["status"], "succeeded", "{done}");
     let ft = done["fine_tuned_model"].as_str().unwrap().to_string();
     assert_eq!(ft, format!("ft:tiny:zephyrix:{job_id}"));
+    let tuned = data_dir.join("jobs").join(&job_id);
+    assert_eq!(std::fs::read_to_string(tuned.join("chat_template.jinja")).unwrap(), template);
+    let written: Value = serde_json::from_slice(&std::fs::read(tuned.join("tokenizer_config.json")).unwrap()).unwrap();
+    assert!(written.get("chat_template").is_none(), "one template in the tuned model: {written}");
     let events = get_json(&server.url(&format!("/v1/fine_tuning/jobs/{job_id}/events?limit=100")));
     let messages: Vec<&str> = events["data"].as_array().unwrap().iter().map(|e| e["message"].as_str().unwrap()).collect();
     assert!(messages.iter().any(|m| m.starts_with("Step 4: training loss=")), "{messages:?}");

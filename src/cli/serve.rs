@@ -44,6 +44,10 @@ pub struct ServeArgs {
     /// Requests that may wait for a slot; beyond that the answer is 429 with Retry-After.
     #[arg(long, default_value_t = 64)]
     max_queue: usize,
+    /// The chat template to use instead of the model's (vLLM's flag): a Jinja file, or the
+    /// template written inline. Fine-tuning jobs on this server train with it too.
+    #[arg(long)]
+    chat_template: Option<String>,
     /// How a reasoning model's thinking is told apart from its answer (`reasoning_content`):
     /// `auto` splits `<think>` blocks for models whose chat template writes them; `qwen3` /
     /// `deepseek_r1` (vLLM's names) always; `none` leaves thinking in the answer's text.
@@ -147,6 +151,7 @@ impl TryFrom<ServeArgs> for ServeConfig {
             kv_cache_memory: a.kv_cache_memory.checked_mul(1 << 20).context("--kv-cache-memory: too many MiB")?,
             max_queue: a.max_queue,
             reasoning_parser: a.reasoning_parser,
+            chat_template: a.chat_template.as_deref().map(fsdp_app::tokenize::chat::template_argument).transpose()?,
             task: a.task,
             pooling: a.pooling,
             tool_call_parser: a.tool_call_parser,

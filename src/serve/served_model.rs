@@ -16,7 +16,7 @@ use crate::embed::Pooling;
 use crate::generate::constraint::Grammars;
 use crate::generate::reasoning::{PromptThinking, ReasoningChoice, THINK_END};
 use crate::generate::ModelDefaults;
-use crate::tokenize::{tool_prompt, ChatMessage, TextTokenizer};
+use crate::tokenize::{tool_prompt, ChatMessage, ChatTemplate, TextTokenizer};
 
 /// The `chat_template_kwargs` of a request: more variables for the chat template.
 pub type TemplateKwargs = serde_json::Map<String, serde_json::Value>;
@@ -43,6 +43,8 @@ pub struct LoadSettings {
     pub metrics: Arc<Metrics>,
     /// `--reasoning-parser`: whether models' thinking is split out of their answers.
     pub reasoning: ReasoningChoice,
+    /// `--chat-template`'s text: the template used instead of each model's own.
+    pub chat_template: Option<String>,
     /// `--task`: whether models generate, or only embed.
     pub task: Task,
     /// `--pooling`: how texts' hidden states become embeddings (default: the model's own).
@@ -117,7 +119,11 @@ impl ServedModel {
         let loaded = crate::model_files::load_model_with(files, &opts, &placement.device)?;
         // The engine thread computes on its own (per-thread) stream: the weights must have landed.
         placement.device.synchronize()?;
-        let tokenizer = Arc::new(TextTokenizer::load(&loaded.files, loaded.config.vocab_size)?);
+        let mut tokenizer = TextTokenizer::load(&loaded.files, loaded.config.vocab_size)?;
+        if let Some(text) = &settings.chat_template {
+            tokenizer.chat_template = Some(ChatTemplate::new(text, tokenizer.bos_token.clone(), tokenizer.eos_token.clone())?);
+        }
+        let tokenizer = Arc::new(tokenizer);
         let defaults = ModelDefaults::of(&loaded.files, &loaded.config.eos_token_ids)?;
         let eos = defaults.eos_token_ids.clone();
         let context = loaded.config.max_position_embeddings;

@@ -36,6 +36,8 @@ pub struct ServeConfig {
     pub max_queue: usize,
     /// `--reasoning-parser`: how thinking is split out of answers.
     pub reasoning_parser: crate::generate::reasoning::ReasoningChoice,
+    /// `--chat-template`'s text: the template used instead of the model's.
+    pub chat_template: Option<String>,
     /// `--task` and `--pooling`: whether the model generates or only embeds, and how it pools.
     pub task: super::served_model::Task,
     pub pooling: Option<crate::embed::Pooling>,
@@ -92,6 +94,7 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
         limit_total: cfg.max_total_tokens,
         metrics: metrics.clone(),
         reasoning: cfg.reasoning_parser,
+        chat_template: cfg.chat_template.clone(),
         task: cfg.task,
         pooling: cfg.pooling,
         tool_parser: cfg.tool_call_parser,

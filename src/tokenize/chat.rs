@@ -83,6 +83,22 @@ pub struct ChatTemplate {
 
 const TEMPLATE_NAME: &str = "chat";
 
+/// `--chat-template` (vLLM's flag for `serve`, TRL's `chat_template_path` for training): a file,
+/// or the template itself written inline (not a file, and holding `{{` or `{%`). Its text,
+/// checked to compile; errors name the file.
+pub fn template_argument(arg: &str) -> Result<String> {
+    let path = Path::new(arg);
+    let (text, named) = if path.is_file() {
+        (std::fs::read_to_string(path).with_context(|| format!("--chat-template {}: cannot read", path.display()))?, arg.to_string())
+    } else if arg.contains("{{") || arg.contains("{%") {
+        (arg.to_string(), "(inline)".to_string())
+    } else {
+        bail!("--chat-template {arg}: no such file (an inline template holds `{{{{` or `{{%`)");
+    };
+    ChatTemplate::new(&text, None, None).with_context(|| format!("--chat-template {named}: not a template"))?;
+    Ok(text)
+}
+
 /// Where transformers looks, in its order: `chat_template.jinja`, then `tokenizer_config.json`'s
 /// `chat_template` (a string, or a list of named templates of which we take "default").
 pub fn template_text(jinja_file: Option<&Path>, tokenizer_config: &serde_json::Value) -> Result<Option<String>> {
@@ -300,6 +316,20 @@ mod tests {
         assert!(both.takes_reasoning);
         let plain = ChatTemplate::new("{% for m in messages %}{{ m.content }}{% endfor %}", None, None).unwrap();
         assert_eq!((plain.render(&[m], false).unwrap().as_str(), plain.takes_reasoning), ("Hello", false));
+    }
+
+    #[test]
+    fn a_chat_template_argument_is_a_file_or_inline_and_errors_name_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("t.jinja");
+        std::fs::write(&file, "{{ messages[0].content }}").unwrap();
+        assert_eq!(template_argument(file.to_str().unwrap()).unwrap(), "{{ messages[0].content }}");
+        assert_eq!(template_argument("{% for m in messages %}{{ m.content }}{% endfor %}").unwrap().len(), 48);
+        let missing = format!("{:#}", template_argument("/no/such.jinja").unwrap_err());
+        assert!(missing.contains("--chat-template /no/such.jinja: no such file"), "{missing}");
+        std::fs::write(&file, "{% for m in messages %}").unwrap();
+        let broken = format!("{:#}", template_argument(file.to_str().unwrap()).unwrap_err());
+        assert!(broken.contains(&format!("--chat-template {}: not a template", file.display())), "{broken}");
     }
 
     #[test]

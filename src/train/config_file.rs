@@ -53,6 +53,8 @@ const SIMPLE: &[(&str, &str)] = &[
     ("model_name_or_path", "model"),
     ("model", "model"),
     ("revision", "revision"),
+    ("chat_template_path", "chat_template"),
+    ("chat_template", "chat_template"),
     ("output_dir", "output_dir"),
     ("data", "data"),
     ("train_file", "data"),

@@ -134,7 +134,8 @@ fn grader_path(job: &JobRow) -> std::path::PathBuf {
 }
 
 /// The `fsdp-app launch ... -- finetune --args-file FILE` command line of a job, after writing
-/// its settings to FILE (next to the job's log), and a reinforcement job's grader beside them.
+/// its settings to FILE (next to the job's log), and a reinforcement job's grader and the
+/// server's chat template beside them.
 fn command_line(st: &AppState, job: &JobRow) -> anyhow::Result<Vec<String>> {
     if let Some(g) = &job.hyperparameters.grader {
         let path = grader_path(job);
@@ -144,7 +145,16 @@ fn command_line(st: &AppState, job: &JobRow) -> anyhow::Result<Vec<String>> {
     }
     let settings = Path::new(&job.output_dir).with_extension("args.json");
     let on_gpu = !st.load.placement.device.is_cpu();
-    finetune_args(job, &st.base_source, &|id| st.store.file_path(id), on_gpu).write_file(&settings)?;
+    let mut args = finetune_args(job, &st.base_source, &|id| st.store.file_path(id), on_gpu);
+    // The server's --chat-template: the job trains with the template its model is served with.
+    if let Some(template) = &st.load.chat_template {
+        let path = Path::new(&job.output_dir).with_extension("chat_template.jinja");
+        let tmp = path.with_extension("jinja.tmp");
+        std::fs::write(&tmp, template)?;
+        std::fs::rename(&tmp, &path)?;
+        args.chat_template = Some(path.to_string_lossy().to_string());
+    }
+    args.write_file(&settings)?;
     let world = job.extensions.world_size.max(1).to_string();
     let port = free_port().to_string();
     let settings = settings.to_string_lossy().to_string();

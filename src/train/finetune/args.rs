@@ -38,6 +38,11 @@ pub struct FinetuneArgs {
     pub model: Option<String>,
     #[arg(long)]
     pub revision: Option<String>,
+    /// The chat template to render chat rows with instead of the model's (TRL's
+    /// `chat_template_path`; vLLM's `--chat-template`): a Jinja file, or the template inline.
+    /// The trained model is written with it, so it is served with the template it learned.
+    #[arg(long)]
+    pub chat_template: Option<String>,
     /// Training data: a file, or hf://datasets/ORG/NAME/FILE[@REVISION] (downloaded by rank 0).
     /// JSONL (a row per line), JSON (an array) or Parquet (snappy/zstd): {"text"}, {"prompt",
     /// "completion"}, {"messages": [{"role", "content"}]}, ShareGPT {"conversations": [{"from",
@@ -381,6 +386,7 @@ impl TryFrom<FinetuneArgs> for FinetuneConfig {
             merge_lora: a.merge_lora,
             model: a.model.ok_or_else(|| missing("model", "model_name_or_path"))?,
             revision: a.revision,
+            chat_template: a.chat_template,
             data: a.data.ok_or_else(|| missing("data", "train_file"))?,
             output_dir: a.output_dir.ok_or_else(|| missing("output-dir", "output_dir"))?,
             layer_class_names: a.transformer_cls_names_to_wrap,

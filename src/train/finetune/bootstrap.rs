@@ -14,6 +14,7 @@ use crate::convert::dequantized_for_training;
 use crate::dist::{root_tries, ProcessGroups};
 use crate::fsdp::plan::{plan_units, UnitPlan};
 use crate::model_files::adapter::{adapter_config_json, parse_adapter_config, read_adapter, Adapter};
+use crate::model_files::files::CHAT_TEMPLATE;
 use crate::model_files::{resolve_model, ModelFiles, WeightFormat};
 use crate::tokenize::TextTokenizer;
 use crate::train::data::{describe_sample, DataOptions, Dataset, Sample, TextTools, IGNORE_INDEX};
@@ -114,6 +115,9 @@ fn share_model_files(groups: &ProcessGroups, cfg: &FinetuneConfig) -> Result<(Op
             let name = p.file_name().unwrap().to_string_lossy().to_string();
             side.push(json!({"name": name, "data": String::from_utf8_lossy(&read(p)?).to_string()}));
         }
+        if let Some(arg) = &cfg.chat_template {
+            with_chat_template(&mut side, &crate::tokenize::chat::template_argument(arg)?)?;
+        }
         Ok((f, serde_json::to_vec(&json!({"files": side}))?))
     })?;
     let v: Value = serde_json::from_slice(&bytes)?;
@@ -124,6 +128,24 @@ fn share_model_files(groups: &ProcessGroups, cfg: &FinetuneConfig) -> Result<(Op
         .map(|f| (f["name"].as_str().unwrap_or_default().to_string(), f["data"].as_str().unwrap_or_default().as_bytes().to_vec()))
         .collect();
     Ok((files, side))
+}
+
+/// The model's files with `template` as its only chat template: chat_template.jinja, and
+/// tokenizer_config.json without its own `chat_template` (so every reader of the written model,
+/// transformers or another, finds this one).
+fn with_chat_template(side: &mut Vec<Value>, template: &str) -> Result<()> {
+    side.retain(|f| f["name"] != CHAT_TEMPLATE);
+    if let Some(config) = side.iter_mut().find(|f| f["name"] == "tokenizer_config.json") {
+        let mut parsed: Value =
+            serde_json::from_str(config["data"].as_str().unwrap_or_default()).context("tokenizer_config.json: invalid JSON")?;
+        if let Some(map) = parsed.as_object_mut() {
+            if map.remove("chat_template").is_some() {
+                config["data"] = json!(serde_json::to_string_pretty(&parsed)?);
+            }
+        }
+    }
+    side.push(json!({"name": CHAT_TEMPLATE, "data": template}));
+    Ok(())
 }
 
 /// LoRA: rank 0 reads a starting adapter (if any); its settings travel to every rank. Returns

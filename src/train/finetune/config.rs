@@ -16,6 +16,9 @@ use models::LoraSettings;
 pub struct FinetuneConfig {
     pub model: String,
     pub revision: Option<String>,
+    /// `--chat-template`: a file or an inline template used instead of the model's (read on
+    /// rank 0, which hands it to the others with the tokenizer's files).
+    pub chat_template: Option<String>,
     pub data: PathBuf,
     pub output_dir: PathBuf,
     /// Ranks as threads of this process (`local` backend); under a launcher its world decides
