@@ -65,6 +65,28 @@ impl Serialize for ChatMessage {
     }
 }
 
+/// A message's thinking under either of its names, `reasoning_content` or vLLM's `reasoning`
+/// (both given: they must agree), as requests and training rows carry it. The error: which key
+/// is wrong, and why.
+pub fn message_reasoning(m: &serde_json::Map<String, serde_json::Value>, role: &str) -> Result<Option<String>, (&'static str, String)> {
+    use serde_json::Value;
+    let mut found: Option<(&str, &String)> = None;
+    for key in ["reasoning_content", "reasoning"] {
+        match m.get(key) {
+            None | Some(Value::Null) => {}
+            Some(_) if role != "assistant" => return Err((key, format!("only assistant messages carry `{key}`"))),
+            Some(Value::String(s)) => match found {
+                Some((first, earlier)) if earlier != s => {
+                    return Err((key, format!("`{key}` differs from `{first}`; give the thinking once")))
+                }
+                _ => found = Some((key, s)),
+            },
+            Some(_) => return Err((key, format!("`{key}` must be a string"))),
+        }
+    }
+    Ok(found.map(|(_, s)| s.clone()))
+}
+
 /// The variables the server gives every template, which template arguments cannot replace.
 pub const RENDER_VARIABLES: [&str; 5] = ["messages", "tools", "add_generation_prompt", "bos_token", "eos_token"];
 

@@ -132,7 +132,10 @@ fn weighted_messages(list: &Value, field: &str, role_key: &str, content_key: &st
                     Some(other) => bail!("{field}[{i}].{key} must be a string, found {}", short(other)),
                 }
             }
-            message.reasoning = reasoning(m, role, &format!("{field}[{i}]"))?;
+            // A turn's thinking apart from its content, as the server reads it.
+            let object = m.as_object().with_context(|| format!("{field}[{i}] must be an object"))?;
+            message.reasoning = crate::tokenize::chat::message_reasoning(object, role)
+                .map_err(|(key, why)| anyhow::anyhow!("{field}[{i}].{key}: {why}"))?;
             match m.get("weight") {
                 None | Some(Value::Null) => {}
                 Some(w) if role == "assistant" && (w == 0 || w == 1) => {
@@ -152,25 +155,6 @@ fn weighted_messages(list: &Value, field: &str, role_key: &str, content_key: &st
         out.push(message);
     }
     Ok((out, untrained))
-}
-
-/// An assistant turn's thinking, apart from its content, under the server's names
-/// (`reasoning_content`, or vLLM's `reasoning`): reasoning datasets carry it so for templates
-/// that write it (Qwen3's `<think>` block). None for a turn without.
-fn reasoning(m: &Value, role: &str, at: &str) -> Result<Option<String>> {
-    let mut found: Option<(&str, &str)> = None;
-    for key in ["reasoning_content", "reasoning"] {
-        match m.get(key) {
-            None | Some(Value::Null) => {}
-            Some(_) if role != "assistant" => bail!("{at}.{key} is on a {role} turn; only assistant turns think"),
-            Some(Value::String(s)) => match found {
-                Some((first, earlier)) if earlier != s => bail!("{at}.{key} differs from its `{first}`; give the thinking once"),
-                _ => found = Some((key, s)),
-            },
-            Some(other) => bail!("{at}.{key} must be a string, found {}", short(other)),
-        }
-    }
-    Ok(found.map(|(_, s)| s.to_string()))
 }
 
 /// An assistant turn's calls (`tool_calls`, or the legacy single `function_call`) in the form
@@ -415,9 +399,10 @@ mod tests {
         assert_eq!(thinking(row(json!({"role": "assistant", "content": "a", "reasoning_content": null}))), None);
         let e = |m: Value| format!("{:#}", parse_row(&row(m), true).unwrap_err());
         assert!(e(json!({"role": "assistant", "content": "a", "reasoning": "t", "reasoning_content": "u"}))
-            .contains("messages[1].reasoning differs from its `reasoning_content`"));
+            .contains("messages[1].reasoning: `reasoning` differs from `reasoning_content`"));
         assert!(e(json!({"role": "user", "content": "a", "reasoning_content": "t"}))
-            .contains("messages[1].reasoning_content is on a user turn"));
-        assert!(e(json!({"role": "assistant", "content": "a", "reasoning": ["t"]})).contains("messages[1].reasoning must be a string"));
+            .contains("messages[1].reasoning_content: only assistant messages carry `reasoning_content`"));
+        assert!(e(json!({"role": "assistant", "content": "a", "reasoning": ["t"]}))
+            .contains("messages[1].reasoning: `reasoning` must be a string"));
     }
 }

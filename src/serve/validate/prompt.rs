@@ -109,32 +109,12 @@ pub fn messages(v: &Value, lenient: bool, ignored: &mut Vec<String>) -> Result<V
             };
             let mut message = ChatMessage::new(&role, &content);
             (message.tool_calls, message.tool_call_id, message.name) = (tool_calls, tool_call_id, name);
-            message.reasoning = reasoning(o, &role, &param)?;
+            // The thinking of an answer sent back (the `openai` client's message object carries it).
+            message.reasoning = crate::tokenize::chat::message_reasoning(o, &role)
+                .map_err(|(key, why)| ApiError::invalid(&format!("{param}.{key}"), format!("{why}.")))?;
             Ok(message)
         })
         .collect()
-}
-
-/// An assistant message's thinking, as a reasoning model's answer returned it and clients send
-/// it back (the `openai` client's message object carries `reasoning_content`): under either of
-/// vLLM's names, `reasoning_content` or `reasoning`; both must then agree.
-fn reasoning(o: &serde_json::Map<String, Value>, role: &str, param: &str) -> Result<Option<String>, ApiError> {
-    let mut found: Option<(&str, &String)> = None;
-    for key in ["reasoning_content", "reasoning"] {
-        let at = format!("{param}.{key}");
-        match o.get(key) {
-            None | Some(Value::Null) => {}
-            Some(_) if role != "assistant" => return Err(ApiError::invalid(&at, format!("only assistant messages carry `{key}`."))),
-            Some(Value::String(s)) => match found {
-                Some((first, earlier)) if earlier != s => {
-                    return Err(ApiError::invalid(&at, format!("`{key}` differs from `{first}`; send the thinking once.")))
-                }
-                _ => found = Some((key, s)),
-            },
-            Some(_) => return Err(ApiError::invalid(&at, format!("`{key}` must be a string."))),
-        }
-    }
-    Ok(found.map(|(_, s)| s.clone()))
 }
 
 /// `chat_template_kwargs` (vLLM's and SGLang's): an object of more variables for the chat
