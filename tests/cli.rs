@@ -83,6 +83,12 @@ fn streamed_text_equals_json_text_and_figures_are_reported() {
     assert_ne!(ids(&a), serde_json::json!(v["generated_ids"].as_array().unwrap()[..8]), "sampling should differ from greedy");
     let chat = gen(&dir, &["--chat", "--system", "Be brief.", "--max-new-tokens", "3", "--json"]);
     assert!(chat.status.success(), "{}", stderr(&chat));
+    // --chat-template: this template writes the user's text alone, so the prompt is the plain one.
+    let own = gen(&dir, &["--chat", "--chat-template", "{{ messages[-1].content }}", "--max-new-tokens", "1", "--json"]);
+    let plain = gen(&dir, &["--max-new-tokens", "1", "--json"]);
+    let prompt = |o: &std::process::Output| serde_json::from_str::<serde_json::Value>(stdout(o).trim()).unwrap()["prompt_ids"].clone();
+    assert_eq!(prompt(&own), prompt(&plain), "{}", stderr(&own));
+    assert_ne!(prompt(&own), prompt(&chat));
 }
 
 #[test]

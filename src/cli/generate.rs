@@ -52,6 +52,10 @@ pub struct GenerateArgs {
     /// A system message (with --chat).
     #[arg(long, requires = "chat")]
     system: Option<String>,
+    /// The chat template to wrap the prompt with instead of the model's (with --chat): a Jinja
+    /// file, or the template inline, as `serve --chat-template` takes it.
+    #[arg(long, requires = "chat")]
+    chat_template: Option<String>,
     #[arg(long, default_value_t = 256)]
     max_new_tokens: usize,
     /// Sampling temperature; 0 is greedy. Default: generation_config.json's when it samples, else 0.
@@ -100,7 +104,10 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let files = resolve_model(&a.model.model, a.model.revision.as_deref())?;
     let opts = LoadOptions { adapter: a.adapter.as_deref(), dtype, quantize };
     let loaded = load_model_with(files, &opts, &device)?;
-    let tokenizer = TextTokenizer::load(&loaded.files, loaded.config.vocab_size)?;
+    let mut tokenizer = TextTokenizer::load(&loaded.files, loaded.config.vocab_size)?;
+    if let Some(arg) = &a.chat_template {
+        tokenizer.replace_chat_template(&fsdp_app::tokenize::chat::template_argument(arg)?)?;
+    }
     let load_s = load_start.elapsed().as_secs_f64();
 
     let prompt_ids = if a.chat {

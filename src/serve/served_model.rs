@@ -16,7 +16,7 @@ use crate::embed::Pooling;
 use crate::generate::constraint::Grammars;
 use crate::generate::reasoning::{PromptThinking, ReasoningChoice, THINK_END};
 use crate::generate::ModelDefaults;
-use crate::tokenize::{tool_prompt, ChatMessage, ChatTemplate, TextTokenizer};
+use crate::tokenize::{tool_prompt, ChatMessage, TextTokenizer};
 
 /// The `chat_template_kwargs` of a request: more variables for the chat template.
 pub type TemplateKwargs = serde_json::Map<String, serde_json::Value>;
@@ -121,7 +121,7 @@ impl ServedModel {
         placement.device.synchronize()?;
         let mut tokenizer = TextTokenizer::load(&loaded.files, loaded.config.vocab_size)?;
         if let Some(text) = &settings.chat_template {
-            tokenizer.chat_template = Some(ChatTemplate::new(text, tokenizer.bos_token.clone(), tokenizer.eos_token.clone())?);
+            tokenizer.replace_chat_template(text)?;
         }
         let tokenizer = Arc::new(tokenizer);
         let defaults = ModelDefaults::of(&loaded.files, &loaded.config.eos_token_ids)?;

@@ -77,6 +77,12 @@ impl TextTokenizer {
         Ok(Self { inner, bos_token, eos_token, chat_template })
     }
 
+    /// Uses `source` as the chat template instead of the model's own (`--chat-template`).
+    pub fn replace_chat_template(&mut self, source: &str) -> Result<()> {
+        self.chat_template = Some(ChatTemplate::new(source, self.bos_token.clone(), self.eos_token.clone()).context("--chat-template")?);
+        Ok(())
+    }
+
     /// Token ids and each token's byte range in `text`.
     pub fn encode_with_offsets(&self, text: &str, add_special_tokens: bool) -> Result<IdsWithOffsets> {
         let enc = self.inner.encode(text, add_special_tokens).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
