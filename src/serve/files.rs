@@ -20,6 +20,7 @@ use tokio::io::AsyncWriteExt;
 
 use super::error::ApiError;
 use super::state::AppState;
+use crate::tokenize::ChatTemplate;
 use crate::train::formats::Example;
 
 fn internal(e: impl std::fmt::Display) -> ApiError {
@@ -100,7 +101,7 @@ fn ids_in_vocab(row: &Value, field: &str, vocab: usize, at: usize) -> Result<(),
 }
 
 /// One row of a file whose first row was of `kind`: read as that kind, and training something.
-fn validate_row(v: &Value, kind: RowKind, vocab: usize, at: usize) -> Result<(), ApiError> {
+fn validate_row(v: &Value, kind: RowKind, vocab: usize, template: Option<&ChatTemplate>, at: usize) -> Result<(), ApiError> {
     if kind == RowKind::Supervised && RowKind::of(v) == RowKind::Prompt {
         // A chat without an answer in an SFT file: what its user needs to hear is that the row
         // trains nothing.
@@ -119,17 +120,27 @@ fn validate_row(v: &Value, kind: RowKind, vocab: usize, at: usize) -> Result<(),
     if kind == RowKind::Prompt {
         return crate::train::grpo::prompts::check_prompt_row(v).map_err(invalid);
     }
+    // Thinking the served model's template would drop, refused now rather than when the job runs.
+    let thinking_is_written = |messages: &[crate::tokenize::ChatMessage]| match template {
+        Some(t) => crate::tokenize::tool_prompt::thinking_is_written(t, messages).map_err(invalid),
+        None => Ok(()),
+    };
     if kind == RowKind::Preference {
         let row = crate::train::preference::parse_preference_row(v).map_err(invalid)?;
         crate::train::preference::check_pair(&row).map_err(|e| invalid(e).with_code("no_trainable_tokens"))?;
+        if let crate::train::preference::PreferenceRow::Chat { prompt, chosen, rejected, .. } = &row {
+            thinking_is_written(&[prompt.as_slice(), chosen, rejected].concat())?;
+        }
         for field in ["prompt_input_ids", "chosen_input_ids", "rejected_input_ids"] {
             ids_in_vocab(v, field, vocab, at)?;
         }
         return Ok(());
     }
     let example = crate::train::formats::parse_row(v, true).map_err(invalid)?;
-    if let Example::Tokens { .. } = &example {
-        ids_in_vocab(v, "input_ids", vocab, at)?;
+    match &example {
+        Example::Tokens { .. } => ids_in_vocab(v, "input_ids", vocab, at)?,
+        Example::Chat(chat) => thinking_is_written(&chat.messages)?,
+        _ => {}
     }
     if let Some(why) = crate::train::formats::trains_nothing(&example) {
         return Err(ApiError::invalid("file", format!("Line {at}: this row trains no token: {why}.")).with_code("no_trainable_tokens"));
@@ -143,9 +154,10 @@ pub const MAX_ROW_BYTES: usize = 2 * crate::train::text_budget::TEXT_ROW_LIMIT;
 
 /// Checks a fine-tuning file, read line by line: UTF-8 JSONL, every row a shape training reads
 /// (chat `messages`, `prompt`/`completion`, `text`, token ids inside the model's `vocab`, ...)
-/// that trains at least one token, or every row a DPO preference pair. The error names the
-/// line. Returns the number of rows and their kind.
-pub fn validate_jsonl(reader: impl BufRead, vocab: usize) -> Result<(usize, RowKind), ApiError> {
+/// that trains at least one token, or every row a DPO preference pair; a turn's thinking only
+/// where the model's chat `template` writes it. The error names the line. Returns the number of
+/// rows and their kind.
+pub fn validate_jsonl(reader: impl BufRead, vocab: usize, template: Option<&ChatTemplate>) -> Result<(usize, RowKind), ApiError> {
     let (mut rows, mut kind) = (0, None);
     for (i, line) in reader.split(b'\n').enumerate() {
         let at = i + 1;
@@ -161,7 +173,7 @@ pub fn validate_jsonl(reader: impl BufRead, vocab: usize) -> Result<(usize, RowK
         }
         let v: Value = serde_json::from_str(text).map_err(|e| ApiError::invalid("file", format!("Line {at}: not valid JSON: {e}.")))?;
         let k = *kind.get_or_insert(RowKind::of(&v));
-        validate_row(&v, k, vocab, at)?;
+        validate_row(&v, k, vocab, template, at)?;
         rows += 1;
     }
     match kind {
@@ -246,10 +258,10 @@ pub async fn upload(
         None => return Err(ApiError::invalid("purpose", "`purpose` is required (\"fine-tune\").")),
     }
     let (name, staged, bytes) = file.ok_or_else(|| ApiError::invalid("file", "`file` is required."))?;
-    let vocab = st.base().vocab;
+    let base = st.base();
     tokio::task::block_in_place(|| {
         let reader = std::io::BufReader::new(std::fs::File::open(staged.path()).map_err(internal)?);
-        validate_jsonl(reader, vocab)
+        validate_jsonl(reader, base.vocab, base.tokenizer.chat_template.as_ref())
     })?;
     // The client's file name is only a label: the stored path is the server's choice.
     let label: String = name.chars().filter(|c| !c.is_control()).take(255).collect();
@@ -291,13 +303,13 @@ mod tests {
     #[test]
     fn rows_are_checked_by_line_token_ids_within_the_vocabulary() {
         let ok = "\u{feff}{\"text\": \"hi\"}\n\n{\"input_ids\": [1, 2, 9]}\n";
-        assert_eq!(validate_jsonl(ok.as_bytes(), 10).unwrap(), (2, RowKind::Supervised));
-        let e = validate_jsonl("{\"text\": \"a\"}\n{\"input_ids\": [1, 10]}\n".as_bytes(), 10).unwrap_err();
+        assert_eq!(validate_jsonl(ok.as_bytes(), 10, None).unwrap(), (2, RowKind::Supervised));
+        let e = validate_jsonl("{\"text\": \"a\"}\n{\"input_ids\": [1, 10]}\n".as_bytes(), 10, None).unwrap_err();
         assert!(e.message.starts_with("Line 2: token id 10") && e.message.contains("0 to 9"), "{}", e.message);
-        let e = validate_jsonl("{\"text\": \"a\"}\n{\"input_ids\": [-3]}\n".as_bytes(), 10).unwrap_err();
+        let e = validate_jsonl("{\"text\": \"a\"}\n{\"input_ids\": [-3]}\n".as_bytes(), 10, None).unwrap_err();
         assert!(e.message.starts_with("Line 2:") && e.message.contains("-3"), "{}", e.message);
-        assert!(validate_jsonl(&b"{\"text\": \"a\"}\n\xff\n"[..], 10).unwrap_err().message.starts_with("Line 2: not UTF-8"));
-        assert!(validate_jsonl("\n".as_bytes(), 10).unwrap_err().message.contains("no rows"));
+        assert!(validate_jsonl(&b"{\"text\": \"a\"}\n\xff\n"[..], 10, None).unwrap_err().message.starts_with("Line 2: not UTF-8"));
+        assert!(validate_jsonl("\n".as_bytes(), 10, None).unwrap_err().message.contains("no rows"));
     }
 
     #[test]
@@ -306,14 +318,31 @@ mod tests {
         let openai = r#"{"input": {"messages": [{"role": "user", "content": "q"}]}, "preferred_output": [{"role": "assistant", "content": "a"}], "non_preferred_output": [{"role": "assistant", "content": "b"}]}"#;
         let ids = r#"{"prompt_input_ids": [1], "chosen_input_ids": [2], "rejected_input_ids": [3]}"#;
         let ok = format!("{pair}\n{openai}\n{ids}\n");
-        assert_eq!(validate_jsonl(ok.as_bytes(), 10).unwrap(), (3, RowKind::Preference));
+        assert_eq!(validate_jsonl(ok.as_bytes(), 10, None).unwrap(), (3, RowKind::Preference));
         let mixed = format!("{pair}\n{{\"text\": \"x\"}}\n");
-        let e = validate_jsonl(mixed.as_bytes(), 10).unwrap_err();
+        let e = validate_jsonl(mixed.as_bytes(), 10, None).unwrap_err();
         assert!(e.message.starts_with("Line 2: a supervised row in a file of preference (DPO) rows"), "{}", e.message);
-        let e =
-            validate_jsonl(r#"{"prompt_input_ids": [1], "chosen_input_ids": [12], "rejected_input_ids": [3]}"#.as_bytes(), 10).unwrap_err();
+        let e = validate_jsonl(r#"{"prompt_input_ids": [1], "chosen_input_ids": [12], "rejected_input_ids": [3]}"#.as_bytes(), 10, None)
+            .unwrap_err();
         assert!(e.message.contains("token id 12 in `chosen_input_ids`"), "{}", e.message);
-        let e = validate_jsonl(r#"{"prompt": "a", "chosen": "b"}"#.as_bytes(), 10).unwrap_err();
+        let e = validate_jsonl(r#"{"prompt": "a", "chosen": "b"}"#.as_bytes(), 10, None).unwrap_err();
         assert!(e.message.starts_with("Line 1:") && e.message.contains("needs one of"), "{}", e.message);
+    }
+
+    /// A turn's thinking is taken where the served template writes it, refused by line where it
+    /// would be dropped (the job would fail on it), in chat rows and in preference pairs.
+    #[test]
+    fn thinking_rows_need_a_template_that_writes_thinking() {
+        let thinking =
+            ChatTemplate::new("{% for m in messages %}{{ m.reasoning_content }}{{ m.content }}{% endfor %}", None, None).unwrap();
+        let plain = ChatTemplate::new("{% for m in messages %}{{ m.content }}{% endfor %}", None, None).unwrap();
+        let chat = r#"{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "t"}]}"#;
+        let pair = r#"{"input": {"messages": [{"role": "user", "content": "q"}]}, "preferred_output": [{"role": "assistant", "content": "a", "reasoning": "t"}], "non_preferred_output": [{"role": "assistant", "content": "b"}]}"#;
+        for row in [chat, pair] {
+            let file = format!("{row}\n{row}\n");
+            assert_eq!(validate_jsonl(file.as_bytes(), 10, Some(&thinking)).unwrap().0, 2);
+            let e = validate_jsonl(file.as_bytes(), 10, Some(&plain)).unwrap_err();
+            assert!(e.message.starts_with("Line 1:") && e.message.contains("chat template writes no thinking"), "{}", e.message);
+        }
     }
 }

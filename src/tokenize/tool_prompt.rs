@@ -36,6 +36,13 @@ pub fn render(
 /// arguments). A turn's thinking (`reasoning`) that the template would drop is refused: a row
 /// that carries it means it to be trained on.
 pub fn render_row(template: &ChatTemplate, messages: &[ChatMessage], tools: Option<&Value>, add_generation_prompt: bool) -> Result<String> {
+    thinking_is_written(template, messages)?;
+    render(template, messages, tools, add_generation_prompt, &Map::new())
+}
+
+/// Refuses a training row's thinking that `template` would drop (see [`render_row`]); the jobs
+/// API checks uploaded files with it too.
+pub fn thinking_is_written(template: &ChatTemplate, messages: &[ChatMessage]) -> Result<()> {
     if !template.takes_reasoning && messages.iter().any(|m| m.reasoning.is_some()) {
         anyhow::bail!(
             "an assistant turn has `reasoning_content` (or `reasoning`), but this model's chat template writes no thinking (it reads \
@@ -43,7 +50,7 @@ pub fn render_row(template: &ChatTemplate, messages: &[ChatMessage], tools: Opti
              `<think>...</think>` before the answer), or leave it out"
         );
     }
-    render(template, messages, tools, add_generation_prompt, &Map::new())
+    Ok(())
 }
 
 /// The generic format's messages: the functions (if any) in a system turn (merged into the
