@@ -138,10 +138,7 @@ fn grader_path(job: &JobRow) -> std::path::PathBuf {
 /// server's chat template beside them.
 fn command_line(st: &AppState, job: &JobRow) -> anyhow::Result<Vec<String>> {
     if let Some(g) = &job.hyperparameters.grader {
-        let path = grader_path(job);
-        let tmp = path.with_extension("json.tmp");
-        std::fs::write(&tmp, serde_json::to_vec_pretty(g)?)?;
-        std::fs::rename(&tmp, &path)?;
+        write_whole(&grader_path(job), &serde_json::to_vec_pretty(g)?)?;
     }
     let settings = Path::new(&job.output_dir).with_extension("args.json");
     let on_gpu = !st.load.placement.device.is_cpu();
@@ -149,9 +146,7 @@ fn command_line(st: &AppState, job: &JobRow) -> anyhow::Result<Vec<String>> {
     // The server's --chat-template: the job trains with the template its model is served with.
     if let Some(template) = &st.load.chat_template {
         let path = Path::new(&job.output_dir).with_extension("chat_template.jinja");
-        let tmp = path.with_extension("jinja.tmp");
-        std::fs::write(&tmp, template)?;
-        std::fs::rename(&tmp, &path)?;
+        write_whole(&path, template.as_bytes())?;
         args.chat_template = Some(path.to_string_lossy().to_string());
     }
     args.write_file(&settings)?;
@@ -161,6 +156,14 @@ fn command_line(st: &AppState, job: &JobRow) -> anyhow::Result<Vec<String>> {
     Ok(["launch", "--nproc-per-node", &world, "--master-port", &port, "--", "finetune", "--args-file", &settings]
         .map(String::from)
         .to_vec())
+}
+
+/// Writes a file the job's child reads: under a temporary name, then renamed, so the child never
+/// reads half of it.
+fn write_whole(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path)
 }
 
 /// Rows of metrics.jsonl added since `offset`.
