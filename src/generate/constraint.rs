@@ -23,8 +23,11 @@ pub enum OutputFormat {
     JsonObject,
     /// JSON valid against this schema (`response_format: {"type": "json_schema", ...}`).
     JsonSchema(Value),
-    /// A grammar in llguidance's Lark syntax (an `auto` answer's calls, `serve::tool_format`).
+    /// A grammar in llguidance's Lark syntax (an `auto` answer's calls, `serve::tool_format`; a
+    /// request's grammar or choices, `serve::validate::structured`).
     Lark(String),
+    /// Text the whole of which matches this regular expression (Rust's `regex` syntax).
+    Regex(String),
 }
 
 impl OutputFormat {
@@ -33,6 +36,7 @@ impl OutputFormat {
             OutputFormat::JsonObject => TopLevelGrammar::from_json_schema(compact_json(&json!({"type": "object"}))),
             OutputFormat::JsonSchema(s) => TopLevelGrammar::from_json_schema(compact_json(s)),
             OutputFormat::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
+            OutputFormat::Regex(r) => TopLevelGrammar::from_regex(r),
         }
     }
 }

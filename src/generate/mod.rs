@@ -3,6 +3,7 @@
 
 pub mod constraint;
 pub mod detokenize;
+pub mod gbnf;
 pub mod json_schema;
 pub mod perplexity;
 pub mod prefix_cache;

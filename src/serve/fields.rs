@@ -147,6 +147,10 @@ const NOT_IMPLEMENTED: &[&str] = &[
     "integrations",
     "name",
     "refusal",
+    // vLLM's structured outputs' (`validate::structured`): top-level, and in `structured_outputs`.
+    "guided_whitespace_pattern",
+    "whitespace_pattern",
+    "structural_tag",
 ];
 
 /// Checks the keys of the object `v` (named `at` in messages: "" for the body, "messages[0]"

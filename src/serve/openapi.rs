@@ -23,7 +23,15 @@ pub const SPEC: &str = r##"{
         "min_tokens": {"type": "integer", "minimum": 0, "description": "vLLM's: no eos, stop token or stop string ends the answer before this many tokens (at most max_tokens)."},
         "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}, "description": "vLLM's: tokens that end the answer."},
         "skip_special_tokens": {"type": "boolean"}, "spaces_between_special_tokens": {"type": "boolean"},
-        "include_stop_str_in_output": {"type": "boolean", "description": "vLLM's: keep the stop string or stop token's text."}}},
+        "include_stop_str_in_output": {"type": "boolean", "description": "vLLM's: keep the stop string or stop token's text."},
+        "structured_outputs": {"type": "object", "description": "vLLM's: the answer follows one of json (a schema, or its JSON text), regex, choice, grammar (Lark, or GBNF with ::=) or json_object.", "properties": {
+          "json": {"oneOf": [{"type": "object"}, {"type": "string"}]}, "regex": {"type": "string", "minLength": 1},
+          "choice": {"type": "array", "minItems": 1, "items": {"type": "string"}}, "grammar": {"type": "string", "minLength": 1},
+          "json_object": {"type": "boolean", "enum": [true]}, "disable_fallback": {"type": "boolean"}, "disable_any_whitespace": {"type": "boolean"},
+          "disable_additional_properties": {"type": "boolean"}}},
+        "guided_json": {"oneOf": [{"type": "object"}, {"type": "string"}], "description": "vLLM's older spelling of structured_outputs.json (likewise guided_regex, guided_choice, guided_grammar)."},
+        "guided_regex": {"type": "string", "minLength": 1}, "guided_choice": {"type": "array", "minItems": 1, "items": {"type": "string"}},
+        "guided_grammar": {"type": "string", "minLength": 1}, "guided_decoding_backend": {"type": "string", "description": "Accepted; one engine (llguidance) serves every backend name."}}},
       "CompletionRequest": {"allOf": [{"$ref": "#/components/schemas/Sampling"}, {"type": "object", "required": ["model", "prompt"], "properties": {
         "model": {"type": "string"}, "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}}]},
         "echo": {"type": "boolean"}, "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}, "best_of": {"type": "integer", "minimum": 1, "maximum": 8}}}]},
@@ -230,7 +238,11 @@ mod tests {
             out
         };
         let set = |f: &[&str]| f.iter().map(|s| s.to_string()).collect::<BTreeSet<_>>();
-        let with_vllm = |f: &[&str]| set(f).union(&set(crate::serve::fields::VLLM_SAMPLING)).cloned().collect::<BTreeSet<_>>();
+        let vllm = set(crate::serve::fields::VLLM_SAMPLING)
+            .union(&set(crate::serve::validate::structured::FIELDS))
+            .cloned()
+            .collect::<BTreeSet<_>>();
+        let with_vllm = |f: &[&str]| set(f).union(&vllm).cloned().collect::<BTreeSet<_>>();
         let schemas = &v["components"]["schemas"];
         assert_eq!(props(&schemas["CompletionRequest"]), with_vllm(crate::serve::fields::COMPLETIONS));
         let tokenize = &v["paths"]["/tokenize"]["post"]["requestBody"]["content"]["application/json"]["schema"];

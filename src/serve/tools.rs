@@ -181,7 +181,7 @@ impl Tools {
             OutputFormat::JsonObject => json!({"type": "object"}),
             // `$` cannot start a function's name, so this name meets none of theirs.
             OutputFormat::JsonSchema(s) => json_schema::embed(s, "$response_format", &mut defs),
-            OutputFormat::Lark(_) => unreachable!("a response_format is JSON"),
+            OutputFormat::Lark(_) | OutputFormat::Regex(_) => unreachable!("validate::tools_and_constraints joins only JSON with calls"),
         });
         OutputFormat::JsonSchema(json!({"anyOf": choices, "$defs": defs}))
     }

@@ -10,6 +10,7 @@ mod no_op;
 mod prompt;
 pub mod responses;
 mod sampling;
+pub mod structured;
 
 use std::sync::Arc;
 
@@ -103,7 +104,7 @@ pub struct ValidatedRequest {
 
 /// `/v1/completions`.
 pub fn completion(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> {
-    let ignored = fields::check_lists(v, &[fields::COMPLETIONS, fields::VLLM_SAMPLING], "", st.lenient)?;
+    let mut ignored = fields::check_lists(v, &[fields::COMPLETIONS, fields::VLLM_SAMPLING, structured::FIELDS], "", st.lenient)?;
     let target = Target::of(st, v)?;
     let model = target.model.clone();
     let mut s = sampling::parse(v, &model.defaults, false)?;
@@ -121,13 +122,17 @@ pub fn completion(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError
     if echo.is_some() {
         s.params.prompt_logprobs = s.params.logprobs;
     }
+    let constraints = match structured::read(v, st.lenient, &mut ignored)? {
+        Some(r) => matchers(&model, &r.format, &r.param, s.n)?,
+        None => vec![],
+    };
     let kind = RequestKind::Completion { echo };
-    finish(st, target, kind, prompt_ids, s, vec![], ignored)
+    finish(st, target, kind, prompt_ids, s, constraints, ignored)
 }
 
 /// `/v1/chat/completions`.
 pub fn chat(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> {
-    let mut ignored = fields::check_lists(v, &[fields::CHAT, fields::VLLM_SAMPLING], "", st.lenient)?;
+    let mut ignored = fields::check_lists(v, &[fields::CHAT, fields::VLLM_SAMPLING, structured::FIELDS], "", st.lenient)?;
     no_op::check(v)?;
     let target = Target::of(st, v)?;
     let model = target.model.clone();
@@ -239,21 +244,43 @@ fn tools_and_constraints(
     // Read (and checked) even when a forced call decides this answer: `response_format` is then
     // for the text answer of a later turn (OpenAI's reading, and what the Agents SDK relies on).
     // Under `auto` the model picks a call or the format.
-    let answer = prompt::response_format(v, st.lenient, ignored)?;
+    let answer = match (prompt::response_format(v, st.lenient, ignored)?, structured::read(v, st.lenient, ignored)?) {
+        (Some(_), Some(r)) => {
+            return Err(ApiError::invalid(&r.param, format!("`{}` and `response_format` both constrain the answer; send one.", r.param)))
+        }
+        (Some(format), None) => {
+            let param = match format {
+                OutputFormat::JsonSchema(_) => "response_format.json_schema.schema",
+                _ => "response_format",
+            };
+            Some(structured::Requested { format, param: param.to_string() })
+        }
+        (None, r) => r,
+    };
+    let tools_param = || "tools".to_string();
     let format = match tools.as_ref() {
-        Some(t) if t.forces_call() => t.output_format().map(|f| (f, true)),
+        Some(t) if t.forces_call() => t.output_format().map(|f| (f, tools_param())),
         Some(t) => match answer {
-            Some(a) => Some((t.call_or(&a), true)),
-            None => t.auto_grammar().map(|f| (f, true)),
+            Some(a) if matches!(a.format, OutputFormat::JsonObject | OutputFormat::JsonSchema(_)) => {
+                Some((t.call_or(&a.format), tools_param()))
+            }
+            Some(a) => {
+                let message = format!(
+                    "`{}` cannot be combined with `tools` under `tool_choice: auto`: only a JSON format can (the model then chooses between a call and the JSON). Send `tool_choice: none` or a JSON schema.",
+                    a.param
+                );
+                return Err(ApiError::invalid(&a.param, message));
+            }
+            None => t.auto_grammar().map(|f| (f, tools_param())),
         },
-        None => answer.map(|f| (f, false)),
+        None => answer.map(|a| (a.format, a.param)),
     };
     if tools.as_ref().is_some_and(|t| t.choice == ToolChoice::Auto && t.format.needs_special_tokens()) {
         s.params.output.skip_special_tokens = false;
     }
     let constraints = match &format {
         None => vec![],
-        Some((f, from_tools)) => matchers(model, f, *from_tools, s.n)?,
+        Some((f, param)) => matchers(model, f, param, s.n)?,
     };
     Ok((tools, constraints))
 }
@@ -303,23 +330,22 @@ fn model_or_base(st: &AppState, v: &Value) -> Result<Arc<ServedModel>, ApiError>
     }
 }
 
-/// One matcher per answer (each answer walks the grammar on its own); a schema the grammar
-/// engine cannot compile is named by the field it came from.
-fn matchers(model: &ServedModel, format: &OutputFormat, from_tools: bool, n: usize) -> Result<Vec<llguidance::Matcher>, ApiError> {
-    let what = if from_tools { "tools" } else { "response_format" };
+/// One matcher per answer (each answer walks the grammar on its own); a schema, grammar or
+/// regular expression the grammar engine cannot compile is named by `param`, the field it came from.
+fn matchers(model: &ServedModel, format: &OutputFormat, param: &str, n: usize) -> Result<Vec<llguidance::Matcher>, ApiError> {
     let grammars = model
         .grammars
         .as_ref()
-        .map_err(|why| ApiError::invalid(what, format!("Structured output is not available for this model: {why}.")))?;
-    let param = match (from_tools, format) {
-        (true, _) => "tools",
-        (false, OutputFormat::JsonSchema(_)) => "response_format.json_schema.schema",
-        (false, OutputFormat::JsonObject | OutputFormat::Lark(_)) => "response_format",
+        .map_err(|why| ApiError::invalid(param, format!("Structured output is not available for this model: {why}.")))?;
+    let what = match format {
+        OutputFormat::JsonObject | OutputFormat::JsonSchema(_) => "schema",
+        OutputFormat::Lark(_) => "grammar",
+        OutputFormat::Regex(_) => "regular expression",
     };
     (0..n)
         .map(|_| grammars.matcher(format))
         .collect::<anyhow::Result<Vec<_>>>()
-        .map_err(|e| ApiError::invalid(param, format!("The schema cannot be used: {e:#}")))
+        .map_err(|e| ApiError::invalid(param, format!("The {what} cannot be used: {e:#}")))
 }
 
 /// The checks that need the prompt's length and the server's capacity, then the request.
