@@ -1,5 +1,5 @@
-//! vLLM's structured outputs (`structured_outputs`, and the older `guided_*` fields) against a
-//! real server on SmolLM2: the shape of each answer over HTTP here (so that a failure names the
+//! vLLM's structured outputs (`structured_outputs`, and the older `guided_*` fields) and
+//! llama.cpp's server's `grammar` and `json_schema`, against a real server on SmolLM2: the shape of each answer over HTTP here (so that a failure names the
 //! answer), then `tests/structured_outputs_client.py` with the real `openai` client sending them
 //! through `extra_body`, as vLLM's docs do.
 
@@ -51,6 +51,14 @@ fn answers_follow_vllms_structured_outputs() {
         .filter_map(|l| serde_json::from_str::<Value>(l).unwrap()["choices"].get(0)?["delta"]["content"].as_str().map(str::to_string))
         .collect();
     assert!(["The answer is yes.", "The answer is no."].contains(&streamed.as_str()), "{lines:?}");
+
+    // llama.cpp's server's fields: a GBNF `grammar`, a `json_schema`.
+    let yes_no = post_json(&url, &chat(json!({"grammar": "root ::= (\"yes\" | \"no\") \"!\""})));
+    assert!(["yes!", "no!"].contains(&yes_no["choices"][0]["message"]["content"].as_str().unwrap()), "{yes_no}");
+    let schema = json!({"type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 2, "maxItems": 2});
+    let list = post_json(&url, &chat(json!({"json_schema": schema, "max_tokens": 60})));
+    let items: Value = serde_json::from_str(list["choices"][0]["message"]["content"].as_str().unwrap()).unwrap();
+    assert_eq!(items.as_array().map(|a| a.iter().filter(|s| s.is_string()).count()), Some(2), "{list}");
 
     // Errors name the field, and the line of a GBNF grammar.
     let refused = |body: Value| {

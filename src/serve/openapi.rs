@@ -31,7 +31,9 @@ pub const SPEC: &str = r##"{
           "disable_additional_properties": {"type": "boolean"}}},
         "guided_json": {"oneOf": [{"type": "object"}, {"type": "string"}], "description": "vLLM's older spelling of structured_outputs.json (likewise guided_regex, guided_choice, guided_grammar)."},
         "guided_regex": {"type": "string", "minLength": 1}, "guided_choice": {"type": "array", "minItems": 1, "items": {"type": "string"}},
-        "guided_grammar": {"type": "string", "minLength": 1}, "guided_decoding_backend": {"type": "string", "description": "Accepted; one engine (llguidance) serves every backend name."}}},
+        "guided_grammar": {"type": "string", "minLength": 1}, "guided_decoding_backend": {"type": "string", "description": "Accepted; one engine (llguidance) serves every backend name."},
+        "grammar": {"type": "string", "minLength": 1, "description": "llama.cpp's server's: a GBNF (or Lark) grammar the answer follows."},
+        "json_schema": {"type": "object", "description": "llama.cpp's server's: a JSON schema the answer follows ({} for any JSON)."}}},
       "CompletionRequest": {"allOf": [{"$ref": "#/components/schemas/Sampling"}, {"type": "object", "required": ["model", "prompt"], "properties": {
         "model": {"type": "string"}, "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}}]},
         "echo": {"type": "boolean"}, "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}, "best_of": {"type": "integer", "minimum": 1, "maximum": 8}}}]},

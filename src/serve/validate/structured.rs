@@ -1,9 +1,10 @@
 //! vLLM's structured outputs on completions and chat: `structured_outputs` with one of `json`,
 //! `regex`, `choice`, `grammar` or `json_object`, and the older top-level `guided_json`,
 //! `guided_regex`, `guided_choice` and `guided_grammar` that scripts written for vLLM before
-//! 0.12 still send (through the `openai` client's `extra_body`). A `grammar` is llguidance's
-//! Lark (vLLM's guidance backend) or GBNF (llama.cpp's, and vLLM's docs' examples), told apart
-//! by `::=` (`generate::gbnf`).
+//! 0.12 still send (through the `openai` client's `extra_body`), and llama.cpp's server's
+//! top-level `grammar` and `json_schema`. A grammar is llguidance's Lark (vLLM's guidance
+//! backend) or GBNF (llama.cpp's, and vLLM's docs' examples), told apart by `::=`
+//! (`generate::gbnf`).
 
 use serde_json::Value;
 
@@ -13,8 +14,27 @@ use crate::generate::constraint::OutputFormat;
 use crate::generate::gbnf;
 
 /// The body fields this module reads (completions and chat accept them).
-pub const FIELDS: &[&str] =
-    &["structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend"];
+pub const FIELDS: &[&str] = &[
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "grammar",
+    "json_schema",
+];
+
+/// Top-level fields that are one kind of `structured_outputs` on their own: vLLM's older
+/// spellings, and llama.cpp's server's.
+const TOP_LEVEL: &[(&str, &str)] = &[
+    ("guided_json", "json"),
+    ("guided_regex", "regex"),
+    ("guided_choice", "choice"),
+    ("guided_grammar", "grammar"),
+    ("grammar", "grammar"),
+    ("json_schema", "json"),
+];
 
 /// What one of `structured_outputs`' kinds asks for.
 const KINDS: &[&str] = &["json", "regex", "choice", "grammar", "json_object"];
@@ -33,16 +53,17 @@ pub struct Requested {
 /// The structured output `v` asks for through vLLM's fields, if any.
 pub fn read(v: &Value, lenient: bool, ignored: &mut Vec<String>) -> Result<Option<Requested>, ApiError> {
     let given = |k: &str| v.get(k).filter(|x| !x.is_null());
-    let legacy: Vec<&str> =
-        ["guided_json", "guided_regex", "guided_choice", "guided_grammar"].into_iter().filter(|k| given(k).is_some()).collect();
+    let top: Vec<&(&str, &str)> = TOP_LEVEL.iter().filter(|(k, _)| given(k).is_some()).collect();
     if let Some(b) = given("guided_decoding_backend").filter(|b| !b.is_string()) {
         return Err(ApiError::invalid("guided_decoding_backend", format!("`guided_decoding_backend` must be a string, got {b}.")));
     }
-    match (given("structured_outputs"), legacy.as_slice()) {
+    match (given("structured_outputs"), top.as_slice()) {
         (None, []) => Ok(None),
-        (Some(_), [k, ..]) => Err(ApiError::invalid(k, format!("`{k}` and `structured_outputs` both constrain the answer; send one."))),
-        (None, [a, b, ..]) => Err(ApiError::invalid(b, format!("`{a}` and `{b}` both constrain the answer; send one."))),
-        (None, [k]) => kind(k, k.trim_start_matches("guided_"), &v[*k]).map(Some),
+        (Some(_), [(k, _), ..]) => {
+            Err(ApiError::invalid(k, format!("`{k}` and `structured_outputs` both constrain the answer; send one.")))
+        }
+        (None, [(a, _), (b, _), ..]) => Err(ApiError::invalid(b, format!("`{a}` and `{b}` both constrain the answer; send one."))),
+        (None, [(k, what)]) => kind(k, what, &v[*k]).map(Some),
         (Some(so), []) => {
             const P: &str = "structured_outputs";
             if !so.is_object() {
@@ -121,6 +142,9 @@ mod tests {
         assert_eq!(format(json!({"guided_json": schema, "guided_decoding_backend": "guidance"})), OutputFormat::JsonSchema(schema));
         assert_eq!(format(json!({"structured_outputs": {"json_object": true, "disable_any_whitespace": true}})), OutputFormat::JsonObject);
         assert_eq!(format(json!({"structured_outputs": {"grammar": "start: \"a\"+"}})), OutputFormat::Lark("start: \"a\"+".into()));
+        // llama.cpp's server's fields.
+        assert_eq!(format(json!({"grammar": "start: \"a\"+"})), OutputFormat::Lark("start: \"a\"+".into()));
+        assert_eq!(format(json!({"json_schema": {}})), OutputFormat::JsonSchema(json!({})));
         let Ok(Some(Requested { format: OutputFormat::Lark(g), param })) =
             read(&json!({"guided_grammar": "root ::= \"a\"+"}), false, &mut vec![])
         else {
@@ -134,6 +158,7 @@ mod tests {
     fn conflicts_and_bad_values_are_named() {
         assert_eq!(param(json!({"structured_outputs": {"regex": "a"}, "guided_choice": ["a"]})), "guided_choice");
         assert_eq!(param(json!({"guided_regex": "a", "guided_choice": ["a"]})), "guided_choice");
+        assert_eq!(param(json!({"guided_grammar": "start: \"a\"", "grammar": "start: \"a\""})), "grammar");
         assert_eq!(param(json!({"structured_outputs": {"regex": "a", "choice": ["a"]}})), "structured_outputs.choice");
         assert_eq!(param(json!({"structured_outputs": {}})), "structured_outputs");
         assert_eq!(param(json!({"structured_outputs": {"choice": []}})), "structured_outputs.choice");
