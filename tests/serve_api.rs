@@ -1,6 +1,6 @@
 //! The generation API's finer points against a real server: `--lenient` (what strict mode
 //! refuses is ignored and listed in a header), `logit_bias`, `echo` with `logprobs`, and `n`
-//! at admission.
+//! at admission; vLLM's command line.
 
 mod common;
 
@@ -156,4 +156,40 @@ fn chat_template_kwargs_reach_the_template() {
     let (status, answer, _) = post(&server.url("/tokenize"), &body.to_string(), None);
     let v: Value = serde_json::from_str(&answer).unwrap();
     assert_eq!((status, v["error"]["param"].as_str()), (400, Some("add_generation_prompt")), "{answer}");
+}
+
+/// A `vllm serve` command line runs as it is: the model as an argument, vLLM's names of the
+/// limits (--max-model-len, --max-num-seqs, --max-num-batched-tokens), --lora-modules in both
+/// of its forms, --enable-auto-tool-choice and --enable-lora; `max_model_len` is the limit set.
+#[test]
+fn a_vllm_command_line_serves_with_its_limits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("llama", tmp.path());
+    let peft = reference_dir().join("lora-llama");
+    let (as_pair, as_json) = (format!("a={}", peft.display()), json!({"name": "b", "path": peft}).to_string());
+    #[rustfmt::skip]
+    let server = Server::start_with(&[
+        model.to_str().unwrap(), "--served-model-name", "tiny", "--max-model-len", "48", "--max-num-seqs", "3",
+        "--max-num-batched-tokens", "32", "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-lora",
+        "--lora-modules", &as_pair, &as_json,
+    ]);
+    let models = get_json(&server.url("/v1/models"));
+    let listed: Vec<(&str, u64)> =
+        models["data"].as_array().unwrap().iter().map(|m| (m["id"].as_str().unwrap(), m["max_model_len"].as_u64().unwrap())).collect();
+    assert_eq!(listed, [("tiny", 48), ("a", 48), ("b", 48)], "{models}");
+    let info = get_json(&server.url("/info"));
+    assert_eq!((info["max_model_len"].as_u64(), info["max_concurrent_requests"].as_u64()), (Some(48), Some(3)), "{info}");
+    // A prompt and answer past 48 tokens is refused; within it, the adapter answers.
+    let prompt: Vec<u32> = (1..40).collect();
+    let (status, text, _) =
+        post(&server.url("/v1/completions"), &json!({"model": "b", "prompt": prompt, "max_tokens": 20}).to_string(), None);
+    assert_eq!(status, 400, "{text}");
+    let ok = post_json(&server.url("/v1/completions"), &json!({"model": "b", "prompt": prompt, "max_tokens": 4}));
+    assert_eq!(ok["usage"]["completion_tokens"], 4, "{ok}");
+
+    // A bad --lora-modules is named.
+    let bad = run_cli(&["serve", model.to_str().unwrap(), "--lora-modules", "{\"name\": \"x\", \"root\": \"y\"}"], &[]);
+    assert!(!bad.status.success() && stderr(&bad).contains("`root` is not supported"), "{}", stderr(&bad));
+    let both = run_cli(&["serve", model.to_str().unwrap(), "--model", model.to_str().unwrap()], &[]);
+    assert!(!both.status.success() && stderr(&both).contains("cannot be used with"), "{}", stderr(&both));
 }

@@ -10,9 +10,12 @@ use fsdp_app::serve::ServeConfig;
 
 #[derive(Args)]
 pub struct ServeArgs {
+    /// Local model directory or Hub id (`serve MODEL`, as `vllm serve MODEL`; or --model).
+    #[arg(value_name = "MODEL", required_unless_present = "model", conflicts_with = "model")]
+    model_argument: Option<String>,
     /// Local model directory or Hub id.
     #[arg(long)]
-    model: String,
+    model: Option<String>,
     #[arg(long)]
     revision: Option<String>,
     /// The model id clients send (default: the --model string).
@@ -27,13 +30,13 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on every route but /health.
     #[arg(long, env = "FSDP_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
-    /// Sequences generated together; more wait in the queue.
-    #[arg(long, default_value_t = 8)]
+    /// Sequences generated together; more wait in the queue (vLLM's --max-num-seqs).
+    #[arg(long, alias = "max-num-seqs", default_value_t = 8)]
     max_concurrent_requests: usize,
     /// Tokens one engine step runs at most, decode steps first (vLLM's max_num_batched_tokens):
     /// prompts are fed in chunks of what is left, so a short request is not held behind a long
     /// prompt. Smaller: lower latency for the others while a prompt is fed; larger: faster prompts.
-    #[arg(long, default_value_t = fsdp_app::generate::DEFAULT_MAX_PREFILL_TOKENS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    #[arg(long, alias = "max-num-batched-tokens", default_value_t = fsdp_app::generate::DEFAULT_MAX_PREFILL_TOKENS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     max_prefill_tokens: usize,
     /// MiB of KV blocks kept after their requests end for later prompts that start alike
     /// (prefix caching: chat turns, shared system prompts, agent loops), least recently used
@@ -77,8 +80,9 @@ pub struct ServeArgs {
     /// Longest prompt in tokens (default: the context minus one).
     #[arg(long)]
     max_input_tokens: Option<usize>,
-    /// Longest prompt + completion in tokens (default: the model's context).
-    #[arg(long)]
+    /// Longest prompt + completion in tokens (default: the model's context; vLLM's
+    /// --max-model-len). `/v1/models` reports it as `max_model_len`.
+    #[arg(long, alias = "max-model-len")]
     max_total_tokens: Option<usize>,
     /// Largest request body in bytes (file uploads: --max-upload-bytes).
     #[arg(long, default_value_t = 4 << 20)]
@@ -125,6 +129,19 @@ pub struct ServeArgs {
     /// NAME over the base, without merging it (repeatable).
     #[arg(long = "lora", value_name = "NAME=DIR")]
     loras: Vec<String>,
+    /// vLLM's spelling of --lora: one or more `NAME=DIR`, or `{"name": NAME, "path": DIR}`.
+    #[arg(long, value_name = "NAME=DIR", num_args = 1..)]
+    lora_modules: Vec<String>,
+    /// Accepted so that vLLM's command lines run: `tool_choice: auto` is always served here
+    /// (its call format from --tool-call-parser).
+    #[arg(long)]
+    #[allow(dead_code)]
+    enable_auto_tool_choice: bool,
+    /// Accepted so that vLLM's command lines run: adapters are always served here (--lora,
+    /// --lora-dir).
+    #[arg(long)]
+    #[allow(dead_code)]
+    enable_lora: bool,
     /// Let `POST /v1/load_lora_adapter` read adapters under ROOT (and only there); without it
     /// adapters are loaded only by --lora.
     #[arg(long, value_name = "ROOT")]
@@ -140,7 +157,7 @@ impl TryFrom<ServeArgs> for ServeConfig {
 
     fn try_from(a: ServeArgs) -> Result<Self> {
         Ok(ServeConfig {
-            model: a.model,
+            model: a.model.or(a.model_argument).context("serve: give the model as MODEL or --model MODEL")?,
             revision: a.revision,
             served_model_name: a.served_model_name,
             host: a.host,
@@ -177,10 +194,8 @@ impl TryFrom<ServeArgs> for ServeConfig {
             loras: a
                 .loras
                 .iter()
-                .map(|l| match l.split_once('=') {
-                    Some((name, dir)) if !name.is_empty() && !dir.is_empty() => Ok((name.to_string(), PathBuf::from(dir))),
-                    _ => anyhow::bail!("--lora {l:?}: expected NAME=DIR"),
-                })
+                .map(|l| lora_argument("--lora", l))
+                .chain(a.lora_modules.iter().map(|l| lora_argument("--lora-modules", l)))
                 .collect::<Result<_>>()?,
             lora_dir: a.lora_dir,
             max_loras: match a.max_loras {
@@ -191,6 +206,26 @@ impl TryFrom<ServeArgs> for ServeConfig {
             dtype: parse_dtype(&a.dtype).context("--dtype")?,
             quantize: a.quantize.as_deref().map(fsdp_app::model_files::quantize::parse_quantize).transpose()?,
         })
+    }
+}
+
+/// An adapter's name and directory from `NAME=DIR`, or (--lora-modules) vLLM's JSON form
+/// `{"name": NAME, "path": DIR}`.
+fn lora_argument(flag: &str, arg: &str) -> Result<(String, PathBuf)> {
+    if arg.trim_start().starts_with('{') {
+        let v: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(arg).with_context(|| format!("{flag} {arg:?}: not a JSON object"))?;
+        if let Some(k) = v.keys().find(|k| !["name", "path"].contains(&k.as_str())) {
+            anyhow::bail!("{flag} {arg:?}: `{k}` is not supported (give `name` and `path`)");
+        }
+        return match (v.get("name").and_then(|n| n.as_str()), v.get("path").and_then(|p| p.as_str())) {
+            (Some(name), Some(path)) if !name.is_empty() && !path.is_empty() => Ok((name.to_string(), PathBuf::from(path))),
+            _ => anyhow::bail!("{flag} {arg:?}: `name` and `path` must be non-empty strings"),
+        };
+    }
+    match arg.split_once('=') {
+        Some((name, dir)) if !name.is_empty() && !dir.is_empty() => Ok((name.to_string(), PathBuf::from(dir))),
+        _ => anyhow::bail!("{flag} {arg:?}: expected NAME=DIR"),
     }
 }
 

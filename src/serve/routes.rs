@@ -89,7 +89,7 @@ pub async fn info(State(st): State<Arc<AppState>>) -> Json<Value> {
     let m = st.base();
     Json(json!({
         "model": m.id,
-        "max_model_len": m.context,
+        "max_model_len": m.max_total_tokens,
         "max_input_tokens": m.max_input_tokens,
         "max_total_tokens": m.max_total_tokens,
         "max_concurrent_requests": st.max_concurrent,
@@ -118,7 +118,7 @@ pub async fn openapi() -> impl IntoResponse {
 
 pub async fn tokenize(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
     let (m, ids) = validate::tokenize(&st, &json_body(body, st.max_body_bytes)?)?;
-    Ok(Json(json!({"count": ids.len(), "max_model_len": m.context, "tokens": ids})))
+    Ok(Json(json!({"count": ids.len(), "max_model_len": m.max_total_tokens, "tokens": ids})))
 }
 
 pub async fn detokenize(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {

@@ -177,12 +177,13 @@ impl ServedModel {
         })
     }
 
-    /// OpenAI's `model` object, with vLLM's `max_model_len` and what the web page needs to know
+    /// OpenAI's `model` object, with vLLM's `max_model_len` (the longest prompt + answer served,
+    /// as vLLM's --max-model-len sets it) and what the web page needs to know
     /// of a reasoning model: its thinking is split out (`reasoning`), its template reads
     /// `enable_thinking` (`thinking_switch`).
     pub fn object(&self) -> Value {
         let switch = self.tokenizer.chat_template.as_ref().is_some_and(|t| t.source.contains("enable_thinking"));
-        json!({"id": self.id, "object": "model", "created": self.created, "owned_by": "fsdp-app", "max_model_len": self.context,
+        json!({"id": self.id, "object": "model", "created": self.created, "owned_by": "fsdp-app", "max_model_len": self.max_total_tokens,
                "reasoning": self.splits_reasoning, "thinking_switch": switch})
     }
 

@@ -121,7 +121,7 @@ impl AppState {
         // (Fine-tuned LoRA models are listed above, as jobs made them.)
         for a in self.adapters.list().into_iter().filter(|a| !a.name.starts_with("ft:")) {
             out.push(json!({"id": a.name, "object": "model", "created": a.created, "owned_by": "fsdp-app", "parent": self.base_id,
-                            "root": a.dir, "max_model_len": base.context, "lora": {"loaded": a.loaded}}));
+                            "root": a.dir, "max_model_len": base.max_total_tokens, "lora": {"loaded": a.loaded}}));
         }
         out
     }

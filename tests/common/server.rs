@@ -19,13 +19,21 @@ impl Server {
     /// Starts `fsdp-app serve` on a free port; its data directory is a fresh temporary one
     /// unless `extra` names one.
     pub fn start(model: &Path, extra: &[&str]) -> Server {
-        let data = (!extra.contains(&"--data-dir")).then(|| tempfile::tempdir().unwrap());
+        let mut args = vec!["--model", model.to_str().unwrap(), "--served-model-name", "tiny"];
+        args.extend_from_slice(extra);
+        Self::start_with(&args)
+    }
+
+    /// Starts `fsdp-app serve` with `serve_args` (the model among them, as the test writes it)
+    /// on a free port, in a fresh temporary data directory unless they name one.
+    pub fn start_with(serve_args: &[&str]) -> Server {
+        let data = (!serve_args.contains(&"--data-dir")).then(|| tempfile::tempdir().unwrap());
         let data_arg = data.as_ref().map(|d| d.path().to_str().unwrap().to_string());
-        let mut args = vec!["serve", "--model", model.to_str().unwrap(), "--port", "0", "--served-model-name", "tiny"];
+        let mut args = vec!["serve", "--port", "0"];
         if let Some(d) = &data_arg {
             args.extend(["--data-dir", d.as_str()]);
         }
-        args.extend_from_slice(extra);
+        args.extend_from_slice(serve_args);
         let mut child = Command::new(bin()).args(&args).stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
         let mut err = BufReader::new(child.stderr.take().unwrap());
         let mut line = String::new();
