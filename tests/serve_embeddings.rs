@@ -116,3 +116,69 @@ fn the_openai_client_and_langchain_embed_against_the_server() {
     let server = Server::start(&embedding_fixture(tmp.path()), &["--api-key", "k"]);
     run_client_script(&python, "embeddings_client.py", &server, "k", "tiny", &[]);
 }
+
+/// `/v1/score` and `/v1/rerank` (and `/rerank`, `/v2/rerank`): the cosine similarities of
+/// sentence-transformers' embeddings of the same texts, paired and sorted as vLLM does; then
+/// Cohere's v1 and v2 clients rerank against the server (tests/rerank_client.py).
+#[test]
+fn scores_and_reranking_are_the_reference_embeddings_cosines() {
+    let tmp = tempfile::tempdir().unwrap();
+    let server = Server::start(&embedding_fixture(tmp.path()), &[]);
+    let r = reference();
+    let texts: Vec<&str> = r["texts"].as_array().unwrap().iter().map(|t| t["text"].as_str().unwrap()).collect();
+    let reference: Vec<Vec<f32>> = r["texts"].as_array().unwrap().iter().map(|t| vector(&t["embedding"])).collect();
+    let cosine = |a: &[f32], b: &[f32]| {
+        let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+        dot / (a.iter().map(|x| x * x).sum::<f32>().sqrt() * b.iter().map(|x| x * x).sum::<f32>().sqrt())
+    };
+    let close = |got: &Value, want: f32, what: &str| assert!((got.as_f64().unwrap() as f32 - want).abs() < 1e-4, "{what}: {got} vs {want}");
+
+    // One against many, and pairwise.
+    let one = post_json(&server.url("/v1/score"), &json!({"model": "tiny", "text_1": texts[0], "text_2": [texts[1], texts[2]]}));
+    assert_eq!((one["object"].as_str(), one["data"].as_array().map(Vec::len)), (Some("list"), Some(2)), "{one}");
+    close(&one["data"][0]["score"], cosine(&reference[0], &reference[1]), "text 0 with text 1");
+    close(&one["data"][1]["score"], cosine(&reference[0], &reference[2]), "text 0 with text 2");
+    let pairwise =
+        post_json(&server.url("/score"), &json!({"model": "tiny", "text_1": [texts[0], texts[1]], "text_2": [texts[2], texts[1]]}));
+    close(&pairwise["data"][0]["score"], cosine(&reference[0], &reference[2]), "pair 0");
+    close(&pairwise["data"][1]["score"], 1.0, "a text with itself");
+
+    // Rerank: best first, each with its index and text; top_n cuts; all three paths.
+    let documents = json!([texts[1], {"text": texts[2]}, texts[0]]);
+    let mut want: Vec<(usize, f32)> = [1, 2, 0].iter().enumerate().map(|(i, &t)| (i, cosine(&reference[0], &reference[t]))).collect();
+    want.sort_by(|a, b| b.1.total_cmp(&a.1));
+    for path in ["/v1/rerank", "/rerank", "/v2/rerank"] {
+        let ranked = post_json(&server.url(path), &json!({"model": "tiny", "query": texts[0], "documents": documents, "top_n": 2}));
+        let results = ranked["results"].as_array().unwrap();
+        assert_eq!(results.len(), 2, "{ranked}");
+        for (got, (index, score)) in results.iter().zip(&want) {
+            assert_eq!(got["index"].as_u64(), Some(*index as u64), "{ranked}");
+            close(&got["relevance_score"], *score, path);
+            let text = documents[*index].as_str().or(documents[*index]["text"].as_str()).unwrap();
+            assert_eq!(got["document"]["text"].as_str(), Some(text), "{ranked}");
+        }
+    }
+    let bare = post_json(
+        &server.url("/v1/rerank"),
+        &json!({"model": "tiny", "query": texts[0], "documents": documents, "return_documents": false}),
+    );
+    assert!(
+        bare["results"].as_array().unwrap().iter().all(|r| r.get("document").is_none()) && bare["results"].as_array().unwrap().len() == 3
+    );
+
+    // Refusals name the field.
+    for (path, body, param) in [
+        ("/v1/score", json!({"model": "tiny", "text_1": ["a", "b"], "text_2": ["a", "b", "c"]}), "text_2"),
+        ("/v1/score", json!({"model": "tiny", "text_1": "a"}), "text_2"),
+        ("/v1/rerank", json!({"model": "tiny", "query": "a", "documents": []}), "documents"),
+        ("/v1/rerank", json!({"model": "tiny", "query": "a", "documents": ["b", ""]}), "documents[1]"),
+        ("/v1/rerank", json!({"model": "tiny", "query": "a", "documents": ["b"], "rank_fields": ["x"]}), "rank_fields"),
+    ] {
+        let (status, text, _) = post(&server.url(path), &body.to_string(), None);
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!((status, v["error"]["param"].as_str()), (400, Some(param)), "{path} {body}: {text}");
+    }
+
+    let Some(python) = python_or_skip("scores_and_reranking_are_the_reference_embeddings_cosines", &["cohere"]) else { return };
+    run_client_script(&python, "rerank_client.py", &server, "", "tiny", &[("QUERY", texts[0]), ("DOCUMENTS", &documents.to_string())]);
+}

@@ -41,19 +41,8 @@ struct EmbeddingRequest {
 pub async fn embeddings(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
     let req = read(&st, &json_body(body, st.max_body_bytes)?)?;
     let _admission = super::admission::admit(&st, 1)?;
-    let mut replies = vec![];
-    for ids in &req.inputs {
-        let (reply, rx) = tokio::sync::oneshot::channel();
-        req.model.engine.submit_embed(EmbedJob { ids: ids.clone(), pooling: req.model.pooling, reply }).map_err(ApiError::internal)?;
-        replies.push(rx);
-    }
     let mut data = vec![];
-    for (index, rx) in replies.into_iter().enumerate() {
-        let vector = tokio::select! {
-            v = rx => v.map_err(|_| ApiError::internal("the engine dropped the request"))?,
-            _ = st.shutdown.forced() => return Err(ApiError::shutting_down()),
-        };
-        let mut vector = vector.map_err(|e| ApiError::internal(format!("Embedding failed: {e}")))?;
+    for (index, mut vector) in embed_all(&st, &req.model, &req.inputs).await?.into_iter().enumerate() {
         if let Some(d) = req.dimensions {
             vector.truncate(d);
             crate::embed::normalize(&mut vector);
@@ -70,14 +59,39 @@ pub async fn embeddings(State(st): State<Arc<AppState>>, body: Result<Bytes, Byt
     Ok(Json(json!({"object": "list", "data": data, "model": req.model_id, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})))
 }
 
-fn read(st: &AppState, v: &Value) -> Result<EmbeddingRequest, ApiError> {
-    fields::check(v, FIELDS, "", st.lenient)?;
-    let f = Fields::of(v)?;
-    let model_id = f.string("model")?.ok_or_else(|| ApiError::invalid("model", "`model` is required."))?;
+/// Each text's embedding, in order, from the model's engine (the caller holds a queue place).
+pub(super) async fn embed_all(st: &AppState, model: &ServedModel, inputs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>, ApiError> {
+    let mut replies = vec![];
+    for ids in inputs {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        model.engine.submit_embed(EmbedJob { ids: ids.clone(), pooling: model.pooling, reply }).map_err(ApiError::internal)?;
+        replies.push(rx);
+    }
+    let mut vectors = vec![];
+    for rx in replies {
+        let vector = tokio::select! {
+            v = rx => v.map_err(|_| ApiError::internal("the engine dropped the request"))?,
+            _ = st.shutdown.forced() => return Err(ApiError::shutting_down()),
+        };
+        vectors.push(vector.map_err(|e| ApiError::internal(format!("Embedding failed: {e}")))?);
+    }
+    Ok(vectors)
+}
+
+/// The model `model_id` names, for embedding: the base model behind it, not an adapter.
+pub(super) fn embedding_model(st: &AppState, model_id: &str) -> Result<Arc<ServedModel>, ApiError> {
     let (model, adapter) = st.target(model_id)?;
     if adapter.is_some() {
         return Err(ApiError::invalid("model", format!("`{model_id}` is a LoRA adapter; embeddings come from the base model alone.")));
     }
+    Ok(model)
+}
+
+fn read(st: &AppState, v: &Value) -> Result<EmbeddingRequest, ApiError> {
+    fields::check(v, FIELDS, "", st.lenient)?;
+    let f = Fields::of(v)?;
+    let model_id = f.string("model")?.ok_or_else(|| ApiError::invalid("model", "`model` is required."))?;
+    let model = embedding_model(st, model_id)?;
     f.string("user")?;
     let base64 = match f.string("encoding_format")? {
         None | Some("float") => false,
@@ -88,7 +102,7 @@ fn read(st: &AppState, v: &Value) -> Result<EmbeddingRequest, ApiError> {
     if let Some(d) = dimensions {
         check_dimensions(&model, d)?;
     }
-    let inputs = inputs(&model, f.value("input"))?;
+    let inputs = inputs(&model, f.value("input"), "input")?;
     Ok(EmbeddingRequest { model, model_id: model_id.to_string(), inputs, base64, dimensions })
 }
 
@@ -113,10 +127,10 @@ fn check_dimensions(model: &ServedModel, d: usize) -> Result<(), ApiError> {
     }
 }
 
-/// `input` as token ids, one list per text, each within the model's context.
-fn inputs(model: &ServedModel, input: Option<&Value>) -> Result<Vec<Vec<u32>>, ApiError> {
-    const P: &str = "input";
-    let shape = "`input` must be a string, a list of strings, a list of token ids or a list of lists of token ids.";
+/// The texts of field `param` (`input`: a string, a list of strings, a list of token ids or a
+/// list of lists of them) as token ids, one list per text, each within the model's context.
+pub(super) fn inputs(model: &ServedModel, input: Option<&Value>, param: &str) -> Result<Vec<Vec<u32>>, ApiError> {
+    let shape = format!("`{param}` must be a string, a list of strings, a list of token ids or a list of lists of token ids.");
     let ids_of = |v: &[Value], at: &str| -> Result<Vec<u32>, ApiError> {
         token_ids(v, model.vocab).ok_or_else(|| ApiError::invalid(at, format!("token ids must be integers in [0, {}).", model.vocab)))
     };
@@ -127,30 +141,30 @@ fn inputs(model: &ServedModel, input: Option<&Value>) -> Result<Vec<Vec<u32>>, A
         model.tokenizer.encode(text, true).map_err(|e| ApiError::bad_request(format!("{e:#}")))
     };
     let texts: Vec<Vec<u32>> = match input {
-        Some(Value::String(s)) => vec![encode(s, P)?],
-        Some(Value::Array(a)) if a.is_empty() => return Err(ApiError::invalid(P, "`input` must not be empty.")),
-        Some(Value::Array(a)) if a.iter().all(Value::is_number) => vec![ids_of(a, P)?],
+        Some(Value::String(s)) => vec![encode(s, param)?],
+        Some(Value::Array(a)) if a.is_empty() => return Err(ApiError::invalid(param, format!("`{param}` must not be empty."))),
+        Some(Value::Array(a)) if a.iter().all(Value::is_number) => vec![ids_of(a, param)?],
         Some(Value::Array(a)) => a
             .iter()
             .enumerate()
             .map(|(i, x)| {
-                let at = format!("{P}[{i}]");
+                let at = format!("{param}[{i}]");
                 match x {
                     Value::String(s) => encode(s, &at),
                     Value::Array(ids) if !ids.is_empty() => ids_of(ids, &at),
-                    _ => Err(ApiError::invalid(&at, shape)),
+                    _ => Err(ApiError::invalid(&at, shape.clone())),
                 }
             })
             .collect::<Result<_, _>>()?,
-        _ => return Err(ApiError::invalid(P, shape)),
+        _ => return Err(ApiError::invalid(param, shape)),
     };
     if texts.len() > MAX_INPUTS {
-        return Err(ApiError::invalid(P, format!("`input` has {} texts; at most {MAX_INPUTS} per request.", texts.len())));
+        return Err(ApiError::invalid(param, format!("`{param}` has {} texts; at most {MAX_INPUTS} per request.", texts.len())));
     }
     for (i, ids) in texts.iter().enumerate() {
         if ids.len() > model.context {
-            let message = format!("input[{i}] has {} tokens; this model's context is {} tokens.", ids.len(), model.context);
-            return Err(ApiError::invalid(P, message).with_code("context_length_exceeded"));
+            let message = format!("{param}[{i}] has {} tokens; this model's context is {} tokens.", ids.len(), model.context);
+            return Err(ApiError::invalid(param, message).with_code("context_length_exceeded"));
         }
     }
     Ok(texts)

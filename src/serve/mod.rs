@@ -11,7 +11,8 @@
 //! groups). `fields` says which request fields each endpoint takes, `tools` is function calling
 //! (`tool_format` the models' own call formats, `call_stream` a call's JSON as it streams),
 //! `error` OpenAI's error shape (and Anthropic's, for `/v1/messages`). `embeddings` is
-//! `/v1/embeddings`, whose texts the engine embeds between decode steps.
+//! `/v1/embeddings`, whose texts the engine embeds between decode steps; `scores` is
+//! `/v1/score` and `/v1/rerank` over those embeddings.
 
 mod adapters;
 mod admission;
@@ -32,6 +33,7 @@ mod process;
 mod response;
 mod router;
 mod routes;
+pub mod scores;
 pub mod served_model;
 mod server;
 pub mod shutdown;

@@ -45,6 +45,13 @@ pub const SPEC: &str = r##"{
         "encoding_format": {"type": "string", "enum": ["float", "base64"]},
         "dimensions": {"type": "integer", "minimum": 1, "description": "Only for a model with matryoshka_dimensions in its config.json."},
         "user": {"type": "string"}}},
+      "ScoreRequest": {"type": "object", "required": ["model", "text_1", "text_2"], "description": "vLLM's: cosine similarity of embeddings; one text_1 against each text_2, or pairwise.", "properties": {
+        "model": {"type": "string"}, "text_1": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+        "text_2": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}, "user": {"type": "string"}}},
+      "RerankRequest": {"type": "object", "required": ["model", "query", "documents"], "description": "Jina's and Cohere's rerank (vLLM's): documents sorted by the cosine similarity of their embeddings to the query's.", "properties": {
+        "model": {"type": "string"}, "query": {"type": "string"},
+        "documents": {"type": "array", "minItems": 1, "items": {"oneOf": [{"type": "string"}, {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}}]}},
+        "top_n": {"type": "integer", "minimum": 0, "description": "0 or absent: all."}, "return_documents": {"type": "boolean"}, "user": {"type": "string"}}},
       "MessagesRequest": {"type": "object", "required": ["model", "messages", "max_tokens"], "description": "Anthropic's Messages API.", "allOf": [{"$ref": "#/components/schemas/CountTokensRequest"}, {"properties": {
         "max_tokens": {"type": "integer", "minimum": 1}, "stop_sequences": {"type": "array", "items": {"type": "string"}}, "stream": {"type": "boolean"},
         "temperature": {"type": "number", "minimum": 0, "maximum": 2}, "top_p": {"type": "number", "exclusiveMinimum": true, "minimum": 0, "maximum": 1},
@@ -135,6 +142,10 @@ pub const SPEC: &str = r##"{
       "responses": {"200": {"description": "A list of embedding objects with usage."},
         "400": {"description": "Invalid request.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}},
         "404": {"description": "Unknown model."}, "429": {"description": "The queue is full (Retry-After)."}}}},
+    "/v1/score": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ScoreRequest"}}}},
+      "responses": {"200": {"description": "A list of score objects with usage (also at /score)."}, "400": {"description": "Invalid request."}, "404": {"description": "Unknown model."}}}},
+    "/v1/rerank": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/RerankRequest"}}}},
+      "responses": {"200": {"description": "results: index, relevance_score and document, best first (also at /rerank and /v2/rerank)."}, "400": {"description": "Invalid request."}, "404": {"description": "Unknown model."}}}},
     "/v1/messages": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/MessagesRequest"}}}},
       "responses": {"200": {"description": "A message object, or an SSE stream of Anthropic's message events."},
         "400": {"description": "Invalid request ({\"type\": \"error\", \"error\": {\"type\", \"message\"}})."},
@@ -252,6 +263,8 @@ mod tests {
         assert_eq!(props(&schemas["ChatRequest"]), with_vllm(crate::serve::fields::CHAT));
         assert_eq!(props(&schemas["ResponsesRequest"]), set(crate::serve::fields::RESPONSES));
         assert_eq!(props(&schemas["EmbeddingsRequest"]), set(crate::serve::embeddings::FIELDS));
+        assert_eq!(props(&schemas["ScoreRequest"]), set(crate::serve::scores::SCORE_FIELDS));
+        assert_eq!(props(&schemas["RerankRequest"]), set(crate::serve::scores::RERANK_FIELDS));
         use crate::serve::validate::anthropic;
         assert_eq!(props(&schemas["MessagesRequest"]), set(anthropic::accepted(false)));
         assert_eq!(props(&schemas["CountTokensRequest"]), set(anthropic::accepted(true)));

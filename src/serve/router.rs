@@ -11,7 +11,7 @@ use axum::Router;
 
 use super::error::{AnthropicError, ApiError};
 use super::state::AppState;
-use super::{embeddings, files, jobs, routes, web};
+use super::{embeddings, files, jobs, routes, scores, web};
 
 /// How far past --max-body-bytes a body is still read, to answer 413 cleanly (see `body`).
 const READ_PAST_LIMIT: usize = 32 << 20;
@@ -35,6 +35,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/responses", post(routes::responses))
         .route("/v1/messages", post(routes::messages))
         .route("/v1/embeddings", post(embeddings::embeddings))
+        .route("/v1/score", post(scores::score))
+        .route("/score", post(scores::score))
+        .route("/v1/rerank", post(scores::rerank))
+        .route("/rerank", post(scores::rerank))
+        .route("/v2/rerank", post(scores::rerank))
         .route("/v1/messages/count_tokens", post(routes::count_tokens))
         .route("/v1/load_lora_adapter", post(routes::load_lora_adapter))
         .route("/v1/unload_lora_adapter", post(routes::unload_lora_adapter))
