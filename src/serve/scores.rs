@@ -17,6 +17,7 @@ use super::embeddings::{embed_all, embedding_model, inputs};
 use super::error::ApiError;
 use super::fields::{self, Fields};
 use super::ids::{new_id, now_s};
+use super::served_model::ServedModel;
 use super::state::AppState;
 
 /// `/v1/score`'s fields.
@@ -26,12 +27,8 @@ pub const SCORE_FIELDS: &[&str] = &["model", "text_1", "text_2", "user"];
 pub const RERANK_FIELDS: &[&str] = &["model", "query", "documents", "top_n", "return_documents", "user"];
 
 pub async fn score(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
-    let v = json_body(body, st.max_body_bytes)?;
-    fields::check(&v, SCORE_FIELDS, "", st.lenient)?;
+    let (v, model_id, model) = checked_body(&st, body, SCORE_FIELDS)?;
     let f = Fields::of(&v)?;
-    f.string("user")?;
-    let model_id = f.string("model")?.ok_or_else(|| ApiError::invalid("model", "`model` is required."))?;
-    let model = embedding_model(&st, model_id)?;
     let (first, second) = (inputs(&model, f.value("text_1"), "text_1")?, inputs(&model, f.value("text_2"), "text_2")?);
     // One text against each of the others, or the two lists pairwise (vLLM's pairing).
     let pairs: Vec<(usize, usize)> = match (first.len(), second.len()) {
@@ -57,12 +54,8 @@ pub async fn score(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRej
 }
 
 pub async fn rerank(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
-    let v = json_body(body, st.max_body_bytes)?;
-    fields::check(&v, RERANK_FIELDS, "", st.lenient)?;
+    let (v, model_id, model) = checked_body(&st, body, RERANK_FIELDS)?;
     let f = Fields::of(&v)?;
-    f.string("user")?;
-    let model_id = f.string("model")?.ok_or_else(|| ApiError::invalid("model", "`model` is required."))?;
-    let model = embedding_model(&st, model_id)?;
     let query = f.string("query")?.ok_or_else(|| ApiError::invalid("query", "`query` is required: a string."))?;
     let documents = document_texts(f.value("documents"))?;
     let top_n = f.integer("top_n", 0, i64::MAX)?.map(|n| n as usize).filter(|&n| n > 0).unwrap_or(documents.len());
@@ -87,6 +80,22 @@ pub async fn rerank(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRe
         .collect();
     let tokens: usize = texts.iter().map(Vec::len).sum();
     Ok(Json(json!({"id": new_id("rerank"), "model": model_id, "usage": {"total_tokens": tokens}, "results": results})))
+}
+
+/// The body, its fields checked against `accepted` (`user` a string), the `model` it names and
+/// that model (for embedding).
+fn checked_body(
+    st: &AppState,
+    body: Result<Bytes, BytesRejection>,
+    accepted: &[&str],
+) -> Result<(Value, String, Arc<ServedModel>), ApiError> {
+    let v = json_body(body, st.max_body_bytes)?;
+    fields::check(&v, accepted, "", st.lenient)?;
+    let f = Fields::of(&v)?;
+    f.string("user")?;
+    let model_id = f.string("model")?.ok_or_else(|| ApiError::invalid("model", "`model` is required."))?.to_string();
+    let model = embedding_model(st, &model_id)?;
+    Ok((v, model_id, model))
 }
 
 /// `documents`: strings, or objects with a `text` (Cohere's v1 and Jina's shape).
