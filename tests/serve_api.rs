@@ -23,6 +23,20 @@ fn lenient_mode_logit_bias_echo_logprobs_and_n_admission() {
         .unwrap();
     assert_eq!(r.status(), 200);
     assert_eq!(r.header("x-fsdp-app-ignored-params"), Some("foo_bar, tools"));
+    // Every endpoint that reads a body lists what it ignored: embeddings, rerank, a job's nested fields.
+    let ignored = |path: &str, body: Value| {
+        let r = ureq::post(&server.url(path)).set("Content-Type", "application/json").send_string(&body.to_string()).unwrap();
+        r.header("x-fsdp-app-ignored-params").map(str::to_string)
+    };
+    assert_eq!(ignored("/v1/embeddings", json!({"model": "tiny", "input": "hi", "truncate": "END"})).as_deref(), Some("truncate"));
+    let rerank = json!({"model": "tiny", "query": "a", "documents": ["b"], "rank_fields": ["text"]});
+    assert_eq!(ignored("/v1/rerank", rerank).as_deref(), Some("rank_fields"));
+    let chat = std::fs::read(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/zephyrix-codename.jsonl")).unwrap();
+    let (status, file) = upload(&server, "chat.jsonl", &chat);
+    assert_eq!(status, 200, "{file}");
+    let job = json!({"model": "tiny", "training_file": file["id"],
+                     "method": {"type": "supervised", "supervised": {"hyperparameters": {}, "x": 1}}, "fsdp_app": {"max_steps": 1, "y": 2}});
+    assert_eq!(ignored("/v1/fine_tuning/jobs", job).as_deref(), Some("method.supervised.x, fsdp_app.y"));
 
     // Greedy's first token, then banned by logit_bias: another token comes first.
     let greedy = |extra: Value| {

@@ -317,9 +317,10 @@ pub fn load_model_with(files: ModelFiles, opts: &LoadOptions, device: &Device) -
 /// Parses `--dtype`.
 pub fn parse_dtype(s: &str) -> Result<DType> {
     Ok(match s {
-        "f32" | "float32" => DType::F32,
+        // vLLM's and PyTorch's spellings too (`float`, `half`).
+        "f32" | "float32" | "float" => DType::F32,
         "bf16" | "bfloat16" => DType::BF16,
-        "f16" | "float16" => DType::F16,
+        "f16" | "float16" | "half" => DType::F16,
         other => bail!("--dtype {other:?} is not supported; use f32, bf16 or f16"),
     })
 }
@@ -328,6 +329,14 @@ pub fn parse_dtype(s: &str) -> Result<DType> {
 mod tests {
     use super::*;
     use candle_core::Tensor;
+
+    #[test]
+    fn dtypes_take_vllms_spellings_and_refuse_auto() {
+        assert_eq!(parse_dtype("half").unwrap(), DType::F16);
+        assert_eq!(parse_dtype("float").unwrap(), DType::F32);
+        assert_eq!(parse_dtype("bfloat16").unwrap(), DType::BF16);
+        assert!(parse_dtype("auto").unwrap_err().to_string().contains("use f32, bf16 or f16"));
+    }
 
     #[test]
     fn row_ranges_read_in_place_match_the_whole_tensor() {

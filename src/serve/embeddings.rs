@@ -11,6 +11,7 @@ use std::sync::Arc;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
+use axum::response::{IntoResponse, Response};
 use axum::Json;
 use base64::Engine as _;
 use serde_json::{json, Value};
@@ -19,6 +20,7 @@ use super::body::json_body;
 use super::engine::EmbedJob;
 use super::error::ApiError;
 use super::fields::{self, Fields};
+use super::response::with_ignored;
 use super::served_model::ServedModel;
 use super::state::AppState;
 use super::validate::token_ids;
@@ -29,16 +31,18 @@ const MAX_INPUTS: usize = 2048;
 /// `/v1/embeddings`' fields.
 pub const FIELDS: &[&str] = &["model", "input", "encoding_format", "dimensions", "user"];
 
-/// A checked request: the model, each text's ids, the answer's shape.
+/// A checked request: the model, each text's ids, the answer's shape, the fields `--lenient`
+/// ignored.
 struct EmbeddingRequest {
     model: Arc<ServedModel>,
     model_id: String,
     inputs: Vec<Vec<u32>>,
     base64: bool,
     dimensions: Option<usize>,
+    ignored: Vec<String>,
 }
 
-pub async fn embeddings(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
+pub async fn embeddings(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let req = read(&st, &json_body(body, st.max_body_bytes)?)?;
     let _admission = super::admission::admit(&st, 1)?;
     let mut data = vec![];
@@ -56,7 +60,8 @@ pub async fn embeddings(State(st): State<Arc<AppState>>, body: Result<Bytes, Byt
         data.push(json!({"object": "embedding", "index": index, "embedding": embedding}));
     }
     let tokens: usize = req.inputs.iter().map(Vec::len).sum();
-    Ok(Json(json!({"object": "list", "data": data, "model": req.model_id, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})))
+    let body = json!({"object": "list", "data": data, "model": req.model_id, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}});
+    Ok(with_ignored(Json(body).into_response(), &req.ignored))
 }
 
 /// Each text's embedding, in order, from the model's engine (the caller holds a queue place).
@@ -88,7 +93,7 @@ pub(super) fn embedding_model(st: &AppState, model_id: &str) -> Result<Arc<Serve
 }
 
 fn read(st: &AppState, v: &Value) -> Result<EmbeddingRequest, ApiError> {
-    fields::check(v, FIELDS, "", st.lenient)?;
+    let ignored = fields::check(v, FIELDS, "", st.lenient)?;
     let f = Fields::of(v)?;
     let model_id = f.string("model")?.ok_or_else(|| ApiError::invalid("model", "`model` is required."))?;
     let model = embedding_model(st, model_id)?;
@@ -103,7 +108,7 @@ fn read(st: &AppState, v: &Value) -> Result<EmbeddingRequest, ApiError> {
         check_dimensions(&model, d)?;
     }
     let inputs = inputs(&model, f.value("input"), "input")?;
-    Ok(EmbeddingRequest { model, model_id: model_id.to_string(), inputs, base64, dimensions })
+    Ok(EmbeddingRequest { model, model_id: model_id.to_string(), inputs, base64, dimensions, ignored })
 }
 
 /// `dimensions` for a Matryoshka model: one of its sizes (any up to the full one when it lists

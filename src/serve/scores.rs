@@ -9,6 +9,7 @@ use std::sync::Arc;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
+use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
@@ -17,6 +18,7 @@ use super::embeddings::{embed_all, embedding_model, inputs};
 use super::error::ApiError;
 use super::fields::{self, Fields};
 use super::ids::{new_id, now_s};
+use super::response::with_ignored;
 use super::served_model::ServedModel;
 use super::state::AppState;
 
@@ -26,8 +28,8 @@ pub const SCORE_FIELDS: &[&str] = &["model", "text_1", "text_2", "user"];
 /// `/v1/rerank`'s fields.
 pub const RERANK_FIELDS: &[&str] = &["model", "query", "documents", "top_n", "return_documents", "user"];
 
-pub async fn score(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
-    let (v, model_id, model) = checked_body(&st, body, SCORE_FIELDS)?;
+pub async fn score(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let (v, model_id, model, ignored) = checked_body(&st, body, SCORE_FIELDS)?;
     let f = Fields::of(&v)?;
     let (first, second) = (inputs(&model, f.value("text_1"), "text_1")?, inputs(&model, f.value("text_2"), "text_2")?);
     // One text against each of the others, or the two lists pairwise (vLLM's pairing).
@@ -49,12 +51,13 @@ pub async fn score(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRej
         .map(|(index, &(i, j))| json!({"index": index, "object": "score", "score": cosine(&a[i], &b[j])}))
         .collect();
     let tokens: usize = texts.iter().map(Vec::len).sum();
-    Ok(Json(json!({"id": new_id("score"), "object": "list", "created": now_s(), "model": model_id, "data": data,
-                   "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})))
+    let body = json!({"id": new_id("score"), "object": "list", "created": now_s(), "model": model_id, "data": data,
+                      "usage": {"prompt_tokens": tokens, "total_tokens": tokens}});
+    Ok(with_ignored(Json(body).into_response(), &ignored))
 }
 
-pub async fn rerank(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
-    let (v, model_id, model) = checked_body(&st, body, RERANK_FIELDS)?;
+pub async fn rerank(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let (v, model_id, model, ignored) = checked_body(&st, body, RERANK_FIELDS)?;
     let f = Fields::of(&v)?;
     let query = f.string("query")?.ok_or_else(|| ApiError::invalid("query", "`query` is required: a string."))?;
     let documents = document_texts(f.value("documents"))?;
@@ -79,23 +82,22 @@ pub async fn rerank(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRe
         })
         .collect();
     let tokens: usize = texts.iter().map(Vec::len).sum();
-    Ok(Json(json!({"id": new_id("rerank"), "model": model_id, "usage": {"total_tokens": tokens}, "results": results})))
+    let body = json!({"id": new_id("rerank"), "model": model_id, "usage": {"total_tokens": tokens}, "results": results});
+    Ok(with_ignored(Json(body).into_response(), &ignored))
 }
 
-/// The body, its fields checked against `accepted` (`user` a string), the `model` it names and
-/// that model (for embedding).
-fn checked_body(
-    st: &AppState,
-    body: Result<Bytes, BytesRejection>,
-    accepted: &[&str],
-) -> Result<(Value, String, Arc<ServedModel>), ApiError> {
+/// The body, its fields checked against `accepted` (`user` a string), the `model` it names, that
+/// model (for embedding), and the fields `--lenient` ignored.
+type CheckedBody = (Value, String, Arc<ServedModel>, Vec<String>);
+
+fn checked_body(st: &AppState, body: Result<Bytes, BytesRejection>, accepted: &[&str]) -> Result<CheckedBody, ApiError> {
     let v = json_body(body, st.max_body_bytes)?;
-    fields::check(&v, accepted, "", st.lenient)?;
+    let ignored = fields::check(&v, accepted, "", st.lenient)?;
     let f = Fields::of(&v)?;
     f.string("user")?;
     let model_id = f.string("model")?.ok_or_else(|| ApiError::invalid("model", "`model` is required."))?.to_string();
     let model = embedding_model(st, &model_id)?;
-    Ok((v, model_id, model))
+    Ok((v, model_id, model, ignored))
 }
 
 /// `documents`: strings, or objects with a `text` (Cohere's v1 and Jina's shape).

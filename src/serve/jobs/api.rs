@@ -28,7 +28,7 @@ fn internal(e: anyhow::Error) -> ApiError {
 /// {...}}}`, OpenAI's form (`reinforcement` also takes its `grader`, checked here: a bad one is a
 /// 400 naming its field). Returns the method's type, its hyperparameters if it gives any, and
 /// the grader.
-fn method(v: &Value, lenient: bool) -> Result<(&'static str, Option<Value>, Option<Value>), ApiError> {
+fn method(v: &Value, lenient: bool, ignored: &mut Vec<String>) -> Result<(&'static str, Option<Value>, Option<Value>), ApiError> {
     let Some(m) = v.get("method").filter(|x| !x.is_null()) else { return Ok(("supervised", None, None)) };
     if !m.is_object() {
         return Err(ApiError::invalid("method", "`method` must be an object such as {\"type\": \"supervised\"}."));
@@ -39,7 +39,7 @@ fn method(v: &Value, lenient: bool) -> Result<(&'static str, Option<Value>, Opti
         Some("reinforcement") => "reinforcement",
         _ => return Err(ApiError::invalid("method.type", "`method.type` must be \"supervised\", \"dpo\" or \"reinforcement\".")),
     };
-    fields::check(m, &["type", kind], "method", lenient)?;
+    ignored.extend(fields::check(m, &["type", kind], "method", lenient)?);
     let settings = m.get(kind).filter(|x| !x.is_null());
     let grader = match kind {
         "reinforcement" => {
@@ -53,7 +53,7 @@ fn method(v: &Value, lenient: bool) -> Result<(&'static str, Option<Value>, Opti
     };
     let Some(s) = settings else { return Ok((kind, None, grader)) };
     let allowed: &[&str] = if kind == "reinforcement" { &["grader", "hyperparameters"] } else { &["hyperparameters"] };
-    fields::check(s, allowed, &format!("method.{kind}"), lenient)?;
+    ignored.extend(fields::check(s, allowed, &format!("method.{kind}"), lenient)?);
     Ok((kind, s.get("hyperparameters").filter(|x| !x.is_null()).cloned(), grader))
 }
 
@@ -79,9 +79,9 @@ fn checked_grader(g: &Value) -> Result<Value, ApiError> {
 
 /// `hyperparameters` (or `method.<type>.hyperparameters`, not both): n_epochs, batch_size and
 /// learning_rate_multiplier, and for DPO beta, each a number or "auto".
-fn hyperparameters(v: &Value, lenient: bool) -> Result<Hyperparameters, ApiError> {
+fn hyperparameters(v: &Value, lenient: bool, ignored: &mut Vec<String>) -> Result<Hyperparameters, ApiError> {
     let top = v.get("hyperparameters").filter(|x| !x.is_null()).cloned();
-    let (kind, from_method, grader) = method(v, lenient)?;
+    let (kind, from_method, grader) = method(v, lenient, ignored)?;
     let h = match (top, from_method) {
         (Some(_), Some(_)) => {
             return Err(ApiError::invalid(
@@ -155,11 +155,11 @@ fn hyperparameters(v: &Value, lenient: bool) -> Result<Hyperparameters, ApiError
 /// Our extensions, under `fsdp_app`: world_size, seq_len (at most the model's context),
 /// max_steps, lora {r, alpha, dropout, targets}, merge; what is not given takes [`JobExtensions`]'
 /// and [`JobLora`]'s defaults.
-fn extensions(v: &Value, lenient: bool, context: usize) -> Result<JobExtensions, ApiError> {
+fn extensions(v: &Value, lenient: bool, context: usize, ignored: &mut Vec<String>) -> Result<JobExtensions, ApiError> {
     let d = JobExtensions::defaults(context);
     let Some(e) = v.get("fsdp_app").filter(|x| !x.is_null()) else { return Ok(d) };
     let f = Fields::of(e).map_err(|_| ApiError::invalid("fsdp_app", "`fsdp_app` must be an object."))?;
-    fields::check(e, fields::JOB_EXTENSION, "fsdp_app", lenient)?;
+    ignored.extend(fields::check(e, fields::JOB_EXTENSION, "fsdp_app", lenient)?);
     let named = |err: ApiError| ApiError { param: err.param.map(|p| format!("fsdp_app.{p}")), ..err };
     let world_size = f.integer("world_size", 1, 16).map_err(named)?.map_or(d.world_size, |n| n as u64);
     let seq_len = f.integer("seq_len", 16, 1 << 20).map_err(named)?.map_or(d.seq_len, |n| n as u64);
@@ -177,7 +177,7 @@ fn extensions(v: &Value, lenient: bool, context: usize) -> Result<JobExtensions,
             "`max_completion_length` must leave room for the prompt in `seq_len`.",
         ));
     }
-    let lora = f.value("lora").map(|l| lora(l, lenient)).transpose()?;
+    let lora = f.value("lora").map(|l| lora(l, lenient, ignored)).transpose()?;
     let merge = f.bool("merge").map_err(named)?.unwrap_or(false);
     if merge && lora.is_none() {
         return Err(ApiError::invalid("fsdp_app.merge", "`merge` needs `lora`: it merges the trained adapter into the base."));
@@ -186,10 +186,10 @@ fn extensions(v: &Value, lenient: bool, context: usize) -> Result<JobExtensions,
 }
 
 /// `fsdp_app.lora`.
-fn lora(l: &Value, lenient: bool) -> Result<JobLora, ApiError> {
+fn lora(l: &Value, lenient: bool, ignored: &mut Vec<String>) -> Result<JobLora, ApiError> {
     let d = JobLora::default();
     let lf = Fields::of(l).map_err(|_| ApiError::invalid("fsdp_app.lora", "`lora` must be an object."))?;
-    fields::check(l, fields::JOB_LORA, "fsdp_app.lora", lenient)?;
+    ignored.extend(fields::check(l, fields::JOB_LORA, "fsdp_app.lora", lenient)?);
     let named = |err: ApiError| ApiError { param: err.param.map(|p| format!("fsdp_app.lora.{p}")), ..err };
     let targets: Vec<String> = match lf.value("targets") {
         None => d.targets,
@@ -220,7 +220,7 @@ pub async fn create(
 ) -> Result<Response, ApiError> {
     let v = json_body(body, st.max_body_bytes)?;
     let f = Fields::of(&v)?;
-    let ignored = fields::check(&v, fields::JOB, "", st.lenient)?;
+    let mut ignored = fields::check(&v, fields::JOB, "", st.lenient)?;
     let model = f.string("model")?.ok_or_else(|| ApiError::invalid("model", "`model` is required."))?;
     if model != st.base_id {
         return Err(ApiError::invalid("model", format!("This server fine-tunes `{}` only.", st.base_id)).with_code("model_not_available"));
@@ -237,7 +237,7 @@ pub async fn create(
     };
     let training_file = file("training_file", true)?.unwrap();
     let validation_file = file("validation_file", false)?;
-    let hyperparameters = hyperparameters(&v, st.lenient)?;
+    let hyperparameters = hyperparameters(&v, st.lenient, &mut ignored)?;
     // Uploads hold one kind of row (checked at upload): the method must train on that kind.
     let wanted = match hyperparameters.method_type() {
         "dpo" => RowKind::Preference,
@@ -280,7 +280,7 @@ pub async fn create(
         training_file,
         validation_file,
         hyperparameters,
-        extensions: extensions(&v, st.lenient, st.base().context)?,
+        extensions: extensions(&v, st.lenient, st.base().context, &mut ignored)?,
         suffix,
         seed,
     };
