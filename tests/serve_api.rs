@@ -174,7 +174,9 @@ fn chat_template_kwargs_reach_the_template() {
 
 /// A `vllm serve` command line runs as it is: the model as an argument, vLLM's names of the
 /// limits (--max-model-len, --max-num-seqs, --max-num-batched-tokens), --lora-modules in both
-/// of its forms, --enable-auto-tool-choice and --enable-lora; `max_model_len` is the limit set.
+/// of its forms, --enable-auto-tool-choice, --enable-lora, --enable-prefix-caching (and its
+/// `--no-` switch), --trust-remote-code, `--dtype float`, `GET /version`; `max_model_len` is the
+/// limit set.
 #[test]
 fn a_vllm_command_line_serves_with_its_limits() {
     let tmp = tempfile::tempdir().unwrap();
@@ -185,8 +187,9 @@ fn a_vllm_command_line_serves_with_its_limits() {
     let server = Server::start_with(&[
         model.to_str().unwrap(), "--served-model-name", "tiny", "--max-model-len", "48", "--max-num-seqs", "3",
         "--max-num-batched-tokens", "32", "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-lora",
-        "--lora-modules", &as_pair, &as_json,
+        "--trust-remote-code", "--dtype", "float", "--lora-modules", &as_pair, &as_json,
     ]);
+    assert_eq!(get_json(&server.url("/version"))["version"], env!("CARGO_PKG_VERSION"));
     let models = get_json(&server.url("/v1/models"));
     let listed: Vec<(&str, u64)> =
         models["data"].as_array().unwrap().iter().map(|m| (m["id"].as_str().unwrap(), m["max_model_len"].as_u64().unwrap())).collect();
@@ -200,10 +203,21 @@ fn a_vllm_command_line_serves_with_its_limits() {
     assert_eq!(status, 400, "{text}");
     let ok = post_json(&server.url("/v1/completions"), &json!({"model": "b", "prompt": prompt, "max_tokens": 4}));
     assert_eq!(ok["usage"]["completion_tokens"], 4, "{ok}");
+    // Prefix caching is on (the same prompt again reads its full 64-token blocks from the
+    // cache), and off with vLLM's switch.
+    let cached = |switch: &str| {
+        let server = Server::start_with(&[model.to_str().unwrap(), "--served-model-name", "tiny", switch]);
+        let body = json!({"model": "tiny", "prompt": (1..140).collect::<Vec<u32>>(), "max_tokens": 1});
+        post_json(&server.url("/v1/completions"), &body);
+        post_json(&server.url("/v1/completions"), &body)["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap()
+    };
+    assert_eq!((cached("--enable-prefix-caching"), cached("--no-enable-prefix-caching")), (128, 0));
 
     // A bad --lora-modules is named.
     let bad = run_cli(&["serve", model.to_str().unwrap(), "--lora-modules", "{\"name\": \"x\", \"root\": \"y\"}"], &[]);
     assert!(!bad.status.success() && stderr(&bad).contains("`root` is not supported"), "{}", stderr(&bad));
+    let off_and_sized = run_cli(&["serve", model.to_str().unwrap(), "--no-enable-prefix-caching", "--kv-cache-memory", "64"], &[]);
+    assert!(!off_and_sized.status.success() && stderr(&off_and_sized).contains("cannot be used with"), "{}", stderr(&off_and_sized));
     let both = run_cli(&["serve", model.to_str().unwrap(), "--model", model.to_str().unwrap()], &[]);
     assert!(!both.status.success() && stderr(&both).contains("cannot be used with"), "{}", stderr(&both));
 }

@@ -44,6 +44,19 @@ pub struct ServeArgs {
     /// The default keeps an idle server's growth small (about 5,800 tokens of SmolLM2 in f32).
     #[arg(long, default_value_t = 256)]
     kv_cache_memory: usize,
+    /// Accepted so that vLLM's command lines run: prefix caching is on by default here
+    /// (--kv-cache-memory).
+    #[arg(long)]
+    #[allow(dead_code)]
+    enable_prefix_caching: bool,
+    /// vLLM's switch for no prefix caching: --kv-cache-memory 0.
+    #[arg(long, conflicts_with_all = ["kv_cache_memory", "enable_prefix_caching"])]
+    no_enable_prefix_caching: bool,
+    /// Accepted so that vLLM's command lines run: no model code is ever run here (architectures
+    /// are built in; a model of another one is refused by name at start-up).
+    #[arg(long)]
+    #[allow(dead_code)]
+    trust_remote_code: bool,
     /// Requests that may wait for a slot; beyond that the answer is 429 with Retry-After.
     #[arg(long, default_value_t = 64)]
     max_queue: usize,
@@ -165,7 +178,10 @@ impl TryFrom<ServeArgs> for ServeConfig {
             api_key: a.api_key,
             max_concurrent_requests: a.max_concurrent_requests,
             max_prefill_tokens: a.max_prefill_tokens,
-            kv_cache_memory: a.kv_cache_memory.checked_mul(1 << 20).context("--kv-cache-memory: too many MiB")?,
+            kv_cache_memory: match a.no_enable_prefix_caching {
+                true => 0,
+                false => a.kv_cache_memory.checked_mul(1 << 20).context("--kv-cache-memory: too many MiB")?,
+            },
             max_queue: a.max_queue,
             reasoning_parser: a.reasoning_parser,
             chat_template: a.chat_template.as_deref().map(fsdp_app::tokenize::chat::template_argument).transpose()?,

@@ -123,6 +123,7 @@ pub const SPEC: &str = r##"{
   "security": [{"bearer": []}],
   "paths": {
     "/health": {"get": {"security": [], "responses": {"200": {"description": "The server is up."}}}},
+    "/version": {"get": {"responses": {"200": {"description": "{\"version\": ...}: this server's version (vLLM's route)."}}}},
     "/metrics": {"get": {"responses": {"200": {"description": "Prometheus metrics.", "content": {"text/plain": {}}}}}},
     "/info": {"get": {"responses": {"200": {"description": "Limits and sampling defaults.", "content": {"application/json": {}}}}}},
     "/v1/models": {"get": {"responses": {"200": {"description": "The served model.", "content": {"application/json": {}}}}}},

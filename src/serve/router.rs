@@ -19,6 +19,7 @@ const READ_PAST_LIMIT: usize = 32 << 20;
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/health", get(routes::health))
+        .route("/version", get(routes::version))
         .route("/", get(web::index))
         .route("/finetune", get(web::finetune))
         .route("/web/app.js", get(web::app_js))

@@ -23,6 +23,11 @@ pub async fn health() -> Json<Value> {
     Json(json!({"status": "ok"}))
 }
 
+/// vLLM's `GET /version`: this server's version.
+pub async fn version() -> Json<Value> {
+    Json(json!({"version": env!("CARGO_PKG_VERSION")}))
+}
+
 pub async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
     Json(json!({"object": "list", "data": st.model_objects()}))
 }
