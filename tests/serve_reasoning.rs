@@ -3,7 +3,8 @@
 //! chat template that has Qwen3's thinking switch. Its thinking comes back as
 //! `reasoning_content` apart from the answer, whole and streamed (split exactly at the tags,
 //! whichever tokens they span), counted in `completion_tokens_details.reasoning_tokens`;
-//! `enable_thinking: false` renders the no-think prompt; a JSON schema holds the answer after
+//! `enable_thinking: false` renders the no-think prompt; a JSON schema (or vLLM's
+//! `structured_outputs`) holds the answer after
 //! the thinking, not the thinking; `--reasoning-parser none` leaves the text whole.
 
 mod common;
@@ -60,6 +61,11 @@ fn thinking_is_split_from_the_answer_whole_and_streamed() {
     assert_eq!(message["reasoning_content"].as_str(), Some(THINKING), "{constrained}");
     let answer: Value = serde_json::from_str(message["content"].as_str().unwrap().trim()).unwrap_or_else(|e| panic!("{e}: {constrained}"));
     assert!(answer["ok"].is_boolean(), "{answer}");
+    // So does vLLM's `structured_outputs` (here a choice, which the answer otherwise is not).
+    let chosen = post_json(&url, &chat_body(json!({"structured_outputs": {"choice": ["Goodbye.", "Maybe."]}, "max_tokens": 60})));
+    let message = &chosen["choices"][0]["message"];
+    assert_eq!(message["reasoning_content"].as_str(), Some(THINKING), "{chosen}");
+    assert!(["Goodbye.", "Maybe."].contains(&message["content"].as_str().unwrap().trim()), "{chosen}");
 
     // A forced call from a reasoning model: the call comes back parsed. (This template renders no
     // tools, so the generic tool prompt changes the prompt and the tiny model does not think
