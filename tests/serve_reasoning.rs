@@ -4,8 +4,8 @@
 //! `reasoning_content` apart from the answer, whole and streamed (split exactly at the tags,
 //! whichever tokens they span), counted in `completion_tokens_details.reasoning_tokens`;
 //! `enable_thinking: false` renders the no-think prompt; a JSON schema (or vLLM's
-//! `structured_outputs`) holds the answer after
-//! the thinking, not the thinking; `--reasoning-parser none` leaves the text whole.
+//! `structured_outputs`) holds the answer after the thinking, not the thinking;
+//! `--reasoning-parser none` leaves the text whole.
 
 mod common;
 
