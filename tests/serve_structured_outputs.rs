@@ -39,6 +39,14 @@ fn answers_follow_vllms_structured_outputs() {
         body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
         post_json(&server.url("/v1/completions"), &body)
     };
+    // response_format on completions too, as vLLM takes it.
+    let schema =
+        json!({"type": "object", "properties": {"year": {"type": "integer", "minimum": 1900, "maximum": 1999}}, "required": ["year"]});
+    let json_answer =
+        completion(json!({"max_tokens": 20, "response_format": {"type": "json_schema", "json_schema": {"name": "y", "schema": schema}}}));
+    let parsed: Value =
+        serde_json::from_str(json_answer["choices"][0]["text"].as_str().unwrap()).unwrap_or_else(|e| panic!("{e}: {json_answer}"));
+    assert!(parsed["year"].as_i64().is_some_and(|y| (1900..=1999).contains(&y)), "{json_answer}");
     let year = completion(json!({"guided_regex": " 19[0-9]{2}"}));
     let text = year["choices"][0]["text"].as_str().unwrap();
     assert!(text.len() == 5 && text.starts_with(" 19") && text[3..].chars().all(|c| c.is_ascii_digit()), "{year}");

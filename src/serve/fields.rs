@@ -40,6 +40,8 @@ pub const COMPLETIONS: &[&str] = &[
     "stream",
     "stream_options",
     "best_of",
+    // As chat's (vLLM's completions take it too).
+    "response_format",
 ];
 
 /// `/v1/chat/completions`.

@@ -36,7 +36,9 @@ pub const SPEC: &str = r##"{
         "json_schema": {"type": "object", "description": "llama.cpp's server's: a JSON schema the answer follows ({} for any JSON)."}}},
       "CompletionRequest": {"allOf": [{"$ref": "#/components/schemas/Sampling"}, {"type": "object", "required": ["model", "prompt"], "properties": {
         "model": {"type": "string"}, "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}}]},
-        "echo": {"type": "boolean"}, "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}, "best_of": {"type": "integer", "minimum": 1, "maximum": 8}}}]},
+        "echo": {"type": "boolean"}, "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}, "best_of": {"type": "integer", "minimum": 1, "maximum": 8},
+        "response_format": {"type": "object", "required": ["type"], "description": "As chat's.", "properties": {"type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+          "json_schema": {"type": "object", "required": ["name", "schema"], "properties": {"name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": "boolean"}, "description": {"type": "string"}}}}}}}]},
       "EmbeddingsRequest": {"type": "object", "required": ["model", "input"], "properties": {
         "model": {"type": "string"},
         "input": {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "maxItems": 2048, "items": {"type": "string", "minLength": 1}},

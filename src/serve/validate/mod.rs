@@ -122,7 +122,7 @@ pub fn completion(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError
     if echo.is_some() {
         s.params.prompt_logprobs = s.params.logprobs;
     }
-    let constraints = match structured::read(v, st.lenient, &mut ignored)? {
+    let constraints = match requested_format(st, v, &mut ignored)? {
         Some(r) => matchers(&model, &r.format, &r.param, s.n)?,
         None => vec![],
     };
@@ -244,19 +244,7 @@ fn tools_and_constraints(
     // Read (and checked) even when a forced call decides this answer: `response_format` is then
     // for the text answer of a later turn (OpenAI's reading, and what the Agents SDK relies on).
     // Under `auto` the model picks a call or the format.
-    let answer = match (prompt::response_format(v, st.lenient, ignored)?, structured::read(v, st.lenient, ignored)?) {
-        (Some(_), Some(r)) => {
-            return Err(ApiError::invalid(&r.param, format!("`{}` and `response_format` both constrain the answer; send one.", r.param)))
-        }
-        (Some(format), None) => {
-            let param = match format {
-                OutputFormat::JsonSchema(_) => "response_format.json_schema.schema",
-                _ => "response_format",
-            };
-            Some(structured::Requested { format, param: param.to_string() })
-        }
-        (None, r) => r,
-    };
+    let answer = requested_format(st, v, ignored)?;
     let tools_param = || "tools".to_string();
     let format = match tools.as_ref() {
         Some(t) if t.forces_call() => t.output_format().map(|f| (f, tools_param())),
@@ -283,6 +271,24 @@ fn tools_and_constraints(
         Some((f, param)) => matchers(model, f, param, s.n)?,
     };
     Ok((tools, constraints))
+}
+
+/// The answer's format a body asks for: its `response_format`, or vLLM's structured outputs
+/// (`structured::read`); both at once is a 400.
+fn requested_format(st: &AppState, v: &Value, ignored: &mut Vec<String>) -> Result<Option<structured::Requested>, ApiError> {
+    match (prompt::response_format(v, st.lenient, ignored)?, structured::read(v, st.lenient, ignored)?) {
+        (Some(_), Some(r)) => {
+            Err(ApiError::invalid(&r.param, format!("`{}` and `response_format` both constrain the answer; send one.", r.param)))
+        }
+        (Some(format), None) => {
+            let param = match format {
+                OutputFormat::JsonSchema(_) => "response_format.json_schema.schema",
+                _ => "response_format",
+            };
+            Ok(Some(structured::Requested { format, param: param.to_string() }))
+        }
+        (None, r) => Ok(r),
+    }
 }
 
 /// `/tokenize`: the model named (else the base model) and the ids of its `prompt` or `messages`.
