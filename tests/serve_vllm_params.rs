@@ -145,3 +145,38 @@ fn best_of_returns_the_most_likely_candidates() {
     let returned: usize = best["choices"].as_array().unwrap().iter().map(|c| c["logprobs"]["tokens"].as_array().unwrap().len()).sum();
     assert_eq!(completion_tokens(&best), returned as u64, "{best}");
 }
+
+/// continue_final_message: the last assistant message is the start of the answer, which
+/// continues it; the prompt is the conversation's with that text after the opened assistant
+/// turn, so the greedy answer equals a completion of exactly those tokens.
+#[test]
+fn continue_final_message_continues_the_assistants_text() {
+    let Some(gguf) = common::smollm2_gguf_or_skip("continue_final_message_continues_the_assistants_text") else { return };
+    let server = Server::start(&gguf, &[]);
+    let user = json!({"role": "user", "content": "Tell me about cats."});
+    let begun = "Cats are small";
+    let rendered = post_json(&server.url("/tokenize"), &json!({"model": "tiny", "messages": [user]}));
+    let text = post_json(&server.url("/detokenize"), &json!({"model": "tiny", "tokens": rendered["tokens"]}))["prompt"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let ids = post_json(&server.url("/tokenize"), &json!({"model": "tiny", "prompt": text + begun, "add_special_tokens": false}))["tokens"]
+        .clone();
+    let completion =
+        post_json(&server.url("/v1/completions"), &json!({"model": "tiny", "prompt": ids, "max_tokens": 12, "temperature": 0}));
+    let chat = json!({"model": "tiny", "messages": [user, {"role": "assistant", "content": begun}], "max_tokens": 12, "temperature": 0,
+                      "continue_final_message": true, "add_generation_prompt": false});
+    let continued = post_json(&server.url("/v1/chat/completions"), &chat);
+    assert_eq!(continued["choices"][0]["message"]["content"], completion["choices"][0]["text"], "{continued} vs {completion}");
+    assert_eq!(continued["usage"]["prompt_tokens"], completion["usage"]["prompt_tokens"], "{continued}");
+
+    for (extra, param) in [
+        (json!({"continue_final_message": true, "add_generation_prompt": true}), "add_generation_prompt"),
+        (json!({"continue_final_message": false, "add_generation_prompt": false}), "add_generation_prompt"),
+        (json!({"continue_final_message": true, "messages": [user]}), "continue_final_message"),
+    ] {
+        let (status, body, _) = post(&server.url("/v1/chat/completions"), &with(&chat, extra).to_string(), None);
+        let e: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!((status, e["error"]["param"].as_str()), (400, Some(param)), "{body}");
+    }
+}

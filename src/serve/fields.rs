@@ -74,6 +74,9 @@ pub const CHAT: &[&str] = &[
     "function_call",
     // Variables for the chat template (vLLM's and SGLang's), e.g. `enable_thinking`.
     "chat_template_kwargs",
+    // vLLM's: the last assistant message is the start of the answer (`validate::prompt::continued_turn`).
+    "continue_final_message",
+    "add_generation_prompt",
     // Accepted, changing nothing a local server does (see `validate::no_op`).
     "store",
     "metadata",

@@ -111,6 +111,8 @@ pub const SPEC: &str = r##"{
         "modalities": {"type": "array", "items": {"type": "string", "enum": ["text"]}},
         "reasoning_effort": {"type": "string", "enum": ["minimal", "low", "medium", "high"]},
         "chat_template_kwargs": {"type": "object", "description": "More variables for the chat template, e.g. {\"enable_thinking\": false} (vLLM's and SGLang's field)."},
+        "continue_final_message": {"type": "boolean", "description": "vLLM's: the last message, the assistant's, is the start of the answer, which continues it."},
+        "add_generation_prompt": {"type": "boolean", "description": "vLLM's: false with continue_final_message (true otherwise)."},
         "functions": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}, "description": {"type": "string"}, "parameters": {"type": "object"}}}},
         "function_call": {"oneOf": [{"type": "string", "enum": ["none", "auto"]}, {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}]},
         "response_format": {"type": "object", "required": ["type"], "properties": {"type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},

@@ -139,10 +139,11 @@ pub fn chat(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> {
     let mut s = sampling::parse(v, &model.defaults, true)?;
     s.params.logit_bias = sampling::logit_bias(v, model.vocab)?;
     s.params.output.stop_token_ids = sampling::stop_token_ids(v, model.vocab)?;
-    let messages = prompt::messages(v, st.lenient, &mut ignored)?;
+    let mut messages = prompt::messages(v, st.lenient, &mut ignored)?;
+    let prefill = prompt::continued_turn(v, &mut messages)?;
     let (tools, constraints) = tools_and_constraints(st, &model, v, &mut s, &mut ignored)?;
     let kwargs = prompt::chat_template_kwargs(v)?;
-    let prompt_ids = model.chat_prompt_ids(&messages, tools.as_ref(), &kwargs)?;
+    let prompt_ids = model.chat_prompt_ids_continuing(&messages, tools.as_ref(), &kwargs, &prefill)?;
     let thinking = model.prompt_thinking(&prompt_ids);
     let mut req = finish(st, target, RequestKind::Chat { tools }, prompt_ids, s, constraints, ignored)?;
     req.thinking = thinking;

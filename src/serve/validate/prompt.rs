@@ -133,6 +133,36 @@ pub fn chat_template_kwargs(v: &Value) -> Result<TemplateKwargs, ApiError> {
     }
 }
 
+/// vLLM's `continue_final_message`: the last message, the assistant's, is not a finished turn
+/// but the start of the answer, which continues it (a prefill, as an Anthropic request ending
+/// with the assistant's turn). Takes that message off `messages` and returns its text ("" when
+/// the field is absent or false). `add_generation_prompt` may only be true without it and false
+/// with it (vLLM's rule); false alone is refused rather than ignored.
+pub fn continued_turn(v: &Value, messages: &mut Vec<ChatMessage>) -> Result<String, ApiError> {
+    let f = Fields::of(v)?;
+    let continues = f.bool("continue_final_message")?.unwrap_or(false);
+    match (continues, f.bool("add_generation_prompt")?) {
+        (true, Some(true)) => {
+            return Err(ApiError::invalid("add_generation_prompt", "`add_generation_prompt` must be false with `continue_final_message`."))
+        }
+        (false, Some(false)) => {
+            let message = "`add_generation_prompt: false` is supported only with `continue_final_message: true`.";
+            return Err(ApiError::invalid("add_generation_prompt", message));
+        }
+        _ => {}
+    }
+    if !continues {
+        return Ok(String::new());
+    }
+    match messages.last() {
+        Some(m) if m.role == "assistant" && m.tool_calls.is_none() => Ok(messages.pop().expect("a last message").content),
+        _ => Err(ApiError::invalid(
+            "continue_final_message",
+            "`continue_final_message` needs the last message to be the assistant's text, which the answer continues.",
+        )),
+    }
+}
+
 /// `response_format` of chat: `text` (no constraint), `json_object`, or `json_schema` with
 /// `{name, schema, strict, description}`. The schema is enforced whether or not `strict` is set
 /// (a looser promise would be one more thing that silently differs). Unknown keys inside are
