@@ -75,6 +75,11 @@ impl Grammars {
         Ok(Self { factory })
     }
 
+    /// A token's bytes (a special token's text): a piece of text need not be whole UTF-8.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        self.factory.tok_env().tok_trie().decode_ext(&[id], true)
+    }
+
     /// A matcher for one answer. A schema the engine cannot compile is an error saying why.
     pub fn matcher(&self, format: &OutputFormat) -> Result<Matcher> {
         let parser = self.factory.create_parser(format.grammar())?;

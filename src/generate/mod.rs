@@ -1,6 +1,7 @@
 //! Autoregressive generation with a KV cache: sampling settings, eos and stop-string handling,
 //! streamed text, and the figures a user wants (time to first token, tokens/s).
 
+pub mod chain;
 pub mod constraint;
 pub mod detokenize;
 pub mod gbnf;
@@ -131,6 +132,13 @@ pub struct SamplingParams {
     pub prompt_logprobs: Option<usize>,
     /// Where the answer may end and how its text reads (vLLM's extensions).
     pub output: OutputControls,
+    /// llama.cpp's sampler chain (`chain`), in place of `top_k`, `top_p` and `min_p` (which are
+    /// then unset): its cuts in its order, the temperature where it stands.
+    pub chain: Option<Vec<chain::ChainStep>>,
+    /// llama.cpp's `repeat_last_n`: the repetition, presence and frequency penalties count the
+    /// last n tokens of prompt and answer. None: vLLM's reading (repetition over prompt and
+    /// answer, presence and frequency over the answer).
+    pub penalty_last_n: Option<usize>,
 }
 
 /// vLLM's sampling extensions, with vLLM's names and meaning: where an answer may end and how its
@@ -193,6 +201,8 @@ impl SamplingParams {
             logit_bias: vec![],
             prompt_logprobs: None,
             output: OutputControls::default(),
+            chain: None,
+            penalty_last_n: None,
         }
     }
 }
@@ -231,7 +241,14 @@ impl SamplingParams {
     /// grammar's mask) is drawn as from the masked distribution, since that is rejection sampling.
     /// Not with top-k / top-p / min-p, which would cut a different distribution.
     pub fn draws_from_whole_distribution(&self) -> bool {
-        matches!(self.sampling(), Sampling::ArgMax | Sampling::All { .. }) && self.min_p.is_none_or(|m| m == 0.0)
+        matches!(self.sampling(), Sampling::ArgMax | Sampling::All { .. })
+            && self.min_p.is_none_or(|m| m == 0.0)
+            && self.chain.as_ref().is_none_or(|c| c.iter().all(|s| *s == chain::ChainStep::Temperature))
+    }
+
+    /// The sampler of a sequence seeded with `seed`.
+    pub(crate) fn sampler(&self, seed: u64) -> sampler::Sampler {
+        sampler::Sampler::with_chain(seed, self.sampling(), self.chain.clone())
     }
 
     fn sampling(&self) -> Sampling {

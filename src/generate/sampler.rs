@@ -14,15 +14,24 @@ use rand::distr::{Distribution, Uniform};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
+use super::chain::{self, ChainStep};
+
 /// A sequence's sampler: its sampling settings and its own seeded generator.
 pub struct Sampler {
     rng: StdRng,
     sampling: Sampling,
+    /// llama.cpp's chain of cuts in place of `sampling`'s top-k and top-p (not when greedy).
+    chain: Option<Vec<ChainStep>>,
 }
 
 impl Sampler {
     pub fn new(seed: u64, sampling: Sampling) -> Self {
-        Self { rng: StdRng::seed_from_u64(seed), sampling }
+        Self { rng: StdRng::seed_from_u64(seed), sampling, chain: None }
+    }
+
+    /// A sampler whose draws at a temperature go through llama.cpp's chain of cuts (`chain`).
+    pub fn with_chain(seed: u64, sampling: Sampling, chain: Option<Vec<ChainStep>>) -> Self {
+        Self { chain, ..Self::new(seed, sampling) }
     }
 
     /// The next token from `logits` (vocab).
@@ -36,6 +45,12 @@ impl Sampler {
             | Sampling::TopKThenTopP { temperature, .. } => temperature,
             Sampling::GumbelSoftmax { .. } => bail!("Gumbel-softmax sampling is not offered"),
         };
+        if let Some(chain) = &self.chain {
+            let logits = logits.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            let kept = chain::candidates(&logits, chain, temperature);
+            let weights: Vec<f32> = kept.iter().map(|c| c.1).collect();
+            return Ok(kept[self.draw(&weights)? as usize].0);
+        }
         let mut probs = logits.to_dtype(DType::F32)?.to_vec1::<f32>()?;
         kernels::exp::softmax_row(&mut probs, (1.0 / temperature) as f32, None);
         match self.sampling {

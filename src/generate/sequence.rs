@@ -89,9 +89,9 @@ pub struct TokenLogprob {
     pub top: Vec<(u32, f32)>,
 }
 
-/// Applies OpenAI's logit bias and presence/frequency penalties, then min-p filtering, to
-/// `logits`.
-fn adjust_logits(logits: &mut [f32], generated: &[u32], params: &SamplingParams) {
+/// Applies OpenAI's logit bias and presence/frequency penalties (on the tokens of `penalized`),
+/// then min-p filtering, to `logits`.
+fn adjust_logits(logits: &mut [f32], penalized: &[u32], params: &SamplingParams) {
     for &(t, bias) in &params.logit_bias {
         if let Some(l) = logits.get_mut(t as usize) {
             *l += bias;
@@ -99,7 +99,7 @@ fn adjust_logits(logits: &mut [f32], generated: &[u32], params: &SamplingParams)
     }
     if params.presence_penalty != 0.0 || params.frequency_penalty != 0.0 {
         let mut counts: std::collections::HashMap<u32, usize> = std::collections::HashMap::new();
-        for &t in generated {
+        for &t in penalized {
             *counts.entry(t).or_default() += 1;
         }
         for (t, c) in counts {
@@ -150,7 +150,7 @@ impl Sequence {
             bail!("the prompt has {} tokens; the model's context is {max_ctx}", prompt_ids.len());
         }
         Ok(Self {
-            sampler: Sampler::new(params.seed, params.sampling()),
+            sampler: params.sampler(params.seed),
             params: params.clone(),
             cache: KvCache::new(model.config()),
             stream: TextStream::new(params.stop.clone(), params.output.include_stop_str_in_output),
@@ -377,7 +377,11 @@ impl Sequence {
         if let Some(m) = self.constraint.as_mut().filter(|_| mask) {
             constraint::mask_logits(m, &mut v)?;
         }
-        adjust_logits(&mut v, &self.generated, &self.params);
+        let penalized = match self.params.penalty_last_n {
+            Some(n) => &self.context[self.context.len().saturating_sub(n)..],
+            None => &self.generated[..],
+        };
+        adjust_logits(&mut v, penalized, &self.params);
         if hold_ends {
             for &t in self.eos_ids.iter().chain(&self.params.output.stop_token_ids) {
                 if let Some(l) = v.get_mut(t as usize) {
@@ -394,7 +398,9 @@ impl Sequence {
         let forced = self.forced_by_budget();
         let logits = logits.to_dtype(DType::F32)?;
         let logits = if self.params.repetition_penalty != 1.0 {
-            candle_transformers::utils::apply_repeat_penalty(&logits, self.params.repetition_penalty, &self.context)?
+            let n = self.params.penalty_last_n.unwrap_or(self.context.len());
+            let window = &self.context[self.context.len().saturating_sub(n)..];
+            candle_transformers::utils::apply_repeat_penalty(&logits, self.params.repetition_penalty, window)?
         } else {
             logits
         };

@@ -10,7 +10,8 @@
 //! `store` (SQLite), `checkpoints` (a job's checkpoints, served), `process` (their process
 //! groups). `fields` says which request fields each endpoint takes, `tools` is function calling
 //! (`tool_format` the models' own call formats, `call_stream` a call's JSON as it streams),
-//! `error` OpenAI's error shape (and Anthropic's, for `/v1/messages`). `embeddings` is
+//! `error` OpenAI's error shape (and Anthropic's, for `/v1/messages`); `llama_cpp` is
+//! llama.cpp's server's own routes (`/completion`, `/props`). `embeddings` is
 //! `/v1/embeddings`, whose texts the engine embeds between decode steps; `scores` is
 //! `/v1/score` and `/v1/rerank` over those embeddings.
 
@@ -27,6 +28,7 @@ pub mod files;
 pub mod ids;
 pub mod jobs;
 pub mod listen;
+mod llama_cpp;
 pub mod metrics;
 pub mod openapi;
 mod process;

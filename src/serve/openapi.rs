@@ -39,6 +39,29 @@ pub const SPEC: &str = r##"{
         "echo": {"type": "boolean"}, "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}, "best_of": {"type": "integer", "minimum": 1, "maximum": 8},
         "response_format": {"type": "object", "required": ["type"], "description": "As chat's.", "properties": {"type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
           "json_schema": {"type": "object", "required": ["name", "schema"], "properties": {"name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": "boolean"}, "description": {"type": "string"}}}}}}}]},
+      "LlamaCppCompletionRequest": {"type": "object", "required": ["prompt"], "description": "llama.cpp's server's /completion, with its names and defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05, its sampler order: the cuts before the temperature). Samplers this server lacks are accepted only off.", "properties": {
+        "model": {"type": "string", "description": "Default: the served base model."},
+        "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "string"}]}}]},
+        "n_predict": {"type": "integer", "minimum": -1, "description": "-1 (default): to the end of the context; 0 is refused."}, "max_tokens": {"type": "integer", "minimum": -1, "description": "n_predict's other name."},
+        "temperature": {"type": "number", "maximum": 2, "description": "0 or below: greedy."}, "top_k": {"type": "integer", "description": "0 or below: off."},
+        "top_p": {"type": "number", "minimum": 0, "maximum": 1}, "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "repeat_penalty": {"type": "number", "exclusiveMinimum": true, "minimum": 0, "maximum": 10}, "repeat_last_n": {"type": "integer", "minimum": -1, "description": "Tokens of prompt and answer the penalties count: -1 all, 0 none (default 64)."},
+        "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2}, "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+        "stop": {"type": "array", "maxItems": 64, "items": {"type": "string", "minLength": 1}}, "seed": {"type": "integer", "maximum": 4294967295, "description": "-1: random (reported in generation_settings)."},
+        "stream": {"type": "boolean"}, "n_probs": {"type": "integer", "minimum": 0, "maximum": 20}, "ignore_eos": {"type": "boolean"},
+        "grammar": {"type": "string", "description": "GBNF (or Lark); empty: none."}, "json_schema": {"type": "object"},
+        "logit_bias": {"oneOf": [{"type": "array", "items": {"type": "array", "minItems": 2, "maxItems": 2}}, {"type": "object"}], "description": "[[token id or text, bias or false]], or an object."},
+        "samplers": {"type": "array", "items": {"type": "string", "enum": ["penalties", "top_k", "top_p", "min_p", "temperature", "dry", "typ_p", "typical_p", "xtc", "top_n_sigma", "infill", "mirostat"]}},
+        "return_tokens": {"type": "boolean"}, "id_slot": {"type": "integer", "enum": [-1]}, "cache_prompt": {"type": "boolean", "description": "Accepted: the prefix cache is always on."},
+        "n_keep": {"type": "integer", "minimum": -1, "description": "Accepted: the context is never shifted."}, "n_discard": {"type": "integer", "minimum": 0},
+        "n_cmpl": {"type": "integer", "enum": [1]}, "min_keep": {"type": "integer", "minimum": 0, "maximum": 1},
+        "post_sampling_probs": {"type": "boolean", "enum": [false]}, "timings_per_token": {"type": "boolean", "enum": [false]}, "return_progress": {"type": "boolean", "enum": [false]},
+        "lora": {"type": "array", "maxItems": 0, "description": "Name an adapter in model instead."},
+        "typical_p": {"type": "number", "minimum": 1}, "dynatemp_range": {"type": "number", "maximum": 0}, "dynatemp_exponent": {"type": "number"},
+        "mirostat": {"type": "integer", "enum": [0]}, "mirostat_tau": {"type": "number"}, "mirostat_eta": {"type": "number"},
+        "dry_multiplier": {"type": "number", "maximum": 0}, "dry_base": {"type": "number"}, "dry_allowed_length": {"type": "integer"}, "dry_penalty_last_n": {"type": "integer"},
+        "dry_sequence_breakers": {"type": "array", "items": {"type": "string"}}, "xtc_probability": {"type": "number", "maximum": 0}, "xtc_threshold": {"type": "number"},
+        "top_n_sigma": {"type": "number", "maximum": 0}, "t_max_predict_ms": {"type": "integer", "maximum": 0}, "n_indent": {"type": "integer", "maximum": 0}}},
       "EmbeddingsRequest": {"type": "object", "required": ["model", "input"], "properties": {
         "model": {"type": "string"},
         "input": {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "maxItems": 2048, "items": {"type": "string", "minLength": 1}},
@@ -164,6 +187,16 @@ pub const SPEC: &str = r##"{
     "/v1/unload_lora_adapter": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"type": "object", "required": ["lora_name"],
         "properties": {"lora_name": {"type": "string"}, "lora_int_id": {"type": "integer"}}}}}},
       "responses": {"200": {"description": "The adapter is no longer served."}, "404": {"description": "No adapter of that name."}}}},
+    "/completion": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/LlamaCppCompletionRequest"}}}},
+      "responses": {"200": {"description": "llama.cpp's answer object (content, tokens, stop_type, timings, ...), or an SSE stream of its events, the last with stop: true."},
+        "400": {"description": "Invalid request.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}, "429": {"description": "The queue is full (Retry-After)."}}}},
+    "/completions": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/LlamaCppCompletionRequest"}}}},
+      "responses": {"200": {"description": "As /completion (llama.cpp's other name of it)."}, "400": {"description": "Invalid request."}}}},
+    "/props": {"get": {"responses": {"200": {"description": "llama.cpp's server properties: default_generation_settings (n_ctx, params), total_slots, chat_template."}}}},
+    "/apply-template": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"type": "object", "required": ["messages"], "properties": {
+        "model": {"type": "string"}, "messages": {"type": "array", "minItems": 1, "items": {"type": "object"}},
+        "tools": {"type": "array", "items": {"type": "object"}}, "chat_template_kwargs": {"type": "object"}}}}}},
+      "responses": {"200": {"description": "{\"prompt\"}: the conversation as the chat template renders it, the assistant's turn opened."}, "400": {"description": "Invalid request."}}}},
     "/v1/chat/completions": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ChatRequest"}}}},
       "responses": {"200": {"description": "A chat.completion object, or an SSE stream of chat.completion.chunk ending in [DONE]."},
         "400": {"description": "Invalid request.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}},
@@ -171,7 +204,9 @@ pub const SPEC: &str = r##"{
     "/tokenize": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"type": "object", "properties": {
         "model": {"type": "string"}, "prompt": {"type": "string"}, "add_special_tokens": {"type": "boolean"},
         "messages": {"type": "array", "items": {"type": "object"}}, "chat_template_kwargs": {"type": "object"},
-        "tools": {"type": "array", "items": {"type": "object"}}}}}}},
+        "tools": {"type": "array", "items": {"type": "object"}},
+        "content": {"type": "string", "description": "llama.cpp's: the text, answered in llama.cpp's shape ({\"tokens\"}); with it only add_special, parse_special (true), with_pieces and model."},
+        "add_special": {"type": "boolean"}, "parse_special": {"type": "boolean", "enum": [true]}, "with_pieces": {"type": "boolean"}}}}}},
       "responses": {"200": {"description": "Token ids."}, "400": {"description": "Invalid request."}, "404": {"description": "Unknown model."}}}},
     "/detokenize": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"type": "object", "required": ["tokens"], "properties": {
         "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}}}},
@@ -232,6 +267,8 @@ mod tests {
             "/v1/chat/completions",
             "/tokenize",
             "/detokenize",
+            "/completion",
+            "/props",
             "/v1/files",
             "/v1/fine_tuning/jobs",
         ] {
@@ -264,7 +301,11 @@ mod tests {
         let schemas = &v["components"]["schemas"];
         assert_eq!(props(&schemas["CompletionRequest"]), with_vllm(crate::serve::fields::COMPLETIONS));
         let tokenize = &v["paths"]["/tokenize"]["post"]["requestBody"]["content"]["application/json"]["schema"];
-        assert_eq!(props(tokenize), set(crate::serve::fields::TOKENIZE));
+        let llama_tokenize = set(crate::serve::llama_cpp::TOKENIZE);
+        assert_eq!(props(tokenize), set(crate::serve::fields::TOKENIZE).union(&llama_tokenize).cloned().collect());
+        assert_eq!(props(&schemas["LlamaCppCompletionRequest"]), set(crate::serve::validate::llama_cpp::FIELDS));
+        let apply = &v["paths"]["/apply-template"]["post"]["requestBody"]["content"]["application/json"]["schema"];
+        assert_eq!(props(apply), set(crate::serve::llama_cpp::APPLY_TEMPLATE));
         assert_eq!(props(&schemas["ChatRequest"]), with_vllm(crate::serve::fields::CHAT));
         assert_eq!(props(&schemas["ResponsesRequest"]), set(crate::serve::fields::RESPONSES));
         assert_eq!(props(&schemas["EmbeddingsRequest"]), set(crate::serve::embeddings::FIELDS));

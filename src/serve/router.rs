@@ -11,7 +11,7 @@ use axum::Router;
 
 use super::error::{AnthropicError, ApiError};
 use super::state::AppState;
-use super::{embeddings, files, jobs, routes, scores, web};
+use super::{embeddings, files, jobs, llama_cpp, routes, scores, web};
 
 /// How far past --max-body-bytes a body is still read, to answer 413 cleanly (see `body`).
 const READ_PAST_LIMIT: usize = 32 << 20;
@@ -32,6 +32,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(routes::models))
         .route("/v1/models/{id}", get(routes::model).delete(routes::delete_model))
         .route("/v1/completions", post(routes::completions))
+        .route("/completion", post(llama_cpp::completion))
+        .route("/completions", post(llama_cpp::completion))
+        .route("/props", get(llama_cpp::props))
+        .route("/apply-template", post(llama_cpp::apply_template))
         .route("/v1/chat/completions", post(routes::chat_completions))
         .route("/v1/responses", post(routes::responses))
         .route("/v1/messages", post(routes::messages))

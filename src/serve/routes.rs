@@ -121,15 +121,21 @@ pub async fn openapi() -> impl IntoResponse {
     ([(axum::http::header::CONTENT_TYPE, "application/json")], super::openapi::SPEC)
 }
 
+/// vLLM's `/tokenize`, or llama.cpp's when the body has its `content` field.
 pub async fn tokenize(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
-    let (m, ids) = validate::tokenize(&st, &json_body(body, st.max_body_bytes)?)?;
+    let v = json_body(body, st.max_body_bytes)?;
+    if v.get("content").is_some() {
+        return super::llama_cpp::tokenize(&st, &v).map(Json);
+    }
+    let (m, ids) = validate::tokenize(&st, &v)?;
     Ok(Json(json!({"count": ids.len(), "max_model_len": m.max_total_tokens, "tokens": ids})))
 }
 
 pub async fn detokenize(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
     let (m, ids) = validate::detokenize(&st, &json_body(body, st.max_body_bytes)?)?;
     let text = m.tokenizer.decode(&ids, false).map_err(|e| ApiError::bad_request(format!("{e:#}")))?;
-    Ok(Json(json!({"prompt": text})))
+    // vLLM's name of the text, and llama.cpp's.
+    Ok(Json(json!({"prompt": text, "content": text})))
 }
 
 pub async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {

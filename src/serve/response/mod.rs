@@ -3,6 +3,7 @@
 //! echo, and function calls read from a chat answer.
 
 mod anthropic;
+mod llama_cpp;
 mod logprobs;
 mod reader;
 mod responses;
@@ -33,6 +34,8 @@ pub async fn answer(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitt
         (RequestKind::Responses { .. }, false) => responses::whole(st, req, submitted).await?,
         (RequestKind::Messages { .. }, true) => anthropic::sse(st, req, submitted),
         (RequestKind::Messages { .. }, false) => anthropic::whole(st, req, submitted).await?,
+        (RequestKind::LlamaCpp(_), true) => llama_cpp::sse(st, req, submitted),
+        (RequestKind::LlamaCpp(_), false) => llama_cpp::whole(st, req, submitted).await?,
         (_, true) => stream::sse(st, req, submitted),
         (_, false) => whole(st, req, submitted).await?,
     };
@@ -77,6 +80,7 @@ async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -
     let tokenizer = &req.model.tokenizer;
     let (echo, tools) = match &req.kind {
         RequestKind::Completion { echo } => (echo.as_deref(), None),
+        RequestKind::LlamaCpp(_) => unreachable!("/completion answers in its own shape (response::llama_cpp)"),
         RequestKind::Chat { tools } | RequestKind::Responses { tools, .. } | RequestKind::Messages { tools, .. } => (None, tools.as_ref()),
     };
     let mut collected = vec![];
@@ -149,12 +153,15 @@ pub(super) struct Collected {
     pub reasoning_tokens: usize,
     /// The stop string that ended it, if one did.
     pub stop_string: Option<String>,
+    /// When its first token came (None: it had none).
+    pub first_token_at: Option<std::time::Instant>,
 }
 
 /// Waits for an answer's events until it is done; an engine failure (the request was checked
 /// before it ran) is the server's error, and so is the end of the shutdown's grace period.
 pub(super) async fn collect(st: &AppState, rx: &mut mpsc::UnboundedReceiver<Event>) -> Result<Collected, ApiError> {
     let (mut text, mut logprobs, mut prompt_logprobs) = (String::new(), vec![], None);
+    let mut first_token_at = None;
     loop {
         let ev = tokio::select! {
             ev = rx.recv() => ev,
@@ -163,6 +170,7 @@ pub(super) async fn collect(st: &AppState, rx: &mut mpsc::UnboundedReceiver<Even
         match ev {
             Some(Event::PromptLogprobs(v)) => prompt_logprobs = Some(v),
             Some(Event::Delta { text: t, logprob }) => {
+                first_token_at.get_or_insert_with(std::time::Instant::now);
                 text.push_str(&t);
                 logprobs.extend(logprob);
             }
@@ -179,6 +187,7 @@ pub(super) async fn collect(st: &AppState, rx: &mut mpsc::UnboundedReceiver<Even
                     cumulative_logprob,
                     reasoning_tokens,
                     stop_string,
+                    first_token_at,
                 });
             }
             Some(ev @ (Event::Error(_) | Event::QueueTimeout { .. })) => return Err(failure(&ev)),

@@ -6,7 +6,7 @@
 use tokio::sync::mpsc;
 
 use crate::generate::reasoning::{Split, ThinkSplit};
-use crate::generate::FinishReason;
+use crate::generate::{FinishReason, TokenLogprob};
 use crate::serve::call_stream::CallStream;
 use crate::serve::engine::Event;
 use crate::serve::error::ApiError;
@@ -15,10 +15,12 @@ use crate::serve::tool_format::{NativeCalls, Piece};
 use crate::serve::tools::Tools;
 use crate::serve::validate::ValidatedRequest;
 
-/// What a piece of the answer holds: its thinking, then its text and calls.
+/// What a piece of the answer holds: its thinking, then its text and calls; and the token that
+/// brought it, scored, where the request asked for scores.
 pub struct Read {
     pub reasoning: String,
     pub pieces: Vec<Piece>,
+    pub logprob: Option<TokenLogprob>,
 }
 
 pub struct AnswerReader {
@@ -63,7 +65,7 @@ impl AnswerReader {
         if end {
             pieces.extend(self.native.as_mut().map(NativeCalls::finish).unwrap_or_default());
         }
-        Read { reasoning: split.reasoning, pieces }
+        Read { reasoning: split.reasoning, pieces, logprob: None }
     }
 }
 
@@ -100,8 +102,9 @@ pub async fn follow(
             _ = st.shutdown.forced() => return Followed::Failed(ApiError::shutting_down()),
         };
         match ev {
-            Some(Event::Delta { text, .. }) => {
-                if !on_read(reader.push(text)) {
+            Some(Event::Delta { text, logprob }) => {
+                let read = Read { logprob, ..reader.push(text) };
+                if !on_read(read) {
                     return Followed::ClientGone;
                 }
             }

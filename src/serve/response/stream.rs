@@ -141,8 +141,10 @@ impl<'a> Streamer<'a> {
                     Some(json!({"index": index, "text": e, "logprobs": null, "finish_reason": null}))
                 }
                 RequestKind::Completion { .. } => None,
-                RequestKind::Responses { .. } | RequestKind::Messages { .. } => {
-                    unreachable!("/v1/responses and /v1/messages stream their own events (response::responses, response::anthropic)")
+                RequestKind::Responses { .. } | RequestKind::Messages { .. } | RequestKind::LlamaCpp(_) => {
+                    unreachable!(
+                        "/v1/responses, /v1/messages and /completion stream their own events (response::responses, anthropic, llama_cpp)"
+                    )
                 }
             };
             if first.is_some_and(|c| !self.send(c)) {
@@ -268,8 +270,10 @@ impl<'a> Streamer<'a> {
             }
             RequestKind::Chat { tools: None } => Some(json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": finish})),
             RequestKind::Completion { .. } => Some(json!({"index": index, "text": "", "logprobs": null, "finish_reason": finish})),
-            RequestKind::Responses { .. } | RequestKind::Messages { .. } => {
-                unreachable!("/v1/responses and /v1/messages stream their own events (response::responses, response::anthropic)")
+            RequestKind::Responses { .. } | RequestKind::Messages { .. } | RequestKind::LlamaCpp(_) => {
+                unreachable!(
+                    "/v1/responses, /v1/messages and /completion stream their own events (response::responses, anthropic, llama_cpp)"
+                )
             }
         }
     }

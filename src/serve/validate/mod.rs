@@ -6,6 +6,7 @@
 //! request for what it asked (the queue may still be full: 429).
 
 pub mod anthropic;
+pub mod llama_cpp;
 mod no_op;
 mod prompt;
 pub mod responses;
@@ -45,6 +46,8 @@ pub enum RequestKind {
     /// `/v1/messages` (Anthropic's): chat's answer in content blocks; `thinking`: what its
     /// thinking becomes.
     Messages { tools: Option<Tools>, thinking: anthropic::ThinkingBlocks },
+    /// `/completion` (llama.cpp's server's own API): what its answer repeats.
+    LlamaCpp(Box<llama_cpp::Echo>),
 }
 
 impl RequestKind {
@@ -56,14 +59,14 @@ impl RequestKind {
     pub fn tools(&self) -> Option<&Tools> {
         match self {
             Self::Chat { tools } | Self::Responses { tools, .. } | Self::Messages { tools, .. } => tools.as_ref(),
-            Self::Completion { .. } => None,
+            Self::Completion { .. } | Self::LlamaCpp(_) => None,
         }
     }
 
     /// The parameter that holds the prompt, for messages.
     fn prompt_param(&self) -> &'static str {
         match self {
-            Self::Completion { .. } => "prompt",
+            Self::Completion { .. } | Self::LlamaCpp(_) => "prompt",
             Self::Chat { .. } | Self::Messages { .. } => "messages",
             Self::Responses { .. } => "input",
         }
@@ -397,7 +400,7 @@ fn finish(
     }
     let default_max = match kind {
         RequestKind::Completion { .. } => DEFAULT_COMPLETION_MAX_TOKENS,
-        RequestKind::Chat { .. } | RequestKind::Responses { .. } | RequestKind::Messages { .. } => {
+        RequestKind::Chat { .. } | RequestKind::Responses { .. } | RequestKind::Messages { .. } | RequestKind::LlamaCpp(_) => {
             model.max_total_tokens.saturating_sub(prompt_tokens)
         }
     };

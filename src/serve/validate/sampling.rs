@@ -126,6 +126,8 @@ pub fn parse(v: &Value, defaults: &ModelDefaults, chat: bool) -> Result<Sampling
         logit_bias: vec![],
         prompt_logprobs: None,
         output: output_controls(&f, max_tokens)?,
+        chain: None,
+        penalty_last_n: None,
     };
     params.output.cumulative_logprob = best_of > n;
     // The one check of the sampling settings (the CLI's `generate` makes the same call).

@@ -1,0 +1,106 @@
+//! llama.cpp's server's own routes, for the scripts and front ends written against
+//! `llama-server`: `POST /completion` (and `/completions`), `GET /props`, `POST /apply-template`,
+//! and `/tokenize` with its `content` field (`routes::tokenize` hands such bodies here). The
+//! request reading is `validate::llama_cpp`, the answer's shape `response::llama_cpp`.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::response::Response;
+use axum::Json;
+use serde_json::{json, Value};
+
+use super::body::json_body;
+use super::error::ApiError;
+use super::fields::{self, Fields};
+use super::state::AppState;
+use super::validate::llama_cpp as read;
+use super::validate::{self, ValidatedRequest};
+use super::{admission, response};
+
+/// The fields of llama.cpp's `/tokenize`.
+pub const TOKENIZE: &[&str] = &["content", "add_special", "parse_special", "with_pieces", "model"];
+
+/// The fields of `/apply-template`.
+pub const APPLY_TEMPLATE: &[&str] = &["model", "messages", "tools", "chat_template_kwargs"];
+
+/// `POST /completion`.
+pub async fn completion(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let mut req: ValidatedRequest = read::completion(&st, &json_body(body, st.max_body_bytes)?)?;
+    let submitted = admission::submit(&st, &mut req)?;
+    response::answer(st, req, submitted).await
+}
+
+/// `GET /props`: the settings `/completion` runs with when a request gives none, the context,
+/// the slots (sequences generated at once) and the chat template.
+pub async fn props(State(st): State<Arc<AppState>>) -> Json<Value> {
+    let m = st.base();
+    let template = m.tokenizer.chat_template.as_ref().map_or("", |t| t.source.as_str());
+    let params = json!({
+        "n_predict": -1, "seed": u32::MAX, "temperature": read::DEFAULT_TEMPERATURE, "top_k": read::DEFAULT_TOP_K,
+        "top_p": read::DEFAULT_TOP_P, "min_p": read::DEFAULT_MIN_P, "typical_p": 1.0, "repeat_last_n": read::DEFAULT_REPEAT_LAST_N,
+        "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
+        "mirostat": 0, "stop": [], "max_tokens": -1, "n_keep": 0, "ignore_eos": false, "stream": false, "n_probs": 0, "min_keep": 0,
+        "grammar": "", "samplers": read::default_samplers(),
+    });
+    Json(json!({
+        "default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": m.max_total_tokens, "speculative": false, "is_processing": false, "params": params},
+        "total_slots": st.max_concurrent,
+        "model_path": m.id,
+        "chat_template": template,
+        "modalities": {"vision": false, "audio": false},
+        "build_info": format!("fsdp-app {}", env!("CARGO_PKG_VERSION")),
+        "is_sleeping": false,
+    }))
+}
+
+/// `POST /apply-template`: `{"prompt"}`, the conversation as the chat template renders it with
+/// the assistant's turn opened (what `/completion` would then continue).
+pub async fn apply_template(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
+    let v = json_body(body, st.max_body_bytes)?;
+    fields::check(&v, APPLY_TEMPLATE, "", false)?;
+    if v.get("messages").is_none() {
+        return Err(ApiError::invalid("messages", "`messages` is required."));
+    }
+    let (m, ids) = validate::tokenize(&st, &v)?;
+    Ok(Json(json!({"prompt": m.tokenizer.decode(&ids, false).unwrap_or_default()})))
+}
+
+/// llama.cpp's `/tokenize`: `{"tokens": [ids]}`, or `[{"id", "piece"}]` `with_pieces` (a piece
+/// that is not whole UTF-8 as its bytes). `add_special` defaults to false, as there.
+pub fn tokenize(st: &AppState, v: &Value) -> Result<Value, ApiError> {
+    fields::check(v, TOKENIZE, "", false)?;
+    let f = Fields::of(v)?;
+    let content = f.string("content")?.ok_or_else(|| ApiError::invalid("content", "`content` is required."))?;
+    if f.bool("parse_special")? == Some(false) {
+        return Err(ApiError::invalid(
+            "parse_special",
+            "`parse_special: false` is not supported: special tokens' texts are always read as the tokens.",
+        ));
+    }
+    let model = match f.string("model")? {
+        Some(id) => st.target(id)?.0,
+        None => st.base(),
+    };
+    let ids = model
+        .tokenizer
+        .encode(content, f.bool("add_special")?.unwrap_or(false))
+        .map_err(|e| ApiError::invalid("content", format!("{e:#}")))?;
+    if !f.bool("with_pieces")?.unwrap_or(false) {
+        return Ok(json!({"tokens": ids}));
+    }
+    let pieces: Vec<Value> = ids
+        .iter()
+        .map(|&id| {
+            let bytes = match &model.grammars {
+                Ok(g) => g.token_bytes(id),
+                Err(_) => model.tokenizer.decode(&[id], false).unwrap_or_default().into_bytes(),
+            };
+            let piece = String::from_utf8(bytes.clone()).map_or_else(|_| json!(bytes), |s| json!(s));
+            json!({"id": id, "piece": piece})
+        })
+        .collect();
+    Ok(json!({"tokens": pieces}))
+}

@@ -1,0 +1,413 @@
+//! llama.cpp's own server API (`POST /completion`), read into the values the OpenAI endpoints
+//! run, with llama.cpp's names and defaults: `n_predict` (-1: to the end of the context),
+//! temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, its sampler chain (`samplers`: the cuts on
+//! the model's distribution, the temperature last), penalties over the last `repeat_last_n`
+//! tokens, `logit_bias` as `[[token or text, bias or false]]` or an object, `n_probs`, `grammar`
+//! (GBNF) and `json_schema`. Its samplers this server does not have (typical-p, dynamic
+//! temperature, Mirostat, DRY, XTC, top-n-sigma) are accepted only switched off, as llama.cpp's
+//! defaults leave them; their tuning fields then change nothing and are accepted as such.
+
+use serde_json::{json, Map, Value};
+
+use super::{finish, matchers, requested_format, sampling, RequestKind, Target, ValidatedRequest};
+use crate::generate::chain::ChainStep;
+use crate::generate::ModelDefaults;
+use crate::serve::error::ApiError;
+use crate::serve::fields::{self, Fields};
+use crate::serve::served_model::ServedModel;
+use crate::serve::state::AppState;
+
+/// llama.cpp's defaults for what a request leaves out (its `common_params_sampling`).
+pub const DEFAULT_TEMPERATURE: f64 = 0.8;
+pub const DEFAULT_TOP_K: i64 = 40;
+pub const DEFAULT_TOP_P: f64 = 0.95;
+pub const DEFAULT_MIN_P: f64 = 0.05;
+pub const DEFAULT_REPEAT_LAST_N: i64 = 64;
+/// The most stop words one request may give.
+const MAX_STOP_WORDS: usize = 64;
+/// llama.cpp's default chain, less the samplers that are off by default (and absent here).
+const DEFAULT_SAMPLERS: &[&str] = &["penalties", "top_k", "top_p", "min_p", "temperature"];
+
+/// The default chain's names (`/props`).
+pub fn default_samplers() -> &'static [&'static str] {
+    DEFAULT_SAMPLERS
+}
+
+/// The fields `/completion` reads.
+pub const FIELDS: &[&str] = &[
+    "model",
+    "prompt",
+    "n_predict",
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repeat_penalty",
+    "repeat_last_n",
+    "presence_penalty",
+    "frequency_penalty",
+    "stop",
+    "seed",
+    "stream",
+    "n_probs",
+    "grammar",
+    "json_schema",
+    "ignore_eos",
+    "logit_bias",
+    "samplers",
+    "return_tokens",
+    "id_slot",
+    "cache_prompt",
+    "n_keep",
+    "n_discard",
+    "n_cmpl",
+    "min_keep",
+    "post_sampling_probs",
+    "timings_per_token",
+    "return_progress",
+    "lora",
+    // Off unless set ([`OFF_AT`]); their tuning fields ([`TUNING`]) change nothing while off.
+    "typical_p",
+    "dynatemp_range",
+    "dynatemp_exponent",
+    "mirostat",
+    "mirostat_tau",
+    "mirostat_eta",
+    "dry_multiplier",
+    "dry_base",
+    "dry_allowed_length",
+    "dry_penalty_last_n",
+    "dry_sequence_breakers",
+    "xtc_probability",
+    "xtc_threshold",
+    "top_n_sigma",
+    "t_max_predict_ms",
+    "n_indent",
+];
+
+/// Whether a switch's value leaves its sampler off.
+type IsOff = fn(f64) -> bool;
+
+/// llama.cpp's samplers this server does not have, by the field that switches each on and the
+/// values that leave it off.
+const OFF_AT: &[(&str, &str, IsOff)] = &[
+    ("typical_p", "1", |x| x >= 1.0),
+    ("dynatemp_range", "0", |x| x <= 0.0),
+    ("mirostat", "0", |x| x == 0.0),
+    ("dry_multiplier", "0", |x| x <= 0.0),
+    ("xtc_probability", "0", |x| x <= 0.0),
+    ("top_n_sigma", "-1", |x| x <= 0.0),
+    ("t_max_predict_ms", "0", |x| x <= 0.0),
+    ("n_indent", "0", |x| x <= 0.0),
+    ("min_keep", "0 or 1", |x| x <= 1.0),
+    ("n_cmpl", "1", |x| x == 1.0),
+];
+
+/// Samplers a chain may name that are off here (their switch in [`OFF_AT`] is off).
+const OFF_SAMPLERS: &[&str] = &["dry", "typ_p", "typical_p", "xtc", "top_n_sigma", "infill", "mirostat"];
+
+/// What a `/completion` answer repeats beside the text.
+#[derive(Debug, Clone)]
+pub struct Echo {
+    /// The prompt as the model read it (special tokens written out).
+    pub prompt: String,
+    /// Top alternatives per token (`completion_probabilities`), 0 for none.
+    pub n_probs: usize,
+    /// Each token's id in `tokens`.
+    pub return_tokens: bool,
+    /// The settings that ran (`generation_settings`).
+    pub settings: Value,
+}
+
+/// `/completion`.
+pub fn completion(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> {
+    let mut ignored = fields::check(v, FIELDS, "", st.lenient)?;
+    let f = Fields::of(v)?;
+    switched_off(&f)?;
+    if f.value("lora").is_some_and(|l| l.as_array().is_none_or(|a| !a.is_empty())) {
+        let message = "Per-request `lora` scales are not supported: name the adapter in `model` (as in `/v1/models`).";
+        return Err(ApiError::invalid("lora", message));
+    }
+    if let Some(slot) = f.integer("id_slot", i64::MIN, i64::MAX)?.filter(|&s| s != -1) {
+        let message = format!(
+            "`id_slot` {slot}: this server has no slots to pin (its prefix cache reuses any request's prompt); send -1 or leave it out."
+        );
+        return Err(ApiError::invalid("id_slot", message));
+    }
+    for (k, why) in [
+        ("post_sampling_probs", "probabilities are the model's, before the sampler's cuts"),
+        ("timings_per_token", "timings come with the last event"),
+        ("return_progress", "no progress events are sent"),
+    ] {
+        if f.bool(k)? == Some(true) {
+            return Err(ApiError::invalid(k, format!("`{k}: true` is not supported ({why}).")));
+        }
+    }
+    let _ = (f.bool("cache_prompt")?, f.integer("n_keep", -1, i64::MAX)?, f.integer("n_discard", 0, i64::MAX)?);
+    let body = as_completion(st, &f)?;
+    let target = Target::of(st, &body)?;
+    let model = target.model.clone();
+    let defaults =
+        ModelDefaults { temperature: DEFAULT_TEMPERATURE, top_k: None, top_p: None, repetition_penalty: 1.0, ..model.defaults.clone() };
+    let mut s = sampling::parse(&body, &defaults, false).map_err(renamed)?;
+    s.params.chain = Some(chain(&f)?);
+    let repeat_last_n = f.integer("repeat_last_n", -1, i64::MAX)?.unwrap_or(DEFAULT_REPEAT_LAST_N);
+    s.params.penalty_last_n = Some(if repeat_last_n < 0 { usize::MAX } else { repeat_last_n as usize });
+    if !chain_names(&f)?.contains(&"penalties") {
+        (s.params.repetition_penalty, s.params.presence_penalty, s.params.frequency_penalty) = (1.0, 0.0, 0.0);
+    }
+    s.params.logit_bias = logit_bias(&model, f.value("logit_bias"))?;
+    s.params.stop = stop_words(f.value("stop"))?;
+    let return_tokens = f.bool("return_tokens")?.unwrap_or(false);
+    let n_probs = s.params.logprobs.unwrap_or(0);
+    // Token ids come with their scores: ask for the sampled token's when only the ids are wanted
+    // (a stream shows each event's ids, as llama.cpp's does).
+    if (return_tokens || s.stream) && s.params.logprobs.is_none() {
+        s.params.logprobs = Some(0);
+    }
+    let constraints = match requested_format(st, &body, &mut ignored)? {
+        Some(r) => matchers(&model, &r.format, &r.param, 1)?,
+        None => vec![],
+    };
+    let prompt_ids = prompt_ids(&model, f.value("prompt"))?;
+    let settings = settings(&model, &f, &s.params, s.max_tokens, s.stream)?;
+    let prompt = model.tokenizer.decode(&prompt_ids, false).unwrap_or_default();
+    let kind = RequestKind::LlamaCpp(Box::new(Echo { prompt, n_probs, return_tokens, settings }));
+    finish(st, target, kind, prompt_ids, s, constraints, ignored).map_err(renamed)
+}
+
+/// The OpenAI completion body with the same meaning (the model named, else the served base
+/// model), for the checks every completion goes through.
+fn as_completion(st: &AppState, f: &Fields) -> Result<Value, ApiError> {
+    let mut body = Map::new();
+    body.insert("model".into(), json!(f.string("model")?.unwrap_or(&st.base_id)));
+    let n_predict = match (f.integer("n_predict", -1, 1 << 31)?, f.integer("max_tokens", -1, 1 << 31)?) {
+        (Some(n), _) | (None, Some(n)) => n,
+        (None, None) => -1,
+    };
+    if n_predict == 0 {
+        return Err(ApiError::invalid("n_predict", "`n_predict` 0 (filling the cache without an answer) is not supported: ask for at least 1 token, or -1 for the rest of the context."));
+    }
+    if n_predict > 0 {
+        body.insert("max_tokens".into(), json!(n_predict));
+    }
+    // llama.cpp samples greedily at a temperature of 0 or below.
+    if let Some(t) = f.number("temperature", f64::MIN, f64::MAX)? {
+        body.insert("temperature".into(), json!(t.max(0.0)));
+    }
+    for (ours, theirs) in [
+        ("repetition_penalty", "repeat_penalty"),
+        ("presence_penalty", "presence_penalty"),
+        ("frequency_penalty", "frequency_penalty"),
+        ("stream", "stream"),
+        ("logprobs", "n_probs"),
+        ("ignore_eos", "ignore_eos"),
+        ("json_schema", "json_schema"),
+    ] {
+        if let Some(x) = f.value(theirs) {
+            body.insert(ours.into(), x.clone());
+        }
+    }
+    // llama.cpp's "no grammar" is an empty one; -1 (or any negative seed) is a random seed.
+    if let Some(g) = f.value("grammar").filter(|g| g.as_str() != Some("")) {
+        body.insert("grammar".into(), g.clone());
+    }
+    // Seeds are 32-bit there: a random one is too, so that the one reported can be sent again.
+    let seed = f.integer("seed", i64::MIN, u32::MAX as i64)?.filter(|s| *s >= 0);
+    body.insert("seed".into(), json!(seed.unwrap_or(crate::serve::ids::fresh_seed() as u32 as i64)));
+    if body.get("logprobs").is_some_and(|n| n.as_i64() == Some(0)) {
+        body.remove("logprobs");
+    }
+    Ok(Value::Object(body))
+}
+
+/// The names the OpenAI checks give parameters, in llama.cpp's spelling.
+fn renamed(e: ApiError) -> ApiError {
+    let param = e.param.as_deref().map(|p| match p {
+        "max_tokens" => "n_predict".to_string(),
+        "repetition_penalty" => "repeat_penalty".to_string(),
+        "logprobs" => "n_probs".to_string(),
+        p => p.to_string(),
+    });
+    let message = e
+        .message
+        .replace("`max_tokens`", "`n_predict`")
+        .replace("`repetition_penalty`", "`repeat_penalty`")
+        .replace("`logprobs`", "`n_probs`");
+    ApiError { param, message, ..e }
+}
+
+/// A 400 for a sampler this server does not have, switched on.
+fn switched_off(f: &Fields) -> Result<(), ApiError> {
+    for (k, off, is_off) in OFF_AT {
+        if let Some(x) = f.number(k, f64::MIN, f64::MAX)?.filter(|x| !is_off(*x)) {
+            let message =
+                format!("`{k}` {x} is not supported by this server (fsdp-app); send {off} (off, llama.cpp's default) or leave it out.");
+            return Err(ApiError::invalid(k, message).with_code("unsupported_parameter"));
+        }
+    }
+    Ok(())
+}
+
+/// `stop`: a list of strings (more than OpenAI's 4: front ends send a stop per speaker).
+fn stop_words(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
+    let Some(v) = v else { return Ok(vec![]) };
+    let words = v
+        .as_array()
+        .filter(|a| a.len() <= MAX_STOP_WORDS)
+        .and_then(|a| a.iter().map(|x| x.as_str().filter(|s| !s.is_empty()).map(str::to_string)).collect::<Option<Vec<_>>>());
+    words.ok_or_else(|| ApiError::invalid("stop", format!("`stop` must be a list of up to {MAX_STOP_WORDS} non-empty strings.")))
+}
+
+/// The chain's sampler names: the request's `samplers`, else llama.cpp's default order.
+fn chain_names<'a>(f: &Fields<'a>) -> Result<Vec<&'a str>, ApiError> {
+    const P: &str = "samplers";
+    let Some(list) = f.value(P) else { return Ok(DEFAULT_SAMPLERS.to_vec()) };
+    let Some(items) = list.as_array() else {
+        return Err(ApiError::invalid(
+            P,
+            "`samplers` must be a list of sampler names such as [\"top_k\", \"top_p\", \"min_p\", \"temperature\"].",
+        ));
+    };
+    let names: Vec<&str> = items
+        .iter()
+        .map(|x| x.as_str().ok_or_else(|| ApiError::invalid(P, format!("`samplers` entries must be strings, got {x}."))))
+        .collect::<Result<_, _>>()?;
+    for (i, name) in names.iter().enumerate() {
+        let known = DEFAULT_SAMPLERS.contains(name) || OFF_SAMPLERS.contains(name);
+        if !known {
+            return Err(ApiError::invalid(
+                P,
+                format!("`samplers[{i}]` {name:?} is not a sampler here; known: {}.", [DEFAULT_SAMPLERS, OFF_SAMPLERS].concat().join(", ")),
+            ));
+        }
+        if *name == "penalties" && names[..i].iter().any(|n| !OFF_SAMPLERS.contains(n)) {
+            return Err(ApiError::invalid(P, "`penalties` must come before the other samplers here (it adjusts the logits they read)."));
+        }
+    }
+    Ok(names)
+}
+
+/// The chain of cuts the request's samplers make, in its order.
+fn chain(f: &Fields) -> Result<Vec<ChainStep>, ApiError> {
+    let top_k = f.integer("top_k", i64::MIN, i64::MAX)?.unwrap_or(DEFAULT_TOP_K);
+    let top_p = f.number("top_p", 0.0, 1.0)?.unwrap_or(DEFAULT_TOP_P);
+    let min_p = f.number("min_p", 0.0, 1.0)?.unwrap_or(DEFAULT_MIN_P);
+    Ok(chain_names(f)?
+        .into_iter()
+        .filter_map(|name| match name {
+            "top_k" => Some(ChainStep::TopK(top_k.max(0) as usize)),
+            "top_p" => Some(ChainStep::TopP(top_p)),
+            "min_p" => Some(ChainStep::MinP(min_p)),
+            "temperature" => Some(ChainStep::Temperature),
+            _ => None,
+        })
+        .collect())
+}
+
+/// llama.cpp's `logit_bias`: `[[token id or text, bias or false], ...]` (a text biases each of
+/// its tokens; false bans), or an object from ids (or texts) to biases.
+fn logit_bias(model: &ServedModel, v: Option<&Value>) -> Result<Vec<(u32, f32)>, ApiError> {
+    const P: &str = "logit_bias";
+    let pairs: Vec<(Value, &Value)> = match v {
+        None => return Ok(vec![]),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|pair| match pair.as_array().map(Vec::as_slice) {
+                Some([k, b]) => Ok((k.clone(), b)),
+                _ => Err(ApiError::invalid(P, format!("`logit_bias` entries must be [token, bias] pairs, got {pair}."))),
+            })
+            .collect::<Result<_, _>>()?,
+        Some(Value::Object(o)) => o.iter().map(|(k, b)| (json!(k), b)).collect(),
+        Some(_) => return Err(ApiError::invalid(P, "`logit_bias` must be a list of [token, bias] pairs or an object.")),
+    };
+    let mut out = vec![];
+    for (k, b) in pairs {
+        let bias = match b {
+            Value::Bool(false) => f32::NEG_INFINITY,
+            b => b
+                .as_f64()
+                .filter(|x| x.is_finite())
+                .ok_or_else(|| ApiError::invalid(P, format!("a `logit_bias` bias must be a number or false, got {b}.")))?
+                as f32,
+        };
+        let ids = match &k {
+            Value::Number(n) => vec![n
+                .as_u64()
+                .filter(|&i| (i as usize) < model.vocab)
+                .ok_or_else(|| ApiError::invalid(P, format!("`logit_bias` token {n} is not in [0, {}).", model.vocab)))?
+                as u32],
+            Value::String(s) => match s.parse::<u32>() {
+                Ok(id) if (id as usize) < model.vocab => vec![id],
+                _ => model.tokenizer.encode(s, false).map_err(|e| ApiError::invalid(P, format!("{e:#}")))?,
+            },
+            k => return Err(ApiError::invalid(P, format!("a `logit_bias` token must be an id or a text, got {k}."))),
+        };
+        out.extend(ids.into_iter().map(|id| (id, bias)));
+    }
+    Ok(out)
+}
+
+/// The prompt's ids: a text (with the tokenizer's special tokens, as llama.cpp adds BOS), token
+/// ids, or ids and texts mixed (a text first gets the special tokens; later ones are read as
+/// they are).
+fn prompt_ids(model: &ServedModel, v: Option<&Value>) -> Result<Vec<u32>, ApiError> {
+    const P: &str = "prompt";
+    let encode = |s: &str, special: bool| model.tokenizer.encode(s, special).map_err(|e| ApiError::invalid(P, format!("{e:#}")));
+    match v {
+        Some(Value::String(s)) => encode(s, true),
+        Some(Value::Array(items)) if items.iter().all(|x| x.is_number() || x.is_string()) && !items.is_empty() => {
+            let mut ids = vec![];
+            for (i, x) in items.iter().enumerate() {
+                match x {
+                    Value::String(s) => ids.extend(encode(s, i == 0)?),
+                    n => ids.push(
+                        n.as_u64()
+                            .filter(|&t| (t as usize) < model.vocab)
+                            .ok_or_else(|| ApiError::invalid(P, format!("`prompt[{i}]` {n} is not a token id in [0, {}).", model.vocab)))?
+                            as u32,
+                    ),
+                }
+            }
+            Ok(ids)
+        }
+        None => Err(ApiError::invalid(P, "`prompt` is required.")),
+        Some(_) => Err(ApiError::invalid(
+            P,
+            "`prompt` must be a string, a list of token ids, or ids and strings mixed (one prompt per request here).",
+        )),
+    }
+}
+
+/// `generation_settings`: what ran, in llama.cpp's names.
+fn settings(
+    model: &ServedModel,
+    f: &Fields,
+    p: &crate::generate::SamplingParams,
+    max_tokens: Option<usize>,
+    stream: bool,
+) -> Result<Value, ApiError> {
+    let step = |name: &str| p.chain.iter().flatten().find(|s| s.name() == name).copied();
+    let samplers: Vec<&str> = chain_names(f)?;
+    Ok(json!({
+        "n_ctx": model.max_total_tokens,
+        "n_predict": max_tokens.map_or(-1, |m| m as i64),
+        "model": model.id,
+        "seed": p.seed,
+        "temperature": p.temperature,
+        "top_k": match step("top_k") { Some(ChainStep::TopK(k)) => k as i64, _ => 0 },
+        "top_p": match step("top_p") { Some(ChainStep::TopP(x)) => x, _ => 1.0 },
+        "min_p": match step("min_p") { Some(ChainStep::MinP(x)) => x, _ => 0.0 },
+        "repeat_last_n": p.penalty_last_n.map_or(-1, |n| if n == usize::MAX { -1 } else { n as i64 }),
+        "repeat_penalty": p.repetition_penalty,
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
+        "stop": p.stop,
+        "ignore_eos": p.output.ignore_eos,
+        "stream": stream,
+        "n_probs": p.logprobs.unwrap_or(0),
+        "grammar": f.value("grammar").cloned().unwrap_or(json!("")),
+        "samplers": samplers,
+    }))
+}

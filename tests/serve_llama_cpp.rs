@@ -1,0 +1,233 @@
+//! llama.cpp's server's own API (`/completion`, `/props`, `/apply-template`, `/tokenize` with
+//! `content`) against a real server on SmolLM2: each answer checked against the OpenAI endpoint
+//! given the same request in its names (the same greedy text, the same scores), streamed against
+//! whole, and every refusal by the field llama.cpp names.
+
+mod common;
+
+use common::server::*;
+use common::*;
+use serde_json::{json, Value};
+
+const PROMPT: &str = "The capital of France is";
+
+fn completion(server: &Server, body: Value) -> Value {
+    post_json(&server.url("/completion"), &body)
+}
+
+fn refused(server: &Server, body: Value) -> Value {
+    let (status, text, _) = post(&server.url("/completion"), &body.to_string(), None);
+    assert_eq!(status, 400, "{body}: {text}");
+    serde_json::from_str::<Value>(&text).unwrap()["error"].clone()
+}
+
+#[test]
+fn completion_answers_as_llama_server_does() {
+    let Some(gguf) = smollm2_gguf_or_skip("completion_answers_as_llama_server_does") else { return };
+    let server = Server::start(&gguf, &[]);
+
+    // Greedy: the OpenAI endpoint's text and scores for the same prompt and length.
+    let whole = completion(&server, json!({"prompt": PROMPT, "n_predict": 12, "temperature": 0, "n_probs": 3, "return_tokens": true}));
+    let openai = post_json(
+        &server.url("/v1/completions"),
+        &json!({"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": 3}),
+    );
+    let content = whole["content"].as_str().unwrap();
+    assert_eq!(content, openai["choices"][0]["text"], "{whole}");
+    assert_eq!(whole["stop"], true);
+    assert_eq!(whole["stop_type"], "limit");
+    assert_eq!(whole["model"], "tiny");
+    assert_eq!(whole["tokens_predicted"], 12);
+    assert_eq!(whole["tokens_evaluated"], openai["usage"]["prompt_tokens"]);
+    assert_eq!(whole["prompt"], PROMPT);
+    assert_eq!(whole["has_new_line"], content.contains('\n'));
+    assert_eq!(whole["generation_settings"]["n_predict"], 12);
+    assert_eq!(whole["generation_settings"]["samplers"], json!(["penalties", "top_k", "top_p", "min_p", "temperature"]));
+    let timings = &whole["timings"];
+    assert_eq!(timings["predicted_n"], 12);
+    assert!(timings["predicted_ms"].as_f64().unwrap() > 0.0 && timings["predicted_per_second"].as_f64().unwrap() > 0.0, "{timings}");
+    // The ids are the text's.
+    let tokens = whole["tokens"].clone();
+    assert_eq!(tokens.as_array().unwrap().len(), 12);
+    assert_eq!(post_json(&server.url("/detokenize"), &json!({"tokens": tokens}))["content"], content);
+    // Scores: each token's, with its 3 best alternatives (the greedy token the best), as OpenAI's.
+    let probs = whole["completion_probabilities"].as_array().unwrap();
+    let theirs = openai["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap();
+    assert_eq!(probs.len(), 12);
+    for (p, lp) in probs.iter().zip(theirs) {
+        assert_eq!(p["top_logprobs"].as_array().unwrap().len(), 3, "{p}");
+        assert_eq!(p["top_logprobs"][0]["id"], p["id"], "{p}");
+        assert!((p["logprob"].as_f64().unwrap() - lp.as_f64().unwrap()).abs() < 1e-4, "{p} vs {lp}");
+        assert_eq!(p["bytes"], json!(p["token"].as_str().unwrap().as_bytes()), "{p}");
+    }
+
+    // Streamed: a `data:` event per token with its id, then the whole answer's fields; no [DONE].
+    let events: Vec<Value> = sse(&server.url("/completion"), &json!({"prompt": PROMPT, "n_predict": 12, "temperature": 0, "stream": true}))
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    let (last, pieces) = events.split_last().unwrap();
+    let streamed: String = pieces.iter().map(|e| e["content"].as_str().unwrap()).collect();
+    assert_eq!(streamed, content);
+    assert!(pieces.iter().all(|e| e["stop"] == false && e["tokens"].as_array().unwrap().len() == 1), "{pieces:?}");
+    let streamed_ids: Vec<Value> = pieces.iter().map(|e| e["tokens"][0].clone()).collect();
+    assert_eq!(json!(streamed_ids), tokens);
+    assert_eq!((&last["stop"], &last["stop_type"], &last["tokens_predicted"]), (&json!(true), &json!("limit"), &json!(12)), "{last}");
+
+    // A stop word ends it, named, and out of the text (more than OpenAI's 4 may be given).
+    let words = json!(["Berlin", "\n", "Rome", "Madrid", "Lisbon", "Vienna"]);
+    let stopped = completion(&server, json!({"prompt": PROMPT, "n_predict": 40, "temperature": 0, "stop": words}));
+    assert_eq!((&stopped["stop_type"], &stopped["stopping_word"]), (&json!("word"), &json!("\n")), "{stopped}");
+    assert_eq!(stopped["content"].as_str().unwrap(), content.split('\n').next().unwrap());
+
+    // A chat rendered by /apply-template and continued to the model's end (n_predict -1, the
+    // default): the chat endpoint's greedy answer, ended by eos.
+    let messages = json!([{"role": "user", "content": "Say hello in one short sentence."}]);
+    let rendered = post_json(&server.url("/apply-template"), &json!({"messages": messages}));
+    let prompt = rendered["prompt"].as_str().unwrap();
+    assert!(prompt.ends_with("<|im_start|>assistant\n"), "{rendered}");
+    let chat_turn = completion(&server, json!({"prompt": prompt, "temperature": 0}));
+    let chat = post_json(&server.url("/v1/chat/completions"), &json!({"model": "tiny", "messages": messages, "temperature": 0}));
+    assert_eq!(chat_turn["content"], chat["choices"][0]["message"]["content"], "{chat_turn}");
+    assert_eq!(chat_turn["stop_type"], "eos");
+    assert_eq!(chat_turn["generation_settings"]["n_predict"], -1);
+
+    // Ids and text mixed: the text's ids.
+    let tail = post_json(&server.url("/tokenize"), &json!({"content": " of France is"}))["tokens"].clone();
+    let mut mixed = vec![json!("The capital")];
+    mixed.extend(tail.as_array().unwrap().iter().cloned());
+    let from_mixed = completion(&server, json!({"prompt": mixed, "n_predict": 12, "temperature": 0}));
+    assert_eq!((&from_mixed["content"], &from_mixed["tokens_evaluated"]), (&whole["content"], &whole["tokens_evaluated"]));
+
+    // logit_bias as llama.cpp writes it: false bans a token, by id or by its text.
+    let first = &tokens[0];
+    for bias in [json!([[first, false]]), json!([[" Paris", false]]), json!({first.to_string(): -100})] {
+        let banned =
+            completion(&server, json!({"prompt": PROMPT, "n_predict": 2, "temperature": 0, "return_tokens": true, "logit_bias": bias}));
+        assert_ne!(&banned["tokens"][0], first, "{bias}: {banned}");
+    }
+
+    // Grammars: GBNF and a JSON schema.
+    let yes_no = completion(&server, json!({"prompt": "Is Paris in France?", "grammar": "root ::= \"yes\" | \"no\"", "seed": 3}));
+    assert!(["yes", "no"].contains(&yes_no["content"].as_str().unwrap()), "{yes_no}");
+    let schema = json!({"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]});
+    let city = completion(&server, json!({"prompt": PROMPT, "json_schema": schema, "n_predict": 30, "temperature": 0}));
+    let parsed: Value = serde_json::from_str(city["content"].as_str().unwrap()).unwrap_or_else(|e| panic!("{e}: {city}"));
+    assert!(parsed["city"].is_string(), "{city}");
+}
+
+#[test]
+fn sampling_follows_llama_cpps_settings() {
+    let Some(gguf) = smollm2_gguf_or_skip("sampling_follows_llama_cpps_settings") else { return };
+    let server = Server::start(&gguf, &[]);
+    let openai = |extra: Value| {
+        let mut body = json!({"model": "tiny", "prompt": PROMPT, "max_tokens": 24, "temperature": 0});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        post_json(&server.url("/v1/completions"), &body)["choices"][0]["text"].clone()
+    };
+    let ours = |extra: Value| {
+        let mut body = json!({"prompt": PROMPT, "n_predict": 24, "temperature": 0});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        completion(&server, body)["content"].clone()
+    };
+    // repeat_last_n: -1 penalises the whole context (vLLM's repetition_penalty), 0 nothing, and
+    // a short window only its tokens: this greedy answer repeats itself, and the penalty changes it.
+    let plain = ours(json!({}));
+    let whole_context = ours(json!({"repeat_penalty": 1.8, "repeat_last_n": -1}));
+    assert_eq!(whole_context, openai(json!({"repetition_penalty": 1.8})));
+    assert_ne!(whole_context, plain);
+    assert_eq!(ours(json!({"repeat_penalty": 1.8, "repeat_last_n": 0})), plain);
+    let window = ours(json!({"repeat_penalty": 1.8, "repeat_last_n": 4}));
+    assert_ne!(window, whole_context);
+    // Without `penalties` in the chain there are none.
+    assert_eq!(ours(json!({"repeat_penalty": 1.8, "samplers": ["top_k", "temperature"]})), plain);
+
+    // The default temperature (0.8) samples: a seed repeats its answer, and the seed reported
+    // for a random one repeats it too.
+    let sampled = |extra: Value| {
+        let mut body = json!({"prompt": PROMPT, "n_predict": 24});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        completion(&server, body)
+    };
+    let a = sampled(json!({"seed": 5}));
+    assert_eq!(a["content"], sampled(json!({"seed": 5}))["content"]);
+    assert_eq!(a["generation_settings"]["temperature"], 0.8);
+    let random = sampled(json!({}));
+    let seed = random["generation_settings"]["seed"].clone();
+    assert!(seed.as_u64().is_some_and(|s| s <= u32::MAX as u64), "{seed}");
+    assert_eq!(sampled(json!({"seed": seed}))["content"], random["content"]);
+    // top_k 1 anywhere in the chain is greedy whatever the temperature.
+    assert_eq!(sampled(json!({"top_k": 1, "temperature": 1.5, "seed": 9}))["content"], plain);
+}
+
+#[test]
+fn llama_cpp_requests_are_refused_by_field() {
+    let Some(gguf) = smollm2_gguf_or_skip("llama_cpp_requests_are_refused_by_field") else { return };
+    let server = Server::start(&gguf, &[]);
+    for (extra, param) in [
+        (json!({"mirostat": 2}), "mirostat"),
+        (json!({"typical_p": 0.5}), "typical_p"),
+        (json!({"dry_multiplier": 0.8}), "dry_multiplier"),
+        (json!({"xtc_probability": 0.5}), "xtc_probability"),
+        (json!({"id_slot": 3}), "id_slot"),
+        (json!({"lora": [{"id": 0, "scale": 1.0}]}), "lora"),
+        (json!({"n_predict": 0}), "n_predict"),
+        (json!({"n_predict": 100000}), "n_predict"),
+        (json!({"temperature": 3.0}), "temperature"),
+        (json!({"n_probs": 50}), "n_probs"),
+        (json!({"repeat_penalty": 0}), "repeat_penalty"),
+        (json!({"samplers": ["top_k", "mystery"]}), "samplers"),
+        (json!({"samplers": ["temperature", "penalties"]}), "samplers"),
+        (json!({"logit_bias": [[1, "x"]]}), "logit_bias"),
+        (json!({"logit_bias": [[99999999, 1.0]]}), "logit_bias"),
+        (json!({"prompt": [[1, 2], [3]]}), "prompt"),
+        (json!({"prompt": [1, 99999999]}), "prompt"),
+        (json!({"post_sampling_probs": true}), "post_sampling_probs"),
+        (json!({"stop": "\n"}), "stop"),
+        (json!({"stop": ["ok", ""]}), "stop"),
+        (json!({"grammar": "root ::= missing"}), "grammar"),
+        (json!({"unknown_thing": 1}), "unknown_thing"),
+    ] {
+        let mut body = json!({"prompt": PROMPT});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let error = refused(&server, body);
+        assert_eq!(error["param"], param, "{extra}: {error}");
+    }
+    // Inert fields are taken: the samplers they tune are off, the cache is always used.
+    let taken = completion(
+        &server,
+        json!({"prompt": PROMPT, "n_predict": 2, "cache_prompt": true, "id_slot": -1, "dry_base": 1.75, "mirostat": 0,
+               "typical_p": 1.0, "min_keep": 0, "n_keep": 0, "grammar": "", "lora": []}),
+    );
+    assert_eq!(taken["tokens_predicted"], 2);
+}
+
+#[test]
+fn props_and_tokenize_answer_as_llama_server_does() {
+    let Some(gguf) = smollm2_gguf_or_skip("props_and_tokenize_answer_as_llama_server_does") else { return };
+    let server = Server::start(&gguf, &["--max-model-len", "1024", "--max-num-seqs", "3"]);
+    let props = get_json(&server.url("/props"));
+    let settings = &props["default_generation_settings"];
+    assert_eq!(settings["n_ctx"], 1024, "{props}");
+    assert_eq!(settings["params"]["temperature"], 0.8);
+    assert_eq!(settings["params"]["n_predict"], -1);
+    assert_eq!(props["total_slots"], 3);
+    assert!(props["chat_template"].as_str().unwrap().contains("<|im_start|>"), "{props}");
+
+    let plain = post_json(&server.url("/tokenize"), &json!({"content": "Hello world, héllo!"}));
+    let vllm = post_json(&server.url("/tokenize"), &json!({"prompt": "Hello world, héllo!", "add_special_tokens": false}));
+    assert_eq!(plain["tokens"], vllm["tokens"]);
+    let pieces = post_json(&server.url("/tokenize"), &json!({"content": "Hello world, héllo!", "with_pieces": true}));
+    let mut bytes = vec![];
+    for p in pieces["tokens"].as_array().unwrap() {
+        match &p["piece"] {
+            Value::String(s) => bytes.extend(s.as_bytes()),
+            Value::Array(b) => bytes.extend(b.iter().map(|x| x.as_u64().unwrap() as u8)),
+            other => panic!("{other}"),
+        }
+    }
+    assert_eq!(String::from_utf8(bytes).unwrap(), "Hello world, héllo!");
+    let (status, text, _) = post(&server.url("/tokenize"), &json!({"content": "x", "parse_special": false}).to_string(), None);
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("parse_special"), "{text}");
+}
