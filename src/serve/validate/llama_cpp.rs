@@ -67,7 +67,8 @@ pub const FIELDS: &[&str] = &[
     "timings_per_token",
     "return_progress",
     "lora",
-    // Off unless set ([`OFF_AT`]); their tuning fields ([`TUNING`]) change nothing while off.
+    // Samplers this server lacks: taken only off ([`OFF_AT`]), when their tuning fields (the
+    // `dry_*`, `mirostat_*`, `xtc_threshold`, `dynatemp_exponent`) change nothing.
     "typical_p",
     "dynatemp_range",
     "dynatemp_exponent",
@@ -144,6 +145,8 @@ pub fn completion(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError
             return Err(ApiError::invalid(k, format!("`{k}: true` is not supported ({why}).")));
         }
     }
+    // Taken without effect, but type-checked: the prefix cache is always on, and the context is
+    // never shifted (a prompt too long is refused), so nothing is kept or discarded.
     let _ = (f.bool("cache_prompt")?, f.integer("n_keep", -1, i64::MAX)?, f.integer("n_discard", 0, i64::MAX)?);
     let body = as_completion(st, &f)?;
     let target = Target::of(st, &body)?;
