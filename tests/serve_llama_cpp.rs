@@ -74,6 +74,17 @@ fn completion_answers_as_llama_server_does() {
     assert_eq!(json!(streamed_ids), tokens);
     assert_eq!((&last["stop"], &last["stop_type"], &last["tokens_predicted"]), (&json!(true), &json!("limit"), &json!(12)), "{last}");
 
+    // response_fields: only those, nested ones under their paths, missing ones left out; the
+    // stream's last event likewise.
+    let fields = json!(["content", "timings/predicted_n", "generation_settings/n_predict", "no/such"]);
+    let picked = completion(&server, json!({"prompt": PROMPT, "n_predict": 12, "temperature": 0, "response_fields": fields}));
+    assert_eq!(picked, json!({"content": content, "timings/predicted_n": 12, "generation_settings/n_predict": 12}));
+    let streamed_last = sse(
+        &server.url("/completion"),
+        &json!({"prompt": PROMPT, "n_predict": 3, "temperature": 0, "stream": true, "response_fields": ["stop_type"]}),
+    );
+    assert_eq!(serde_json::from_str::<Value>(streamed_last.last().unwrap()).unwrap(), json!({"stop_type": "limit"}));
+
     // A stop word ends it, named, and out of the text (more than OpenAI's 4 may be given).
     let words = json!(["Berlin", "\n", "Rome", "Madrid", "Lisbon", "Vienna"]);
     let stopped = completion(&server, json!({"prompt": PROMPT, "n_predict": 40, "temperature": 0, "stop": words}));
@@ -184,6 +195,7 @@ fn llama_cpp_requests_are_refused_by_field() {
         (json!({"prompt": [1, 99999999]}), "prompt"),
         (json!({"post_sampling_probs": true}), "post_sampling_probs"),
         (json!({"stop": "\n"}), "stop"),
+        (json!({"response_fields": "content"}), "response_fields"),
         (json!({"stop": ["ok", ""]}), "stop"),
         (json!({"grammar": "root ::= missing"}), "grammar"),
         (json!({"unknown_thing": 1}), "unknown_thing"),

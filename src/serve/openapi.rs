@@ -55,7 +55,7 @@ pub const SPEC: &str = r##"{
         "return_tokens": {"type": "boolean"}, "id_slot": {"type": "integer", "enum": [-1]}, "cache_prompt": {"type": "boolean", "description": "Accepted: the prefix cache is always on."},
         "n_keep": {"type": "integer", "minimum": -1, "description": "Accepted: the context is never shifted."}, "n_discard": {"type": "integer", "minimum": 0},
         "n_cmpl": {"type": "integer", "enum": [1]}, "min_keep": {"type": "integer", "minimum": 0, "maximum": 1},
-        "post_sampling_probs": {"type": "boolean", "enum": [false]}, "timings_per_token": {"type": "boolean", "enum": [false]}, "return_progress": {"type": "boolean", "enum": [false]},
+        "post_sampling_probs": {"type": "boolean", "enum": [false]}, "timings_per_token": {"type": "boolean", "enum": [false]}, "return_progress": {"type": "boolean", "enum": [false]}, "response_fields": {"type": "array", "items": {"type": "string"}, "description": "Only these fields in the answer (paths as timings/predicted_n, each under its path)."},
         "lora": {"type": "array", "maxItems": 0, "description": "Name an adapter in model instead."},
         "typical_p": {"type": "number", "minimum": 1}, "dynatemp_range": {"type": "number", "maximum": 0}, "dynatemp_exponent": {"type": "number"},
         "mirostat": {"type": "integer", "enum": [0]}, "mirostat_tau": {"type": "number"}, "mirostat_eta": {"type": "number"},

@@ -61,6 +61,15 @@ fn final_fields(req: &ValidatedRequest, ended: &Ended, has_new_line: bool) -> Va
     })
 }
 
+/// The answer as `response_fields` asks for it, as llama.cpp's `json_get_nested_values` does:
+/// each path's value (following `a/b` into objects) under the path as its key; a path that leads
+/// nowhere is left out.
+fn selected(v: Value, fields: Option<&[String]>) -> Value {
+    let Some(fields) = fields else { return v };
+    let found = |path: &String| path.split('/').try_fold(&v, |at, key| at.as_object()?.get(key)).map(|x| (path.clone(), x.clone()));
+    Value::Object(fields.iter().filter_map(found).collect())
+}
+
 /// llama.cpp's `timings`: the prompt's part up to the first token (queueing included), the
 /// answer's from there to the end.
 fn timings(prompt_n: usize, cache_n: usize, predicted_n: usize, (start, first, end): (Instant, Option<Instant>, Instant)) -> Value {
@@ -111,7 +120,7 @@ pub async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitte
         v["completion_probabilities"] = probabilities(&req.model.tokenizer, &answer.logprobs);
     }
     v["content"] = json!(answer.text);
-    Ok(Json(v).into_response())
+    Ok(Json(selected(v, e.response_fields.as_deref())).into_response())
 }
 
 /// The event stream.
@@ -150,7 +159,7 @@ pub fn sse(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -> Re
                     cached_tokens: done.cached_tokens,
                     times: (start, first, Instant::now()),
                 };
-                send(final_fields(&req, &ended, has_new_line));
+                send(selected(final_fields(&req, &ended, has_new_line), echo(&req).response_fields.as_deref()));
             }
             Followed::ClientGone => {}
             Followed::Failed(e) => {

@@ -66,6 +66,7 @@ pub const FIELDS: &[&str] = &[
     "post_sampling_probs",
     "timings_per_token",
     "return_progress",
+    "response_fields",
     "lora",
     // Samplers this server lacks: taken only off ([`OFF_AT`]), when their tuning fields (the
     // `dry_*`, `mirostat_*`, `xtc_threshold`, `dynatemp_exponent`) change nothing.
@@ -119,6 +120,9 @@ pub struct Echo {
     pub return_tokens: bool,
     /// The settings that ran (`generation_settings`).
     pub settings: Value,
+    /// `response_fields`: the answer holds only these (paths such as `timings/predicted_n`, each
+    /// under its path as a key), when given.
+    pub response_fields: Option<Vec<String>>,
 }
 
 /// `/completion`.
@@ -176,7 +180,8 @@ pub fn completion(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError
     let prompt_ids = prompt_ids(&model, f.value("prompt"))?;
     let settings = settings(&model, &f, &s.params, s.max_tokens, s.stream)?;
     let prompt = model.tokenizer.decode(&prompt_ids, false).unwrap_or_default();
-    let kind = RequestKind::LlamaCpp(Box::new(Echo { prompt, n_probs, return_tokens, settings }));
+    let response_fields = response_fields(f.value("response_fields"))?;
+    let kind = RequestKind::LlamaCpp(Box::new(Echo { prompt, n_probs, return_tokens, settings, response_fields }));
     finish(st, target, kind, prompt_ids, s, constraints, ignored).map_err(renamed)
 }
 
@@ -261,6 +266,15 @@ fn stop_words(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
         .filter(|a| a.len() <= MAX_STOP_WORDS)
         .and_then(|a| a.iter().map(|x| x.as_str().filter(|s| !s.is_empty()).map(str::to_string)).collect::<Option<Vec<_>>>());
     words.ok_or_else(|| ApiError::invalid("stop", format!("`stop` must be a list of up to {MAX_STOP_WORDS} non-empty strings.")))
+}
+
+/// `response_fields`: a list of field paths (`a/b` for `b` inside `a`).
+fn response_fields(v: Option<&Value>) -> Result<Option<Vec<String>>, ApiError> {
+    let Some(v) = v else { return Ok(None) };
+    let fields = v.as_array().and_then(|a| a.iter().map(|x| x.as_str().map(str::to_string)).collect::<Option<Vec<_>>>());
+    fields.map(Some).ok_or_else(|| {
+        ApiError::invalid("response_fields", "`response_fields` must be a list of field paths such as \"timings/predicted_n\".")
+    })
 }
 
 /// The chain's sampler names: the request's `samplers`, else llama.cpp's default order.
