@@ -16,8 +16,9 @@ use super::body::json_body;
 use super::error::ApiError;
 use super::fields::{self, Fields};
 use super::state::AppState;
-use super::validate;
 use super::validate::llama_cpp as read;
+use super::validate::{self, ValidatedRequest};
+use super::{admission, response};
 
 /// The fields of llama.cpp's `/tokenize`.
 pub const TOKENIZE: &[&str] = &["content", "add_special", "parse_special", "with_pieces", "model"];
@@ -27,8 +28,9 @@ pub const APPLY_TEMPLATE: &[&str] = &["model", "messages", "tools", "chat_templa
 
 /// `POST /completion`.
 pub async fn completion(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
-    let req = read::completion(&st, &json_body(body, st.max_body_bytes)?)?;
-    super::routes::generate(st, req).await
+    let mut req: ValidatedRequest = read::completion(&st, &json_body(body, st.max_body_bytes)?)?;
+    let submitted = admission::submit(&st, &mut req)?;
+    response::answer(st, req, submitted).await
 }
 
 /// `GET /props`: the settings `/completion` runs with when a request gives none, the context,

@@ -165,7 +165,7 @@ pub async fn count_tokens(State(st): State<Arc<AppState>>, body: Result<Bytes, B
     Ok(Json(json!({"input_tokens": n})))
 }
 
-pub(super) async fn generate(st: Arc<AppState>, mut req: ValidatedRequest) -> Result<Response, ApiError> {
+async fn generate(st: Arc<AppState>, mut req: ValidatedRequest) -> Result<Response, ApiError> {
     let submitted = admission::submit(&st, &mut req)?;
     response::answer(st, req, submitted).await
 }
