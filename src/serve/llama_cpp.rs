@@ -15,10 +15,10 @@ use serde_json::{json, Value};
 use super::body::json_body;
 use super::error::ApiError;
 use super::fields::{self, Fields};
+use super::response;
 use super::state::AppState;
+use super::validate;
 use super::validate::llama_cpp as read;
-use super::validate::{self, ValidatedRequest};
-use super::{admission, response};
 
 /// The fields of llama.cpp's `/tokenize`.
 pub const TOKENIZE: &[&str] = &["content", "add_special", "parse_special", "with_pieces", "model"];
@@ -28,9 +28,8 @@ pub const APPLY_TEMPLATE: &[&str] = &["model", "messages", "tools", "chat_templa
 
 /// `POST /completion`.
 pub async fn completion(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
-    let mut req: ValidatedRequest = read::completion(&st, &json_body(body, st.max_body_bytes)?)?;
-    let submitted = admission::submit(&st, &mut req)?;
-    response::answer(st, req, submitted).await
+    let req = read::completion(&st, &json_body(body, st.max_body_bytes)?)?;
+    response::generate(st, req).await
 }
 
 /// `GET /props`: the settings `/completion` runs with when a request gives none, the context,

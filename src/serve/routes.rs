@@ -15,9 +15,9 @@ use serde_json::{json, Value};
 
 use super::body::json_body;
 use super::error::{AnthropicError, ApiError};
+use super::response;
 use super::state::AppState;
-use super::validate::{self, ValidatedRequest};
-use super::{admission, response};
+use super::validate;
 
 pub async fn health() -> Json<Value> {
     Json(json!({"status": "ok"}))
@@ -140,34 +140,29 @@ pub async fn detokenize(State(st): State<Arc<AppState>>, body: Result<Bytes, Byt
 
 pub async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let req = validate::completion(&st, &json_body(body, st.max_body_bytes)?)?;
-    generate(st, req).await
+    response::generate(st, req).await
 }
 
 pub async fn chat_completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let req = validate::chat(&st, &json_body(body, st.max_body_bytes)?)?;
-    generate(st, req).await
+    response::generate(st, req).await
 }
 
 pub async fn responses(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let req = validate::responses(&st, &json_body(body, st.max_body_bytes)?)?;
-    generate(st, req).await
+    response::generate(st, req).await
 }
 
 /// `POST /v1/messages` (Anthropic's Messages API); errors in Anthropic's shape.
 pub async fn messages(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, AnthropicError> {
     let req = json_body(body, st.max_body_bytes).and_then(|v| validate::messages(&st, &v)).map_err(AnthropicError)?;
-    generate(st, req).await.map_err(AnthropicError)
+    response::generate(st, req).await.map_err(AnthropicError)
 }
 
 /// `POST /v1/messages/count_tokens`: `{"input_tokens"}` of the prompt `/v1/messages` would run.
 pub async fn count_tokens(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, AnthropicError> {
     let n = json_body(body, st.max_body_bytes).and_then(|v| validate::count_tokens(&st, &v)).map_err(AnthropicError)?;
     Ok(Json(json!({"input_tokens": n})))
-}
-
-async fn generate(st: Arc<AppState>, mut req: ValidatedRequest) -> Result<Response, ApiError> {
-    let submitted = admission::submit(&st, &mut req)?;
-    response::answer(st, req, submitted).await
 }
 
 pub async fn not_found() -> ApiError {

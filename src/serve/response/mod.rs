@@ -25,8 +25,14 @@ use super::validate::{RequestKind, ValidatedRequest};
 use crate::generate::{reasoning, FinishReason, TokenLogprob};
 use tokio::sync::mpsc;
 
+/// Admits and submits a validated request, then answers it: every generating route's last step.
+pub async fn generate(st: Arc<AppState>, mut req: ValidatedRequest) -> Result<Response, ApiError> {
+    let submitted = super::admission::submit(&st, &mut req)?;
+    answer(st, req, submitted).await
+}
+
 /// The response to a validated, submitted request: streamed or whole.
-pub async fn answer(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -> Result<Response, ApiError> {
+async fn answer(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -> Result<Response, ApiError> {
     let ignored = req.ignored.clone();
     let submitted = if req.stream { started(&st, submitted).await? } else { submitted };
     let response = match (&req.kind, req.stream) {
