@@ -125,6 +125,26 @@ fn completion_answers_as_llama_server_does() {
     let city = completion(&server, json!({"prompt": PROMPT, "json_schema": schema, "n_predict": 30, "temperature": 0}));
     let parsed: Value = serde_json::from_str(city["content"].as_str().unwrap()).unwrap_or_else(|e| panic!("{e}: {city}"));
     assert!(parsed["city"].is_string(), "{city}");
+
+    // Ids without scores: a grammar makes the answer emoji, whose bytes span several tokens, so
+    // some tokens show no text yet; the stream still gives every token's id, once, and neither
+    // answer has scores nobody asked for.
+    let emoji = |extra: Value| {
+        let mut body = json!({"prompt": PROMPT, "grammar": "root ::= \"\u{1F600}\u{1F680}\"", "temperature": 0, "n_predict": 8});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let whole = completion(&server, emoji(json!({"return_tokens": true})));
+    let ids = whole["tokens"].as_array().unwrap();
+    assert_eq!((whole["content"].as_str(), ids.len()), (Some("\u{1F600}\u{1F680}"), whole["tokens_predicted"].as_u64().unwrap() as usize));
+    assert!(ids.len() > 2 && whole.get("completion_probabilities").is_none(), "{whole}");
+    assert_eq!(post_json(&server.url("/detokenize"), &json!({"tokens": ids}))["content"], whole["content"]);
+    let events: Vec<Value> =
+        sse(&server.url("/completion"), &emoji(json!({"stream": true}))).iter().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let (_, pieces) = events.split_last().unwrap();
+    assert!(pieces.iter().any(|e| e["content"] == "") && pieces.iter().all(|e| e.get("completion_probabilities").is_none()), "{pieces:?}");
+    let streamed_ids: Vec<Value> = pieces.iter().flat_map(|e| e["tokens"].as_array().unwrap().clone()).collect();
+    assert_eq!(&streamed_ids, ids);
 }
 
 #[test]

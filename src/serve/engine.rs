@@ -63,8 +63,10 @@ pub type StopWhen = Box<dyn FnMut(&str) -> bool + Send>;
 pub enum Event {
     /// The prompt's tokens 1.. scored (first, when asked for).
     PromptLogprobs(Vec<TokenLogprob>),
+    /// A sampled token (None: text released at the end) and the text now safe to show.
     Delta {
         text: String,
+        token: Option<u32>,
         logprob: Option<TokenLogprob>,
     },
     Done {
@@ -279,8 +281,8 @@ fn run(
                             finished = Some(FinishReason::Stop);
                         }
                     }
-                    if !step.text.is_empty() || step.logprob.is_some() {
-                        let _ = r.job.events.send(Event::Delta { text: step.text, logprob: step.logprob });
+                    if !step.text.is_empty() || step.token.is_some() {
+                        let _ = r.job.events.send(Event::Delta { text: step.text, token: step.token, logprob: step.logprob });
                     }
                     match finished {
                         Some(finish) => {

@@ -114,7 +114,7 @@ pub async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitte
     };
     let mut v = final_fields(&req, &ended, answer.text.contains('\n'));
     if e.return_tokens {
-        v["tokens"] = answer.logprobs.iter().map(|l| l.token).collect();
+        v["tokens"] = json!(answer.tokens);
     }
     if e.n_probs > 0 {
         v["completion_probabilities"] = probabilities(&req.model.tokenizer, &answer.logprobs);
@@ -136,13 +136,13 @@ pub fn sse(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -> Re
         let (mut first, mut predicted, mut has_new_line) = (None, 0, false);
         let on_read = |read: Read| {
             let text: String = read.pieces.into_iter().map(|p| if let Piece::Text(t) = p { t } else { String::new() }).collect();
-            if text.is_empty() && read.logprob.is_none() {
+            if text.is_empty() && read.token.is_none() {
                 return true;
             }
             first.get_or_insert_with(Instant::now);
-            predicted += usize::from(read.logprob.is_some());
+            predicted += usize::from(read.token.is_some());
             has_new_line |= text.contains('\n');
-            let tokens: Vec<u32> = read.logprob.iter().map(|l| l.token).collect();
+            let tokens: Vec<u32> = read.token.into_iter().collect();
             let mut v = json!({"index": 0, "content": text, "tokens": tokens, "stop": false, "id_slot": 0,
                                "tokens_predicted": predicted, "tokens_evaluated": prompt_n});
             if n_probs > 0 {

@@ -146,6 +146,8 @@ async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -
 /// One answer, whole: its text, scores and how it ended.
 pub(super) struct Collected {
     pub text: String,
+    /// The sampled tokens, an eos token not among them.
+    pub tokens: Vec<u32>,
     pub logprobs: Vec<TokenLogprob>,
     /// The prompt's scores (completions' `echo` with `logprobs`).
     pub prompt_logprobs: Option<Vec<TokenLogprob>>,
@@ -166,7 +168,7 @@ pub(super) struct Collected {
 /// Waits for an answer's events until it is done; an engine failure (the request was checked
 /// before it ran) is the server's error, and so is the end of the shutdown's grace period.
 pub(super) async fn collect(st: &AppState, rx: &mut mpsc::UnboundedReceiver<Event>) -> Result<Collected, ApiError> {
-    let (mut text, mut logprobs, mut prompt_logprobs) = (String::new(), vec![], None);
+    let (mut text, mut tokens, mut logprobs, mut prompt_logprobs) = (String::new(), vec![], vec![], None);
     let mut first_token_at = None;
     loop {
         let ev = tokio::select! {
@@ -175,9 +177,10 @@ pub(super) async fn collect(st: &AppState, rx: &mut mpsc::UnboundedReceiver<Even
         };
         match ev {
             Some(Event::PromptLogprobs(v)) => prompt_logprobs = Some(v),
-            Some(Event::Delta { text: t, logprob }) => {
+            Some(Event::Delta { text: t, token, logprob }) => {
                 first_token_at.get_or_insert_with(std::time::Instant::now);
                 text.push_str(&t);
+                tokens.extend(token);
                 logprobs.extend(logprob);
             }
             Some(Event::Done { finish, completion_tokens, cached_tokens, cumulative_logprob, reasoning_tokens, stop_string, .. }) => {
@@ -185,6 +188,7 @@ pub(super) async fn collect(st: &AppState, rx: &mut mpsc::UnboundedReceiver<Even
                 let (cumulative_logprob, reasoning_tokens) = (cumulative_logprob, reasoning_tokens);
                 return Ok(Collected {
                     text,
+                    tokens,
                     logprobs,
                     prompt_logprobs,
                     finish,

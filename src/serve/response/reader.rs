@@ -20,6 +20,8 @@ use crate::serve::validate::ValidatedRequest;
 pub struct Read {
     pub reasoning: String,
     pub pieces: Vec<Piece>,
+    /// The token this piece came with (None: text released at the answer's end).
+    pub token: Option<u32>,
     pub logprob: Option<TokenLogprob>,
 }
 
@@ -65,7 +67,7 @@ impl AnswerReader {
         if end {
             pieces.extend(self.native.as_mut().map(NativeCalls::finish).unwrap_or_default());
         }
-        Read { reasoning: split.reasoning, pieces, logprob: None }
+        Read { reasoning: split.reasoning, pieces, token: None, logprob: None }
     }
 }
 
@@ -102,8 +104,8 @@ pub async fn follow(
             _ = st.shutdown.forced() => return Followed::Failed(ApiError::shutting_down()),
         };
         match ev {
-            Some(Event::Delta { text, logprob }) => {
-                let read = Read { logprob, ..reader.push(text) };
+            Some(Event::Delta { text, token, logprob }) => {
+                let read = Read { token, logprob, ..reader.push(text) };
                 if !on_read(read) {
                     return Followed::ClientGone;
                 }

@@ -172,7 +172,7 @@ impl<'a> Streamer<'a> {
                     );
                     json!({"index": index, "text": e, "logprobs": lp, "finish_reason": null})
                 }
-                Event::Delta { text, logprob } => {
+                Event::Delta { text, logprob, .. } => {
                     let read = self.readers[index].push(text);
                     if !self.send_reasoning(index, read.reasoning) {
                         return;

@@ -168,11 +168,6 @@ pub fn completion(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError
     s.params.stop = stop_words(f.value("stop"))?;
     let return_tokens = f.bool("return_tokens")?.unwrap_or(false);
     let n_probs = s.params.logprobs.unwrap_or(0);
-    // Token ids come with their scores: ask for the sampled token's when only the ids are wanted
-    // (a stream shows each event's ids, as llama.cpp's does).
-    if (return_tokens || s.stream) && s.params.logprobs.is_none() {
-        s.params.logprobs = Some(0);
-    }
     let constraints = match requested_format(st, &body, &mut ignored)? {
         Some(r) => matchers(&model, &r.format, &r.param, 1)?,
         None => vec![],
