@@ -1,7 +1,7 @@
 //! Embeddings from a causal LM's architecture: the final norm's hidden states of a text pooled
 //! into one vector (the last token's, as Qwen3-Embedding, e5-mistral and gte-Qwen2 are trained;
-//! the mean; or the first token's), normalised to unit length, as sentence-transformers and
-//! vLLM return them.
+//! the mean; or the first token's). The server scales them to unit length, as sentence-transformers
+//! and vLLM return them, or as llama.cpp's `embd_normalize` asks ([`normalize_by`]).
 //!
 //! The pooling comes from the model's sentence-transformers files when it has them
 //! (`modules.json` naming a `Pooling` module, whose `config.json` sets one `pooling_mode_*`),
@@ -104,8 +104,8 @@ fn read_json(path: &Path) -> Result<Value> {
     serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", path.display()))
 }
 
-/// The unit-length embedding of one text's token ids.
-pub fn embed(model: &CausalLm, ids: &[u32], pooling: Pooling) -> Result<Vec<f32>> {
+/// One text's token ids pooled into one vector, as the model computes it (not scaled).
+pub fn pooled(model: &CausalLm, ids: &[u32], pooling: Pooling) -> Result<Vec<f32>> {
     let input = Tensor::new(ids, model.device())?.unsqueeze(0)?;
     let hidden = model.final_hidden(&input)?.squeeze(0)?.to_dtype(DType::F32)?;
     let pooled = match pooling {
@@ -113,14 +113,28 @@ pub fn embed(model: &CausalLm, ids: &[u32], pooling: Pooling) -> Result<Vec<f32>
         Pooling::Cls => hidden.get(0)?,
         Pooling::Mean => hidden.mean(0)?,
     };
-    let mut v = pooled.to_vec1::<f32>()?;
-    normalize(&mut v);
-    Ok(v)
+    Ok(pooled.to_vec1::<f32>()?)
 }
 
 /// Scales `v` to unit length (a zero vector stays zero), as sentence-transformers' `Normalize`.
 pub fn normalize(v: &mut [f32]) {
     let norm = v.iter().map(|x| (*x as f64) * (*x as f64)).sum::<f64>().sqrt();
+    if norm > 0.0 {
+        v.iter_mut().for_each(|x| *x = (*x as f64 / norm) as f32);
+    }
+}
+
+/// Scales `v` as llama.cpp's `embd_normalize` says (`common_embd_normalize`): -1 not at all, 0 so
+/// that its largest magnitude is 32760 (the int16 range), 2 to unit Euclidean length, any other
+/// p to unit p-norm (1: taxicab). A zero vector stays zero.
+pub fn normalize_by(v: &mut [f32], p: i64) {
+    let values = || v.iter().map(|x| (*x as f64).abs());
+    let norm = match p {
+        -1 => return,
+        0 => values().fold(0.0, f64::max) / 32760.0,
+        2 => values().map(|x| x * x).sum::<f64>().sqrt(),
+        p => values().map(|x| x.powi(p as i32)).sum::<f64>().powf(1.0 / p as f64),
+    };
     if norm > 0.0 {
         v.iter_mut().for_each(|x| *x = (*x as f64 / norm) as f32);
     }
@@ -168,5 +182,23 @@ mod tests {
         let mut v = vec![3.0, 4.0];
         normalize(&mut v);
         assert_eq!(v, [0.6, 0.8]);
+    }
+
+    #[test]
+    fn normalize_by_follows_llama_cpps_embd_normalize() {
+        let scaled = |p: i64| {
+            let mut v = vec![3.0f32, -4.0, 0.0];
+            normalize_by(&mut v, p);
+            v
+        };
+        assert_eq!(scaled(-1), [3.0, -4.0, 0.0]);
+        assert_eq!(scaled(0), [24570.0, -32760.0, 0.0]);
+        assert_eq!(scaled(1), [3.0 / 7.0, -4.0 / 7.0, 0.0]);
+        assert_eq!(scaled(2), [0.6, -0.8, 0.0]);
+        let cubed = (27.0f64 + 64.0).powf(1.0 / 3.0);
+        assert_eq!(scaled(3), [(3.0 / cubed) as f32, (-4.0 / cubed) as f32, 0.0]);
+        let mut zero = vec![0.0f32; 3];
+        normalize_by(&mut zero, 0);
+        assert_eq!(zero, [0.0; 3]);
     }
 }

@@ -263,3 +263,68 @@ fn props_and_tokenize_answer_as_llama_server_does() {
     assert_eq!(status, 400, "{text}");
     assert!(text.contains("parse_special"), "{text}");
 }
+
+#[test]
+fn embedding_answers_as_llama_server_does() {
+    let Some(gguf) = smollm2_gguf_or_skip("embedding_answers_as_llama_server_does") else { return };
+    let server = Server::start(&gguf, &[]);
+    let texts = ["The capital of France is Paris.", "Bonjour"];
+    let openai = post_json(&server.url("/v1/embeddings"), &json!({"model": "tiny", "input": texts}));
+    let vector = |v: &Value| -> Vec<f64> { v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect() };
+    let unit: Vec<Vec<f64>> = openai["data"].as_array().unwrap().iter().map(|d| vector(&d["embedding"])).collect();
+    let close =
+        |a: &[f64], b: &[f64], tol: f64| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() <= tol * y.abs().max(1e-3));
+
+    // Each text's entry: its index and a list of vectors (one, the pooled one), at unit length
+    // by default, as OpenAI's; `/embeddings` and `input` are the same route and field.
+    for (route, field) in [("/embedding", "content"), ("/embeddings", "input")] {
+        let answer = post_json(&server.url(route), &json!({field: texts}));
+        let entries = answer.as_array().unwrap_or_else(|| panic!("{answer}"));
+        assert_eq!(entries.len(), 2);
+        for (i, e) in entries.iter().enumerate() {
+            assert_eq!(e["index"], i);
+            assert_eq!(e["embedding"].as_array().unwrap().len(), 1, "{route}");
+            assert!(close(&vector(&e["embedding"][0]), &unit[i], 1e-5), "{route} {i}");
+        }
+    }
+    // embd_normalize: -1 the model's own vector, 0 the int16 range, 1 taxicab, 3 a p-norm; each
+    // the unit vector scaled.
+    let one = |extra: Value| {
+        let mut body = json!({"content": texts[0]});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        vector(&post_json(&server.url("/embedding"), &body)[0]["embedding"][0])
+    };
+    let raw = one(json!({"embd_normalize": -1}));
+    let length = raw.iter().map(|x| x * x).sum::<f64>().sqrt();
+    assert!(length > 1.5 && close(&raw.iter().map(|x| x / length).collect::<Vec<_>>(), &unit[0], 1e-5), "{length}");
+    let int16 = one(json!({"embd_normalize": 0}));
+    let biggest = int16.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+    assert!((biggest - 32760.0).abs() < 1e-2, "{biggest}");
+    for p in [1, 3] {
+        let scaled = one(json!({"embd_normalize": p}));
+        let norm = scaled.iter().map(|x| x.abs().powi(p)).sum::<f64>().powf(1.0 / p as f64);
+        let direction = (scaled[0] / unit[0][0], scaled[7] / unit[0][7]);
+        assert!((norm - 1.0).abs() < 1e-4 && (direction.0 - direction.1).abs() < 1e-3 * direction.0.abs(), "{p}: {norm} {direction:?}");
+    }
+    // llama.cpp's mixed form: ids and text in one list are one text.
+    let ids = post_json(&server.url("/tokenize"), &json!({"content": "The capital of France", "add_special": true}))["tokens"].clone();
+    let mut mixed = ids.as_array().unwrap().clone();
+    mixed.push(json!(" is Paris."));
+    let from_mixed = post_json(&server.url("/embedding"), &json!({"content": [mixed]}));
+    assert!(close(&vector(&from_mixed[0]["embedding"][0]), &unit[0], 1e-4));
+
+    // Refusals name the field.
+    for (body, param) in [
+        (json!({"texts": ["x"]}), "texts"),
+        (json!({}), "content"),
+        (json!({"content": "x", "encoding_format": "base64"}), "encoding_format"),
+        (json!({"content": "x", "embd_normalize": -2}), "embd_normalize"),
+        (json!({"content": ""}), "content"),
+        (json!({"content": [1, "x", 99999999]}), "content"),
+    ] {
+        let (status, text, _) = post(&server.url("/embedding"), &body.to_string(), None);
+        assert_eq!(status, 400, "{body}: {text}");
+        let error: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(error["error"]["param"], param, "{body}: {text}");
+    }
+}

@@ -64,8 +64,16 @@ pub async fn embeddings(State(st): State<Arc<AppState>>, body: Result<Bytes, Byt
     Ok(with_ignored(Json(body).into_response(), &req.ignored))
 }
 
-/// Each text's embedding, in order, from the model's engine (the caller holds a queue place).
+/// Each text's embedding at unit length, in order (the caller holds a queue place).
 pub(super) async fn embed_all(st: &AppState, model: &ServedModel, inputs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>, ApiError> {
+    let mut vectors = pooled_all(st, model, inputs).await?;
+    vectors.iter_mut().for_each(|v| crate::embed::normalize(v));
+    Ok(vectors)
+}
+
+/// Each text's pooled vector, not scaled, in order, from the model's engine (the caller holds a
+/// queue place).
+pub(super) async fn pooled_all(st: &AppState, model: &ServedModel, inputs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>, ApiError> {
     let mut replies = vec![];
     for ids in inputs {
         let (reply, rx) = tokio::sync::oneshot::channel();

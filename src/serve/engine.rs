@@ -41,7 +41,7 @@ pub struct Job {
     pub enqueued: Instant,
 }
 
-/// One text to embed (`/v1/embeddings`): its vector, or why it failed, goes to `reply`.
+/// One text to embed: its pooled vector (not scaled), or why it failed, goes to `reply`.
 pub struct EmbedJob {
     pub ids: Vec<u32>,
     pub pooling: Pooling,
@@ -122,7 +122,7 @@ fn embed_some(model: &CausalLm, to_embed: &mut VecDeque<EmbedJob>, budget: usize
             continue;
         }
         spent += job.ids.len();
-        let _ = job.reply.send(crate::embed::embed(model, &job.ids, job.pooling).map_err(|e| format!("{e:#}")));
+        let _ = job.reply.send(crate::embed::pooled(model, &job.ids, job.pooling).map_err(|e| format!("{e:#}")));
     }
 }
 

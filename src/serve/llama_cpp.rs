@@ -1,6 +1,6 @@
 //! llama.cpp's server's own routes, for the scripts and front ends written against
 //! `llama-server`: `POST /completion` (and `/completions`), `GET /props`, `POST /apply-template`,
-//! and `/tokenize` with its `content` field (`routes::tokenize` hands such bodies here). The
+//! `POST /embedding` (and `/embeddings`) and `/tokenize` with its `content` field (`routes::tokenize` hands such bodies here). The
 //! request reading is `validate::llama_cpp`, the answer's shape `response::llama_cpp`.
 
 use std::sync::Arc;
@@ -8,20 +8,24 @@ use std::sync::Arc;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
 use super::body::json_body;
 use super::error::ApiError;
 use super::fields::{self, Fields};
-use super::response;
+use super::served_model::ServedModel;
 use super::state::AppState;
 use super::validate;
 use super::validate::llama_cpp as read;
+use super::{admission, embeddings, response};
 
 /// The fields of llama.cpp's `/tokenize`.
 pub const TOKENIZE: &[&str] = &["content", "add_special", "parse_special", "with_pieces", "model"];
+
+/// The fields of `/embedding` and `/embeddings`.
+pub const EMBEDDING: &[&str] = &["content", "input", "embd_normalize", "encoding_format", "model"];
 
 /// The fields of `/apply-template`.
 pub const APPLY_TEMPLATE: &[&str] = &["model", "messages", "tools", "chat_template_kwargs"];
@@ -30,6 +34,60 @@ pub const APPLY_TEMPLATE: &[&str] = &["model", "messages", "tools", "chat_templa
 pub async fn completion(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let req = read::completion(&st, &json_body(body, st.max_body_bytes)?)?;
     response::generate(st, req).await
+}
+
+/// `POST /embedding` (and `/embeddings`): llama.cpp's own shape, `[{"index", "embedding"}]` with
+/// each text's embedding a list of vectors (one here: the pooled state; llama.cpp's per-token
+/// lists need `--pooling none`, which this server does not have), scaled as `embd_normalize`
+/// says (default 2, unit length).
+pub async fn embedding(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let v = json_body(body, st.max_body_bytes)?;
+    let ignored = fields::check(&v, EMBEDDING, "", st.lenient)?;
+    let f = Fields::of(&v)?;
+    let model = embeddings::embedding_model(&st, f.string("model")?.unwrap_or(&st.base_id))?;
+    let scale = f.integer("embd_normalize", -1, i32::MAX as i64)?.unwrap_or(2);
+    if let Some(format) = f.string("encoding_format")?.filter(|&e| e != "float") {
+        let message = format!("`encoding_format` {format:?}: llama.cpp's `/embedding` answers floats; base64 is `/v1/embeddings`'.");
+        return Err(ApiError::invalid("encoding_format", message));
+    }
+    // llama.cpp reads `input` first.
+    let (param, content) = match (f.value("input"), f.value("content")) {
+        (Some(input), _) => ("input", input),
+        (None, Some(content)) => ("content", content),
+        (None, None) => return Err(ApiError::invalid("content", "`content` (or `input`) is required.")),
+    };
+    let texts = embedding_texts(&model, content, param)?;
+    let _admission = admission::admit(&st, 1)?;
+    let answer: Vec<Value> = embeddings::pooled_all(&st, &model, &texts)
+        .await?
+        .into_iter()
+        .enumerate()
+        .map(|(index, mut vector)| {
+            crate::embed::normalize_by(&mut vector, scale);
+            json!({"index": index, "embedding": [vector]})
+        })
+        .collect();
+    Ok(response::with_ignored(Json(answer).into_response(), &ignored))
+}
+
+/// The texts of `/embedding`'s `content` (or `input`, named by `param`): what `/v1/embeddings`
+/// takes (a string, a list of them, a list of ids or of lists of ids), and llama.cpp's mixed lists
+/// of ids and strings, each one text.
+fn embedding_texts(model: &ServedModel, v: &Value, param: &str) -> Result<Vec<Vec<u32>>, ApiError> {
+    let mixed = |x: &Value| x.as_array().is_some_and(|a| a.iter().any(Value::is_string) && a.iter().any(Value::is_number));
+    let as_ids = |x: &Value, at: &str| read::mixed_ids(model, x.as_array().expect("a mixed list"), at).map(|ids| json!(ids));
+    let resolved = match v {
+        x if mixed(x) => as_ids(x, param)?,
+        Value::Array(items) => Value::Array(
+            items
+                .iter()
+                .enumerate()
+                .map(|(i, x)| if mixed(x) { as_ids(x, &format!("{param}[{i}]")) } else { Ok(x.clone()) })
+                .collect::<Result<_, _>>()?,
+        ),
+        x => x.clone(),
+    };
+    embeddings::inputs(model, Some(&resolved), param)
 }
 
 /// `GET /props`: the settings `/completion` runs with when a request gives none, the context,

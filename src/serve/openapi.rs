@@ -70,6 +70,11 @@ pub const SPEC: &str = r##"{
         "encoding_format": {"type": "string", "enum": ["float", "base64"]},
         "dimensions": {"type": "integer", "minimum": 1, "description": "Only for a model with matryoshka_dimensions in its config.json."},
         "user": {"type": "string"}}},
+      "LlamaCppEmbeddingRequest": {"type": "object", "description": "llama.cpp's /embedding: content (or input) as /v1/embeddings' input, or ids and strings mixed in one list (one text).", "properties": {
+        "content": {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1}]},
+        "input": {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1}]},
+        "embd_normalize": {"type": "integer", "minimum": -1, "description": "-1 none, 0 largest magnitude 32760, 1 taxicab, 2 Euclidean (default), p: p-norm."},
+        "encoding_format": {"type": "string", "enum": ["float"]}, "model": {"type": "string"}}},
       "ScoreRequest": {"type": "object", "required": ["model", "text_1", "text_2"], "description": "vLLM's: cosine similarity of embeddings; one text_1 against each text_2, or pairwise.", "properties": {
         "model": {"type": "string"}, "text_1": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
         "text_2": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}, "user": {"type": "string"}}},
@@ -192,6 +197,11 @@ pub const SPEC: &str = r##"{
         "400": {"description": "Invalid request.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}, "429": {"description": "The queue is full (Retry-After)."}}}},
     "/completions": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/LlamaCppCompletionRequest"}}}},
       "responses": {"200": {"description": "As /completion (llama.cpp's other name of it)."}, "400": {"description": "Invalid request."}}}},
+    "/embedding": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/LlamaCppEmbeddingRequest"}}}},
+      "responses": {"200": {"description": "llama.cpp's list of {index, embedding}, each embedding a list of one pooled vector, scaled as embd_normalize says."},
+        "400": {"description": "Invalid request.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}, "429": {"description": "The queue is full (Retry-After)."}}}},
+    "/embeddings": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/LlamaCppEmbeddingRequest"}}}},
+      "responses": {"200": {"description": "As /embedding (llama.cpp's other name of it)."}, "400": {"description": "Invalid request."}}}},
     "/props": {"get": {"responses": {"200": {"description": "llama.cpp's server properties: default_generation_settings (n_ctx, params), total_slots, chat_template."}}}},
     "/apply-template": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"type": "object", "required": ["messages"], "properties": {
         "model": {"type": "string"}, "messages": {"type": "array", "minItems": 1, "items": {"type": "object"}},
@@ -269,6 +279,7 @@ mod tests {
             "/detokenize",
             "/completion",
             "/props",
+            "/embedding",
             "/v1/files",
             "/v1/fine_tuning/jobs",
         ] {
@@ -309,6 +320,7 @@ mod tests {
         assert_eq!(props(&schemas["ChatRequest"]), with_vllm(crate::serve::fields::CHAT));
         assert_eq!(props(&schemas["ResponsesRequest"]), set(crate::serve::fields::RESPONSES));
         assert_eq!(props(&schemas["EmbeddingsRequest"]), set(crate::serve::embeddings::FIELDS));
+        assert_eq!(props(&schemas["LlamaCppEmbeddingRequest"]), set(crate::serve::llama_cpp::EMBEDDING));
         assert_eq!(props(&schemas["ScoreRequest"]), set(crate::serve::scores::SCORE_FIELDS));
         assert_eq!(props(&schemas["RerankRequest"]), set(crate::serve::scores::RERANK_FIELDS));
         use crate::serve::validate::anthropic;

@@ -40,6 +40,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/responses", post(routes::responses))
         .route("/v1/messages", post(routes::messages))
         .route("/v1/embeddings", post(embeddings::embeddings))
+        .route("/embedding", post(llama_cpp::embedding))
+        .route("/embeddings", post(llama_cpp::embedding))
         .route("/v1/score", post(scores::score))
         .route("/score", post(scores::score))
         .route("/v1/rerank", post(scores::rerank))

@@ -366,23 +366,10 @@ fn logit_bias(model: &ServedModel, v: Option<&Value>) -> Result<Vec<(u32, f32)>,
 /// they are).
 fn prompt_ids(model: &ServedModel, v: Option<&Value>) -> Result<Vec<u32>, ApiError> {
     const P: &str = "prompt";
-    let encode = |s: &str, special: bool| model.tokenizer.encode(s, special).map_err(|e| ApiError::invalid(P, format!("{e:#}")));
     match v {
-        Some(Value::String(s)) => encode(s, true),
+        Some(Value::String(s)) => model.tokenizer.encode(s, true).map_err(|e| ApiError::invalid(P, format!("{e:#}"))),
         Some(Value::Array(items)) if items.iter().all(|x| x.is_number() || x.is_string()) && !items.is_empty() => {
-            let mut ids = vec![];
-            for (i, x) in items.iter().enumerate() {
-                match x {
-                    Value::String(s) => ids.extend(encode(s, i == 0)?),
-                    n => ids.push(
-                        n.as_u64()
-                            .filter(|&t| (t as usize) < model.vocab)
-                            .ok_or_else(|| ApiError::invalid(P, format!("`prompt[{i}]` {n} is not a token id in [0, {}).", model.vocab)))?
-                            as u32,
-                    ),
-                }
-            }
-            Ok(ids)
+            mixed_ids(model, items, P)
         }
         None => Err(ApiError::invalid(P, "`prompt` is required.")),
         Some(_) => Err(ApiError::invalid(
@@ -390,6 +377,24 @@ fn prompt_ids(model: &ServedModel, v: Option<&Value>) -> Result<Vec<u32>, ApiErr
             "`prompt` must be a string, a list of token ids, or ids and strings mixed (one prompt per request here).",
         )),
     }
+}
+
+/// One text given as llama.cpp's mixed list of token ids and strings (`param` names it): the
+/// strings tokenized in place, special tokens added before the first one only.
+pub fn mixed_ids(model: &ServedModel, items: &[Value], param: &str) -> Result<Vec<u32>, ApiError> {
+    let mut ids = vec![];
+    for (i, x) in items.iter().enumerate() {
+        match x {
+            Value::String(s) => ids.extend(model.tokenizer.encode(s, i == 0).map_err(|e| ApiError::invalid(param, format!("{e:#}")))?),
+            n => ids.push(
+                n.as_u64()
+                    .filter(|&t| (t as usize) < model.vocab)
+                    .ok_or_else(|| ApiError::invalid(param, format!("`{param}[{i}]` {n} is not a token id in [0, {}).", model.vocab)))?
+                    as u32,
+            ),
+        }
+    }
+    Ok(ids)
 }
 
 /// `generation_settings`: what ran, in llama.cpp's names.
