@@ -328,3 +328,40 @@ fn embedding_answers_as_llama_server_does() {
         assert_eq!(error["error"]["param"], param, "{body}: {text}");
     }
 }
+
+/// llama.cpp's other names of routes answer as the routes do, with the key where those need it.
+#[test]
+fn llama_cpps_route_names_answer() {
+    let Some(gguf) = smollm2_gguf_or_skip("llama_cpps_route_names_answer") else { return };
+    let server = Server::start(&gguf, &["--api-key", "k"]);
+    let key = Some("k");
+    let chat = json!({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0});
+    let rerank = json!({"model": "tiny", "query": "capital of France", "documents": ["Paris is in France.", "Bananas are yellow."]});
+    for (name, original, body) in
+        [("/chat/completions", "/v1/chat/completions", &chat), ("/reranking", "/v1/rerank", &rerank), ("/v1/reranking", "/rerank", &rerank)]
+    {
+        let (status, text, _) = post(&server.url(name), &body.to_string(), key);
+        let (_, expected, _) = post(&server.url(original), &body.to_string(), key);
+        assert_eq!(status, 200, "{name}: {text}");
+        let (mut got, mut want): (Value, Value) = (serde_json::from_str(&text).unwrap(), serde_json::from_str(&expected).unwrap());
+        for v in [&mut got, &mut want] {
+            v.as_object_mut().unwrap().retain(|k, _| !["id", "created", "system_fingerprint"].contains(&k.as_str()));
+        }
+        assert_eq!(got, want, "{name}");
+        assert_eq!(post(&server.url(name), &body.to_string(), None).0, 401, "{name} without the key");
+    }
+    let models = |path: &str, key: Option<&str>| {
+        let mut req = ureq::get(&server.url(path));
+        if let Some(k) = key {
+            req = req.set("Authorization", &format!("Bearer {k}"));
+        }
+        match req.call() {
+            Ok(r) => (200, r.into_string().unwrap()),
+            Err(ureq::Error::Status(code, _)) => (code, String::new()),
+            Err(e) => panic!("{path}: {e}"),
+        }
+    };
+    assert_eq!(models("/models", key), models("/v1/models", key));
+    assert_eq!(models("/models", None).0, 401);
+    assert_eq!(models("/v1/health", None), models("/health", None));
+}

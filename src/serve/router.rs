@@ -19,6 +19,7 @@ const READ_PAST_LIMIT: usize = 32 << 20;
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/health", get(routes::health))
+        .route("/v1/health", get(routes::health))
         .route("/version", get(routes::version))
         .route("/", get(web::index))
         .route("/finetune", get(web::finetune))
@@ -30,6 +31,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/tokenize", post(routes::tokenize))
         .route("/detokenize", post(routes::detokenize))
         .route("/v1/models", get(routes::models))
+        .route("/models", get(routes::models))
         .route("/v1/models/{id}", get(routes::model).delete(routes::delete_model))
         .route("/v1/completions", post(routes::completions))
         .route("/completion", post(llama_cpp::completion))
@@ -37,6 +39,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/props", get(llama_cpp::props))
         .route("/apply-template", post(llama_cpp::apply_template))
         .route("/v1/chat/completions", post(routes::chat_completions))
+        .route("/chat/completions", post(routes::chat_completions))
         .route("/v1/responses", post(routes::responses))
         .route("/v1/messages", post(routes::messages))
         .route("/v1/embeddings", post(embeddings::embeddings))
@@ -47,6 +50,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/rerank", post(scores::rerank))
         .route("/rerank", post(scores::rerank))
         .route("/v2/rerank", post(scores::rerank))
+        .route("/reranking", post(scores::rerank))
+        .route("/v1/reranking", post(scores::rerank))
         .route("/v1/messages/count_tokens", post(routes::count_tokens))
         .route("/v1/load_lora_adapter", post(routes::load_lora_adapter))
         .route("/v1/unload_lora_adapter", post(routes::unload_lora_adapter))
@@ -81,7 +86,10 @@ fn given_key(req: &Request) -> &str {
     header(axum::http::header::AUTHORIZATION.as_str()).and_then(|v| v.strip_prefix("Bearer ")).or_else(|| header("x-api-key")).unwrap_or("")
 }
 
-/// Every route but /health and the static pages needs the key when one is set (see
+/// Routes without the key, as llama.cpp's and vLLM's: the health checks.
+const HEALTH_PATHS: &[&str] = &["/health", "/v1/health"];
+
+/// Every route but the health checks and the static pages needs the key when one is set (see
 /// `given_key`). Anthropic's routes answer in Anthropic's error shape.
 async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let anthropic = req.uri().path().starts_with("/v1/messages");
@@ -94,7 +102,7 @@ async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Resp
     }
     if let Some(key) = &st.api_key {
         let path = req.uri().path();
-        if path != "/health" && !web::PUBLIC_PATHS.contains(&path) && !same_secret(given_key(&req).as_bytes(), key.as_bytes()) {
+        if !HEALTH_PATHS.contains(&path) && !web::PUBLIC_PATHS.contains(&path) && !same_secret(given_key(&req).as_bytes(), key.as_bytes()) {
             let resp = shaped(ApiError::unauthorized());
             st.metrics.request(resp.status().as_u16());
             return resp;
