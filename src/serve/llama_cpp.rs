@@ -1,7 +1,8 @@
 //! llama.cpp's server's own routes, for the scripts and front ends written against
 //! `llama-server`: `POST /completion` (and `/completions`), `GET /props`, `POST /apply-template`,
-//! `POST /embedding` (and `/embeddings`) and `/tokenize` with its `content` field (`routes::tokenize` hands such bodies here). The
-//! request reading is `validate::llama_cpp`, the answer's shape `response::llama_cpp`.
+//! `POST /embedding` (and `/embeddings`), and `/tokenize` with its `content` field
+//! (`routes::tokenize` hands such bodies here). The request reading is `validate::llama_cpp`, the
+//! answer's shape `response::llama_cpp`.
 
 use std::sync::Arc;
 
