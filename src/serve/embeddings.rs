@@ -46,11 +46,12 @@ pub async fn embeddings(State(st): State<Arc<AppState>>, body: Result<Bytes, Byt
     let req = read(&st, &json_body(body, st.max_body_bytes)?)?;
     let _admission = super::admission::admit(&st, 1)?;
     let mut data = vec![];
-    for (index, mut vector) in embed_all(&st, &req.model, &req.inputs).await?.into_iter().enumerate() {
+    for (index, mut vector) in pooled_all(&st, &req.model, &req.inputs).await?.into_iter().enumerate() {
+        // A Matryoshka model's vector is cut first, then scaled to unit length.
         if let Some(d) = req.dimensions {
             vector.truncate(d);
-            crate::embed::normalize(&mut vector);
         }
+        crate::embed::normalize(&mut vector);
         let embedding = match req.base64 {
             true => {
                 json!(base64::engine::general_purpose::STANDARD.encode(vector.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>()))

@@ -380,7 +380,7 @@ fn prompt_ids(model: &ServedModel, v: Option<&Value>) -> Result<Vec<u32>, ApiErr
 }
 
 /// One text given as llama.cpp's mixed list of token ids and strings (`param` names it): the
-/// strings tokenized in place, special tokens added before the first one only.
+/// strings tokenized in place, special tokens added only to a string that opens the list.
 pub fn mixed_ids(model: &ServedModel, items: &[Value], param: &str) -> Result<Vec<u32>, ApiError> {
     let mut ids = vec![];
     for (i, x) in items.iter().enumerate() {
