@@ -1,6 +1,6 @@
 //! The generation API's finer points against a real server: `--lenient` (what strict mode
 //! refuses is ignored and listed in a header), `logit_bias`, `echo` with `logprobs`, and `n`
-//! at admission; vLLM's command line.
+//! at admission; vLLM's command line; completions' batches of prompts and `/tokenizer_info`.
 
 mod common;
 
@@ -174,9 +174,9 @@ fn chat_template_kwargs_reach_the_template() {
 
 /// A `vllm serve` command line runs as it is: the model as an argument, vLLM's names of the
 /// limits (--max-model-len, --max-num-seqs, --max-num-batched-tokens), --lora-modules in both
-/// of its forms, --enable-auto-tool-choice, --enable-lora, --enable-prefix-caching (and its
-/// `--no-` switch), --trust-remote-code, `--dtype float`, `GET /version`; `max_model_len` is the
-/// limit set.
+/// of its forms, --enable-auto-tool-choice, --enable-lora, --enable-tokenizer-info-endpoint,
+/// --enable-prefix-caching (and its `--no-` switch), --trust-remote-code, `--dtype float`,
+/// `GET /version`; `max_model_len` is the limit set.
 #[test]
 fn a_vllm_command_line_serves_with_its_limits() {
     let tmp = tempfile::tempdir().unwrap();
@@ -187,7 +187,7 @@ fn a_vllm_command_line_serves_with_its_limits() {
     let server = Server::start_with(&[
         model.to_str().unwrap(), "--served-model-name", "tiny", "--max-model-len", "48", "--max-num-seqs", "3",
         "--max-num-batched-tokens", "32", "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-lora",
-        "--trust-remote-code", "--dtype", "float", "--lora-modules", &as_pair, &as_json,
+        "--trust-remote-code", "--dtype", "float", "--lora-modules", &as_pair, &as_json, "--enable-tokenizer-info-endpoint",
     ]);
     assert_eq!(get_json(&server.url("/version"))["version"], env!("CARGO_PKG_VERSION"));
     let models = get_json(&server.url("/v1/models"));
@@ -220,4 +220,93 @@ fn a_vllm_command_line_serves_with_its_limits() {
     assert!(!off_and_sized.status.success() && stderr(&off_and_sized).contains("cannot be used with"), "{}", stderr(&off_and_sized));
     let both = run_cli(&["serve", model.to_str().unwrap(), "--model", model.to_str().unwrap()], &[]);
     assert!(!both.status.success() && stderr(&both).contains("cannot be used with"), "{}", stderr(&both));
+}
+
+/// `/v1/completions` takes a batch of prompts as OpenAI and vLLM do (a list of strings, or of
+/// token-id lists, as lm-evaluation-harness sends them): prompt i's answer j is choice
+/// `i * n + j` and equals that prompt's answer alone, usage is summed, a stream numbers its
+/// chunks the same way and ends with one usage chunk; a bad prompt is named by its index, and a
+/// batch larger than the server admits at once is refused.
+#[test]
+fn completions_take_a_batch_of_prompts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("qwen2", tmp.path());
+    // One sequence at a time: a batch's answers run as each would alone, so they are equal to the bit.
+    let server = Server::start(&model, &["--max-concurrent-requests", "1", "--max-queue", "3"]);
+    let comp = server.url("/v1/completions");
+    let ask = |prompt: Value, extra: Value| {
+        let mut body = json!({"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0.9, "seed": 3, "logprobs": 1});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let texts = ["the cat sat", "once upon a time"];
+    let ids: Vec<Value> = texts.iter().map(|t| post_json(&server.url("/tokenize"), &json!({"prompt": t}))["tokens"].clone()).collect();
+    for (prompts, extra) in
+        [(json!(texts), json!({"n": 2, "echo": true})), (json!(ids), json!({"n": 2})), (json!(ids), json!({"temperature": 0}))]
+    {
+        let batch = post_json(&comp, &ask(prompts.clone(), extra.clone()));
+        let n = extra["n"].as_u64().unwrap_or(1) as usize;
+        let choices = batch["choices"].as_array().unwrap();
+        assert_eq!(choices.len(), 2 * n, "{batch}");
+        let (mut prompt_tokens, mut completion_tokens) = (0, 0);
+        for (i, prompt) in prompts.as_array().unwrap().iter().enumerate() {
+            let alone = post_json(&comp, &ask(prompt.clone(), extra.clone()));
+            prompt_tokens += alone["usage"]["prompt_tokens"].as_u64().unwrap();
+            completion_tokens += alone["usage"]["completion_tokens"].as_u64().unwrap();
+            for j in 0..n {
+                let mut expected = alone["choices"][j].clone();
+                expected["index"] = json!(i * n + j);
+                assert_eq!(choices[i * n + j], expected, "prompt {i} answer {j}");
+            }
+        }
+        assert_eq!(batch["usage"]["prompt_tokens"].as_u64(), Some(prompt_tokens), "{batch}");
+        assert_eq!(batch["usage"]["completion_tokens"].as_u64(), Some(completion_tokens), "{batch}");
+    }
+    // One token-id list inside a list is one prompt.
+    let one = post_json(&comp, &ask(json!([ids[0]]), json!({})));
+    assert_eq!(one["choices"].as_array().unwrap().len(), 1, "{one}");
+    assert_eq!(one["choices"][0], post_json(&comp, &ask(ids[0].clone(), json!({})))["choices"][0]);
+
+    // Streamed: each choice's chunks add up to the whole answer's text, each ends once, and the
+    // last chunk before [DONE] holds the batch's usage.
+    let whole = post_json(&comp, &ask(json!(texts), json!({"n": 2})));
+    let lines = sse(&comp, &ask(json!(texts), json!({"n": 2, "stream": true, "stream_options": {"include_usage": true}})));
+    assert_eq!(lines.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = lines[..lines.len() - 1].iter().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert!(chunks.iter().all(|c| c["id"] == chunks[0]["id"] && c["object"] == "text_completion"), "one response");
+    for index in 0..4 {
+        let mine: Vec<&Value> = chunks.iter().flat_map(|c| c["choices"].as_array().unwrap()).filter(|ch| ch["index"] == index).collect();
+        let text: String = mine.iter().map(|ch| ch["text"].as_str().unwrap()).collect();
+        assert_eq!(text, whole["choices"][index]["text"].as_str().unwrap(), "choice {index}");
+        assert_eq!(mine.iter().filter(|ch| !ch["finish_reason"].is_null()).count(), 1, "choice {index}");
+    }
+    assert_eq!(chunks.last().unwrap()["usage"], whole["usage"]);
+
+    // Refused, by name: an empty batch, an id past the vocabulary in prompt 1, prompt 1 longer
+    // than the context, more sequences than the server admits at once (2 x 3 > 1 + 3).
+    let long = "word ".repeat(400);
+    for (prompt, extra, param) in [
+        (json!([]), json!({}), "prompt"),
+        (json!(["a", [1, 1_000_000]]), json!({}), "prompt[1]"),
+        (json!(["a", {"text": "b"}]), json!({}), "prompt[1]"),
+        (json!(["a", long]), json!({}), "prompt[1]"),
+        (json!(["a", "b"]), json!({"n": 3}), "prompt"),
+    ] {
+        let (status, answer, _) = post(&comp, &ask(prompt, extra).to_string(), None);
+        let v: Value = serde_json::from_str(&answer).unwrap();
+        assert_eq!((status, v["error"]["param"].as_str()), (400, Some(param)), "{answer}");
+        assert!(v["error"]["message"].as_str().unwrap().contains(param), "{answer}");
+    }
+    // `/tokenize` takes one prompt.
+    let (status, answer, _) = post(&server.url("/tokenize"), &json!({"prompt": ["a", "b"]}).to_string(), None);
+    assert_eq!(status, 400, "{answer}");
+
+    // lm-evaluation-harness's remote tokenizer: `/tokenizer_info`'s eos_token is text that
+    // `/tokenize` reads as the one eos id the model's config names.
+    let info = get_json(&server.url("/tokenizer_info"));
+    let eos = info["eos_token"].as_str().unwrap_or_else(|| panic!("{info}"));
+    let ids = post_json(&server.url("/tokenize"), &json!({"prompt": eos, "add_special_tokens": false}))["tokens"].clone();
+    let config: Value = serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    assert_eq!(ids, json!([config["eos_token_id"]]), "{info}");
+    assert!(info["tokenizer_class"].as_str().unwrap().ends_with("Fast"), "{info}");
 }

@@ -42,6 +42,15 @@ email = r"[a-z0-9.]{1,20}@\w{6,10}\.com\n"
 r = client.completions.create(model=model, prompt="Generate an example email address for Alan Turing, who works in Enigma. End in .com and new line. Example result: alan.turing@enigma.com\n",
                               max_tokens=40, temperature=1.0, seed=5, extra_body={"structured_outputs": {"regex": email}})
 check(re.fullmatch(email, r.choices[0].text) is not None and r.choices[0].finish_reason == "stop", f"regex: {r}")
+# The same regex over a batch of prompts (a list, as OpenAI's and vLLM's `prompt` takes one), two
+# samples each: every answer follows it, numbered prompt by prompt, usage summed.
+people = [f"Generate an example email address for {who}. End in .com and new line.\n" for who in ("Ada Lovelace", "Grace Hopper")]
+r = client.completions.create(model=model, prompt=people, n=2, max_tokens=40, temperature=1.0, seed=5,
+                              extra_body={"structured_outputs": {"regex": email}})
+check([c.index for c in r.choices] == [0, 1, 2, 3], f"batch indices: {r}")
+check(all(re.fullmatch(email, c.text) is not None for c in r.choices), f"batch regex: {r}")
+alone = [client.completions.create(model=model, prompt=p, max_tokens=1, temperature=0).usage.prompt_tokens for p in people]
+check(r.usage.prompt_tokens == sum(alone), f"batch usage {r.usage} vs prompts of {alone} tokens")
 
 # A JSON schema as vLLM's docs send it (pydantic's schema under `json`).
 schema = {"type": "object", "properties": {"brand": {"type": "string", "maxLength": 20}, "model": {"type": "string", "maxLength": 20},

@@ -155,6 +155,10 @@ pub struct ServeArgs {
     #[arg(long)]
     #[allow(dead_code)]
     enable_lora: bool,
+    /// Accepted so that vLLM's command lines run: `GET /tokenizer_info` is always served here.
+    #[arg(long)]
+    #[allow(dead_code)]
+    enable_tokenizer_info_endpoint: bool,
     /// Let `POST /v1/load_lora_adapter` read adapters under ROOT (and only there); without it
     /// adapters are loaded only by --lora.
     #[arg(long, value_name = "ROOT")]

@@ -18,6 +18,14 @@ use crate::generate::reasoning::PromptThinking;
 /// client is gone), so the queue bound holds for streams too.
 pub struct Admission(Arc<AppState>, usize);
 
+impl Admission {
+    /// Moves `places` of this admission into one of their own, released when it is dropped.
+    fn split_off(&mut self, places: usize) -> Admission {
+        self.1 -= places;
+        Admission(self.0.clone(), places)
+    }
+}
+
 impl Drop for Admission {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(self.1, Ordering::SeqCst);
@@ -39,10 +47,16 @@ pub fn admit(st: &Arc<AppState>, places: usize) -> Result<Admission, ApiError> {
     Ok(Admission(st.clone(), places))
 }
 
-/// Admits `req` and submits its `best_of` answers (answer i seeded `seed + i`, each with its
-/// own grammar matcher, which it takes from `req`).
-pub fn submit(st: &Arc<AppState>, req: &mut ValidatedRequest) -> Result<Submitted, ApiError> {
-    let admission = admit(st, req.best_of)?;
+/// Admits every request's answers at once (a batch of prompts is admitted whole or not at all),
+/// then submits each: one `Submitted` per request, each holding its own places.
+pub fn submit_all(st: &Arc<AppState>, reqs: &mut [ValidatedRequest]) -> Result<Vec<Submitted>, ApiError> {
+    let mut all = admit(st, reqs.iter().map(|r| r.best_of).sum())?;
+    reqs.iter_mut().map(|req| Ok(Submitted { admission: all.split_off(req.best_of), answers: send(req)? })).collect()
+}
+
+/// Submits `req`'s `best_of` answers (answer i seeded `seed + i`, each with its own grammar
+/// matcher, which it takes from `req`) to its model's engine.
+fn send(req: &mut ValidatedRequest) -> Result<Vec<mpsc::UnboundedReceiver<Event>>, ApiError> {
     let mut constraints = std::mem::take(&mut req.constraints).into_iter();
     let tools = req.kind.tools();
     let mut answers = vec![];
@@ -64,5 +78,5 @@ pub fn submit(st: &Arc<AppState>, req: &mut ValidatedRequest) -> Result<Submitte
         req.model.engine.submit(job).map_err(ApiError::internal)?;
         answers.push(rx);
     }
-    Ok(Submitted { admission, answers })
+    Ok(answers)
 }

@@ -35,7 +35,9 @@ pub const SPEC: &str = r##"{
         "grammar": {"type": "string", "minLength": 1, "description": "llama.cpp's server's: a GBNF (or Lark) grammar the answer follows."},
         "json_schema": {"type": "object", "description": "llama.cpp's server's: a JSON schema the answer follows ({} for any JSON)."}}},
       "CompletionRequest": {"allOf": [{"$ref": "#/components/schemas/Sampling"}, {"type": "object", "required": ["model", "prompt"], "properties": {
-        "model": {"type": "string"}, "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}}]},
+        "model": {"type": "string"}, "prompt": {"description": "One prompt (text or token ids), or a batch: a list of texts or of token-id lists; prompt i's answer j is choice i * n + j.",
+          "oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+                    {"type": "array", "minItems": 1, "items": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}]}}]},
         "echo": {"type": "boolean"}, "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}, "best_of": {"type": "integer", "minimum": 1, "maximum": 8},
         "response_format": {"type": "object", "required": ["type"], "description": "As chat's.", "properties": {"type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
           "json_schema": {"type": "object", "required": ["name", "schema"], "properties": {"name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": "boolean"}, "description": {"type": "string"}}}}}}}]},
@@ -218,6 +220,7 @@ pub const SPEC: &str = r##"{
         "content": {"type": "string", "description": "llama.cpp's: the text, answered in llama.cpp's shape ({\"tokens\"}); with it only add_special, parse_special (true), with_pieces and model."},
         "add_special": {"type": "boolean"}, "parse_special": {"type": "boolean", "enum": [true]}, "with_pieces": {"type": "boolean"}}}}}},
       "responses": {"200": {"description": "Token ids."}, "400": {"description": "Invalid request."}, "404": {"description": "Unknown model."}}}},
+    "/tokenizer_info": {"get": {"responses": {"200": {"description": "vLLM's: the base model's tokenizer settings (tokenizer_config.json's fields as transformers gives them: special tokens as text, tokenizer_class, chat_template)."}}}},
     "/detokenize": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"type": "object", "required": ["tokens"], "properties": {
         "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}}}},
       "responses": {"200": {"description": "Text."}, "400": {"description": "Invalid request."}}}},
@@ -277,6 +280,7 @@ mod tests {
             "/v1/chat/completions",
             "/tokenize",
             "/detokenize",
+            "/tokenizer_info",
             "/completion",
             "/props",
             "/embedding",

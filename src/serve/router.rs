@@ -30,6 +30,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/openapi.json", get(routes::openapi))
         .route("/tokenize", post(routes::tokenize))
         .route("/detokenize", post(routes::detokenize))
+        .route("/tokenizer_info", get(routes::tokenizer_info))
         .route("/v1/models", get(routes::models))
         .route("/models", get(routes::models))
         .route("/v1/models/{id}", get(routes::model).delete(routes::delete_model))

@@ -1,7 +1,7 @@
 //! The HTTP routes of the generation API, each only wiring: read the body (`body`), validate it
 //! in one pass (`validate`), admit and submit it (`admission`), shape the answer (`response`).
-//! Also `/health`, `/metrics`, `/info`, `/openapi.json`, `/tokenize`, `/detokenize` and the
-//! models list. Files and jobs have their own modules.
+//! Also `/health`, `/metrics`, `/info`, `/openapi.json`, `/tokenize`, `/detokenize`,
+//! `/tokenizer_info` and the models list. Files and jobs have their own modules.
 
 use std::sync::Arc;
 
@@ -131,6 +131,12 @@ pub async fn tokenize(State(st): State<Arc<AppState>>, body: Result<Bytes, Bytes
     Ok(Json(json!({"count": ids.len(), "max_model_len": m.max_total_tokens, "tokens": ids})))
 }
 
+/// vLLM's `GET /tokenizer_info`: the base model's tokenizer settings, from which
+/// lm-evaluation-harness tokenizes through `/tokenize` without a copy of the tokenizer.
+pub async fn tokenizer_info(State(st): State<Arc<AppState>>) -> Json<Value> {
+    Json(st.base().tokenizer.info())
+}
+
 pub async fn detokenize(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
     let (m, ids) = validate::detokenize(&st, &json_body(body, st.max_body_bytes)?)?;
     let text = m.tokenizer.decode(&ids, false).map_err(|e| ApiError::bad_request(format!("{e:#}")))?;
@@ -139,8 +145,8 @@ pub async fn detokenize(State(st): State<Arc<AppState>>, body: Result<Bytes, Byt
 }
 
 pub async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
-    let req = validate::completion(&st, &json_body(body, st.max_body_bytes)?)?;
-    response::generate(st, req).await
+    let reqs = validate::completions(&st, &json_body(body, st.max_body_bytes)?)?;
+    response::generate_all(st, reqs).await
 }
 
 pub async fn chat_completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {

@@ -21,6 +21,8 @@ pub struct TextTokenizer {
     pub bos_token: Option<String>,
     pub eos_token: Option<String>,
     pub chat_template: Option<ChatTemplate>,
+    /// tokenizer_config.json as read (Null without one), for `info`.
+    config: Value,
 }
 
 /// `"<s>"` or `{"content": "<s>", ...}` as tokenizer_config.json writes special tokens.
@@ -29,6 +31,20 @@ fn token_string(v: Option<&Value>) -> Option<String> {
         Value::String(s) => Some(s.clone()),
         Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_string),
         _ => None,
+    }
+}
+
+/// tokenizer_config.json's added tokens (`{"content": "<s>", "special": true, ...}`, alone or
+/// in `added_tokens_decoder`) as their text, as transformers serialises an `AddedToken`.
+fn added_tokens_as_text(v: &Value) -> Value {
+    const ADDED_TOKEN: &[&str] = &["__type", "content", "lstrip", "rstrip", "normalized", "single_word", "special"];
+    match v {
+        Value::Object(o) if o.get("content").is_some_and(Value::is_string) && o.keys().all(|k| ADDED_TOKEN.contains(&k.as_str())) => {
+            o["content"].clone()
+        }
+        Value::Object(o) => Value::Object(o.iter().map(|(k, v)| (k.clone(), added_tokens_as_text(v))).collect()),
+        Value::Array(a) => Value::Array(a.iter().map(added_tokens_as_text).collect()),
+        other => other.clone(),
     }
 }
 
@@ -74,7 +90,34 @@ impl TextTokenizer {
             Some(t) => Some(ChatTemplate::new(&t, bos_token.clone(), eos_token.clone()).context("chat template")?),
             None => None,
         };
-        Ok(Self { inner, bos_token, eos_token, chat_template })
+        Ok(Self { inner, bos_token, eos_token, chat_template, config: tok_cfg })
+    }
+
+    /// The tokenizer's settings as transformers hands them to a client (vLLM's `/tokenizer_info`,
+    /// which lm-evaluation-harness reads to tokenize through the server): tokenizer_config.json's
+    /// fields, special tokens as their text, without the files' paths, with the chat template in
+    /// use and the fast tokenizer's class.
+    pub fn info(&self) -> Value {
+        let mut info = match &self.config {
+            Value::Object(o) => o.iter().map(|(k, v)| (k.clone(), added_tokens_as_text(v))).collect(),
+            _ => serde_json::Map::new(),
+        };
+        for path in ["vocab_file", "merges_file", "tokenizer_file", "chat_template"] {
+            info.remove(path);
+        }
+        let class = match info.get("tokenizer_class").and_then(Value::as_str) {
+            Some(c) if c.ends_with("Fast") => c.to_string(),
+            Some(c) => format!("{c}Fast"),
+            None => "PreTrainedTokenizerFast".to_string(),
+        };
+        info.insert("tokenizer_class".into(), Value::String(class));
+        for (field, token) in [("bos_token", &self.bos_token), ("eos_token", &self.eos_token)] {
+            info.insert(field.into(), token.clone().map_or(Value::Null, Value::String));
+        }
+        if let Some(t) = &self.chat_template {
+            info.insert("chat_template".into(), Value::String(t.source.clone()));
+        }
+        Value::Object(info)
     }
 
     /// Uses `source` as the chat template instead of the model's own (`--chat-template`).
@@ -158,5 +201,28 @@ mod tests {
         assert_eq!(tok.decode_output(&ids, false, true).unwrap(), "hi [A] [B] there [B]");
         assert_eq!(tok.decode_output(&ids, false, false).unwrap(), "hi [A][B] there [B]");
         assert_eq!(tok.decode_output(&ids, true, false).unwrap(), tok.decode(&ids, true).unwrap());
+    }
+
+    /// `info` is tokenizer_config.json as transformers' `init_kwargs` reach a client through
+    /// vLLM: added tokens as their text, no file paths, the fast class, the template in use.
+    #[test]
+    fn info_reads_as_transformers_init_kwargs() {
+        let json = serde_json::json!({"version": "1.0", "added_tokens": [], "model": {"type": "WordLevel", "vocab": {"a": 0, "</s>": 1}, "unk_token": "a"}});
+        let added = serde_json::json!({"content": "</s>", "lstrip": false, "normalized": false, "rstrip": false, "single_word": false, "special": true});
+        let config = serde_json::json!({
+            "tokenizer_class": "Qwen2Tokenizer", "eos_token": added, "pad_token": {"__type": "AddedToken", "content": "a"},
+            "added_tokens_decoder": {"1": added}, "vocab_file": "/x/vocab.json", "model_max_length": 32,
+            "chat_template": "{{ messages[0].content }}", "extra": {"content": 3}
+        });
+        let mut tok = TextTokenizer::from_bytes(json.to_string().as_bytes(), Some(config.to_string().as_bytes()), None).unwrap();
+        let info = tok.info();
+        assert_eq!(info["tokenizer_class"], "Qwen2TokenizerFast");
+        assert_eq!((&info["eos_token"], &info["pad_token"], &info["bos_token"]), (&"</s>".into(), &"a".into(), &Value::Null));
+        assert_eq!(info["added_tokens_decoder"], serde_json::json!({"1": "</s>"}));
+        assert_eq!((&info["model_max_length"], &info["extra"]), (&32.into(), &serde_json::json!({"content": 3})));
+        assert!(info.get("vocab_file").is_none());
+        assert_eq!(info["chat_template"], "{{ messages[0].content }}");
+        tok.replace_chat_template("{{ 'x' }}").unwrap();
+        assert_eq!(tok.info()["chat_template"], "{{ 'x' }}");
     }
 }

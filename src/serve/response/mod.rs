@@ -26,24 +26,49 @@ use crate::generate::{reasoning, FinishReason, TokenLogprob};
 use tokio::sync::mpsc;
 
 /// Admits and submits a validated request, then answers it: every generating route's last step.
-pub async fn generate(st: Arc<AppState>, mut req: ValidatedRequest) -> Result<Response, ApiError> {
-    let submitted = super::admission::submit(&st, &mut req)?;
-    answer(st, req, submitted).await
+pub async fn generate(st: Arc<AppState>, req: ValidatedRequest) -> Result<Response, ApiError> {
+    generate_all(st, vec![req]).await
 }
 
-/// The response to a validated, submitted request: streamed or whole.
-async fn answer(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -> Result<Response, ApiError> {
-    let ignored = req.ignored.clone();
-    let submitted = if req.stream { started(&st, submitted).await? } else { submitted };
-    let response = match (&req.kind, req.stream) {
-        (RequestKind::Responses { .. }, true) => responses::sse(st, req, submitted),
-        (RequestKind::Responses { .. }, false) => responses::whole(st, req, submitted).await?,
-        (RequestKind::Messages { .. }, true) => anthropic::sse(st, req, submitted),
-        (RequestKind::Messages { .. }, false) => anthropic::whole(st, req, submitted).await?,
-        (RequestKind::LlamaCpp(_), true) => llama_cpp::sse(st, req, submitted),
-        (RequestKind::LlamaCpp(_), false) => llama_cpp::whole(st, req, submitted).await?,
-        (_, true) => stream::sse(st, req, submitted),
-        (_, false) => whole(st, req, submitted).await?,
+/// A batch of prompts (`/v1/completions`' list; one for every other request): admitted together,
+/// answered as one response whose choices are numbered prompt by prompt (prompt i's answer j
+/// is choice `i * n + j`, as vLLM numbers them).
+pub async fn generate_all(st: Arc<AppState>, mut reqs: Vec<ValidatedRequest>) -> Result<Response, ApiError> {
+    let submitted = super::admission::submit_all(&st, &mut reqs)?;
+    let mut batch = vec![];
+    for (req, submitted) in reqs.into_iter().zip(submitted) {
+        let submitted = if req.stream { started(&st, submitted).await? } else { submitted };
+        batch.push((req, submitted));
+    }
+    answer(st, batch).await
+}
+
+/// Requests answered together, each with its submitted answers.
+type Batch = Vec<(ValidatedRequest, Submitted)>;
+
+/// The response to a submitted batch: streamed or whole. Only completions come in batches of
+/// more than one; the other APIs answer their one request in their own shape.
+async fn answer(st: Arc<AppState>, mut batch: Batch) -> Result<Response, ApiError> {
+    let first = &batch[0].0;
+    let (ignored, stream) = (first.ignored.clone(), first.stream);
+    let response = if matches!(first.kind, RequestKind::Completion { .. } | RequestKind::Chat { .. }) {
+        if stream {
+            stream::sse(st, batch)
+        } else {
+            whole(st, batch).await?
+        }
+    } else {
+        assert_eq!(batch.len(), 1, "only completions take a batch of prompts");
+        let (req, submitted) = batch.pop().expect("one request");
+        match (&req.kind, stream) {
+            (RequestKind::Responses { .. }, true) => responses::sse(st, req, submitted),
+            (RequestKind::Responses { .. }, false) => responses::whole(st, req, submitted).await?,
+            (RequestKind::Messages { .. }, true) => anthropic::sse(st, req, submitted),
+            (RequestKind::Messages { .. }, false) => anthropic::whole(st, req, submitted).await?,
+            (RequestKind::LlamaCpp(_), true) => llama_cpp::sse(st, req, submitted),
+            (RequestKind::LlamaCpp(_), false) => llama_cpp::whole(st, req, submitted).await?,
+            (RequestKind::Completion { .. } | RequestKind::Chat { .. }, _) => unreachable!("answered above"),
+        }
     };
     Ok(with_ignored(response, &ignored))
 }
@@ -69,19 +94,61 @@ fn names(kind: &RequestKind, chunk: bool) -> (String, &'static str) {
     (id, object)
 }
 
-/// `cached_tokens`: prompt tokens whose keys and values came from the prefix cache;
-/// `reasoning_tokens`: the answers' thinking, for a model whose thinking is split out.
-fn usage(prompt_tokens: usize, cached_tokens: usize, completion_tokens: usize, reasoning_tokens: Option<usize>) -> Value {
-    let mut u = json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens,
-           "prompt_tokens_details": {"cached_tokens": cached_tokens}});
-    if let Some(r) = reasoning_tokens {
-        u["completion_tokens_details"] = json!({"reasoning_tokens": r});
-    }
-    u
+/// A response's token counts, summed over its prompts. `cached_tokens`: prompt tokens whose keys
+/// and values came from the prefix cache; `reasoning_tokens`: the answers' thinking, for a
+/// model whose thinking is split out (else None).
+#[derive(Default, Clone, Copy)]
+struct Tally {
+    prompt_tokens: usize,
+    cached_tokens: usize,
+    completion_tokens: usize,
+    reasoning_tokens: Option<usize>,
 }
 
-/// Waits for every answer, then one JSON object.
-async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -> Result<Response, ApiError> {
+impl Tally {
+    fn add(&mut self, other: Tally) {
+        self.prompt_tokens += other.prompt_tokens;
+        self.cached_tokens += other.cached_tokens;
+        self.completion_tokens += other.completion_tokens;
+        if let Some(r) = other.reasoning_tokens {
+            *self.reasoning_tokens.get_or_insert(0) += r;
+        }
+    }
+
+    /// OpenAI's `usage` object.
+    fn usage(&self) -> Value {
+        let Tally { prompt_tokens, cached_tokens, completion_tokens, reasoning_tokens } = *self;
+        let mut u = json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens,
+               "prompt_tokens_details": {"cached_tokens": cached_tokens}});
+        if let Some(r) = reasoning_tokens {
+            u["completion_tokens_details"] = json!({"reasoning_tokens": r});
+        }
+        u
+    }
+}
+
+/// Waits for every answer of every prompt, then one JSON object.
+async fn whole(st: Arc<AppState>, batch: Batch) -> Result<Response, ApiError> {
+    let (id, object) = names(&batch[0].0.kind, false);
+    let model_id = batch[0].0.model_id.clone();
+    let (mut choices, mut tally) = (vec![], Tally::default());
+    for (req, submitted) in batch {
+        let (more, counted) = choices_of(&st, &req, submitted, choices.len()).await?;
+        choices.extend(more);
+        tally.add(counted);
+    }
+    let response =
+        json!({"id": id, "object": object, "created": super::ids::now_s(), "model": model_id, "choices": choices, "usage": tally.usage()});
+    Ok(Json(response).into_response())
+}
+
+/// One request's choices, numbered from `first_index`, once all its answers are done.
+async fn choices_of(
+    st: &AppState,
+    req: &ValidatedRequest,
+    submitted: Submitted,
+    first_index: usize,
+) -> Result<(Vec<Value>, Tally), ApiError> {
     let Submitted { admission, answers } = submitted;
     let tokenizer = &req.model.tokenizer;
     let (echo, tools) = match &req.kind {
@@ -91,7 +158,7 @@ async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -
     };
     let mut collected = vec![];
     for mut rx in answers {
-        collected.push(collect(&st, &mut rx).await?);
+        collected.push(collect(st, &mut rx).await?);
     }
     if req.best_of > req.n {
         // vLLM's best_of: the n answers of highest cumulative log-probability, most likely first.
@@ -99,8 +166,9 @@ async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -
         collected.truncate(req.n);
     }
     let mut choices = vec![];
-    let (mut completion_tokens, mut cached_tokens, mut reasoning_tokens) = (0, 0, 0);
-    for (index, answer) in collected.into_iter().enumerate() {
+    let mut tally = Tally { prompt_tokens: req.prompt_ids.len(), reasoning_tokens: req.thinking.map(|_| 0), ..Tally::default() };
+    for (i, answer) in collected.into_iter().enumerate() {
+        let index = first_index + i;
         let Collected {
             text: answer,
             logprobs: lps,
@@ -111,9 +179,10 @@ async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -
             reasoning_tokens: r,
             ..
         } = answer;
-        completion_tokens += c;
-        reasoning_tokens += r;
-        cached_tokens = cached_tokens.max(cached);
+        tally.completion_tokens += c;
+        tally.reasoning_tokens = tally.reasoning_tokens.map(|t| t + r);
+        // The answers share the prompt: its cached part is counted once.
+        tally.cached_tokens = tally.cached_tokens.max(cached);
         let text = format!("{}{answer}", echo.unwrap_or_default());
         let logprobs = req.params.logprobs.map(|_| match req.kind {
             RequestKind::Completion { .. } => logprobs::completion(tokenizer, &req.prompt_ids, prompt_lps.as_deref(), &lps, echo),
@@ -137,10 +206,7 @@ async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -
         });
     }
     drop(admission);
-    let (id, object) = names(&req.kind, false);
-    let usage = usage(req.prompt_ids.len(), cached_tokens, completion_tokens, req.thinking.map(|_| reasoning_tokens));
-    Ok(Json(json!({"id": id, "object": object, "created": super::ids::now_s(), "model": req.model_id, "choices": choices, "usage": usage}))
-        .into_response())
+    Ok((choices, tally))
 }
 
 /// One answer, whole: its text, scores and how it ended.

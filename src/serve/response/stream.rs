@@ -16,11 +16,11 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
+use tokio::task::JoinSet;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use super::reader::AnswerReader;
-use super::{logprobs, names, usage};
-use crate::serve::admission::Submitted;
+use super::{logprobs, names, Batch, Tally};
 use crate::serve::call_stream::CallEvent;
 use crate::serve::engine::Event;
 use crate::serve::error::ApiError;
@@ -30,12 +30,55 @@ use crate::serve::validate::{RequestKind, ValidatedRequest};
 
 type Sender = mpsc::UnboundedSender<Result<SseEvent, Infallible>>;
 
-pub fn sse(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -> Response {
-    let Submitted { admission, answers } = submitted;
-    let n = answers.len();
+/// The stream of a batch's answers (one request's, unless completions got a list of prompts):
+/// each request's chunks as they come, its choices numbered after the previous requests', then
+/// one usage chunk for them all and `[DONE]`. The first failure ends the whole stream.
+pub fn sse(st: Arc<AppState>, batch: Batch) -> Response {
     let (out_tx, out_rx) = mpsc::unbounded_channel();
-    // The answers' events, merged in arrival order.
-    let (merged_tx, merged_rx) = mpsc::unbounded_channel::<(usize, Event)>();
+    let (id, object) = names(&batch[0].0.kind, true);
+    let (model, include_usage) = (batch[0].0.model_id.clone(), batch[0].0.include_usage);
+    let head = Head { id, object, created: crate::serve::ids::now_s(), model, include_usage };
+    let mut streams = JoinSet::new();
+    let mut first_index = 0;
+    for (req, submitted) in batch {
+        let (st, out, head) = (st.clone(), out_tx.clone(), head.clone());
+        let n = submitted.answers.len();
+        streams.spawn(async move {
+            let _admission = submitted.admission;
+            Streamer::new(&req, n, out, head, first_index).run(&st, merged(submitted.answers)).await
+        });
+        first_index += n;
+    }
+    tokio::spawn(async move {
+        let mut tally = Tally::default();
+        while let Some(ended) = streams.join_next().await {
+            let error = match ended {
+                Ok(Ok(counted)) => {
+                    tally.add(counted);
+                    continue;
+                }
+                Ok(Err(Stop::ClientGone)) => None,
+                Ok(Err(Stop::Failed(e))) => Some(e),
+                Err(e) => Some(ApiError::internal(format!("a stream's task ended: {e}"))),
+            };
+            // Dropping the other requests' receivers cancels their sequences.
+            streams.abort_all();
+            if let Some(e) = error {
+                fail(&st, &out_tx, e);
+            }
+            return;
+        }
+        if head.include_usage {
+            let _ = out_tx.send(Ok(head.chunk(json!([]), Some(tally.usage()))));
+        }
+        let _ = out_tx.send(Ok(SseEvent::default().data("[DONE]")));
+    });
+    Sse::new(UnboundedReceiverStream::new(out_rx)).keep_alive(KeepAlive::default()).into_response()
+}
+
+/// One request's answers' events, merged in arrival order, each with its answer's index.
+fn merged(answers: Vec<mpsc::UnboundedReceiver<Event>>) -> mpsc::UnboundedReceiver<(usize, Event)> {
+    let (merged_tx, merged_rx) = mpsc::unbounded_channel();
     for (index, mut rx) in answers.into_iter().enumerate() {
         let merged = merged_tx.clone();
         tokio::spawn(async move {
@@ -47,21 +90,52 @@ pub fn sse(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -> Re
             }
         });
     }
-    drop(merged_tx);
-    tokio::spawn(async move {
-        let _admission = admission;
-        Streamer::new(&req, n, out_tx).run(&st, merged_rx).await;
-    });
-    Sse::new(UnboundedReceiverStream::new(out_rx)).keep_alive(KeepAlive::default()).into_response()
+    merged_rx
 }
 
-/// One stream's state: where each answer is, and the chunks' common fields.
-struct Streamer<'a> {
-    req: &'a ValidatedRequest,
-    out: Sender,
+/// An error event, then `[DONE]`.
+fn fail(st: &AppState, out: &Sender, error: ApiError) {
+    st.metrics.stream_error();
+    let _ = out.send(Ok(SseEvent::default().data(error.body().to_string())));
+    let _ = out.send(Ok(SseEvent::default().data("[DONE]")));
+}
+
+/// What every chunk of a response repeats.
+#[derive(Clone)]
+struct Head {
     id: String,
     object: &'static str,
     created: i64,
+    /// The `model` the request named.
+    model: String,
+    include_usage: bool,
+}
+
+impl Head {
+    fn chunk(&self, choices: Value, usage: Option<Value>) -> SseEvent {
+        let mut v = json!({"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": choices});
+        if self.include_usage {
+            v["usage"] = usage.unwrap_or(Value::Null);
+        }
+        SseEvent::default().data(v.to_string())
+    }
+}
+
+/// Why a request's stream ended before its answers did.
+enum Stop {
+    /// The client is gone: nothing more to send.
+    ClientGone,
+    /// The engine failed, or the shutdown's grace period ended: the stream ends with the error.
+    Failed(ApiError),
+}
+
+/// One request's stream: where each of its answers is.
+struct Streamer<'a> {
+    req: &'a ValidatedRequest,
+    out: Sender,
+    head: Head,
+    /// The choice index of this request's first answer in the response.
+    first_index: usize,
     n: usize,
     /// Each answer read as it streams: thinking, text, calls.
     readers: Vec<AnswerReader>,
@@ -72,36 +146,22 @@ struct Streamer<'a> {
 }
 
 impl<'a> Streamer<'a> {
-    fn new(req: &'a ValidatedRequest, n: usize, out: Sender) -> Self {
-        let (id, object) = names(&req.kind, true);
+    fn new(req: &'a ValidatedRequest, n: usize, out: Sender, head: Head, first_index: usize) -> Self {
         let start = match &req.kind {
             RequestKind::Completion { echo: Some(e) } => e.chars().count(),
             _ => 0,
         };
         let readers = (0..n).map(|_| AnswerReader::new(req)).collect();
         let (shown, offsets) = (vec![0; n], vec![start; n]);
-        Self { req, out, id, object, created: crate::serve::ids::now_s(), n, readers, shown, offsets }
+        Self { req, out, head, first_index, n, readers, shown, offsets }
     }
 
-    fn chunk(&self, choices: Value, usage: Option<Value>) -> SseEvent {
-        let mut v = json!({"id": self.id, "object": self.object, "created": self.created, "model": self.req.model_id, "choices": choices});
-        if self.req.include_usage {
-            v["usage"] = usage.unwrap_or(Value::Null);
-        }
-        SseEvent::default().data(v.to_string())
-    }
-
-    /// Sends a chunk of one choice; false when the client is gone (dropping the receivers then
-    /// cancels the sequences).
-    fn send(&self, choice: Value) -> bool {
-        self.out.send(Ok(self.chunk(json!([choice]), None))).is_ok()
-    }
-
-    /// An error event, then `[DONE]`.
-    fn fail(&self, st: &AppState, error: ApiError) {
-        st.metrics.stream_error();
-        let _ = self.out.send(Ok(SseEvent::default().data(error.body().to_string())));
-        let _ = self.out.send(Ok(SseEvent::default().data("[DONE]")));
+    /// Sends a chunk of one choice, given by its answer's index in this request; false when
+    /// the client is gone (dropping the receivers then cancels the sequences).
+    fn send(&self, mut choice: Value) -> bool {
+        let index = choice["index"].as_u64().expect("every choice has its index") as usize;
+        choice["index"] = json!(self.first_index + index);
+        self.out.send(Ok(self.head.chunk(json!([choice]), None))).is_ok()
     }
 
     /// A call event as a `delta.tool_calls` chunk of answer `index` (the call's first carries
@@ -130,7 +190,8 @@ impl<'a> Streamer<'a> {
         })
     }
 
-    async fn run(mut self, st: &AppState, mut events: mpsc::UnboundedReceiver<(usize, Event)>) {
+    /// Streams the answers until they are done: their token counts, or why they stopped.
+    async fn run(mut self, st: &AppState, mut events: mpsc::UnboundedReceiver<(usize, Event)>) -> Result<Tally, Stop> {
         for index in 0..self.n {
             let first = match &self.req.kind {
                 RequestKind::Chat { .. } => {
@@ -148,10 +209,12 @@ impl<'a> Streamer<'a> {
                 }
             };
             if first.is_some_and(|c| !self.send(c)) {
-                return;
+                return Err(Stop::ClientGone);
             }
         }
-        let (mut finished, mut completion_tokens, mut cached_tokens, mut reasoning_tokens) = (0, 0, 0, 0);
+        let mut tally =
+            Tally { prompt_tokens: self.req.prompt_ids.len(), reasoning_tokens: self.req.thinking.map(|_| 0), ..Tally::default() };
+        let mut finished = 0;
         loop {
             let (index, ev) = tokio::select! {
                 got = events.recv() => match got {
@@ -159,7 +222,7 @@ impl<'a> Streamer<'a> {
                     None => break,
                 },
                 // The shutdown's grace period is over: end the stream properly.
-                _ = st.shutdown.forced() => return self.fail(st, ApiError::shutting_down()),
+                _ = st.shutdown.forced() => return Err(Stop::Failed(ApiError::shutting_down())),
             };
             let choice = match ev {
                 Event::PromptLogprobs(scored) => {
@@ -175,7 +238,7 @@ impl<'a> Streamer<'a> {
                 Event::Delta { text, logprob, .. } => {
                     let read = self.readers[index].push(text);
                     if !self.send_reasoning(index, read.reasoning) {
-                        return;
+                        return Err(Stop::ClientGone);
                     }
                     match self.delta(index, read.pieces, logprob) {
                         Some(c) => c,
@@ -184,40 +247,35 @@ impl<'a> Streamer<'a> {
                 }
                 Event::Done { finish, completion_tokens: c, cached_tokens: cached, reasoning_tokens: r, .. } => {
                     finished += 1;
-                    completion_tokens += c;
-                    cached_tokens = cached_tokens.max(cached);
-                    reasoning_tokens += r;
+                    tally.completion_tokens += c;
+                    // The answers share the prompt: its cached part is counted once.
+                    tally.cached_tokens = tally.cached_tokens.max(cached);
+                    tally.reasoning_tokens = tally.reasoning_tokens.map(|t| t + r);
                     // What the reader held back: no tag or call opening can complete any more.
                     let read = self.readers[index].finish();
                     if !self.send_reasoning(index, read.reasoning) {
-                        return;
+                        return Err(Stop::ClientGone);
                     }
                     if let Some(c) = self.delta(index, read.pieces, None) {
                         if !self.send(c) {
-                            return;
+                            return Err(Stop::ClientGone);
                         }
                     }
                     match self.end(index, json!(finish)) {
                         Some(c) => c,
-                        None => return,
+                        None => return Err(Stop::ClientGone),
                     }
                 }
-                ev @ (Event::Error(_) | Event::QueueTimeout { .. }) => return self.fail(st, super::failure(&ev)),
+                ev @ (Event::Error(_) | Event::QueueTimeout { .. }) => return Err(Stop::Failed(super::failure(&ev))),
             };
             if !self.send(choice) {
-                return;
+                return Err(Stop::ClientGone);
             }
             if finished == self.n {
                 break;
             }
         }
-        if self.req.include_usage {
-            let reasoning = self.req.thinking.map(|_| reasoning_tokens);
-            let _ = self
-                .out
-                .send(Ok(self.chunk(json!([]), Some(usage(self.req.prompt_ids.len(), cached_tokens, completion_tokens, reasoning)))));
-        }
-        let _ = self.out.send(Ok(SseEvent::default().data("[DONE]")));
+        Ok(tally)
     }
 
     /// Sends a reasoning model's thinking as a delta chunk, under both of the whole answer's

@@ -105,15 +105,50 @@ pub struct ValidatedRequest {
     pub thinking: Option<PromptThinking>,
 }
 
-/// `/v1/completions`.
-pub fn completion(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> {
-    let mut ignored = fields::check_lists(v, &[fields::COMPLETIONS, fields::VLLM_SAMPLING, structured::FIELDS], "", st.lenient)?;
+/// `/v1/completions`: one request per prompt (a batch's prompts each as if sent alone, in
+/// order). A prompt's own error in a batch names it (`prompt[i]`); the batch's answers together
+/// must fit the server's capacity, as they are admitted together.
+pub fn completions(st: &AppState, v: &Value) -> Result<Vec<ValidatedRequest>, ApiError> {
+    let ignored = fields::check_lists(v, &[fields::COMPLETIONS, fields::VLLM_SAMPLING, structured::FIELDS], "", st.lenient)?;
     let target = Target::of(st, v)?;
+    let prompts = prompt::prompts(v, target.model.vocab)?;
+    let batch = prompts.len() > 1;
+    let reqs = prompts
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| completion(st, v, target.clone(), p, ignored.clone()).map_err(|e| if batch { in_batch(e, i) } else { e }))
+        .collect::<Result<Vec<_>, _>>()?;
+    let sequences: usize = reqs.iter().map(|r| r.best_of).sum();
+    let capacity = st.max_concurrent + st.max_queue;
+    if sequences > capacity {
+        let message = format!(
+            "{} prompts of {} answers each are {sequences} sequences, more than this server admits at once ({capacity}: --max-concurrent-requests + --max-queue).",
+            reqs.len(),
+            reqs[0].best_of
+        );
+        return Err(ApiError::invalid("prompt", message));
+    }
+    Ok(reqs)
+}
+
+/// A batch prompt's error: one about the prompt itself names it, one about its length says which.
+fn in_batch(mut e: ApiError, i: usize) -> ApiError {
+    if e.param.as_deref() == Some("prompt") {
+        e.param = Some(format!("prompt[{i}]"));
+    }
+    if e.param.as_deref() == Some(&format!("prompt[{i}]")) || e.code == Some("context_length_exceeded") {
+        e.message = format!("`prompt[{i}]`: {}", e.message);
+    }
+    e
+}
+
+/// One prompt of `/v1/completions`.
+fn completion(st: &AppState, v: &Value, target: Target, prompt: Prompt, mut ignored: Vec<String>) -> Result<ValidatedRequest, ApiError> {
     let model = target.model.clone();
     let mut s = sampling::parse(v, &model.defaults, false)?;
     s.params.logit_bias = sampling::logit_bias(v, model.vocab)?;
     s.params.output.stop_token_ids = sampling::stop_token_ids(v, model.vocab)?;
-    let (prompt_ids, text) = match prompt::prompt(v, model.vocab)? {
+    let (prompt_ids, text) = match prompt {
         Prompt::Text(t) => (model.tokenizer.encode(&t, true).map_err(|e| ApiError::bad_request(format!("{e:#}")))?, t),
         Prompt::Tokens(ids) => {
             let t = model.tokenizer.decode(&ids, false).unwrap_or_default();
@@ -360,6 +395,7 @@ fn matchers(model: &ServedModel, format: &OutputFormat, param: &str, n: usize) -
 
 /// The checks that need the prompt's length and the server's capacity, then the request.
 /// What a request's `model` names: the model that runs it, and the adapter over it.
+#[derive(Clone)]
 struct Target {
     id: String,
     model: Arc<ServedModel>,

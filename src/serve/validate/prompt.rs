@@ -16,24 +16,46 @@ pub fn token_ids(list: &[Value], vocab: usize) -> Option<Vec<u32>> {
 }
 
 /// Completions' prompt.
+#[derive(Debug)]
 pub enum Prompt {
     Text(String),
     Tokens(Vec<u32>),
 }
 
-/// `prompt` of /v1/completions: a string, or a list of token ids.
-pub fn prompt(v: &Value, vocab: usize) -> Result<Prompt, ApiError> {
-    let f = Fields::of(v)?;
-    match f.value("prompt") {
-        Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
-        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => Ok(Prompt::Text(a[0].as_str().unwrap().to_string())),
-        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_number) => {
-            let ids = token_ids(a, vocab)
-                .ok_or_else(|| ApiError::invalid("prompt", format!("token ids in `prompt` must be integers in [0, {vocab}).")))?;
-            Ok(Prompt::Tokens(ids))
-        }
+/// `prompt` of /v1/completions: one prompt (a string, or a list of token ids) or a batch of them
+/// (a list whose items are each a string or a list of token ids), as OpenAI and vLLM take it.
+/// A batch item's error names it (`prompt[i]`).
+pub fn prompts(v: &Value, vocab: usize) -> Result<Vec<Prompt>, ApiError> {
+    let ids = |list: &[Value], param: &str| {
+        token_ids(list, vocab).ok_or_else(|| ApiError::invalid(param, format!("token ids in `{param}` must be integers in [0, {vocab}).")))
+    };
+    match Fields::of(v)?.value("prompt") {
         None => Err(ApiError::invalid("prompt", "`prompt` is required.")),
-        Some(_) => Err(ApiError::invalid("prompt", "`prompt` must be a string or a list of token ids (one prompt per request).")),
+        Some(Value::String(s)) => Ok(vec![Prompt::Text(s.clone())]),
+        Some(Value::Array(a)) if a.is_empty() => Err(ApiError::invalid("prompt", "`prompt` must not be an empty list.")),
+        Some(Value::Array(a)) if a.iter().all(Value::is_number) => Ok(vec![Prompt::Tokens(ids(a, "prompt")?)]),
+        Some(Value::Array(a)) => a
+            .iter()
+            .enumerate()
+            .map(|(i, item)| {
+                let param = format!("prompt[{i}]");
+                match item {
+                    Value::String(s) => Ok(Prompt::Text(s.clone())),
+                    Value::Array(list) if list.iter().all(Value::is_number) => Ok(Prompt::Tokens(ids(list, &param)?)),
+                    _ => Err(ApiError::invalid(&param, format!("`{param}` must be a string or a list of token ids."))),
+                }
+            })
+            .collect(),
+        Some(_) => Err(ApiError::invalid("prompt", "`prompt` must be a string, a list of token ids, or a list of either.")),
+    }
+}
+
+/// `prompt` where one prompt is taken (`/tokenize`).
+pub fn prompt(v: &Value, vocab: usize) -> Result<Prompt, ApiError> {
+    let mut prompts = prompts(v, vocab)?;
+    match prompts.len() {
+        1 => Ok(prompts.remove(0)),
+        n => Err(ApiError::invalid("prompt", format!("`prompt` must be one prompt here, not a batch of {n}."))),
     }
 }
 
@@ -218,6 +240,27 @@ mod tests {
         let parts = json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]});
         assert_eq!(messages(&parts, false, &mut vec![]).unwrap()[0].content, "a\nb");
         assert_eq!(prompt(&json!({"prompt": [1, 99]}), 10).err().unwrap().param.as_deref(), Some("prompt"));
+    }
+
+    /// OpenAI's four shapes of `prompt`; a batch item that is neither a string nor ids in the
+    /// vocabulary is named by its index.
+    #[test]
+    fn prompts_come_one_or_as_a_batch() {
+        let shapes = |p: Value| prompts(&json!({"prompt": p}), 10);
+        let kinds = |p: Value| shapes(p).unwrap().iter().map(|p| matches!(p, Prompt::Text(_))).collect::<Vec<_>>();
+        assert_eq!(kinds(json!("a")), [true]);
+        assert_eq!(kinds(json!([1, 2])), [false]);
+        assert_eq!(kinds(json!(["a", "b"])), [true, true]);
+        assert_eq!(kinds(json!([[1], [2, 3], "c"])), [false, false, true]);
+        let Prompt::Tokens(ids) = &shapes(json!([[4, 5]])).unwrap()[0] else { panic!("ids expected") };
+        assert_eq!(ids, &[4, 5]);
+        let param = |p: Value| shapes(p).unwrap_err().param;
+        assert_eq!(param(json!([])).as_deref(), Some("prompt"));
+        assert_eq!(param(json!(["a", [1, 10]])).as_deref(), Some("prompt[1]"));
+        assert_eq!(param(json!(["a", 3])).as_deref(), Some("prompt[1]"));
+        assert_eq!(param(json!([["a"]])).as_deref(), Some("prompt[0]"));
+        assert_eq!(param(json!({"text": "a"})).as_deref(), Some("prompt"));
+        assert_eq!(prompt(&json!({"prompt": ["a", "b"]}), 10).err().unwrap().param.as_deref(), Some("prompt"));
     }
 
     /// An answer's message sent back as the `openai` client sends it: `reasoning_content` (or
