@@ -211,7 +211,6 @@ fn llama_cpp_requests_are_refused_by_field() {
         (json!({"samplers": ["temperature", "penalties"]}), "samplers"),
         (json!({"logit_bias": [[1, "x"]]}), "logit_bias"),
         (json!({"logit_bias": [[99999999, 1.0]]}), "logit_bias"),
-        (json!({"prompt": [[1, 2], [3]]}), "prompt"),
         (json!({"prompt": [1, 99999999]}), "prompt"),
         (json!({"post_sampling_probs": true}), "post_sampling_probs"),
         (json!({"stop": "\n"}), "stop"),
@@ -364,4 +363,60 @@ fn llama_cpps_route_names_answer() {
     assert_eq!(models("/models", key), models("/v1/models", key));
     assert_eq!(models("/models", None).0, 401);
     assert_eq!(models("/v1/health", None), models("/health", None));
+}
+
+/// A list of prompts, split as llama.cpp's server splits it (strings and lists each a prompt; a
+/// list holding ids is one prompt, strings mixed in): a list of answers, each with its prompt's
+/// `index` and equal to that prompt's answer alone; streamed, each prompt's events carry its
+/// index and end once. A prompt's refusal names it.
+#[test]
+fn a_list_of_prompts_is_answered_as_llama_server_does() {
+    let Some(gguf) = smollm2_gguf_or_skip("a_list_of_prompts_is_answered_as_llama_server_does") else { return };
+    // One sequence at a time: each prompt runs as it would alone, so the answers are equal to the bit.
+    let server = Server::start(&gguf, &["--max-concurrent-requests", "1", "--max-queue", "3"]);
+    let ids = post_json(&server.url("/tokenize"), &json!({"content": "Once upon a time"}))["tokens"].clone();
+    let mixed = json!([ids[0], " upon a time"]);
+    let prompts = json!([PROMPT, ids, mixed]);
+    let body = |prompt: &Value| json!({"prompt": prompt, "n_predict": 6, "temperature": 0, "n_probs": 2, "return_tokens": true});
+    let compared = |v: &Value| {
+        let keys = ["content", "tokens", "completion_probabilities", "tokens_predicted", "tokens_evaluated", "stop_type", "prompt"];
+        keys.iter().map(|k| v[*k].clone()).collect::<Vec<_>>()
+    };
+    let answers = completion(&server, body(&prompts));
+    let answers = answers.as_array().unwrap_or_else(|| panic!("a list of answers: {answers}"));
+    assert_eq!(answers.len(), 3);
+    for (i, prompt) in prompts.as_array().unwrap().iter().enumerate() {
+        let alone = completion(&server, body(prompt));
+        assert_eq!(answers[i]["index"], i, "{}", answers[i]);
+        assert_eq!(compared(&answers[i]), compared(&alone), "prompt {i}");
+    }
+    // Ids with a string mixed in are one prompt: the same as its text.
+    assert_eq!(answers[2]["content"], answers[1]["content"]);
+    // One prompt answers one object, as before.
+    assert!(completion(&server, body(&json!([PROMPT])))["content"].is_string());
+
+    let mut streamed = body(&prompts);
+    streamed["stream"] = json!(true);
+    let events: Vec<Value> = sse(&server.url("/completion"), &streamed).iter().map(|l| serde_json::from_str(l).unwrap()).collect();
+    for (i, answer) in answers.iter().enumerate() {
+        let mine: Vec<&Value> = events.iter().filter(|e| e["index"] == i).collect();
+        let text: String = mine.iter().map(|e| e["content"].as_str().unwrap()).collect::<String>();
+        let (last, pieces) = mine.split_last().unwrap();
+        assert_eq!(last["stop"], true, "prompt {i} ends with its stop event");
+        assert!(pieces.iter().all(|e| e["stop"] == false), "prompt {i}: one stop event");
+        assert_eq!(text, answer["content"].as_str().unwrap(), "prompt {i}");
+    }
+
+    for (prompt, param) in [
+        (json!([]), "prompt"),
+        (json!([1, [2]]), "prompt"),
+        (json!(["a", {"b": 1}]), "prompt[1]"),
+        (json!(["a", [1, 1_000_000]]), "prompt[1]"),
+    ] {
+        let error = refused(&server, json!({"prompt": prompt, "n_predict": 2}));
+        assert_eq!(error["param"], param, "{prompt}: {error}");
+    }
+    // Five prompts are more than the server admits at once (1 + 3).
+    let error = refused(&server, json!({"prompt": ["a", "b", "c", "d", "e"], "n_predict": 2}));
+    assert_eq!(error["param"], "prompt", "{error}");
 }

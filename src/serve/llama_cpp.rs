@@ -31,10 +31,11 @@ pub const EMBEDDING: &[&str] = &["content", "input", "embd_normalize", "encoding
 /// The fields of `/apply-template`.
 pub const APPLY_TEMPLATE: &[&str] = &["model", "messages", "tools", "chat_template_kwargs"];
 
-/// `POST /completion`.
+/// `POST /completion`: one answer, or for a list of prompts a list of answers (each with its
+/// prompt's `index`; streamed, their events interleaved), as llama.cpp's server answers.
 pub async fn completion(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
-    let req = read::completion(&st, &json_body(body, st.max_body_bytes)?)?;
-    response::generate(st, req).await
+    let reqs = read::completions(&st, &json_body(body, st.max_body_bytes)?)?;
+    response::generate_all(st, reqs).await
 }
 
 /// `POST /embedding` (and `/embeddings`): llama.cpp's own shape, `[{"index", "embedding"}]` with

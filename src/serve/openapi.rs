@@ -43,7 +43,9 @@ pub const SPEC: &str = r##"{
           "json_schema": {"type": "object", "required": ["name", "schema"], "properties": {"name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": "boolean"}, "description": {"type": "string"}}}}}}}]},
       "LlamaCppCompletionRequest": {"type": "object", "required": ["prompt"], "description": "llama.cpp's server's /completion, with its names and defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05, its sampler order: the cuts before the temperature). Samplers this server lacks are accepted only off.", "properties": {
         "model": {"type": "string", "description": "Default: the served base model."},
-        "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "string"}]}}]},
+        "prompt": {"description": "One prompt (text, token ids, or both mixed), or a list of prompts (texts, or lists of ids and texts), answered with a list.",
+          "anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "string"}]}},
+                    {"type": "array", "minItems": 1, "items": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "string"}]}}]}}]},
         "n_predict": {"type": "integer", "minimum": -1, "description": "-1 (default): to the end of the context; 0 is refused."}, "max_tokens": {"type": "integer", "minimum": -1, "description": "n_predict's other name."},
         "temperature": {"type": "number", "maximum": 2, "description": "0 or below: greedy."}, "top_k": {"type": "integer", "description": "0 or below: off."},
         "top_p": {"type": "number", "minimum": 0, "maximum": 1}, "min_p": {"type": "number", "minimum": 0, "maximum": 1},

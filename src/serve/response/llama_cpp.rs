@@ -3,6 +3,8 @@
 //! `generation_settings`, `timings`, and `completion_probabilities` with `n_probs`); or, streamed,
 //! a `data:` event per piece of text with its token ids (and probabilities), then one with
 //! `stop: true` and the whole object's fields, without OpenAI's `[DONE]`, as llama.cpp ends it.
+//! A list of prompts is answered with a list of objects, or their events interleaved, each
+//! with its prompt's `index`.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -13,9 +15,11 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
+use tokio::task::JoinSet;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use super::reader::{follow, Followed, Read};
+use super::Batch;
 use crate::generate::{FinishReason, TokenLogprob};
 use crate::serve::admission::Submitted;
 use crate::serve::error::ApiError;
@@ -53,7 +57,7 @@ fn final_fields(req: &ValidatedRequest, ended: &Ended, has_new_line: bool) -> Va
     };
     let truncated = ended.finish == FinishReason::Length && prompt_n + ended.completion_tokens >= req.model.max_total_tokens;
     json!({
-        "index": 0, "content": "", "tokens": [], "id_slot": 0, "stop": true, "model": req.model_id,
+        "index": e.index, "content": "", "tokens": [], "id_slot": 0, "stop": true, "model": req.model_id,
         "tokens_predicted": ended.completion_tokens, "tokens_evaluated": prompt_n,
         "generation_settings": e.settings, "prompt": e.prompt, "has_new_line": has_new_line, "truncated": truncated,
         "stop_type": stop_type, "stopping_word": ended.stop_string.unwrap_or(""), "tokens_cached": ended.cached_tokens,
@@ -97,14 +101,24 @@ fn probabilities(tokenizer: &TextTokenizer, lps: &[TokenLogprob]) -> Value {
         .collect()
 }
 
-/// Waits for the answer, then the whole object.
-pub async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -> Result<Response, ApiError> {
+/// Waits for every prompt's answer: one object, or a list of them for a list of prompts.
+pub async fn whole(st: Arc<AppState>, batch: Batch) -> Result<Response, ApiError> {
     let start = Instant::now();
+    let several = batch.len() > 1;
+    let mut answers = vec![];
+    for (req, submitted) in batch {
+        answers.push(answer(&st, &req, submitted, start).await?);
+    }
+    Ok(Json(if several { Value::Array(answers) } else { answers.remove(0) }).into_response())
+}
+
+/// One prompt's whole answer.
+async fn answer(st: &AppState, req: &ValidatedRequest, submitted: Submitted, start: Instant) -> Result<Value, ApiError> {
     let Submitted { admission, mut answers } = submitted;
     let mut rx = answers.remove(0);
-    let answer = super::collect(&st, &mut rx).await?;
+    let answer = super::collect(st, &mut rx).await?;
     drop(admission);
-    let e = echo(&req);
+    let e = echo(req);
     let ended = Ended {
         finish: answer.finish,
         stop_string: answer.stop_string.as_deref(),
@@ -112,7 +126,7 @@ pub async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitte
         cached_tokens: answer.cached_tokens,
         times: (start, answer.first_token_at, Instant::now()),
     };
-    let mut v = final_fields(&req, &ended, answer.text.contains('\n'));
+    let mut v = final_fields(req, &ended, answer.text.contains('\n'));
     if e.return_tokens {
         v["tokens"] = json!(answer.tokens);
     }
@@ -120,53 +134,75 @@ pub async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitte
         v["completion_probabilities"] = probabilities(&req.model.tokenizer, &answer.logprobs);
     }
     v["content"] = json!(answer.text);
-    Ok(Json(selected(v, e.response_fields.as_deref())).into_response())
+    Ok(selected(v, e.response_fields.as_deref()))
 }
 
-/// The event stream.
-pub fn sse(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -> Response {
+type Sender = mpsc::UnboundedSender<Result<SseEvent, Infallible>>;
+
+/// The event stream: every prompt's events as they come, each with its prompt's `index`. The
+/// first failure ends it with the error.
+pub fn sse(st: Arc<AppState>, batch: Batch) -> Response {
     let start = Instant::now();
-    let Submitted { admission, mut answers } = submitted;
-    let rx = answers.remove(0);
-    let (out, out_rx) = mpsc::unbounded_channel::<Result<SseEvent, Infallible>>();
+    let (out, out_rx) = mpsc::unbounded_channel();
+    let mut streams = JoinSet::new();
+    for (req, submitted) in batch {
+        let (st, out) = (st.clone(), out.clone());
+        streams.spawn(async move { stream(&st, &req, submitted, start, &out).await });
+    }
     tokio::spawn(async move {
-        let _admission = admission;
-        let send = |v: Value| out.send(Ok(SseEvent::default().data(v.to_string()))).is_ok();
-        let (n_probs, prompt_n) = (echo(&req).n_probs, req.prompt_ids.len());
-        let (mut first, mut predicted, mut has_new_line) = (None, 0, false);
-        let on_read = |read: Read| {
-            let text: String = read.pieces.into_iter().map(|p| if let Piece::Text(t) = p { t } else { String::new() }).collect();
-            if text.is_empty() && read.token.is_none() {
-                return true;
-            }
-            first.get_or_insert_with(Instant::now);
-            predicted += usize::from(read.token.is_some());
-            has_new_line |= text.contains('\n');
-            let tokens: Vec<u32> = read.token.into_iter().collect();
-            let mut v = json!({"index": 0, "content": text, "tokens": tokens, "stop": false, "id_slot": 0,
-                               "tokens_predicted": predicted, "tokens_evaluated": prompt_n});
-            if n_probs > 0 {
-                v["completion_probabilities"] = probabilities(&req.model.tokenizer, read.logprob.as_slice());
-            }
-            send(v)
-        };
-        match follow(&st, &req, rx, on_read).await {
-            Followed::Done(done) => {
-                let ended = Ended {
-                    finish: done.finish,
-                    stop_string: done.stop_string.as_deref(),
-                    completion_tokens: done.completion_tokens,
-                    cached_tokens: done.cached_tokens,
-                    times: (start, first, Instant::now()),
-                };
-                send(selected(final_fields(&req, &ended, has_new_line), echo(&req).response_fields.as_deref()));
-            }
-            Followed::ClientGone => {}
-            Followed::Failed(e) => {
-                st.metrics.stream_error();
-                send(e.body());
-            }
+        while let Some(ended) = streams.join_next().await {
+            let error = match ended {
+                Ok(None) => continue,
+                Ok(Some(e)) => e,
+                Err(e) => ApiError::internal(format!("a stream's task ended: {e}")),
+            };
+            // Dropping the other prompts' receivers cancels their sequences.
+            streams.abort_all();
+            st.metrics.stream_error();
+            let _ = out.send(Ok(SseEvent::default().data(error.body().to_string())));
+            return;
         }
     });
     Sse::new(UnboundedReceiverStream::new(out_rx)).keep_alive(KeepAlive::default()).into_response()
+}
+
+/// Streams one prompt's answer: None when it ended (or its client is gone), else the failure.
+async fn stream(st: &AppState, req: &ValidatedRequest, submitted: Submitted, start: Instant, out: &Sender) -> Option<ApiError> {
+    let Submitted { admission: _admission, mut answers } = submitted;
+    let rx = answers.remove(0);
+    let send = |v: Value| out.send(Ok(SseEvent::default().data(v.to_string()))).is_ok();
+    let e = echo(req);
+    let prompt_n = req.prompt_ids.len();
+    let (mut first, mut predicted, mut has_new_line) = (None, 0, false);
+    let on_read = |read: Read| {
+        let text: String = read.pieces.into_iter().map(|p| if let Piece::Text(t) = p { t } else { String::new() }).collect();
+        if text.is_empty() && read.token.is_none() {
+            return true;
+        }
+        first.get_or_insert_with(Instant::now);
+        predicted += usize::from(read.token.is_some());
+        has_new_line |= text.contains('\n');
+        let tokens: Vec<u32> = read.token.into_iter().collect();
+        let mut v = json!({"index": e.index, "content": text, "tokens": tokens, "stop": false, "id_slot": 0,
+                           "tokens_predicted": predicted, "tokens_evaluated": prompt_n});
+        if e.n_probs > 0 {
+            v["completion_probabilities"] = probabilities(&req.model.tokenizer, read.logprob.as_slice());
+        }
+        send(v)
+    };
+    match follow(st, req, rx, on_read).await {
+        Followed::Done(done) => {
+            let ended = Ended {
+                finish: done.finish,
+                stop_string: done.stop_string.as_deref(),
+                completion_tokens: done.completion_tokens,
+                cached_tokens: done.cached_tokens,
+                times: (start, first, Instant::now()),
+            };
+            send(selected(final_fields(req, &ended, has_new_line), e.response_fields.as_deref()));
+            None
+        }
+        Followed::ClientGone => None,
+        Followed::Failed(e) => Some(e),
+    }
 }

@@ -46,28 +46,25 @@ pub async fn generate_all(st: Arc<AppState>, mut reqs: Vec<ValidatedRequest>) ->
 /// Requests answered together, each with its submitted answers.
 type Batch = Vec<(ValidatedRequest, Submitted)>;
 
-/// The response to a submitted batch: streamed or whole. Only completions come in batches of
-/// more than one; the other APIs answer their one request in their own shape.
+/// The response to a submitted batch: streamed or whole, in its API's shape. Only completions
+/// (OpenAI's and llama.cpp's) come in batches of more than one.
 async fn answer(st: Arc<AppState>, mut batch: Batch) -> Result<Response, ApiError> {
     let first = &batch[0].0;
     let (ignored, stream) = (first.ignored.clone(), first.stream);
-    let response = if matches!(first.kind, RequestKind::Completion { .. } | RequestKind::Chat { .. }) {
-        if stream {
-            stream::sse(st, batch)
-        } else {
-            whole(st, batch).await?
-        }
-    } else {
-        assert_eq!(batch.len(), 1, "only completions take a batch of prompts");
-        let (req, submitted) = batch.pop().expect("one request");
-        match (&req.kind, stream) {
-            (RequestKind::Responses { .. }, true) => responses::sse(st, req, submitted),
-            (RequestKind::Responses { .. }, false) => responses::whole(st, req, submitted).await?,
-            (RequestKind::Messages { .. }, true) => anthropic::sse(st, req, submitted),
-            (RequestKind::Messages { .. }, false) => anthropic::whole(st, req, submitted).await?,
-            (RequestKind::LlamaCpp(_), true) => llama_cpp::sse(st, req, submitted),
-            (RequestKind::LlamaCpp(_), false) => llama_cpp::whole(st, req, submitted).await?,
-            (RequestKind::Completion { .. } | RequestKind::Chat { .. }, _) => unreachable!("answered above"),
+    let response = match (&first.kind, stream) {
+        (RequestKind::Completion { .. } | RequestKind::Chat { .. }, true) => stream::sse(st, batch),
+        (RequestKind::Completion { .. } | RequestKind::Chat { .. }, false) => whole(st, batch).await?,
+        (RequestKind::LlamaCpp(_), true) => llama_cpp::sse(st, batch),
+        (RequestKind::LlamaCpp(_), false) => llama_cpp::whole(st, batch).await?,
+        (RequestKind::Responses { .. } | RequestKind::Messages { .. }, _) => {
+            assert_eq!(batch.len(), 1, "the Responses and Messages APIs take one prompt");
+            let (req, submitted) = batch.pop().expect("one request");
+            match (&req.kind, stream) {
+                (RequestKind::Responses { .. }, true) => responses::sse(st, req, submitted),
+                (RequestKind::Responses { .. }, false) => responses::whole(st, req, submitted).await?,
+                (_, true) => anthropic::sse(st, req, submitted),
+                (_, false) => anthropic::whole(st, req, submitted).await?,
+            }
         }
     };
     Ok(with_ignored(response, &ignored))

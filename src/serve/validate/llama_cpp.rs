@@ -112,6 +112,8 @@ const OFF_SAMPLERS: &[&str] = &["dry", "typ_p", "typical_p", "xtc", "top_n_sigma
 /// What a `/completion` answer repeats beside the text.
 #[derive(Debug, Clone)]
 pub struct Echo {
+    /// The prompt's place in the request's list of prompts (0 for one prompt).
+    pub index: usize,
     /// The prompt as the model read it (special tokens written out).
     pub prompt: String,
     /// Top alternatives per token (`completion_probabilities`), 0 for none.
@@ -125,8 +127,8 @@ pub struct Echo {
     pub response_fields: Option<Vec<String>>,
 }
 
-/// `/completion`.
-pub fn completion(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> {
+/// `/completion`: one request per prompt (llama.cpp's list of prompts runs each as its own task).
+pub fn completions(st: &AppState, v: &Value) -> Result<Vec<ValidatedRequest>, ApiError> {
     let mut ignored = fields::check(v, FIELDS, "", st.lenient)?;
     let f = Fields::of(v)?;
     switched_off(&f)?;
@@ -168,16 +170,20 @@ pub fn completion(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError
     s.params.stop = stop_words(f.value("stop"))?;
     let return_tokens = f.bool("return_tokens")?.unwrap_or(false);
     let n_probs = s.params.logprobs.unwrap_or(0);
-    let constraints = match requested_format(st, &body, &mut ignored)? {
-        Some(r) => matchers(&model, &r.format, &r.param, 1)?,
-        None => vec![],
-    };
-    let prompt_ids = prompt_ids(&model, f.value("prompt"))?;
+    let requested = requested_format(st, &body, &mut ignored)?;
+    let prompts = prompts(&model, f.value("prompt"))?;
     let settings = settings(&model, &f, &s.params, s.max_tokens, s.stream)?;
-    let prompt = model.tokenizer.decode(&prompt_ids, false).unwrap_or_default();
     let response_fields = response_fields(f.value("response_fields"))?;
-    let kind = RequestKind::LlamaCpp(Box::new(Echo { prompt, n_probs, return_tokens, settings, response_fields }));
-    finish(st, target, kind, prompt_ids, s, constraints, ignored).map_err(renamed)
+    super::batch(st, prompts, |index, prompt_ids| {
+        let constraints = match &requested {
+            Some(r) => matchers(&model, &r.format, &r.param, 1)?,
+            None => vec![],
+        };
+        let prompt = model.tokenizer.decode(&prompt_ids, false).unwrap_or_default();
+        let echo = Echo { index, prompt, n_probs, return_tokens, settings: settings.clone(), response_fields: response_fields.clone() };
+        let kind = RequestKind::LlamaCpp(Box::new(echo));
+        finish(st, target.clone(), kind, prompt_ids, s.clone(), constraints, ignored.clone()).map_err(renamed)
+    })
 }
 
 /// The OpenAI completion body with the same meaning (the model named, else the served base
@@ -364,18 +370,33 @@ fn logit_bias(model: &ServedModel, v: Option<&Value>) -> Result<Vec<(u32, f32)>,
 /// The prompt's ids: a text (with the tokenizer's special tokens, as llama.cpp adds BOS), token
 /// ids, or ids and texts mixed (a text first gets the special tokens; later ones are read as
 /// they are).
-fn prompt_ids(model: &ServedModel, v: Option<&Value>) -> Result<Vec<u32>, ApiError> {
+/// `prompt` as llama.cpp's server splits it (`tokenize_input_prompts`): a string, token ids, or
+/// ids and strings mixed are one prompt; a list of those (strings, lists) is one prompt each.
+fn prompts(model: &ServedModel, v: Option<&Value>) -> Result<Vec<Vec<u32>>, ApiError> {
     const P: &str = "prompt";
+    let text = |s: &str, param: &str| model.tokenizer.encode(s, true).map_err(|e| ApiError::invalid(param, format!("{e:#}")));
+    let flat = |items: &[Value]| items.iter().all(|x| x.is_number() || x.is_string());
     match v {
-        Some(Value::String(s)) => model.tokenizer.encode(s, true).map_err(|e| ApiError::invalid(P, format!("{e:#}"))),
-        Some(Value::Array(items)) if items.iter().all(|x| x.is_number() || x.is_string()) && !items.is_empty() => {
-            mixed_ids(model, items, P)
-        }
+        Some(Value::String(s)) => Ok(vec![text(s, P)?]),
+        Some(Value::Array(items)) if items.iter().any(Value::is_number) => match flat(items) {
+            true => Ok(vec![mixed_ids(model, items, P)?]),
+            false => Err(ApiError::invalid(P, "A `prompt` list with token ids is one prompt: only ids and strings.")),
+        },
+        Some(Value::Array(items)) if items.is_empty() => Err(ApiError::invalid(P, "`prompt` must not be an empty list.")),
+        Some(Value::Array(items)) => items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| {
+                let param = format!("{P}[{i}]");
+                match item {
+                    Value::String(s) => text(s, &param),
+                    Value::Array(a) if !a.is_empty() && flat(a) => mixed_ids(model, a, &param),
+                    _ => Err(ApiError::invalid(&param, format!("`{param}` must be a string, token ids, or ids and strings mixed."))),
+                }
+            })
+            .collect(),
         None => Err(ApiError::invalid(P, "`prompt` is required.")),
-        Some(_) => Err(ApiError::invalid(
-            P,
-            "`prompt` must be a string, a list of token ids, or ids and strings mixed (one prompt per request here).",
-        )),
+        Some(_) => Err(ApiError::invalid(P, "`prompt` must be a string, token ids (strings mixed in), or a list of those.")),
     }
 }
 

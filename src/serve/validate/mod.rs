@@ -112,11 +112,22 @@ pub fn completions(st: &AppState, v: &Value) -> Result<Vec<ValidatedRequest>, Ap
     let ignored = fields::check_lists(v, &[fields::COMPLETIONS, fields::VLLM_SAMPLING, structured::FIELDS], "", st.lenient)?;
     let target = Target::of(st, v)?;
     let prompts = prompt::prompts(v, target.model.vocab)?;
-    let batch = prompts.len() > 1;
+    batch(st, prompts, |_, p| completion(st, v, target.clone(), p, ignored.clone()))
+}
+
+/// A batch's requests, one per prompt (`one` validates prompt i), in order: a prompt's own error
+/// names it (`prompt[i]`) when there are several, and the batch must fit the server at once,
+/// as it is admitted whole.
+fn batch<P>(
+    st: &AppState,
+    prompts: Vec<P>,
+    mut one: impl FnMut(usize, P) -> Result<ValidatedRequest, ApiError>,
+) -> Result<Vec<ValidatedRequest>, ApiError> {
+    let several = prompts.len() > 1;
     let reqs = prompts
         .into_iter()
         .enumerate()
-        .map(|(i, p)| completion(st, v, target.clone(), p, ignored.clone()).map_err(|e| if batch { in_batch(e, i) } else { e }))
+        .map(|(i, p)| one(i, p).map_err(|e| if several { in_batch(e, i) } else { e }))
         .collect::<Result<Vec<_>, _>>()?;
     let sequences: usize = reqs.iter().map(|r| r.best_of).sum();
     let capacity = st.max_concurrent + st.max_queue;
