@@ -23,7 +23,7 @@ use super::fields::{self, Fields};
 use super::response::with_ignored;
 use super::served_model::ServedModel;
 use super::state::AppState;
-use super::validate::token_ids;
+use super::validate::{self, Prompt};
 
 /// OpenAI's limit on `input`'s length.
 const MAX_INPUTS: usize = 2048;
@@ -144,34 +144,20 @@ fn check_dimensions(model: &ServedModel, d: usize) -> Result<(), ApiError> {
 /// The texts of field `param` (`input`: a string, a list of strings, a list of token ids or a
 /// list of lists of them) as token ids, one list per text, each within the model's context.
 pub(super) fn inputs(model: &ServedModel, input: Option<&Value>, param: &str) -> Result<Vec<Vec<u32>>, ApiError> {
-    let shape = format!("`{param}` must be a string, a list of strings, a list of token ids or a list of lists of token ids.");
-    let ids_of = |v: &[Value], at: &str| -> Result<Vec<u32>, ApiError> {
-        token_ids(v, model.vocab).ok_or_else(|| ApiError::invalid(at, format!("token ids must be integers in [0, {}).", model.vocab)))
-    };
-    let encode = |text: &str, at: &str| -> Result<Vec<u32>, ApiError> {
-        if text.is_empty() {
-            return Err(ApiError::invalid(at, "an input must not be empty."));
-        }
-        model.tokenizer.encode(text, true).map_err(|e| ApiError::bad_request(format!("{e:#}")))
-    };
-    let texts: Vec<Vec<u32>> = match input {
-        Some(Value::String(s)) => vec![encode(s, param)?],
-        Some(Value::Array(a)) if a.is_empty() => return Err(ApiError::invalid(param, format!("`{param}` must not be empty."))),
-        Some(Value::Array(a)) if a.iter().all(Value::is_number) => vec![ids_of(a, param)?],
-        Some(Value::Array(a)) => a
-            .iter()
-            .enumerate()
-            .map(|(i, x)| {
-                let at = format!("{param}[{i}]");
-                match x {
-                    Value::String(s) => encode(s, &at),
-                    Value::Array(ids) if !ids.is_empty() => ids_of(ids, &at),
-                    _ => Err(ApiError::invalid(&at, shape.clone())),
-                }
-            })
-            .collect::<Result<_, _>>()?,
-        _ => return Err(ApiError::invalid(param, shape)),
-    };
+    let texts = validate::texts(input, param, model.vocab)?;
+    let several = texts.len() > 1;
+    let texts = texts
+        .into_iter()
+        .enumerate()
+        .map(|(i, text)| {
+            let at = if several { format!("{param}[{i}]") } else { param.to_string() };
+            match text {
+                Prompt::Text(t) if !t.is_empty() => model.tokenizer.encode(&t, true).map_err(|e| ApiError::bad_request(format!("{e:#}"))),
+                Prompt::Tokens(ids) if !ids.is_empty() => Ok(ids),
+                _ => Err(ApiError::invalid(&at, format!("`{at}` must not be empty."))),
+            }
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     if texts.len() > MAX_INPUTS {
         return Err(ApiError::invalid(param, format!("`{param}` has {} texts; at most {MAX_INPUTS} per request.", texts.len())));
     }

@@ -367,11 +367,10 @@ fn logit_bias(model: &ServedModel, v: Option<&Value>) -> Result<Vec<(u32, f32)>,
     Ok(out)
 }
 
-/// The prompt's ids: a text (with the tokenizer's special tokens, as llama.cpp adds BOS), token
-/// ids, or ids and texts mixed (a text first gets the special tokens; later ones are read as
-/// they are).
 /// `prompt` as llama.cpp's server splits it (`tokenize_input_prompts`): a string, token ids, or
 /// ids and strings mixed are one prompt; a list of those (strings, lists) is one prompt each.
+/// Each as its ids: a text with the tokenizer's special tokens (as llama.cpp adds BOS), ids
+/// and texts mixed as `mixed_ids` reads them.
 fn prompts(model: &ServedModel, v: Option<&Value>) -> Result<Vec<Vec<u32>>, ApiError> {
     const P: &str = "prompt";
     let text = |s: &str, param: &str| model.tokenizer.encode(s, true).map_err(|e| ApiError::invalid(param, format!("{e:#}")));

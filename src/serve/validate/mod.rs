@@ -26,8 +26,7 @@ use crate::generate::constraint::OutputFormat;
 use crate::generate::reasoning::{PromptThinking, ThinkingBudget};
 use crate::generate::SamplingParams;
 use models::ServingAdapter;
-pub use prompt::token_ids;
-use prompt::Prompt;
+pub use prompt::{texts, token_ids, Prompt};
 pub use sampling::{MAX_N, MAX_STOP};
 
 /// `max_tokens` of a completion that gives none (OpenAI's default). A chat answer may take the

@@ -24,29 +24,35 @@ pub enum Prompt {
 
 /// `prompt` of /v1/completions: one prompt (a string, or a list of token ids) or a batch of them
 /// (a list whose items are each a string or a list of token ids), as OpenAI and vLLM take it.
-/// A batch item's error names it (`prompt[i]`).
 pub fn prompts(v: &Value, vocab: usize) -> Result<Vec<Prompt>, ApiError> {
-    let ids = |list: &[Value], param: &str| {
-        token_ids(list, vocab).ok_or_else(|| ApiError::invalid(param, format!("token ids in `{param}` must be integers in [0, {vocab}).")))
+    texts(Fields::of(v)?.value("prompt"), "prompt", vocab)
+}
+
+/// A field that holds one text or a batch of them, as OpenAI's `prompt` and `input` do: a string
+/// or a list of token ids is one; a list of strings and token-id lists is one each. `param`
+/// names the field in errors, and a batch's item as `param[i]`.
+pub fn texts(value: Option<&Value>, param: &str, vocab: usize) -> Result<Vec<Prompt>, ApiError> {
+    let ids = |list: &[Value], at: &str| {
+        token_ids(list, vocab).ok_or_else(|| ApiError::invalid(at, format!("token ids in `{at}` must be integers in [0, {vocab}).")))
     };
-    match Fields::of(v)?.value("prompt") {
-        None => Err(ApiError::invalid("prompt", "`prompt` is required.")),
+    match value {
+        None => Err(ApiError::invalid(param, format!("`{param}` is required."))),
         Some(Value::String(s)) => Ok(vec![Prompt::Text(s.clone())]),
-        Some(Value::Array(a)) if a.is_empty() => Err(ApiError::invalid("prompt", "`prompt` must not be an empty list.")),
-        Some(Value::Array(a)) if a.iter().all(Value::is_number) => Ok(vec![Prompt::Tokens(ids(a, "prompt")?)]),
+        Some(Value::Array(a)) if a.is_empty() => Err(ApiError::invalid(param, format!("`{param}` must not be an empty list."))),
+        Some(Value::Array(a)) if a.iter().all(Value::is_number) => Ok(vec![Prompt::Tokens(ids(a, param)?)]),
         Some(Value::Array(a)) => a
             .iter()
             .enumerate()
             .map(|(i, item)| {
-                let param = format!("prompt[{i}]");
+                let at = format!("{param}[{i}]");
                 match item {
                     Value::String(s) => Ok(Prompt::Text(s.clone())),
-                    Value::Array(list) if list.iter().all(Value::is_number) => Ok(Prompt::Tokens(ids(list, &param)?)),
-                    _ => Err(ApiError::invalid(&param, format!("`{param}` must be a string or a list of token ids."))),
+                    Value::Array(list) if list.iter().all(Value::is_number) => Ok(Prompt::Tokens(ids(list, &at)?)),
+                    _ => Err(ApiError::invalid(&at, format!("`{at}` must be a string or a list of token ids."))),
                 }
             })
             .collect(),
-        Some(_) => Err(ApiError::invalid("prompt", "`prompt` must be a string, a list of token ids, or a list of either.")),
+        Some(_) => Err(ApiError::invalid(param, format!("`{param}` must be a string, a list of token ids, or a list of either."))),
     }
 }
 
