@@ -262,6 +262,19 @@ fn completions_take_a_batch_of_prompts() {
         assert_eq!(batch["usage"]["prompt_tokens"].as_u64(), Some(prompt_tokens), "{batch}");
         assert_eq!(batch["usage"]["completion_tokens"].as_u64(), Some(completion_tokens), "{batch}");
     }
+    // Without `model` (as vLLM and llama.cpp take it, and lm-evaluation-harness's `gguf` client
+    // sends it), the served base model answers; Anthropic's API still wants it.
+    let mut unnamed = ask(json!(texts[0]), json!({"temperature": 0}));
+    let named = post_json(&comp, &unnamed);
+    unnamed.as_object_mut().unwrap().remove("model");
+    let answer = post_json(&comp, &unnamed);
+    assert_eq!((&answer["model"], &answer["choices"]), (&json!("tiny"), &named["choices"]), "{answer}");
+    let chat = post_json(&server.url("/v1/chat/completions"), &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}));
+    assert_eq!(chat["model"], "tiny", "{chat}");
+    let body = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2});
+    let (status, text, _) = post(&server.url("/v1/messages"), &body.to_string(), None);
+    assert!(status == 400 && text.contains("model"), "{text}");
+
     // One token-id list inside a list is one prompt.
     let one = post_json(&comp, &ask(json!([ids[0]]), json!({})));
     assert_eq!(one["choices"].as_array().unwrap().len(), 1, "{one}");

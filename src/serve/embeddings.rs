@@ -104,7 +104,8 @@ pub(super) fn embedding_model(st: &AppState, model_id: &str) -> Result<Arc<Serve
 fn read(st: &AppState, v: &Value) -> Result<EmbeddingRequest, ApiError> {
     let ignored = fields::check(v, FIELDS, "", st.lenient)?;
     let f = Fields::of(v)?;
-    let model_id = f.string("model")?.ok_or_else(|| ApiError::invalid("model", "`model` is required."))?;
+    // As vLLM: without `model`, the served base model.
+    let model_id = f.string("model")?.unwrap_or(&st.base_id);
     let model = embedding_model(st, model_id)?;
     f.string("user")?;
     let base64 = match f.string("encoding_format")? {

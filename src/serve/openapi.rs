@@ -34,7 +34,7 @@ pub const SPEC: &str = r##"{
         "guided_grammar": {"type": "string", "minLength": 1}, "guided_decoding_backend": {"type": "string", "description": "Accepted; one engine (llguidance) serves every backend name."},
         "grammar": {"type": "string", "minLength": 1, "description": "llama.cpp's server's: a GBNF (or Lark) grammar the answer follows."},
         "json_schema": {"type": "object", "description": "llama.cpp's server's: a JSON schema the answer follows ({} for any JSON)."}}},
-      "CompletionRequest": {"allOf": [{"$ref": "#/components/schemas/Sampling"}, {"type": "object", "required": ["model", "prompt"], "properties": {
+      "CompletionRequest": {"allOf": [{"$ref": "#/components/schemas/Sampling"}, {"type": "object", "required": ["prompt"], "properties": {
         "model": {"type": "string"}, "prompt": {"description": "One prompt (text or token ids), or a batch: a list of texts or of token-id lists; prompt i's answer j is choice i * n + j.",
           "oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
                     {"type": "array", "minItems": 1, "items": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}]}}]},
@@ -66,7 +66,7 @@ pub const SPEC: &str = r##"{
         "dry_multiplier": {"type": "number", "maximum": 0}, "dry_base": {"type": "number"}, "dry_allowed_length": {"type": "integer"}, "dry_penalty_last_n": {"type": "integer"},
         "dry_sequence_breakers": {"type": "array", "items": {"type": "string"}}, "xtc_probability": {"type": "number", "maximum": 0}, "xtc_threshold": {"type": "number"},
         "top_n_sigma": {"type": "number", "maximum": 0}, "t_max_predict_ms": {"type": "integer", "maximum": 0}, "n_indent": {"type": "integer", "maximum": 0}}},
-      "EmbeddingsRequest": {"type": "object", "required": ["model", "input"], "properties": {
+      "EmbeddingsRequest": {"type": "object", "required": ["input"], "properties": {
         "model": {"type": "string"},
         "input": {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "maxItems": 2048, "items": {"type": "string", "minLength": 1}},
           {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
@@ -79,10 +79,10 @@ pub const SPEC: &str = r##"{
         "input": {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1}]},
         "embd_normalize": {"type": "integer", "minimum": -1, "description": "-1 none, 0 largest magnitude 32760, 1 taxicab, 2 Euclidean (default), p: p-norm."},
         "encoding_format": {"type": "string", "enum": ["float"]}, "model": {"type": "string"}}},
-      "ScoreRequest": {"type": "object", "required": ["model", "text_1", "text_2"], "description": "vLLM's: cosine similarity of embeddings; one text_1 against each text_2, or pairwise.", "properties": {
+      "ScoreRequest": {"type": "object", "required": ["text_1", "text_2"], "description": "vLLM's: cosine similarity of embeddings; one text_1 against each text_2, or pairwise.", "properties": {
         "model": {"type": "string"}, "text_1": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
         "text_2": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}, "user": {"type": "string"}}},
-      "RerankRequest": {"type": "object", "required": ["model", "query", "documents"], "description": "Jina's and Cohere's rerank (vLLM's): documents sorted by the cosine similarity of their embeddings to the query's.", "properties": {
+      "RerankRequest": {"type": "object", "required": ["query", "documents"], "description": "Jina's and Cohere's rerank (vLLM's): documents sorted by the cosine similarity of their embeddings to the query's.", "properties": {
         "model": {"type": "string"}, "query": {"type": "string"},
         "documents": {"type": "array", "minItems": 1, "items": {"oneOf": [{"type": "string"}, {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}}]}},
         "top_n": {"type": "integer", "minimum": 0, "description": "0 or absent: all."}, "return_documents": {"type": "boolean"}, "user": {"type": "string"}}},
@@ -110,7 +110,7 @@ pub const SPEC: &str = r##"{
         "output_config": {"type": "object", "properties": {"effort": {"type": "string", "enum": ["low", "medium", "high", "xhigh", "max"]},
           "format": {"type": "object", "required": ["type", "schema"], "properties": {"type": {"type": "string", "enum": ["json_schema"]}, "schema": {"type": "object"}}}}},
         "cache_control": {"type": "object", "description": "Accepted: the prefix cache keeps every prompt's blocks."}}},
-      "ResponsesRequest": {"type": "object", "required": ["model", "input"], "properties": {
+      "ResponsesRequest": {"type": "object", "required": ["input"], "properties": {
         "model": {"type": "string"},
         "input": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "object", "properties": {
           "type": {"type": "string", "enum": ["message", "function_call", "function_call_output"]}, "role": {"type": "string", "enum": ["user", "assistant", "system", "developer"]},
@@ -131,7 +131,7 @@ pub const SPEC: &str = r##"{
         "reasoning": {"type": "object", "properties": {"effort": {"type": "string", "enum": ["minimal", "low", "medium", "high"]}}},
         "metadata": {"type": "object", "additionalProperties": {"type": "string"}}, "user": {"type": "string"}, "service_tier": {"type": "string"},
         "prompt_cache_key": {"type": "string"}, "safety_identifier": {"type": "string"}}},
-      "ChatRequest": {"allOf": [{"$ref": "#/components/schemas/Sampling"}, {"type": "object", "required": ["model", "messages"], "properties": {
+      "ChatRequest": {"allOf": [{"$ref": "#/components/schemas/Sampling"}, {"type": "object", "required": ["messages"], "properties": {
         "model": {"type": "string"}, "max_completion_tokens": {"type": "integer", "minimum": 1},
         "logprobs": {"type": "boolean"}, "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
         "tools": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["type", "function"], "properties": {"type": {"type": "string", "enum": ["function"]},

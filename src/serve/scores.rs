@@ -95,7 +95,8 @@ fn checked_body(st: &AppState, body: Result<Bytes, BytesRejection>, accepted: &[
     let ignored = fields::check(&v, accepted, "", st.lenient)?;
     let f = Fields::of(&v)?;
     f.string("user")?;
-    let model_id = f.string("model")?.ok_or_else(|| ApiError::invalid("model", "`model` is required."))?.to_string();
+    // As vLLM: without `model`, the served base model.
+    let model_id = f.string("model")?.unwrap_or(&st.base_id).to_string();
     let model = embedding_model(st, &model_id)?;
     Ok((v, model_id, model, ignored))
 }

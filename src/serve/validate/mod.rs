@@ -229,7 +229,7 @@ pub fn responses(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError>
 /// the fields named as the Messages API names them.
 pub fn messages(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> {
     let mut ignored = fields::check(v, anthropic::accepted(false), "", st.lenient)?;
-    let target = Target::of(st, v)?;
+    let target = Target::named(st, v)?;
     let model = target.model.clone();
     let renamed = |e: ApiError| ApiError { param: e.param.as_deref().map(anthropic::rename_param), ..e };
     let r = anthropic::read(v, false, st.lenient, &mut ignored)?;
@@ -415,8 +415,21 @@ struct Target {
 }
 
 impl Target {
+    /// The model the request names, else the served base model (vLLM's and llama.cpp's
+    /// `model` is optional).
     fn of(st: &AppState, v: &Value) -> Result<Self, ApiError> {
-        let id = model_field(v)?;
+        match Fields::of(v)?.value("model") {
+            None => Self::with_id(st, v, &st.base_id),
+            Some(_) => Self::named(st, v),
+        }
+    }
+
+    /// The model the request must name (Anthropic's API requires it).
+    fn named(st: &AppState, v: &Value) -> Result<Self, ApiError> {
+        Self::with_id(st, v, model_field(v)?)
+    }
+
+    fn with_id(st: &AppState, v: &Value, id: &str) -> Result<Self, ApiError> {
         let (model, adapter) = st.target(id)?;
         model.check_generates()?;
         let cache_key = v.get("prompt_cache_key").and_then(Value::as_str).map(str::to_string);
