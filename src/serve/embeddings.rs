@@ -104,8 +104,7 @@ pub(super) fn embedding_model(st: &AppState, model_id: &str) -> Result<Arc<Serve
 fn read(st: &AppState, v: &Value) -> Result<EmbeddingRequest, ApiError> {
     let ignored = fields::check(v, FIELDS, "", st.lenient)?;
     let f = Fields::of(v)?;
-    // As vLLM: without `model`, the served base model.
-    let model_id = f.string("model")?.unwrap_or(&st.base_id);
+    let model_id = validate::model_id(st, v)?;
     let model = embedding_model(st, model_id)?;
     f.string("user")?;
     let base64 = match f.string("encoding_format")? {

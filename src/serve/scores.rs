@@ -21,6 +21,7 @@ use super::ids::{new_id, now_s};
 use super::response::with_ignored;
 use super::served_model::ServedModel;
 use super::state::AppState;
+use super::validate;
 
 /// `/v1/score`'s fields.
 pub const SCORE_FIELDS: &[&str] = &["model", "text_1", "text_2", "user"];
@@ -95,8 +96,7 @@ fn checked_body(st: &AppState, body: Result<Bytes, BytesRejection>, accepted: &[
     let ignored = fields::check(&v, accepted, "", st.lenient)?;
     let f = Fields::of(&v)?;
     f.string("user")?;
-    // As vLLM: without `model`, the served base model.
-    let model_id = f.string("model")?.unwrap_or(&st.base_id).to_string();
+    let model_id = validate::model_id(st, &v)?.to_string();
     let model = embedding_model(st, &model_id)?;
     Ok((v, model_id, model, ignored))
 }

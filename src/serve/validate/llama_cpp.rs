@@ -154,7 +154,7 @@ pub fn completions(st: &AppState, v: &Value) -> Result<Vec<ValidatedRequest>, Ap
     // Taken without effect, but type-checked: the prefix cache is always on, and the context is
     // never shifted (a prompt too long is refused), so nothing is kept or discarded.
     let _ = (f.bool("cache_prompt")?, f.integer("n_keep", -1, i64::MAX)?, f.integer("n_discard", 0, i64::MAX)?);
-    let body = as_completion(st, &f)?;
+    let body = as_completion(&f)?;
     let target = Target::of(st, &body)?;
     let model = target.model.clone();
     let defaults =
@@ -186,11 +186,13 @@ pub fn completions(st: &AppState, v: &Value) -> Result<Vec<ValidatedRequest>, Ap
     })
 }
 
-/// The OpenAI completion body with the same meaning (the model named, else the served base
-/// model), for the checks every completion goes through.
-fn as_completion(st: &AppState, f: &Fields) -> Result<Value, ApiError> {
+/// The OpenAI completion body with the same meaning, for the checks every completion goes
+/// through.
+fn as_completion(f: &Fields) -> Result<Value, ApiError> {
     let mut body = Map::new();
-    body.insert("model".into(), json!(f.string("model")?.unwrap_or(&st.base_id)));
+    if let Some(model) = f.string("model")? {
+        body.insert("model".into(), json!(model));
+    }
     let n_predict = match (f.integer("n_predict", -1, 1 << 31)?, f.integer("max_tokens", -1, 1 << 31)?) {
         (Some(n), _) | (None, Some(n)) => n,
         (None, None) => -1,

@@ -377,12 +377,15 @@ fn model_field(v: &Value) -> Result<&str, ApiError> {
     Fields::of(v)?.string("model")?.ok_or_else(|| ApiError::invalid("model", "`model` is required."))
 }
 
-/// The model a utility request names (`model`, optional), else the base model.
+/// The model a request names, else the served base model: `model` is optional but on
+/// Anthropic's API (as vLLM and llama.cpp take it).
+pub fn model_id<'a>(st: &'a AppState, v: &'a Value) -> Result<&'a str, ApiError> {
+    Ok(Fields::of(v)?.string("model")?.unwrap_or(&st.base_id))
+}
+
+/// The model a utility request names, else the base model.
 fn model_or_base(st: &AppState, v: &Value) -> Result<Arc<ServedModel>, ApiError> {
-    match Fields::of(v)?.value("model") {
-        None => Ok(st.base()),
-        Some(_) => st.target(model_field(v)?).map(|(model, _)| model),
-    }
+    st.target(model_id(st, v)?).map(|(model, _)| model)
 }
 
 /// One matcher per answer (each answer walks the grammar on its own); a schema, grammar or
@@ -415,13 +418,9 @@ struct Target {
 }
 
 impl Target {
-    /// The model the request names, else the served base model (vLLM's and llama.cpp's
-    /// `model` is optional).
+    /// The model the request names, else the served base model (`model_id`).
     fn of(st: &AppState, v: &Value) -> Result<Self, ApiError> {
-        match Fields::of(v)?.value("model") {
-            None => Self::with_id(st, v, &st.base_id),
-            Some(_) => Self::named(st, v),
-        }
+        Self::with_id(st, v, model_id(st, v)?)
     }
 
     /// The model the request must name (Anthropic's API requires it).
