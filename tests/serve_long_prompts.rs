@@ -157,5 +157,12 @@ fn an_idle_server_after_a_burst_of_long_prompts_holds_its_cache_and_little_more(
     let (idle, cached) = (rss_of(pid), prefix_cache_bytes(&server));
     assert!(cached <= 256 << 20 && cached > cached_at_start, "the cache keeps {cached} bytes (was {cached_at_start})");
     let over = (idle - start) as f64 / 1048576.0 - (cached - cached_at_start) as f64 / 1048576.0;
-    assert!(over < 48.0, "idle: {:.0} MiB above the start, {over:.0} MiB more than the cache's growth", (idle - start) as f64 / 1048576.0);
+    eprintln!(
+        "idle: {:.0} MiB above the start, the cache {:.0} MiB more",
+        (idle - start) as f64 / 1048576.0,
+        (cached - cached_at_start) as f64 / 1048576.0
+    );
+    // Below what the per-layer blocks kept, above what the allocator holds when this binary's
+    // other servers run beside it.
+    assert!(over < 56.0, "idle: {:.0} MiB above the start, {over:.0} MiB more than the cache's growth", (idle - start) as f64 / 1048576.0);
 }
