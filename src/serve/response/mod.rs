@@ -103,6 +103,11 @@ struct Tally {
 }
 
 impl Tally {
+    /// A request's count before its answers: its prompt (and no thinking yet, if it can think).
+    fn of(req: &ValidatedRequest) -> Self {
+        Tally { prompt_tokens: req.prompt_ids.len(), reasoning_tokens: req.thinking.map(|_| 0), ..Tally::default() }
+    }
+
     fn add(&mut self, other: Tally) {
         self.prompt_tokens += other.prompt_tokens;
         self.cached_tokens += other.cached_tokens;
@@ -163,7 +168,7 @@ async fn choices_of(
         collected.truncate(req.n);
     }
     let mut choices = vec![];
-    let mut tally = Tally { prompt_tokens: req.prompt_ids.len(), reasoning_tokens: req.thinking.map(|_| 0), ..Tally::default() };
+    let mut tally = Tally::of(req);
     for (i, answer) in collected.into_iter().enumerate() {
         let index = first_index + i;
         let Collected {

@@ -212,8 +212,7 @@ impl<'a> Streamer<'a> {
                 return Err(Stop::ClientGone);
             }
         }
-        let mut tally =
-            Tally { prompt_tokens: self.req.prompt_ids.len(), reasoning_tokens: self.req.thinking.map(|_| 0), ..Tally::default() };
+        let mut tally = Tally::of(self.req);
         let mut finished = 0;
         loop {
             let (index, ev) = tokio::select! {

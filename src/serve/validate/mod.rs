@@ -143,10 +143,11 @@ fn batch<P>(
 
 /// A batch prompt's error: one about the prompt itself names it, one about its length says which.
 fn in_batch(mut e: ApiError, i: usize) -> ApiError {
-    if e.param.as_deref() == Some("prompt") {
+    let about_prompt = e.param.as_deref() == Some("prompt");
+    if about_prompt {
         e.param = Some(format!("prompt[{i}]"));
     }
-    if e.param.as_deref() == Some(&format!("prompt[{i}]")) || e.code == Some("context_length_exceeded") {
+    if about_prompt || e.code == Some("context_length_exceeded") {
         e.message = format!("`prompt[{i}]`: {}", e.message);
     }
     e
