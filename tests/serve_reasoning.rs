@@ -5,7 +5,8 @@
 //! whichever tokens they span), counted in `completion_tokens_details.reasoning_tokens`;
 //! `enable_thinking: false` renders the no-think prompt; a JSON schema (or vLLM's
 //! `structured_outputs`) holds the answer after the thinking, not the thinking;
-//! `--reasoning-parser none` leaves the text whole.
+//! `--reasoning-parser none` leaves the text whole; Anthropic's, the Responses API's and Ollama's
+//! shapes of the same.
 
 mod common;
 
@@ -188,6 +189,39 @@ fn the_messages_api_returns_thinking_blocks_and_holds_the_budget() {
     let thought = short["content"][0]["thinking"].as_str().unwrap();
     assert!(thought.len() < THINKING.len() && THINKING.starts_with(thought.trim_end()), "{short}");
     assert!(!short["content"][1]["text"].as_str().unwrap().trim().is_empty(), "{short}");
+}
+
+/// Ollama's `/api/chat` and `/api/generate`: the thinking in `thinking`, whole and streamed;
+/// `think: false` is the template's no-think prompt.
+#[test]
+fn ollamas_api_returns_the_thinking_apart() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = thinking_model(tmp.path());
+    let server = Server::start(&model, &[]);
+    let body = |extra: Value| {
+        let mut b =
+            json!({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "options": {"temperature": 0, "num_predict": 40}});
+        b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        b
+    };
+    let whole = post_json(&server.url("/api/chat"), &body(json!({"stream": false, "think": true})));
+    assert_eq!(whole["message"], json!({"role": "assistant", "content": ANSWER, "thinking": THINKING}), "{whole}");
+    let r = ureq::post(&server.url("/api/chat")).send_json(body(json!({}))).unwrap();
+    let parts: Vec<Value> =
+        std::io::BufRead::lines(std::io::BufReader::new(r.into_reader())).map(|l| serde_json::from_str(&l.unwrap()).unwrap()).collect();
+    let joined = |key: &str| -> String { parts.iter().filter_map(|p| p["message"][key].as_str()).collect() };
+    assert_eq!((joined("thinking"), joined("content")), (THINKING.to_string(), ANSWER.to_string()), "{parts:?}");
+
+    let off = post_json(&server.url("/api/chat"), &body(json!({"stream": false, "think": false})));
+    let chat_off = post_json(&server.url("/v1/chat/completions"), &chat_body(json!({"chat_template_kwargs": {"enable_thinking": false}})));
+    assert_eq!(off["message"]["content"], chat_off["choices"][0]["message"]["content"], "{off}");
+    assert_eq!(off["message"].get("thinking"), chat_off["choices"][0]["message"].get("reasoning_content").filter(|r| !r.is_null()));
+
+    let gen = post_json(
+        &server.url("/api/generate"),
+        &json!({"model": "tiny", "prompt": "Hi", "stream": false, "options": {"temperature": 0, "num_predict": 40}}),
+    );
+    assert_eq!((&gen["thinking"], &gen["response"]), (&json!(THINKING), &json!(ANSWER)), "{gen}");
 }
 
 /// A past answer's thinking, sent back as each API's clients send it, reaches the template (this

@@ -36,6 +36,9 @@ impl Drop for Admission {
 pub struct Submitted {
     pub admission: Admission,
     pub answers: Vec<mpsc::UnboundedReceiver<Event>>,
+    /// When the answers were submitted: the start of the timings the APIs report (a stream's
+    /// first event is awaited before its response begins).
+    pub at: std::time::Instant,
 }
 
 /// Takes `places` in the queue, or answers 429 when they are not free.
@@ -51,7 +54,9 @@ pub fn admit(st: &Arc<AppState>, places: usize) -> Result<Admission, ApiError> {
 /// then submits each: one `Submitted` per request, each holding its own places.
 pub fn submit_all(st: &Arc<AppState>, reqs: &mut [ValidatedRequest]) -> Result<Vec<Submitted>, ApiError> {
     let mut all = admit(st, reqs.iter().map(|r| r.best_of).sum())?;
-    reqs.iter_mut().map(|req| Ok(Submitted { admission: all.split_off(req.best_of), answers: send(req)? })).collect()
+    reqs.iter_mut()
+        .map(|req| Ok(Submitted { admission: all.split_off(req.best_of), answers: send(req)?, at: std::time::Instant::now() }))
+        .collect()
 }
 
 /// Submits `req`'s `best_of` answers (answer i seeded `seed + i`, each with its own grammar

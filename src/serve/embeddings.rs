@@ -122,7 +122,7 @@ fn read(st: &AppState, v: &Value) -> Result<EmbeddingRequest, ApiError> {
 
 /// `dimensions` for a Matryoshka model: one of its sizes (any up to the full one when it lists
 /// none); refused by name for every other model.
-fn check_dimensions(model: &ServedModel, d: usize) -> Result<(), ApiError> {
+pub(super) fn check_dimensions(model: &ServedModel, d: usize) -> Result<(), ApiError> {
     let full = model.config.hidden_size;
     match &model.matryoshka {
         None => Err(ApiError::invalid(
@@ -144,9 +144,15 @@ fn check_dimensions(model: &ServedModel, d: usize) -> Result<(), ApiError> {
 /// The texts of field `param` (`input`: a string, a list of strings, a list of token ids or a
 /// list of lists of them) as token ids, one list per text, each within the model's context.
 pub(super) fn inputs(model: &ServedModel, input: Option<&Value>, param: &str) -> Result<Vec<Vec<u32>>, ApiError> {
+    inputs_within(model, input, param, false)
+}
+
+/// [`inputs`], with a text longer than the context cut to it (`truncate`, Ollama's default)
+/// instead of refused.
+pub(super) fn inputs_within(model: &ServedModel, input: Option<&Value>, param: &str, truncate: bool) -> Result<Vec<Vec<u32>>, ApiError> {
     let texts = validate::texts(input, param, model.vocab)?;
     let several = texts.len() > 1;
-    let texts = texts
+    let mut texts = texts
         .into_iter()
         .enumerate()
         .map(|(i, text)| {
@@ -161,7 +167,10 @@ pub(super) fn inputs(model: &ServedModel, input: Option<&Value>, param: &str) ->
     if texts.len() > MAX_INPUTS {
         return Err(ApiError::invalid(param, format!("`{param}` has {} texts; at most {MAX_INPUTS} per request.", texts.len())));
     }
-    for (i, ids) in texts.iter().enumerate() {
+    for (i, ids) in texts.iter_mut().enumerate() {
+        if truncate {
+            ids.truncate(model.context);
+        }
         if ids.len() > model.context {
             let message = format!("{param}[{i}] has {} tokens; this model's context is {} tokens.", ids.len(), model.context);
             return Err(ApiError::invalid(param, message).with_code("context_length_exceeded"));

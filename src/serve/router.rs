@@ -11,7 +11,7 @@ use axum::Router;
 
 use super::error::{AnthropicError, ApiError};
 use super::state::AppState;
-use super::{embeddings, files, jobs, llama_cpp, routes, scores, web};
+use super::{embeddings, files, jobs, llama_cpp, ollama, routes, scores, web};
 
 /// How far past --max-body-bytes a body is still read, to answer 413 cleanly (see `body`).
 const READ_PAST_LIMIT: usize = 32 << 20;
@@ -54,6 +54,14 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/reranking", post(scores::rerank))
         .route("/v1/reranking", post(scores::rerank))
         .route("/v1/messages/count_tokens", post(routes::count_tokens))
+        .route("/api/chat", post(ollama::chat))
+        .route("/api/generate", post(ollama::generate))
+        .route("/api/embed", post(ollama::embed))
+        .route("/api/embeddings", post(ollama::embeddings))
+        .route("/api/tags", get(ollama::tags))
+        .route("/api/ps", get(ollama::ps))
+        .route("/api/show", post(ollama::show))
+        .route("/api/version", get(ollama::version))
         .route("/v1/load_lora_adapter", post(routes::load_lora_adapter))
         .route("/v1/unload_lora_adapter", post(routes::unload_lora_adapter))
         .route("/v1/files", post(files::upload).get(files::list).layer(DefaultBodyLimit::disable()))

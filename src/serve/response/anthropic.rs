@@ -88,7 +88,7 @@ fn message_object(req: &ValidatedRequest, id: &str, content: Vec<Value>, stop: (
 
 /// Waits for the answer, then the whole message.
 pub async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -> Result<Response, ApiError> {
-    let Submitted { admission, mut answers } = submitted;
+    let Submitted { admission, mut answers, .. } = submitted;
     let mut rx = answers.remove(0);
     let answer = super::collect(&st, &mut rx).await?;
     drop(admission);
@@ -112,7 +112,7 @@ pub async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitte
 
 /// The event stream.
 pub fn sse(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -> Response {
-    let Submitted { admission, mut answers } = submitted;
+    let Submitted { admission, mut answers, .. } = submitted;
     let rx = answers.remove(0);
     let (out_tx, out_rx) = mpsc::unbounded_channel::<Result<SseEvent, Infallible>>();
     tokio::spawn(async move {

@@ -103,18 +103,17 @@ fn probabilities(tokenizer: &TextTokenizer, lps: &[TokenLogprob]) -> Value {
 
 /// Waits for every prompt's answer: one object, or a list of them for a list of prompts.
 pub async fn whole(st: Arc<AppState>, batch: Batch) -> Result<Response, ApiError> {
-    let start = Instant::now();
     let several = batch.len() > 1;
     let mut answers = vec![];
     for (req, submitted) in batch {
-        answers.push(answer(&st, &req, submitted, start).await?);
+        answers.push(answer(&st, &req, submitted).await?);
     }
     Ok(Json(if several { Value::Array(answers) } else { answers.remove(0) }).into_response())
 }
 
 /// One prompt's whole answer.
-async fn answer(st: &AppState, req: &ValidatedRequest, submitted: Submitted, start: Instant) -> Result<Value, ApiError> {
-    let Submitted { admission, mut answers } = submitted;
+async fn answer(st: &AppState, req: &ValidatedRequest, submitted: Submitted) -> Result<Value, ApiError> {
+    let Submitted { admission, mut answers, at: start } = submitted;
     let mut rx = answers.remove(0);
     let answer = super::collect(st, &mut rx).await?;
     drop(admission);
@@ -142,12 +141,11 @@ type Sender = mpsc::UnboundedSender<Result<SseEvent, Infallible>>;
 /// The event stream: every prompt's events as they come, each with its prompt's `index`. The
 /// first failure ends it with the error.
 pub fn sse(st: Arc<AppState>, batch: Batch) -> Response {
-    let start = Instant::now();
     let (out, out_rx) = mpsc::unbounded_channel();
     let mut streams = JoinSet::new();
     for (req, submitted) in batch {
         let (st, out) = (st.clone(), out.clone());
-        streams.spawn(async move { stream(&st, &req, submitted, start, &out).await });
+        streams.spawn(async move { stream(&st, &req, submitted, &out).await });
     }
     tokio::spawn(async move {
         while let Some(ended) = streams.join_next().await {
@@ -167,8 +165,8 @@ pub fn sse(st: Arc<AppState>, batch: Batch) -> Response {
 }
 
 /// Streams one prompt's answer: None when it ended (or its client is gone), else the failure.
-async fn stream(st: &AppState, req: &ValidatedRequest, submitted: Submitted, start: Instant, out: &Sender) -> Option<ApiError> {
-    let Submitted { admission: _admission, mut answers } = submitted;
+async fn stream(st: &AppState, req: &ValidatedRequest, submitted: Submitted, out: &Sender) -> Option<ApiError> {
+    let Submitted { admission: _admission, mut answers, at: start } = submitted;
     let rx = answers.remove(0);
     let send = |v: Value| out.send(Ok(SseEvent::default().data(v.to_string()))).is_ok();
     let e = echo(req);

@@ -5,6 +5,7 @@
 mod anthropic;
 mod llama_cpp;
 mod logprobs;
+mod ollama;
 mod reader;
 mod responses;
 mod stream;
@@ -56,12 +57,14 @@ async fn answer(st: Arc<AppState>, mut batch: Batch) -> Result<Response, ApiErro
         (RequestKind::Completion { .. } | RequestKind::Chat { .. }, false) => whole(st, batch).await?,
         (RequestKind::LlamaCpp(_), true) => llama_cpp::sse(st, batch),
         (RequestKind::LlamaCpp(_), false) => llama_cpp::whole(st, batch).await?,
-        (RequestKind::Responses { .. } | RequestKind::Messages { .. }, _) => {
-            assert_eq!(batch.len(), 1, "the Responses and Messages APIs take one prompt");
+        (RequestKind::Responses { .. } | RequestKind::Messages { .. } | RequestKind::Ollama { .. }, _) => {
+            assert_eq!(batch.len(), 1, "the Responses, Messages and Ollama APIs take one prompt");
             let (req, submitted) = batch.pop().expect("one request");
             match (&req.kind, stream) {
                 (RequestKind::Responses { .. }, true) => responses::sse(st, req, submitted),
                 (RequestKind::Responses { .. }, false) => responses::whole(st, req, submitted).await?,
+                (RequestKind::Ollama { .. }, true) => ollama::ndjson(st, req, submitted),
+                (RequestKind::Ollama { .. }, false) => ollama::whole(st, req, submitted).await?,
                 (_, true) => anthropic::sse(st, req, submitted),
                 (_, false) => anthropic::whole(st, req, submitted).await?,
             }
@@ -151,11 +154,11 @@ async fn choices_of(
     submitted: Submitted,
     first_index: usize,
 ) -> Result<(Vec<Value>, Tally), ApiError> {
-    let Submitted { admission, answers } = submitted;
+    let Submitted { admission, answers, .. } = submitted;
     let tokenizer = &req.model.tokenizer;
     let (echo, tools) = match &req.kind {
         RequestKind::Completion { echo } => (echo.as_deref(), None),
-        RequestKind::LlamaCpp(_) => unreachable!("/completion answers in its own shape (response::llama_cpp)"),
+        RequestKind::LlamaCpp(_) | RequestKind::Ollama { .. } => unreachable!("llama.cpp's and Ollama's routes answer in their own shapes"),
         RequestKind::Chat { tools } | RequestKind::Responses { tools, .. } | RequestKind::Messages { tools, .. } => (None, tools.as_ref()),
     };
     let mut collected = vec![];

@@ -100,7 +100,7 @@ fn response_object(req: &ValidatedRequest, id: &str, created: i64, output: Vec<V
 
 /// Waits for the answer, then the whole `response` object.
 pub async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -> Result<Response, ApiError> {
-    let Submitted { admission, mut answers } = submitted;
+    let Submitted { admission, mut answers, .. } = submitted;
     let mut rx = answers.remove(0);
     let answer = super::collect(&st, &mut rx).await?;
     drop(admission);
@@ -116,7 +116,7 @@ pub async fn whole(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitte
 
 /// The typed event stream.
 pub fn sse(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) -> Response {
-    let Submitted { admission, mut answers } = submitted;
+    let Submitted { admission, mut answers, .. } = submitted;
     let rx = answers.remove(0);
     let (out_tx, out_rx) = mpsc::unbounded_channel::<Result<SseEvent, Infallible>>();
     tokio::spawn(async move {

@@ -202,7 +202,7 @@ impl<'a> Streamer<'a> {
                     Some(json!({"index": index, "text": e, "logprobs": null, "finish_reason": null}))
                 }
                 RequestKind::Completion { .. } => None,
-                RequestKind::Responses { .. } | RequestKind::Messages { .. } | RequestKind::LlamaCpp(_) => {
+                RequestKind::Responses { .. } | RequestKind::Messages { .. } | RequestKind::LlamaCpp(_) | RequestKind::Ollama { .. } => {
                     unreachable!(
                         "/v1/responses, /v1/messages and /completion stream their own events (response::responses, anthropic, llama_cpp)"
                     )
@@ -327,7 +327,7 @@ impl<'a> Streamer<'a> {
             }
             RequestKind::Chat { tools: None } => Some(json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": finish})),
             RequestKind::Completion { .. } => Some(json!({"index": index, "text": "", "logprobs": null, "finish_reason": finish})),
-            RequestKind::Responses { .. } | RequestKind::Messages { .. } | RequestKind::LlamaCpp(_) => {
+            RequestKind::Responses { .. } | RequestKind::Messages { .. } | RequestKind::LlamaCpp(_) | RequestKind::Ollama { .. } => {
                 unreachable!(
                     "/v1/responses, /v1/messages and /completion stream their own events (response::responses, anthropic, llama_cpp)"
                 )

@@ -8,6 +8,7 @@
 pub mod anthropic;
 pub mod llama_cpp;
 mod no_op;
+pub mod ollama;
 mod prompt;
 pub mod responses;
 mod sampling;
@@ -47,6 +48,8 @@ pub enum RequestKind {
     Messages { tools: Option<Tools>, thinking: anthropic::ThinkingBlocks },
     /// `/completion` (llama.cpp's server's own API): what its answer repeats.
     LlamaCpp(Box<llama_cpp::Echo>),
+    /// Ollama's `/api/chat` or `/api/generate` (`api`); `tools` as chat's.
+    Ollama { tools: Option<Tools>, api: ollama::Api },
 }
 
 impl RequestKind {
@@ -57,7 +60,9 @@ impl RequestKind {
     /// The functions the answer may call.
     pub fn tools(&self) -> Option<&Tools> {
         match self {
-            Self::Chat { tools } | Self::Responses { tools, .. } | Self::Messages { tools, .. } => tools.as_ref(),
+            Self::Chat { tools } | Self::Responses { tools, .. } | Self::Messages { tools, .. } | Self::Ollama { tools, .. } => {
+                tools.as_ref()
+            }
             Self::Completion { .. } | Self::LlamaCpp(_) => None,
         }
     }
@@ -65,8 +70,8 @@ impl RequestKind {
     /// The parameter that holds the prompt, for messages.
     fn prompt_param(&self) -> &'static str {
         match self {
-            Self::Completion { .. } | Self::LlamaCpp(_) => "prompt",
-            Self::Chat { .. } | Self::Messages { .. } => "messages",
+            Self::Completion { .. } | Self::LlamaCpp(_) | Self::Ollama { api: ollama::Api::Generate, .. } => "prompt",
+            Self::Chat { .. } | Self::Messages { .. } | Self::Ollama { api: ollama::Api::Chat, .. } => "messages",
             Self::Responses { .. } => "input",
         }
     }
@@ -248,6 +253,40 @@ pub fn messages(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> 
     let kind = RequestKind::Messages { tools, thinking: r.thinking.blocks() };
     let mut req = finish(st, target, kind, prompt_ids, s, constraints, ignored).map_err(renamed)?;
     req.thinking = thinking;
+    Ok(req)
+}
+
+/// Ollama's `/api/chat` and `/api/generate` (`ollama`): read into a chat body (or, for a raw
+/// prompt, a completion's), then chat's or completions' checks, with parameters named as Ollama
+/// names them.
+pub fn ollama(st: &AppState, v: &Value, api: ollama::Api) -> Result<ValidatedRequest, ApiError> {
+    let (r, ignored) = match api {
+        ollama::Api::Chat => ollama::chat(v, st.lenient)?,
+        ollama::Api::Generate => ollama::generate(v, st.lenient)?,
+    };
+    let renamed = |e: ApiError| ApiError { param: e.param.as_deref().map(ollama::rename_param), ..e };
+    let mut req = match r.raw {
+        true => completions(st, &r.body).map_err(renamed)?.pop().expect("one prompt"),
+        false => chat(st, &r.body).map_err(renamed)?,
+    };
+    if r.think == Some(true) && !req.model.splits_reasoning {
+        let message = format!("`{}` does not think: its chat template marks no thinking (see `--reasoning-parser`).", req.model_id);
+        return Err(ApiError::invalid("think", message));
+    }
+    if r.raw && r.body.get("max_tokens").is_none() {
+        // Ollama's answers run to the context's end by default (a completion's stop at 16 tokens).
+        req.params.max_new_tokens = req.model.max_total_tokens.saturating_sub(req.prompt_ids.len());
+    }
+    if let Some(n) = r.repeat_last_n {
+        req.params.penalty_last_n = Some(if n < 0 { usize::MAX } else { n as usize });
+    }
+    let tools = match std::mem::replace(&mut req.kind, RequestKind::Completion { echo: None }) {
+        RequestKind::Chat { tools } => tools,
+        _ => None,
+    };
+    req.kind = RequestKind::Ollama { tools, api };
+    req.model_id = v["model"].as_str().unwrap_or_default().to_string();
+    req.ignored.extend(ignored.into_iter().chain(r.loading));
     Ok(req)
 }
 
@@ -459,9 +498,11 @@ fn finish(
     }
     let default_max = match kind {
         RequestKind::Completion { .. } => DEFAULT_COMPLETION_MAX_TOKENS,
-        RequestKind::Chat { .. } | RequestKind::Responses { .. } | RequestKind::Messages { .. } | RequestKind::LlamaCpp(_) => {
-            model.max_total_tokens.saturating_sub(prompt_tokens)
-        }
+        RequestKind::Chat { .. }
+        | RequestKind::Responses { .. }
+        | RequestKind::Messages { .. }
+        | RequestKind::LlamaCpp(_)
+        | RequestKind::Ollama { .. } => model.max_total_tokens.saturating_sub(prompt_tokens),
     };
     let max_tokens = s.max_tokens.unwrap_or(default_max);
     if prompt_tokens + max_tokens > model.max_total_tokens || max_tokens == 0 {
