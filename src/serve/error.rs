@@ -18,6 +18,15 @@ pub struct ApiError {
 }
 
 impl ApiError {
+    /// The message with the parameter it is about in front (`param: message`) unless it names
+    /// it already: for the APIs whose errors have no field for the parameter.
+    pub fn message_naming_param(&self) -> String {
+        match &self.param {
+            Some(p) if !self.message.contains(p.as_str()) => format!("{p}: {}", self.message),
+            _ => self.message.clone(),
+        }
+    }
+
     pub fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
         Self { status, message: message.into(), kind, param: None, code: None, retry_after: None }
     }
@@ -102,11 +111,7 @@ impl AnthropicError {
             503 => "overloaded_error",
             _ => "api_error",
         };
-        let message = match &e.param {
-            Some(p) if !e.message.contains(p.as_str()) => format!("{p}: {}", e.message),
-            _ => e.message.clone(),
-        };
-        json!({"type": "error", "error": {"type": kind, "message": message}})
+        json!({"type": "error", "error": {"type": kind, "message": e.message_naming_param()}})
     }
 }
 

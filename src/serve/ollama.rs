@@ -26,7 +26,8 @@ use super::error::ApiError;
 use super::fields::{self, Fields};
 use super::served_model::ServedModel;
 use super::state::AppState;
-use super::validate::{self, ollama::Api};
+use super::validate;
+use super::validate::ollama::{served_name, Api};
 use super::{admission, embeddings, response};
 
 /// The version of Ollama's API these routes follow (`think`, streamed calls, `/api/embed`), which
@@ -45,11 +46,7 @@ impl From<ApiError> for OllamaError {
 impl IntoResponse for OllamaError {
     fn into_response(self) -> Response {
         let e = self.0;
-        let message = match &e.param {
-            Some(p) if !e.message.contains(p.as_str()) => format!("{p}: {}", e.message),
-            _ => e.message.clone(),
-        };
-        let mut resp = (e.status, Json(json!({"error": message}))).into_response();
+        let mut resp = (e.status, Json(json!({"error": e.message_naming_param()}))).into_response();
         if let Some(s) = e.retry_after {
             resp.headers_mut().insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from(s));
         }
@@ -76,7 +73,7 @@ async fn generating(st: Arc<AppState>, body: Result<Bytes, BytesRejection>, api:
     };
     if empty {
         let model = model_name(&v)?;
-        st.target(model.strip_suffix(":latest").unwrap_or(model))?;
+        st.target(served_name(model))?;
         let mut o = json!({"model": model, "created_at": clock::rfc3339(SystemTime::now()), "done": true, "done_reason": "load"});
         match api {
             Api::Chat => o["message"] = json!({"role": "assistant", "content": ""}),
@@ -93,11 +90,6 @@ fn model_name(v: &Value) -> Result<&str, ApiError> {
     v.get("model").and_then(Value::as_str).filter(|m| !m.is_empty()).ok_or_else(|| ApiError::invalid("model", "`model` is required."))
 }
 
-/// The served model an Ollama name (with or without `:latest`) names.
-fn served(st: &AppState, name: &str) -> Result<Arc<ServedModel>, ApiError> {
-    Ok(st.target(name.strip_suffix(":latest").unwrap_or(name))?.0)
-}
-
 /// `POST /api/embed`: `input` a string or a list of them, each embedded at unit length;
 /// `truncate` (default true) cuts a text longer than the context, else it is refused;
 /// `dimensions` as `/v1/embeddings`' (Matryoshka models).
@@ -107,7 +99,7 @@ pub async fn embed(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRej
     let ignored = fields::check(&v, &["model", "input", "truncate", "dimensions", "options", "keep_alive"], "", st.lenient)?;
     let f = Fields::of(&v)?;
     let name = model_name(&v)?;
-    let model = embeddings::embedding_model(&st, name.strip_suffix(":latest").unwrap_or(name))?;
+    let model = embeddings::embedding_model(&st, served_name(name))?;
     let truncate = f.bool("truncate")?.unwrap_or(true);
     let dimensions = f.integer("dimensions", 1, 1 << 20)?.map(|d| d as usize);
     if let Some(d) = dimensions {
@@ -136,7 +128,7 @@ pub async fn embeddings(State(st): State<Arc<AppState>>, body: Result<Bytes, Byt
     let ignored = fields::check(&v, &["model", "prompt", "options", "keep_alive"], "", st.lenient)?;
     let f = Fields::of(&v)?;
     let name = model_name(&v)?;
-    let model = embeddings::embedding_model(&st, name.strip_suffix(":latest").unwrap_or(name))?;
+    let model = embeddings::embedding_model(&st, served_name(name))?;
     let prompt = f.string("prompt")?.ok_or_else(|| ApiError::invalid("prompt", "`prompt` must be a string."))?;
     let inputs = embeddings::inputs(&model, Some(&json!(prompt)), "prompt")?;
     let _admission = admission::admit(&st, 1)?;
@@ -229,8 +221,8 @@ pub async fn show(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesReje
         (Some(Value::String(m)), _) | (None, Some(Value::String(m))) if !m.is_empty() => m.as_str(),
         _ => return Err(ApiError::invalid("model", "`model` is required.").into()),
     };
-    let m = served(&st, name)?;
-    let object = st.model_objects().into_iter().find(|o| o["id"] == json!(name.strip_suffix(":latest").unwrap_or(name)));
+    let m = st.target(served_name(name))?.0;
+    let object = st.model_objects().into_iter().find(|o| o["id"] == json!(served_name(name)));
     let listed = listed(&st.base(), &object.unwrap_or_else(|| m.object()));
     let c = &m.config;
     let family = listed["details"]["family"].as_str().unwrap_or_default().to_string();

@@ -172,7 +172,7 @@ pub fn ndjson(st: Arc<AppState>, req: ValidatedRequest, submitted: Submitted) ->
             Followed::ClientGone => {}
             Followed::Failed(e) => {
                 st.metrics.stream_error();
-                send(&json!({"error": e.message}));
+                send(&json!({"error": e.message_naming_param()}));
             }
         }
     });

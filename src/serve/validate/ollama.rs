@@ -132,12 +132,17 @@ pub fn generate(v: &Value, lenient: bool) -> Result<(AsOpenAi, Vec<String>), Api
     Ok((r, ignored))
 }
 
+/// The served model an Ollama name means: Ollama's names carry a tag, `:latest` when none is
+/// given, so `name:latest` is the served `name`.
+pub fn served_name(name: &str) -> &str {
+    name.strip_suffix(":latest").unwrap_or(name)
+}
+
 /// What both routes share, added to `body`: `model`, `stream` (on unless turned off),
 /// `keep_alive`, `format`, `think` and `options`.
 fn common(f: &Fields, mut body: Map<String, Value>, raw: bool) -> Result<AsOpenAi, ApiError> {
     let model = f.string("model")?.filter(|m| !m.is_empty()).ok_or_else(|| ApiError::invalid("model", "`model` is required."))?;
-    // Ollama's names carry a tag, `:latest` when none is given.
-    body.insert("model".into(), json!(model.strip_suffix(":latest").unwrap_or(model)));
+    body.insert("model".into(), json!(served_name(model)));
     body.insert("stream".into(), json!(f.bool("stream")?.unwrap_or(true)));
     keep_alive(f.value("keep_alive"))?;
     match f.value("format") {
