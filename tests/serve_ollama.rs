@@ -69,6 +69,17 @@ fn answers_are_the_openai_routes_answers_in_ollamas_shape() {
     let streamed = ndjson(&server.url("/api/generate"), &json!({"model": "tiny", "prompt": "Hi there", "raw": true, "options": options}));
     let text: String = streamed.iter().map(|p| p["response"].as_str().unwrap()).collect();
     assert_eq!(text, raw["response"].as_str().unwrap());
+    // Without num_predict an answer may run to the context's end (a completion's default is 16).
+    let open = post_json(
+        &server.url("/api/generate"),
+        &json!({"model": "tiny", "prompt": "Hi there", "raw": true, "stream": false, "options": {"temperature": 0}}),
+    );
+    let rest = 1024 - completion["usage"]["prompt_tokens"].as_u64().unwrap();
+    let to_the_end =
+        post_json(&server.url("/v1/completions"), &json!({"model": "tiny", "prompt": "Hi there", "max_tokens": rest, "temperature": 0}));
+    assert_eq!(open["response"], to_the_end["choices"][0]["text"]);
+    assert!(open["eval_count"].as_u64().unwrap() > 16, "{open}");
+
     // Options: repeat_penalty and seed reach the sampler as /v1's repetition_penalty and seed do.
     let sampled = json!({"temperature": 1.0, "seed": 5, "repeat_penalty": 1.3, "top_k": 20, "num_predict": 7});
     let ours = post_json(&server.url("/api/chat"), &json!({"model": "tiny", "messages": messages, "options": sampled, "stream": false}));
