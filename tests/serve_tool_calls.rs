@@ -5,8 +5,8 @@
 //! (`common::tool_models`). The call comes back parsed, whole and streamed (text deltas before a
 //! call opens, `tool_calls` deltas after), its arguments held to the function's schema by the
 //! lazy grammar; the greeting comes back as text. With Hermes also the Responses API's and the
-//! Messages API's streams, LangChain's `bind_tools` (tests/langchain_tools.py), and a call after
-//! a reasoning model's thinking.
+//! Messages API's streams, Ollama's `/api/chat`, LangChain's `bind_tools` through `ChatOpenAI` and
+//! `ChatOllama` (tests/langchain_tools.py), and a call after a reasoning model's thinking.
 
 mod common;
 
@@ -107,20 +107,31 @@ fn hermes_calls_come_back_parsed_in_every_api_and_through_langchain() {
     let delta = events.iter().find(|e| e["type"] == "message_delta").unwrap();
     assert_eq!((input.as_str(), delta["delta"]["stop_reason"].as_str()), (r#"{"city": "Paris"}"#, Some("tool_use")));
 
-    let Some(python) =
-        python_or_skip("hermes_calls_come_back_parsed_in_every_api_and_through_langchain", &["langchain-openai:langchain_openai"])
-    else {
+    // Ollama's /api/chat: the call in one object before the last, its arguments an object.
+    let body = json!({"model": "tiny", "messages": [{"role": "user", "content": QUESTION}], "tools": tools(), "options": {"temperature": 0, "num_predict": 120}});
+    let r = ureq::post(&server.url("/api/chat")).send_json(body).unwrap();
+    let parts: Vec<Value> =
+        std::io::BufRead::lines(std::io::BufReader::new(r.into_reader())).map(|l| serde_json::from_str(&l.unwrap()).unwrap()).collect();
+    let calls: Vec<&Value> = parts.iter().filter_map(|p| p["message"]["tool_calls"].as_array()).flatten().collect();
+    assert_eq!(calls.len(), 1, "{parts:?}");
+    assert_eq!(calls[0]["function"], json!({"index": 0, "name": "get_weather", "arguments": {"city": "Paris"}}));
+    assert!(parts.iter().all(|p| p["message"]["content"] == json!("")), "a call's text is not content: {parts:?}");
+
+    let packages = ["langchain-openai:langchain_openai", "langchain-ollama:langchain_ollama"];
+    let Some(python) = python_or_skip("hermes_calls_come_back_parsed_in_every_api_and_through_langchain", &packages) else {
         return;
     };
     let tools = tools().to_string();
-    run_client_script(
-        &python,
-        "langchain_tools.py",
-        &server,
-        "none",
-        "tiny",
-        &[("TOOLS", &tools), ("QUESTION", QUESTION), ("REPLY", REPLY)],
-    );
+    for client in ["openai", "ollama"] {
+        run_client_script(
+            &python,
+            "langchain_tools.py",
+            &server,
+            "none",
+            "tiny",
+            &[("TOOLS", &tools), ("QUESTION", QUESTION), ("REPLY", REPLY), ("CLIENT", client)],
+        );
+    }
 }
 
 #[test]
