@@ -105,10 +105,10 @@ pub fn generate(v: &Value, lenient: bool) -> Result<(AsOpenAi, Vec<String>), Api
     if f.string("template")?.is_some_and(|s| !s.is_empty()) {
         return Err(not_here("template", "prompts are rendered with the model's own chat template; send `raw` with the prompt you want"));
     }
-    if f.value("context").and_then(Value::as_array).is_some_and(|c| !c.is_empty()) {
+    if !list(&f, "context", "")?.is_empty() {
         return Err(not_here("context", "send the conversation to `/api/chat` as messages instead"));
     }
-    if f.value("images").and_then(Value::as_array).is_some_and(|c| !c.is_empty()) {
+    if !list(&f, "images", "")?.is_empty() {
         return Err(not_here("images", "the served model reads text only"));
     }
     let prompt = f.string("prompt")?.unwrap_or("");
@@ -266,54 +266,76 @@ fn messages(turns: &[Value], lenient: bool, ignored: &mut Vec<String>) -> Result
     for (i, turn) in turns.iter().enumerate() {
         let at = format!("messages[{i}]");
         ignored.extend(fields::check(turn, MESSAGE, &at, lenient)?);
-        let f = Fields::of(turn).map_err(|_| ApiError::invalid(&at, format!("`{at}` must be a {{role, content}} object.")))?;
-        let role = f.string("role")?.ok_or_else(|| ApiError::invalid(&format!("{at}.role"), "`role` is required."))?;
-        if f.value("images").and_then(Value::as_array).is_some_and(|a| !a.is_empty()) {
-            return Err(ApiError::invalid(&format!("{at}.images"), "the served model reads text only."));
-        }
-        let mut m = json!({"role": role, "content": f.string("content")?.unwrap_or("")});
-        match role {
-            "assistant" => {
-                if let Some(t) = f.string("thinking")?.filter(|t| !t.is_empty()) {
-                    m["reasoning_content"] = json!(t);
-                }
-                let calls = f.value("tool_calls").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
-                let calls = calls.iter().enumerate().map(|(j, c)| {
-                    let at = format!("{at}.tool_calls[{j}].function");
-                    let name = c
-                        .pointer("/function/name")
-                        .and_then(Value::as_str)
-                        .ok_or_else(|| ApiError::invalid(&format!("{at}.name"), "a call needs its function's `name`."))?;
-                    let args = match c.pointer("/function/arguments") {
-                        None | Some(Value::Null) => "{}".to_string(),
-                        Some(Value::String(s)) => s.clone(),
-                        Some(a @ Value::Object(_)) => a.to_string(),
-                        Some(_) => return Err(ApiError::invalid(&format!("{at}.arguments"), "a call's `arguments` must be an object.")),
-                    };
-                    let id = format!("call_{i}_{j}");
-                    unanswered.push((name.to_string(), id.clone()));
-                    Ok(json!({"id": id, "type": "function", "function": {"name": name, "arguments": args}}))
-                });
-                let calls = calls.collect::<Result<Vec<_>, ApiError>>()?;
-                if !calls.is_empty() {
-                    m["tool_calls"] = Value::Array(calls);
-                }
-            }
-            "tool" => {
-                let name = f.string("tool_name")?;
-                let k = unanswered.iter().position(|(n, _)| name.is_none_or(|name| n == name));
-                let (called, id) = match k {
-                    Some(k) => unanswered.remove(k),
-                    None => (name.unwrap_or("tool").to_string(), format!("call_{i}")),
-                };
-                m["tool_call_id"] = json!(id);
-                m["name"] = json!(called);
-            }
-            _ => {}
-        }
-        out.push(m);
+        // A field's own error names it under its message.
+        let under = |e: ApiError| match e.param.as_deref() {
+            Some(p) if !p.starts_with("messages[") => ApiError { param: Some(format!("{at}.{p}")), ..e },
+            _ => e,
+        };
+        out.push(message(turn, i, &mut unanswered).map_err(under)?);
     }
     Ok(out)
+}
+
+/// Message `i`, its calls added to `unanswered` (name, id), or the call it answers taken from it.
+fn message(turn: &Value, i: usize, unanswered: &mut Vec<(String, String)>) -> Result<Value, ApiError> {
+    let at = format!("messages[{i}]");
+    let f = Fields::of(turn).map_err(|_| ApiError::invalid(&at, format!("`{at}` must be a {{role, content}} object.")))?;
+    let role = f.string("role")?.ok_or_else(|| ApiError::invalid("role", "`role` is required."))?;
+    if !list(&f, "images", "")?.is_empty() {
+        return Err(ApiError::invalid("images", "the served model reads text only."));
+    }
+    let mut m = json!({"role": role, "content": f.string("content")?.unwrap_or("")});
+    match role {
+        "assistant" => {
+            if let Some(t) = f.string("thinking")?.filter(|t| !t.is_empty()) {
+                m["reasoning_content"] = json!(t);
+            }
+            let calls = list(&f, "tool_calls", "")?.iter().enumerate().map(|(j, c)| {
+                let at = format!("tool_calls[{j}].function");
+                let name = c
+                    .pointer("/function/name")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| ApiError::invalid(&format!("{at}.name"), "a call needs its function's `name`."))?;
+                let args = match c.pointer("/function/arguments") {
+                    None | Some(Value::Null) => "{}".to_string(),
+                    Some(Value::String(s)) => s.clone(),
+                    Some(a @ Value::Object(_)) => a.to_string(),
+                    Some(_) => return Err(ApiError::invalid(&format!("{at}.arguments"), "a call's `arguments` must be an object.")),
+                };
+                let id = format!("call_{i}_{j}");
+                unanswered.push((name.to_string(), id.clone()));
+                Ok(json!({"id": id, "type": "function", "function": {"name": name, "arguments": args}}))
+            });
+            let calls = calls.collect::<Result<Vec<_>, ApiError>>()?;
+            if !calls.is_empty() {
+                m["tool_calls"] = Value::Array(calls);
+            }
+        }
+        "tool" => {
+            let name = f.string("tool_name")?;
+            let k = unanswered.iter().position(|(n, _)| name.is_none_or(|name| n == name));
+            let (called, id) = match k {
+                Some(k) => unanswered.remove(k),
+                None => (name.unwrap_or("tool").to_string(), format!("call_{i}")),
+            };
+            m["tool_call_id"] = json!(id);
+            m["name"] = json!(called);
+        }
+        _ => {}
+    }
+    Ok(m)
+}
+
+/// List field `key` of the object at `at` (empty when left out or null); anything else is refused.
+fn list<'a>(f: &Fields<'a>, key: &str, at: &str) -> Result<&'a [Value], ApiError> {
+    match f.value(key) {
+        None | Some(Value::Null) => Ok(&[]),
+        Some(Value::Array(a)) => Ok(a),
+        Some(_) => {
+            let name = if at.is_empty() { key.to_string() } else { format!("{at}.{key}") };
+            Err(ApiError::invalid(&name, format!("`{name}` must be a list.")))
+        }
+    }
 }
 
 /// Chat's and completions' parameter names in errors, as Ollama's request names them.
@@ -363,6 +385,12 @@ mod tests {
         assert_eq!(m[1]["tool_calls"][0]["function"], json!({"name": "a", "arguments": "{\"x\":1}"}));
         assert_eq!((&m[2]["tool_call_id"], &m[2]["name"]), (&json!("call_1_1"), &json!("b")));
         assert_eq!((&m[3]["tool_call_id"], &m[3]["name"]), (&json!("call_1_0"), &json!("a")));
+        let refused =
+            |turn: Value| messages(&[json!({"role": "user", "content": "x"}), turn], false, &mut vec![]).err().unwrap().param.unwrap();
+        assert_eq!(refused(json!({"role": "assistant", "tool_calls": "x"})), "messages[1].tool_calls");
+        assert_eq!(refused(json!({"role": "assistant", "tool_calls": [{"function": {}}]})), "messages[1].tool_calls[0].function.name");
+        assert_eq!(refused(json!({"role": "user", "content": 5})), "messages[1].content");
+        assert_eq!(refused(json!({"content": "x"})), "messages[1].role");
     }
 
     #[test]
@@ -371,7 +399,9 @@ mod tests {
         assert_eq!(r.body["messages"], json!([{"role": "system", "content": "s"}, {"role": "user", "content": "p"}]));
         let (r, _) = generate(&json!({"model": "m", "prompt": "p", "raw": true}), false).unwrap();
         assert!(r.raw && r.body["prompt"] == "p" && r.body.get("messages").is_none());
-        for (k, x) in [("suffix", json!("s")), ("template", json!("t")), ("context", json!([1])), ("images", json!(["i"]))] {
+        for (k, x) in
+            [("suffix", json!("s")), ("template", json!("t")), ("context", json!([1])), ("images", json!(["i"])), ("images", json!("i"))]
+        {
             let e = generate(&json!({"model": "m", "prompt": "p", k: x}), false).err().unwrap();
             assert_eq!(e.param.as_deref(), Some(k));
         }
