@@ -74,6 +74,26 @@ pub const SPEC: &str = r##"{
         "encoding_format": {"type": "string", "enum": ["float", "base64"]},
         "dimensions": {"type": "integer", "minimum": 1, "description": "Only for a model with matryoshka_dimensions in its config.json."},
         "user": {"type": "string"}}},
+      "OllamaOptions": {"type": "object", "description": "Ollama's options: the samplers as the OpenAI routes'; loading options (num_ctx, num_batch, num_gpu, num_thread, use_mmap, ...) change nothing and are listed in x-fsdp-app-ignored-params.", "properties": {
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2}, "top_k": {"type": "integer", "minimum": -1}, "top_p": {"type": "number", "exclusiveMinimum": true, "minimum": 0, "maximum": 1},
+        "min_p": {"type": "number", "minimum": 0, "maximum": 1}, "seed": {"type": "integer"}, "num_predict": {"type": "integer", "minimum": -2, "description": "-1, -2: to the context's end; 0 is refused."},
+        "stop": {"type": "array", "maxItems": 4, "items": {"type": "string", "minLength": 1}}, "repeat_penalty": {"type": "number", "exclusiveMinimum": true, "minimum": 0, "maximum": 10},
+        "repeat_last_n": {"type": "integer", "minimum": -1}, "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2}, "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+        "num_ctx": {"type": "integer"}, "num_thread": {"type": "integer"}}},
+      "OllamaChatRequest": {"type": "object", "required": ["model", "messages"], "description": "Ollama's /api/chat.", "properties": {
+        "model": {"type": "string", "minLength": 1, "description": "A served model; name:latest is name."},
+        "messages": {"type": "array", "items": {"type": "object", "required": ["role"], "properties": {
+          "role": {"type": "string", "enum": ["system", "user", "assistant", "tool"]}, "content": {"type": "string"}, "thinking": {"type": "string"},
+          "images": {"type": "array", "maxItems": 0}, "tool_name": {"type": "string"},
+          "tool_calls": {"type": "array", "items": {"type": "object", "required": ["function"], "properties": {"function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}, "arguments": {"type": "object"}}}}}}}}},
+        "tools": {"type": "array", "items": {"type": "object"}}, "format": {"oneOf": [{"type": "string", "enum": ["", "json"]}, {"type": "object"}]},
+        "options": {"$ref": "#/components/schemas/OllamaOptions"}, "stream": {"type": "boolean", "description": "Default true: newline-delimited JSON objects."},
+        "keep_alive": {"oneOf": [{"type": "number"}, {"type": "string", "pattern": "^-?([0-9.]+(ns|us|µs|ms|s|m|h))+$"}]}, "think": {"oneOf": [{"type": "boolean"}, {"type": "string", "enum": ["low", "medium", "high"]}]}}},
+      "OllamaGenerateRequest": {"type": "object", "required": ["model"], "description": "Ollama's /api/generate: prompt (and system) through the chat template, or with raw as it is.", "properties": {
+        "model": {"type": "string", "minLength": 1}, "prompt": {"type": "string"}, "system": {"type": "string"}, "raw": {"type": "boolean"},
+        "suffix": {"type": "string", "maxLength": 0}, "template": {"type": "string", "maxLength": 0}, "context": {"type": "array", "maxItems": 0}, "images": {"type": "array", "maxItems": 0},
+        "format": {"oneOf": [{"type": "string", "enum": ["", "json"]}, {"type": "object"}]}, "options": {"$ref": "#/components/schemas/OllamaOptions"}, "stream": {"type": "boolean"},
+        "keep_alive": {"oneOf": [{"type": "number"}, {"type": "string", "pattern": "^-?([0-9.]+(ns|us|µs|ms|s|m|h))+$"}]}, "think": {"type": "boolean"}}},
       "LlamaCppEmbeddingRequest": {"type": "object", "description": "llama.cpp's /embedding: content (or input) as /v1/embeddings' input, or ids and strings mixed in one list (one text).", "properties": {
         "content": {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1}]},
         "input": {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1}]},
@@ -206,6 +226,25 @@ pub const SPEC: &str = r##"{
         "400": {"description": "Invalid request.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}, "429": {"description": "The queue is full (Retry-After)."}}}},
     "/embeddings": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/LlamaCppEmbeddingRequest"}}}},
       "responses": {"200": {"description": "As /embedding (llama.cpp's other name of it)."}, "400": {"description": "Invalid request."}}}},
+    "/api/chat": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/OllamaChatRequest"}}}},
+      "responses": {"200": {"description": "Ollama's answer (message, done, done_reason, counts, durations), or newline-delimited objects, the last with done: true."},
+        "400": {"description": "Invalid request ({\"error\"})."}, "404": {"description": "Unknown model."}, "429": {"description": "The queue is full (Retry-After)."}}}},
+    "/api/generate": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/OllamaGenerateRequest"}}}},
+      "responses": {"200": {"description": "Ollama's answer (response, done, ...), or newline-delimited objects; an empty prompt answers done_reason load."},
+        "400": {"description": "Invalid request ({\"error\"})."}, "404": {"description": "Unknown model."}, "429": {"description": "The queue is full (Retry-After)."}}}},
+    "/api/embed": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"type": "object", "required": ["model", "input"], "properties": {
+        "model": {"type": "string"}, "input": {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}]},
+        "truncate": {"type": "boolean"}, "dimensions": {"type": "integer", "minimum": 1}, "options": {"type": "object"}, "keep_alive": {"type": "number"}}}}}},
+      "responses": {"200": {"description": "{model, embeddings (unit length), prompt_eval_count, ...}"}, "400": {"description": "Invalid request."}, "404": {"description": "Unknown model."}}}},
+    "/api/embeddings": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"type": "object", "required": ["model", "prompt"], "properties": {
+        "model": {"type": "string"}, "prompt": {"type": "string", "minLength": 1}, "options": {"type": "object"}, "keep_alive": {"type": "number"}}}}}},
+      "responses": {"200": {"description": "{embedding}, not scaled."}, "400": {"description": "Invalid request."}, "404": {"description": "Unknown model."}}}},
+    "/api/show": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"type": "object", "properties": {
+        "model": {"type": "string"}, "name": {"type": "string"}, "verbose": {"type": "boolean"}}}}}},
+      "responses": {"200": {"description": "details, template, model_info, capabilities."}, "400": {"description": "No model named."}, "404": {"description": "Unknown model."}}}},
+    "/api/tags": {"get": {"responses": {"200": {"description": "{models: [{name, model, modified_at, details}]}"}}}},
+    "/api/ps": {"get": {"responses": {"200": {"description": "The loaded models (all served ones), with context_length."}}}},
+    "/api/version": {"get": {"responses": {"200": {"description": "{version}: the version of Ollama's API the routes follow."}}}},
     "/props": {"get": {"responses": {"200": {"description": "llama.cpp's server properties: default_generation_settings (n_ctx, params), total_slots, chat_template."}}}},
     "/apply-template": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"type": "object", "required": ["messages"], "properties": {
         "model": {"type": "string"}, "messages": {"type": "array", "minItems": 1, "items": {"type": "object"}},
@@ -285,6 +324,10 @@ mod tests {
             "/tokenizer_info",
             "/completion",
             "/props",
+            "/api/chat",
+            "/api/generate",
+            "/api/embed",
+            "/api/tags",
             "/embedding",
             "/v1/files",
             "/v1/fine_tuning/jobs",
@@ -332,6 +375,10 @@ mod tests {
         use crate::serve::validate::anthropic;
         assert_eq!(props(&schemas["MessagesRequest"]), set(anthropic::accepted(false)));
         assert_eq!(props(&schemas["CountTokensRequest"]), set(anthropic::accepted(true)));
+        use crate::serve::validate::ollama;
+        assert_eq!(props(&schemas["OllamaChatRequest"]), set(ollama::CHAT));
+        assert_eq!(props(&schemas["OllamaGenerateRequest"]), set(ollama::GENERATE));
+        assert_eq!(props(&schemas["OllamaChatRequest"]["properties"]["messages"]["items"]), set(ollama::MESSAGE));
         assert_eq!(props(&schemas["ChatRequest"]["allOf"][1]["properties"]["messages"]["items"]), set(crate::serve::fields::MESSAGE));
         let job = &v["paths"]["/v1/fine_tuning/jobs"]["post"]["requestBody"]["content"]["application/json"]["schema"];
         assert_eq!(props(job), set(crate::serve::fields::JOB));

@@ -27,7 +27,7 @@ pub const GENERATE: &[&str] =
     &["model", "prompt", "suffix", "system", "template", "context", "stream", "raw", "format", "images", "options", "keep_alive", "think"];
 
 /// A message's fields.
-const MESSAGE: &[&str] = &["role", "content", "thinking", "images", "tool_calls", "tool_name"];
+pub const MESSAGE: &[&str] = &["role", "content", "thinking", "images", "tool_calls", "tool_name"];
 
 /// The sampling options, with the OpenAI (or vLLM) field each becomes.
 const SAMPLING: &[(&str, &str)] = &[
