@@ -27,7 +27,7 @@ use super::fields::{self, Fields};
 use super::served_model::ServedModel;
 use super::state::AppState;
 use super::validate;
-use super::validate::ollama::{served_name, Api};
+use super::validate::ollama::{model_name, served_name, Api};
 use super::{admission, embeddings, response};
 
 /// The version of Ollama's API these routes follow (`think`, streamed calls, `/api/embed`), which
@@ -72,7 +72,7 @@ async fn generating(st: Arc<AppState>, body: Result<Bytes, BytesRejection>, api:
         Api::Generate => v.get("prompt").is_none_or(|p| p.as_str() == Some("")),
     };
     if empty {
-        let model = model_name(&v)?;
+        let model = model_name(&Fields::of(&v)?)?;
         st.target(served_name(model))?;
         let mut o = json!({"model": model, "created_at": clock::rfc3339(SystemTime::now()), "done": true, "done_reason": "load"});
         match api {
@@ -86,10 +86,6 @@ async fn generating(st: Arc<AppState>, body: Result<Bytes, BytesRejection>, api:
     Ok(response::generate(st, req).await?)
 }
 
-fn model_name(v: &Value) -> Result<&str, ApiError> {
-    v.get("model").and_then(Value::as_str).filter(|m| !m.is_empty()).ok_or_else(|| ApiError::invalid("model", "`model` is required."))
-}
-
 /// `POST /api/embed`: `input` a string or a list of them, each embedded at unit length;
 /// `truncate` (default true) cuts a text longer than the context, else it is refused;
 /// `dimensions` as `/v1/embeddings`' (Matryoshka models).
@@ -98,7 +94,7 @@ pub async fn embed(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRej
     let v = json_body(body, st.max_body_bytes)?;
     let ignored = fields::check(&v, &["model", "input", "truncate", "dimensions", "options", "keep_alive"], "", st.lenient)?;
     let f = Fields::of(&v)?;
-    let name = model_name(&v)?;
+    let name = model_name(&f)?;
     let model = embeddings::embedding_model(&st, served_name(name))?;
     let truncate = f.bool("truncate")?.unwrap_or(true);
     let dimensions = f.integer("dimensions", 1, 1 << 20)?.map(|d| d as usize);
@@ -127,7 +123,7 @@ pub async fn embeddings(State(st): State<Arc<AppState>>, body: Result<Bytes, Byt
     let v = json_body(body, st.max_body_bytes)?;
     let ignored = fields::check(&v, &["model", "prompt", "options", "keep_alive"], "", st.lenient)?;
     let f = Fields::of(&v)?;
-    let name = model_name(&v)?;
+    let name = model_name(&f)?;
     let model = embeddings::embedding_model(&st, served_name(name))?;
     let prompt = f.string("prompt")?.ok_or_else(|| ApiError::invalid("prompt", "`prompt` must be a string."))?;
     let inputs = embeddings::inputs(&model, Some(&json!(prompt)), "prompt")?;

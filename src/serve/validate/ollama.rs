@@ -132,6 +132,11 @@ pub fn generate(v: &Value, lenient: bool) -> Result<(AsOpenAi, Vec<String>), Api
     Ok((r, ignored))
 }
 
+/// The request's `model`, which every Ollama route requires.
+pub fn model_name<'a>(f: &Fields<'a>) -> Result<&'a str, ApiError> {
+    f.string("model")?.filter(|m| !m.is_empty()).ok_or_else(|| ApiError::invalid("model", "`model` is required."))
+}
+
 /// The served model an Ollama name means: Ollama's names carry a tag, `:latest` when none is
 /// given, so `name:latest` is the served `name`.
 pub fn served_name(name: &str) -> &str {
@@ -141,7 +146,7 @@ pub fn served_name(name: &str) -> &str {
 /// What both routes share, added to `body`: `model`, `stream` (on unless turned off),
 /// `keep_alive`, `format`, `think` and `options`.
 fn common(f: &Fields, mut body: Map<String, Value>, raw: bool) -> Result<AsOpenAi, ApiError> {
-    let model = f.string("model")?.filter(|m| !m.is_empty()).ok_or_else(|| ApiError::invalid("model", "`model` is required."))?;
+    let model = model_name(f)?;
     body.insert("model".into(), json!(served_name(model)));
     body.insert("stream".into(), json!(f.bool("stream")?.unwrap_or(true)));
     keep_alive(f.value("keep_alive"))?;
