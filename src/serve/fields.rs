@@ -22,6 +22,7 @@ pub const IGNORED_HEADER: &str = "x-fsdp-app-ignored-params";
 pub const COMPLETIONS: &[&str] = &[
     "model",
     "prompt",
+    "suffix",
     "max_tokens",
     "temperature",
     "top_p",

@@ -1,5 +1,6 @@
 //! llama.cpp's server's own routes, for the scripts and front ends written against
-//! `llama-server`: `POST /completion` (and `/completions`), `GET /props`, `POST /apply-template`,
+//! `llama-server`: `POST /completion` (and `/completions`), `POST /infill` (code editors'
+//! fill-in-the-middle completion: llama.vim, llama.vscode), `GET /props`, `POST /apply-template`,
 //! `POST /embedding` (and `/embeddings`), and `/tokenize` with its `content` field
 //! (`routes::tokenize` hands such bodies here). The request reading is `validate::llama_cpp`, the
 //! answer's shape `response::llama_cpp`.
@@ -36,6 +37,13 @@ pub const APPLY_TEMPLATE: &[&str] = &["model", "messages", "tools", "chat_templa
 pub async fn completion(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let reqs = read::completions(&st, &json_body(body, st.max_body_bytes)?)?;
     response::generate_all(st, reqs).await
+}
+
+/// `POST /infill`: `/completion`'s answer to the text that fills the gap between
+/// `input_prefix` and `input_suffix` (`validate::infill`); a 400 for a model without FIM tokens.
+pub async fn infill(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let req = read::infill(&st, &json_body(body, st.max_body_bytes)?)?;
+    response::generate_all(st, vec![req]).await
 }
 
 /// `POST /embedding` (and `/embeddings`): llama.cpp's own shape, `[{"index", "embedding"}]` with

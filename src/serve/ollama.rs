@@ -67,9 +67,11 @@ pub async fn generate(State(st): State<Arc<AppState>>, body: Result<Bytes, Bytes
 async fn generating(st: Arc<AppState>, body: Result<Bytes, BytesRejection>, api: Api) -> Result<Response, OllamaError> {
     let v = json_body(body, st.max_body_bytes)?;
     // Nothing to answer (no prompt, no messages): Ollama's way of loading a model. It is loaded.
+    // A `suffix` alone is a gap to fill at the start of a file (Ollama answers it as a load).
+    let blank = |k: &str| v.get(k).is_none_or(|p| p.as_str() == Some(""));
     let empty = match api {
         Api::Chat => v.get("messages").and_then(Value::as_array).is_some_and(Vec::is_empty),
-        Api::Generate => v.get("prompt").is_none_or(|p| p.as_str() == Some("")),
+        Api::Generate => blank("prompt") && blank("suffix"),
     };
     if empty {
         let model = model_name(&Fields::of(&v)?)?;
@@ -230,6 +232,10 @@ pub async fn show(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesReje
         capabilities.extend(["completion", "tools"]);
         if m.splits_reasoning {
             capabilities.push("thinking");
+        }
+        // `suffix`: its vocabulary has the tokens to fill in the middle.
+        if m.fim.is_ok() {
+            capabilities.push("insert");
         }
     } else {
         capabilities.push("embedding");

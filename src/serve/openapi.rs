@@ -38,9 +38,15 @@ pub const SPEC: &str = r##"{
         "model": {"type": "string"}, "prompt": {"description": "One prompt (text or token ids), or a batch: a list of texts or of token-id lists; prompt i's answer j is choice i * n + j.",
           "oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
                     {"type": "array", "minItems": 1, "items": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}]}}]},
+        "suffix": {"type": "string", "description": "Fill in the middle: the text after the gap, the prompt being the text before it (a model with FIM tokens; not with echo)."},
         "echo": {"type": "boolean"}, "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}, "best_of": {"type": "integer", "minimum": 1, "maximum": 8},
         "response_format": {"type": "object", "required": ["type"], "description": "As chat's.", "properties": {"type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
           "json_schema": {"type": "object", "required": ["name", "schema"], "properties": {"name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": "boolean"}, "description": {"type": "string"}}}}}}}]},
+      "LlamaCppInfillRequest": {"allOf": [{"$ref": "#/components/schemas/LlamaCppCompletionRequest"}, {"type": "object", "required": ["input_prefix", "input_suffix"],
+        "description": "llama.cpp's server's /infill: /completion's fields, with prompt (a string) the start of the answer after input_prefix.", "properties": {
+        "input_prefix": {"type": "string", "description": "The text before the gap (its last 1,536 tokens are read)."},
+        "input_suffix": {"type": "string", "description": "The text after the gap (its first 510 tokens, less the prompt's, are read)."},
+        "input_extra": {"type": "array", "description": "Files of context, before the prefix.", "items": {"type": "object", "required": ["text"], "properties": {"filename": {"type": "string"}, "text": {"type": "string"}}}}}}]},
       "LlamaCppCompletionRequest": {"type": "object", "required": ["prompt"], "description": "llama.cpp's server's /completion, with its names and defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05, its sampler order: the cuts before the temperature). Samplers this server lacks are accepted only off.", "properties": {
         "model": {"type": "string", "description": "Default: the served base model."},
         "prompt": {"description": "One prompt (text, token ids, or both mixed), or a list of prompts (texts, or lists of ids and texts), answered with a list.",
@@ -89,9 +95,9 @@ pub const SPEC: &str = r##"{
         "tools": {"type": "array", "items": {"type": "object"}}, "format": {"oneOf": [{"type": "string", "enum": ["", "json"]}, {"type": "object"}]},
         "options": {"$ref": "#/components/schemas/OllamaOptions"}, "stream": {"type": "boolean", "description": "Default true: newline-delimited JSON objects."},
         "keep_alive": {"oneOf": [{"type": "number"}, {"type": "string", "pattern": "^-?([0-9.]+(ns|us|µs|ms|s|m|h))+$"}]}, "think": {"oneOf": [{"type": "boolean"}, {"type": "string", "enum": ["low", "medium", "high"]}]}}},
-      "OllamaGenerateRequest": {"type": "object", "required": ["model"], "description": "Ollama's /api/generate: prompt (and system) through the chat template, or with raw as it is.", "properties": {
+      "OllamaGenerateRequest": {"type": "object", "required": ["model"], "description": "Ollama's /api/generate: prompt (and system) through the chat template, with raw as it is, or with suffix between the FIM tokens.", "properties": {
         "model": {"type": "string", "minLength": 1}, "prompt": {"type": "string"}, "system": {"type": "string"}, "raw": {"type": "boolean"},
-        "suffix": {"type": "string", "maxLength": 0}, "template": {"type": "string", "maxLength": 0}, "context": {"type": "array", "maxItems": 0}, "images": {"type": "array", "maxItems": 0},
+        "suffix": {"type": "string", "description": "Fill in the middle: the text after the gap (a model with FIM tokens; not with raw or system)."}, "template": {"type": "string", "maxLength": 0}, "context": {"type": "array", "maxItems": 0}, "images": {"type": "array", "maxItems": 0},
         "format": {"oneOf": [{"type": "string", "enum": ["", "json"]}, {"type": "object"}]}, "options": {"$ref": "#/components/schemas/OllamaOptions"}, "stream": {"type": "boolean"},
         "keep_alive": {"oneOf": [{"type": "number"}, {"type": "string", "pattern": "^-?([0-9.]+(ns|us|µs|ms|s|m|h))+$"}]}, "think": {"type": "boolean"}}},
       "LlamaCppEmbeddingRequest": {"type": "object", "description": "llama.cpp's /embedding: content (or input) as /v1/embeddings' input, or ids and strings mixed in one list (one text).", "properties": {
@@ -219,6 +225,8 @@ pub const SPEC: &str = r##"{
     "/completion": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/LlamaCppCompletionRequest"}}}},
       "responses": {"200": {"description": "llama.cpp's answer object (content, tokens, stop_type, timings, ...), or an SSE stream of its events, the last with stop: true."},
         "400": {"description": "Invalid request.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}, "429": {"description": "The queue is full (Retry-After)."}}}},
+    "/infill": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/LlamaCppInfillRequest"}}}},
+      "responses": {"200": {"description": "As /completion: the text that fills the gap."}, "400": {"description": "Invalid request, or a model without fill-in-the-middle tokens (not_supported_error)."}}}},
     "/completions": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/LlamaCppCompletionRequest"}}}},
       "responses": {"200": {"description": "As /completion (llama.cpp's other name of it)."}, "400": {"description": "Invalid request."}}}},
     "/embedding": {"post": {"requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/LlamaCppEmbeddingRequest"}}}},
@@ -323,6 +331,7 @@ mod tests {
             "/detokenize",
             "/tokenizer_info",
             "/completion",
+            "/infill",
             "/props",
             "/api/chat",
             "/api/generate",
@@ -364,6 +373,9 @@ mod tests {
         let llama_tokenize = set(crate::serve::llama_cpp::TOKENIZE);
         assert_eq!(props(tokenize), set(crate::serve::fields::TOKENIZE).union(&llama_tokenize).cloned().collect());
         assert_eq!(props(&schemas["LlamaCppCompletionRequest"]), set(crate::serve::validate::llama_cpp::FIELDS));
+        let infill =
+            set(crate::serve::validate::llama_cpp::FIELDS).union(&set(crate::serve::validate::infill::INFILL_FIELDS)).cloned().collect();
+        assert_eq!(props(&schemas["LlamaCppInfillRequest"]), infill);
         let apply = &v["paths"]["/apply-template"]["post"]["requestBody"]["content"]["application/json"]["schema"];
         assert_eq!(props(apply), set(crate::serve::llama_cpp::APPLY_TEMPLATE));
         assert_eq!(props(&schemas["ChatRequest"]), with_vllm(crate::serve::fields::CHAT));

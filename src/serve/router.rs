@@ -37,6 +37,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(routes::completions))
         .route("/completion", post(llama_cpp::completion))
         .route("/completions", post(llama_cpp::completion))
+        .route("/infill", post(llama_cpp::infill))
         .route("/props", get(llama_cpp::props))
         .route("/apply-template", post(llama_cpp::apply_template))
         .route("/v1/chat/completions", post(routes::chat_completions))

@@ -16,6 +16,7 @@ use crate::embed::Pooling;
 use crate::generate::constraint::Grammars;
 use crate::generate::reasoning::{PromptThinking, ReasoningChoice, THINK_END};
 use crate::generate::ModelDefaults;
+use crate::tokenize::fim::FimTokens;
 use crate::tokenize::{tool_prompt, ChatMessage, TextTokenizer};
 
 /// The `chat_template_kwargs` of a request: more variables for the chat template.
@@ -106,6 +107,8 @@ pub struct ServedModel {
     /// The embedding sizes `dimensions` may ask for (config.json's `matryoshka_dimensions`; empty
     /// with `is_matryoshka: true`: any size up to the full one), or None: only the full size.
     pub matryoshka: Option<Vec<usize>>,
+    /// Its fill-in-the-middle tokens (`suffix`, `/infill`), or which of them it lacks.
+    pub fim: std::result::Result<FimTokens, String>,
 }
 
 impl ServedModel {
@@ -154,6 +157,7 @@ impl ServedModel {
         let thinking_end = format!("\n{THINK_END}\n\n");
         let thinking_end_ids = if splits_reasoning { tokenizer.encode(&thinking_end, false)? } else { vec![] };
         let tool_format = settings.tool_parser.format(template, |t| tokenizer.token_id(t)).map_err(|e| anyhow::anyhow!("{source}: {e}"))?;
+        let fim = FimTokens::of(&tokenizer);
         let engine = engine::start(loaded.model, tokenizer.clone(), eos, settings.engine, settings.metrics.clone());
         let max_total_tokens = settings.limit_total.unwrap_or(context).min(context);
         Ok(Self {
@@ -174,6 +178,7 @@ impl ServedModel {
             pooling,
             tool_format,
             matryoshka,
+            fim,
         })
     }
 

@@ -1,6 +1,7 @@
 //! Text <-> token ids with the model's own `tokenizer.json`, and its special tokens.
 
 pub mod chat;
+pub mod fim;
 pub mod tool_prompt;
 
 use std::path::Path;

@@ -112,3 +112,20 @@ pub fn write_tiny_gguf(smollm2: &Path, format: GgmlDType, out: &Path) -> HashMap
     gguf_file::write(&mut file, &meta_refs, &tensor_refs).unwrap();
     reference
 }
+
+/// A copy of the GGUF at `source` with some tokens' texts replaced (`renames`: id and text), its
+/// other metadata and tensors as they are.
+pub fn with_renamed_tokens(source: &Path, renames: &[(usize, String)], out: &Path) {
+    let mut f = std::fs::File::open(source).unwrap();
+    let content = gguf_file::Content::read(&mut f).unwrap();
+    let mut metadata = content.metadata.clone();
+    let Some(Value::Array(tokens)) = metadata.get_mut("tokenizer.ggml.tokens") else { panic!("{}: no token list", source.display()) };
+    for (id, text) in renames {
+        tokens[*id] = Value::String(text.clone());
+    }
+    let tensors: Vec<(String, QTensor)> =
+        content.tensor_infos.keys().map(|name| (name.clone(), content.tensor(&mut f, name, &Device::Cpu).unwrap())).collect();
+    let meta_refs: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut std::fs::File::create(out).unwrap(), &meta_refs, &tensor_refs).unwrap();
+}

@@ -129,7 +129,18 @@ pub struct Echo {
 
 /// `/completion`: one request per prompt (llama.cpp's list of prompts runs each as its own task).
 pub fn completions(st: &AppState, v: &Value) -> Result<Vec<ValidatedRequest>, ApiError> {
-    let mut ignored = fields::check(v, FIELDS, "", st.lenient)?;
+    requests(st, v, false)
+}
+
+/// `/infill`: `/completion`'s request whose prompt fills in the middle (`infill::llama_cpp`).
+pub fn infill(st: &AppState, v: &Value) -> Result<ValidatedRequest, ApiError> {
+    Ok(requests(st, v, true)?.pop().expect("one prompt"))
+}
+
+/// `/completion`'s requests, or with `infill` `/infill`'s one.
+fn requests(st: &AppState, v: &Value, infill: bool) -> Result<Vec<ValidatedRequest>, ApiError> {
+    let accepted: &[&[&str]] = if infill { &[FIELDS, super::infill::INFILL_FIELDS] } else { &[FIELDS] };
+    let mut ignored = fields::check_lists(v, accepted, "", st.lenient)?;
     let f = Fields::of(v)?;
     switched_off(&f)?;
     if f.value("lora").is_some_and(|l| l.as_array().is_none_or(|a| !a.is_empty())) {
@@ -171,7 +182,14 @@ pub fn completions(st: &AppState, v: &Value) -> Result<Vec<ValidatedRequest>, Ap
     let return_tokens = f.bool("return_tokens")?.unwrap_or(false);
     let n_probs = s.params.logprobs.unwrap_or(0);
     let requested = requested_format(st, &body, &mut ignored)?;
-    let prompts = prompts(&model, f.value("prompt"))?;
+    let prompts = match infill {
+        false => prompts(&model, f.value("prompt"))?,
+        true => {
+            let fim = super::infill::llama_cpp(&model, &f)?;
+            s.params.output.stop_token_ids.extend(fim.ends);
+            vec![fim.ids]
+        }
+    };
     let settings = settings(&model, &f, &s.params, s.max_tokens, s.stream)?;
     let response_fields = response_fields(f.value("response_fields"))?;
     super::batch(st, prompts, |index, prompt_ids| {

@@ -6,6 +6,7 @@
 //! request for what it asked (the queue may still be full: 429).
 
 pub mod anthropic;
+pub mod infill;
 pub mod llama_cpp;
 mod no_op;
 pub mod ollama;
@@ -164,9 +165,16 @@ fn completion(st: &AppState, v: &Value, target: Target, prompt: Prompt, mut igno
     let mut s = sampling::parse(v, &model.defaults, false)?;
     s.params.logit_bias = sampling::logit_bias(v, model.vocab)?;
     s.params.output.stop_token_ids = sampling::stop_token_ids(v, model.vocab)?;
-    let (prompt_ids, text) = match prompt {
-        Prompt::Text(t) => (model.tokenizer.encode(&t, true).map_err(|e| ApiError::bad_request(format!("{e:#}")))?, t),
-        Prompt::Tokens(ids) => {
+    let (prompt_ids, text) = match (prompt, Fields::of(v)?.string("suffix")?) {
+        // Fill in the middle: the prompt is the text before the gap.
+        (_, Some(_)) if s.echo => return Err(ApiError::invalid("echo", "`echo` cannot be combined with `suffix`.")),
+        (prefix, Some(suffix)) => {
+            let fim = infill::around(&model, prefix, suffix, "suffix")?;
+            s.params.output.stop_token_ids.extend(fim.ends);
+            (fim.ids, String::new())
+        }
+        (Prompt::Text(t), None) => (model.tokenizer.encode(&t, true).map_err(|e| ApiError::bad_request(format!("{e:#}")))?, t),
+        (Prompt::Tokens(ids), None) => {
             let t = model.tokenizer.decode(&ids, false).unwrap_or_default();
             (ids, t)
         }

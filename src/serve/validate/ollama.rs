@@ -66,7 +66,7 @@ const OFF_AT: &[(&str, f64)] = &[("typical_p", 1.0), ("tfs_z", 1.0), ("mirostat"
 
 /// An Ollama request as the OpenAI checks take it.
 pub struct AsOpenAi {
-    /// A chat body, or with `raw` a completion body.
+    /// A chat body, or (`raw`) a completion body: `raw` or `suffix` asked for one.
     pub body: Value,
     pub raw: bool,
     /// What `think` asked: on, off, or the model's own choice.
@@ -99,9 +99,6 @@ pub fn generate(v: &Value, lenient: bool) -> Result<(AsOpenAi, Vec<String>), Api
     let ignored = fields::check(v, GENERATE, "", lenient)?;
     let f = Fields::of(v)?;
     let not_here = |k: &str, why: &str| ApiError::invalid(k, format!("`{k}` is not supported by this server (fsdp-app): {why}."));
-    if f.string("suffix")?.is_some_and(|s| !s.is_empty()) {
-        return Err(not_here("suffix", "the served model is not set up to fill in the middle"));
-    }
     if f.string("template")?.is_some_and(|s| !s.is_empty()) {
         return Err(not_here("template", "prompts are rendered with the model's own chat template; send `raw` with the prompt you want"));
     }
@@ -114,8 +111,23 @@ pub fn generate(v: &Value, lenient: bool) -> Result<(AsOpenAi, Vec<String>), Api
     let prompt = f.string("prompt")?.unwrap_or("");
     let raw = f.bool("raw")?.unwrap_or(false);
     let system = f.string("system")?;
+    // Fill in the middle: `prompt` is the text before the gap, sent as a completion with the
+    // model's FIM tokens around it (as the templates of Ollama's code models do with `.Suffix`).
+    let suffix = f.string("suffix")?.filter(|s| !s.is_empty());
     let mut body = Map::new();
-    if raw {
+    if let Some(suffix) = suffix {
+        if raw {
+            return Err(ApiError::invalid(
+                "raw",
+                "`raw` sends `prompt` as it is, and `suffix` lays it out for filling in the middle: send one.",
+            ));
+        }
+        if system.is_some() {
+            return Err(ApiError::invalid("system", "`system` goes into the chat template, which `suffix` leaves out."));
+        }
+        body.insert("prompt".into(), json!(prompt));
+        body.insert("suffix".into(), json!(suffix));
+    } else if raw {
         if system.is_some() {
             return Err(ApiError::invalid("system", "`system` goes into the chat template, which `raw` leaves out: put it in `prompt`."));
         }
@@ -125,9 +137,9 @@ pub fn generate(v: &Value, lenient: bool) -> Result<(AsOpenAi, Vec<String>), Api
         let user = json!({"role": "user", "content": prompt});
         body.insert("messages".into(), Value::Array(system.into_iter().chain([user]).collect()));
     }
-    let r = common(&f, body, raw)?;
-    if raw && r.think.is_some() {
-        return Err(ApiError::invalid("think", "`think` goes into the chat template, which `raw` leaves out."));
+    let r = common(&f, body, raw || suffix.is_some())?;
+    if r.raw && r.think.is_some() {
+        return Err(ApiError::invalid("think", "`think` goes into the chat template, which `raw` and `suffix` leave out."));
     }
     Ok((r, ignored))
 }
@@ -399,14 +411,21 @@ mod tests {
     }
 
     #[test]
-    fn generate_is_a_chat_unless_raw() {
+    fn generate_is_a_chat_unless_raw_or_filling_in_the_middle() {
         let (r, _) = generate(&json!({"model": "m", "prompt": "p", "system": "s", "stream": false}), false).unwrap();
         assert_eq!(r.body["messages"], json!([{"role": "system", "content": "s"}, {"role": "user", "content": "p"}]));
         let (r, _) = generate(&json!({"model": "m", "prompt": "p", "raw": true}), false).unwrap();
         assert!(r.raw && r.body["prompt"] == "p" && r.body.get("messages").is_none());
-        for (k, x) in
-            [("suffix", json!("s")), ("template", json!("t")), ("context", json!([1])), ("images", json!(["i"])), ("images", json!("i"))]
-        {
+        // `suffix`: a completion that fills in the middle; with `raw`, `system` or `think`, refused.
+        let (r, _) = generate(&json!({"model": "m", "prompt": "p", "suffix": "s"}), false).unwrap();
+        assert!(r.raw && r.body["prompt"] == "p" && r.body["suffix"] == "s");
+        let (r, _) = generate(&json!({"model": "m", "prompt": "p", "suffix": ""}), false).unwrap();
+        assert!(!r.raw, "an empty suffix is none, as Ollama reads it");
+        for (k, x) in [("raw", json!(true)), ("system", json!("s")), ("think", json!(true))] {
+            let e = generate(&json!({"model": "m", "prompt": "p", "suffix": "s", k: x}), false).err().unwrap();
+            assert_eq!(e.param.as_deref(), Some(k));
+        }
+        for (k, x) in [("template", json!("t")), ("context", json!([1])), ("images", json!(["i"])), ("images", json!("i"))] {
             let e = generate(&json!({"model": "m", "prompt": "p", k: x}), false).err().unwrap();
             assert_eq!(e.param.as_deref(), Some(k));
         }
