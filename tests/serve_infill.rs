@@ -152,6 +152,66 @@ fn infill_prompts_are_llama_servers() {
     }
 }
 
+/// llama.vim's request as it sends it (llama.vim's `llama#fim`): its chunks' `time`, its
+/// code-completion limits and `response_fields` are taken; its `infill` sampler is skipped and
+/// named in the ignored-fields header.
+#[test]
+fn llama_vims_request_is_answered() {
+    let tmp = tempfile::tempdir().unwrap();
+    let server = Server::start(&fim_model(tmp.path()), &[]);
+    let body = json!({
+        "input_prefix": PREFIX, "input_suffix": SUFFIX, "prompt": "",
+        "input_extra": [{"text": "def sub(a, b):\n    return a - b\n", "time": 1732990000.5, "filename": "util.py"}],
+        "n_predict": 16, "n_indent": 4, "top_k": 40, "top_p": 0.99, "stream": false, "samplers": ["top_k", "top_p", "infill"],
+        "cache_prompt": true, "t_max_prompt_ms": 500, "t_max_predict_ms": 1000,
+        "response_fields": ["content", "timings/prompt_n", "timings/predicted_n", "truncated", "tokens_cached"],
+    });
+    let r = ureq::post(&server.url("/infill")).set("Content-Type", "application/json").send_string(&body.to_string()).unwrap();
+    assert_eq!(r.header("x-fsdp-app-ignored-params"), Some("samplers[2]"));
+    let answer: Value = serde_json::from_str(&r.into_string().unwrap()).unwrap();
+    let mut keys: Vec<&String> = answer.as_object().unwrap().keys().collect();
+    keys.sort();
+    assert_eq!(keys, ["content", "timings/predicted_n", "timings/prompt_n", "tokens_cached", "truncated"], "{answer}");
+}
+
+/// llama.cpp's code-completion limits, on the text a grammar makes the model write: `n_indent`
+/// ends the answer at a line indented less (its indentation kept), `t_max_predict_ms` ends one
+/// that holds a new line once it has run that long.
+#[test]
+fn n_indent_and_t_max_predict_ms_end_the_answer_as_llama_cpps() {
+    let tmp = tempfile::tempdir().unwrap();
+    let server = Server::start(&fim_model(tmp.path()), &[]);
+    let completion = |extra: Value| {
+        let mut body = json!({"prompt": "x", "n_predict": 40, "temperature": 0, "grammar": "root ::= \"if a:\\n    b = 1\\n  c\" [a-z]*"});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        post_json(&server.url("/completion"), &body)
+    };
+    let free = completion(json!({}));
+    assert!(free["content"].as_str().unwrap().starts_with("if a:\n    b = 1\n  c"), "{free}");
+    let cut = completion(json!({"n_indent": 4}));
+    assert_eq!((&cut["content"], &cut["stop_type"]), (&json!("if a:\n    b = 1\n  "), &json!("limit")), "{cut}");
+    assert_eq!(completion(json!({"n_indent": 2}))["content"], free["content"]);
+    // Streamed, the same text up to the cut.
+    let events = sse(
+        &server.url("/completion"),
+        &json!({"prompt": "x", "n_predict": 40, "temperature": 0, "stream": true, "n_indent": 4,
+                                                        "grammar": "root ::= \"if a:\\n    b = 1\\n  c\" [a-z]*"}),
+    );
+    let streamed: String =
+        events.iter().map(|e| serde_json::from_str::<Value>(e).unwrap()["content"].as_str().unwrap().to_string()).collect();
+    assert_eq!(streamed, "if a:\n    b = 1\n  ");
+
+    // The time limit counts once the answer holds a new line.
+    let timed = completion(json!({"t_max_predict_ms": 1, "grammar": "root ::= \"ab\\n\" [a-z]*"}));
+    let text = timed["content"].as_str().unwrap();
+    assert_eq!(timed["stop_type"], "limit", "{timed}");
+    assert!(text.contains('\n') && timed["tokens_predicted"].as_u64().unwrap() < 40, "{timed}");
+    let untimed = completion(json!({"grammar": "root ::= \"ab\\n\" [a-z]*"}));
+    assert_eq!(untimed["tokens_predicted"], 40, "{untimed}");
+    let one_line = completion(json!({"t_max_predict_ms": 1, "grammar": "root ::= [a-z]*"}));
+    assert_eq!((&one_line["tokens_predicted"], &one_line["stop_type"]), (&json!(40), &json!("limit")), "{one_line}");
+}
+
 /// The `openai` and `ollama` packages' `suffix` (tests/infill_clients.py).
 #[test]
 fn the_openai_and_ollama_clients_fill_in_the_middle() {

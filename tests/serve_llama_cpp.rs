@@ -200,7 +200,7 @@ fn llama_cpp_requests_are_refused_by_field() {
         (json!({"typical_p": 0.5}), "typical_p"),
         (json!({"dry_multiplier": 0.8}), "dry_multiplier"),
         (json!({"xtc_probability": 0.5}), "xtc_probability"),
-        (json!({"id_slot": 3}), "id_slot"),
+        (json!({"id_slot": 1000}), "id_slot"),
         (json!({"lora": [{"id": 0, "scale": 1.0}]}), "lora"),
         (json!({"n_predict": 0}), "n_predict"),
         (json!({"n_predict": 100000}), "n_predict"),
@@ -227,7 +227,7 @@ fn llama_cpp_requests_are_refused_by_field() {
     // Inert fields are taken: the samplers they tune are off, the cache is always used.
     let taken = completion(
         &server,
-        json!({"prompt": PROMPT, "n_predict": 2, "cache_prompt": true, "id_slot": -1, "dry_base": 1.75, "mirostat": 0,
+        json!({"prompt": PROMPT, "n_predict": 2, "cache_prompt": true, "id_slot": 0, "dry_base": 1.75, "mirostat": 0,
                "typical_p": 1.0, "min_keep": 0, "n_keep": 0, "grammar": "", "lora": []}),
     );
     assert_eq!(taken["tokens_predicted"], 2);

@@ -166,6 +166,12 @@ pub struct OutputControls {
     /// For a reasoning model's answer: the most tokens its thinking may take before the thinking
     /// is closed for it (Anthropic's `thinking.budget_tokens`).
     pub thinking_budget: Option<reasoning::ThinkingBudget>,
+    /// Code completion (llama.cpp's `n_indent`): a line after the answer's first that starts
+    /// with fewer spaces or tabs than this ends the answer there (finish `length`); 0: off.
+    pub min_indent: usize,
+    /// Code completion (llama.cpp's `t_max_predict_ms`): once the answer holds a new line, it
+    /// ends (finish `length`) when it has been generating for longer than this.
+    pub max_predict_time: Option<std::time::Duration>,
 }
 
 impl Default for OutputControls {
@@ -179,6 +185,8 @@ impl Default for OutputControls {
             spaces_between_special_tokens: true,
             cumulative_logprob: false,
             thinking_budget: None,
+            min_indent: 0,
+            max_predict_time: None,
         }
     }
 }

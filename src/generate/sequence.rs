@@ -52,6 +52,8 @@ pub struct Sequence {
     thinking: Option<Thinking>,
     /// The LoRA adapter this sequence runs with over the base (multi-LoRA serving), if any.
     pub(super) adapter: Option<Arc<ServingAdapter>>,
+    /// When its first token was sampled (`OutputControls::max_predict_time` counts from there).
+    generating_since: Option<std::time::Instant>,
 }
 
 /// Where a reasoning model's answer is: in its thinking or past it.
@@ -153,7 +155,8 @@ impl Sequence {
             sampler: params.sampler(params.seed),
             params: params.clone(),
             cache: KvCache::new(model.config()),
-            stream: TextStream::new(params.stop.clone(), params.output.include_stop_str_in_output),
+            stream: TextStream::new(params.stop.clone(), params.output.include_stop_str_in_output)
+                .with_min_indent(params.output.min_indent),
             eos_ids: eos_ids.clone(),
             context: prompt_ids.to_vec(),
             prompt_len: prompt_ids.len(),
@@ -170,6 +173,7 @@ impl Sequence {
             stopped_by: None,
             ended_by_eos: None,
             adapter: None,
+            generating_since: None,
         })
     }
 
@@ -476,12 +480,14 @@ impl Sequence {
             }
         }
         let step = self.stream.push(full, check_stops);
-        if step.stopped.is_some() {
-            self.finish = Some(FinishReason::Stop);
+        if step.stopped.is_some() || step.under_indented {
+            self.finish = Some(if step.under_indented { FinishReason::Length } else { FinishReason::Stop });
             self.stopped_by = step.stopped;
             return Ok(SequenceStep { text: step.text, token: Some(next), logprob, finished: self.finish, ..Default::default() });
         }
-        if stop_token || self.generated.len() >= self.budget {
+        let since = *self.generating_since.get_or_insert_with(std::time::Instant::now);
+        let out_of_time = self.params.output.max_predict_time.is_some_and(|t| since.elapsed() > t && full.contains('\n'));
+        if stop_token || out_of_time || self.generated.len() >= self.budget {
             let reason = if stop_token { FinishReason::Stop } else { FinishReason::Length };
             let mut out = self.end(reason, Some(next));
             out.text = step.text + &out.text;

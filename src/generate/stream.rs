@@ -1,5 +1,6 @@
 //! Turning generated token ids into text as it is produced: never emit broken UTF-8, stop at stop
-//! strings that may span several tokens, and hold back text that could still become a stop string.
+//! strings that may span several tokens, hold back text that could still become a stop string,
+//! and (code completion) stop at a line indented less than the answer's first.
 
 /// Outcome of adding one token.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -9,6 +10,9 @@ pub struct StreamStep {
     /// The stop string completed, if one was; `text` ends right before it (or after it, with
     /// `include_stop`).
     pub stopped: Option<String>,
+    /// A line started less indented than `min_indent`: `text` ends at its first character that
+    /// is not a space or a tab (its indentation kept), and the answer with it.
+    pub under_indented: bool,
 }
 
 /// Tracks the decoded text of the generated tokens. `decode` turns all generated ids into text;
@@ -18,12 +22,20 @@ pub struct TextStream {
     stop: Vec<String>,
     /// The stop string that ends the text stays in it (vLLM's `include_stop_str_in_output`).
     include_stop: bool,
+    /// llama.cpp's `n_indent` (0: off): each line after the first must start with at least this
+    /// many spaces or tabs, or the text ends there.
+    min_indent: usize,
     emitted: usize,
 }
 
 impl TextStream {
     pub fn new(stop: Vec<String>, include_stop: bool) -> Self {
-        Self { stop: stop.into_iter().filter(|s| !s.is_empty()).collect(), include_stop, emitted: 0 }
+        Self { stop: stop.into_iter().filter(|s| !s.is_empty()).collect(), include_stop, min_indent: 0, emitted: 0 }
+    }
+
+    /// The text ends at a line (after its first) indented less than `min_indent` spaces or tabs.
+    pub fn with_min_indent(self, min_indent: usize) -> Self {
+        Self { min_indent, ..self }
     }
 
     /// `full` is the decoding of every generated token so far; `check_stops`: whether a stop
@@ -34,7 +46,7 @@ impl TextStream {
         if !check_stops {
             let text = complete.get(self.emitted..).unwrap_or("").to_string();
             self.emitted = self.emitted.max(complete.len());
-            return StreamStep { text, stopped: None };
+            return StreamStep { text, stopped: None, under_indented: false };
         }
         let search_from = self.emitted.saturating_sub(self.stop.iter().map(String::len).max().unwrap_or(0));
         let search_from = floor_char_boundary(complete, search_from);
@@ -55,12 +67,17 @@ impl TextStream {
             let end = if self.include_stop { at + len } else { at };
             let text = complete.get(self.emitted..end).unwrap_or("").to_string();
             self.emitted = self.emitted.max(end);
-            return StreamStep { text, stopped: Some(matched) };
+            return StreamStep { text, stopped: Some(matched), under_indented: false };
+        }
+        if let Some(cut) = self.under_indented(complete).filter(|&cut| cut >= self.emitted) {
+            let text = complete[self.emitted..cut].to_string();
+            self.emitted = cut;
+            return StreamStep { text, stopped: None, under_indented: true };
         }
         let safe_end = complete.len() - self.held_back(complete);
         let text = if safe_end > self.emitted { complete[self.emitted..safe_end].to_string() } else { String::new() };
         self.emitted = self.emitted.max(safe_end);
-        StreamStep { text, stopped: None }
+        StreamStep { text, stopped: None, under_indented: false }
     }
 
     /// Everything not yet emitted, at the end of generation (no more tokens will come).
@@ -74,6 +91,28 @@ impl TextStream {
     /// The text emitted so far (a prefix of `full`).
     pub fn emitted_text(&self, full: &str) -> String {
         full.get(..self.emitted).unwrap_or(full).to_string()
+    }
+
+    /// Where the first line after a new line that starts less indented than `min_indent`
+    /// starts its text: the offset of its first character that is not a space or a tab (an
+    /// empty line's new line counts, as in llama.cpp). None while every line is indented enough,
+    /// or the last is only spaces so far.
+    fn under_indented(&self, text: &str) -> Option<usize> {
+        if self.min_indent == 0 {
+            return None;
+        }
+        let mut line_start = text.find('\n')? + 1;
+        loop {
+            let line = &text[line_start..];
+            let indent = line.len() - line.trim_start_matches([' ', '\t']).len();
+            if indent == line.len() {
+                return None;
+            }
+            if indent < self.min_indent {
+                return Some(line_start + indent);
+            }
+            line_start += line.find('\n')? + 1;
+        }
     }
 
     /// Length of the longest suffix of `text` that is a proper prefix of some stop string.
@@ -155,6 +194,32 @@ mod tests {
         let (out, stopped) = run(&["a<", "b"], &["<|end|>"]);
         assert!(!stopped);
         assert_eq!(out, vec!["a".to_string(), "<b".to_string(), String::new()]);
+    }
+
+    /// llama.cpp's `n_indent`: the first line is free; a later one indented less (an empty line
+    /// too) ends the text at its first character, its indentation kept.
+    #[test]
+    fn a_line_indented_less_than_n_indent_ends_the_text() {
+        let run = |pieces: &[&str], min: usize| {
+            let mut s = TextStream::new(vec![], false).with_min_indent(min);
+            let (mut full, mut out) = (String::new(), String::new());
+            for p in pieces {
+                full.push_str(p);
+                let step = s.push(&full, true);
+                out.push_str(&step.text);
+                if step.under_indented {
+                    return (out, true);
+                }
+            }
+            out.push_str(&s.finish(&full));
+            (out, false)
+        };
+        assert_eq!(run(&["x = 1", "\n    y", " = 2\n", "  ", "z = 3"], 4), ("x = 1\n    y = 2\n  ".to_string(), true));
+        assert_eq!(run(&["return a\n", "\n", "def f():"], 4), ("return a\n".to_string(), true));
+        assert_eq!(run(&["a\n\tb\n    c"], 1), ("a\n\tb\n    c".to_string(), false));
+        assert_eq!(run(&["a\nb"], 0), ("a\nb".to_string(), false));
+        // Spaces alone are not yet a line's start: shown, and the next piece decides.
+        assert_eq!(run(&["a\n ", " b"], 2), ("a\n  b".to_string(), false));
     }
 
     #[test]

@@ -46,7 +46,7 @@ pub const SPEC: &str = r##"{
         "description": "llama.cpp's server's /infill: /completion's fields, with prompt (a string) the start of the answer after input_prefix.", "properties": {
         "input_prefix": {"type": "string", "description": "The text before the gap (its last 1,536 tokens are read)."},
         "input_suffix": {"type": "string", "description": "The text after the gap (its first 510 tokens, less the prompt's, are read)."},
-        "input_extra": {"type": "array", "description": "Files of context, before the prefix.", "items": {"type": "object", "required": ["text"], "properties": {"filename": {"type": "string"}, "text": {"type": "string"}}}}}}]},
+        "input_extra": {"type": "array", "description": "Files of context, before the prefix.", "items": {"type": "object", "required": ["text"], "properties": {"filename": {"type": "string"}, "text": {"type": "string"}, "time": {"type": "number", "description": "llama.vim's; changes nothing."}}}}}}]},
       "LlamaCppCompletionRequest": {"type": "object", "required": ["prompt"], "description": "llama.cpp's server's /completion, with its names and defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05, its sampler order: the cuts before the temperature). Samplers this server lacks are accepted only off.", "properties": {
         "model": {"type": "string", "description": "Default: the served base model."},
         "prompt": {"description": "One prompt (text, token ids, or both mixed), or a list of prompts (texts, or lists of ids and texts), answered with a list.",
@@ -62,7 +62,7 @@ pub const SPEC: &str = r##"{
         "grammar": {"type": "string", "description": "GBNF (or Lark); empty: none."}, "json_schema": {"type": "object"},
         "logit_bias": {"oneOf": [{"type": "array", "items": {"type": "array", "minItems": 2, "maxItems": 2}}, {"type": "object"}], "description": "[[token id or text, bias or false]], or an object."},
         "samplers": {"type": "array", "items": {"type": "string", "enum": ["penalties", "top_k", "top_p", "min_p", "temperature", "dry", "typ_p", "typical_p", "xtc", "top_n_sigma", "infill", "mirostat"]}},
-        "return_tokens": {"type": "boolean"}, "id_slot": {"type": "integer", "enum": [-1]}, "cache_prompt": {"type": "boolean", "description": "Accepted: the prefix cache is always on."},
+        "return_tokens": {"type": "boolean"}, "id_slot": {"type": "integer", "minimum": -1, "description": "-1 or a slot below /props' total_slots: changes nothing (the prefix cache reuses any prompt)."}, "cache_prompt": {"type": "boolean", "description": "Accepted: the prefix cache is always on."},
         "n_keep": {"type": "integer", "minimum": -1, "description": "Accepted: the context is never shifted."}, "n_discard": {"type": "integer", "minimum": 0},
         "n_cmpl": {"type": "integer", "enum": [1]}, "min_keep": {"type": "integer", "minimum": 0, "maximum": 1},
         "post_sampling_probs": {"type": "boolean", "enum": [false]}, "timings_per_token": {"type": "boolean", "enum": [false]}, "return_progress": {"type": "boolean", "enum": [false]}, "response_fields": {"type": "array", "items": {"type": "string"}, "description": "Only these fields in the answer (paths as timings/predicted_n, each under its path)."},
@@ -71,7 +71,9 @@ pub const SPEC: &str = r##"{
         "mirostat": {"type": "integer", "enum": [0]}, "mirostat_tau": {"type": "number"}, "mirostat_eta": {"type": "number"},
         "dry_multiplier": {"type": "number", "maximum": 0}, "dry_base": {"type": "number"}, "dry_allowed_length": {"type": "integer"}, "dry_penalty_last_n": {"type": "integer"},
         "dry_sequence_breakers": {"type": "array", "items": {"type": "string"}}, "xtc_probability": {"type": "number", "maximum": 0}, "xtc_threshold": {"type": "number"},
-        "top_n_sigma": {"type": "number", "maximum": 0}, "t_max_predict_ms": {"type": "integer", "maximum": 0}, "n_indent": {"type": "integer", "maximum": 0}}},
+        "top_n_sigma": {"type": "number", "maximum": 0}, "t_max_predict_ms": {"type": "integer", "description": "Once the answer has a new line, it ends when it has been generating longer than this (ms; 0: no limit)."},
+        "n_indent": {"type": "integer", "description": "A line after the answer's first starting with fewer spaces or tabs ends it there (0: off)."},
+        "t_max_prompt_ms": {"type": "integer", "description": "Changes nothing (llama.cpp does not use it either)."}}},
       "EmbeddingsRequest": {"type": "object", "required": ["input"], "properties": {
         "model": {"type": "string"},
         "input": {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "maxItems": 2048, "items": {"type": "string", "minLength": 1}},

@@ -79,8 +79,12 @@ fn context_files(v: Option<&Value>) -> Result<Vec<ContextFile>, ApiError> {
         .map(|(i, item)| {
             let at = format!("{P}[{i}]");
             let Value::Object(o) = item else { return Err(ApiError::invalid(&at, format!("`{at}` must be an object."))) };
-            if let Some(k) = o.keys().find(|k| !["filename", "text"].contains(&k.as_str())) {
-                return Err(ApiError::invalid(&format!("{at}.{k}"), format!("`{at}` takes `filename` and `text` only.")));
+            // llama.vim stamps each chunk with the `time` it was picked; it does not change the prompt.
+            if let Some(k) = o.keys().find(|k| !["filename", "text", "time"].contains(&k.as_str())) {
+                return Err(ApiError::invalid(&format!("{at}.{k}"), format!("`{at}` takes `filename`, `text` and `time` only.")));
+            }
+            if o.get("time").is_some_and(|t| !t.is_number() && !t.is_null()) {
+                return Err(ApiError::invalid(&format!("{at}.time"), "`time` must be a number."));
             }
             let text = match o.get("text") {
                 Some(Value::String(t)) => t.clone(),

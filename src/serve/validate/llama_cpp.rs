@@ -84,8 +84,12 @@ pub const FIELDS: &[&str] = &[
     "xtc_probability",
     "xtc_threshold",
     "top_n_sigma",
-    "t_max_predict_ms",
+    // Code completion's limits (llama.vim, llama.vscode): the answer's least indentation after
+    // its first line, and its generating time once it has a new line; the prompt's time limit
+    // changes nothing (llama.cpp reads it and does not use it either).
     "n_indent",
+    "t_max_predict_ms",
+    "t_max_prompt_ms",
 ];
 
 /// Whether a switch's value leaves its sampler off.
@@ -100,13 +104,12 @@ const OFF_AT: &[(&str, &str, IsOff)] = &[
     ("dry_multiplier", "0", |x| x <= 0.0),
     ("xtc_probability", "0", |x| x <= 0.0),
     ("top_n_sigma", "-1", |x| x <= 0.0),
-    ("t_max_predict_ms", "0", |x| x <= 0.0),
-    ("n_indent", "0", |x| x <= 0.0),
     ("min_keep", "0 or 1", |x| x <= 1.0),
     ("n_cmpl", "1", |x| x == 1.0),
 ];
 
-/// Samplers a chain may name that are off here (their switch in [`OFF_AT`] is off).
+/// Samplers a chain may name that do not run here: off (their switch in [`OFF_AT`] is off), or
+/// `infill` (skipped, and named in the ignored-fields header).
 const OFF_SAMPLERS: &[&str] = &["dry", "typ_p", "typical_p", "xtc", "top_n_sigma", "infill", "mirostat"];
 
 /// What a `/completion` answer repeats beside the text.
@@ -147,10 +150,11 @@ fn requests(st: &AppState, v: &Value, infill: bool) -> Result<Vec<ValidatedReque
         let message = "Per-request `lora` scales are not supported: name the adapter in `model` (as in `/v1/models`).";
         return Err(ApiError::invalid("lora", message));
     }
-    if let Some(slot) = f.integer("id_slot", i64::MIN, i64::MAX)?.filter(|&s| s != -1) {
-        let message = format!(
-            "`id_slot` {slot}: this server has no slots to pin (its prefix cache reuses any request's prompt); send -1 or leave it out."
-        );
+    // A slot is where llama.cpp keeps a prompt to reuse; here the prefix cache reuses any
+    // request's prompt in any slot, so naming one of `/props`' `total_slots` changes nothing.
+    let slots = st.max_concurrent as i64;
+    if let Some(slot) = f.integer("id_slot", i64::MIN, i64::MAX)?.filter(|&s| s != -1 && !(0..slots).contains(&s)) {
+        let message = format!("`id_slot` {slot}: this server's slots are 0 to {} (-1: any).", slots - 1);
         return Err(ApiError::invalid("id_slot", message));
     }
     for (k, why) in [
@@ -165,6 +169,7 @@ fn requests(st: &AppState, v: &Value, infill: bool) -> Result<Vec<ValidatedReque
     // Taken without effect, but type-checked: the prefix cache is always on, and the context is
     // never shifted (a prompt too long is refused), so nothing is kept or discarded.
     let _ = (f.bool("cache_prompt")?, f.integer("n_keep", -1, i64::MAX)?, f.integer("n_discard", 0, i64::MAX)?);
+    let _ = f.integer("t_max_prompt_ms", i64::MIN, i64::MAX)?;
     let body = as_completion(&f)?;
     let target = Target::of(st, &body)?;
     let model = target.model.clone();
@@ -172,6 +177,12 @@ fn requests(st: &AppState, v: &Value, infill: bool) -> Result<Vec<ValidatedReque
         ModelDefaults { temperature: DEFAULT_TEMPERATURE, top_k: None, top_p: None, repetition_penalty: 1.0, ..model.defaults.clone() };
     let mut s = sampling::parse(&body, &defaults, false).map_err(renamed)?;
     s.params.chain = Some(chain(&f)?);
+    s.params.output.min_indent = f.integer("n_indent", i64::MIN, u32::MAX as i64)?.unwrap_or(0).max(0) as usize;
+    let max_predict_ms = f.integer("t_max_predict_ms", i64::MIN, u32::MAX as i64)?.filter(|&t| t > 0);
+    s.params.output.max_predict_time = max_predict_ms.map(|t| std::time::Duration::from_millis(t as u64));
+    // llama.cpp's infill sampler (merging candidates that begin one another) is not one of this
+    // server's: named in the chain, it is skipped, and said so.
+    ignored.extend(chain_names(&f)?.iter().enumerate().filter(|(_, n)| **n == "infill").map(|(i, _)| format!("samplers[{i}]")));
     let repeat_last_n = f.integer("repeat_last_n", -1, i64::MAX)?.unwrap_or(DEFAULT_REPEAT_LAST_N);
     s.params.penalty_last_n = Some(if repeat_last_n < 0 { usize::MAX } else { repeat_last_n as usize });
     if !chain_names(&f)?.contains(&"penalties") {

@@ -150,8 +150,7 @@ fn output_controls(f: &Fields, max_tokens: Option<usize>) -> Result<OutputContro
         include_stop_str_in_output: f.bool("include_stop_str_in_output")?.unwrap_or(defaults.include_stop_str_in_output),
         skip_special_tokens: f.bool("skip_special_tokens")?.unwrap_or(defaults.skip_special_tokens),
         spaces_between_special_tokens: f.bool("spaces_between_special_tokens")?.unwrap_or(defaults.spaces_between_special_tokens),
-        cumulative_logprob: false,
-        thinking_budget: None,
+        ..defaults
     })
 }
 
