@@ -153,8 +153,7 @@ fn infill_prompts_are_llama_servers() {
 }
 
 /// llama.vim's request as it sends it (llama.vim's `llama#fim`): its chunks' `time`, its
-/// code-completion limits and `response_fields` are taken; its `infill` sampler is skipped and
-/// named in the ignored-fields header.
+/// code-completion limits, its `infill` sampler and `response_fields` are all taken.
 #[test]
 fn llama_vims_request_is_answered() {
     let tmp = tempfile::tempdir().unwrap();
@@ -167,11 +166,34 @@ fn llama_vims_request_is_answered() {
         "response_fields": ["content", "timings/prompt_n", "timings/predicted_n", "truncated", "tokens_cached"],
     });
     let r = ureq::post(&server.url("/infill")).set("Content-Type", "application/json").send_string(&body.to_string()).unwrap();
-    assert_eq!(r.header("x-fsdp-app-ignored-params"), Some("samplers[2]"));
+    assert_eq!(r.header("x-fsdp-app-ignored-params"), None);
     let answer: Value = serde_json::from_str(&r.into_string().unwrap()).unwrap();
     let mut keys: Vec<&String> = answer.as_object().unwrap().keys().collect();
     keys.sort();
     assert_eq!(keys, ["content", "timings/predicted_n", "timings/prompt_n", "tokens_cached", "truncated"], "{answer}");
+}
+
+/// The infill sampler in a request's chain (its choices are checked against llama.cpp's in
+/// `generate::infill_sampler`'s tests): with a top-k of 1 before it the one text token is left
+/// and the answer is the greedy one; with an end token made the likeliest, only the ends are
+/// left and the answer ends there.
+#[test]
+fn the_infill_sampler_runs_in_the_chain() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fim_model(tmp.path());
+    let vocab = Vocab::of(&model);
+    let server = Server::start(&model, &[]);
+    let infill = |extra: Value| {
+        let mut body = json!({"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 6, "seed": 3});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        post_json(&server.url("/infill"), &body)
+    };
+    let top = infill(json!({"samplers": ["top_k", "infill"], "top_k": 1}));
+    let greedy = infill(json!({"temperature": 0}));
+    assert_eq!(top["content"], greedy["content"], "{top}");
+    assert!(!greedy["content"].as_str().unwrap().is_empty());
+    let ended = infill(json!({"samplers": ["top_k", "infill"], "top_k": 5, "logit_bias": [[vocab.id("<|fim_pad|>"), 30.0]]}));
+    assert_eq!((&ended["stop_type"], &ended["content"]), (&json!("eos"), &json!("")), "{ended}");
 }
 
 /// llama.cpp's code-completion limits, on the text a grammar makes the model write: `n_indent`

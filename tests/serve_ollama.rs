@@ -155,6 +155,13 @@ fn errors_models_and_embeddings_are_ollamas() {
     let long: String = (0..1200).map(|i| format!(" w{i}")).collect();
     assert_eq!(post_json(&server.url("/api/embed"), &json!({"model": "tiny", "input": long}))["prompt_eval_count"], json!(1024));
     error("/api/embed", json!({"model": "tiny", "input": long, "truncate": false}), 400, "context");
+    // Options settle nothing about an embedding: each is named in the ignored-fields header.
+    let r = ureq::post(&server.url("/api/embed"))
+        .send_json(json!({"model": "tiny", "input": "c", "options": {"num_ctx": 8192, "temperature": 0}}))
+        .unwrap();
+    assert_eq!(r.header("x-fsdp-app-ignored-params"), Some("options.num_ctx, options.temperature"));
+    error("/api/embed", json!({"model": "tiny", "input": "c", "options": {"nom_ctx": 1}}), 400, "nom_ctx");
+    error("/api/embeddings", json!({"model": "tiny", "prompt": "c", "options": 3}), 400, "options");
     // The older route: one vector, not scaled, pointing the same way.
     let old = post_json(&server.url("/api/embeddings"), &json!({"model": "tiny", "prompt": "c"}))["embedding"].clone();
     let old: Vec<f64> = old.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();

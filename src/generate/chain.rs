@@ -4,8 +4,12 @@
 //! the model's distribution). vLLM's order, which every other endpoint keeps, is `sampler`'s:
 //! the temperature first, then top-k and top-p of the whole vocabulary's mass.
 
+use std::sync::Arc;
+
+use super::infill_sampler::{self, InfillVocab};
+
 /// One step of a chain, with llama.cpp's meaning.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum ChainStep {
     /// The `k` most likely candidates (k of at least the candidates' count keeps them all).
     TopK(usize),
@@ -16,16 +20,19 @@ pub enum ChainStep {
     MinP(f64),
     /// The logits divided by the request's temperature.
     Temperature,
+    /// llama.cpp's infill sampler over the model's vocabulary (`infill_sampler`).
+    Infill(Arc<InfillVocab>),
 }
 
 impl ChainStep {
     /// llama.cpp's name of the step (`samplers` in its requests and `/props`).
-    pub fn name(self) -> &'static str {
+    pub fn name(&self) -> &'static str {
         match self {
             Self::TopK(_) => "top_k",
             Self::TopP(_) => "top_p",
             Self::MinP(_) => "min_p",
             Self::Temperature => "temperature",
+            Self::Infill(_) => "infill",
         }
     }
 }
@@ -37,8 +44,8 @@ pub fn candidates(logits: &[f32], steps: &[ChainStep], temperature: f64) -> Vec<
     let mut c: Vec<(u32, f32)> = logits.iter().enumerate().filter(|(_, l)| **l > f32::NEG_INFINITY).map(|(i, &l)| (i as u32, l)).collect();
     let mut sorted = false;
     let mut scale = 1.0f32;
-    for &step in steps {
-        match step {
+    for step in steps {
+        match *step {
             ChainStep::TopK(k) if k > 0 && k < c.len() => {
                 c.select_nth_unstable_by(k - 1, |a, b| b.1.total_cmp(&a.1));
                 c.truncate(k);
@@ -65,6 +72,10 @@ pub fn candidates(logits: &[f32], steps: &[ChainStep], temperature: f64) -> Vec<
                 c.retain(|x| x.1 as f64 >= cut);
             }
             ChainStep::Temperature => scale = (1.0 / temperature) as f32,
+            ChainStep::Infill(ref vocab) => {
+                c = infill_sampler::apply(c, scale, vocab);
+                sorted = true;
+            }
             _ => {}
         }
     }

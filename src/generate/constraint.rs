@@ -80,6 +80,11 @@ impl Grammars {
         self.factory.tok_env().tok_trie().decode_ext(&[id], true)
     }
 
+    /// A token's bytes, empty for a special token (llama.cpp's `token_to_piece` without them).
+    pub fn text_bytes(&self, id: u32) -> Vec<u8> {
+        self.factory.tok_env().tok_trie().decode_ext(&[id], false)
+    }
+
     /// A matcher for one answer. A schema the engine cannot compile is an error saying why.
     pub fn matcher(&self, format: &OutputFormat) -> Result<Matcher> {
         let parser = self.factory.create_parser(format.grammar())?;

@@ -5,6 +5,7 @@ pub mod chain;
 pub mod constraint;
 pub mod detokenize;
 pub mod gbnf;
+pub mod infill_sampler;
 pub mod json_schema;
 pub mod perplexity;
 pub mod prefix_cache;

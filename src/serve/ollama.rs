@@ -27,7 +27,7 @@ use super::fields::{self, Fields};
 use super::served_model::ServedModel;
 use super::state::AppState;
 use super::validate;
-use super::validate::ollama::{model_name, served_name, Api};
+use super::validate::ollama::{embedding_options, model_name, served_name, Api};
 use super::{admission, embeddings, response};
 
 /// The version of Ollama's API these routes follow (`think`, streamed calls, `/api/embed`), which
@@ -94,8 +94,9 @@ async fn generating(st: Arc<AppState>, body: Result<Bytes, BytesRejection>, api:
 pub async fn embed(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, OllamaError> {
     let start = std::time::Instant::now();
     let v = json_body(body, st.max_body_bytes)?;
-    let ignored = fields::check(&v, &["model", "input", "truncate", "dimensions", "options", "keep_alive"], "", st.lenient)?;
+    let mut ignored = fields::check(&v, &["model", "input", "truncate", "dimensions", "options", "keep_alive"], "", st.lenient)?;
     let f = Fields::of(&v)?;
+    ignored.extend(embedding_options(f.value("options"))?);
     let name = model_name(&f)?;
     let model = embeddings::embedding_model(&st, served_name(name))?;
     let truncate = f.bool("truncate")?.unwrap_or(true);
@@ -123,8 +124,9 @@ pub async fn embed(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRej
 /// not scaled, as Ollama answers there.
 pub async fn embeddings(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, OllamaError> {
     let v = json_body(body, st.max_body_bytes)?;
-    let ignored = fields::check(&v, &["model", "prompt", "options", "keep_alive"], "", st.lenient)?;
+    let mut ignored = fields::check(&v, &["model", "prompt", "options", "keep_alive"], "", st.lenient)?;
     let f = Fields::of(&v)?;
+    ignored.extend(embedding_options(f.value("options"))?);
     let name = model_name(&f)?;
     let model = embeddings::embedding_model(&st, served_name(name))?;
     let prompt = f.string("prompt")?.ok_or_else(|| ApiError::invalid("prompt", "`prompt` must be a string."))?;

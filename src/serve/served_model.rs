@@ -14,9 +14,10 @@ use super::tool_format::{ToolFormat, ToolParser};
 use super::tools::Tools;
 use crate::embed::Pooling;
 use crate::generate::constraint::Grammars;
+use crate::generate::infill_sampler::InfillVocab;
 use crate::generate::reasoning::{PromptThinking, ReasoningChoice, THINK_END};
 use crate::generate::ModelDefaults;
-use crate::tokenize::fim::FimTokens;
+use crate::tokenize::fim::{self, FimTokens};
 use crate::tokenize::{tool_prompt, ChatMessage, TextTokenizer};
 
 /// The `chat_template_kwargs` of a request: more variables for the chat template.
@@ -109,6 +110,9 @@ pub struct ServedModel {
     pub matryoshka: Option<Vec<usize>>,
     /// Its fill-in-the-middle tokens (`suffix`, `/infill`), or which of them it lacks.
     pub fim: std::result::Result<FimTokens, String>,
+    /// What llama.cpp's infill sampler reads of its vocabulary, made at the first request that
+    /// names the sampler (None: no token table, the grammar engine's, to read it from).
+    infill_vocab: std::sync::OnceLock<Option<Arc<InfillVocab>>>,
 }
 
 impl ServedModel {
@@ -179,6 +183,7 @@ impl ServedModel {
             tool_format,
             matryoshka,
             fim,
+            infill_vocab: std::sync::OnceLock::new(),
         })
     }
 
@@ -190,6 +195,25 @@ impl ServedModel {
         let switch = self.tokenizer.chat_template.as_ref().is_some_and(|t| t.source.contains("enable_thinking"));
         json!({"id": self.id, "object": "model", "created": self.created, "owned_by": "fsdp-app", "max_model_len": self.max_total_tokens,
                "reasoning": self.splits_reasoning, "thinking_switch": switch})
+    }
+
+    /// The vocabulary as llama.cpp's infill sampler reads it: each token's text, the tokens that
+    /// end an answer (its end-of-sequence ones, its FIM ends and those spelled as ends, as
+    /// llama.cpp's end-of-generation set) and the one that ends an answer left without text.
+    pub fn infill_vocab(&self) -> Option<Arc<InfillVocab>> {
+        self.infill_vocab
+            .get_or_init(|| {
+                let grammars = self.grammars.as_ref().ok()?;
+                let bytes = (0..self.vocab as u32).map(|id| grammars.text_bytes(id)).collect();
+                let fim_ends = self.fim.as_ref().map(FimTokens::ends).unwrap_or_default();
+                let spelled = fim::end_of_generation(|t| self.tokenizer.token_id(t));
+                let eos = &self.defaults.eos_token_ids;
+                let first_eos = self.tokenizer.eos_token.as_deref().and_then(|t| self.tokenizer.token_id(t)).filter(|id| eos.contains(id));
+                let end = first_eos.or_else(|| eos.iter().min().copied())?;
+                let ends = eos.iter().copied().chain(fim_ends).chain(spelled);
+                Some(Arc::new(InfillVocab::new(bytes, ends, end)))
+            })
+            .clone()
     }
 
     /// The refusal of a generation request for a model that only embeds.

@@ -16,6 +16,15 @@ const MIDDLE: &[&str] = &["<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<MI
 const PAD: &[&str] = &["<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>"];
 const REPO: &[&str] = &["<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"];
 const FILE_SEP: &[&str] = &["<|file_sep|>"];
+/// Tokens that end an answer whatever the model's configuration says, by llama.cpp's spellings
+/// (its end-of-generation set).
+const END_OF_GENERATION: &[&str] =
+    &["<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "<|end_of_text|>"];
+
+/// The tokens of a vocabulary spelled as llama.cpp's end-of-generation ones.
+pub fn end_of_generation(id: impl Fn(&str) -> Option<u32>) -> Vec<u32> {
+    END_OF_GENERATION.iter().filter_map(|s| id(s)).collect()
+}
 
 /// The repository's name in the context's first line (llama.cpp writes this one too: requests
 /// carry no project name).
@@ -39,6 +48,8 @@ pub struct FimTokens {
     pub repo: Option<u32>,
     /// Starts each file of that context (and, written by the model, ends an answer).
     pub file_sep: Option<u32>,
+    /// The vocabulary's tokens spelled as llama.cpp's end-of-generation ones.
+    pub end_of_generation: Vec<u32>,
 }
 
 impl FimTokens {
@@ -48,9 +59,15 @@ impl FimTokens {
         let first = |spellings: &[&str]| spellings.iter().find_map(|s| id(s));
         let (prefix, suffix, middle) = (first(PREFIX), first(SUFFIX), first(MIDDLE));
         match (prefix, suffix, middle) {
-            (Some(prefix), Some(suffix), Some(middle)) => {
-                Ok(FimTokens { prefix, suffix, middle, pad: first(PAD), repo: first(REPO), file_sep: first(FILE_SEP) })
-            }
+            (Some(prefix), Some(suffix), Some(middle)) => Ok(FimTokens {
+                prefix,
+                suffix,
+                middle,
+                pad: first(PAD),
+                repo: first(REPO),
+                file_sep: first(FILE_SEP),
+                end_of_generation: end_of_generation(&id),
+            }),
             _ => {
                 let parts = [("prefix", prefix), ("suffix", suffix), ("middle", middle)];
                 let missing = parts.iter().filter(|(_, t)| t.is_none()).map(|(name, _)| format!("{name} token is missing."));
@@ -64,10 +81,11 @@ impl FimTokens {
         Self::find(|t| tokenizer.token_id(t))
     }
 
-    /// Tokens that end a FIM answer besides the model's end-of-sequence ones (those llama.cpp
-    /// adds to its end-of-generation set): the pad, and the starts of another context part.
+    /// Tokens that end a FIM answer besides the model's end-of-sequence ones, as llama.cpp's
+    /// end-of-generation set has them: the pad, the starts of another context part, and the
+    /// tokens spelled as ends (`<|endoftext|>`, `<|im_end|>`, ...).
     pub fn ends(&self) -> Vec<u32> {
-        [self.pad, self.repo, self.file_sep].into_iter().flatten().collect()
+        [self.pad, self.repo, self.file_sep].into_iter().flatten().chain(self.end_of_generation.iter().copied()).collect()
     }
 }
 

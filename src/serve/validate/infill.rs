@@ -28,7 +28,7 @@ pub fn around(model: &ServedModel, prefix: Prompt, suffix: &str, param: &str) ->
     let fim = model.fim.as_ref().map_err(|missing| {
         let message =
             format!("`{param}` needs a model trained to fill in the middle; `{}` is not one (its vocabulary: {missing})", model.id);
-        ApiError::invalid(param, message)
+        ApiError::invalid(param, message).with_code("unsupported_parameter")
     })?;
     let prefix = match prefix {
         Prompt::Text(t) => text(model, &t, "prompt")?,

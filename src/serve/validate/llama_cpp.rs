@@ -27,6 +27,8 @@ pub const DEFAULT_REPEAT_LAST_N: i64 = 64;
 const MAX_STOP_WORDS: usize = 64;
 /// llama.cpp's default chain, less the samplers that are off by default (and absent here).
 const DEFAULT_SAMPLERS: &[&str] = &["penalties", "top_k", "top_p", "min_p", "temperature"];
+/// Samplers a chain may name besides the default ones.
+const OTHER_SAMPLERS: &[&str] = &["infill"];
 
 /// The default chain's names (`/props`).
 pub fn default_samplers() -> &'static [&'static str] {
@@ -108,9 +110,8 @@ const OFF_AT: &[(&str, &str, IsOff)] = &[
     ("n_cmpl", "1", |x| x == 1.0),
 ];
 
-/// Samplers a chain may name that do not run here: off (their switch in [`OFF_AT`] is off), or
-/// `infill` (skipped, and named in the ignored-fields header).
-const OFF_SAMPLERS: &[&str] = &["dry", "typ_p", "typical_p", "xtc", "top_n_sigma", "infill", "mirostat"];
+/// Samplers a chain may name that are off here (their switch in [`OFF_AT`] is off).
+const OFF_SAMPLERS: &[&str] = &["dry", "typ_p", "typical_p", "xtc", "top_n_sigma", "mirostat"];
 
 /// What a `/completion` answer repeats beside the text.
 #[derive(Debug, Clone)]
@@ -176,13 +177,17 @@ fn requests(st: &AppState, v: &Value, infill: bool) -> Result<Vec<ValidatedReque
     let defaults =
         ModelDefaults { temperature: DEFAULT_TEMPERATURE, top_k: None, top_p: None, repetition_penalty: 1.0, ..model.defaults.clone() };
     let mut s = sampling::parse(&body, &defaults, false).map_err(renamed)?;
-    s.params.chain = Some(chain(&f)?);
+    s.params.chain = Some(chain(&f, &model)?);
+    // The infill sampler may leave only tokens that end an answer: each of them does.
+    for step in s.params.chain.iter().flatten() {
+        if let ChainStep::Infill(vocab) = step {
+            s.params.output.stop_token_ids.extend(vocab.ends());
+        }
+    }
     s.params.output.min_indent = f.integer("n_indent", i64::MIN, u32::MAX as i64)?.unwrap_or(0).max(0) as usize;
     let max_predict_ms = f.integer("t_max_predict_ms", i64::MIN, u32::MAX as i64)?.filter(|&t| t > 0);
     s.params.output.max_predict_time = max_predict_ms.map(|t| std::time::Duration::from_millis(t as u64));
-    // llama.cpp's infill sampler (merging candidates that begin one another) is not one of this
-    // server's: named in the chain, it is skipped, and said so.
-    ignored.extend(chain_names(&f)?.iter().enumerate().filter(|(_, n)| **n == "infill").map(|(i, _)| format!("samplers[{i}]")));
+
     let repeat_last_n = f.integer("repeat_last_n", -1, i64::MAX)?.unwrap_or(DEFAULT_REPEAT_LAST_N);
     s.params.penalty_last_n = Some(if repeat_last_n < 0 { usize::MAX } else { repeat_last_n as usize });
     if !chain_names(&f)?.contains(&"penalties") {
@@ -324,11 +329,14 @@ fn chain_names<'a>(f: &Fields<'a>) -> Result<Vec<&'a str>, ApiError> {
         .map(|x| x.as_str().ok_or_else(|| ApiError::invalid(P, format!("`samplers` entries must be strings, got {x}."))))
         .collect::<Result<_, _>>()?;
     for (i, name) in names.iter().enumerate() {
-        let known = DEFAULT_SAMPLERS.contains(name) || OFF_SAMPLERS.contains(name);
+        let known = DEFAULT_SAMPLERS.contains(name) || OTHER_SAMPLERS.contains(name) || OFF_SAMPLERS.contains(name);
         if !known {
             return Err(ApiError::invalid(
                 P,
-                format!("`samplers[{i}]` {name:?} is not a sampler here; known: {}.", [DEFAULT_SAMPLERS, OFF_SAMPLERS].concat().join(", ")),
+                format!(
+                    "`samplers[{i}]` {name:?} is not a sampler here; known: {}.",
+                    [DEFAULT_SAMPLERS, OTHER_SAMPLERS, OFF_SAMPLERS].concat().join(", ")
+                ),
             ));
         }
         if *name == "penalties" && names[..i].iter().any(|n| !OFF_SAMPLERS.contains(n)) {
@@ -339,20 +347,25 @@ fn chain_names<'a>(f: &Fields<'a>) -> Result<Vec<&'a str>, ApiError> {
 }
 
 /// The chain of cuts the request's samplers make, in its order.
-fn chain(f: &Fields) -> Result<Vec<ChainStep>, ApiError> {
+fn chain(f: &Fields, model: &ServedModel) -> Result<Vec<ChainStep>, ApiError> {
     let top_k = f.integer("top_k", i64::MIN, i64::MAX)?.unwrap_or(DEFAULT_TOP_K);
     let top_p = f.number("top_p", 0.0, 1.0)?.unwrap_or(DEFAULT_TOP_P);
     let min_p = f.number("min_p", 0.0, 1.0)?.unwrap_or(DEFAULT_MIN_P);
-    Ok(chain_names(f)?
+    let infill = || {
+        let why = format!("`infill` reads the token table of `{}`, which it has none of.", model.id);
+        model.infill_vocab().map(ChainStep::Infill).ok_or_else(|| ApiError::invalid("samplers", why))
+    };
+    chain_names(f)?
         .into_iter()
         .filter_map(|name| match name {
-            "top_k" => Some(ChainStep::TopK(top_k.max(0) as usize)),
-            "top_p" => Some(ChainStep::TopP(top_p)),
-            "min_p" => Some(ChainStep::MinP(min_p)),
-            "temperature" => Some(ChainStep::Temperature),
+            "top_k" => Some(Ok(ChainStep::TopK(top_k.max(0) as usize))),
+            "top_p" => Some(Ok(ChainStep::TopP(top_p))),
+            "min_p" => Some(Ok(ChainStep::MinP(min_p))),
+            "temperature" => Some(Ok(ChainStep::Temperature)),
+            "infill" => Some(infill()),
             _ => None,
         })
-        .collect())
+        .collect()
 }
 
 /// llama.cpp's `logit_bias`: `[[token id or text, bias or false], ...]` (a text biases each of
@@ -456,7 +469,7 @@ fn settings(
     max_tokens: Option<usize>,
     stream: bool,
 ) -> Result<Value, ApiError> {
-    let step = |name: &str| p.chain.iter().flatten().find(|s| s.name() == name).copied();
+    let step = |name: &str| p.chain.iter().flatten().find(|s| s.name() == name).cloned();
     let samplers: Vec<&str> = chain_names(f)?;
     Ok(json!({
         "n_ctx": model.max_total_tokens,

@@ -275,6 +275,26 @@ fn options(o: &Value, body: &mut Map<String, Value>) -> Result<(Vec<String>, Opt
     Ok((loading, f.integer("repeat_last_n", -1, i64::MAX)?))
 }
 
+/// `options` of `/api/embed` and `/api/embeddings`: Ollama's options, each named in the
+/// ignored-fields header (sampling and loading settle nothing about an embedding here); an
+/// unknown one is refused, as on the generating routes.
+pub fn embedding_options(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
+    let Some(o) = v.filter(|o| !o.is_null()) else { return Ok(vec![]) };
+    let Value::Object(map) = o else { return Err(ApiError::invalid("options", "`options` must be an object.")) };
+    let known = |k: &str| {
+        SAMPLING.iter().any(|(theirs, _)| *theirs == k)
+            || OFF_AT.iter().any(|(name, _)| *name == k)
+            || LOADING.contains(&k)
+            || ["num_predict", "repeat_last_n", "penalize_newline"].contains(&k)
+    };
+    map.keys()
+        .map(|k| match known(k) {
+            true => Ok(format!("options.{k}")),
+            false => Err(ApiError::invalid(&format!("options.{k}"), format!("unknown option `{k}`."))),
+        })
+        .collect()
+}
+
 /// `messages` as chat's: each assistant call gets an id, and a tool result the id of the call it
 /// answers (the oldest one unanswered of its `tool_name`, or of any name without one).
 fn messages(turns: &[Value], lenient: bool, ignored: &mut Vec<String>) -> Result<Vec<Value>, ApiError> {
