@@ -84,10 +84,7 @@ pub fn apply(mut c: Vec<(u32, f32)>, scale: f32, vocab: &InfillVocab) -> Vec<(u3
             }
         }
     }
-    let kept = |c: &[(u32, f32)], p: &[f32], gone: &[bool], threshold: f32| -> Vec<usize> {
-        (0..c.len()).filter(|&i| !gone[i] && (is_end(c[i].0) || p[i] >= threshold)).collect()
-    };
-    let first = kept(&c, &p, &gone, 0.2);
+    let first: Vec<usize> = (0..c.len()).filter(|&i| !gone[i] && (is_end(c[i].0) || p[i] >= 0.2)).collect();
     let texts = first.iter().filter(|&&i| !is_end(c[i].0)).count();
     if texts == 0 {
         return vec![(vocab.end, 1.0)];

@@ -205,12 +205,15 @@ impl ServedModel {
             .get_or_init(|| {
                 let grammars = self.grammars.as_ref().ok()?;
                 let bytes = (0..self.vocab as u32).map(|id| grammars.text_bytes(id)).collect();
-                let fim_ends = self.fim.as_ref().map(FimTokens::ends).unwrap_or_default();
-                let spelled = fim::end_of_generation(|t| self.tokenizer.token_id(t));
+                // A FIM model's ends include the tokens spelled as ends; another has only those.
+                let more = match &self.fim {
+                    Ok(f) => f.ends(),
+                    Err(_) => fim::end_of_generation(|t| self.tokenizer.token_id(t)),
+                };
                 let eos = &self.defaults.eos_token_ids;
                 let first_eos = self.tokenizer.eos_token.as_deref().and_then(|t| self.tokenizer.token_id(t)).filter(|id| eos.contains(id));
                 let end = first_eos.or_else(|| eos.iter().min().copied())?;
-                let ends = eos.iter().copied().chain(fim_ends).chain(spelled);
+                let ends = eos.iter().copied().chain(more);
                 Some(Arc::new(InfillVocab::new(bytes, ends, end)))
             })
             .clone()

@@ -114,10 +114,16 @@ pub struct ValidatedRequest {
 /// order). A prompt's own error in a batch names it (`prompt[i]`); the batch's answers together
 /// must fit the server's capacity, as they are admitted together.
 pub fn completions(st: &AppState, v: &Value) -> Result<Vec<ValidatedRequest>, ApiError> {
+    completions_as(st, v, |echo| RequestKind::Completion { echo })
+}
+
+/// [`completions`] for an endpoint whose answers take the shape `kind` gives (from the echoed
+/// prompt), and its default length (`finish`).
+fn completions_as(st: &AppState, v: &Value, kind: impl Fn(Option<String>) -> RequestKind) -> Result<Vec<ValidatedRequest>, ApiError> {
     let ignored = fields::check_lists(v, &[fields::COMPLETIONS, fields::VLLM_SAMPLING, structured::FIELDS], "", st.lenient)?;
     let target = Target::of(st, v)?;
     let prompts = prompt::prompts(v, target.model.vocab)?;
-    batch(st, prompts, |_, p| completion(st, v, target.clone(), p, ignored.clone()))
+    batch(st, prompts, |_, p| completion(st, v, target.clone(), p, ignored.clone(), &kind))
 }
 
 /// A batch's requests, one per prompt (`one` validates prompt i), in order: a prompt's own error
@@ -160,7 +166,14 @@ fn in_batch(mut e: ApiError, i: usize) -> ApiError {
 }
 
 /// One prompt of `/v1/completions`.
-fn completion(st: &AppState, v: &Value, target: Target, prompt: Prompt, mut ignored: Vec<String>) -> Result<ValidatedRequest, ApiError> {
+fn completion(
+    st: &AppState,
+    v: &Value,
+    target: Target,
+    prompt: Prompt,
+    mut ignored: Vec<String>,
+    kind: impl Fn(Option<String>) -> RequestKind,
+) -> Result<ValidatedRequest, ApiError> {
     let model = target.model.clone();
     let mut s = sampling::parse(v, &model.defaults, false)?;
     s.params.logit_bias = sampling::logit_bias(v, model.vocab)?;
@@ -188,8 +201,7 @@ fn completion(st: &AppState, v: &Value, target: Target, prompt: Prompt, mut igno
         Some(r) => matchers(&model, &r.format, &r.param, s.n)?,
         None => vec![],
     };
-    let kind = RequestKind::Completion { echo };
-    finish(st, target, kind, prompt_ids, s, constraints, ignored)
+    finish(st, target, kind(echo), prompt_ids, s, constraints, ignored)
 }
 
 /// `/v1/chat/completions`.
@@ -273,26 +285,26 @@ pub fn ollama(st: &AppState, v: &Value, api: ollama::Api) -> Result<ValidatedReq
         ollama::Api::Generate => ollama::generate(v, st.lenient)?,
     };
     let renamed = |e: ApiError| ApiError { param: e.param.as_deref().map(ollama::rename_param), ..e };
+    // Ollama's kind from the start: its answers run to the context's end by default (`finish`).
     let mut req = match r.raw {
-        true => completions(st, &r.body).map_err(renamed)?.pop().expect("one prompt"),
-        false => chat(st, &r.body).map_err(renamed)?,
+        true => completions_as(st, &r.body, |_| RequestKind::Ollama { tools: None, api }).map_err(renamed)?.pop().expect("one prompt"),
+        false => {
+            let mut req = chat(st, &r.body).map_err(renamed)?;
+            let tools = match std::mem::replace(&mut req.kind, RequestKind::Ollama { tools: None, api }) {
+                RequestKind::Chat { tools } => tools,
+                _ => None,
+            };
+            req.kind = RequestKind::Ollama { tools, api };
+            req
+        }
     };
     if r.think == Some(true) && !req.model.splits_reasoning {
         let message = format!("`{}` does not think: its chat template marks no thinking (see `--reasoning-parser`).", req.model_id);
         return Err(ApiError::invalid("think", message));
     }
-    if r.raw && r.body.get("max_tokens").is_none() {
-        // Ollama's answers run to the context's end by default (a completion's stop at 16 tokens).
-        req.params.max_new_tokens = req.model.max_total_tokens.saturating_sub(req.prompt_ids.len());
-    }
     if let Some(n) = r.repeat_last_n {
         req.params.penalty_last_n = Some(if n < 0 { usize::MAX } else { n as usize });
     }
-    let tools = match std::mem::replace(&mut req.kind, RequestKind::Completion { echo: None }) {
-        RequestKind::Chat { tools } => tools,
-        _ => None,
-    };
-    req.kind = RequestKind::Ollama { tools, api };
     req.model_id = v["model"].as_str().unwrap_or_default().to_string();
     req.ignored.extend(ignored.into_iter().chain(r.loading));
     Ok(req)
