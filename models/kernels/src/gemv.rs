@@ -5,6 +5,7 @@
 //! speed. `dot` and `axpy` also serve the serving adapters' update by rows and attention.
 
 use crate::disjoint::DisjointWrites;
+use crate::gemv_layout::{LayoutChooser, RowLayout, PREFETCH_AHEAD};
 use crate::pool::for_rows_of_many;
 use crate::simd::SimdLevel;
 
@@ -19,6 +20,9 @@ pub trait GemvWeight: Copy + Send + Sync {
     /// groups of [`ROW_GROUP`] and single rows where a thread's range ends, and a row's result
     /// must not depend on where the threads' ranges fell.
     fn dot_rows<const R: usize>(x: &[f32], w: &[Self], next: &[Self], level: SimdLevel) -> [f32; R];
+
+    /// The type's choice of row layout, timed on its first products.
+    fn layout_chooser() -> &'static LayoutChooser;
 }
 
 /// Weight rows the matrix-vector kernels read at once. Four streams from memory at a time keep
@@ -28,6 +32,11 @@ pub trait GemvWeight: Copy + Send + Sync {
 pub const ROW_GROUP: usize = 4;
 
 impl GemvWeight for f32 {
+    fn layout_chooser() -> &'static LayoutChooser {
+        static CHOOSER: LayoutChooser = LayoutChooser::new();
+        &CHOOSER
+    }
+
     fn dot_rows<const R: usize>(x: &[f32], w: &[f32], next: &[f32], level: SimdLevel) -> [f32; R] {
         debug_assert_eq!(w.len(), R * x.len());
         #[cfg(target_arch = "x86_64")]
@@ -52,6 +61,28 @@ pub fn gemv_rows<W: GemvWeight>(x: &[f32], rows: usize, w: &[W], out_dim: usize,
 
 /// [`gemv_rows`] for several matrices (each `(out_i, in_dim)`, row-major) in one parallel region.
 pub fn gemv_rows_many<W: GemvWeight>(x: &[f32], rows: usize, ws: &[&[W]], in_dim: usize, level: SimdLevel) -> Vec<Vec<f32>> {
+    let chooser = W::layout_chooser();
+    let bytes = ws.iter().map(|w| std::mem::size_of_val(*w)).sum();
+    match chooser.layout_for(bytes) {
+        (layout, None) => gemv_rows_laid_out(x, rows, ws, in_dim, level, layout),
+        (layout, Some(trial)) => {
+            let start = std::time::Instant::now();
+            let ys = gemv_rows_laid_out(x, rows, ws, in_dim, level, layout);
+            chooser.record(trial, start.elapsed());
+            ys
+        }
+    }
+}
+
+/// [`gemv_rows_many`] reading each thread's weight rows in `layout`.
+fn gemv_rows_laid_out<W: GemvWeight>(
+    x: &[f32],
+    rows: usize,
+    ws: &[&[W]],
+    in_dim: usize,
+    level: SimdLevel,
+    layout: RowLayout,
+) -> Vec<Vec<f32>> {
     let out_dims: Vec<usize> = ws.iter().map(|w| w.len() / in_dim).collect();
     // (out, rows) per matrix: each weight row's results together.
     let mut yts: Vec<Vec<f32>> = out_dims.iter().map(|o| vec![0f32; o * rows]).collect();
@@ -59,7 +90,7 @@ pub fn gemv_rows_many<W: GemvWeight>(x: &[f32], rows: usize, ws: &[&[W]], in_dim
     for_rows_of_many(&out_dims, |i, range| {
         let w = ws[i];
         let mut o = range.start;
-        while o + ROW_GROUP <= range.end {
+        while layout == RowLayout::Grouped && o + ROW_GROUP <= range.end {
             let group = &w[o * in_dim..(o + ROW_GROUP) * in_dim];
             // The group after this one (or this one again at the matrix's end) is fetched
             // while this one is read.
@@ -77,8 +108,10 @@ pub fn gemv_rows_many<W: GemvWeight>(x: &[f32], rows: usize, ws: &[&[W]], in_dim
         }
         for o in o..range.end {
             let wrow = &w[o * in_dim..(o + 1) * in_dim];
+            let ahead = (o + PREFETCH_AHEAD).min(out_dims[i] - 1);
+            let next = if layout == RowLayout::OneByOne { &w[ahead * in_dim..(ahead + 1) * in_dim] } else { &[] };
             for r in 0..rows {
-                let [sum] = W::dot_rows::<1>(&x[r * in_dim..(r + 1) * in_dim], wrow, &[], level);
+                let [sum] = W::dot_rows::<1>(&x[r * in_dim..(r + 1) * in_dim], wrow, if r == 0 { next } else { &[] }, level);
                 // SAFETY: as above.
                 unsafe { *outs[i].at(o * rows + r) = sum };
             }
@@ -188,14 +221,16 @@ mod x86 {
                     }
                     i += $lanes;
                 }
-                std::array::from_fn(|k| {
+                // A loop, not `array::from_fn`: a closure does not inherit the target features.
+                let mut sums = [0f32; R];
+                for (k, sum) in sums.iter_mut().enumerate() {
                     let $v = acc[k];
-                    let mut s: f32 = $sum;
+                    *sum = $sum;
                     for j in i..d {
-                        s += x[j] * w[k * d + j];
+                        *sum += x[j] * w[k * d + j];
                     }
-                    s
-                })
+                }
+                sums
             }
         };
     }
@@ -327,6 +362,31 @@ mod tests {
                 check(&w, &x, level);
                 check(&w.iter().map(|&v| half::f16::from_f32(v)).collect::<Vec<_>>(), &x, level);
                 check(&w.iter().map(|&v| half::bf16::from_f32(v)).collect::<Vec<_>>(), &x, level);
+            }
+        }
+    }
+
+    /// Both row layouts give the same bits (the layout is chosen by timing, so it must change
+    /// speed only), for each weight type, level, row count and a matrix that ends mid-group.
+    #[test]
+    fn both_row_layouts_give_the_same_bits() {
+        fn check<W: GemvWeight>(x: &[f32], rows: usize, w: &[W], d: usize, level: SimdLevel) {
+            let grouped = gemv_rows_laid_out(x, rows, &[w, &w[..5 * d]], d, level, RowLayout::Grouped);
+            let one_by_one = gemv_rows_laid_out(x, rows, &[w, &w[..5 * d]], d, level, RowLayout::OneByOne);
+            for (g, o) in grouped.iter().flatten().zip(one_by_one.iter().flatten()) {
+                assert_eq!(g.to_bits(), o.to_bits(), "{level:?} rows {rows} d {d}: {g} vs {o}");
+            }
+        }
+        for (d, out) in [(576, 131), (77, 10)] {
+            let w = data(out * d, 21);
+            let (wh, wb): (Vec<half::f16>, Vec<half::bf16>) = w.iter().map(|&v| (half::f16::from_f32(v), half::bf16::from_f32(v))).unzip();
+            for rows in [1, 3] {
+                let x = data(rows * d, 22);
+                for level in [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512].into_iter().filter(|l| *l <= SimdLevel::detected()) {
+                    check(&x, rows, &w, d, level);
+                    check(&x, rows, &wh, d, level);
+                    check(&x, rows, &wb, d, level);
+                }
             }
         }
     }

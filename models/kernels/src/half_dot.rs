@@ -6,6 +6,7 @@
 use half::{bf16, f16};
 
 use crate::gemv::GemvWeight;
+use crate::gemv_layout::LayoutChooser;
 use crate::simd::SimdLevel;
 
 /// [`GemvWeight`] for a half type: its x86 kernels at AVX2 and above, widening value by value
@@ -26,6 +27,11 @@ macro_rules! half_weight {
                     let row = &w[k * x.len()..(k + 1) * x.len()];
                     x.iter().zip(row).map(|(a, b)| a * b.to_f32()).sum()
                 })
+            }
+
+            fn layout_chooser() -> &'static LayoutChooser {
+                static CHOOSER: LayoutChooser = LayoutChooser::new();
+                &CHOOSER
             }
         }
     };
@@ -65,15 +71,18 @@ mod x86 {
                     }
                     i += 8;
                 }
-                std::array::from_fn(|k| {
+                // A loop, not `array::from_fn`: a closure does not inherit the target features,
+                // so its intrinsics became calls, once per row.
+                let mut sums = [0f32; R];
+                for (k, sum) in sums.iter_mut().enumerate() {
                     let mut lanes = [0f32; 8];
                     _mm256_storeu_ps(lanes.as_mut_ptr(), acc[k]);
-                    let mut s: f32 = lanes.iter().sum();
+                    *sum = lanes.iter().sum();
                     for j in i..d {
-                        s += x[j] * w[k * d + j].to_f32();
+                        *sum += x[j] * w[k * d + j].to_f32();
                     }
-                    s
-                })
+                }
+                sums
             }
         };
     }

@@ -8,8 +8,8 @@
 //!   which its threads write one buffer;
 //! - `matmul` (its packed driver `matmul::packed` with the register tiles `matmul::tiles`, and
 //!   `column_split`, the two-thread split): f32 matrix products;
-//! - `gemv`, `half_dot`, `small_batch`: products of a few rows (decoding), f32 / f16 / bf16
-//!   weights; `quant_blocks`: products over llama.cpp's 32-value block formats;
+//! - `gemv` (its row layout timed in `gemv_layout`), `half_dot`, `small_batch`: products of a few
+//!   rows (decoding), f32 / f16 / bf16 weights; `quant_blocks`: products over llama.cpp's 32-value block formats;
 //! - `exp`, `attend_rows`, `paged_attention`: softmax and attention over cached keys and values;
 //! - `adamw`: the optimizer's update of a chunk and the gradient norm's sum of squares;
 //! - `rng`: the generator of test data and initial weights; `cuda`: our `.cu` sources (their
@@ -21,6 +21,7 @@ pub mod cuda;
 pub mod disjoint;
 pub mod exp;
 pub mod gemv;
+pub mod gemv_layout;
 pub mod half_dot;
 pub mod matmul;
 pub mod paged_attention;
