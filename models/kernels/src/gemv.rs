@@ -25,10 +25,11 @@ pub trait GemvWeight: Copy + Send + Sync {
     fn layout_chooser() -> &'static LayoutChooser;
 }
 
-/// Weight rows the matrix-vector kernels read at once. Four streams from memory at a time keep
+/// Weight rows the grouped layout reads at once. Four streams from memory at a time can keep
 /// more cache-line misses in flight than one row after another (and load x once for four
-/// rows): a decoding step streams every weight from DRAM, and one row at a time left the
-/// bandwidth a core can draw unused (docs/design.md, "Decoding's matrix-vector product").
+/// rows): a decoding step streams every weight from DRAM. Whether they do depends on the
+/// CPU's memory system, so `gemv_layout` times both walks (docs/design.md, "Decoding's
+/// matrix-vector product").
 pub const ROW_GROUP: usize = 4;
 
 impl GemvWeight for f32 {
