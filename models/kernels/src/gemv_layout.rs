@@ -56,8 +56,13 @@ pub struct Trial {
 
 impl LayoutChooser {
     pub const fn new() -> Self {
-        const ZERO: AtomicU64 = AtomicU64::new(0);
-        Self { chosen: AtomicU8::new(UNDECIDED), calls: ZERO, runs: [ZERO; 2], nanos: [ZERO; 2], bytes: [ZERO; 2] }
+        Self {
+            chosen: AtomicU8::new(UNDECIDED),
+            calls: AtomicU64::new(0),
+            runs: [AtomicU64::new(0), AtomicU64::new(0)],
+            nanos: [AtomicU64::new(0), AtomicU64::new(0)],
+            bytes: [AtomicU64::new(0), AtomicU64::new(0)],
+        }
     }
 
     /// The chosen layout, if the trials are over.
@@ -78,7 +83,7 @@ impl LayoutChooser {
             return (RowLayout::Grouped, None);
         }
         let call = self.calls.fetch_add(1, Ordering::Relaxed);
-        let layout = if call.count_ones() % 2 == 0 { RowLayout::Grouped } else { RowLayout::OneByOne };
+        let layout = if call.count_ones().is_multiple_of(2) { RowLayout::Grouped } else { RowLayout::OneByOne };
         (layout, Some(Trial { layout, bytes }))
     }
 
@@ -124,7 +129,7 @@ mod tests {
                 products += 1;
                 assert!(products < 4 * TRIALS, "no choice after {products} products");
             }
-            assert!(tried.iter().all(|&t| t >= TRIALS && t <= TRIALS + 2), "tried {tried:?}");
+            assert!(tried.iter().all(|t| (TRIALS..=TRIALS + 2).contains(t)), "tried {tried:?}");
             let fast = if slow == RowLayout::Grouped { RowLayout::OneByOne } else { RowLayout::Grouped };
             assert_eq!(chooser.chosen(), Some(fast));
             assert!(chooser.layout_for(1 << 20).1.is_none(), "decided products are not timed");
