@@ -17,7 +17,6 @@ use crate::mode::OpMode;
 use crate::multi_lora::RowAdapters;
 use crate::quantized::{LinearWeight, QuantizedMatrix};
 use crate::tensors::TensorSpec;
-use kernels::quant_blocks::BlockMatrix;
 use kernels::rng::splitmix64;
 use ops::weight_grads::{WeightGradTarget, WeightGrads};
 
@@ -175,9 +174,9 @@ impl AdaptedLinear {
     }
 
     /// Several layers over the same input (q/k/v, gate/up), each as [`Self::forward`]: when
-    /// every one keeps its weight in 32-value blocks, their products are one pass (the input
-    /// quantised once, one parallel region instead of one per layer), as are decoding's
-    /// matrix-vector products with dense weights; otherwise one by one.
+    /// every one keeps its weight in 32-value blocks or in 2-byte floats, their products are one
+    /// pass ([`QuantizedMatrix::forward_many`]: one parallel region instead of one per layer), as
+    /// are decoding's matrix-vector products with dense weights; otherwise one by one.
     pub fn forward_shared(
         layers: &[&AdaptedLinear],
         x: &Tensor,
@@ -185,19 +184,20 @@ impl AdaptedLinear {
         row_seeds: Option<&[u64]>,
         rows: &RowAdapters,
     ) -> Result<Vec<Tensor>, candle_core::Error> {
-        let blocks: Option<Vec<(&BlockMatrix, Option<&Tensor>)>> = layers
+        let quantized: Option<Vec<(&QuantizedMatrix, Option<&Tensor>)>> = layers
             .iter()
             .map(|l| match &l.base {
-                LinearWeight::Quantized { w: QuantizedMatrix::Blocks(m), bias } => Some((m.as_ref(), bias.as_ref())),
+                LinearWeight::Quantized { w, bias } => Some((w, bias.as_ref())),
                 _ => None,
             })
             .collect();
+        let quantized_products = match &quantized {
+            Some(q) => QuantizedMatrix::forward_many(&q.iter().map(|(w, _)| *w).collect::<Vec<_>>(), x)?,
+            None => None,
+        };
         let dense: Option<Vec<&candle_nn::Linear>> = layers.iter().map(|l| l.base.dense()).collect();
-        let (products, biases): (Vec<Tensor>, Vec<Option<&Tensor>>) = match (blocks, dense) {
-            (Some(blocks), _) if layers.len() > 1 && ops::applies(x) => {
-                let mats: Vec<&BlockMatrix> = blocks.iter().map(|(m, _)| *m).collect();
-                (ops::quant::forward_many(&mats, &x.contiguous()?)?, blocks.iter().map(|(_, b)| *b).collect())
-            }
+        let (products, biases): (Vec<Tensor>, Vec<Option<&Tensor>>) = match (quantized_products, dense) {
+            (Some(ys), _) => (ys, quantized.iter().flatten().map(|(_, b)| *b).collect()),
             // Decoding with dense weights: the matrix-vector kernel, all rows in one region.
             (_, Some(dense)) if layers.len() > 1 && mode == OpMode::Generate => {
                 let ws: Vec<&Tensor> = dense.iter().map(|l| l.weight()).collect();

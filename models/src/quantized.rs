@@ -98,6 +98,27 @@ impl QuantizedMatrix {
             Self::Candle(w) => w.forward(&x),
         }
     }
+
+    /// [`Self::forward`] for several matrices over the same `x` (q/k/v, gate/up) in one pass,
+    /// when they are all 32-value blocks or all 2-byte floats of one dtype and `x` is f32 on the
+    /// CPU: the input prepared once (quantised, or packed) and one parallel region for all their
+    /// rows. None otherwise (the caller runs them one by one).
+    pub fn forward_many(mats: &[&Self], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
+        if mats.len() < 2 || !ops::applies(x) {
+            return Ok(None);
+        }
+        let blocks: Option<Vec<&BlockMatrix>> =
+            mats.iter().map(|m| if let Self::Blocks(b) = m { Some(b.as_ref()) } else { None }).collect();
+        if let Some(blocks) = blocks {
+            return ops::quant::forward_many(&blocks, &x.contiguous()?).map(Some);
+        }
+        let halves: Option<Vec<&Tensor>> = mats.iter().map(|m| if let Self::Half(w) = m { Some(w) } else { None }).collect();
+        let Some(halves) = halves.filter(|ws| ws.iter().all(|w| w.dtype() == ws[0].dtype())) else { return Ok(None) };
+        match ops::gemv::gemv_t_many(x, &halves)? {
+            Some(ys) => Ok(Some(ys)),
+            None => ops::half_product::forward_many(x, &halves).map(Some),
+        }
+    }
 }
 
 /// The matrix of a linear layer: dense (candle `Linear`) or quantised blocks.
@@ -169,6 +190,38 @@ mod tests {
                 let scale = dense.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
                 assert!(err <= 0.02 * scale, "{dtype:?} {rows}x{inp}x{out}: max error {err} of {scale}");
             }
+        }
+    }
+
+    /// Several matrices in one pass give what each gives alone: 2-byte weights at decoding's
+    /// row counts and a prompt's, blocks at a prompt's; matrices of mixed kinds are left to
+    /// the caller (None).
+    #[test]
+    fn matrices_in_one_pass_equal_each_alone() {
+        let half = |out: usize, seed: u64| {
+            let w = ops::testing::random_tensor(&[out, 256], seed);
+            QuantizedMatrix::new(&Arc::new(QTensor::quantize(&w, GgmlDType::F16).unwrap())).unwrap()
+        };
+        let block = |out: usize, seed: u64| {
+            let w = ops::testing::random_tensor(&[out, 256], seed);
+            QuantizedMatrix::new(&Arc::new(QTensor::quantize(&w, GgmlDType::Q8_0).unwrap())).unwrap()
+        };
+        let halves = [half(96, 1), half(32, 2), half(32, 3)];
+        let blocks = [block(96, 4), block(64, 5)];
+        for rows in [1, 3, 46] {
+            let x = ops::testing::random_tensor(&[1, rows, 256], 6);
+            for mats in [halves.iter().collect::<Vec<_>>(), blocks.iter().collect()] {
+                let together = QuantizedMatrix::forward_many(&mats, &x).unwrap().expect("one kind of matrix");
+                for (got, m) in together.iter().zip(&mats) {
+                    let alone = m.forward(&x).unwrap();
+                    assert_eq!(
+                        got.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                        alone.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                        "{rows} rows"
+                    );
+                }
+            }
+            assert!(QuantizedMatrix::forward_many(&[&halves[0], &blocks[0]], &x).unwrap().is_none());
         }
     }
 }

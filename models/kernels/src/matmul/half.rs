@@ -136,25 +136,44 @@ thread_local! {
 /// # Panics
 /// When the lengths do not hold whole rows of `in_dim` or `w` not `out_dim` of them.
 pub fn product_wt<W: HalfWeight>(x: &[f32], w: &[W], out_dim: usize, in_dim: usize) -> Vec<f32> {
-    assert!(in_dim > 0 && x.len().is_multiple_of(in_dim) && w.len() == out_dim * in_dim, "half product: shapes do not match");
+    assert_eq!(w.len(), out_dim * in_dim, "half product: the weight is not {out_dim} rows of {in_dim}");
+    product_wt_many(x, &[w], in_dim).remove(0)
+}
+
+/// [`product_wt`] for several matrices over the same x (q/k/v, gate/up), each `ws[i]` holding
+/// whole rows of `in_dim`: their pieces are one parallel region with one packing of x, where
+/// one product each packed x again and waited at its end for the thread with the last piece
+/// (a 192-row k or v matrix is two pieces of unequal width).
+///
+/// # Panics
+/// When the lengths do not hold whole rows of `in_dim`.
+pub fn product_wt_many<W: HalfWeight>(x: &[f32], ws: &[&[W]], in_dim: usize) -> Vec<Vec<f32>> {
+    let whole_rows = |len: usize| len.is_multiple_of(in_dim);
+    assert!(in_dim > 0 && whole_rows(x.len()) && ws.iter().all(|w| whole_rows(w.len())), "half product: shapes do not match");
     let m = x.len() / in_dim;
-    let mut dst = vec![0f32; m * out_dim];
-    if m == 0 || out_dim == 0 {
-        return dst;
-    }
-    let out = DisjointWrites::new(&mut dst);
-    let pieces = out_dim.div_ceil(PIECE_ROWS);
+    let out_dims: Vec<usize> = ws.iter().map(|w| w.len() / in_dim).collect();
+    // Every matrix's pieces in one list: (matrix, its rows).
+    let pieces: Vec<(usize, std::ops::Range<usize>)> = out_dims
+        .iter()
+        .enumerate()
+        .flat_map(|(i, &out)| (0..out.div_ceil(PIECE_ROWS)).map(move |p| (i, p * PIECE_ROWS..((p + 1) * PIECE_ROWS).min(out))))
+        .collect();
+    let mut dsts: Vec<Vec<f32>> = out_dims.iter().map(|out| Vec::with_capacity(m * out)).collect();
+    let Some(narrowest) = pieces.iter().map(|(_, rows)| rows.len()).min().filter(|_| m > 0) else {
+        return out_dims.iter().map(|out| vec![0f32; m * out]).collect();
+    };
+    let outs: Vec<DisjointWrites<f32>> = dsts.iter_mut().zip(&out_dims).map(|(d, out)| DisjointWrites::spare(d, m * out)).collect();
     let level = SimdLevel::current();
-    let narrowest = out_dim - (pieces - 1) * PIECE_ROWS;
     let lhs = || (x.as_ptr(), 1, in_dim as isize);
     let pieces_of = |shared: Option<&super::SharedLhs>| {
-        candle_core::utils::barrier_pool().execute_chunked(pieces, |range| {
+        candle_core::utils::barrier_pool().execute_chunked(pieces.len(), |range| {
             WIDENED.with(|buf| {
-                for piece in range {
-                    let rows = piece * PIECE_ROWS..((piece + 1) * PIECE_ROWS).min(out_dim);
-                    // SAFETY: dst has m × out_dim values; columns `rows` of each row are this
-                    // piece's, which no other piece writes.
-                    let piece_dst = unsafe { (out.at(rows.start), out_dim) };
+                for (i, rows) in pieces[range].iter().cloned() {
+                    let (w, out_dim) = (ws[i], out_dims[i]);
+                    // SAFETY: matrix i's dst has room for m × out_dim values; columns `rows` of
+                    // each row are this piece's, which no other piece writes, and every column
+                    // of every row is some piece's (written before `set_len` below).
+                    let piece_dst = unsafe { (outs[i].at(rows.start), out_dim) };
                     // SAFETY: as below, with w's rows `rows` read in place.
                     if unsafe { W::packed_piece(m, rows.len(), in_dim, piece_dst, lhs(), w[rows.start * in_dim..].as_ptr(), shared) } {
                         continue;
@@ -163,10 +182,10 @@ pub fn product_wt<W: HalfWeight>(x: &[f32], w: &[W], out_dim: usize, in_dim: usi
                     buf.resize(PIECE_ROWS * in_dim, 0.0);
                     let widened = &mut buf[..rows.len() * in_dim];
                     W::widen(&w[rows.start * in_dim..rows.end * in_dim], widened, level);
-                    // SAFETY: dst has m × out_dim values; this piece writes columns `rows` of each
-                    // of its m rows (row stride out_dim) and no other piece writes them; x holds m
-                    // rows of in_dim and the widened buffer rows.len() rows of in_dim (read
-                    // transposed: element (i, o) at o · in_dim + i); `shared` packs this x.
+                    // SAFETY: as above for dst (row stride out_dim, not read: accumulate is
+                    // false); x holds m rows of in_dim and the widened buffer rows.len() rows of
+                    // in_dim (read transposed: element (i, o) at o · in_dim + i); `shared` packs
+                    // this x.
                     unsafe {
                         super::sgemm_piece(m, rows.len(), in_dim, piece_dst, lhs(), (widened.as_ptr(), in_dim as isize, 1), false, shared)
                     }
@@ -177,7 +196,12 @@ pub fn product_wt<W: HalfWeight>(x: &[f32], w: &[W], out_dim: usize, in_dim: usi
     // Every piece reads all of x: on our packed driver the threads share one packing of it.
     // SAFETY: x holds m rows of in_dim and outlives the product.
     unsafe { super::with_lhs_shared_by_pieces(m, narrowest, in_dim, lhs(), pieces_of) };
-    dst
+    drop(outs);
+    for (dst, out) in dsts.iter_mut().zip(&out_dims) {
+        // SAFETY: the pieces wrote all m × out values of each matrix (see above).
+        unsafe { dst.set_len(m * out) };
+    }
+    dsts
 }
 
 #[cfg(test)]
@@ -199,6 +223,30 @@ mod tests {
                 assert!(h.iter().zip(&out).all(|(v, o)| same(v.to_f32(), *o)), "f16 at {level:?}, {len} values");
                 bf16::widen(&b, &mut out, level);
                 assert!(b.iter().zip(&out).all(|(v, o)| same(v.to_f32(), *o)), "bf16 at {level:?}, {len} values");
+            }
+        }
+    }
+
+    /// Several matrices in one region give each the bits of its own product (the pieces are
+    /// the same), with rows not a multiple of a piece, a matrix of no rows, and no x rows.
+    #[test]
+    fn products_in_one_region_equal_each_alone() {
+        let in_dim = 96;
+        let outs = [300usize, 0, 192, 17];
+        let ws: Vec<Vec<f16>> = outs
+            .iter()
+            .enumerate()
+            .map(|(i, o)| crate::rng::signed_values(o * in_dim, 3 + i as u64).into_iter().map(f16::from_f32).collect())
+            .collect();
+        let slices: Vec<&[f16]> = ws.iter().map(|w| w.as_slice()).collect();
+        for m in [0usize, 5, 46] {
+            let x = crate::rng::signed_values(m * in_dim, 9);
+            let together = product_wt_many(&x, &slices, in_dim);
+            assert_eq!(together.len(), outs.len());
+            for ((got, w), &out) in together.iter().zip(&slices).zip(&outs) {
+                let alone = product_wt(&x, w, out, in_dim);
+                assert_eq!(got.len(), m * out);
+                assert!(got.iter().zip(&alone).all(|(a, b)| a.to_bits() == b.to_bits()), "{m} rows, {out} outputs");
             }
         }
     }
