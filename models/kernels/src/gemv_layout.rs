@@ -6,8 +6,9 @@
 //! after another, prefetching the row [`PREFETCH_AHEAD`] rows on. Which streams faster depends on
 //! the CPU's memory system, not on its vector ISA: the grouped reads were the faster on a
 //! Sapphire Rapids Xeon, and with f16 weights the slower on a Zen 3 EPYC (docs/design.md,
-//! "Decoding's matrix-vector product"). Each weight type (f32, f16, bf16) chooses for itself. Both give the same bits (a row's arithmetic does not depend on how
-//! many rows are read with it), so the choice changes speed only, and is made by measurement:
+//! "Decoding's matrix-vector product"). Each weight type (f32, f16, bf16) chooses for itself.
+//! Both give the same bits (a row's arithmetic does not depend on how many rows are read with
+//! it), so the choice changes speed only, and is made by measurement:
 //! the first products of a process alternate the layouts (in Thue-Morse order, so a model's
 //! repeating pattern of matrix shapes falls on both alike), and once each has run
 //! [`TRIALS`] times the one with fewer nanoseconds per weight byte is kept.
@@ -28,14 +29,17 @@ pub enum RowLayout {
     OneByOne,
 }
 
-const UNDECIDED: u8 = 0;
+impl RowLayout {
+    /// Both, in the order of the chooser's per-layout tallies (a layout's index is its place).
+    const ALL: [RowLayout; 2] = [RowLayout::Grouped, RowLayout::OneByOne];
 
-fn code(layout: RowLayout) -> u8 {
-    match layout {
-        RowLayout::Grouped => 1,
-        RowLayout::OneByOne => 2,
+    fn index(self) -> usize {
+        Self::ALL.iter().position(|l| *l == self).expect("ALL lists every layout")
     }
 }
+
+/// `LayoutChooser::chosen` before the choice; after it, the chosen layout's index + 1.
+const UNDECIDED: u8 = 0;
 
 /// The choice for one weight type: undecided while it times both layouts, then fixed.
 pub struct LayoutChooser {
@@ -67,11 +71,8 @@ impl LayoutChooser {
 
     /// The chosen layout, if the trials are over.
     pub fn chosen(&self) -> Option<RowLayout> {
-        match self.chosen.load(Ordering::Relaxed) {
-            1 => Some(RowLayout::Grouped),
-            2 => Some(RowLayout::OneByOne),
-            _ => None,
-        }
+        let code = self.chosen.load(Ordering::Relaxed);
+        (code != UNDECIDED).then(|| RowLayout::ALL[code as usize - 1])
     }
 
     /// The layout for a product over `bytes` of weights, and the trial to record if it is timed.
@@ -89,14 +90,17 @@ impl LayoutChooser {
 
     /// Adds a timed product; after [`TRIALS`] of each layout, keeps the faster per byte.
     pub fn record(&self, trial: Trial, took: Duration) {
-        let i = code(trial.layout) as usize - 1;
+        let i = trial.layout.index();
         self.nanos[i].fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
         self.bytes[i].fetch_add(trial.bytes as u64, Ordering::Relaxed);
         self.runs[i].fetch_add(1, Ordering::Relaxed);
         if self.runs.iter().all(|r| r.load(Ordering::Relaxed) >= TRIALS) {
             let per_byte = |i: usize| self.nanos[i].load(Ordering::Relaxed) as f64 / self.bytes[i].load(Ordering::Relaxed).max(1) as f64;
-            let faster = if per_byte(1) < per_byte(0) { RowLayout::OneByOne } else { RowLayout::Grouped };
-            let _ = self.chosen.compare_exchange(UNDECIDED, code(faster), Ordering::Relaxed, Ordering::Relaxed);
+            // The first listed wins a tie.
+            let faster =
+                RowLayout::ALL.into_iter().min_by(|a, b| per_byte(a.index()).total_cmp(&per_byte(b.index()))).expect("two layouts");
+            let code = faster.index() as u8 + 1;
+            let _ = self.chosen.compare_exchange(UNDECIDED, code, Ordering::Relaxed, Ordering::Relaxed);
         }
     }
 }
@@ -124,7 +128,7 @@ mod tests {
             while chooser.chosen().is_none() {
                 let (layout, trial) = chooser.layout_for(1 << 20);
                 let trial = trial.expect("undecided products are timed");
-                tried[code(layout) as usize - 1] += 1;
+                tried[layout.index()] += 1;
                 chooser.record(trial, Duration::from_micros(if layout == slow { 130 } else { 100 }));
                 products += 1;
                 assert!(products < 4 * TRIALS, "no choice after {products} products");
