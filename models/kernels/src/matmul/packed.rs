@@ -242,23 +242,12 @@ pub(crate) unsafe fn sgemm<T: RhsElem>(
             for pc in (0..k).step_by(KC) {
                 let kc = KC.min(k - pc);
                 let src = rhs.0.offset(pc as isize * rhs.2 + jc as isize * rhs.1);
-                // The panel width as a constant: the copy loops unroll (a run-time width was
-                // slower).
-                match tile {
-                    Tile::Avx2 => pack_rhs::<NR_AVX2, T>(kc, nc, src, rhs.1, rhs.2, b_pack),
-                    Tile::Avx512 => pack_rhs::<NR_AVX512, T>(kc, nc, src, rhs.1, rhs.2, b_pack),
-                }
+                pack_rhs_for(tile, kc, nc, src, rhs.1, rhs.2, b_pack);
                 // Later depth blocks add to what the first wrote.
                 let load_dst = accumulate || pc > 0;
                 for ic in (0..m).step_by(MC) {
                     let mc = MC.min(m - ic);
-                    let a_pack = match shared {
-                        Some(shared) => shared.block(pc, ic),
-                        None => {
-                            pack_lhs(mc, kc, lhs.0.offset(ic as isize * lhs.2 + pc as isize * lhs.1), lhs.1, lhs.2, a_pack);
-                            a_pack.cast_const()
-                        }
-                    };
+                    let a_pack = lhs_block(shared, lhs, (ic, mc), (pc, kc), a_pack);
                     for q in 0..nc.div_ceil(nr) {
                         let cols = nr.min(nc - q * nr);
                         for i in 0..mc.div_ceil(MR) {
@@ -310,23 +299,14 @@ unsafe fn by_panels<T: RhsElem>(
     let values_per_line = 64 / std::mem::size_of::<T>();
     for pc in (0..k).step_by(KC) {
         let kc = KC.min(k - pc);
-        let a_pack = match shared {
-            Some(shared) => shared.block(pc, 0),
-            None => {
-                pack_lhs(m, kc, lhs.0.offset(pc as isize * lhs.1), lhs.1, lhs.2, a_pack);
-                a_pack.cast_const()
-            }
-        };
+        let a_pack = lhs_block(shared, lhs, (0, m), (pc, kc), a_pack);
         // Later depth blocks add to what the first wrote.
         let load_dst = accumulate || pc > 0;
         let lines_per_column = kc.div_ceil(values_per_line);
         for j in (0..n).step_by(nr) {
             let cols = nr.min(n - j);
             let column = |c: usize| rhs.0.offset(c as isize * rhs.1 + pc as isize);
-            match tile {
-                Tile::Avx2 => pack_rhs::<NR_AVX2, T>(kc, cols, column(j), rhs.1, 1, b_pack),
-                Tile::Avx512 => pack_rhs::<NR_AVX512, T>(kc, cols, column(j), rhs.1, 1, b_pack),
-            }
+            pack_rhs_for(tile, kc, cols, column(j), rhs.1, 1, b_pack);
             // The next panel's cache lines, a share before each row tile's kernel.
             let next_lines = nr.min(n.saturating_sub(j + nr)) * lines_per_column;
             for i in 0..row_tiles {
@@ -338,6 +318,39 @@ unsafe fn by_panels<T: RhsElem>(
                 tile.kernel(kc, a_pack.add(i * MR * kc), b_pack, dst.add(i * MR * dst_rs + j), dst_rs, (rows, cols), load_dst, beta);
             }
         }
+    }
+}
+
+/// The packed lhs block of rows `ic..ic + mc` and depths `pc..pc + kc`: from `shared` when
+/// given, else packed into `a_pack`.
+///
+/// # Safety
+/// As [`sgemm`] for lhs; `a_pack` holds a packed row block.
+unsafe fn lhs_block(
+    shared: Option<&SharedLhs>,
+    lhs: Strided<*const f32>,
+    (ic, mc): (usize, usize),
+    (pc, kc): (usize, usize),
+    a_pack: *mut f32,
+) -> *const f32 {
+    match shared {
+        Some(shared) => shared.block(pc, ic),
+        None => {
+            pack_lhs(mc, kc, lhs.0.offset(ic as isize * lhs.2 + pc as isize * lhs.1), lhs.1, lhs.2, a_pack);
+            a_pack.cast_const()
+        }
+    }
+}
+
+/// [`pack_rhs`] at `tile`'s panel width, as a constant: the copy loops unroll (a run-time width
+/// was slower).
+///
+/// # Safety
+/// As [`pack_rhs`].
+unsafe fn pack_rhs_for<T: RhsElem>(tile: Tile, kc: usize, nc: usize, src: *const T, cs: isize, rs: isize, out: *mut f32) {
+    match tile {
+        Tile::Avx2 => pack_rhs::<NR_AVX2, T>(kc, nc, src, cs, rs, out),
+        Tile::Avx512 => pack_rhs::<NR_AVX512, T>(kc, nc, src, cs, rs, out),
     }
 }
 
