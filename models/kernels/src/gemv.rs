@@ -85,9 +85,10 @@ fn gemv_rows_laid_out<W: GemvWeight>(
     layout: RowLayout,
 ) -> Vec<Vec<f32>> {
     let out_dims: Vec<usize> = ws.iter().map(|w| w.len() / in_dim).collect();
-    // (out, rows) per matrix: each weight row's results together.
-    let mut yts: Vec<Vec<f32>> = out_dims.iter().map(|o| vec![0f32; o * rows]).collect();
-    let outs: Vec<DisjointWrites<f32>> = yts.iter_mut().map(|yt| DisjointWrites::new(yt)).collect();
+    // (out, rows) per matrix: each weight row's results together. Not zeroed first: every place
+    // is written below (a decoding step's outputs are a few thousand floats, ~200 times a token).
+    let mut yts: Vec<Vec<f32>> = out_dims.iter().map(|o| Vec::with_capacity(o * rows)).collect();
+    let outs: Vec<DisjointWrites<f32>> = yts.iter_mut().zip(&out_dims).map(|(yt, o)| DisjointWrites::spare(yt, o * rows)).collect();
     for_rows_of_many(&out_dims, |i, range| {
         let w = ws[i];
         let mut o = range.start;
@@ -119,6 +120,11 @@ fn gemv_rows_laid_out<W: GemvWeight>(
         }
     });
     drop(outs);
+    for (yt, o) in yts.iter_mut().zip(&out_dims) {
+        // SAFETY: the loop above wrote each of the o * rows places (every row o of the matrix
+        // falls in exactly one range, and each of its `rows` results is written).
+        unsafe { yt.set_len(o * rows) };
+    }
     yts.into_iter().zip(out_dims).map(|(yt, o)| transposed(yt, o, rows)).collect()
 }
 
@@ -374,6 +380,9 @@ mod tests {
         fn check<W: GemvWeight>(x: &[f32], rows: usize, w: &[W], d: usize, level: SimdLevel) {
             let grouped = gemv_rows_laid_out(x, rows, &[w, &w[..5 * d]], d, level, RowLayout::Grouped);
             let one_by_one = gemv_rows_laid_out(x, rows, &[w, &w[..5 * d]], d, level, RowLayout::OneByOne);
+            let lens = |ys: &Vec<Vec<f32>>| ys.iter().map(Vec::len).collect::<Vec<_>>();
+            assert_eq!(lens(&grouped), lens(&one_by_one), "{level:?} rows {rows} d {d}");
+            assert_eq!(lens(&grouped), [rows * w.len() / d, rows * 5]);
             for (g, o) in grouped.iter().flatten().zip(one_by_one.iter().flatten()) {
                 assert_eq!(g.to_bits(), o.to_bits(), "{level:?} rows {rows} d {d}: {g} vs {o}");
             }

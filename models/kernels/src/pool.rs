@@ -168,8 +168,43 @@ pub fn pool_to_vec<T: Copy + Send + Sync>(src: &[T]) -> Vec<T> {
 /// the calling thread works too, and the others spin briefly between decoding's ~200 products a
 /// token instead of sleeping in the kernel (rayon's idle threads cost a quarter of a token's time
 /// in `sched_yield` on 2 cores), and decoding runs on one pool, not two competing for the cores.
+///
+/// The threads take pieces from a shared cursor, each piece a share of what is left (guided
+/// self-scheduling): large pieces first, then smaller ones, so the threads finish together. With
+/// candle's equal pieces (an eighth of a thread's share each) one thread waited at the end of
+/// every product for the other's last piece (docs/design.md, "Decoding's matrix-vector product").
 pub fn for_weight_rows(n: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
-    candle_core::utils::barrier_pool().execute_chunked(n, f)
+    if n == 0 {
+        return;
+    }
+    let threads = candle_core::utils::barrier_pool().n_workers() + 1;
+    let cursor = std::sync::atomic::AtomicUsize::new(0);
+    // One item per thread through candle's own entry (which runs a region started from inside
+    // one inline): each thread then takes pieces until none is left.
+    candle_core::utils::barrier_pool().execute_chunked(threads, |_| {
+        while let Some(piece) = next_piece(&cursor, n, threads) {
+            f(piece);
+        }
+    });
+}
+
+/// The next piece of `0..n` from `cursor`: `1 / (2 · threads)` of what is left, and no less than
+/// `1 / (16 · threads)` of the whole (each take moves the cursor's cache line between cores, so
+/// the pieces stay few).
+fn next_piece(cursor: &std::sync::atomic::AtomicUsize, n: usize, threads: usize) -> Option<std::ops::Range<usize>> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let smallest = n.div_ceil(16 * threads);
+    let mut start = cursor.load(Relaxed);
+    loop {
+        if start >= n {
+            return None;
+        }
+        let end = (start + (n - start).div_ceil(2 * threads).max(smallest)).min(n);
+        match cursor.compare_exchange_weak(start, end, Relaxed, Relaxed) {
+            Ok(_) => return Some(start..end),
+            Err(now) => start = now,
+        }
+    }
 }
 
 /// [`for_weight_rows`] over the rows of several matrices (`rows[i]` each) as one region:
@@ -203,6 +238,27 @@ pub fn for_chunks_mut(out: &mut [f32], chunk: usize, f: impl Fn(usize, &mut [f32
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The cursor's pieces cover `0..n` once, in order, shrinking to no less than the smallest
+    /// piece (bar the last), and a region over them calls `f` on each item exactly once.
+    #[test]
+    fn guided_pieces_cover_every_row_once() {
+        for threads in [1, 2, 3, 16] {
+            for n in [1, 2, 5, 9, 131, 576, 49152] {
+                let cursor = std::sync::atomic::AtomicUsize::new(0);
+                let pieces: Vec<_> = std::iter::from_fn(|| next_piece(&cursor, n, threads)).collect();
+                assert_eq!(pieces.first().map(|p| p.start), Some(0));
+                assert_eq!(pieces.last().map(|p| p.end), Some(n));
+                assert!(pieces.windows(2).all(|p| p[0].end == p[1].start && p[0].len() >= p[1].len()), "{threads} {n}: {pieces:?}");
+                let smallest = n.div_ceil(16 * threads);
+                assert!(pieces[..pieces.len() - 1].iter().all(|p| p.len() >= smallest), "{threads} {n}: {pieces:?}");
+                assert!(pieces.len() <= 4 * threads * 16, "{threads} {n}: {} pieces", pieces.len());
+            }
+        }
+        let seen: Vec<std::sync::atomic::AtomicU32> = (0..1000).map(|_| std::sync::atomic::AtomicU32::new(0)).collect();
+        for_weight_rows(seen.len(), |range| range.for_each(|i| _ = seen[i].fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
+        assert!(seen.iter().all(|c| c.load(std::sync::atomic::Ordering::Relaxed) == 1));
+    }
 
     /// Every piece reaches `f` zeroed (what `vec![0.0; len]` gave), in pieces of the chunk with
     /// a shorter last one, and comes back filled; room is left after; the halves pair up.
