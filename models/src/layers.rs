@@ -2,7 +2,8 @@
 //!
 //! Every op has two forms. `OpMode::Train` uses only ops that have a backward pass in candle
 //! (several fused candle ops silently have none: `rope`, `rms_norm`, `softmax_last_dim`).
-//! `OpMode::Generate` uses the fused ones, whose forward output is the same, for speed.
+//! `OpMode::Generate` uses the fused ones, whose forward output is the same, for speed: ours
+//! (`ops::fused`, on the CPU pool's threads) where they take the tensors, else candle's.
 
 use candle_core::{DType, Device, Result, Tensor, D};
 use candle_nn::{linear_b, VarBuilder};
@@ -31,8 +32,14 @@ impl RmsNorm {
 
     pub fn forward(&self, x: &Tensor, mode: OpMode) -> Result<Tensor> {
         match mode {
-            OpMode::Generate => candle_nn::ops::rms_norm(x, &self.weight, self.eps as f32),
             OpMode::Train if ops::fused::rms_norm_applies(x, &self.weight) => ops::fused::rms_norm(x, &self.weight, self.eps),
+            // On the CPU ours (f32): it runs on the pool the matrix products run on, where
+            // candle-nn's runs on rayon's, whose threads then spin against that pool for the
+            // same cores (docs/design.md, "One pool").
+            OpMode::Generate if x.device().is_cpu() && ops::fused::rms_norm_applies(x, &self.weight) => {
+                ops::fused::rms_norm(x, &self.weight, self.eps)
+            }
+            OpMode::Generate => candle_nn::ops::rms_norm(x, &self.weight, self.eps as f32),
             OpMode::Train => {
                 let xf = x.to_dtype(DType::F32)?;
                 let inv_rms = (xf.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?.sqrt()?.recip()?;
@@ -284,7 +291,8 @@ impl Attention {
         let v = heads(v, self.num_kv_heads, &None)?;
         let (q, k) = match pos.mode {
             _ if pos.cos.rank() == 3 => (rope_rows(&q, &pos.cos, &pos.sin)?, rope_rows(&k, &pos.cos, &pos.sin)?),
-            OpMode::Train if ops::fused::rope_applies(&q, &pos.cos) => {
+            // Training everywhere, and generation on the CPU (as RmsNorm's, off rayon's pool).
+            mode if (mode == OpMode::Train || q.device().is_cpu()) && ops::fused::rope_applies(&q, &pos.cos) => {
                 (ops::fused::rope(&q, &pos.cos, &pos.sin)?, ops::fused::rope(&k, &pos.cos, &pos.sin)?)
             }
             OpMode::Train => {
