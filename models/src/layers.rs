@@ -32,11 +32,7 @@ impl RmsNorm {
 
     pub fn forward(&self, x: &Tensor, mode: OpMode) -> Result<Tensor> {
         match mode {
-            OpMode::Train if ops::fused::rms_norm_applies(x, &self.weight) => ops::fused::rms_norm(x, &self.weight, self.eps),
-            // On the CPU ours (f32): it runs on the pool the matrix products run on, where
-            // candle-nn's runs on rayon's, whose threads then spin against that pool for the
-            // same cores (docs/design.md, "One pool").
-            OpMode::Generate if x.device().is_cpu() && ops::fused::rms_norm_applies(x, &self.weight) => {
+            _ if fused_ops_for(mode, x.device()) && ops::fused::rms_norm_applies(x, &self.weight) => {
                 ops::fused::rms_norm(x, &self.weight, self.eps)
             }
             OpMode::Generate => candle_nn::ops::rms_norm(x, &self.weight, self.eps as f32),
@@ -47,6 +43,14 @@ impl RmsNorm {
             }
         }
     }
+}
+
+/// Whether `mode` on `device` takes `ops::fused`'s RMSNorm and rotary (where they take the
+/// tensors): training always (candle-nn's fused ones have no backward); generation on the CPU,
+/// where candle-nn's run on rayon's pool, whose threads then spin against the matrix products'
+/// pool for the same cores (docs/design.md, "One pool").
+fn fused_ops_for(mode: OpMode, device: &Device) -> bool {
+    mode == OpMode::Train || device.is_cpu()
 }
 
 /// Rotary embedding frequencies, with the rope scaling of the config applied.
@@ -291,8 +295,7 @@ impl Attention {
         let v = heads(v, self.num_kv_heads, &None)?;
         let (q, k) = match pos.mode {
             _ if pos.cos.rank() == 3 => (rope_rows(&q, &pos.cos, &pos.sin)?, rope_rows(&k, &pos.cos, &pos.sin)?),
-            // Training everywhere, and generation on the CPU (as RmsNorm's, off rayon's pool).
-            mode if (mode == OpMode::Train || q.device().is_cpu()) && ops::fused::rope_applies(&q, &pos.cos) => {
+            _ if fused_ops_for(pos.mode, q.device()) && ops::fused::rope_applies(&q, &pos.cos) => {
                 (ops::fused::rope(&q, &pos.cos, &pos.sin)?, ops::fused::rope(&k, &pos.cos, &pos.sin)?)
             }
             OpMode::Train => {

@@ -177,11 +177,12 @@ pub fn for_weight_rows(n: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
     if n == 0 {
         return;
     }
-    let threads = candle_core::utils::barrier_pool().n_workers() + 1;
+    let pool = candle_core::utils::barrier_pool();
+    let threads = pool.n_workers() + 1;
     let cursor = std::sync::atomic::AtomicUsize::new(0);
     // One item per thread through candle's own entry (which runs a region started from inside
     // one inline): each thread then takes pieces until none is left.
-    candle_core::utils::barrier_pool().execute_chunked(threads, |_| {
+    pool.execute_chunked(threads, |_| {
         while let Some(piece) = next_piece(&cursor, n, threads) {
             f(piece);
         }
