@@ -27,14 +27,17 @@ pub fn attend(q: &Tensor, blocks: &[(Tensor, Tensor)], len: usize, scale: f64, w
     if t > len || heads % kv_heads != 0 {
         candle_core::bail!("KV cache attention: {t} queries of {heads} heads over {len} positions of {kv_heads} kv heads");
     }
-    let q = q.flatten_all()?.to_vec1::<f32>()?;
+    // Read in place: a prompt's queries are megabytes a layer, a copy a pass on one thread.
+    let q = q.contiguous()?;
+    let (q_storage, q_layout) = q.storage_and_layout();
+    let q = cpu_f32_values(&q_storage, q_layout)?;
     let guards: Vec<_> = blocks.iter().map(|(k, v)| (k.storage_and_layout(), v.storage_and_layout())).collect();
     let blocks: Vec<(&[f32], &[f32])> =
         guards.iter().map(|((k, kl), (v, vl))| Ok((cpu_f32_values(k, kl)?, cpu_f32_values(v, vl)?))).collect::<Result<_>>()?;
     let kv = KvView { blocks: &blocks, kv_heads, head_dim: d, len };
     let out = match t {
-        1 => decode::attend_one(&q, heads, &kv, scale as f32, window),
-        _ => prefill::attend_chunk(&q, heads, t, &kv, scale as f32, window),
+        1 => decode::attend_one(q, heads, &kv, scale as f32, window),
+        _ => prefill::attend_chunk(q, heads, t, &kv, scale as f32, window),
     };
     Ok(Some(Tensor::from_vec(out, (1, t, heads * d), &Device::Cpu)?))
 }

@@ -8,9 +8,10 @@
 //! layer was 2.4 GB.
 
 use super::{KvView, BLOCK};
+use crate::disjoint::DisjointWrites;
 use crate::exp::{exp_f32, exp_shifted_sum};
 use crate::matmul::sgemm;
-use crate::pool::for_chunks_mut;
+use crate::pool::for_weight_rows;
 
 /// Query positions per work item.
 pub const Q_TILE: usize = 64;
@@ -23,22 +24,34 @@ pub fn attend_chunk(q: &[f32], heads: usize, t: usize, kv: &KvView, scale: f32, 
     let group = heads / kv.kv_heads;
     let tiles = t.div_ceil(Q_TILE);
     let first = kv.len - t;
-    // Item (h, tile) writes a (Q_TILE × d) piece of `partial`, head-major, gathered below.
-    let mut partial = vec![0f32; heads * tiles * Q_TILE * d];
-    for_chunks_mut(&mut partial, Q_TILE * d, |item, out| {
-        let (h, tile) = (item / tiles, item % tiles);
-        let rows = (t - tile * Q_TILE).min(Q_TILE);
-        let q_rows = &q[(h * t + tile * Q_TILE) * d..][..rows * d];
-        let positions = first + tile * Q_TILE..first + tile * Q_TILE + rows;
-        attend_tile(q_rows, positions, h / group, kv, scale, window, &mut out[..rows * d]);
-    });
-    let mut out = vec![0f32; t * heads * d];
-    for h in 0..heads {
-        for i in 0..t {
-            let from = ((h * tiles + i / Q_TILE) * Q_TILE + i % Q_TILE) * d;
-            out[(i * heads + h) * d..][..d].copy_from_slice(&partial[from..from + d]);
+    let width = heads * d;
+    // Item (h, tile) owns the rows of its tile in head h's columns of `out`: it attends into a
+    // zeroed tile of its own (in cache) and copies the finished rows there. The whole output
+    // zeroed up front, and a head-major buffer gathered token-major after, were each a pass over
+    // (t × heads · d) on the calling thread alone while the pool's other threads waited.
+    let mut out: Vec<f32> = Vec::with_capacity(t * width);
+    let dst = DisjointWrites::spare(&mut out, t * width);
+    for_weight_rows(heads * tiles, |items| {
+        let mut tile_out = vec![0f32; Q_TILE * d];
+        for item in items {
+            let (h, tile) = (item / tiles, item % tiles);
+            let rows = (t - tile * Q_TILE).min(Q_TILE);
+            let q_rows = &q[(h * t + tile * Q_TILE) * d..][..rows * d];
+            let positions = first + tile * Q_TILE..first + tile * Q_TILE + rows;
+            let tile_out = &mut tile_out[..rows * d];
+            tile_out.fill(0.0);
+            attend_tile(q_rows, positions, h / group, kv, scale, window, tile_out);
+            for (i, row) in tile_out.chunks_exact(d).enumerate() {
+                let at = (tile * Q_TILE + i) * width + h * d;
+                assert!(at + d <= dst.len());
+                // SAFETY: row (tile · Q_TILE + i), columns h·d.., belong to item (h, tile) only;
+                // written through a pointer, as the buffer's places start uninitialised.
+                unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), dst.at(at), d) };
+            }
         }
-    }
+    });
+    // SAFETY: the items cover every (row, head) once, and each wrote its d values above.
+    unsafe { out.set_len(t * width) };
     out
 }
 
