@@ -53,9 +53,18 @@ mod x86 {
     /// `R` rows at once (as the f32 kernel: one accumulator of `$lanes` lanes per row, x loaded
     /// once for all), prefetching `next`'s rows when it holds as many. AVX-512 widens 16 values
     /// an instruction where AVX2 widens 8: on Zen 4 the AVX2 loop read f16 rows below the speed
-    /// the memory gives (docs/design.md, "Decoding's matrix-vector product").
+    /// the memory gives (docs/design.md, "f16 and bf16 rows widened 16 at a time at AVX-512").
+    /// `avx2` and `avx512` name the vector width; its operations are stated once, in its arm.
     macro_rules! dot_rows_widened {
-        ($name:ident, $elem:ty, $features:literal, $lanes:literal, $zero:ident, $load:ident, $fma:ident,
+        (avx2 $name:ident, $elem:ty, $features:literal, |$p:ident| $widen:expr) => {
+            dot_rows_widened!(@ $name, $elem, $features, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps,
+                |$p| $widen, |v| sum_lanes_avx2(v));
+        };
+        (avx512 $name:ident, $elem:ty, $features:literal, |$p:ident| $widen:expr) => {
+            dot_rows_widened!(@ $name, $elem, $features, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps,
+                |$p| $widen, |v| _mm512_reduce_add_ps(v));
+        };
+        (@ $name:ident, $elem:ty, $features:literal, $lanes:literal, $zero:ident, $load:ident, $fma:ident,
          |$p:ident| $widen:expr, |$v:ident| $sum:expr) => {
             #[target_feature(enable = $features)]
             pub unsafe fn $name<const R: usize>(x: &[f32], w: &[$elem], next: &[$elem]) -> [f32; R] {
@@ -101,49 +110,17 @@ mod x86 {
         lanes.iter().sum()
     }
 
-    dot_rows_widened!(
-        dot_f16_rows,
-        f16,
-        "avx2,fma,f16c",
-        8,
-        _mm256_setzero_ps,
-        _mm256_loadu_ps,
-        _mm256_fmadd_ps,
-        |p| _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
-        |v| sum_lanes_avx2(v)
-    );
-    dot_rows_widened!(
-        dot_f16_rows_avx512,
-        f16,
-        "avx512f,avx2,fma,f16c",
-        16,
-        _mm512_setzero_ps,
-        _mm512_loadu_ps,
-        _mm512_fmadd_ps,
-        |p| _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)),
-        |v| _mm512_reduce_add_ps(v)
-    );
+    dot_rows_widened!(avx2 dot_f16_rows, f16, "avx2,fma,f16c", |p| _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)));
+    dot_rows_widened!(avx512 dot_f16_rows_avx512, f16, "avx512f,avx2,fma,f16c", |p| _mm512_cvtph_ps(_mm256_loadu_si256(
+        p as *const __m256i
+    )));
     // bf16 is the top half of an f32: widen to 32 bits and shift into place.
-    dot_rows_widened!(
-        dot_bf16_rows,
-        bf16,
-        "avx2,fma",
-        8,
-        _mm256_setzero_ps,
-        _mm256_loadu_ps,
-        _mm256_fmadd_ps,
-        |p| _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)), 16)),
-        |v| sum_lanes_avx2(v)
-    );
-    dot_rows_widened!(
-        dot_bf16_rows_avx512,
-        bf16,
-        "avx512f,avx2,fma",
-        16,
-        _mm512_setzero_ps,
-        _mm512_loadu_ps,
-        _mm512_fmadd_ps,
-        |p| _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i)), 16)),
-        |v| _mm512_reduce_add_ps(v)
-    );
+    dot_rows_widened!(avx2 dot_bf16_rows, bf16, "avx2,fma", |p| _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)),
+        16
+    )));
+    dot_rows_widened!(avx512 dot_bf16_rows_avx512, bf16, "avx512f,avx2,fma", |p| _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i)),
+        16
+    )));
 }
