@@ -386,6 +386,11 @@ impl Attention {
         for (r, cache) in caches.iter_mut().enumerate() {
             cache.append(&k.narrow(0, r, 1)?, &v.narrow(0, r, 1)?)?;
         }
+        // On the CPU in f32, every row in one parallel region over the caches' blocks.
+        let tables: Vec<(&[(Tensor, Tensor)], usize)> = caches.iter().map(|c| (c.blocks(), c.seq_len())).collect();
+        if let Some(out) = ops::kv_attention::attend_rows(&q, &tables, scale, window)? {
+            return self.o_proj.forward(&out, OpMode::Generate, None, adapters);
+        }
         let mut outs = Vec::with_capacity(rows);
         for (r, cache) in caches.iter().enumerate() {
             if let Some(out) = cache.attend(&q.narrow(0, r, 1)?, scale, window)? {

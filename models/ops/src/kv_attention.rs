@@ -2,7 +2,7 @@
 //! (`kernels::paged_attention`) one query by the decode kernel, more by the tiled prefill; on a
 //! GPU one query by `flash_attention`'s decode kernel.
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Device, Layout, Result, StorageRef, Tensor};
 use kernels::paged_attention::{decode, prefill, KvView};
 
 use crate::cpu_f32_values;
@@ -31,13 +31,60 @@ pub fn attend(q: &Tensor, blocks: &[(Tensor, Tensor)], len: usize, scale: f64, w
     let q = q.contiguous()?;
     let (q_storage, q_layout) = q.storage_and_layout();
     let q = cpu_f32_values(&q_storage, q_layout)?;
-    let guards: Vec<_> = blocks.iter().map(|(k, v)| (k.storage_and_layout(), v.storage_and_layout())).collect();
-    let blocks: Vec<(&[f32], &[f32])> =
-        guards.iter().map(|((k, kl), (v, vl))| Ok((cpu_f32_values(k, kl)?, cpu_f32_values(v, vl)?))).collect::<Result<_>>()?;
+    let guards = BlockGuards::of(blocks);
+    let blocks = guards.slices()?;
     let kv = KvView { blocks: &blocks, kv_heads, head_dim: d, len };
     let out = match t {
         1 => decode::attend_one(q, heads, &kv, scale as f32, window),
         _ => prefill::attend_chunk(q, heads, t, &kv, scale as f32, window),
     };
     Ok(Some(Tensor::from_vec(out, (1, t, heads * d), &Device::Cpu)?))
+}
+
+/// A decode step of several sequences on the CPU in f32: row `r` of `q` (rows, heads, 1,
+/// head_dim) is the query of the last of the `caches[r].1` positions cached in `caches[r].0`
+/// (as [`attend`] takes them), all rows attended in one parallel region: (rows, 1, heads ·
+/// head_dim), each row as [`attend`] gives it alone. `None` when the call is not for this kernel
+/// (not f32 on the CPU, or a graph to keep): the caller then attends row by row.
+pub fn attend_rows(q: &Tensor, caches: &[(&[(Tensor, Tensor)], usize)], scale: f64, window: Option<usize>) -> Result<Option<Tensor>> {
+    let cpu_f32 = |t: &Tensor| matches!(t.device(), Device::Cpu) && t.dtype() == DType::F32;
+    let all_cpu_f32 = caches.iter().all(|(blocks, _)| blocks.first().is_some_and(|(k, _)| cpu_f32(k)));
+    if !cpu_f32(q) || !all_cpu_f32 || q.track_op() {
+        return Ok(None);
+    }
+    let (rows, heads, t, d) = q.dims4()?;
+    if t != 1 || rows != caches.len() {
+        candle_core::bail!("KV cache attention of rows: queries {:?} for {} caches, one query a row", q.dims(), caches.len());
+    }
+    let kv_heads = caches[0].0[0].0.dim(0)?;
+    if let Some((_, len)) = caches.iter().find(|(blocks, len)| *len == 0 || blocks[0].0.dims() != caches[0].0[0].0.dims()) {
+        candle_core::bail!("KV cache attention of rows: a cache of {len} positions, or of another block shape than the first's");
+    }
+    if heads % kv_heads != 0 {
+        candle_core::bail!("KV cache attention of rows: {heads} heads over {kv_heads} kv heads");
+    }
+    let q = q.contiguous()?;
+    let (q_storage, q_layout) = q.storage_and_layout();
+    let q = cpu_f32_values(&q_storage, q_layout)?;
+    let guards: Vec<BlockGuards> = caches.iter().map(|(blocks, _)| BlockGuards::of(blocks)).collect();
+    let slices: Vec<Vec<(&[f32], &[f32])>> = guards.iter().map(BlockGuards::slices).collect::<Result<_>>()?;
+    let kvs: Vec<KvView> = slices.iter().zip(caches).map(|(blocks, &(_, len))| KvView { blocks, kv_heads, head_dim: d, len }).collect();
+    let out = decode::attend_rows(q, heads, &kvs, scale as f32, window);
+    Ok(Some(Tensor::from_vec(out, (rows, 1, heads * d), &Device::Cpu)?))
+}
+
+/// The storages of a layer's cached blocks, held while the kernels read them in place.
+struct BlockGuards<'a>(Vec<StorageGuards<'a>>);
+
+type StorageGuards<'a> = ((StorageRef<'a>, &'a Layout), (StorageRef<'a>, &'a Layout));
+
+impl<'a> BlockGuards<'a> {
+    fn of(blocks: &'a [(Tensor, Tensor)]) -> Self {
+        Self(blocks.iter().map(|(k, v)| (k.storage_and_layout(), v.storage_and_layout())).collect())
+    }
+
+    /// Each block's keys and values as f32 slices.
+    fn slices(&self) -> Result<Vec<(&[f32], &[f32])>> {
+        self.0.iter().map(|((k, kl), (v, vl))| Ok((cpu_f32_values(k, kl)?, cpu_f32_values(v, vl)?))).collect()
+    }
 }

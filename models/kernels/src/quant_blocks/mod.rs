@@ -364,6 +364,44 @@ mod tests {
         }
     }
 
+    /// Weights at their largest and smallest values against activations at ±127: the kernels'
+    /// 16-bit partial sums (`vpmaddubsw`'s pairs, Q8_0's within 2 · 127 · 127 of the limit, and
+    /// the 5-bit formats' two pairs added before widening) do not saturate, so the products
+    /// still equal the plain code's.
+    #[test]
+    fn the_largest_values_do_not_saturate_the_partial_sums() {
+        let (rows, cols) = (32, 8 * BLOCK);
+        // Activation rows quantising to +127, -127 and alternating ±127 in every block.
+        let mut x = vec![1.0f32; cols];
+        x.extend(vec![-1.0f32; cols]);
+        x.extend((0..cols).map(|i| if i % 2 == 0 { 1.0 } else { -1.0 }));
+        for format in FORMATS {
+            let mut blocks = random_blocks(format, rows, cols, 3);
+            let (_, qh_at, qs_at) = packed::source_offsets(format);
+            let largest = if format == BlockFormat::Q8_0 { 0x7f } else { 0xff };
+            // Even rows at the format's largest values, odd rows at its smallest.
+            for (i, b) in blocks.chunks_exact_mut(format.block_bytes()).enumerate() {
+                let bits = if (i / (cols / BLOCK)).is_multiple_of(2) { largest } else { largest ^ 0xfe };
+                let from = qh_at.unwrap_or(qs_at);
+                b[from..].iter_mut().for_each(|v| *v = bits);
+            }
+            let w = BlockMatrix::new(format, rows, cols, blocks.clone()).unwrap();
+            let acts: Vec<QuantizedRow> = x.chunks_exact(cols).map(|r| quantize_row_at(r, format.has_min(), SimdLevel::Scalar)).collect();
+            assert!(acts.iter().all(|a| a.q.iter().all(|q| q.abs() == 127)));
+            let row_bytes = cols / BLOCK * format.block_bytes();
+            for kernel in every_kernel() {
+                let y = BlockMatrix::multiply_many_on(&[&w], &x, kernel).remove(0);
+                for (c, act) in acts.iter().enumerate() {
+                    for o in 0..rows {
+                        let want = dot_gguf(format, &blocks[o * row_bytes..(o + 1) * row_bytes], act);
+                        let got = y[c * rows + o];
+                        assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "{format:?} {kernel:?}: ({c}, {o}) {got} vs {want}");
+                    }
+                }
+            }
+        }
+    }
+
     /// A row's result is the same bits alone and inside a prompt's batch (every tile computes
     /// each pair alike), and the same on every int8 kernel: `vpdpbusd` at 512 and 256 bits and
     /// `vpmaddubsw` (each that this CPU runs; CI's kinds differ in which).
