@@ -297,14 +297,12 @@ unsafe fn sgemm_at(
     } else {
         (m, n, dst, lhs, rhs)
     };
-    #[cfg(target_arch = "x86_64")]
-    match level {
-        SimdLevel::Avx2 => {
-            use gemm_f32::microkernel::fma::f32 as ukr;
-            let simd =
-                <gemm_common::simd::V3 as MixedSimd<f32, f32, f32, f32>>::try_new().expect("SimdLevel::current never exceeds the CPU");
-            gemm_basic_generic::<_, f32, 8, { ukr::MR_DIV_N * 8 }, { ukr::NR }, { ukr::MR_DIV_N }, { ukr::H_M }, { ukr::H_N }>(
-                simd,
+    // gemm's generic driver on one microkernel family, `lanes` f32 values a register.
+    macro_rules! driver {
+        ($simd:expr, $ukr:path, $lanes:literal) => {{
+            use $ukr as ukr;
+            gemm_basic_generic::<_, f32, $lanes, { ukr::MR_DIV_N * $lanes }, { ukr::NR }, { ukr::MR_DIV_N }, { ukr::H_M }, { ukr::H_N }>(
+                $simd,
                 m,
                 n,
                 k,
@@ -329,38 +327,15 @@ unsafe fn sgemm_at(
                 false,
                 Parallelism::None,
             )
-        }
-        _ => {
-            use gemm_f32::microkernel::scalar::f32 as ukr;
-            let simd = <gemm_common::simd::Scalar as MixedSimd<f32, f32, f32, f32>>::try_new().expect("plain code runs everywhere");
-            gemm_basic_generic::<_, f32, 1, { ukr::MR_DIV_N }, { ukr::NR }, { ukr::MR_DIV_N }, { ukr::H_M }, { ukr::H_N }>(
-                simd,
-                m,
-                n,
-                k,
-                dst.0,
-                dst.1,
-                dst.2,
-                read_dst,
-                lhs.0,
-                lhs.1,
-                lhs.2,
-                rhs.0,
-                rhs.1,
-                rhs.2,
-                alpha,
-                beta,
-                false,
-                false,
-                false,
-                |a, b, c| a * b + c,
-                &ukr::UKR,
-                &ukr::H_UKR,
-                false,
-                Parallelism::None,
-            )
-        }
+        }};
     }
+    #[cfg(target_arch = "x86_64")]
+    if level == SimdLevel::Avx2 {
+        let simd = <gemm_common::simd::V3 as MixedSimd<f32, f32, f32, f32>>::try_new().expect("SimdLevel::current never exceeds the CPU");
+        return driver!(simd, gemm_f32::microkernel::fma::f32, 8);
+    }
+    let simd = <gemm_common::simd::Scalar as MixedSimd<f32, f32, f32, f32>>::try_new().expect("plain code runs everywhere");
+    driver!(simd, gemm_f32::microkernel::scalar::f32, 1)
 }
 
 #[cfg(test)]
