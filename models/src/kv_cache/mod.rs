@@ -132,6 +132,9 @@ impl LayerKvCache {
     }
 }
 
+/// Values a thread zeroes at a time when a CPU block is made (64 KiB).
+const ZEROING_PIECE: usize = 1 << 14;
+
 /// The KV caches of all layers of one sequence.
 #[derive(Debug, Clone)]
 pub struct KvCache {
@@ -172,8 +175,18 @@ impl KvCache {
         let Some(first) = self.layers.first() else { return Ok(()) };
         let have = first.blocks.len() + first.ready.len();
         let need = (first.len + new).div_ceil(BLOCK).saturating_sub(have);
+        let shape = (self.layers.len(), 2, self.kv_heads, BLOCK, self.head_dim);
         for _ in 0..need {
-            let all = Tensor::zeros((self.layers.len(), 2, self.kv_heads, BLOCK, self.head_dim), dtype, device)?;
+            let all = match (dtype, device) {
+                // Zeroed by the pool's threads, each its piece: a new block is megabytes of
+                // fresh pages, whose first touches (page faults) the calling thread otherwise
+                // took alone while the others waited for the step's next product.
+                (DType::F32, Device::Cpu) => {
+                    let n = shape.0 * shape.1 * shape.2 * shape.3 * shape.4;
+                    Tensor::from_vec(kernels::pool::pool_new(n, ZEROING_PIECE, |_, _| {}), shape, device)?
+                }
+                _ => Tensor::zeros(shape, dtype, device)?,
+            };
             for (i, layer) in self.layers.iter_mut().enumerate() {
                 let kv = all.get(i)?;
                 layer.ready.push_back((kv.get(0)?, kv.get(1)?));
