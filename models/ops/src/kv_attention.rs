@@ -18,8 +18,7 @@ pub fn attend(q: &Tensor, blocks: &[(Tensor, Tensor)], len: usize, scale: f64, w
     if kv_heads.is_some_and(|h| !q.track_op() && crate::flash_attention::decode_applies(q, h)) {
         return crate::flash_attention::decode(q, None, &[(blocks, len)], scale, window).map(Some);
     }
-    let cpu_f32 = |t: &Tensor| matches!(t.device(), Device::Cpu) && t.dtype() == DType::F32;
-    if !cpu_f32(q) || blocks.first().is_none_or(|(k, _)| !cpu_f32(k)) || q.track_op() {
+    if !cpu_kernels_apply(q, std::iter::once(blocks)) {
         return Ok(None);
     }
     let (_, heads, t, d) = q.dims4()?;
@@ -47,9 +46,7 @@ pub fn attend(q: &Tensor, blocks: &[(Tensor, Tensor)], len: usize, scale: f64, w
 /// head_dim), each row as [`attend`] gives it alone. `None` when the call is not for this kernel
 /// (not f32 on the CPU, or a graph to keep): the caller then attends row by row.
 pub fn attend_rows(q: &Tensor, caches: &[(&[(Tensor, Tensor)], usize)], scale: f64, window: Option<usize>) -> Result<Option<Tensor>> {
-    let cpu_f32 = |t: &Tensor| matches!(t.device(), Device::Cpu) && t.dtype() == DType::F32;
-    let all_cpu_f32 = caches.iter().all(|(blocks, _)| blocks.first().is_some_and(|(k, _)| cpu_f32(k)));
-    if !cpu_f32(q) || !all_cpu_f32 || q.track_op() {
+    if !cpu_kernels_apply(q, caches.iter().map(|&(blocks, _)| blocks)) {
         return Ok(None);
     }
     let (rows, heads, t, d) = q.dims4()?;
@@ -71,6 +68,13 @@ pub fn attend_rows(q: &Tensor, caches: &[(&[(Tensor, Tensor)], usize)], scale: f
     let kvs: Vec<KvView> = slices.iter().zip(caches).map(|(blocks, &(_, len))| KvView { blocks, kv_heads, head_dim: d, len }).collect();
     let out = decode::attend_rows(q, heads, &kvs, scale as f32, window);
     Ok(Some(Tensor::from_vec(out, (rows, 1, heads * d), &Device::Cpu)?))
+}
+
+/// Whether the CPU kernels take `q` over `caches` (each a layer's cached blocks): f32 on the
+/// CPU, at least one block in each cache, and no graph to keep.
+fn cpu_kernels_apply<'a>(q: &Tensor, mut caches: impl Iterator<Item = &'a [(Tensor, Tensor)]>) -> bool {
+    let cpu_f32 = |t: &Tensor| matches!(t.device(), Device::Cpu) && t.dtype() == DType::F32;
+    !q.track_op() && cpu_f32(q) && caches.all(|blocks| blocks.first().is_some_and(|(k, _)| cpu_f32(k)))
 }
 
 /// The storages of a layer's cached blocks, held while the kernels read them in place.

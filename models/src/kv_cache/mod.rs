@@ -16,7 +16,7 @@
 
 use std::collections::VecDeque;
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Device, Result, Shape, Tensor};
 
 use crate::config::ModelConfig;
 
@@ -175,17 +175,16 @@ impl KvCache {
         let Some(first) = self.layers.first() else { return Ok(()) };
         let have = first.blocks.len() + first.ready.len();
         let need = (first.len + new).div_ceil(BLOCK).saturating_sub(have);
-        let shape = (self.layers.len(), 2, self.kv_heads, BLOCK, self.head_dim);
+        let shape = Shape::from((self.layers.len(), 2, self.kv_heads, BLOCK, self.head_dim));
         for _ in 0..need {
             let all = match (dtype, device) {
                 // Zeroed by the pool's threads, each its piece: a new block is megabytes of
                 // fresh pages, whose first touches (page faults) the calling thread otherwise
                 // took alone while the others waited for the step's next product.
                 (DType::F32, Device::Cpu) => {
-                    let n = shape.0 * shape.1 * shape.2 * shape.3 * shape.4;
-                    Tensor::from_vec(kernels::pool::pool_new(n, ZEROING_PIECE, |_, _| {}), shape, device)?
+                    Tensor::from_vec(kernels::pool::pool_new(shape.elem_count(), ZEROING_PIECE, |_, _| {}), shape.clone(), device)?
                 }
-                _ => Tensor::zeros(shape, dtype, device)?,
+                _ => Tensor::zeros(shape.clone(), dtype, device)?,
             };
             for (i, layer) in self.layers.iter_mut().enumerate() {
                 let kv = all.get(i)?;
