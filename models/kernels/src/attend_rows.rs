@@ -14,10 +14,17 @@ pub fn scores(q: &[f32], rows: &[f32], scale: f32, scores: &mut [f32], level: Si
     let d = q.len();
     debug_assert!(rows.len() >= scores.len() * d);
     #[cfg(target_arch = "x86_64")]
-    if level.usable() >= SimdLevel::Avx2 && d.is_multiple_of(8) {
-        // SAFETY: `usable` never exceeds the CPU's level, whose features AVX2 kernels need
-        // (AVX2, FMA); the sizes were checked above.
-        return unsafe { x86::scores_avx2(q, rows, scale, scores) };
+    {
+        let level = level.usable();
+        if level == SimdLevel::Avx512 && d.is_multiple_of(16) {
+            // SAFETY: `usable` never exceeds the CPU's level, whose features the kernels of a
+            // level need (AVX-512F, AVX2, FMA); the sizes were checked here.
+            return unsafe { x86::scores_avx512(q, rows, scale, scores) };
+        }
+        if level >= SimdLevel::Avx2 && d.is_multiple_of(8) {
+            // SAFETY: as above.
+            return unsafe { x86::scores_avx2(q, rows, scale, scores) };
+        }
     }
     for (j, s) in scores.iter_mut().enumerate() {
         *s = dot(q, &rows[j * d..(j + 1) * d], level) * scale;
@@ -29,9 +36,16 @@ pub fn add_weighted_rows(out: &mut [f32], weights: &[f32], rows: &[f32], level: 
     let d = out.len();
     debug_assert!(rows.len() >= weights.len() * d);
     #[cfg(target_arch = "x86_64")]
-    if level >= SimdLevel::Avx2 && d.is_multiple_of(8) {
-        // SAFETY: as above.
-        return unsafe { x86::add_weighted_rows_avx2(out, weights, rows) };
+    {
+        let level = level.usable();
+        if level == SimdLevel::Avx512 && d.is_multiple_of(16) {
+            // SAFETY: as in `scores`.
+            return unsafe { x86::add_weighted_rows_avx512(out, weights, rows) };
+        }
+        if level >= SimdLevel::Avx2 && d.is_multiple_of(8) {
+            // SAFETY: as in `scores`.
+            return unsafe { x86::add_weighted_rows_avx2(out, weights, rows) };
+        }
     }
     for (j, &w) in weights.iter().enumerate() {
         axpy(out, w, &rows[j * d..(j + 1) * d], level);
@@ -109,6 +123,77 @@ mod x86 {
             _mm256_storeu_ps(po.add(8 * v), *acc);
         }
     }
+
+    /// Eight rows a pass in 16-lane accumulators; each folded to eight lanes, then the AVX2
+    /// reduction of four rows twice, its two halves' sums put side by side for one store.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn scores_avx512(q: &[f32], rows: &[f32], scale: f32, scores: &mut [f32]) {
+        let (d, m) = (q.len(), scores.len());
+        let (pq, pr) = (q.as_ptr(), rows.as_ptr());
+        let mut j = 0;
+        while j + 8 <= m {
+            let mut acc = [_mm512_setzero_ps(); 8];
+            for i in (0..d).step_by(16) {
+                let qv = _mm512_loadu_ps(pq.add(i));
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    *acc = _mm512_fmadd_ps(qv, _mm512_loadu_ps(pr.add((j + r) * d + i)), *acc);
+                }
+            }
+            // The upper eight lanes through the f64 view: `extractf32x8` would need AVX-512DQ.
+            let f =
+                acc.map(|a| _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a)))));
+            // As in `scores_avx2`: each 128-bit half of t0 holds a part of rows 0-3's sums, t1's
+            // of rows 4-7's; adding the low halves to the high ones gives the eight sums in order.
+            let t0 = _mm256_hadd_ps(_mm256_hadd_ps(f[0], f[1]), _mm256_hadd_ps(f[2], f[3]));
+            let t1 = _mm256_hadd_ps(_mm256_hadd_ps(f[4], f[5]), _mm256_hadd_ps(f[6], f[7]));
+            let sums = _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(t0, t1), _mm256_permute2f128_ps::<0x31>(t0, t1));
+            _mm256_storeu_ps(scores.as_mut_ptr().add(j), _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+            j += 8;
+        }
+        while j < m {
+            let mut acc = _mm512_setzero_ps();
+            for i in (0..d).step_by(16) {
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(pq.add(i)), _mm512_loadu_ps(pr.add(j * d + i)), acc);
+            }
+            scores[j] = _mm512_reduce_add_ps(acc) * scale;
+            j += 1;
+        }
+    }
+
+    /// As `add_weighted_rows_avx2`, 128 values (8 vectors of 16) at a time.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn add_weighted_rows_avx512(out: &mut [f32], weights: &[f32], rows: &[f32]) {
+        let d = out.len();
+        let mut c = 0;
+        while c + 128 <= d {
+            columns16::<8>(out, weights, rows, c);
+            c += 128;
+        }
+        while c < d {
+            columns16::<1>(out, weights, rows, c);
+            c += 16;
+        }
+    }
+
+    /// `out[c..c + 16W] += Σ_j weights[j] · rows[j][c..c + 16W]`.
+    #[inline(always)]
+    unsafe fn columns16<const W: usize>(out: &mut [f32], weights: &[f32], rows: &[f32], c: usize) {
+        let d = out.len();
+        let (po, pr) = (out.as_mut_ptr().add(c), rows.as_ptr().add(c));
+        let mut acc = [_mm512_setzero_ps(); W];
+        for (v, acc) in acc.iter_mut().enumerate() {
+            *acc = _mm512_loadu_ps(po.add(16 * v));
+        }
+        for (j, &w) in weights.iter().enumerate() {
+            let wv = _mm512_set1_ps(w);
+            for (v, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm512_fmadd_ps(wv, _mm512_loadu_ps(pr.add(j * d + 16 * v)), *acc);
+            }
+        }
+        for (v, acc) in acc.iter().enumerate() {
+            _mm512_storeu_ps(po.add(16 * v), *acc);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -118,11 +203,12 @@ mod tests {
     use crate::rng::signed_values as data;
 
     /// Every level this CPU has gives the row-by-row results, for row counts with and without a
-    /// tail of the four-row pass and widths with and without a tail of 64.
+    /// tail of the four- and eight-row passes and widths with and without a tail of 64 (128 at
+    /// AVX-512), and widths AVX-512 leaves to AVX2 (not a multiple of 16).
     #[test]
     fn kernels_match_row_by_row() {
         let best = SimdLevel::detected();
-        for (d, m) in [(64, 1), (64, 7), (128, 32), (72, 5), (8, 4), (12, 3)] {
+        for (d, m) in [(64, 1), (64, 7), (64, 19), (128, 32), (48, 9), (80, 17), (256, 8), (72, 5), (8, 4), (12, 3)] {
             let (q, rows) = (data(d, 1), data(m * d, 2));
             let want_s: Vec<f32> = (0..m).map(|j| q.iter().zip(&rows[j * d..]).map(|(a, b)| a * b).sum::<f32>() * 0.125).collect();
             let weights = data(m, 3);
