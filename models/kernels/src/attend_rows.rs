@@ -89,40 +89,55 @@ mod x86 {
         }
     }
 
-    /// The output in registers, 64 values (8 vectors) at a time, across all the rows.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn add_weighted_rows_avx2(out: &mut [f32], weights: &[f32], rows: &[f32]) {
-        let d = out.len();
-        let mut c = 0;
-        while c + 64 <= d {
-            columns::<8>(out, weights, rows, c);
-            c += 64;
-        }
-        while c < d {
-            columns::<1>(out, weights, rows, c);
-            c += 8;
-        }
+    /// `add_weighted_rows` at one level: the output in registers, 8 vectors of `$lanes` values
+    /// at a time, across all the rows; then one vector at a time.
+    macro_rules! add_weighted_rows {
+        ($name:ident, $features:literal, $lanes:literal, $load:ident, $store:ident, $fma:ident, $splat:ident) => {
+            #[target_feature(enable = $features)]
+            pub unsafe fn $name(out: &mut [f32], weights: &[f32], rows: &[f32]) {
+                /// `out[c..c + lanes·W] += Σ_j weights[j] · rows[j][c..c + lanes·W]`.
+                #[inline(always)]
+                unsafe fn columns<const W: usize>(out: &mut [f32], weights: &[f32], rows: &[f32], c: usize) {
+                    let d = out.len();
+                    let (po, pr) = (out.as_mut_ptr().add(c), rows.as_ptr().add(c));
+                    let mut acc = [$splat(0.0); W];
+                    for (v, acc) in acc.iter_mut().enumerate() {
+                        *acc = $load(po.add($lanes * v));
+                    }
+                    for (j, &w) in weights.iter().enumerate() {
+                        let wv = $splat(w);
+                        for (v, acc) in acc.iter_mut().enumerate() {
+                            *acc = $fma(wv, $load(pr.add(j * d + $lanes * v)), *acc);
+                        }
+                    }
+                    for (v, acc) in acc.iter().enumerate() {
+                        $store(po.add($lanes * v), *acc);
+                    }
+                }
+                let d = out.len();
+                let mut c = 0;
+                while c + 8 * $lanes <= d {
+                    columns::<8>(out, weights, rows, c);
+                    c += 8 * $lanes;
+                }
+                while c < d {
+                    columns::<1>(out, weights, rows, c);
+                    c += $lanes;
+                }
+            }
+        };
     }
 
-    /// `out[c..c + 8W] += Σ_j weights[j] · rows[j][c..c + 8W]`.
-    #[inline(always)]
-    unsafe fn columns<const W: usize>(out: &mut [f32], weights: &[f32], rows: &[f32], c: usize) {
-        let d = out.len();
-        let (po, pr) = (out.as_mut_ptr().add(c), rows.as_ptr().add(c));
-        let mut acc = [_mm256_setzero_ps(); W];
-        for (v, acc) in acc.iter_mut().enumerate() {
-            *acc = _mm256_loadu_ps(po.add(8 * v));
-        }
-        for (j, &w) in weights.iter().enumerate() {
-            let wv = _mm256_set1_ps(w);
-            for (v, acc) in acc.iter_mut().enumerate() {
-                *acc = _mm256_fmadd_ps(wv, _mm256_loadu_ps(pr.add(j * d + 8 * v)), *acc);
-            }
-        }
-        for (v, acc) in acc.iter().enumerate() {
-            _mm256_storeu_ps(po.add(8 * v), *acc);
-        }
-    }
+    add_weighted_rows!(add_weighted_rows_avx2, "avx2,fma", 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_fmadd_ps, _mm256_set1_ps);
+    add_weighted_rows!(
+        add_weighted_rows_avx512,
+        "avx512f,avx2,fma",
+        16,
+        _mm512_loadu_ps,
+        _mm512_storeu_ps,
+        _mm512_fmadd_ps,
+        _mm512_set1_ps
+    );
 
     /// Eight rows a pass in 16-lane accumulators; each folded to eight lanes, then the AVX2
     /// reduction of four rows twice, its two halves' sums put side by side for one store.
@@ -157,41 +172,6 @@ mod x86 {
             }
             scores[j] = _mm512_reduce_add_ps(acc) * scale;
             j += 1;
-        }
-    }
-
-    /// As `add_weighted_rows_avx2`, 128 values (8 vectors of 16) at a time.
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub unsafe fn add_weighted_rows_avx512(out: &mut [f32], weights: &[f32], rows: &[f32]) {
-        let d = out.len();
-        let mut c = 0;
-        while c + 128 <= d {
-            columns16::<8>(out, weights, rows, c);
-            c += 128;
-        }
-        while c < d {
-            columns16::<1>(out, weights, rows, c);
-            c += 16;
-        }
-    }
-
-    /// `out[c..c + 16W] += Σ_j weights[j] · rows[j][c..c + 16W]`.
-    #[inline(always)]
-    unsafe fn columns16<const W: usize>(out: &mut [f32], weights: &[f32], rows: &[f32], c: usize) {
-        let d = out.len();
-        let (po, pr) = (out.as_mut_ptr().add(c), rows.as_ptr().add(c));
-        let mut acc = [_mm512_setzero_ps(); W];
-        for (v, acc) in acc.iter_mut().enumerate() {
-            *acc = _mm512_loadu_ps(po.add(16 * v));
-        }
-        for (j, &w) in weights.iter().enumerate() {
-            let wv = _mm512_set1_ps(w);
-            for (v, acc) in acc.iter_mut().enumerate() {
-                *acc = _mm512_fmadd_ps(wv, _mm512_loadu_ps(pr.add(j * d + 16 * v)), *acc);
-            }
-        }
-        for (v, acc) in acc.iter().enumerate() {
-            _mm512_storeu_ps(po.add(16 * v), *acc);
         }
     }
 }
