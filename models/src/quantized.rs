@@ -70,6 +70,7 @@ impl QuantizedMatrix {
     pub fn new(w: &Arc<QTensor>) -> Result<Self> {
         use candle_core::quantized::GgmlDType;
         match w.dtype() {
+            GgmlDType::F16 | GgmlDType::BF16 if w.device().is_cpu() => return Ok(Self::Half(half_values(w)?)),
             GgmlDType::F16 => return Ok(Self::Half(w.dequantize_f16(&w.device())?)),
             GgmlDType::BF16 => return Ok(Self::Half(w.dequantize(&w.device())?.to_dtype(DType::BF16)?)),
             _ => {}
@@ -119,6 +120,19 @@ impl QuantizedMatrix {
             None => ops::half_product::forward_many(x, &halves).map(Some),
         }
     }
+}
+
+/// A stored f16 / bf16 matrix on the CPU as a tensor of the same 2-byte values: its bytes
+/// copied once. candle's `dequantize` widens to f32 first, which moved and faulted in twice the
+/// matrix's size for every matrix of a 2-byte GGUF while it loaded.
+fn half_values(w: &QTensor) -> Result<Tensor> {
+    use candle_core::quantized::GgmlDType;
+    let dtype = match w.dtype() {
+        GgmlDType::F16 => DType::F16,
+        GgmlDType::BF16 => DType::BF16,
+        other => candle_core::bail!("half_values: a {other:?} matrix (f16 or bf16 expected)"),
+    };
+    Tensor::from_raw_buffer(&w.data()?, dtype, w.shape().dims(), &w.device())
 }
 
 /// The matrix of a linear layer: dense (candle `Linear`) or quantised blocks.
@@ -190,6 +204,24 @@ mod tests {
                 let scale = dense.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
                 assert!(err <= 0.02 * scale, "{dtype:?} {rows}x{inp}x{out}: max error {err} of {scale}");
             }
+        }
+    }
+
+    /// A stored f16 / bf16 matrix keeps its values bit for bit, in its own dtype and shape.
+    #[test]
+    fn half_matrices_keep_their_stored_values() {
+        let dev = Device::Cpu;
+        let w = ops::testing::random_tensor(&[48, 64], 3);
+        for (stored, dtype) in [(GgmlDType::F16, DType::F16), (GgmlDType::BF16, DType::BF16)] {
+            let q = QTensor::quantize(&w, stored).unwrap();
+            let QuantizedMatrix::Half(got) = QuantizedMatrix::new(&Arc::new(q)).unwrap() else {
+                panic!("{stored:?} is not kept in 2 bytes")
+            };
+            let want = w.to_dtype(dtype).unwrap();
+            assert_eq!((got.dtype(), got.dims()), (dtype, want.dims()));
+            let bits = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(bits(&got), bits(&want), "{stored:?}");
+            assert!(got.device().same_device(&dev));
         }
     }
 

@@ -141,10 +141,12 @@ fn llama_cpp_python(root: &Path) -> Result<PathBuf, String> {
 }
 
 /// Greedy generation of `NEW_TOKENS` after `prompt` (batch 1), fsdp-app beside llama.cpp, for each
-/// weight format, both reading the same GGUF file: the shipped Q4_1, and f32, f16, Q8_0 and
-/// Q4_K_M made from it by llama.cpp's own quantizer. fsdp-app keeps each file's weights as stored
-/// (blocks, or f16 read in place) and computes in f32. Then the perplexity of
-/// tests/data/perplexity.txt under each, both engines scoring the same ids.
+/// weight format, both reading the same GGUF file: the shipped Q4_1, and f32, f16, Q8_0,
+/// Q4_K_M and bf16 made from it by llama.cpp's own quantizer. fsdp-app keeps each file's
+/// weights as stored (blocks, or f16 / bf16 read in place) and computes in f32 (a bf16 prompt's
+/// products on AMX tiles, where the CPU has them, round the activations to bf16, as llama.cpp's
+/// bf16 products do). Then the perplexity of tests/data/perplexity.txt under each, both engines
+/// scoring the same ids.
 fn versus_llama_cpp(root: &Path, tmp: &Path, gguf: &Path, tok: &TextTokenizer, prompt: &[u32], threads: usize) -> anyhow::Result<()> {
     use fsdp_app::generate::perplexity::perplexity;
     let python = llama_cpp_python(root);
@@ -172,7 +174,7 @@ fn versus_llama_cpp(root: &Path, tmp: &Path, gguf: &Path, tok: &TextTokenizer, p
     // FSDP_BENCH_FORMATS=f32,q8_0 runs only those rows (a quicker look at one format).
     let wanted = std::env::var("FSDP_BENCH_FORMATS").ok();
     let wanted = |f: &str| wanted.as_deref().is_none_or(|w| w.split(',').any(|x| x.trim() == f));
-    for format in ["f32", "f16", "q8_0", "q4_k_m", "q4_1"].into_iter().filter(|f| wanted(f)) {
+    for format in ["f32", "f16", "q8_0", "q4_k_m", "q4_1", "bf16"].into_iter().filter(|f| wanted(f)) {
         let file = match format {
             "q4_1" => Ok(gguf.to_path_buf()),
             _ => python.clone().and_then(|py| {

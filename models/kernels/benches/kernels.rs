@@ -35,23 +35,26 @@ fn main() {
     let features = CpuFeatures::detected();
     println!("CPU: {}", cpu_model());
     println!(
-        "features: avx2 {} fma {} f16c {} avx512f {} avx512_vnni {} avx_vnni {}; best level {:?}",
+        "features: avx2 {} fma {} f16c {} avx512f {} avx512_vnni {} avx_vnni {} amx_bf16 {}; best level {:?}",
         features.avx2,
         features.fma,
         features.f16c,
         features.avx512f,
         features.avx512vnni,
         features.avxvnni,
+        features.amx_bf16,
         features.best_level()
     );
-    // Each FSDP_SIMD value this CPU can run: the levels, and AVX2 with AVX-VNNI where it has
-    // that (only the int8 block products differ there).
+    // Each FSDP_SIMD value this CPU can run: the levels, AVX2 with AVX-VNNI where it has that
+    // (only the int8 block products differ there), and `best` where AMX tiles are granted (only
+    // the bf16 products differ there from `avx512`).
     let best = features.best_level();
     let columns_run = [
         ("scalar", true),
         ("avx2", best >= SimdLevel::Avx2),
         ("avx2-vnni", best >= SimdLevel::Avx2 && features.avxvnni),
         ("avx512", best >= SimdLevel::Avx512),
+        ("best", best >= SimdLevel::Avx512 && features.amx_bf16),
     ];
     // Per switch value: its rows in the order measured.
     let mut columns: Vec<(&str, Vec<(String, f64)>)> = vec![];
@@ -120,6 +123,12 @@ fn measure_this_level() {
     drop(w_tall16);
     let x64 = signed_values(64 * HIDDEN, 5);
     row(&format!("half product f16 64x{HIDDEN}x{MLP}"), best_us(|| drop(kernels::matmul::half::product_wt(&x64, &w16, MLP, HIDDEN))));
+    // bf16 weights (a bf16 GGUF, `--quantize bf16`): 16 streams' rows, a prompt's 64 and 512.
+    let x512 = signed_values(512 * HIDDEN, 14);
+    let x16b = signed_values(16 * HIDDEN, 15);
+    row(&format!("half product bf16 16x{HIDDEN}x{MLP}"), best_us(|| drop(kernels::matmul::half::product_wt(&x16b, &wb16, MLP, HIDDEN))));
+    row(&format!("half product bf16 64x{HIDDEN}x{MLP}"), best_us(|| drop(kernels::matmul::half::product_wt(&x64, &wb16, MLP, HIDDEN))));
+    row(&format!("half product bf16 512x{HIDDEN}x{MLP}"), best_us(|| drop(kernels::matmul::half::product_wt(&x512, &wb16, MLP, HIDDEN))));
     let x4 = signed_values(4 * HIDDEN, 4);
     row(&format!("small batch f32 4x{HIDDEN}x{MLP}"), best_us(|| drop(kernels::small_batch::rows_many(&x4, 4, &[&w], HIDDEN, level))));
     let x16 = signed_values(16 * HIDDEN, 6);

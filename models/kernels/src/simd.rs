@@ -7,6 +7,8 @@
 //!   every feature its kernels enable, not only the one that names it.
 //! - int8 block products ([`Kernels::int8_at`]): the AVX-512 VNNI kernel where the CPU has it, else
 //!   AVX-VNNI's 256-bit `vpdpbusd` (Intel's client cores, Zen 5), else AVX2's `vpmaddubsw`;
+//! - bf16 weights' products of many rows ([`Kernels::amx_bf16`]): AMX tiles where the CPU has
+//!   AMX-BF16 and Linux grants this process the tile state, else widened to f32;
 //! - [`MatmulKernels`]: who runs f32 matrix products at AVX-512, our packed driver or the gemm
 //!   crate's kernels. Chosen by a measurement, not by the vendor: on CPUs that execute a 512-bit
 //!   FMA as two 256-bit halves (Zen 4) gemm's wider tile gains nothing and our packed driver, which
@@ -16,7 +18,7 @@
 //! Switches, validated by [`check_env`] (the binary calls it before any work):
 //! - `FSDP_SIMD=best|avx512|avx2-vnni|avx2|scalar`: at most this level (never one the CPU lacks;
 //!   `best` and `avx512` are the CPU's own), so tests and benches can run every path on one
-//!   machine. `avx2` is an AVX2-only CPU's code (Zen 3: no int8 dot instruction); `avx2-vnni` is
+//!   machine; `avx512` also holds off AMX, as a Zen 4 runs. `avx2` is an AVX2-only CPU's code (Zen 3: no int8 dot instruction); `avx2-vnni` is
 //!   the AVX2 level with AVX-VNNI where the CPU has it (an AVX2 CPU with VNNI, such as Intel's
 //!   client cores);
 //! - `FSDP_MATMUL=gemm|packed`: products on gemm's kernels, or on the packed driver at AVX-512 too.
@@ -45,6 +47,9 @@ pub struct CpuFeatures {
     pub avx512vnni: bool,
     /// AVX-VNNI (the VEX-encoded 256-bit `vpdpbusd`): the int8 instruction of the AVX2 kernel.
     pub avxvnni: bool,
+    /// AMX-TILE and AMX-BF16, with the OS's grant of the tile state to this process: bf16
+    /// weights' products of many rows.
+    pub amx_bf16: bool,
 }
 
 impl CpuFeatures {
@@ -63,6 +68,7 @@ impl CpuFeatures {
                         && is_x86_feature_detected!("avx512vl")
                         && is_x86_feature_detected!("avx512bw"),
                     avxvnni: is_x86_feature_detected!("avxvnni"),
+                    amx_bf16: amx::bf16_granted(),
                 }
             }
             #[cfg(not(target_arch = "x86_64"))]
@@ -124,6 +130,9 @@ pub struct Kernels {
     /// Whether the AVX2 level may use AVX-VNNI (the CPU has it and no switch held the code to
     /// plain AVX2).
     avxvnni: bool,
+    /// Whether bf16 products may run on AMX tiles (the CPU and the OS allow them, the level is
+    /// AVX-512, which the activations' packing uses, and no switch held the code below `best`).
+    amx_bf16: bool,
     /// `FSDP_MATMUL`'s choice, for every level.
     matmul_switch: Option<MatmulKernels>,
     /// Who runs f32 products at AVX-512 when no switch says: the measurement's choice.
@@ -155,14 +164,16 @@ impl Kernels {
         wide_fma: impl FnOnce() -> bool,
     ) -> Result<Self, String> {
         let best = features.best_level();
-        let (level, avxvnni) = match simd {
-            None | Some("best") | Some("avx512") => (best, true),
-            Some("avx2-vnni") => (best.min(SimdLevel::Avx2), true),
-            Some("avx2") => (best.min(SimdLevel::Avx2), false),
-            Some("scalar") => (SimdLevel::Scalar, false),
+        let (level, avxvnni, amx) = match simd {
+            None | Some("best") => (best, true, true),
+            Some("avx512") => (best, true, false),
+            Some("avx2-vnni") => (best.min(SimdLevel::Avx2), true, false),
+            Some("avx2") => (best.min(SimdLevel::Avx2), false, false),
+            Some("scalar") => (SimdLevel::Scalar, false, false),
             Some(v) => return Err(invalid("FSDP_SIMD", v)),
         };
         let avxvnni = avxvnni && features.avxvnni;
+        let amx_bf16 = amx && features.amx_bf16 && level == SimdLevel::Avx512;
         let matmul_switch = match matmul {
             None => None,
             Some("gemm") => Some(MatmulKernels::Gemm),
@@ -172,7 +183,7 @@ impl Kernels {
         // The measurement only matters (and only runs) where products may run at AVX-512.
         let measure = matmul_switch.is_none() && best == SimdLevel::Avx512;
         let matmul_avx512 = if measure && !wide_fma() { MatmulKernels::Packed } else { MatmulKernels::Gemm };
-        Ok(Self { features, level, avxvnni, matmul_switch, matmul_avx512 })
+        Ok(Self { features, level, avxvnni, amx_bf16, matmul_switch, matmul_avx512 })
     }
 
     /// Who runs f32 products at `level` (the current one, or a lower one a test asks for): a
@@ -218,6 +229,11 @@ impl Kernels {
     pub fn matmul(&self) -> MatmulKernels {
         self.matmul_at(self.level)
     }
+
+    /// Whether bf16 weights' products of many rows run on AMX tiles (`matmul::amx_bf16`).
+    pub fn amx_bf16(&self) -> bool {
+        self.amx_bf16
+    }
 }
 
 /// Lhs rows below which [`Kernels::matmul_for`] keeps products on the packed driver.
@@ -257,6 +273,29 @@ impl SimdLevel {
     /// The level in use ([`Kernels::get`]).
     pub fn current() -> Self {
         Kernels::get().level
+    }
+}
+
+/// AMX: whether this CPU has the bf16 tiles and this process may use them.
+mod amx {
+    /// AMX-TILE and AMX-BF16 in CPUID (leaf 7: EDX bits 24 and 22), and Linux's grant of the tile
+    /// data state to this process (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, which Linux requires before
+    /// the first tile instruction; without it that instruction faults). Elsewhere the tiles stay
+    /// unused.
+    pub fn bf16_granted() -> bool {
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        {
+            let leaf7 = std::arch::x86_64::__cpuid_count(7, 0);
+            if leaf7.edx & (1 << 24) == 0 || leaf7.edx & (1 << 22) == 0 {
+                return false;
+            }
+            const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+            const XFEATURE_XTILEDATA: libc::c_long = 18;
+            // SAFETY: the call only asks for a permission; it reads and writes no memory of ours.
+            unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 }
+        }
+        #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+        false
     }
 }
 
@@ -329,7 +368,8 @@ mod wide_fma {
 mod tests {
     use super::*;
 
-    const ALL: CpuFeatures = CpuFeatures { avx2: true, fma: true, f16c: true, avx512f: true, avx512vnni: true, avxvnni: true };
+    const ALL: CpuFeatures =
+        CpuFeatures { avx2: true, fma: true, f16c: true, avx512f: true, avx512vnni: true, avxvnni: true, amx_bf16: true };
 
     /// A level needs every feature its kernels enable.
     #[test]
@@ -374,6 +414,12 @@ mod tests {
         assert_eq!(int8(ALL, Some("avx2")), Int8Kernel::Avx2);
         assert_eq!(int8(CpuFeatures { avxvnni: false, ..ALL }, Some("avx2-vnni")), Int8Kernel::Avx2);
         assert_eq!(pick(ALL, Some("avx2-vnni"), None, true), Ok((Avx2, Packed)));
+        // AMX tiles for bf16 only where the CPU (and OS) has them, and never under a switch
+        // below `best` (`avx512` is a Zen 4's code).
+        let amx = |f: CpuFeatures, simd: Option<&str>| Kernels::choose(f, simd, None, || true).unwrap().amx_bf16();
+        assert!(amx(ALL, None) && amx(ALL, Some("best")));
+        assert!(!amx(ALL, Some("avx512")) && !amx(ALL, Some("avx2")) && !amx(CpuFeatures { amx_bf16: false, ..ALL }, None));
+        assert!(!amx(CpuFeatures { avx512f: false, ..ALL }, None));
         let e = pick(ALL, Some("avx-512"), None, true).unwrap_err();
         assert!(e.contains("FSDP_SIMD=\"avx-512\"") && e.contains("`best`, `avx512`, `avx2-vnni`, `avx2` or `scalar`"), "{e}");
         assert_eq!(pick(ALL, Some("best"), None, true), Ok((Avx512, Gemm)));

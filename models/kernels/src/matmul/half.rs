@@ -37,12 +37,16 @@ pub trait HalfWeight: Copy + Send + Sync {
         w: *const Self,
         shared: Option<&super::SharedLhs>,
     ) -> bool;
+
+    /// The whole product on tiles of this type's own arithmetic (AMX-BF16 for bf16), if the
+    /// kernel table allows them and the shapes fit; None: the widening path runs it.
+    fn tiles_product(x: &[f32], ws: &[&[Self]], in_dim: usize) -> Option<Vec<Vec<f32>>>;
 }
 
 /// [`HalfWeight`] for a half type: its widening loops at AVX2 and AVX-512 (value by value
 /// below), and the packed driver on x86-64 (nothing elsewhere).
 macro_rules! half_weight {
-    ($elem:ty, $widen_avx512:ident, $widen_avx2:ident) => {
+    ($elem:ty, $widen_avx512:ident, $widen_avx2:ident, |$x:ident, $ws:ident, $in_dim:ident| $tiles:expr) => {
         impl HalfWeight for $elem {
             fn widen(src: &[Self], dst: &mut [f32], level: SimdLevel) {
                 assert_eq!(src.len(), dst.len());
@@ -75,12 +79,41 @@ macro_rules! half_weight {
                     false
                 }
             }
+
+            fn tiles_product($x: &[f32], $ws: &[&[Self]], $in_dim: usize) -> Option<Vec<Vec<f32>>> {
+                $tiles
+            }
         }
     };
 }
 
-half_weight!(f16, widen_f16_avx512, widen_f16_avx2);
-half_weight!(bf16, widen_bf16_avx512, widen_bf16_avx2);
+// f16 has no tiles here (AMX-FP16 is a later Xeon's), and rounding it to bf16 would lose bits.
+half_weight!(f16, widen_f16_avx512, widen_f16_avx2, |_x, _ws, _in_dim| None);
+half_weight!(bf16, widen_bf16_avx512, widen_bf16_avx2, |x, ws, in_dim| {
+    let out_dims: Vec<usize> = ws.iter().map(|w| w.len() / in_dim).collect();
+    if !bf16_on_tiles(in_dim, &out_dims) {
+        return None;
+    }
+    // SAFETY: the table allows AMX only where the CPU has AMX-BF16 and AVX-512 and the OS granted
+    // the tiles; the shapes fit.
+    #[cfg(target_arch = "x86_64")]
+    return Some(unsafe { super::amx_bf16::product_wt_many(x, ws, in_dim) });
+    #[cfg(not(target_arch = "x86_64"))]
+    None
+});
+
+/// Whether a bf16 product of `in_dim` inputs into matrices of `out_dims` rows runs on AMX tiles,
+/// where the activations are rounded to bf16 (elsewhere they stay f32 against the widened
+/// weights).
+pub fn bf16_on_tiles(in_dim: usize, out_dims: &[usize]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return crate::simd::Kernels::get().amx_bf16() && super::amx_bf16::fits(in_dim, out_dims);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (in_dim, out_dims);
+        false
+    }
+}
 
 /// The widening loops, the conversion inline: half's slice conversion calls a function for
 /// every 8 values, and was a fifth of an f16 prompt's profile (docs/design.md).
@@ -150,6 +183,9 @@ pub fn product_wt<W: HalfWeight>(x: &[f32], w: &[W], out_dim: usize, in_dim: usi
 pub fn product_wt_many<W: HalfWeight>(x: &[f32], ws: &[&[W]], in_dim: usize) -> Vec<Vec<f32>> {
     let whole_rows = |len: usize| len.is_multiple_of(in_dim);
     assert!(in_dim > 0 && whole_rows(x.len()) && ws.iter().all(|w| whole_rows(w.len())), "half product: shapes do not match");
+    if let Some(ys) = W::tiles_product(x, ws, in_dim) {
+        return ys;
+    }
     let m = x.len() / in_dim;
     let out_dims: Vec<usize> = ws.iter().map(|w| w.len() / in_dim).collect();
     // Every matrix's pieces in one list: (matrix, its rows).
@@ -252,7 +288,8 @@ mod tests {
     }
 
     /// Equal to the f32 product of the widened matrix (the same kernels on the same values),
-    /// for shapes with a partial last piece, f16 and bf16.
+    /// for shapes with a partial last piece, f16 and bf16; for bf16 on AMX tiles, of the
+    /// activations rounded to bf16.
     #[test]
     fn half_products_equal_the_product_of_the_widened_weights() {
         for (m, out_dim, in_dim) in [(7usize, 300usize, 64usize), (64, 128, 96), (1, 5, 32)] {
@@ -262,7 +299,12 @@ mod tests {
             let wb16: Vec<bf16> = w32.iter().map(|&v| bf16::from_f32(v)).collect();
             let widen16: Vec<f32> = w16.iter().map(|v| v.to_f32()).collect();
             let widenb16: Vec<f32> = wb16.iter().map(|v| v.to_f32()).collect();
-            for (got, widened) in [(product_wt(&x, &w16, out_dim, in_dim), widen16), (product_wt(&x, &wb16, out_dim, in_dim), widenb16)] {
+            let x_bf16: Vec<f32> = match bf16_on_tiles(in_dim, &[out_dim]) {
+                true => x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect(),
+                false => x.clone(),
+            };
+            let cases = [(product_wt(&x, &w16, out_dim, in_dim), widen16, &x), (product_wt(&x, &wb16, out_dim, in_dim), widenb16, &x_bf16)];
+            for (got, widened, x) in cases {
                 for r in 0..m {
                     for o in 0..out_dim {
                         let want: f32 = (0..in_dim).map(|i| x[r * in_dim + i] * widened[o * in_dim + i]).sum();

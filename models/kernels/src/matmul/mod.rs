@@ -11,6 +11,8 @@
 //! (`gemm_basic_generic`) with gemm-f32's scalar microkernels, so one binary measures either
 //! kind of machine.
 
+#[cfg(target_arch = "x86_64")]
+mod amx_bf16;
 pub mod column_split;
 pub mod half;
 #[cfg(target_arch = "x86_64")]
