@@ -7,7 +7,10 @@
 //! one stage at a time from the parameters a distributed engine gathered, and the engine chains
 //! them (training).
 
-use candle_core::{DType, Result, Tensor};
+use std::sync::Arc;
+
+use candle_core::quantized::QTensor;
+use candle_core::{DType, Device, Result, Tensor};
 
 use ops::weight_grads::WeightGradTarget;
 
@@ -17,18 +20,45 @@ use crate::quantized::{LinearWeight, QuantizedMatrix};
 /// Stage 0: the rows of the (vocab, hidden) table picked by token id.
 #[derive(Debug, Clone)]
 pub struct TokenEmbedding {
-    table: Tensor,
+    table: EmbeddingTable,
     /// As transformers' `nn.Embedding(padding_idx=pad_token_id)`: this row gets no gradient.
     pad_token_id: Option<u32>,
 }
 
+/// The table: a tensor of the compute dtype, or a GGUF's quantised blocks whose rows are
+/// dequantised as tokens pick them (as llama.cpp's `get_rows`): a vocabulary of 128k by 4,096
+/// is 2.1 GB in f32 and a quarter of that or less in blocks.
+#[derive(Debug, Clone)]
+enum EmbeddingTable {
+    Dense(Tensor),
+    Quantized { blocks: Arc<QTensor>, dtype: DType, device: Device },
+}
+
 impl TokenEmbedding {
     pub fn new(table: Tensor, pad_token_id: Option<u32>) -> Self {
-        Self { table, pad_token_id }
+        Self { table: EmbeddingTable::Dense(table), pad_token_id }
     }
 
-    pub fn table(&self) -> &Tensor {
-        &self.table
+    /// A table kept in its quantised blocks, rows given in `dtype`: for generation (training
+    /// dequantises a GGUF's weights first).
+    pub fn quantized(blocks: Arc<QTensor>, dtype: DType, pad_token_id: Option<u32>) -> Self {
+        let device = blocks.device();
+        Self { table: EmbeddingTable::Quantized { blocks, dtype, device }, pad_token_id }
+    }
+
+    pub fn device(&self) -> &Device {
+        match &self.table {
+            EmbeddingTable::Dense(t) => t.device(),
+            EmbeddingTable::Quantized { device, .. } => device,
+        }
+    }
+
+    /// The dtype of the rows it gives (the model's compute dtype).
+    pub fn dtype(&self) -> DType {
+        match &self.table {
+            EmbeddingTable::Dense(t) => t.dtype(),
+            EmbeddingTable::Quantized { dtype, .. } => *dtype,
+        }
     }
 
     /// (ids..., hidden) rows for u32 `ids`. In training on the CPU in f32 the lookup is
@@ -36,7 +66,13 @@ impl TokenEmbedding {
     /// to `grad_to` when given; elsewhere candle's ops, with the pad row held out of the
     /// gradient the same way. Generation takes plain rows.
     pub fn forward(&self, ids: &Tensor, mode: OpMode, grad_to: Option<WeightGradTarget>) -> Result<Tensor> {
-        let w = &self.table;
+        let w = match (&self.table, mode) {
+            (EmbeddingTable::Dense(w), _) => w,
+            (EmbeddingTable::Quantized { blocks, dtype, .. }, OpMode::Generate) => return blocks.embedding(ids)?.to_dtype(*dtype),
+            (EmbeddingTable::Quantized { blocks, .. }, OpMode::Train) => {
+                candle_core::bail!("a {:?} embedding table is for generation; training reads a GGUF's weights dequantised", blocks.dtype())
+            }
+        };
         match mode {
             OpMode::Train if w.device().is_cpu() && w.dtype() == DType::F32 => {
                 ops::embedding::embedding(w, ids, self.pad_token_id, grad_to)
@@ -130,4 +166,35 @@ fn per_position_loss(logits: &Tensor, targets: &[i64]) -> Result<Tensor> {
     let index = Tensor::from_vec(targets.iter().map(|&l| l.max(0) as u32).collect::<Vec<_>>(), (b * t, 1), dev)?;
     let mask = Tensor::from_vec(targets.iter().map(|&l| if l < 0 { 0f32 } else { 1.0 }).collect::<Vec<_>>(), b * t, dev)?;
     log_probs.gather(&index, 1)?.squeeze(1)?.neg()? * mask
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::quantized::GgmlDType;
+
+    use super::*;
+
+    /// A table kept in blocks gives, for generation, the rows of its dequantised table (in the
+    /// compute dtype, for ids of any shape), and refuses training by name.
+    #[test]
+    fn a_quantized_table_gives_its_dequantized_rows() {
+        let table = ops::testing::random_tensor(&[40, 64], 1);
+        let ids = Tensor::new(&[[3u32, 0, 39], [7, 7, 12]], &Device::Cpu).unwrap();
+        for format in [GgmlDType::Q8_0, GgmlDType::Q4_1, GgmlDType::F16] {
+            let q = Arc::new(QTensor::quantize(&table, format).unwrap());
+            let dense = TokenEmbedding::new(q.dequantize(&Device::Cpu).unwrap(), None);
+            let blocks = TokenEmbedding::quantized(q, DType::F32, None);
+            assert_eq!((blocks.dtype(), blocks.device().is_cpu()), (DType::F32, true));
+            let rows = |e: &TokenEmbedding| e.forward(&ids, OpMode::Generate, None).unwrap();
+            let (got, want) = (rows(&blocks), rows(&dense));
+            assert_eq!(got.dims(), [2, 3, 64]);
+            assert_eq!(
+                got.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                want.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                "{format:?}"
+            );
+            let e = blocks.forward(&ids, OpMode::Train, None).unwrap_err().to_string();
+            assert!(e.contains("embedding table is for generation"), "{e}");
+        }
+    }
 }

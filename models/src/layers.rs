@@ -164,7 +164,7 @@ pub struct PositionInputs {
 /// `vb`).
 fn adapted_linear(
     lora: Option<&LoraSettings>,
-    quantized: &QuantizedWeights,
+    quantized: &mut QuantizedWeights,
     (inp, out): (usize, usize),
     bias: bool,
     vb: VarBuilder,
@@ -201,7 +201,7 @@ pub struct Attention {
 }
 
 impl Attention {
-    pub fn new(cfg: &ModelConfig, lora: Option<&LoraSettings>, quantized: &QuantizedWeights, vb: VarBuilder) -> Result<Self> {
+    pub fn new(cfg: &ModelConfig, lora: Option<&LoraSettings>, quantized: &mut QuantizedWeights, vb: VarBuilder) -> Result<Self> {
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
         let q_out = cfg.num_attention_heads * d;
         let kv_out = cfg.num_key_value_heads * d;
@@ -431,9 +431,9 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    pub fn new(cfg: &ModelConfig, lora: Option<&LoraSettings>, quantized: &QuantizedWeights, vb: VarBuilder) -> Result<Self> {
+    pub fn new(cfg: &ModelConfig, lora: Option<&LoraSettings>, quantized: &mut QuantizedWeights, vb: VarBuilder) -> Result<Self> {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
-        let lin = |a, b, name: &str| adapted_linear(lora, quantized, (a, b), cfg.mlp_bias, vb.pp(name));
+        let mut lin = |a, b, name: &str| adapted_linear(lora, quantized, (a, b), cfg.mlp_bias, vb.pp(name));
         Ok(Self { gate_proj: lin(h, i, "gate_proj")?, up_proj: lin(h, i, "up_proj")?, down_proj: lin(i, h, "down_proj")? })
     }
 
@@ -483,11 +483,16 @@ impl DecoderLayer {
 impl DecoderLayer {
     /// The layer at `vb`; `lora` adds the adapters it targets (their tensors must be in `vb`).
     pub fn new(cfg: &ModelConfig, lora: Option<&LoraSettings>, vb: VarBuilder) -> Result<Self> {
-        Self::with_quantized(cfg, lora, &QuantizedWeights::default(), vb)
+        Self::with_quantized(cfg, lora, &mut QuantizedWeights::default(), vb)
     }
 
     /// As [`Self::new`], the matrices found in `quantized` (by full name) kept quantised.
-    pub fn with_quantized(cfg: &ModelConfig, lora: Option<&LoraSettings>, quantized: &QuantizedWeights, vb: VarBuilder) -> Result<Self> {
+    pub fn with_quantized(
+        cfg: &ModelConfig,
+        lora: Option<&LoraSettings>,
+        quantized: &mut QuantizedWeights,
+        vb: VarBuilder,
+    ) -> Result<Self> {
         Ok(Self {
             input_layernorm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
             self_attn: Attention::new(cfg, lora, quantized, vb.pp("self_attn"))?,

@@ -28,33 +28,46 @@ impl CausalLm {
     /// The model in `vb`; `lora` adds adapters to the layers it targets (a load option, as
     /// config.json knows nothing of adapters).
     pub fn new(cfg: &ModelConfig, lora: Option<&crate::lora::LoraSettings>, vb: VarBuilder) -> Result<Self> {
-        Self::with_quantized(cfg, lora, &QuantizedWeights::default(), vb)
+        Self::with_quantized(cfg, lora, &mut QuantizedWeights::default(), vb)
     }
 
     /// As [`Self::new`], the matrices found in `quantized` kept quantised: the linear layers and
-    /// the LM head multiply with their blocks; a quantised embedding table is widened to the
-    /// compute dtype for lookups (rows are read one token at a time, so its size is memory, not
-    /// speed) and, when tied, still serves the head quantised.
+    /// the LM head multiply with their blocks; a quantised embedding table gives its rows
+    /// dequantised to the compute dtype as tokens pick them (rows are read one token at a time)
+    /// and, when tied, also serves the head quantised.
     pub fn with_quantized(
         cfg: &ModelConfig,
         lora: Option<&crate::lora::LoraSettings>,
-        quantized: &QuantizedWeights,
+        quantized: &mut QuantizedWeights,
         vb: VarBuilder,
     ) -> Result<Self> {
         use crate::tensors::{head_weight_name, EMBED_WEIGHT as EMBED, HEAD_WEIGHT as HEAD};
-        let embed_w = match quantized.get(EMBED) {
-            Some(q) => q.dequantize(vb.device())?.to_dtype(vb.dtype())?,
-            None => vb.get((cfg.vocab_size, cfg.hidden_size), EMBED)?,
+        // A quantised table stays in its blocks where its rows split into whole blocks (every
+        // format llama.cpp writes for a model it can run).
+        let (embed_tokens, embed_w) = match quantized.get(EMBED) {
+            Some(q) if cfg.hidden_size.is_multiple_of(q.dtype().block_size()) => {
+                (TokenEmbedding::quantized(q.clone(), vb.dtype(), cfg.pad_token_id), None)
+            }
+            Some(q) => {
+                let w = q.dequantize(vb.device())?.to_dtype(vb.dtype())?;
+                (TokenEmbedding::new(w.clone(), cfg.pad_token_id), Some(w))
+            }
+            None => {
+                let w = vb.get((cfg.vocab_size, cfg.hidden_size), EMBED)?;
+                (TokenEmbedding::new(w.clone(), cfg.pad_token_id), Some(w))
+            }
         };
-        let embed_tokens = TokenEmbedding::new(embed_w.clone(), cfg.pad_token_id);
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| DecoderLayer::with_quantized(cfg, lora, quantized, vb.pp(format!("model.layers.{i}"))))
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("model.norm"))?;
         let head_name = head_weight_name(cfg);
-        let head_weight = match quantized.get(head_name) {
-            Some(q) => HeadWeight::Quantized(QuantizedMatrix::new(q)?),
-            None if cfg.tie_word_embeddings => HeadWeight::Dense(embed_w),
+        let head_weight = match quantized.take(head_name) {
+            Some(q) => HeadWeight::Quantized(QuantizedMatrix::new(&q)?),
+            None if cfg.tie_word_embeddings => match embed_w {
+                Some(w) => HeadWeight::Dense(w),
+                None => candle_core::bail!("a tied LM head with a quantised embedding table must be quantised alike"),
+            },
             None => HeadWeight::Dense(vb.get((cfg.vocab_size, cfg.hidden_size), HEAD)?),
         };
         let head = OutputHead::new(norm, head_weight);
@@ -66,11 +79,11 @@ impl CausalLm {
     }
 
     pub fn device(&self) -> &candle_core::Device {
-        self.embed_tokens.table().device()
+        self.embed_tokens.device()
     }
 
     pub fn dtype(&self) -> DType {
-        self.embed_tokens.table().dtype()
+        self.embed_tokens.dtype()
     }
 
     fn position_inputs(&self, offset: usize, q_len: usize, mode: OpMode) -> Result<PositionInputs> {

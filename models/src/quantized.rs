@@ -30,6 +30,13 @@ impl QuantizedWeights {
         self.0.get(name)
     }
 
+    /// Removes `name` for the layer that keeps it: once that layer holds its own copy (repacked
+    /// blocks, 2-byte values), the file's copy is freed, so a load holds about one copy of the
+    /// model at a time rather than two.
+    pub fn take(&mut self, name: &str) -> Option<Arc<QTensor>> {
+        self.0.remove(name)
+    }
+
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
@@ -143,10 +150,15 @@ pub enum LinearWeight {
 }
 
 impl LinearWeight {
-    /// The quantised weight `name` from `quantized` when it is there, else `dense()`.
-    pub fn pick(quantized: &QuantizedWeights, name: &str, bias: Option<Tensor>, dense: impl FnOnce() -> Result<Linear>) -> Result<Self> {
-        match quantized.get(name) {
-            Some(w) => Ok(Self::Quantized { w: QuantizedMatrix::new(w)?, bias }),
+    /// The quantised weight `name` taken from `quantized` when it is there, else `dense()`.
+    pub fn pick(
+        quantized: &mut QuantizedWeights,
+        name: &str,
+        bias: Option<Tensor>,
+        dense: impl FnOnce() -> Result<Linear>,
+    ) -> Result<Self> {
+        match quantized.take(name) {
+            Some(w) => Ok(Self::Quantized { w: QuantizedMatrix::new(&w)?, bias }),
             None => dense().map(Self::Dense),
         }
     }

@@ -299,17 +299,21 @@ pub fn load_model_with(files: ModelFiles, opts: &LoadOptions, device: &Device) -
     }
     backends.push(weights);
     let vb = VarBuilder::from_backend(Box::new(Layered(backends)), opts.dtype, device.clone());
-    let model = CausalLm::with_quantized(&config, lora.as_ref(), &quantized, vb)
-        .with_context(|| format!("{}: building the model", files.source))?;
-    if !quantized.is_empty() {
+    // Said before the model takes the matrices (the map is empty after).
+    let summary = (!quantized.is_empty()).then(|| {
         let formats: Vec<String> = quantized.formats().into_iter().map(|(f, n)| format!("{n} {f}")).collect();
-        eprintln!(
+        format!(
             "{}: {} matrices quantised ({}), {:.1} MiB of blocks",
             files.source,
             quantized.len(),
             formats.join(", "),
             quantized.storage_bytes() as f64 / (1 << 20) as f64
-        );
+        )
+    });
+    let model = CausalLm::with_quantized(&config, lora.as_ref(), &mut quantized, vb)
+        .with_context(|| format!("{}: building the model", files.source))?;
+    if let Some(summary) = summary {
+        eprintln!("{summary}");
     }
     Ok(LoadedModel { model, config, files, dtype: opts.dtype })
 }
