@@ -17,10 +17,10 @@
 //!
 //! Switches, validated by [`check_env`] (the binary calls it before any work):
 //! - `FSDP_SIMD=best|avx512|avx2-vnni|avx2|scalar`: at most this level (never one the CPU lacks;
-//!   `best` and `avx512` are the CPU's own), so tests and benches can run every path on one
-//!   machine; `avx512` also holds off AMX, as a Zen 4 runs. `avx2` is an AVX2-only CPU's code (Zen 3: no int8 dot instruction); `avx2-vnni` is
-//!   the AVX2 level with AVX-VNNI where the CPU has it (an AVX2 CPU with VNNI, such as Intel's
-//!   client cores);
+//!   `best` is the CPU's own, `avx512` the same without AMX tiles, as a Zen 4 runs), so tests
+//!   and benches can run every path on one machine. `avx2` is an AVX2-only CPU's code
+//!   (Zen 3: no int8 dot instruction); `avx2-vnni` is the AVX2 level with AVX-VNNI where the CPU
+//!   has it (an AVX2 CPU with VNNI, such as Intel's client cores);
 //! - `FSDP_MATMUL=gemm|packed`: products on gemm's kernels, or on the packed driver at AVX-512 too.
 
 use std::sync::OnceLock;
