@@ -162,39 +162,26 @@ unsafe fn tiles_of(
                 for s in 0..steps {
                     let (a0, b0) = (a.add(s * DEPTH * 2), b.add(s * B_TILE * 2));
                     let b1 = b0.add(group_len * 2);
-                    if pair {
-                        asm!(
-                            "tileloadd tmm4, [{a0} + {sa}*1]",
-                            "tileloadd tmm5, [{a1} + {sa}*1]",
-                            "tileloadd tmm6, [{b0} + {sb}*1]",
-                            "tileloadd tmm7, [{b1} + {sb}*1]",
-                            "tdpbf16ps tmm0, tmm4, tmm6",
-                            "tdpbf16ps tmm1, tmm4, tmm7",
-                            "tdpbf16ps tmm2, tmm5, tmm6",
-                            "tdpbf16ps tmm3, tmm5, tmm7",
-                            a0 = in(reg) a0,
-                            a1 = in(reg) a0.add(TILE * row_bytes),
-                            b0 = in(reg) b0,
-                            b1 = in(reg) b1,
-                            sa = in(reg) row_bytes,
-                            sb = in(reg) 64usize,
-                            options(nostack, readonly),
-                        );
-                    } else {
-                        asm!(
-                            "tileloadd tmm4, [{a0} + {sa}*1]",
-                            "tileloadd tmm6, [{b0} + {sb}*1]",
-                            "tileloadd tmm7, [{b1} + {sb}*1]",
-                            "tdpbf16ps tmm0, tmm4, tmm6",
-                            "tdpbf16ps tmm1, tmm4, tmm7",
-                            a0 = in(reg) a0,
-                            b0 = in(reg) b0,
-                            b1 = in(reg) b1,
-                            sa = in(reg) row_bytes,
-                            sb = in(reg) 64usize,
-                            options(nostack, readonly),
-                        );
-                    }
+                    // A lone last weight tile is loaded as both: tiles 2 and 3 repeat 0 and 1
+                    // and are not written out.
+                    let a1 = if pair { a0.add(TILE * row_bytes) } else { a0 };
+                    asm!(
+                        "tileloadd tmm4, [{a0} + {sa}*1]",
+                        "tileloadd tmm5, [{a1} + {sa}*1]",
+                        "tileloadd tmm6, [{b0} + {sb}*1]",
+                        "tileloadd tmm7, [{b1} + {sb}*1]",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tdpbf16ps tmm1, tmm4, tmm7",
+                        "tdpbf16ps tmm2, tmm5, tmm6",
+                        "tdpbf16ps tmm3, tmm5, tmm7",
+                        a0 = in(reg) a0,
+                        a1 = in(reg) a1,
+                        b0 = in(reg) b0,
+                        b1 = in(reg) b1,
+                        sa = in(reg) row_bytes,
+                        sb = in(reg) 64usize,
+                        options(nostack, readonly),
+                    );
                 }
                 let mut results = Results([0f32; 4 * TILE * TILE]);
                 let r = results.0.as_mut_ptr();
