@@ -477,3 +477,37 @@ fn a_discarded_step_leaves_no_trace() {
         }
     }
 }
+
+/// `--param-dtype bf16` on a CPU rounds the linear products' operands to bf16 on AMX-BF16 tiles
+/// where the CPU has them (PyTorch's CPU autocast): two ranks reproduce one rank under them,
+/// and on such a CPU the curve differs from the one with the products held to f32
+/// (`FSDP_SIMD=avx512`, the same bf16 parameters), by bf16's rounding and no more.
+#[test]
+fn bf16_products_follow_the_f32_products_curve() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("llama", tmp.path());
+    let run = |name: &str, world: usize, simd: Option<&str>| {
+        let out = tmp.path().join(name);
+        let mut cmd = std::process::Command::new(bin());
+        cmd.args(["finetune", "--model", model.to_str().unwrap(), "--data", training_data().to_str().unwrap(), "--output-dir"]);
+        cmd.arg(&out).args(["--seq-len", "16", "--max-steps", "6", "--lr", "1e-3", "--no-shuffle", "--param-dtype", "bf16"]);
+        // The same global batch at every world (--batch-size is each rank's).
+        cmd.args(["--world-size", &world.to_string(), "--batch-size", &(4 / world).to_string()]);
+        if let Some(level) = simd {
+            cmd.env("FSDP_SIMD", level);
+        }
+        let o = cmd.output().unwrap();
+        assert!(o.status.success(), "{name}: {}", String::from_utf8_lossy(&o.stderr));
+        metric_losses(&out)
+    };
+    let one = run("w1", 1, None);
+    let two = run("w2", 2, None);
+    let d = max_rel_diff(&two, &one);
+    assert!(d < 1e-5, "two ranks differ from one by {d}: {two:?} vs {one:?}");
+    if kernels::simd::Kernels::get().amx_bf16() {
+        let f32_products = run("w1-f32-products", 1, Some("avx512"));
+        let d = max_rel_diff(&one, &f32_products);
+        eprintln!("bf16 products vs f32 products: losses differ by {d:.1e}");
+        assert!(d > 1e-7 && d < 1e-2, "bf16 products' losses differ by {d} from f32 products': {one:?} vs {f32_products:?}");
+    }
+}

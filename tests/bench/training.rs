@@ -13,7 +13,8 @@
 //!     ahead), alternating: what overlapping the collectives with compute does on this CPU.
 //!
 //! `cargo bench --bench training -- speed` runs only (b), (c) and (d), `-- prefetch` only (d),
-//! `-- memory` only (a).
+//! `-- memory` only (a); `-- bf16` runs (b) with the linear products in bf16 on both sides
+//! (`--param-dtype bf16`, AMX-BF16 tiles where the CPU has them; PyTorch's CPU autocast to bf16).
 //!
 //! Environment: FSDP_BENCH_PYTHON (Python with torch + transformers, torchrun beside it;
 //! default python3),
@@ -95,12 +96,13 @@ fn find(dir: &Path) -> Option<PathBuf> {
 }
 
 /// PyTorch + transformers doing the same steps (tests/bench/torch_train_step.py).
-fn torch_run(python: &str, root: &Path, model: &Path, data: &Path, batch: usize, steps: usize) -> Result<Value, String> {
+fn torch_run(python: &str, root: &Path, model: &Path, data: &Path, (batch, steps): (usize, usize), bf16: bool) -> Result<Value, String> {
     let o = Command::new(python)
         .arg(root.join("tests").join("bench").join("torch_train_step.py"))
         .arg(model)
         .arg(data)
         .args([batch.to_string(), "128".into(), steps.to_string(), THREADS.to_string()])
+        .args(bf16.then_some("bf16"))
         .output();
     match o {
         Ok(o) if o.status.success() => {
@@ -146,8 +148,11 @@ fn main() -> anyhow::Result<()> {
         let (small, small_data) = small_model(&models_dir, tmp.path())?;
         return prefetch_over_tcp(&small, &small_data, tmp.path());
     }
+    if only("bf16") {
+        return speed(&root, &models_dir, tmp.path(), &python, true);
+    }
     if !only("memory") {
-        speed(&root, &models_dir, tmp.path(), &python)?;
+        speed(&root, &models_dir, tmp.path(), &python, false)?;
         forced_avx2_rows()?;
     }
     if !only("speed") {
@@ -202,8 +207,9 @@ struct OurRow {
     losses: Vec<f64>,
 }
 
-/// (b) and (c): tokens/s beside PyTorch.
-fn speed(root: &Path, models_dir: &Path, tmp: &Path, python: &str) -> anyhow::Result<()> {
+/// (b) and (c): tokens/s beside PyTorch; with `bf16`, (b) with the linear products in bf16 on
+/// both sides.
+fn speed(root: &Path, models_dir: &Path, tmp: &Path, python: &str, bf16: bool) -> anyhow::Result<()> {
     // (b) and (c): each model at world 1 (and the small one at world 2), then PyTorch on the
     // same files and rows, alternating.
     let (small, small_data) = small_model(models_dir, tmp)?;
@@ -214,7 +220,7 @@ fn speed(root: &Path, models_dir: &Path, tmp: &Path, python: &str) -> anyhow::Re
         batch: 4,
         steps: SMALL_STEPS,
         rounds: SMALL_ROUNDS,
-        worlds: vec![1, 2],
+        worlds: if bf16 { vec![1] } else { vec![1, 2] },
     }];
     match smollm2(models_dir) {
         Ok(dir) => {
@@ -237,13 +243,16 @@ fn speed(root: &Path, models_dir: &Path, tmp: &Path, python: &str) -> anyhow::Re
                 let out = tmp.join(format!("{}-w{world}-r{round}", dir.file_name().unwrap().to_string_lossy()));
                 let mut c = config(dir, rows, &out, *world);
                 (c.batch_size, c.max_steps) = (batch / *world, Some(*steps));
+                if bf16 {
+                    c.param_dtype = candle_core::DType::BF16;
+                }
                 let s = run_local(&c)?;
                 let tps: Vec<f64> = metrics(&out).iter().skip(1).map(|m| m["tokens_per_s"].as_f64().unwrap()).collect();
                 eprintln!("round {round}, world {world}: {tps:.0?}");
                 tps_rounds.push(median(tps));
                 (*params, *losses) = (s.total_params, s.losses.clone());
             }
-            torch = torch_run(python, root, dir, rows, *batch, *steps);
+            torch = torch_run(python, root, dir, rows, (*batch, *steps), bf16);
             if let Some(t) = torch.as_ref().ok().and_then(|t| t["tokens_per_s"].as_f64()) {
                 eprintln!("round {round}, PyTorch: {t:.0}");
                 torch_rounds.push(t);
@@ -271,14 +280,19 @@ fn speed(root: &Path, models_dir: &Path, tmp: &Path, python: &str) -> anyhow::Re
             })
             .collect();
         println!("\nCPU vector ISA: {}", common::vector_isa());
+        let precision = match bf16 {
+            true => "f32 weights, bf16 products (--param-dtype bf16; PyTorch: torch.autocast(\"cpu\", torch.bfloat16))",
+            false => "f32",
+        };
         println!(
-            "Training step, {name}, {:.1}M parameters, batch {batch} x 128 tokens, AdamW, f32, CPU, {THREADS} threads",
+            "Training step, {name}, {:.1}M parameters, batch {batch} x 128 tokens, AdamW, {precision}, CPU, {THREADS} threads",
             ours[0].params as f64 / 1e6
         );
         println!("(median of steps 2-{steps}, median of {rounds} alternating rounds, ratio: median of the rounds' ratios; fastest: each side's fastest round; FSDP: FULL_SHARD, one unit per layer, no activation checkpointing)\n");
         // The level our kernels and the products ran at (FSDP_SIMD lowers it), and which
         // kernels ran the products (FSDP_MATMUL picks them).
-        let isa = format!("{:?}, products {}", kernels::simd::SimdLevel::current(), kernels::matmul::kernels_in_use());
+        let tiles = if bf16 && kernels::simd::Kernels::get().amx_bf16() { ", linear products on AMX-BF16 tiles" } else { "" };
+        let isa = format!("{:?}, products {}{tiles}", kernels::simd::SimdLevel::current(), kernels::matmul::kernels_in_use());
         println!("| run | ISA (kernels and matmuls) | tokens/s | vs PyTorch | fastest vs PyTorch's fastest |");
         println!("|---|---|---|---|---|");
         let times = |r: &Option<f64>| r.map(|r| format!("{r:.2}x")).unwrap_or_else(|| "n/a".into());
@@ -304,6 +318,9 @@ fn speed(root: &Path, models_dir: &Path, tmp: &Path, python: &str) -> anyhow::Re
             let d = ours[0].losses.iter().zip(&theirs).map(|(a, b)| ((a - b) / b).abs()).fold(0.0, f64::max);
             println!("\nsame losses as PyTorch: max relative difference {d:.1e} over {steps} steps");
         }
+    }
+    if bf16 {
+        return Ok(());
     }
     prefetch_over_tcp(&small, &small_data, tmp)
 }

@@ -12,6 +12,7 @@
 //!   rows (decoding), f32 / f16 / bf16 weights; `quant_blocks`: products over llama.cpp's 32-value block formats;
 //! - `exp`, `attend_rows`, `paged_attention`: softmax and attention over cached keys and values;
 //! - `adamw`: the optimizer's update of a chunk and the gradient norm's sum of squares;
+//! - `round_through`: f32 values rounded through bf16 or f16 (mixed precision's sends);
 //! - `rng`: the generator of test data and initial weights; `cuda`: our `.cu` sources (their
 //!   NVRTC compilation with the `cuda` feature).
 
@@ -28,5 +29,6 @@ pub mod paged_attention;
 pub mod pool;
 pub mod quant_blocks;
 pub mod rng;
+pub mod round_through;
 pub mod simd;
 pub mod small_batch;

@@ -136,7 +136,8 @@ pub struct FsdpEngine {
 /// What unit storage needs to act, from the engine's disjoint fields (so that a unit's storage
 /// can be borrowed mutably beside it).
 fn unit_ctx<'a>(plan: &'a UnitPlan, groups: &'a ProcessGroups, opts: &'a FsdpOptions, device: &'a Device) -> UnitCtx<'a> {
-    // On the CPU compute stays f32, where bf16 matmuls are slower and no more accurate.
+    // On the CPU compute stays f32: bf16 tensors would run candle's elementwise ops per value
+    // through conversions. Only the linear products round to bf16 (`bf16_products`).
     let compute_dtype = if device.is_cpu() { DType::F32 } else { opts.param_dtype };
     UnitCtx { plan, shard: groups.shard.as_ref(), opts, device, compute_dtype }
 }
@@ -373,6 +374,18 @@ impl FsdpEngine {
     /// Forward only (evaluation): the summed token loss of one micro-batch. Units are gathered
     /// and freed as in training; no graph is built and no gradient is touched.
     pub fn forward_loss(&mut self, input_ids: &Tensor, ctx: &StageContext, loss: LossFn) -> Result<f64> {
+        kernels::matmul::with_bf16_products(self.bf16_products(), || self.forward_loss_in(input_ids, ctx, loss))
+    }
+
+    /// Whether the linear layers' products run in bf16: on the CPU, where compute stays f32
+    /// (`unit_ctx`), bf16 parameters ask for PyTorch's CPU autocast, products of bf16-rounded
+    /// operands with f32 sums, which the kernels run on AMX-BF16 tiles where the CPU has them
+    /// (and in f32 elsewhere).
+    fn bf16_products(&self) -> bool {
+        self.device.is_cpu() && self.opts.param_dtype == DType::BF16
+    }
+
+    fn forward_loss_in(&mut self, input_ids: &Tensor, ctx: &StageContext, loss: LossFn) -> Result<f64> {
         self.fresh = false;
         let n = self.model.num_stages();
         let mut x = input_ids.clone();
@@ -404,6 +417,11 @@ impl FsdpEngine {
     /// micro-batches). `ctx` carries what the model's stages take (packing, dropout seeds,
     /// targets). Returns the value of `loss`.
     pub fn forward_backward(&mut self, input_ids: &Tensor, ctx: &StageContext, loss: LossFn, grad_scale: f64) -> Result<f64> {
+        let bf16 = self.bf16_products();
+        kernels::matmul::with_bf16_products(bf16, || self.forward_backward_in(input_ids, ctx, loss, grad_scale))
+    }
+
+    fn forward_backward_in(&mut self, input_ids: &Tensor, ctx: &StageContext, loss: LossFn, grad_scale: f64) -> Result<f64> {
         self.fresh = false;
         // Ops that can (the embedding and the fused head, on the CPU) hand their weight
         // gradients to this sink instead of candle's gradient store.

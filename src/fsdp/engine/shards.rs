@@ -156,9 +156,10 @@ pub(super) fn with_f32_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> anyh
 
 /// Rounds values through `dtype` (what sending them in that dtype does to them).
 pub(super) fn round_through(v: &mut [f32], dtype: DType) {
+    use kernels::round_through::{round_through, Half};
     match dtype {
-        DType::BF16 => v.iter_mut().for_each(|x| *x = half::bf16::from_f32(*x).to_f32()),
-        DType::F16 => v.iter_mut().for_each(|x| *x = half::f16::from_f32(*x).to_f32()),
+        DType::BF16 => round_through(v, Half::Bf16),
+        DType::F16 => round_through(v, Half::F16),
         _ => {}
     }
 }

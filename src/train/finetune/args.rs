@@ -99,8 +99,9 @@ pub struct FinetuneArgs {
     /// layer (e.g. LlamaDecoderLayer). Checked, never ignored.
     #[arg(long)]
     pub transformer_cls_names_to_wrap: Option<String>,
-    /// dtype gathered parameters travel in (f32, bf16, f16); on a GPU also the compute dtype,
-    /// on CPU compute is f32.
+    /// dtype gathered parameters travel in (f32, bf16, f16); on a GPU also the compute dtype.
+    /// On a CPU compute is f32, and bf16 also rounds the linear layers' products to bf16 (f32
+    /// sums, PyTorch's CPU autocast) where the CPU has AMX-BF16 tiles.
     #[arg(long, default_value = "f32")]
     pub param_dtype: String,
     /// dtype gradients are reduced in (f32, bf16, f16).

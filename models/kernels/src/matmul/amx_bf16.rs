@@ -18,40 +18,15 @@ use std::arch::x86_64::*;
 
 use half::bf16;
 
+use super::amx::{bf16_run, configure_tiles, release_tiles, transpose16, DEPTH, TILE, TILE_VALUES as B_TILE};
 use crate::disjoint::DisjointWrites;
 use crate::pool::{for_rows_of_many, pool_chunks_mut};
-
-/// Rows of a tile, and the 4-byte pairs (or f32 values) in one of its 64-byte rows.
-const TILE: usize = 16;
-/// Inputs a tile product consumes: a tile row's 64 bytes of bf16.
-const DEPTH: usize = 32;
-/// bf16 values in one packed B tile (1 KiB).
-const B_TILE: usize = TILE * DEPTH;
 
 /// Whether the tiles take a product of `in_dim` inputs into matrices of `out_dims` rows: whole
 /// tiles along both (the weight's rows are read straight into the tiles).
 pub fn fits(in_dim: usize, out_dims: &[usize]) -> bool {
     in_dim > 0 && in_dim.is_multiple_of(DEPTH) && out_dims.iter().all(|o| o.is_multiple_of(TILE))
 }
-
-/// The tile configuration every thread loads before its tiles: eight tiles of 16 rows of 64
-/// bytes (tmm0-3 results, tmm4-5 weight rows, tmm6-7 activations).
-#[repr(C, align(64))]
-struct TileConfig {
-    palette: u8,
-    start_row: u8,
-    reserved: [u8; 14],
-    bytes_per_row: [u16; 16],
-    rows: [u8; 16],
-}
-
-const CONFIG: TileConfig = TileConfig {
-    palette: 1,
-    start_row: 0,
-    reserved: [0; 14],
-    bytes_per_row: [64, 64, 64, 64, 64, 64, 64, 64, 0, 0, 0, 0, 0, 0, 0, 0],
-    rows: [16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0],
-};
 
 /// `x (m, in_dim) · wᵀ` for each `ws[i]` (out_i, in_dim) bf16, row-major: (m, out_i) each, the
 /// matrices in one parallel region over their 16-row tiles.
@@ -110,14 +85,7 @@ unsafe fn pack_activations(x: &[f32], m: usize, in_dim: usize) -> Vec<u16> {
 /// pairs: pair `p` holds value `2p` in its low half and `2p + 1` in its high half.
 #[target_feature(enable = "avx512f")]
 unsafe fn bf16_pairs(at: *const f32) -> [u32; 16] {
-    let round = |v: __m512| {
-        let bits = _mm512_castps_si512(v);
-        let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
-        let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))));
-        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
-        _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0)))
-    };
-    let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(round(_mm512_loadu_ps(at))), round(_mm512_loadu_ps(at.add(16))));
+    let both = bf16_run(_mm512_loadu_ps(at), _mm512_loadu_ps(at.add(16)));
     let mut pairs = [0u32; 16];
     _mm512_storeu_si512(pairs.as_mut_ptr() as *mut __m512i, both);
     pairs
@@ -150,7 +118,7 @@ unsafe fn tiles_of(
     let row_bytes = in_dim * 2;
     let groups = m.div_ceil(TILE);
     let run = (GROUPS_BYTES / (group_len * 2)).max(2) / 2 * 2;
-    asm!("ldtilecfg [{}]", in(reg) &CONFIG as *const TileConfig, options(nostack, readonly));
+    configure_tiles();
     for first in (0..groups).step_by(run) {
         let mut t = tiles.start;
         while t < tiles.end {
@@ -210,42 +178,13 @@ unsafe fn tiles_of(
             t += if pair { 2 } else { 1 };
         }
     }
-    asm!("tilerelease", options(nostack, nomem));
+    release_tiles();
 }
 
-/// The 16 columns of a row-major 16 × 16 tile at `at`: interleaving pairs of rows' values,
-/// then pairs of pairs, gives each 128-bit lane a 4 × 4 block transposed; moving lanes then
-/// gathers each column's four blocks.
+/// The 16 columns of a row-major 16 × 16 tile at `at`.
 #[target_feature(enable = "avx512f")]
 unsafe fn transposed(at: *const f32) -> [__m512; 16] {
-    let r: [__m512; 16] = std::array::from_fn(|i| _mm512_loadu_ps(at.add(i * TILE)));
-    let mut t = [_mm512_setzero_ps(); 16];
-    for i in 0..8 {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    // u[4g + c] holds, in lane L, column 4L + c of rows 4g..4g + 4.
-    let mut u = [_mm512_setzero_ps(); 16];
-    let pd = _mm512_castps_pd;
-    for g in 0..4 {
-        let (t0, t1, t2, t3) = (pd(t[4 * g]), pd(t[4 * g + 1]), pd(t[4 * g + 2]), pd(t[4 * g + 3]));
-        u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
-        u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
-        u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
-        u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
-    }
-    let mut columns = [_mm512_setzero_ps(); 16];
-    for c in 0..4 {
-        let low = _mm512_shuffle_f32x4::<0b01_00_01_00>(u[c], u[4 + c]);
-        let high = _mm512_shuffle_f32x4::<0b11_10_11_10>(u[c], u[4 + c]);
-        let low2 = _mm512_shuffle_f32x4::<0b01_00_01_00>(u[8 + c], u[12 + c]);
-        let high2 = _mm512_shuffle_f32x4::<0b11_10_11_10>(u[8 + c], u[12 + c]);
-        columns[c] = _mm512_shuffle_f32x4::<0b10_00_10_00>(low, low2);
-        columns[4 + c] = _mm512_shuffle_f32x4::<0b11_01_11_01>(low, low2);
-        columns[8 + c] = _mm512_shuffle_f32x4::<0b10_00_10_00>(high, high2);
-        columns[12 + c] = _mm512_shuffle_f32x4::<0b11_01_11_01>(high, high2);
-    }
-    columns
+    transpose16(std::array::from_fn(|i| _mm512_loadu_ps(at.add(i * TILE))))
 }
 
 /// Four result tiles' values, where `tilestored` writes them.

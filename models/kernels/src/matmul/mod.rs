@@ -12,7 +12,11 @@
 //! kind of machine.
 
 #[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(target_arch = "x86_64")]
 mod amx_bf16;
+#[cfg(target_arch = "x86_64")]
+mod bf16_tiles;
 pub mod column_split;
 pub mod half;
 #[cfg(target_arch = "x86_64")]
@@ -51,6 +55,53 @@ pub unsafe fn sgemm(
     beta: f32,
 ) {
     sgemm_at(SimdLevel::current(), m, n, k, dst, lhs, rhs, alpha, beta)
+}
+
+thread_local! {
+    /// Whether this thread's linear products may round their operands to bf16
+    /// ([`with_bf16_products`]).
+    static BF16_PRODUCTS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with this thread's products through [`parallel`]'s entry points (the linear
+/// layers', forward and backward) computed, when `on`, from operands rounded to bf16 with f32
+/// sums on AMX-BF16 tiles, where the CPU has them and Linux grants them
+/// ([`crate::simd::Kernels::amx_bf16`]); elsewhere they stay f32, as without it: bf16 products
+/// without the tiles are slower and less accurate. PyTorch's CPU autocast to bf16 makes the
+/// same choice per linear product, and is scoped the same way (per thread). Products run inside
+/// the pool's workers (attention's, per head) stay f32.
+pub fn with_bf16_products<R>(on: bool, f: impl FnOnce() -> R) -> R {
+    /// Puts the thread's previous setting back, also when `f` panics.
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            BF16_PRODUCTS.set(self.0);
+        }
+    }
+    let _restore = Restore(BF16_PRODUCTS.replace(on));
+    f()
+}
+
+/// Whether [`with_bf16_products`] gives this thread's products to the tiles: all of them, small
+/// ones too, so that whether a value was rounded does not depend on how many rows a rank has.
+#[cfg(target_arch = "x86_64")]
+fn on_bf16_tiles() -> bool {
+    BF16_PRODUCTS.get() && Kernels::get().amx_bf16()
+}
+
+/// What a product with nothing to sum does, and whether that is all of it: nothing where dst is
+/// empty; where the depth is, dst's m × n zeroed (left as it is when accumulating).
+///
+/// # Safety
+/// dst holds m rows of n values, `dst_rs` apart.
+#[cfg(target_arch = "x86_64")]
+unsafe fn nothing_to_sum(m: usize, n: usize, k: usize, (dst, dst_rs): (*mut f32, usize), accumulate: bool) -> bool {
+    if k == 0 && !accumulate {
+        for i in 0..m {
+            std::ptr::write_bytes(dst.add(i * dst_rs), 0, n);
+        }
+    }
+    m == 0 || n == 0 || k == 0
 }
 
 /// The register tile of our packed driver (`packed`) that products at `level` run on, if

@@ -210,15 +210,7 @@ pub(crate) unsafe fn sgemm<T: RhsElem>(
     shared: Option<&SharedLhs>,
 ) {
     debug_assert!(shared.is_none_or(|s| (s.m, s.k, s.lhs) == (m, k, lhs)));
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        if !accumulate {
-            for i in 0..m {
-                std::ptr::write_bytes(dst.add(i * dst_rs), 0, n);
-            }
-        }
+    if super::nothing_to_sum(m, n, k, (dst, dst_rs), accumulate) {
         return;
     }
     PACKED.with(|packed| {

@@ -30,6 +30,11 @@ unsafe fn gemm_rows(
     lhs: (&[f32], isize, isize),
     rhs: (&[f32], isize, isize),
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if super::on_bf16_tiles() {
+        // SAFETY: the tiles run here (on_bf16_tiles); the rest is this function's contract.
+        return unsafe { super::bf16_tiles::product(m, n, k, dst, accumulate, lhs, rhs) };
+    }
     if lhs.2 == 1 && lhs.1 > 1 && m >= LHS_BLOCK_MIN_ROWS && super::writes_lhs_rows_first(m, n, k) {
         // SAFETY: as this function's; each block's rows of dst are rows of this product's dst.
         return lhs_in_row_blocks(m, k, lhs, |rows, block| unsafe {
