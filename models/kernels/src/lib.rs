@@ -7,7 +7,8 @@
 //! - `disjoint`, `pool`: the thread pool our loops share with candle, and the one type through
 //!   which its threads write one buffer;
 //! - `matmul` (its packed driver `matmul::packed` with the register tiles `matmul::tiles`, and
-//!   `column_split`, the two-thread split): f32 matrix products;
+//!   `column_split`, the two-thread split): f32 matrix products, in bf16 on AMX tiles under
+//!   `matmul::with_bf16_products` (training's mixed precision);
 //! - `gemv` (its row layout timed in `gemv_layout`), `half_dot`, `small_batch`: products of a few
 //!   rows (decoding), f32 / f16 / bf16 weights; `quant_blocks`: products over llama.cpp's 32-value block formats;
 //! - `exp`, `attend_rows`, `paged_attention`: softmax and attention over cached keys and values;

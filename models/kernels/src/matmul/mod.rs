@@ -10,6 +10,10 @@
 //! CPU without AVX-512, and the scalar level calls gemm-common's public driver
 //! (`gemm_basic_generic`) with gemm-f32's scalar microkernels, so one binary measures either
 //! kind of machine.
+//!
+//! Under [`with_bf16_products`] (training with `--param-dtype bf16` on a CPU) the products of
+//! [`parallel`]'s entry points round their operands to bf16 on AMX-BF16 tiles (`bf16_tiles`)
+//! where the CPU has them, as PyTorch's CPU autocast does.
 
 #[cfg(target_arch = "x86_64")]
 mod amx;
