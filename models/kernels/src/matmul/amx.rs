@@ -1,6 +1,6 @@
 //! What the two AMX-BF16 kernels share (`amx_bf16`: bf16 weights at inference; `bf16_tiles`: f32
-//! products with operands rounded to bf16, in training): the tile configuration, f32 values
-//! rounded to bf16 in AVX-512 registers, and a 16 × 16 transposition of 32-bit lanes.
+//! products with operands rounded to bf16, in training): the tile configuration and f32 values
+//! rounded to bf16 in AVX-512 registers (the 16 × 16 transposition they use is `transpose`'s).
 
 use std::arch::asm;
 use std::arch::x86_64::*;
@@ -77,40 +77,6 @@ pub(super) unsafe fn bf16_run(low: __m512, high: __m512) -> __m512i {
     _mm512_inserti64x4::<1>(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(bf16_bits(low))), _mm512_cvtepi32_epi16(bf16_bits(high)))
 }
 
-/// The transpose of a 16 × 16 matrix of 32-bit lanes held a row a register: interleaving pairs
-/// of rows' values, then pairs of pairs, gives each 128-bit lane a 4 × 4 block transposed;
-/// moving lanes then gathers each column's four blocks.
-#[inline(always)]
-pub(super) unsafe fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
-    let mut t = [_mm512_setzero_ps(); 16];
-    for i in 0..8 {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    // u[4g + c] holds, in lane L, column 4L + c of rows 4g..4g + 4.
-    let mut u = [_mm512_setzero_ps(); 16];
-    let pd = _mm512_castps_pd;
-    for g in 0..4 {
-        let (t0, t1, t2, t3) = (pd(t[4 * g]), pd(t[4 * g + 1]), pd(t[4 * g + 2]), pd(t[4 * g + 3]));
-        u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
-        u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
-        u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
-        u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
-    }
-    let mut columns = [_mm512_setzero_ps(); 16];
-    for c in 0..4 {
-        let low = _mm512_shuffle_f32x4::<0b01_00_01_00>(u[c], u[4 + c]);
-        let high = _mm512_shuffle_f32x4::<0b11_10_11_10>(u[c], u[4 + c]);
-        let low2 = _mm512_shuffle_f32x4::<0b01_00_01_00>(u[8 + c], u[12 + c]);
-        let high2 = _mm512_shuffle_f32x4::<0b11_10_11_10>(u[8 + c], u[12 + c]);
-        columns[c] = _mm512_shuffle_f32x4::<0b10_00_10_00>(low, low2);
-        columns[4 + c] = _mm512_shuffle_f32x4::<0b11_01_11_01>(low, low2);
-        columns[8 + c] = _mm512_shuffle_f32x4::<0b10_00_10_00>(high, high2);
-        columns[12 + c] = _mm512_shuffle_f32x4::<0b11_01_11_01>(high, high2);
-    }
-    columns
-}
-
 /// Lanes `0..n` set (n ≤ 16): a masked load's or store's first n values.
 #[inline(always)]
 pub(super) fn first_lanes(n: usize) -> __mmask16 {
@@ -118,31 +84,5 @@ pub(super) fn first_lanes(n: usize) -> __mmask16 {
         0xffff
     } else {
         ((1u32 << n) - 1) as __mmask16
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::simd::{CpuFeatures, SimdLevel};
-
-    #[test]
-    fn transpose16_is_the_transpose() {
-        if CpuFeatures::detected().best_level() < SimdLevel::Avx512 {
-            return;
-        }
-        let m: Vec<f32> = (0..256).map(|i| i as f32).collect();
-        // SAFETY: the CPU has AVX-512 F; m holds 16 rows of 16.
-        let t = unsafe { transpose16(std::array::from_fn(|i| _mm512_loadu_ps(m.as_ptr().add(i * 16)))) };
-        let mut out = [0f32; 256];
-        for (i, row) in t.iter().enumerate() {
-            // SAFETY: out has room for 16 rows of 16.
-            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(i * 16), *row) };
-        }
-        for i in 0..16 {
-            for j in 0..16 {
-                assert_eq!(out[i * 16 + j], m[j * 16 + i]);
-            }
-        }
     }
 }

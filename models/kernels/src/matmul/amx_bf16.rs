@@ -18,7 +18,8 @@ use std::arch::x86_64::*;
 
 use half::bf16;
 
-use super::amx::{bf16_run, configure_tiles, release_tiles, transpose16, DEPTH, TILE, TILE_VALUES as B_TILE};
+use super::amx::{bf16_run, configure_tiles, release_tiles, DEPTH, TILE, TILE_VALUES as B_TILE};
+use super::transpose::transpose16;
 use crate::disjoint::DisjointWrites;
 use crate::pool::{for_rows_of_many, pool_chunks_mut};
 

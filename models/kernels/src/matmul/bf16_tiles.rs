@@ -19,7 +19,8 @@ use std::cell::RefCell;
 
 use half::bf16;
 
-use super::amx::{bf16_pair_lanes, bf16_run, configure_tiles, first_lanes, release_tiles, transpose16, DEPTH, TILE, TILE_VALUES};
+use super::amx::{bf16_pair_lanes, bf16_run, configure_tiles, first_lanes, release_tiles, DEPTH, TILE, TILE_VALUES};
+use super::transpose::transpose16;
 use super::Strided;
 use crate::disjoint::DisjointWrites;
 use crate::pool::pool_chunks_mut;

@@ -116,10 +116,11 @@ unsafe fn rows_as_columns_avx512(src: &[f32], row_len: usize, rows: Range<usize>
     }
 }
 
-/// The 16 × 16 transpose of sixteen rows: lane r of output c is lane c of input r.
+/// The 16 × 16 transpose of sixteen rows: lane r of output c is lane c of input r (of any
+/// 32-bit values: the AMX kernels move bf16 pairs with it).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
+pub(super) unsafe fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
     // Pairs of rows interleaved, then quads: in each 128-bit lane l, u[4q + c] holds column
     // 4l + c of rows 4q .. 4q + 4.
     let mut t = [_mm512_setzero_ps(); 16];
@@ -189,6 +190,28 @@ pub(super) unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Lane r of output c is lane c of input r.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn transpose16_is_the_transpose() {
+        if crate::simd::CpuFeatures::detected().best_level() < SimdLevel::Avx512 {
+            return;
+        }
+        let m: Vec<f32> = (0..256).map(|i| i as f32).collect();
+        // SAFETY: the CPU has AVX-512 F; m holds 16 rows of 16.
+        let t = unsafe { transpose16(std::array::from_fn(|i| _mm512_loadu_ps(m.as_ptr().add(i * 16)))) };
+        let mut out = [0f32; 256];
+        for (i, row) in t.iter().enumerate() {
+            // SAFETY: out has room for 16 rows of 16.
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(i * 16), *row) };
+        }
+        for i in 0..16 {
+            for j in 0..16 {
+                assert_eq!(out[i * 16 + j], m[j * 16 + i]);
+            }
+        }
+    }
 
     /// The vector copy writes what the plain loop writes, edges included (rows and depth not
     /// multiples of 8, rows from inside the matrix, a window of each row, a block wider than its
