@@ -257,6 +257,8 @@ fn auto_batch_size_retries_a_step_that_ran_out_of_gpu_memory() {
         c.device = fsdp_app::device::DeviceSpec::Cuda(Some(0));
         (c.seq_len, c.batch_size, c.grad_accum, c.max_steps, c.lr, c.shuffle) = (Some(2048), batch, accum, Some(2), 1e-3, false);
         c.auto_find_batch_size = auto;
+        // The search's trials on stderr: what a failure here needs.
+        c.verbose = true;
         c
     };
     let err = run_local(&config("fixed", 64, 1, false)).expect_err("64 rows of 2048 tokens fit the GPU: make the trial larger");

@@ -156,6 +156,34 @@ inline void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1)
   });
 }
 
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lane l's `row` is row l % 8 of matrix l / 8
+// (8 halves); r[i] gets matrix i's row l / 4, columns 2 (l % 4) and + 1, or with TRANS its
+// column l / 4, rows 2 (l % 4) and + 1 (the lower index in the low half).
+template <bool TRANS>
+inline void ldmatrix_x4(unsigned (&r)[4], const unsigned short *row) {
+  unsigned mine[2];
+  std::memcpy(mine, &row, sizeof row);
+  unsigned l = lane();
+  exchange(mine, 2, [&](const unsigned (*words)[8]) {
+    auto row_of = [&](unsigned matrix, unsigned i) {
+      const unsigned short *p;
+      std::memcpy(&p, words[matrix * 8 + i], sizeof p);
+      return p;
+    };
+    for (unsigned m = 0; m < 4; m++) {
+      unsigned lo, hi;
+      if (TRANS) {
+        lo = row_of(m, 2 * (l % 4))[l / 4];
+        hi = row_of(m, 2 * (l % 4) + 1)[l / 4];
+      } else {
+        lo = row_of(m, l / 4)[2 * (l % 4)];
+        hi = row_of(m, l / 4)[2 * (l % 4) + 1];
+      }
+      r[m] = lo | (hi << 16);
+    }
+  });
+}
+
 }  // namespace emulation
 
 inline void __syncthreads() { emulation::block->all.arrive_and_wait(); }

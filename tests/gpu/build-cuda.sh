@@ -2,7 +2,7 @@
 # Builds fsdp-app with the `cuda` and `nccl` features (release) on an x86_64 Debian machine that
 # has no GPU and no system CUDA toolkit, for an H100/H200 machine with driver R580 / CUDA 13.0.
 #
-#   bash tests/gpu/build-cuda.sh            # binary, GPU tests, GPU benchmark and profiler, gzipped into .gpubin/
+#   bash tests/gpu/build-cuda.sh            # binary, GPU tests, GPU benchmark and profiler, xz-packed into .gpubin/
 #   bash tests/gpu/build-cuda.sh --no-tests # the binary only
 #
 # CUDA comes from NVIDIA's PyPI wheels (the CUDA 13.0 set PyTorch 2.11 pins) in a private venv
@@ -12,7 +12,7 @@
 # (candle-kernels' nvcc step); later builds take seconds while this environment stays the same.
 # Not part of CI.
 #
-# On the GPU machine (see docs/gpu.md): gunzip the files in .gpubin/, point LD_LIBRARY_PATH at
+# On the GPU machine (see docs/gpu.md): unpack the files in .gpubin/ (xz -d), point LD_LIBRARY_PATH at
 # the venv's nvidia/cu13/lib and nvidia/nccl/lib, run .gpubin/fsdp-app or the test binaries.
 set -euo pipefail
 
@@ -88,14 +88,15 @@ else
   gcc -shared -fPIC -O0 -Wl,-soname,libcuda.so.1 -o "$STUBS/libcuda.so" "$STUBS/libcuda_stub.c"
 fi
 
-# 4. Build, then gzip what the GPU machine needs into .gpubin/ (ignored by git).
+# 4. Build, then compress what the GPU machine needs into .gpubin/ (ignored by git) with xz: it
+# packs them to about half of gzip's size, and all of them plus the working tree must fit the
+# device tool's 64 MiB.
 cargo build --release --locked --features "$FEATURES" --bin fsdp-app
 mkdir -p .gpubin
 # The kernel profiler (an injection library; libcupti comes from the GPU machine's PyTorch).
 gcc -shared -fPIC -O2 -Wall -I"$NV/include" tests/gpu/kernel_profile.c -L"$NV/lib" -l:libcupti.so.13 \
-  -o .gpubin/libkernel_profile.so && gzip -f .gpubin/libkernel_profile.so
-# Stripped (80 MB -> ~45 MB) so that all three fit in the device tool's 64 MiB carry.
-strip -o .gpubin/fsdp-app target/cuda/release/fsdp-app && gzip -f .gpubin/fsdp-app
+  -o .gpubin/libkernel_profile.so && xz -f -T2 .gpubin/libkernel_profile.so
+strip -o .gpubin/fsdp-app target/cuda/release/fsdp-app && xz -f -T2 .gpubin/fsdp-app
 if [ "$WITH_TESTS" = 1 ]; then
   # The GPU tests (tests/cuda/) and the GPU benchmark (tests/bench/gpu.rs) as standalone
   # binaries: they use the library only, and find tests/ from the repository root.
@@ -109,6 +110,6 @@ for line in sys.stdin:
         shutil.copy(m["executable"], sys.argv[2])' "$@"; strip "$2"; }
   cargo test --release --locked --features "$FEATURES" --test cuda --no-run --message-format=json | pick cuda .gpubin/cuda-tests
   cargo bench --locked --features "$FEATURES" --bench gpu --no-run --message-format=json | pick gpu .gpubin/gpu-bench
-  gzip -f .gpubin/cuda-tests .gpubin/gpu-bench
+  xz -f -T2 .gpubin/cuda-tests .gpubin/gpu-bench
 fi
 ls -l .gpubin

@@ -115,13 +115,14 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, visibility: Visibility, sca
     }
 }
 
-/// `x` contiguous from a 16-byte boundary (the kernels stage rows with 16-byte loads).
+/// `x` contiguous from a 16-byte boundary (the kernels stage rows with 16-byte loads). A fresh
+/// copy where not (`force_contiguous`: candle's `copy` keeps the layout, offset and strides).
 fn aligned(x: &Tensor) -> Result<Tensor> {
     let starts_aligned = x.layout().start_offset() % 8 == 0;
     if x.is_contiguous() && starts_aligned {
         Ok(x.clone())
     } else {
-        x.copy()
+        x.force_contiguous()
     }
 }
 

@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use models::StageContext;
 use serde_json::json;
 
@@ -56,16 +56,18 @@ pub(super) fn train(
         }
         let start = Instant::now();
         let lr = cfg.lr * lr_multiplier(cfg.schedule, step, cfg.warmup_for(plan.total_steps), plan.total_steps);
-        let StepOutcome { loss, grad_norm, tokens, metrics } = match (&cfg.grpo, grpo.as_mut()) {
+        let outcome = match (&cfg.grpo, grpo.as_mut()) {
             (Some(run), Some(state)) => {
                 let inputs = StepInputs { groups, cfg, plan, boot, run, order: &order };
-                grpo_step::train_step(engine, &inputs, state, (step, lr))?
+                grpo_step::train_step(engine, &inputs, state, (step, lr))
             }
             _ => {
                 let micro = micro_batches(groups, plan, &order, step);
-                train_step(engine, groups, cfg, plan, objective, &data.samples, &micro, (step, lr))?
+                train_step(engine, groups, cfg, plan, objective, &data.samples, &micro, (step, lr))
             }
         };
+        let StepOutcome { loss, grad_norm, tokens, metrics } =
+            outcome.with_context(|| format!("training step {} ({} x {} rows)", step + 1, plan.grad_accum, plan.micro_batch))?;
         curve.losses.push(loss);
         curve.grad_norms.push(grad_norm);
         log.step(

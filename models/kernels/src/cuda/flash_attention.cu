@@ -72,6 +72,26 @@ __device__ __forceinline__ bool visible(int i, int j, const Shape &s) {
 HALF_FORMAT(Bf16, "bf16", true)
 HALF_FORMAT(F16, "f16", false)
 
+// Four 8 x 8 matrices of halves from shared memory in one warp-wide instruction (ldmatrix): lane
+// l gives the address of row l % 8 of matrix l / 8 (16 bytes, 16-byte aligned) and receives in
+// r[i] the pair that an mma fragment wants of matrix i: row l / 4, columns 2 (l % 4) and + 1; with
+// TRANS the matrix's transpose (rows 2 (l % 4) and + 1 of column l / 4). One load where the pairs
+// took two 32-bit loads, or four 16-bit ones and the shifts to join them.
+template <bool TRANS>
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const half_bits *row) {
+#ifdef FSDP_CUDA_EMULATION
+  emulation::ldmatrix_x4<TRANS>(r, row);
+#else
+  unsigned at = (unsigned)__cvta_generic_to_shared(row);
+  if (TRANS)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(at));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(at));
+#endif
+}
+
 // Halves (col, col + 1) of row `row` of a (rows x D) matrix as one word; 0 past `rows`.
 template <int D>
 __device__ __forceinline__ unsigned pair_at(const half_bits *m, int rows, int row, int col) {
@@ -141,6 +161,47 @@ __device__ __forceinline__ void times_rows(const unsigned (&a)[D / 16][4], const
       unsigned b0 = *reinterpret_cast<const unsigned *>(row + kk * 16);
       unsigned b1 = *reinterpret_cast<const unsigned *>(row + kk * 16 + 8);
       H::mma(acc[nt], a[kk], b0, b1);
+    }
+  }
+}
+
+// times_rows over a tile staged in shared memory (rows `stride` halves apart, 16-byte aligned):
+// the B fragments of two k steps in one ldmatrix.
+template <class H, int N, int D>
+__device__ __forceinline__ void times_staged(const unsigned (&a)[D / 16][4], const half_bits *tile, int stride, int lane, float (&acc)[N / 8][4]) {
+#pragma unroll
+  for (int nt = 0; nt < N / 8; nt++) {
+    acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+    // Matrix i = lane / 8: rows nt*8 .. +7, columns kk*16 + 8i .. +7 (b0, b1 of kk, then of kk + 1).
+    const half_bits *row = tile + (nt * 8 + (lane & 7)) * stride + (lane >> 3) * 8;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk += 2) {
+      unsigned b[4];
+      ldmatrix_x4<false>(b, row + kk * 16);
+      H::mma(acc[nt], a[kk], b[0], b[1]);
+      H::mma(acc[nt], a[kk + 1], b[2], b[3]);
+    }
+  }
+}
+
+// accumulate over a tile staged in shared memory (rows `stride` halves apart, 16-byte aligned,
+// zero-filled past the rows staged): the B fragments of two column steps in one transposing
+// ldmatrix.
+template <class H, int N, int D>
+__device__ __forceinline__ void accumulate_staged(const float (&p)[N / 8][4], const half_bits *tile, int stride, int lane, float (&out)[D / 8][4]) {
+#pragma unroll
+  for (int kk = 0; kk < N / 16; kk++) {
+    unsigned a[4] = {H::pack(p[2 * kk][0], p[2 * kk][1]), H::pack(p[2 * kk][2], p[2 * kk][3]),
+                     H::pack(p[2 * kk + 1][0], p[2 * kk + 1][1]), H::pack(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+    // Matrix i = lane / 8: rows kk*16 + 8 (i % 2) .. +7, columns (nt + i / 2) * 8 .. +7 (b0, b1 of
+    // nt, then of nt + 1).
+    const half_bits *row = tile + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * stride + (lane >> 4) * 8;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; nt += 2) {
+      unsigned b[4];
+      ldmatrix_x4<true>(b, row + nt * 8);
+      H::mma(out[nt], a, b[0], b[1]);
+      H::mma(out[nt + 1], a, b[2], b[3]);
     }
   }
 }
@@ -261,7 +322,7 @@ __device__ void flash_forward(const half_bits *q, const half_bits *k, const half
   for (int n0 = keys.x / ROWS * ROWS; n0 < keys.y; n0 += ROWS) {
     stage_both<ROWS, D>(k_tile, kh + (long long)n0 * D, v_tile, vh + (long long)n0 * D, s.s_len - n0);
     float sc[ROWS / 8][4];
-    times_rows<H, ROWS, D>(qa, k_tile, D + PAD, lane, sc);
+    times_staged<H, ROWS, D>(qa, k_tile, D + PAD, lane, sc);
 #pragma unroll
     for (int nt = 0; nt < ROWS / 8; nt++)
 #pragma unroll
@@ -270,7 +331,7 @@ __device__ void flash_forward(const half_bits *q, const half_bits *k, const half
         sc[nt][r] = visible(i, j, s) ? sc[nt][r] * k2 : NEG_INF;
       }
     online_softmax<ROWS, D>(sc, m, l, o);
-    accumulate<H, ROWS, D>(sc, v_tile, D + PAD, lane, o);
+    accumulate_staged<H, ROWS, D>(sc, v_tile, D + PAD, lane, o);
   }
 
   float inv[2];
@@ -317,8 +378,8 @@ __device__ void flash_backward_dq(const half_bits *q, const half_bits *k, const 
   for (int n0 = keys.x / ROWS * ROWS; n0 < keys.y; n0 += ROWS) {
     stage_both<ROWS, D>(k_tile, kh + (long long)n0 * D, v_tile, vh + (long long)n0 * D, s.s_len - n0);
     float p[ROWS / 8][4], dp[ROWS / 8][4];
-    times_rows<H, ROWS, D>(qa, k_tile, D + PAD, lane, p);
-    times_rows<H, ROWS, D>(da, v_tile, D + PAD, lane, dp);
+    times_staged<H, ROWS, D>(qa, k_tile, D + PAD, lane, p);
+    times_staged<H, ROWS, D>(da, v_tile, D + PAD, lane, dp);
 #pragma unroll
     for (int nt = 0; nt < ROWS / 8; nt++)
 #pragma unroll
@@ -327,7 +388,7 @@ __device__ void flash_backward_dq(const half_bits *q, const half_bits *k, const 
         float pr = visible(i, j, s) ? prob(p[nt][r] * k2, lse2[half]) : 0.0f;
         p[nt][r] = pr * (dp[nt][r] - dl[half]);
       }
-    accumulate<H, ROWS, D>(p, k_tile, D + PAD, lane, acc);
+    accumulate_staged<H, ROWS, D>(p, k_tile, D + PAD, lane, acc);
   }
   store_rows<H, D>(acc, dq + rows_at * D, s.t_len, row0, lane, s.scale, s.scale);
 }
@@ -366,7 +427,7 @@ __device__ void flash_backward_dkv(const half_bits *q, const half_bits *k, const
       stage_row_values<QN>(delta_tile, delta + rows_at + m0, s.t_len - m0, 0.0f);
       stage_both<QN, D>(q_tile, q + (rows_at + m0) * D, d_tile, dout + (rows_at + m0) * D, s.t_len - m0);
       float p[QN / 8][4], dp[QN / 8][4];
-      times_rows<H, QN, D>(ka, q_tile, D + PAD, lane, p);
+      times_staged<H, QN, D>(ka, q_tile, D + PAD, lane, p);
 #pragma unroll
       for (int nt = 0; nt < QN / 8; nt++)
 #pragma unroll
@@ -374,13 +435,13 @@ __device__ void flash_backward_dkv(const half_bits *q, const half_bits *k, const
           int c = nt * 8 + 2 * t + (r & 1), j = key0 + g + 8 * (r / 2);
           p[nt][r] = visible(m0 + c, j, s) ? prob(p[nt][r] * k2, lse_tile[c] * LOG2E) : 0.0f;
         }
-      accumulate<H, QN, D>(p, d_tile, D + PAD, lane, dv_acc);
-      times_rows<H, QN, D>(va, d_tile, D + PAD, lane, dp);
+      accumulate_staged<H, QN, D>(p, d_tile, D + PAD, lane, dv_acc);
+      times_staged<H, QN, D>(va, d_tile, D + PAD, lane, dp);
 #pragma unroll
       for (int nt = 0; nt < QN / 8; nt++)
 #pragma unroll
         for (int r = 0; r < 4; r++) p[nt][r] *= dp[nt][r] - delta_tile[nt * 8 + 2 * t + (r & 1)];
-      accumulate<H, QN, D>(p, q_tile, D + PAD, lane, dk_acc);
+      accumulate_staged<H, QN, D>(p, q_tile, D + PAD, lane, dk_acc);
     }
   }
   store_rows<H, D>(dk_acc, dk + keys_at * D, s.s_len, key0, lane, s.scale, s.scale);
