@@ -8,7 +8,8 @@
 //!   q/k/v, RoPE and attention as one op; `linear`: `x · wᵀ` with its backward; `head_loss`: the
 //!   head and cross-entropy fused, by rows; `embedding`: the lookup whose weight gradient is
 //!   made by rows; `weight_grads`: the sink those ops hand their weight gradients to (no
-//!   vocabulary-sized gradient tensor, no zeroed weight-sized one);
+//!   vocabulary-sized gradient tensor, no zeroed weight-sized one); `backward_seed`: a backward
+//!   pass started from a known gradient (a stage's, in the FSDP engine);
 //! - generation's products and attention: `gemv` (a few rows, f32 / f16 / bf16 weights),
 //!   `half_product` (many rows over f16 / bf16 weights),
 //!   `quant` (llama.cpp's block formats), `kv_attention` (over the KV cache's blocks in place),
@@ -23,6 +24,7 @@
 pub mod attention;
 #[cfg(feature = "cuda")]
 mod attention_softmax_cuda;
+pub mod backward_seed;
 pub mod cross_entropy;
 #[cfg(feature = "cuda")]
 pub mod cuda_args;

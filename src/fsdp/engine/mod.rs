@@ -497,7 +497,7 @@ impl FsdpEngine {
                 (l * grad_scale)?
             } else {
                 let g = upstream.take().context("missing upstream gradient")?;
-                (&out * g)?.sum_all()?
+                ops::backward_seed::seed(&out, &g)?
             };
             let mut grads = objective.backward()?;
             drop(out);
