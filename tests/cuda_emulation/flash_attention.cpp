@@ -1,5 +1,5 @@
-// Runs models/kernels/src/cuda/flash_attention.cu on the CPU (emulate.h): the forward, then both
-// backward kernels, on inputs a test wrote. tests/cuda_emulated.rs builds it with the kernel
+// Runs models/kernels/src/cuda/flash_attention.cu on the CPU (emulate.h): the forward, then the
+// backward's delta and both gradient kernels, on inputs a test wrote. tests/cuda_emulated.rs builds it with the kernel
 // source as `kernel.cu` on the include path and compares the results with the CPU's attention.
 //
 // usage: flash_attention DIR bf16|f16 D BATCH HEADS KV_HEADS T S OFFSET CAUSAL WINDOW SCALE
@@ -50,12 +50,16 @@ static void write_values(const std::string &path, const std::vector<T> &v) {
 
 struct Kernels {
   void (*forward)(const half_bits *, const half_bits *, const half_bits *, half_bits *, float *, Shape);
+  void (*delta)(const half_bits *, const half_bits *, float *, long long);
   void (*dq)(const half_bits *, const half_bits *, const half_bits *, const half_bits *, const float *, const float *, half_bits *, Shape);
   void (*dkv)(const half_bits *, const half_bits *, const half_bits *, const half_bits *, const float *, const float *, half_bits *, half_bits *,
-              Shape);
+              float *, Shape);
+  void (*dkv_sum)(const float *, half_bits *, half_bits *, long long, Shape);
 };
 
-#define KERNELS(NAME, D) Kernels{flash_forward_##NAME##_d##D, flash_backward_dq_##NAME##_d##D, flash_backward_dkv_##NAME##_d##D}
+#define KERNELS(NAME, D) \
+  Kernels{flash_forward_##NAME##_d##D, flash_backward_delta_##NAME##_d##D, flash_backward_dq_##NAME##_d##D, flash_backward_dkv_##NAME##_d##D, \
+          flash_backward_dkv_sum_##NAME##_d##D}
 
 static int decode_main(int argc, char **argv) {
   std::string dir = argv[1], dtype = argv[3];
@@ -135,16 +139,21 @@ int main(int argc, char **argv) {
 
   const unsigned threads = WARPS * 32, rows_per_block = ROWS;
   dim3 queries{(unsigned)(s.t_len + rows_per_block - 1) / rows_per_block, (unsigned)(batch * s.heads), 1};
-  dim3 keys{(unsigned)(s.s_len + rows_per_block - 1) / rows_per_block, (unsigned)(batch * s.kv_heads), 1};
+  dim3 keys{(unsigned)(s.s_len + rows_per_block - 1) / rows_per_block, (unsigned)(batch * s.heads), 1};
   emulation::launch(k.forward, queries, threads, 0, q.data(), kk.data(), v.data(), out.data(), lse.data(), s);
-  auto value = [&](unsigned short h) { return dtype == "bf16" ? emulation::bf16_value(h) : emulation::f16_value(h); };
-  for (size_t r = 0; r < rows; r++) {
-    float sum = 0.0f;
-    for (int i = 0; i < d; i++) sum += value(dout[r * d + i]) * value(out[r * d + i]);
-    delta[r] = sum;
-  }
+  emulation::launch(k.delta, dim3{(unsigned)((rows + WARPS - 1) / WARPS), 1, 1}, threads, 0, dout.data(), out.data(), delta.data(), (long long)rows);
   emulation::launch(k.dq, queries, threads, 0, q.data(), kk.data(), v.data(), dout.data(), lse.data(), delta.data(), dq.data(), s);
-  emulation::launch(k.dkv, keys, threads, 0, q.data(), kk.data(), v.data(), dout.data(), lse.data(), delta.data(), dk.data(), dv.data(), s);
+  // As the op launches them: with GQA each query head's share in f32 (NaN until written), then
+  // their sums.
+  bool gqa = s.heads != s.kv_heads;
+  std::vector<float> partial(gqa ? 2 * rows / s.t_len * s.s_len * d : 0, std::nanf(""));
+  emulation::launch(k.dkv, keys, threads, 0, q.data(), kk.data(), v.data(), dout.data(), lse.data(), delta.data(), dk.data(), dv.data(),
+                    gqa ? partial.data() : nullptr, s);
+  if (gqa) {
+    long long values = (long long)kv_rows * d;
+    emulation::launch(k.dkv_sum, dim3{(unsigned)((values / 2 + threads - 1) / threads), 1, 1}, threads, 0, partial.data(), dk.data(), dv.data(),
+                      values, s);
+  }
   write_values(dir + "/out.bin", out);
   write_values(dir + "/lse.bin", lse);
   write_values(dir + "/dq.bin", dq);

@@ -6,7 +6,7 @@
 //! Its value is 0, not the sum: only its gradient means anything, and only as the tensor that
 //! `backward()` is called on (the root's gradient is 1, which its backward takes as given).
 
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
 /// A scalar to call `backward()` on that makes `g` the gradient of `out` (the same shape and
 /// dtype). Its value is 0.
@@ -33,7 +33,7 @@ impl CustomOp1 for Seed {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, _: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
         use candle_core::backend::{BackendDevice, BackendStorage};
-        Ok((s.device().zeros_impl(&Shape::from(()), DType::F32)?, Shape::from(())))
+        Ok((s.device().zeros_impl(&Shape::from(()), candle_core::DType::F32)?, Shape::from(())))
     }
 
     /// `g`: the root's gradient is 1 (see the module's comment), so it is not multiplied in,
@@ -49,7 +49,7 @@ impl CustomOp1 for Seed {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{Device, Var};
+    use candle_core::{DType, Device, Var};
 
     #[test]
     fn hands_the_seed_to_the_tensor_as_the_product_sum_does() {

@@ -1,6 +1,7 @@
 //! `flash_attention`'s ops on a GPU: the forward kernel as a candle op that keeps the rows'
-//! log-sum-exp for its backward, the backward as two kernels (dq by query rows; dk and dv by key
-//! rows, summed over each kv head's query heads), and decoding over the KV cache's blocks, from
+//! log-sum-exp for its backward, the backward as delta's kernel and two more (dq by query rows;
+//! dk and dv by key rows and query head, each kv head's group then summed by a third), and
+//! decoding over the KV cache's blocks, from
 //! `kernels::cuda::FLASH_ATTENTION`, compiled by NVRTC the first time a process needs it.
 
 use std::sync::Mutex;
@@ -8,7 +9,7 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{CpuStorage, CudaStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType, D};
+use candle_core::{CpuStorage, CudaStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType};
 use kernels::cuda::FLASH_ATTENTION as SOURCE;
 
 use crate::cuda_args::{contiguous_values, values};
@@ -16,6 +17,7 @@ use crate::visibility::Visibility;
 
 /// Four warps a block, each 16 of the block's 64 query (or key) rows (flash_attention.cu's ROWS).
 const THREADS: u32 = 128;
+const WARPS: usize = 4;
 const ROWS: usize = 64;
 
 /// The kernels' `Shape`.
@@ -169,6 +171,33 @@ impl Flash {
     }
 }
 
+impl Flash {
+    /// rowsum(dout ∘ out), FlashAttention's delta: one f32 per query row, by a kernel (composed,
+    /// it was two casts of both to f32, a product and a sum, each a pass).
+    fn delta<T: CudaDType + DeviceRepr + WithDType>(&self, dout: &Tensor, out: &Tensor) -> Result<CudaSlice<f32>> {
+        let p = &self.problem;
+        let (dout_storage, dout_layout) = dout.storage_and_layout();
+        let (out_storage, out_layout) = out.storage_and_layout();
+        let dout = tensor_values::<T>(&dout_storage, dout_layout, "flash attention: dout")?;
+        let out = tensor_values::<T>(&out_storage, out_layout, "flash attention: out")?;
+        let dev = match &*dout_storage {
+            candle_core::Storage::Cuda(s) => s.device.clone(),
+            _ => candle_core::bail!("flash attention: dout is not on the GPU"),
+        };
+        let rows = p.query_rows();
+        let delta = unsafe { dev.alloc::<f32>(rows)? };
+        let func = dev.get_or_load_custom_func(&p.kernel("backward_delta", T::DTYPE)?, SOURCE.module, SOURCE.ptx()?)?;
+        let mut args = func.builder();
+        let n = rows as i64;
+        args.arg(&dout).arg(&out).arg(&delta).arg(&n);
+        let config = LaunchConfig { grid_dim: (rows.div_ceil(WARPS) as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: dout and out hold `rows` rows of head_dim values (the forward's shapes), delta
+        // is allocated for one value a row.
+        unsafe { args.launch(config) }.w()?;
+        Ok(delta)
+    }
+}
+
 impl CustomOp3 for Flash {
     fn name(&self) -> &'static str {
         "flash-attention"
@@ -203,8 +232,7 @@ impl CustomOp3 for Flash {
         let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner()).take();
         let Some(lse) = lse else { candle_core::bail!("flash attention: a backward without its forward's log-sum-exp (or a second one)") };
         let dout = aligned(dout)?;
-        // rowsum(dout ∘ out): FlashAttention's delta, (batch, heads, T, 1) in f32.
-        let delta = (dout.to_dtype(DType::F32)? * out.to_dtype(DType::F32)?)?.sum_keepdim(D::Minus1)?.contiguous()?;
+        let delta = by_half_dtype!(dout.dtype(), self.delta(&dout, out))?;
         let pass = Backward { problem: self.problem, lse: &lse, dout: &dout, delta: &delta };
         let (q, k, v) = (q.detach(), k.detach(), v.detach());
         let dq = q.apply_op3_no_bwd(&k, &v, &Gradient { pass: &pass, of_queries: true })?;
@@ -218,7 +246,7 @@ struct Backward<'a> {
     problem: Problem,
     lse: &'a CudaSlice<f32>,
     dout: &'a Tensor,
-    delta: &'a Tensor,
+    delta: &'a CudaSlice<f32>,
 }
 
 /// dq (batch, heads, T, d), or dk and dv stacked (2, batch, kv_heads, S, d).
@@ -234,29 +262,55 @@ impl Gradient<'_> {
         let (q, k, v) = (view::<T>(q, "flash attention: q")?, view::<T>(k, "flash attention: k")?, view::<T>(v, "flash attention: v")?);
         let (dout_storage, dout_layout) = self.pass.dout.storage_and_layout();
         let dout = tensor_values::<T>(&dout_storage, dout_layout, "flash attention: dout")?;
-        let (delta_storage, delta_layout) = self.pass.delta.storage_and_layout();
-        let delta = tensor_values::<f32>(&delta_storage, delta_layout, "flash attention: delta")?;
+        // dk and dv: blocks by (key tile, query head); under GQA each head's share goes to
+        // `partial` (f32, (2, batch, heads, S, d)) and a second kernel sums each group's.
+        let gqa = p.shape.heads != p.shape.kv_heads;
         let (pass, len, config) = if self.of_queries {
             ("backward_dq", p.query_rows() * p.head_dim, p.config(p.shape.t_len, p.shape.heads))
         } else {
-            ("backward_dkv", 2 * p.key_rows() * p.head_dim, p.config(p.shape.s_len, p.shape.kv_heads))
+            ("backward_dkv", 2 * p.key_rows() * p.head_dim, p.config(p.shape.s_len, p.shape.heads))
         };
         let grads = unsafe { dev.alloc::<T>(len)? };
+        let partial = match !self.of_queries && gqa {
+            true => Some(unsafe { dev.alloc::<f32>(2 * p.batch * p.shape.heads as usize * p.shape.s_len as usize * p.head_dim)? }),
+            false => None,
+        };
         let func = dev.get_or_load_custom_func(&p.kernel(pass, T::DTYPE)?, SOURCE.module, SOURCE.ptx()?)?;
+        let dv = grads.slice(len / 2..);
         {
             let mut args = func.builder();
-            args.arg(&q).arg(&k).arg(&v).arg(&dout).arg(self.pass.lse).arg(&delta);
-            let dv = grads.slice(len / 2..);
+            args.arg(&q).arg(&k).arg(&v).arg(&dout).arg(self.pass.lse).arg(self.pass.delta);
+            let no_partial: u64 = 0;
             if self.of_queries {
                 args.arg(&grads);
             } else {
                 args.arg(&grads).arg(&dv);
+                match &partial {
+                    Some(partial) => args.arg(partial),
+                    None => args.arg(&no_partial),
+                };
             }
             args.arg(&p.shape);
             // SAFETY: the inputs hold the rows `Problem` counts, lse and delta one value per query
-            // row (the forward's and `bwd`'s), and `grads` is allocated for what the kernel writes.
+            // row (the forward's and `bwd`'s), and `grads` and `partial` are allocated for what
+            // the kernel writes (without GQA it reads no `partial`: a null pointer).
             unsafe { args.launch(config) }.w()?;
         }
+        if let Some(partial) = &partial {
+            let values = (len / 2) as i64;
+            let sum = dev.get_or_load_custom_func(&p.kernel("backward_dkv_sum", T::DTYPE)?, SOURCE.module, SOURCE.ptx()?)?;
+            let mut args = sum.builder();
+            args.arg(partial).arg(&grads).arg(&dv).arg(&values).arg(&p.shape);
+            let config = LaunchConfig {
+                grid_dim: ((len / 4).div_ceil(THREADS as usize) as u32, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: `partial` holds every query head's share (the launch above wrote them all),
+            // and dk, dv `values` values each.
+            unsafe { args.launch(config) }.w()?;
+        }
+        drop(dv);
         Ok(CudaStorage::wrap_cuda_slice(grads, dev))
     }
 }

@@ -12,11 +12,12 @@
 // block stages in shared memory. Products are mma.m16n8k16 (f32 accumulators); the C fragment
 // of one product is the A fragment of the next (the probabilities rounded to half first), so
 // nothing is transposed through memory. The backward is two kernels, dq by query rows and dk, dv
-// by key rows, each recomputing the probabilities from lse: no atomics, the same bits every run.
+// by key rows (and query head, its shares summed by a third under GQA), each recomputing the
+// probabilities from lse: no atomics, the same bits every run.
 //   forward: s = q kᵀ, m and l the running max and sum, o += p v;  lse = m + ln l
 //   dq:      p = exp(s scale - lse), dp = dout vᵀ, ds = p (dp - delta), dq = ds k scale
 //   dk, dv:  pᵀ, dpᵀ = v doutᵀ, dv = pᵀ dout, dk = dsᵀ q scale (summed over the group's heads)
-// where delta = rowsum(dout * out). A query sees key j when j <= its position (i + offset) if
+// where delta = rowsum(dout * out), a kernel of its own before them. A query sees key j when j <= its position (i + offset) if
 // causal, and position - j < window if window > 0 (masks.rs's causal_mask).
 
 #define WARPS 4
@@ -52,8 +53,17 @@ __device__ __forceinline__ bool visible(int i, int j, const Shape &s) {
       emulation::mma<IS_BF16>(c, a, b0, b1);                                                                  \
     }                                                                                                         \
     static unsigned pack(float lo, float hi) { return emulation::pack<IS_BF16>(lo, hi); }                    \
+    static float value(unsigned bits) { return IS_BF16 ? emulation::bf16_value(bits) : emulation::f16_value(bits); } \
   };
 #else
+// An f16's bits as f32 (NVRTC compiles without cuda_fp16.h).
+__device__ __forceinline__ float f16_bits_value(unsigned bits) {
+  unsigned short h = (unsigned short)bits;
+  float r;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h));
+  return r;
+}
+
 #define HALF_FORMAT(NAME, PTX, IS_BF16)                                                                       \
   struct NAME {                                                                                               \
     static __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) { \
@@ -65,6 +75,9 @@ __device__ __forceinline__ bool visible(int i, int j, const Shape &s) {
       unsigned r;                                                                                             \
       asm("cvt.rn." PTX "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));                                   \
       return r;                                                                                               \
+    }                                                                                                         \
+    static __device__ __forceinline__ float value(unsigned bits) {                                            \
+      return IS_BF16 ? __uint_as_float(bits << 16) : f16_bits_value(bits);                                   \
     }                                                                                                         \
   };
 #endif
@@ -393,22 +406,59 @@ __device__ void flash_backward_dq(const half_bits *q, const half_bits *k, const 
   store_rows<H, D>(acc, dq + rows_at * D, s.t_len, row0, lane, s.scale, s.scale);
 }
 
+// delta = rowsum(dout * out) in f32 for the two backward kernels (FlashAttention's
+// preprocessing), both (rows x D) halves: a warp a row, each lane two halves at a time. Grid
+// ceil(rows / WARPS); 128 threads.
+template <class H, int D>
+__device__ void flash_backward_delta(const half_bits *dout, const half_bits *out, float *delta, long long rows) {
+  long long row = (long long)blockIdx.x * WARPS + threadIdx.x / 32;
+  if (row >= rows) return;  // the whole warp: its row is one
+  int lane = threadIdx.x % 32;
+  float sum = 0.0f;
+#pragma unroll
+  for (int c = 2 * lane; c < D; c += 64) {
+    unsigned a = *reinterpret_cast<const unsigned *>(dout + row * D + c), b = *reinterpret_cast<const unsigned *>(out + row * D + c);
+    sum += H::value(a & 0xffffu) * H::value(b & 0xffffu) + H::value(a >> 16) * H::value(b >> 16);
+  }
+  sum = warp_sum(sum);
+  if (lane == 0) delta[row] = sum;
+}
+
 // Queries staged per step by the dk/dv kernel: fewer at D = 128, where its warps hold k, v, dk and
 // dv (16 x 128 each) in registers.
 #define QUERIES(D) ((D) > 64 ? 32 : 64)
 
-// Grid (ceil(S / 64), batch * kv_heads); 128 threads.
+// Rows g and g+8 of a warp's (16 x D) f32 result, times `scale`, to rows `row0 + ..` of a
+// (rows x D) f32 matrix.
+template <int D>
+__device__ __forceinline__ void store_rows_f32(const float (&acc)[D / 8][4], float *m, int rows, int row0, int lane, float scale) {
+  int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < D / 8; nt++) {
+    int c = nt * 8 + 2 * t;
+    if (row0 + g < rows) *reinterpret_cast<float2 *>(m + (long long)(row0 + g) * D + c) = make_float2(acc[nt][0] * scale, acc[nt][1] * scale);
+    if (row0 + g + 8 < rows)
+      *reinterpret_cast<float2 *>(m + (long long)(row0 + g + 8) * D + c) = make_float2(acc[nt][2] * scale, acc[nt][3] * scale);
+  }
+}
+
+// A block per (64 keys, query head): the head's share of dk and dv for its kv head. Without GQA
+// that is all of it, written to dk, dv; with GQA each query head's share goes to `partial` in
+// f32 ((2, batch, heads, S, D): dk's, then dv's) and flash_backward_dkv_sum adds the group's in
+// order: four times the blocks of one per kv head, each walking a quarter of the queries, and the
+// same bits every run (no atomics). Grid (ceil(S / 64), batch * heads); 128 threads.
 template <class H, int D>
 __device__ void flash_backward_dkv(const half_bits *q, const half_bits *k, const half_bits *v, const half_bits *dout,
-                                   const float *lse, const float *delta, half_bits *dk, half_bits *dv, Shape s) {
+                                   const float *lse, const float *delta, half_bits *dk, half_bits *dv, float *partial, Shape s) {
   const int QN = QUERIES(D);
   __shared__ uint4 q_raw[QN * (D + PAD) / 8], d_raw[QN * (D + PAD) / 8];
   __shared__ float lse_tile[QN], delta_tile[QN];
   half_bits *q_tile = reinterpret_cast<half_bits *>(q_raw), *d_tile = reinterpret_cast<half_bits *>(d_raw);
-  int bkv = blockIdx.y, b = bkv / s.kv_heads, group = s.heads / s.kv_heads;
+  int bh = blockIdx.y, b = bh / s.heads, head = bh % s.heads, group = s.heads / s.kv_heads;
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   int n0 = blockIdx.x * ROWS, key0 = n0 + warp * 16;
-  long long keys_at = (long long)bkv * s.s_len;
+  long long keys_at = ((long long)b * s.kv_heads + head / group) * s.s_len;
+  long long rows_at = (long long)bh * s.t_len;
 
   unsigned ka[D / 16][4], va[D / 16][4];
   load_a<D>(k + (keys_at + key0) * D, s.s_len - key0, lane, ka);
@@ -419,33 +469,56 @@ __device__ void flash_backward_dkv(const half_bits *q, const half_bits *k, const
   const float k2 = s.scale * LOG2E;
 
   int2 queries = query_range(n0, ROWS, s);
-  for (int head = (bkv % s.kv_heads) * group; head < (bkv % s.kv_heads + 1) * group; head++) {
-    long long rows_at = ((long long)b * s.heads + head) * s.t_len;
-    for (int m0 = queries.x / QN * QN; m0 < queries.y; m0 += QN) {
-      __syncthreads();
-      stage_row_values<QN>(lse_tile, lse + rows_at + m0, s.t_len - m0, NEG_INF);
-      stage_row_values<QN>(delta_tile, delta + rows_at + m0, s.t_len - m0, 0.0f);
-      stage_both<QN, D>(q_tile, q + (rows_at + m0) * D, d_tile, dout + (rows_at + m0) * D, s.t_len - m0);
-      float p[QN / 8][4], dp[QN / 8][4];
-      times_staged<H, QN, D>(ka, q_tile, D + PAD, lane, p);
+  for (int m0 = queries.x / QN * QN; m0 < queries.y; m0 += QN) {
+    __syncthreads();
+    stage_row_values<QN>(lse_tile, lse + rows_at + m0, s.t_len - m0, NEG_INF);
+    stage_row_values<QN>(delta_tile, delta + rows_at + m0, s.t_len - m0, 0.0f);
+    stage_both<QN, D>(q_tile, q + (rows_at + m0) * D, d_tile, dout + (rows_at + m0) * D, s.t_len - m0);
+    float p[QN / 8][4], dp[QN / 8][4];
+    times_staged<H, QN, D>(ka, q_tile, D + PAD, lane, p);
 #pragma unroll
-      for (int nt = 0; nt < QN / 8; nt++)
+    for (int nt = 0; nt < QN / 8; nt++)
 #pragma unroll
-        for (int r = 0; r < 4; r++) {
-          int c = nt * 8 + 2 * t + (r & 1), j = key0 + g + 8 * (r / 2);
-          p[nt][r] = visible(m0 + c, j, s) ? prob(p[nt][r] * k2, lse_tile[c] * LOG2E) : 0.0f;
-        }
-      accumulate_staged<H, QN, D>(p, d_tile, D + PAD, lane, dv_acc);
-      times_staged<H, QN, D>(va, d_tile, D + PAD, lane, dp);
+      for (int r = 0; r < 4; r++) {
+        int c = nt * 8 + 2 * t + (r & 1), j = key0 + g + 8 * (r / 2);
+        p[nt][r] = visible(m0 + c, j, s) ? prob(p[nt][r] * k2, lse_tile[c] * LOG2E) : 0.0f;
+      }
+    accumulate_staged<H, QN, D>(p, d_tile, D + PAD, lane, dv_acc);
+    times_staged<H, QN, D>(va, d_tile, D + PAD, lane, dp);
 #pragma unroll
-      for (int nt = 0; nt < QN / 8; nt++)
+    for (int nt = 0; nt < QN / 8; nt++)
 #pragma unroll
-        for (int r = 0; r < 4; r++) p[nt][r] *= dp[nt][r] - delta_tile[nt * 8 + 2 * t + (r & 1)];
-      accumulate_staged<H, QN, D>(p, q_tile, D + PAD, lane, dk_acc);
-    }
+      for (int r = 0; r < 4; r++) p[nt][r] *= dp[nt][r] - delta_tile[nt * 8 + 2 * t + (r & 1)];
+    accumulate_staged<H, QN, D>(p, q_tile, D + PAD, lane, dk_acc);
   }
-  store_rows<H, D>(dk_acc, dk + keys_at * D, s.s_len, key0, lane, s.scale, s.scale);
-  store_rows<H, D>(dv_acc, dv + keys_at * D, s.s_len, key0, lane, 1.0f, 1.0f);
+  if (group == 1) {
+    store_rows<H, D>(dk_acc, dk + keys_at * D, s.s_len, key0, lane, s.scale, s.scale);
+    store_rows<H, D>(dv_acc, dv + keys_at * D, s.s_len, key0, lane, 1.0f, 1.0f);
+  } else {
+    long long shares = (long long)gridDim.y * s.s_len * D, at = (long long)bh * s.s_len * D;
+    store_rows_f32<D>(dk_acc, partial + at, s.s_len, key0, lane, s.scale);
+    store_rows_f32<D>(dv_acc, partial + shares + at, s.s_len, key0, lane, 1.0f);
+  }
+}
+
+// dk and dv (batch, kv_heads, S, D) from flash_backward_dkv's per-query-head shares: each kv
+// head's group summed in head order, rounded to half once. A thread per two values; grid
+// ceil(values / 256); 128 threads.
+template <class H, int D>
+__device__ void flash_backward_dkv_sum(const float *partial, half_bits *dk, half_bits *dv, long long values, Shape s) {
+  long long i = 2 * ((long long)blockIdx.x * blockDim.x + threadIdx.x);
+  if (i >= values) return;
+  int group = s.heads / s.kv_heads;
+  long long per_head = (long long)s.s_len * D, bkv = i / per_head, within = i % per_head;
+  long long first = ((bkv / s.kv_heads) * s.heads + (bkv % s.kv_heads) * group) * per_head + within, shares = values * group;
+  float k0 = 0.0f, k1 = 0.0f, v0 = 0.0f, v1 = 0.0f;
+  for (int h = 0; h < group; h++) {
+    float2 a = *reinterpret_cast<const float2 *>(partial + first + h * per_head);
+    float2 c = *reinterpret_cast<const float2 *>(partial + shares + first + h * per_head);
+    k0 += a.x, k1 += a.y, v0 += c.x, v1 += c.y;
+  }
+  *reinterpret_cast<unsigned *>(dk + i) = H::pack(k0, k1);
+  *reinterpret_cast<unsigned *>(dv + i) = H::pack(v0, v1);
 }
 
 // Decoding: one new query per sequence over its cached keys and values, kept in blocks of
@@ -548,6 +621,10 @@ __device__ void flash_decode(const half_bits *q, const half_bits *k_new, const h
     flash_forward<H, D>(q, k, v, out, lse, s);                                                                        \
   }                                                                                                                   \
   extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                            \
+      flash_backward_delta_##NAME##_d##D(const half_bits *dout, const half_bits *out, float *delta, long long rows) {    \
+    flash_backward_delta<H, D>(dout, out, delta, rows);                                                               \
+  }                                                                                                                   \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                            \
       flash_backward_dq_##NAME##_d##D(const half_bits *q, const half_bits *k, const half_bits *v,                    \
                                       const half_bits *dout, const float *lse, const float *delta, half_bits *dq,     \
                                       Shape s) {                                                                      \
@@ -556,8 +633,13 @@ __device__ void flash_decode(const half_bits *q, const half_bits *k_new, const h
   extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                            \
       flash_backward_dkv_##NAME##_d##D(const half_bits *q, const half_bits *k, const half_bits *v,                   \
                                        const half_bits *dout, const float *lse, const float *delta, half_bits *dk,    \
-                                       half_bits *dv, Shape s) {                                                      \
-    flash_backward_dkv<H, D>(q, k, v, dout, lse, delta, dk, dv, s);                                                   \
+                                       half_bits *dv, float *partial, Shape s) {                                      \
+    flash_backward_dkv<H, D>(q, k, v, dout, lse, delta, dk, dv, partial, s);                                          \
+  }                                                                                                                   \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                            \
+      flash_backward_dkv_sum_##NAME##_d##D(const float *partial, half_bits *dk, half_bits *dv, long long values,      \
+                                           Shape s) {                                                                 \
+    flash_backward_dkv_sum<H, D>(partial, dk, dv, values, s);                                                         \
   }                                                                                                                   \
   extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                            \
       flash_decode_##NAME##_d##D(const half_bits *q, const half_bits *k_new, const half_bits *v_new,                  \
