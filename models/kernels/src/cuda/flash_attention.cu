@@ -1,7 +1,8 @@
 // Flash attention, forward and backward, on the tensor cores (FlashAttention-2's algorithm): the
 // scores live in registers a tile at a time and never reach memory. Compiled at run time by NVRTC
-// after values.cuh (models/ops/src/flash_attention_cuda.rs launches it); a CPU test compiles it as
-// C++ with tests/cuda_emulation/emulate.h, which runs each GPU thread as a thread.
+// after values.cuh and flash_tiles.cuh, the tile arithmetic (models/ops/src/flash_attention_cuda.rs
+// launches it); a CPU test compiles it as C++ with tests/cuda_emulation/emulate.h, which runs each
+// GPU thread as a thread.
 //
 // Layouts (contiguous, half precision as bits): q, out, dout, dq (batch, heads, T, D); k, v, dk, dv
 // (batch, kv_heads, S, D), query head h reading kv head h / (heads / kv_heads) (GQA without
@@ -17,16 +18,9 @@
 //   forward: s = q kᵀ, m and l the running max and sum, o += p v;  lse = m + ln l
 //   dq:      p = exp(s scale - lse), dp = dout vᵀ, ds = p (dp - delta), dq = ds k scale
 //   dk, dv:  pᵀ, dpᵀ = v doutᵀ, dv = pᵀ dout, dk = dsᵀ q scale (summed over the group's heads)
-// where delta = rowsum(dout * out), a kernel of its own before them. A query sees key j when j <= its position (i + offset) if
-// causal, and position - j < window if window > 0 (masks.rs's causal_mask).
-
-#define WARPS 4
-#define ROWS 64          // outer rows of a block: WARPS x 16
-#define PAD 8            // halves after each staged row: rows 2 x (D + 8) bytes apart hit distinct banks
-#define LOG2E 1.4426950408889634f
-#define LN2 0.6931471805599453f
-
-typedef unsigned short half_bits;
+// where delta = rowsum(dout * out), a kernel of its own before them. A query sees key j when
+// j <= its position (i + offset) if causal, and position - j < window if window > 0 (masks.rs's
+// causal_mask).
 
 struct Shape {
   int t_len, s_len, heads, kv_heads;
@@ -42,230 +36,6 @@ __device__ __forceinline__ bool visible(int i, int j, const Shape &s) {
   if (s.causal && j > pos) return false;
   if (s.window > 0 && pos - j >= s.window) return false;
   return true;
-}
-
-// The half formats: the tensor-core product and the rounding of two f32 into one 32-bit pair
-// (round to nearest even; the lower index in the low half). PTX names the format (`bf16`, `f16`).
-#ifdef FSDP_CUDA_EMULATION
-#define HALF_FORMAT(NAME, PTX, IS_BF16)                                                                       \
-  struct NAME {                                                                                               \
-    static void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {                        \
-      emulation::mma<IS_BF16>(c, a, b0, b1);                                                                  \
-    }                                                                                                         \
-    static unsigned pack(float lo, float hi) { return emulation::pack<IS_BF16>(lo, hi); }                    \
-    static float value(unsigned bits) { return IS_BF16 ? emulation::bf16_value(bits) : emulation::f16_value(bits); } \
-  };
-#else
-// An f16's bits as f32 (NVRTC compiles without cuda_fp16.h).
-__device__ __forceinline__ float f16_bits_value(unsigned bits) {
-  unsigned short h = (unsigned short)bits;
-  float r;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h));
-  return r;
-}
-
-#define HALF_FORMAT(NAME, PTX, IS_BF16)                                                                       \
-  struct NAME {                                                                                               \
-    static __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) { \
-      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX "." PTX ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};" \
-                   : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                            \
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                           \
-    }                                                                                                         \
-    static __device__ __forceinline__ unsigned pack(float lo, float hi) {                                    \
-      unsigned r;                                                                                             \
-      asm("cvt.rn." PTX "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));                                   \
-      return r;                                                                                               \
-    }                                                                                                         \
-    static __device__ __forceinline__ float value(unsigned bits) {                                            \
-      return IS_BF16 ? __uint_as_float(bits << 16) : f16_bits_value(bits);                                   \
-    }                                                                                                         \
-  };
-#endif
-
-HALF_FORMAT(Bf16, "bf16", true)
-HALF_FORMAT(F16, "f16", false)
-
-// Four 8 x 8 matrices of halves from shared memory in one warp-wide instruction (ldmatrix): lane
-// l gives the address of row l % 8 of matrix l / 8 (16 bytes, 16-byte aligned) and receives in
-// r[i] the pair that an mma fragment wants of matrix i: row l / 4, columns 2 (l % 4) and + 1; with
-// TRANS the matrix's transpose (rows 2 (l % 4) and + 1 of column l / 4). One load where the pairs
-// took two 32-bit loads, or four 16-bit ones and the shifts to join them.
-template <bool TRANS>
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const half_bits *row) {
-#ifdef FSDP_CUDA_EMULATION
-  emulation::ldmatrix_x4<TRANS>(r, row);
-#else
-  unsigned at = (unsigned)__cvta_generic_to_shared(row);
-  if (TRANS)
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(at));
-  else
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(at));
-#endif
-}
-
-// Halves (col, col + 1) of row `row` of a (rows x D) matrix as one word; 0 past `rows`.
-template <int D>
-__device__ __forceinline__ unsigned pair_at(const half_bits *m, int rows, int row, int col) {
-  return row < rows ? *reinterpret_cast<const unsigned *>(m + (long long)row * D + col) : 0u;
-}
-
-// A fragments (16 x D) of rows 0..15 of `m` (rows past `rows` read as 0). Lane (g, t) = (lane / 4,
-// lane % 4) holds, per 16 columns kk: row g cols 2t, 2t+1; row g+8 the same; then both at +8.
-template <int D>
-__device__ __forceinline__ void load_a(const half_bits *m, int rows, int lane, unsigned (&a)[D / 16][4]) {
-  int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int kk = 0; kk < D / 16; kk++) {
-    int c = kk * 16 + 2 * t;
-    a[kk][0] = pair_at<D>(m, rows, g, c);
-    a[kk][1] = pair_at<D>(m, rows, g + 8, c);
-    a[kk][2] = pair_at<D>(m, rows, g, c + 8);
-    a[kk][3] = pair_at<D>(m, rows, g + 8, c + 8);
-  }
-}
-
-// Stages rows 0..N-1 of a (rows x D) matrix in `tile` (rows D + PAD apart), 16 bytes per thread
-// and step; rows past `rows` as zeros (so masked products read 0, never stale values).
-template <int N, int D>
-__device__ __forceinline__ void stage(half_bits *tile, const half_bits *m, int rows) {
-  const int per_row = D / 8;
-  for (int i = threadIdx.x; i < N * per_row; i += WARPS * 32) {
-    int r = i / per_row, c = (i % per_row) * 8;
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (r < rows) v = *reinterpret_cast<const uint4 *>(m + (long long)r * D + c);
-    *reinterpret_cast<uint4 *>(tile + r * (D + PAD) + c) = v;
-  }
-}
-
-// The next tiles of two (rows x D) matrices, once every warp is done with the last ones.
-template <int N, int D>
-__device__ __forceinline__ void stage_both(half_bits *tile_a, const half_bits *a, half_bits *tile_b, const half_bits *b, int rows) {
-  __syncthreads();
-  stage<N, D>(tile_a, a, rows);
-  stage<N, D>(tile_b, b, rows);
-  __syncthreads();
-}
-
-template <int N>
-__device__ __forceinline__ void zero(float (&acc)[N][4]) {
-#pragma unroll
-  for (int i = 0; i < N; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-}
-
-// Values (rows 0..N-1) of a tile of f32 per row, `fill` past `rows`.
-template <int N>
-__device__ __forceinline__ void stage_row_values(float *tile, const float *m, int rows, float fill) {
-  for (int i = threadIdx.x; i < N; i += WARPS * 32) tile[i] = i < rows ? m[i] : fill;
-}
-
-// acc (16 x N) = a (16 x D) · tileᵀ, the tile's N rows (`stride` halves apart) as the columns.
-// acc[nt] holds columns nt*8 + 2t, +1 of rows g (0, 1) and g+8 (2, 3).
-template <class H, int N, int D>
-__device__ __forceinline__ void times_rows(const unsigned (&a)[D / 16][4], const half_bits *tile, int stride, int lane, float (&acc)[N / 8][4]) {
-  int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int nt = 0; nt < N / 8; nt++) {
-    acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-    const half_bits *row = tile + (nt * 8 + g) * stride + 2 * t;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; kk++) {
-      unsigned b0 = *reinterpret_cast<const unsigned *>(row + kk * 16);
-      unsigned b1 = *reinterpret_cast<const unsigned *>(row + kk * 16 + 8);
-      H::mma(acc[nt], a[kk], b0, b1);
-    }
-  }
-}
-
-// times_rows over a tile staged in shared memory (rows `stride` halves apart, 16-byte aligned):
-// the B fragments of two k steps in one ldmatrix.
-template <class H, int N, int D>
-__device__ __forceinline__ void times_staged(const unsigned (&a)[D / 16][4], const half_bits *tile, int stride, int lane, float (&acc)[N / 8][4]) {
-#pragma unroll
-  for (int nt = 0; nt < N / 8; nt++) {
-    acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-    // Matrix i = lane / 8: rows nt*8 .. +7, columns kk*16 + 8i .. +7 (b0, b1 of kk, then of kk + 1).
-    const half_bits *row = tile + (nt * 8 + (lane & 7)) * stride + (lane >> 3) * 8;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; kk += 2) {
-      unsigned b[4];
-      ldmatrix_x4<false>(b, row + kk * 16);
-      H::mma(acc[nt], a[kk], b[0], b[1]);
-      H::mma(acc[nt], a[kk + 1], b[2], b[3]);
-    }
-  }
-}
-
-// accumulate over a tile staged in shared memory (rows `stride` halves apart, 16-byte aligned,
-// zero-filled past the rows staged): the B fragments of two column steps in one transposing
-// ldmatrix.
-template <class H, int N, int D>
-__device__ __forceinline__ void accumulate_staged(const float (&p)[N / 8][4], const half_bits *tile, int stride, int lane, float (&out)[D / 8][4]) {
-#pragma unroll
-  for (int kk = 0; kk < N / 16; kk++) {
-    unsigned a[4] = {H::pack(p[2 * kk][0], p[2 * kk][1]), H::pack(p[2 * kk][2], p[2 * kk][3]),
-                     H::pack(p[2 * kk + 1][0], p[2 * kk + 1][1]), H::pack(p[2 * kk + 1][2], p[2 * kk + 1][3])};
-    // Matrix i = lane / 8: rows kk*16 + 8 (i % 2) .. +7, columns (nt + i / 2) * 8 .. +7 (b0, b1 of
-    // nt, then of nt + 1).
-    const half_bits *row = tile + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * stride + (lane >> 4) * 8;
-#pragma unroll
-    for (int nt = 0; nt < D / 8; nt += 2) {
-      unsigned b[4];
-      ldmatrix_x4<true>(b, row + nt * 8);
-      H::mma(out[nt], a, b[0], b[1]);
-      H::mma(out[nt + 1], a, b[2], b[3]);
-    }
-  }
-}
-
-// out (16 x D) += p (16 x N, f32 in C fragments, rounded to half here) · tile (N x D, rows
-// `stride` halves apart). BOUNDED: the tile's rows from `rows` on read as 0 (they may hold
-// anything, and p = 0 times a NaN would still be NaN); a staged tile is zero-filled already.
-template <class H, int N, int D, bool BOUNDED = false>
-__device__ __forceinline__ void accumulate(const float (&p)[N / 8][4], const half_bits *tile, int stride, int lane, float (&out)[D / 8][4],
-                                           int rows = N) {
-  int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int kk = 0; kk < N / 16; kk++) {
-    unsigned a[4] = {H::pack(p[2 * kk][0], p[2 * kk][1]), H::pack(p[2 * kk][2], p[2 * kk][3]),
-                     H::pack(p[2 * kk + 1][0], p[2 * kk + 1][1]), H::pack(p[2 * kk + 1][2], p[2 * kk + 1][3])};
-    int r = kk * 16 + 2 * t;
-    const half_bits *r0 = tile + r * stride + g;
-    bool in[4] = {!BOUNDED || r < rows, !BOUNDED || r + 1 < rows, !BOUNDED || r + 8 < rows, !BOUNDED || r + 9 < rows};
-#pragma unroll
-    for (int nt = 0; nt < D / 8; nt++) {
-      const half_bits *c = r0 + nt * 8;
-      unsigned b0 = (in[0] ? (unsigned)c[0] : 0u) | ((in[1] ? (unsigned)c[stride] : 0u) << 16);
-      unsigned b1 = (in[2] ? (unsigned)c[8 * stride] : 0u) | ((in[3] ? (unsigned)c[9 * stride] : 0u) << 16);
-      H::mma(out[nt], a, b0, b1);
-    }
-  }
-}
-
-// Sum over the four lanes that share a row (lanes 4g .. 4g+3).
-__device__ __forceinline__ float quad_sum(float v) {
-  v += __shfl_xor_sync(0xffffffffu, v, 1);
-  return v + __shfl_xor_sync(0xffffffffu, v, 2);
-}
-__device__ __forceinline__ float quad_max(float v) {
-  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-
-// Writes rows g and g+8 of a warp's (16 x D) f32 result, times `scale`, to rows `row0 + ..` of a
-// (rows x D) half matrix.
-template <class H, int D>
-__device__ __forceinline__ void store_rows(const float (&acc)[D / 8][4], half_bits *m, int rows, int row0, int lane, float scale0, float scale8) {
-  int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int nt = 0; nt < D / 8; nt++) {
-    int c = nt * 8 + 2 * t;
-    if (row0 + g < rows)
-      *reinterpret_cast<unsigned *>(m + (long long)(row0 + g) * D + c) = H::pack(acc[nt][0] * scale0, acc[nt][1] * scale0);
-    if (row0 + g + 8 < rows)
-      *reinterpret_cast<unsigned *>(m + (long long)(row0 + g + 8) * D + c) = H::pack(acc[nt][2] * scale8, acc[nt][3] * scale8);
-  }
 }
 
 // The keys [first, end) that queries [m0, m0 + count) may see.
@@ -427,20 +197,6 @@ __device__ void flash_backward_delta(const half_bits *dout, const half_bits *out
 // Queries staged per step by the dk/dv kernel: fewer at D = 128, where its warps hold k, v, dk and
 // dv (16 x 128 each) in registers.
 #define QUERIES(D) ((D) > 64 ? 32 : 64)
-
-// Rows g and g+8 of a warp's (16 x D) f32 result, times `scale`, to rows `row0 + ..` of a
-// (rows x D) f32 matrix.
-template <int D>
-__device__ __forceinline__ void store_rows_f32(const float (&acc)[D / 8][4], float *m, int rows, int row0, int lane, float scale) {
-  int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int nt = 0; nt < D / 8; nt++) {
-    int c = nt * 8 + 2 * t;
-    if (row0 + g < rows) *reinterpret_cast<float2 *>(m + (long long)(row0 + g) * D + c) = make_float2(acc[nt][0] * scale, acc[nt][1] * scale);
-    if (row0 + g + 8 < rows)
-      *reinterpret_cast<float2 *>(m + (long long)(row0 + g + 8) * D + c) = make_float2(acc[nt][2] * scale, acc[nt][3] * scale);
-  }
-}
 
 // A block per (64 keys, query head): the head's share of dk and dv for its kv head. Without GQA
 // that is all of it, written to dk, dv; with GQA each query head's share goes to `partial` in

@@ -10,11 +10,24 @@ use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOpt
 use candle_core::Result;
 use std::sync::OnceLock;
 
-/// A source file after `values.cuh` (bf16 as bits, loads, stores, warp sums), its own line
-/// numbers kept for NVRTC's messages.
+/// A source file after `values.cuh` (bf16 as bits, loads, stores, warp sums) and the header
+/// named before it if any, each with its own line numbers for NVRTC's messages.
 macro_rules! after_values {
     ($file:literal) => {
         concat!(include_str!("values.cuh"), "\n#line 1 \"", $file, "\"\n", include_str!($file))
+    };
+    ($header:literal, $file:literal) => {
+        concat!(
+            include_str!("values.cuh"),
+            "\n#line 1 \"",
+            $header,
+            "\"\n",
+            include_str!($header),
+            "\n#line 1 \"",
+            $file,
+            "\"\n",
+            include_str!($file)
+        )
     };
 }
 
@@ -40,7 +53,7 @@ pub static ADAMW: RuntimeSource = RuntimeSource::new("fsdp_app_adamw", "models/k
 pub static FLASH_ATTENTION: RuntimeSource = RuntimeSource::for_arch(
     "fsdp_app_flash_attention",
     "models/kernels/src/cuda/flash_attention.cu",
-    after_values!("flash_attention.cu"),
+    after_values!("flash_tiles.cuh", "flash_attention.cu"),
     true,
     TENSOR_CORE_ARCH,
 );
