@@ -169,9 +169,7 @@ impl Flash {
         *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(lse);
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
-}
 
-impl Flash {
     /// rowsum(dout ∘ out), FlashAttention's delta: one f32 per query row, by a kernel (composed,
     /// it was two casts of both to f32, a product and a sum, each a pass).
     fn delta<T: CudaDType + DeviceRepr + WithDType>(&self, dout: &Tensor, out: &Tensor) -> Result<CudaSlice<f32>> {
