@@ -7,8 +7,9 @@
 #   bash tests/gpu/run.sh overlap # two ranks sharing the GPU over tcp, --prefetch off and on
 #   bash tests/gpu/run.sh quick   # a few GPU tests and our training rows alone (a lease's last minutes)
 #   bash tests/gpu/run.sh all     # the three in one call (a lent machine's minutes are few), then
-#                                 # a table of the parts; the profile goes to $OUT if set; stops
-#                                 # after a failed check unless ALL_KEEP_GOING=1
+#                                 # a table of the parts; the profile (at batch 8 unless
+#                                 # PROFILE_BATCH says) goes to $OUT if set; stops after a failed
+#                                 # check unless ALL_KEEP_GOING=1
 #
 # With the device tool: run(command="bash tests/gpu/run.sh check", carry=[".gpubin"]).
 # Needs the NVIDIA driver and a Python venv with torch (its nvidia/cu13 and nvidia/nccl wheels
@@ -165,7 +166,7 @@ for batch in (1, 8):
     i=0
     for p in check bench profile; do
       start=$SECONDS
-      if FSDP_BENCH_STEPS=${FSDP_BENCH_STEPS:-6} PROFILE_OUT=${PROFILE_OUT:-${OUT:-.}/profile.txt} \
+      if FSDP_BENCH_STEPS=${FSDP_BENCH_STEPS:-6} PROFILE_OUT=${PROFILE_OUT:-${OUT:-.}/profile.txt} PROFILE_BATCH=${PROFILE_BATCH:-8} \
         timeout -k 5 "${limits[$i]}" bash tests/gpu/run.sh "$p" 2>&1 | tee "${OUT:-.}/$p.log"; then
         r=ok
       else
