@@ -155,8 +155,9 @@ impl AdaptedLinear {
     }
 
     /// `silu(gate(x)) ∘ up(x)`, a Llama MLP's first half, as one op (`ops::gated_mlp`, whose
-    /// backward makes fewer tensors) when both layers are plain dense ones training on the CPU;
-    /// None otherwise (the caller runs the layers, then the SwiGLU).
+    /// backward makes fewer tensors) when both layers are plain dense ones training on the CPU
+    /// or on a GPU whose kernels take x; None otherwise (the caller runs the layers, then the
+    /// SwiGLU).
     pub fn swiglu_in_training(
         gate: &AdaptedLinear,
         up: &AdaptedLinear,
@@ -164,7 +165,8 @@ impl AdaptedLinear {
         mode: OpMode,
         rows: &RowAdapters,
     ) -> Result<Option<Tensor>, candle_core::Error> {
-        match (gate.plain_weight_in_training(x, mode, rows), up.plain_weight_in_training(x, mode, rows)) {
+        let ours = ops::applies(x) || ops::gated_mlp::gpu_takes(x);
+        match (gate.plain_weight_where(x, mode, rows, ours), up.plain_weight_where(x, mode, rows, ours)) {
             (Some(w_gate), Some(w_up)) if w_gate.dims() == w_up.dims() => {
                 let grad_to = [gate.weight_grad_target(), up.weight_grad_target()];
                 ops::gated_mlp::swiglu_linear_to(x, w_gate, w_up, grad_to).map(Some)
@@ -234,13 +236,15 @@ impl AdaptedLinear {
     /// The dense weight, when this layer is only `x · wᵀ` in a CPU training forward (no bias,
     /// no adapter of its own or of the batch's rows): the case our fused training ops cover.
     fn plain_weight_in_training(&self, x: &Tensor, mode: OpMode, rows: &RowAdapters) -> Option<&Tensor> {
+        self.plain_weight_where(x, mode, rows, ops::applies(x))
+    }
+
+    /// [`Self::plain_weight_in_training`] where `ours` says whether the op in question runs
+    /// for x (the CPU's f32 only, or a GPU's too).
+    fn plain_weight_where(&self, x: &Tensor, mode: OpMode, rows: &RowAdapters, ours: bool) -> Option<&Tensor> {
         match (&self.base, &self.adapter) {
             (LinearWeight::Dense(base), None)
-                if mode == OpMode::Train
-                    && rows.is_empty()
-                    && base.bias().is_none()
-                    && ops::applies(x)
-                    && base.weight().dtype() == x.dtype() =>
+                if mode == OpMode::Train && rows.is_empty() && base.bias().is_none() && ours && base.weight().dtype() == x.dtype() =>
             {
                 Some(base.weight())
             }

@@ -218,6 +218,32 @@ fn linear_op_on_cuda_matches_cpu() {
     }
 }
 
+/// The gated MLP op on the GPU (`ops::gated_mlp`: both products on cuBLAS, SwiGLU by our
+/// kernels, gate and up kept for the backward): h, dx and both weights' gradients (one through
+/// a sink, one through candle's store) against the CPU op in f32; bf16 within its rounding.
+#[test]
+fn gated_mlp_op_on_cuda_matches_cpu() {
+    use candle_core::Var;
+    use ops::weight_grads::{WeightGradTarget, WeightGrads};
+    let inputs = [
+        Tensor::randn(0f32, 1.0, (2, 33, 48), &Device::Cpu).unwrap(),
+        Tensor::randn(0f32, 0.5, (72, 48), &Device::Cpu).unwrap(),
+        Tensor::randn(0f32, 0.5, (72, 48), &Device::Cpu).unwrap(),
+    ];
+    let probe = Tensor::randn(0f32, 1.0, (2, 33, 72), &Device::Cpu).unwrap();
+    let run = |device: &Device, dtype: DType| {
+        let [x, w_gate, w_up] = inputs.clone().map(|t| Var::from_tensor(&t.to_device(device).unwrap().to_dtype(dtype).unwrap()).unwrap());
+        assert!(device.is_cpu() || ops::gated_mlp::gpu_takes(x.as_tensor()), "{dtype:?}");
+        let store = WeightGrads::new();
+        let to_up = Some(WeightGradTarget { sink: store.clone(), name: "up".into() });
+        let h = ops::gated_mlp::swiglu_linear_to(x.as_tensor(), w_gate.as_tensor(), w_up.as_tensor(), [None, to_up]).unwrap();
+        let grads = (h.to_dtype(DType::F32).unwrap() * probe.to_device(device).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+        let dw_up = store.take("up").expect("the sink got d w_up").into_tensor(device).unwrap();
+        [values(&h), values(grads.get(x.as_tensor()).unwrap()), values(grads.get(w_gate.as_tensor()).unwrap()), values(&dw_up)]
+    };
+    gpu_matches_cpu("gated_mlp", ["h", "dx", "dw_gate", "dw_up"], run);
+}
+
 /// RMSNorm's kernels (`models/kernels/src/cuda/fused.cu`): y, dx and the weight's gradient
 /// against the CPU op in f32, over rows that fill no whole block of warps and a row length
 /// that is no multiple of a warp; bf16 within its rounding.

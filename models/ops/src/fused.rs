@@ -208,14 +208,18 @@ impl CustomOp2 for SwiGlu {
         Ok((crate::fused_cuda::swiglu_forward([(a_s, al), (b_s, bl)])?, al.shape().clone()))
     }
 
-    /// da = g b s (1 + a (1 - s)) with s = sigmoid(a); db = g a s.
     fn bwd(&self, a: &Tensor, b: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let both = a.apply_op3_no_bwd(b, &g.contiguous()?, &SwiGluBackward)?;
-        let n = a.elem_count();
-        let da = both.narrow(0, 0, n)?.reshape(a.shape())?;
-        let db = both.narrow(0, n, n)?.reshape(b.shape())?;
+        let (da, db) = swiglu_backward(a, b, g)?;
         Ok((Some(da), Some(db)))
     }
+}
+
+/// The gradients of `silu(a) * b` for an upstream `g`, by the kernels where [`swiglu`] runs
+/// (one pass, one buffer): da = g b s (1 + a (1 - s)) with s = sigmoid(a); db = g a s.
+pub(crate) fn swiglu_backward(a: &Tensor, b: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor)> {
+    let both = a.apply_op3_no_bwd(b, &g.contiguous()?, &SwiGluBackward)?;
+    let n = a.elem_count();
+    Ok((both.narrow(0, 0, n)?.reshape(a.shape())?, both.narrow(0, n, n)?.reshape(b.shape())?))
 }
 
 /// (a, b, g) -> (2n): da then db.

@@ -4,21 +4,29 @@
 //! calling thread while the pool waits, then a sum), and x's two gradients, one from each
 //! product, into a third: here gate and up are never graph nodes (the op keeps them for its
 //! backward), and x's gradient is one buffer, the second product added into the first's.
-//! The values are those of the three ops: the same products, the same SwiGLU kernel.
+//! The values are those of the three ops: the same products, the same SwiGLU kernel. On a GPU
+//! (f32 or bf16, our kernels on: [`gpu_takes`]) the products run on cuBLAS and the SwiGLU on
+//! `fused_cuda`'s kernels, the gate and up products kept as GPU tensors for the backward.
 
 use std::sync::Mutex;
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
 use crate::fused::{swiglu_grads, swiglu_values};
-use crate::linear::weight_grad;
+use crate::linear::{input_grad_by_matmul, weight_grad};
 use crate::weight_grads::WeightGradTarget;
 use crate::{cpu_f32_values, f32_slice};
 use kernels::matmul::parallel::{input_grad_sum, product_wt};
 
+/// Whether [`swiglu_linear_to`] runs for x on a GPU: where `fused`'s SwiGLU kernels do (f32 or
+/// bf16, `FSDP_CUDA_KERNELS` not 0). On the CPU it runs in f32 ([`crate::applies`]).
+pub fn gpu_takes(x: &Tensor) -> bool {
+    crate::fused_cuda_takes(x)
+}
+
 /// `silu(x · w_gateᵀ) ∘ (x · w_upᵀ)` for x (.., in) and both weights (intermediate, in):
 /// (.., intermediate). Each weight's gradient goes to its sink when given (see
-/// `linear::linear_to`). f32 on the CPU (see [`crate::applies`]).
+/// `linear::linear_to`). f32 on the CPU (see [`crate::applies`]), or where [`gpu_takes`].
 pub fn swiglu_linear_to(x: &Tensor, w_gate: &Tensor, w_up: &Tensor, grad_to: [Option<WeightGradTarget>; 2]) -> Result<Tensor> {
     let (inter, in_dim) = w_gate.dims2()?;
     if w_up.dims() != w_gate.dims() || x.dim(candle_core::D::Minus1)? != in_dim {
@@ -32,8 +40,28 @@ struct GatedUp {
     grad_to: [Option<WeightGradTarget>; 2],
     /// The forward's gate and up products, for the backward (which takes them: one backward
     /// per forward, as training runs it).
-    saved: Mutex<Option<(Vec<f32>, Vec<f32>)>>,
+    saved: Mutex<Option<Saved>>,
     inter: usize,
+}
+
+/// The gate and up products: the CPU's values, or a GPU's tensors.
+enum Saved {
+    Cpu(Vec<f32>, Vec<f32>),
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Gpu(Tensor, Tensor),
+}
+
+impl GatedUp {
+    fn save(&self, saved: Saved) {
+        *self.saved.lock().expect("the gated MLP's saved products") = Some(saved);
+    }
+
+    /// (.., intermediate) for an input laid out as `xl`.
+    fn output_shape(&self, xl: &Layout) -> Shape {
+        let mut dims = xl.dims().to_vec();
+        *dims.last_mut().expect("checked: x has an `in` dimension") = self.inter;
+        Shape::from(dims)
+    }
 }
 
 impl CustomOp3 for GatedUp {
@@ -55,10 +83,29 @@ impl CustomOp3 for GatedUp {
         let gate = product_wt(x, w_gate, self.inter, in_dim);
         let up = product_wt(x, w_up, self.inter, in_dim);
         let h = swiglu_values(&gate, &up);
-        *self.saved.lock().expect("the gated MLP's saved products") = Some((gate, up));
-        let mut dims = xl.dims().to_vec();
-        *dims.last_mut().expect("checked: x has an `in` dimension") = self.inter;
-        Ok((CpuStorage::F32(h), Shape::from(dims)))
+        self.save(Saved::Cpu(gate, up));
+        Ok((CpuStorage::F32(h), self.output_shape(xl)))
+    }
+
+    /// Both products by cuBLAS (`linear::backend_product_wt`), the SwiGLU by our kernel.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        gs: &candle_core::CudaStorage,
+        gl: &Layout,
+        us: &candle_core::CudaStorage,
+        ul: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use crate::linear::backend_product_wt;
+        let shape = self.output_shape(xl);
+        let (gate, up) = (backend_product_wt(xs, xl, gs, gl)?, backend_product_wt(xs, xl, us, ul)?);
+        let layout = Layout::contiguous(&shape);
+        let h = crate::fused_cuda::swiglu_forward([(&gate, &layout), (&up, &layout)])?;
+        let tensor = |s| Tensor::from_storage(candle_core::Storage::Cuda(s), shape.clone(), candle_core::op::BackpropOp::none(), false);
+        self.save(Saved::Gpu(tensor(gate), tensor(up)));
+        Ok((h, shape))
     }
 
     fn bwd(
@@ -69,8 +116,20 @@ impl CustomOp3 for GatedUp {
         _h: &Tensor,
         gh: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let Some((gate, up)) = self.saved.lock().expect("the gated MLP's saved products").take() else {
-            candle_core::bail!("gated MLP: a second backward through the same forward")
+        let saved = self.saved.lock().expect("the gated MLP's saved products").take();
+        let [to_gate, to_up] = self.grad_to.each_ref().map(Option::as_ref);
+        let (gate, up) = match saved {
+            Some(Saved::Cpu(gate, up)) => (gate, up),
+            Some(Saved::Gpu(gate, up)) => {
+                // dx = d_gate · W_gate + d_up · W_up; each weight's gradient one product.
+                let (d_gate, d_up) = crate::fused::swiglu_backward(&gate, &up, gh)?;
+                drop((gate, up));
+                let dx = (input_grad_by_matmul(&d_gate, w_gate, x.dims())? + input_grad_by_matmul(&d_up, w_up, x.dims())?)?;
+                let dw_gate = weight_grad(x, w_gate, d_gate, to_gate)?;
+                let dw_up = weight_grad(x, w_up, d_up, to_up)?;
+                return Ok((Some(dx), dw_gate, dw_up));
+            }
+            None => candle_core::bail!("gated MLP: a second backward through the same forward"),
         };
         let gh = gh.contiguous()?;
         let ((gs, gl), (wgs, wgl), (wus, wul)) = (gh.storage_and_layout(), w_gate.storage_and_layout(), w_up.storage_and_layout());
@@ -86,7 +145,6 @@ impl CustomOp3 for GatedUp {
         let dx = Tensor::from_vec(dx, x.shape(), x.device())?;
         // Each weight's gradient from its half of the buffer (views, no copies).
         let grads = Tensor::from_vec(grads, (2, rows, inter), x.device())?;
-        let [to_gate, to_up] = self.grad_to.each_ref().map(Option::as_ref);
         let dw_gate = weight_grad(x, w_gate, grads.get(0)?, to_gate)?;
         let dw_up = weight_grad(x, w_up, grads.get(1)?, to_up)?;
         Ok((Some(dx), dw_gate, dw_up))

@@ -79,7 +79,7 @@ struct Linear {
 /// (in, out) view of w's storage, which the product reads transposed in place. Both inputs
 /// contiguous ([`linear_to`] makes them so).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn backend_product_wt<B: candle_core::backend::BackendStorage>(xs: &B, xl: &Layout, ws: &B, wl: &Layout) -> Result<B> {
+pub(crate) fn backend_product_wt<B: candle_core::backend::BackendStorage>(xs: &B, xl: &Layout, ws: &B, wl: &Layout) -> Result<B> {
     let (out_dim, in_dim) = (wl.dims()[0], wl.dims()[1]);
     let rows = xl.shape().elem_count() / in_dim;
     let x = Layout::contiguous_with_offset((rows, in_dim), xl.start_offset());
@@ -142,7 +142,7 @@ fn linear_backward(x: &Tensor, w: &Tensor, gy: &Tensor, grad_to: Option<&WeightG
 }
 
 /// `dx = gy w` by candle's matmul (cuBLAS on a GPU), in x's shape `x_dims`.
-fn input_grad_by_matmul(gy: &Tensor, w: &Tensor, x_dims: &[usize]) -> Result<Tensor> {
+pub(crate) fn input_grad_by_matmul(gy: &Tensor, w: &Tensor, x_dims: &[usize]) -> Result<Tensor> {
     gy.flatten_to(gy.rank() - 2)?.matmul(w)?.reshape(x_dims)
 }
 
