@@ -57,6 +57,26 @@ bench_model() {
 for i in range(int(sys.argv[1])): print(json.dumps({"input_ids": [(i * 7919 + j * 104729) % 32000 for j in range(2048)]}))' "$2" > "$1/data.jsonl"
 }
 
+# One rank of the bench's 1.1B training under the launcher (NCCL, bf16, activation checkpointing,
+# rows of 2048 tokens), the model and data in $1 (bench_model's): output directory $2, $3 rows a
+# step, $4 steps, then more finetune flags.
+train_1b() {
+  local work=$1 out=$2 batch=$3 steps=$4
+  shift 4
+  "$BIN/fsdp-app" launch --nproc-per-node 1 -- finetune --model "$work/llama-1b" \
+    --data "$work/data.jsonl" --output-dir "$out" --device cuda --backend nccl --param-dtype bf16 \
+    --activation-checkpointing --seq-len 2048 --batch-size "$batch" --max-steps "$steps" --no-shuffle "$@"
+}
+
+# A row per LABEL=DIR given: the median tokens/s of the run's steps 3 on, and its losses.
+median_rows() {
+  "$PY" -c 'import json, statistics, sys
+for arg in sys.argv[1:]:
+    label, d = arg.split("=", 1)
+    rows = [json.loads(l) for l in open(d + "/metrics.jsonl")]
+    print("|", label, "|", round(statistics.median(r["tokens_per_s"] for r in rows[2:])), "tokens/s |", [round(r["loss"], 4) for r in rows])' "$@"
+}
+
 # Whether the runs in $1 and $2 logged the same number of finite losses, each within $3 (relative).
 same_losses() {
   "$PY" -c 'import json, math, sys
@@ -108,10 +128,7 @@ case "$what" in
         --data "$work/data.jsonl" --output-dir "$work/overlap-$mode" --device cuda:0 --backend tcp --param-dtype bf16 \
         --activation-checkpointing --seq-len 2048 --batch-size 1 --max-steps 8 --no-shuffle --prefetch "$mode"
     done
-    "$PY" -c 'import json, statistics, sys
-for mode in ("off", "on"):
-    rows = [json.loads(l) for l in open(sys.argv[1] + "/overlap-" + mode + "/metrics.jsonl")]
-    print("| --prefetch", mode, "|", round(statistics.median(r["tokens_per_s"] for r in rows[2:])), "tokens/s |", [round(r["loss"], 4) for r in rows])' "$work"
+    median_rows "--prefetch off=$work/overlap-off" "--prefetch on=$work/overlap-on"
     ;;
   bench)
     part "tests/bench/gpu.rs" "$BIN/gpu-bench"
@@ -119,9 +136,9 @@ for mode in ("off", "on"):
   quick)
     # For the end of a lease (a few minutes left): the GPU tests named in QUICK_TESTS (a
     # substring each, default the flash-attention kernels and the gated MLP op against the CPU
-    # and the models' gradients and loss curves), then our training rows of the bench (batch 1 and 8, the same
-    # model and flags) without PyTorch's: median tokens/s of steps 3 on, to set beside the last
-    # bench's.
+    # and the models' gradients and loss curves), then our training rows of the bench (batch 1
+    # and 8, the same model and flags) without PyTorch's: median tokens/s of steps 3 on, to set
+    # beside the last bench's.
     for f in ${QUICK_TESTS:-flash_attention_matches_cpu_attention gated_mlp_op_on_cuda_matches_cpu gradients_on_cuda_match_cpu finetuning_on_cuda_follows_the_cpu_loss_curve}; do
       part "tests/cuda/ $f" timeout -k 5 90 "$BIN/cuda-tests" --test-threads 1 "$f"
     done
@@ -129,15 +146,9 @@ for mode in ("off", "on"):
     bench_model "$work" 48
     for batch in 1 8; do
       rm -rf "$work/quick-$batch"
-      part "ours, batch $batch" "$BIN/fsdp-app" launch --nproc-per-node 1 -- finetune --model "$work/llama-1b" \
-        --data "$work/data.jsonl" --output-dir "$work/quick-$batch" --device cuda --backend nccl --param-dtype bf16 \
-        --activation-checkpointing --seq-len 2048 --batch-size "$batch" --max-steps "${FSDP_BENCH_STEPS:-6}" --no-shuffle \
-        --lr 1e-5 --lr-scheduler constant
+      part "ours, batch $batch" train_1b "$work" "$work/quick-$batch" "$batch" "${FSDP_BENCH_STEPS:-6}" --lr 1e-5 --lr-scheduler constant
     done
-    "$PY" -c 'import json, statistics, sys
-for batch in (1, 8):
-    rows = [json.loads(l) for l in open(sys.argv[1] + "/quick-" + str(batch) + "/metrics.jsonl")]
-    print("| batch", batch, "|", round(statistics.median(r["tokens_per_s"] for r in rows[2:])), "tokens/s |", [round(r["loss"], 4) for r in rows])' "$work"
+    median_rows "batch 1=$work/quick-1" "batch 8=$work/quick-8"
     ;;
   profile)
     # The bench's training run (a 1.1B Llama, bf16, seq 2048, activation checkpointing, one rank
@@ -149,9 +160,7 @@ for batch in (1, 8):
     bench_model "$work" $((16 * ${PROFILE_BATCH:-1}))
     rm -rf "$work/profile-out"
     CUDA_INJECTION64_PATH=$BIN/libkernel_profile.so KERNEL_PROFILE_OUT=${PROFILE_OUT:-profile.txt} \
-      part "finetune under the profiler" "$BIN/fsdp-app" launch --nproc-per-node 1 -- finetune --model "$work/llama-1b" \
-      --data "$work/data.jsonl" --output-dir "$work/profile-out" --device cuda --backend nccl --param-dtype bf16 \
-      --activation-checkpointing --seq-len 2048 --batch-size "${PROFILE_BATCH:-1}" --max-steps "${PROFILE_STEPS:-4}" --no-shuffle
+      part "finetune under the profiler" train_1b "$work" "$work/profile-out" "${PROFILE_BATCH:-1}" "${PROFILE_STEPS:-4}"
     ;;
   all)
     # Each part in its own process, so that one failing still lets the others run. Each part's
