@@ -20,6 +20,79 @@ pub fn gpu_memory_used(device: &candle_core::Device) -> Option<u64> {
     None
 }
 
+/// The most memory in use at once from `device`'s CUDA memory pool (the stream-ordered
+/// allocator candle's tensors come from) since [`reset_gpu_pool_peak`]; `None` on CPU.
+pub fn gpu_pool_peak(device: &candle_core::Device) -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        let mut bytes = 0u64;
+        gpu_pool_attribute(d, PoolAttribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, &mut bytes, false)?;
+        return Some(bytes);
+    }
+    let _ = device;
+    None
+}
+
+/// (in use, reserved) bytes of `device`'s CUDA memory pool once the device has finished its
+/// queued work; `None` on CPU. For FSDP_DEBUG_GPU_POOL's reports.
+pub fn gpu_pool_now(device: &candle_core::Device) -> Option<(u64, u64)> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        device.synchronize().ok()?;
+        let (mut used, mut reserved) = (0u64, 0u64);
+        gpu_pool_attribute(d, PoolAttribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &mut used, false)?;
+        gpu_pool_attribute(d, PoolAttribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &mut reserved, false)?;
+        return Some((used, reserved));
+    }
+    let _ = device;
+    None
+}
+
+/// With FSDP_DEBUG_GPU_POOL set, `what` and the pool's bytes in use and reserved on stderr.
+pub fn debug_gpu_pool(device: &candle_core::Device, what: &str) {
+    if std::env::var_os("FSDP_DEBUG_GPU_POOL").is_some() {
+        if let Some((used, reserved)) = gpu_pool_now(device) {
+            eprintln!("gpu pool: {what}: {} in use, {} reserved", human_bytes(used), human_bytes(reserved));
+        }
+    }
+}
+
+/// Starts [`gpu_pool_peak`]'s count again from what is in use now.
+pub fn reset_gpu_pool_peak(device: &candle_core::Device) {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        // The driver takes only zero here: the peak restarts from the current use.
+        let _ = gpu_pool_attribute(d, PoolAttribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, &mut 0u64, true);
+    }
+    let _ = device;
+}
+
+#[cfg(feature = "cuda")]
+use candle_core::cuda_backend::cudarc::driver::sys::CUmemPool_attribute as PoolAttribute;
+
+/// Reads (`set` false) or sets an attribute of the device's default memory pool, the one
+/// cudarc's stream-ordered allocations use.
+#[cfg(feature = "cuda")]
+fn gpu_pool_attribute(d: &candle_core::CudaDevice, attribute: PoolAttribute, value: &mut u64, set: bool) -> Option<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let stream = d.cuda_stream();
+    let ctx = stream.context();
+    ctx.bind_to_thread().ok()?;
+    let mut pool = std::ptr::null_mut();
+    // SAFETY: the context is bound, `pool` and `value` are live for the calls, and the
+    // attribute takes a u64.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result().ok()?;
+        let v = value as *mut u64 as *mut std::ffi::c_void;
+        if set {
+            sys::cuMemPoolSetAttribute(pool, attribute, v).result().ok()?;
+        } else {
+            sys::cuMemPoolGetAttribute(pool, attribute, v).result().ok()?;
+        }
+    }
+    Some(())
+}
+
 extern "C" {
     // mimalloc's `void mi_collect(bool force)` and its options, in the library the global
     // allocator links.

@@ -117,9 +117,12 @@ impl WeightGrads {
         Self::default()
     }
 
-    /// Adds a dense `grad` to what `name` holds.
+    /// Adds a dense `grad` to what `name` holds, detached (as candle's store detaches its
+    /// gradients): an op's weight gradient is made from tensors of the forward's graph, and a
+    /// trainer that accumulates it over micro-batches would otherwise keep each micro-batch's
+    /// whole graph, activations and all, until the optimizer step.
     pub fn add(&self, name: &str, grad: Tensor) -> Result<()> {
-        self.add_part(name, Part::Dense(grad))
+        self.add_part(name, Part::Dense(grad.detach()))
     }
 
     /// Adds a gradient made by rows to what `name` holds.
@@ -154,4 +157,24 @@ impl WeightGrads {
 pub struct WeightGradTarget {
     pub sink: WeightGrads,
     pub name: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor, Var};
+
+    use super::WeightGrads;
+
+    #[test]
+    fn a_deposited_gradient_keeps_no_graph() {
+        let x = Var::from_tensor(&Tensor::ones((2, 2), candle_core::DType::F32, &Device::Cpu).unwrap()).unwrap();
+        let made_from_the_graph = x.as_tensor().matmul(x.as_tensor()).unwrap();
+        assert!(made_from_the_graph.track_op());
+        let sink = WeightGrads::new();
+        sink.add("w", made_from_the_graph.clone()).unwrap();
+        sink.add("w", made_from_the_graph).unwrap();
+        let grad = sink.take("w").unwrap().into_tensor(&Device::Cpu).unwrap();
+        assert!(!grad.track_op(), "the sink's gradient refers to the forward's graph");
+        assert_eq!(grad.to_vec2::<f32>().unwrap(), [[4.0, 4.0], [4.0, 4.0]]);
+    }
 }

@@ -9,7 +9,8 @@
 //! - GPU ranks ([`fit_by_trial`]): a trial step (forward and backward of a micro-batch of full
 //!   `--seq-len` rows, the largest any step can take) runs on the loaded engine; one that runs
 //!   out of GPU memory is discarded and retried with half the micro-batch, as Accelerate's
-//!   decorator does. The trial's rows have the same shape on every rank, so every rank runs out
+//!   decorator does (two micro-batches when a step accumulates: the second runs beside the
+//!   first's gradients). The trial's rows have the same shape on every rank, so every rank runs out
 //!   at the same allocation and no rank is left waiting in a collective; later steps are no
 //!   larger (rows are cut to their batch's longest), so none of them runs out where the trial
 //!   did not. The trial's gradients are dropped: training starts from the loaded weights.
@@ -113,16 +114,27 @@ pub(super) fn fit_by_trial(
     let group = plan.group;
     let asked = plan.micro_batch / group;
     let found = largest_that_runs(asked, |micro| {
-        let ran_out = match trial_step(engine, cfg, boot, plan.seq_len, micro * group) {
+        // A step of two or more micro-batches holds the first one's gradients while the second
+        // runs: the trial runs two then, as the first real step will.
+        let micro_batches = (plan.grad_accum * (asked / micro)).min(2);
+        crate::memory::reset_gpu_pool_peak(engine.device());
+        let ran_out = match trial_step(engine, cfg, boot, plan.seq_len, micro * group, micro_batches) {
             Ok(()) => false,
             Err(e) if crate::device::is_out_of_memory(&e) => true,
             Err(e) => return Err(e),
         };
         engine.discard_step()?;
+        crate::memory::debug_gpu_pool(engine.device(), "trial discarded");
         // One answer for every rank (they all ran out, or none did: the trial's shapes agree).
         let anywhere = all_reduce_scalar(groups.world.as_ref(), f64::from(u8::from(ran_out)))? > 0.0;
-        if anywhere && groups.world.rank() == 0 && cfg.verbose {
-            eprintln!("auto batch size: a micro-batch of {micro} x {} tokens ran out of GPU memory", plan.seq_len);
+        if groups.world.rank() == 0 && cfg.verbose {
+            let peak = crate::memory::gpu_pool_peak(engine.device()).map(|b| format!(", peak {} in use", human_bytes(b)));
+            eprintln!(
+                "auto batch size: {micro_batches} micro-batch(es) of {micro} x {} tokens {}{}",
+                plan.seq_len,
+                if anywhere { "ran out of GPU memory" } else { "ran" },
+                peak.unwrap_or_default()
+            );
         }
         Ok(!anywhere)
     })?;
@@ -159,9 +171,16 @@ fn largest_that_runs(asked: usize, mut runs: impl FnMut(usize) -> Result<bool>) 
     }
 }
 
-/// Forward and backward of `micro` rows of `--seq-len` tokens, every token a target, as a
-/// training step would run them (packed rows when the run packs).
-fn trial_step(engine: &mut FsdpEngine, cfg: &FinetuneConfig, boot: &Bootstrap, len: usize, micro: usize) -> Result<()> {
+/// Forward and backward of `micro_batches` micro-batches of `micro` rows of `--seq-len` tokens,
+/// every token a target, as a training step would run them (packed rows when the run packs).
+fn trial_step(
+    engine: &mut FsdpEngine,
+    cfg: &FinetuneConfig,
+    boot: &Bootstrap,
+    len: usize,
+    micro: usize,
+    micro_batches: usize,
+) -> Result<()> {
     let token = boot.model_cfg.eos_token_ids.first().copied().unwrap_or(0);
     // Two documents per row when packing, so the trial builds the packed attention layout too.
     let segments = if cfg.packing { (0..len).map(|i| 1 + u32::from(i >= len / 2)).collect() } else { vec![] };
@@ -172,7 +191,10 @@ fn trial_step(engine: &mut FsdpEngine, cfg: &FinetuneConfig, boot: &Bootstrap, l
     let targets = next_token_targets(&batch.labels, batch.rows, batch.width);
     let ctx =
         StageContext { packing: batch.packing, row_seeds: Some(vec![cfg.seed; batch.rows]), targets: Some(targets), ..Default::default() };
-    engine.forward_backward(&input, &ctx, &summed_token_loss, 1.0 / (micro * len) as f64)?;
+    for a in 0..micro_batches {
+        engine.forward_backward(&input, &ctx, &summed_token_loss, 1.0 / (micro * len) as f64)?;
+        crate::memory::debug_gpu_pool(engine.device(), &format!("trial of {micro} rows, after micro-batch {a}"));
+    }
     Ok(())
 }
 
