@@ -42,7 +42,13 @@ fn flash_attention_kernels_match_the_cpu_attention() {
     let test = "flash_attention_kernels_match_the_cpu_attention";
     let Some(binary) = build(test, &kernels::cuda::FLASH_ATTENTION, "flash_attention.cpp") else { return };
     for case in CASES {
-        check(&binary, case);
+        check(&binary, case, false);
+    }
+    // Token-major (batch, len, heads, D) tensors, as the projections make them: batch 2 with GQA
+    // (dk, dv through the group sum), head dim 128 without GQA (written directly), and with a
+    // window and GQA 4:1.
+    for i in [1, 2, 6] {
+        check(&binary, CASES[i], true);
     }
 }
 
@@ -83,8 +89,10 @@ fn scratch(what: &str) -> PathBuf {
     dir
 }
 
-fn check(binary: &Path, (dtype, d, b, h, hkv, t, s, causal, window): Case) {
-    let what = format!("{dtype:?} d {d}, batch {b}, heads {h}/{hkv}, T {t}, S {s}, causal {causal}, window {window}");
+/// One case through the emulated kernels, their tensors heads-major or (`token_major`) token-major.
+fn check(binary: &Path, (dtype, d, b, h, hkv, t, s, causal, window): Case, token_major: bool) {
+    let what =
+        format!("{dtype:?} d {d}, batch {b}, heads {h}/{hkv}, T {t}, S {s}, causal {causal}, window {window}, token-major {token_major}");
     let cpu = Device::Cpu;
     let offset = s - t;
     let scale = 1.0 / (d as f64).sqrt();
@@ -93,15 +101,33 @@ fn check(binary: &Path, (dtype, d, b, h, hkv, t, s, causal, window): Case) {
     let (q, k, v, dout) = (input((b, h, t, d)), input((b, hkv, s, d)), input((b, hkv, s, d)), input((b, h, t, d)));
 
     let dir = scratch("run");
+    // Heads-major tensors to the layout the kernels are told, and back.
+    let laid_out = |x: &Tensor| if token_major { x.transpose(1, 2).unwrap().contiguous().unwrap() } else { x.clone() };
     for (name, x) in [("q", &q), ("k", &k), ("v", &v), ("dout", &dout)] {
-        write_values(&dir.join(format!("{name}.bin")), x);
+        write_values(&dir.join(format!("{name}.bin")), &laid_out(x));
     }
     let name = if dtype == DType::BF16 { "bf16" } else { "f16" };
     let args = [d, b, h, hkv, t, s, offset, causal as usize, window].map(|n| n.to_string());
-    let out = Command::new(binary).arg(&dir).arg(name).args(&args).arg(format!("{scale}")).output().unwrap();
+    let out = Command::new(binary)
+        .arg(&dir)
+        .arg(name)
+        .args(&args)
+        .arg(format!("{scale}"))
+        .arg(if token_major { "1" } else { "0" })
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{what}: the emulated kernels failed: {}", String::from_utf8_lossy(&out.stderr));
-    let read = |file: &str| read_values(&dir.join(file), dtype);
-    let (got_out, got_dq, got_dk, got_dv) = (read("out.bin"), read("dq.bin"), read("dk.bin"), read("dv.bin"));
+    // (batch, heads, len, D) values of a result written for (heads, len) in the case's layout.
+    let read = |file: &str, (heads, len): (usize, usize)| {
+        let values = read_values(&dir.join(file), dtype);
+        if !token_major {
+            return values;
+        }
+        let x = Tensor::from_vec(values, (b, len, heads, d), &cpu).unwrap();
+        common::f32_values(&x.transpose(1, 2).unwrap().contiguous().unwrap())
+    };
+    let (got_out, got_dq) = (read("out.bin", (h, t)), read("dq.bin", (h, t)));
+    let (got_dk, got_dv) = (read("dk.bin", (hkv, s)), read("dv.bin", (hkv, s)));
     let got_lse: Vec<f32> =
         std::fs::read(dir.join("lse.bin")).unwrap().chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
     let _ = std::fs::remove_dir_all(&dir);

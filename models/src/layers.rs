@@ -228,15 +228,16 @@ impl Attention {
     /// the CPU in f32 takes the fused token-major ops; everything else (generation with its
     /// cache, other devices and dtypes) the heads-major composition.
     pub fn forward(&self, x: &Tensor, residual: &Tensor, pos: &PositionInputs, cache: Option<&mut LayerKvCache>) -> Result<Tensor> {
-        let fused = pos.mode == OpMode::Train
-            && cache.is_none()
-            && ops::applies(x)
-            && pos.cos.rank() == 2
-            && pos.cos.dtype() == DType::F32
-            && pos.mask.as_ref().is_none_or(|m| m.dtype() == DType::F32);
-        let out = match fused {
-            true => self.attend_token_major(x, pos)?,
-            false => self.attend_heads(x, pos, cache)?,
+        let training = pos.mode == OpMode::Train && cache.is_none() && pos.cos.rank() == 2;
+        let fused =
+            training && ops::applies(x) && pos.cos.dtype() == DType::F32 && pos.mask.as_ref().is_none_or(|m| m.dtype() == DType::F32);
+        let out = match (fused, self.flash_token_major(x, pos).filter(|_| training)) {
+            (true, _) => self.attend_token_major(x, pos)?,
+            (false, Some(visibility)) => {
+                let (q, k, v) = self.token_major_qkv(x, pos)?;
+                ops::flash_attention::attention_token_major(&q, &k, &v, visibility, self.scale())?
+            }
+            (false, None) => self.attend_heads(x, pos, cache)?,
         };
         self.o_proj.forward_add(&out, residual, pos.mode, pos.row_seeds.as_deref(), &pos.adapters)
     }
@@ -250,12 +251,29 @@ impl Attention {
     /// with no q/k norms and weights whose gradients have sinks, one op from x to o_proj's input
     /// (`ops::self_attention`).
     fn attend_token_major(&self, x: &Tensor, pos: &PositionInputs) -> Result<Tensor> {
-        let seeds = pos.row_seeds.as_deref();
         let projections = [&self.q_proj, &self.k_proj, &self.v_proj].map(|p| p.weight_with_sink(x, pos.mode, &pos.adapters));
         if let (None, None, [Some(q), Some(k), Some(v)]) = (&self.q_norm, &self.k_norm, projections) {
             let heads = (self.num_heads, self.num_kv_heads);
             return ops::self_attention::self_attention(x, [q, k, v], heads, (&pos.cos, &pos.sin), pos.mask.as_ref(), self.scale());
         }
+        let (q, k, v) = self.token_major_qkv(x, pos)?;
+        ops::attention::attention(&q, &k, &v, pos.mask.as_ref(), self.scale())
+    }
+
+    /// Where training's attention runs on the GPU's flash kernels token-major (the projections'
+    /// (b, t, heads, d) rows rotated in place and read by the kernels, which write what o_proj
+    /// takes: no transposes, their copies or their backward nodes): the mask the model states as
+    /// a rule (not packed rows') and rotary tables the rope kernel takes.
+    fn flash_token_major(&self, x: &Tensor, pos: &PositionInputs) -> Option<Visibility> {
+        let kernels =
+            ops::flash_attention::takes(x, self.num_heads, self.head_dim, self.num_kv_heads) && ops::fused::rope_applies(x, &pos.cos);
+        pos.visibility.filter(|vis| kernels && (!vis.causal || vis.offset == 0))
+    }
+
+    /// q, k (rotated) and v token-major, (b, t, heads, head_dim), with q/k norms where the
+    /// architecture has them.
+    fn token_major_qkv(&self, x: &Tensor, pos: &PositionInputs) -> Result<(Tensor, Tensor, Tensor)> {
+        let seeds = pos.row_seeds.as_deref();
         let tokens = |proj: &AdaptedLinear, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
             let y = proj.forward_heads(x, n, pos.mode, seeds, &pos.adapters)?;
             match norm {
@@ -266,7 +284,7 @@ impl Attention {
         let q = ops::fused::rope_token_major(&tokens(&self.q_proj, self.num_heads, &self.q_norm)?, &pos.cos, &pos.sin)?;
         let k = ops::fused::rope_token_major(&tokens(&self.k_proj, self.num_kv_heads, &self.k_norm)?, &pos.cos, &pos.sin)?;
         let v = tokens(&self.v_proj, self.num_kv_heads, &None)?;
-        ops::attention::attention(&q, &k, &v, pos.mask.as_ref(), self.scale())
+        Ok((q, k, v))
     }
 
     /// q, k (rotated) and v heads-major, (b, heads, t, head_dim), with q/k norms where the

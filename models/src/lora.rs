@@ -109,7 +109,7 @@ impl AdaptedLinear {
     }
 
     /// `self.forward(x, ..)` as (.., heads, out / heads). Training a plain dense layer on the
-    /// CPU, one op (`ops::linear::linear_heads_to`: no reshape node in the backward).
+    /// CPU or a GPU, one op (`ops::linear::linear_heads_to`: no reshape node in the backward).
     pub fn forward_heads(
         &self,
         x: &Tensor,
@@ -118,7 +118,7 @@ impl AdaptedLinear {
         row_seeds: Option<&[u64]>,
         rows: &RowAdapters,
     ) -> Result<Tensor, candle_core::Error> {
-        if let Some(w) = self.plain_weight_in_training(x, mode, rows) {
+        if let Some(w) = self.plain_weight_where(x, mode, rows, ops::applies(x) || ops::gpu_kernels_take(x)) {
             return ops::linear::linear_heads_to(x, w, heads, self.weight_grad_target());
         }
         let y = self.forward(x, mode, row_seeds, rows)?;

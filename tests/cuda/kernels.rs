@@ -58,12 +58,12 @@ fn attention_softmax_kernels_match_composed_ops() {
 /// Flash attention (`models/kernels/src/cuda/flash_attention.cu`, tensor cores): values and q, k,
 /// v gradients against eager attention on the CPU in f32 over k and v repeated to every query
 /// head, bf16 and f16, head dims 64 and 128, causal over a cache offset, a window, GQA, no mask,
-/// lengths that are no multiple of the kernels' 64-row tiles. `tests/cuda_emulated.rs` runs the
-/// same kernels on the CPU.
+/// lengths that are no multiple of the kernels' 64-row tiles; heads-major and token-major.
+/// `tests/cuda_emulated.rs` runs the same kernels on the CPU.
 #[test]
 fn flash_attention_matches_cpu_attention() {
     use candle_core::Var;
-    use ops::flash_attention::{attention, Visibility};
+    use ops::flash_attention::{attention, attention_token_major, Visibility};
     let dev = gpu();
     // (head dim, batch, heads, kv heads, T, S, causal, window)
     let cases = [
@@ -93,10 +93,19 @@ fn flash_attention_matches_cpu_attention() {
             };
             let expected = run(&Device::Cpu, DType::F32, &|q, k, v| common::attention::reference_attention(q, k, v, causal, window, scale));
             let got = run(&dev, dtype, &|q, k, v| attention(q, k, v, visibility, scale));
-            for (name, (g, e)) in ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&expected)) {
-                let diff = rel_norm_diff(g, e);
-                eprintln!("{what}: {name} relative difference {diff:.2e}");
-                assert!(diff < tolerance, "{what}: {name} differs from the CPU's attention by {diff}");
+            // The same through the token-major entry, its tensors (batch, len, heads, d) as the
+            // projections make them and its output (batch, T, heads · d).
+            let token_major = run(&dev, dtype, &|q, k, v| {
+                let tm = |x: &Tensor| x.transpose(1, 2)?.contiguous();
+                let out = attention_token_major(&tm(q)?, &tm(k)?, &tm(v)?, visibility, scale)?;
+                out.reshape((b, t, h, d))?.transpose(1, 2)
+            });
+            for (layout, got) in [("heads-major", got), ("token-major", token_major)] {
+                for (name, (g, e)) in ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&expected)) {
+                    let diff = rel_norm_diff(g, e);
+                    eprintln!("{what}, {layout}: {name} relative difference {diff:.2e}");
+                    assert!(diff < tolerance, "{what}, {layout}: {name} differs from the CPU's attention by {diff}");
+                }
             }
         }
     }

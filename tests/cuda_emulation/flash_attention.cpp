@@ -2,9 +2,9 @@
 // backward's delta and both gradient kernels, on inputs a test wrote. tests/cuda_emulated.rs builds it with the kernel
 // source as `kernel.cu` on the include path and compares the results with the CPU's attention.
 //
-// usage: flash_attention DIR bf16|f16 D BATCH HEADS KV_HEADS T S OFFSET CAUSAL WINDOW SCALE
-// reads DIR/{q,k,v,dout}.bin (half bits), writes DIR/{out,dq,dk,dv}.bin (half bits) and
-// DIR/lse.bin (f32).
+// usage: flash_attention DIR bf16|f16 D BATCH HEADS KV_HEADS T S OFFSET CAUSAL WINDOW SCALE TOKEN_MAJOR
+// reads DIR/{q,k,v,dout}.bin (half bits; with TOKEN_MAJOR 1 as (batch, len, heads, D)), writes
+// DIR/{out,dq,dk,dv}.bin (half bits, in the same layout) and DIR/lse.bin (f32).
 //        flash_attention DIR decode bf16|f16 D HEADS KV_HEADS WINDOW SCALE APPEND LEN...
 // one sequence per LEN: reads DIR/q.bin (sequences x heads x D) and each sequence's cache blocks
 // DIR/k<r>.bin, DIR/v<r>.bin (ceil(LEN / 64) blocks of kv_heads x 64 x D), with APPEND 1 also
@@ -50,7 +50,7 @@ static void write_values(const std::string &path, const std::vector<T> &v) {
 
 struct Kernels {
   void (*forward)(const half_bits *, const half_bits *, const half_bits *, half_bits *, float *, Shape);
-  void (*delta)(const half_bits *, const half_bits *, float *, long long);
+  void (*delta)(const half_bits *, const half_bits *, float *, long long, Shape);
   void (*dq)(const half_bits *, const half_bits *, const half_bits *, const half_bits *, const float *, const float *, half_bits *, Shape);
   void (*dkv)(const half_bits *, const half_bits *, const half_bits *, const half_bits *, const float *, const float *, half_bits *, half_bits *,
               float *, Shape);
@@ -114,14 +114,14 @@ static int decode_main(int argc, char **argv) {
 
 int main(int argc, char **argv) {
   if (argc > 2 && std::string(argv[2]) == "decode") return decode_main(argc, argv);
-  if (argc != 13) {
-    std::fprintf(stderr, "usage: %s DIR bf16|f16 D BATCH HEADS KV_HEADS T S OFFSET CAUSAL WINDOW SCALE\n", argv[0]);
+  if (argc != 14) {
+    std::fprintf(stderr, "usage: %s DIR bf16|f16 D BATCH HEADS KV_HEADS T S OFFSET CAUSAL WINDOW SCALE TOKEN_MAJOR\n", argv[0]);
     return 2;
   }
   std::string dir = argv[1], dtype = argv[2];
   int d = std::atoi(argv[3]), batch = std::atoi(argv[4]);
   Shape s{std::atoi(argv[7]), std::atoi(argv[8]), std::atoi(argv[5]), std::atoi(argv[6]), std::atoi(argv[9]), std::atoi(argv[10]), std::atoi(argv[11]),
-          (float)std::atof(argv[12])};
+          (float)std::atof(argv[12]), std::atoi(argv[13])};
   Kernels k;
   if (dtype == "bf16" && d == 64) k = KERNELS(bf16, 64);
   else if (dtype == "bf16" && d == 128) k = KERNELS(bf16, 128);
@@ -141,7 +141,7 @@ int main(int argc, char **argv) {
   dim3 queries{(unsigned)(s.t_len + rows_per_block - 1) / rows_per_block, (unsigned)(batch * s.heads), 1};
   dim3 keys{(unsigned)(s.s_len + rows_per_block - 1) / rows_per_block, (unsigned)(batch * s.heads), 1};
   emulation::launch(k.forward, queries, threads, 0, q.data(), kk.data(), v.data(), out.data(), lse.data(), s);
-  emulation::launch(k.delta, dim3{(unsigned)((rows + WARPS - 1) / WARPS), 1, 1}, threads, 0, dout.data(), out.data(), delta.data(), (long long)rows);
+  emulation::launch(k.delta, dim3{(unsigned)((rows + WARPS - 1) / WARPS), 1, 1}, threads, 0, dout.data(), out.data(), delta.data(), (long long)rows, s);
   emulation::launch(k.dq, queries, threads, 0, q.data(), kk.data(), v.data(), dout.data(), lse.data(), delta.data(), dq.data(), s);
   // As the op launches them: with GQA each query head's share in f32 (NaN until written), then
   // their sums.

@@ -19,27 +19,48 @@ pub const HEAD_DIMS: [usize; 2] = [64, 128];
 /// (built with the `cuda` feature), bf16 or f16, a head dim of [`HEAD_DIMS`], heads a multiple of
 /// kv_heads. `FSDP_FLASH_ATTENTION=0` turns it off (eager attention instead), for comparisons.
 pub fn applies(q: &Tensor, kv_heads: usize) -> bool {
+    q.dims4().is_ok_and(|(_, heads, _, d)| takes(q, heads, d, kv_heads))
+}
+
+/// Whether the kernels take `heads` query and `kv_heads` kv heads of `d` values in tensors of x's
+/// device and dtype: [`applies`] before the heads exist (for [`attention_token_major`] too).
+pub fn takes(x: &Tensor, heads: usize, d: usize, kv_heads: usize) -> bool {
     static TURNED_OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let off = *TURNED_OFF.get_or_init(|| std::env::var("FSDP_FLASH_ATTENTION").is_ok_and(|v| v == "0"));
     let on = cfg!(feature = "cuda") && !off;
-    let Ok((_, heads, _, d)) = q.dims4() else { return false };
-    on && q.device().is_cuda()
-        && matches!(q.dtype(), DType::BF16 | DType::F16)
+    on && x.device().is_cuda()
+        && matches!(x.dtype(), DType::BF16 | DType::F16)
         && HEAD_DIMS.contains(&d)
         && kv_heads > 0
-        && heads % kv_heads == 0
+        && heads.is_multiple_of(kv_heads)
 }
 
 /// Attention of q (batch, heads, T, d) over k, v (batch, kv_heads, S, d) with `visibility` and
 /// `scale` on the scores: (batch, heads, T, d), with its backward when an input trains. Only
 /// where [`applies`] says so.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, visibility: Visibility, scale: f64) -> Result<Tensor> {
-    let (b, h, t, d) = q.dims4()?;
-    let (kb, kvh, s, kd) = k.dims4()?;
-    if !applies(q, kvh) || (kb, kd) != (b, d) || v.dims() != k.dims() || k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+    checked(q, k, v, visibility, scale, false)
+}
+
+/// [`attention`] over q (batch, T, heads, d) and k, v (batch, S, kv_heads, d), token-major as
+/// the projections make them: (batch, T, heads · d), what o_proj reads, with no transposes (nor
+/// their copies and backward nodes) on either side. Only where [`takes`] says so.
+pub fn attention_token_major(q: &Tensor, k: &Tensor, v: &Tensor, visibility: Visibility, scale: f64) -> Result<Tensor> {
+    checked(q, k, v, visibility, scale, true)
+}
+
+fn checked(q: &Tensor, k: &Tensor, v: &Tensor, visibility: Visibility, scale: f64, token_major: bool) -> Result<Tensor> {
+    let ((b, t, h, d), (kb, s, kvh, kd)) = match token_major {
+        true => (q.dims4()?, k.dims4()?),
+        false => {
+            let ((b, h, t, d), (kb, kvh, s, kd)) = (q.dims4()?, k.dims4()?);
+            ((b, t, h, d), (kb, s, kvh, kd))
+        }
+    };
+    if !takes(q, h, d, kvh) || (kb, kd) != (b, d) || v.dims() != k.dims() || k.dtype() != q.dtype() || v.dtype() != q.dtype() {
         candle_core::bail!(
             "flash attention: q {:?} {:?}, k {:?} {:?}, v {:?} {:?} on {:?} (a GPU, bf16 or f16, head dim {HEAD_DIMS:?}, \
-             heads a multiple of kv heads)",
+             heads a multiple of kv heads; token-major {token_major})",
             q.dims(),
             q.dtype(),
             k.dims(),
@@ -58,12 +79,12 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, visibility: Visibility, sca
     }
     #[cfg(feature = "cuda")]
     {
-        super::flash_attention_cuda::attention(q, k, v, visibility, scale)
+        super::flash_attention_cuda::attention(q, k, v, visibility, scale, token_major)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = scale;
-        unreachable!("applies() is false without the cuda feature")
+        let _ = (scale, token_major);
+        unreachable!("takes() is false without the cuda feature")
     }
 }
 

@@ -32,6 +32,7 @@ struct KernelShape {
     causal: i32,
     window: i32,
     scale: f32,
+    token_major: i32,
 }
 
 // SAFETY: plain data laid out as the kernels' C struct.
@@ -46,10 +47,17 @@ struct Problem {
 }
 
 impl Problem {
-    fn new(q: &Tensor, k: &Tensor, visibility: Visibility, scale: f64) -> Result<Self> {
+    /// For q (batch, heads, T, d) and k (batch, kv_heads, S, d), or with `token_major` q (batch,
+    /// T, heads, d) and k (batch, S, kv_heads, d).
+    fn new(q: &Tensor, k: &Tensor, visibility: Visibility, scale: f64, token_major: bool) -> Result<Self> {
         let Visibility { causal, offset, window } = visibility;
-        let (batch, heads, t, head_dim) = q.dims4()?;
-        let (_, kv_heads, s, _) = k.dims4()?;
+        let ((batch, heads, t, head_dim), (kv_heads, s)) = match token_major {
+            false => (q.dims4()?, (k.dim(1)?, k.dim(2)?)),
+            true => {
+                let (batch, t, heads, head_dim) = q.dims4()?;
+                ((batch, heads, t, head_dim), (k.dim(2)?, k.dim(1)?))
+            }
+        };
         let shape = KernelShape {
             t_len: t as i32,
             s_len: s as i32,
@@ -59,6 +67,7 @@ impl Problem {
             causal: causal as i32,
             window: window.unwrap_or(0) as i32,
             scale: scale as f32,
+            token_major: token_major as i32,
         };
         Ok(Self { batch, head_dim, shape })
     }
@@ -106,10 +115,10 @@ macro_rules! by_half_dtype {
     };
 }
 
-/// `flash_attention::attention` on checked inputs.
-pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, visibility: Visibility, scale: f64) -> Result<Tensor> {
+/// `flash_attention::attention` (or, `token_major`, `attention_token_major`) on checked inputs.
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, visibility: Visibility, scale: f64, token_major: bool) -> Result<Tensor> {
     let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
-    let op = Flash { problem: Problem::new(&q, &k, visibility, scale)?, lse: Mutex::new(None) };
+    let op = Flash { problem: Problem::new(&q, &k, visibility, scale, token_major)?, lse: Mutex::new(None) };
     if q.track_op() || k.track_op() || v.track_op() {
         q.apply_op3(&k, &v, op)
     } else {
@@ -187,7 +196,7 @@ impl Flash {
         let func = dev.get_or_load_custom_func(&p.kernel("backward_delta", T::DTYPE)?, SOURCE.module, SOURCE.ptx()?)?;
         let mut args = func.builder();
         let n = rows as i64;
-        args.arg(&dout).arg(&out).arg(&delta).arg(&n);
+        args.arg(&dout).arg(&out).arg(&delta).arg(&n).arg(&p.shape);
         let config = LaunchConfig { grid_dim: (rows.div_ceil(WARPS) as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: dout and out hold `rows` rows of head_dim values (the forward's shapes), delta
         // is allocated for one value a row.
@@ -216,7 +225,12 @@ impl CustomOp3 for Flash {
     ) -> Result<(CudaStorage, Shape)> {
         let inputs = [(q, ql), (k, kl), (v, vl)];
         let out = by_half_dtype!(q.dtype(), self.forward(inputs))?;
-        Ok((out, ql.shape().clone()))
+        // Token-major, the heads of a position are one row: (batch, T, heads · d).
+        let shape = match (self.problem.shape.token_major != 0, ql.dims()) {
+            (true, &[b, t, h, d]) => Shape::from((b, t, h * d)),
+            _ => ql.shape().clone(),
+        };
+        Ok((out, shape))
     }
 
     fn bwd(

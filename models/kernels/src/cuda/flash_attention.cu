@@ -6,7 +6,9 @@
 //
 // Layouts (contiguous, half precision as bits): q, out, dout, dq (batch, heads, T, D); k, v, dk, dv
 // (batch, kv_heads, S, D), query head h reading kv head h / (heads / kv_heads) (GQA without
-// repeating k and v); lse and delta (batch, heads, T) in f32.
+// repeating k and v); or, with token_major, all of them (batch, T or S, heads, D): as the
+// projections make them and o_proj reads them, with no transposes between. lse and delta are
+// (batch, heads, T) in f32 either way.
 //
 // A block is four warps; a warp owns 16 rows of the outer matrix (queries for the forward and dq,
 // keys for dk and dv), its A operand in registers, and walks tiles of the inner one, which the
@@ -28,7 +30,22 @@ struct Shape {
   int causal;  // keys after a query's position are hidden
   int window;  // > 0: keys at or before position - window are hidden
   float scale; // on the scores
+  int token_major; // q, k, v and their gradients (batch, len, heads, D), else (batch, heads, len, D)
 };
+
+// Where head `bh` (batch · heads + head) of a tensor of `heads` heads over `len` positions starts,
+// in either layout.
+template <int D>
+__device__ __forceinline__ long long head_at(long long bh, int heads, int len, const Shape &s) {
+  return s.token_major ? ((bh / heads) * len * heads + bh % heads) * D : bh * len * D;
+}
+
+// How far apart a head's rows (positions) are, in halves (at most heads · D: an int, which keeps
+// the tile loops' offsets 32-bit).
+template <int D>
+__device__ __forceinline__ int row_stride(int heads, const Shape &s) {
+  return s.token_major ? heads * D : D;
+}
 
 __device__ __forceinline__ bool visible(int i, int j, const Shape &s) {
   if (i >= s.t_len || j >= s.s_len) return false;
@@ -92,10 +109,12 @@ __device__ void flash_forward(const half_bits *q, const half_bits *k, const half
   int bh = blockIdx.y, kvh = (bh / s.heads) * s.kv_heads + (bh % s.heads) / (s.heads / s.kv_heads);
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   int m0 = blockIdx.x * ROWS, row0 = m0 + warp * 16;
-  const half_bits *qh = q + (long long)bh * s.t_len * D, *kh = k + (long long)kvh * s.s_len * D, *vh = v + (long long)kvh * s.s_len * D;
+  int q_ld = row_stride<D>(s.heads, s), kv_ld = row_stride<D>(s.kv_heads, s);
+  const half_bits *qh = q + head_at<D>(bh, s.heads, s.t_len, s), *kh = k + head_at<D>(kvh, s.kv_heads, s.s_len, s),
+                  *vh = v + head_at<D>(kvh, s.kv_heads, s.s_len, s);
 
   unsigned qa[D / 16][4];
-  load_a<D>(qh + (long long)row0 * D, s.t_len - row0, lane, qa);
+  load_a<D>(qh + (long long)row0 * q_ld, q_ld, s.t_len - row0, lane, qa);
   float o[D / 8][4];
   zero(o);
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
@@ -103,7 +122,7 @@ __device__ void flash_forward(const half_bits *q, const half_bits *k, const half
 
   int2 keys = key_range(m0, ROWS, s);
   for (int n0 = keys.x / ROWS * ROWS; n0 < keys.y; n0 += ROWS) {
-    stage_both<ROWS, D>(k_tile, kh + (long long)n0 * D, v_tile, vh + (long long)n0 * D, s.s_len - n0);
+    stage_both<ROWS, D>(k_tile, kh + (long long)n0 * kv_ld, v_tile, vh + (long long)n0 * kv_ld, kv_ld, s.s_len - n0);
     float sc[ROWS / 8][4];
     times_staged<H, ROWS, D>(qa, k_tile, D + PAD, lane, sc);
 #pragma unroll
@@ -125,7 +144,7 @@ __device__ void flash_forward(const half_bits *q, const half_bits *k, const half
     int i = row0 + g + 8 * half;
     if (t == 0 && i < s.t_len) lse[(long long)bh * s.t_len + i] = total > 0.0f ? (m[half] + log2f(total)) * LN2 : NEG_INF;
   }
-  store_rows<H, D>(o, out + (long long)bh * s.t_len * D, s.t_len, row0, lane, inv[0], inv[1]);
+  store_rows<H, D>(o, out + head_at<D>(bh, s.heads, s.t_len, s), q_ld, s.t_len, row0, lane, inv[0], inv[1]);
 }
 
 // p of a score (already times scale · log2 e) for a row of log-sum-exp `lse2` (in log2 units).
@@ -140,12 +159,13 @@ __device__ void flash_backward_dq(const half_bits *q, const half_bits *k, const 
   int bh = blockIdx.y, kvh = (bh / s.heads) * s.kv_heads + (bh % s.heads) / (s.heads / s.kv_heads);
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   int m0 = blockIdx.x * ROWS, row0 = m0 + warp * 16;
-  long long rows_at = (long long)bh * s.t_len;
-  const half_bits *kh = k + (long long)kvh * s.s_len * D, *vh = v + (long long)kvh * s.s_len * D;
+  long long rows_at = (long long)bh * s.t_len, q_at = head_at<D>(bh, s.heads, s.t_len, s);
+  int q_ld = row_stride<D>(s.heads, s), kv_ld = row_stride<D>(s.kv_heads, s);
+  const half_bits *kh = k + head_at<D>(kvh, s.kv_heads, s.s_len, s), *vh = v + head_at<D>(kvh, s.kv_heads, s.s_len, s);
 
   unsigned qa[D / 16][4], da[D / 16][4];
-  load_a<D>(q + (rows_at + row0) * D, s.t_len - row0, lane, qa);
-  load_a<D>(dout + (rows_at + row0) * D, s.t_len - row0, lane, da);
+  load_a<D>(q + q_at + (long long)row0 * q_ld, q_ld, s.t_len - row0, lane, qa);
+  load_a<D>(dout + q_at + (long long)row0 * q_ld, q_ld, s.t_len - row0, lane, da);
   float lse2[2], dl[2];
 #pragma unroll
   for (int half = 0; half < 2; half++) {
@@ -159,7 +179,7 @@ __device__ void flash_backward_dq(const half_bits *q, const half_bits *k, const 
 
   int2 keys = key_range(m0, ROWS, s);
   for (int n0 = keys.x / ROWS * ROWS; n0 < keys.y; n0 += ROWS) {
-    stage_both<ROWS, D>(k_tile, kh + (long long)n0 * D, v_tile, vh + (long long)n0 * D, s.s_len - n0);
+    stage_both<ROWS, D>(k_tile, kh + (long long)n0 * kv_ld, v_tile, vh + (long long)n0 * kv_ld, kv_ld, s.s_len - n0);
     float p[ROWS / 8][4], dp[ROWS / 8][4];
     times_staged<H, ROWS, D>(qa, k_tile, D + PAD, lane, p);
     times_staged<H, ROWS, D>(da, v_tile, D + PAD, lane, dp);
@@ -173,21 +193,23 @@ __device__ void flash_backward_dq(const half_bits *q, const half_bits *k, const 
       }
     accumulate_staged<H, ROWS, D>(p, k_tile, D + PAD, lane, acc);
   }
-  store_rows<H, D>(acc, dq + rows_at * D, s.t_len, row0, lane, s.scale, s.scale);
+  store_rows<H, D>(acc, dq + q_at, q_ld, s.t_len, row0, lane, s.scale, s.scale);
 }
 
 // delta = rowsum(dout * out) in f32 for the two backward kernels (FlashAttention's
-// preprocessing), both (rows x D) halves: a warp a row, each lane two halves at a time. Grid
-// ceil(rows / WARPS); 128 threads.
+// preprocessing), over the (batch · heads · T) query rows of dout and out, in delta's (batch,
+// heads, T) order: a warp a row, each lane two halves at a time. Grid ceil(rows / WARPS); 128
+// threads.
 template <class H, int D>
-__device__ void flash_backward_delta(const half_bits *dout, const half_bits *out, float *delta, long long rows) {
+__device__ void flash_backward_delta(const half_bits *dout, const half_bits *out, float *delta, long long rows, Shape s) {
   long long row = (long long)blockIdx.x * WARPS + threadIdx.x / 32;
   if (row >= rows) return;  // the whole warp: its row is one
+  long long at = head_at<D>(row / s.t_len, s.heads, s.t_len, s) + (row % s.t_len) * row_stride<D>(s.heads, s);
   int lane = threadIdx.x % 32;
   float sum = 0.0f;
 #pragma unroll
   for (int c = 2 * lane; c < D; c += 64) {
-    unsigned a = *reinterpret_cast<const unsigned *>(dout + row * D + c), b = *reinterpret_cast<const unsigned *>(out + row * D + c);
+    unsigned a = *reinterpret_cast<const unsigned *>(dout + at + c), b = *reinterpret_cast<const unsigned *>(out + at + c);
     sum += H::value(a & 0xffffu) * H::value(b & 0xffffu) + H::value(a >> 16) * H::value(b >> 16);
   }
   sum = warp_sum(sum);
@@ -213,12 +235,13 @@ __device__ void flash_backward_dkv(const half_bits *q, const half_bits *k, const
   int bh = blockIdx.y, b = bh / s.heads, head = bh % s.heads, group = s.heads / s.kv_heads;
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   int n0 = blockIdx.x * ROWS, key0 = n0 + warp * 16;
-  long long keys_at = ((long long)b * s.kv_heads + head / group) * s.s_len;
-  long long rows_at = (long long)bh * s.t_len;
+  long long keys_at = head_at<D>((long long)b * s.kv_heads + head / group, s.kv_heads, s.s_len, s);
+  long long rows_at = (long long)bh * s.t_len, q_at = head_at<D>(bh, s.heads, s.t_len, s);
+  int q_ld = row_stride<D>(s.heads, s), kv_ld = row_stride<D>(s.kv_heads, s);
 
   unsigned ka[D / 16][4], va[D / 16][4];
-  load_a<D>(k + (keys_at + key0) * D, s.s_len - key0, lane, ka);
-  load_a<D>(v + (keys_at + key0) * D, s.s_len - key0, lane, va);
+  load_a<D>(k + keys_at + (long long)key0 * kv_ld, kv_ld, s.s_len - key0, lane, ka);
+  load_a<D>(v + keys_at + (long long)key0 * kv_ld, kv_ld, s.s_len - key0, lane, va);
   float dk_acc[D / 8][4], dv_acc[D / 8][4];
   zero(dk_acc);
   zero(dv_acc);
@@ -229,7 +252,7 @@ __device__ void flash_backward_dkv(const half_bits *q, const half_bits *k, const
     __syncthreads();
     stage_row_values<QN>(lse_tile, lse + rows_at + m0, s.t_len - m0, NEG_INF);
     stage_row_values<QN>(delta_tile, delta + rows_at + m0, s.t_len - m0, 0.0f);
-    stage_both<QN, D>(q_tile, q + (rows_at + m0) * D, d_tile, dout + (rows_at + m0) * D, s.t_len - m0);
+    stage_both<QN, D>(q_tile, q + q_at + (long long)m0 * q_ld, d_tile, dout + q_at + (long long)m0 * q_ld, q_ld, s.t_len - m0);
     float p[QN / 8][4], dp[QN / 8][4];
     times_staged<H, QN, D>(ka, q_tile, D + PAD, lane, p);
 #pragma unroll
@@ -248,8 +271,8 @@ __device__ void flash_backward_dkv(const half_bits *q, const half_bits *k, const
     accumulate_staged<H, QN, D>(p, q_tile, D + PAD, lane, dk_acc);
   }
   if (group == 1) {
-    store_rows<H, D>(dk_acc, dk + keys_at * D, s.s_len, key0, lane, s.scale, s.scale);
-    store_rows<H, D>(dv_acc, dv + keys_at * D, s.s_len, key0, lane, 1.0f, 1.0f);
+    store_rows<H, D>(dk_acc, dk + keys_at, kv_ld, s.s_len, key0, lane, s.scale, s.scale);
+    store_rows<H, D>(dv_acc, dv + keys_at, kv_ld, s.s_len, key0, lane, 1.0f, 1.0f);
   } else {
     long long shares = (long long)gridDim.y * s.s_len * D, at = (long long)bh * s.s_len * D;
     store_rows_f32<D>(dk_acc, partial + at, s.s_len, key0, lane, s.scale);
@@ -257,9 +280,9 @@ __device__ void flash_backward_dkv(const half_bits *q, const half_bits *k, const
   }
 }
 
-// dk and dv (batch, kv_heads, S, D) from flash_backward_dkv's per-query-head shares: each kv
-// head's group summed in head order, rounded to half once. A thread per two values; grid
-// ceil(values / 256); 128 threads.
+// dk and dv (in the layout of k and v) from flash_backward_dkv's per-query-head shares: each kv
+// head's group summed in head order, rounded to half once. A thread per two values (i counts them
+// in (batch, kv_heads, S, D) order, the shares'); grid ceil(values / 256); 128 threads.
 template <class H, int D>
 __device__ void flash_backward_dkv_sum(const float *partial, half_bits *dk, half_bits *dv, long long values, Shape s) {
   long long i = 2 * ((long long)blockIdx.x * blockDim.x + threadIdx.x);
@@ -273,8 +296,9 @@ __device__ void flash_backward_dkv_sum(const float *partial, half_bits *dk, half
     float2 c = *reinterpret_cast<const float2 *>(partial + shares + first + h * per_head);
     k0 += a.x, k1 += a.y, v0 += c.x, v1 += c.y;
   }
-  *reinterpret_cast<unsigned *>(dk + i) = H::pack(k0, k1);
-  *reinterpret_cast<unsigned *>(dv + i) = H::pack(v0, v1);
+  long long at = head_at<D>(bkv, s.kv_heads, s.s_len, s) + within / D * row_stride<D>(s.kv_heads, s) + within % D;
+  *reinterpret_cast<unsigned *>(dk + at) = H::pack(k0, k1);
+  *reinterpret_cast<unsigned *>(dv + at) = H::pack(v0, v1);
 }
 
 // Decoding: one new query per sequence over its cached keys and values, kept in blocks of
@@ -319,7 +343,7 @@ __device__ void flash_decode(const half_bits *q, const half_bits *k_new, const h
   }
 
   unsigned qa[D / 16][4];
-  load_a<D>(q + q_row * D, rows, lane, qa);
+  load_a<D>(q + q_row * D, D, rows, lane, qa);
   float o[D / 8][4];
   zero(o);
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
@@ -377,8 +401,9 @@ __device__ void flash_decode(const half_bits *q, const half_bits *k_new, const h
     flash_forward<H, D>(q, k, v, out, lse, s);                                                                        \
   }                                                                                                                   \
   extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                            \
-      flash_backward_delta_##NAME##_d##D(const half_bits *dout, const half_bits *out, float *delta, long long rows) {    \
-    flash_backward_delta<H, D>(dout, out, delta, rows);                                                               \
+      flash_backward_delta_##NAME##_d##D(const half_bits *dout, const half_bits *out, float *delta, long long rows,      \
+                                         Shape s) {                                                                   \
+    flash_backward_delta<H, D>(dout, out, delta, rows, s);                                                            \
   }                                                                                                                   \
   extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                            \
       flash_backward_dq_##NAME##_d##D(const half_bits *q, const half_bits *k, const half_bits *v,                    \

@@ -73,46 +73,49 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const half_bits *r
 #endif
 }
 
-// Halves (col, col + 1) of row `row` of a (rows x D) matrix as one word; 0 past `rows`.
-template <int D>
-__device__ __forceinline__ unsigned pair_at(const half_bits *m, int rows, int row, int col) {
-  return row < rows ? *reinterpret_cast<const unsigned *>(m + (long long)row * D + col) : 0u;
+// Halves (col, col + 1) of row `row` (< 16) of a (rows x D) matrix whose rows are `ld` halves
+// apart (D, or heads · D token-major) as one word; 0 past `rows`.
+__device__ __forceinline__ unsigned pair_at(const half_bits *m, int ld, int rows, int row, int col) {
+  return row < rows ? *reinterpret_cast<const unsigned *>(m + row * ld + col) : 0u;
 }
 
-// A fragments (16 x D) of rows 0..15 of `m` (rows past `rows` read as 0). Lane (g, t) = (lane / 4,
-// lane % 4) holds, per 16 columns kk: row g cols 2t, 2t+1; row g+8 the same; then both at +8.
+// A fragments (16 x D) of rows 0..15 of `m` (rows `ld` apart; past `rows` read as 0). Lane (g, t) =
+// (lane / 4, lane % 4) holds, per 16 columns kk: row g cols 2t, 2t+1; row g+8 the same; then both
+// at +8.
 template <int D>
-__device__ __forceinline__ void load_a(const half_bits *m, int rows, int lane, unsigned (&a)[D / 16][4]) {
+__device__ __forceinline__ void load_a(const half_bits *m, int ld, int rows, int lane, unsigned (&a)[D / 16][4]) {
   int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int kk = 0; kk < D / 16; kk++) {
     int c = kk * 16 + 2 * t;
-    a[kk][0] = pair_at<D>(m, rows, g, c);
-    a[kk][1] = pair_at<D>(m, rows, g + 8, c);
-    a[kk][2] = pair_at<D>(m, rows, g, c + 8);
-    a[kk][3] = pair_at<D>(m, rows, g + 8, c + 8);
+    a[kk][0] = pair_at(m, ld, rows, g, c);
+    a[kk][1] = pair_at(m, ld, rows, g + 8, c);
+    a[kk][2] = pair_at(m, ld, rows, g, c + 8);
+    a[kk][3] = pair_at(m, ld, rows, g + 8, c + 8);
   }
 }
 
-// Stages rows 0..N-1 of a (rows x D) matrix in `tile` (rows D + PAD apart), 16 bytes per thread
-// and step; rows past `rows` as zeros (so masked products read 0, never stale values).
+// Stages rows 0..N-1 of a (rows x D) matrix (rows `ld` apart) in `tile` (rows D + PAD apart), 16
+// bytes per thread and step; rows past `rows` as zeros (so masked products read 0, never stale
+// values).
 template <int N, int D>
-__device__ __forceinline__ void stage(half_bits *tile, const half_bits *m, int rows) {
+__device__ __forceinline__ void stage(half_bits *tile, const half_bits *m, int ld, int rows) {
   const int per_row = D / 8;
   for (int i = threadIdx.x; i < N * per_row; i += WARPS * 32) {
     int r = i / per_row, c = (i % per_row) * 8;
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (r < rows) v = *reinterpret_cast<const uint4 *>(m + (long long)r * D + c);
+    if (r < rows) v = *reinterpret_cast<const uint4 *>(m + r * ld + c);
     *reinterpret_cast<uint4 *>(tile + r * (D + PAD) + c) = v;
   }
 }
 
-// The next tiles of two (rows x D) matrices, once every warp is done with the last ones.
+// The next tiles of two (rows x D) matrices (rows `ld` apart in both), once every warp is done
+// with the last ones.
 template <int N, int D>
-__device__ __forceinline__ void stage_both(half_bits *tile_a, const half_bits *a, half_bits *tile_b, const half_bits *b, int rows) {
+__device__ __forceinline__ void stage_both(half_bits *tile_a, const half_bits *a, half_bits *tile_b, const half_bits *b, int ld, int rows) {
   __syncthreads();
-  stage<N, D>(tile_a, a, rows);
-  stage<N, D>(tile_b, b, rows);
+  stage<N, D>(tile_a, a, ld, rows);
+  stage<N, D>(tile_b, b, ld, rows);
   __syncthreads();
 }
 
@@ -222,17 +225,18 @@ __device__ __forceinline__ float quad_max(float v) {
 }
 
 // Writes rows g and g+8 of a warp's (16 x D) f32 result, times `scale`, to rows `row0 + ..` of a
-// (rows x D) half matrix.
+// (rows x D) half matrix whose rows are `ld` apart.
 template <class H, int D>
-__device__ __forceinline__ void store_rows(const float (&acc)[D / 8][4], half_bits *m, int rows, int row0, int lane, float scale0, float scale8) {
+__device__ __forceinline__ void store_rows(const float (&acc)[D / 8][4], half_bits *m, int ld, int rows, int row0, int lane, float scale0,
+                                           float scale8) {
   int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int nt = 0; nt < D / 8; nt++) {
     int c = nt * 8 + 2 * t;
     if (row0 + g < rows)
-      *reinterpret_cast<unsigned *>(m + (long long)(row0 + g) * D + c) = H::pack(acc[nt][0] * scale0, acc[nt][1] * scale0);
+      *reinterpret_cast<unsigned *>(m + (long long)(row0 + g) * ld + c) = H::pack(acc[nt][0] * scale0, acc[nt][1] * scale0);
     if (row0 + g + 8 < rows)
-      *reinterpret_cast<unsigned *>(m + (long long)(row0 + g + 8) * D + c) = H::pack(acc[nt][2] * scale8, acc[nt][3] * scale8);
+      *reinterpret_cast<unsigned *>(m + (long long)(row0 + g + 8) * ld + c) = H::pack(acc[nt][2] * scale8, acc[nt][3] * scale8);
   }
 }
 
