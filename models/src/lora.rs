@@ -129,8 +129,8 @@ impl AdaptedLinear {
     }
 
     /// `residual + self.forward(x, ..)`, the block's residual connection. Training a plain
-    /// dense layer on the CPU, one op (`ops::linear::linear_add_to`, whose backward makes fewer
-    /// tensors); otherwise the layer, then the sum.
+    /// dense layer on the CPU or a GPU, one op (`ops::linear::linear_add_to`, whose backward makes
+    /// fewer tensors); otherwise the layer, then the sum.
     pub fn forward_add(
         &self,
         x: &Tensor,
@@ -139,7 +139,8 @@ impl AdaptedLinear {
         row_seeds: Option<&[u64]>,
         rows: &RowAdapters,
     ) -> Result<Tensor, candle_core::Error> {
-        if let Some(w) = self.plain_weight_in_training(x, mode, rows).filter(|_| ops::applies(residual)) {
+        let ours = |t: &Tensor| ops::applies(t) || ops::gpu_kernels_take(t);
+        if let Some(w) = self.plain_weight_where(x, mode, rows, ours(x)).filter(|_| ours(residual) && residual.dtype() == x.dtype()) {
             return ops::linear::linear_add_to(x, w, residual, self.weight_grad_target());
         }
         residual + self.forward(x, mode, row_seeds, rows)?

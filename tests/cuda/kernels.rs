@@ -186,8 +186,9 @@ fn flash_decode_matches_cpu_attention() {
 }
 
 /// The training linear op on the GPU (`ops::linear`: cuBLAS reading wᵀ in place, dW one product
-/// of gyᵀ and x): y, dx and dW against the CPU op in f32, for 3-d inputs and the heads form, dW
-/// through candle's store and through a sink; bf16 within its rounding.
+/// of gyᵀ and x): y, dx and dW against the CPU op in f32, for 3-d inputs, the heads form and the
+/// residual form (`linear_add_to`, its residual taken off again), dW through candle's store and
+/// through a sink; bf16 within its rounding.
 #[test]
 fn linear_op_on_cuda_matches_cpu() {
     use candle_core::Var;
@@ -198,30 +199,46 @@ fn linear_op_on_cuda_matches_cpu() {
         Tensor::randn(0f32, 0.5, (40, 48), &Device::Cpu).unwrap(),
         Tensor::randn(0f32, 1.0, (2, 33, 40), &Device::Cpu).unwrap(),
     );
-    // (y, dx, dW) on `device` in `dtype`, with dW through a sink or candle's store.
-    let run = |device: &Device, dtype: DType, sink: bool, heads: bool| {
-        let xv = Var::from_tensor(&x.to_device(device).unwrap().to_dtype(dtype).unwrap()).unwrap();
-        let wv = Var::from_tensor(&w.to_device(device).unwrap().to_dtype(dtype).unwrap()).unwrap();
+    let residual = Tensor::randn(0f32, 1.0, (2, 33, 40), &Device::Cpu).unwrap();
+    // (y, dx, dW) on `device` in `dtype`, with dW through a sink or candle's store; the product
+    // alone, in heads, or with the residual added (`linear_add_to`: y less the residual, and the
+    // residual's gradient checked against the upstream one).
+    let run = |device: &Device, dtype: DType, sink: bool, form: &str| {
+        let on = |t: &Tensor| Var::from_tensor(&t.to_device(device).unwrap().to_dtype(dtype).unwrap()).unwrap();
+        let (xv, wv, rv) = (on(&x), on(&w), on(&residual));
         let store = WeightGrads::new();
         let to = sink.then(|| WeightGradTarget { sink: store.clone(), name: "w".into() });
-        let y = match heads {
-            true => ops::linear::linear_heads_to(xv.as_tensor(), wv.as_tensor(), 4, to).unwrap().reshape((2, 33, 40)).unwrap(),
-            false => ops::linear::linear_to(xv.as_tensor(), wv.as_tensor(), to).unwrap(),
+        let (xt, wt, rt) = (xv.as_tensor(), wv.as_tensor(), rv.as_tensor());
+        let y = match form {
+            "heads" => ops::linear::linear_heads_to(xt, wt, 4, to).unwrap().reshape((2, 33, 40)).unwrap(),
+            "add" => ops::linear::linear_add_to(xt, wt, rt, to).unwrap(),
+            _ => ops::linear::linear_to(xt, wt, to).unwrap(),
         };
-        let grads = (y.to_dtype(DType::F32).unwrap() * probe.to_device(device).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+        let probe = probe.to_device(device).unwrap();
+        let grads = (y.to_dtype(DType::F32).unwrap() * &probe).unwrap().sum_all().unwrap().backward().unwrap();
         let dw = match sink {
             true => store.take("w").expect("the sink got dW").into_tensor(device).unwrap(),
             false => grads.get(wv.as_tensor()).unwrap().clone(),
         };
+        let y = match form {
+            "add" => {
+                // The residual's gradient is the upstream one; the product is y less the residual.
+                let dr = grads.get(rt).expect("the residual's gradient").to_dtype(DType::F32).unwrap();
+                let off = rel_norm_diff(&values(&dr), &values(&probe.to_dtype(dtype).unwrap()));
+                assert!(off < 1e-6, "{dtype:?}, sink {sink}: the residual's gradient is not the upstream one ({off})");
+                (y.to_dtype(DType::F32).unwrap() - rt.to_dtype(DType::F32).unwrap()).unwrap()
+            }
+            _ => y,
+        };
         [values(&y), values(grads.get(xv.as_tensor()).unwrap()), values(&dw)]
     };
-    let expected = run(&Device::Cpu, DType::F32, false, false);
+    let expected = run(&Device::Cpu, DType::F32, false, "plain");
     for (dtype, tolerance) in [(DType::F32, 1e-5), (DType::BF16, 2e-2)] {
-        for (sink, heads) in [(false, false), (true, false), (true, true)] {
-            for (name, (g, e)) in ["y", "dx", "dW"].iter().zip(run(&dev, dtype, sink, heads).iter().zip(&expected)) {
+        for (sink, form) in [(false, "plain"), (true, "plain"), (true, "heads"), (false, "add"), (true, "add")] {
+            for (name, (g, e)) in ["y", "dx", "dW"].iter().zip(run(&dev, dtype, sink, form).iter().zip(&expected)) {
                 let diff = rel_norm_diff(g, e);
-                eprintln!("{dtype:?}, sink {sink}, heads {heads}: {name} relative difference {diff:.2e}");
-                assert!(diff < tolerance, "{dtype:?}, sink {sink}, heads {heads}: {name} differs from the CPU op by {diff}");
+                eprintln!("{dtype:?}, sink {sink}, {form}: {name} relative difference {diff:.2e}");
+                assert!(diff < tolerance, "{dtype:?}, sink {sink}, {form}: {name} differs from the CPU op by {diff}");
             }
         }
     }

@@ -49,7 +49,8 @@ pub fn linear_heads_to(x: &Tensor, w: &Tensor, heads: usize, grad_to: Option<Wei
 /// and down_proj. The sum taken by a separate op cost candle's backward a zero tensor and a
 /// sum for each of its two inputs (`weight_grads` says why); here the residual's gradient is
 /// the upstream one itself and the product's is never a tensor. The same values as
-/// `(residual + linear_to(x, w, grad_to))`: the product, then the residual added to it.
+/// `(residual + linear_to(x, w, grad_to))`: the product, then the residual added to it. f32 on
+/// the CPU, or on a GPU (cuBLAS, then candle's add).
 pub fn linear_add_to(x: &Tensor, w: &Tensor, residual: &Tensor, grad_to: Option<WeightGradTarget>) -> Result<Tensor> {
     let (out_dim, in_dim) = w.dims2()?;
     let mut want = x.dims().to_vec();
@@ -207,6 +208,24 @@ impl CustomOp3 for LinearAdd {
         // residual + product, as the separate sum computed it.
         kernels::pool::pool_add_into(&mut y, f32_slice(rs, rl)?);
         Ok((CpuStorage::F32(y), shape))
+    }
+
+    /// The product by cuBLAS ([`backend_product_wt`]), then residual + product by candle's
+    /// add: the forward's work of the two ops it replaces; the backward is where it saves.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+        rs: &candle_core::CudaStorage,
+        rl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let shape = Linear { grad_to: None, heads: None }.output_shape(xl, wl.dims()[0]);
+        let product = backend_product_wt(xs, xl, ws, wl)?;
+        Ok((rs.binary_impl::<candle_core::op::Add>(&product, rl, &Layout::contiguous(&shape))?, shape))
     }
 
     fn bwd(
