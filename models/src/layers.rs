@@ -225,8 +225,9 @@ impl Attention {
     }
 
     /// `residual + attention(x)`: the sum is o_proj's (`AdaptedLinear::forward_add`). Training on
-    /// the CPU in f32 takes the fused token-major ops; everything else (generation with its
-    /// cache, other devices and dtypes) the heads-major composition.
+    /// the CPU in f32 takes the fused token-major ops, on a GPU the token-major flash kernels
+    /// where they apply; everything else (generation with its cache, other devices and dtypes)
+    /// the heads-major composition.
     pub fn forward(&self, x: &Tensor, residual: &Tensor, pos: &PositionInputs, cache: Option<&mut LayerKvCache>) -> Result<Tensor> {
         let training = pos.mode == OpMode::Train && cache.is_none() && pos.cos.rank() == 2;
         let fused =

@@ -59,6 +59,12 @@ pub fn merge_into(weights: &mut HashMap<String, Tensor>, settings: &LoraSettings
     Ok(())
 }
 
+/// Whether `ops::linear`'s training forms (`linear_heads_to`, `linear_add_to`) run for `t`: f32 on
+/// the CPU, or on a GPU whose kernels are on.
+fn linear_op_takes(t: &Tensor) -> bool {
+    ops::applies(t) || ops::gpu_kernels_take(t)
+}
+
 /// FNV-1a of a string: a stable id for a module, mixed into its dropout seed.
 fn name_hash(s: &str) -> u64 {
     s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
@@ -118,7 +124,7 @@ impl AdaptedLinear {
         row_seeds: Option<&[u64]>,
         rows: &RowAdapters,
     ) -> Result<Tensor, candle_core::Error> {
-        if let Some(w) = self.plain_weight_where(x, mode, rows, ops::applies(x) || ops::gpu_kernels_take(x)) {
+        if let Some(w) = self.plain_weight_where(x, mode, rows, linear_op_takes(x)) {
             return ops::linear::linear_heads_to(x, w, heads, self.weight_grad_target());
         }
         let y = self.forward(x, mode, row_seeds, rows)?;
@@ -139,8 +145,8 @@ impl AdaptedLinear {
         row_seeds: Option<&[u64]>,
         rows: &RowAdapters,
     ) -> Result<Tensor, candle_core::Error> {
-        let ours = |t: &Tensor| ops::applies(t) || ops::gpu_kernels_take(t);
-        if let Some(w) = self.plain_weight_where(x, mode, rows, ours(x)).filter(|_| ours(residual) && residual.dtype() == x.dtype()) {
+        let residual_fits = linear_op_takes(residual) && residual.dtype() == x.dtype();
+        if let Some(w) = self.plain_weight_where(x, mode, rows, linear_op_takes(x)).filter(|_| residual_fits) {
             return ops::linear::linear_add_to(x, w, residual, self.weight_grad_target());
         }
         residual + self.forward(x, mode, row_seeds, rows)?
