@@ -5,8 +5,9 @@
 //! - flash attention (`flash_attention.cu`): forward, log-sum-exp and the three gradients against
 //!   `ops::eager_attention` in f32 (tiling, indexing, masks, the online softmax);
 //! - the fused training ops (`fused.cu`): RMSNorm, SwiGLU, rope and cross-entropy, forward and
-//!   backward, in f32 against `ops::fused`'s and `ops::cross_entropy`'s CPU ops, in bf16 rope bit
-//!   for bit against candle's `rope_slow`.
+//!   backward, and the embedding table's gradient, in f32 against `ops::fused`'s,
+//!   `ops::cross_entropy`'s and `ops::embedding`'s CPU ops, in bf16 rope bit for bit against
+//!   candle's `rope_slow`.
 //!
 //! `tests/cuda/kernels.rs` checks the same kernels on a GPU.
 
@@ -277,6 +278,28 @@ fn fused_kernels_match_the_cpu_ops() {
             &common::f32_values(all.get(xv.as_tensor()).unwrap()),
             tolerance,
         );
+
+        // The embedding table's gradient: each id's rows summed in token order, the padding id's
+        // left out, against the CPU op's (`ops::embedding`).
+        let (tokens, n, vocab, pad) = (300, 40, 50u32, 7u32);
+        let ids: Vec<u32> = (0..tokens as u32).map(|t| (t * 37 + t / 3) % vocab).collect();
+        let g = random(&[tokens, n]);
+        let (runs, count) = ops::embedding::id_runs(&ids, Some(pad));
+        let dir = scratch("embedding");
+        write_values(&dir.join("g.bin"), &g.to_dtype(dtype).unwrap());
+        std::fs::write(dir.join("runs.bin"), runs.iter().flat_map(|r| r.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+        let args = [tokens, count, n, vocab as usize].map(|v| v.to_string());
+        let out = Command::new(&binary).arg(&dir).arg(name).arg("embedding").args(&args).output().unwrap();
+        assert!(out.status.success(), "embedding {dtype:?}: the emulated kernel failed: {}", String::from_utf8_lossy(&out.stderr));
+        let got = read_values(&dir.join("grads.bin"), DType::F32);
+        let _ = std::fs::remove_dir_all(&dir);
+        let table = Var::from_tensor(&random(&[vocab as usize, n])).unwrap();
+        let ids_tensor = Tensor::new(ids.as_slice(), &cpu).unwrap();
+        let rows = ops::embedding::embedding(table.as_tensor(), &ids_tensor, Some(pad), None).unwrap();
+        let all = (rows * held(&g)).unwrap().sum_all().unwrap().backward().unwrap();
+        let expected = common::f32_values(all.get(table.as_tensor()).unwrap());
+        assert!(expected[pad as usize * n..(pad as usize + 1) * n].iter().all(|v| *v == 0.0), "the padding row got a gradient");
+        assert_close(&format!("embedding {dtype:?}: dw"), &got, &expected, 1e-5);
 
         // Rope, heads-major (b, h, t, d) and token-major (b, t, h, d): y, then g rotated back.
         for token_major in [false, true] {

@@ -61,10 +61,10 @@ impl TokenEmbedding {
         }
     }
 
-    /// (ids..., hidden) rows for u32 `ids`. In training on the CPU in f32 the lookup is
-    /// `ops::embedding`, whose backward builds the table's gradient in one buffer and hands it
-    /// to `grad_to` when given; elsewhere candle's ops, with the pad row held out of the
-    /// gradient the same way. Generation takes plain rows.
+    /// (ids..., hidden) rows for u32 `ids`. In training on the CPU in f32, or on a GPU whose
+    /// kernels take the table, the lookup is `ops::embedding`, whose backward builds the table's
+    /// gradient in one buffer and hands it to `grad_to` when given; elsewhere candle's ops, with
+    /// the pad row held out of the gradient the same way. Generation takes plain rows.
     pub fn forward(&self, ids: &Tensor, mode: OpMode, grad_to: Option<WeightGradTarget>) -> Result<Tensor> {
         let w = match (&self.table, mode) {
             (EmbeddingTable::Dense(w), _) => w,
@@ -74,7 +74,7 @@ impl TokenEmbedding {
             }
         };
         match mode {
-            OpMode::Train if w.device().is_cpu() && w.dtype() == DType::F32 => {
+            OpMode::Train if (w.device().is_cpu() && w.dtype() == DType::F32) || ops::embedding::gpu_takes(w) => {
                 ops::embedding::embedding(w, ids, self.pad_token_id, grad_to)
             }
             OpMode::Train => ops::embedding::embedding_composed(w, ids, self.pad_token_id),

@@ -244,6 +244,47 @@ fn linear_op_on_cuda_matches_cpu() {
     }
 }
 
+/// The embedding op on the GPU (`ops::embedding`: candle's `index_select`, then the table's
+/// gradient by our kernel, each id's rows summed in token order): rows and the table's gradient,
+/// through candle's store and through a sink, the padding row left out, against the CPU op in
+/// f32; bf16 within its rounding.
+#[test]
+fn embedding_op_on_cuda_matches_cpu() {
+    use candle_core::Var;
+    use ops::weight_grads::{WeightGradTarget, WeightGrads};
+    let dev = gpu();
+    let (tokens, hidden, vocab, pad) = (2 * 333, 96, 500u32, 3u32);
+    let ids: Vec<u32> = (0..tokens as u32).map(|t| (t * 7919) % vocab / (1 + t % 3)).collect();
+    let table = Tensor::randn(0f32, 1.0, (vocab as usize, hidden), &Device::Cpu).unwrap();
+    let probe = Tensor::randn(0f32, 1.0, (2, tokens / 2, hidden), &Device::Cpu).unwrap();
+    let run = |device: &Device, dtype: DType, sink: bool| {
+        let w = Var::from_tensor(&table.to_device(device).unwrap().to_dtype(dtype).unwrap()).unwrap();
+        let ids = Tensor::from_vec(ids.clone(), (2, tokens / 2), device).unwrap();
+        let store = WeightGrads::new();
+        let to = sink.then(|| WeightGradTarget { sink: store.clone(), name: "w".into() });
+        let rows = ops::embedding::embedding(w.as_tensor(), &ids, Some(pad), to).unwrap();
+        let grads = (rows.to_dtype(DType::F32).unwrap() * probe.to_device(device).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+        let dw = match sink {
+            true => store.take("w").expect("the sink got the table's gradient").into_tensor(device).unwrap(),
+            false => grads.get(w.as_tensor()).unwrap().clone(),
+        };
+        [values(&rows), values(&dw)]
+    };
+    let expected = run(&Device::Cpu, DType::F32, false);
+    for (dtype, tolerance) in [(DType::F32, 1e-6), (DType::BF16, 1e-2)] {
+        for sink in [false, true] {
+            let got = run(&dev, dtype, sink);
+            let pad_row = &got[1][pad as usize * hidden..(pad as usize + 1) * hidden];
+            assert!(pad_row.iter().all(|v| *v == 0.0), "{dtype:?}, sink {sink}: the padding row got a gradient");
+            for (name, (g, e)) in ["rows", "dw"].iter().zip(got.iter().zip(&expected)) {
+                let diff = rel_norm_diff(g, e);
+                eprintln!("embedding {dtype:?}, sink {sink}: {name} relative difference {diff:.2e}");
+                assert!(diff < tolerance, "embedding {dtype:?}, sink {sink}: {name} differs from the CPU op by {diff}");
+            }
+        }
+    }
+}
+
 /// The gated MLP op on the GPU (`ops::gated_mlp`: both products on cuBLAS, SwiGLU by our
 /// kernels, gate and up kept for the backward): h, dx and both weights' gradients (one through
 /// a sink, one through candle's store) against the CPU op in f32; bf16 within its rounding.

@@ -6,6 +6,7 @@
 //        fused DIR f32|bf16 swiglu N                  reads a, b, g; writes y, grads (2N)
 //        fused DIR f32|bf16 rope ROWS SEQ HEADS HALF  reads x, cos, sin, g; writes y, grads (g rotated back)
 //        fused DIR f32|bf16 cross_entropy ROWS VOCAB  reads x, targets (i64), g (f32); writes loss (f32), grads
+//        fused DIR f32|bf16 embedding TOKENS COUNT N VOCAB  reads g, runs (u32); writes grads (f32, VOCAB x N)
 // Every file holds raw values of the dtype (bf16 as its bits).
 
 #include <cstdio>
@@ -56,6 +57,7 @@ static dim3 elementwise(unsigned long long n) { return blocks(std::min(std::max(
     static constexpr auto rotate = rope_##NAME;                           \
     static constexpr auto entropy_forward = cross_entropy_forward_##NAME; \
     static constexpr auto entropy_backward = cross_entropy_backward_##NAME; \
+    static constexpr auto embedding = embedding_backward_##NAME;          \
   };
 KERNELS(Kernels32, f32)
 KERNELS(KernelsBf16, bf16)
@@ -108,6 +110,15 @@ static int run(const std::string &op, char **args, int count) {
     emulation::launch(K::entropy_backward, blocks(p.rows), 256, 0, x.data(), targets.data(), g_and_loss.data(), grads.data(), p);
     write_values("loss", loss);
     write_values("grads", grads);
+  } else if (op == "embedding" && count == 4) {
+    int tokens = (int)arg(0), runs_count = (int)arg(1), n = (int)arg(2);
+    long long vocab = arg(3);
+    auto g = read_values<T>("g", (size_t)tokens * n);
+    auto runs = read_values<unsigned>("runs", (size_t)tokens + 2 * runs_count + 1);
+    std::vector<float> dw((size_t)vocab * n, 0.0f);
+    emulation::launch(K::embedding, dim3{(unsigned)runs_count, (unsigned)(n + 255) / 256, 1}, 256, 0, g.data(), runs.data(), dw.data(), tokens,
+                      runs_count, n);
+    write_values("grads", dw);
   } else {
     std::fprintf(stderr, "unknown op or arguments: %s\n", op.c_str());
     return 2;

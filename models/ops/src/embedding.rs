@@ -3,7 +3,10 @@
 //! and, given a [`WeightGradTarget`], hands it to the trainer instead of candle's gradient store
 //! (see `crate::weight_grads`), as rows made on demand: a trainer reducing the gradient a range
 //! of rows at a time never holds the (vocab, hidden) buffer. The backward never reads the table
-//! itself. As torch's `nn.Embedding(padding_idx=...)`, which transformers builds with the
+//! itself. On a GPU (f32 or bf16, our kernels on: [`gpu_takes`]) the rows come from candle's
+//! `index_select` and the gradient from a kernel of ours that sums each id's rows in token
+//! order (candle's `index_select` backward is an `index_add` with a thread per column walking
+//! every token, accumulating in the table's dtype). As torch's `nn.Embedding(padding_idx=...)`, which transformers builds with the
 //! model's `pad_token_id`, the padding row receives no gradient from the lookup.
 
 use std::sync::Arc;
@@ -13,8 +16,14 @@ use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Storage, Tensor}
 use crate::f32_slice;
 use crate::weight_grads::{GradRows, WeightGradTarget};
 
-/// `w[ids]`: (ids..., hidden) rows of the (vocab, hidden) f32 table `w`; `ids` u32. The row
-/// `padding_idx` gets no gradient from the lookup.
+/// Whether [`embedding`] runs for the table `w` on a GPU: where `fused_cuda`'s kernels do (f32
+/// or bf16, `FSDP_CUDA_KERNELS` not 0). On the CPU it runs in f32.
+pub fn gpu_takes(w: &Tensor) -> bool {
+    crate::fused_cuda_takes(w)
+}
+
+/// `w[ids]`: (ids..., hidden) rows of the (vocab, hidden) table `w` (f32 on the CPU, or where
+/// [`gpu_takes`]); `ids` u32. The row `padding_idx` gets no gradient from the lookup.
 pub fn embedding(w: &Tensor, ids: &Tensor, padding_idx: Option<u32>, grad_to: Option<WeightGradTarget>) -> Result<Tensor> {
     let hidden = w.dim(1)?;
     let mut shape = ids.dims().to_vec();
@@ -75,9 +84,26 @@ impl CustomOp2 for Embed {
         Ok((CpuStorage::F32(out), Shape::from((ids.len(), hidden))))
     }
 
+    /// On a GPU: the table's rows by candle's `index_select`.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+        is: &candle_core::CudaStorage,
+        il: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let (_, hidden) = wl.shape().dims2()?;
+        Ok((ws.index_select(is, wl, il, 0)?, Shape::from((il.shape().elem_count(), hidden))))
+    }
+
     fn bwd(&self, w: &Tensor, ids: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (vocab, hidden) = w.dims2()?;
         let mut ids: Vec<u32> = ids.to_dtype(candle_core::DType::U32)?.to_vec1()?;
+        if grad.device().is_cuda() {
+            return self.gpu_backward(w, &ids, grad);
+        }
         let grad = grad.contiguous()?;
         let (gs, gl) = grad.storage_and_layout();
         let Storage::Cpu(gc) = &*gs else { candle_core::bail!("embedding: the backward runs on the CPU") };
@@ -101,6 +127,50 @@ impl CustomOp2 for Embed {
             }
         }
     }
+}
+
+impl Embed {
+    /// The table's gradient on a GPU (`fused_cuda::embedding_backward`: each id's rows summed in
+    /// f32, in token order), in the table's dtype as the other ops' weight gradients are, to the
+    /// sink or to candle's store.
+    fn gpu_backward(&self, w: &Tensor, ids: &[u32], grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        {
+            let dw = crate::fused_cuda::embedding_backward(grad, ids, w.dim(0)?, self.padding_idx)?.to_dtype(w.dtype())?;
+            match &self.grad_to {
+                Some(t) => {
+                    t.sink.add(&t.name, dw)?;
+                    Ok((None, None))
+                }
+                None => Ok((Some(dw), None)),
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (w, ids, grad);
+            candle_core::bail!("embedding: a GPU gradient in a build without the cuda feature")
+        }
+    }
+}
+
+/// The GPU backward's `runs` (`fused.cu`'s embedding_backward reads them): the tokens in id order (`skip`'s left out), then where each distinct id's
+/// run starts (and one past the last), then each run's id; and the number of runs.
+pub fn id_runs(ids: &[u32], skip: Option<u32>) -> (Vec<u32>, usize) {
+    let mut order: Vec<u32> = (0..ids.len() as u32).filter(|&t| Some(ids[t as usize]) != skip).collect();
+    order.sort_by_key(|&t| ids[t as usize]);
+    let mut starts = vec![];
+    let mut rows = vec![];
+    for (j, &t) in order.iter().enumerate() {
+        if rows.last() != Some(&ids[t as usize]) {
+            starts.push(j as u32);
+            rows.push(ids[t as usize]);
+        }
+    }
+    starts.push(order.len() as u32);
+    // Positions past `order` are never read: the kernel's `starts` begins at `tokens`.
+    order.resize(ids.len(), 0);
+    let count = rows.len();
+    (order.into_iter().chain(starts).chain(rows).collect(), count)
 }
 
 /// The table's gradient: upstream row `r` added at row `ids[r]`.
@@ -134,6 +204,15 @@ impl GradRows for EmbeddingGradRows {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn runs_of_ids_sorted_stably_without_the_skipped_id() {
+        let (runs, count) = super::id_runs(&[5, 2, 5, 0, 2, 7], Some(7));
+        assert_eq!(count, 3);
+        // order (padded to the 6 tokens), starts (and the end), each run's id.
+        assert_eq!(runs, [3, 1, 4, 0, 2, 0, 0, 1, 3, 5, 0, 2, 5]);
+        assert_eq!(super::id_runs(&[7, 7], Some(7)), (vec![0, 0, 0], 0), "every token skipped: no runs");
+    }
+
     use super::*;
     use crate::weight_grads::WeightGrads;
     use candle_core::{Device, Var};

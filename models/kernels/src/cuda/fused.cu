@@ -158,6 +158,22 @@ __device__ void cross_entropy_backward(const T *x, const long long *targets, con
     store(dx, at + j, t < 0 ? 0.0f : g * (expf(load(x, at + j) - lse) - (j == t ? 1.0f : 0.0f)));
 }
 
+// The embedding table's gradient (f32 rows of n values) from the upstream gradient g (tokens x n)
+// of a lookup, without atomics (the same bits every run): the host sorts the tokens by id, and each
+// distinct id's run of them, order[starts[r]] .. order[starts[r + 1] - 1], is summed in that order
+// into row rows[r] (the caller zeroes the rest). `runs` is (order, starts, rows) in one buffer of
+// tokens + 2 * count + 1 values. Grid (count, ceil(n / blockDim.x)).
+template <typename T>
+__device__ void embedding_backward(const T *g, const unsigned *runs, float *dw, int tokens, int count, int n) {
+  int c = blockIdx.y * blockDim.x + threadIdx.x;
+  if (c >= n) return;
+  const unsigned *order = runs, *starts = runs + tokens, *rows = starts + count + 1;
+  unsigned r = blockIdx.x;
+  float sum = 0.0f;
+  for (unsigned j = starts[r]; j < starts[r + 1]; j++) sum += load(g, (long long)order[j] * n + c);
+  dw[(long long)rows[r] * n + c] = sum;
+}
+
 #define INSTANTIATE(NAME, T)                                                                                      \
   extern "C" __global__ void rms_norm_forward_##NAME(const T *x, const T *w, T *y, Norm p) {                     \
     norm_forward<T>(x, w, y, p);                                                                                 \
@@ -168,6 +184,10 @@ __device__ void cross_entropy_backward(const T *x, const long long *targets, con
   }                                                                                                              \
   extern "C" __global__ void rms_norm_backward_weight_##NAME(const float *dw, T *out, Norm p) {                   \
     norm_backward_weight<T>(dw, out, p);                                                                         \
+  }                                                                                                              \
+  extern "C" __global__ void embedding_backward_##NAME(const T *g, const unsigned *runs, float *dw, int tokens,  \
+                                                       int count, int n) {                                       \
+    embedding_backward<T>(g, runs, dw, tokens, count, n);                                                        \
   }                                                                                                              \
   extern "C" __global__ void swiglu_forward_##NAME(const T *a, const T *b, T *y, long long n) {                    \
     swiglu_forward<T>(a, b, y, n);                                                                               \
