@@ -136,7 +136,11 @@ impl Embed {
     fn gpu_backward(&self, w: &Tensor, ids: &[u32], grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         #[cfg(feature = "cuda")]
         {
-            let dw = crate::fused_cuda::embedding_backward(grad, ids, w.dim(0)?, self.padding_idx)?.to_dtype(w.dtype())?;
+            let (vocab, runs) = (w.dim(0)?, id_runs(ids, self.padding_idx));
+            if ids.iter().any(|&id| id as usize >= vocab) {
+                candle_core::bail!("embedding: a token id outside the vocabulary ({vocab})");
+            }
+            let dw = crate::fused_cuda::embedding_backward(grad, &runs, vocab)?.to_dtype(w.dtype())?;
             match &self.grad_to {
                 Some(t) => {
                     t.sink.add(&t.name, dw)?;

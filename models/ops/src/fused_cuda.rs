@@ -138,42 +138,44 @@ fn rms_norm_backward_as<T: CudaDType + DeviceRepr + WithDType>([(xs, xl), (ws, w
 }
 
 /// The embedding table's gradient, (vocab, n) in f32, for the upstream gradient `g` (tokens, n)
-/// of a lookup of `ids` (one per token): `embedding_backward` sums each id's rows in token order
-/// (the tokens sorted by id here: no atomics, the same bits every run); the rows of `skip` (the
-/// padding id) are left out, and rows no id points at are zeros.
-pub(crate) fn embedding_backward(g: &Tensor, ids: &[u32], vocab: usize, skip: Option<u32>) -> Result<Tensor> {
+/// of a lookup: `embedding_backward` sums each id's rows in token order as `runs` lists them (the
+/// tokens sorted by id, `ops::embedding::id_runs`: no atomics, the same bits every run); rows no
+/// run names are zeros.
+pub(crate) fn embedding_backward(g: &Tensor, (runs, count): &(Vec<u32>, usize), vocab: usize) -> Result<Tensor> {
     let g = g.contiguous()?;
     let n = g.dim(candle_core::D::Minus1)?;
-    if g.elem_count() != ids.len() * n || ids.iter().any(|&id| id as usize >= vocab) {
-        candle_core::bail!("embedding backward on the GPU: a gradient {:?} for {} ids under {vocab}", g.dims(), ids.len());
+    let tokens = g.elem_count() / n.max(1);
+    let rows = runs.get(tokens + count + 1..).unwrap_or(&[]);
+    let outside = |v: &[u32], end: usize| v.iter().any(|&x| x as usize >= end);
+    if runs.len() != tokens + 2 * count + 1 || outside(&runs[..tokens], tokens) || outside(rows, vocab) {
+        candle_core::bail!("embedding backward on the GPU: runs of {} values for a gradient {:?} under {vocab} ids", runs.len(), g.dims());
     }
-    let runs = crate::embedding::id_runs(ids, skip);
     let (gs, gl) = g.storage_and_layout();
     let candle_core::Storage::Cuda(gs) = &*gs else { candle_core::bail!("embedding backward: the gradient is not on the GPU") };
-    let dw = by_dtype!(g.dtype(), "embedding", embedding_backward_as(gs, gl, &runs, ids.len(), vocab))?;
+    let dw = by_dtype!(g.dtype(), "embedding", embedding_backward_as(gs, gl, (runs, *count), tokens, vocab))?;
     Ok(Tensor::from_storage(candle_core::Storage::Cuda(dw), (vocab, n), candle_core::op::BackpropOp::none(), false))
 }
 
 fn embedding_backward_as<T: CudaDType + DeviceRepr + WithDType>(
     gs: &CudaStorage,
     gl: &Layout,
-    (runs, count): &(Vec<u32>, usize),
+    (runs, count): (&[u32], usize),
     tokens: usize,
     vocab: usize,
 ) -> Result<CudaStorage> {
     let n = *gl.dims().last().expect("checked: g has rows");
     let dev = gs.device.clone();
     let dw = dev.alloc_zeros::<f32>(vocab * n)?;
-    if *count > 0 {
+    if count > 0 {
         let g = contiguous_values::<T>(gs, gl)?;
-        let runs = dev.clone_htod(runs.as_slice())?;
+        let runs = dev.clone_htod(runs)?;
         let func = dev.get_or_load_custom_func(&kernel_name("embedding_backward", T::DTYPE)?, SOURCE.module, SOURCE.ptx()?)?;
         let mut args = func.builder();
-        let (tokens, count, n32) = (tokens as i32, *count as i32, n as i32);
+        let (tokens, count, n32) = (tokens as i32, count as i32, n as i32);
         args.arg(&g).arg(&runs).arg(&dw).arg(&tokens).arg(&count).arg(&n32);
         let cfg = LaunchConfig { grid_dim: (count as u32, (n as u32).div_ceil(256), 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: `runs` holds tokens + 2 count + 1 values (`id_runs`), every order entry a row of g
-        // (tokens x n) and every row id under vocab (checked), so the kernel reads inside g and
+        // (tokens x n) and every row id under vocab (both checked), so the kernel reads inside g and
         // writes inside dw (vocab x n).
         unsafe { args.launch(cfg) }.w()?;
     }
