@@ -48,11 +48,14 @@ pub fn gpu_pool_now(device: &candle_core::Device) -> Option<(u64, u64)> {
     None
 }
 
-/// With FSDP_DEBUG_GPU_POOL set, `what` and the pool's bytes in use and reserved on stderr.
-pub fn debug_gpu_pool(device: &candle_core::Device, what: &str) {
-    if std::env::var_os("FSDP_DEBUG_GPU_POOL").is_some() {
+/// With FSDP_DEBUG_GPU_POOL set, `what()` and the pool's bytes in use and reserved on stderr
+/// (the variable read once; the label made only when it is set: the loop calls this each
+/// micro-batch).
+pub fn debug_gpu_pool(device: &candle_core::Device, what: impl FnOnce() -> String) {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *ON.get_or_init(|| std::env::var_os("FSDP_DEBUG_GPU_POOL").is_some()) {
         if let Some((used, reserved)) = gpu_pool_now(device) {
-            eprintln!("gpu pool: {what}: {} in use, {} reserved", human_bytes(used), human_bytes(reserved));
+            eprintln!("gpu pool: {}: {} in use, {} reserved", what(), human_bytes(used), human_bytes(reserved));
         }
     }
 }

@@ -223,8 +223,7 @@ impl CustomOp3 for LinearAdd {
         rl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         use candle_core::backend::BackendStorage;
-        let shape = Linear { grad_to: None, heads: None }.output_shape(xl, wl.dims()[0]);
-        let product = backend_product_wt(xs, xl, ws, wl)?;
+        let (product, shape) = Linear { grad_to: None, heads: None }.cuda_fwd(xs, xl, ws, wl)?;
         Ok((rs.binary_impl::<candle_core::op::Add>(&product, rl, &Layout::contiguous(&shape))?, shape))
     }
 

@@ -124,7 +124,7 @@ pub(super) fn fit_by_trial(
             Err(e) => return Err(e),
         };
         engine.discard_step()?;
-        crate::memory::debug_gpu_pool(engine.device(), "trial discarded");
+        crate::memory::debug_gpu_pool(engine.device(), || "trial discarded".into());
         // One answer for every rank (they all ran out, or none did: the trial's shapes agree).
         let anywhere = all_reduce_scalar(groups.world.as_ref(), f64::from(u8::from(ran_out)))? > 0.0;
         if groups.world.rank() == 0 && cfg.verbose {
@@ -193,7 +193,7 @@ fn trial_step(
         StageContext { packing: batch.packing, row_seeds: Some(vec![cfg.seed; batch.rows]), targets: Some(targets), ..Default::default() };
     for a in 0..micro_batches {
         engine.forward_backward(&input, &ctx, &summed_token_loss, 1.0 / (micro * len) as f64)?;
-        crate::memory::debug_gpu_pool(engine.device(), &format!("trial of {micro} rows, after micro-batch {a}"));
+        crate::memory::debug_gpu_pool(engine.device(), || format!("trial of {micro} rows, after micro-batch {a}"));
     }
     Ok(())
 }

@@ -141,12 +141,12 @@ fn train_step(
         let row_seeds = (first..first + indices.len()).map(|i| dropout_seed(cfg.seed, step, i)).collect();
         let ctx = StageContext { row_seeds: Some(row_seeds), ..Default::default() };
         local_loss += objective.run_micro_batch(engine, samples, (Split::Train, indices), ctx, Some(1.0 / normaliser), &mut stats)?;
-        crate::memory::debug_gpu_pool(engine.device(), &format!("step {} after micro-batch {a}", step + 1));
+        crate::memory::debug_gpu_pool(engine.device(), || format!("step {} after micro-batch {a}", step + 1));
     }
     let loss = all_reduce_scalar(groups.world.as_ref(), local_loss)? / normaliser;
     let metrics = reduce_stats(groups, objective, stats)?.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
     let stats = engine.optimizer_step(lr, cfg.max_grad_norm)?;
-    crate::memory::debug_gpu_pool(engine.device(), &format!("step {} after the optimizer", step + 1));
+    crate::memory::debug_gpu_pool(engine.device(), || format!("step {} after the optimizer", step + 1));
     Ok(StepOutcome { loss, grad_norm: stats.grad_norm, tokens, metrics })
 }
 
