@@ -37,8 +37,7 @@ impl Sampler {
     /// The next token from `logits` (vocab).
     pub fn sample(&mut self, logits: &Tensor) -> Result<u32> {
         let temperature = match self.sampling {
-            // candle's argmax, whose ties go to the first index (greedy parity holds on it).
-            Sampling::ArgMax => return Ok(logits.argmax(D::Minus1)?.to_scalar::<u32>()?),
+            Sampling::ArgMax => return greedy(logits),
             Sampling::All { temperature }
             | Sampling::TopK { temperature, .. }
             | Sampling::TopP { temperature, .. }
@@ -124,6 +123,21 @@ fn cut_to_top_p(probs: &mut [f32], p: f32) {
             sum += probs[i];
         }
     }
+}
+
+/// The greedy token: candle's argmax, whose ties go to the first index (greedy parity holds on
+/// it), read in place in vector passes (`kernels::exp::argmax`, the same index) for f32 logits
+/// on the CPU, the case of every CPU decode.
+fn greedy(logits: &Tensor) -> Result<u32> {
+    if logits.dtype() == DType::F32 && logits.rank() == 1 {
+        let (storage, layout) = logits.storage_and_layout();
+        if let Ok(values) = ops::cpu_f32_values(&storage, layout) {
+            if let Some(i) = kernels::exp::argmax(values) {
+                return Ok(i as u32);
+            }
+        }
+    }
+    Ok(logits.argmax(D::Minus1)?.to_scalar::<u32>()?)
 }
 
 #[cfg(test)]

@@ -72,6 +72,26 @@ pub fn max_of(x: &[f32]) -> f32 {
     x.iter().copied().fold(f32::NEG_INFINITY, f32::max)
 }
 
+/// The index of the largest value of `x`, the first one where several are equal: candle's
+/// `argmax` (which keeps the first value unless a later one is larger, so a NaN first value
+/// stays, and later NaNs are passed over), in two vector passes: the max ([`max_of`]), then
+/// where it first occurs. Greedy decoding takes it over the vocabulary every token, on the
+/// calling thread while the pool's other threads wait, where candle's loop went one value at
+/// a time (docs/design.md, "greedy's argmax in vector passes"). None for an empty `x`.
+pub fn argmax(x: &[f32]) -> Option<usize> {
+    match x.first() {
+        None => None,
+        Some(first) if first.is_nan() => Some(0),
+        Some(_) => {
+            let max = max_of(x);
+            // 16 at a time, so the search runs in vector compares until the block holding it.
+            let block = x.chunks(16).position(|c| c.contains(&max)).expect("the max is one of the values");
+            let within = x[block * 16..].iter().position(|v| *v == max).expect("the block holds the max");
+            Some(block * 16 + within)
+        }
+    }
+}
+
 /// A row of attention scores made probabilities in place: `row = softmax(row · scale + mask)`
 /// (an additive mask of the row's length). Three passes, each a vector loop: the scaled, masked
 /// scores and their max; e^(s - max) and their sum ([`exp_shifted_sum`]); the division. The
@@ -393,6 +413,38 @@ mod tests {
         with_nan[17] = f32::NAN;
         softmax_row(&mut with_nan, 1.0, None);
         assert!(with_nan.iter().all(|v| v.is_nan()), "{with_nan:?}");
+    }
+
+    /// The index candle's argmax gives, over rows with ties, signed zeros, infinities and NaN
+    /// (first, inside, everywhere), at every length to 70 and at a vocabulary's.
+    #[test]
+    fn argmax_is_candles() {
+        let candle = |x: &[f32]| {
+            let t = candle_core::Tensor::from_slice(x, x.len(), &candle_core::Device::Cpu).unwrap();
+            t.argmax(0).unwrap().to_scalar::<u32>().unwrap() as usize
+        };
+        let mut rows: Vec<Vec<f32>> = (1..70).map(|n| data(n, 7).iter().map(|v| (v * 6.0).round()).collect()).collect();
+        rows.push(data(49_152, 3));
+        for n in [1usize, 5, 17, 40] {
+            let mut x: Vec<f32> = data(n, 11).iter().map(|v| v - 2.0).collect();
+            rows.push(x.clone());
+            x[0] = f32::NAN;
+            rows.push(x.clone());
+            x[0] = -0.0;
+            x[n - 1] = 0.0;
+            rows.push(x.clone());
+            x[n / 2] = f32::NAN;
+            rows.push(x.clone());
+            x[n / 3] = f32::INFINITY;
+            x[n - 1] = f32::INFINITY;
+            rows.push(x.clone());
+            rows.push(vec![f32::NAN; n]);
+            rows.push(vec![f32::NEG_INFINITY; n]);
+        }
+        for x in &rows {
+            assert_eq!(argmax(x), Some(candle(x)), "{x:?}");
+        }
+        assert_eq!(argmax(&[]), None);
     }
 
     /// The max of rows of every length to 70 (NaN and -inf among them), at every level this

@@ -6,6 +6,12 @@
 
 use crate::disjoint::DisjointWrites;
 
+/// Buffers of at most this many values are filled on the calling thread alone: a decoding
+/// step's norms, rotations and SwiGLU are a few hundred values, less work than a region's
+/// handshake (the other threads woken, then waited for) costs (docs/design.md, "Small
+/// elementwise ops on the calling thread").
+const INLINE_MAX_VALUES: usize = 1 << 12;
+
 /// Piece `c` of `chunk` places (the last shorter) of a buffer of `len`.
 fn piece_range(c: usize, chunk: usize, len: usize) -> std::ops::Range<usize> {
     c * chunk..((c + 1) * chunk).min(len)
@@ -71,13 +77,17 @@ pub fn pool_map_new<R: Send + Sync>(
     let mut out: Vec<f32> = Vec::with_capacity(len + room_after);
     let slots: Vec<std::sync::OnceLock<R>> = (0..len.div_ceil(chunk)).map(|_| std::sync::OnceLock::new()).collect();
     let base = DisjointWrites::spare(&mut out, len);
-    candle_core::utils::barrier_pool().execute_chunked(slots.len(), |range| {
+    let fill = |range: std::ops::Range<usize>| {
         for c in range {
             // SAFETY: piece c goes to this thread only (zeroed by it first).
             let piece = unsafe { base.zeroed(piece_range(c, chunk, len)) };
             let _ = slots[c].set(f(c, piece));
         }
-    });
+    };
+    match len <= INLINE_MAX_VALUES {
+        true => fill(0..slots.len()),
+        false => candle_core::utils::barrier_pool().execute_chunked(slots.len(), fill),
+    }
     // SAFETY: every piece of the first `len` values was zeroed above (execute_chunked runs all).
     unsafe { out.set_len(len) };
     (out, slots.into_iter().map(|s| s.into_inner().expect("every piece ran")).collect())
@@ -95,14 +105,18 @@ pub fn pool_new_halves(half: usize, chunk: usize, f: impl Fn(usize, &mut [f32], 
     let chunk = chunk.max(1);
     let mut out: Vec<f32> = Vec::with_capacity(2 * half);
     let base = DisjointWrites::spare(&mut out, 2 * half);
-    candle_core::utils::barrier_pool().execute_chunked(half.div_ceil(chunk), |range| {
+    let fill = |range: std::ops::Range<usize>| {
         for c in range {
             let r = piece_range(c, chunk, half);
             // SAFETY: piece c of either half goes to this thread only (zeroed by it first).
             let (a, b) = unsafe { (base.zeroed(r.clone()), base.zeroed(half + r.start..half + r.end)) };
             f(c, a, b);
         }
-    });
+    };
+    match 2 * half <= INLINE_MAX_VALUES {
+        true => fill(0..half.div_ceil(chunk)),
+        false => candle_core::utils::barrier_pool().execute_chunked(half.div_ceil(chunk), fill),
+    }
     // SAFETY: every piece of both halves was zeroed above.
     unsafe { out.set_len(2 * half) };
     out
@@ -262,26 +276,30 @@ mod tests {
     }
 
     /// Every piece reaches `f` zeroed (what `vec![0.0; len]` gave), in pieces of the chunk with
-    /// a shorter last one, and comes back filled; room is left after; the halves pair up.
+    /// a shorter last one, and comes back filled; room is left after; the halves pair up. On the
+    /// calling thread alone (small buffers) and over the pool (larger ones) alike.
     #[test]
     fn new_buffers_are_zeroed_piece_by_piece_then_filled() {
-        let (len, chunk) = (1000, 64);
-        let (out, kept) = pool_map_new(len, 7, chunk, |c, piece| {
-            let zeroed = piece.iter().all(|v| v.to_bits() == 0);
-            piece.iter_mut().enumerate().filter(|(i, _)| i % 2 == 0).for_each(|(i, v)| *v = (c * chunk + i) as f32);
-            (zeroed, piece.len())
-        });
-        assert!(kept.iter().all(|(zeroed, _)| *zeroed), "a piece came to f not zeroed");
-        assert_eq!(kept.iter().map(|(_, n)| n).sum::<usize>(), len);
-        assert_eq!(kept.last().unwrap().1, len % chunk);
-        assert!(out.capacity() >= len + 7 && out.len() == len);
-        assert!(out.iter().enumerate().all(|(i, v)| *v == if i % 2 == 0 { i as f32 } else { 0.0 }));
+        for (len, chunk) in [(1000, 64), (INLINE_MAX_VALUES + 1000, 640)] {
+            let (out, kept) = pool_map_new(len, 7, chunk, |c, piece| {
+                let zeroed = piece.iter().all(|v| v.to_bits() == 0);
+                piece.iter_mut().enumerate().filter(|(i, _)| i % 2 == 0).for_each(|(i, v)| *v = (c * chunk + i) as f32);
+                (zeroed, piece.len())
+            });
+            assert!(kept.iter().all(|(zeroed, _)| *zeroed), "a piece came to f not zeroed");
+            assert_eq!(kept.iter().map(|(_, n)| n).sum::<usize>(), len);
+            assert_eq!(kept.last().unwrap().1, len % chunk);
+            assert!(out.capacity() >= len + 7 && out.len() == len);
+            assert!(out.iter().enumerate().all(|(i, v)| *v == if i % 2 == 0 { i as f32 } else { 0.0 }));
+        }
 
-        let halves = pool_new_halves(300, 64, |c, a, b| {
-            assert!(a.iter().chain(b.iter()).all(|v| v.to_bits() == 0) && a.len() == b.len());
-            a.iter_mut().enumerate().for_each(|(i, v)| *v = (c * 64 + i) as f32);
-            b.iter_mut().enumerate().for_each(|(i, v)| *v = -((c * 64 + i) as f32));
-        });
-        assert!((0..300).all(|i| halves[i] == i as f32 && halves[300 + i] == -(i as f32)));
+        for half in [300, INLINE_MAX_VALUES] {
+            let halves = pool_new_halves(half, 64, |c, a, b| {
+                assert!(a.iter().chain(b.iter()).all(|v| v.to_bits() == 0) && a.len() == b.len());
+                a.iter_mut().enumerate().for_each(|(i, v)| *v = (c * 64 + i) as f32);
+                b.iter_mut().enumerate().for_each(|(i, v)| *v = -((c * 64 + i) as f32));
+            });
+            assert!((0..half).all(|i| halves[i] == i as f32 && halves[half + i] == -(i as f32)));
+        }
     }
 }

@@ -259,13 +259,17 @@ pub fn check_env() -> Result<(), String> {
 }
 
 impl SimdLevel {
-    /// The best level this CPU has (whatever the switches say).
+    /// The best level this CPU has (whatever the switches say), found once.
+    #[inline]
     pub fn detected() -> Self {
-        CpuFeatures::detected().best_level()
+        static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
+        *LEVEL.get_or_init(|| CpuFeatures::detected().best_level())
     }
 
     /// This level where the CPU has it, else the best it has: what a kernel given a level as an
     /// argument dispatches on, so that no argument can make it run instructions the CPU lacks.
+    /// Inlined: decoding's row kernels ask it for every few weight rows.
+    #[inline]
     pub fn usable(self) -> Self {
         self.min(Self::detected())
     }
