@@ -234,10 +234,7 @@ impl Attention {
             training && ops::applies(x) && pos.cos.dtype() == DType::F32 && pos.mask.as_ref().is_none_or(|m| m.dtype() == DType::F32);
         let out = match (fused, self.flash_token_major(x, pos).filter(|_| training)) {
             (true, _) => self.attend_token_major(x, pos)?,
-            (false, Some(visibility)) => {
-                let (q, k, v) = self.token_major_qkv(x, pos)?;
-                ops::flash_attention::attention_token_major(&q, &k, &v, visibility, self.scale())?
-            }
+            (false, Some(visibility)) => self.attend_flash(x, pos, visibility)?,
             (false, None) => self.attend_heads(x, pos, cache)?,
         };
         self.o_proj.forward_add(&out, residual, pos.mode, pos.row_seeds.as_deref(), &pos.adapters)
@@ -259,6 +256,23 @@ impl Attention {
         }
         let (q, k, v) = self.token_major_qkv(x, pos)?;
         ops::attention::attention(&q, &k, &v, pos.mask.as_ref(), self.scale())
+    }
+
+    /// Training's attention on the GPU's flash kernels, token-major: with no q/k norms and
+    /// weights whose gradients have sinks (and x in the graph where one trains), one op from x
+    /// to o_proj's input (`ops::self_attention_flash`), else the products, rotations and
+    /// attention as ops of their own.
+    fn attend_flash(&self, x: &Tensor, pos: &PositionInputs, visibility: Visibility) -> Result<Tensor> {
+        let projections = [&self.q_proj, &self.k_proj, &self.v_proj].map(|p| p.weight_with_sink_where(x, pos.mode, &pos.adapters, true));
+        if let (None, None, [Some(q), Some(k), Some(v)]) = (&self.q_norm, &self.k_norm, projections) {
+            let trains = [&q, &k, &v].iter().any(|(w, _)| w.track_op());
+            if (x.track_op() || !trains) && ops::self_attention_flash::enabled() {
+                let heads = (self.num_heads, self.num_kv_heads);
+                return ops::self_attention_flash::self_attention(x, [q, k, v], heads, (&pos.cos, &pos.sin), visibility, self.scale());
+            }
+        }
+        let (q, k, v) = self.token_major_qkv(x, pos)?;
+        ops::flash_attention::attention_token_major(&q, &k, &v, visibility, self.scale())
     }
 
     /// Where training's attention runs on the GPU's flash kernels token-major (the projections'

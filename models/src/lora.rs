@@ -156,7 +156,19 @@ impl AdaptedLinear {
     /// on the CPU whose weight gradient has a sink or that trains nothing: an op may then keep
     /// the weight outside candle's graph (`ops::self_attention`).
     pub fn weight_with_sink(&self, x: &Tensor, mode: OpMode, rows: &RowAdapters) -> Option<(Tensor, Option<WeightGradTarget>)> {
-        let w = self.plain_weight_in_training(x, mode, rows)?;
+        self.weight_with_sink_where(x, mode, rows, ops::applies(x))
+    }
+
+    /// [`Self::weight_with_sink`] where `ours` says whether the op in question runs for x (a
+    /// GPU's flash kernels: `ops::self_attention_flash`).
+    pub fn weight_with_sink_where(
+        &self,
+        x: &Tensor,
+        mode: OpMode,
+        rows: &RowAdapters,
+        ours: bool,
+    ) -> Option<(Tensor, Option<WeightGradTarget>)> {
+        let w = self.plain_weight_where(x, mode, rows, ours)?;
         let to = self.weight_grad_target();
         (to.is_some() || !w.track_op()).then(|| (w.clone(), to))
     }
@@ -240,14 +252,9 @@ impl AdaptedLinear {
         self.weight_grads = sink;
     }
 
-    /// The dense weight, when this layer is only `x · wᵀ` in a CPU training forward (no bias,
-    /// no adapter of its own or of the batch's rows): the case our fused training ops cover.
-    fn plain_weight_in_training(&self, x: &Tensor, mode: OpMode, rows: &RowAdapters) -> Option<&Tensor> {
-        self.plain_weight_where(x, mode, rows, ops::applies(x))
-    }
-
-    /// [`Self::plain_weight_in_training`] where `ours` says whether the op in question runs
-    /// for x (the CPU's f32 only, or a GPU's too).
+    /// The dense weight, when this layer is only `x · wᵀ` in a training forward (no bias, no
+    /// adapter of its own or of the batch's rows) and `ours` says the op in question runs for x
+    /// (the CPU's f32 only, or a GPU's too): the case our fused training ops cover.
     fn plain_weight_where(&self, x: &Tensor, mode: OpMode, rows: &RowAdapters, ours: bool) -> Option<&Tensor> {
         match (&self.base, &self.adapter) {
             (LinearWeight::Dense(base), None)

@@ -311,6 +311,81 @@ fn gated_mlp_op_on_cuda_matches_cpu() {
     gpu_matches_cpu("gated_mlp", ["h", "dx", "dw_gate", "dw_up"], run);
 }
 
+/// The attention layer's inside as one op on the GPU (`ops::self_attention_flash`: cuBLAS
+/// products, our rope and flash kernels, x's gradient the one tensor candle's backward sums): the
+/// output, x's gradient and each weight's (through sinks) in bf16 against the CPU's op
+/// (`ops::self_attention`) in f32 with the same causal mask, at head dim 64 under GQA 2:1 over
+/// rows past a tile's end; the output's bits those of the six ops it replaces on the GPU.
+#[test]
+fn self_attention_flash_op_on_cuda_matches_cpu() {
+    use candle_core::Var;
+    use ops::flash_attention::Visibility;
+    use ops::weight_grads::{WeightGradTarget, WeightGrads};
+    let dev = gpu();
+    let (b, t, hidden, heads, d) = (2, 70, 96, (2, 1), 64);
+    let inputs = [
+        Tensor::randn(0f32, 1.0, (b, t, hidden), &Device::Cpu).unwrap(),
+        Tensor::randn(0f32, 0.2, (heads.0 * d, hidden), &Device::Cpu).unwrap(),
+        Tensor::randn(0f32, 0.2, (heads.1 * d, hidden), &Device::Cpu).unwrap(),
+        Tensor::randn(0f32, 0.2, (heads.1 * d, hidden), &Device::Cpu).unwrap(),
+    ];
+    let angles: Vec<f32> = (0..t * d / 2).map(|i| (i / (d / 2)) as f32 / 10_000f32.powf((i % (d / 2)) as f32 / (d / 2) as f32)).collect();
+    let angles = Tensor::from_vec(angles, (t, d / 2), &Device::Cpu).unwrap();
+    let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+    let probe = Tensor::randn(0f32, 1.0, (b, t, heads.0 * d), &Device::Cpu).unwrap();
+    let scale = 1.0 / (d as f64).sqrt();
+    let names = ["q", "k", "v"];
+    // (out, dx, dW_q, dW_k, dW_v) on `device` in `dtype`: the CPU's op with its mask, the GPU's
+    // with the same rule as a visibility.
+    let run = |device: &Device, dtype: DType| {
+        let [x, wq, wk, wv] = inputs.clone().map(|t| Var::from_tensor(&t.to_device(device).unwrap().to_dtype(dtype).unwrap()).unwrap());
+        let sink = WeightGrads::new();
+        let projections = [&wq, &wk, &wv]
+            .iter()
+            .zip(names)
+            .map(|(w, name)| (w.as_tensor().clone(), Some(WeightGradTarget { sink: sink.clone(), name: name.into() })))
+            .collect::<Vec<_>>()
+            .try_into()
+            .unwrap();
+        let tables = (cos.to_device(device).unwrap().to_dtype(dtype).unwrap(), sin.to_device(device).unwrap().to_dtype(dtype).unwrap());
+        let out = match device.is_cpu() {
+            true => {
+                let mask: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
+                let mask = Tensor::from_vec(mask, (t, t), device).unwrap();
+                ops::self_attention::self_attention(x.as_tensor(), projections, heads, (&tables.0, &tables.1), Some(&mask), scale).unwrap()
+            }
+            false => {
+                let visibility = Visibility::causal(0, None);
+                let out =
+                    ops::self_attention_flash::self_attention(x.as_tensor(), projections, heads, (&tables.0, &tables.1), visibility, scale)
+                        .unwrap();
+                // The six ops it replaces, on detached inputs: the same output bits.
+                let xd = x.as_tensor().detach();
+                let project = |w: &Var, n: usize| ops::linear::linear_heads_to(&xd, &w.as_tensor().detach(), n, None).unwrap();
+                let q = ops::fused::rope_token_major(&project(&wq, heads.0), &tables.0, &tables.1).unwrap();
+                let k = ops::fused::rope_token_major(&project(&wk, heads.1), &tables.0, &tables.1).unwrap();
+                let six = ops::flash_attention::attention_token_major(&q, &k, &project(&wv, heads.1), visibility, scale).unwrap();
+                assert_eq!(values(&out), values(&six), "{dtype:?}: not the six ops' output");
+                out
+            }
+        };
+        let grads = (out.to_dtype(DType::F32).unwrap() * probe.to_device(device).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+        let mut got = vec![values(&out), values(grads.get(x.as_tensor()).expect("x's gradient"))];
+        for (w, name) in [&wq, &wk, &wv].iter().zip(names) {
+            assert!(grads.get(w.as_tensor()).is_none(), "{name}: a gradient in candle's store");
+            got.push(values(&sink.take(name).expect("the sink got it").into_tensor(device).unwrap()));
+        }
+        got
+    };
+    let expected = run(&Device::Cpu, DType::F32);
+    let got = run(&dev, DType::BF16);
+    for (name, (g, e)) in ["out", "dx", "dW_q", "dW_k", "dW_v"].iter().zip(got.iter().zip(&expected)) {
+        let diff = rel_norm_diff(g, e);
+        eprintln!("self-attention (flash) BF16: {name} relative difference {diff:.2e}");
+        assert!(diff < 3e-2, "self-attention (flash) BF16: {name} differs from the CPU op by {diff}");
+    }
+}
+
 /// RMSNorm's kernels (`models/kernels/src/cuda/fused.cu`): y, dx and the weight's gradient
 /// against the CPU op in f32, over rows that fill no whole block of warps and a row length
 /// that is no multiple of a warp; bf16 within its rounding.

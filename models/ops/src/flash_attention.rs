@@ -49,7 +49,60 @@ pub fn attention_token_major(q: &Tensor, k: &Tensor, v: &Tensor, visibility: Vis
     checked(q, k, v, visibility, scale, true)
 }
 
+/// [`attention_token_major`] of inputs whose gradients the caller makes itself: the output and
+/// the kept forward, whose [`KeptAttention::backward`] gives (dq, dk, dv) for an output
+/// gradient. No node of candle's graph (the inputs are read detached).
+pub fn attention_token_major_kept(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    visibility: Visibility,
+    scale: f64,
+) -> Result<(Tensor, KeptAttention)> {
+    check(q, k, v, visibility, true)?;
+    #[cfg(feature = "cuda")]
+    {
+        super::flash_attention_cuda::attention_kept(q, k, v, visibility, scale, true)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = scale;
+        unreachable!("takes() is false without the cuda feature")
+    }
+}
+
+/// A forward of [`attention_token_major_kept`] (`flash_attention_cuda::Kept`; none exists
+/// without the `cuda` feature).
+#[cfg(feature = "cuda")]
+pub use super::flash_attention_cuda::Kept as KeptAttention;
+
+/// A forward of [`attention_token_major_kept`] (none exists without the `cuda` feature).
+#[cfg(not(feature = "cuda"))]
+pub enum KeptAttention {}
+
+#[cfg(not(feature = "cuda"))]
+impl KeptAttention {
+    /// (dq, dk, dv) for `dout`.
+    pub fn backward(&self, _dout: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        match *self {}
+    }
+}
+
 fn checked(q: &Tensor, k: &Tensor, v: &Tensor, visibility: Visibility, scale: f64, token_major: bool) -> Result<Tensor> {
+    check(q, k, v, visibility, token_major)?;
+    #[cfg(feature = "cuda")]
+    {
+        super::flash_attention_cuda::attention(q, k, v, visibility, scale, token_major)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (scale, token_major);
+        unreachable!("takes() is false without the cuda feature")
+    }
+}
+
+/// The problem as the kernels take it, or an error naming what they do not take.
+fn check(q: &Tensor, k: &Tensor, v: &Tensor, visibility: Visibility, token_major: bool) -> Result<()> {
     let ((b, t, h, d), (kb, s, kvh, kd)) = match token_major {
         true => (q.dims4()?, k.dims4()?),
         false => {
@@ -77,15 +130,7 @@ fn checked(q: &Tensor, k: &Tensor, v: &Tensor, visibility: Visibility, scale: f6
     if !fits(b * h * t.max(s)) || !fits(visibility.offset) || !fits(visibility.window.unwrap_or(0)) {
         candle_core::bail!("flash attention: q {:?} over {s} keys is too large for the kernels' 32-bit counts", q.dims());
     }
-    #[cfg(feature = "cuda")]
-    {
-        super::flash_attention_cuda::attention(q, k, v, visibility, scale, token_major)
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (scale, token_major);
-        unreachable!("takes() is false without the cuda feature")
-    }
+    Ok(())
 }
 
 /// Whether [`decode`] takes q (sequences, heads, 1, d) over caches of `kv_heads` heads: where

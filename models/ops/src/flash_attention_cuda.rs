@@ -126,6 +126,34 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, visibility: Visibility, sca
     }
 }
 
+/// [`attention`] on inputs that train nothing, the forward kept with its log-sum-exp for a
+/// backward the caller runs itself ([`Kept::backward`]): what an op that holds attention
+/// inside it (`self_attention_flash`) needs, where the attention is no node of candle's graph.
+pub fn attention_kept(q: &Tensor, k: &Tensor, v: &Tensor, visibility: Visibility, scale: f64, token_major: bool) -> Result<(Tensor, Kept)> {
+    let (q, k, v) = (aligned(&q.detach())?, aligned(&k.detach())?, aligned(&v.detach())?);
+    let op = Flash { problem: Problem::new(&q, &k, visibility, scale, token_major)?, lse: Mutex::new(None) };
+    let out = q.apply_op3_no_bwd(&k, &v, &op)?;
+    Ok((out.clone(), Kept { op, inputs: [q, k, v], out }))
+}
+
+/// A forward of [`attention_kept`]: its inputs, output and log-sum-exp.
+pub struct Kept {
+    op: Flash,
+    inputs: [Tensor; 3],
+    out: Tensor,
+}
+
+impl Kept {
+    /// (dq, dk, dv) for `dout`, each in its input's shape; once (the log-sum-exp is taken).
+    pub fn backward(&self, dout: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let [q, k, v] = &self.inputs;
+        match self.op.bwd(q, k, v, &self.out, dout)? {
+            (Some(dq), Some(dk), Some(dv)) => Ok((dq, dk, dv)),
+            _ => candle_core::bail!("flash attention: a backward without all three gradients"),
+        }
+    }
+}
+
 /// `x` contiguous from a 16-byte boundary (the kernels stage rows with 16-byte loads). A fresh
 /// copy where not (`force_contiguous`: candle's `copy` keeps the layout, offset and strides).
 fn aligned(x: &Tensor) -> Result<Tensor> {

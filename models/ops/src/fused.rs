@@ -304,6 +304,12 @@ pub fn rope_token_major(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor
     x.contiguous()?.apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rope { inverse: false, token_major: true })
 }
 
+/// [`rope_token_major`]'s backward: x rotated by the negative angles, with no backward of its
+/// own (for ops that run their backward themselves, `self_attention_flash`).
+pub(crate) fn rope_token_major_inverse(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    x.contiguous()?.apply_op3_no_bwd(&cos.contiguous()?, &sin.contiguous()?, &Rope { inverse: true, token_major: true })
+}
+
 /// `inverse` rotates by the negative angle: the backward of a rotation is its inverse.
 /// `token_major`: x is (batch, seq, heads, head_dim), else (batch, heads, seq, head_dim).
 struct Rope {

@@ -5,7 +5,8 @@
 //!
 //! - `fused`: RMSNorm, rope, SwiGLU; `cross_entropy`: rows of logits against targets; `gated_mlp`: an MLP's gate and up products with their
 //!   SwiGLU; `attention`: causal/packed attention with an online softmax; `self_attention`:
-//!   q/k/v, RoPE and attention as one op; `linear`: `x · wᵀ` with its backward; `head_loss`: the
+//!   q/k/v, RoPE and attention as one op (`self_attention_flash`: the same on a GPU's flash
+//!   kernels); `linear`: `x · wᵀ` with its backward; `head_loss`: the
 //!   head and cross-entropy fused, by rows; `embedding`: the lookup whose weight gradient is
 //!   made by rows; `weight_grads`: the sink those ops hand their weight gradients to (no
 //!   vocabulary-sized gradient tensor, no zeroed weight-sized one); `backward_seed`: a backward
@@ -45,6 +46,7 @@ pub mod linear;
 pub mod lora_rows;
 pub mod quant;
 pub mod self_attention;
+pub mod self_attention_flash;
 #[doc(hidden)]
 pub mod testing;
 pub mod visibility;
