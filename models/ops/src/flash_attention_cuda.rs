@@ -117,8 +117,7 @@ macro_rules! by_half_dtype {
 
 /// `flash_attention::attention` (or, `token_major`, `attention_token_major`) on checked inputs.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, visibility: Visibility, scale: f64, token_major: bool) -> Result<Tensor> {
-    let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
-    let op = Flash { problem: Problem::new(&q, &k, visibility, scale, token_major)?, lse: Mutex::new(None) };
+    let (op, [q, k, v]) = Flash::new([q, k, v], visibility, scale, token_major)?;
     if q.track_op() || k.track_op() || v.track_op() {
         q.apply_op3(&k, &v, op)
     } else {
@@ -130,8 +129,7 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, visibility: Visibility, sca
 /// backward the caller runs itself ([`Kept::backward`]): what an op that holds attention
 /// inside it (`self_attention_flash`) needs, where the attention is no node of candle's graph.
 pub fn attention_kept(q: &Tensor, k: &Tensor, v: &Tensor, visibility: Visibility, scale: f64, token_major: bool) -> Result<(Tensor, Kept)> {
-    let (q, k, v) = (aligned(&q.detach())?, aligned(&k.detach())?, aligned(&v.detach())?);
-    let op = Flash { problem: Problem::new(&q, &k, visibility, scale, token_major)?, lse: Mutex::new(None) };
+    let (op, [q, k, v]) = Flash::new([&q.detach(), &k.detach(), &v.detach()], visibility, scale, token_major)?;
     let out = q.apply_op3_no_bwd(&k, &v, &op)?;
     Ok((out.clone(), Kept { op, inputs: [q, k, v], out }))
 }
@@ -191,6 +189,13 @@ struct Flash {
 }
 
 impl Flash {
+    /// The op for q, k and v, and the three as the kernels read them ([`aligned`]).
+    fn new([q, k, v]: [&Tensor; 3], visibility: Visibility, scale: f64, token_major: bool) -> Result<(Self, [Tensor; 3])> {
+        let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
+        let op = Flash { problem: Problem::new(&q, &k, visibility, scale, token_major)?, lse: Mutex::new(None) };
+        Ok((op, [q, k, v]))
+    }
+
     fn forward<T: CudaDType + DeviceRepr + WithDType>(&self, [q, k, v]: [(&CudaStorage, &Layout); 3]) -> Result<CudaStorage> {
         let p = &self.problem;
         let dev = q.0.device.clone();
