@@ -12,7 +12,9 @@
 //
 // A block is four warps; a warp owns 16 rows of the outer matrix (queries for the forward and dq,
 // keys for dk and dv), its A operand in registers, and walks tiles of the inner one, which the
-// block stages in shared memory. Products are mma.m16n8k16 (f32 accumulators); the C fragment
+// block stages in shared memory through cp.async (TileSchedule: where two steps' tiles fit, the
+// next step's copies run under this step's products; synchronous staging left the warps waiting
+// on memory at two blocks an SM). Products are mma.m16n8k16 (f32 accumulators); the C fragment
 // of one product is the A fragment of the next (the probabilities rounded to half first), so
 // nothing is transposed through memory. The backward is two kernels, dq by query rows and dk, dv
 // by key rows (and query head, its shares summed by a third under GQA), each recomputing the
@@ -53,6 +55,37 @@ __device__ __forceinline__ bool visible(int i, int j, const Shape &s) {
   if (s.causal && j > pos) return false;
   if (s.window > 0 && pos - j >= s.window) return false;
   return true;
+}
+
+// Whether every query of [i0, i0 + ni) sees every key of [j0, j0 + nj): a tile with no mask to
+// apply (visible()'s tests for the last key against the first query's position, and for the
+// first key against the last query's).
+__device__ __forceinline__ bool all_visible(int i0, int ni, int j0, int nj, const Shape &s) {
+  if (i0 + ni > s.t_len || j0 + nj > s.s_len) return false;
+  if (s.causal && j0 + nj - 1 > i0 + s.offset) return false;
+  if (s.window > 0 && i0 + ni - 1 + s.offset - j0 >= s.window) return false;
+  return true;
+}
+
+// f(nt, r, shown) over a warp's fragment (N / 8 x 4 values), `shown` whether query i sees key j
+// for (i, j) = at(nt, r). Where the whole tile is visible (`all`, the same for the warp) without
+// the per-value test, which in the inner loop costs about as many instructions as the products.
+template <int N, class At, class F>
+__device__ __forceinline__ void for_fragment(bool all, const Shape &s, At at, F f) {
+  if (all) {
+#pragma unroll
+    for (int nt = 0; nt < N / 8; nt++)
+#pragma unroll
+      for (int r = 0; r < 4; r++) f(nt, r, true);
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < N / 8; nt++)
+#pragma unroll
+      for (int r = 0; r < 4; r++) {
+        int2 ij = at(nt, r);
+        f(nt, r, visible(ij.x, ij.y, s));
+      }
+  }
 }
 
 // The keys [first, end) that queries [m0, m0 + count) may see.
@@ -101,11 +134,21 @@ __device__ __forceinline__ void online_softmax(float (&sc)[N / 8][4], float (&m)
   }
 }
 
+// Buffers for the forward's and dq's tiles of 64 keys and values: two at D = 64, one at 128.
+#define KV_BUFFERS(D) TILE_BUFFERS(4 * ROWS * ((D) + PAD))
+
+// Starts staging the key and value tiles of keys n0 .. n0 + 63 (rows `ld` apart from kh and vh).
+template <int D>
+__device__ __forceinline__ void stage_kv(uint4 *k_tile, const half_bits *kh, uint4 *v_tile, const half_bits *vh, int ld, int n0, int s_len) {
+  stage_async<ROWS, D>(reinterpret_cast<half_bits *>(k_tile), kh + (long long)n0 * ld, ld, s_len - n0);
+  stage_async<ROWS, D>(reinterpret_cast<half_bits *>(v_tile), vh + (long long)n0 * ld, ld, s_len - n0);
+}
+
 // Grid (ceil(T / 64), batch * heads); 128 threads.
 template <class H, int D>
 __device__ void flash_forward(const half_bits *q, const half_bits *k, const half_bits *v, half_bits *out, float *lse, Shape s) {
-  __shared__ uint4 k_raw[ROWS * (D + PAD) / 8], v_raw[ROWS * (D + PAD) / 8];
-  half_bits *k_tile = reinterpret_cast<half_bits *>(k_raw), *v_tile = reinterpret_cast<half_bits *>(v_raw);
+  const int BUFFERS = KV_BUFFERS(D);
+  __shared__ uint4 k_raw[BUFFERS][ROWS * (D + PAD) / 8], v_raw[BUFFERS][ROWS * (D + PAD) / 8];
   int bh = blockIdx.y, kvh = (bh / s.heads) * s.kv_heads + (bh % s.heads) / (s.heads / s.kv_heads);
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   int m0 = blockIdx.x * ROWS, row0 = m0 + warp * 16;
@@ -121,19 +164,20 @@ __device__ void flash_forward(const half_bits *q, const half_bits *k, const half
   const float k2 = s.scale * LOG2E;
 
   int2 keys = key_range(m0, ROWS, s);
-  for (int n0 = keys.x / ROWS * ROWS; n0 < keys.y; n0 += ROWS) {
-    stage_both<ROWS, D>(k_tile, kh + (long long)n0 * kv_ld, v_tile, vh + (long long)n0 * kv_ld, kv_ld, s.s_len - n0);
+  auto issue = [&](int n0, int b) { stage_kv<D>(k_raw[b], kh, v_raw[b], vh, kv_ld, n0, s.s_len); };
+  TileSchedule<BUFFERS> tiles{keys.y, ROWS};
+  tiles.start(keys.x / ROWS * ROWS, issue);
+  for (int n0 = keys.x / ROWS * ROWS, index = 0; n0 < keys.y; n0 += ROWS, index++) {
+    int b = tiles.ready(n0, index, issue);
+    const half_bits *k_tile = reinterpret_cast<const half_bits *>(k_raw[b]), *v_tile = reinterpret_cast<const half_bits *>(v_raw[b]);
     float sc[ROWS / 8][4];
     times_staged<H, ROWS, D>(qa, k_tile, D + PAD, lane, sc);
-#pragma unroll
-    for (int nt = 0; nt < ROWS / 8; nt++)
-#pragma unroll
-      for (int r = 0; r < 4; r++) {
-        int i = row0 + g + 8 * (r / 2), j = n0 + nt * 8 + 2 * t + (r & 1);
-        sc[nt][r] = visible(i, j, s) ? sc[nt][r] * k2 : NEG_INF;
-      }
+    auto at = [&](int nt, int r) { return make_int2(row0 + g + 8 * (r / 2), n0 + nt * 8 + 2 * t + (r & 1)); };
+    for_fragment<ROWS>(all_visible(row0, 16, n0, ROWS, s), s, at,
+                       [&](int nt, int r, bool shown) { sc[nt][r] = shown ? sc[nt][r] * k2 : NEG_INF; });
     online_softmax<ROWS, D>(sc, m, l, o);
     accumulate_staged<H, ROWS, D>(sc, v_tile, D + PAD, lane, o);
+    tiles.done();
   }
 
   float inv[2];
@@ -154,8 +198,8 @@ __device__ __forceinline__ float prob(float x, float lse2) { return lse2 == NEG_
 template <class H, int D>
 __device__ void flash_backward_dq(const half_bits *q, const half_bits *k, const half_bits *v, const half_bits *dout,
                                   const float *lse, const float *delta, half_bits *dq, Shape s) {
-  __shared__ uint4 k_raw[ROWS * (D + PAD) / 8], v_raw[ROWS * (D + PAD) / 8];
-  half_bits *k_tile = reinterpret_cast<half_bits *>(k_raw), *v_tile = reinterpret_cast<half_bits *>(v_raw);
+  const int BUFFERS = KV_BUFFERS(D);
+  __shared__ uint4 k_raw[BUFFERS][ROWS * (D + PAD) / 8], v_raw[BUFFERS][ROWS * (D + PAD) / 8];
   int bh = blockIdx.y, kvh = (bh / s.heads) * s.kv_heads + (bh % s.heads) / (s.heads / s.kv_heads);
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   int m0 = blockIdx.x * ROWS, row0 = m0 + warp * 16;
@@ -178,20 +222,23 @@ __device__ void flash_backward_dq(const half_bits *q, const half_bits *k, const 
   const float k2 = s.scale * LOG2E;
 
   int2 keys = key_range(m0, ROWS, s);
-  for (int n0 = keys.x / ROWS * ROWS; n0 < keys.y; n0 += ROWS) {
-    stage_both<ROWS, D>(k_tile, kh + (long long)n0 * kv_ld, v_tile, vh + (long long)n0 * kv_ld, kv_ld, s.s_len - n0);
+  auto issue = [&](int n0, int b) { stage_kv<D>(k_raw[b], kh, v_raw[b], vh, kv_ld, n0, s.s_len); };
+  TileSchedule<BUFFERS> tiles{keys.y, ROWS};
+  tiles.start(keys.x / ROWS * ROWS, issue);
+  for (int n0 = keys.x / ROWS * ROWS, index = 0; n0 < keys.y; n0 += ROWS, index++) {
+    int b = tiles.ready(n0, index, issue);
+    const half_bits *k_tile = reinterpret_cast<const half_bits *>(k_raw[b]), *v_tile = reinterpret_cast<const half_bits *>(v_raw[b]);
     float p[ROWS / 8][4], dp[ROWS / 8][4];
     times_staged<H, ROWS, D>(qa, k_tile, D + PAD, lane, p);
     times_staged<H, ROWS, D>(da, v_tile, D + PAD, lane, dp);
-#pragma unroll
-    for (int nt = 0; nt < ROWS / 8; nt++)
-#pragma unroll
-      for (int r = 0; r < 4; r++) {
-        int half = r / 2, i = row0 + g + 8 * half, j = n0 + nt * 8 + 2 * t + (r & 1);
-        float pr = visible(i, j, s) ? prob(p[nt][r] * k2, lse2[half]) : 0.0f;
-        p[nt][r] = pr * (dp[nt][r] - dl[half]);
-      }
+    auto at = [&](int nt, int r) { return make_int2(row0 + g + 8 * (r / 2), n0 + nt * 8 + 2 * t + (r & 1)); };
+    for_fragment<ROWS>(all_visible(row0, 16, n0, ROWS, s), s, at, [&](int nt, int r, bool shown) {
+      int half = r / 2;
+      float pr = shown ? prob(p[nt][r] * k2, lse2[half]) : 0.0f;
+      p[nt][r] = pr * (dp[nt][r] - dl[half]);
+    });
     accumulate_staged<H, ROWS, D>(p, k_tile, D + PAD, lane, acc);
+    tiles.done();
   }
   store_rows<H, D>(acc, dq + q_at, q_ld, s.t_len, row0, lane, s.scale, s.scale);
 }
@@ -228,10 +275,9 @@ __device__ void flash_backward_delta(const half_bits *dout, const half_bits *out
 template <class H, int D>
 __device__ void flash_backward_dkv(const half_bits *q, const half_bits *k, const half_bits *v, const half_bits *dout,
                                    const float *lse, const float *delta, half_bits *dk, half_bits *dv, float *partial, Shape s) {
-  const int QN = QUERIES(D);
-  __shared__ uint4 q_raw[QN * (D + PAD) / 8], d_raw[QN * (D + PAD) / 8];
-  __shared__ float lse_tile[QN], delta_tile[QN];
-  half_bits *q_tile = reinterpret_cast<half_bits *>(q_raw), *d_tile = reinterpret_cast<half_bits *>(d_raw);
+  const int QN = QUERIES(D), BUFFERS = TILE_BUFFERS(QN * (4 * (D + PAD) + 8));
+  __shared__ uint4 q_raw[BUFFERS][QN * (D + PAD) / 8], d_raw[BUFFERS][QN * (D + PAD) / 8];
+  __shared__ float lse_raw[BUFFERS][QN], delta_raw[BUFFERS][QN];
   int bh = blockIdx.y, b = bh / s.heads, head = bh % s.heads, group = s.heads / s.kv_heads;
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   int n0 = blockIdx.x * ROWS, key0 = n0 + warp * 16;
@@ -248,20 +294,27 @@ __device__ void flash_backward_dkv(const half_bits *q, const half_bits *k, const
   const float k2 = s.scale * LOG2E;
 
   int2 queries = query_range(n0, ROWS, s);
-  for (int m0 = queries.x / QN * QN; m0 < queries.y; m0 += QN) {
-    __syncthreads();
-    stage_row_values<QN>(lse_tile, lse + rows_at + m0, s.t_len - m0, NEG_INF);
-    stage_row_values<QN>(delta_tile, delta + rows_at + m0, s.t_len - m0, 0.0f);
-    stage_both<QN, D>(q_tile, q + q_at + (long long)m0 * q_ld, d_tile, dout + q_at + (long long)m0 * q_ld, q_ld, s.t_len - m0);
+  // Past the last query, lse and delta stage as 0: visible() hides those rows (p = 0) and their
+  // q and dout rows are zeros, so neither reaches a sum.
+  auto issue = [&](int m0, int b) {
+    stage_async<QN, D>(reinterpret_cast<half_bits *>(q_raw[b]), q + q_at + (long long)m0 * q_ld, q_ld, s.t_len - m0);
+    stage_async<QN, D>(reinterpret_cast<half_bits *>(d_raw[b]), dout + q_at + (long long)m0 * q_ld, q_ld, s.t_len - m0);
+    stage_values_async<QN>(lse_raw[b], lse + rows_at + m0, s.t_len - m0);
+    stage_values_async<QN>(delta_raw[b], delta + rows_at + m0, s.t_len - m0);
+  };
+  TileSchedule<BUFFERS> tiles{queries.y, QN};
+  tiles.start(queries.x / QN * QN, issue);
+  for (int m0 = queries.x / QN * QN, index = 0; m0 < queries.y; m0 += QN, index++) {
+    int b = tiles.ready(m0, index, issue);
+    const half_bits *q_tile = reinterpret_cast<const half_bits *>(q_raw[b]), *d_tile = reinterpret_cast<const half_bits *>(d_raw[b]);
+    const float *lse_tile = lse_raw[b], *delta_tile = delta_raw[b];
     float p[QN / 8][4], dp[QN / 8][4];
     times_staged<H, QN, D>(ka, q_tile, D + PAD, lane, p);
-#pragma unroll
-    for (int nt = 0; nt < QN / 8; nt++)
-#pragma unroll
-      for (int r = 0; r < 4; r++) {
-        int c = nt * 8 + 2 * t + (r & 1), j = key0 + g + 8 * (r / 2);
-        p[nt][r] = visible(m0 + c, j, s) ? prob(p[nt][r] * k2, lse_tile[c] * LOG2E) : 0.0f;
-      }
+    auto at = [&](int nt, int r) { return make_int2(m0 + nt * 8 + 2 * t + (r & 1), key0 + g + 8 * (r / 2)); };
+    for_fragment<QN>(all_visible(m0, QN, key0, 16, s), s, at, [&](int nt, int r, bool shown) {
+      int c = nt * 8 + 2 * t + (r & 1);
+      p[nt][r] = shown ? prob(p[nt][r] * k2, lse_tile[c] * LOG2E) : 0.0f;
+    });
     accumulate_staged<H, QN, D>(p, d_tile, D + PAD, lane, dv_acc);
     times_staged<H, QN, D>(va, d_tile, D + PAD, lane, dp);
 #pragma unroll
@@ -269,6 +322,7 @@ __device__ void flash_backward_dkv(const half_bits *q, const half_bits *k, const
 #pragma unroll
       for (int r = 0; r < 4; r++) p[nt][r] *= dp[nt][r] - delta_tile[nt * 8 + 2 * t + (r & 1)];
     accumulate_staged<H, QN, D>(p, q_tile, D + PAD, lane, dk_acc);
+    tiles.done();
   }
   if (group == 1) {
     store_rows<H, D>(dk_acc, dk + keys_at, kv_ld, s.s_len, key0, lane, s.scale, s.scale);

@@ -95,40 +95,110 @@ __device__ __forceinline__ void load_a(const half_bits *m, int ld, int rows, int
   }
 }
 
-// Stages rows 0..N-1 of a (rows x D) matrix (rows `ld` apart) in `tile` (rows D + PAD apart), 16
-// bytes per thread and step; rows past `rows` as zeros (so masked products read 0, never stale
-// values).
+// Copies from global to shared memory that bypass registers and complete in the background
+// (cp.async, sm_80 on): a thread's copies issued since its last `async_commit` form a group, and
+// `async_wait<P>` returns once at most P of its groups are still in flight. `valid` false writes
+// zeros (the copy's source size 0; `src` must still be an address of the tensor). The emulation
+// copies at once.
+__device__ __forceinline__ void copy_async_16(void *dst, const void *src, bool valid) {
+#ifdef FSDP_CUDA_EMULATION
+  if (valid)
+    std::memcpy(dst, src, 16);
+  else
+    std::memset(dst, 0, 16);
+#else
+  unsigned at = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(at), "l"(src), "r"(valid ? 16 : 0));
+#endif
+}
+
+__device__ __forceinline__ void copy_async_4(void *dst, const void *src, bool valid) {
+#ifdef FSDP_CUDA_EMULATION
+  if (valid)
+    std::memcpy(dst, src, 4);
+  else
+    std::memset(dst, 0, 4);
+#else
+  unsigned at = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(at), "l"(src), "r"(valid ? 4 : 0));
+#endif
+}
+
+__device__ __forceinline__ void async_commit() {
+#ifndef FSDP_CUDA_EMULATION
+  asm volatile("cp.async.commit_group;");
+#endif
+}
+
+template <int PENDING>
+__device__ __forceinline__ void async_wait() {
+#ifndef FSDP_CUDA_EMULATION
+  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING));
+#endif
+}
+
+// Starts staging rows 0..N-1 of a (rows x D) matrix (rows `ld` apart; rows >= 1) in `tile` (rows
+// D + PAD apart), 16 bytes per thread and step; rows past `rows` as zeros (so masked products
+// read 0, never stale values). Lands by the caller's `async_wait`.
 template <int N, int D>
-__device__ __forceinline__ void stage(half_bits *tile, const half_bits *m, int ld, int rows) {
+__device__ __forceinline__ void stage_async(half_bits *tile, const half_bits *m, int ld, int rows) {
   const int per_row = D / 8;
   for (int i = threadIdx.x; i < N * per_row; i += WARPS * 32) {
     int r = i / per_row, c = (i % per_row) * 8;
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (r < rows) v = *reinterpret_cast<const uint4 *>(m + r * ld + c);
-    *reinterpret_cast<uint4 *>(tile + r * (D + PAD) + c) = v;
+    bool in = r < rows;
+    copy_async_16(tile + r * (D + PAD) + c, m + (in ? r * ld + c : 0), in);
   }
 }
 
-// The next tiles of two (rows x D) matrices (rows `ld` apart in both), once every warp is done
-// with the last ones.
-template <int N, int D>
-__device__ __forceinline__ void stage_both(half_bits *tile_a, const half_bits *a, half_bits *tile_b, const half_bits *b, int ld, int rows) {
-  __syncthreads();
-  stage<N, D>(tile_a, a, ld, rows);
-  stage<N, D>(tile_b, b, ld, rows);
-  __syncthreads();
+// Starts staging values 0..N-1 of an f32 row vector (rows >= 1), zeros past `rows`.
+template <int N>
+__device__ __forceinline__ void stage_values_async(float *tile, const float *m, int rows) {
+  for (int i = threadIdx.x; i < N; i += WARPS * 32) copy_async_4(tile + i, m + (i < rows ? i : 0), i < rows);
 }
+
+// The tile loops' buffers: two when a step's tiles fit twice in the 48 KB of static shared
+// memory (the next step's copies then run under this step's products), else one. `bytes`: one
+// step's tiles.
+#define TILE_BUFFERS(bytes) (2 * (bytes) <= 48 * 1024 ? 2 : 1)
+
+// The tile loop's schedule, for kernels that walk the steps first, first + step, .. < end and
+// stage each step's tiles with `issue(position, buffer)` (which starts its copies and does not
+// commit). Before the loop, `start`; at the top of each iteration, `ready`, which returns the
+// buffer holding this step's tiles once all of them have landed for the whole block; at its end,
+// `done`, before the buffer is written again. With two buffers the next step's copies are issued
+// before this step's products.
+template <int BUFFERS>
+struct TileSchedule {
+  int end, step;
+
+  template <class Issue>
+  __device__ __forceinline__ void start(int first, Issue issue) const {
+    if (BUFFERS == 2 && first < end) issue(first, 0);
+    async_commit();
+  }
+
+  template <class Issue>
+  __device__ __forceinline__ int ready(int at, int index, Issue issue) const {
+    if (BUFFERS == 1) {
+      issue(at, 0);
+      async_commit();
+      async_wait<0>();
+    } else {
+      if (at + step < end) issue(at + step, (index + 1) & 1);
+      async_commit();
+      async_wait<1>();
+    }
+    __syncthreads();
+    return BUFFERS == 1 ? 0 : index & 1;
+  }
+
+  __device__ __forceinline__ void done() const { __syncthreads(); }
+};
 
 template <int N>
 __device__ __forceinline__ void zero(float (&acc)[N][4]) {
 #pragma unroll
   for (int i = 0; i < N; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-}
-
-// Values (rows 0..N-1) of a tile of f32 per row, `fill` past `rows`.
-template <int N>
-__device__ __forceinline__ void stage_row_values(float *tile, const float *m, int rows, float fill) {
-  for (int i = threadIdx.x; i < N; i += WARPS * 32) tile[i] = i < rows ? m[i] : fill;
 }
 
 // acc (16 x N) = a (16 x D) · tileᵀ, the tile's N rows (`stride` halves apart) as the columns.
