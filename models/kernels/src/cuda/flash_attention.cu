@@ -12,7 +12,7 @@
 //
 // A block is four warps; a warp owns 16 rows of the outer matrix (queries for the forward and dq,
 // keys for dk and dv), its A operand in registers, and walks tiles of the inner one, which the
-// block stages in shared memory through cp.async (TileSchedule: where two steps' tiles fit, the
+// block stages in shared memory through cp.async (for_staged_tiles: where two steps' tiles fit, the
 // next step's copies run under this step's products; synchronous staging left the warps waiting
 // on memory at two blocks an SM). Products are mma.m16n8k16 (f32 accumulators); the C fragment
 // of one product is the A fragment of the next (the probabilities rounded to half first), so
@@ -137,18 +137,25 @@ __device__ __forceinline__ void online_softmax(float (&sc)[N / 8][4], float (&m)
 // Buffers for the forward's and dq's tiles of 64 keys and values: two at D = 64, one at 128.
 #define KV_BUFFERS(D) TILE_BUFFERS(4 * ROWS * ((D) + PAD))
 
-// Starts staging the key and value tiles of keys n0 .. n0 + 63 (rows `ld` apart from kh and vh).
-template <int D>
-__device__ __forceinline__ void stage_kv(uint4 *k_tile, const half_bits *kh, uint4 *v_tile, const half_bits *vh, int ld, int n0, int s_len) {
-  stage_async<ROWS, D>(reinterpret_cast<half_bits *>(k_tile), kh + (long long)n0 * ld, ld, s_len - n0);
-  stage_async<ROWS, D>(reinterpret_cast<half_bits *>(v_tile), vh + (long long)n0 * ld, ld, s_len - n0);
+// body(n0, k_tile, v_tile) over the 64-key tiles that hold keys [keys.x, keys.y), the tiles of
+// k and v (rows `ld` apart from kh and vh) staged in shared memory (rows D + PAD apart).
+template <int D, class Body>
+__device__ __forceinline__ void for_kv_tiles(int2 keys, const half_bits *kh, const half_bits *vh, int ld, int s_len, Body body) {
+  const int BUFFERS = KV_BUFFERS(D);
+  __shared__ uint4 k_raw[BUFFERS][ROWS * (D + PAD) / 8], v_raw[BUFFERS][ROWS * (D + PAD) / 8];
+  auto tile = [&](uint4 *raw) { return reinterpret_cast<half_bits *>(raw); };
+  for_staged_tiles<BUFFERS>(
+      keys.x / ROWS * ROWS, keys.y, ROWS,
+      [&](int n0, int b) {
+        stage_async<ROWS, D>(tile(k_raw[b]), kh + (long long)n0 * ld, ld, s_len - n0);
+        stage_async<ROWS, D>(tile(v_raw[b]), vh + (long long)n0 * ld, ld, s_len - n0);
+      },
+      [&](int n0, int b) { body(n0, tile(k_raw[b]), tile(v_raw[b])); });
 }
 
 // Grid (ceil(T / 64), batch * heads); 128 threads.
 template <class H, int D>
 __device__ void flash_forward(const half_bits *q, const half_bits *k, const half_bits *v, half_bits *out, float *lse, Shape s) {
-  const int BUFFERS = KV_BUFFERS(D);
-  __shared__ uint4 k_raw[BUFFERS][ROWS * (D + PAD) / 8], v_raw[BUFFERS][ROWS * (D + PAD) / 8];
   int bh = blockIdx.y, kvh = (bh / s.heads) * s.kv_heads + (bh % s.heads) / (s.heads / s.kv_heads);
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   int m0 = blockIdx.x * ROWS, row0 = m0 + warp * 16;
@@ -163,13 +170,7 @@ __device__ void flash_forward(const half_bits *q, const half_bits *k, const half
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
   const float k2 = s.scale * LOG2E;
 
-  int2 keys = key_range(m0, ROWS, s);
-  auto issue = [&](int n0, int b) { stage_kv<D>(k_raw[b], kh, v_raw[b], vh, kv_ld, n0, s.s_len); };
-  TileSchedule<BUFFERS> tiles{keys.y, ROWS};
-  tiles.start(keys.x / ROWS * ROWS, issue);
-  for (int n0 = keys.x / ROWS * ROWS, index = 0; n0 < keys.y; n0 += ROWS, index++) {
-    int b = tiles.ready(n0, index, issue);
-    const half_bits *k_tile = reinterpret_cast<const half_bits *>(k_raw[b]), *v_tile = reinterpret_cast<const half_bits *>(v_raw[b]);
+  for_kv_tiles<D>(key_range(m0, ROWS, s), kh, vh, kv_ld, s.s_len, [&](int n0, const half_bits *k_tile, const half_bits *v_tile) {
     float sc[ROWS / 8][4];
     times_staged<H, ROWS, D>(qa, k_tile, D + PAD, lane, sc);
     auto at = [&](int nt, int r) { return make_int2(row0 + g + 8 * (r / 2), n0 + nt * 8 + 2 * t + (r & 1)); };
@@ -177,8 +178,7 @@ __device__ void flash_forward(const half_bits *q, const half_bits *k, const half
                        [&](int nt, int r, bool shown) { sc[nt][r] = shown ? sc[nt][r] * k2 : NEG_INF; });
     online_softmax<ROWS, D>(sc, m, l, o);
     accumulate_staged<H, ROWS, D>(sc, v_tile, D + PAD, lane, o);
-    tiles.done();
-  }
+  });
 
   float inv[2];
 #pragma unroll
@@ -198,8 +198,6 @@ __device__ __forceinline__ float prob(float x, float lse2) { return lse2 == NEG_
 template <class H, int D>
 __device__ void flash_backward_dq(const half_bits *q, const half_bits *k, const half_bits *v, const half_bits *dout,
                                   const float *lse, const float *delta, half_bits *dq, Shape s) {
-  const int BUFFERS = KV_BUFFERS(D);
-  __shared__ uint4 k_raw[BUFFERS][ROWS * (D + PAD) / 8], v_raw[BUFFERS][ROWS * (D + PAD) / 8];
   int bh = blockIdx.y, kvh = (bh / s.heads) * s.kv_heads + (bh % s.heads) / (s.heads / s.kv_heads);
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   int m0 = blockIdx.x * ROWS, row0 = m0 + warp * 16;
@@ -221,13 +219,7 @@ __device__ void flash_backward_dq(const half_bits *q, const half_bits *k, const 
   zero(acc);
   const float k2 = s.scale * LOG2E;
 
-  int2 keys = key_range(m0, ROWS, s);
-  auto issue = [&](int n0, int b) { stage_kv<D>(k_raw[b], kh, v_raw[b], vh, kv_ld, n0, s.s_len); };
-  TileSchedule<BUFFERS> tiles{keys.y, ROWS};
-  tiles.start(keys.x / ROWS * ROWS, issue);
-  for (int n0 = keys.x / ROWS * ROWS, index = 0; n0 < keys.y; n0 += ROWS, index++) {
-    int b = tiles.ready(n0, index, issue);
-    const half_bits *k_tile = reinterpret_cast<const half_bits *>(k_raw[b]), *v_tile = reinterpret_cast<const half_bits *>(v_raw[b]);
+  for_kv_tiles<D>(key_range(m0, ROWS, s), kh, vh, kv_ld, s.s_len, [&](int n0, const half_bits *k_tile, const half_bits *v_tile) {
     float p[ROWS / 8][4], dp[ROWS / 8][4];
     times_staged<H, ROWS, D>(qa, k_tile, D + PAD, lane, p);
     times_staged<H, ROWS, D>(da, v_tile, D + PAD, lane, dp);
@@ -238,8 +230,7 @@ __device__ void flash_backward_dq(const half_bits *q, const half_bits *k, const 
       p[nt][r] = pr * (dp[nt][r] - dl[half]);
     });
     accumulate_staged<H, ROWS, D>(p, k_tile, D + PAD, lane, acc);
-    tiles.done();
-  }
+  });
   store_rows<H, D>(acc, dq + q_at, q_ld, s.t_len, row0, lane, s.scale, s.scale);
 }
 
@@ -296,17 +287,15 @@ __device__ void flash_backward_dkv(const half_bits *q, const half_bits *k, const
   int2 queries = query_range(n0, ROWS, s);
   // Past the last query, lse and delta stage as 0: visible() hides those rows (p = 0) and their
   // q and dout rows are zeros, so neither reaches a sum.
+  auto tile = [&](uint4 *raw) { return reinterpret_cast<half_bits *>(raw); };
   auto issue = [&](int m0, int b) {
-    stage_async<QN, D>(reinterpret_cast<half_bits *>(q_raw[b]), q + q_at + (long long)m0 * q_ld, q_ld, s.t_len - m0);
-    stage_async<QN, D>(reinterpret_cast<half_bits *>(d_raw[b]), dout + q_at + (long long)m0 * q_ld, q_ld, s.t_len - m0);
+    stage_async<QN, D>(tile(q_raw[b]), q + q_at + (long long)m0 * q_ld, q_ld, s.t_len - m0);
+    stage_async<QN, D>(tile(d_raw[b]), dout + q_at + (long long)m0 * q_ld, q_ld, s.t_len - m0);
     stage_values_async<QN>(lse_raw[b], lse + rows_at + m0, s.t_len - m0);
     stage_values_async<QN>(delta_raw[b], delta + rows_at + m0, s.t_len - m0);
   };
-  TileSchedule<BUFFERS> tiles{queries.y, QN};
-  tiles.start(queries.x / QN * QN, issue);
-  for (int m0 = queries.x / QN * QN, index = 0; m0 < queries.y; m0 += QN, index++) {
-    int b = tiles.ready(m0, index, issue);
-    const half_bits *q_tile = reinterpret_cast<const half_bits *>(q_raw[b]), *d_tile = reinterpret_cast<const half_bits *>(d_raw[b]);
+  for_staged_tiles<BUFFERS>(queries.x / QN * QN, queries.y, QN, issue, [&](int m0, int b) {
+    const half_bits *q_tile = tile(q_raw[b]), *d_tile = tile(d_raw[b]);
     const float *lse_tile = lse_raw[b], *delta_tile = delta_raw[b];
     float p[QN / 8][4], dp[QN / 8][4];
     times_staged<H, QN, D>(ka, q_tile, D + PAD, lane, p);
@@ -322,8 +311,7 @@ __device__ void flash_backward_dkv(const half_bits *q, const half_bits *k, const
 #pragma unroll
       for (int r = 0; r < 4; r++) p[nt][r] *= dp[nt][r] - delta_tile[nt * 8 + 2 * t + (r & 1)];
     accumulate_staged<H, QN, D>(p, q_tile, D + PAD, lane, dk_acc);
-    tiles.done();
-  }
+  });
   if (group == 1) {
     store_rows<H, D>(dk_acc, dk + keys_at, kv_ld, s.s_len, key0, lane, s.scale, s.scale);
     store_rows<H, D>(dv_acc, dv + keys_at, kv_ld, s.s_len, key0, lane, 1.0f, 1.0f);

@@ -95,32 +95,24 @@ __device__ __forceinline__ void load_a(const half_bits *m, int ld, int rows, int
   }
 }
 
-// Copies from global to shared memory that bypass registers and complete in the background
-// (cp.async, sm_80 on): a thread's copies issued since its last `async_commit` form a group, and
-// `async_wait<P>` returns once at most P of its groups are still in flight. `valid` false writes
-// zeros (the copy's source size 0; `src` must still be an address of the tensor). The emulation
-// copies at once.
-__device__ __forceinline__ void copy_async_16(void *dst, const void *src, bool valid) {
+// A copy of BYTES (4, 8 or 16) from global to shared memory that bypasses the registers and
+// completes in the background (cp.async, sm_80 on): a thread's copies issued since its last
+// `async_commit` form a group, and `async_wait<P>` returns once at most P of its groups are still
+// in flight. `valid` false writes zeros (the copy's source size 0; `src` must still be an
+// address of the tensor). The emulation copies at once.
+template <int BYTES>
+__device__ __forceinline__ void copy_async(void *dst, const void *src, bool valid) {
 #ifdef FSDP_CUDA_EMULATION
   if (valid)
-    std::memcpy(dst, src, 16);
+    std::memcpy(dst, src, BYTES);
   else
-    std::memset(dst, 0, 16);
+    std::memset(dst, 0, BYTES);
 #else
   unsigned at = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(at), "l"(src), "r"(valid ? 16 : 0));
-#endif
-}
-
-__device__ __forceinline__ void copy_async_4(void *dst, const void *src, bool valid) {
-#ifdef FSDP_CUDA_EMULATION
-  if (valid)
-    std::memcpy(dst, src, 4);
+  if (BYTES == 16)  // .cg: the tiles are read once a block, past L1
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(at), "l"(src), "r"(valid ? 16 : 0));
   else
-    std::memset(dst, 0, 4);
-#else
-  unsigned at = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(at), "l"(src), "r"(valid ? 4 : 0));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(at), "l"(src), "n"(BYTES), "r"(valid ? BYTES : 0));
 #endif
 }
 
@@ -146,14 +138,14 @@ __device__ __forceinline__ void stage_async(half_bits *tile, const half_bits *m,
   for (int i = threadIdx.x; i < N * per_row; i += WARPS * 32) {
     int r = i / per_row, c = (i % per_row) * 8;
     bool in = r < rows;
-    copy_async_16(tile + r * (D + PAD) + c, m + (in ? r * ld + c : 0), in);
+    copy_async<16>(tile + r * (D + PAD) + c, m + (in ? r * ld + c : 0), in);
   }
 }
 
 // Starts staging values 0..N-1 of an f32 row vector (rows >= 1), zeros past `rows`.
 template <int N>
 __device__ __forceinline__ void stage_values_async(float *tile, const float *m, int rows) {
-  for (int i = threadIdx.x; i < N; i += WARPS * 32) copy_async_4(tile + i, m + (i < rows ? i : 0), i < rows);
+  for (int i = threadIdx.x; i < N; i += WARPS * 32) copy_async<4>(tile + i, m + (i < rows ? i : 0), i < rows);
 }
 
 // The tile loops' buffers: two when a step's tiles fit twice in the 48 KB of static shared
@@ -161,39 +153,31 @@ __device__ __forceinline__ void stage_values_async(float *tile, const float *m, 
 // step's tiles.
 #define TILE_BUFFERS(bytes) (2 * (bytes) <= 48 * 1024 ? 2 : 1)
 
-// The tile loop's schedule, for kernels that walk the steps first, first + step, .. < end and
-// stage each step's tiles with `issue(position, buffer)` (which starts its copies and does not
-// commit). Before the loop, `start`; at the top of each iteration, `ready`, which returns the
-// buffer holding this step's tiles once all of them have landed for the whole block; at its end,
-// `done`, before the buffer is written again. With two buffers the next step's copies are issued
-// before this step's products.
-template <int BUFFERS>
-struct TileSchedule {
-  int end, step;
-
-  template <class Issue>
-  __device__ __forceinline__ void start(int first, Issue issue) const {
-    if (BUFFERS == 2 && first < end) issue(first, 0);
-    async_commit();
-  }
-
-  template <class Issue>
-  __device__ __forceinline__ int ready(int at, int index, Issue issue) const {
+// The tile loops: body(at, buffer) for at = first, first + step, .. < end, once the tiles that
+// issue(at, buffer) stages (starting its copies, not committing them) have landed for the whole
+// block. With two buffers the next step's copies are issued before this step's body runs, so they
+// arrive under its products; the barrier after the body keeps a buffer from being written while a
+// warp still reads it.
+template <int BUFFERS, class Issue, class Body>
+__device__ __forceinline__ void for_staged_tiles(int first, int end, int step, Issue issue, Body body) {
+  if (BUFFERS == 2 && first < end) issue(first, 0);
+  async_commit();
+  for (int at = first, index = 0; at < end; at += step, index++) {
+    int buffer = BUFFERS == 1 ? 0 : index & 1;
     if (BUFFERS == 1) {
       issue(at, 0);
       async_commit();
       async_wait<0>();
     } else {
-      if (at + step < end) issue(at + step, (index + 1) & 1);
+      if (at + step < end) issue(at + step, buffer ^ 1);
       async_commit();
       async_wait<1>();
     }
     __syncthreads();
-    return BUFFERS == 1 ? 0 : index & 1;
+    body(at, buffer);
+    __syncthreads();
   }
-
-  __device__ __forceinline__ void done() const { __syncthreads(); }
-};
+}
 
 template <int N>
 __device__ __forceinline__ void zero(float (&acc)[N][4]) {
