@@ -212,7 +212,9 @@ fn fused_kernels_match_the_cpu_ops() {
     // Each op's f32 inputs; both sides read them rounded to the dtype.
     let (rows, n) = (37, 96);
     let norm_inputs = [random(&[rows, n]), ((random(&[n]) * 0.1).unwrap() + 1.0).unwrap(), random(&[rows, n])];
-    let glu_inputs = [random(&[5000]), random(&[5000]), random(&[5000])];
+    // 5,003 values: packs of 16 bytes and 3 left over; da's end, where db starts, off a 16-byte
+    // boundary (the backward's values one at a time).
+    let glu_inputs = [random(&[5003]), random(&[5003]), random(&[5003])];
     let (b, h, t, d) = (2, 3, 7, 16);
     let angles = Tensor::arange(0f32, (t * d / 2) as f32, &cpu).unwrap().reshape((t, d / 2)).unwrap() * 0.37;
     let (cos, sin) = (angles.as_ref().unwrap().cos().unwrap(), angles.unwrap().sin().unwrap());
@@ -245,13 +247,21 @@ fn fused_kernels_match_the_cpu_ops() {
 
         // SwiGLU: y, then (da; db).
         let [a, bb, g] = &glu_inputs;
-        let [y, grads] = run("swiglu", &[("a", a), ("b", bb), ("g", g)], &["5000".into()]);
+        let [y, grads] = run("swiglu", &[("a", a), ("b", bb), ("g", g)], &["5003".into()]);
         let (av, bv) = (Var::from_tensor(&held(a)).unwrap(), Var::from_tensor(&held(bb)).unwrap());
         let expected_y = ops::fused::swiglu(av.as_tensor(), bv.as_tensor()).unwrap();
         let all = (&expected_y * held(g)).unwrap().sum_all().unwrap().backward().unwrap();
         let expected_grads = Tensor::cat(&[all.get(av.as_tensor()).unwrap(), all.get(bv.as_tensor()).unwrap()], 0).unwrap();
         assert_close(&format!("swiglu {dtype:?}: y"), &y, &common::f32_values(&expected_y), tolerance);
         assert_close(&format!("swiglu {dtype:?}: da, db"), &grads, &common::f32_values(&expected_grads), tolerance);
+        // The first 5,000 alone, where the backward runs in packs too: the same bits as its values
+        // one at a time above (the forward ran in packs both times).
+        let [y_packed, grads_packed] = run("swiglu", &[("a", a), ("b", bb), ("g", g)], &["5000".into()]);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&y_packed), bits(&y[..5000]), "swiglu {dtype:?}: y in packs and one at a time");
+        let (da, db) = grads.split_at(5003);
+        assert_eq!(bits(&grads_packed[..5000]), bits(&da[..5000]), "swiglu {dtype:?}: da in packs and one at a time");
+        assert_eq!(bits(&grads_packed[5000..]), bits(&db[..5000]), "swiglu {dtype:?}: db in packs and one at a time");
 
         // Cross-entropy: per-row losses in f32, then d logits.
         let (rows, vocab) = (13, 1000);
