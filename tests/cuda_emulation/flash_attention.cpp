@@ -140,7 +140,10 @@ int main(int argc, char **argv) {
   const unsigned threads = WARPS * 32, rows_per_block = ROWS;
   dim3 queries{(unsigned)(s.t_len + rows_per_block - 1) / rows_per_block, (unsigned)(batch * s.heads), 1};
   dim3 keys{(unsigned)(s.s_len + rows_per_block - 1) / rows_per_block, (unsigned)(batch * s.heads), 1};
-  emulation::launch(k.forward, queries, threads, 0, q.data(), kk.data(), v.data(), out.data(), lse.data(), s);
+  // The forward's blocks hold FORWARD_GROUPS(d) times the rows (a warp 16 of them per group).
+  const unsigned forward_rows = rows_per_block * FORWARD_GROUPS(d);
+  dim3 forward_queries{(unsigned)(s.t_len + forward_rows - 1) / forward_rows, (unsigned)(batch * s.heads), 1};
+  emulation::launch(k.forward, forward_queries, threads, 0, q.data(), kk.data(), v.data(), out.data(), lse.data(), s);
   emulation::launch(k.delta, dim3{(unsigned)((rows + WARPS - 1) / WARPS), 1, 1}, threads, 0, dout.data(), out.data(), delta.data(), (long long)rows, s);
   emulation::launch(k.dq, queries, threads, 0, q.data(), kk.data(), v.data(), dout.data(), lse.data(), delta.data(), dq.data(), s);
   // As the op launches them: with GQA each query head's share in f32 (NaN until written), then

@@ -20,6 +20,12 @@ const THREADS: u32 = 128;
 const WARPS: usize = 4;
 const ROWS: usize = 64;
 
+/// The forward's query rows a block: 16 a warp per group, flash_attention.cu's
+/// `FORWARD_GROUPS(D)` groups (two at head dim 64, one at 128).
+fn forward_rows(head_dim: usize) -> usize {
+    ROWS * if head_dim == 64 { 2 } else { 1 }
+}
+
 /// The kernels' `Shape`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -80,10 +86,10 @@ impl Problem {
         self.batch * self.shape.kv_heads as usize * self.shape.s_len as usize
     }
 
-    /// Blocks over query rows (forward, dq) or key rows (dk, dv).
-    fn config(&self, rows: i32, heads: i32) -> LaunchConfig {
+    /// Blocks over query rows (forward, dq) or key rows (dk, dv), `per_block` a block.
+    fn config(&self, rows: i32, heads: i32, per_block: usize) -> LaunchConfig {
         LaunchConfig {
-            grid_dim: ((rows as usize).div_ceil(ROWS) as u32, (self.batch * heads as usize) as u32, 1),
+            grid_dim: ((rows as usize).div_ceil(per_block) as u32, (self.batch * heads as usize) as u32, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         }
@@ -207,7 +213,7 @@ impl Flash {
         args.arg(&q).arg(&k).arg(&v).arg(&out).arg(&lse).arg(&p.shape);
         // SAFETY: q, k and v hold the rows `Problem` counts (their shapes made it); out and lse
         // are allocated for them above.
-        unsafe { args.launch(p.config(p.shape.t_len, p.shape.heads)) }.w()?;
+        unsafe { args.launch(p.config(p.shape.t_len, p.shape.heads, forward_rows(p.head_dim))) }.w()?;
         *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(lse);
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
@@ -311,9 +317,9 @@ impl Gradient<'_> {
         // `partial` (f32, (2, batch, heads, S, d)) and a second kernel sums each group's.
         let gqa = p.shape.heads != p.shape.kv_heads;
         let (pass, len, config) = if self.of_queries {
-            ("backward_dq", p.query_rows() * p.head_dim, p.config(p.shape.t_len, p.shape.heads))
+            ("backward_dq", p.query_rows() * p.head_dim, p.config(p.shape.t_len, p.shape.heads, ROWS))
         } else {
-            ("backward_dkv", 2 * p.key_rows() * p.head_dim, p.config(p.shape.s_len, p.shape.heads))
+            ("backward_dkv", 2 * p.key_rows() * p.head_dim, p.config(p.shape.s_len, p.shape.heads, ROWS))
         };
         let grads = unsafe { dev.alloc::<T>(len)? };
         let partial = match !self.of_queries && gqa {

@@ -11,7 +11,7 @@
 // (batch, heads, T) in f32 either way.
 //
 // A block is four warps; a warp owns 16 rows of the outer matrix (queries for the forward and dq,
-// keys for dk and dv), its A operand in registers, and walks tiles of the inner one, which the
+// keys for dk and dv; the forward's warps two such groups at head dim 64), its A operand in registers, and walks tiles of the inner one, which the
 // block stages in shared memory through cp.async (for_staged_tiles: where two steps' tiles fit, the
 // next step's copies run under this step's products; synchronous staging left the warps waiting
 // on memory at two blocks an SM). Products are mma.m16n8k16 (f32 accumulators); the C fragment
@@ -153,42 +153,62 @@ __device__ __forceinline__ void for_kv_tiles(int2 keys, const half_bits *kh, con
       [&](int n0, int b) { body(n0, tile(k_raw[b]), tile(v_raw[b])); });
 }
 
-// Grid (ceil(T / 64), batch * heads); 128 threads.
+// Groups of 16 query rows a warp holds in the forward: two at head dim 64 (a block's 128 rows),
+// so each B fragment a warp reads from shared memory feeds two mma; one at 128, where a second
+// group's output alone (64 more registers a thread) would spill. flash_attention_cuda.rs's grid
+// and the emulation's driver follow it.
+#define FORWARD_GROUPS(D) ((D) == 64 ? 2 : 1)
+
+// Grid (ceil(T / (64 · FORWARD_GROUPS(D))), batch * heads); 128 threads.
 template <class H, int D>
 __device__ void flash_forward(const half_bits *q, const half_bits *k, const half_bits *v, half_bits *out, float *lse, Shape s) {
+  const int G = FORWARD_GROUPS(D);
   int bh = blockIdx.y, kvh = (bh / s.heads) * s.kv_heads + (bh % s.heads) / (s.heads / s.kv_heads);
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
-  int m0 = blockIdx.x * ROWS, row0 = m0 + warp * 16;
+  int m0 = blockIdx.x * ROWS * G, warp_row0 = m0 + warp * 16 * G;
   int q_ld = row_stride<D>(s.heads, s), kv_ld = row_stride<D>(s.kv_heads, s);
   const half_bits *qh = q + head_at<D>(bh, s.heads, s.t_len, s), *kh = k + head_at<D>(kvh, s.kv_heads, s.s_len, s),
                   *vh = v + head_at<D>(kvh, s.kv_heads, s.s_len, s);
 
-  unsigned qa[D / 16][4];
-  load_a<D>(qh + (long long)row0 * q_ld, q_ld, s.t_len - row0, lane, qa);
-  float o[D / 8][4];
-  zero(o);
-  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+  unsigned qa[G][D / 16][4];
+  float o[G][D / 8][4], m[G][2], l[G][2];
+#pragma unroll
+  for (int gi = 0; gi < G; gi++) {
+    int row0 = warp_row0 + 16 * gi;
+    load_a<D>(qh + (long long)row0 * q_ld, q_ld, s.t_len - row0, lane, qa[gi]);
+    zero(o[gi]);
+    m[gi][0] = m[gi][1] = NEG_INF;
+    l[gi][0] = l[gi][1] = 0.0f;
+  }
   const float k2 = s.scale * LOG2E;
 
-  for_kv_tiles<D>(key_range(m0, ROWS, s), kh, vh, kv_ld, s.s_len, [&](int n0, const half_bits *k_tile, const half_bits *v_tile) {
-    float sc[ROWS / 8][4];
-    times_staged<H, ROWS, D>(qa, k_tile, D + PAD, lane, sc);
-    auto at = [&](int nt, int r) { return make_int2(row0 + g + 8 * (r / 2), n0 + nt * 8 + 2 * t + (r & 1)); };
-    for_fragment<ROWS>(all_visible(row0, 16, n0, ROWS, s), s, at,
-                       [&](int nt, int r, bool shown) { sc[nt][r] = shown ? sc[nt][r] * k2 : NEG_INF; });
-    online_softmax<ROWS, D>(sc, m, l, o);
-    accumulate_staged<H, ROWS, D>(sc, v_tile, D + PAD, lane, o);
+  for_kv_tiles<D>(key_range(m0, ROWS * G, s), kh, vh, kv_ld, s.s_len, [&](int n0, const half_bits *k_tile, const half_bits *v_tile) {
+    float sc[G][ROWS / 8][4];
+    times_staged_groups<H, G, ROWS, D>(qa, k_tile, D + PAD, lane, sc);
+#pragma unroll
+    for (int gi = 0; gi < G; gi++) {
+      int row0 = warp_row0 + 16 * gi;
+      auto at = [&](int nt, int r) { return make_int2(row0 + g + 8 * (r / 2), n0 + nt * 8 + 2 * t + (r & 1)); };
+      for_fragment<ROWS>(all_visible(row0, 16, n0, ROWS, s), s, at,
+                         [&](int nt, int r, bool shown) { sc[gi][nt][r] = shown ? sc[gi][nt][r] * k2 : NEG_INF; });
+      online_softmax<ROWS, D>(sc[gi], m[gi], l[gi], o[gi]);
+    }
+    accumulate_staged_groups<H, G, ROWS, D>(sc, v_tile, D + PAD, lane, o);
   });
 
-  float inv[2];
 #pragma unroll
-  for (int half = 0; half < 2; half++) {
-    float total = quad_sum(l[half]);
-    inv[half] = total > 0.0f ? 1.0f / total : 0.0f;
-    int i = row0 + g + 8 * half;
-    if (t == 0 && i < s.t_len) lse[(long long)bh * s.t_len + i] = total > 0.0f ? (m[half] + log2f(total)) * LN2 : NEG_INF;
+  for (int gi = 0; gi < G; gi++) {
+    int row0 = warp_row0 + 16 * gi;
+    float inv[2];
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+      float total = quad_sum(l[gi][half]);
+      inv[half] = total > 0.0f ? 1.0f / total : 0.0f;
+      int i = row0 + g + 8 * half;
+      if (t == 0 && i < s.t_len) lse[(long long)bh * s.t_len + i] = total > 0.0f ? (m[gi][half] + log2f(total)) * LN2 : NEG_INF;
+    }
+    store_rows<H, D>(o[gi], out + head_at<D>(bh, s.heads, s.t_len, s), q_ld, s.t_len, row0, lane, inv[0], inv[1]);
   }
-  store_rows<H, D>(o, out + head_at<D>(bh, s.heads, s.t_len, s), q_ld, s.t_len, row0, lane, inv[0], inv[1]);
 }
 
 // p of a score (already times scale · log2 e) for a row of log-sum-exp `lse2` (in log2 units).

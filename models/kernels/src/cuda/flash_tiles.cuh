@@ -203,34 +203,55 @@ __device__ __forceinline__ void times_rows(const unsigned (&a)[D / 16][4], const
   }
 }
 
-// times_rows over a tile staged in shared memory (rows `stride` halves apart, 16-byte aligned):
-// the B fragments of two k steps in one ldmatrix.
-template <class H, int N, int D>
-__device__ __forceinline__ void times_staged(const unsigned (&a)[D / 16][4], const half_bits *tile, int stride, int lane, float (&acc)[N / 8][4]) {
+// times_rows over a tile staged in shared memory (rows `stride` halves apart, 16-byte aligned)
+// for G groups of 16 rows a warp (a[g], acc[g]): the B fragments of two k steps in one ldmatrix,
+// each feeding the G groups' products (an ldmatrix.x4 costs the SM's shared memory about what two
+// mma cost its tensor cores, so with one group shared memory alone held them to half).
+template <class H, int G, int N, int D>
+__device__ __forceinline__ void times_staged_groups(const unsigned (&a)[G][D / 16][4], const half_bits *tile, int stride, int lane,
+                                                    float (&acc)[G][N / 8][4]) {
 #pragma unroll
   for (int nt = 0; nt < N / 8; nt++) {
-    acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+#pragma unroll
+    for (int g = 0; g < G; g++) acc[g][nt][0] = acc[g][nt][1] = acc[g][nt][2] = acc[g][nt][3] = 0.0f;
     // Matrix i = lane / 8: rows nt*8 .. +7, columns kk*16 + 8i .. +7 (b0, b1 of kk, then of kk + 1).
     const half_bits *row = tile + (nt * 8 + (lane & 7)) * stride + (lane >> 3) * 8;
 #pragma unroll
     for (int kk = 0; kk < D / 16; kk += 2) {
       unsigned b[4];
       ldmatrix_x4<false>(b, row + kk * 16);
-      H::mma(acc[nt], a[kk], b[0], b[1]);
-      H::mma(acc[nt], a[kk + 1], b[2], b[3]);
+#pragma unroll
+      for (int g = 0; g < G; g++) {
+        H::mma(acc[g][nt], a[g][kk], b[0], b[1]);
+        H::mma(acc[g][nt], a[g][kk + 1], b[2], b[3]);
+      }
     }
   }
 }
 
-// accumulate over a tile staged in shared memory (rows `stride` halves apart, 16-byte aligned,
-// zero-filled past the rows staged): the B fragments of two column steps in one transposing
-// ldmatrix.
+// times_staged_groups for one group of 16 rows.
 template <class H, int N, int D>
-__device__ __forceinline__ void accumulate_staged(const float (&p)[N / 8][4], const half_bits *tile, int stride, int lane, float (&out)[D / 8][4]) {
+__device__ __forceinline__ void times_staged(const unsigned (&a)[D / 16][4], const half_bits *tile, int stride, int lane, float (&acc)[N / 8][4]) {
+  times_staged_groups<H, 1, N, D>(reinterpret_cast<const unsigned(&)[1][D / 16][4]>(a), tile, stride, lane,
+                                  reinterpret_cast<float(&)[1][N / 8][4]>(acc));
+}
+
+// accumulate over a tile staged in shared memory (rows `stride` halves apart, 16-byte aligned,
+// zero-filled past the rows staged) for G groups of 16 rows a warp (p[g], out[g]): the B
+// fragments of two column steps in one transposing ldmatrix, each feeding the G groups' products.
+template <class H, int G, int N, int D>
+__device__ __forceinline__ void accumulate_staged_groups(const float (&p)[G][N / 8][4], const half_bits *tile, int stride, int lane,
+                                                         float (&out)[G][D / 8][4]) {
 #pragma unroll
   for (int kk = 0; kk < N / 16; kk++) {
-    unsigned a[4] = {H::pack(p[2 * kk][0], p[2 * kk][1]), H::pack(p[2 * kk][2], p[2 * kk][3]),
-                     H::pack(p[2 * kk + 1][0], p[2 * kk + 1][1]), H::pack(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+    unsigned a[G][4];
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+      a[g][0] = H::pack(p[g][2 * kk][0], p[g][2 * kk][1]);
+      a[g][1] = H::pack(p[g][2 * kk][2], p[g][2 * kk][3]);
+      a[g][2] = H::pack(p[g][2 * kk + 1][0], p[g][2 * kk + 1][1]);
+      a[g][3] = H::pack(p[g][2 * kk + 1][2], p[g][2 * kk + 1][3]);
+    }
     // Matrix i = lane / 8: rows kk*16 + 8 (i % 2) .. +7, columns (nt + i / 2) * 8 .. +7 (b0, b1 of
     // nt, then of nt + 1).
     const half_bits *row = tile + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * stride + (lane >> 4) * 8;
@@ -238,10 +259,20 @@ __device__ __forceinline__ void accumulate_staged(const float (&p)[N / 8][4], co
     for (int nt = 0; nt < D / 8; nt += 2) {
       unsigned b[4];
       ldmatrix_x4<true>(b, row + nt * 8);
-      H::mma(out[nt], a, b[0], b[1]);
-      H::mma(out[nt + 1], a, b[2], b[3]);
+#pragma unroll
+      for (int g = 0; g < G; g++) {
+        H::mma(out[g][nt], a[g], b[0], b[1]);
+        H::mma(out[g][nt + 1], a[g], b[2], b[3]);
+      }
     }
   }
+}
+
+// accumulate_staged_groups for one group of 16 rows.
+template <class H, int N, int D>
+__device__ __forceinline__ void accumulate_staged(const float (&p)[N / 8][4], const half_bits *tile, int stride, int lane, float (&out)[D / 8][4]) {
+  accumulate_staged_groups<H, 1, N, D>(reinterpret_cast<const float(&)[1][N / 8][4]>(p), tile, stride, lane,
+                                       reinterpret_cast<float(&)[1][D / 8][4]>(out));
 }
 
 // out (16 x D) += p (16 x N, f32 in C fragments, rounded to half here) · tile (N x D, rows
