@@ -43,13 +43,19 @@ fn flash_attention_kernels_match_the_cpu_attention() {
     let test = "flash_attention_kernels_match_the_cpu_attention";
     let Some(binary) = build(test, &kernels::cuda::FLASH_ATTENTION, "flash_attention.cpp") else { return };
     for case in CASES {
-        check(&binary, case, false);
+        check(&binary, case, false, false);
     }
     // Token-major (batch, len, heads, D) tensors, as the projections make them: batch 2 with GQA
     // (dk, dv through the group sum), head dim 128 without GQA (written directly), and with a
     // window and GQA 4:1.
     for i in [1, 2, 6] {
-        check(&binary, CASES[i], true);
+        check(&binary, CASES[i], true, false);
+    }
+    // The one-group forward at head dim 64 (`FSDP_FLASH_FORWARD_GROUPS=1`) gives the two
+    // groups' bits (the driver compares them): rows past a block's end with GQA, token-major; a
+    // window; f16 without a mask.
+    for (i, token_major) in [(1, true), (4, false), (5, false)] {
+        check(&binary, CASES[i], token_major, true);
     }
 }
 
@@ -90,10 +96,12 @@ fn scratch(what: &str) -> PathBuf {
     dir
 }
 
-/// One case through the emulated kernels, their tensors heads-major or (`token_major`) token-major.
-fn check(binary: &Path, (dtype, d, b, h, hkv, t, s, causal, window): Case, token_major: bool) {
-    let what =
-        format!("{dtype:?} d {d}, batch {b}, heads {h}/{hkv}, T {t}, S {s}, causal {causal}, window {window}, token-major {token_major}");
+/// One case through the emulated kernels, their tensors heads-major or (`token_major`) token-major;
+/// with `one_group` (head dim 64 only) the one-group forward too, whose bits must be the default's.
+fn check(binary: &Path, (dtype, d, b, h, hkv, t, s, causal, window): Case, token_major: bool, one_group: bool) {
+    let what = format!(
+        "{dtype:?} d {d}, batch {b}, heads {h}/{hkv}, T {t}, S {s}, causal {causal}, window {window}, token-major {token_major}, one group {one_group}"
+    );
     let cpu = Device::Cpu;
     let offset = s - t;
     let scale = 1.0 / (d as f64).sqrt();
@@ -115,6 +123,7 @@ fn check(binary: &Path, (dtype, d, b, h, hkv, t, s, causal, window): Case, token
         .args(&args)
         .arg(format!("{scale}"))
         .arg(if token_major { "1" } else { "0" })
+        .arg(if one_group { "1" } else { "0" })
         .output()
         .unwrap();
     assert!(out.status.success(), "{what}: the emulated kernels failed: {}", String::from_utf8_lossy(&out.stderr));

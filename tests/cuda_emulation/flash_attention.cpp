@@ -114,10 +114,14 @@ static int decode_main(int argc, char **argv) {
 
 int main(int argc, char **argv) {
   if (argc > 2 && std::string(argv[2]) == "decode") return decode_main(argc, argv);
-  if (argc != 14) {
-    std::fprintf(stderr, "usage: %s DIR bf16|f16 D BATCH HEADS KV_HEADS T S OFFSET CAUSAL WINDOW SCALE TOKEN_MAJOR\n", argv[0]);
+  if (argc != 14 && argc != 15) {
+    std::fprintf(stderr, "usage: %s DIR bf16|f16 D BATCH HEADS KV_HEADS T S OFFSET CAUSAL WINDOW SCALE TOKEN_MAJOR [ONE_GROUP]\n", argv[0]);
     return 2;
   }
+  // ONE_GROUP 1: the forward at head dim 64 with one group of 16 rows a warp (as
+  // FSDP_FLASH_FORWARD_GROUPS=1 launches it) runs too, and must give the default's bits: each
+  // query row's arithmetic is the same, the tiles a wider block adds being masked for it.
+  bool one_group = argc == 15 && std::atoi(argv[14]) != 0;
   std::string dir = argv[1], dtype = argv[2];
   int d = std::atoi(argv[3]), batch = std::atoi(argv[4]);
   Shape s{std::atoi(argv[7]), std::atoi(argv[8]), std::atoi(argv[5]), std::atoi(argv[6]), std::atoi(argv[9]), std::atoi(argv[10]), std::atoi(argv[11]),
@@ -129,6 +133,10 @@ int main(int argc, char **argv) {
   else if (dtype == "f16" && d == 128) k = KERNELS(f16, 128);
   else {
     std::fprintf(stderr, "no kernels for %s, head dim %d\n", dtype.c_str(), d);
+    return 2;
+  }
+  if (one_group && d != 64) {
+    std::fprintf(stderr, "the one-group forward is built at head dim 64 only, not %d\n", d);
     return 2;
   }
   size_t rows = (size_t)batch * s.heads * s.t_len, kv_rows = (size_t)batch * s.kv_heads * s.s_len;
@@ -144,6 +152,21 @@ int main(int argc, char **argv) {
   const unsigned forward_rows = rows_per_block * FORWARD_GROUPS(d);
   dim3 forward_queries{(unsigned)(s.t_len + forward_rows - 1) / forward_rows, (unsigned)(batch * s.heads), 1};
   emulation::launch(k.forward, forward_queries, threads, 0, q.data(), kk.data(), v.data(), out.data(), lse.data(), s);
+  if (one_group) {
+    auto forward = dtype == "bf16" ? flash_forward_one_group_bf16_d64 : flash_forward_one_group_f16_d64;
+    Bits out1(rows * d);
+    std::vector<float> lse1(rows);
+    emulation::launch(forward, queries, threads, 0, q.data(), kk.data(), v.data(), out1.data(), lse1.data(), s);
+    for (size_t i = 0; i < rows * d; i++)
+      if (out1[i] != out[i]) {
+        std::fprintf(stderr, "one-group forward: out[%zu] %04x, two groups %04x\n", i, (unsigned)out1[i], (unsigned)out[i]);
+        return 3;
+      }
+    if (std::memcmp(lse1.data(), lse.data(), rows * sizeof(float)) != 0) {
+      std::fprintf(stderr, "one-group forward: log-sum-exp bits differ from two groups'\n");
+      return 3;
+    }
+  }
   emulation::launch(k.delta, dim3{(unsigned)((rows + WARPS - 1) / WARPS), 1, 1}, threads, 0, dout.data(), out.data(), delta.data(), (long long)rows, s);
   emulation::launch(k.dq, queries, threads, 0, q.data(), kk.data(), v.data(), dout.data(), lse.data(), delta.data(), dq.data(), s);
   // As the op launches them: with GQA each query head's share in f32 (NaN until written), then

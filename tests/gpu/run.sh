@@ -6,6 +6,7 @@
 #   bash tests/gpu/run.sh profile # the bench's training run under tests/gpu/kernel_profile.c
 #   bash tests/gpu/run.sh overlap # two ranks sharing the GPU over tcp, --prefetch off and on
 #   bash tests/gpu/run.sh quick   # a few GPU tests and our training rows alone (a lease's last minutes)
+#   bash tests/gpu/run.sh ab      # our batch-8 rows with each not-yet-measured change switched off
 #   bash tests/gpu/run.sh all     # the three in one call (a lent machine's minutes are few), then
 #                                 # a table of the parts; the profile (at batch 8 unless
 #                                 # PROFILE_BATCH says) goes to $OUT if set; stops after a failed
@@ -67,6 +68,9 @@ train_1b() {
     --data "$work/data.jsonl" --output-dir "$out" --device cuda --backend nccl --param-dtype bf16 \
     --activation-checkpointing --seq-len 2048 --batch-size "$batch" --max-steps "$steps" --no-shuffle "$@"
 }
+
+# $2... run with the space-separated NAME=VALUE assignments in $1 exported (a subshell).
+with_env() { local vars=$1; shift; ( for v in $vars; do export "${v?}"; done; "$@" ); }
 
 # A row per LABEL=DIR given: the median tokens/s of the run's steps 3 on, and its losses.
 median_rows() {
@@ -150,6 +154,29 @@ case "$what" in
     done
     median_rows "batch 1=$work/quick-1" "batch 8=$work/quick-8"
     ;;
+  ab)
+    # What each change not yet measured on a GPU gives, in one call: our training rows at batch
+    # AB_BATCH (default 8; the bench's model and flags, no PyTorch) with each switch that takes
+    # one back, median tokens/s of steps 3 on. The one-group flash forward first passes the flash
+    # test and gives the same losses as the default's two groups (each query row's arithmetic is
+    # the same in both).
+    part "tests/cuda/ flash, one forward group" env FSDP_FLASH_FORWARD_GROUPS=1 \
+      timeout -k 5 90 "$BIN/cuda-tests" --test-threads 1 flash_attention_matches_cpu_attention
+    work=${FSDP_BENCH_DIR:-$(mktemp -d)}
+    batch=${AB_BATCH:-8}
+    steps=${FSDP_BENCH_STEPS:-6}
+    bench_model "$work" $((steps * batch))
+    ab_rows=()
+    for variant in "default=" "one forward group=FSDP_FLASH_FORWARD_GROUPS=1" "six attention ops=FSDP_FLASH_SELF_ATTENTION=0"; do
+      label=${variant%%=*}
+      out="$work/ab-${label// /-}"
+      rm -rf "$out"
+      part "ours, batch $batch, $label" with_env "${variant#*=}" train_1b "$work" "$out" "$batch" "$steps" --lr 1e-5 --lr-scheduler constant
+      ab_rows+=("$label=$out")
+    done
+    part "one forward group: the default's losses" same_losses "$work/ab-default" "$work/ab-one-forward-group" 1e-6
+    median_rows "${ab_rows[@]}"
+    ;;
   profile)
     # The bench's training run (a 1.1B Llama, bf16, seq 2048, activation checkpointing, one rank
     # under the launcher with NCCL, as the bench runs it) for PROFILE_STEPS steps under the
@@ -198,7 +225,7 @@ case "$what" in
     echo "|---|---|---|"
     printf '%s\n' "${rows[@]}"
     ;;
-  *) echo "usage: $0 check|bench|profile|overlap|quick|all" >&2; exit 2 ;;
+  *) echo "usage: $0 check|bench|profile|overlap|quick|ab|all" >&2; exit 2 ;;
 esac
 if [ ${#failed[@]} -gt 0 ]; then
   echo "failed: ${failed[*]}" >&2

@@ -4,7 +4,7 @@
 //! decoding over the KV cache's blocks, from
 //! `kernels::cuda::FLASH_ATTENTION`, compiled by NVRTC the first time a process needs it.
 
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
@@ -20,10 +20,29 @@ const THREADS: u32 = 128;
 const WARPS: usize = 4;
 const ROWS: usize = 64;
 
-/// The forward's query rows a block: 16 a warp per group, flash_attention.cu's
-/// `FORWARD_GROUPS(D)` groups (two at head dim 64, one at 128).
-fn forward_rows(head_dim: usize) -> usize {
-    ROWS * if head_dim == 64 { 2 } else { 1 }
+/// The forward's kernel (its pass in [`kernel_name`]) and query rows a block: 16 a warp per
+/// group, flash_attention.cu's `FORWARD_GROUPS(D)` groups (two at head dim 64, one at 128), or
+/// at head dim 64 one group where `FSDP_FLASH_FORWARD_GROUPS=1` asks for it (the kernel built so
+/// that a GPU can measure the two against each other without a rebuild).
+fn forward_kernel(head_dim: usize) -> Result<(&'static str, usize)> {
+    Ok(match (head_dim, forward_groups()?) {
+        (64, 1) => ("forward_one_group", ROWS),
+        (64, _) => ("forward", 2 * ROWS),
+        _ => ("forward", ROWS),
+    })
+}
+
+/// `FSDP_FLASH_FORWARD_GROUPS`: 1, or 2 (the default), read once.
+fn forward_groups() -> Result<usize> {
+    static GROUPS: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
+    let groups = GROUPS.get_or_init(|| match std::env::var("FSDP_FLASH_FORWARD_GROUPS").as_deref() {
+        Err(_) | Ok("2") => Ok(2),
+        Ok("1") => Ok(1),
+        Ok(other) => Err(format!(
+            "FSDP_FLASH_FORWARD_GROUPS: expected 1 or 2 (16-row groups a warp in the flash forward at head dim 64), got {other:?}"
+        )),
+    });
+    groups.clone().map_err(candle_core::Error::Msg)
 }
 
 /// The kernels' `Shape`.
@@ -208,12 +227,13 @@ impl Flash {
         let (q, k, v) = (view::<T>(q, "flash attention: q")?, view::<T>(k, "flash attention: k")?, view::<T>(v, "flash attention: v")?);
         let out = unsafe { dev.alloc::<T>(p.query_rows() * p.head_dim)? };
         let lse = unsafe { dev.alloc::<f32>(p.query_rows())? };
-        let func = dev.get_or_load_custom_func(&p.kernel("forward", T::DTYPE)?, SOURCE.module, SOURCE.ptx()?)?;
+        let (pass, rows) = forward_kernel(p.head_dim)?;
+        let func = dev.get_or_load_custom_func(&p.kernel(pass, T::DTYPE)?, SOURCE.module, SOURCE.ptx()?)?;
         let mut args = func.builder();
         args.arg(&q).arg(&k).arg(&v).arg(&out).arg(&lse).arg(&p.shape);
         // SAFETY: q, k and v hold the rows `Problem` counts (their shapes made it); out and lse
         // are allocated for them above.
-        unsafe { args.launch(p.config(p.shape.t_len, p.shape.heads, forward_rows(p.head_dim))) }.w()?;
+        unsafe { args.launch(p.config(p.shape.t_len, p.shape.heads, rows)) }.w()?;
         *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(lse);
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }

@@ -156,13 +156,13 @@ __device__ __forceinline__ void for_kv_tiles(int2 keys, const half_bits *kh, con
 // Groups of 16 query rows a warp holds in the forward: two at head dim 64 (a block's 128 rows),
 // so each B fragment a warp reads from shared memory feeds two mma; one at 128, where a second
 // group's output alone (64 more registers a thread) would spill. flash_attention_cuda.rs's grid
-// and the emulation's driver follow it.
+// and the emulation's driver follow it. At head dim 64 a one-group forward is built too
+// (INSTANTIATE_ONE_GROUP), so that a GPU can measure the two against each other without a rebuild.
 #define FORWARD_GROUPS(D) ((D) == 64 ? 2 : 1)
 
-// Grid (ceil(T / (64 · FORWARD_GROUPS(D))), batch * heads); 128 threads.
-template <class H, int D>
+// G groups of 16 query rows a warp. Grid (ceil(T / (64 · G)), batch * heads); 128 threads.
+template <class H, int D, int G>
 __device__ void flash_forward(const half_bits *q, const half_bits *k, const half_bits *v, half_bits *out, float *lse, Shape s) {
-  const int G = FORWARD_GROUPS(D);
   int bh = blockIdx.y, kvh = (bh / s.heads) * s.kv_heads + (bh % s.heads) / (s.heads / s.kv_heads);
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   int m0 = blockIdx.x * ROWS * G, warp_row0 = m0 + warp * 16 * G;
@@ -460,7 +460,7 @@ __device__ void flash_decode(const half_bits *q, const half_bits *k_new, const h
   extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                            \
       flash_forward_##NAME##_d##D(const half_bits *q, const half_bits *k, const half_bits *v, half_bits *out,          \
                                   float *lse, Shape s) {                                                              \
-    flash_forward<H, D>(q, k, v, out, lse, s);                                                                        \
+    flash_forward<H, D, FORWARD_GROUPS(D)>(q, k, v, out, lse, s);                                                     \
   }                                                                                                                   \
   extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                            \
       flash_backward_delta_##NAME##_d##D(const half_bits *dout, const half_bits *out, float *delta, long long rows,      \
@@ -494,3 +494,14 @@ INSTANTIATE(bf16, Bf16, 64)
 INSTANTIATE(bf16, Bf16, 128)
 INSTANTIATE(f16, F16, 64)
 INSTANTIATE(f16, F16, 128)
+
+// The forward at head dim 64 with one group of 16 rows a warp (blocks of 64 rows).
+#define INSTANTIATE_ONE_GROUP(NAME, H)                                                                                \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                            \
+      flash_forward_one_group_##NAME##_d64(const half_bits *q, const half_bits *k, const half_bits *v, half_bits *out, \
+                                           float *lse, Shape s) {                                                     \
+    flash_forward<H, 64, 1>(q, k, v, out, lse, s);                                                                    \
+  }
+
+INSTANTIATE_ONE_GROUP(bf16, Bf16)
+INSTANTIATE_ONE_GROUP(f16, F16)
