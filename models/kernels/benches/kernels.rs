@@ -104,6 +104,9 @@ fn measure_this_level() {
     let w = signed_values(MLP * HIDDEN, 2);
     println!("# f32 products on {:?} kernels ({})", kernels.matmul(), kernels::matmul::kernels_in_use());
     row(&format!("matmul 256x{HIDDEN}x{MLP}"), best_us(|| drop(kernels::matmul::parallel::product_wt(&x, &w, MLP, HIDDEN))));
+    // A short prompt's products (one row block: the weight's panels packed as they are used).
+    let x46 = signed_values(46 * HIDDEN, 16);
+    row(&format!("matmul 46x{HIDDEN}x{MLP}"), best_us(|| drop(kernels::matmul::parallel::product_wt(&x46, &w, MLP, HIDDEN))));
     // The same under training's bf16 products (AMX-BF16 tiles at `best`; f32 elsewhere).
     let bf16_products = || kernels::matmul::with_bf16_products(true, || drop(kernels::matmul::parallel::product_wt(&x, &w, MLP, HIDDEN)));
     row(&format!("matmul 256x{HIDDEN}x{MLP}, bf16 products"), best_us(bf16_products));

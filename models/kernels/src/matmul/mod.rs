@@ -27,6 +27,8 @@ pub mod half;
 mod packed;
 pub mod parallel;
 #[cfg(target_arch = "x86_64")]
+mod rhs_elem;
+#[cfg(target_arch = "x86_64")]
 mod tiles;
 mod transpose;
 

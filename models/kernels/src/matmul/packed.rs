@@ -19,55 +19,10 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU8, Ordering};
 
-use half::{bf16, f16};
-
+pub use super::rhs_elem::RhsElem;
 use super::tiles::{Tile, MR, NR_AVX2, NR_AVX512};
 use super::transpose::transpose8;
 use super::Strided;
-
-/// A value of rhs as the packing reads it: f32, or a 2-byte weight widened to f32 on its way
-/// into the packed panels (the weight is never widened as a whole matrix first: a prompt's
-/// product over f16 weights then read every weight once, not three times).
-pub trait RhsElem: Copy {
-    /// Eight values from `at` (adjacent) as f32. Inlined into the packing, which has AVX2, FMA
-    /// and F16C.
-    unsafe fn load8(at: *const Self) -> __m256;
-    fn to_f32(self) -> f32;
-}
-
-impl RhsElem for f32 {
-    #[inline(always)]
-    unsafe fn load8(at: *const Self) -> __m256 {
-        _mm256_loadu_ps(at)
-    }
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        self
-    }
-}
-
-impl RhsElem for f16 {
-    #[inline(always)]
-    unsafe fn load8(at: *const Self) -> __m256 {
-        _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i))
-    }
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        f16::to_f32(self)
-    }
-}
-
-impl RhsElem for bf16 {
-    /// bf16 is the top half of an f32.
-    #[inline(always)]
-    unsafe fn load8(at: *const Self) -> __m256 {
-        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(at as *const __m128i))))
-    }
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        bf16::to_f32(self)
-    }
-}
 
 /// Depth of a packed block: an rhs micro-panel (KC × NR floats) is 16 KiB at AVX2 (32 KiB at
 /// AVX-512) and stays in L1 while the kernel walks the lhs block.
@@ -299,15 +254,43 @@ unsafe fn by_panels<T: RhsElem>(
             let cols = nr.min(n - j);
             let column = |c: usize| rhs.0.offset(c as isize * rhs.1 + pc as isize);
             pack_rhs_for(tile, kc, cols, column(j), rhs.1, 1, b_pack);
-            // The next panel's cache lines, a share before each row tile's kernel.
+            // The next panel's cache lines, a share before each row tile's kernel, walked by a
+            // cursor: a division per line (the column and the line in it) cost a third of the
+            // kernels' time on a short prompt's products.
             let next_lines = nr.min(n.saturating_sub(j + nr)) * lines_per_column;
+            let mut next = NextLines { column: column(j + nr), column_stride: rhs.1, line: 0, lines_per_column, values_per_line };
             for i in 0..row_tiles {
-                for line in next_lines * i / row_tiles..next_lines * (i + 1) / row_tiles {
-                    let at = column(j + nr + line / lines_per_column).add(line % lines_per_column * values_per_line);
-                    _mm_prefetch::<_MM_HINT_T0>(at.cast());
-                }
+                next.prefetch(next_lines * (i + 1) / row_tiles - next_lines * i / row_tiles);
                 let rows = MR.min(m - i * MR);
                 tile.kernel(kc, a_pack.add(i * MR * kc), b_pack, dst.add(i * MR * dst_rs + j), dst_rs, (rows, cols), load_dst, beta);
+            }
+        }
+    }
+}
+
+/// A cursor over the cache lines of rhs's next panel in [`by_panels`]: column by column, each
+/// column's lines in address order.
+struct NextLines<T> {
+    column: *const T,
+    column_stride: isize,
+    /// The next line's index in `column`.
+    line: usize,
+    lines_per_column: usize,
+    values_per_line: usize,
+}
+
+impl<T> NextLines<T> {
+    /// Prefetches the next `lines` lines into L1.
+    ///
+    /// # Safety
+    /// The lines must lie in rhs.
+    #[inline(always)]
+    unsafe fn prefetch(&mut self, lines: usize) {
+        for _ in 0..lines {
+            _mm_prefetch::<_MM_HINT_T0>(self.column.add(self.line * self.values_per_line).cast());
+            self.line += 1;
+            if self.line == self.lines_per_column {
+                (self.line, self.column) = (0, self.column.offset(self.column_stride));
             }
         }
     }
@@ -432,6 +415,8 @@ unsafe fn pack_rhs<const NR: usize, T: RhsElem>(kc: usize, nc: usize, src: *cons
 
 #[cfg(test)]
 mod tests {
+    use half::{bf16, f16};
+
     use super::*;
     use crate::simd::SimdLevel;
 
