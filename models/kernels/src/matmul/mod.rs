@@ -24,6 +24,8 @@ mod bf16_tiles;
 pub mod column_split;
 pub mod half;
 #[cfg(target_arch = "x86_64")]
+mod pack;
+#[cfg(target_arch = "x86_64")]
 mod packed;
 pub mod parallel;
 #[cfg(target_arch = "x86_64")]
