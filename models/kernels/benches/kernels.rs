@@ -104,6 +104,13 @@ fn measure_this_level() {
     let w = signed_values(MLP * HIDDEN, 2);
     println!("# f32 products on {:?} kernels ({})", kernels.matmul(), kernels::matmul::kernels_in_use());
     row(&format!("matmul 256x{HIDDEN}x{MLP}"), best_us(|| drop(kernels::matmul::parallel::product_wt(&x, &w, MLP, HIDDEN))));
+    // The backward's products of that layer, operands read in place: `dx = dy · W` (W row-major)
+    // and `dW = dyᵀ · x` (dy transposed as lhs).
+    let dy = signed_values(256 * MLP, 17);
+    let dx = || drop(kernels::matmul::parallel::product(256, HIDDEN, MLP, (&dy, 1, MLP as isize), (&w, 1, HIDDEN as isize)));
+    row(&format!("matmul dx 256x{MLP}x{HIDDEN}"), best_us(dx));
+    let dw = || drop(kernels::matmul::parallel::product(MLP, HIDDEN, 256, (&dy, MLP as isize, 1), (&x, 1, HIDDEN as isize)));
+    row(&format!("matmul dW {MLP}x256x{HIDDEN}"), best_us(dw));
     // A short prompt's products (one row block: the weight's panels packed as they are used).
     let x46 = signed_values(46 * HIDDEN, 16);
     row(&format!("matmul 46x{HIDDEN}x{MLP}"), best_us(|| drop(kernels::matmul::parallel::product_wt(&x46, &w, MLP, HIDDEN))));
