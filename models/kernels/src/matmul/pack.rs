@@ -13,6 +13,19 @@ use super::transpose::transpose8;
 /// an order the hardware prefetchers do not follow.
 const ROWS_AT_ONCE: usize = 8;
 
+/// Calls `copy(panel, p)` for each of `panels` full panels and each depth p < `kc`, in
+/// [`ROWS_AT_ONCE`]'s order: a group of source rows (depths) at a time across every panel.
+#[inline(always)]
+fn by_row_groups(kc: usize, panels: usize, mut copy: impl FnMut(usize, usize)) {
+    for p0 in (0..kc).step_by(ROWS_AT_ONCE) {
+        for panel in 0..panels {
+            for p in p0..(p0 + ROWS_AT_ONCE).min(kc) {
+                copy(panel, p);
+            }
+        }
+    }
+}
+
 /// [`pack_rhs`] at `tile`'s panel width, as a constant: the copy loops unroll (a run-time width
 /// was slower).
 ///
@@ -32,14 +45,9 @@ pub(super) unsafe fn pack_lhs(mc: usize, kc: usize, src: *const f32, cs: isize, 
     // Columns run along the rows (a transposed gradient): each p's 6 values are adjacent, and
     // the full panels are copied a few source rows at a time across all of them.
     let full = if rs == 1 { mc / MR } else { 0 };
-    for p0 in (0..kc).step_by(ROWS_AT_ONCE) {
-        for i in 0..full {
-            let (s, o) = (src.add(i * MR), out.add(i * MR * kc));
-            for p in p0..(p0 + ROWS_AT_ONCE).min(kc) {
-                std::ptr::copy_nonoverlapping(s.offset(p as isize * cs), o.add(p * MR), MR);
-            }
-        }
-    }
+    by_row_groups(kc, full, |i, p| {
+        std::ptr::copy_nonoverlapping(src.add(i * MR).offset(p as isize * cs), out.add(i * MR * kc + p * MR), MR)
+    });
     for i in full..mc.div_ceil(MR) {
         let rows = MR.min(mc - i * MR);
         let (s, o) = (src.offset((i * MR) as isize * rs), out.add(i * MR * kc));
@@ -80,17 +88,12 @@ unsafe fn pack_rhs<const NR: usize, T: RhsElem>(kc: usize, nc: usize, src: *cons
     // Rows run along the columns (a row-major operand): the full panels are copied a few rows
     // at a time across all of them.
     let full = if cs == 1 { nc / NR } else { 0 };
-    for p0 in (0..kc).step_by(ROWS_AT_ONCE) {
-        for q in 0..full {
-            let (s, o) = (src.add(q * NR), out.add(q * NR * kc));
-            for p in p0..(p0 + ROWS_AT_ONCE).min(kc) {
-                let row = s.offset(p as isize * rs);
-                for v in (0..NR).step_by(8) {
-                    _mm256_storeu_ps(o.add(p * NR + v), T::load8(row.add(v)));
-                }
-            }
+    by_row_groups(kc, full, |q, p| {
+        let (row, o) = (src.add(q * NR).offset(p as isize * rs), out.add(q * NR * kc + p * NR));
+        for v in (0..NR).step_by(8) {
+            _mm256_storeu_ps(o.add(v), T::load8(row.add(v)));
         }
-    }
+    });
     for q in full..nc.div_ceil(NR) {
         let cols = NR.min(nc - q * NR);
         let (s, o) = (src.offset((q * NR) as isize * cs), out.add(q * NR * kc));
