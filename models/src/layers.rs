@@ -18,6 +18,8 @@ use crate::quantized::{LinearWeight, QuantizedWeights};
 use ops::flash_attention::Visibility;
 use ops::weight_grads::WeightGrads;
 
+mod sublayers;
+
 /// RMSNorm computed in f32 like transformers' `LlamaRMSNorm`, cast back, then scaled.
 #[derive(Debug, Clone)]
 pub struct RmsNorm {
@@ -185,6 +187,13 @@ fn adapted_linear(
     }
 }
 
+/// The attention [`Attention::path`] picks for a pass.
+enum AttentionPath {
+    TokenMajor,
+    Flash(Visibility),
+    HeadsMajor,
+}
+
 #[derive(Debug, Clone)]
 pub struct Attention {
     q_proj: AdaptedLinear,
@@ -224,20 +233,28 @@ impl Attention {
         })
     }
 
-    /// `residual + attention(x)`: the sum is o_proj's (`AdaptedLinear::forward_add`). Training on
-    /// the CPU in f32 takes the fused token-major ops, on a GPU the token-major flash kernels
-    /// where they apply; everything else (generation with its cache, other devices and dtypes)
-    /// the heads-major composition.
+    /// `residual + attention(x)`: the sum is o_proj's (`AdaptedLinear::forward_add`), the
+    /// attention the one [`Self::path`] picks.
     pub fn forward(&self, x: &Tensor, residual: &Tensor, pos: &PositionInputs, cache: Option<&mut LayerKvCache>) -> Result<Tensor> {
-        let training = pos.mode == OpMode::Train && cache.is_none() && pos.cos.rank() == 2;
-        let fused =
-            training && ops::applies(x) && pos.cos.dtype() == DType::F32 && pos.mask.as_ref().is_none_or(|m| m.dtype() == DType::F32);
-        let out = match (fused, self.flash_token_major(x, pos).filter(|_| training)) {
-            (true, _) => self.attend_token_major(x, pos)?,
-            (false, Some(visibility)) => self.attend_flash(x, pos, visibility)?,
-            (false, None) => self.attend_heads(x, pos, cache)?,
+        let out = match self.path(x, pos, cache.is_some()) {
+            AttentionPath::TokenMajor => self.attend_token_major(x, pos)?,
+            AttentionPath::Flash(visibility) => self.attend_flash(x, pos, visibility)?,
+            AttentionPath::HeadsMajor => self.attend_heads(x, pos, cache)?,
         };
         self.o_proj.forward_add(&out, residual, pos.mode, pos.row_seeds.as_deref(), &pos.adapters)
+    }
+
+    /// Which attention runs for x: training's token-major ones on the CPU in f32 or on a GPU's
+    /// flash kernels, else (generation with its cache, other devices and dtypes) heads-major.
+    fn path(&self, x: &Tensor, pos: &PositionInputs, cached: bool) -> AttentionPath {
+        let training = pos.mode == OpMode::Train && !cached && pos.cos.rank() == 2;
+        let fused =
+            training && ops::applies(x) && pos.cos.dtype() == DType::F32 && pos.mask.as_ref().is_none_or(|m| m.dtype() == DType::F32);
+        match (fused, self.flash_token_major(x, pos).filter(|_| training)) {
+            (true, _) => AttentionPath::TokenMajor,
+            (false, Some(visibility)) => AttentionPath::Flash(visibility),
+            (false, None) => AttentionPath::HeadsMajor,
+        }
     }
 
     fn scale(&self) -> f64 {
@@ -535,6 +552,16 @@ impl DecoderLayer {
     }
 
     pub fn forward(&self, x: &Tensor, pos: &PositionInputs, cache: Option<&mut LayerKvCache>) -> Result<Tensor> {
+        if cache.is_none() {
+            if let Some(out) = self.forward_as_sublayers(x, pos)? {
+                return Ok(out);
+            }
+        }
+        self.forward_op_by_op(x, pos, cache)
+    }
+
+    /// The block's ops one by one.
+    fn forward_op_by_op(&self, x: &Tensor, pos: &PositionInputs, cache: Option<&mut LayerKvCache>) -> Result<Tensor> {
         let h = self.input_layernorm.forward(x, pos.mode)?;
         let x = self.self_attn.forward(&h, x, pos, cache)?;
         let h = self.post_attention_layernorm.forward(&x, pos.mode)?;

@@ -61,8 +61,13 @@ pub fn merge_into(weights: &mut HashMap<String, Tensor>, settings: &LoraSettings
 
 /// Whether `ops::linear`'s training forms (`linear_heads_to`, `linear_add_to`) run for `t`: f32 on
 /// the CPU, or on a GPU whose kernels are on.
-fn linear_op_takes(t: &Tensor) -> bool {
+pub(crate) fn linear_op_takes(t: &Tensor) -> bool {
     ops::applies(t) || ops::gpu_kernels_take(t)
+}
+
+/// Whether `ops::gated_mlp` takes x: f32 on the CPU, or a GPU's kernels.
+pub(crate) fn gated_mlp_takes(x: &Tensor) -> bool {
+    ops::applies(x) || ops::gated_mlp::gpu_takes(x)
 }
 
 /// FNV-1a of a string: a stable id for a module, mixed into its dropout seed.
@@ -184,7 +189,7 @@ impl AdaptedLinear {
         mode: OpMode,
         rows: &RowAdapters,
     ) -> Result<Option<Tensor>, candle_core::Error> {
-        let ours = ops::applies(x) || ops::gated_mlp::gpu_takes(x);
+        let ours = gated_mlp_takes(x);
         match (gate.plain_weight_where(x, mode, rows, ours), up.plain_weight_where(x, mode, rows, ours)) {
             (Some(w_gate), Some(w_up)) if w_gate.dims() == w_up.dims() => {
                 let grad_to = [gate.weight_grad_target(), up.weight_grad_target()];

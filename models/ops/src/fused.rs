@@ -87,13 +87,19 @@ impl CustomOp2 for RmsNorm {
     /// With r = 1/rms(x): dx_j = r w_j g_j - r^3 x_j / n * sum_i g_i w_i x_i and
     /// dw_i = sum over rows of g_i x_i r.
     fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let g = g.contiguous()?;
-        let both = x.apply_op3_no_bwd(w, &g, &RmsNormBackward { eps: self.eps })?;
-        let rows = x.elem_count() / w.elem_count();
-        let dx = both.narrow(0, 0, rows)?.reshape(x.shape())?;
-        let dw = both.narrow(0, rows, 1)?.reshape(w.shape())?;
+        let (dx, dw) = rms_norm_grads(x, w, g, self.eps)?;
         Ok((Some(dx), Some(dw)))
     }
+}
+
+/// [`rms_norm`]'s backward for x, w and the output's gradient g: (dx, dw), in one pass.
+pub(crate) fn rms_norm_grads(x: &Tensor, w: &Tensor, g: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
+    let g = g.contiguous()?;
+    let both = x.apply_op3_no_bwd(w, &g, &RmsNormBackward { eps })?;
+    let rows = x.elem_count() / w.elem_count();
+    let dx = both.narrow(0, 0, rows)?.reshape(x.shape())?;
+    let dw = both.narrow(0, rows, 1)?.reshape(w.shape())?;
+    Ok((dx, dw))
 }
 
 /// (x, w, g) -> (rows + 1, n): the rows of dx, then dw.

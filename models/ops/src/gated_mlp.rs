@@ -14,6 +14,7 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
 use crate::fused::{swiglu_grads, swiglu_values};
 use crate::linear::{input_grad_by_matmul, weight_grad};
+use crate::residual_sublayer::Inside;
 use crate::weight_grads::WeightGradTarget;
 use crate::{cpu_f32_values, f32_slice};
 use kernels::matmul::parallel::{input_grad_sum, product_wt};
@@ -34,6 +35,19 @@ pub fn swiglu_linear_to(x: &Tensor, w_gate: &Tensor, w_up: &Tensor, grad_to: [Op
     }
     let op = GatedUp { grad_to, saved: Mutex::new(None), inter };
     x.contiguous()?.apply_op3(&w_gate.contiguous()?, &w_up.contiguous()?, op)
+}
+
+/// [`swiglu_linear_to`] outside candle's graph, kept for its backward: the inside of an MLP's
+/// residual sublayer (`residual_sublayer`). A weight that trains needs a sink.
+pub fn swiglu_linear_inside(x: &Tensor, w_gate: &Tensor, w_up: &Tensor, grad_to: [Option<WeightGradTarget>; 2]) -> Result<Inside> {
+    let (inter, in_dim) = w_gate.dims2()?;
+    if w_up.dims() != w_gate.dims() || x.dim(candle_core::D::Minus1)? != in_dim {
+        candle_core::bail!("gated MLP: input {:?} for a gate weight {:?} and an up weight {:?}", x.dims(), w_gate.dims(), w_up.dims());
+    }
+    if let Some((w, _)) = [w_gate, w_up].into_iter().zip(&grad_to).find(|(w, to)| w.track_op() && to.is_none()) {
+        candle_core::bail!("gated MLP: a weight {:?} that trains has no gradient sink", w.dims());
+    }
+    Inside::of_op3(x, [w_gate, w_up], GatedUp { grad_to, saved: Mutex::new(None), inter })
 }
 
 struct GatedUp {

@@ -10,7 +10,8 @@
 //!   head and cross-entropy fused, by rows; `embedding`: the lookup whose weight gradient is
 //!   made by rows; `weight_grads`: the sink those ops hand their weight gradients to (no
 //!   vocabulary-sized gradient tensor, no zeroed weight-sized one); `backward_seed`: a backward
-//!   pass started from a known gradient (a stage's, in the FSDP engine);
+//!   pass started from a known gradient (a stage's, in the FSDP engine); `residual_sublayer`: a
+//!   block's half, `x + f(rms_norm(x)) · W_outᵀ`, as one op;
 //! - generation's products and attention: `gemv` (a few rows, f32 / f16 / bf16 weights),
 //!   `half_product` (many rows over f16 / bf16 weights),
 //!   `quant` (llama.cpp's block formats), `kv_attention` (over the KV cache's blocks in place),
@@ -45,6 +46,7 @@ pub mod kv_attention;
 pub mod linear;
 pub mod lora_rows;
 pub mod quant;
+pub mod residual_sublayer;
 pub mod self_attention;
 pub mod self_attention_flash;
 #[doc(hidden)]

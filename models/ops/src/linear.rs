@@ -183,8 +183,8 @@ pub(crate) fn weight_grad(x: &Tensor, w: &Tensor, gy: Tensor, grad_to: Option<&W
 }
 
 /// [`linear_add_to`]'s op: (x, w, residual).
-struct LinearAdd {
-    grad_to: Option<WeightGradTarget>,
+pub(crate) struct LinearAdd {
+    pub(crate) grad_to: Option<WeightGradTarget>,
 }
 
 impl CustomOp3 for LinearAdd {

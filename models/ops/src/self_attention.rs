@@ -18,6 +18,7 @@ use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 use crate::attention::{Attention, Dims};
 use crate::fused::rope_values;
 use crate::linear::weight_grad;
+use crate::residual_sublayer::Inside;
 use crate::weight_grads::WeightGradTarget;
 use crate::{cpu_f32_values, f32_slice};
 use kernels::matmul::parallel::{input_grad_sum, product_wt};
@@ -31,40 +32,26 @@ pub type Projection = (Tensor, Option<WeightGradTarget>);
 /// must send its gradient to a sink or train nothing. f32 on the CPU (see [`crate::applies`]).
 pub fn self_attention(
     x: &Tensor,
-    [q, k, v]: [Projection; 3],
-    (hq, hkv): (usize, usize),
-    (cos, sin): (&Tensor, &Tensor),
+    projections: [Projection; 3],
+    heads: (usize, usize),
+    rope: (&Tensor, &Tensor),
     mask: Option<&Tensor>,
     scale: f64,
 ) -> Result<Tensor> {
-    let (b, t, in_dim) = x.dims3()?;
-    let (q_out, k_out) = (q.0.dim(0)?, k.0.dim(0)?);
-    let d = q_out.checked_div(hq).unwrap_or(0);
-    let fits = |w: &Tensor, out: usize| w.dims() == [out, in_dim];
-    if hq == 0 || hkv == 0 || hq % hkv != 0 || q_out != hq * d || !fits(&q.0, q_out) || !fits(&k.0, hkv * d) || !fits(&v.0, k_out) {
-        candle_core::bail!(
-            "self-attention: weights {:?}, {:?}, {:?} for {hq} query and {hkv} kv heads of an input {:?}",
-            q.0.dims(),
-            k.0.dims(),
-            v.0.dims(),
-            x.dims()
-        );
-    }
-    if let Some((w, _)) = [&q, &k, &v].into_iter().find(|(w, to)| w.track_op() && to.is_none()) {
-        candle_core::bail!("self-attention: a weight {:?} that trains has no gradient sink", w.dims());
-    }
-    if cos.dims() != [t, d / 2] || sin.dims() != cos.dims() {
-        candle_core::bail!("self-attention: RoPE tables {:?} / {:?} for {t} positions of {d} values", cos.dims(), sin.dims());
-    }
-    let contiguous = |(w, to): Projection| -> Result<Projection> { Ok((w.contiguous()?, to)) };
-    let op = SelfAttention {
-        projections: [contiguous(q)?, contiguous(k)?, contiguous(v)?],
-        rope: (cos.contiguous()?, sin.contiguous()?),
-        attention: Attention::new(b, t, mask, scale)?,
-        dims: Dims { b, t, hq, hkv, d },
-        saved: Mutex::new(None),
-    };
-    x.contiguous()?.apply_op1(op)
+    x.contiguous()?.apply_op1(SelfAttention::new(x, projections, heads, rope, mask, scale)?)
+}
+
+/// [`self_attention`] outside candle's graph, kept for its backward: the inside of the
+/// attention's residual sublayer (`residual_sublayer`).
+pub fn self_attention_inside(
+    x: &Tensor,
+    projections: [Projection; 3],
+    heads: (usize, usize),
+    rope: (&Tensor, &Tensor),
+    mask: Option<&Tensor>,
+    scale: f64,
+) -> Result<Inside> {
+    Inside::of_op1(x, SelfAttention::new(x, projections, heads, rope, mask, scale)?)
 }
 
 struct SelfAttention {
@@ -78,6 +65,43 @@ struct SelfAttention {
 }
 
 impl SelfAttention {
+    fn new(
+        x: &Tensor,
+        [q, k, v]: [Projection; 3],
+        (hq, hkv): (usize, usize),
+        (cos, sin): (&Tensor, &Tensor),
+        mask: Option<&Tensor>,
+        scale: f64,
+    ) -> Result<Self> {
+        let (b, t, in_dim) = x.dims3()?;
+        let (q_out, k_out) = (q.0.dim(0)?, k.0.dim(0)?);
+        let d = q_out.checked_div(hq).unwrap_or(0);
+        let fits = |w: &Tensor, out: usize| w.dims() == [out, in_dim];
+        if hq == 0 || hkv == 0 || hq % hkv != 0 || q_out != hq * d || !fits(&q.0, q_out) || !fits(&k.0, hkv * d) || !fits(&v.0, k_out) {
+            candle_core::bail!(
+                "self-attention: weights {:?}, {:?}, {:?} for {hq} query and {hkv} kv heads of an input {:?}",
+                q.0.dims(),
+                k.0.dims(),
+                v.0.dims(),
+                x.dims()
+            );
+        }
+        if let Some((w, _)) = [&q, &k, &v].into_iter().find(|(w, to)| w.track_op() && to.is_none()) {
+            candle_core::bail!("self-attention: a weight {:?} that trains has no gradient sink", w.dims());
+        }
+        if cos.dims() != [t, d / 2] || sin.dims() != cos.dims() {
+            candle_core::bail!("self-attention: RoPE tables {:?} / {:?} for {t} positions of {d} values", cos.dims(), sin.dims());
+        }
+        let contiguous = |(w, to): Projection| -> Result<Projection> { Ok((w.contiguous()?, to)) };
+        Ok(SelfAttention {
+            projections: [contiguous(q)?, contiguous(k)?, contiguous(v)?],
+            rope: (cos.contiguous()?, sin.contiguous()?),
+            attention: Attention::new(b, t, mask, scale)?,
+            dims: Dims { b, t, hq, hkv, d },
+            saved: Mutex::new(None),
+        })
+    }
+
     /// RoPE over token-major rows of `heads` heads, by the negative angles when `inverse`.
     fn rotate(&self, x: &[f32], heads: usize, inverse: bool) -> Result<Vec<f32>> {
         let (cos, sin) = (self.rope.0.storage_and_layout(), self.rope.1.storage_and_layout());

@@ -16,6 +16,7 @@ use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 use crate::flash_attention::{attention_token_major_kept, KeptAttention, Visibility};
 use crate::fused::{rope_token_major, rope_token_major_inverse};
 use crate::linear::{input_grad_by_matmul, linear_heads_to, weight_grad};
+use crate::residual_sublayer::Inside;
 use crate::self_attention::Projection;
 
 /// Whether the model takes this op where it applies: `FSDP_FLASH_SELF_ATTENTION=0` keeps the six
@@ -33,12 +34,54 @@ pub fn enabled() -> bool {
 /// the tables (the caller checks: `flash_attention::takes`, `fused::rope_applies`).
 pub fn self_attention(
     x: &Tensor,
-    [q, k, v]: [Projection; 3],
-    (hq, hkv): (usize, usize),
-    (cos, sin): (&Tensor, &Tensor),
+    projections: [Projection; 3],
+    heads: (usize, usize),
+    rope: (&Tensor, &Tensor),
     visibility: Visibility,
     scale: f64,
 ) -> Result<Tensor> {
+    check(x, &projections, heads)?;
+    if let Some((w, _)) = projections.iter().find(|(w, to)| w.track_op() && to.is_none()) {
+        candle_core::bail!("flash self-attention: a weight {:?} that trains has no gradient sink", w.dims());
+    }
+    if projections.iter().any(|(w, _)| w.track_op()) && !x.track_op() {
+        candle_core::bail!(
+            "flash self-attention: weights that train over an input outside the graph (their gradients would never be made)"
+        );
+    }
+    let (out, op) = FlashSelfAttention::run(x, projections, heads, rope, visibility, scale)?;
+    if !x.track_op() {
+        return Ok(out);
+    }
+    *op.out.lock().unwrap_or_else(|e| e.into_inner()) = Some(out);
+    x.apply_op1(op)
+}
+
+/// [`self_attention`] outside candle's graph, kept for its backward: the inside of the
+/// attention's residual sublayer (`residual_sublayer`), which runs this backward itself. Each
+/// weight that trains needs a sink.
+pub fn self_attention_inside(
+    x: &Tensor,
+    projections: [Projection; 3],
+    heads: (usize, usize),
+    rope: (&Tensor, &Tensor),
+    visibility: Visibility,
+    scale: f64,
+) -> Result<Inside> {
+    check(x, &projections, heads)?;
+    if let Some((w, _)) = projections.iter().find(|(w, to)| w.track_op() && to.is_none()) {
+        candle_core::bail!("flash self-attention: a weight {:?} that trains has no gradient sink", w.dims());
+    }
+    let (out, op) = FlashSelfAttention::run(x, projections, heads, rope, visibility, scale)?;
+    let (x, kept) = (x.detach(), out.clone());
+    Ok(Inside::new(out, move |g| match op.bwd(&x, &kept, g)? {
+        Some(dx) => Ok(dx),
+        None => candle_core::bail!("flash self-attention: no gradient for its input"),
+    }))
+}
+
+/// The weights' shapes fit the heads and x.
+fn check(x: &Tensor, [q, k, v]: &[Projection; 3], (hq, hkv): (usize, usize)) -> Result<()> {
     let (_, _, in_dim) = x.dims3()?;
     let q_out = q.0.dim(0)?;
     let d = q_out.checked_div(hq).unwrap_or(0);
@@ -52,27 +95,7 @@ pub fn self_attention(
             x.dims()
         );
     }
-    let projections = [q, k, v];
-    if let Some((w, _)) = projections.iter().find(|(w, to)| w.track_op() && to.is_none()) {
-        candle_core::bail!("flash self-attention: a weight {:?} that trains has no gradient sink", w.dims());
-    }
-    if projections.iter().any(|(w, _)| w.track_op()) && !x.track_op() {
-        candle_core::bail!(
-            "flash self-attention: weights that train over an input outside the graph (their gradients would never be made)"
-        );
-    }
-    let xd = x.detach();
-    let project = |(w, _): &Projection, heads: usize| linear_heads_to(&xd, &w.detach(), heads, None);
-    let qr = rope_token_major(&project(&projections[0], hq)?, cos, sin)?;
-    let kr = rope_token_major(&project(&projections[1], hkv)?, cos, sin)?;
-    let v = project(&projections[2], hkv)?;
-    let (out, kept) = attention_token_major_kept(&qr, &kr, &v, visibility, scale)?;
-    if !x.track_op() {
-        return Ok(out);
-    }
-    let op =
-        FlashSelfAttention { projections, rope: (cos.detach(), sin.detach()), out: Mutex::new(Some(out)), kept: Mutex::new(Some(kept)) };
-    x.apply_op1(op)
+    Ok(())
 }
 
 struct FlashSelfAttention {
@@ -85,6 +108,28 @@ struct FlashSelfAttention {
     /// The attention's forward, its inputs and log-sum-exp, for the backward (which takes it:
     /// one backward per forward, as training runs it).
     kept: Mutex<Option<KeptAttention>>,
+}
+
+impl FlashSelfAttention {
+    /// The three products, the rotations and the attention outside the graph: the output and
+    /// the op that keeps what its backward needs.
+    fn run(
+        x: &Tensor,
+        projections: [Projection; 3],
+        (hq, hkv): (usize, usize),
+        (cos, sin): (&Tensor, &Tensor),
+        visibility: Visibility,
+        scale: f64,
+    ) -> Result<(Tensor, Self)> {
+        let xd = x.detach();
+        let project = |(w, _): &Projection, heads: usize| linear_heads_to(&xd, &w.detach(), heads, None);
+        let qr = rope_token_major(&project(&projections[0], hq)?, cos, sin)?;
+        let kr = rope_token_major(&project(&projections[1], hkv)?, cos, sin)?;
+        let v = project(&projections[2], hkv)?;
+        let (out, kept) = attention_token_major_kept(&qr, &kr, &v, visibility, scale)?;
+        let op = Self { projections, rope: (cos.detach(), sin.detach()), out: Mutex::new(None), kept: Mutex::new(Some(kept)) };
+        Ok((out, op))
+    }
 }
 
 impl CustomOp1 for FlashSelfAttention {
