@@ -168,7 +168,9 @@ impl CustomOp3 for GatedUp {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::linear::linear;
+    use crate::fused::rms_norm;
+    use crate::linear::{linear, linear_add_to};
+    use crate::residual_sublayer::prenorm_residual;
     use crate::testing::{check_fd, grads, max_rel, rand};
     use crate::weight_grads::WeightGrads;
     use candle_core::{Device, Var};
@@ -227,5 +229,63 @@ mod tests {
             let got = sink.take(name).expect("deposited").into_tensor(&Device::Cpu).unwrap();
             assert!(max_rel(&got, want) < 1e-6, "{name}: {}", max_rel(&got, want));
         }
+    }
+
+    /// The MLP half of a block as one op against the three ops it replaces (norm, gated MLP,
+    /// down product with the residual) under candle's backward: the output's bits, x's and the
+    /// norm weight's gradients in candle's store, each projection's in its sink, all the same
+    /// bits; and the backward runs once.
+    #[test]
+    fn its_residual_sublayer_matches_the_composed_ops() {
+        let (b, t, hidden, inter) = (2, 9, 24, 40);
+        let x = Var::from_tensor(&rand(&[b, t, hidden], 91, 1.0)).unwrap();
+        let norm = Var::from_tensor(&(rand(&[hidden], 92, 0.2) + 1.0).unwrap()).unwrap();
+        let ws = [rand(&[inter, hidden], 93, 0.4), rand(&[inter, hidden], 94, 0.4), rand(&[hidden, inter], 95, 0.4)];
+        let ws = ws.map(|w| Var::from_tensor(&w).unwrap());
+        let probe = rand(&[b, t, hidden], 96, 1.0);
+        let names = ["gate", "up", "down"];
+        let run = |sublayer: bool| {
+            let sink = WeightGrads::new();
+            let to = |i: usize| Some(WeightGradTarget { sink: sink.clone(), name: names[i].into() });
+            let (gate, up, down) = (ws[0].as_tensor(), ws[1].as_tensor(), ws[2].as_tensor());
+            let y = match sublayer {
+                true => {
+                    let inside = |n: &Tensor| swiglu_linear_inside(n, gate, up, [to(0), to(1)]);
+                    prenorm_residual(x.as_tensor(), norm.as_tensor(), 1e-5, inside, (down.clone(), to(2))).unwrap()
+                }
+                false => {
+                    let n = rms_norm(x.as_tensor(), norm.as_tensor(), 1e-5).unwrap();
+                    let h = swiglu_linear_to(&n, gate, up, [to(0), to(1)]).unwrap();
+                    linear_add_to(&h, down, x.as_tensor(), to(2)).unwrap()
+                }
+            };
+            let loss = (&y * &probe).unwrap().sum_all().unwrap();
+            let store = loss.backward().unwrap();
+            if sublayer {
+                assert!(loss.backward().is_err(), "the inside was taken by the first backward");
+            }
+            let sinks = names.map(|n| sink.take(n).expect("deposited").into_tensor(&Device::Cpu).unwrap());
+            assert!(ws.iter().all(|w| store.get(w.as_tensor()).is_none()), "a projection's gradient in candle's store");
+            (y, store.get(x.as_tensor()).unwrap().clone(), store.get(norm.as_tensor()).unwrap().clone(), sinks)
+        };
+        let (got, want) = (run(true), run(false));
+        assert_eq!(bits(&got.0), bits(&want.0), "not the composed ops' values");
+        assert_eq!(bits(&got.1), bits(&want.1), "x's gradient");
+        assert_eq!(bits(&got.2), bits(&want.2), "the norm weight's gradient");
+        for (name, (g, w)) in names.iter().zip(got.3.iter().zip(&want.3)) {
+            assert!(max_rel(g, w) == 0.0, "{name}: {}", max_rel(g, w));
+        }
+    }
+
+    /// An output weight that trains with no sink would lose its gradient: refused.
+    #[test]
+    fn a_residual_sublayer_refuses_an_output_weight_without_a_sink() {
+        let x = Var::from_tensor(&rand(&[1, 3, 8], 97, 1.0)).unwrap();
+        let norm = rand(&[8], 98, 1.0);
+        let (gate, up) = (rand(&[12, 8], 99, 0.4), rand(&[12, 8], 100, 0.4));
+        let down = Var::from_tensor(&rand(&[8, 12], 101, 0.4)).unwrap();
+        let inside = |n: &Tensor| swiglu_linear_inside(n, &gate, &up, [None, None]);
+        let e = prenorm_residual(x.as_tensor(), &norm, 1e-5, inside, (down.as_tensor().clone(), None)).unwrap_err();
+        assert!(e.to_string().contains("no gradient sink"), "{e}");
     }
 }
