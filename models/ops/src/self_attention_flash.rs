@@ -41,9 +41,6 @@ pub fn self_attention(
     scale: f64,
 ) -> Result<Tensor> {
     check(x, &projections, heads)?;
-    if let Some((w, _)) = projections.iter().find(|(w, to)| w.track_op() && to.is_none()) {
-        candle_core::bail!("flash self-attention: a weight {:?} that trains has no gradient sink", w.dims());
-    }
     if projections.iter().any(|(w, _)| w.track_op()) && !x.track_op() {
         candle_core::bail!(
             "flash self-attention: weights that train over an input outside the graph (their gradients would never be made)"
@@ -69,9 +66,6 @@ pub fn self_attention_inside(
     scale: f64,
 ) -> Result<Inside> {
     check(x, &projections, heads)?;
-    if let Some((w, _)) = projections.iter().find(|(w, to)| w.track_op() && to.is_none()) {
-        candle_core::bail!("flash self-attention: a weight {:?} that trains has no gradient sink", w.dims());
-    }
     let (out, op) = FlashSelfAttention::run(x, projections, heads, rope, visibility, scale)?;
     let (x, kept) = (x.detach(), out.clone());
     Ok(Inside::new(out, move |g| match op.bwd(&x, &kept, g)? {
@@ -80,8 +74,9 @@ pub fn self_attention_inside(
     }))
 }
 
-/// The weights' shapes fit the heads and x.
-fn check(x: &Tensor, [q, k, v]: &[Projection; 3], (hq, hkv): (usize, usize)) -> Result<()> {
+/// The weights' shapes fit the heads and x, and each weight that trains has a sink.
+fn check(x: &Tensor, projections: &[Projection; 3], (hq, hkv): (usize, usize)) -> Result<()> {
+    let [q, k, v] = projections;
     let (_, _, in_dim) = x.dims3()?;
     let q_out = q.0.dim(0)?;
     let d = q_out.checked_div(hq).unwrap_or(0);
@@ -94,6 +89,9 @@ fn check(x: &Tensor, [q, k, v]: &[Projection; 3], (hq, hkv): (usize, usize)) -> 
             v.0.dims(),
             x.dims()
         );
+    }
+    if let Some((w, _)) = projections.iter().find(|(w, to)| w.track_op() && to.is_none()) {
+        candle_core::bail!("flash self-attention: a weight {:?} that trains has no gradient sink", w.dims());
     }
     Ok(())
 }
