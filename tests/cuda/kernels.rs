@@ -311,6 +311,56 @@ fn gated_mlp_op_on_cuda_matches_cpu() {
     gpu_matches_cpu("gated_mlp", ["h", "dx", "dw_gate", "dw_up"], run);
 }
 
+/// A block's MLP half as one op on the GPU (`ops::residual_sublayer`: the norm and the gated MLP
+/// outside the graph, x's two gradients in one sum): the output, x's, the norm weight's and each
+/// projection's gradient (through sinks) against the CPU's, and on the GPU the bits of the three
+/// ops one by one.
+#[test]
+fn residual_sublayer_op_on_cuda_matches_cpu() {
+    use candle_core::Var;
+    use ops::weight_grads::{WeightGradTarget, WeightGrads};
+    let (b, t, hidden, inter) = (2, 33, 48, 72);
+    let inputs = [
+        Tensor::randn(0f32, 1.0, (b, t, hidden), &Device::Cpu).unwrap(),
+        (Tensor::randn(0f32, 0.2, hidden, &Device::Cpu).unwrap() + 1.0).unwrap(),
+        Tensor::randn(0f32, 0.5, (inter, hidden), &Device::Cpu).unwrap(),
+        Tensor::randn(0f32, 0.5, (inter, hidden), &Device::Cpu).unwrap(),
+        Tensor::randn(0f32, 0.5, (hidden, inter), &Device::Cpu).unwrap(),
+    ];
+    let probe = Tensor::randn(0f32, 1.0, (b, t, hidden), &Device::Cpu).unwrap();
+    let names = ["gate", "up", "down"];
+    // (y, dx, the norm weight's, gate's, up's and down's gradients): as one op, or op by op.
+    let pass = |device: &Device, dtype: DType, one_op: bool| -> [Vec<f32>; 6] {
+        let [x, norm, gate, up, down] =
+            inputs.clone().map(|t| Var::from_tensor(&t.to_device(device).unwrap().to_dtype(dtype).unwrap()).unwrap());
+        let sink = WeightGrads::new();
+        let to = |i: usize| Some(WeightGradTarget { sink: sink.clone(), name: names[i].into() });
+        let (g, u, d) = (gate.as_tensor(), up.as_tensor(), down.as_tensor());
+        let y = match one_op {
+            true => {
+                let inside = |n: &Tensor| ops::gated_mlp::swiglu_linear_inside(n, g, u, [to(0), to(1)]);
+                ops::residual_sublayer::prenorm_residual(x.as_tensor(), norm.as_tensor(), 1e-5, inside, (d.clone(), to(2))).unwrap()
+            }
+            false => {
+                let n = ops::fused::rms_norm(x.as_tensor(), norm.as_tensor(), 1e-5).unwrap();
+                let h = ops::gated_mlp::swiglu_linear_to(&n, g, u, [to(0), to(1)]).unwrap();
+                ops::linear::linear_add_to(&h, d, x.as_tensor(), to(2)).unwrap()
+            }
+        };
+        let grads = (y.to_dtype(DType::F32).unwrap() * probe.to_device(device).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+        let sunk = |i: usize| values(&sink.take(names[i]).expect("the sink got it").into_tensor(device).unwrap());
+        [values(&y), values(grads.get(x.as_tensor()).unwrap()), values(grads.get(norm.as_tensor()).unwrap()), sunk(0), sunk(1), sunk(2)]
+    };
+    let run = |device: &Device, dtype: DType| {
+        let one_op = pass(device, dtype, true);
+        if !device.is_cpu() {
+            assert!(one_op == pass(device, dtype, false), "{dtype:?}: not the bits of the ops one by one");
+        }
+        one_op
+    };
+    gpu_matches_cpu("residual sublayer", ["y", "dx", "dw_norm", "dw_gate", "dw_up", "dw_down"], run);
+}
+
 /// The attention layer's inside as one op on the GPU (`ops::self_attention_flash`: cuBLAS
 /// products, our rope and flash kernels, x's gradient the one tensor candle's backward sums): the
 /// output, x's gradient and each weight's (through sinks) in bf16 against the CPU's op

@@ -143,7 +143,7 @@ case "$what" in
     # and the models' gradients and loss curves), then our training rows of the bench (batch 1
     # and 8, the same model and flags) without PyTorch's: median tokens/s of steps 3 on, to set
     # beside the last bench's.
-    for f in ${QUICK_TESTS:-flash_attention_matches_cpu_attention gated_mlp_op_on_cuda_matches_cpu self_attention_flash_op_on_cuda_matches_cpu gradients_on_cuda_match_cpu finetuning_on_cuda_follows_the_cpu_loss_curve}; do
+    for f in ${QUICK_TESTS:-flash_attention_matches_cpu_attention gated_mlp_op_on_cuda_matches_cpu residual_sublayer_op_on_cuda_matches_cpu self_attention_flash_op_on_cuda_matches_cpu gradients_on_cuda_match_cpu finetuning_on_cuda_follows_the_cpu_loss_curve}; do
       part "tests/cuda/ $f" timeout -k 5 90 "$BIN/cuda-tests" --test-threads 1 "$f"
     done
     work=${FSDP_BENCH_DIR:-$(mktemp -d)}
