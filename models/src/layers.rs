@@ -16,6 +16,7 @@ pub use crate::mode::OpMode;
 use crate::multi_lora::RowAdapters;
 use crate::quantized::{LinearWeight, QuantizedWeights};
 use ops::flash_attention::Visibility;
+use ops::self_attention::Projection;
 use ops::weight_grads::WeightGrads;
 
 mod sublayers;
@@ -266,10 +267,9 @@ impl Attention {
     /// with no q/k norms and weights whose gradients have sinks, one op from x to o_proj's input
     /// (`ops::self_attention`).
     fn attend_token_major(&self, x: &Tensor, pos: &PositionInputs) -> Result<Tensor> {
-        let projections = [&self.q_proj, &self.k_proj, &self.v_proj].map(|p| p.weight_with_sink(x, pos.mode, &pos.adapters));
-        if let (None, None, [Some(q), Some(k), Some(v)]) = (&self.q_norm, &self.k_norm, projections) {
+        if let Some(projections) = self.one_op_projections(x, pos, ops::applies(x)) {
             let heads = (self.num_heads, self.num_kv_heads);
-            return ops::self_attention::self_attention(x, [q, k, v], heads, (&pos.cos, &pos.sin), pos.mask.as_ref(), self.scale());
+            return ops::self_attention::self_attention(x, projections, heads, (&pos.cos, &pos.sin), pos.mask.as_ref(), self.scale());
         }
         let (q, k, v) = self.token_major_qkv(x, pos)?;
         ops::attention::attention(&q, &k, &v, pos.mask.as_ref(), self.scale())
@@ -280,16 +280,27 @@ impl Attention {
     /// to o_proj's input (`ops::self_attention_flash`), else the products, rotations and
     /// attention as ops of their own.
     fn attend_flash(&self, x: &Tensor, pos: &PositionInputs, visibility: Visibility) -> Result<Tensor> {
-        let projections = [&self.q_proj, &self.k_proj, &self.v_proj].map(|p| p.weight_with_sink_where(x, pos.mode, &pos.adapters, true));
-        if let (None, None, [Some(q), Some(k), Some(v)]) = (&self.q_norm, &self.k_norm, projections) {
-            let trains = [&q, &k, &v].iter().any(|(w, _)| w.track_op());
+        if let Some(projections) = self.one_op_projections(x, pos, true) {
+            let trains = projections.iter().any(|(w, _)| w.track_op());
             if (x.track_op() || !trains) && ops::self_attention_flash::enabled() {
                 let heads = (self.num_heads, self.num_kv_heads);
-                return ops::self_attention_flash::self_attention(x, [q, k, v], heads, (&pos.cos, &pos.sin), visibility, self.scale());
+                return ops::self_attention_flash::self_attention(x, projections, heads, (&pos.cos, &pos.sin), visibility, self.scale());
             }
         }
         let (q, k, v) = self.token_major_qkv(x, pos)?;
         ops::flash_attention::attention_token_major(&q, &k, &v, visibility, self.scale())
+    }
+
+    /// q, k and v's weights with their sinks where the attention can run as one op from x (CPU:
+    /// `ops::self_attention`, GPU: `ops::self_attention_flash`): no q/k norms, and each a plain
+    /// dense weight whose gradient has a sink or that trains nothing (`ours` as
+    /// `AdaptedLinear::weight_with_sink_where` takes it).
+    fn one_op_projections(&self, x: &Tensor, pos: &PositionInputs, ours: bool) -> Option<[Projection; 3]> {
+        if self.q_norm.is_some() || self.k_norm.is_some() {
+            return None;
+        }
+        let [q, k, v] = [&self.q_proj, &self.k_proj, &self.v_proj].map(|p| p.weight_with_sink_where(x, pos.mode, &pos.adapters, ours));
+        Some([q?, k?, v?])
     }
 
     /// Where training's attention runs on the GPU's flash kernels token-major (the projections'

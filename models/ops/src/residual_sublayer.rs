@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
 use crate::fused::{rms_norm, rms_norm_grads};
-use crate::linear::{linear_add_to, LinearAdd};
+use crate::linear::LinearAdd;
 use crate::weight_grads::WeightGradTarget;
 
 /// Whether the model takes these ops where they apply: `FSDP_SUBLAYER_OPS=0` keeps the composed
@@ -38,7 +38,7 @@ pub struct Inside {
 }
 
 impl Inside {
-    pub fn new(out: Tensor, backward: impl FnOnce(&Tensor) -> Result<Tensor> + Send + Sync + 'static) -> Self {
+    fn new(out: Tensor, backward: impl FnOnce(&Tensor) -> Result<Tensor> + Send + Sync + 'static) -> Self {
         Self { out, backward: Box::new(backward) }
     }
 
@@ -47,11 +47,17 @@ impl Inside {
         let op: Arc<Box<dyn CustomOp1 + Send + Sync>> = Arc::new(Box::new(op));
         let x = x.detach().contiguous()?;
         let out = x.apply_op1_arc(op.clone())?;
+        Ok(Self::ran_op1(x, out, op))
+    }
+
+    /// `op`, which made `out` from `x` outside the graph (by candle or by itself): its backward
+    /// is the op's own, for x.
+    pub(crate) fn ran_op1(x: Tensor, out: Tensor, op: Arc<Box<dyn CustomOp1 + Send + Sync>>) -> Self {
         let kept = out.clone();
-        Ok(Self::new(out, move |g| match op.bwd(&x, &kept, g)? {
+        Self::new(out, move |g| match op.bwd(&x, &kept, g)? {
             Some(dx) => Ok(dx),
             None => candle_core::bail!("{}: no gradient for its input", op.name()),
-        }))
+        })
     }
 
     /// `op` on x and two weights outside the graph (the weights as the model holds them: the
@@ -67,16 +73,13 @@ impl Inside {
             _ => candle_core::bail!("{}: a weight gradient with nowhere to go", op.name()),
         }))
     }
-
-    pub fn out(&self) -> &Tensor {
-        &self.out
-    }
 }
 
 /// `x + inside(rms_norm(x, norm_weight)) · w_outᵀ` for x (.., hidden), one candle op on x and the
 /// norm's weight. `inside` gets the normed x outside the graph and keeps its own backward
 /// ([`Inside`]); `w_out` is the output projection's weight (hidden, inner) as the model holds it,
-/// with its gradient's sink, which it needs if it trains. Where the fused RMSNorm takes x
+/// with its gradient's sink, which it needs if it trains. x or the norm's weight must be in the
+/// graph. Where the fused RMSNorm takes x
 /// (`fused::rms_norm_applies`) and `linear::linear_add_to` the product.
 pub fn prenorm_residual(
     x: &Tensor,
@@ -88,16 +91,13 @@ pub fn prenorm_residual(
     if w_out.track_op() && grad_to.is_none() {
         candle_core::bail!("residual sublayer: an output weight {:?} that trains has no gradient sink", w_out.dims());
     }
-    let x = x.contiguous()?;
-    let xd = x.detach();
-    let normed = rms_norm(&xd, &norm_weight.detach(), eps)?;
-    let inside = inside(&normed)?;
+    // Outside the graph the op's backward, which makes every weight's gradient, would never run.
     if !x.track_op() && !norm_weight.track_op() {
-        if w_out.track_op() {
-            candle_core::bail!("residual sublayer: an output weight that trains over an input outside the graph");
-        }
-        return linear_add_to(&inside.out, &w_out.detach(), &xd, None);
+        candle_core::bail!("residual sublayer: an input and a norm weight outside the graph (the op is for training)");
     }
+    let x = x.contiguous()?;
+    let normed = rms_norm(&x.detach(), &norm_weight.detach(), eps)?;
+    let inside = inside(&normed)?;
     let op = PrenormResidual {
         eps: eps as f32,
         inside_out: inside.out.contiguous()?,

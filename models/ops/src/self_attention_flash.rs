@@ -9,7 +9,7 @@
 //! backward), and the weights' gradients go to their sinks, as in the CPU's `self_attention`.
 //! The values are those of the six ops: the same products, rotation and kernels.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
@@ -67,11 +67,7 @@ pub fn self_attention_inside(
 ) -> Result<Inside> {
     check(x, &projections, heads)?;
     let (out, op) = FlashSelfAttention::run(x, projections, heads, rope, visibility, scale)?;
-    let (x, kept) = (x.detach(), out.clone());
-    Ok(Inside::new(out, move |g| match op.bwd(&x, &kept, g)? {
-        Some(dx) => Ok(dx),
-        None => candle_core::bail!("flash self-attention: no gradient for its input"),
-    }))
+    Ok(Inside::ran_op1(x.detach(), out, Arc::new(Box::new(op))))
 }
 
 /// The weights' shapes fit the heads and x, and each weight that trains has a sink.

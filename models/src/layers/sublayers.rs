@@ -38,23 +38,17 @@ impl Attention {
     /// The attention half's inside (q/k/v, rotations and attention as one op) and o_proj, where
     /// training takes that one op for x ([`Attention::path`]).
     fn sublayer<'a>(&'a self, x: &Tensor, pos: &'a PositionInputs) -> Option<(InsideFn<'a>, Projection)> {
-        if self.q_norm.is_some() || self.k_norm.is_some() {
-            return None;
-        }
-        let (mode, adapters) = (pos.mode, &pos.adapters);
-        let o_proj = self.o_proj.weight_with_sink_where(x, mode, adapters, linear_op_takes(x))?;
+        let o_proj = self.o_proj.weight_with_sink_where(x, pos.mode, &pos.adapters, linear_op_takes(x))?;
         let heads = (self.num_heads, self.num_kv_heads);
         let rope = (&pos.cos, &pos.sin);
         let scale = self.scale();
         let inside: InsideFn<'a> = match self.path(x, pos, false) {
             AttentionPath::TokenMajor => {
-                let [q, k, v] = [&self.q_proj, &self.k_proj, &self.v_proj].map(|p| p.weight_with_sink(x, mode, adapters));
-                let projections = [q?, k?, v?];
+                let projections = self.one_op_projections(x, pos, ops::applies(x))?;
                 Box::new(move |n| ops::self_attention::self_attention_inside(n, projections, heads, rope, pos.mask.as_ref(), scale))
             }
             AttentionPath::Flash(visibility) if ops::self_attention_flash::enabled() => {
-                let [q, k, v] = [&self.q_proj, &self.k_proj, &self.v_proj].map(|p| p.weight_with_sink_where(x, mode, adapters, true));
-                let projections = [q?, k?, v?];
+                let projections = self.one_op_projections(x, pos, true)?;
                 Box::new(move |n| ops::self_attention_flash::self_attention_inside(n, projections, heads, rope, visibility, scale))
             }
             _ => return None,
