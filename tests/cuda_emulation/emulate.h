@@ -13,7 +13,10 @@
 #include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <thread>
@@ -33,13 +36,15 @@ struct dim3 {
 inline thread_local dim3 threadIdx;
 inline dim3 blockIdx, blockDim, gridDim;
 
-struct float2 {
+// CUDA's vector types with CUDA's alignment, so that the driver's sanitizer
+// (-fsanitize=alignment) fails a misaligned load or store of one as the GPU would.
+struct alignas(8) float2 {
   float x, y;
 };
-struct int2 {
+struct alignas(8) int2 {
   int x, y;
 };
-struct uint4 {
+struct alignas(16) uint4 {
   unsigned x, y, z, w;
 };
 inline float2 make_float2(float x, float y) { return {x, y}; }
@@ -156,11 +161,63 @@ inline void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1)
   });
 }
 
+// Stops the emulation where the GPU would fault: `p` not on an `bytes` boundary.
+inline void require_aligned(const void *p, size_t bytes, const char *what) {
+  if (reinterpret_cast<uintptr_t>(p) % bytes != 0) {
+    std::fprintf(stderr, "misaligned address: %s at %p is not on a %zu-byte boundary\n", what, p, bytes);
+    std::abort();
+  }
+}
+
+// cp.async as the GPU runs it, not at once: a copy may land at any time until the issuing
+// thread's wait_group retires its group, so its destination reads as NaN (all bits set, in bf16,
+// f16 and f32) until then, and a read that comes before the wait (or before the barrier behind it,
+// for other threads) sees that instead of stale or fresh values.
+struct AsyncCopy {
+  void *dst;
+  const void *src;
+  size_t bytes;
+  bool valid;  // false: zeros (a source size of 0)
+  void land() const { valid ? (void)std::memcpy(dst, src, bytes) : (void)std::memset(dst, 0, bytes); }
+};
+struct AsyncCopies {
+  std::vector<AsyncCopy> open;               // issued since the thread's last commit_group
+  std::deque<std::vector<AsyncCopy>> groups; // committed, oldest first
+};
+inline thread_local AsyncCopies async_copies;
+
+inline void copy_async(void *dst, const void *src, size_t bytes, bool valid) {
+  require_aligned(dst, bytes, "cp.async's shared-memory destination");
+  require_aligned(src, bytes, "cp.async's global source");
+  std::memset(dst, 0xff, bytes);
+  async_copies.open.push_back({dst, src, bytes, valid});
+}
+
+inline void async_commit() {
+  async_copies.groups.push_back(std::move(async_copies.open));
+  async_copies.open.clear();
+}
+
+// cp.async.wait_group: lands the thread's committed groups but the newest `pending`.
+inline void async_wait(size_t pending) {
+  while (async_copies.groups.size() > pending) {
+    for (const AsyncCopy &c : async_copies.groups.front()) c.land();
+    async_copies.groups.pop_front();
+  }
+}
+
+// A GPU thread's copies still in flight when it exits land all the same.
+inline void async_land_all() {
+  async_commit();
+  async_wait(0);
+}
+
 // ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lane l's `row` is row l % 8 of matrix l / 8
 // (8 halves); r[i] gets matrix i's row l / 4, columns 2 (l % 4) and + 1, or with TRANS its
 // column l / 4, rows 2 (l % 4) and + 1 (the lower index in the low half).
 template <bool TRANS>
 inline void ldmatrix_x4(unsigned (&r)[4], const unsigned short *row) {
+  require_aligned(row, 16, "an ldmatrix row");
   unsigned mine[2];
   std::memcpy(mine, &row, sizeof row);
   unsigned l = lane();
@@ -228,6 +285,7 @@ inline void launch(void (*kernel)(Params...), dim3 grid, unsigned threads, size_
           running.emplace_back([&, i] {
             threadIdx = dim3{i, 0, 0};
             kernel(args...);
+            async_land_all();
             b.warps[i / 32]->arrived.arrive_and_drop();
             b.all.arrive_and_drop();
           });

@@ -99,14 +99,11 @@ __device__ __forceinline__ void load_a(const half_bits *m, int ld, int rows, int
 // completes in the background (cp.async, sm_80 on): a thread's copies issued since its last
 // `async_commit` form a group, and `async_wait<P>` returns once at most P of its groups are still
 // in flight. `valid` false writes zeros (the copy's source size 0; `src` must still be an
-// address of the tensor). The emulation copies at once.
+// address of the tensor). The emulation lands a group's copies at its wait (emulate.h).
 template <int BYTES>
 __device__ __forceinline__ void copy_async(void *dst, const void *src, bool valid) {
 #ifdef FSDP_CUDA_EMULATION
-  if (valid)
-    std::memcpy(dst, src, BYTES);
-  else
-    std::memset(dst, 0, BYTES);
+  emulation::copy_async(dst, src, BYTES, valid);
 #else
   unsigned at = (unsigned)__cvta_generic_to_shared(dst);
   if (BYTES == 16)  // .cg: the tiles are read once a block, past L1
@@ -117,14 +114,18 @@ __device__ __forceinline__ void copy_async(void *dst, const void *src, bool vali
 }
 
 __device__ __forceinline__ void async_commit() {
-#ifndef FSDP_CUDA_EMULATION
+#ifdef FSDP_CUDA_EMULATION
+  emulation::async_commit();
+#else
   asm volatile("cp.async.commit_group;");
 #endif
 }
 
 template <int PENDING>
 __device__ __forceinline__ void async_wait() {
-#ifndef FSDP_CUDA_EMULATION
+#ifdef FSDP_CUDA_EMULATION
+  emulation::async_wait(PENDING);
+#else
   asm volatile("cp.async.wait_group %0;" ::"n"(PENDING));
 #endif
 }
