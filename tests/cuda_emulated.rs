@@ -71,8 +71,9 @@ fn build(test: &str, source: &kernels::cuda::RuntimeSource, driver: &str) -> Opt
     let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/cuda_emulation");
     let binary = dir.join(driver.trim_end_matches(".cpp"));
     let out = Command::new("g++")
-        // A misaligned typed load or store stops the driver, as it faults on a GPU.
-        .args(["-std=c++20", "-O2", "-pthread", "-fsanitize=alignment", "-fno-sanitize-recover=alignment", "-include"])
+        // A misaligned typed load or store, or one past a buffer's end, stops the driver, as it
+        // faults on a GPU.
+        .args(["-std=c++20", "-O2", "-pthread", "-fsanitize=alignment,address", "-fno-sanitize-recover=alignment", "-include"])
         .arg(here.join("emulate.h"))
         .arg("-I")
         .arg(&dir)
