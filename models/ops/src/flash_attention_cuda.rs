@@ -15,10 +15,11 @@ use kernels::cuda::FLASH_ATTENTION as SOURCE;
 use crate::cuda_args::{contiguous_values, values};
 use crate::visibility::Visibility;
 
-/// Four warps a block, each 16 of the block's 64 query (or key) rows (flash_attention.cu's ROWS).
-const THREADS: u32 = 128;
-const WARPS: usize = 4;
-const ROWS: usize = 64;
+/// The kernels' geometry (stated in `kernels::cuda`, where a test holds the source to it): four
+/// warps a block, each 16 of the block's 64 query (or key) rows.
+const WARPS: usize = kernels::cuda::FLASH_WARPS;
+const THREADS: u32 = 32 * WARPS as u32;
+const ROWS: usize = kernels::cuda::FLASH_ROWS;
 
 /// The forward's kernel (its pass in [`kernel_name`]) and query rows a block: 16 a warp per
 /// group, flash_attention.cu's `FORWARD_GROUPS(D)` groups (two at head dim 64, one at 128), or
@@ -27,7 +28,7 @@ const ROWS: usize = 64;
 fn forward_kernel(head_dim: usize) -> Result<(&'static str, usize)> {
     Ok(match (head_dim, forward_groups()?) {
         (64, 1) => ("forward_one_group", ROWS),
-        (64, _) => ("forward", 2 * ROWS),
+        (64, _) => ("forward", kernels::cuda::FLASH_FORWARD_GROUPS_D64 * ROWS),
         _ => ("forward", ROWS),
     })
 }
@@ -421,8 +422,9 @@ impl CustomOp3 for Gradient<'_> {
     }
 }
 
-/// Positions per cache block (flash_attention.cu's CACHE_BLOCK, models::kv_cache's BLOCK).
-pub const CACHE_BLOCK: usize = 64;
+/// Positions per cache block: the KV cache's (models::kv_cache), flash_attention.cu's
+/// CACHE_BLOCK (a test in `kernels::cuda` holds them equal).
+pub const CACHE_BLOCK: usize = kernels::paged_attention::BLOCK;
 
 /// The decode kernel's `Decode`.
 #[repr(C)]

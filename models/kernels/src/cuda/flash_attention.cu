@@ -156,9 +156,11 @@ __device__ __forceinline__ void for_kv_tiles(int2 keys, const half_bits *kh, con
 // Groups of 16 query rows a warp holds in the forward: two at head dim 64 (a block's 128 rows),
 // so each B fragment a warp reads from shared memory feeds two mma; one at 128, where a second
 // group's output alone (64 more registers a thread) would spill. flash_attention_cuda.rs's grid
-// and the emulation's driver follow it. At head dim 64 a one-group forward is built too
-// (INSTANTIATE_ONE_GROUP), so that a GPU can measure the two against each other without a rebuild.
-#define FORWARD_GROUPS(D) ((D) == 64 ? 2 : 1)
+// (kernels::cuda::FLASH_FORWARD_GROUPS_D64, which a test holds to this) and the emulation's
+// driver follow it. At head dim 64 a one-group forward is built too (INSTANTIATE_ONE_GROUP), so
+// that a GPU can measure the two against each other without a rebuild.
+#define FORWARD_GROUPS_D64 2
+#define FORWARD_GROUPS(D) ((D) == 64 ? FORWARD_GROUPS_D64 : 1)
 
 // G groups of 16 query rows a warp. Grid (ceil(T / (64 · G)), batch * heads); 128 threads.
 template <class H, int D, int G>
@@ -373,6 +375,7 @@ __device__ void flash_backward_dkv_sum(const float *partial, half_bits *dk, half
 // warp walks every fourth cache block from global memory with its own running max, sum and
 // output, and the four are merged through shared memory. Grid (sequences, kv_heads,
 // ceil(group / 16)); 128 threads. (Blocks of one kv head write the same new values: no race.)
+// CACHE_BLOCK is kernels::paged_attention::BLOCK, the KV cache's (a test holds them equal).
 #define CACHE_BLOCK 64
 
 struct Decode {

@@ -4,6 +4,8 @@
 // tile (through ldmatrix where the tile is staged) and the writes of a warp's result rows.
 // Lane (g, t) = (lane / 4, lane % 4) of a warp holds what PTX's mma.m16n8k16 fragments say.
 
+// WARPS and ROWS are kernels::cuda::FLASH_WARPS and FLASH_ROWS, which the launches read (a test
+// holds them equal).
 #define WARPS 4
 #define ROWS 64          // outer rows of a block: WARPS x 16
 #define PAD 8            // halves after each staged row: rows 2 x (D + 8) bytes apart hit distinct banks

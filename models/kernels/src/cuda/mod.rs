@@ -58,6 +58,14 @@ pub static FLASH_ATTENTION: RuntimeSource = RuntimeSource::for_arch(
     TENSOR_CORE_ARCH,
 );
 
+/// Warps in a block of the flash kernels (flash_tiles.cuh's `WARPS`).
+pub const FLASH_WARPS: usize = 4;
+/// Outer rows (queries, or keys) of a flash block, 16 a warp (flash_tiles.cuh's `ROWS`).
+pub const FLASH_ROWS: usize = 16 * FLASH_WARPS;
+/// Groups of 16 query rows a warp holds in the flash forward at head dim 64 (flash_attention.cu's
+/// `FORWARD_GROUPS_D64`; one at 128): its blocks hold this many times [`FLASH_ROWS`].
+pub const FLASH_FORWARD_GROUPS_D64: usize = 2;
+
 /// The oldest GPUs whose tensor cores run `mma.m16n8k16` on bf16 (Ampere); the driver compiles
 /// the PTX on for the GPU at hand.
 pub const TENSOR_CORE_ARCH: &str = "compute_80";
@@ -120,5 +128,31 @@ impl RuntimeSource {
             })
             .as_deref()
             .map_err(|e| candle_core::Error::Msg(format!("compiling {} with NVRTC: {e}", self.path)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The value of `#define NAME VALUE` in `source`.
+    fn defined(source: &str, name: &str) -> Option<usize> {
+        source.lines().find_map(|line| {
+            let mut words = line.strip_prefix("#define ")?.split_whitespace();
+            (words.next()? == name).then(|| words.next()?.parse().ok())?
+        })
+    }
+
+    /// The launches (ops::flash_attention_cuda) and the KV cache read the flash kernels' geometry
+    /// from Rust; the kernels define it in their source: the two must agree, or a grid leaves
+    /// rows undone (or a cache block is read at the wrong size) only on a GPU.
+    #[test]
+    fn the_flash_kernels_define_the_geometry_their_launches_assume() {
+        let source = FLASH_ATTENTION.source();
+        assert_eq!(defined(source, "WARPS"), Some(FLASH_WARPS));
+        assert_eq!(defined(source, "ROWS"), Some(FLASH_ROWS));
+        assert_eq!(defined(source, "FORWARD_GROUPS_D64"), Some(FLASH_FORWARD_GROUPS_D64));
+        assert_eq!(defined(source, "CACHE_BLOCK"), Some(crate::paged_attention::BLOCK));
+        assert_eq!(defined(source, "NO_SUCH_NAME"), None);
     }
 }
