@@ -51,10 +51,11 @@ fn flash_attention_kernels_match_the_cpu_attention() {
     for i in [1, 2, 6] {
         check(&binary, CASES[i], true, false);
     }
-    // The one-group forward at head dim 64 (`FSDP_FLASH_FORWARD_GROUPS=1`) gives the two
-    // groups' bits (the driver compares them): rows past a block's end with GQA, token-major; a
-    // window; f16 without a mask.
-    for (i, token_major) in [(1, true), (4, false), (5, false)] {
+    // The variants at head dim 64 give the default kernels' bits (the driver compares them): the
+    // one-group forward (`FSDP_FLASH_FORWARD_GROUPS=1`) and 32-query dk/dv
+    // (`FSDP_FLASH_DKV_QUERIES=32`), over rows past a block's end with GQA, token-major; queries
+    // at the end of a cache; a window; f16 without a mask.
+    for (i, token_major) in [(1, true), (3, false), (4, false), (5, false)] {
         check(&binary, CASES[i], token_major, true);
     }
 }
@@ -99,10 +100,11 @@ fn scratch(what: &str) -> PathBuf {
 }
 
 /// One case through the emulated kernels, their tensors heads-major or (`token_major`) token-major;
-/// with `one_group` (head dim 64 only) the one-group forward too, whose bits must be the default's.
-fn check(binary: &Path, (dtype, d, b, h, hkv, t, s, causal, window): Case, token_major: bool, one_group: bool) {
+/// with `variants` (head dim 64 only) the variant kernels a switch launches too (the one-group
+/// forward, 32-query dk/dv), whose bits must be the default's.
+fn check(binary: &Path, (dtype, d, b, h, hkv, t, s, causal, window): Case, token_major: bool, variants: bool) {
     let what = format!(
-        "{dtype:?} d {d}, batch {b}, heads {h}/{hkv}, T {t}, S {s}, causal {causal}, window {window}, token-major {token_major}, one group {one_group}"
+        "{dtype:?} d {d}, batch {b}, heads {h}/{hkv}, T {t}, S {s}, causal {causal}, window {window}, token-major {token_major}, variants {variants}"
     );
     let cpu = Device::Cpu;
     let offset = s - t;
@@ -125,7 +127,7 @@ fn check(binary: &Path, (dtype, d, b, h, hkv, t, s, causal, window): Case, token
         .args(&args)
         .arg(format!("{scale}"))
         .arg(if token_major { "1" } else { "0" })
-        .arg(if one_group { "1" } else { "0" })
+        .arg(if variants { "1" } else { "0" })
         .output()
         .unwrap();
     assert!(out.status.success(), "{what}: the emulated kernels failed: {}", String::from_utf8_lossy(&out.stderr));

@@ -115,13 +115,15 @@ static int decode_main(int argc, char **argv) {
 int main(int argc, char **argv) {
   if (argc > 2 && std::string(argv[2]) == "decode") return decode_main(argc, argv);
   if (argc != 14 && argc != 15) {
-    std::fprintf(stderr, "usage: %s DIR bf16|f16 D BATCH HEADS KV_HEADS T S OFFSET CAUSAL WINDOW SCALE TOKEN_MAJOR [ONE_GROUP]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s DIR bf16|f16 D BATCH HEADS KV_HEADS T S OFFSET CAUSAL WINDOW SCALE TOKEN_MAJOR [VARIANTS]\n", argv[0]);
     return 2;
   }
-  // ONE_GROUP 1: the forward at head dim 64 with one group of 16 rows a warp (as
-  // FSDP_FLASH_FORWARD_GROUPS=1 launches it) runs too, and must give the default's bits: each
-  // query row's arithmetic is the same, the tiles a wider block adds being masked for it.
-  bool one_group = argc == 15 && std::atoi(argv[14]) != 0;
+  // VARIANTS 1: the kernels at head dim 64 that a switch launches instead run too, and must give
+  // the default's bits: the forward with one group of 16 rows a warp (FSDP_FLASH_FORWARD_GROUPS=1;
+  // each query row's arithmetic is the same, the tiles a wider block adds being masked for it)
+  // and dk/dv staging 32 queries a step (FSDP_FLASH_DKV_QUERIES=32; the same 16-query chunks
+  // summed in the same order).
+  bool variants = argc == 15 && std::atoi(argv[14]) != 0;
   std::string dir = argv[1], dtype = argv[2];
   int d = std::atoi(argv[3]), batch = std::atoi(argv[4]);
   Shape s{std::atoi(argv[7]), std::atoi(argv[8]), std::atoi(argv[5]), std::atoi(argv[6]), std::atoi(argv[9]), std::atoi(argv[10]), std::atoi(argv[11]),
@@ -135,8 +137,8 @@ int main(int argc, char **argv) {
     std::fprintf(stderr, "no kernels for %s, head dim %d\n", dtype.c_str(), d);
     return 2;
   }
-  if (one_group && d != 64) {
-    std::fprintf(stderr, "the one-group forward is built at head dim 64 only, not %d\n", d);
+  if (variants && d != 64) {
+    std::fprintf(stderr, "the variant kernels are built at head dim 64 only, not %d\n", d);
     return 2;
   }
   size_t rows = (size_t)batch * s.heads * s.t_len, kv_rows = (size_t)batch * s.kv_heads * s.s_len;
@@ -152,7 +154,7 @@ int main(int argc, char **argv) {
   const unsigned forward_rows = rows_per_block * FORWARD_GROUPS(d);
   dim3 forward_queries{(unsigned)(s.t_len + forward_rows - 1) / forward_rows, (unsigned)(batch * s.heads), 1};
   emulation::launch(k.forward, forward_queries, threads, 0, q.data(), kk.data(), v.data(), out.data(), lse.data(), s);
-  if (one_group) {
+  if (variants) {
     auto forward = dtype == "bf16" ? flash_forward_one_group_bf16_d64 : flash_forward_one_group_f16_d64;
     Bits out1(rows * d);
     std::vector<float> lse1(rows);
@@ -172,13 +174,24 @@ int main(int argc, char **argv) {
   // As the op launches them: with GQA each query head's share in f32 (NaN until written), then
   // their sums.
   bool gqa = s.heads != s.kv_heads;
-  std::vector<float> partial(gqa ? 2 * rows / s.t_len * s.s_len * d : 0, std::nanf(""));
-  emulation::launch(k.dkv, keys, threads, 0, q.data(), kk.data(), v.data(), dout.data(), lse.data(), delta.data(), dk.data(), dv.data(),
-                    gqa ? partial.data() : nullptr, s);
-  if (gqa) {
-    long long values = (long long)kv_rows * d;
-    emulation::launch(k.dkv_sum, dim3{(unsigned)((values / 2 + threads - 1) / threads), 1, 1}, threads, 0, partial.data(), dk.data(), dv.data(),
-                      values, s);
+  auto dkv = [&](decltype(k.dkv) kernel, Bits &dk, Bits &dv) {
+    std::vector<float> partial(gqa ? 2 * rows / s.t_len * s.s_len * d : 0, std::nanf(""));
+    emulation::launch(kernel, keys, threads, 0, q.data(), kk.data(), v.data(), dout.data(), lse.data(), delta.data(), dk.data(), dv.data(),
+                      gqa ? partial.data() : nullptr, s);
+    if (gqa) {
+      long long values = (long long)kv_rows * d;
+      emulation::launch(k.dkv_sum, dim3{(unsigned)((values / 2 + threads - 1) / threads), 1, 1}, threads, 0, partial.data(), dk.data(),
+                        dv.data(), values, s);
+    }
+  };
+  dkv(k.dkv, dk, dv);
+  if (variants) {
+    Bits dk32(kv_rows * d), dv32(kv_rows * d);
+    dkv(dtype == "bf16" ? flash_backward_dkv_q32_bf16_d64 : flash_backward_dkv_q32_f16_d64, dk32, dv32);
+    if (dk32 != dk || dv32 != dv) {
+      std::fprintf(stderr, "32-query dk/dv: bits differ from 64 queries'\n");
+      return 3;
+    }
   }
   write_values(dir + "/out.bin", out);
   write_values(dir + "/lse.bin", lse);

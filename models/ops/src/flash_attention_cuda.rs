@@ -26,24 +26,43 @@ const ROWS: usize = kernels::cuda::FLASH_ROWS;
 /// at head dim 64 one group where `FSDP_FLASH_FORWARD_GROUPS=1` asks for it (the kernel built so
 /// that a GPU can measure the two against each other without a rebuild).
 fn forward_kernel(head_dim: usize) -> Result<(&'static str, usize)> {
-    Ok(match (head_dim, forward_groups()?) {
+    static GROUPS: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
+    let groups = switch(&GROUPS, "FSDP_FLASH_FORWARD_GROUPS", "16-row groups a warp in the flash forward at head dim 64", [2, 1])?;
+    Ok(match (head_dim, groups) {
         (64, 1) => ("forward_one_group", ROWS),
         (64, _) => ("forward", kernels::cuda::FLASH_FORWARD_GROUPS_D64 * ROWS),
         _ => ("forward", ROWS),
     })
 }
 
-/// `FSDP_FLASH_FORWARD_GROUPS`: 1, or 2 (the default), read once.
-fn forward_groups() -> Result<usize> {
-    static GROUPS: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
-    let groups = GROUPS.get_or_init(|| match std::env::var("FSDP_FLASH_FORWARD_GROUPS").as_deref() {
-        Err(_) | Ok("2") => Ok(2),
-        Ok("1") => Ok(1),
-        Ok(other) => Err(format!(
-            "FSDP_FLASH_FORWARD_GROUPS: expected 1 or 2 (16-row groups a warp in the flash forward at head dim 64), got {other:?}"
-        )),
+/// The dk/dv kernel (its pass in [`kernel_name`]): at head dim 64 it stages 64 queries a step, or
+/// 32 where `FSDP_FLASH_DKV_QUERIES=32` asks for it (fewer registers, so three blocks an SM
+/// instead of two, at twice the steps; the same bits); at 128 always 32.
+fn dkv_kernel(head_dim: usize) -> Result<&'static str> {
+    static QUERIES: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
+    let queries = switch(&QUERIES, "FSDP_FLASH_DKV_QUERIES", "queries a step of the flash dk/dv kernel at head dim 64", [64, 32])?;
+    Ok(match (head_dim, queries) {
+        (64, 32) => "backward_dkv_q32",
+        _ => "backward_dkv",
+    })
+}
+
+/// A kernel variant that the environment variable `var` picks, read once into `cell`: its
+/// `default` where unset, else `default` or `other` (`meaning` says what the number counts).
+fn switch(
+    cell: &'static OnceLock<std::result::Result<usize, String>>,
+    var: &str,
+    meaning: &str,
+    [default, other]: [usize; 2],
+) -> Result<usize> {
+    let chosen = cell.get_or_init(|| match std::env::var(var) {
+        Err(_) => Ok(default),
+        Ok(v) => match v.parse() {
+            Ok(n) if n == default || n == other => Ok(n),
+            _ => Err(format!("{var}: expected {default} or {other} ({meaning}), got {v:?}")),
+        },
     });
-    groups.clone().map_err(candle_core::Error::Msg)
+    chosen.clone().map_err(candle_core::Error::Msg)
 }
 
 /// The kernels' `Shape`.
@@ -340,7 +359,7 @@ impl Gradient<'_> {
         let (pass, len, config) = if self.of_queries {
             ("backward_dq", p.query_rows() * p.head_dim, p.config(p.shape.t_len, p.shape.heads, ROWS))
         } else {
-            ("backward_dkv", 2 * p.key_rows() * p.head_dim, p.config(p.shape.s_len, p.shape.heads, ROWS))
+            (dkv_kernel(p.head_dim)?, 2 * p.key_rows() * p.head_dim, p.config(p.shape.s_len, p.shape.heads, ROWS))
         };
         let grads = unsafe { dev.alloc::<T>(len)? };
         let partial = match !self.of_queries && gqa {

@@ -157,8 +157,8 @@ __device__ __forceinline__ void for_kv_tiles(int2 keys, const half_bits *kh, con
 // so each B fragment a warp reads from shared memory feeds two mma; one at 128, where a second
 // group's output alone (64 more registers a thread) would spill. flash_attention_cuda.rs's grid
 // (kernels::cuda::FLASH_FORWARD_GROUPS_D64, which a test holds to this) and the emulation's
-// driver follow it. At head dim 64 a one-group forward is built too (INSTANTIATE_ONE_GROUP), so
-// that a GPU can measure the two against each other without a rebuild.
+// driver follow it. At head dim 64 a one-group forward is built too (INSTANTIATE_D64_VARIANTS),
+// so that a GPU can measure the two against each other without a rebuild.
 #define FORWARD_GROUPS_D64 2
 #define FORWARD_GROUPS(D) ((D) == 64 ? FORWARD_GROUPS_D64 : 1)
 
@@ -277,18 +277,22 @@ __device__ void flash_backward_delta(const half_bits *dout, const half_bits *out
 }
 
 // Queries staged per step by the dk/dv kernel: fewer at D = 128, where its warps hold k, v, dk and
-// dv (16 x 128 each) in registers.
+// dv (16 x 128 each) in registers. At D = 64 a 32-query kernel is built too
+// (INSTANTIATE_D64_VARIANTS): its p and dp take half the registers (ptxas for sm_90: 168 against
+// 249), so three blocks fit an SM instead of two, at twice the steps; a GPU measures which wins.
+// Both give the same bits: dk and dv take the same 16-query chunks in the same order.
 #define QUERIES(D) ((D) > 64 ? 32 : 64)
 
 // A block per (64 keys, query head): the head's share of dk and dv for its kv head. Without GQA
 // that is all of it, written to dk, dv; with GQA each query head's share goes to `partial` in
 // f32 ((2, batch, heads, S, D): dk's, then dv's) and flash_backward_dkv_sum adds the group's in
 // order: four times the blocks of one per kv head, each walking a quarter of the queries, and the
-// same bits every run (no atomics). Grid (ceil(S / 64), batch * heads); 128 threads.
-template <class H, int D>
+// same bits every run (no atomics). QN queries staged a step. Grid (ceil(S / 64), batch * heads);
+// 128 threads.
+template <class H, int D, int QN>
 __device__ void flash_backward_dkv(const half_bits *q, const half_bits *k, const half_bits *v, const half_bits *dout,
                                    const float *lse, const float *delta, half_bits *dk, half_bits *dv, float *partial, Shape s) {
-  const int QN = QUERIES(D), BUFFERS = TILE_BUFFERS(QN * (4 * (D + PAD) + 8));
+  const int BUFFERS = TILE_BUFFERS(QN * (4 * (D + PAD) + 8));
   __shared__ uint4 q_raw[BUFFERS][QN * (D + PAD) / 8], d_raw[BUFFERS][QN * (D + PAD) / 8];
   __shared__ float lse_raw[BUFFERS][QN], delta_raw[BUFFERS][QN];
   int bh = blockIdx.y, b = bh / s.heads, head = bh % s.heads, group = s.heads / s.kv_heads;
@@ -480,7 +484,7 @@ __device__ void flash_decode(const half_bits *q, const half_bits *k_new, const h
       flash_backward_dkv_##NAME##_d##D(const half_bits *q, const half_bits *k, const half_bits *v,                   \
                                        const half_bits *dout, const float *lse, const float *delta, half_bits *dk,    \
                                        half_bits *dv, float *partial, Shape s) {                                      \
-    flash_backward_dkv<H, D>(q, k, v, dout, lse, delta, dk, dv, partial, s);                                          \
+    flash_backward_dkv<H, D, QUERIES(D)>(q, k, v, dout, lse, delta, dk, dv, partial, s);                              \
   }                                                                                                                   \
   extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                            \
       flash_backward_dkv_sum_##NAME##_d##D(const float *partial, half_bits *dk, half_bits *dv, long long values,      \
@@ -498,13 +502,21 @@ INSTANTIATE(bf16, Bf16, 128)
 INSTANTIATE(f16, F16, 64)
 INSTANTIATE(f16, F16, 128)
 
-// The forward at head dim 64 with one group of 16 rows a warp (blocks of 64 rows).
-#define INSTANTIATE_ONE_GROUP(NAME, H)                                                                                \
+// The variants at head dim 64 that a switch launches instead (flash_attention_cuda.rs): the
+// forward with one group of 16 rows a warp (blocks of 64 rows), and dk/dv staging 32 queries a
+// step.
+#define INSTANTIATE_D64_VARIANTS(NAME, H)                                                                             \
   extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                            \
       flash_forward_one_group_##NAME##_d64(const half_bits *q, const half_bits *k, const half_bits *v, half_bits *out, \
                                            float *lse, Shape s) {                                                     \
     flash_forward<H, 64, 1>(q, k, v, out, lse, s);                                                                    \
+  }                                                                                                                   \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                            \
+      flash_backward_dkv_q32_##NAME##_d64(const half_bits *q, const half_bits *k, const half_bits *v,                 \
+                                          const half_bits *dout, const float *lse, const float *delta, half_bits *dk, \
+                                          half_bits *dv, float *partial, Shape s) {                                   \
+    flash_backward_dkv<H, 64, 32>(q, k, v, dout, lse, delta, dk, dv, partial, s);                                     \
   }
 
-INSTANTIATE_ONE_GROUP(bf16, Bf16)
-INSTANTIATE_ONE_GROUP(f16, F16)
+INSTANTIATE_D64_VARIANTS(bf16, Bf16)
+INSTANTIATE_D64_VARIANTS(f16, F16)
