@@ -9,7 +9,9 @@
 //!   `ops::cross_entropy`'s and `ops::embedding`'s CPU ops, in bf16 rope bit for bit against
 //!   candle's `rope_slow`.
 //!
-//! `tests/cuda/kernels.rs` checks the same kernels on a GPU.
+//! Built under AddressSanitizer and UBSan's alignment checks (a GPU faults where they stop), and
+//! for a few cases under ThreadSanitizer (a missing barrier). `tests/cuda/kernels.rs` checks the
+//! same kernels on a GPU.
 
 mod common;
 
@@ -41,7 +43,7 @@ const CASES: [Case; 7] = [
 #[test]
 fn flash_attention_kernels_match_the_cpu_attention() {
     let test = "flash_attention_kernels_match_the_cpu_attention";
-    let Some(binary) = build(test, &kernels::cuda::FLASH_ATTENTION, "flash_attention.cpp") else { return };
+    let Some(binary) = build(test, &kernels::cuda::FLASH_ATTENTION, "flash_attention.cpp", Sanitizer::Memory) else { return };
     for case in CASES {
         check(&binary, case, false, false);
     }
@@ -60,9 +62,19 @@ fn flash_attention_kernels_match_the_cpu_attention() {
     }
 }
 
+/// What a driver is built to catch besides wrong values, each where a GPU would fail.
+#[derive(Clone, Copy)]
+enum Sanitizer {
+    /// A misaligned typed load or store, or one past a buffer's end (a GPU faults).
+    Memory,
+    /// Data races between the GPU threads of a block (a missing `__syncthreads`: on a GPU, results
+    /// that change with timing). ThreadSanitizer, with emulate.h's barriers made of atomics.
+    Races,
+}
+
 /// `driver` (in tests/cuda_emulation) built with `source` as NVRTC gets it, or None (skipped)
 /// without g++.
-fn build(test: &str, source: &kernels::cuda::RuntimeSource, driver: &str) -> Option<PathBuf> {
+fn build(test: &str, source: &kernels::cuda::RuntimeSource, driver: &str, sanitizer: Sanitizer) -> Option<PathBuf> {
     if Command::new("g++").arg("--version").output().is_err() {
         common::skip_or_fail(test, "g++ is not installed (apt install g++)");
         return None;
@@ -71,10 +83,14 @@ fn build(test: &str, source: &kernels::cuda::RuntimeSource, driver: &str) -> Opt
     std::fs::write(dir.join("kernel.cu"), source.source()).unwrap();
     let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/cuda_emulation");
     let binary = dir.join(driver.trim_end_matches(".cpp"));
+    let sanitize: &[&str] = match sanitizer {
+        Sanitizer::Memory => &["-fsanitize=alignment,address", "-fno-sanitize-recover=alignment"],
+        Sanitizer::Races => &["-fsanitize=thread"],
+    };
     let out = Command::new("g++")
-        // A misaligned typed load or store, or one past a buffer's end, stops the driver, as it
-        // faults on a GPU.
-        .args(["-std=c++20", "-O2", "-pthread", "-fsanitize=alignment,address", "-fno-sanitize-recover=alignment", "-include"])
+        .args(["-std=c++20", "-O2", "-pthread"])
+        .args(sanitize)
+        .arg("-include")
         .arg(here.join("emulate.h"))
         .arg("-I")
         .arg(&dir)
@@ -219,7 +235,14 @@ fn read_values(path: &Path, dtype: DType) -> Vec<f32> {
 #[test]
 fn fused_kernels_match_the_cpu_ops() {
     let test = "fused_kernels_match_the_cpu_ops";
-    let Some(binary) = build(test, &kernels::cuda::FUSED, "fused.cpp") else { return };
+    if let Some(binary) = build(test, &kernels::cuda::FUSED, "fused.cpp", Sanitizer::Memory) {
+        check_fused(&binary, &[(DType::F32, 1e-5), (DType::BF16, 2e-2)]);
+    }
+}
+
+/// Every kernel of `fused.cu` through `binary`, against the CPU's ops (the test above), in each
+/// (dtype, tolerance).
+fn check_fused(binary: &Path, dtypes: &[(DType, f64)]) {
     let cpu = Device::Cpu;
     let random = |dims: &[usize]| Tensor::randn(0f32, 1.0, dims, &cpu).unwrap();
     // Each op's f32 inputs; both sides read them rounded to the dtype.
@@ -232,7 +255,7 @@ fn fused_kernels_match_the_cpu_ops() {
     let angles = Tensor::arange(0f32, (t * d / 2) as f32, &cpu).unwrap().reshape((t, d / 2)).unwrap() * 0.37;
     let (cos, sin) = (angles.as_ref().unwrap().cos().unwrap(), angles.unwrap().sin().unwrap());
 
-    for (dtype, tolerance) in [(DType::F32, 1e-5), (DType::BF16, 2e-2)] {
+    for &(dtype, tolerance) in dtypes {
         let held = |x: &Tensor| x.to_dtype(dtype).unwrap().to_dtype(DType::F32).unwrap();
         let run = |op: &str, inputs: &[(&str, &Tensor)], args: &[String]| -> [Vec<f32>; 2] {
             let dir = scratch(op);
@@ -240,7 +263,7 @@ fn fused_kernels_match_the_cpu_ops() {
                 write_values(&dir.join(format!("{name}.bin")), &x.to_dtype(dtype).unwrap());
             }
             let name = if dtype == DType::F32 { "f32" } else { "bf16" };
-            let out = Command::new(&binary).arg(&dir).arg(name).arg(op).args(args).output().unwrap();
+            let out = Command::new(binary).arg(&dir).arg(name).arg(op).args(args).output().unwrap();
             assert!(out.status.success(), "{op} {dtype:?}: the emulated kernels failed: {}", String::from_utf8_lossy(&out.stderr));
             let got = [read_values(&dir.join("y.bin"), dtype), read_values(&dir.join("grads.bin"), dtype)];
             let _ = std::fs::remove_dir_all(&dir);
@@ -286,8 +309,7 @@ fn fused_kernels_match_the_cpu_ops() {
         std::fs::write(dir.join("targets.bin"), targets.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
         write_values(&dir.join("g.bin"), &g);
         let name = if dtype == DType::F32 { "f32" } else { "bf16" };
-        let out =
-            Command::new(&binary).arg(&dir).arg(name).args(["cross_entropy", &rows.to_string(), &vocab.to_string()]).output().unwrap();
+        let out = Command::new(binary).arg(&dir).arg(name).args(["cross_entropy", &rows.to_string(), &vocab.to_string()]).output().unwrap();
         assert!(out.status.success(), "cross_entropy {dtype:?}: the emulated kernels failed: {}", String::from_utf8_lossy(&out.stderr));
         let (loss, grads) = (read_values(&dir.join("loss.bin"), DType::F32), read_values(&dir.join("grads.bin"), dtype));
         let _ = std::fs::remove_dir_all(&dir);
@@ -312,7 +334,7 @@ fn fused_kernels_match_the_cpu_ops() {
         write_values(&dir.join("g.bin"), &g.to_dtype(dtype).unwrap());
         std::fs::write(dir.join("runs.bin"), runs.iter().flat_map(|r| r.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
         let args = [tokens, count, n, vocab as usize].map(|v| v.to_string());
-        let out = Command::new(&binary).arg(&dir).arg(name).arg("embedding").args(&args).output().unwrap();
+        let out = Command::new(binary).arg(&dir).arg(name).arg("embedding").args(&args).output().unwrap();
         assert!(out.status.success(), "embedding {dtype:?}: the emulated kernel failed: {}", String::from_utf8_lossy(&out.stderr));
         let got = read_values(&dir.join("grads.bin"), DType::F32);
         let _ = std::fs::remove_dir_all(&dir);
@@ -358,6 +380,14 @@ fn fused_kernels_match_the_cpu_ops() {
 /// One decoding problem: (dtype, head dim, heads, kv heads, window, the sequences' lengths).
 type DecodeCase = (DType, usize, usize, usize, usize, &'static [usize]);
 
+const DECODE_CASES: [DecodeCase; 4] = [
+    (DType::BF16, 64, 4, 2, 0, &[1, 63, 64, 65, 200]),
+    (DType::F16, 128, 8, 1, 0, &[130, 5]),
+    // A group of 18 query heads: two blocks of threads.
+    (DType::BF16, 64, 36, 2, 0, &[70]),
+    (DType::BF16, 64, 4, 4, 50, &[130, 20]),
+];
+
 /// The decode kernel (`flash_decode` in flash_attention.cu): one query per sequence over its
 /// cache blocks (64 positions each, as models::kv_cache keeps them) through a table of block
 /// addresses, sequences of different lengths in one launch, against eager attention on the CPU per
@@ -368,14 +398,8 @@ type DecodeCase = (DType, usize, usize, usize, usize, &'static [usize]);
 #[test]
 fn flash_decode_kernel_matches_the_cpu_attention() {
     let test = "flash_decode_kernel_matches_the_cpu_attention";
-    let Some(binary) = build(test, &kernels::cuda::FLASH_ATTENTION, "flash_attention.cpp") else { return };
-    let cases: [DecodeCase; 4] = [
-        (DType::BF16, 64, 4, 2, 0, &[1, 63, 64, 65, 200]),
-        (DType::F16, 128, 8, 1, 0, &[130, 5]),
-        (DType::BF16, 64, 36, 2, 0, &[70]),
-        (DType::BF16, 64, 4, 4, 50, &[130, 20]),
-    ];
-    for case in cases {
+    let Some(binary) = build(test, &kernels::cuda::FLASH_ATTENTION, "flash_attention.cpp", Sanitizer::Memory) else { return };
+    for case in DECODE_CASES {
         for append in [false, true] {
             check_decode(&binary, case, append);
         }
@@ -444,4 +468,21 @@ fn check_decode(binary: &Path, (dtype, d, h, hkv, window, lens): DecodeCase, app
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The kernels under ThreadSanitizer: no two GPU threads of a block touch the same memory without
+/// a barrier between them (shared-memory tiles refilled while a warp still reads them, partial
+/// sums read before every warp wrote its own), which on a GPU gives results that change with
+/// timing and here may pass the value checks by luck of the schedule. The same checks as above on
+/// a few cases: flash attention's forward, backward and variants (GQA, token-major, rows past a
+/// block; head dim 128), decoding (two blocks a kv head; appending), every fused kernel in bf16.
+#[test]
+fn the_kernels_have_no_data_races() {
+    let test = "the_kernels_have_no_data_races";
+    let Some(flash) = build(test, &kernels::cuda::FLASH_ATTENTION, "flash_attention.cpp", Sanitizer::Races) else { return };
+    check(&flash, CASES[1], true, true);
+    check(&flash, CASES[2], false, false);
+    check_decode(&flash, DECODE_CASES[2], true);
+    let Some(fused) = build(test, &kernels::cuda::FUSED, "fused.cpp", Sanitizer::Races) else { return };
+    check_fused(&fused, &[(DType::BF16, 2e-2)]);
 }

@@ -71,9 +71,37 @@ struct alignas(16) uint4_storage {
   unsigned words[4];
 };
 
+#if defined(__SANITIZE_THREAD__)
+// Under ThreadSanitizer, a barrier of atomics alone: std::barrier's waits go through a mutex
+// shared by unrelated waiters, which orders the threads for the sanitizer beyond what a barrier
+// does and hides the data races it is there to find (a missing __syncthreads).
+class Barrier {
+ public:
+  explicit Barrier(int threads) : expected_(threads), waiting_(threads) {}
+  void arrive_and_wait() { arrive(false); }
+  void arrive_and_drop() { arrive(true); }
+
+ private:
+  void arrive(bool drop) {
+    unsigned phase = phase_.load(std::memory_order_acquire);
+    if (drop) expected_.fetch_sub(1, std::memory_order_acq_rel);
+    if (waiting_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      waiting_.store(expected_.load(std::memory_order_acquire), std::memory_order_release);
+      phase_.store(phase + 1, std::memory_order_release);
+      return;
+    }
+    while (!drop && phase_.load(std::memory_order_acquire) == phase) std::this_thread::yield();
+  }
+  std::atomic<int> expected_, waiting_;
+  std::atomic<unsigned> phase_{0};
+};
+#else
+using Barrier = std::barrier<>;
+#endif
+
 // What one warp's collectives exchange: each lane's words, then a barrier of the 32.
 struct Warp {
-  std::barrier<> arrived{32};
+  Barrier arrived{32};
   unsigned words[32][8];
 };
 
@@ -81,7 +109,7 @@ struct Block {
   Block(unsigned threads, size_t shared_bytes) : all(threads), warps(threads / 32), shared((shared_bytes + 15) / 16) {
     for (auto &w : warps) w = std::make_unique<Warp>();
   }
-  std::barrier<> all;
+  Barrier all;
   std::vector<std::unique_ptr<Warp>> warps;
   // The launch's dynamic shared memory (16-byte aligned).
   std::vector<uint4_storage> shared;
