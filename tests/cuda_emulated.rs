@@ -54,9 +54,9 @@ fn flash_attention_kernels_match_the_cpu_attention() {
         check(&binary, CASES[i], true, false);
     }
     // The variants at head dim 64 give the default kernels' bits (the driver compares them): the
-    // one-group forward (`FSDP_FLASH_FORWARD_GROUPS=1`) and 32-query dk/dv
-    // (`FSDP_FLASH_DKV_QUERIES=32`), over rows past a block's end with GQA, token-major; queries
-    // at the end of a cache; a window; f16 without a mask.
+    // one-group forward (`FSDP_FLASH_FORWARD_GROUPS=1`), 32-key dq (`FSDP_FLASH_DQ_KEYS=32`) and
+    // 32-query dk/dv (`FSDP_FLASH_DKV_QUERIES=32`), over rows past a block's end with GQA,
+    // token-major; queries at the end of a cache; a window; f16 without a mask.
     for (i, token_major) in [(1, true), (3, false), (4, false), (5, false)] {
         check(&binary, CASES[i], token_major, true);
     }
@@ -117,7 +117,7 @@ fn scratch(what: &str) -> PathBuf {
 
 /// One case through the emulated kernels, their tensors heads-major or (`token_major`) token-major;
 /// with `variants` (head dim 64 only) the variant kernels a switch launches too (the one-group
-/// forward, 32-query dk/dv), whose bits must be the default's.
+/// forward, 32-key dq, 32-query dk/dv), whose bits must be the default's.
 fn check(binary: &Path, (dtype, d, b, h, hkv, t, s, causal, window): Case, token_major: bool, variants: bool) {
     let what = format!(
         "{dtype:?} d {d}, batch {b}, heads {h}/{hkv}, T {t}, S {s}, causal {causal}, window {window}, token-major {token_major}, variants {variants}"

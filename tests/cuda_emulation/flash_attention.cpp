@@ -120,9 +120,9 @@ int main(int argc, char **argv) {
   }
   // VARIANTS 1: the kernels at head dim 64 that a switch launches instead run too, and must give
   // the default's bits: the forward with one group of 16 rows a warp (FSDP_FLASH_FORWARD_GROUPS=1;
-  // each query row's arithmetic is the same, the tiles a wider block adds being masked for it)
-  // and dk/dv staging 32 queries a step (FSDP_FLASH_DKV_QUERIES=32; the same 16-query chunks
-  // summed in the same order).
+  // each query row's arithmetic is the same, the tiles a wider block adds being masked for it),
+  // dq staging 32 keys a step (FSDP_FLASH_DQ_KEYS=32) and dk/dv 32 queries
+  // (FSDP_FLASH_DKV_QUERIES=32): the same 16-key or 16-query chunks summed in the same order.
   bool variants = argc == 15 && std::atoi(argv[14]) != 0;
   std::string dir = argv[1], dtype = argv[2];
   int d = std::atoi(argv[3]), batch = std::atoi(argv[4]);
@@ -171,6 +171,15 @@ int main(int argc, char **argv) {
   }
   emulation::launch(k.delta, dim3{(unsigned)((rows + WARPS - 1) / WARPS), 1, 1}, threads, 0, dout.data(), out.data(), delta.data(), (long long)rows, s);
   emulation::launch(k.dq, queries, threads, 0, q.data(), kk.data(), v.data(), dout.data(), lse.data(), delta.data(), dq.data(), s);
+  if (variants) {
+    Bits dq32(rows * d);
+    auto dq_k32 = dtype == "bf16" ? flash_backward_dq_k32_bf16_d64 : flash_backward_dq_k32_f16_d64;
+    emulation::launch(dq_k32, queries, threads, 0, q.data(), kk.data(), v.data(), dout.data(), lse.data(), delta.data(), dq32.data(), s);
+    if (dq32 != dq) {
+      std::fprintf(stderr, "32-key dq: bits differ from 64 keys'\n");
+      return 3;
+    }
+  }
   // As the op launches them: with GQA each query head's share in f32 (NaN until written), then
   // their sums.
   bool gqa = s.heads != s.kv_heads;

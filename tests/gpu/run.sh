@@ -158,18 +158,20 @@ case "$what" in
     # What each change not yet measured on a GPU gives, in one call: our training rows at batch
     # AB_BATCH (default 8; the bench's model and flags, no PyTorch) with each switch that takes
     # one back (or picks a variant kernel), median tokens/s of steps 3 on. The flash variants at
-    # head dim 64 (the one-group forward, 32-query dk/dv) first pass the flash test, and give the
-    # same losses as the defaults (each row's arithmetic is the same), as does the block op by op
-    # (the sublayer ops run the same ops).
-    part "tests/cuda/ flash, the head-dim-64 variants" env FSDP_FLASH_FORWARD_GROUPS=1 FSDP_FLASH_DKV_QUERIES=32 \
+    # head dim 64 (the one-group forward, 32-key dq, 32-query dk/dv) first pass the flash test,
+    # and give the same losses as the defaults (each row's arithmetic is the same), as does the
+    # block op by op (the sublayer ops run the same ops).
+    part "tests/cuda/ flash, the head-dim-64 variants" \
+      env FSDP_FLASH_FORWARD_GROUPS=1 FSDP_FLASH_DQ_KEYS=32 FSDP_FLASH_DKV_QUERIES=32 \
       timeout -k 5 90 "$BIN/cuda-tests" --test-threads 1 flash_attention_matches_cpu_attention
     work=${FSDP_BENCH_DIR:-$(mktemp -d)}
     batch=${AB_BATCH:-8}
     steps=${FSDP_BENCH_STEPS:-6}
     bench_model "$work" $((steps * batch))
     ab_rows=()
-    for variant in "default=" "one forward group=FSDP_FLASH_FORWARD_GROUPS=1" "32-query dkv=FSDP_FLASH_DKV_QUERIES=32" \
-      "block op by op=FSDP_SUBLAYER_OPS=0" "six attention ops=FSDP_FLASH_SELF_ATTENTION=0"; do
+    for variant in "default=" "one forward group=FSDP_FLASH_FORWARD_GROUPS=1" "32-key dq=FSDP_FLASH_DQ_KEYS=32" \
+      "32-query dkv=FSDP_FLASH_DKV_QUERIES=32" "block op by op=FSDP_SUBLAYER_OPS=0" \
+      "six attention ops=FSDP_FLASH_SELF_ATTENTION=0"; do
       label=${variant%%=*}
       out="$work/ab-${label// /-}"
       rm -rf "$out"
@@ -177,6 +179,7 @@ case "$what" in
       ab_rows+=("$label=$out")
     done
     part "one forward group: the default's losses" same_losses "$work/ab-default" "$work/ab-one-forward-group" 1e-6
+    part "32-key dq: the default's losses" same_losses "$work/ab-default" "$work/ab-32-key-dq" 1e-6
     part "32-query dkv: the default's losses" same_losses "$work/ab-default" "$work/ab-32-query-dkv" 1e-6
     part "block op by op: the default's losses" same_losses "$work/ab-default" "$work/ab-block-op-by-op" 1e-6
     median_rows "${ab_rows[@]}"

@@ -47,6 +47,18 @@ fn dkv_kernel(head_dim: usize) -> Result<&'static str> {
     })
 }
 
+/// The dq kernel (its pass in [`kernel_name`]): at head dim 64 it stages 64 keys a step, or 32
+/// where `FSDP_FLASH_DQ_KEYS=32` asks for it (fewer registers, so three blocks an SM instead of
+/// two, at twice the steps; the same bits); at 128 always 32.
+fn dq_kernel(head_dim: usize) -> Result<&'static str> {
+    static KEYS: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
+    let keys = switch(&KEYS, "FSDP_FLASH_DQ_KEYS", "keys a step of the flash dq kernel at head dim 64", [64, 32])?;
+    Ok(match (head_dim, keys) {
+        (64, 32) => "backward_dq_k32",
+        _ => "backward_dq",
+    })
+}
+
 /// A kernel variant that the environment variable `var` picks, read once into `cell`: its
 /// `default` where unset, else `default` or `other` (`meaning` says what the number counts).
 fn switch(
@@ -357,7 +369,7 @@ impl Gradient<'_> {
         // `partial` (f32, (2, batch, heads, S, d)) and a second kernel sums each group's.
         let gqa = p.shape.heads != p.shape.kv_heads;
         let (pass, len, config) = if self.of_queries {
-            ("backward_dq", p.query_rows() * p.head_dim, p.config(p.shape.t_len, p.shape.heads, ROWS))
+            (dq_kernel(p.head_dim)?, p.query_rows() * p.head_dim, p.config(p.shape.t_len, p.shape.heads, ROWS))
         } else {
             (dkv_kernel(p.head_dim)?, 2 * p.key_rows() * p.head_dim, p.config(p.shape.s_len, p.shape.heads, ROWS))
         };

@@ -134,21 +134,21 @@ __device__ __forceinline__ void online_softmax(float (&sc)[N / 8][4], float (&m)
   }
 }
 
-// Buffers for the forward's and dq's tiles of 64 keys and values: two at D = 64, one at 128.
-#define KV_BUFFERS(D) TILE_BUFFERS(4 * ROWS * ((D) + PAD))
+// Buffers for the forward's and dq's tiles of N keys and values: two where both steps' fit.
+#define KV_BUFFERS(D, N) TILE_BUFFERS(4 * (N) * ((D) + PAD))
 
-// body(n0, k_tile, v_tile) over the 64-key tiles that hold keys [keys.x, keys.y), the tiles of
+// body(n0, k_tile, v_tile) over the N-key tiles that hold keys [keys.x, keys.y), the tiles of
 // k and v (rows `ld` apart from kh and vh) staged in shared memory (rows D + PAD apart).
-template <int D, class Body>
+template <int D, int N, class Body>
 __device__ __forceinline__ void for_kv_tiles(int2 keys, const half_bits *kh, const half_bits *vh, int ld, int s_len, Body body) {
-  const int BUFFERS = KV_BUFFERS(D);
-  __shared__ uint4 k_raw[BUFFERS][ROWS * (D + PAD) / 8], v_raw[BUFFERS][ROWS * (D + PAD) / 8];
+  const int BUFFERS = KV_BUFFERS(D, N);
+  __shared__ uint4 k_raw[BUFFERS][N * (D + PAD) / 8], v_raw[BUFFERS][N * (D + PAD) / 8];
   auto tile = [&](uint4 *raw) { return reinterpret_cast<half_bits *>(raw); };
   for_staged_tiles<BUFFERS>(
-      keys.x / ROWS * ROWS, keys.y, ROWS,
+      keys.x / N * N, keys.y, N,
       [&](int n0, int b) {
-        stage_async<ROWS, D>(tile(k_raw[b]), kh + (long long)n0 * ld, ld, s_len - n0);
-        stage_async<ROWS, D>(tile(v_raw[b]), vh + (long long)n0 * ld, ld, s_len - n0);
+        stage_async<N, D>(tile(k_raw[b]), kh + (long long)n0 * ld, ld, s_len - n0);
+        stage_async<N, D>(tile(v_raw[b]), vh + (long long)n0 * ld, ld, s_len - n0);
       },
       [&](int n0, int b) { body(n0, tile(k_raw[b]), tile(v_raw[b])); });
 }
@@ -184,7 +184,7 @@ __device__ void flash_forward(const half_bits *q, const half_bits *k, const half
   }
   const float k2 = s.scale * LOG2E;
 
-  for_kv_tiles<D>(key_range(m0, ROWS * G, s), kh, vh, kv_ld, s.s_len, [&](int n0, const half_bits *k_tile, const half_bits *v_tile) {
+  for_kv_tiles<D, ROWS>(key_range(m0, ROWS * G, s), kh, vh, kv_ld, s.s_len, [&](int n0, const half_bits *k_tile, const half_bits *v_tile) {
     float sc[G][ROWS / 8][4];
     times_staged_groups<H, G, ROWS, D>(qa, k_tile, D + PAD, lane, sc);
 #pragma unroll
@@ -216,8 +216,15 @@ __device__ void flash_forward(const half_bits *q, const half_bits *k, const half
 // p of a score (already times scale · log2 e) for a row of log-sum-exp `lse2` (in log2 units).
 __device__ __forceinline__ float prob(float x, float lse2) { return lse2 == NEG_INF ? 0.0f : exp2f(x - lse2); }
 
-// Grid (ceil(T / 64), batch * heads); 128 threads.
-template <class H, int D>
+// Keys staged per step by the dq kernel. At D = 128, 32: with 64 its p and dp spilled (ptxas for
+// sm_90: 255 registers and 196 bytes spilled; 248 and none with 32, two blocks an SM either way).
+// At D = 64, 64, and a 32-key kernel is built too (INSTANTIATE_D64_VARIANTS): 168 registers
+// against 175, three blocks an SM instead of two, at twice the steps; a GPU measures which wins.
+// Any of them gives the same bits: dq takes the same 16-key chunks in the same order.
+#define DQ_KEYS(D) ((D) > 64 ? 32 : 64)
+
+// KN keys staged a step. Grid (ceil(T / 64), batch * heads); 128 threads.
+template <class H, int D, int KN>
 __device__ void flash_backward_dq(const half_bits *q, const half_bits *k, const half_bits *v, const half_bits *dout,
                                   const float *lse, const float *delta, half_bits *dq, Shape s) {
   int bh = blockIdx.y, kvh = (bh / s.heads) * s.kv_heads + (bh % s.heads) / (s.heads / s.kv_heads);
@@ -241,17 +248,17 @@ __device__ void flash_backward_dq(const half_bits *q, const half_bits *k, const 
   zero(acc);
   const float k2 = s.scale * LOG2E;
 
-  for_kv_tiles<D>(key_range(m0, ROWS, s), kh, vh, kv_ld, s.s_len, [&](int n0, const half_bits *k_tile, const half_bits *v_tile) {
-    float p[ROWS / 8][4], dp[ROWS / 8][4];
-    times_staged<H, ROWS, D>(qa, k_tile, D + PAD, lane, p);
-    times_staged<H, ROWS, D>(da, v_tile, D + PAD, lane, dp);
+  for_kv_tiles<D, KN>(key_range(m0, ROWS, s), kh, vh, kv_ld, s.s_len, [&](int n0, const half_bits *k_tile, const half_bits *v_tile) {
+    float p[KN / 8][4], dp[KN / 8][4];
+    times_staged<H, KN, D>(qa, k_tile, D + PAD, lane, p);
+    times_staged<H, KN, D>(da, v_tile, D + PAD, lane, dp);
     auto at = [&](int nt, int r) { return make_int2(row0 + g + 8 * (r / 2), n0 + nt * 8 + 2 * t + (r & 1)); };
-    for_fragment<ROWS>(all_visible(row0, 16, n0, ROWS, s), s, at, [&](int nt, int r, bool shown) {
+    for_fragment<KN>(all_visible(row0, 16, n0, KN, s), s, at, [&](int nt, int r, bool shown) {
       int half = r / 2;
       float pr = shown ? prob(p[nt][r] * k2, lse2[half]) : 0.0f;
       p[nt][r] = pr * (dp[nt][r] - dl[half]);
     });
-    accumulate_staged<H, ROWS, D>(p, k_tile, D + PAD, lane, acc);
+    accumulate_staged<H, KN, D>(p, k_tile, D + PAD, lane, acc);
   });
   store_rows<H, D>(acc, dq + q_at, q_ld, s.t_len, row0, lane, s.scale, s.scale);
 }
@@ -478,7 +485,7 @@ __device__ void flash_decode(const half_bits *q, const half_bits *k_new, const h
       flash_backward_dq_##NAME##_d##D(const half_bits *q, const half_bits *k, const half_bits *v,                    \
                                       const half_bits *dout, const float *lse, const float *delta, half_bits *dq,     \
                                       Shape s) {                                                                      \
-    flash_backward_dq<H, D>(q, k, v, dout, lse, delta, dq, s);                                                        \
+    flash_backward_dq<H, D, DQ_KEYS(D)>(q, k, v, dout, lse, delta, dq, s);                                            \
   }                                                                                                                   \
   extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                            \
       flash_backward_dkv_##NAME##_d##D(const half_bits *q, const half_bits *k, const half_bits *v,                   \
@@ -503,13 +510,19 @@ INSTANTIATE(f16, F16, 64)
 INSTANTIATE(f16, F16, 128)
 
 // The variants at head dim 64 that a switch launches instead (flash_attention_cuda.rs): the
-// forward with one group of 16 rows a warp (blocks of 64 rows), and dk/dv staging 32 queries a
-// step.
+// forward with one group of 16 rows a warp (blocks of 64 rows), dq staging 32 keys a step and
+// dk/dv staging 32 queries a step.
 #define INSTANTIATE_D64_VARIANTS(NAME, H)                                                                             \
   extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                            \
       flash_forward_one_group_##NAME##_d64(const half_bits *q, const half_bits *k, const half_bits *v, half_bits *out, \
                                            float *lse, Shape s) {                                                     \
     flash_forward<H, 64, 1>(q, k, v, out, lse, s);                                                                    \
+  }                                                                                                                   \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                            \
+      flash_backward_dq_k32_##NAME##_d64(const half_bits *q, const half_bits *k, const half_bits *v,                  \
+                                         const half_bits *dout, const float *lse, const float *delta, half_bits *dq,  \
+                                         Shape s) {                                                                   \
+    flash_backward_dq<H, 64, 32>(q, k, v, dout, lse, delta, dq, s);                                                   \
   }                                                                                                                   \
   extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                            \
       flash_backward_dkv_q32_##NAME##_d64(const half_bits *q, const half_bits *k, const half_bits *v,                 \
