@@ -1,6 +1,6 @@
 // Flash attention, forward and backward, on the tensor cores (FlashAttention-2's algorithm): the
 // scores live in registers a tile at a time and never reach memory. Compiled at run time by NVRTC
-// after values.cuh and flash_tiles.cuh, the tile arithmetic (models/ops/src/flash_attention_cuda.rs
+// after values.cuh and flash_tiles.cuh, the tile arithmetic (models/ops/src/flash_attention_cuda/
 // launches it); a CPU test compiles it as C++ with tests/cuda_emulation/emulate.h, which runs each
 // GPU thread as a thread.
 //
@@ -155,7 +155,7 @@ __device__ __forceinline__ void for_kv_tiles(int2 keys, const half_bits *kh, con
 
 // Groups of 16 query rows a warp holds in the forward: two at head dim 64 (a block's 128 rows),
 // so each B fragment a warp reads from shared memory feeds two mma; one at 128, where a second
-// group's output alone (64 more registers a thread) would spill. flash_attention_cuda.rs's grid
+// group's output alone (64 more registers a thread) would spill. flash_attention_cuda's grid
 // (kernels::cuda::FLASH_FORWARD_GROUPS_D64, which a test holds to this) and the emulation's
 // driver follow it. At head dim 64 a one-group forward is built too (INSTANTIATE_D64_VARIANTS),
 // so that a GPU can measure the two against each other without a rebuild.
@@ -509,9 +509,9 @@ INSTANTIATE(bf16, Bf16, 128)
 INSTANTIATE(f16, F16, 64)
 INSTANTIATE(f16, F16, 128)
 
-// The variants at head dim 64 that a switch launches instead (flash_attention_cuda.rs): the
-// forward with one group of 16 rows a warp (blocks of 64 rows), dq staging 32 keys a step and
-// dk/dv staging 32 queries a step.
+// The variants at head dim 64 that a switch launches instead (ops' flash_attention_cuda/
+// variants.rs): the forward with one group of 16 rows a warp (blocks of 64 rows), dq staging 32
+// keys a step and dk/dv staging 32 queries a step.
 #define INSTANTIATE_D64_VARIANTS(NAME, H)                                                                             \
   extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                            \
       flash_forward_one_group_##NAME##_d64(const half_bits *q, const half_bits *k, const half_bits *v, half_bits *out, \

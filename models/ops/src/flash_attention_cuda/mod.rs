@@ -4,7 +4,7 @@
 //! decoding over the KV cache's blocks, from
 //! `kernels::cuda::FLASH_ATTENTION`, compiled by NVRTC the first time a process needs it.
 
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
@@ -14,68 +14,15 @@ use kernels::cuda::FLASH_ATTENTION as SOURCE;
 
 use crate::cuda_args::{contiguous_values, values};
 use crate::visibility::Visibility;
+use variants::{forward_kernel, DKV, DQ};
+
+mod variants;
 
 /// The kernels' geometry (stated in `kernels::cuda`, where a test holds the source to it): four
 /// warps a block, each 16 of the block's 64 query (or key) rows.
 const WARPS: usize = kernels::cuda::FLASH_WARPS;
 const THREADS: u32 = 32 * WARPS as u32;
 const ROWS: usize = kernels::cuda::FLASH_ROWS;
-
-/// The forward's kernel (its pass in [`kernel_name`]) and query rows a block: 16 a warp per
-/// group, flash_attention.cu's `FORWARD_GROUPS(D)` groups (two at head dim 64, one at 128), or
-/// at head dim 64 one group where `FSDP_FLASH_FORWARD_GROUPS=1` asks for it (the kernel built so
-/// that a GPU can measure the two against each other without a rebuild).
-fn forward_kernel(head_dim: usize) -> Result<(&'static str, usize)> {
-    static GROUPS: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
-    let groups = switch(&GROUPS, "FSDP_FLASH_FORWARD_GROUPS", "16-row groups a warp in the flash forward at head dim 64", [2, 1])?;
-    Ok(match (head_dim, groups) {
-        (64, 1) => ("forward_one_group", ROWS),
-        (64, _) => ("forward", kernels::cuda::FLASH_FORWARD_GROUPS_D64 * ROWS),
-        _ => ("forward", ROWS),
-    })
-}
-
-/// The dk/dv kernel (its pass in [`kernel_name`]): at head dim 64 it stages 64 queries a step, or
-/// 32 where `FSDP_FLASH_DKV_QUERIES=32` asks for it (fewer registers, so three blocks an SM
-/// instead of two, at twice the steps; the same bits); at 128 always 32.
-fn dkv_kernel(head_dim: usize) -> Result<&'static str> {
-    static QUERIES: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
-    let queries = switch(&QUERIES, "FSDP_FLASH_DKV_QUERIES", "queries a step of the flash dk/dv kernel at head dim 64", [64, 32])?;
-    Ok(match (head_dim, queries) {
-        (64, 32) => "backward_dkv_q32",
-        _ => "backward_dkv",
-    })
-}
-
-/// The dq kernel (its pass in [`kernel_name`]): at head dim 64 it stages 64 keys a step, or 32
-/// where `FSDP_FLASH_DQ_KEYS=32` asks for it (fewer registers, so three blocks an SM instead of
-/// two, at twice the steps; the same bits); at 128 always 32.
-fn dq_kernel(head_dim: usize) -> Result<&'static str> {
-    static KEYS: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
-    let keys = switch(&KEYS, "FSDP_FLASH_DQ_KEYS", "keys a step of the flash dq kernel at head dim 64", [64, 32])?;
-    Ok(match (head_dim, keys) {
-        (64, 32) => "backward_dq_k32",
-        _ => "backward_dq",
-    })
-}
-
-/// A kernel variant that the environment variable `var` picks, read once into `cell`: its
-/// `default` where unset, else `default` or `other` (`meaning` says what the number counts).
-fn switch(
-    cell: &'static OnceLock<std::result::Result<usize, String>>,
-    var: &str,
-    meaning: &str,
-    [default, other]: [usize; 2],
-) -> Result<usize> {
-    let chosen = cell.get_or_init(|| match std::env::var(var) {
-        Err(_) => Ok(default),
-        Ok(v) => match v.parse() {
-            Ok(n) if n == default || n == other => Ok(n),
-            _ => Err(format!("{var}: expected {default} or {other} ({meaning}), got {v:?}")),
-        },
-    });
-    chosen.clone().map_err(candle_core::Error::Msg)
-}
 
 /// The kernels' `Shape`.
 #[repr(C)]
@@ -369,9 +316,9 @@ impl Gradient<'_> {
         // `partial` (f32, (2, batch, heads, S, d)) and a second kernel sums each group's.
         let gqa = p.shape.heads != p.shape.kv_heads;
         let (pass, len, config) = if self.of_queries {
-            (dq_kernel(p.head_dim)?, p.query_rows() * p.head_dim, p.config(p.shape.t_len, p.shape.heads, ROWS))
+            (DQ.kernel(p.head_dim)?, p.query_rows() * p.head_dim, p.config(p.shape.t_len, p.shape.heads, ROWS))
         } else {
-            (dkv_kernel(p.head_dim)?, 2 * p.key_rows() * p.head_dim, p.config(p.shape.s_len, p.shape.heads, ROWS))
+            (DKV.kernel(p.head_dim)?, 2 * p.key_rows() * p.head_dim, p.config(p.shape.s_len, p.shape.heads, ROWS))
         };
         let grads = unsafe { dev.alloc::<T>(len)? };
         let partial = match !self.of_queries && gqa {
