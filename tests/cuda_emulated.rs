@@ -407,7 +407,7 @@ fn flash_decode_kernel_matches_the_cpu_attention() {
 }
 
 fn check_decode(binary: &Path, (dtype, d, h, hkv, window, lens): DecodeCase, append: bool) {
-    const BLOCK: usize = 64;
+    use kernels::paged_attention::BLOCK;
     let cpu = Device::Cpu;
     let what = format!("decode {dtype:?} d {d}, heads {h}/{hkv}, window {window}, lengths {lens:?}, appending {append}");
     let scale = 1.0 / (d as f64).sqrt();

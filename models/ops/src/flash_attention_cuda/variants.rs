@@ -6,8 +6,7 @@ use std::sync::OnceLock;
 
 use candle_core::Result;
 
-/// Outer rows (queries or keys) of a flash block (flash_tiles.cuh's ROWS).
-const ROWS: usize = kernels::cuda::FLASH_ROWS;
+use super::ROWS;
 
 /// The forward's kernel (its pass in [`super::kernel_name`]) and query rows a block: 16 a warp per
 /// group, flash_attention.cu's `FORWARD_GROUPS(D)` groups (two at head dim 64, one at 128), or
