@@ -49,12 +49,11 @@ __device__ __forceinline__ int row_stride(int heads, const Shape &s) {
   return s.token_major ? heads * D : D;
 }
 
+// The tests joined by & rather than && or early returns, which made a branch, and a point for the
+// warp to reconverge, of every value of a masked tile.
 __device__ __forceinline__ bool visible(int i, int j, const Shape &s) {
-  if (i >= s.t_len || j >= s.s_len) return false;
   int pos = i + s.offset;
-  if (s.causal && j > pos) return false;
-  if (s.window > 0 && pos - j >= s.window) return false;
-  return true;
+  return (i < s.t_len) & (j < s.s_len) & (!s.causal | (j <= pos)) & ((s.window <= 0) | (pos - j < s.window));
 }
 
 // Whether every query of [i0, i0 + ni) sees every key of [j0, j0 + nj): a tile with no mask to
@@ -115,12 +114,12 @@ __device__ __forceinline__ void online_softmax(float (&sc)[N / 8][4], float (&m)
     float m_new = fmaxf(m[half], quad_max(mx));
     // A row that sees nothing yet keeps p = 0 (exp2(-inf - 0)).
     float base = m_new == NEG_INF ? 0.0f : m_new;
-    float keep = exp2f(m[half] - base), sum = 0.0f;
+    float keep = fast_exp2(m[half] - base), sum = 0.0f;
 #pragma unroll
     for (int nt = 0; nt < N / 8; nt++)
 #pragma unroll
       for (int e = 0; e < 2; e++) {
-        float p = exp2f(sc[nt][2 * half + e] - base);
+        float p = fast_exp2(sc[nt][2 * half + e] - base);
         sc[nt][2 * half + e] = p;
         sum += p;
       }
@@ -214,7 +213,9 @@ __device__ void flash_forward(const half_bits *q, const half_bits *k, const half
 }
 
 // p of a score (already times scale · log2 e) for a row of log-sum-exp `lse2` (in log2 units).
-__device__ __forceinline__ float prob(float x, float lse2) { return lse2 == NEG_INF ? 0.0f : exp2f(x - lse2); }
+// Only for a query that sees the key: its row then sees a key, so its lse is finite (the
+// forward's sum holds its max's 2^0), and rows that see none (lse -inf) take the mask's 0.
+__device__ __forceinline__ float prob(float x, float lse2) { return fast_exp2(x - lse2); }
 
 // Keys staged per step by the dq kernel. At D = 128, 32: with 64 its p and dp spilled (ptxas for
 // sm_90: 255 registers and 196 bytes spilled; 248 and none with 32, two blocks an SM either way).
@@ -460,7 +461,7 @@ __device__ void flash_decode(const half_bits *q, const half_bits *k_new, const h
     for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, m_s[w][row]);
     float base = mx == NEG_INF ? 0.0f : mx, total = 0.0f, o0 = 0.0f, o1 = 0.0f;
     for (int w = 0; w < WARPS; w++) {
-      float f = exp2f(m_s[w][row] - base);
+      float f = fast_exp2(m_s[w][row] - base);
       total += l_s[w][row] * f;
       o0 += o_s[w][row][c] * f;
       o1 += o_s[w][row][c + 1] * f;

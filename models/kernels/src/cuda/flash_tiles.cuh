@@ -55,6 +55,22 @@ __device__ __forceinline__ float f16_bits_value(unsigned bits) {
 HALF_FORMAT(Bf16, "bf16", true)
 HALF_FORMAT(F16, "f16", false)
 
+// 2^x in one instruction of the special-function unit (ex2.approx.ftz: within 2 ulp, a result
+// below 2^-126 flushed to 0, 2^-inf = 0). exp2f, compiled without fast math, wraps the same
+// instruction in a rescaling for subnormal results: a compare, two conditional multiplies and
+// the predicates between them for every probability of the inner loops. A probability below
+// 2^-126 is lost beside its row's largest, which is at least 1 / S.
+__device__ __forceinline__ float fast_exp2(float x) {
+#ifdef FSDP_CUDA_EMULATION
+  float r = exp2f(x);
+  return r < 1.17549435e-38f ? 0.0f : r;
+#else
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+#endif
+}
+
 // Four 8 x 8 matrices of halves from shared memory in one warp-wide instruction (ldmatrix): lane
 // l gives the address of row l % 8 of matrix l / 8 (16 bytes, 16-byte aligned) and receives in
 // r[i] the pair that an mma fragment wants of matrix i: row l / 4, columns 2 (l % 4) and + 1; with
