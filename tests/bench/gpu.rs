@@ -1,5 +1,5 @@
 //! `cargo bench --features cuda,nccl --bench gpu` (or the binary tests/gpu/build-cuda.sh carries to
-//! the GPU machine, run by scripts/gpu-bench.sh): the GPU figures, each next to PyTorch on the
+//! the GPU machine, run by tests/gpu/run.sh bench): the GPU figures, each next to PyTorch on the
 //! same GPU in the same run.
 //!
 //! (a) fine-tuning tokens/s and MFU of a ~1.1B-parameter Llama (random weights, bf16 compute,
@@ -8,7 +8,9 @@
 //!     bf16/fp32, world size 1) on the same model directory and data, with the two loss curves'
 //!     largest relative difference;
 //! (b) greedy generation tokens/s at batch 1 and 16 (bf16, 128 new tokens after a 128-token
-//!     prompt) next to transformers' `generate`.
+//!     prompt) next to transformers' `generate`;
+//! (c) with the argument `flash`, only the flash-attention kernels, forward and backward, each
+//!     variant of ours beside PyTorch's `scaled_dot_product_attention` (gpu_flash.rs).
 //!
 //! MFU = tokens/s x (6 x parameters without the input embedding + 12 x layers x hidden x seq)
 //! / peak, the PaLM paper's count (activation recomputation not counted); peak = the GPU's bf16
@@ -18,6 +20,8 @@
 //! FSDP_BENCH_DIR (where the model is generated; default a temporary directory),
 //! FSDP_BENCH_STEPS (training steps, default 8; the first 2 are warm-up),
 //! FSDP_BENCH_NO_PREFETCH_ROW=1 (batch 1 again with `--prefetch off`).
+
+mod gpu_flash;
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -42,12 +46,19 @@ const NEW_TOKENS: usize = 128;
 const BATCHES: [usize; 2] = [1, 8];
 
 fn python_json(python: &str, script: &Path, args: &[String]) -> Result<Value, String> {
-    match Command::new(python).arg(script).args(args).output() {
+    let mut cmd = Command::new(python);
+    cmd.arg(script).args(args);
+    python_json_from(cmd)
+}
+
+/// The JSON line a peer script prints last, or the end of what it printed to stderr.
+fn python_json_from(mut cmd: Command) -> Result<Value, String> {
+    match cmd.output() {
         Ok(o) if o.status.success() => {
             serde_json::from_str(String::from_utf8_lossy(&o.stdout).lines().last().unwrap_or("")).map_err(|e| e.to_string())
         }
         Ok(o) => Err(String::from_utf8_lossy(&o.stderr).lines().rev().take(3).collect::<Vec<_>>().join(" | ")),
-        Err(e) => Err(format!("{python}: {e}")),
+        Err(e) => Err(format!("{:?}: {e}", cmd.get_program())),
     }
 }
 
@@ -136,6 +147,11 @@ fn generation(model: &Path) -> anyhow::Result<impl Fn(usize) -> anyhow::Result<f
 
 fn main() -> anyhow::Result<()> {
     let python = std::env::var("FSDP_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    // `flash`: (c) alone (tests/gpu/run.sh kernels); `flash-variant`: one of its processes.
+    let mode = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    if mode.as_deref() == Some("flash-variant") {
+        return gpu_flash::variant();
+    }
     let peak = std::env::var("FSDP_GPU_PEAK_TFLOPS").ok().and_then(|v| v.parse::<f64>().ok()).unwrap_or(989.4) * 1e12;
     let steps: usize = std::env::var("FSDP_BENCH_STEPS").ok().and_then(|v| v.parse().ok()).unwrap_or(8);
     let scripts = {
@@ -146,6 +162,11 @@ fn main() -> anyhow::Result<()> {
             PathBuf::from("tests").join("bench")
         }
     };
+    if mode.as_deref() == Some("flash") {
+        let failures = gpu_flash::run(&python, &scripts)?;
+        anyhow::ensure!(failures == 0, "{failures} of the flash rows failed (above)");
+        return Ok(());
+    }
     let tmp = tempfile::tempdir()?;
     let root = std::env::var("FSDP_BENCH_DIR").map(PathBuf::from).unwrap_or_else(|_| tmp.path().to_path_buf());
     let model = root.join("llama-1b");

@@ -7,6 +7,8 @@
 #   bash tests/gpu/run.sh overlap # two ranks sharing the GPU over tcp, --prefetch off and on
 #   bash tests/gpu/run.sh quick   # a few GPU tests and our training rows alone (a lease's last minutes)
 #   bash tests/gpu/run.sh ab      # our batch-8 rows with each not-yet-measured change switched off
+#   bash tests/gpu/run.sh kernels # the flash kernels alone, each variant beside PyTorch's sdpa, and
+#                                 # their kernel profiles (under a minute)
 #   bash tests/gpu/run.sh all     # the three in one call (a lent machine's minutes are few), then
 #                                 # a table of the parts; the profile (at batch 8 unless
 #                                 # PROFILE_BATCH says) goes to $OUT if set; stops after a failed
@@ -189,6 +191,24 @@ case "$what" in
     done
     median_rows "${ab_rows[@]}"
     ;;
+  kernels)
+    # The flash-attention kernels alone (tests/bench/gpu_flash.rs): forward and backward at the
+    # bench's shapes, each variant of ours in a process of its own and PyTorch's sdpa, each under
+    # the kernel profiler, whose files (${OUT:-.}/flash-<label>.txt) split the backward into dq,
+    # dk/dv and the group sum; the flash kernels' lines (and PyTorch's top ones) printed here.
+    prefix=${OUT:-.}/flash
+    CUDA_INJECTION64_PATH=$BIN/libkernel_profile.so KERNEL_PROFILE_OUT=$prefix \
+      part "flash kernels beside sdpa" timeout -k 5 "${KERNELS_LIMIT_S:-240}" "$BIN/gpu-bench" flash
+    for f in "$prefix"-*.txt; do
+      [ -f "$f" ] || continue
+      echo "== $f"
+      # By name and launch size: a process runs every shape, and the sizes tell them apart.
+      case "$f" in
+        *pytorch*) sed -n '/Kernels by name and launch size/,/^$/p' "$f" | head -n 14 ;;
+        *) sed -n '/Kernels by name and launch size/,/^$/p' "$f" | grep -E 'flash_' ;;
+      esac
+    done
+    ;;
   profile)
     # The bench's training run (a 1.1B Llama, bf16, seq 2048, activation checkpointing, one rank
     # under the launcher with NCCL, as the bench runs it) for PROFILE_STEPS steps under the
@@ -237,7 +257,7 @@ case "$what" in
     echo "|---|---|---|"
     printf '%s\n' "${rows[@]}"
     ;;
-  *) echo "usage: $0 check|bench|profile|overlap|quick|ab|all" >&2; exit 2 ;;
+  *) echo "usage: $0 check|bench|profile|overlap|quick|ab|kernels|all" >&2; exit 2 ;;
 esac
 if [ ${#failed[@]} -gt 0 ]; then
   echo "failed: ${failed[*]}" >&2
