@@ -512,20 +512,22 @@ INSTANTIATE(f16, F16, 128)
 
 // The variants at head dim 64 that a switch launches instead (ops' flash_attention_cuda/
 // variants.rs): the forward with one group of 16 rows a warp (blocks of 64 rows), dq staging 32
-// keys a step and dk/dv staging 32 queries a step.
+// keys a step and dk/dv staging 32 queries a step. The last two are for three blocks an SM, so
+// their launch bounds ask for it: at most 168 registers a thread (64K / (3 x 128), in steps of
+// 8); left to itself, ptxas gave dk/dv 170, which fits two.
 #define INSTANTIATE_D64_VARIANTS(NAME, H)                                                                             \
   extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                            \
       flash_forward_one_group_##NAME##_d64(const half_bits *q, const half_bits *k, const half_bits *v, half_bits *out, \
                                            float *lse, Shape s) {                                                     \
     flash_forward<H, 64, 1>(q, k, v, out, lse, s);                                                                    \
   }                                                                                                                   \
-  extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                            \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, 3)                                                         \
       flash_backward_dq_k32_##NAME##_d64(const half_bits *q, const half_bits *k, const half_bits *v,                  \
                                          const half_bits *dout, const float *lse, const float *delta, half_bits *dq,  \
                                          Shape s) {                                                                   \
     flash_backward_dq<H, 64, 32>(q, k, v, dout, lse, delta, dq, s);                                                   \
   }                                                                                                                   \
-  extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                            \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, 3)                                                         \
       flash_backward_dkv_q32_##NAME##_d64(const half_bits *q, const half_bits *k, const half_bits *v,                 \
                                           const half_bits *dout, const float *lse, const float *delta, half_bits *dk, \
                                           half_bits *dv, float *partial, Shape s) {                                   \
