@@ -60,7 +60,9 @@ pub fn variant() -> anyhow::Result<()> {
     for shape in SHAPES {
         let Shape { batch, t, heads, kv_heads, head_dim } = shape;
         let random = |h: usize| Tensor::randn(0f32, 1.0, (batch, t, h, head_dim), &dev)?.to_dtype(DType::BF16);
-        let (q, k, v, dout) = (random(heads)?, random(kv_heads)?, random(kv_heads)?, random(heads)?);
+        let (q, k, v) = (random(heads)?, random(kv_heads)?, random(kv_heads)?);
+        // In the output's shape, (batch, T, heads · d).
+        let dout = random(heads)?.reshape((batch, t, heads * head_dim))?;
         let scale = 1.0 / (head_dim as f64).sqrt();
         let (mut forward, mut backward) = (vec![], vec![]);
         for rep in 0..2 + REPS {
