@@ -149,22 +149,33 @@ __device__ __forceinline__ void async_wait() {
 }
 
 // Starts staging rows 0..N-1 of a (rows x D) matrix (rows `ld` apart; rows >= 1) in `tile` (rows
-// D + PAD apart), 16 bytes per thread and step; rows past `rows` as zeros (so masked products
-// read 0, never stale values). Lands by the caller's `async_wait`.
+// D + PAD apart), 16 bytes per copy; rows past `rows` as zeros (so masked products read 0, never
+// stale values). Lands by the caller's `async_wait`. Each thread copies the same 16-byte column of
+// rows a fixed distance apart, a count known at compile time: unrolled, a copy is an address add
+// and the copy, where a loop over a flat index divided each index into row and column (the
+// instruction counts are in docs/gpu.md).
 template <int N, int D>
 __device__ __forceinline__ void stage_async(half_bits *tile, const half_bits *m, int ld, int rows) {
-  const int per_row = D / 8;
-  for (int i = threadIdx.x; i < N * per_row; i += WARPS * 32) {
-    int r = i / per_row, c = (i % per_row) * 8;
+  const int per_row = D / 8, threads = WARPS * 32, rows_apart = threads / per_row;
+  static_assert(threads % per_row == 0 && N % rows_apart == 0, "a tile's 16-byte copies share out evenly over the block");
+  const int r0 = (int)(threadIdx.x / per_row), c = (int)(threadIdx.x % per_row) * 8;
+#pragma unroll
+  for (int k = 0; k < N / rows_apart; k++) {
+    int r = r0 + k * rows_apart;
     bool in = r < rows;
-    copy_async<16>(tile + r * (D + PAD) + c, m + (in ? r * ld + c : 0), in);
+    copy_async<16>(tile + r * (D + PAD) + c, m + (in ? (long long)r * ld + c : 0), in);
   }
 }
 
 // Starts staging values 0..N-1 of an f32 row vector (rows >= 1), zeros past `rows`.
 template <int N>
 __device__ __forceinline__ void stage_values_async(float *tile, const float *m, int rows) {
-  for (int i = threadIdx.x; i < N; i += WARPS * 32) copy_async<4>(tile + i, m + (i < rows ? i : 0), i < rows);
+  const int threads = WARPS * 32;
+#pragma unroll
+  for (int k = 0; k < (N + threads - 1) / threads; k++) {
+    int i = (int)threadIdx.x + k * threads;
+    if (N % threads == 0 || i < N) copy_async<4>(tile + i, m + (i < rows ? i : 0), i < rows);
+  }
 }
 
 // The tile loops' buffers: two when a step's tiles fit twice in the 48 KB of static shared
