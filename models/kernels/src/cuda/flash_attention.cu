@@ -101,17 +101,19 @@ __device__ __forceinline__ int2 query_range(int n0, int count, const Shape &s) {
   return make_int2(first, max(first, end));
 }
 
-// One tile of a warp's scores (times scale · log2 e, NEG_INF where hidden) into its rows' running
-// max m and sum l (this lane's share of the row) and output o, rescaled as the max grows; the
-// scores become the probabilities p (exp2(x - m)) that multiply the tile's values next.
+// One tile of a warp's scores (q · k, NEG_INF where hidden) into its rows' running max m and sum l
+// (in units of k2 = scale · log2 e; this lane's share of the row) and output o, rescaled as the
+// max grows; the scores become the probabilities p = exp2(x k2 - m) that multiply the tile's
+// values next. The max is taken over the unscaled scores (k2 > 0 keeps their order), so each
+// probability's scaling is one fused multiply-add with its exponent, as FlashAttention-2's is.
 template <int N, int D>
-__device__ __forceinline__ void online_softmax(float (&sc)[N / 8][4], float (&m)[2], float (&l)[2], float (&o)[D / 8][4]) {
+__device__ __forceinline__ void online_softmax(float (&sc)[N / 8][4], float k2, float (&m)[2], float (&l)[2], float (&o)[D / 8][4]) {
 #pragma unroll
   for (int half = 0; half < 2; half++) {
     float mx = NEG_INF;
 #pragma unroll
     for (int nt = 0; nt < N / 8; nt++) mx = fmaxf(mx, fmaxf(sc[nt][2 * half], sc[nt][2 * half + 1]));
-    float m_new = fmaxf(m[half], quad_max(mx));
+    float m_new = fmaxf(m[half], quad_max(mx) * k2);
     // A row that sees nothing yet keeps p = 0 (exp2(-inf - 0)).
     float base = m_new == NEG_INF ? 0.0f : m_new;
     float keep = fast_exp2(m[half] - base), sum = 0.0f;
@@ -119,7 +121,7 @@ __device__ __forceinline__ void online_softmax(float (&sc)[N / 8][4], float (&m)
     for (int nt = 0; nt < N / 8; nt++)
 #pragma unroll
       for (int e = 0; e < 2; e++) {
-        float p = fast_exp2(sc[nt][2 * half + e] - base);
+        float p = fast_exp2(fmaf(sc[nt][2 * half + e], k2, -base));
         sc[nt][2 * half + e] = p;
         sum += p;
       }
@@ -191,8 +193,8 @@ __device__ void flash_forward(const half_bits *q, const half_bits *k, const half
       int row0 = warp_row0 + 16 * gi;
       auto at = [&](int nt, int r) { return make_int2(row0 + g + 8 * (r / 2), n0 + nt * 8 + 2 * t + (r & 1)); };
       for_fragment<ROWS>(all_visible(row0, 16, n0, ROWS, s), s, at,
-                         [&](int nt, int r, bool shown) { sc[gi][nt][r] = shown ? sc[gi][nt][r] * k2 : NEG_INF; });
-      online_softmax<ROWS, D>(sc[gi], m[gi], l[gi], o[gi]);
+                         [&](int nt, int r, bool shown) { sc[gi][nt][r] = shown ? sc[gi][nt][r] : NEG_INF; });
+      online_softmax<ROWS, D>(sc[gi], k2, m[gi], l[gi], o[gi]);
     }
     accumulate_staged_groups<H, G, ROWS, D>(sc, v_tile, D + PAD, lane, o);
   });
@@ -436,9 +438,9 @@ __device__ void flash_decode(const half_bits *q, const half_bits *k_new, const h
 #pragma unroll
       for (int r = 0; r < 4; r++) {
         int j = b * CACHE_BLOCK + nt * 8 + 2 * t + (r & 1);
-        sc[nt][r] = j >= first && j < len ? sc[nt][r] * k2 : NEG_INF;
+        sc[nt][r] = j >= first && j < len ? sc[nt][r] : NEG_INF;
       }
-    online_softmax<CACHE_BLOCK, D>(sc, m, l, o);
+    online_softmax<CACHE_BLOCK, D>(sc, k2, m, l, o);
     accumulate<H, CACHE_BLOCK, D, true>(sc, vb, D, lane, o, len - b * CACHE_BLOCK);
   }
 
