@@ -48,9 +48,16 @@ if ldd "$BIN/fsdp-app" | grep 'not found'; then echo "missing libraries (above)"
 failed=()
 part() { local name=$1; shift; echo "== $name"; if "$@"; then echo "== $name: ok"; else echo "== $name: FAILED"; failed+=("$name"); fi; }
 
+# Where the bench's 1.1B model and the training runs' outputs go: one directory for every part
+# and every call on a warm machine, so that a call after `all` (`ab`, `quick`, `overlap`) reuses
+# the model instead of writing its 4.4 GB again (the fixture lands whole: written aside, then
+# renamed), and a part's outputs replace its last ones instead of filling the disk (each part
+# clears its own first; the trained checkpoints are 4.4 GB each).
+export FSDP_BENCH_DIR=${FSDP_BENCH_DIR:-/tmp/fsdp-bench}
+mkdir -p "$FSDP_BENCH_DIR"
+
 # The bench's 1.1B Llama (random weights; tests/bench/gpu.rs makes the same one) in $1/llama-1b,
-# unless it is there already (`all` shares one between its parts through FSDP_BENCH_DIR: writing
-# its 4.4 GB takes a while), and $2 rows of 2048 tokens in $1/data.jsonl.
+# unless it is there already, and $2 rows of 2048 tokens in $1/data.jsonl.
 bench_model() {
   [ -f "$1/llama-1b/config.json" ] || part "fixture, 1.1B" "$BIN/fsdp-app" fixture --name llama --out "$1/llama-1b" \
     --set vocab_size=32000 --set hidden_size=2048 --set intermediate_size=8192 --set num_hidden_layers=16 \
@@ -126,7 +133,7 @@ case "$what" in
     # Two ranks sharing the GPU over tcp (NCCL refuses two ranks on one device), the bench's
     # 1.1B model at batch 1 x 2048, --prefetch off, then on: tokens/s of steps 3 on. Not in
     # `all` (about two minutes); run it when a lent machine has the time.
-    work=${FSDP_BENCH_DIR:-$(mktemp -d)}
+    work=$FSDP_BENCH_DIR
     bench_model "$work" 32
     rm -rf "$work"/overlap-*
     for mode in off on; do
@@ -148,7 +155,7 @@ case "$what" in
     for f in ${QUICK_TESTS:-flash_attention_matches_cpu_attention gated_mlp_op_on_cuda_matches_cpu residual_sublayer_op_on_cuda_matches_cpu self_attention_flash_op_on_cuda_matches_cpu gradients_on_cuda_match_cpu finetuning_on_cuda_follows_the_cpu_loss_curve}; do
       part "tests/cuda/ $f" timeout -k 5 90 "$BIN/cuda-tests" --test-threads 1 "$f"
     done
-    work=${FSDP_BENCH_DIR:-$(mktemp -d)}
+    work=$FSDP_BENCH_DIR
     bench_model "$work" 48
     for batch in 1 8; do
       rm -rf "$work/quick-$batch"
@@ -167,7 +174,7 @@ case "$what" in
     part "tests/cuda/ flash, the head-dim-64 variants" \
       env FSDP_FLASH_FORWARD_GROUPS=1 FSDP_FLASH_DQ_KEYS=32 FSDP_FLASH_DKV_QUERIES=32 \
       timeout -k 5 90 "$BIN/cuda-tests" --test-threads 1 flash_attention_matches_cpu_attention
-    work=${FSDP_BENCH_DIR:-$(mktemp -d)}
+    work=$FSDP_BENCH_DIR
     batch=${AB_BATCH:-8}
     steps=${FSDP_BENCH_STEPS:-6}
     bench_model "$work" $((steps * batch))
@@ -215,7 +222,7 @@ case "$what" in
     # CUPTI profiler (tests/gpu/kernel_profile.c; the launcher starts no CUDA, so only the rank
     # writes it): GPU busy time, kernels, copies and driver calls, into $PROFILE_OUT (default
     # profile.txt). PROFILE_BATCH rows a step (default 1; the bench's other row is 8).
-    work=${FSDP_BENCH_DIR:-$(mktemp -d)}
+    work=$FSDP_BENCH_DIR
     bench_model "$work" $((16 * ${PROFILE_BATCH:-1}))
     rm -rf "$work/profile-out"
     CUDA_INJECTION64_PATH=$BIN/libkernel_profile.so KERNEL_PROFILE_OUT=${PROFILE_OUT:-profile.txt} \
@@ -226,8 +233,6 @@ case "$what" in
     # output also goes to ${OUT:-.}/<part>.log as it runs: a call cut off at its time limit
     # still brings back what the parts printed (the device tool returns $OUT's files).
     rows=()
-    # One 1.1B model for the bench and the profile.
-    export FSDP_BENCH_DIR=${FSDP_BENCH_DIR:-$(mktemp -d)}
     # Each part has a time limit (seconds; ALL_LIMITS_S="check bench profile"), so that one that
     # hangs leaves the others their share of the call.
     read -r -a limits <<< "${ALL_LIMITS_S:-200 270 100}"
