@@ -2,6 +2,7 @@
 //! this machine without a GPU: NVRTC from NVIDIA's PyPI wheel (`tests/cuda_ptx.py`) with the
 //! options the run time uses (`kernels::cuda::RuntimeSource::ptx`). A GPU machine is lent to a
 //! session rarely and for minutes; a kernel that does not compile must fail here, not there.
+//! Likewise the scripts a lent machine runs (`tests/gpu/*.sh`) must at least parse.
 
 mod common;
 
@@ -65,4 +66,18 @@ fn every_cuda_source_compiles_to_ptx_for_sm_90() {
         }
     }
     assert!(failures.is_empty(), "NVRTC ({ARCH}) refused:\n{}", failures.join("\n"));
+}
+
+/// `bash -n` over every script of tests/gpu/: a quote or a `fi` missing would otherwise show only
+/// on a lent machine, after its start has taken minutes of its time.
+#[test]
+fn the_gpu_machine_scripts_parse() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/gpu");
+    let scripts: Vec<_> =
+        std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|x| x == "sh")).collect();
+    assert!(scripts.iter().any(|p| p.ends_with("run.sh")), "no run.sh in {}", dir.display());
+    for script in &scripts {
+        let out = Command::new("bash").arg("-n").arg(script).output().expect("bash");
+        assert!(out.status.success(), "{}: {}", script.display(), String::from_utf8_lossy(&out.stderr));
+    }
 }
