@@ -219,11 +219,10 @@ __device__ void flash_forward(const half_bits *q, const half_bits *k, const half
 // forward's sum holds its max's 2^0), and rows that see none (lse -inf) take the mask's 0.
 __device__ __forceinline__ float prob(float x, float lse2) { return fast_exp2(x - lse2); }
 
-// Keys staged per step by the dq kernel. At D = 128, 32: with 64 its p and dp spilled (ptxas for
-// sm_90: 255 registers and 196 bytes spilled; 248 and none with 32, two blocks an SM either way).
-// At D = 64, 64, and a 32-key kernel is built too (INSTANTIATE_D64_VARIANTS): 168 registers
-// against 175, three blocks an SM instead of two, at twice the steps; a GPU measures which wins.
-// Any of them gives the same bits: dq takes the same 16-key chunks in the same order.
+// Keys staged per step by the dq kernel: 32 at D = 128, where 64 made its p and dp spill; 64 at
+// D = 64, where a 32-key kernel is built too (INSTANTIATE_D64_VARIANTS: fewer registers, twice the
+// steps) for a GPU to measure against it. Each kernel's registers and blocks an SM are in
+// docs/gpu.md. Any of them gives the same bits: dq takes the same 16-key chunks in the same order.
 #define DQ_KEYS(D) ((D) > 64 ? 32 : 64)
 
 // KN keys staged a step. Grid (ceil(T / 64), batch * heads); 128 threads.
@@ -288,8 +287,8 @@ __device__ void flash_backward_delta(const half_bits *dout, const half_bits *out
 
 // Queries staged per step by the dk/dv kernel: fewer at D = 128, where its warps hold k, v, dk and
 // dv (16 x 128 each) in registers. At D = 64 a 32-query kernel is built too
-// (INSTANTIATE_D64_VARIANTS): its p and dp take half the registers (ptxas for sm_90: 168 against
-// 249), so three blocks fit an SM instead of two, at twice the steps; a GPU measures which wins.
+// (INSTANTIATE_D64_VARIANTS): its p and dp take half the registers, so three blocks fit an SM
+// instead of two, at twice the steps; a GPU measures which wins.
 // Both give the same bits: dk and dv take the same 16-query chunks in the same order.
 #define QUERIES(D) ((D) > 64 ? 32 : 64)
 

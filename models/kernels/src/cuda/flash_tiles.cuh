@@ -234,26 +234,35 @@ __device__ __forceinline__ void times_rows(const unsigned (&a)[D / 16][4], const
 }
 
 // times_rows over a tile staged in shared memory (rows `stride` halves apart, 16-byte aligned)
-// for G groups of 16 rows a warp (a[g], acc[g]): the B fragments of two k steps in one ldmatrix,
-// each feeding the G groups' products (an ldmatrix.x4 costs the SM's shared memory about what two
-// mma cost its tensor cores, so with one group shared memory alone held them to half).
+// for G groups of 16 rows a warp (a[g], acc[g]): one ldmatrix holds the B fragments of two
+// column tiles at one k step, each feeding the G groups' products (an ldmatrix.x4 costs the SM's
+// shared memory about what two mma cost its tensor cores, so with one group shared memory alone
+// held them to half). Two column tiles a load, not two k steps of one: the two products a load
+// feeds are then independent, where the k steps of one tile were a chain of dependent mma that
+// ptxas issued back to back, each waiting out the last one's latency (in dk/dv's dp a chain of
+// four for each of its eight tiles, one after the other). Each accumulator still sums its k
+// steps in the same order.
 template <class H, int G, int N, int D>
 __device__ __forceinline__ void times_staged_groups(const unsigned (&a)[G][D / 16][4], const half_bits *tile, int stride, int lane,
                                                     float (&acc)[G][N / 8][4]) {
+  static_assert(N % 16 == 0, "column tiles go in pairs");
 #pragma unroll
-  for (int nt = 0; nt < N / 8; nt++) {
+  for (int nt = 0; nt < N / 8; nt += 2) {
 #pragma unroll
-    for (int g = 0; g < G; g++) acc[g][nt][0] = acc[g][nt][1] = acc[g][nt][2] = acc[g][nt][3] = 0.0f;
-    // Matrix i = lane / 8: rows nt*8 .. +7, columns kk*16 + 8i .. +7 (b0, b1 of kk, then of kk + 1).
-    const half_bits *row = tile + (nt * 8 + (lane & 7)) * stride + (lane >> 3) * 8;
+    for (int g = 0; g < G; g++)
 #pragma unroll
-    for (int kk = 0; kk < D / 16; kk += 2) {
+      for (int j = 0; j < 2; j++) acc[g][nt + j][0] = acc[g][nt + j][1] = acc[g][nt + j][2] = acc[g][nt + j][3] = 0.0f;
+    // Matrix i = lane / 8: rows (nt + i / 2) * 8 .. +7, columns kk*16 + 8 (i % 2) .. +7 (b0, b1 of
+    // nt, then of nt + 1): each ldmatrix feeds two independent accumulators.
+    const half_bits *row = tile + (nt * 8 + (lane >> 4) * 8 + (lane & 7)) * stride + ((lane >> 3) & 1) * 8;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
       unsigned b[4];
       ldmatrix_x4<false>(b, row + kk * 16);
 #pragma unroll
       for (int g = 0; g < G; g++) {
         H::mma(acc[g][nt], a[g][kk], b[0], b[1]);
-        H::mma(acc[g][nt], a[g][kk + 1], b[2], b[3]);
+        H::mma(acc[g][nt + 1], a[g][kk], b[2], b[3]);
       }
     }
   }

@@ -23,8 +23,8 @@ pub(super) fn forward_kernel(head_dim: usize) -> Result<(&'static str, usize)> {
 }
 
 /// A backward kernel (its pass in [`super::kernel_name`]) whose variant at head dim 64 stages 32 rows a
-/// step where its default stages 64 (fewer registers, so three blocks an SM instead of two, at
-/// twice the steps; the same bits): built so that a GPU can measure the two without a rebuild.
+/// step where its default stages 64 (fewer registers, at twice the steps; the same bits): built so
+/// that a GPU can measure the two without a rebuild.
 /// At head dim 128 the kernel stages 32 either way.
 pub(super) struct Staging {
     pass: &'static str,
