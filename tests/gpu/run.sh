@@ -53,8 +53,9 @@ part() { local name=$1; shift; echo "== $name"; if "$@"; then echo "== $name: ok
 # the model instead of writing its 4.4 GB again (the fixture lands whole: written aside, then
 # renamed), and a part's outputs replace its last ones instead of filling the disk (each part
 # clears its own first; the trained checkpoints are 4.4 GB each).
-export FSDP_BENCH_DIR=${FSDP_BENCH_DIR:-/tmp/fsdp-bench}
-mkdir -p "$FSDP_BENCH_DIR"
+bench=${FSDP_BENCH_DIR:-/tmp/fsdp-bench}
+export FSDP_BENCH_DIR=$bench
+mkdir -p "$bench"
 
 # The bench's 1.1B Llama (random weights; tests/bench/gpu.rs makes the same one) in $1/llama-1b,
 # unless it is there already, and $2 rows of 2048 tokens in $1/data.jsonl.
@@ -133,15 +134,14 @@ case "$what" in
     # Two ranks sharing the GPU over tcp (NCCL refuses two ranks on one device), the bench's
     # 1.1B model at batch 1 x 2048, --prefetch off, then on: tokens/s of steps 3 on. Not in
     # `all` (about two minutes); run it when a lent machine has the time.
-    work=$FSDP_BENCH_DIR
-    bench_model "$work" 32
-    rm -rf "$work"/overlap-*
+    bench_model "$bench" 32
+    rm -rf "$bench"/overlap-*
     for mode in off on; do
-      part "2 ranks on one GPU, tcp, --prefetch $mode" "$BIN/fsdp-app" launch --nproc-per-node 2 -- finetune --model "$work/llama-1b" \
-        --data "$work/data.jsonl" --output-dir "$work/overlap-$mode" --device cuda:0 --backend tcp --param-dtype bf16 \
+      part "2 ranks on one GPU, tcp, --prefetch $mode" "$BIN/fsdp-app" launch --nproc-per-node 2 -- finetune --model "$bench/llama-1b" \
+        --data "$bench/data.jsonl" --output-dir "$bench/overlap-$mode" --device cuda:0 --backend tcp --param-dtype bf16 \
         --activation-checkpointing --seq-len 2048 --batch-size 1 --max-steps 8 --no-shuffle --prefetch "$mode"
     done
-    median_rows "--prefetch off=$work/overlap-off" "--prefetch on=$work/overlap-on"
+    median_rows "--prefetch off=$bench/overlap-off" "--prefetch on=$bench/overlap-on"
     ;;
   bench)
     part "tests/bench/gpu.rs" "$BIN/gpu-bench"
@@ -155,13 +155,12 @@ case "$what" in
     for f in ${QUICK_TESTS:-flash_attention_matches_cpu_attention gated_mlp_op_on_cuda_matches_cpu residual_sublayer_op_on_cuda_matches_cpu self_attention_flash_op_on_cuda_matches_cpu gradients_on_cuda_match_cpu finetuning_on_cuda_follows_the_cpu_loss_curve}; do
       part "tests/cuda/ $f" timeout -k 5 90 "$BIN/cuda-tests" --test-threads 1 "$f"
     done
-    work=$FSDP_BENCH_DIR
-    bench_model "$work" 48
+    bench_model "$bench" 48
     for batch in 1 8; do
-      rm -rf "$work/quick-$batch"
-      part "ours, batch $batch" train_1b "$work" "$work/quick-$batch" "$batch" "${FSDP_BENCH_STEPS:-6}" --lr 1e-5 --lr-scheduler constant
+      rm -rf "$bench/quick-$batch"
+      part "ours, batch $batch" train_1b "$bench" "$bench/quick-$batch" "$batch" "${FSDP_BENCH_STEPS:-6}" --lr 1e-5 --lr-scheduler constant
     done
-    median_rows "batch 1=$work/quick-1" "batch 8=$work/quick-8"
+    median_rows "batch 1=$bench/quick-1" "batch 8=$bench/quick-8"
     ;;
   ab)
     # What each change not yet measured on a GPU gives, in one call: our training rows at batch
@@ -174,26 +173,25 @@ case "$what" in
     part "tests/cuda/ flash, the head-dim-64 variants" \
       env FSDP_FLASH_FORWARD_GROUPS=1 FSDP_FLASH_DQ_KEYS=32 FSDP_FLASH_DKV_QUERIES=32 \
       timeout -k 5 90 "$BIN/cuda-tests" --test-threads 1 flash_attention_matches_cpu_attention
-    work=$FSDP_BENCH_DIR
     batch=${AB_BATCH:-8}
     steps=${FSDP_BENCH_STEPS:-6}
-    bench_model "$work" $((steps * batch))
+    bench_model "$bench" $((steps * batch))
     ab_rows=()
-    rm -rf "$work"/ab-*
+    rm -rf "$bench"/ab-*
     for variant in "default=" "one forward group=FSDP_FLASH_FORWARD_GROUPS=1" "32-key dq=FSDP_FLASH_DQ_KEYS=32" \
       "32-query dkv=FSDP_FLASH_DKV_QUERIES=32" "block op by op=FSDP_SUBLAYER_OPS=0" \
       "six attention ops=FSDP_FLASH_SELF_ATTENTION=0"; do
       label=${variant%%=*}
       if [ -n "${AB_ROWS:-}" ] && [ "$label" != default ] && [[ ",$AB_ROWS," != *",$label,"* ]]; then continue; fi
-      out="$work/ab-${label// /-}"
+      out="$bench/ab-${label// /-}"
       rm -rf "$out"
-      part "ours, batch $batch, $label" with_env "${variant#*=}" train_1b "$work" "$out" "$batch" "$steps" --lr 1e-5 --lr-scheduler constant
+      part "ours, batch $batch, $label" with_env "${variant#*=}" train_1b "$bench" "$out" "$batch" "$steps" --lr 1e-5 --lr-scheduler constant
       ab_rows+=("$label=$out")
     done
     # Each row that should give the default's bits, where it ran.
     for label in "one forward group" "32-key dq" "32-query dkv" "block op by op"; do
-      if [ -d "$work/ab-${label// /-}" ]; then
-        part "$label: the default's losses" same_losses "$work/ab-default" "$work/ab-${label// /-}" 1e-6
+      if [ -d "$bench/ab-${label// /-}" ]; then
+        part "$label: the default's losses" same_losses "$bench/ab-default" "$bench/ab-${label// /-}" 1e-6
       fi
     done
     median_rows "${ab_rows[@]}"
@@ -222,11 +220,10 @@ case "$what" in
     # CUPTI profiler (tests/gpu/kernel_profile.c; the launcher starts no CUDA, so only the rank
     # writes it): GPU busy time, kernels, copies and driver calls, into $PROFILE_OUT (default
     # profile.txt). PROFILE_BATCH rows a step (default 1; the bench's other row is 8).
-    work=$FSDP_BENCH_DIR
-    bench_model "$work" $((16 * ${PROFILE_BATCH:-1}))
-    rm -rf "$work/profile-out"
+    bench_model "$bench" $((16 * ${PROFILE_BATCH:-1}))
+    rm -rf "$bench/profile-out"
     CUDA_INJECTION64_PATH=$BIN/libkernel_profile.so KERNEL_PROFILE_OUT=${PROFILE_OUT:-profile.txt} \
-      part "finetune under the profiler" train_1b "$work" "$work/profile-out" "${PROFILE_BATCH:-1}" "${PROFILE_STEPS:-4}"
+      part "finetune under the profiler" train_1b "$bench" "$bench/profile-out" "${PROFILE_BATCH:-1}" "${PROFILE_STEPS:-4}"
     ;;
   all)
     # Each part in its own process, so that one failing still lets the others run. Each part's

@@ -237,11 +237,10 @@ __device__ __forceinline__ void times_rows(const unsigned (&a)[D / 16][4], const
 // for G groups of 16 rows a warp (a[g], acc[g]): one ldmatrix holds the B fragments of two
 // column tiles at one k step, each feeding the G groups' products (an ldmatrix.x4 costs the SM's
 // shared memory about what two mma cost its tensor cores, so with one group shared memory alone
-// held them to half). Two column tiles a load, not two k steps of one: the two products a load
-// feeds are then independent, where the k steps of one tile were a chain of dependent mma that
-// ptxas issued back to back, each waiting out the last one's latency (in dk/dv's dp a chain of
-// four for each of its eight tiles, one after the other). Each accumulator still sums its k
-// steps in the same order.
+// held them to half). Two column tiles a load, not two k steps of one, so that the two products a
+// load feeds are independent: two k steps of one tile are a chain of dependent mma, which ptxas
+// issued back to back, each waiting out the last one's latency. Each accumulator sums its k steps
+// in order.
 template <class H, int G, int N, int D>
 __device__ __forceinline__ void times_staged_groups(const unsigned (&a)[G][D / 16][4], const half_bits *tile, int stride, int lane,
                                                     float (&acc)[G][N / 8][4]) {
