@@ -6,8 +6,10 @@
 //! source for this CPU into target/llama-cpp-venv on first use, ~10 minutes on 2 cores; or
 //! FSDP_BENCH_LLAMA_CPP_PYTHON), both reading the same GGUF file in each format llama.cpp users
 //! run: f32, f16, Q8_0, Q4_K_M (made from the shipped file by llama.cpp's own quantizer) and the
-//! shipped Q4_1; decode and prefill tokens/s, their ratios, and each engine's perplexity of
-//! tests/data/perplexity.txt. `cargo bench --bench generation -- llama.cpp` runs only that.
+//! shipped Q4_1, then Q4_K_M, Q5_K_M and Q6_K of a model whose rows the K formats divide
+//! (`k_wide_model.rs`; rows "/1024"); decode and prefill tokens/s, their ratios, and each
+//! engine's perplexity of tests/data/perplexity.txt. `cargo bench --bench generation -- llama.cpp`
+//! runs only that.
 //!
 //! Then a long answer: 4,000 greedy tokens, tokens/s of the first and the last 200, beside the
 //! model's forward alone at the same positions (what the KV cache's growth explains) and what
@@ -21,6 +23,8 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+#[path = "k_wide_model.rs"]
+mod k_wide_model;
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -142,7 +146,8 @@ fn llama_cpp_python(root: &Path) -> Result<PathBuf, String> {
 
 /// Greedy generation of `NEW_TOKENS` after `prompt` (batch 1), fsdp-app beside llama.cpp, for each
 /// weight format, both reading the same GGUF file: the shipped Q4_1, and f32, f16, Q8_0,
-/// Q4_K_M and bf16 made from it by llama.cpp's own quantizer. fsdp-app keeps each file's
+/// Q4_K_M and bf16 made from it by llama.cpp's own quantizer; then Q4_K_M, Q5_K_M and Q6_K of
+/// `k_wide_model`'s model. fsdp-app keeps each file's
 /// weights as stored (blocks, or f16 / bf16 read in place) and computes in f32 (a bf16 prompt's
 /// products on AMX tiles, where the CPU has them, round the activations to bf16, as llama.cpp's
 /// bf16 products do). Then the perplexity of tests/data/perplexity.txt under each, both engines
@@ -174,12 +179,24 @@ fn versus_llama_cpp(root: &Path, tmp: &Path, gguf: &Path, tok: &TextTokenizer, p
     // FSDP_BENCH_FORMATS=f32,q8_0 runs only those rows (a quicker look at one format).
     let wanted = std::env::var("FSDP_BENCH_FORMATS").ok();
     let wanted = |f: &str| wanted.as_deref().is_none_or(|w| w.split(',').any(|x| x.trim() == f));
-    for format in ["f32", "f16", "q8_0", "q4_k_m", "q4_1", "bf16"].into_iter().filter(|f| wanted(f)) {
-        let file = match format {
-            "q4_1" => Ok(gguf.to_path_buf()),
-            _ => python.clone().and_then(|py| {
-                let out = tmp.join(format!("smollm2-{format}.gguf"));
-                let o = Command::new(&py).arg(&script).args(["quantize", gguf.to_str().unwrap(), out.to_str().unwrap(), format]).output();
+    // The rows: SmolLM2's shipped Q4_1 as it is, the other formats made from it by llama.cpp's
+    // quantizer, and the K formats once more from a model whose rows they divide ("/1024").
+    let k_wide = tmp.join("k-wide-f32.gguf");
+    let mut rows: Vec<(String, &Path, Option<&str>)> =
+        ["f32", "f16", "q8_0", "q4_k_m"].iter().map(|f| (f.to_string(), gguf, Some(*f))).collect();
+    rows.push(("q4_1".into(), gguf, None));
+    rows.push(("bf16".into(), gguf, Some("bf16")));
+    rows.extend(["q4_k_m", "q5_k_m", "q6_k"].iter().map(|f| (format!("{f}/1024"), k_wide.as_path(), Some(*f))));
+    for (format, source, to) in rows.into_iter().filter(|(label, ..)| wanted(label)) {
+        let format = format.as_str();
+        if source == k_wide && !k_wide.exists() {
+            k_wide_model::write_k_wide_gguf(gguf, &k_wide)?;
+        }
+        let file = match to {
+            None => Ok(source.to_path_buf()),
+            Some(to) => python.clone().and_then(|py| {
+                let out = tmp.join(format!("{}.gguf", format.replace('/', "-")));
+                let o = Command::new(&py).arg(&script).args(["quantize", source.to_str().unwrap(), out.to_str().unwrap(), to]).output();
                 match o {
                     Ok(o) if o.status.success() => Ok(out),
                     Ok(o) => Err(String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("quantize failed").to_string()),

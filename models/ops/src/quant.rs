@@ -1,16 +1,23 @@
-//! `x · Wᵀ` over llama.cpp's 32-value block formats as a tensor op: a `QTensor` in one of
-//! the formats `kernels::quant_blocks` runs becomes its [`BlockMatrix`], and products over one
-//! input run all of them in one parallel region.
+//! `x · Wᵀ` over llama.cpp's block formats as a tensor op: a `QTensor` in one of the formats
+//! `kernels::quant_blocks` runs (the 32-value ones and the K formats Q4_K, Q5_K, Q6_K) becomes
+//! its [`BlockMatrix`], and products over one input run all of them in one parallel region.
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Result, Tensor};
-use kernels::quant_blocks::{BlockFormat, BlockMatrix};
+use kernels::quant_blocks::{self, BlockFormat, BlockMatrix};
 use kernels::simd::SimdLevel;
 
-/// `w`'s blocks when its format is one the block kernels run (None otherwise: candle's
+/// `w`'s blocks when its format is one the block kernels run here (None otherwise: candle's
 /// kernels take it).
 pub fn block_matrix(w: &QTensor) -> Result<Option<BlockMatrix>> {
-    let Some(format) = block_format(w.dtype()) else { return Ok(None) };
+    match block_format(w.dtype()) {
+        Some(format) if !format.is_k() || quant_blocks::k_formats_run_here(SimdLevel::current()) => blocks_of(w, format),
+        _ => Ok(None),
+    }
+}
+
+/// `w`'s blocks in `format` (its own), on the CPU.
+fn blocks_of(w: &QTensor, format: BlockFormat) -> Result<Option<BlockMatrix>> {
     if !matches!(w.device(), Device::Cpu) {
         return Ok(None);
     }
@@ -25,6 +32,9 @@ fn block_format(dtype: GgmlDType) -> Option<BlockFormat> {
         GgmlDType::Q5_0 => BlockFormat::Q5_0,
         GgmlDType::Q5_1 => BlockFormat::Q5_1,
         GgmlDType::Q8_0 => BlockFormat::Q8_0,
+        GgmlDType::Q4K => BlockFormat::Q4_K,
+        GgmlDType::Q5K => BlockFormat::Q5_K,
+        GgmlDType::Q6K => BlockFormat::Q6_K,
         _ => return None,
     })
 }
@@ -67,14 +77,30 @@ mod tests {
     #[test]
     fn block_products_match_dequantized_weights_at_every_level() {
         let levels: Vec<SimdLevel> = [SimdLevel::Scalar, SimdLevel::Avx2].into_iter().filter(|l| *l <= SimdLevel::detected()).collect();
-        for dtype in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q5_1, GgmlDType::Q8_0] {
-            for (m, inp, out) in [(1, 64, 40), (3, 576, 70), (37, 96, 33)] {
+        let formats = [
+            GgmlDType::Q4_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q5_0,
+            GgmlDType::Q5_1,
+            GgmlDType::Q8_0,
+            GgmlDType::Q4K,
+            GgmlDType::Q5K,
+            GgmlDType::Q6K,
+        ];
+        for dtype in formats {
+            // Widths of whole blocks: 32 values, or a K format's 256.
+            let shapes = if dtype.block_size() == 256 {
+                [(1, 256, 40), (3, 512, 70), (37, 256, 33)]
+            } else {
+                [(1, 64, 40), (3, 576, 70), (37, 96, 33)]
+            };
+            for (m, inp, out) in shapes {
                 let w = random_tensor(&[out, inp], 11);
                 let x = random_tensor(&[m, inp], 12);
                 let q = QTensor::quantize(&w, dtype).unwrap();
                 let dense = x.matmul(&q.dequantize(&Device::Cpu).unwrap().t().unwrap()).unwrap().flatten_all().unwrap();
                 let dense = dense.to_vec1::<f32>().unwrap();
-                let mat = block_matrix(&q).unwrap().unwrap();
+                let mat = blocks_of(&q, block_format(dtype).unwrap()).unwrap().unwrap();
                 let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
                 let scale = dense.iter().fold(0f32, |a, v| a.max(v.abs()));
                 let mut by_level = vec![];
@@ -95,15 +121,27 @@ mod tests {
 
     /// ggml's definition of the product, in f64: the dequantised weights times the activations
     /// quantised to 8 bits per block of 32 (ggml's `quantize_row_q8_0` / `q8_1`) and dequantised.
+    /// For the K formats, candle's dequantising (a port of ggml's) checks our reading of their
+    /// super-blocks; there ggml quantises the activations to 256-value Q8_K blocks, which we do
+    /// not (32-value blocks: finer, and one quantised input for every format of a model).
     /// Not candle's quantised matmul: on AVX-512 VNNI CPUs candle 0.11 quantises the activations
     /// to 256-value Q8_K blocks instead, a different (coarser) product that ggml never computes.
     #[test]
     fn block_products_match_ggmls_definition() {
-        for dtype in [GgmlDType::Q4_0, GgmlDType::Q8_0, GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q5_1] {
-            let w = random_tensor(&[48, 256], 3);
-            let x = random_tensor(&[2, 256], 4);
+        for dtype in [
+            GgmlDType::Q4_0,
+            GgmlDType::Q8_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q5_0,
+            GgmlDType::Q5_1,
+            GgmlDType::Q4K,
+            GgmlDType::Q5K,
+            GgmlDType::Q6K,
+        ] {
+            let w = random_tensor(&[48, 512], 3);
+            let x = random_tensor(&[2, 512], 4);
             let q = QTensor::quantize(&w, dtype).unwrap();
-            let mat = block_matrix(&q).unwrap().unwrap();
+            let mat = blocks_of(&q, block_format(dtype).unwrap()).unwrap().unwrap();
             let ours = forward(&mat, &x).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
             let wd = q.dequantize(&candle_core::Device::Cpu).unwrap().to_vec2::<f32>().unwrap();
             let mut want = vec![];

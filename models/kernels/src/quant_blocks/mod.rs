@@ -1,6 +1,8 @@
-//! `x @ Wᵀ` over llama.cpp's 32-value block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): the formats
-//! candle has no AVX2 dot product for (Q4_1, Q5_0, Q5_1 run its scalar loop, ~7x slower than
-//! llama.cpp) and the two it has, so that all of them share one layout and threading scheme.
+//! `x @ Wᵀ` over llama.cpp's block formats: the 32-value ones (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0),
+//! which candle has no AVX2 dot product for (Q4_1, Q5_0, Q5_1 run its scalar loop, ~7x slower
+//! than llama.cpp) or no interleaved one, and the K formats of 256-value super-blocks (Q4_K,
+//! Q5_K, Q6_K: `k_packed`, `k_tiles`), so that all of them share one layout and threading scheme
+//! and a model mixing them (a Q4_K_M file) quantises each input once.
 //!
 //! As in llama.cpp, each row of activations is quantised once to 8 bits per value in blocks of 32
 //! (a scale `d` and, for the formats with a minimum, `s = d · Σq`), and every weight block's dot
@@ -11,6 +13,29 @@
 //! over the threads in groups of 16; every thread runs all of a call's activation rows against
 //! its weight rows (decoding's one row and a prompt's many).
 
+/// Tiles of `C` activation rows of `x` while there are as many, then one at a time: `tile(c,
+/// rows)` for each. A macro, so that each kernel's target features reach the tile code.
+macro_rules! by_tiles {
+    ($c:expr, $x:expr, |$c0:ident, $xs:ident| $tile:expr) => {{
+        let x: &[QuantizedRow] = $x;
+        let mut $c0 = 0;
+        while $c0 < x.len() {
+            if x.len() - $c0 >= $c {
+                let $xs: [&QuantizedRow; $c] = std::array::from_fn(|k| &x[$c0 + k]);
+                $tile;
+                $c0 += $c;
+            } else {
+                let $xs = [&x[$c0]];
+                $tile;
+                $c0 += 1;
+            }
+        }
+    }};
+}
+
+mod k_packed;
+#[cfg(target_arch = "x86_64")]
+mod k_tiles;
 mod packed;
 #[cfg(target_arch = "x86_64")]
 mod tiles;
@@ -23,10 +48,12 @@ use crate::disjoint::DisjointWrites;
 use crate::pool::{for_rows_of_many, pool_map};
 use crate::simd::{Int8Kernel, Kernels, SimdLevel};
 
-/// Values per block in every format here.
+/// Values per block in every format here (a K format's super-block holds 8).
 pub const BLOCK: usize = 32;
 
-/// A block format: its ggml layout (all little endian, f16 scales first).
+/// A block format: its ggml layout (all little endian, f16 scales first but in Q6_K), named
+/// as ggml names them.
+#[allow(non_camel_case_types)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BlockFormat {
     /// `d: f16, qs: [u8; 16]`: value `d · (nibble - 8)`.
@@ -39,6 +66,14 @@ pub enum BlockFormat {
     Q5_1,
     /// `d: f16, qs: [i8; 32]`: value `d · q`.
     Q8_0,
+    /// 256 values: `d, dmin: f16, scales: [u8; 12], qs: [u8; 128]`: eight blocks of 32, each
+    /// value `d · sc · nibble - dmin · m` with its block's 6-bit `sc` and `m`.
+    Q4_K,
+    /// Q4_K with `qh: [u8; 32]` before `qs`: fifth bits.
+    Q5_K,
+    /// 256 values: `ql: [u8; 128], qh: [u8; 64], scales: [i8; 16], d: f16`: value
+    /// `d · sc · (u - 32)`, `u` 6 bits, with its 16 values' `sc`.
+    Q6_K,
 }
 
 impl BlockFormat {
@@ -50,10 +85,14 @@ impl BlockFormat {
             "q5_0" => Self::Q5_0,
             "q5_1" => Self::Q5_1,
             "q8_0" => Self::Q8_0,
+            "q4_k" => Self::Q4_K,
+            "q5_k" => Self::Q5_K,
+            "q6_k" => Self::Q6_K,
             _ => return None,
         })
     }
 
+    /// Bytes of one GGUF block ([`Self::block_values`] values).
     pub const fn block_bytes(self) -> usize {
         match self {
             Self::Q4_0 => 18,
@@ -61,17 +100,54 @@ impl BlockFormat {
             Self::Q5_0 => 22,
             Self::Q5_1 => 24,
             Self::Q8_0 => 34,
+            Self::Q4_K => 144,
+            Self::Q5_K => 176,
+            Self::Q6_K => 210,
         }
     }
 
-    /// Whether values carry a minimum (`d · q + m`), so the dot product needs `s_x`.
+    /// Values of one GGUF block: 32, or a K format's 256.
+    pub const fn block_values(self) -> usize {
+        if self.is_k() {
+            k_packed::SUPER
+        } else {
+            BLOCK
+        }
+    }
+
+    /// A K format (256-value super-blocks).
+    pub const fn is_k(self) -> bool {
+        matches!(self, Self::Q4_K | Self::Q5_K | Self::Q6_K)
+    }
+
+    /// Whether values carry a minimum (`d · q + m`), so the dot product needs `s_x` (rounded
+    /// to f16, as llama.cpp's `q8_1` keeps it; the K formats' minima take `d_x · Σq` in f32, as
+    /// its `q8_K` sums are exact).
     fn has_min(self) -> bool {
         matches!(self, Self::Q4_1 | Self::Q5_1)
     }
+
+    /// Bytes of a row group's records along one row of `cols` values.
+    fn group_bytes(self, cols: usize) -> usize {
+        if self.is_k() {
+            cols / k_packed::SUPER * k_packed::KLayout::of(self).record
+        } else {
+            cols / BLOCK * packed::Layout::of(self).record
+        }
+    }
+}
+
+/// Whether the K formats should run on these kernels at `level`: where the CPU's int8 kernel is
+/// AVX2's `vpmaddubsw` (no VNNI), against candle's, they decode faster (docs/benchmarks.md);
+/// where it has VNNI or AMX, candle's repacked K tiles use them and this kernel does not, so
+/// candle keeps those until they are measured side by side there.
+pub fn k_formats_run_here(level: SimdLevel) -> bool {
+    cfg!(target_arch = "x86_64") && level.usable() >= SimdLevel::Avx2 && Kernels::get().int8_at(level) == Int8Kernel::Avx2
 }
 
 /// A quantised (out, in) matrix in one of the [`BlockFormat`]s, its blocks interleaved 16 rows
-/// at a time (`packed`; the same bytes as the GGUF's blocks).
+/// at a time (`packed`: the same bytes as the GGUF's blocks; `k_packed`: the K formats' 6-bit
+/// scales a byte each).
 #[derive(Debug, Clone)]
 pub struct BlockMatrix {
     format: BlockFormat,
@@ -80,11 +156,13 @@ pub struct BlockMatrix {
     records: Vec<u8>,
 }
 
-/// One activation row quantised: per block a scale, `Σq`, `d · Σq` and 32 values.
+/// One activation row quantised: per block a scale, `Σq`, `Σq` of its first 16 values (Q6_K's
+/// scales are per 16), `d · Σq` and 32 values.
 #[derive(Debug, Clone, Default)]
 pub struct QuantizedRow {
     pub d: Vec<f32>,
     pub sum: Vec<i32>,
+    pub half: Vec<i32>,
     pub s: Vec<f32>,
     pub q: Vec<i8>,
 }
@@ -92,10 +170,12 @@ pub struct QuantizedRow {
 impl BlockMatrix {
     /// A matrix of `rows` x `cols` values from its blocks as the GGUF stores them.
     pub fn new(format: BlockFormat, rows: usize, cols: usize, bytes: Vec<u8>) -> Result<Self, String> {
-        if !cols.is_multiple_of(BLOCK) || bytes.len() != rows * cols / BLOCK * format.block_bytes() {
-            return Err(format!("{format:?} matrix {rows}x{cols}: {} bytes do not hold its blocks", bytes.len()));
+        let values = format.block_values();
+        if !cols.is_multiple_of(values) || bytes.len() != rows * cols / values * format.block_bytes() {
+            return Err(format!("{format:?} matrix {rows}x{cols}: {} bytes do not hold its blocks of {values} values", bytes.len()));
         }
-        Ok(Self { format, rows, cols, records: packed::pack(format, rows, cols, &bytes) })
+        let records = if format.is_k() { k_packed::pack(format, rows, cols, &bytes) } else { packed::pack(format, rows, cols, &bytes) };
+        Ok(Self { format, rows, cols, records })
     }
 
     /// A `rows` x `cols` matrix of `format` with random quants, small finite scales and, for the
@@ -115,7 +195,7 @@ impl BlockMatrix {
 
     /// Records of one group.
     fn group_bytes(&self) -> usize {
-        self.cols / BLOCK * packed::Layout::of(self.format).record
+        self.format.group_bytes(self.cols)
     }
 
     /// (rows, cols): (out, in) of the product.
@@ -125,13 +205,25 @@ impl BlockMatrix {
 
     /// Row `o`'s product with `x` in plain code (CPUs without AVX2), from the records.
     fn dot_scalar(&self, o: usize, x: &QuantizedRow) -> f32 {
-        let record = packed::Layout::of(self.format).record;
         let group = &self.records[o / packed::GROUP * self.group_bytes()..][..self.group_bytes()];
+        let r = o % packed::GROUP;
         let mut total = 0f32;
-        for (b, rec) in group.chunks_exact(record).enumerate() {
-            let (v, d, m) = packed::row_block(self.format, rec, o % packed::GROUP);
+        let mut add = |b: usize, (v, d, m): ([i32; BLOCK], f32, f32), s: f32| {
             let sum: i32 = v.iter().zip(&x.q[b * BLOCK..(b + 1) * BLOCK]).map(|(a, q)| a * *q as i32).sum();
-            total += d * x.d[b] * sum as f32 + m * x.s[b];
+            total += d * x.d[b] * sum as f32 + m * s;
+        };
+        if self.format.is_k() {
+            let record = k_packed::KLayout::of(self.format).record;
+            for (s, rec) in group.chunks_exact(record).enumerate() {
+                for j in 0..k_packed::BLOCKS {
+                    let b = s * k_packed::BLOCKS + j;
+                    add(b, k_packed::row_block(self.format, rec, j, r), x.d[b] * x.sum[b] as f32);
+                }
+            }
+        } else {
+            for (b, rec) in group.chunks_exact(packed::Layout::of(self.format).record).enumerate() {
+                add(b, packed::row_block(self.format, rec, r), x.s[b]);
+            }
         }
         total
     }
@@ -173,7 +265,14 @@ impl BlockMatrix {
                 // SAFETY: the CPU runs `kernel` (the caller's promise); the matrix holds its
                 // groups' records of `cols / BLOCK` blocks (made by `new`), the activations as
                 // many blocks each; this work item alone writes the columns of its groups' rows.
-                unsafe { tiles::product_groups(w.format, kernel, &w.records, range, &acts, (outs[i].at(0), w.rows)) }
+                unsafe {
+                    if w.format.is_k() {
+                        // One kernel for the K formats, on AVX2 (which every int8 kernel's CPU has).
+                        k_tiles::product_groups(w.format, &w.records, range, &acts, (outs[i].at(0), w.rows))
+                    } else {
+                        tiles::product_groups(w.format, kernel, &w.records, range, &acts, (outs[i].at(0), w.rows))
+                    }
+                }
             });
             drop(outs);
             return written(ys, mats, m);
@@ -213,10 +312,23 @@ fn written(mut ys: Vec<Vec<f32>>, mats: &[&BlockMatrix], m: usize) -> Vec<Vec<f3
 /// for the formats with one, a minimum.
 fn random_blocks(format: BlockFormat, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
     let mut state = seed;
-    let mut bytes = vec![0u8; rows * cols / BLOCK * format.block_bytes()];
+    let mut bytes = vec![0u8; rows * cols / format.block_values() * format.block_bytes()];
     for b in bytes.chunks_exact_mut(format.block_bytes()) {
         b.iter_mut().for_each(|x| *x = crate::rng::splitmix64(&mut state) as u8);
         let scale = 0.002 + (crate::rng::splitmix64(&mut state) % 100) as f32 * 1e-4;
+        match format {
+            // d and dmin (the minima are subtracted).
+            BlockFormat::Q4_K | BlockFormat::Q5_K => {
+                b[..2].copy_from_slice(&f16::from_f32(scale / 32.0).to_le_bytes());
+                b[2..4].copy_from_slice(&f16::from_f32(scale / 4.0).to_le_bytes());
+                continue;
+            }
+            BlockFormat::Q6_K => {
+                b[208..].copy_from_slice(&f16::from_f32(scale / 64.0).to_le_bytes());
+                continue;
+            }
+            _ => {}
+        }
         b[..2].copy_from_slice(&f16::from_f32(scale).to_le_bytes());
         if format.has_min() {
             b[2..4].copy_from_slice(&f16::from_f32(-8.0 * scale).to_le_bytes());
@@ -242,12 +354,18 @@ pub fn quantize_row(x: &[f32], with_sum: bool) -> QuantizedRow {
 
 pub fn quantize_row_at(x: &[f32], with_sum: bool, level: SimdLevel) -> QuantizedRow {
     let blocks = x.len() / BLOCK;
-    let mut row =
-        QuantizedRow { d: Vec::with_capacity(blocks), sum: Vec::with_capacity(blocks), s: Vec::with_capacity(blocks), q: vec![0; x.len()] };
+    let mut row = QuantizedRow {
+        d: Vec::with_capacity(blocks),
+        sum: Vec::with_capacity(blocks),
+        half: Vec::with_capacity(blocks),
+        s: Vec::with_capacity(blocks),
+        q: vec![0; x.len()],
+    };
     for (block, q) in x.chunks_exact(BLOCK).zip(row.q.chunks_exact_mut(BLOCK)) {
         let (d, sum) = quantize_block(block, q, level);
         row.d.push(via_f16(d));
         row.sum.push(sum);
+        row.half.push(q[..BLOCK / 2].iter().map(|&v| v as i32).sum());
         row.s.push(if with_sum { via_f16(d * sum as f32) } else { 0.0 });
     }
     row
@@ -274,168 +392,4 @@ fn quantize_block(x: &[f32], q: &mut [i8], level: SimdLevel) -> (f32, i32) {
 }
 
 #[cfg(test)]
-fn f16_at(b: &[u8], at: usize) -> f32 {
-    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
-}
-
-/// The 32 integer values of a GGUF weight block (before its scale and minimum), in order.
-#[cfg(test)]
-fn block_values(format: BlockFormat, b: &[u8]) -> [i32; BLOCK] {
-    let (_, qh_at, qs_at) = packed::source_offsets(format);
-    let mut v = [0i32; BLOCK];
-    if format == BlockFormat::Q8_0 {
-        for (j, x) in v.iter_mut().enumerate() {
-            *x = b[qs_at + j] as i8 as i32;
-        }
-        return v;
-    }
-    // Low nibbles are values 0..16, high ones 16..32; then the fifth bits and the offsets.
-    let qh = qh_at.map_or(0, |at| u32::from_le_bytes(b[at..at + 4].try_into().unwrap()));
-    for (j, x) in v.iter_mut().enumerate() {
-        let nibble = if j < 16 { b[qs_at + j] & 0x0f } else { b[qs_at + j - 16] >> 4 } as i32;
-        *x = nibble | (((qh >> j) & 1) << 4) as i32;
-    }
-    let offset = match format {
-        BlockFormat::Q4_0 => 8,
-        BlockFormat::Q5_0 => 16,
-        _ => 0,
-    };
-    v.iter_mut().for_each(|x| *x -= offset);
-    v
-}
-
-/// The dot product of a row of GGUF blocks, in plain code: the definition the packed products
-/// are tested against.
-#[cfg(test)]
-fn dot_gguf(format: BlockFormat, w: &[u8], x: &QuantizedRow) -> f32 {
-    let bb = format.block_bytes();
-    let mut total = 0f32;
-    for (i, b) in w.chunks_exact(bb).enumerate() {
-        let v = block_values(format, b);
-        let sumi: i32 = v.iter().zip(&x.q[i * BLOCK..(i + 1) * BLOCK]).map(|(a, b)| a * *b as i32).sum();
-        total += f16_at(b, 0) * x.d[i] * sumi as f32;
-        if format.has_min() {
-            total += f16_at(b, 2) * x.s[i];
-        }
-    }
-    total
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const FORMATS: [BlockFormat; 5] = [BlockFormat::Q4_0, BlockFormat::Q4_1, BlockFormat::Q5_0, BlockFormat::Q5_1, BlockFormat::Q8_0];
-
-    /// The plain code and every int8 kernel this CPU runs.
-    fn every_kernel() -> Vec<Option<Int8Kernel>> {
-        std::iter::once(None).chain(Int8Kernel::runnable().into_iter().map(Some)).collect()
-    }
-
-    /// On every kernel, every format and tile shape (rows and activation rows that fill whole
-    /// tiles and ones that leave remainders) agrees with the plain dot product of each pair.
-    #[test]
-    fn block_products_match_the_plain_code_on_every_kernel() {
-        for format in FORMATS {
-            // Whole groups of 16 rows and a padded last one (or only that); a half group; tiles of
-            // activation rows and remainders.
-            for (rows, m) in [(9usize, 1usize), (8, 3), (37, 7), (4, 2), (32, 9)] {
-                let cols = 4 * BLOCK;
-                let blocks = random_blocks(format, rows, cols, 7 + rows as u64);
-                let w = BlockMatrix::new(format, rows, cols, blocks.clone()).unwrap();
-                let x = crate::rng::signed_values(m * cols, 3 + m as u64);
-                let acts: Vec<QuantizedRow> =
-                    x.chunks_exact(cols).map(|r| quantize_row_at(r, format.has_min(), SimdLevel::Scalar)).collect();
-                let row_bytes = cols / BLOCK * format.block_bytes();
-                for kernel in every_kernel() {
-                    let y = BlockMatrix::multiply_many_on(&[&w], &x, kernel).remove(0);
-                    for c in 0..m {
-                        for o in 0..rows {
-                            let want = dot_gguf(format, &blocks[o * row_bytes..(o + 1) * row_bytes], &acts[c]);
-                            let got = y[c * rows + o];
-                            assert!(
-                                (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
-                                "{format:?} {kernel:?} {rows}x{m}: ({c}, {o}) {got} vs {want}"
-                            );
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    /// Weights at their largest and smallest values against activations at ±127: the kernels'
-    /// 16-bit partial sums (`vpmaddubsw`'s pairs, Q8_0's within 2 · 127 · 127 of the limit, and
-    /// the 5-bit formats' two pairs added before widening) do not saturate, so the products
-    /// still equal the plain code's.
-    #[test]
-    fn the_largest_values_do_not_saturate_the_partial_sums() {
-        let (rows, cols) = (32, 8 * BLOCK);
-        // Activation rows quantising to +127, -127 and alternating ±127 in every block.
-        let mut x = vec![1.0f32; cols];
-        x.extend(vec![-1.0f32; cols]);
-        x.extend((0..cols).map(|i| if i % 2 == 0 { 1.0 } else { -1.0 }));
-        for format in FORMATS {
-            let mut blocks = random_blocks(format, rows, cols, 3);
-            let (_, qh_at, qs_at) = packed::source_offsets(format);
-            let largest = if format == BlockFormat::Q8_0 { 0x7f } else { 0xff };
-            // Even rows at the format's largest values, odd rows at its smallest.
-            for (i, b) in blocks.chunks_exact_mut(format.block_bytes()).enumerate() {
-                let bits = if (i / (cols / BLOCK)).is_multiple_of(2) { largest } else { largest ^ 0xfe };
-                let from = qh_at.unwrap_or(qs_at);
-                b[from..].iter_mut().for_each(|v| *v = bits);
-            }
-            let w = BlockMatrix::new(format, rows, cols, blocks.clone()).unwrap();
-            let acts: Vec<QuantizedRow> = x.chunks_exact(cols).map(|r| quantize_row_at(r, format.has_min(), SimdLevel::Scalar)).collect();
-            assert!(acts.iter().all(|a| a.q.iter().all(|q| q.abs() == 127)));
-            let row_bytes = cols / BLOCK * format.block_bytes();
-            for kernel in every_kernel() {
-                let y = BlockMatrix::multiply_many_on(&[&w], &x, kernel).remove(0);
-                for (c, act) in acts.iter().enumerate() {
-                    for o in 0..rows {
-                        let want = dot_gguf(format, &blocks[o * row_bytes..(o + 1) * row_bytes], act);
-                        let got = y[c * rows + o];
-                        assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "{format:?} {kernel:?}: ({c}, {o}) {got} vs {want}");
-                    }
-                }
-            }
-        }
-    }
-
-    /// A row's result is the same bits alone and inside a prompt's batch (every tile computes
-    /// each pair alike), and the same on every int8 kernel: `vpdpbusd` at 512 and 256 bits and
-    /// `vpmaddubsw` (each that this CPU runs; CI's kinds differ in which).
-    #[test]
-    fn a_rows_result_does_not_depend_on_its_batch_or_the_int8_instructions() {
-        let (cols, rows) = (6 * BLOCK, 27);
-        let kernels = Int8Kernel::runnable();
-        for format in FORMATS {
-            let w = BlockMatrix::random(format, rows, cols, 5);
-            let x = crate::rng::signed_values(7 * cols, 9);
-            let on = |x: &[f32], k| BlockMatrix::multiply_many_on(&[&w], x, Some(k)).remove(0);
-            for &kernel in &kernels {
-                let batch = on(&x, kernel);
-                for c in 0..7 {
-                    let alone = on(&x[c * cols..(c + 1) * cols], kernel);
-                    assert_eq!(alone, batch[c * rows..(c + 1) * rows], "{format:?} {kernel:?}: row {c}");
-                }
-                assert_eq!(batch, on(&x, kernels[0]), "{format:?}: {kernel:?} and {:?} differ", kernels[0]);
-            }
-        }
-    }
-
-    /// The vector quantiser rounds exactly as the plain one.
-    #[test]
-    fn activation_quantisation_is_the_same_at_every_level() {
-        let x = crate::rng::signed_values(4 * BLOCK, 5);
-        // Ties and zeros too: values on the half steps of a block whose max is 127.
-        let mut ties: Vec<f32> = (0..BLOCK).map(|i| i as f32 - 15.5).collect();
-        ties[0] = 127.0;
-        let zeros = vec![0f32; BLOCK];
-        for input in [x, ties, zeros] {
-            let plain = quantize_row_at(&input, true, SimdLevel::Scalar);
-            let best = quantize_row_at(&input, true, SimdLevel::detected());
-            assert_eq!((plain.d, plain.sum, plain.s, plain.q), (best.d, best.sum, best.s, best.q));
-        }
-    }
-}
+mod tests;

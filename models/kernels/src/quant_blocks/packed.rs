@@ -43,6 +43,7 @@ impl Layout {
             BlockFormat::Q4_1 => (true, false),
             BlockFormat::Q5_0 => (false, true),
             BlockFormat::Q5_1 => (true, true),
+            BlockFormat::Q4_K | BlockFormat::Q5_K | BlockFormat::Q6_K => panic!("the K formats' layout is k_packed's"),
         };
         let m = if min { Some(32) } else { None };
         let qh_at = 32 + if min { 32 } else { 0 };
@@ -52,7 +53,7 @@ impl Layout {
             BlockFormat::Q4_0 => 8,
             BlockFormat::Q5_0 => 16,
             BlockFormat::Q8_0 => 128,
-            BlockFormat::Q4_1 | BlockFormat::Q5_1 => 0,
+            _ => 0,
         };
         Self { record: GROUP * format.block_bytes(), m, qh, qs, offset }
     }
@@ -66,6 +67,7 @@ pub(super) fn source_offsets(format: BlockFormat) -> (Option<usize>, Option<usiz
         BlockFormat::Q5_0 => (None, Some(2), 6),
         BlockFormat::Q5_1 => (Some(2), Some(4), 8),
         BlockFormat::Q8_0 => (None, None, 2),
+        BlockFormat::Q4_K | BlockFormat::Q5_K | BlockFormat::Q6_K => unreachable!("the K formats' layout is k_packed's"),
     }
 }
 

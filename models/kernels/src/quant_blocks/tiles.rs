@@ -41,7 +41,7 @@ format!(Q8_0, true);
 
 /// Activation row `x`'s four bytes at value `at` of block `b`, in every 32-bit lane.
 #[inline(always)]
-unsafe fn four_bytes(x: &QuantizedRow, b: usize, at: usize) -> i32 {
+pub(super) unsafe fn four_bytes(x: &QuantizedRow, b: usize, at: usize) -> i32 {
     (x.q.as_ptr().add(b * BLOCK + at) as *const i32).read_unaligned()
 }
 
@@ -66,7 +66,7 @@ unsafe fn with_fifth_bits_512(v: __m512i, qh: __m512i, k: usize) -> __m512i {
 
 /// [`with_fifth_bits_512`] for 8 rows.
 #[inline(always)]
-unsafe fn with_fifth_bits_256(v: __m256i, qh: __m256i, k: usize) -> __m256i {
+pub(super) unsafe fn with_fifth_bits_256(v: __m256i, qh: __m256i, k: usize) -> __m256i {
     let (byte, bits) = fifth_bit_pattern(k);
     let starts = _mm_loadu_si128(LANE_STARTS.as_ptr() as *const __m128i);
     let starts = _mm256_broadcastsi128_si256(starts);
@@ -234,35 +234,16 @@ pub unsafe fn product_groups(
         BlockFormat::Q5_0 => run!(Q5_0),
         BlockFormat::Q5_1 => run!(Q5_1),
         BlockFormat::Q8_0 => run!(Q8_0),
+        BlockFormat::Q4_K | BlockFormat::Q5_K | BlockFormat::Q6_K => unreachable!("the K formats run on k_tiles"),
     }
 }
 
 /// Writes `values` (the group starting at row `o`, 16 of them) into activation row `c`'s
 /// results, those past the matrix's last row left out.
 #[inline(always)]
-unsafe fn put(y: *mut f32, rows: usize, c: usize, o: usize, values: &[f32]) {
+pub(super) unsafe fn put(y: *mut f32, rows: usize, c: usize, o: usize, values: &[f32]) {
     let n = values.len().min(rows - o);
     std::ptr::copy_nonoverlapping(values.as_ptr(), y.add(c * rows + o), n);
-}
-
-/// Tiles of `C` activation rows of `x` while there are as many, then one at a time: `tile(c,
-/// rows)` for each. A macro, so that each kernel's target features reach the tile code.
-macro_rules! by_tiles {
-    ($c:expr, $x:expr, |$c0:ident, $xs:ident| $tile:expr) => {{
-        let x: &[QuantizedRow] = $x;
-        let mut $c0 = 0;
-        while $c0 < x.len() {
-            if x.len() - $c0 >= $c {
-                let $xs: [&QuantizedRow; $c] = std::array::from_fn(|k| &x[$c0 + k]);
-                $tile;
-                $c0 += $c;
-            } else {
-                let $xs = [&x[$c0]];
-                $tile;
-                $c0 += 1;
-            }
-        }
-    }};
 }
 
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
