@@ -16,7 +16,7 @@ use std::arch::x86_64::*;
 
 use super::k_packed::{KLayout, BLOCKS};
 use super::packed::GROUP;
-use super::tiles::{four_bytes, put, with_fifth_bits_256};
+use super::tiles::{four_bytes, nibbles_256, put};
 use super::{BlockFormat, QuantizedRow};
 
 /// One K format's record, for the kernel.
@@ -108,13 +108,7 @@ unsafe fn tile_avx2<F: KFormat, const C: usize>(rec0: *const u8, h: usize, super
             } else {
                 let sc = scale_pairs_u8(blk.add(8 * h));
                 for k in 0..4 {
-                    let chunk = load!(l.qs + 64 * k);
-                    let (mut first, mut second) = (_mm256_and_si256(chunk, low), _mm256_and_si256(_mm256_srli_epi16(chunk, 4), low));
-                    if let Some(at) = l.qh {
-                        let qh = load!(at);
-                        first = with_fifth_bits_256(first, qh, k);
-                        second = with_fifth_bits_256(second, qh, k + 4);
-                    }
+                    let (first, second) = nibbles_256(load!(l.qs + 64 * k), l.qh.map(|at| blk.add(at + 32 * h)), k);
                     for c in 0..C {
                         let (lo, hi) = (_mm256_set1_epi32(four_bytes(x[c], b, 4 * k)), _mm256_set1_epi32(four_bytes(x[c], b, 16 + 4 * k)));
                         // Both halves of the block share its scale: the pairs' sums (at most

@@ -66,7 +66,7 @@ unsafe fn with_fifth_bits_512(v: __m512i, qh: __m512i, k: usize) -> __m512i {
 
 /// [`with_fifth_bits_512`] for 8 rows.
 #[inline(always)]
-pub(super) unsafe fn with_fifth_bits_256(v: __m256i, qh: __m256i, k: usize) -> __m256i {
+unsafe fn with_fifth_bits_256(v: __m256i, qh: __m256i, k: usize) -> __m256i {
     let (byte, bits) = fifth_bit_pattern(k);
     let starts = _mm_loadu_si128(LANE_STARTS.as_ptr() as *const __m128i);
     let starts = _mm256_broadcastsi128_si256(starts);
@@ -74,6 +74,19 @@ pub(super) unsafe fn with_fifth_bits_256(v: __m256i, qh: __m256i, k: usize) -> _
     let bits = _mm256_set1_epi32(bits);
     let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bits), bits);
     _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(16)))
+}
+
+/// 8 rows' values `4k..4k + 4` (low nibbles) and `16 + 4k..` (high ones) from a record's chunk
+/// `k`, with their fifth bits from the 8 rows' u32s at `qh` where the format has them.
+#[inline(always)]
+pub(super) unsafe fn nibbles_256(chunk: __m256i, qh: Option<*const u8>, k: usize) -> (__m256i, __m256i) {
+    let low = _mm256_set1_epi8(0x0f);
+    let (first, second) = (_mm256_and_si256(chunk, low), _mm256_and_si256(_mm256_srli_epi16(chunk, 4), low));
+    if let Some(qh) = qh {
+        let qh = _mm256_loadu_si256(qh as *const __m256i);
+        return (with_fifth_bits_256(first, qh, k), with_fifth_bits_256(second, qh, k + 4));
+    }
+    (first, second)
 }
 
 /// The AVX-512 kernel: the 16 rows of the group whose records start at `rec0` against the `C`
@@ -139,7 +152,7 @@ unsafe fn tile_avx2<F: Format, const C: usize, const VNNI: bool>(
 ) -> [__m256; C] {
     let l = F::LAYOUT;
     let mut y = [_mm256_setzero_ps(); C];
-    let (low, ones) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi16(1));
+    let ones = _mm256_set1_epi16(1);
     for b in 0..blocks {
         let rec = rec0.add(b * l.record);
         let mut sums = [_mm256_setzero_si256(); C];
@@ -167,13 +180,7 @@ unsafe fn tile_avx2<F: Format, const C: usize, const VNNI: bool>(
             }
         } else {
             for k in 0..4 {
-                let chunk = load!(l.qs + 64 * k);
-                let (mut first, mut second) = (_mm256_and_si256(chunk, low), _mm256_and_si256(_mm256_srli_epi16(chunk, 4), low));
-                if let Some(at) = l.qh {
-                    let qh = load!(at);
-                    first = with_fifth_bits_256(first, qh, k);
-                    second = with_fifth_bits_256(second, qh, k + 4);
-                }
+                let (first, second) = nibbles_256(load!(l.qs + 64 * k), l.qh.map(|at| rec.add(at + 32 * h)), k);
                 for c in 0..C {
                     let (lo, hi) = (_mm256_set1_epi32(four_bytes(x[c], b, 4 * k)), _mm256_set1_epi32(four_bytes(x[c], b, 16 + 4 * k)));
                     if VNNI {
