@@ -72,6 +72,8 @@ unsafe fn tile_avx2<F: KFormat, const C: usize>(rec0: *const u8, h: usize, super
     for s in 0..supers {
         let rec = rec0.add(s * l.record);
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(rec.add(16 * h) as *const __m128i));
+        // The super-block's dmin, once for its 8 blocks (Q6_K has none).
+        let dmin = if l.dmin { _mm256_cvtph_ps(_mm_loadu_si128(rec.add(32 + 16 * h) as *const __m128i)) } else { _mm256_setzero_ps() };
         for j in 0..BLOCKS {
             let b = BLOCKS * s + j;
             let blk = rec.add(l.header + j * l.block);
@@ -122,7 +124,6 @@ unsafe fn tile_avx2<F: KFormat, const C: usize>(rec0: *const u8, h: usize, super
                 y[c] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(*x[c].d.get_unchecked(b))), _mm256_cvtepi32_ps(sums[c]), y[c]);
             }
             if l.dmin {
-                let dmin = _mm256_cvtph_ps(_mm_loadu_si128(rec.add(32 + 16 * h) as *const __m128i));
                 let m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(blk.add(16 + 8 * h) as *const __m128i)));
                 let mw = _mm256_mul_ps(dmin, m);
                 for c in 0..C {
