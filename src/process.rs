@@ -16,7 +16,7 @@ pub use mimalloc::MiMalloc as Allocator;
 /// The whole-process settings, in one call, first thing in `main` (after parsing the command
 /// line, which starts no thread): mimalloc keeps freed memory ([`keep_freed_memory`]), candle's
 /// and rayon's threads follow `workload` ([`tune_cpu_threads`]), and the kernel switches
-/// (`FSDP_SIMD`, `FSDP_MATMUL`) are checked. `threads` overrides the thread count (the benches
+/// (`FSDP_SIMD`, `FSDP_MATMUL`, `FSDP_K_BLOCKS`) are checked. `threads` overrides the thread count (the benches
 /// compare at a fixed count). Refuses to run once a second thread exists: the thread settings
 /// are environment variables that candle and rayon read, and writing the environment while
 /// another thread may read it is undefined behaviour.

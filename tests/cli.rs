@@ -200,14 +200,19 @@ fn convert_refuses_what_is_not_gguf_and_leaves_nothing_behind() {
 /// A build without CUDA (the default, and CI's) says how to get a GPU build, names the flag,
 /// and writes nothing; a bad --device value is named before anything runs.
 #[cfg(not(feature = "cuda"))]
-/// A bad `FSDP_MATMUL` or `FSDP_SIMD` is refused before any work, by name and with the values
+/// A bad `FSDP_MATMUL`, `FSDP_SIMD` or `FSDP_K_BLOCKS` is refused before any work, by name and with the values
 /// it takes, in one line even with RUST_BACKTRACE=1 set (as many users have), and nothing is
 /// written.
 #[test]
 fn a_bad_kernel_setting_is_refused_at_start() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("model");
-    for (var, value, takes) in [("FSDP_MATMUL", "blas", "`gemm` or `packed`"), ("FSDP_SIMD", "avx-512", "`avx2` or `scalar`")] {
+    let settings = [
+        ("FSDP_MATMUL", "blas", "`gemm` or `packed`"),
+        ("FSDP_SIMD", "avx-512", "`avx2` or `scalar`"),
+        ("FSDP_K_BLOCKS", "ggml", "`ours` or `candle`"),
+    ];
+    for (var, value, takes) in settings {
         let o = run_cli(&["fixture", "--name", "llama", "--out", out.to_str().unwrap()], &[(var, value), ("RUST_BACKTRACE", "1")]);
         assert_clean_error(&o, &[var, value, takes]);
         assert!(!out.exists(), "the fixture was written despite {var}={value}");

@@ -73,6 +73,19 @@ fn every_block_format_gives_the_logits_of_its_dequantised_weights() {
     // The chat template of the real file renders the same prompt ids around "Hi" as SmolLM2's.
     assert_eq!(v["prompt_ids"].as_array().unwrap()[..3], reference["cases"][0]["prompt_ids"].as_array().unwrap()[..3]);
     assert!(stderr(&out).contains("15 matrices quantised (15 Q4K)"), "{}", stderr(&out));
+    // The K formats on either kernel set, as FSDP_K_BLOCKS says (by default the CPU's choice),
+    // said in that line; each generates.
+    for (switch, kernels) in [("ours", "our block kernels"), ("candle", "candle's kernels")] {
+        let out = run_cli(
+            &["generate", "--model", path.to_str().unwrap(), "--prompt", "Hi", "--max-new-tokens", "4", "--json"],
+            &[("FSDP_K_BLOCKS", switch)],
+        );
+        assert!(out.status.success(), "FSDP_K_BLOCKS={switch}: {}", stderr(&out));
+        assert!(stderr(&out).contains(&format!("Q4K, Q5K and Q6K on {kernels}")), "FSDP_K_BLOCKS={switch}: {}", stderr(&out));
+        let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+        let n = v["generated_ids"].as_array().map_or(0, Vec::len);
+        assert!((1..=4).contains(&n), "FSDP_K_BLOCKS={switch}: {v}");
+    }
 
     // Quantised weights compute in f32: another dtype is refused, by name.
     let out = run_cli(&["generate", "--model", path.to_str().unwrap(), "--prompt", "Hi", "--dtype", "f16"], &[]);

@@ -63,10 +63,11 @@ impl QuantizedWeights {
 }
 
 /// A stored matrix and the kernel that multiplies with it: ours for the 32-value block formats
-/// (`ops::quant`, AVX2 and AVX-512 VNNI for all five), for the K formats on CPUs without VNNI
-/// (`quant_blocks::k_formats_run_here`), and for f16 / bf16 (decoding's matrix-vector kernel
-/// reads the 2-byte values in place while the activations stay f32); candle's for the rest
-/// (the K formats on VNNI and AMX CPUs, which it repacks for those tiles).
+/// (`ops::quant`, AVX2 and AVX-512 VNNI for all five), for the K formats where
+/// `quant_blocks::k_formats_run_here` says (CPUs without VNNI, or `FSDP_K_BLOCKS=ours`), and
+/// for f16 / bf16 (decoding's matrix-vector kernel reads the 2-byte values in place while the
+/// activations stay f32); candle's for the rest (the K formats on VNNI and AMX CPUs, which it
+/// repacks for those tiles).
 #[derive(Debug, Clone)]
 pub enum QuantizedMatrix {
     Blocks(Arc<BlockMatrix>),

@@ -303,11 +303,12 @@ pub fn load_model_with(files: ModelFiles, opts: &LoadOptions, device: &Device) -
     let summary = (!quantized.is_empty()).then(|| {
         let formats: Vec<String> = quantized.formats().into_iter().map(|(f, n)| format!("{n} {f}")).collect();
         format!(
-            "{}: {} matrices quantised ({}), {:.1} MiB of blocks",
+            "{}: {} matrices quantised ({}), {:.1} MiB of blocks{}",
             files.source,
             quantized.len(),
             formats.join(", "),
-            quantized.storage_bytes() as f64 / (1 << 20) as f64
+            quantized.storage_bytes() as f64 / (1 << 20) as f64,
+            k_kernels(&quantized, device)
         )
     });
     let model = CausalLm::with_quantized(&config, lora.as_ref(), &mut quantized, vb)
@@ -316,6 +317,17 @@ pub fn load_model_with(files: ModelFiles, opts: &LoadOptions, device: &Device) -
         eprintln!("{summary}");
     }
     Ok(LoadedModel { model, config, files, dtype: opts.dtype })
+}
+
+/// Whose kernels multiply a CPU model's Q4_K, Q5_K and Q6_K matrices, for the load's summary
+/// (ours or candle's: `FSDP_K_BLOCKS`, else the CPU decides; `Kernels::k_blocks_ours`).
+fn k_kernels(quantized: &QuantizedWeights, device: &Device) -> &'static str {
+    let k_formats = quantized.formats().iter().any(|(f, _)| matches!(f.as_str(), "Q4K" | "Q5K" | "Q6K"));
+    match (k_formats && device.is_cpu(), kernels::quant_blocks::k_formats_run_here(kernels::simd::SimdLevel::current())) {
+        (false, _) => "",
+        (true, true) => "; Q4K, Q5K and Q6K on our block kernels",
+        (true, false) => "; Q4K, Q5K and Q6K on candle's kernels",
+    }
 }
 
 /// Parses `--dtype`.

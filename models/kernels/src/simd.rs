@@ -21,7 +21,9 @@
 //!   and benches can run every path on one machine. `avx2` is an AVX2-only CPU's code
 //!   (Zen 3: no int8 dot instruction); `avx2-vnni` is the AVX2 level with AVX-VNNI where the CPU
 //!   has it (an AVX2 CPU with VNNI, such as Intel's client cores);
-//! - `FSDP_MATMUL=gemm|packed`: products on gemm's kernels, or on the packed driver at AVX-512 too.
+//! - `FSDP_MATMUL=gemm|packed`: products on gemm's kernels, or on the packed driver at AVX-512 too;
+//! - `FSDP_K_BLOCKS=ours|candle`: K-format weights (Q4_K, Q5_K, Q6_K) on our int8 block kernels
+//!   or on candle's ([`Kernels::k_blocks_ours`]), so that the two can be compared in a model.
 
 use std::sync::OnceLock;
 
@@ -137,11 +139,16 @@ pub struct Kernels {
     matmul_switch: Option<MatmulKernels>,
     /// Who runs f32 products at AVX-512 when no switch says: the measurement's choice.
     matmul_avx512: MatmulKernels,
+    /// `FSDP_K_BLOCKS`'s choice: K-format weights on our block kernels (true) or candle's.
+    k_blocks_switch: Option<bool>,
 }
 
 /// The switches' variables and the values each takes, for errors and docs.
-pub const SWITCHES: [(&str, &str); 2] =
-    [("FSDP_SIMD", "`best`, `avx512`, `avx2-vnni`, `avx2` or `scalar`"), ("FSDP_MATMUL", "`gemm` or `packed`")];
+pub const SWITCHES: [(&str, &str); 3] = [
+    ("FSDP_SIMD", "`best`, `avx512`, `avx2-vnni`, `avx2` or `scalar`"),
+    ("FSDP_MATMUL", "`gemm` or `packed`"),
+    ("FSDP_K_BLOCKS", "`ours` or `candle`"),
+];
 
 impl Kernels {
     /// The table of this process (the switches read from the environment once).
@@ -161,6 +168,7 @@ impl Kernels {
         features: CpuFeatures,
         simd: Option<&str>,
         matmul: Option<&str>,
+        k_blocks: Option<&str>,
         wide_fma: impl FnOnce() -> bool,
     ) -> Result<Self, String> {
         let best = features.best_level();
@@ -180,10 +188,16 @@ impl Kernels {
             Some("packed") => Some(MatmulKernels::Packed),
             Some(v) => return Err(invalid("FSDP_MATMUL", v)),
         };
+        let k_blocks_switch = match k_blocks {
+            None => None,
+            Some("ours") => Some(true),
+            Some("candle") => Some(false),
+            Some(v) => return Err(invalid("FSDP_K_BLOCKS", v)),
+        };
         // The measurement only matters (and only runs) where products may run at AVX-512.
         let measure = matmul_switch.is_none() && best == SimdLevel::Avx512;
         let matmul_avx512 = if measure && !wide_fma() { MatmulKernels::Packed } else { MatmulKernels::Gemm };
-        Ok(Self { features, level, avxvnni, amx_bf16, matmul_switch, matmul_avx512 })
+        Ok(Self { features, level, avxvnni, amx_bf16, matmul_switch, matmul_avx512, k_blocks_switch })
     }
 
     /// Who runs f32 products at `level` (the current one, or a lower one a test asks for): a
@@ -211,6 +225,15 @@ impl Kernels {
         } else {
             Int8Kernel::Avx2
         }
+    }
+
+    /// Whether K-format weights (Q4_K, Q5_K, Q6_K) run on our int8 block kernels at `level`
+    /// rather than on candle's: `FSDP_K_BLOCKS`'s choice; else where the int8 kernel there is
+    /// AVX2's `vpmaddubsw`, on which ours decode and prefill faster (docs/benchmarks.md, Zen 3).
+    /// Where the CPU has VNNI, candle's repacked K tiles use it as ours do, and candle keeps
+    /// them until the two are measured side by side there.
+    pub fn k_blocks_ours(&self, level: SimdLevel) -> bool {
+        self.k_blocks_switch.unwrap_or(self.int8_at(level) == Int8Kernel::Avx2)
     }
 
     /// Who runs an f32 product whose lhs has `lhs_rows` rows at `level`: [`Self::matmul_at`],
@@ -248,7 +271,8 @@ fn table() -> &'static Result<Kernels, String> {
     static TABLE: OnceLock<Result<Kernels, String>> = OnceLock::new();
     TABLE.get_or_init(|| {
         let read = |var: &str| std::env::var(var).ok();
-        Kernels::choose(CpuFeatures::detected(), read("FSDP_SIMD").as_deref(), read("FSDP_MATMUL").as_deref(), wide_fma::measured)
+        let (simd, matmul, k_blocks) = (read("FSDP_SIMD"), read("FSDP_MATMUL"), read("FSDP_K_BLOCKS"));
+        Kernels::choose(CpuFeatures::detected(), simd.as_deref(), matmul.as_deref(), k_blocks.as_deref(), wide_fma::measured)
     })
 }
 
@@ -389,7 +413,7 @@ mod tests {
     /// unless a switch names them; a bad value is an error naming the variable and its values.
     #[test]
     fn the_table_follows_features_measurement_and_switches() {
-        let pick = |f: CpuFeatures, simd, matmul, wide| Kernels::choose(f, simd, matmul, || wide).map(|k| (k.level, k.matmul()));
+        let pick = |f: CpuFeatures, simd, matmul, wide| Kernels::choose(f, simd, matmul, None, || wide).map(|k| (k.level, k.matmul()));
         use MatmulKernels::*;
         use SimdLevel::*;
         assert_eq!(pick(ALL, None, None, true), Ok((Avx512, Gemm)));
@@ -399,19 +423,19 @@ mod tests {
         assert_eq!(pick(ALL, None, Some("packed"), true), Ok((Avx512, Packed)));
         assert_eq!(pick(ALL, None, Some("gemm"), false), Ok((Avx512, Gemm)));
         // A lower level asked for by a test follows that level's default.
-        let k = Kernels::choose(ALL, None, None, || true).unwrap();
+        let k = Kernels::choose(ALL, None, None, None, || true).unwrap();
         assert_eq!((k.matmul_at(Avx2), k.matmul_at(Scalar)), (Packed, Gemm));
         let avx2_only = CpuFeatures { avx512f: false, ..ALL };
         assert_eq!(pick(avx2_only, Some("avx512"), None, true), Ok((Avx2, Packed)));
         // Short products run packed where the measurement gave AVX-512 to gemm, unless switched.
         assert_eq!((k.matmul_for(Avx512, 46), k.matmul_for(Avx512, 512), k.matmul_for(Avx2, 46)), (Packed, Gemm, Packed));
-        let switched = Kernels::choose(ALL, None, Some("gemm"), || true).unwrap();
+        let switched = Kernels::choose(ALL, None, Some("gemm"), None, || true).unwrap();
         assert_eq!(switched.matmul_for(Avx512, 46), Gemm);
         // AVX-512 VNNI only at the AVX-512 level and where the CPU has it; AVX-VNNI below it,
         // unless FSDP_SIMD=avx2 holds the code to an AVX2-only CPU's.
         use Int8Kernel::{Avx512Vnni, AvxVnni};
         assert_eq!((k.int8_at(Avx512), k.int8_at(Avx2)), (Avx512Vnni, AvxVnni));
-        let int8 = |f: CpuFeatures, simd: Option<&str>| Kernels::choose(f, simd, None, || true).unwrap().int8_at(Avx512);
+        let int8 = |f: CpuFeatures, simd: Option<&str>| Kernels::choose(f, simd, None, None, || true).unwrap().int8_at(Avx512);
         assert_eq!(int8(CpuFeatures { avx512vnni: false, ..ALL }, None), AvxVnni);
         assert_eq!(int8(CpuFeatures { avx512vnni: false, avxvnni: false, ..ALL }, None), Int8Kernel::Avx2);
         assert_eq!(int8(ALL, Some("avx2-vnni")), AvxVnni);
@@ -420,7 +444,7 @@ mod tests {
         assert_eq!(pick(ALL, Some("avx2-vnni"), None, true), Ok((Avx2, Packed)));
         // AMX tiles for bf16 only where the CPU (and OS) has them, and never under a switch
         // below `best` (`avx512` is a Zen 4's code).
-        let amx = |f: CpuFeatures, simd: Option<&str>| Kernels::choose(f, simd, None, || true).unwrap().amx_bf16();
+        let amx = |f: CpuFeatures, simd: Option<&str>| Kernels::choose(f, simd, None, None, || true).unwrap().amx_bf16();
         assert!(amx(ALL, None) && amx(ALL, Some("best")));
         assert!(!amx(ALL, Some("avx512")) && !amx(ALL, Some("avx2")) && !amx(CpuFeatures { amx_bf16: false, ..ALL }, None));
         assert!(!amx(CpuFeatures { avx512f: false, ..ALL }, None));
@@ -429,6 +453,19 @@ mod tests {
         assert_eq!(pick(ALL, Some("best"), None, true), Ok((Avx512, Gemm)));
         let e = pick(ALL, None, Some("blas"), true).unwrap_err();
         assert!(e.contains("FSDP_MATMUL=\"blas\"") && e.contains("`gemm` or `packed`"), "{e}");
+        // K-format weights on our kernels where the int8 kernel is AVX2's, else on candle's,
+        // unless FSDP_K_BLOCKS says.
+        let k_blocks = |f: CpuFeatures, simd: Option<&str>, switch: Option<&str>| {
+            Kernels::choose(f, simd, None, switch, || true).map(|k| (k.k_blocks_ours(Avx512), k.k_blocks_ours(Avx2)))
+        };
+        assert_eq!(k_blocks(ALL, None, None), Ok((false, false)));
+        assert_eq!(k_blocks(ALL, Some("avx2"), None), Ok((true, true)));
+        assert_eq!(k_blocks(CpuFeatures { avx512vnni: false, ..ALL }, None, None), Ok((false, false)));
+        assert_eq!(k_blocks(CpuFeatures { avx512vnni: false, avxvnni: false, ..ALL }, None, None), Ok((true, true)));
+        assert_eq!(k_blocks(ALL, None, Some("ours")), Ok((true, true)));
+        assert_eq!(k_blocks(ALL, Some("avx2"), Some("candle")), Ok((false, false)));
+        let e = k_blocks(ALL, None, Some("ggml")).unwrap_err();
+        assert!(e.contains("FSDP_K_BLOCKS=\"ggml\"") && e.contains("`ours` or `candle`"), "{e}");
     }
 
     /// The measurement runs on this CPU and gives an answer in well under a millisecond's loops.

@@ -137,12 +137,10 @@ impl BlockFormat {
     }
 }
 
-/// Whether the K formats should run on these kernels at `level`: where the CPU's int8 kernel is
-/// AVX2's `vpmaddubsw` (no VNNI), against candle's, they decode faster (docs/benchmarks.md);
-/// where it has VNNI or AMX, candle's repacked K tiles use them and this kernel does not, so
-/// candle keeps those until they are measured side by side there.
+/// Whether the K formats should run on these kernels at `level` rather than on candle's
+/// ([`Kernels::k_blocks_ours`]; never below AVX2, where ours are plain code).
 pub fn k_formats_run_here(level: SimdLevel) -> bool {
-    cfg!(target_arch = "x86_64") && level.usable() >= SimdLevel::Avx2 && Kernels::get().int8_at(level) == Int8Kernel::Avx2
+    cfg!(target_arch = "x86_64") && level.usable() >= SimdLevel::Avx2 && Kernels::get().k_blocks_ours(level)
 }
 
 /// A quantised (out, in) matrix in one of the [`BlockFormat`]s, its blocks interleaved 16 rows
@@ -267,8 +265,7 @@ impl BlockMatrix {
                 // many blocks each; this work item alone writes the columns of its groups' rows.
                 unsafe {
                     if w.format.is_k() {
-                        // One kernel for the K formats, on AVX2 (which every int8 kernel's CPU has).
-                        k_tiles::product_groups(w.format, &w.records, range, &acts, (outs[i].at(0), w.rows))
+                        k_tiles::product_groups(w.format, kernel, &w.records, range, &acts, (outs[i].at(0), w.rows))
                     } else {
                         tiles::product_groups(w.format, kernel, &w.records, range, &acts, (outs[i].at(0), w.rows))
                     }

@@ -56,7 +56,7 @@ const LANE_STARTS: [i8; 16] = [0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 1
 
 /// 16 rows' values `4k..4k + 4` (`k` of 8) with their fifth bits from `qh` (each row's u32).
 #[inline(always)]
-unsafe fn with_fifth_bits_512(v: __m512i, qh: __m512i, k: usize) -> __m512i {
+pub(super) unsafe fn with_fifth_bits_512(v: __m512i, qh: __m512i, k: usize) -> __m512i {
     let (byte, bits) = fifth_bit_pattern(k);
     let starts = _mm512_broadcast_i32x4(_mm_loadu_si128(LANE_STARTS.as_ptr() as *const __m128i));
     let spread = _mm512_shuffle_epi8(qh, _mm512_add_epi8(starts, _mm512_set1_epi8(byte)));
