@@ -1,7 +1,8 @@
 //! Our CUDA kernels run on the CPU, without a GPU: the source NVRTC compiles is compiled as C++
-//! with `tests/cuda_emulation/emulate.h` (each GPU thread a thread, the warp's shuffles and
-//! tensor-core products as collectives of 32) and a driver per source that launches them as the
-//! ops do, and the results are compared with the CPU's ops on the same inputs:
+//! with `tests/cuda_emulation/emulate.h` (each GPU thread a fiber, the first warp running ahead
+//! of the others as far as the barriers let it; the warp's shuffles and tensor-core products as
+//! collectives of 32) and a driver per source that launches them as the ops do, and the results
+//! are compared with the CPU's ops on the same inputs:
 //! - flash attention (`flash_attention.cu`): forward, log-sum-exp and the three gradients against
 //!   `ops::eager_attention` in f32 (tiling, indexing, masks, the online softmax);
 //! - the fused training ops (`fused.cu`): RMSNorm, SwiGLU, rope and cross-entropy, forward and

@@ -1,6 +1,13 @@
 // Runs our CUDA sources as C++ on the CPU, for tests on machines without a GPU: each GPU thread of
-// a block is a thread here (blocks run one after another), `__syncthreads` a barrier of the block,
+// a block is a fiber here (blocks run one after another), `__syncthreads` a barrier of the block,
 // warp shuffles and the tensor-core `mma` collectives of 32 threads. Only what our kernels use.
+//
+// The fibers take turns on one thread, each running until it waits at a barrier: every `mma` and
+// shuffle is two barriers of its warp, and as threads (each GPU thread a thread, as this was at
+// first) those waits were most of the emulation's time, spent in the OS scheduler. Under
+// ThreadSanitizer each fiber is one of its fibers, ordered with the others by the barriers'
+// atomics alone, so it reports what it reported of threads: two GPU threads of a block touching
+// the same memory with no barrier between them.
 //
 // The sources take `FSDP_CUDA_EMULATION` to call `emulation::mma` / `emulation::pack` where the GPU
 // runs inline PTX. The emulated mma follows the fragment layouts of PTX ISA's "Matrix Fragments
@@ -9,8 +16,15 @@
 
 #pragma once
 
+#include <sys/mman.h>
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/common_interface_defs.h>
+#endif
+#if defined(__SANITIZE_THREAD__)
+#include <sanitizer/tsan_interface.h>
+#endif
+
 #include <atomic>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -19,7 +33,6 @@
 #include <deque>
 #include <functional>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #define FSDP_CUDA_EMULATION 1
@@ -33,8 +46,12 @@
 struct dim3 {
   unsigned x = 1, y = 1, z = 1;
 };
-inline thread_local dim3 threadIdx;
 inline dim3 blockIdx, blockDim, gridDim;
+namespace emulation {
+// The running GPU thread's index (its fiber's, found from the stack it runs on).
+inline unsigned running_index();
+}  // namespace emulation
+#define threadIdx (dim3{emulation::running_index(), 0, 0})
 
 // CUDA's vector types with CUDA's alignment, so that the driver's sanitizer
 // (-fsanitize=alignment) fails a misaligned load or store of one as the GPU would.
@@ -71,10 +88,12 @@ struct alignas(16) uint4_storage {
   unsigned words[4];
 };
 
-#if defined(__SANITIZE_THREAD__)
-// Under ThreadSanitizer, a barrier of atomics alone: std::barrier's waits go through a mutex
-// shared by unrelated waiters, which orders the threads for the sanitizer beyond what a barrier
-// does and hides the data races it is there to find (a missing __syncthreads).
+// A fiber's wait until `*phase` is no longer `seen`: back to the scheduler, which runs the others
+// meanwhile (`launch`).
+inline void wait_turn(const std::atomic<unsigned> *phase, unsigned seen);
+
+// A block's or a warp's barrier. Atomics, though the fibers share one thread: for
+// ThreadSanitizer they are what orders the fibers (acquiring the phase its last arrival released).
 class Barrier {
  public:
   explicit Barrier(int threads) : expected_(threads), waiting_(threads) {}
@@ -90,14 +109,11 @@ class Barrier {
       phase_.store(phase + 1, std::memory_order_release);
       return;
     }
-    while (!drop && phase_.load(std::memory_order_acquire) == phase) std::this_thread::yield();
+    while (!drop && phase_.load(std::memory_order_acquire) == phase) wait_turn(&phase_, phase);
   }
   std::atomic<int> expected_, waiting_;
   std::atomic<unsigned> phase_{0};
 };
-#else
-using Barrier = std::barrier<>;
-#endif
 
 // What one warp's collectives exchange: each lane's words, then a barrier of the 32.
 struct Warp {
@@ -212,25 +228,26 @@ struct AsyncCopies {
   std::vector<AsyncCopy> open;               // issued since the thread's last commit_group
   std::deque<std::vector<AsyncCopy>> groups; // committed, oldest first
 };
-inline thread_local AsyncCopies async_copies;
+// The running fiber's.
+inline AsyncCopies &copies();
 
 inline void copy_async(void *dst, const void *src, size_t bytes, bool valid) {
   require_aligned(dst, bytes, "cp.async's shared-memory destination");
   require_aligned(src, bytes, "cp.async's global source");
   std::memset(dst, 0xff, bytes);
-  async_copies.open.push_back({dst, src, bytes, valid});
+  copies().open.push_back({dst, src, bytes, valid});
 }
 
 inline void async_commit() {
-  async_copies.groups.push_back(std::move(async_copies.open));
-  async_copies.open.clear();
+  copies().groups.push_back(std::move(copies().open));
+  copies().open.clear();
 }
 
 // cp.async.wait_group: lands the thread's committed groups but the newest `pending`.
 inline void async_wait(size_t pending) {
-  while (async_copies.groups.size() > pending) {
-    for (const AsyncCopy &c : async_copies.groups.front()) c.land();
-    async_copies.groups.pop_front();
+  while (copies().groups.size() > pending) {
+    for (const AsyncCopy &c : copies().groups.front()) c.land();
+    copies().groups.pop_front();
   }
 }
 
@@ -295,11 +312,164 @@ inline T __shfl_sync(unsigned, T v, int src) {
 
 namespace emulation {
 
+// Fibers: where each stopped, and its state. Fiber `i` runs GPU thread `i` of the block, on stack
+// slot `i` (kept from launch to launch): which fiber runs is known from the stack pointer, so
+// that the scheduler writes no "running" variable that every fiber reads (for ThreadSanitizer
+// each such write would race with the last fiber's reads).
+struct Fiber {
+  void *sp = nullptr;           // its stack pointer while another runs
+  const void *stack = nullptr;  // lowest address (a fiber's: a guard page below it)
+  size_t stack_size = 0;
+  void *fake_stack = nullptr;   // AddressSanitizer's, across a switch
+#if defined(__SANITIZE_THREAD__)
+  void *tsan_fiber = nullptr;
+#endif
+  // Written by the fiber, read by the scheduler: atomics, for ThreadSanitizer (its fibers'
+  // switches to the scheduler order nothing).
+  std::atomic<bool> done{false};
+  // While it waits at a barrier: the barrier's phase, and the phase it arrived in.
+  std::atomic<const std::atomic<unsigned> *> phase{nullptr};
+  std::atomic<unsigned> seen{0};
+  AsyncCopies copies;
+
+  // The scheduler's look, for every fiber at every switch: left out of ThreadSanitizer's
+  // instrumentation (most of its time, otherwise), which needs none of it.
+  __attribute__((no_sanitize_thread)) bool runnable() const {
+    const std::atomic<unsigned> *p = phase.load(std::memory_order_relaxed);
+    return !done.load(std::memory_order_relaxed) && (p == nullptr || p->load(std::memory_order_relaxed) != seen.load(std::memory_order_relaxed));
+  }
+};
+// CUDA's largest block; each slot a guard page, then the stack.
+inline constexpr unsigned MAX_THREADS = 1024;
+inline constexpr size_t FIBER_STACK = 256 * 1024, GUARD = 4096, SLOT = GUARD + FIBER_STACK;
+inline char *stacks = nullptr;  // mapped at the first launch (MAP_NORESERVE: only used pages count)
+inline Fiber fibers[MAX_THREADS];
+inline Fiber scheduler;  // the launching thread's own stack
+inline const std::function<void()> *fiber_body = nullptr;
+// Each finished fiber adds one, releasing; the scheduler acquires it once the block is done, so
+// that for ThreadSanitizer the next block's fibers come after this block's.
+inline std::atomic<unsigned> fibers_finished{0};
+
+// The first of `threads` fibers that can run (`threads`: none).
+__attribute__((no_sanitize_thread)) inline unsigned first_runnable(unsigned threads) {
+  unsigned i = 0;
+  while (i < threads && !fibers[i].runnable()) i++;
+  return i;
+}
+
+inline unsigned running_index() {
+  return static_cast<unsigned>((reinterpret_cast<uintptr_t>(__builtin_frame_address(0)) - reinterpret_cast<uintptr_t>(stacks)) / SLOT);
+}
+inline Fiber &running_fiber() { return fibers[running_index()]; }
+inline AsyncCopies &copies() { return running_fiber().copies; }
+
+// Saves the callee-saved registers and the stack pointer in *from, loads `to`'s and returns
+// there (System V x86-64: all else is the caller's to save).
+extern "C" void fsdp_emulation_switch(void **from, void *to);
+asm(R"(
+  .text
+  .globl fsdp_emulation_switch
+  .type fsdp_emulation_switch, @function
+fsdp_emulation_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size fsdp_emulation_switch, .-fsdp_emulation_switch
+)");
+
+// From the running stack to `to`'s, telling AddressSanitizer (whose stack checks need to know
+// which stack is in use) and ThreadSanitizer (which orders the scheduler's writes before the
+// fiber it runs, and nothing of a fiber before what runs after it); `ending`: the running fiber
+// never comes back. Neither this nor `fiber_start` is instrumented by AddressSanitizer, so a
+// finished fiber's stack keeps no poisoned frame for the next fiber on it.
+__attribute__((noinline, no_sanitize_address)) inline void switch_to(Fiber &from, Fiber &to, bool ending = false) {
+#if defined(__SANITIZE_THREAD__)
+  __tsan_switch_to_fiber(to.tsan_fiber, &from == &scheduler ? 0 : __tsan_switch_to_fiber_no_sync);
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+  __sanitizer_start_switch_fiber(ending ? nullptr : &from.fake_stack, to.stack, to.stack_size);
+#endif
+  fsdp_emulation_switch(&from.sp, to.sp);
+#if defined(__SANITIZE_ADDRESS__)
+  __sanitizer_finish_switch_fiber(from.fake_stack, nullptr, nullptr);
+#endif
+}
+
+// Where a fiber's first switch lands: runs the launch's body, then leaves for good.
+__attribute__((noinline, no_sanitize_address)) inline void fiber_start() {
+#if defined(__SANITIZE_ADDRESS__)
+  // The scheduler's stack, for the switches back to it.
+  __sanitizer_finish_switch_fiber(nullptr, &scheduler.stack, &scheduler.stack_size);
+#endif
+  (*fiber_body)();
+  Fiber &self = running_fiber();
+  fibers_finished.fetch_add(1, std::memory_order_release);
+  self.done.store(true, std::memory_order_relaxed);
+  switch_to(self, scheduler, true);
+  __builtin_trap();
+}
+
+inline void wait_turn(const std::atomic<unsigned> *phase, unsigned seen) {
+  Fiber &self = running_fiber();
+  self.seen.store(seen, std::memory_order_relaxed);
+  self.phase.store(phase, std::memory_order_relaxed);
+  switch_to(self, scheduler);
+  self.phase.store(nullptr, std::memory_order_relaxed);
+}
+
+// Fiber `i`, made ready to start: its stack holding what `fsdp_emulation_switch` pops, zeroed
+// registers and `fiber_start` as its return address, so that `fiber_start` begins as a called
+// function would (its stack pointer 8 past 16-aligned).
+inline Fiber &fresh_fiber(unsigned i) {
+  if (stacks == nullptr) {
+    void *m = mmap(nullptr, MAX_THREADS * SLOT, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) std::abort();
+    stacks = static_cast<char *>(m);
+    for (unsigned k = 0; k < MAX_THREADS; k++) mprotect(stacks + k * SLOT, GUARD, PROT_NONE);
+  }
+  Fiber &f = fibers[i];
+  f.stack = stacks + i * SLOT + GUARD;
+  f.stack_size = FIBER_STACK;
+  f.done.store(false, std::memory_order_relaxed);
+  f.copies = AsyncCopies{};
+#if defined(__SANITIZE_THREAD__)
+  // Made once and kept: each switch from the scheduler orders what it did before (the last
+  // block's fibers ended, acquired through `fibers_finished`) before what the fiber does next.
+  if (f.tsan_fiber == nullptr) f.tsan_fiber = __tsan_create_fiber(0);
+#endif
+  void **top = reinterpret_cast<void **>(stacks + (i + 1) * SLOT);
+  *--top = nullptr;  // fiber_start's caller, never returned to
+  *--top = reinterpret_cast<void *>(&fiber_start);
+  for (int r = 0; r < 6; r++) *--top = nullptr;  // rbp, rbx, r12-r15
+  f.sp = top;
+  return f;
+}
+
 // Runs `kernel(args...)` over `grid` blocks of `threads` threads (a multiple of 32) with
-// `shared_bytes` of dynamic shared memory, a block at a time. A thread that returns leaves the
-// block's and its warp's barriers, as exited GPU threads do.
+// `shared_bytes` of dynamic shared memory, a block at a time, its threads as fibers. The first
+// fiber that can run runs, until it waits: so the first warp runs ahead of the others as far as
+// the block's barriers let it, and where a barrier is missing (a tile refilled while other warps
+// still read it) they read what it wrote. A thread that returns leaves the block's and its warp's
+// barriers, as exited GPU threads do. Threads left that all wait are a deadlock (a barrier that
+// some thread of the block never reaches: a GPU would hang), reported.
 template <class... Params, class... Args>
 inline void launch(void (*kernel)(Params...), dim3 grid, unsigned threads, size_t shared_bytes, Args... args) {
+#if defined(__SANITIZE_THREAD__)
+  // Once: the fibers that end read it after their last release (the switch back).
+  if (scheduler.tsan_fiber == nullptr) scheduler.tsan_fiber = __tsan_get_current_fiber();
+#endif
   gridDim = grid;
   blockDim = dim3{threads, 1, 1};
   for (unsigned z = 0; z < grid.z; z++)
@@ -308,16 +478,27 @@ inline void launch(void (*kernel)(Params...), dim3 grid, unsigned threads, size_
         blockIdx = dim3{x, y, z};
         Block b(threads, shared_bytes);
         block = &b;
-        std::vector<std::thread> running;
-        for (unsigned i = 0; i < threads; i++)
-          running.emplace_back([&, i] {
-            threadIdx = dim3{i, 0, 0};
-            kernel(args...);
-            async_land_all();
-            b.warps[i / 32]->arrived.arrive_and_drop();
-            b.all.arrive_and_drop();
-          });
-        for (auto &t : running) t.join();
+        const std::function<void()> body = [&] {
+          unsigned i = threadIdx.x;
+          kernel(args...);
+          async_land_all();
+          b.warps[i / 32]->arrived.arrive_and_drop();
+          b.all.arrive_and_drop();
+        };
+        fiber_body = &body;
+        if (threads > MAX_THREADS) std::abort();
+        for (unsigned i = 0; i < threads; i++) fresh_fiber(i);
+        for (unsigned left = threads; left > 0;) {
+          unsigned i = first_runnable(threads);
+          if (i == threads) {
+            std::fprintf(stderr, "deadlock: block (%u, %u, %u): every running thread waits at a barrier\n", x, y, z);
+            std::abort();
+          }
+          Fiber &f = fibers[i];
+          switch_to(scheduler, f);
+          left -= f.done.load(std::memory_order_relaxed);
+        }
+        fibers_finished.load(std::memory_order_acquire);
         block = nullptr;
       }
 }
