@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::Linear;
 
@@ -48,6 +48,11 @@ impl QuantizedWeights {
     /// Bytes the quantised blocks take.
     pub fn storage_bytes(&self) -> usize {
         self.0.values().map(|w| w.storage_size_in_bytes()).sum()
+    }
+
+    /// Each matrix's block format.
+    pub fn dtypes(&self) -> impl Iterator<Item = GgmlDType> + '_ {
+        self.0.values().map(|w| w.dtype())
     }
 
     /// The block format of each matrix, counted (`Q4_1: 210`), for a one-line summary.

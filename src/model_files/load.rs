@@ -322,8 +322,10 @@ pub fn load_model_with(files: ModelFiles, opts: &LoadOptions, device: &Device) -
 /// Whose kernels multiply a CPU model's Q4_K, Q5_K and Q6_K matrices, for the load's summary
 /// (ours or candle's: `FSDP_K_BLOCKS`, else the CPU decides; `Kernels::k_blocks_ours`).
 fn k_kernels(quantized: &QuantizedWeights, device: &Device) -> &'static str {
-    let k_formats = quantized.formats().iter().any(|(f, _)| matches!(f.as_str(), "Q4K" | "Q5K" | "Q6K"));
-    match (k_formats && device.is_cpu(), kernels::quant_blocks::k_formats_run_here(kernels::simd::SimdLevel::current())) {
+    match (
+        device.is_cpu() && quantized.dtypes().any(ops::quant::is_k_format),
+        kernels::quant_blocks::k_formats_run_here(kernels::simd::SimdLevel::current()),
+    ) {
         (false, _) => "",
         (true, true) => "; Q4K, Q5K and Q6K on our block kernels",
         (true, false) => "; Q4K, Q5K and Q6K on candle's kernels",

@@ -432,7 +432,7 @@ inline void wait_turn(const std::atomic<unsigned> *phase, unsigned seen) {
 // Fiber `i`, made ready to start: its stack holding what `fsdp_emulation_switch` pops, zeroed
 // registers and `fiber_start` as its return address, so that `fiber_start` begins as a called
 // function would (its stack pointer 8 past 16-aligned).
-inline Fiber &fresh_fiber(unsigned i) {
+inline void fresh_fiber(unsigned i) {
   if (stacks == nullptr) {
     void *m = mmap(nullptr, MAX_THREADS * SLOT, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (m == MAP_FAILED) std::abort();
@@ -454,7 +454,6 @@ inline Fiber &fresh_fiber(unsigned i) {
   *--top = reinterpret_cast<void *>(&fiber_start);
   for (int r = 0; r < 6; r++) *--top = nullptr;  // rbp, rbx, r12-r15
   f.sp = top;
-  return f;
 }
 
 // Runs `kernel(args...)` over `grid` blocks of `threads` threads (a multiple of 32) with

@@ -25,6 +25,12 @@ fn blocks_of(w: &QTensor, format: BlockFormat) -> Result<Option<BlockMatrix>> {
     BlockMatrix::new(format, rows, cols, w.data()?.into_owned()).map(Some).map_err(candle_core::Error::Msg)
 }
 
+/// Whether `dtype` is one of the K formats the block kernels take (Q4_K, Q5_K, Q6_K): those
+/// whose kernels, ours or candle's, depend on the CPU and `FSDP_K_BLOCKS` ([`block_matrix`]).
+pub fn is_k_format(dtype: GgmlDType) -> bool {
+    block_format(dtype).is_some_and(BlockFormat::is_k)
+}
+
 fn block_format(dtype: GgmlDType) -> Option<BlockFormat> {
     Some(match dtype {
         GgmlDType::Q4_0 => BlockFormat::Q4_0,

@@ -101,7 +101,8 @@ unsafe fn tile_256<F: KFormat, const C: usize, const VNNI: bool>(
             let b = BLOCKS * s + j;
             let blk = rec.add(l.header + j * l.block);
             let mut sums = [_mm256_setzero_si256(); C];
-            // VNNI: each half block's bytes summed unscaled ([0]: values 0..16, [1]: 16..32).
+            // VNNI: the block's bytes summed unscaled (Q6_K's half blocks apart: [0] values
+            // 0..16, [1] 16..32; the other formats all in [0]).
             let mut raw = [[_mm256_setzero_si256(); 2]; C];
             macro_rules! load {
                 ($at:expr) => {
