@@ -16,8 +16,10 @@
 
 mod common;
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::{DType, Device, Tensor, Var, D};
 
@@ -64,7 +66,7 @@ fn flash_attention_kernels_match_the_cpu_attention() {
 }
 
 /// What a driver is built to catch besides wrong values, each where a GPU would fail.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Sanitizer {
     /// A misaligned typed load or store, or one past a buffer's end (a GPU faults).
     Memory,
@@ -74,13 +76,21 @@ enum Sanitizer {
 }
 
 /// `driver` (in tests/cuda_emulation) built with `source` as NVRTC gets it, or None (skipped)
-/// without g++.
-fn build(test: &str, source: &kernels::cuda::RuntimeSource, driver: &str, sanitizer: Sanitizer) -> Option<PathBuf> {
+/// without g++. Each driver and sanitizer is compiled once for the whole test binary (two tests
+/// run the flash driver under AddressSanitizer): a test asking for one being built waits for it.
+fn build(test: &str, source: &kernels::cuda::RuntimeSource, driver: &'static str, sanitizer: Sanitizer) -> Option<PathBuf> {
     if Command::new("g++").arg("--version").output().is_err() {
         common::skip_or_fail(test, "g++ is not installed (apt install g++)");
         return None;
     }
-    let dir = scratch(driver);
+    type Builds = Mutex<HashMap<(&'static str, Sanitizer), Arc<OnceLock<PathBuf>>>>;
+    static BUILDS: OnceLock<Builds> = OnceLock::new();
+    let slot = BUILDS.get_or_init(Default::default).lock().unwrap().entry((driver, sanitizer)).or_default().clone();
+    Some(slot.get_or_init(|| compile(source, driver, sanitizer)).clone())
+}
+
+fn compile(source: &kernels::cuda::RuntimeSource, driver: &str, sanitizer: Sanitizer) -> PathBuf {
+    let dir = scratch(&format!("{driver}-{sanitizer:?}"));
     std::fs::write(dir.join("kernel.cu"), source.source()).unwrap();
     let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/cuda_emulation");
     let binary = dir.join(driver.trim_end_matches(".cpp"));
@@ -101,7 +111,7 @@ fn build(test: &str, source: &kernels::cuda::RuntimeSource, driver: &str, saniti
         .output()
         .unwrap();
     assert!(out.status.success(), "g++ failed on the emulated kernels:\n{}", String::from_utf8_lossy(&out.stderr));
-    Some(binary)
+    binary
 }
 
 /// A fresh directory under target/tmp.
