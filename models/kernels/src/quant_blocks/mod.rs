@@ -33,6 +33,8 @@ macro_rules! by_tiles {
     }};
 }
 
+#[cfg(all(test, target_arch = "x86_64"))]
+mod avx512_stand_ins;
 mod k_packed;
 #[cfg(target_arch = "x86_64")]
 mod k_tiles;

@@ -195,3 +195,34 @@ fn activation_quantisation_is_the_same_at_every_level() {
         assert_eq!((plain.d, plain.sum, plain.half, plain.s, plain.q), (best.d, best.sum, best.half, best.s, best.q));
     }
 }
+
+/// The K formats' AVX512-VNNI kernel, its source run on plain-code stand-ins for its
+/// instructions (`avx512_stand_ins`), on any CPU: against the plain code, and the same bits as
+/// the kernels this CPU runs (the test above, where the CPU has AVX512-VNNI, runs the real one).
+#[test]
+fn the_avx512_k_kernel_on_stand_ins_matches_the_plain_code() {
+    for format in [BlockFormat::Q4_K, BlockFormat::Q5_K, BlockFormat::Q6_K] {
+        for (rows, m) in [(9usize, 1usize), (37, 7), (32, 9), (16, 4)] {
+            let cols = width(format, 4);
+            let blocks = random_blocks(format, rows, cols, 11 + rows as u64);
+            let w = BlockMatrix::new(format, rows, cols, blocks.clone()).unwrap();
+            let x = crate::rng::signed_values(m * cols, 5 + m as u64);
+            let acts: Vec<QuantizedRow> = x.chunks_exact(cols).map(|r| quantize_row(r, format.has_min())).collect();
+            let mut y = vec![f32::NAN; m * rows];
+            // SAFETY: the records are `w`'s groups for rows of `cols` values, `y` holds m x rows.
+            unsafe { k_tiles::product_groups_on_stand_ins(format, &w.records, 0..w.groups(), &acts, (y.as_mut_ptr(), rows)) };
+            let row_bytes = cols / format.block_values() * format.block_bytes();
+            for c in 0..m {
+                for o in 0..rows {
+                    let want = dot_gguf(format, &blocks[o * row_bytes..(o + 1) * row_bytes], &acts[c]);
+                    let got = y[c * rows + o];
+                    assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "{format:?} {rows}x{m}: ({c}, {o}) {got} vs {want}");
+                }
+            }
+            for kernel in Int8Kernel::runnable() {
+                let on_cpu = BlockMatrix::multiply_many_on(&[&w], &x, Some(kernel)).remove(0);
+                assert_eq!(y, on_cpu, "{format:?} {rows}x{m}: the stand-ins and {kernel:?} differ");
+            }
+        }
+    }
+}

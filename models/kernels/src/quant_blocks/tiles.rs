@@ -48,11 +48,11 @@ pub(super) unsafe fn four_bytes(x: &QuantizedRow, b: usize, at: usize) -> i32 {
 /// The byte-shuffle control that puts byte `byte` of each 32-bit lane in all four of its bytes,
 /// and the bits of values `4k..4k + 4` within that byte, one per byte of a lane.
 #[inline(always)]
-fn fifth_bit_pattern(k: usize) -> (i8, i32) {
+pub(super) fn fifth_bit_pattern(k: usize) -> (i8, i32) {
     ((k / 2) as i8, (0x0804_0201u32 << (4 * (k % 2))) as i32)
 }
 
-const LANE_STARTS: [i8; 16] = [0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12];
+pub(super) const LANE_STARTS: [i8; 16] = [0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12];
 
 /// 16 rows' values `4k..4k + 4` (`k` of 8) with their fifth bits from `qh` (each row's u32).
 #[inline(always)]
