@@ -1,7 +1,8 @@
-//! Plain-code stand-ins for the AVX-512 instructions of the K formats' 512-bit kernel
-//! (`k_tiles_512.rs`), each as Intel's manual defines it, under the intrinsics' names: that
-//! kernel's source compiled against these runs on any CPU (`k_tiles::product_groups_on_stand_ins`),
-//! so CI machines without AVX-512 check its arithmetic. The registers are byte arrays; nothing
+//! Plain-code stand-ins for the AVX-512 instructions of the block formats' 512-bit kernels
+//! (`tiles_512.rs`, `k_tiles_512.rs`), each as Intel's manual defines it, under the intrinsics'
+//! names: those kernels' sources compiled against these run on any CPU
+//! (`tiles::product_groups_on_stand_ins`, `k_tiles::product_groups_on_stand_ins`), so CI
+//! machines without AVX-512 check their arithmetic. The registers are byte arrays; nothing
 //! here may use AVX-512 itself (no `target_feature`, and `inline(never)` keeps the compiler from
 //! vectorising them inside a caller that has it).
 #![allow(non_camel_case_types)]
@@ -131,14 +132,32 @@ pub unsafe fn _mm512_storeu_ps(p: *mut f32, a: __m512) {
     (p as *mut [f32; 16]).write_unaligned(a.0)
 }
 
-/// `tiles::with_fifth_bits_512` (its own source takes `std::arch`'s registers), instruction by
-/// instruction: `vbroadcasti32x4` of its lane starts, `vpaddb`, `vpshufb` (within each 128-bit
-/// lane; a control byte with its top bit set gives 0), `vptestmb`, a masked `vpaddb` of 16.
+/// A mask register: a bit per byte.
+pub type __mmask64 = u64;
+
 #[inline(never)]
-pub unsafe fn with_fifth_bits_512(v: __m512i, qh: __m512i, k: usize) -> __m512i {
-    let (byte, bits) = super::tiles::fifth_bit_pattern(k);
-    let ctl: [u8; 64] = std::array::from_fn(|i| (super::tiles::LANE_STARTS[i % 16]).wrapping_add(byte) as u8);
-    let spread: [u8; 64] = std::array::from_fn(|i| if ctl[i] & 0x80 != 0 { 0 } else { qh.0[(i / 16) * 16 + (ctl[i] & 0x0f) as usize] });
-    let bits = _mm512_set1_epi32(bits);
-    __m512i(std::array::from_fn(|i| if spread[i] & bits.0[i] != 0 { v.0[i].wrapping_add(16) } else { v.0[i] }))
+pub fn _mm512_add_epi8(a: __m512i, b: __m512i) -> __m512i {
+    __m512i(std::array::from_fn(|i| a.0[i].wrapping_add(b.0[i])))
+}
+/// `vbroadcasti32x4`: the 16 bytes in each 128-bit lane.
+#[inline(never)]
+pub fn _mm512_broadcast_i32x4(a: __m128i) -> __m512i {
+    let b: [u8; 16] = unsafe { std::mem::transmute(a) };
+    __m512i(std::array::from_fn(|i| b[i % 16]))
+}
+/// `vpshufb`: within each 128-bit lane, byte `i` is the lane's byte at `b[i]`'s low 4 bits, or
+/// 0 where `b[i]`'s top bit is set.
+#[inline(never)]
+pub fn _mm512_shuffle_epi8(a: __m512i, b: __m512i) -> __m512i {
+    __m512i(std::array::from_fn(|i| if b.0[i] & 0x80 != 0 { 0 } else { a.0[(i / 16) * 16 + (b.0[i] & 0x0f) as usize] }))
+}
+/// `vptestmb`: bit `i` set where bytes `i` of `a` and `b` share a set bit.
+#[inline(never)]
+pub fn _mm512_test_epi8_mask(a: __m512i, b: __m512i) -> __mmask64 {
+    (0..64).filter(|&i| a.0[i] & b.0[i] != 0).fold(0, |m, i| m | 1 << i)
+}
+/// `vpaddb` under a mask: `a + b` where `k`'s bit is set, else `src`.
+#[inline(never)]
+pub fn _mm512_mask_add_epi8(src: __m512i, k: __mmask64, a: __m512i, b: __m512i) -> __m512i {
+    __m512i(std::array::from_fn(|i| if k >> i & 1 != 0 { a.0[i].wrapping_add(b.0[i]) } else { src.0[i] }))
 }

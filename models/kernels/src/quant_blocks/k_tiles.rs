@@ -232,7 +232,7 @@ unsafe fn groups_avx512<F: KFormat>(w: &[u8], groups: std::ops::Range<usize>, x:
 
 /// The AVX512-VNNI kernel (`k_tiles_512.rs`) on the CPU's instructions.
 mod avx512 {
-    use super::super::tiles::with_fifth_bits_512;
+    use super::super::tiles::avx512::with_fifth_bits_512;
     use super::{four_bytes, put, BlockFormat, KFormat, QuantizedRow, BLOCKS, GROUP};
     use std::arch::x86_64::*;
     include!("k_tiles_512.rs");
@@ -311,6 +311,7 @@ pub unsafe fn product_groups_on_stand_ins(
 #[cfg(test)]
 mod avx512_stand_ins {
     use super::super::avx512_stand_ins::*;
+    use super::super::tiles::avx512_stand_ins::with_fifth_bits_512;
     use super::{four_bytes, put, BlockFormat, KFormat, QuantizedRow, BLOCKS, GROUP};
     use std::arch::x86_64::{__m128i, __m256i, _mm256_loadu_si256, _mm_loadu_si128};
     include!("k_tiles_512.rs");

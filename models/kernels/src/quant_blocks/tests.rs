@@ -196,12 +196,12 @@ fn activation_quantisation_is_the_same_at_every_level() {
     }
 }
 
-/// The K formats' AVX512-VNNI kernel, its source run on plain-code stand-ins for its
-/// instructions (`avx512_stand_ins`), on any CPU: against the plain code, and the same bits as
-/// the kernels this CPU runs (the test above, where the CPU has AVX512-VNNI, runs the real one).
+/// The AVX512-VNNI kernels, their sources run on plain-code stand-ins for their instructions
+/// (`avx512_stand_ins`), on any CPU: against the plain code, and the same bits as the kernels
+/// this CPU runs (the tests above, where the CPU has AVX512-VNNI, run the real ones).
 #[test]
-fn the_avx512_k_kernel_on_stand_ins_matches_the_plain_code() {
-    for format in [BlockFormat::Q4_K, BlockFormat::Q5_K, BlockFormat::Q6_K] {
+fn the_avx512_kernels_on_stand_ins_match_the_plain_code() {
+    for format in FORMATS {
         for (rows, m) in [(9usize, 1usize), (37, 7), (32, 9), (16, 4)] {
             let cols = width(format, 4);
             let blocks = random_blocks(format, rows, cols, 11 + rows as u64);
@@ -209,8 +209,15 @@ fn the_avx512_k_kernel_on_stand_ins_matches_the_plain_code() {
             let x = crate::rng::signed_values(m * cols, 5 + m as u64);
             let acts: Vec<QuantizedRow> = x.chunks_exact(cols).map(|r| quantize_row(r, format.has_min())).collect();
             let mut y = vec![f32::NAN; m * rows];
+            let out = (y.as_mut_ptr(), rows);
             // SAFETY: the records are `w`'s groups for rows of `cols` values, `y` holds m x rows.
-            unsafe { k_tiles::product_groups_on_stand_ins(format, &w.records, 0..w.groups(), &acts, (y.as_mut_ptr(), rows)) };
+            unsafe {
+                if format.is_k() {
+                    k_tiles::product_groups_on_stand_ins(format, &w.records, 0..w.groups(), &acts, out)
+                } else {
+                    tiles::product_groups_on_stand_ins(format, &w.records, 0..w.groups(), &acts, out)
+                }
+            }
             let row_bytes = cols / format.block_values() * format.block_bytes();
             for c in 0..m {
                 for o in 0..rows {
