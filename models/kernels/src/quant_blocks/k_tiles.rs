@@ -306,8 +306,8 @@ pub unsafe fn product_groups_on_stand_ins(
     }
 }
 
-/// The AVX512-VNNI kernel (`k_tiles_512.rs`) on plain-code stand-ins for its instructions (`avx512_stand_ins`), so
-/// that CI machines without AVX-512 test its arithmetic too (its tiles, offsets and sums).
+/// The AVX512-VNNI kernel (`k_tiles_512.rs`) on plain-code stand-ins for its instructions
+/// (`avx512_stand_ins`), so that CI machines without AVX-512 test its arithmetic too.
 #[cfg(test)]
 mod avx512_stand_ins {
     use super::super::avx512_stand_ins::*;

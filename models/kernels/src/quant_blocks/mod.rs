@@ -307,6 +307,25 @@ fn written(mut ys: Vec<Vec<f32>>, mats: &[&BlockMatrix], m: usize) -> Vec<Vec<f3
     ys
 }
 
+/// The product of `w` with activation rows `acts` (m x rows, row-major) on its format's
+/// AVX512-VNNI kernel's source over the plain-code stand-ins for its instructions
+/// (`avx512_stand_ins`): the tests check that kernel's arithmetic on any CPU.
+#[cfg(all(test, target_arch = "x86_64"))]
+fn product_on_avx512_stand_ins(w: &BlockMatrix, acts: &[QuantizedRow]) -> Vec<f32> {
+    let mut y = vec![f32::NAN; acts.len() * w.rows];
+    let out = (y.as_mut_ptr(), w.rows);
+    // SAFETY: the records are `w`'s groups (made by `new`) for rows of `w.cols` values, as the
+    // activation rows are; `y` holds m x rows values. The stand-ins need no CPU feature.
+    unsafe {
+        if w.format.is_k() {
+            k_tiles::product_groups_on_stand_ins(w.format, &w.records, 0..w.groups(), acts, out)
+        } else {
+            tiles::product_groups_on_stand_ins(w.format, &w.records, 0..w.groups(), acts, out)
+        }
+    }
+    y
+}
+
 /// GGUF blocks of `format` for a `rows` x `cols` matrix: random quants, small finite scales and,
 /// for the formats with one, a minimum.
 fn random_blocks(format: BlockFormat, rows: usize, cols: usize, seed: u64) -> Vec<u8> {

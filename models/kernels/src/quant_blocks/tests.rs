@@ -208,16 +208,7 @@ fn the_avx512_kernels_on_stand_ins_match_the_plain_code() {
             let w = BlockMatrix::new(format, rows, cols, blocks.clone()).unwrap();
             let x = crate::rng::signed_values(m * cols, 5 + m as u64);
             let acts: Vec<QuantizedRow> = x.chunks_exact(cols).map(|r| quantize_row(r, format.has_min())).collect();
-            let mut y = vec![f32::NAN; m * rows];
-            let out = (y.as_mut_ptr(), rows);
-            // SAFETY: the records are `w`'s groups for rows of `cols` values, `y` holds m x rows.
-            unsafe {
-                if format.is_k() {
-                    k_tiles::product_groups_on_stand_ins(format, &w.records, 0..w.groups(), &acts, out)
-                } else {
-                    tiles::product_groups_on_stand_ins(format, &w.records, 0..w.groups(), &acts, out)
-                }
-            }
+            let y = product_on_avx512_stand_ins(&w, &acts);
             let row_bytes = cols / format.block_values() * format.block_bytes();
             for c in 0..m {
                 for o in 0..rows {

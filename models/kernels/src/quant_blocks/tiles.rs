@@ -3,10 +3,11 @@
 //! group's values are unpacked once and used for all `C` activation rows; each four of an
 //! activation row's bytes are broadcast and summed against four values of all 16 rows at once.
 //!
-//! Three kernels ([`Int8Kernel`]): AVX-512 with VNNI (the 16 rows in one register, `vpdpbusd`),
-//! and AVX2 (two halves of 8 rows) summing bytes with AVX-VNNI's 256-bit `vpdpbusd` where the
-//! CPU has it, else with `vpmaddubsw` + `vpmaddwd` (Q8_0's full-range bytes would saturate
-//! `vpmaddubsw`, so there its sign moves onto the activations instead of an offset). Per
+//! Three kernels ([`Int8Kernel`]): AVX-512 with VNNI (`tiles_512.rs`: the 16 rows in one
+//! register, `vpdpbusd`), and AVX2 (two halves of 8 rows) summing bytes with AVX-VNNI's 256-bit
+//! `vpdpbusd` where the CPU has it, else with `vpmaddubsw` + `vpmaddwd` (Q8_0's full-range
+//! bytes would saturate `vpmaddubsw`, so there its sign moves onto the activations instead of
+//! an offset). Per
 //! result, all compute the same exact integer sum of each block and then the same float
 //! operations in the same order (`y += (d_w · d_x) · sum`, then `y += m_w · s_x`), so they give
 //! the same bits, and a row's result does not depend on how many rows its batch has.
